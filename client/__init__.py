@@ -1,0 +1,1 @@
+"""Streaming inference client for the recurrent ensemble: protocol, runtime, engines."""
