@@ -1,0 +1,52 @@
+"""The model behind a small interface: one batched step over distinct symbols."""
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from client.model.config import NUM_FEATURES
+
+NUM_TOWERS = 4
+
+
+def check_step_inputs(symbols, features) -> np.ndarray:
+    """Validate one step's inputs; return the features as C-contiguous float32 [B, 79].
+
+    Engines call this before touching any state, so a bad step leaves every symbol as it was.
+    """
+    if not all(isinstance(symbol, str) for symbol in symbols):
+        raise ValueError("symbols must be strings")
+    if len(set(symbols)) != len(symbols):
+        duplicates = sorted({s for s in symbols if symbols.count(s) > 1})
+        raise ValueError(f"duplicate symbols in one step: {duplicates}; a step takes at most one request per symbol")
+    features = np.asarray(features)
+    if features.ndim != 2 or features.shape != (len(symbols), NUM_FEATURES):
+        raise ValueError(f"features must have shape ({len(symbols)}, {NUM_FEATURES}) for "
+                         f"{len(symbols)} symbols, got {features.shape}")
+    if not np.issubdtype(features.dtype, np.floating):
+        raise ValueError(f"features must be floating point, got {features.dtype}")
+    features = np.ascontiguousarray(features, dtype=np.float32)
+    bad_rows = np.flatnonzero(~np.isfinite(features).all(axis=1))
+    if bad_rows.size:
+        raise ValueError(f"non-finite features for symbols {[symbols[i] for i in bad_rows]}")
+    return features
+
+
+class Engine(ABC):
+    """Keeps one recurrent state per symbol and advances the given symbols by one request each.
+
+    A symbol gets a fresh state on first sight, so the number of symbols is never needed up front.
+    """
+
+    name: str = "engine"
+
+    @abstractmethod
+    def step(self, symbols: list[str], features: np.ndarray) -> np.ndarray:
+        """Advance each (distinct) symbol's state once; return float32 predictions [B, 4] in tower order.
+
+        Raises ValueError on duplicate symbols, a wrong shape or non-finite features, touching no state.
+        """
+
+    @property
+    @abstractmethod
+    def symbols(self) -> list[str]:
+        """The symbols whose state this engine holds, in order of first sight."""

@@ -1,0 +1,80 @@
+import random
+
+import numpy as np
+import pytest
+
+from client.scheduler import Request, Scheduler
+
+
+def _request(uid, symbol):
+    return Request(unique_id=uid, symbol=symbol, features=np.zeros(79, np.float32))
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_random_interleavings_keep_order_and_lose_nothing(seed):
+    rng = random.Random(seed)
+    symbols = [f"SYM_{i:03d}" for i in range(rng.randint(1, 12))]
+    scheduler = Scheduler()
+    pushed, served = [], []
+    next_id = 0
+    # Random arrivals interleaved with batches of random caps, then drain.
+    for _ in range(rng.randint(1, 60)):
+        for _ in range(rng.randint(0, 15)):
+            request = _request(next_id, rng.choice(symbols))
+            next_id += 1
+            scheduler.push(request)
+            pushed.append(request)
+        if rng.random() < 0.6:
+            cap = rng.choice([None, 1, 2, 3, 7])
+            batch = scheduler.next_batch(cap)
+            _check_batch(scheduler, batch, cap, served, pushed)
+            served.extend(batch)
+    while len(scheduler):
+        batch = scheduler.next_batch()
+        _check_batch(scheduler, batch, None, served, pushed)
+        served.extend(batch)
+
+    assert sorted(r.unique_id for r in served) == [r.unique_id for r in pushed]  # nothing lost or duplicated
+    for symbol in symbols:
+        assert [r.unique_id for r in served if r.symbol == symbol] == \
+               [r.unique_id for r in pushed if r.symbol == symbol]
+    assert scheduler.next_batch() == []
+
+
+def _check_batch(scheduler, batch, cap, served, pushed):
+    batch_symbols = [r.symbol for r in batch]
+    assert len(set(batch_symbols)) == len(batch_symbols)
+    if cap is not None:
+        assert len(batch) <= cap
+    assert [r.seq for r in batch] == sorted(r.seq for r in batch)
+    # Each chosen request is its symbol's oldest unserved one, and no waiting head is older than any chosen one.
+    served_ids = {r.unique_id for r in served}
+    done = served_ids | {r.unique_id for r in batch}
+    heads = {}
+    for r in pushed:
+        if r.unique_id not in served_ids and r.symbol not in heads:
+            heads[r.symbol] = r
+    assert all(heads[r.symbol] is r for r in batch)
+    skipped = [h for h in heads.values() if h.unique_id not in done]
+    assert all(h.seq > r.seq for h in skipped for r in batch)
+    if cap is None:
+        assert len(batch) == len(heads)
+    assert len(scheduler) == sum(1 for r in pushed if r.unique_id not in done)
+
+
+def test_batch_is_oldest_heads_first():
+    scheduler = Scheduler()
+    for uid, symbol in enumerate(["B", "B", "A", "C", "A"]):
+        scheduler.push(_request(uid, symbol))
+    assert [r.unique_id for r in scheduler.next_batch(2)] == [0, 2]
+    assert [r.unique_id for r in scheduler.next_batch()] == [1, 3, 4]
+    assert len(scheduler) == 0
+
+
+@pytest.mark.parametrize("cap", [0, -3])
+def test_bad_max_batch_is_rejected(cap):
+    scheduler = Scheduler()
+    scheduler.push(_request(0, "A"))
+    with pytest.raises(ValueError, match="max_batch"):
+        scheduler.next_batch(cap)
+    assert len(scheduler) == 1
