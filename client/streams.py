@@ -1,0 +1,251 @@
+"""Request streams: ordered requests (symbol, 79 float32 features, gap before it), with optional targets.
+
+Native format is .npz (arrays symbols, features, delay_ms, optional targets, and meta as a JSON
+string); the original challenge's parquet schema (feature_00..feature_78, symbol, delay_ms,
+optional target_00..target_03) is read and written through pyarrow when it is installed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from client.model.config import NUM_FEATURES
+
+NUM_TARGETS = 4
+DEFAULT_MEAN_DELAY_MS = 12.0  # the original's sample files averaged 11-13 ms between requests
+FEATURE_COLUMNS = tuple(f"feature_{i:02d}" for i in range(NUM_FEATURES))
+TARGET_COLUMNS = tuple(f"target_{i:02d}" for i in range(NUM_TARGETS))
+_PARQUET_META_KEY = b"fastens_meta"
+
+
+@dataclass
+class Stream:
+    symbols: np.ndarray            # str [M]
+    features: np.ndarray           # float32 [M, 79]
+    delay_ms: np.ndarray           # float32 [M], gap before each request
+    targets: np.ndarray | None = None  # float32 [M, 4], reference predictions
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.symbols, self.features, self.delay_ms, self.targets = _validated(
+            self.symbols, self.features, self.delay_ms, self.targets)
+        if not isinstance(self.meta, dict):
+            raise ValueError(f"stream meta must be a dict, got {type(self.meta).__name__}")
+
+    def __len__(self):
+        return len(self.symbols)
+
+
+def _first_bad_row(bad_rows: np.ndarray) -> int:
+    return int(np.flatnonzero(bad_rows)[0])
+
+
+def _validated(symbols, features, delay_ms, targets):
+    """Coerce to the stream's dtypes and reject anything that would give a silently wrong answer."""
+    symbols = np.asarray(symbols)
+    if symbols.ndim != 1:
+        raise ValueError(f"symbols must be one-dimensional, got shape {symbols.shape}")
+    if symbols.dtype.kind not in "UO" or not all(isinstance(s, str) for s in symbols.tolist()):
+        raise ValueError(f"symbols must be strings, got dtype {symbols.dtype}")
+    symbols = symbols.astype(str)
+    num_requests = len(symbols)
+
+    features = np.asarray(features)
+    if features.ndim != 2 or features.shape[1] != NUM_FEATURES:
+        raise ValueError(f"features must have shape [M, {NUM_FEATURES}], got {features.shape} "
+                         f"(wrong feature count)")
+    features = np.ascontiguousarray(features, dtype=np.float32)
+    bad = ~np.isfinite(features).all(axis=1)
+    if bad.any():
+        row = _first_bad_row(bad)
+        raise ValueError(f"features contain NaN or inf at row {row} ({int(bad.sum())} bad rows)")
+
+    delay_ms = np.asarray(delay_ms)
+    if delay_ms.ndim != 1:
+        raise ValueError(f"delay_ms must be one-dimensional, got shape {delay_ms.shape}")
+    delay_ms = np.ascontiguousarray(delay_ms, dtype=np.float32)
+    bad = ~np.isfinite(delay_ms)
+    if bad.any():
+        raise ValueError(f"delay_ms is NaN or inf at row {_first_bad_row(bad)}")
+    bad = delay_ms < 0
+    if bad.any():
+        row = _first_bad_row(bad)
+        raise ValueError(f"delay_ms is negative at row {row} ({delay_ms[row]})")
+
+    if targets is not None:
+        targets = np.asarray(targets)
+        if targets.ndim != 2 or targets.shape[1] != NUM_TARGETS:
+            raise ValueError(f"targets must have shape [M, {NUM_TARGETS}], got {targets.shape}")
+        targets = np.ascontiguousarray(targets, dtype=np.float32)
+        bad = ~np.isfinite(targets).all(axis=1)
+        if bad.any():
+            raise ValueError(f"targets contain NaN or inf at row {_first_bad_row(bad)}")
+
+    lengths = {"symbols": num_requests, "features": len(features), "delay_ms": len(delay_ms)}
+    if targets is not None:
+        lengths["targets"] = len(targets)
+    if len(set(lengths.values())) != 1:
+        described = ", ".join(f"{name} {n}" for name, n in lengths.items())
+        raise ValueError(f"stream arrays differ in length (rows): {described}")
+    return symbols, features, delay_ms, targets
+
+
+def symbol_names(num_symbols: int) -> list[str]:
+    width = max(3, len(str(num_symbols - 1)))
+    return [f"SYM_{i:0{width}d}" for i in range(num_symbols)]
+
+
+def generate_stream(num_symbols: int, num_requests: int, seed: int, rate: float | None = None) -> Stream:
+    """A synthetic stream, identical on every machine (numpy PCG64).
+
+    Features are standard normal like the original's; gaps are exponential with mean 1000/rate ms
+    (12 ms without a rate). When num_requests >= num_symbols every symbol appears at least once.
+    """
+    if int(num_symbols) != num_symbols or num_symbols < 1:
+        raise ValueError(f"num_symbols must be a positive integer, got {num_symbols!r}")
+    if int(num_requests) != num_requests or num_requests < 1:
+        raise ValueError(f"num_requests must be a positive integer, got {num_requests!r}")
+    if rate is not None and not (np.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a positive number of requests per second, got {rate!r}")
+    num_symbols, num_requests = int(num_symbols), int(num_requests)
+    rng = np.random.Generator(np.random.PCG64(seed))
+    # Each symbol once (while requests last), the rest uniform, then shuffled together.
+    covered = min(num_symbols, num_requests)
+    symbol_ids = np.concatenate([rng.permutation(num_symbols)[:covered],
+                                 rng.integers(0, num_symbols, num_requests - covered)])
+    symbol_ids = rng.permutation(symbol_ids)
+    features = rng.standard_normal((num_requests, NUM_FEATURES), dtype=np.float32)
+    mean_delay_ms = DEFAULT_MEAN_DELAY_MS if rate is None else 1000.0 / rate
+    delay_ms = rng.exponential(mean_delay_ms, num_requests).astype(np.float32)
+    meta = {"generator": "pcg64", "seed": int(seed), "num_symbols": num_symbols,
+            "rate": None if rate is None else float(rate)}
+    return Stream(np.asarray(symbol_names(num_symbols))[symbol_ids], features, delay_ms, meta=meta)
+
+
+def stream_fingerprint(stream: Stream) -> str:
+    """sha256 over the requests (symbols, feature bytes, delays); targets and meta are not part of it."""
+    digest = hashlib.sha256(b"fastens-stream-v1")
+    digest.update(np.int64(len(stream)).tobytes())
+    for symbol in stream.symbols.tolist():
+        encoded = symbol.encode("utf-8")
+        digest.update(np.int64(len(encoded)).tobytes() + encoded)
+    digest.update(stream.features.astype("<f4", copy=False).tobytes())
+    digest.update(stream.delay_ms.astype("<f4", copy=False).tobytes())
+    return digest.hexdigest()
+
+
+def _import_parquet():
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise ImportError("parquet streams need the optional package pyarrow: pip install pyarrow") from None
+    return pyarrow, pyarrow.parquet
+
+
+def _format_of(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in (".npz", ".parquet"):
+        raise ValueError(f"unknown stream format {suffix or '(no extension)'!r} for {path}: use .npz or .parquet")
+    return suffix
+
+
+def save_stream(stream: Stream, path) -> None:
+    """Write .npz or .parquet (by extension) atomically; meta gains the stream's fingerprint."""
+    path = Path(path)
+    suffix = _format_of(path)
+    meta = dict(stream.meta, stream_fingerprint=stream_fingerprint(stream))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            if suffix == ".npz":
+                arrays = {"symbols": stream.symbols, "features": stream.features,
+                          "delay_ms": stream.delay_ms, "meta": np.asarray(json.dumps(meta))}
+                if stream.targets is not None:
+                    arrays["targets"] = stream.targets
+                np.savez(out, **arrays)
+            else:
+                _write_parquet(stream, meta, out)
+        os.replace(tmp_name, path)
+    except BaseException:
+        os.unlink(tmp_name)
+        raise
+
+
+def _write_parquet(stream: Stream, meta: dict, out) -> None:
+    pa, pq = _import_parquet()
+    columns = {name: stream.features[:, i] for i, name in enumerate(FEATURE_COLUMNS)}
+    columns["symbol"] = stream.symbols.tolist()
+    columns["delay_ms"] = stream.delay_ms
+    if stream.targets is not None:
+        columns.update({name: stream.targets[:, i] for i, name in enumerate(TARGET_COLUMNS)})
+    table = pa.table(columns).replace_schema_metadata({_PARQUET_META_KEY: json.dumps(meta).encode()})
+    pq.write_table(table, out)
+
+
+def load_stream(path) -> Stream:
+    """Read a stream from .npz or .parquet, validating every request."""
+    path = Path(path)
+    suffix = _format_of(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"stream file not found: {path}")
+    if suffix == ".npz":
+        stream = _read_npz(path)
+    else:
+        stream = _read_parquet(path)
+    stored = stream.meta.get("stream_fingerprint")
+    if stored is not None and stored != stream_fingerprint(stream):
+        raise ValueError(f"stream {path} does not match the fingerprint stored with it (corrupted or edited)")
+    return stream
+
+
+def _read_npz(path: Path) -> Stream:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except Exception as error:
+        raise ValueError(f"cannot read stream {path} as .npz: {error}") from error
+    missing = [name for name in ("symbols", "features", "delay_ms") if name not in arrays]
+    if missing:
+        raise ValueError(f"stream {path} lacks the arrays {', '.join(missing)}")
+    try:
+        meta = json.loads(str(arrays["meta"])) if "meta" in arrays else {}
+        return Stream(arrays["symbols"], arrays["features"], arrays["delay_ms"], arrays.get("targets"), meta)
+    except ValueError as error:
+        raise ValueError(f"stream {path}: {error}") from error
+
+
+def _read_parquet(path: Path) -> Stream:
+    _, pq = _import_parquet()
+    try:
+        table = pq.read_table(path)
+    except Exception as error:
+        raise ValueError(f"cannot read stream {path} as parquet: {error}") from error
+    names = set(table.column_names)
+    missing = [name for name in (*FEATURE_COLUMNS, "symbol", "delay_ms") if name not in names]
+    if missing:
+        raise ValueError(f"stream {path} lacks the columns {', '.join(missing)}")
+    present_targets = [name for name in TARGET_COLUMNS if name in names]
+    if present_targets and len(present_targets) != NUM_TARGETS:
+        raise ValueError(f"stream {path} has only some target columns ({', '.join(present_targets)}); "
+                         f"expected all of {', '.join(TARGET_COLUMNS)} or none")
+
+    def column(name):
+        return table.column(name).to_numpy()
+
+    features = np.stack([column(name) for name in FEATURE_COLUMNS], axis=1)
+    targets = np.stack([column(name) for name in TARGET_COLUMNS], axis=1) if present_targets else None
+    stored_meta = (table.schema.metadata or {}).get(_PARQUET_META_KEY)
+    meta = json.loads(stored_meta) if stored_meta else {}
+    try:
+        return Stream(np.asarray(column("symbol").tolist(), dtype=object), features,
+                      column("delay_ms"), targets, meta)
+    except ValueError as error:
+        raise ValueError(f"stream {path}: {error}") from error

@@ -1,0 +1,261 @@
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from client.streams import (FEATURE_COLUMNS, Stream, generate_stream, load_stream, save_stream,
+                            stream_fingerprint)
+
+
+def small_stream(num_requests=6, targets=False):
+    rng = np.random.default_rng(1)
+    return Stream(
+        symbols=np.array([f"SYM_{i % 3:03d}" for i in range(num_requests)]),
+        features=rng.standard_normal((num_requests, 79)).astype(np.float32),
+        delay_ms=np.full(num_requests, 12.5, dtype=np.float32),
+        targets=rng.standard_normal((num_requests, 4)).astype(np.float32) if targets else None,
+        meta={"preset": "tiny", "weights_fingerprint": "abc"},
+    )
+
+
+def assert_same_stream(a, b):
+    np.testing.assert_array_equal(a.symbols, b.symbols)
+    np.testing.assert_array_equal(a.features, b.features)
+    np.testing.assert_array_equal(a.delay_ms, b.delay_ms)
+    if a.targets is None:
+        assert b.targets is None
+    else:
+        np.testing.assert_array_equal(a.targets, b.targets)
+
+
+# --- generation -----------------------------------------------------------------------------
+
+def test_generate_is_deterministic_and_well_formed():
+    a, b = generate_stream(7, 200, seed=3), generate_stream(7, 200, seed=3)
+    assert_same_stream(a, b)
+    assert a.features.dtype == np.float32 and a.features.shape == (200, 79)
+    assert a.delay_ms.dtype == np.float32 and a.delay_ms.shape == (200,)
+    assert a.targets is None
+    assert set(a.symbols.tolist()) == {f"SYM_{i:03d}" for i in range(7)}
+    assert not np.array_equal(generate_stream(7, 200, seed=4).features, a.features)
+
+
+def test_generate_values_are_the_same_on_every_machine():
+    # PCG64 draws pinned: a change here means streams (and their cached targets) differ across machines.
+    stream = generate_stream(3, 4, seed=0)
+    assert stream.symbols.tolist() == ["SYM_001", "SYM_002", "SYM_000", "SYM_000"]
+    np.testing.assert_allclose(stream.features[0, :3], [-0.18548468, 1.2047737, 0.77745306], rtol=1e-6)
+    np.testing.assert_allclose(stream.delay_ms, [7.637358, 34.041725, 14.410815, 6.214311], rtol=1e-6)
+    assert stream_fingerprint(stream) == "3bdb96e3bba917581299c656b20855e7b6484dc4c350f372fe48596fbd2ffa81"
+
+
+def test_every_symbol_appears_when_requests_suffice():
+    stream = generate_stream(50, 50, seed=9)
+    assert sorted(stream.symbols.tolist()) == [f"SYM_{i:03d}" for i in range(50)]
+    assert len(generate_stream(50, 10, seed=9)) == 10
+
+
+def test_symbol_names_widen_past_a_thousand_symbols():
+    stream = generate_stream(1500, 1500, seed=0)
+    assert "SYM_0000" in stream.symbols and "SYM_1499" in stream.symbols
+
+
+def test_delay_mean_follows_the_rate():
+    assert generate_stream(5, 20000, seed=2).delay_ms.mean() == pytest.approx(12.0, rel=0.05)
+    assert generate_stream(5, 20000, seed=2, rate=400).delay_ms.mean() == pytest.approx(2.5, rel=0.05)
+    assert (generate_stream(5, 1000, seed=2).delay_ms >= 0).all()
+
+
+@pytest.mark.parametrize("args, message", [
+    ((0, 10), "num_symbols"),
+    ((3, 0), "num_requests"),
+    ((2.5, 10), "num_symbols"),
+    ((3, 10, -1.0), "rate"),
+    ((3, 10, float("nan")), "rate"),
+])
+def test_generate_rejects_bad_arguments(args, message):
+    num_symbols, num_requests, *rate = args
+    with pytest.raises(ValueError, match=message):
+        generate_stream(num_symbols, num_requests, seed=0, rate=rate[0] if rate else None)
+
+
+# --- validation -----------------------------------------------------------------------------
+
+def with_changes(**changes):
+    stream = small_stream(targets=True)
+    fields = dict(symbols=stream.symbols, features=stream.features, delay_ms=stream.delay_ms,
+                  targets=stream.targets, meta=stream.meta)
+    fields.update(changes)
+    return fields
+
+
+def nan_at(row, array, value=np.nan):
+    array = array.copy()
+    array[row, ...] = value
+    return array
+
+
+@pytest.mark.parametrize("make_fields, message", [
+    (lambda s: with_changes(features=s.features[:, :78]), r"\[M, 79\].*wrong feature count"),
+    (lambda s: with_changes(features=s.features[0]), "wrong feature count"),
+    (lambda s: with_changes(features=nan_at(4, s.features)), "NaN or inf at row 4"),
+    (lambda s: with_changes(features=nan_at(2, s.features, np.inf)), "NaN or inf at row 2"),
+    (lambda s: with_changes(delay_ms=nan_at(3, s.delay_ms, -1.0)), "negative at row 3"),
+    (lambda s: with_changes(delay_ms=nan_at(1, s.delay_ms)), "delay_ms is NaN or inf at row 1"),
+    (lambda s: with_changes(delay_ms=s.delay_ms[:5]), "differ in length.*delay_ms 5"),
+    (lambda s: with_changes(symbols=s.symbols[:4]), "differ in length.*symbols 4"),
+    (lambda s: with_changes(targets=s.targets[:, :3]), r"targets must have shape \[M, 4\]"),
+    (lambda s: with_changes(targets=nan_at(5, s.targets)), "targets contain NaN or inf at row 5"),
+    (lambda s: with_changes(symbols=np.arange(6)), "symbols must be strings"),
+    (lambda s: with_changes(meta="preset=tiny"), "meta must be a dict"),
+])
+def test_bad_streams_are_rejected_naming_the_problem(make_fields, message):
+    with pytest.raises(ValueError, match=message):
+        Stream(**make_fields(small_stream(targets=True)))
+
+
+def test_stream_coerces_to_float32():
+    stream = Stream(["A"], np.zeros((1, 79), dtype=np.float64), [3], None)
+    assert stream.features.dtype == np.float32 and stream.delay_ms.dtype == np.float32
+
+
+# --- fingerprint ----------------------------------------------------------------------------
+
+def test_fingerprint_is_pinned():
+    stream = Stream(["SYM_000", "SYM_001"], np.arange(158, dtype=np.float32).reshape(2, 79), [1.0, 2.5])
+    assert stream_fingerprint(stream) == "022512595995647c5008b2e47e52e30023bbe67d28de44cf7282c1476a0d333d"
+
+
+def test_fingerprint_covers_requests_but_not_targets_or_meta():
+    base = small_stream()
+    fingerprint = stream_fingerprint(base)
+    assert stream_fingerprint(small_stream(targets=True)) == fingerprint
+    assert stream_fingerprint(Stream(base.symbols, base.features, base.delay_ms, meta={"x": 1})) == fingerprint
+    features = base.features.copy()
+    features[2, 5] += 1e-3
+    symbols = base.symbols.copy()
+    symbols[1] = "SYM_009"
+    delays = base.delay_ms.copy()
+    delays[0] = 0.0
+    changed = [Stream(base.symbols, features, base.delay_ms), Stream(symbols, base.features, base.delay_ms),
+               Stream(base.symbols, base.features, delays), Stream(base.symbols[:5], base.features[:5],
+                                                                   base.delay_ms[:5])]
+    assert len({fingerprint, *map(stream_fingerprint, changed)}) == 5
+
+
+# --- npz --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("targets", [False, True])
+def test_npz_round_trip(tmp_path, targets):
+    stream = small_stream(targets=targets)
+    path = tmp_path / "sub" / "stream.npz"
+    save_stream(stream, path)
+    loaded = load_stream(path)
+    assert_same_stream(stream, loaded)
+    assert loaded.meta == dict(stream.meta, stream_fingerprint=stream_fingerprint(stream))
+    assert [p.name for p in path.parent.iterdir()] == ["stream.npz"]  # no temporary left behind
+    with np.load(path, allow_pickle=False) as archive:  # the native format's arrays, readable without pickle
+        assert archive["symbols"].dtype.kind == "U"
+        assert json.loads(str(archive["meta"]))["preset"] == "tiny"
+
+
+def test_load_rejects_a_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found.*nothing.npz"):
+        load_stream(tmp_path / "nothing.npz")
+
+
+def test_load_rejects_an_unreadable_file(tmp_path):
+    path = tmp_path / "garbage.npz"
+    path.write_bytes(b"not a zip file")
+    with pytest.raises(ValueError, match="cannot read stream .*garbage.npz"):
+        load_stream(path)
+
+
+@pytest.mark.parametrize("name", ["stream.csv", "stream"])
+def test_unknown_formats_are_rejected(tmp_path, name):
+    with pytest.raises(ValueError, match="unknown stream format"):
+        save_stream(small_stream(), tmp_path / name)
+    with pytest.raises(ValueError, match="unknown stream format"):
+        load_stream(tmp_path / name)
+
+
+def test_load_rejects_missing_arrays(tmp_path):
+    path = tmp_path / "partial.npz"
+    np.savez(path, symbols=np.array(["A"]), features=np.zeros((1, 79), np.float32))
+    with pytest.raises(ValueError, match="lacks the arrays delay_ms"):
+        load_stream(path)
+
+
+def test_load_validates_requests(tmp_path):
+    path = tmp_path / "nan.npz"
+    features = np.zeros((3, 79), np.float32)
+    features[2, 0] = np.nan
+    np.savez(path, symbols=np.array(["A", "B", "A"]), features=features, delay_ms=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="nan.npz.*NaN or inf at row 2"):
+        load_stream(path)
+
+
+def test_load_detects_a_stream_edited_after_saving(tmp_path):
+    path = tmp_path / "stream.npz"
+    save_stream(small_stream(), path)
+    with np.load(path) as archive:
+        arrays = dict(archive)
+    arrays["delay_ms"] = arrays["delay_ms"] + 1
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match="does not match the fingerprint"):
+        load_stream(path)
+
+
+# --- parquet ----------------------------------------------------------------------------------
+
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow` raise ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    path = tmp_path / "stream.parquet"
+    with pytest.raises(ImportError, match="pip install pyarrow"):
+        save_stream(small_stream(), path)
+    path.write_bytes(b"PAR1")
+    with pytest.raises(ImportError, match="pip install pyarrow"):
+        load_stream(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["stream.parquet"]
+
+
+@pytest.mark.parametrize("targets", [False, True])
+def test_parquet_round_trip(tmp_path, targets):
+    pytest.importorskip("pyarrow")
+    stream = small_stream(targets=targets)
+    path = tmp_path / "stream.parquet"
+    save_stream(stream, path)
+    loaded = load_stream(path)
+    assert_same_stream(stream, loaded)
+    assert loaded.meta["weights_fingerprint"] == "abc"
+
+
+def test_parquet_original_schema_without_meta(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    stream = small_stream(targets=True)
+    columns = {name: stream.features[:, i] for i, name in enumerate(FEATURE_COLUMNS)}
+    columns.update(symbol=stream.symbols.tolist(), delay_ms=stream.delay_ms.astype(np.float64),
+                   **{f"target_{i:02d}": stream.targets[:, i].astype(np.float64) for i in range(4)})
+    pq.write_table(pa.table(columns), tmp_path / "original.parquet")
+    loaded = load_stream(tmp_path / "original.parquet")
+    assert_same_stream(stream, loaded)
+    assert loaded.meta == {}
+
+
+@pytest.mark.parametrize("dropped, message", [
+    (["feature_78"], "lacks the columns feature_78"),
+    (["symbol", "delay_ms"], "lacks the columns symbol, delay_ms"),
+    (["target_02"], "only some target columns"),
+])
+def test_parquet_missing_columns(tmp_path, dropped, message):
+    pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    path = tmp_path / "stream.parquet"
+    save_stream(small_stream(targets=True), path)
+    table = pq.read_table(path)
+    pq.write_table(table.drop_columns(dropped), path)
+    with pytest.raises(ValueError, match=message):
+        load_stream(path)
