@@ -1,0 +1,224 @@
+"""Wire protocol shared by the client runtime and the scoring server.
+
+Each message is one binary websocket frame holding one msgpack map with a ``type`` field:
+
+- ``register`` {team: str, protocol: int, token?: str}: client to server, first.
+- ``inference_request`` {unique_ids: [int], symbols: [str], features: bytes, timestamp: float}:
+  features as little-endian float32, 79 per request, row-major.
+- ``inference_response`` {unique_ids: [int], predictions: bytes | [[float]], client_timestamp: float}:
+  little-endian float32, 4 per request in tower order xLSTM, Mamba2, RetNet, Hawk.
+- ``score_update`` {unique_ids, pnls, correct, latencies_ms}.
+- ``heartbeat`` {timestamp}; ``error`` {error: str, details: str}.
+
+``decode`` checks the frame and every field's type; the ``parse_*`` helpers also check that counts
+and byte lengths agree, so a caller never indexes past what was sent.
+"""
+import math
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+NUM_FEATURES = 79  # kept local so the protocol imports nothing heavy (equals client.model.config)
+NUM_TOWERS = 4
+
+_FEATURE_DTYPE = np.dtype("<f4")
+
+
+class ProtocolError(ValueError):
+    """A frame or message that breaks the protocol; the message says exactly what is wrong."""
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def _int_list(value):
+    return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+def _str_list(value):
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _number_list(value):
+    return isinstance(value, list) and all(_is_number(v) for v in value)
+
+
+def _bytes_or_nested_list(value):
+    return isinstance(value, (bytes, list))
+
+
+# field -> (check, what the check expects, required)
+_SCHEMAS = {
+    "register": {
+        "team": (lambda v: isinstance(v, str), "a string", True),
+        "protocol": (_is_int, "an integer", True),
+        "token": (lambda v: v is None or isinstance(v, str), "a string", False),
+    },
+    "inference_request": {
+        "unique_ids": (_int_list, "a list of integers", True),
+        "symbols": (_str_list, "a list of strings", True),
+        "features": (lambda v: isinstance(v, bytes), "bytes", True),
+        "timestamp": (_is_number, "a number", True),
+    },
+    "inference_response": {
+        "unique_ids": (_int_list, "a list of integers", True),
+        "predictions": (_bytes_or_nested_list, "bytes or a list of 4-number lists", True),
+        "client_timestamp": (_is_number, "a number", True),
+    },
+    "score_update": {
+        "unique_ids": (_int_list, "a list of integers", True),
+        "pnls": (_number_list, "a list of numbers", True),
+        "correct": (_int_list, "a list of integers", True),
+        "latencies_ms": (_number_list, "a list of numbers", True),
+    },
+    "heartbeat": {
+        "timestamp": (_is_number, "a number", True),
+    },
+    "error": {
+        "error": (lambda v: isinstance(v, str), "a string", True),
+        "details": (lambda v: isinstance(v, str), "a string", True),
+    },
+}
+MESSAGE_TYPES = tuple(_SCHEMAS)
+
+
+def validate(msg) -> dict:
+    """Check that msg is a map with a known ``type`` and well-typed fields; return it."""
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"message must be a msgpack map, got {type(msg).__name__}")
+    kind = msg.get("type")
+    if kind is None:
+        raise ProtocolError("message has no 'type' field")
+    schema = _SCHEMAS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown message type {kind!r}; expected one of {', '.join(MESSAGE_TYPES)}")
+    for field, (check, expected, required) in schema.items():
+        if field not in msg:
+            if required:
+                raise ProtocolError(f"{kind}: missing field {field!r}")
+            continue
+        if not check(msg[field]):
+            raise ProtocolError(f"{kind}: field {field!r} must be {expected}, got {type(msg[field]).__name__}")
+    return msg
+
+
+def encode(msg: dict) -> bytes:
+    """One msgpack map, binary fields as msgpack bin."""
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def decode(frame, max_bytes: int = MAX_FRAME_BYTES) -> dict:
+    """Decode and validate one frame; raises ProtocolError saying what is wrong."""
+    if isinstance(frame, str):
+        raise ProtocolError("text frame received; send one binary frame holding a msgpack map")
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"frame must be bytes, got {type(frame).__name__}")
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {max_bytes} bytes")
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated exception types on bad input
+        raise ProtocolError(f"malformed msgpack: {exc}") from None
+    return validate(msg)
+
+
+def _expect(msg, kind):
+    validate(msg)
+    if msg["type"] != kind:
+        raise ProtocolError(f"expected a {kind} message, got {msg['type']}")
+
+
+def _as_id_list(unique_ids):
+    return [int(i) for i in (unique_ids.tolist() if isinstance(unique_ids, np.ndarray) else unique_ids)]
+
+
+def register(team: str, token: str | None = None) -> dict:
+    msg = {"type": "register", "team": team, "protocol": PROTOCOL_VERSION}
+    if token is not None:
+        msg["token"] = token
+    return msg
+
+
+def inference_request(unique_ids, symbols, features: np.ndarray, timestamp: float) -> dict:
+    ids = _as_id_list(unique_ids)
+    symbols = [str(s) for s in symbols]
+    features = np.asarray(features)
+    if features.shape != (len(ids), NUM_FEATURES):
+        raise ProtocolError(f"features must have shape ({len(ids)}, {NUM_FEATURES}), got {features.shape}")
+    if len(symbols) != len(ids):
+        raise ProtocolError(f"{len(ids)} unique_ids but {len(symbols)} symbols")
+    return {"type": "inference_request", "unique_ids": ids, "symbols": symbols,
+            "features": np.ascontiguousarray(features, dtype=_FEATURE_DTYPE).tobytes(),
+            "timestamp": float(timestamp)}
+
+
+def parse_inference_request(msg) -> tuple[list[int], list[str], np.ndarray]:
+    """Return (unique_ids, symbols, features [n, 79] float32). NaN rows pass; the runtime answers them."""
+    _expect(msg, "inference_request")
+    ids, symbols, raw = msg["unique_ids"], msg["symbols"], msg["features"]
+    n = len(ids)
+    if len(symbols) != n:
+        raise ProtocolError(f"inference_request: {n} unique_ids but {len(symbols)} symbols")
+    if len(raw) != n * NUM_FEATURES * 4:
+        raise ProtocolError(f"inference_request: features hold {len(raw)} bytes, expected "
+                            f"{n * NUM_FEATURES * 4} ({n} requests x {NUM_FEATURES} float32)")
+    features = np.frombuffer(raw, dtype=_FEATURE_DTYPE).astype(np.float32).reshape(n, NUM_FEATURES)
+    return list(ids), list(symbols), features
+
+
+def inference_response(unique_ids, predictions: np.ndarray, client_timestamp: float) -> dict:
+    ids = _as_id_list(unique_ids)
+    predictions = np.asarray(predictions)
+    if predictions.shape != (len(ids), NUM_TOWERS):
+        raise ProtocolError(f"predictions must have shape ({len(ids)}, {NUM_TOWERS}), got {predictions.shape}")
+    return {"type": "inference_response", "unique_ids": ids,
+            "predictions": np.ascontiguousarray(predictions, dtype=_FEATURE_DTYPE).tobytes(),
+            "client_timestamp": float(client_timestamp)}
+
+
+def parse_inference_response(msg) -> tuple[list[int], np.ndarray]:
+    """Return (unique_ids, predictions [n, 4] float32); predictions may be bytes or nested lists."""
+    _expect(msg, "inference_response")
+    ids, raw = msg["unique_ids"], msg["predictions"]
+    n = len(ids)
+    if isinstance(raw, bytes):
+        if len(raw) != n * NUM_TOWERS * 4:
+            raise ProtocolError(f"inference_response: predictions hold {len(raw)} bytes, expected "
+                                f"{n * NUM_TOWERS * 4} ({n} responses x {NUM_TOWERS} float32)")
+        predictions = np.frombuffer(raw, dtype=_FEATURE_DTYPE).astype(np.float32).reshape(n, NUM_TOWERS)
+        return list(ids), predictions
+    if not all(isinstance(row, list) and len(row) == NUM_TOWERS and all(_is_number(v) for v in row)
+               for row in raw):
+        raise ProtocolError(f"inference_response: each prediction must be a list of {NUM_TOWERS} numbers")
+    if len(raw) != n:
+        raise ProtocolError(f"inference_response: {n} unique_ids but {len(raw)} predictions")
+    return list(ids), np.array(raw, dtype=np.float32).reshape(n, NUM_TOWERS)
+
+
+def score_update(unique_ids, pnls, correct, latencies_ms) -> dict:
+    ids = _as_id_list(unique_ids)
+    pnls = [float(v) for v in pnls]
+    correct = [int(v) for v in correct]
+    latencies_ms = [float(v) for v in latencies_ms]
+    if not len(ids) == len(pnls) == len(correct) == len(latencies_ms):
+        raise ProtocolError(f"score_update: lengths differ: {len(ids)} ids, {len(pnls)} pnls, "
+                            f"{len(correct)} correct, {len(latencies_ms)} latencies")
+    return {"type": "score_update", "unique_ids": ids, "pnls": pnls, "correct": correct,
+            "latencies_ms": latencies_ms}
+
+
+def heartbeat(timestamp: float) -> dict:
+    if not math.isfinite(timestamp):
+        raise ProtocolError(f"heartbeat timestamp must be finite, got {timestamp}")
+    return {"type": "heartbeat", "timestamp": float(timestamp)}
+
+
+def error(error: str, details: str) -> dict:
+    return {"type": "error", "error": str(error), "details": str(details)}

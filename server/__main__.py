@@ -1,0 +1,82 @@
+"""python -m server: run the scoring server, print the summary table at the end."""
+import argparse
+import asyncio
+import json
+import signal
+import sys
+
+from server.app import ScoringServer, ServerConfig
+from server.leaderboard import format_table
+from server.scoring import DEFAULT_ATOL, DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
+
+
+def parse_args(argv=None) -> ServerConfig:
+    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--preset", default="tiny", help="model preset of the reference targets")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--weights", help="checkpoint path")
+    weights.add_argument("--seed", type=int, default=0, help="seed of deterministic weights")
+    parser.add_argument("--stream", help="saved stream (.npz or parquet); else one is generated")
+    parser.add_argument("--symbols", type=int, default=20)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--stream-seed", type=int, default=1)
+    parser.add_argument("--rate", type=float, help="requests/s; default: the stream's own gaps")
+    parser.add_argument("--speed", type=float, default=1.0, help="scale the stream's own pace")
+    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL)
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument("--half-life-ms", type=float, default=DEFAULT_HALF_LIFE_MS)
+    parser.add_argument("--token", help="require this token at register")
+    parser.add_argument("--once", action="store_true", help="exit when the first client's stream is scored")
+    parser.add_argument("--json", help="write the summary here")
+    parser.add_argument("--device", help="device of the reference model (default cpu)")
+    parser.add_argument("--cache-dir", help="targets cache directory")
+    args = parser.parse_args(argv)
+    if args.stream and any(f"--{name}" in (argv if argv is not None else sys.argv)
+                           for name in ("symbols", "requests", "stream-seed")):
+        parser.error("--stream replaces --symbols/--requests/--stream-seed")
+    try:
+        return ServerConfig(host=args.host, port=args.port, preset=args.preset, weights=args.weights,
+                            seed=args.seed, stream=args.stream, symbols=args.symbols, requests=args.requests,
+                            stream_seed=args.stream_seed, rate=args.rate, speed=args.speed, atol=args.atol,
+                            timeout_s=args.timeout_s, half_life_ms=args.half_life_ms, token=args.token,
+                            once=args.once, json=args.json, device=args.device, cache_dir=args.cache_dir,
+                            progress=True)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+async def run(config: ServerConfig):
+    server = ScoringServer(config)
+    port = await server.start()
+    print(f"scoring server listening on ws://{config.host}:{port} (leaderboard http://{config.host}:{port}/)",
+          flush=True)
+    main = asyncio.current_task()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
+    try:
+        if config.once:
+            await server.wait_done()
+        else:
+            await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        pass
+    finally:
+        await server.stop()
+        summaries = server.summaries()
+        print(format_table(summaries), flush=True)
+        if config.json:
+            with open(config.json, "w") as f:
+                json.dump(summaries, f, indent=2)
+
+
+def main(argv=None):
+    config = parse_args(argv)
+    try:
+        asyncio.run(run(config))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

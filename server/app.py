@@ -1,0 +1,276 @@
+"""The scoring server: websocket sessions per team plus a leaderboard over plain HTTP, one port."""
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from websockets.asyncio.server import serve
+from websockets.exceptions import ConnectionClosed
+
+from client import protocol
+from server.leaderboard import leaderboard_row, render_page
+from server.scoring import DEFAULT_ATOL, DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
+from server.session import TeamSession, send_offsets
+
+log = logging.getLogger("server")
+MAX_TEAM_NAME = 64
+MAX_ERROR_DETAILS = 500
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    preset: str = "tiny"
+    weights: str | None = None
+    seed: int = 0
+    stream: str | None = None  # path of a saved stream; else one is generated
+    symbols: int = 20
+    requests: int = 1000
+    stream_seed: int = 1
+    rate: float | None = None  # requests/s; None: the stream's own gaps, scaled by speed
+    speed: float = 1.0
+    atol: float = DEFAULT_ATOL
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    half_life_ms: float = DEFAULT_HALF_LIFE_MS
+    once: bool = False
+    json: str | None = None
+    device: str | None = None
+    cache_dir: str | None = None
+    token: str | None = None  # when set, register must carry it
+    register_timeout_s: float = 10.0
+    heartbeat_s: float = 5.0
+    send_stall_s: float | None = None  # None: timeout_s
+    max_frame_bytes: int = protocol.MAX_FRAME_BYTES
+    max_requests_per_message: int = 4096
+    progress: bool = False
+
+    def __post_init__(self):
+        positive = {"symbols": self.symbols, "requests": self.requests, "speed": self.speed,
+                    "timeout_s": self.timeout_s, "half_life_ms": self.half_life_ms,
+                    "register_timeout_s": self.register_timeout_s, "heartbeat_s": self.heartbeat_s,
+                    "max_frame_bytes": self.max_frame_bytes,
+                    "max_requests_per_message": self.max_requests_per_message}
+        if self.rate is not None:
+            positive["rate"] = self.rate
+        if self.send_stall_s is not None:
+            positive["send_stall_s"] = self.send_stall_s
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if not self.atol >= 0:
+            raise ValueError(f"atol must be non-negative, got {self.atol}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+
+
+class ScoringServer:
+    def __init__(self, config: ServerConfig, stream=None, targets=None):
+        self.config = config
+        self._stream = stream
+        self._targets = None if targets is None else np.asarray(targets, dtype=np.float32)
+        self._sessions: dict[str, TeamSession] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._first_registered = asyncio.Event()
+        self._first: TeamSession | None = None
+        self.unregistered_errors = 0
+        self._server = None
+
+    # lifecycle ---------------------------------------------------------------------------------
+    def _prepare(self):
+        """Load the reference model, the stream and its targets (through the targets cache)."""
+        from client.model import load_model
+        from client.streams import generate_stream, load_stream
+        from client.targets import compute_targets
+
+        cfg = self.config
+        if self._stream is None:
+            self._stream = (load_stream(cfg.stream) if cfg.stream is not None else
+                            generate_stream(cfg.symbols, cfg.requests, cfg.stream_seed, rate=cfg.rate))
+        if self._targets is None:
+            model, fingerprint = load_model(cfg.preset, weights=cfg.weights, seed=cfg.seed,
+                                            device=cfg.device or "cpu")
+            self._targets = np.asarray(compute_targets(model, self._stream, fingerprint, device=cfg.device,
+                                                       cache_dir=cfg.cache_dir, progress=cfg.progress),
+                                       dtype=np.float32)
+
+    async def start(self) -> int:
+        """Prepare the stream and targets, then listen; returns the bound port."""
+        if self._stream is None or self._targets is None:
+            await asyncio.to_thread(self._prepare)
+        stream = self._stream
+        self._symbols = np.asarray(stream.symbols).astype(str)
+        self._features = np.ascontiguousarray(stream.features, dtype=np.float32)
+        total = len(self._symbols)
+        if self._features.shape != (total, protocol.NUM_FEATURES):
+            raise ValueError(f"stream features must have shape ({total}, {protocol.NUM_FEATURES}), "
+                             f"got {self._features.shape}")
+        if self._targets.shape != (total, protocol.NUM_TOWERS):
+            raise ValueError(f"targets must have shape ({total}, {protocol.NUM_TOWERS}), got {self._targets.shape}")
+        self._offsets = send_offsets(total, stream.delay_ms, self.config.rate, self.config.speed)
+        # websockets closes the connection above its own limit, so let frames somewhat over ours
+        # through to be answered with an error
+        self._server = await serve(self._handle, self.config.host, self.config.port,
+                                   process_request=self._http, max_size=2 * self.config.max_frame_bytes)
+        return self.port
+
+    @property
+    def port(self) -> int:
+        return self._server.sockets[0].getsockname()[1]
+
+    async def wait_done(self):
+        """Return once the first registered team's stream is fully scored."""
+        await self._first_registered.wait()
+        await self._first.done.wait()
+
+    async def stop(self):
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    # reporting ---------------------------------------------------------------------------------
+    def summaries(self) -> list[dict]:
+        return [session.summary() for session in self._sessions.values()]
+
+    def scores(self) -> dict:
+        teams = sorted((leaderboard_row(s) for s in self.summaries()), key=lambda row: -row["pnl"])
+        return {"time": time.time(), "teams": teams, "unregistered_errors": self.unregistered_errors,
+                "stream": {"requests": len(self._symbols), "symbols": len(np.unique(self._symbols))}}
+
+    def _http(self, connection, request):
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return None
+        path = request.path.split("?", 1)[0]
+        if path == "/":
+            response, content_type = connection.respond(200, render_page(self.scores())), "text/html"
+        elif path == "/scores.json":
+            response, content_type = connection.respond(200, json.dumps(self.scores())), "application/json"
+        else:
+            return connection.respond(404, f"not found: {path}; try / or /scores.json\n")
+        del response.headers["Content-Type"]
+        response.headers["Content-Type"] = f"{content_type}; charset=utf-8"
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
+    # websocket connections ---------------------------------------------------------------------
+    async def _handle(self, ws):
+        session = None
+        heartbeats = asyncio.create_task(self._heartbeats(ws))
+        try:
+            session = await self._register(ws)
+            if session is None:
+                return
+            async for frame in ws:
+                await self._on_message(session, ws, frame, time.monotonic())
+        except ConnectionClosed:
+            pass
+        finally:
+            heartbeats.cancel()
+            if session is not None:
+                session.detach(ws)
+
+    async def _heartbeats(self, ws):
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            await ws.send(protocol.encode(protocol.heartbeat(time.time())))
+
+    async def _send_error(self, ws, code, details):
+        await ws.send(protocol.encode(protocol.error(code, details[:MAX_ERROR_DETAILS])))
+
+    async def _register(self, ws):
+        """Wait for a valid register; answer anything else with an error. None: connection closed."""
+        deadline = asyncio.get_running_loop().time() + self.config.register_timeout_s
+        while True:
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                frame = await asyncio.wait_for(ws.recv(), timeout=max(remaining, 0))
+            except TimeoutError:
+                self.unregistered_errors += 1
+                await self._send_error(ws, "register_timeout",
+                                       f"no register within {self.config.register_timeout_s} s of connecting")
+                await ws.close(1008, "register first")
+                return None
+            try:
+                msg = protocol.decode(frame, self.config.max_frame_bytes)
+            except protocol.ProtocolError as exc:
+                self.unregistered_errors += 1
+                await self._send_error(ws, "protocol_error", str(exc))
+                continue
+            if msg["type"] != "register":
+                self.unregistered_errors += 1
+                await self._send_error(ws, "not_registered", f"send register first, not {msg['type']}")
+                continue
+            problem = self._register_problem(msg)
+            if problem is not None:
+                self.unregistered_errors += 1
+                await self._send_error(ws, *problem)
+                if problem[0] in ("version_mismatch", "bad_token"):
+                    await ws.close(1008, problem[0])
+                    return None
+                continue
+            return await self._attach(msg["team"], ws)
+
+    def _register_problem(self, msg):
+        if msg["protocol"] != protocol.PROTOCOL_VERSION:
+            return ("version_mismatch", f"server speaks protocol {protocol.PROTOCOL_VERSION}, "
+                                        f"client sent {msg['protocol']}")
+        if self.config.token is not None and msg.get("token") != self.config.token:
+            return ("bad_token", "register token missing or wrong")
+        team = msg["team"]
+        if not team or len(team) > MAX_TEAM_NAME or not team.isprintable():
+            return ("bad_team", f"team must be 1..{MAX_TEAM_NAME} printable characters, got {team[:80]!r}")
+        return None
+
+    async def _attach(self, team, ws):
+        session = self._sessions.get(team)
+        if session is None:
+            cfg = self.config
+            session = TeamSession(team, self._symbols, self._features, self._targets, self._offsets,
+                                  atol=cfg.atol, half_life_ms=cfg.half_life_ms, timeout_s=cfg.timeout_s,
+                                  send_stall_s=cfg.send_stall_s or cfg.timeout_s,
+                                  max_requests_per_message=cfg.max_requests_per_message)
+            self._sessions[team] = session
+            self._tasks.append(asyncio.create_task(session.run()))
+            if self._first is None:
+                self._first = session
+                self._first_registered.set()
+            log.info("team %r registered", team)
+        previous = session.attach(ws)
+        if previous is not None:  # a reconnect that beat the old connection's close: the new one wins
+            asyncio.create_task(self._supersede(previous))
+        return session
+
+    async def _supersede(self, ws):
+        try:
+            await self._send_error(ws, "superseded", "a newer connection registered under this team")
+            await ws.close(1008, "superseded")
+        except ConnectionClosed:
+            pass
+
+    async def _on_message(self, session, ws, frame, received):
+        try:
+            msg = protocol.decode(frame, self.config.max_frame_bytes)
+            kind = msg["type"]
+            if kind == "inference_response":
+                ids, predictions = protocol.parse_inference_response(msg)
+                update, problems = session.handle_response(ids, predictions, received)
+                if update is not None:
+                    await ws.send(protocol.encode(update))
+                for code, details in problems:
+                    await self._send_error(ws, code, details)
+            elif kind == "error":  # the client reports a problem of its own (e.g. a NaN feature row)
+                session.client_errors += 1
+            elif kind == "register":
+                session.errors += 1
+                await self._send_error(ws, "already_registered", f"this connection is team {session.team!r}")
+            elif kind != "heartbeat":
+                session.errors += 1
+                await self._send_error(ws, "unexpected_type", f"a client does not send {kind} messages")
+        except protocol.ProtocolError as exc:
+            session.errors += 1
+            await self._send_error(ws, "protocol_error", str(exc))

@@ -1,0 +1,241 @@
+"""One team's run through the stream: its schedule, what was sent and answered, its score.
+
+A session outlives connections: it keeps its clock while the team is disconnected (requests that
+fall due then count as sent and time out as usual), and on reconnect resends, in order and with
+their original timestamps, every request not yet answered before it continues the stream.
+"""
+import asyncio
+import math
+import time
+from collections import deque
+
+import numpy as np
+
+from client import protocol
+from server.scoring import score_responses
+
+PENDING, ANSWERED, MISSED, LATE = 0, 1, 2, 3  # LATE: missed, then answered after the timeout
+RECENT_WINDOW_S = 10.0
+
+
+def send_offsets(num_requests, delay_ms, rate=None, speed=1.0) -> np.ndarray:
+    """Seconds after a session's start at which each request falls due."""
+    if rate is not None:
+        return np.arange(num_requests, dtype=np.float64) / rate
+    # delay_ms is the gap before each request
+    return np.cumsum(np.asarray(delay_ms, dtype=np.float64)) / 1000.0 / speed
+
+
+class TeamSession:
+    def __init__(self, team, symbols, features, targets, offsets, *, atol, half_life_ms, timeout_s,
+                 send_stall_s, max_requests_per_message, clock=time.monotonic, wall_clock=time.time):
+        self.team = team
+        self._symbols = symbols
+        self._features = features
+        self._targets = targets
+        self._offsets = offsets
+        self._atol = atol
+        self._half_life_ms = half_life_ms
+        self._timeout_s = timeout_s
+        self._send_stall_s = send_stall_s
+        self._chunk = max_requests_per_message
+        self._clock = clock
+        self.start = clock()
+        self._wall_offset = wall_clock() - self.start
+        total = len(offsets)
+        self.total = total
+        self.sent = 0
+        self._send_time = np.full(total, np.nan)
+        self._state = np.zeros(total, dtype=np.int8)
+        self._latency_ms = np.full(total, np.nan)
+        self._reap_cursor = 0
+        self.resolved = 0
+        self.responses = self.missed = self.late = self.errors = self.duplicates = self.client_errors = 0
+        self.correct_towers = 0
+        self.pnl = 0.0
+        self._recent = deque()  # (receive time, pnl of one response message)
+        self.connection = None
+        self.connections = 0
+        self._resend = False
+        self._wake = asyncio.Event()
+        self.finished_at = None
+        self.done = asyncio.Event()
+
+    # connections -------------------------------------------------------------------------------
+    def attach(self, connection):
+        """Make connection the team's live one; returns the one it replaces (or None)."""
+        previous, self.connection = self.connection, connection
+        self.connections += 1
+        self._resend = self.sent > 0
+        self._wake.set()
+        return previous
+
+    def detach(self, connection):
+        if self.connection is connection:
+            self.connection = None
+
+    # sending -----------------------------------------------------------------------------------
+    async def run(self):
+        """Send requests as they fall due and mark the unanswered ones missed, until all are resolved."""
+        while self.resolved < self.total:
+            self._wake.clear()
+            if self.connection is not None and self._resend:
+                self._resend = False
+                await self._send_backlog(self.connection)
+            now = self._clock()
+            due = int(np.searchsorted(self._offsets, now - self.start, side="right"))
+            if due > self.sent:
+                first, self.sent = self.sent, due
+                self._send_time[first:due] = now
+                if self.connection is not None:
+                    await self._send_requests(self.connection, np.arange(first, due), now)
+            self._reap(self._clock())
+            if self.resolved >= self.total:
+                break
+            next_due = self.start + self._offsets[self.sent] if self.sent < self.total else math.inf
+            next_miss = (self._send_time[self._reap_cursor] + self._timeout_s
+                         if self._reap_cursor < self.sent else math.inf)
+            delay = min(next_due, next_miss) - self._clock()
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=delay)
+                except TimeoutError:
+                    pass
+
+    async def _send_backlog(self, connection):
+        """Resend, in order, every sent request not yet answered, grouped as first sent."""
+        backlog = np.flatnonzero((self._state[:self.sent] == PENDING) | (self._state[:self.sent] == MISSED))
+        if not len(backlog):
+            return
+        times = self._send_time[backlog]
+        starts = np.flatnonzero(np.r_[True, times[1:] != times[:-1]])
+        for group in np.split(backlog, starts[1:]):
+            if not await self._send_requests(connection, group, self._send_time[group[0]]):
+                return
+
+    async def _send_requests(self, connection, ids, send_time) -> bool:
+        timestamp = self._wall_offset + send_time
+        for begin in range(0, len(ids), self._chunk):
+            part = ids[begin:begin + self._chunk]
+            msg = protocol.inference_request(part, self._symbols[part], self._features[part], timestamp)
+            if not await self.send(connection, protocol.encode(msg)):
+                return False
+        return True
+
+    async def send(self, connection, frame) -> bool:
+        """Send one frame; a client that stops reading is cut off after send_stall_s so that the
+        server keeps its pace and buffers at most one frame for it."""
+        task = asyncio.ensure_future(connection.send(frame))
+        done, _ = await asyncio.wait({task}, timeout=self._send_stall_s)
+        if not done:
+            connection.transport.abort()  # the websockets docs advise closing, not cancelling, a stuck send
+        try:
+            await task
+            return True
+        except Exception:  # closed or aborted: the team is disconnected until it registers again
+            self.detach(connection)
+            return False
+
+    def _reap(self, now):
+        deadline = now - self._timeout_s
+        cursor = self._reap_cursor
+        while cursor < self.sent and self._send_time[cursor] <= deadline:
+            if self._state[cursor] == PENDING:
+                self._state[cursor] = MISSED
+                self.missed += 1
+                self.resolved += 1
+            cursor += 1
+        self._reap_cursor = cursor
+        self._check_done(now)
+
+    def _check_done(self, now):
+        if self.resolved >= self.total and self.finished_at is None:
+            self.finished_at = now
+            self.done.set()
+
+    # receiving ---------------------------------------------------------------------------------
+    def handle_response(self, unique_ids, predictions, received):
+        """Score one inference_response; returns (score_update message or None, [(error, details)])."""
+        ids = np.asarray(unique_ids, dtype=np.int64)
+        problems = []
+        known = (ids >= 0) & (ids < self.sent)
+        first_seen = np.zeros(len(ids), dtype=bool)
+        first_seen[np.unique(ids, return_index=True)[1]] = True
+        state = self._state[np.where(known, ids, 0)]
+        repeated = known & (~first_seen | (state == ANSWERED) | (state == LATE))
+        finite = np.isfinite(predictions).all(axis=1)
+        accept = known & ~repeated & finite
+        if (~known).any():
+            self.errors += 1
+            problems.append(("unknown_ids", f"ids never sent to team {self.team!r}: {_few(ids[~known])}"))
+        if repeated.any():
+            self.duplicates += int(repeated.sum())
+            problems.append(("duplicate_ids", f"ids already answered: {_few(ids[repeated])}"))
+        non_finite = known & ~repeated & ~finite
+        if non_finite.any():
+            self.errors += 1
+            problems.append(("non_finite_predictions",
+                             f"NaN or infinite predictions, left unanswered: {_few(ids[non_finite])}"))
+        accepted = ids[accept]
+        if not len(accepted):
+            return None, problems
+        latency_ms = (received - self._send_time[accepted]) * 1000.0
+        correct, pnl = score_responses(predictions[accept], self._targets[accepted], latency_ms,
+                                       self._atol, self._half_life_ms)
+        was_pending = self._state[accepted] == PENDING
+        on_time = was_pending & (latency_ms <= self._timeout_s * 1000.0)
+        pnl = np.where(on_time, pnl, 0.0)
+        answered = accepted[on_time]
+        self._state[answered] = ANSWERED
+        self._latency_ms[answered] = latency_ms[on_time]
+        self.responses += len(answered)
+        self.correct_towers += int(correct[on_time].sum())
+        self.missed += int((was_pending & ~on_time).sum())
+        self.late += int((~on_time).sum())
+        self._state[accepted[~on_time]] = LATE
+        self.resolved += int(was_pending.sum())
+        total_pnl = float(pnl.sum())
+        self.pnl += total_pnl
+        self._recent.append((received, total_pnl))
+        self._check_done(received)
+        return protocol.score_update(accepted, pnl, correct, latency_ms), problems
+
+    # reporting ---------------------------------------------------------------------------------
+    def summary(self, now=None) -> dict:
+        now = self._clock() if now is None else now
+        latencies = self._latency_ms[self._state == ANSWERED]
+        elapsed = max((self.finished_at or now) - self.start, 1e-9)
+        while self._recent and self._recent[0][0] < now - RECENT_WINDOW_S:
+            self._recent.popleft()
+        window = min(RECENT_WINDOW_S, max(now - self.start, 1e-9))
+
+        def percentile(q):
+            return float(np.percentile(latencies, q)) if len(latencies) else None
+
+        return {
+            "team": self.team,
+            "requests": self.sent,
+            "total_requests": self.total,
+            "responses": self.responses,
+            "missed": self.missed,
+            "late": self.late,
+            "errors": self.errors,
+            "client_errors": self.client_errors,
+            "duplicates": self.duplicates,
+            "accuracy": self.correct_towers / (4 * self.responses) if self.responses else 0.0,
+            "latency_ms": {"p50": percentile(50), "p90": percentile(90), "p99": percentile(99),
+                           "mean": float(latencies.mean()) if len(latencies) else None,
+                           "max": float(latencies.max()) if len(latencies) else None},
+            "responses_per_s": self.responses / elapsed,
+            "pnl": self.pnl,
+            "pnl_per_response": self.pnl / self.responses if self.responses else 0.0,
+            "recent_pnl_per_s": sum(p for _, p in self._recent) / window,
+            "connected": self.connection is not None,
+            "connections": self.connections,
+            "complete": self.finished_at is not None,
+        }
+
+
+def _few(ids, limit=10):
+    shown = ", ".join(str(int(i)) for i in ids[:limit])
+    return shown + (f" ... ({len(ids)} in all)" if len(ids) > limit else "")
