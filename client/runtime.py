@@ -1,0 +1,342 @@
+"""The streaming client runtime: an asyncio websocket client around a team client's process_batch.
+
+The event loop only receives, validates, queues and sends; a worker thread pulls micro-batches of at
+most one request per symbol (client.scheduler) and runs the model step, so receiving never stalls.
+Each step's predictions are sent as soon as they are ready. Per-symbol states live in the engine,
+so they survive reconnects; a bounded cache answers ids that the server resends after a reconnect
+without stepping the model twice.
+"""
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+
+from client import protocol
+from client.scheduler import Request, Scheduler
+
+log = logging.getLogger(__name__)
+
+NUM_TOWERS = 4
+# Close codes after which reconnecting cannot help: the server refused this client.
+_REFUSED_CLOSE_CODES = {1002, 1003, 1007, 1008}
+
+
+class ServerRefused(RuntimeError):
+    """The server closed the connection for a protocol or policy reason (e.g. registration refused)."""
+
+
+class ClientStats:
+    """What this client received and sent, and the server's score updates (progress line and summary)."""
+
+    def __init__(self):
+        self.requests = 0          # distinct request ids received
+        self.rejected = 0          # request rows answered with an error (NaN/inf features, bad message)
+        self.responses_sent = 0    # ids answered from a model step
+        self.resent_from_cache = 0
+        self.bad_messages = 0
+        self.server_errors = 0
+        self.connections = 0
+        self.scored = 0            # score entries received
+        self.correct_towers = 0
+        self.pnl = 0.0
+        self.latencies_ms: list[float] = []
+        self._scored_ids: set[int] = set()
+        self._first_request_at: float | None = None
+        self._last_score_at: float | None = None
+
+    def note_request(self):
+        if self._first_request_at is None:
+            self._first_request_at = time.perf_counter()
+        self.requests += 1
+
+    def add_scores(self, msg: dict) -> None:
+        ids, pnls, correct, latencies = (msg["unique_ids"], msg["pnls"], msg["correct"], msg["latencies_ms"])
+        if not len(ids) == len(pnls) == len(correct) == len(latencies):
+            raise protocol.ProtocolError(f"score_update: lengths differ: {len(ids)} ids, {len(pnls)} pnls, "
+                                         f"{len(correct)} correct, {len(latencies)} latencies")
+        for uid, pnl, towers, latency in zip(ids, pnls, correct, latencies):
+            if uid in self._scored_ids:
+                continue
+            self._scored_ids.add(uid)
+            self.scored += 1
+            self.pnl += pnl
+            self.correct_towers += towers
+            if math.isfinite(latency):
+                self.latencies_ms.append(latency)
+        self._last_score_at = time.perf_counter()
+
+    def summary(self) -> dict:
+        latencies = np.asarray(self.latencies_ms, dtype=np.float64)
+        elapsed = ((self._last_score_at - self._first_request_at)
+                   if self._first_request_at is not None and self._last_score_at is not None else 0.0)
+
+        def pct(q):
+            return float(np.percentile(latencies, q)) if latencies.size else None
+
+        return {
+            "requests": self.requests,
+            "responses": self.scored,
+            "missed": self.requests - self.scored,
+            "errors": self.rejected,
+            "accuracy": self.correct_towers / (NUM_TOWERS * self.scored) if self.scored else None,
+            "latency_ms": {"p50": pct(50), "p90": pct(90), "p99": pct(99),
+                           "mean": float(latencies.mean()) if latencies.size else None,
+                           "max": float(latencies.max()) if latencies.size else None},
+            "responses_per_s": self.scored / elapsed if elapsed > 0 else None,
+            "pnl": self.pnl,
+            "responses_sent": self.responses_sent,
+            "resent_from_cache": self.resent_from_cache,
+            "connections": self.connections,
+        }
+
+    def progress_line(self) -> str:
+        s = self.summary()
+        acc = f"{s['accuracy']:.3f}" if s["accuracy"] is not None else "-"
+        p50, p99 = s["latency_ms"]["p50"], s["latency_ms"]["p99"]
+        lat = f"{p50:.1f}/{p99:.1f} ms" if p50 is not None else "-"
+        return (f"requests {s['requests']}  responses {s['responses']}  accuracy {acc}  "
+                f"latency p50/p99 {lat}  pnl {s['pnl']:.2f}")
+
+
+class StreamingClient:
+    """Plays a scoring server at `url` with `team_client.process_batch` until the server ends the session.
+
+    The session ends when the server closes with code 1000, when stop() is called, or when the server
+    stays unreachable for `give_up_after_s`; other disconnects reconnect with exponential backoff.
+    """
+
+    def __init__(self, team_client, url: str, team: str, token: str | None = None, *,
+                 max_batch: int | None = None, heartbeat_s: float = 5.0, backoff_s: float = 0.1,
+                 backoff_max_s: float = 5.0, give_up_after_s: float = 10.0, cache_size: int = 200_000):
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be positive, got {cache_size!r}")
+        if heartbeat_s <= 0 or backoff_s <= 0 or backoff_max_s < backoff_s or give_up_after_s < 0:
+            raise ValueError("need heartbeat_s > 0, 0 < backoff_s <= backoff_max_s and give_up_after_s >= 0")
+        self.team_client = team_client
+        self.url, self.team, self.token = url, team, token
+        self.max_batch = max_batch
+        self.heartbeat_s, self.backoff_s, self.backoff_max_s = heartbeat_s, backoff_s, backoff_max_s
+        self.give_up_after_s = give_up_after_s
+        self.cache_size = cache_size
+        self.stats = ClientStats()
+        self._scheduler = Scheduler()
+        self._work_ready = threading.Condition()  # guards _scheduler and _worker_stopping
+        self._worker_stopping = False
+        # The fields below are touched only on the event loop thread.
+        self._in_flight: set[int] = set()   # queued or being computed
+        self._rejected_ids: set[int] = set()
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._ws = None
+        self._send_tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def run(self) -> dict:
+        """Play until the session ends; return the summary."""
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        worker = threading.Thread(target=self._work, name="model-step", daemon=True)
+        worker.start()
+        try:
+            await self._connect_loop()
+        finally:
+            with self._work_ready:
+                self._worker_stopping = True
+                self._work_ready.notify_all()
+            await asyncio.to_thread(worker.join)
+            if self._send_tasks:
+                await asyncio.gather(*self._send_tasks, return_exceptions=True)
+        return self.stats.summary()
+
+    def stop(self) -> None:
+        """End the session (call on the event loop thread)."""
+        if self._stop is not None:
+            self._stop.set()
+        if self._ws is not None:
+            self._spawn(self._ws.close())
+
+    async def _connect_loop(self):
+        delay = self.backoff_s
+        unreachable_since = None
+        while not self._stop.is_set():
+            try:
+                async with connect(self.url, max_size=protocol.MAX_FRAME_BYTES) as ws:
+                    unreachable_since, delay = None, self.backoff_s
+                    if await self._session(ws):
+                        return
+            except (OSError, TimeoutError, InvalidHandshake) as exc:
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since >= self.give_up_after_s:
+                    log.warning("server %s unreachable for %.1f s (%s); stopping", self.url,
+                                now - unreachable_since, exc)
+                    return
+                log.info("connecting to %s failed (%s); retrying in %.2f s", self.url, exc, delay)
+            except InvalidURI as exc:
+                raise ValueError(f"bad server url {self.url!r}: {exc}") from None
+            try:
+                await asyncio.wait_for(self._stop.wait(), delay)
+            except TimeoutError:
+                pass
+            delay = min(delay * 2, self.backoff_max_s)
+
+    async def _session(self, ws) -> bool:
+        """Serve one connection; True when the session is over, False to reconnect."""
+        await ws.send(protocol.encode(protocol.register(self.team, self.token)))
+        self.stats.connections += 1
+        self._ws = ws
+        heartbeat = asyncio.create_task(self._heartbeat(ws))
+        try:
+            async for frame in ws:
+                self._on_frame(ws, frame)
+        except ConnectionClosed:
+            pass
+        finally:
+            heartbeat.cancel()
+            self._ws = None
+        if self._stop.is_set() or ws.close_code == 1000:
+            return True
+        if ws.close_code in _REFUSED_CLOSE_CODES:
+            raise ServerRefused(f"server closed the connection with code {ws.close_code}: {ws.close_reason}")
+        log.warning("connection lost (code %s); reconnecting, states kept", ws.close_code)
+        return False
+
+    async def _heartbeat(self, ws):
+        try:
+            while True:
+                await asyncio.sleep(self.heartbeat_s)
+                await ws.send(protocol.encode(protocol.heartbeat(time.time())))
+        except ConnectionClosed:
+            pass
+
+    # ---- receiving (event loop thread) -----------------------------------------------------------
+    def _on_frame(self, ws, frame):
+        try:
+            msg = protocol.decode(frame)
+            kind = msg["type"]
+            if kind == "inference_request":
+                self._on_request(ws, msg)
+            elif kind == "score_update":
+                self.stats.add_scores(msg)
+            elif kind == "error":
+                self.stats.server_errors += 1
+                log.warning("server error %s: %s", msg["error"], msg["details"])
+            elif kind != "heartbeat":
+                raise protocol.ProtocolError(f"unexpected {kind} message: a server does not send those")
+        except protocol.ProtocolError as exc:
+            self.stats.bad_messages += 1
+            log.warning("bad message from server: %s", exc)
+            self._send(ws, protocol.error("bad_message", str(exc)))
+
+    def _on_request(self, ws, msg):
+        try:
+            ids, symbols, features = protocol.parse_inference_request(msg)
+        except protocol.ProtocolError as exc:
+            ids = msg.get("unique_ids", [])
+            self.stats.rejected += len(ids)
+            raise protocol.ProtocolError(f"{exc}; unique_ids {ids} not answered") from None
+        finite_rows = np.isfinite(features).all(axis=1)
+        cached_ids, new_requests = [], []
+        received_at = time.perf_counter()
+        for uid, symbol, row, finite in zip(ids, symbols, features, finite_rows):
+            if uid in self._cache:
+                cached_ids.append(uid)
+            elif uid in self._in_flight:
+                continue  # resent while still queued or computing: answered when its step is done
+            elif not finite or uid in self._rejected_ids:
+                reason = "features contain NaN or inf" if not finite else "rejected earlier"
+                if uid not in self._rejected_ids:
+                    self._rejected_ids.add(uid)
+                    self.stats.note_request()
+                    self.stats.rejected += 1
+                log.warning("request %d (%s): %s; not fed to the model", uid, symbol, reason)
+                self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): {reason}; "
+                                                             f"not fed to the model"))
+            else:
+                self._in_flight.add(uid)
+                self.stats.note_request()
+                new_requests.append(Request(uid, symbol, row, received_at))
+        if new_requests:
+            with self._work_ready:
+                for request in new_requests:
+                    self._scheduler.push(request)
+                self._work_ready.notify()
+        if cached_ids:
+            self.stats.resent_from_cache += len(cached_ids)
+            predictions = np.stack([self._cache[uid] for uid in cached_ids])
+            self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()))
+
+    # ---- model steps (worker thread) -------------------------------------------------------------
+    def _work(self):
+        while True:
+            with self._work_ready:
+                self._work_ready.wait_for(lambda: self._worker_stopping or len(self._scheduler))
+                if self._worker_stopping:
+                    return
+                batch = self._scheduler.next_batch(self.max_batch)
+            try:
+                result = self.team_client.process_batch({r.symbol: (r.unique_id, r.features) for r in batch})
+                ids, predictions = _checked_result(batch, result)
+            except Exception as exc:  # a failing team client must not kill the runtime
+                log.exception("process_batch failed for unique_ids %s", [r.unique_id for r in batch])
+                self._loop.call_soon_threadsafe(self._on_batch_failed, batch, exc)
+                continue
+            self._loop.call_soon_threadsafe(self._on_batch_done, ids, predictions)
+
+    # ---- sending (event loop thread) -------------------------------------------------------------
+    def _on_batch_done(self, ids, predictions):
+        for uid, row in zip(ids, predictions):
+            self._in_flight.discard(uid)
+            self._cache[uid] = row
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        self.stats.responses_sent += len(ids)
+        # When disconnected the answers wait in the cache for the server's resend.
+        self._send(self._ws, protocol.inference_response(ids, predictions, time.time()))
+
+    def _on_batch_failed(self, batch, exc):
+        ids = [r.unique_id for r in batch]
+        self._in_flight.difference_update(ids)
+        self._rejected_ids.update(ids)
+        self.stats.rejected += len(ids)
+        self._send(self._ws, protocol.error("client_error", f"unique_ids {ids} not answered: "
+                                                            f"{type(exc).__name__}: {exc}"))
+
+    def _send(self, ws, msg):
+        if ws is not None:
+            self._spawn(self._send_frame(ws, protocol.encode(msg)))
+
+    def _spawn(self, coro):
+        task = self._loop.create_task(coro)
+        self._send_tasks.add(task)
+        task.add_done_callback(self._send_tasks.discard)
+
+    @staticmethod
+    async def _send_frame(ws, frame):
+        try:
+            await ws.send(frame)
+        except ConnectionClosed:
+            pass  # the server resends unanswered requests after the reconnect
+
+
+def _checked_result(batch, result) -> tuple[list[int], np.ndarray]:
+    """The (unique_ids, float32 predictions [n, 4]) of a process_batch result, checked against its batch."""
+    try:
+        ids, predictions = [int(i) for i in result["unique_ids"]], np.asarray(result["predictions"], np.float32)
+    except (TypeError, KeyError, ValueError) as exc:
+        raise ValueError(f"process_batch must return {{'unique_ids': [...], 'predictions': [n, 4]}}: {exc}") from None
+    if sorted(ids) != sorted(r.unique_id for r in batch):
+        raise ValueError(f"process_batch answered ids {ids}, expected {[r.unique_id for r in batch]}")
+    if predictions.shape != (len(ids), NUM_TOWERS):
+        raise ValueError(f"process_batch predictions must have shape ({len(ids)}, {NUM_TOWERS}), "
+                         f"got {predictions.shape}")
+    return ids, predictions
