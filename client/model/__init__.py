@@ -1,0 +1,36 @@
+"""The fp32 reference ensemble (MODEL.md): the "theoretical prediction" everything is checked against."""
+import torch
+
+from .config import NUM_FEATURES, PRESETS, TOWER_NAMES, ModelConfig, get_preset
+from .ensemble import Ensemble
+from .state import select_rows, split_state, stack_states
+
+__all__ = ["Ensemble", "ModelConfig", "PRESETS", "TOWER_NAMES", "NUM_FEATURES", "get_preset", "manifest",
+           "manifest_for", "load_model", "stack_states", "split_state", "select_rows"]
+
+
+def manifest_for(cfg: ModelConfig):
+    """[{name, shape, dtype}] of the state dict, built on the meta device (no weights allocated)."""
+    with torch.device("meta"):
+        model = Ensemble(cfg)
+    return [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            for n, t in model.state_dict().items()]
+
+
+def manifest(preset: str):
+    return manifest_for(get_preset(preset))
+
+
+def load_model(preset: str, weights=None, seed: int = 0, device="cpu", progress=None):
+    """(model in eval mode on `device`, weights fingerprint): a checkpoint when `weights` is a path, else the
+    deterministic synthetic weights for `seed`. Loading is strict: a mismatch lists the offending names."""
+    from client.weights import check_state_dict, fingerprint, make_weights, read_checkpoint
+
+    cfg = get_preset(preset)
+    state = read_checkpoint(weights) if weights is not None else make_weights(cfg, seed, progress=progress)
+    check_state_dict(state, manifest_for(cfg))
+    fp = fingerprint(state)
+    with torch.device("meta"):
+        model = Ensemble(cfg)
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
+    return model.eval().requires_grad_(False), fp
