@@ -1,0 +1,21 @@
+"""Triton kernels for the fast engine's recurrent state steps, each beside its PyTorch reference.
+
+Every op updates fp32 state tables in place at per-row slot indices (int32, distinct within a call except
+padding rows sharing a padding slot). `op` runs Triton on CUDA tensors or under TRITON_INTERPRET=1 (read
+at import) and falls back to `op_ref` otherwise.
+"""
+from kernels.causal_conv_update import causal_conv_update, causal_conv_update_ref
+from kernels.mamba2_update import mamba2_state_update, mamba2_state_update_ref
+from kernels.mlstm_update import mlstm_step, mlstm_step_ref
+from kernels.retention_update import retention_step, retention_step_ref, retnet_output, retnet_output_ref
+from kernels.rglru import rglru_step, rglru_step_ref
+from kernels.slstm_cell import slstm_cell, slstm_cell_ref
+
+__all__ = [
+    "causal_conv_update", "causal_conv_update_ref",
+    "mamba2_state_update", "mamba2_state_update_ref",
+    "mlstm_step", "mlstm_step_ref",
+    "retention_step", "retention_step_ref", "retnet_output", "retnet_output_ref",
+    "rglru_step", "rglru_step_ref",
+    "slstm_cell", "slstm_cell_ref",
+]

@@ -1,0 +1,83 @@
+"""Shared launch rules and input checks for the state-step kernels.
+
+Every op follows one convention: state tensors are fp32 tables with a leading slot dimension S; step row b
+reads and writes state[slot_ids[b]]. Inputs may be fp32/bf16/fp16; all math is fp32.
+"""
+import os
+
+import torch
+
+# Triton decides at decoration time whether @triton.jit builds an interpreted kernel, so the dispatcher
+# must use the same snapshot of the environment, taken when this package is imported.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Enough programs for two per SM on an H100 (132 SMs), so that a step of a single row still streams its
+# state through every SM.
+TARGET_PROGRAMS = 264
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Triton for CUDA tensors or under TRITON_INTERPRET=1; the PyTorch reference otherwise."""
+    return INTERPRET or tensor.is_cuda
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def split_block(extent: int, outer_programs: int, max_block: int, min_block: int) -> int:
+    """Largest power-of-two block (at most max_block) that splits `extent` finely enough that
+    outer_programs * ceil(extent / block) reaches TARGET_PROGRAMS; never below min_block."""
+    block = min(max_block, next_pow2(extent))
+    while block > min_block and outer_programs * -(-extent // block) < TARGET_PROGRAMS:
+        block //= 2
+    return max(block, 1)
+
+
+def _shape_str(shape) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def _check_shape(name: str, t: torch.Tensor, shape) -> None:
+    if t.dim() != len(shape) or any(s is not None and s != ts for s, ts in zip(shape, t.shape)):
+        raise ValueError(f"{name} must have shape {_shape_str(shape)}, got {list(t.shape)}")
+
+
+def check_state(name: str, t: torch.Tensor, shape, device: torch.device) -> None:
+    """A state table: fp32, contiguous (it is updated in place), on `device`; None in shape = any size."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_shape(name, t, shape)
+    if t.dtype != torch.float32:
+        raise ValueError(f"{name} is a state and must be float32, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is updated in place and must be contiguous")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like the other tensors")
+
+
+def check_input(name: str, t: torch.Tensor, shape, device: torch.device) -> torch.Tensor:
+    """A read-only input: float32/bf16/fp16 on `device`. Returns it with a unit last-dim stride (a copy
+    only when needed) so kernels can take it through its leading strides."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_shape(name, t, shape)
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like the other tensors")
+    return t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous()
+
+
+def check_slot_ids(slot_ids: torch.Tensor, rows: int, device: torch.device) -> None:
+    """slot_ids: int32 [rows] on `device`. Range and distinctness are the caller's contract: checking
+    them would need a device->host sync."""
+    if not isinstance(slot_ids, torch.Tensor):
+        raise TypeError(f"slot_ids must be a torch.Tensor, got {type(slot_ids).__name__}")
+    _check_shape("slot_ids", slot_ids, (rows,))
+    if slot_ids.dtype != torch.int32:
+        raise ValueError(f"slot_ids must be int32, got {slot_ids.dtype}")
+    if slot_ids.device != device:
+        raise ValueError(f"slot_ids is on {slot_ids.device}, expected {device} like the other tensors")

@@ -1,0 +1,105 @@
+"""One Mamba2 SSM step against a slot-indexed state table (like mamba_ssm's selective_state_update).
+
+dt = softplus(dt_raw); h <- exp(a*dt) h + dt * x b^T; y = h c + d x   (per head; h is [P, N]).
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels._common import check_input, check_slot_ids, check_state, split_block, use_triton
+from kernels._math import softplus
+
+# A [BLOCK_P, N] tile of h per program, at most this many fp32 values (16 per thread at 4 warps)
+MAX_TILE = 2048
+
+
+def _check(h, x, dt_raw, a, b, c, d, slot_ids):
+    if not isinstance(h, torch.Tensor) or h.dim() != 4:
+        raise ValueError(f"h must be a [S, H, P, N] tensor, got {getattr(h, 'shape', type(h).__name__)}")
+    _, heads, head_dim, state_dim = h.shape
+    device = h.device
+    check_state("h", h, (None, heads, head_dim, state_dim), device)
+    rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 3 else None
+    x = check_input("x", x, (rows, heads, head_dim), device)
+    dt_raw = check_input("dt_raw", dt_raw, (rows, heads), device)
+    a = check_input("a", a, (heads,), device)
+    b = check_input("b", b, (rows, state_dim), device)
+    c = check_input("c", c, (rows, state_dim), device)
+    d = check_input("d", d, (heads,), device)
+    check_slot_ids(slot_ids, rows, device)
+    return x, dt_raw, a, b, c, d
+
+
+def mamba2_state_update_ref(h, x, dt_raw, a, b, c, d, slot_ids):
+    """PyTorch reference of mamba2_state_update, same signature and in-place semantics."""
+    x, dt_raw, a, b, c, d = _check(h, x, dt_raw, a, b, c, d, slot_ids)
+    x, b, c = x.float(), b.float(), c.float()
+    index = slot_ids.long()
+    dt = F.softplus(dt_raw.float())
+    decay = torch.exp(a.float() * dt)
+    h_new = decay[:, :, None, None] * h[index] + dt[:, :, None, None] * x[:, :, :, None] * b[:, None, None, :]
+    h[index] = h_new
+    return (h_new * c[:, None, None, :]).sum(-1) + d.float()[:, None] * x
+
+
+@triton.jit
+def _mamba2_state_update_kernel(
+    h_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, slot_ptr, y_ptr,
+    head_dim, state_dim,
+    stride_h_slot, stride_h_head, stride_h_p,
+    stride_x_row, stride_x_head, stride_dt_row, stride_b_row, stride_c_row,
+    stride_y_row, stride_y_head,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    p_mask = p < head_dim
+    n_mask = n < state_dim
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+
+    dt = softplus(tl.load(dt_ptr + row * stride_dt_row + head).to(tl.float32))
+    decay = tl.exp(tl.load(a_ptr + head).to(tl.float32) * dt)
+    x = tl.load(x_ptr + row * stride_x_row + head * stride_x_head + p, mask=p_mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * stride_b_row + n, mask=n_mask, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + row * stride_c_row + n, mask=n_mask, other=0.0).to(tl.float32)
+
+    tile = h_ptr + slot * stride_h_slot + head * stride_h_head + p[:, None] * stride_h_p + n[None, :]
+    tile_mask = p_mask[:, None] & n_mask[None, :]
+    h = tl.load(tile, mask=tile_mask, other=0.0)
+    h = decay * h + (dt * x)[:, None] * b[None, :]
+    tl.store(tile, h, mask=tile_mask)
+
+    y = tl.sum(h * c[None, :], axis=1) + tl.load(d_ptr + head).to(tl.float32) * x
+    tl.store(y_ptr + row * stride_y_row + head * stride_y_head + p, y, mask=p_mask)
+
+
+def mamba2_state_update(h, x, dt_raw, a, b, c, d, slot_ids):
+    """Advance each row's Mamba2 state by one step and read it out.
+
+    h [S, H, P, N] fp32 (updated in place at slot_ids), x [B, H, P] (conv+silu output viewed per head),
+    dt_raw [B, H] (dt_proj output with its bias; softplus applied inside), a [H] (negative), b [B, N],
+    c [B, N], d [H], slot_ids [B] int32. Returns y [B, H, P] float32.
+    """
+    if not use_triton(h):
+        return mamba2_state_update_ref(h, x, dt_raw, a, b, c, d, slot_ids)
+    x, dt_raw, a, b, c, d = _check(h, x, dt_raw, a, b, c, d, slot_ids)
+    rows, heads, head_dim = x.shape
+    state_dim = h.shape[3]
+    y = torch.empty(rows, heads, head_dim, device=h.device, dtype=torch.float32)
+    if rows == 0:
+        return y
+    block_n = triton.next_power_of_2(state_dim)
+    block_p = split_block(head_dim, rows * heads, max_block=max(1, MAX_TILE // block_n), min_block=4)
+    grid = (rows, heads, triton.cdiv(head_dim, block_p))
+    _mamba2_state_update_kernel[grid](
+        h, x, dt_raw, a, b, c, d, slot_ids, y,
+        head_dim, state_dim,
+        h.stride(0), h.stride(1), h.stride(2),
+        x.stride(0), x.stride(1), dt_raw.stride(0), b.stride(0), c.stride(0),
+        y.stride(0), y.stride(1),
+        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
+    )
+    return y
