@@ -1,0 +1,389 @@
+#!/usr/bin/env python
+"""Offline evaluator: replay a request stream through the team client's process_batch, no sockets.
+
+Measures per-request latency and each tower's error against the fp32 reference, optionally under
+torch.profiler, and can plot both. The scheduling mirrors the live runtime: a FIFO queue per symbol,
+micro-batches of at most one request per symbol (oldest first) among the requests that have arrived,
+so every symbol's requests reach the model strictly in stream order.
+
+Importable: `evaluate(client, stream, targets, ...) -> dict` is the core; `load_or_generate_stream(...)`
+and `setup(stream, preset, ...)` build its inputs; `main(argv)` is the command line.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from client.model.config import TOWER_NAMES  # noqa: E402
+from client.scheduler import Request, Scheduler  # noqa: E402
+
+DEFAULT_TEAM_DIR = REPO_ROOT / "team"
+DEFAULT_ATOL = 1e-3
+
+
+class EvaluationError(Exception):
+    """Bad input or a client that breaks the process_batch contract; the message says which."""
+
+
+# ----------------------------------------------------------------------------------------- inputs
+
+def load_team_class(team_dir: str | Path = DEFAULT_TEAM_DIR):
+    """ExampleModel from `<team_dir>/example_model.py`, imported by path so a candidate folder can be
+    checked without replacing team/."""
+    path = Path(team_dir) / "example_model.py"
+    if not path.is_file():
+        raise EvaluationError(f"no team client at {path}")
+    spec = importlib.util.spec_from_file_location(f"_evaluated_team_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise EvaluationError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    cls = getattr(module, "ExampleModel", None)
+    if cls is None or not callable(getattr(cls, "process_batch", None)):
+        raise EvaluationError(f"{path} has no class ExampleModel with a process_batch method")
+    return cls
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def setup(stream, preset: str, engine: str = "reference", weights: str | None = None, seed: int = 0,
+          device: str | None = None, team_dir: str | Path = DEFAULT_TEAM_DIR, cache_dir=None):
+    """(team client, reference targets [M, 4], weights fingerprint) for `stream`.
+
+    The team module is imported first, so a broken candidate fails before any model is built, and
+    the targets are computed before the engine exists, since an engine may convert the model.
+    """
+    team_class = load_team_class(team_dir)
+    from client.engine import make_engine
+    from client.model import load_model
+    from client.targets import compute_targets
+
+    device = device or default_device()
+    model, weights_fingerprint = load_model(preset, weights=weights, seed=seed, device=device)
+    targets = compute_targets(model, stream, weights_fingerprint, device=device, cache_dir=cache_dir,
+                              progress=False)
+    return team_class(make_engine(engine, model, device=device)), targets, weights_fingerprint
+
+
+def load_or_generate_stream(path: str | None = None, symbols: int = 6, requests: int = 300,
+                            stream_seed: int = 0, rate: float | None = None):
+    """A stream from `path` (.npz or the original parquet) or generated from the options.
+    Streams validate themselves (shapes, finite features and delays) when built."""
+    from client import streams
+
+    try:
+        if path is None:
+            return streams.generate_stream(symbols, requests, stream_seed, rate=rate)
+        return streams.load_stream(path)
+    except (OSError, ValueError, ImportError) as exc:  # ImportError: parquet without pyarrow
+        raise EvaluationError(str(exc)) from exc
+
+
+# ------------------------------------------------------------------------------------ scheduling
+
+def replay(client, symbols, features, delay_ms, batch_size: int | None = None):
+    """Feed the stream to `client.process_batch` and return (predictions [M,4], arrival_s [M],
+    answer_s [M], batch sizes) on a simulated clock.
+
+    The clock never sleeps: it advances by the measured wall time of each process_batch call and
+    jumps to the next arrival when nothing is pending. Without batch_size, request i arrives at
+    sum(delay_ms[:i+1]). With batch_size N, the stream is cut into groups of N consecutive requests,
+    as the original evaluator did; a group arrives all at once when the previous group is answered,
+    and delay_ms is ignored. Which requests share a step can depend on measured times (only in the
+    delay mode); what each symbol sees, and in which order, never does.
+    """
+    m = len(symbols)
+    if batch_size is not None and batch_size < 1:
+        raise EvaluationError(f"--batch-size must be at least 1, got {batch_size}")
+    arrival = np.full(m, np.nan)
+    if batch_size is None:
+        arrival[:] = np.cumsum(np.asarray(delay_ms, dtype=np.float64)) / 1000.0
+    answer = np.full(m, np.nan)
+    predictions = np.full((m, len(TOWER_NAMES)), np.nan, dtype=np.float32)
+    queues = Scheduler()
+    batch_sizes = []
+    clock = 0.0 if batch_size is not None else float(arrival[0])
+    admitted = 0
+    while admitted < m or len(queues):
+        if batch_size is None:
+            while admitted < m and arrival[admitted] <= clock:
+                queues.push(Request(admitted, symbols[admitted], features[admitted]))
+                admitted += 1
+            if not len(queues):
+                clock = float(arrival[admitted])
+                continue
+        elif not len(queues):
+            group_end = min(admitted + batch_size, m)
+            arrival[admitted:group_end] = clock
+            for index in range(admitted, group_end):
+                queues.push(Request(index, symbols[index], features[index]))
+            admitted = group_end
+        batch = [request.unique_id for request in queues.next_batch()]
+        requests = {symbols[i]: (i, features[i]) for i in batch}
+        started = time.perf_counter()
+        response = client.process_batch(requests)
+        clock += time.perf_counter() - started
+        predictions[batch] = _check_response(response, batch)
+        answer[batch] = clock
+        batch_sizes.append(len(batch))
+    return predictions, arrival, answer, batch_sizes
+
+
+def _check_response(response, batch: list[int]) -> np.ndarray:
+    """The response's predictions reordered to `batch`; every id answered exactly once."""
+    try:
+        ids = [int(i) for i in response["unique_ids"]]
+        preds = np.asarray(response["predictions"], dtype=np.float32)
+    except (TypeError, KeyError, ValueError) as exc:
+        raise EvaluationError("process_batch must return {'unique_ids': [...], 'predictions': [n, 4]}, "
+                              f"got {type(response).__name__}: {exc}") from exc
+    if preds.shape != (len(ids), len(TOWER_NAMES)):
+        raise EvaluationError(f"process_batch returned predictions of shape {preds.shape} for "
+                              f"{len(ids)} ids, expected ({len(ids)}, {len(TOWER_NAMES)})")
+    if sorted(ids) != sorted(batch):
+        missing = sorted(set(batch) - set(ids))
+        extra = sorted(set(ids) - set(batch))
+        raise EvaluationError(f"process_batch must answer each request of the batch once: "
+                              f"missing ids {missing[:5]}, unexpected or repeated ids "
+                              f"{extra[:5] or sorted(i for i in ids if ids.count(i) > 1)[:5]}")
+    row_of = {uid: row for row, uid in enumerate(ids)}
+    return preds[[row_of[i] for i in batch]]
+
+
+# ----------------------------------------------------------------------------------------- metrics
+
+def tower_errors(predictions: np.ndarray, targets: np.ndarray, atol: float = DEFAULT_ATOL) -> dict:
+    """Per tower: max/mean absolute error, rmse, rmse relative to the target's std, and the fraction
+    within atol. A non-finite prediction counts as an infinite error."""
+    predictions = np.asarray(predictions, dtype=np.float64)
+    targets = np.asarray(targets, dtype=np.float64)
+    if predictions.shape != targets.shape:
+        raise EvaluationError(f"targets have shape {targets.shape}, predictions {predictions.shape}")
+    errors = np.where(np.isfinite(predictions), np.abs(predictions - targets), np.inf)
+    result = {}
+    for column, name in enumerate(TOWER_NAMES):
+        err = errors[:, column]
+        rmse = float(np.sqrt(np.mean(err ** 2)))
+        std = float(np.std(targets[:, column]))
+        result[name] = {
+            "max_abs_err": float(err.max()),
+            "mean_abs_err": float(err.mean()),
+            "rmse": rmse,
+            # a constant target has no scale to compare against
+            "rel_rmse": rmse / std if std > 0 else None,
+            "within_atol": float(np.mean(err <= atol)),
+        }
+    return result
+
+
+def latency_summary(latency_ms: np.ndarray) -> dict:
+    return {
+        "p50": float(np.percentile(latency_ms, 50)),
+        "p90": float(np.percentile(latency_ms, 90)),
+        "p99": float(np.percentile(latency_ms, 99)),
+        "mean": float(np.mean(latency_ms)),
+    }
+
+
+# -------------------------------------------------------------------------------------- evaluation
+
+def evaluate(client, stream, targets, *, batch_size: int | None = None, atol: float = DEFAULT_ATOL,
+             profile_dir: str | Path | None = None, top_kernels: int = 15) -> dict:
+    """Replay `stream` through `client.process_batch` and score it against `targets` [M, 4].
+
+    Returns requests, responses, steps, mean_batch, latency_ms {p50, p90, p99, mean},
+    throughput_rps (responses over the simulated time from first arrival to last answer) and
+    towers {name: tower_errors}. The arrays behind them are under the private key "_series".
+    """
+    targets = np.asarray(targets, dtype=np.float32)
+    m = len(stream.symbols)
+    if targets.shape != (m, len(TOWER_NAMES)):
+        raise EvaluationError(f"targets have shape {targets.shape}, expected ({m}, {len(TOWER_NAMES)})")
+    symbols = [str(s) for s in stream.symbols]
+    features = np.ascontiguousarray(stream.features, dtype=np.float32)
+
+    with _profiling(profile_dir, top_kernels):
+        predictions, arrival, answer, batch_sizes = replay(client, symbols, features,
+                                                           stream.delay_ms, batch_size)
+    latency_ms = (answer - arrival) * 1000.0
+    span = float(answer.max() - arrival.min())
+    return {
+        "requests": m,
+        "responses": int(np.isfinite(answer).sum()),
+        "steps": len(batch_sizes),
+        "mean_batch": float(np.mean(batch_sizes)),
+        "batch_size": batch_size,
+        "atol": atol,
+        "latency_ms": latency_summary(latency_ms),
+        "throughput_rps": m / span if span > 0 else None,
+        "towers": tower_errors(predictions, targets, atol),
+        "_series": {"latency_ms": latency_ms, "predictions": predictions, "targets": targets},
+    }
+
+
+@contextlib.contextmanager
+def _profiling(profile_dir, top_kernels: int):
+    """torch.profiler around the replay: a Chrome trace in profile_dir and the top kernels printed,
+    by device time on CUDA, else by CPU time."""
+    if profile_dir is None:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    out = Path(profile_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities) as prof:
+        yield
+        if on_cuda:
+            torch.cuda.synchronize()
+    trace = out / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    sort_by = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+    print(f"profile: trace written to {trace}; top {top_kernels} by {sort_by}:")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=top_kernels))
+
+
+# ------------------------------------------------------------------------------------------ output
+
+def format_report(result: dict) -> str:
+    lat = result["latency_ms"]
+    rps = result["throughput_rps"]
+    lines = [
+        f"requests {result['requests']}  responses {result['responses']}  steps {result['steps']}  "
+        f"mean batch {result['mean_batch']:.2f}",
+        f"latency ms  p50 {lat['p50']:.3f}  p90 {lat['p90']:.3f}  p99 {lat['p99']:.3f}  "
+        f"mean {lat['mean']:.3f}   throughput {'n/a' if rps is None else f'{rps:.1f}'} req/s",
+        f"{'tower':<8}{'max_abs_err':>13}{'mean_abs_err':>14}{'rmse':>12}{'rel_rmse':>10}"
+        f"{'within ' + format(result['atol'], 'g'):>14}",
+    ]
+    for name, t in result["towers"].items():
+        rel = "n/a" if t["rel_rmse"] is None else f"{t['rel_rmse']:.2e}"
+        lines.append(f"{name:<8}{t['max_abs_err']:>13.3e}{t['mean_abs_err']:>14.3e}{t['rmse']:>12.3e}"
+                     f"{rel:>10}{t['within_atol']:>14.4f}")
+    return "\n".join(lines)
+
+
+def require_matplotlib():
+    try:
+        import matplotlib
+    except ImportError:
+        raise EvaluationError("--plot needs matplotlib, which is not installed: "
+                              "pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot(result: dict, path: str | Path) -> None:
+    """Latency histogram and each tower's absolute error along the stream, in one PNG."""
+    plt = require_matplotlib()
+    series = result["_series"]
+    errors = np.abs(series["predictions"].astype(np.float64) - series["targets"])
+    fig, (ax_lat, ax_err) = plt.subplots(2, 1, figsize=(10, 8))
+    ax_lat.hist(series["latency_ms"], bins=50)
+    ax_lat.set(xlabel="latency (ms)", ylabel="requests", title="latency distribution")
+    for column, name in enumerate(TOWER_NAMES):
+        ax_err.plot(errors[:, column], label=name, linewidth=0.8)
+    ax_err.axhline(result["atol"], color="k", linestyle="--", linewidth=0.8, label="atol")
+    ax_err.set(xlabel="request (stream order)", ylabel="|prediction - reference|",
+               title="error along the stream")
+    ax_err.set_yscale("symlog", linthresh=result["atol"] / 100)
+    ax_err.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def public_result(result: dict, **meta) -> dict:
+    """The JSON-ready summary: `result` without its series, plus `meta` (preset, engine, ...)."""
+    return {**meta, **{k: v for k, v in result.items() if not k.startswith("_")}}
+
+
+# -------------------------------------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Clock: simulated and deterministic in what each symbol sees. Nothing sleeps; the "
+               "clock advances by the measured time of each process_batch call and jumps to the next "
+               "arrival when idle. Without --batch-size, request i arrives at the sum of delay_ms up "
+               "to i; with --batch-size N, groups of N consecutive requests arrive together once the "
+               "previous group is answered (delay_ms ignored). Latency = answer - arrival on this "
+               "clock; throughput = responses / (last answer - first arrival).")
+    src = p.add_argument_group("stream (generated unless --stream)")
+    src.add_argument("--stream", help="replay this .npz or original .parquet stream")
+    src.add_argument("--symbols", type=int, default=6)
+    src.add_argument("--requests", type=int, default=300)
+    src.add_argument("--stream-seed", type=int, default=0)
+    src.add_argument("--rate", type=float, default=None,
+                     help="mean arrival rate, requests/s (default: the generator's)")
+    mdl = p.add_argument_group("model and client")
+    mdl.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    mdl.add_argument("--weights", help="checkpoint to load instead of seeded weights")
+    mdl.add_argument("--seed", type=int, default=0, help="weights seed")
+    mdl.add_argument("--device", default=None, help="torch device (default cuda when present, else cpu)")
+    mdl.add_argument("--engine", default="reference", help="engine name (reference, fast)")
+    mdl.add_argument("--team-dir", default=str(DEFAULT_TEAM_DIR),
+                     help="folder holding the example_model.py to evaluate (default team/)")
+    ev = p.add_argument_group("evaluation")
+    ev.add_argument("--batch-size", type=int, default=None,
+                    help="arrival groups of N requests, as the original evaluator")
+    ev.add_argument("--atol", type=float, default=DEFAULT_ATOL,
+                    help="tolerance for within_atol (default 1e-3)")
+    ev.add_argument("--cache-dir", default=None, help="reference target cache (default: targets')")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", help="write the summary here")
+    out.add_argument("--profile", metavar="DIR", help="torch.profiler trace into DIR; print top kernels")
+    out.add_argument("--plot", metavar="PNG", help="latency distribution and per-tower error (matplotlib)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.plot:
+            require_matplotlib()  # fail before the run, not after it
+        if not args.atol > 0:
+            raise EvaluationError(f"--atol must be positive, got {args.atol}")
+        stream = load_or_generate_stream(args.stream, args.symbols, args.requests,
+                                         args.stream_seed, args.rate)
+        client, targets, weights_fingerprint = setup(stream, args.preset, args.engine, args.weights,
+                                                     args.seed, args.device, args.team_dir,
+                                                     args.cache_dir)
+        result = evaluate(client, stream, targets, batch_size=args.batch_size, atol=args.atol,
+                          profile_dir=args.profile)
+    except (EvaluationError, ValueError) as exc:
+        print(f"local_evaluator: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(result))
+    summary = public_result(result, preset=args.preset, engine=args.engine, device=args.device or default_device(),
+                            weights_fingerprint=weights_fingerprint)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
