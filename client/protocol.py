@@ -132,7 +132,7 @@ def decode(frame, max_bytes: int = MAX_FRAME_BYTES) -> dict:
 def _expect(msg, kind):
     validate(msg)
     if msg["type"] != kind:
-        raise ProtocolError(f"expected a {kind} message, got {msg['type']}")
+        raise ProtocolError(f"expected message type {kind!r}, got {msg['type']!r}")
 
 
 def _as_id_list(unique_ids):

@@ -3,7 +3,6 @@ import argparse
 import asyncio
 import json
 import signal
-import sys
 
 from server.app import ScoringServer, ServerConfig
 from server.leaderboard import format_table
@@ -33,9 +32,6 @@ def parse_args(argv=None) -> ServerConfig:
     parser.add_argument("--device", help="device of the reference model (default cpu)")
     parser.add_argument("--cache-dir", help="targets cache directory")
     args = parser.parse_args(argv)
-    if args.stream and any(f"--{name}" in (argv if argv is not None else sys.argv)
-                           for name in ("symbols", "requests", "stream-seed")):
-        parser.error("--stream replaces --symbols/--requests/--stream-seed")
     try:
         return ServerConfig(host=args.host, port=args.port, preset=args.preset, weights=args.weights,
                             seed=args.seed, stream=args.stream, symbols=args.symbols, requests=args.requests,

@@ -1,0 +1,122 @@
+import msgpack
+import numpy as np
+import pytest
+
+from client import protocol
+from client.protocol import ProtocolError
+
+
+def roundtrip(msg):
+    return protocol.decode(protocol.encode(msg))
+
+
+def test_register_roundtrip_with_and_without_token():
+    assert roundtrip(protocol.register("alpha")) == {"type": "register", "team": "alpha",
+                                                     "protocol": protocol.PROTOCOL_VERSION}
+    assert roundtrip(protocol.register("alpha", token="t"))["token"] == "t"
+
+
+def test_inference_request_roundtrip_is_little_endian_row_major():
+    features = np.arange(2 * 79, dtype=np.float32).reshape(2, 79)
+    msg = roundtrip(protocol.inference_request(np.array([7, 9]), ["SYM_000", "SYM_001"], features, 12.5))
+    assert msg["features"] == features.astype("<f4").tobytes()
+    ids, symbols, parsed = protocol.parse_inference_request(msg)
+    assert ids == [7, 9] and symbols == ["SYM_000", "SYM_001"]
+    assert parsed.dtype == np.float32 and np.array_equal(parsed, features)
+    parsed[0, 0] = 1.0  # the caller owns a writable copy
+
+
+def test_parse_inference_request_lets_nan_rows_through():
+    features = np.full((1, 79), np.nan, dtype=np.float32)
+    _, _, parsed = protocol.parse_inference_request(roundtrip(protocol.inference_request([1], ["S"], features, 0)))
+    assert np.isnan(parsed).all()
+
+
+def test_inference_response_roundtrip_bytes_and_nested_lists():
+    predictions = np.array([[0.1, 0.2, 0.3, 0.4], [1, 2, 3, 4]], dtype=np.float32)
+    ids, parsed = protocol.parse_inference_response(roundtrip(protocol.inference_response([3, 4], predictions, 1.0)))
+    assert ids == [3, 4] and np.array_equal(parsed, predictions)
+    nested = {"type": "inference_response", "unique_ids": [3, 4], "predictions": predictions.tolist(),
+              "client_timestamp": 2}
+    ids, parsed = protocol.parse_inference_response(roundtrip(nested))
+    assert parsed.dtype == np.float32 and np.array_equal(parsed, predictions)
+
+
+def test_empty_response_parses():
+    ids, parsed = protocol.parse_inference_response(
+        roundtrip(protocol.inference_response([], np.zeros((0, 4), np.float32), 0.0)))
+    assert ids == [] and parsed.shape == (0, 4)
+
+
+def test_score_update_heartbeat_error_roundtrip():
+    msg = roundtrip(protocol.score_update(np.array([1, 2]), [0.5, 1.0], [2, 4], [3.0, 4.0]))
+    assert msg["correct"] == [2, 4] and msg["pnls"] == [0.5, 1.0]
+    assert roundtrip(protocol.heartbeat(5.0))["timestamp"] == 5.0
+    assert roundtrip(protocol.error("bad", "why")) == {"type": "error", "error": "bad", "details": "why"}
+
+
+@pytest.mark.parametrize("frame, match", [
+    ("{}", "text frame"),
+    (b"\xc1", "malformed msgpack"),
+    (protocol.encode({"type": "heartbeat", "timestamp": 1}) + b"\x00", "malformed msgpack"),
+    (msgpack.packb([1, 2]), "must be a msgpack map"),
+    (msgpack.packb({1: 2}), "malformed msgpack"),  # non-string keys
+    (msgpack.packb({"team": "x"}), "no 'type'"),
+    (msgpack.packb({"type": "launch"}), "unknown message type 'launch'"),
+    (msgpack.packb({"type": 3}), "unknown message type 3"),
+    (msgpack.packb({"type": "register", "team": "x"}), "missing field 'protocol'"),
+    (msgpack.packb({"type": "register", "team": 5, "protocol": 1}), "'team' must be a string"),
+    (msgpack.packb({"type": "register", "team": "x", "protocol": True}), "'protocol' must be an integer"),
+    (msgpack.packb({"type": "heartbeat", "timestamp": "now"}), "'timestamp' must be a number"),
+    (msgpack.packb({"type": "inference_response", "unique_ids": [1, "2"], "predictions": b"",
+                    "client_timestamp": 0}), "'unique_ids' must be a list of integers"),
+    (msgpack.packb({"type": "inference_response", "unique_ids": [1], "predictions": 3.0,
+                    "client_timestamp": 0}), "'predictions' must be bytes or"),
+    (msgpack.packb({"type": "inference_request", "unique_ids": [1], "symbols": ["S"], "features": [0.0],
+                    "timestamp": 0}, use_bin_type=True), "'features' must be bytes"),
+])
+def test_decode_rejects_bad_frames(frame, match):
+    with pytest.raises(ProtocolError, match=match):
+        protocol.decode(frame)
+
+
+def test_decode_rejects_oversized_frame():
+    frame = protocol.encode({"type": "error", "error": "x", "details": "y" * 100})
+    with pytest.raises(ProtocolError, match="exceeds the limit of 50 bytes"):
+        protocol.decode(frame, max_bytes=50)
+
+
+def test_request_counts_must_agree():
+    features = np.zeros((2, 79), np.float32)
+    msg = protocol.inference_request([1, 2], ["A", "B"], features, 0)
+    with pytest.raises(ProtocolError, match="2 unique_ids but 1 symbols"):
+        protocol.parse_inference_request(dict(msg, symbols=["A"]))
+    with pytest.raises(ProtocolError, match="expected 632"):
+        protocol.parse_inference_request(dict(msg, features=msg["features"][:-4]))
+    with pytest.raises(ProtocolError, match="expected message type 'inference_request', got 'heartbeat'"):
+        protocol.parse_inference_request(protocol.heartbeat(1.0))
+    with pytest.raises(ProtocolError, match=r"shape \(2, 79\)"):
+        protocol.inference_request([1, 2], ["A", "B"], np.zeros((2, 78)), 0)
+    with pytest.raises(ProtocolError, match="2 unique_ids but 1 symbols"):
+        protocol.inference_request([1, 2], ["A"], features, 0)
+
+
+def test_response_counts_must_agree():
+    msg = protocol.inference_response([1, 2], np.zeros((2, 4), np.float32), 0)
+    with pytest.raises(ProtocolError, match="expected 32"):
+        protocol.parse_inference_response(dict(msg, predictions=msg["predictions"] + b"\0\0\0\0"))
+    with pytest.raises(ProtocolError, match="2 unique_ids but 1 predictions"):
+        protocol.parse_inference_response(dict(msg, predictions=[[0, 0, 0, 0]]))
+    with pytest.raises(ProtocolError, match="list of 4 numbers"):
+        protocol.parse_inference_response(dict(msg, predictions=[[0, 0, 0], [0, 0, 0, 0]]))
+    with pytest.raises(ProtocolError, match="list of 4 numbers"):
+        protocol.parse_inference_response(dict(msg, predictions=[[0, 0, 0, "x"], [0, 0, 0, 0]]))
+    with pytest.raises(ProtocolError, match=r"shape \(2, 4\)"):
+        protocol.inference_response([1, 2], np.zeros((2, 3)), 0)
+
+
+def test_builders_reject_inconsistent_input():
+    with pytest.raises(ProtocolError, match="lengths differ"):
+        protocol.score_update([1, 2], [0.5], [1, 2], [1.0, 2.0])
+    with pytest.raises(ProtocolError, match="must be finite"):
+        protocol.heartbeat(float("nan"))

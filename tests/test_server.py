@@ -1,0 +1,445 @@
+"""Scoring server in-process: a stream and stand-in targets passed in, minimal websocket clients."""
+import asyncio
+import json
+import urllib.request
+
+import msgpack
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from client import protocol
+from client.streams import generate_stream
+from server import ScoringServer, ServerConfig
+from server.session import TeamSession, send_offsets
+
+REQUESTS = 60
+
+
+def make_stream(requests=REQUESTS, symbols=4):
+    stream = generate_stream(symbols, requests, seed=3)
+    targets = np.random.default_rng(0).normal(0, 0.05, (requests, 4)).astype(np.float32)
+    return stream, targets
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+class Server:
+    """async with Server(**config) as s: a started ScoringServer on a free port."""
+
+    def __init__(self, requests=REQUESTS, **overrides):
+        self.stream, self.targets = make_stream(requests)
+        overrides.setdefault("rate", 1000.0)
+        self.server = ScoringServer(ServerConfig(**overrides), stream=self.stream, targets=self.targets)
+
+    async def __aenter__(self):
+        self.port = await self.server.start()
+        self.url = f"ws://127.0.0.1:{self.port}"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.server.stop()
+
+    def summary(self, team):
+        return next(s for s in self.server.summaries() if s["team"] == team)
+
+
+async def recv(ws, timeout=5):
+    return protocol.decode(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def registered(url, team):
+    ws = await connect(url)
+    await ws.send(protocol.encode(protocol.register(team)))
+    return ws
+
+
+async def play(ws, targets, answer=None, stop_after=None):
+    """Answer every request with targets (or answer(ids, predictions) -> list of frames) until the
+    stream is done or stop_after requests were seen; returns (requests seen, score updates, errors)."""
+    seen, updates, errors = [], [], []
+    try:
+        while stop_after is None or len(all_ids(seen)) < stop_after:
+            msg = await recv(ws)
+            if msg["type"] == "inference_request":
+                ids, symbols, _ = protocol.parse_inference_request(msg)
+                seen.append((msg["timestamp"], ids, symbols))
+                predictions = targets[ids]
+                frames = (answer(ids, predictions) if answer else
+                          [protocol.encode(protocol.inference_response(ids, predictions, 0.0))])
+                for frame in frames:
+                    await ws.send(frame)
+            elif msg["type"] == "score_update":
+                updates.append(msg)
+            elif msg["type"] == "error":
+                errors.append(msg)
+    except (ConnectionClosed, TimeoutError):
+        pass
+    return seen, updates, errors
+
+
+def all_ids(seen):
+    return [i for _, ids, _ in seen for i in ids]
+
+
+def test_correct_client_scores_every_request():
+    async def main():
+        async with Server() as s:
+            ws = await registered(s.url, "alpha")
+            player = asyncio.create_task(play(ws, s.targets))
+            await s.server.wait_done()
+            await ws.close()
+            seen, updates, errors = await player
+            summary = s.summary("alpha")
+            return s, seen, updates, errors, summary
+    s, seen, updates, errors, summary = run(main())
+    assert all_ids(seen) == list(range(REQUESTS))  # whole stream, in order, each symbol's requests in order
+    assert [sym for _, _, syms in seen for sym in syms] == list(s.stream.symbols)
+    assert not errors
+    assert sorted(i for u in updates for i in u["unique_ids"]) == list(range(REQUESTS))
+    assert all(c == 4 for u in updates for c in u["correct"])
+    assert summary["responses"] == REQUESTS and summary["missed"] == 0 and summary["errors"] == 0
+    assert summary["accuracy"] == 1.0 and summary["complete"]
+    assert 0 < summary["pnl"] <= REQUESTS
+    assert summary["pnl"] == pytest.approx(sum(p for u in updates for p in u["pnls"]))
+    assert summary["latency_ms"]["p50"] <= summary["latency_ms"]["p99"] <= summary["latency_ms"]["max"]
+
+
+def test_requests_due_together_share_a_message():
+    async def main():
+        async with Server(rate=None, speed=1e6) as s:  # whole stream due at once
+            ws = await registered(s.url, "alpha")
+            seen, _, _ = await play(ws, s.targets, stop_after=REQUESTS)
+            await ws.close()
+            return seen
+    seen = run(main())
+    assert len(seen) < REQUESTS // 2 and all_ids(seen) == list(range(REQUESTS))
+
+
+def test_split_reordered_and_nested_list_responses_are_scored():
+    def answer(ids, predictions):
+        half = len(ids) // 2
+        parts = [(ids[half:], predictions[half:]), (ids[:half], predictions[:half])]
+        return [protocol.encode({"type": "inference_response", "unique_ids": part_ids,
+                                 "predictions": part.tolist(), "client_timestamp": 0})
+                for part_ids, part in parts if part_ids]
+
+    async def main():
+        async with Server(rate=None, speed=50.0) as s:
+            ws = await registered(s.url, "alpha")
+            player = asyncio.create_task(play(ws, s.targets, answer))
+            await s.server.wait_done()
+            await ws.close()
+            _, _, errors = await player
+            return errors, s.summary("alpha")
+    errors, summary = run(main())
+    assert not errors
+    assert summary["responses"] == REQUESTS and summary["accuracy"] == 1.0
+
+
+def test_tower_beyond_atol_is_wrong():
+    def answer(ids, predictions):
+        predictions = predictions.copy()
+        predictions[:, 1] += 2e-3  # Mamba2 off by twice atol
+        predictions[:, 2] += 0.5e-3  # RetNet within atol
+        return [protocol.encode(protocol.inference_response(ids, predictions, 0.0))]
+
+    async def main():
+        async with Server() as s:
+            ws = await registered(s.url, "alpha")
+            player = asyncio.create_task(play(ws, s.targets, answer))
+            await s.server.wait_done()
+            await ws.close()
+            _, updates, _ = await player
+            return updates, s.summary("alpha")
+    updates, summary = run(main())
+    assert summary["accuracy"] == 0.75
+    assert {c for u in updates for c in u["correct"]} == {3}
+
+
+def test_garbage_connection_gets_errors_and_never_touches_others():
+    garbage = [
+        "text frame",
+        b"\xc1\xc1",
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"type": "launch"}),
+        msgpack.packb({"type": "register", "team": 7, "protocol": 1}),
+        protocol.encode(protocol.heartbeat(1.0)),  # well-formed, but not a register
+        protocol.encode(protocol.error("x", "y" * (protocol.MAX_FRAME_BYTES + 10))),  # oversized
+    ]
+
+    async def main():
+        async with Server() as s:
+            ws = await registered(s.url, "alpha")
+            player = asyncio.create_task(play(ws, s.targets))
+            bad = await connect(s.url)
+            replies = []
+            for frame in garbage:
+                await bad.send(frame)
+                replies.append(await recv(bad))
+            await s.server.wait_done()
+            await ws.close()
+            await bad.close()
+            _, _, errors = await player
+            return s, replies, errors
+    s, replies, errors = run(main())
+    assert [r["type"] for r in replies] == ["error"] * len(garbage)
+    codes = [r["error"] for r in replies]
+    assert codes == ["protocol_error"] * 5 + ["not_registered", "protocol_error"]
+    assert "text frame" in replies[0]["details"] and "exceeds the limit" in replies[-1]["details"]
+    assert s.server.unregistered_errors == len(garbage)
+    summary = s.summary("alpha")
+    assert not errors and summary["responses"] == REQUESTS and summary["errors"] == 0
+    assert [t["team"] for t in s.server.scores()["teams"]] == ["alpha"]
+
+
+def test_registered_client_bad_responses_get_errors_and_are_counted():
+    async def main():
+        async with Server(rate=None, speed=1e6, requests=8) as s:
+            ws = await registered(s.url, "alpha")
+            msg = await recv(ws)
+            ids, _, _ = protocol.parse_inference_request(msg)
+            assert ids == list(range(8))
+            t = s.targets
+            replies = {}
+
+            async def send(name, frame, expect):
+                await ws.send(frame)
+                replies[name] = [await recv(ws) for _ in range(expect)]
+
+            await send("unknown", protocol.encode(protocol.inference_response([0, 99], t[[0, 0]], 0)), 2)
+            await send("duplicate", protocol.encode(protocol.inference_response([0], t[[0]], 0)), 1)
+            await send("count", protocol.encode({"type": "inference_response", "unique_ids": [1, 2],
+                                                 "predictions": t[1].tobytes(), "client_timestamp": 0}), 1)
+            nan = t[[1, 2]].copy()
+            nan[0, 3] = np.nan
+            await send("nan", protocol.encode(protocol.inference_response([1, 2], nan, 0)), 2)
+            await send("retry", protocol.encode(protocol.inference_response([1], t[[1]], 0)), 1)
+            await send("wrong_type", protocol.encode({"type": "inference_response", "unique_ids": [3],
+                                                      "predictions": "x", "client_timestamp": 0}), 1)
+            await send("request", protocol.encode(protocol.inference_request([3], ["S"], np.zeros((1, 79)), 0)), 1)
+            await send("register", protocol.encode(protocol.register("alpha")), 1)
+            await ws.send(protocol.encode(protocol.error("nan_features", "id 4")))  # a client's report
+            await ws.send(protocol.encode(protocol.heartbeat(1.0)))
+            await send("rest", protocol.encode(protocol.inference_response(range(3, 8), t[3:8], 0)), 1)
+            await ws.close()
+            return replies, s.summary("alpha")
+    replies, summary = run(main())
+    assert [m["type"] for m in replies["unknown"]] == ["score_update", "error"]
+    assert replies["unknown"][0]["unique_ids"] == [0] and "99" in replies["unknown"][1]["details"]
+    assert replies["duplicate"][0]["error"] == "duplicate_ids"
+    assert "expected 32" in replies["count"][0]["details"]
+    assert [m["type"] for m in replies["nan"]] == ["score_update", "error"]
+    assert replies["nan"][0]["unique_ids"] == [2] and replies["nan"][1]["error"] == "non_finite_predictions"
+    assert replies["retry"][0]["unique_ids"] == [1]  # a NaN answer leaves the id open for a real one
+    assert replies["wrong_type"][0]["error"] == "protocol_error"
+    assert replies["request"][0]["error"] == "unexpected_type"
+    assert replies["register"][0]["error"] == "already_registered"
+    assert replies["rest"][0]["type"] == "score_update"
+    assert summary["responses"] == 8 and summary["accuracy"] == 1.0 and summary["complete"]
+    assert summary["duplicates"] == 1 and summary["errors"] == 6 and summary["client_errors"] == 1
+
+
+def test_client_that_never_registers_is_told_and_closed():
+    async def main():
+        async with Server(register_timeout_s=0.2) as s:
+            ws = await connect(s.url)
+            reply = await recv(ws)
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 5)
+            return reply, s.server.unregistered_errors, s.server.summaries()
+    reply, unregistered, summaries = run(main())
+    assert reply["error"] == "register_timeout" and unregistered == 1 and summaries == []
+
+
+@pytest.mark.parametrize("register, code, closes", [
+    ({"type": "register", "team": "a", "protocol": protocol.PROTOCOL_VERSION + 1}, "version_mismatch", True),
+    ({"type": "register", "team": "a", "protocol": protocol.PROTOCOL_VERSION, "token": "nope"}, "bad_token", True),
+    ({"type": "register", "team": "a", "protocol": protocol.PROTOCOL_VERSION}, "bad_token", True),
+    ({"type": "register", "team": "", "protocol": protocol.PROTOCOL_VERSION, "token": "s"}, "bad_team", False),
+    ({"type": "register", "team": "a\nb", "protocol": protocol.PROTOCOL_VERSION, "token": "s"}, "bad_team", False),
+])
+def test_bad_register_is_refused(register, code, closes):
+    async def main():
+        async with Server(token="s") as s:
+            ws = await connect(s.url)
+            await ws.send(protocol.encode(register))
+            reply = await recv(ws)
+            if closes:
+                with pytest.raises(ConnectionClosed):
+                    await asyncio.wait_for(ws.recv(), 5)
+            else:  # may still register properly
+                await ws.send(protocol.encode(protocol.register("a", token="s")))
+                assert (await recv(ws))["type"] == "inference_request"
+            await ws.close()
+            return reply
+    reply = run(main())
+    assert reply["error"] == code
+    if code == "version_mismatch":
+        assert f"server speaks protocol {protocol.PROTOCOL_VERSION}" in reply["details"]
+
+
+def test_reconnect_resends_unanswered_in_order_and_counts_what_was_missed():
+    timeout_s = 0.3
+
+    async def main():
+        async with Server(rate=200.0, timeout_s=timeout_s) as s:
+            ws = await registered(s.url, "alpha")
+            first, _, _ = await play(ws, s.targets, stop_after=5)
+            # one more request arrives but is never answered before the drop
+            pending = await recv(ws)
+            while pending["type"] != "inference_request":
+                pending = await recv(ws)
+            await ws.close()
+            await asyncio.sleep(timeout_s + 0.1)  # what fell due meanwhile is past the timeout
+            ws = await registered(s.url, "alpha")
+            second = asyncio.create_task(play(ws, s.targets))
+            await s.server.wait_done()
+            await ws.close()
+            seen, updates, errors = await second
+            return s, first, pending, seen, updates, errors
+    s, first, pending, seen, updates, errors = run(main())
+    answered_before = all_ids(first)
+    resent = all_ids(seen)
+    assert not errors
+    # resent first, in order, with original ids and timestamps; then the stream continues
+    assert resent[:len(pending["unique_ids"])] == pending["unique_ids"]
+    assert seen[0][0] == pending["timestamp"]
+    assert sorted(resent) == resent and set(resent).isdisjoint(answered_before)
+    assert set(resent) | set(answered_before) == set(range(REQUESTS))
+    summary = s.summary("alpha")
+    late = {i for u in updates for i, p in zip(u["unique_ids"], u["pnls"]) if p == 0}
+    assert summary["missed"] == len(late) > 0  # those past the timeout stay missed
+    assert summary["responses"] + summary["missed"] == REQUESTS  # nothing else is lost
+    assert summary["connections"] == 2 and summary["accuracy"] == 1.0
+
+
+def test_newer_connection_of_a_team_supersedes_the_older():
+    async def main():
+        async with Server(rate=100.0) as s:
+            old = await registered(s.url, "alpha")
+            await recv(old)
+            new = await registered(s.url, "alpha")
+            messages = []
+            try:
+                while True:
+                    messages.append(await recv(old))
+            except ConnectionClosed:
+                pass
+            first = await recv(new)
+            await new.close()
+            return messages, first
+    messages, first = run(main())
+    assert messages[-1]["error"] == "superseded"
+    assert first["type"] == "inference_request" and first["unique_ids"][0] == 0  # resent
+
+
+def test_slow_client_is_missed_while_a_fast_one_keeps_its_score():
+    async def main():
+        async with Server(rate=500.0, timeout_s=0.2) as s:
+            fast = await registered(s.url, "fast")
+            slow = await registered(s.url, "slow")
+
+            async def slow_answer():
+                seen, _, _ = await play(slow, s.targets, answer=lambda ids, p: [], stop_after=REQUESTS)
+                await asyncio.sleep(0.3)  # answer everything after the timeout
+                await slow.send(protocol.encode(protocol.inference_response(range(REQUESTS), s.targets, 0)))
+                return await recv(slow)
+
+            player = asyncio.create_task(play(fast, s.targets))
+            late_update = await slow_answer()
+            await s.server.wait_done()
+            await fast.close()
+            await slow.close()
+            await player
+            return late_update, s.summary("fast"), s.summary("slow")
+    late_update, fast, slow = run(main())
+    assert fast["responses"] == REQUESTS and fast["missed"] == 0 and fast["accuracy"] == 1.0
+    assert slow["missed"] == REQUESTS and slow["responses"] == 0 and slow["pnl"] == 0
+    assert slow["late"] == REQUESTS and set(late_update["pnls"]) == {0.0}
+
+
+class StuckConnection:
+    """A client that stopped reading: every send waits forever until the transport is aborted."""
+
+    def __init__(self):
+        self.sends = 0
+        self.aborted = asyncio.Event()
+        self.transport = self
+
+    async def send(self, frame):
+        self.sends += 1
+        await self.aborted.wait()
+        raise ConnectionError("aborted")
+
+    def abort(self):
+        self.aborted.set()
+
+
+def test_client_that_stops_reading_is_cut_off_and_the_pace_kept():
+    async def main():
+        stream, targets = make_stream(40)
+        offsets = send_offsets(40, stream.delay_ms, rate=200.0)
+        session = TeamSession("stuck", stream.symbols, stream.features, targets, offsets, atol=1e-3,
+                              half_life_ms=100.0, timeout_s=0.05, send_stall_s=0.05, max_requests_per_message=16)
+        conn = StuckConnection()
+        session.attach(conn)
+        await asyncio.wait_for(session.run(), 5)
+        return session, conn
+    session, conn = run(main())
+    assert conn.aborted.is_set() and conn.sends == 1  # one frame buffered, then cut off
+    assert session.connection is None
+    assert session.sent == 40 and session.missed == 40 and session.done.is_set()
+
+
+def test_leaderboard_over_http_on_the_same_port():
+    async def main():
+        async with Server() as s:
+            ws = await registered(s.url, "<b>alpha</b>")
+            player = asyncio.create_task(play(ws, s.targets))
+            await s.server.wait_done()
+
+            def get(path):
+                with urllib.request.urlopen(f"http://127.0.0.1:{s.port}{path}", timeout=5) as response:
+                    return response.headers["Content-Type"], response.read().decode()
+            page = await asyncio.to_thread(get, "/")
+            scores = await asyncio.to_thread(get, "/scores.json")
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                await asyncio.to_thread(get, "/nope")
+            await ws.close()
+            await player
+            return page, scores
+    (page_type, page), (json_type, scores) = run(main())
+    assert page_type.startswith("text/html") and 'http-equiv="refresh"' in page
+    assert "&lt;b&gt;alpha&lt;/b&gt;" in page and "<b>alpha" not in page  # team names are escaped
+    assert json_type.startswith("application/json")
+    team = json.loads(scores)["teams"][0]
+    assert team["team"] == "<b>alpha</b>" and team["responses"] == REQUESTS and team["accuracy"] == 1.0
+    for key in ("pnl", "recent_pnl_per_s", "latency_p50_ms", "latency_p99_ms", "responses_per_s",
+                "pnl_per_response", "missed", "errors"):
+        assert key in team
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("rate", 0.0, "rate must be positive"),
+    ("speed", -1.0, "speed must be positive"),
+    ("timeout_s", 0, "timeout_s must be positive"),
+    ("requests", 0, "requests must be positive"),
+    ("atol", -1e-3, "atol must be non-negative"),
+    ("port", 70000, "port must be in"),
+])
+def test_bad_config_is_refused(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        ServerConfig(**{field: value})
+
+
+def test_stream_and_targets_must_agree():
+    stream, targets = make_stream()
+
+    async def main():
+        await ScoringServer(ServerConfig(), stream=stream, targets=targets[:-1]).start()
+    with pytest.raises(ValueError, match=r"targets must have shape \(60, 4\)"):
+        run(main())
