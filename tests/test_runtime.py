@@ -1,0 +1,235 @@
+"""The runtime against a real in-test websocket server playing scripted request streams."""
+import asyncio
+import math
+import socket
+
+import numpy as np
+import pytest
+from websockets.asyncio.server import serve
+
+from client import protocol
+from client.engine.reference import ReferenceEngine
+from client.model import load_model
+from client.runtime import ClientStats, ServerRefused, StreamingClient
+from team.example_model import ExampleModel
+
+SYMBOLS = ["SYM_000", "SYM_001", "SYM_002"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", seed=1)[0]
+
+
+class CountingClient(ExampleModel):
+    """The example client, counting the rows it steps per symbol."""
+
+    def __init__(self, engine, fail_on_id=None):
+        super().__init__(engine)
+        self.stepped = {}
+        self.fail_on_id = fail_on_id
+
+    def process_batch(self, requests_by_symbol):
+        if any(uid == self.fail_on_id for uid, _ in requests_by_symbol.values()):
+            raise RuntimeError("team client bug")
+        for symbol in requests_by_symbol:
+            self.stepped[symbol] = self.stepped.get(symbol, 0) + 1
+        return super().process_batch(requests_by_symbol)
+
+
+def _stream(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [SYMBOLS[i % len(SYMBOLS)] for i in range(n)], rng.standard_normal((n, 79)).astype(np.float32)
+
+
+def _expected(model, symbols, features, ids):
+    """Each symbol alone, straight through, over the requests `ids` in order."""
+    engines = {s: ReferenceEngine(model) for s in SYMBOLS}
+    return {i: engines[symbols[i]].step([symbols[i]], features[i:i + 1])[0] for i in ids}
+
+
+def _request(ids, symbols, features):
+    return protocol.encode(protocol.inference_request(ids, [symbols[i] for i in ids], features[ids], 0.0))
+
+
+class Recorder:
+    """What the client sent to the in-test server, across connections."""
+
+    def __init__(self):
+        self.responses = []  # (unique_id, prediction [4]) in arrival order
+        self.errors = []     # details strings
+        self.types = []
+
+    def answered(self):
+        return {uid for uid, _ in self.responses}
+
+    async def pump(self, ws, done, timeout_s=60):
+        async def loop():
+            while not done():
+                msg = protocol.decode(await ws.recv())
+                self.types.append(msg["type"])
+                if msg["type"] == "inference_response":
+                    ids, predictions = protocol.parse_inference_response(msg)
+                    self.responses.extend(zip(ids, predictions))
+                elif msg["type"] == "error":
+                    self.errors.append(msg["details"])
+        await asyncio.wait_for(loop(), timeout_s)
+
+
+async def _play(handler, team_client, **client_options):
+    async with serve(handler, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        client = StreamingClient(team_client, f"ws://127.0.0.1:{port}", "testers", backoff_s=0.02,
+                                 **client_options)
+        return client, await asyncio.wait_for(client.run(), 120)
+
+
+def _assert_in_order_per_symbol(responses, symbols):
+    for symbol in SYMBOLS:
+        ids = [uid for uid, _ in responses if symbols[uid] == symbol]
+        assert ids == sorted(ids)
+
+
+def test_bad_messages_and_rows_are_answered_with_errors_and_the_rest_goes_on(model):
+    symbols, features = _stream(15)
+    nan_id, inf_id, bad_length_ids = 6, 10, [11, 12]
+    valid = [i for i in range(15) if i not in (nan_id, inf_id, *bad_length_ids)]
+    features[nan_id, 3] = np.nan
+    features[inf_id, 0] = -np.inf
+    recorder = Recorder()
+
+    async def handler(ws):
+        assert protocol.decode(await ws.recv()) == protocol.register("testers")
+        await ws.send(_request([0, 1, 2, 3, 4, 5], symbols, features))
+        await ws.send(b"\xc1 not msgpack")
+        await ws.send("a text frame")
+        await ws.send(protocol.encode({"type": "bogus", "x": 1}))
+        await ws.send(protocol.encode(protocol.heartbeat(1.0)))
+        await ws.send(_request([6, 7, 8], symbols, features))
+        await ws.send(_request([9, 10], symbols, features))
+        short = protocol.inference_request(bad_length_ids, [symbols[i] for i in bad_length_ids],
+                                           features[bad_length_ids], 0.0)
+        short["features"] = short["features"][:-4]
+        await ws.send(protocol.encode(short))
+        await ws.send(_request([13, 14], symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= set(valid) and len(recorder.errors) >= 6
+                            and "heartbeat" in recorder.types)
+        await ws.close(1000)
+
+    team_client = CountingClient(ReferenceEngine(model))
+    client, summary = asyncio.run(_play(handler, team_client, heartbeat_s=0.05))
+
+    assert sorted(uid for uid, _ in recorder.responses) == valid  # each valid id once, the bad ones never
+    expected = _expected(model, symbols, features, valid)
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+    _assert_in_order_per_symbol(recorder.responses, symbols)
+    errors = "\n".join(recorder.errors)
+    assert "malformed msgpack" in errors and "text frame" in errors and "unknown message type 'bogus'" in errors
+    assert f"unique_id {nan_id} " in errors and f"unique_id {inf_id} " in errors and "NaN or inf" in errors
+    assert "[11, 12]" in errors and "bytes" in errors
+    assert sum(team_client.stepped.values()) == len(valid)
+    assert summary["requests"] == 13 and summary["errors"] == 4 and summary["connections"] == 1
+
+
+def test_reconnect_keeps_state_and_answers_resent_ids_from_cache(model):
+    symbols, features = _stream(24, seed=5)
+    recorder = Recorder()
+    connections = []
+
+    async def handler(ws):
+        connections.append(ws)
+        assert protocol.decode(await ws.recv())["type"] == "register"
+        if len(connections) == 1:
+            await ws.send(_request(list(range(0, 6)), symbols, features))
+            await ws.send(_request(list(range(6, 12)), symbols, features))
+            await recorder.pump(ws, lambda: recorder.answered() >= set(range(6)))
+            ws.transport.abort()  # a dropped connection, no close frame
+            return
+        # The server resends what it considers unanswered: 3..11, pretending 3..5's answers were lost.
+        await ws.send(_request(list(range(3, 12)), symbols, features))
+        await ws.send(_request(list(range(12, 24)), symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= set(range(24)) and
+                            sum(1 for uid, _ in recorder.responses if uid in (3, 4, 5)) >= 6)
+        await ws.close(1000)
+
+    team_client = CountingClient(ReferenceEngine(model))
+    client, summary = asyncio.run(_play(handler, team_client))
+
+    assert len(connections) == 2 and summary["connections"] == 2
+    assert sum(team_client.stepped.values()) == 24  # resent ids never stepped twice
+    expected = _expected(model, symbols, features, range(24))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+    assert summary["resent_from_cache"] >= 3
+    _assert_in_order_per_symbol([r for r in recorder.responses if r[0] >= 12], symbols)
+
+
+def test_failing_process_batch_sends_an_error_and_keeps_going(model):
+    symbols, features = _stream(6)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request([0, 1, 2], symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= {0, 2} and recorder.errors)
+        await ws.send(_request([3, 4, 5], symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= {0, 2, 3, 4, 5})
+        await ws.close(1000)
+
+    asyncio.run(_play(handler, CountingClient(ReferenceEngine(model), fail_on_id=1), max_batch=1))
+    assert 1 not in recorder.answered()
+    assert "unique_ids [1] not answered" in recorder.errors[0] and "team client bug" in recorder.errors[0]
+
+
+def test_policy_close_raises_server_refused(model):
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(protocol.encode(protocol.error("protocol", "server speaks protocol 99")))
+        await ws.close(1008, "bad protocol version")
+
+    with pytest.raises(ServerRefused, match="1008: bad protocol version"):
+        asyncio.run(_play(handler, CountingClient(ReferenceEngine(model))))
+
+
+def test_unreachable_server_gives_up():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    client = StreamingClient(None, f"ws://127.0.0.1:{port}", "testers", backoff_s=0.01, give_up_after_s=0.2)
+    summary = asyncio.run(asyncio.wait_for(client.run(), 30))
+    assert summary["requests"] == 0 and summary["connections"] == 0
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"max_batch": 0}, "max_batch"),
+    ({"cache_size": 0}, "cache_size"),
+    ({"heartbeat_s": 0}, "heartbeat_s"),
+    ({"backoff_s": 1.0, "backoff_max_s": 0.5}, "backoff_s"),
+])
+def test_bad_client_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        StreamingClient(None, "ws://127.0.0.1:1", "testers", **options)
+
+
+def test_bad_url():
+    with pytest.raises(ValueError, match="bad server url"):
+        asyncio.run(StreamingClient(None, "http://nowhere", "testers").run())
+
+
+def test_stats_from_score_updates():
+    stats = ClientStats()
+    for _ in range(4):
+        stats.note_request()
+    stats.add_scores(protocol.score_update([1, 2, 3], [0.5, 1.0, 0.0], [2, 4, 0], [10.0, 30.0, 20.0]))
+    stats.add_scores(protocol.score_update([3], [0.0], [0], [20.0]))  # a repeat is counted once
+    summary = stats.summary()
+    assert summary["requests"] == 4 and summary["responses"] == 3 and summary["missed"] == 1
+    assert summary["accuracy"] == pytest.approx(6 / 12)
+    assert summary["pnl"] == pytest.approx(1.5)
+    assert summary["latency_ms"]["p50"] == pytest.approx(20.0) and summary["latency_ms"]["max"] == 30.0
+    assert "responses 3" in stats.progress_line()
+    with pytest.raises(protocol.ProtocolError, match="lengths differ"):
+        stats.add_scores({"type": "score_update", "unique_ids": [1], "pnls": [], "correct": [1],
+                          "latencies_ms": [1.0]})
+    assert math.isfinite(summary["latency_ms"]["mean"])
