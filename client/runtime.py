@@ -8,7 +8,6 @@ without stepping the model twice.
 """
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -34,7 +33,8 @@ class ServerRefused(RuntimeError):
 class ClientStats:
     """What this client received and sent, and the server's score updates (progress line and summary)."""
 
-    def __init__(self):
+    def __init__(self, timeout_s: float = 2.0):
+        self.timeout_ms = timeout_s * 1000.0  # the server's: a later answer is scored but counts as missed
         self.requests = 0          # distinct request ids received
         self.rejected = 0          # request rows answered with an error (NaN/inf features, bad message)
         self.responses_sent = 0    # ids answered from a model step
@@ -42,7 +42,7 @@ class ClientStats:
         self.bad_messages = 0
         self.server_errors = 0
         self.connections = 0
-        self.scored = 0            # score entries received
+        self.scored = 0            # requests the server scored as answered in time
         self.correct_towers = 0
         self.pnl = 0.0
         self.latencies_ms: list[float] = []
@@ -64,10 +64,10 @@ class ClientStats:
             if uid in self._scored_ids:
                 continue
             self._scored_ids.add(uid)
-            self.scored += 1
             self.pnl += pnl
-            self.correct_towers += towers
-            if math.isfinite(latency):
+            if latency <= self.timeout_ms:
+                self.scored += 1
+                self.correct_towers += towers
                 self.latencies_ms.append(latency)
         self._last_score_at = time.perf_counter()
 
@@ -113,7 +113,8 @@ class StreamingClient:
 
     def __init__(self, team_client, url: str, team: str, token: str | None = None, *,
                  max_batch: int | None = None, heartbeat_s: float = 5.0, backoff_s: float = 0.1,
-                 backoff_max_s: float = 5.0, give_up_after_s: float = 10.0, cache_size: int = 200_000):
+                 backoff_max_s: float = 5.0, give_up_after_s: float = 10.0, cache_size: int = 200_000,
+                 timeout_s: float = 2.0):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -126,7 +127,7 @@ class StreamingClient:
         self.heartbeat_s, self.backoff_s, self.backoff_max_s = heartbeat_s, backoff_s, backoff_max_s
         self.give_up_after_s = give_up_after_s
         self.cache_size = cache_size
-        self.stats = ClientStats()
+        self.stats = ClientStats(timeout_s)
         self._scheduler = Scheduler()
         self._work_ready = threading.Condition()  # guards _scheduler and _worker_stopping
         self._worker_stopping = False

@@ -1,3 +1,5 @@
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -80,3 +82,9 @@ def test_make_engine(model):
     assert "reference" in ENGINES
     with pytest.raises(ValueError, match="unknown engine 'slow'"):
         make_engine("slow", model)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("client.engine.fast") is not None, reason="the fast engine is present")
+def test_missing_fast_engine_says_so(model):
+    with pytest.raises(ValueError, match="engine 'fast' is not available"):
+        make_engine("fast", model)

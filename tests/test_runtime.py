@@ -218,13 +218,14 @@ def test_bad_url():
 
 
 def test_stats_from_score_updates():
-    stats = ClientStats()
-    for _ in range(4):
+    stats = ClientStats(timeout_s=1.0)
+    for _ in range(5):
         stats.note_request()
     stats.add_scores(protocol.score_update([1, 2, 3], [0.5, 1.0, 0.0], [2, 4, 0], [10.0, 30.0, 20.0]))
     stats.add_scores(protocol.score_update([3], [0.0], [0], [20.0]))  # a repeat is counted once
+    stats.add_scores(protocol.score_update([4], [0.0], [4], [1500.0]))  # late: scored, but missed
     summary = stats.summary()
-    assert summary["requests"] == 4 and summary["responses"] == 3 and summary["missed"] == 1
+    assert summary["requests"] == 5 and summary["responses"] == 3 and summary["missed"] == 2
     assert summary["accuracy"] == pytest.approx(6 / 12)
     assert summary["pnl"] == pytest.approx(1.5)
     assert summary["latency_ms"]["p50"] == pytest.approx(20.0) and summary["latency_ms"]["max"] == 30.0
