@@ -71,10 +71,12 @@ def parse_args(argv=None):
     return args
 
 
-async def _print_progress(stats, interval_s=0.5):
+async def _print_progress(stats):
+    # One line rewritten in place on a terminal; a line every few seconds into a log file.
+    live = sys.stderr.isatty()
     while True:
-        await asyncio.sleep(interval_s)
-        print("\r" + stats.progress_line(), end="", file=sys.stderr, flush=True)
+        await asyncio.sleep(0.5 if live else 5.0)
+        print(("\r" if live else "") + stats.progress_line(), end="" if live else "\n", file=sys.stderr, flush=True)
 
 
 async def _wait_for_last_scores(stats, num_requests, timeout_s=2.0, poll_s=0.02):
@@ -121,7 +123,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
         progress.cancel()
         if server is not None:
             await server.stop()
-    print("\r" + client.stats.progress_line(), file=sys.stderr)
+    print(("\r" if sys.stderr.isatty() else "") + client.stats.progress_line(), file=sys.stderr)
     return summary, server.summaries() if server is not None else None
 
 
