@@ -1,0 +1,91 @@
+"""`python -m server` end to end: the issue's 'done when', played by the team client, plus CLI input checks."""
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+from websockets.asyncio.client import connect
+
+from client import protocol
+from server.__main__ import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_server(args, log_path):
+    """Start `python -m server` on a free port; returns (process, port) once it listens."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=log, text=True)
+    line = proc.stdout.readline()  # targets are computed before the server listens
+    match = re.search(r"ws://127\.0\.0\.1:(\d+)", line)
+    if not match:
+        proc.kill()
+        pytest.fail(f"server did not start: {line!r}; log: {Path(log_path).read_text()[-2000:]}")
+    return proc, int(match.group(1))
+
+
+async def send_garbage(port):
+    """A second connection sending garbage must get `error` replies while the team plays."""
+    async with connect(f"ws://127.0.0.1:{port}") as ws:
+        replies = []
+        for frame in (b"\x00garbage", "text", msgpack.packb({"type": "nope"})):
+            await ws.send(frame)
+            replies.append(protocol.decode(await asyncio.wait_for(ws.recv(), 10)))
+        return replies
+
+
+def test_done_when_team_client_scores_every_request(tmp_path):
+    out = tmp_path / "out.json"
+    # as in the issue, with a long timeout so that a loaded CI machine still answers in time
+    proc, port = start_server(["--preset", "tiny", "--seed", "5", "--symbols", "8", "--requests", "400",
+                               "--rate", "200", "--once", "--json", str(out), "--timeout-s", "60",
+                               "--cache-dir", str(tmp_path / "cache")], tmp_path / "server.log")
+    try:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        team = subprocess.Popen([sys.executable, "team/example_model.py", "--host", "127.0.0.1", "--port",
+                                 str(port), "--preset", "tiny", "--seed", "5", "--engine", "reference",
+                                 "--team", "NAME", "--device", "cpu"], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        replies = asyncio.run(send_garbage(port))
+        _, team_err = team.communicate(timeout=300)
+        assert team.returncode == 0, team_err[-2000:]
+        table, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    assert [r["type"] for r in replies] == ["error"] * 3
+    summaries = json.loads(out.read_text())
+    assert [s["team"] for s in summaries] == ["NAME"]
+    summary = summaries[0]
+    assert summary["requests"] == summary["responses"] == 400
+    assert summary["missed"] == summary["errors"] == summary["duplicates"] == 0
+    assert summary["accuracy"] == 1.0 and summary["pnl"] > 0
+    for key in ("p50", "p90", "p99", "mean", "max"):
+        assert summary["latency_ms"][key] > 0
+    assert summary["responses_per_s"] > 0
+    assert re.search(r"^NAME\s+400\s+400\s+0\s+0\s+0\s+1\.0000", table, re.M), table
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rate", "0"], "rate must be positive"),
+    (["--timeout-s", "-1"], "timeout_s must be positive"),
+    (["--port", "99999"], "port must be in"),
+    (["--weights", "w.pt", "--seed", "3"], "not allowed with argument"),
+    (["--requests", "many"], "invalid int value"),
+])
+def test_cli_rejects_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_cli_builds_config():
+    config = parse_args(["--preset", "small", "--seed", "5", "--rate", "50", "--once", "--json", "x.json"])
+    assert (config.preset, config.seed, config.rate, config.once, config.json) == ("small", 5, 50.0, True, "x.json")
+    assert config.atol == 1e-3 and config.timeout_s == 2.0 and config.host == "127.0.0.1"
