@@ -320,6 +320,13 @@ def public_result(result: dict, **meta) -> dict:
 
 # -------------------------------------------------------------------------------------------- main
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -331,8 +338,8 @@ def parse_args(argv=None):
                "clock; throughput = responses / (last answer - first arrival).")
     src = p.add_argument_group("stream (generated unless --stream)")
     src.add_argument("--stream", help="replay this .npz or original .parquet stream")
-    src.add_argument("--symbols", type=int, default=6)
-    src.add_argument("--requests", type=int, default=300)
+    src.add_argument("--symbols", type=positive_int, default=6)
+    src.add_argument("--requests", type=positive_int, default=300)
     src.add_argument("--stream-seed", type=int, default=0)
     src.add_argument("--rate", type=float, default=None,
                      help="mean arrival rate, requests/s (default: the generator's)")
@@ -345,7 +352,7 @@ def parse_args(argv=None):
     mdl.add_argument("--team-dir", default=str(DEFAULT_TEAM_DIR),
                      help="folder holding the example_model.py to evaluate (default team/)")
     ev = p.add_argument_group("evaluation")
-    ev.add_argument("--batch-size", type=int, default=None,
+    ev.add_argument("--batch-size", type=positive_int, default=None,
                     help="arrival groups of N requests, as the original evaluator")
     ev.add_argument("--atol", type=float, default=DEFAULT_ATOL,
                     help="tolerance for within_atol (default 1e-3)")

@@ -1,0 +1,288 @@
+"""local_evaluator: scheduling order, batching, metrics, the CLI end to end, and bad input."""
+import json
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import local_evaluator as le
+from client.streams import Stream, generate_stream, save_stream
+
+TOWERS = ("xlstm", "mamba2", "retnet", "hawk")
+
+
+class RecordingClient:
+    """A stateful stand-in whose predictions depend on every earlier request of the symbol, so a
+    reordered or skipped request shows up as an error; it also records each micro-batch."""
+
+    def __init__(self):
+        self.state = {}
+        self.batches = []
+
+    def process_batch(self, requests_by_symbol):
+        ids, predictions = [], []
+        for symbol, (uid, features) in requests_by_symbol.items():
+            state = 0.5 * self.state.get(symbol, np.zeros(4)) + features[:4]
+            self.state[symbol] = state
+            ids.append(uid)
+            predictions.append(state)
+        self.batches.append(list(requests_by_symbol.items()))
+        return {"unique_ids": ids, "predictions": np.array(predictions, dtype=np.float32)}
+
+
+def sequential_targets(stream):
+    """What RecordingClient must answer when each symbol's requests come in stream order."""
+    state, targets = {}, []
+    for symbol, features in zip(stream.symbols, stream.features):
+        state[symbol] = 0.5 * state.get(symbol, np.zeros(4)) + features[:4]
+        targets.append(state[symbol])
+    return np.array(targets, dtype=np.float32)
+
+
+def assert_order(client, stream):
+    seen = {}
+    for batch in client.batches:
+        symbols = [symbol for symbol, _ in batch]
+        assert len(set(symbols)) == len(symbols), "two requests of one symbol in a step"
+        ids = [uid for _, (uid, _) in batch]
+        assert ids == sorted(ids), "a batch is not oldest first"
+        for symbol, (uid, features) in batch:
+            assert stream.symbols[uid] == symbol
+            np.testing.assert_array_equal(features, stream.features[uid])
+            seen.setdefault(symbol, []).append(uid)
+    for symbol, ids in seen.items():
+        assert ids == sorted(ids), f"{symbol} saw its requests out of order"
+    assert sorted(i for ids in seen.values() for i in ids) == list(range(len(stream)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("batch_size", [None, 1, 7, 1000])
+def test_random_interleavings_keep_each_symbols_order(seed, batch_size):
+    rng = np.random.default_rng(seed)
+    stream = generate_stream(int(rng.integers(1, 9)), int(rng.integers(1, 120)), seed,
+                             rate=float(rng.choice([1e2, 1e5, 1e8])))
+    client = RecordingClient()
+    result = le.evaluate(client, stream, sequential_targets(stream), batch_size=batch_size)
+    assert_order(client, stream)
+    assert result["responses"] == result["requests"] == len(stream)
+    assert all(result["towers"][t]["within_atol"] == 1.0 for t in TOWERS)
+
+
+def test_batch_size_groups_arrive_together_and_in_turn():
+    stream = generate_stream(5, 40, seed=3)
+    client = RecordingClient()
+    result = le.evaluate(client, stream, sequential_targets(stream), batch_size=10)
+    groups = [{uid // 10 for _, (uid, _) in batch} for batch in client.batches]
+    assert all(len(group) == 1 for group in groups), "a step mixed two arrival groups"
+    order = [min(group) for group in groups]
+    assert order == sorted(order) and set(order) == {0, 1, 2, 3}
+    # the first step of each group takes the oldest request of every symbol present in it
+    first = client.batches[0]
+    assert len(first) == len(set(stream.symbols[:10]))
+    assert result["steps"] == len(client.batches)
+
+
+def test_requests_far_apart_are_served_one_by_one():
+    # gaps of 1000 s: each request arrives long after the previous one is answered
+    stream = Stream(np.array(["A", "B", "A", "C"]), np.ones((4, 79), np.float32),
+                    np.full(4, 1e6, np.float32))
+    client = RecordingClient()
+    result = le.evaluate(client, stream, sequential_targets(stream))
+    assert [len(b) for b in client.batches] == [1, 1, 1, 1]
+    assert result["latency_ms"]["p99"] < 1e6
+
+
+def test_simultaneous_arrivals_fill_one_step_per_symbol():
+    stream = Stream(np.array(["A", "A", "B", "A", "B"]), np.ones((5, 79), np.float32),
+                    np.zeros(5, np.float32))
+    client = RecordingClient()
+    le.evaluate(client, stream, sequential_targets(stream))
+    assert [[uid for _, (uid, _) in b] for b in client.batches] == [[0, 2], [1, 4], [3]]
+
+
+def test_order_of_symbols_inside_a_step_does_not_matter():
+    class ReversingClient(RecordingClient):
+        def process_batch(self, requests_by_symbol):
+            return super().process_batch(dict(reversed(list(requests_by_symbol.items()))))
+
+    stream = Stream(np.array(["A", "B"] * 5), np.arange(790, dtype=np.float32).reshape(10, 79),
+                    np.zeros(10, np.float32))
+    result = le.evaluate(ReversingClient(), stream, sequential_targets(stream))
+    assert all(result["towers"][t]["within_atol"] == 1.0 for t in TOWERS)
+
+
+@pytest.mark.parametrize("response, message", [
+    ({"unique_ids": [0], "predictions": np.zeros((1, 3))}, "shape"),
+    ({"unique_ids": [], "predictions": np.zeros((0, 4))}, "missing ids [0]"),
+    ({"unique_ids": [0, 0], "predictions": np.zeros((2, 4))}, "repeated"),
+    ({"predictions": np.zeros((1, 4))}, "must return"),
+    (None, "must return"),
+])
+def test_a_client_breaking_the_contract_gets_a_clear_error(response, message):
+    class BadClient:
+        def process_batch(self, requests_by_symbol):
+            return response
+
+    stream = Stream(np.array(["A"]), np.zeros((1, 79), np.float32), np.zeros(1, np.float32))
+    with pytest.raises(le.EvaluationError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        le.evaluate(BadClient(), stream, np.zeros((1, 4), np.float32))
+
+
+def test_targets_of_the_wrong_shape_are_refused():
+    stream = Stream(np.array(["A"]), np.zeros((1, 79), np.float32), np.zeros(1, np.float32))
+    with pytest.raises(le.EvaluationError, match="targets have shape"):
+        le.evaluate(RecordingClient(), stream, np.zeros((2, 4), np.float32))
+
+
+def test_tower_errors_values():
+    targets = np.zeros((4, 4), np.float32)
+    targets[:, 1] = [1, -1, 1, -1]  # std 1
+    predictions = targets.copy()
+    predictions[0, 0] = 2e-3
+    predictions[:, 1] += 0.5
+    predictions[3, 3] = np.nan
+    errors = le.tower_errors(predictions, targets, atol=1e-3)
+    assert errors["xlstm"]["within_atol"] == 0.75
+    assert errors["xlstm"]["max_abs_err"] == pytest.approx(2e-3)
+    assert errors["xlstm"]["rel_rmse"] is None  # constant target
+    assert errors["mamba2"]["rmse"] == pytest.approx(0.5)
+    assert errors["mamba2"]["rel_rmse"] == pytest.approx(0.5)
+    assert errors["mamba2"]["within_atol"] == 0.0
+    assert errors["retnet"] == {"max_abs_err": 0.0, "mean_abs_err": 0.0, "rmse": 0.0,
+                                "rel_rmse": None, "within_atol": 1.0}
+    assert errors["hawk"]["max_abs_err"] == np.inf and errors["hawk"]["within_atol"] == 0.75
+
+
+# ----------------------------------------------------------------------------- CLI, real model
+
+STANDIN_TEAM = textwrap.dedent('''
+    import numpy as np
+
+    class ExampleModel:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def process_batch(self, requests_by_symbol):
+            symbols = list(requests_by_symbol)
+            features = np.stack([requests_by_symbol[s][1] for s in symbols])
+            return {"unique_ids": [requests_by_symbol[s][0] for s in symbols],
+                    "predictions": self.engine.step(symbols, features)}
+''')
+
+
+@pytest.fixture
+def team_dir(tmp_path):
+    folder = tmp_path / "team"
+    folder.mkdir()
+    (folder / "example_model.py").write_text(STANDIN_TEAM)
+    return folder
+
+
+def run_main(capsys, *argv):
+    rc = le.main(list(map(str, argv)))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_tiny_reference_run_writes_every_field(tmp_path, team_dir, capsys):
+    out_json = tmp_path / "l.json"
+    rc, out, err = run_main(capsys, "--preset", "tiny", "--engine", "reference", "--symbols", 3,
+                            "--requests", 24, "--team-dir", team_dir, "--cache-dir", tmp_path / "cache",
+                            "--json", out_json, "--device", "cpu")
+    assert rc == 0, err
+    summary = json.loads(out_json.read_text())
+    assert summary["requests"] == summary["responses"] == 24
+    assert set(summary["latency_ms"]) == {"p50", "p90", "p99", "mean"}
+    assert summary["throughput_rps"] > 0
+    for tower in TOWERS:
+        assert set(summary["towers"][tower]) == {"max_abs_err", "mean_abs_err", "rmse", "rel_rmse",
+                                                 "within_atol"}
+        assert summary["towers"][tower]["within_atol"] == 1.0
+    assert "within 0.001" in out and "hawk" in out
+
+
+def test_profile_writes_a_trace(tmp_path, team_dir, capsys):
+    rc, out, err = run_main(capsys, "--symbols", 2, "--requests", 4, "--batch-size", 2,
+                            "--team-dir", team_dir, "--cache-dir", tmp_path / "cache",
+                            "--profile", tmp_path / "prof", "--device", "cpu")
+    assert rc == 0, err
+    assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
+    assert "top 15 by self_cpu_time_total" in out
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+def test_missing_stream_file(tmp_path, team_dir, capsys):
+    rc, _, err = run_main(capsys, "--stream", tmp_path / "nope.npz", "--team-dir", team_dir)
+    assert rc == 2 and "stream file not found" in err
+
+
+def test_parquet_without_pyarrow(tmp_path, team_dir, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow` fail
+    path = tmp_path / "s.parquet"
+    path.write_bytes(b"PAR1")
+    rc, _, err = run_main(capsys, "--stream", path, "--team-dir", team_dir)
+    assert rc == 2 and "pip install pyarrow" in err
+
+
+def test_nan_in_stream(tmp_path, team_dir, capsys):
+    features = np.zeros((3, 79), np.float32)
+    features[1, 5] = np.nan
+    path = tmp_path / "nan.npz"
+    np.savez(path, symbols=np.array(["A", "B", "A"]), features=features,
+             delay_ms=np.zeros(3, np.float32))
+    rc, _, err = run_main(capsys, "--stream", path, "--team-dir", team_dir)
+    assert rc == 2 and "NaN" in err and "row 1" in err
+
+
+def test_stream_file_replays(tmp_path, team_dir, capsys):
+    path = tmp_path / "s.npz"
+    save_stream(generate_stream(2, 6, seed=1), path)
+    rc, out, err = run_main(capsys, "--stream", path, "--team-dir", team_dir,
+                            "--cache-dir", tmp_path / "cache", "--device", "cpu")
+    assert rc == 0, err
+    assert "requests 6  responses 6" in out
+
+
+def test_plot_without_matplotlib(tmp_path, team_dir, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc, _, err = run_main(capsys, "--plot", tmp_path / "p.png", "--team-dir", team_dir)
+    assert rc == 2 and "pip install matplotlib" in err
+
+
+@pytest.mark.parametrize("source, message", [
+    ("", "no team client at"),
+    ("raise RuntimeError('boom')", "importing .* failed: RuntimeError: boom"),
+    ("class ExampleModel:\n    pass\n", "no class ExampleModel with a process_batch"),
+])
+def test_broken_team_client(tmp_path, capsys, source, message):
+    folder = tmp_path / "candidate"
+    folder.mkdir()
+    if source:
+        (folder / "example_model.py").write_text(source)
+    rc, _, err = run_main(capsys, "--team-dir", folder, "--symbols", 1, "--requests", 1)
+    assert rc == 2
+    assert __import__("re").search(message, err), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "0"], "--batch-size: must be a positive integer"),
+    (["--symbols", "-1"], "--symbols: must be a positive integer"),
+])
+def test_bad_options_exit_with_usage(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        le.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--atol", "0"], "--atol must be positive"),
+    (["--rate", "-5"], "rate must be a positive number"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--engine", "warp"], "unknown engine 'warp'"),
+])
+def test_bad_values_give_clear_errors(tmp_path, team_dir, capsys, argv, message):
+    rc, _, err = run_main(capsys, "--team-dir", team_dir, "--symbols", 1, "--requests", 1,
+                          "--cache-dir", tmp_path / "cache", "--device", "cpu", *argv)
+    assert rc == 2 and message in err, err
