@@ -1,0 +1,156 @@
+"""Targets: the reference model's four predictions for every request of a stream, cached on disk.
+
+Requests are batched across symbols: step k feeds every symbol's k-th request, so each symbol sees
+its own requests in order and the result equals running each symbol alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from client.streams import NUM_TARGETS, Stream, stream_fingerprint
+
+
+def default_cache_dir() -> Path:
+    """$FASTENS_CACHE/targets, or ~/.cache/fastens/targets."""
+    root = os.environ.get("FASTENS_CACHE") or Path.home() / ".cache" / "fastens"
+    return Path(root) / "targets"
+
+
+def targets_cache_path(cache_dir, weights_fingerprint: str, stream_fp: str) -> Path:
+    key = hashlib.sha256(f"{weights_fingerprint}\0{stream_fp}".encode()).hexdigest()
+    return Path(cache_dir) / f"{key}.npy"
+
+
+def _model_device(model) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _choose_device(model, device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    model_device = _model_device(model)
+    if model_device.type == "cuda":
+        return model_device
+    return torch.device("cuda" if torch.cuda.is_available() else model_device)
+
+
+class _Progress:
+    """A one-line progress bar on stderr: steps done/total and steps per second."""
+
+    def __init__(self, total: int, label: str, enabled: bool):
+        self.total, self.label, self.enabled = total, label, enabled
+        self.start = self.last_draw = time.monotonic()
+
+    def update(self, done: int):
+        now = time.monotonic()
+        if self.enabled and (now - self.last_draw >= 0.2 or done == self.total):
+            self.last_draw = now
+            rate = done / max(now - self.start, 1e-9)
+            sys.stderr.write(f"\r{self.label}: {done}/{self.total} steps, {rate:.1f} steps/s")
+            if done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _load_cached(path: Path, num_requests: int) -> np.ndarray | None:
+    """The cached targets, or None when absent or unusable (then they are recomputed and rewritten)."""
+    try:
+        targets = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    if targets.shape != (num_requests, NUM_TARGETS) or targets.dtype != np.float32:
+        return None
+    return targets
+
+
+def _save_atomically(path: Path, targets: np.ndarray) -> None:
+    # Write then rename, so that a concurrent or interrupted run never sees a partial file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            np.save(out, targets)
+        os.replace(tmp_name, path)
+    except BaseException:
+        os.unlink(tmp_name)
+        raise
+
+
+def compute_targets(model, stream: Stream, weights_fingerprint: str, device=None, cache_dir=None,
+                    progress: bool = True) -> np.ndarray:
+    """Reference predictions float32 [M, 4] for every request of `stream`, in stream order.
+
+    Targets stored in the stream are returned only when its meta names the same weights
+    fingerprint. Otherwise the on-disk cache (keyed by the weights and stream fingerprints) is
+    used, or the model is run and the cache filled. device=None runs on the model's GPU, else on
+    CUDA when available, else on the CPU; the model is moved there in place.
+    """
+    if not isinstance(stream, Stream):
+        raise TypeError(f"stream must be a client.streams.Stream, got {type(stream).__name__}")
+    if not isinstance(weights_fingerprint, str) or not weights_fingerprint:
+        raise ValueError(f"weights_fingerprint must be a non-empty string, got {weights_fingerprint!r}")
+    if stream.targets is not None and stream.meta.get("weights_fingerprint") == weights_fingerprint:
+        return stream.targets.copy()
+
+    cache_path = targets_cache_path(cache_dir or default_cache_dir(), weights_fingerprint,
+                                    stream_fingerprint(stream))
+    cached = _load_cached(cache_path, len(stream))
+    if cached is not None:
+        return cached
+    targets = _run_reference(model, stream, _choose_device(model, device), progress)
+    _save_atomically(cache_path, targets)
+    return targets
+
+
+@torch.inference_mode()
+def _run_reference(model, stream: Stream, device: torch.device, progress: bool) -> np.ndarray:
+    model.to(device)
+    _, symbol_ids, counts = np.unique(stream.symbols, return_inverse=True, return_counts=True)
+    # Order symbols by request count, longest first: the symbols with a k-th request are then a
+    # prefix of that order, and since that prefix only shrinks with k, the stacked state is sliced,
+    # never gathered or scattered.
+    symbol_order = np.argsort(-counts, kind="stable")
+    rank_of_symbol = np.empty_like(symbol_order)
+    rank_of_symbol[symbol_order] = np.arange(len(symbol_order))
+    request_rank = rank_of_symbol[symbol_ids]
+    # Index of each request within its symbol's requests (0 for its first, 1 for its second, ...).
+    by_symbol = np.argsort(request_rank, kind="stable")
+    sorted_counts = counts[symbol_order]
+    group_starts = np.repeat(np.cumsum(sorted_counts) - sorted_counts, sorted_counts)
+    step_of_request = np.empty(len(stream), dtype=np.int64)
+    step_of_request[by_symbol] = np.arange(len(stream)) - group_starts
+    # Requests ordered by (step, symbol rank): step k is the contiguous block of active_k rows.
+    execution_order = np.lexsort((request_rank, step_of_request))
+    num_steps = int(sorted_counts[0])
+    active_per_step = (sorted_counts[None, :] > np.arange(num_steps)[:, None]).sum(axis=1)
+
+    features = torch.from_numpy(stream.features[execution_order]).to(device)
+    predictions = torch.empty(len(stream), NUM_TARGETS, dtype=torch.float32, device=device)
+    state = model.init_state(len(counts), device=device)
+    bar = _Progress(num_steps, "targets", progress)
+    start = 0
+    for step, active in enumerate(active_per_step.tolist()):
+        state = {name: tensor[:active] for name, tensor in state.items()}
+        step_predictions, state = model(features[start:start + active], state)
+        predictions[start:start + active] = step_predictions
+        start += active
+        bar.update(step + 1)
+
+    targets = np.empty((len(stream), NUM_TARGETS), dtype=np.float32)
+    targets[execution_order] = predictions.cpu().numpy()
+    bad = ~np.isfinite(targets).all(axis=1)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"the reference model gave a NaN or inf prediction at request row {row} "
+                         f"(symbol {stream.symbols[row]}); {int(bad.sum())} bad rows in all")
+    return targets

@@ -1,0 +1,177 @@
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from client.model import load_model
+from client.streams import Stream, generate_stream, stream_fingerprint
+from client.targets import compute_targets, default_cache_dir, targets_cache_path
+
+
+class CountingModel(nn.Module):
+    """Wraps a model and counts its steps, to tell a cache hit (no steps) from a miss."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.steps = model, 0
+
+    def init_state(self, batch, device=None):
+        return self.model.init_state(batch, device=device)
+
+    def forward(self, features, state):
+        self.steps += 1
+        return self.model(features, state)
+
+
+class NaNAfterThreeSteps(CountingModel):
+    def forward(self, features, state):
+        prediction, state = super().forward(features, state)
+        return (prediction * float("nan") if self.steps > 3 else prediction), state
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    # The tiny model's steps are far too small to gain from threads, and on a busy 2-core machine
+    # contending threads make each step ~20x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_and_fingerprint():
+    return load_model("tiny", seed=0)
+
+
+def run_each_symbol_alone(model, stream):
+    expected = np.empty((len(stream), 4), dtype=np.float32)
+    states = {}
+    with torch.inference_mode():
+        for row, symbol in enumerate(stream.symbols.tolist()):
+            state = states[symbol] if symbol in states else model.init_state(1, device=torch.device("cpu"))
+            prediction, states[symbol] = model(torch.from_numpy(stream.features[row:row + 1]), state)
+            expected[row] = prediction[0].numpy()
+    return expected
+
+
+def uneven_stream():
+    """Symbols with very different request counts, interleaved: active rows shrink step by step."""
+    base = generate_stream(5, 60, seed=11)
+    symbols = base.symbols.copy()
+    symbols[::4] = "SYM_000"
+    symbols[-1] = "SYM_LONE"
+    return Stream(symbols, base.features, base.delay_ms)
+
+
+def test_targets_equal_each_symbol_run_alone(model_and_fingerprint, tmp_path):
+    model, fingerprint = model_and_fingerprint
+    stream = uneven_stream()
+    targets = compute_targets(model, stream, fingerprint, device="cpu", cache_dir=tmp_path, progress=False)
+    assert targets.dtype == np.float32 and targets.shape == (len(stream), 4)
+    np.testing.assert_allclose(targets, run_each_symbol_alone(model, stream), rtol=1e-5, atol=1e-6)
+
+
+def test_second_call_hits_the_cache(model_and_fingerprint, tmp_path):
+    model, fingerprint = model_and_fingerprint
+    stream = generate_stream(3, 12, seed=1)
+    counting = CountingModel(model)
+    first = compute_targets(counting, stream, fingerprint, cache_dir=tmp_path, progress=False)
+    assert counting.steps > 0
+    assert targets_cache_path(tmp_path, fingerprint, stream_fingerprint(stream)).is_file()
+    counting.steps = 0
+    second = compute_targets(counting, stream, fingerprint, cache_dir=tmp_path, progress=False)
+    assert counting.steps == 0
+    np.testing.assert_array_equal(first, second)
+    assert not [p for p in tmp_path.iterdir() if p.suffix != ".npy"]  # no temporary left behind
+
+
+def test_cache_misses_when_weights_or_stream_change(model_and_fingerprint, tmp_path):
+    model, fingerprint = model_and_fingerprint
+    counting = CountingModel(model)
+    stream = generate_stream(3, 12, seed=1)
+    compute_targets(counting, stream, fingerprint, cache_dir=tmp_path, progress=False)
+    for weights, changed_stream in [("other-weights", stream), (fingerprint, generate_stream(3, 12, seed=2))]:
+        counting.steps = 0
+        compute_targets(counting, changed_stream, weights, cache_dir=tmp_path, progress=False)
+        assert counting.steps > 0
+    assert len(list(tmp_path.glob("*.npy"))) == 3
+
+
+def test_a_corrupt_cache_entry_is_recomputed(model_and_fingerprint, tmp_path):
+    model, fingerprint = model_and_fingerprint
+    stream = generate_stream(2, 6, seed=1)
+    expected = compute_targets(model, stream, fingerprint, cache_dir=tmp_path, progress=False)
+    path = targets_cache_path(tmp_path, fingerprint, stream_fingerprint(stream))
+    path.write_bytes(b"truncated")
+    np.testing.assert_array_equal(compute_targets(model, stream, fingerprint, cache_dir=tmp_path,
+                                                  progress=False), expected)
+    assert np.load(path).shape == (6, 4)
+
+
+def test_cache_dir_defaults_to_fastens_cache(monkeypatch, tmp_path, model_and_fingerprint):
+    model, fingerprint = model_and_fingerprint
+    monkeypatch.setenv("FASTENS_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "targets"
+    compute_targets(model, generate_stream(2, 4, seed=0), fingerprint, progress=False)
+    assert len(list((tmp_path / "targets").glob("*.npy"))) == 1
+
+
+def test_stored_targets_are_used_only_with_their_weights(model_and_fingerprint, tmp_path):
+    model, fingerprint = model_and_fingerprint
+    base = generate_stream(2, 6, seed=0)
+    stored = np.full((6, 4), 0.5, dtype=np.float32)
+    stream = Stream(base.symbols, base.features, base.delay_ms, stored, {"weights_fingerprint": fingerprint})
+    counting = CountingModel(model)
+    np.testing.assert_array_equal(compute_targets(counting, stream, fingerprint, cache_dir=tmp_path,
+                                                  progress=False), stored)
+    assert counting.steps == 0
+    other = compute_targets(counting, stream, "other-weights", cache_dir=tmp_path, progress=False)
+    assert counting.steps > 0 and not np.array_equal(other, stored)
+
+
+def test_progress_bar_reports_steps(model_and_fingerprint, tmp_path, capsys):
+    model, fingerprint = model_and_fingerprint
+    stream = generate_stream(2, 10, seed=5)
+    steps = max(np.unique(stream.symbols, return_counts=True)[1])
+    compute_targets(model, stream, fingerprint, cache_dir=tmp_path / "a", progress=True)
+    err = capsys.readouterr().err
+    assert f"{steps}/{steps} steps" in err and "steps/s" in err
+    compute_targets(model, stream, fingerprint, cache_dir=tmp_path / "b", progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_long_stream_of_one_symbol_stays_finite(model_and_fingerprint, tmp_path):
+    model, fingerprint = model_and_fingerprint
+    targets = compute_targets(model, generate_stream(1, 2000, seed=4), fingerprint, cache_dir=tmp_path,
+                              progress=False)
+    assert np.isfinite(targets).all()
+    assert targets[-500:].std(axis=0).min() > 0  # still responding to its inputs, not stuck
+
+
+def test_non_finite_predictions_are_an_error_naming_the_row(model_and_fingerprint, tmp_path):
+    stream = generate_stream(1, 6, seed=0)
+    with pytest.raises(ValueError, match="NaN or inf prediction at request row 3 .symbol SYM_000"):
+        compute_targets(NaNAfterThreeSteps(model_and_fingerprint[0]), stream, "w", cache_dir=tmp_path,
+                        progress=False)
+    assert not list(tmp_path.glob("*.npy"))
+
+
+@pytest.mark.parametrize("stream, fingerprint, error, message", [
+    (generate_stream(1, 2, seed=0), "", ValueError, "weights_fingerprint must be a non-empty string"),
+    (generate_stream(1, 2, seed=0), None, ValueError, "weights_fingerprint must be a non-empty string"),
+    (np.zeros((2, 79), np.float32), "w", TypeError, "stream must be a client.streams.Stream"),
+])
+def test_bad_arguments_are_rejected(stream, fingerprint, error, message, model_and_fingerprint, tmp_path):
+    with pytest.raises(error, match=message):
+        compute_targets(model_and_fingerprint[0], stream, fingerprint, cache_dir=tmp_path, progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_targets_match_cpu(model_and_fingerprint, tmp_path):
+    model, fingerprint = model_and_fingerprint
+    stream = uneven_stream()
+    cpu = compute_targets(model, stream, fingerprint, device="cpu", cache_dir=tmp_path / "cpu", progress=False)
+    gpu = compute_targets(model, stream, fingerprint, device=None, cache_dir=tmp_path / "gpu", progress=False)
+    model.to("cpu")
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-3, atol=1e-4)
