@@ -30,6 +30,7 @@ from client.scheduler import Request, Scheduler  # noqa: E402
 
 DEFAULT_TEAM_DIR = REPO_ROOT / "team"
 DEFAULT_ATOL = 1e-3
+ERROR_FLOOR = 1e-12
 
 
 class EvaluationError(Exception):
@@ -297,16 +298,16 @@ def plot(result: dict, path: str | Path) -> None:
     """Latency histogram and each tower's absolute error along the stream, in one PNG."""
     plt = require_matplotlib()
     series = result["_series"]
-    errors = np.abs(series["predictions"].astype(np.float64) - series["targets"])
+    # exact zeros are floored so that they stay on the log axis
+    errors = np.maximum(np.abs(series["predictions"].astype(np.float64) - series["targets"]), ERROR_FLOOR)
     fig, (ax_lat, ax_err) = plt.subplots(2, 1, figsize=(10, 8))
     ax_lat.hist(series["latency_ms"], bins=50)
     ax_lat.set(xlabel="latency (ms)", ylabel="requests", title="latency distribution")
     for column, name in enumerate(TOWER_NAMES):
         ax_err.plot(errors[:, column], label=name, linewidth=0.8)
     ax_err.axhline(result["atol"], color="k", linestyle="--", linewidth=0.8, label="atol")
-    ax_err.set(xlabel="request (stream order)", ylabel="|prediction - reference|",
-               title="error along the stream")
-    ax_err.set_yscale("symlog", linthresh=result["atol"] / 100)
+    ax_err.set(xlabel="request (stream order)", ylabel=f"|prediction - reference| (floor {ERROR_FLOOR:g})",
+               yscale="log", title="error along the stream")
     ax_err.legend()
     fig.tight_layout()
     fig.savefig(path)
@@ -382,8 +383,11 @@ def main(argv=None) -> int:
         print(f"local_evaluator: error: {exc}", file=sys.stderr)
         return 2
     print(format_report(result))
-    summary = public_result(result, preset=args.preset, engine=args.engine, device=args.device or default_device(),
-                            weights_fingerprint=weights_fingerprint)
+    from client.streams import stream_fingerprint
+
+    summary = public_result(result, preset=args.preset, engine=args.engine,
+                            device=args.device or default_device(), weights_fingerprint=weights_fingerprint,
+                            stream=args.stream or stream.meta, stream_fingerprint=stream_fingerprint(stream))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot:

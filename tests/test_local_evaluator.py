@@ -1,7 +1,6 @@
 """local_evaluator: scheduling order, batching, metrics, the CLI end to end, and bad input."""
 import json
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -156,27 +155,10 @@ def test_tower_errors_values():
 
 # ----------------------------------------------------------------------------- CLI, real model
 
-STANDIN_TEAM = textwrap.dedent('''
-    import numpy as np
-
-    class ExampleModel:
-        def __init__(self, engine):
-            self.engine = engine
-
-        def process_batch(self, requests_by_symbol):
-            symbols = list(requests_by_symbol)
-            features = np.stack([requests_by_symbol[s][1] for s in symbols])
-            return {"unique_ids": [requests_by_symbol[s][0] for s in symbols],
-                    "predictions": self.engine.step(symbols, features)}
-''')
-
-
 @pytest.fixture
-def team_dir(tmp_path):
-    folder = tmp_path / "team"
-    folder.mkdir()
-    (folder / "example_model.py").write_text(STANDIN_TEAM)
-    return folder
+def team_dir():
+    """The real team client, as the evaluator finds it by default."""
+    return le.DEFAULT_TEAM_DIR
 
 
 def run_main(capsys, *argv):
@@ -195,6 +177,7 @@ def test_tiny_reference_run_writes_every_field(tmp_path, team_dir, capsys):
     assert summary["requests"] == summary["responses"] == 24
     assert set(summary["latency_ms"]) == {"p50", "p90", "p99", "mean"}
     assert summary["throughput_rps"] > 0
+    assert summary["stream"]["num_symbols"] == 3 and len(summary["stream_fingerprint"]) == 64
     for tower in TOWERS:
         assert set(summary["towers"][tower]) == {"max_abs_err", "mean_abs_err", "rmse", "rel_rmse",
                                                  "within_atol"}
@@ -286,3 +269,11 @@ def test_bad_values_give_clear_errors(tmp_path, team_dir, capsys, argv, message)
     rc, _, err = run_main(capsys, "--team-dir", team_dir, "--symbols", 1, "--requests", 1,
                           "--cache-dir", tmp_path / "cache", "--device", "cpu", *argv)
     assert rc == 2 and message in err, err
+
+
+def test_plot_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    stream = generate_stream(3, 20, seed=2)
+    result = le.evaluate(RecordingClient(), stream, sequential_targets(stream))
+    le.plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
