@@ -12,6 +12,7 @@ from kernels._math import softplus
 
 # A [BLOCK_P, N] tile of h per program, at most this many fp32 values (16 per thread at 4 warps)
 MAX_TILE = 2048
+NUM_WARPS = 4
 
 
 def _check(h, x, dt_raw, a, b, c, d, slot_ids):
@@ -100,6 +101,6 @@ def mamba2_state_update(h, x, dt_raw, a, b, c, d, slot_ids):
         h.stride(0), h.stride(1), h.stride(2),
         x.stride(0), x.stride(1), dt_raw.stride(0), b.stride(0), c.stride(0),
         y.stride(0), y.stride(1),
-        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
+        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=NUM_WARPS,
     )
     return y

@@ -14,6 +14,7 @@ from kernels._common import INTERPRET, check_input, check_slot_ids, check_state,
 RMS_EPS = 1e-6
 # fp32 values of S streamed per program per loop iteration (32 per thread at 4 warps)
 MAX_TILE = 4096
+NUM_WARPS = 4
 
 if not INTERPRET:  # the interpreter has no libdevice; numpy's cos/sin are exact enough there
     from triton.language.extra import libdevice
@@ -182,7 +183,7 @@ def retention_step(S, scale, offset, q, k, v, decay, angle, slot_ids):
         heads, head_dim,
         S.stride(0), S.stride(1), S.stride(2),
         v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        BLOCK_D=block_d, BLOCK_E=block_e, num_warps=4,
+        BLOCK_D=block_d, BLOCK_E=block_e, num_warps=NUM_WARPS,
     )
     return o
 

@@ -7,6 +7,7 @@ Three layers:
   process with TRITON_INTERPRET=1 (test_triton_kernels_under_interpreter) and are skipped here;
 - the same comparisons at full model sizes on a GPU, plus CUDA graph capture (skipped without CUDA).
 """
+import importlib
 import math
 import os
 import subprocess
@@ -201,6 +202,14 @@ def test_triton_small_half_inputs(op_name, dtype):
 def test_triton_small_slstm_first_step_from_minus_inf():
     check_against_reference("slstm_cell", 3, dict(width=50), device=TRITON_DEVICE, padding_rows=2,
                             state_init=_slstm_fresh_state)
+
+
+@runs_triton
+@pytest.mark.parametrize("op_name,module", [("mlstm_step", "mlstm_update"), ("retention_step", "retention_update")])
+def test_triton_small_streams_state_in_several_chunks(op_name, module, monkeypatch):
+    """Small tiles force the d loop over several chunks and several value-column tiles."""
+    monkeypatch.setattr(importlib.import_module(f"kernels.{module}"), "MAX_TILE", 16 * 16)
+    check_against_reference(op_name, 2, dict(heads=2, head_dim=40), device=TRITON_DEVICE, padding_rows=1)
 
 
 @runs_triton
