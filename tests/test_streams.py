@@ -259,3 +259,44 @@ def test_parquet_missing_columns(tmp_path, dropped, message):
     pq.write_table(table.drop_columns(dropped), path)
     with pytest.raises(ValueError, match=message):
         load_stream(path)
+
+
+# --- scripts/make_stream.py -----------------------------------------------------------------
+
+def load_make_stream():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "scripts" / "make_stream.py"
+    spec = importlib.util.spec_from_file_location("make_stream", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_stream_writes_the_generated_stream(tmp_path):
+    out = tmp_path / "stream.npz"
+    load_make_stream().main(["--symbols", "4", "--requests", "30", "--seed", "5", "--rate", "100",
+                             "--out", str(out)])
+    loaded = load_stream(out)
+    assert_same_stream(generate_stream(4, 30, seed=5, rate=100), loaded)
+    assert loaded.meta["seed"] == 5 and loaded.meta["rate"] == 100
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--symbols", "2", "--requests", "5", "--seed", "1", "--targets"], "--targets needs --preset"),
+    (["--symbols", "2", "--requests", "5", "--seed", "1", "--preset", "tiny"], "only apply with --targets"),
+    (["--symbols", "2", "--requests", "5", "--seed", "1", "--out", "s.csv"], "must end in .npz or .parquet"),
+    (["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "huge"], "invalid choice"),
+    (["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "tiny", "--weights", "w.pt",
+      "--weights-seed", "1"], "not allowed with"),
+])
+def test_make_stream_rejects_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        load_make_stream().main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_make_stream_reports_bad_values(tmp_path):
+    with pytest.raises(SystemExit, match="make_stream: num_requests must be a positive integer"):
+        load_make_stream().main(["--symbols", "2", "--requests", "0", "--seed", "1",
+                                 "--out", str(tmp_path / "s.npz")])

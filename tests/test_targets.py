@@ -175,3 +175,23 @@ def test_gpu_targets_match_cpu(model_and_fingerprint, tmp_path):
     gpu = compute_targets(model, stream, fingerprint, device=None, cache_dir=tmp_path / "gpu", progress=False)
     model.to("cpu")
     np.testing.assert_allclose(gpu, cpu, rtol=1e-3, atol=1e-4)
+
+
+def test_make_stream_stores_targets_with_their_weights(model_and_fingerprint, tmp_path):
+    import importlib.util
+    from pathlib import Path
+    from client.streams import load_stream
+    path = Path(__file__).resolve().parent.parent / "scripts" / "make_stream.py"
+    spec = importlib.util.spec_from_file_location("make_stream", path)
+    make_stream = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_stream)
+    model, fingerprint = model_and_fingerprint
+    out = tmp_path / "stream.npz"
+    make_stream.main(["--preset", "tiny", "--weights-seed", "0", "--symbols", "3", "--requests", "15", "--seed", "2",
+                      "--targets", "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
+    stream = load_stream(out)
+    assert stream.meta["weights_fingerprint"] == fingerprint and stream.meta["preset"] == "tiny"
+    np.testing.assert_allclose(stream.targets, run_each_symbol_alone(model, stream), rtol=1e-5, atol=1e-6)
+    with pytest.raises(SystemExit, match="make_stream: .*missing.pt"):
+        make_stream.main(["--preset", "tiny", "--weights", str(tmp_path / "missing.pt"), "--symbols", "3",
+                          "--requests", "15", "--seed", "2", "--targets", "--out", str(out)])
