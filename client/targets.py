@@ -132,7 +132,7 @@ def _run_reference(model, stream: Stream, device: torch.device, progress: bool) 
     # Requests ordered by (step, symbol rank): step k is the contiguous block of active_k rows.
     execution_order = np.lexsort((request_rank, step_of_request))
     num_steps = int(sorted_counts[0])
-    active_per_step = (sorted_counts[None, :] > np.arange(num_steps)[:, None]).sum(axis=1)
+    active_per_step = np.bincount(step_of_request, minlength=num_steps)
 
     features = torch.from_numpy(stream.features[execution_order]).to(device)
     predictions = torch.empty(len(stream), NUM_TARGETS, dtype=torch.float32, device=device)
