@@ -51,7 +51,8 @@ def _validated(symbols, features, delay_ms, targets):
     symbols = np.asarray(symbols)
     if symbols.ndim != 1:
         raise ValueError(f"symbols must be one-dimensional, got shape {symbols.shape}")
-    if symbols.dtype.kind not in "UO" or not all(isinstance(s, str) for s in symbols.tolist()):
+    if symbols.dtype.kind != "U" and not (
+            symbols.dtype.kind == "O" and all(isinstance(s, str) for s in symbols.tolist())):
         raise ValueError(f"symbols must be strings, got dtype {symbols.dtype}")
     symbols = symbols.astype(str)
     num_requests = len(symbols)

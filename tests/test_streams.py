@@ -108,6 +108,7 @@ def nan_at(row, array, value=np.nan):
     (lambda s: with_changes(targets=s.targets[:, :3]), r"targets must have shape \[M, 4\]"),
     (lambda s: with_changes(targets=nan_at(5, s.targets)), "targets contain NaN or inf at row 5"),
     (lambda s: with_changes(symbols=np.arange(6)), "symbols must be strings"),
+    (lambda s: with_changes(symbols=np.array(["A", None] * 3, dtype=object)), "symbols must be strings"),
     (lambda s: with_changes(meta="preset=tiny"), "meta must be a dict"),
 ])
 def test_bad_streams_are_rejected_naming_the_problem(make_fields, message):
