@@ -241,7 +241,7 @@ def evaluate(client, stream, targets, *, batch_size: int | None = None, atol: fl
 @contextlib.contextmanager
 def _profiling(profile_dir, top_kernels: int):
     """torch.profiler around the replay: a Chrome trace in profile_dir and the top kernels printed,
-    by device time on CUDA, else by CPU time."""
+    by device time when the GPU was used, else by CPU time."""
     if profile_dir is None:
         yield
         return
@@ -258,9 +258,12 @@ def _profiling(profile_dir, top_kernels: int):
             torch.cuda.synchronize()
     trace = out / "trace.json"
     prof.export_chrome_trace(str(trace))
-    sort_by = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+    averages = prof.key_averages()
+    # by device time when the run put work on the GPU (CUDA may be present but unused)
+    used_gpu = on_cuda and sum(getattr(e, "self_device_time_total", 0) for e in averages) > 0
+    sort_by = "self_device_time_total" if used_gpu else "self_cpu_time_total"
     print(f"profile: trace written to {trace}; top {top_kernels} by {sort_by}:")
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=top_kernels))
+    print(averages.table(sort_by=sort_by, row_limit=top_kernels))
 
 
 # ------------------------------------------------------------------------------------------ output

@@ -277,3 +277,12 @@ def test_plot_draws_a_png(tmp_path):
     result = le.evaluate(RecordingClient(), stream, sequential_targets(stream))
     le.plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_profile_on_cuda_ranks_by_device_time(tmp_path, team_dir, capsys):
+    rc, out, err = run_main(capsys, "--symbols", 2, "--requests", 4, "--team-dir", team_dir,
+                            "--cache-dir", tmp_path / "cache", "--profile", tmp_path / "prof",
+                            "--device", "cuda")
+    assert rc == 0, err
+    assert "top 15 by self_device_time_total" in out
