@@ -159,10 +159,10 @@ def _check_response(response, batch: list[int]) -> np.ndarray:
                               f"{len(ids)} ids, expected ({len(ids)}, {len(TOWER_NAMES)})")
     if sorted(ids) != sorted(batch):
         missing = sorted(set(batch) - set(ids))
-        extra = sorted(set(ids) - set(batch))
-        raise EvaluationError(f"process_batch must answer each request of the batch once: "
-                              f"missing ids {missing[:5]}, unexpected or repeated ids "
-                              f"{extra[:5] or sorted(i for i in ids if ids.count(i) > 1)[:5]}")
+        unexpected = sorted(set(ids) - set(batch))
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        raise EvaluationError(f"process_batch must answer each request of the batch once: missing ids "
+                              f"{missing[:5]}, unexpected ids {unexpected[:5]}, repeated ids {repeated[:5]}")
     row_of = {uid: row for row, uid in enumerate(ids)}
     return preds[[row_of[i] for i in batch]]
 

@@ -114,7 +114,8 @@ def test_order_of_symbols_inside_a_step_does_not_matter():
 @pytest.mark.parametrize("response, message", [
     ({"unique_ids": [0], "predictions": np.zeros((1, 3))}, "shape"),
     ({"unique_ids": [], "predictions": np.zeros((0, 4))}, "missing ids [0]"),
-    ({"unique_ids": [0, 0], "predictions": np.zeros((2, 4))}, "repeated"),
+    ({"unique_ids": [0, 0], "predictions": np.zeros((2, 4))}, "repeated ids [0]"),
+    ({"unique_ids": [7], "predictions": np.zeros((1, 4))}, "missing ids [0], unexpected ids [7]"),
     ({"predictions": np.zeros((1, 4))}, "must return"),
     (None, "must return"),
 ])
