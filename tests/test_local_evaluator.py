@@ -65,6 +65,7 @@ def test_random_interleavings_keep_each_symbols_order(seed, batch_size):
     result = le.evaluate(client, stream, sequential_targets(stream), batch_size=batch_size)
     assert_order(client, stream)
     assert result["responses"] == result["requests"] == len(stream)
+    assert (result["_series"]["latency_ms"] >= 0).all(), "a request was answered before it arrived"
     assert all(result["towers"][t]["within_atol"] == 1.0 for t in TOWERS)
 
 
