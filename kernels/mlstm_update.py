@@ -64,7 +64,7 @@ def mlstm_step_ref(C, n, m, q, k, v, ip, fp, slot_ids):
 @triton.jit
 def _mlstm_gates_kernel(
     n_ptr, m_ptr, q_ptr, k_ptr, ip_ptr, fp_ptr, slot_ptr, gates_ptr,
-    heads, head_dim, k_div,
+    heads, head_dim, k_div, den_eps,
     stride_n_slot, stride_m_slot,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_ip_row, stride_fp_row,
     BLOCK_E: tl.constexpr,
@@ -90,7 +90,7 @@ def _mlstm_gates_kernel(
     n = f_gate * tl.load(n_ptrs, mask=mask, other=0.0) + i_gate * k
     tl.store(n_ptrs, n, mask=mask)
     tl.store(m_ptrs, m_new)
-    den = tl.maximum(tl.abs(tl.sum(q * n, axis=0)), tl.exp(-m_new)) + 1e-6
+    den = tl.maximum(tl.abs(tl.sum(q * n, axis=0)), tl.exp(-m_new)) + den_eps
 
     gates = gates_ptr + (row * heads + head) * 3
     tl.store(gates, f_gate)
@@ -154,7 +154,7 @@ def mlstm_step(C, n, m, q, k, v, ip, fp, slot_ids):
     gates = torch.empty(rows, heads, 3, device=device, dtype=torch.float32)
     _mlstm_gates_kernel[(rows, heads)](
         n, m, q, k, ip, fp, slot_ids, gates,
-        heads, head_dim, k_div,
+        heads, head_dim, k_div, DEN_EPS,
         n.stride(0), m.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), ip.stride(0), fp.stride(0),
         BLOCK_E=next_pow2(head_dim), num_warps=4,

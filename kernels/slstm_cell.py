@@ -48,7 +48,7 @@ def slstm_cell_ref(i, f, z, o, c, n, m, y, slot_ids):
 def _slstm_cell_kernel(
     i_ptr, f_ptr, z_ptr, o_ptr, c_ptr, n_ptr, m_ptr, y_ptr, slot_ptr, out_ptr,
     width, stride_i_row, stride_f_row, stride_z_row, stride_o_row, stride_state_slot, stride_out_row,
-    BLOCK: tl.constexpr,
+    y_eps, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -69,7 +69,7 @@ def _slstm_cell_kernel(
     f_gate = tl.where(lf == float("-inf"), 0.0, tl.exp(lf - m_new))
     c = f_gate * c + i_gate * tanh(z)
     n = f_gate * n + i_gate
-    y = sigmoid(o) * c / (n + 1e-6)
+    y = sigmoid(o) * c / (n + y_eps)
 
     tl.store(c_ptr + state, c, mask=mask)
     tl.store(n_ptr + state, n, mask=mask)
@@ -94,6 +94,6 @@ def slstm_cell(i, f, z, o, c, n, m, y, slot_ids):
     _slstm_cell_kernel[(rows, triton.cdiv(width, BLOCK))](
         i, f, z, o, c, n, m, y, slot_ids, out,
         width, i.stride(0), f.stride(0), z.stride(0), o.stride(0), c.stride(0), out.stride(0),
-        BLOCK=BLOCK, num_warps=4,
+        Y_EPS, BLOCK=BLOCK, num_warps=4,
     )
     return out
