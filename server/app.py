@@ -73,6 +73,7 @@ class ScoringServer:
         self._targets = None if targets is None else np.asarray(targets, dtype=np.float32)
         self._sessions: dict[str, TeamSession] = {}
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
         self._first_registered = asyncio.Event()
         self._first: TeamSession | None = None
         self.unregistered_errors = 0
@@ -175,9 +176,12 @@ class ScoringServer:
                 session.detach(ws)
 
     async def _heartbeats(self, ws):
-        while True:
-            await asyncio.sleep(self.config.heartbeat_s)
-            await ws.send(protocol.encode(protocol.heartbeat(time.time())))
+        try:
+            while True:
+                await asyncio.sleep(self.config.heartbeat_s)
+                await ws.send(protocol.encode(protocol.heartbeat(time.time())))
+        except ConnectionClosed:
+            pass
 
     async def _send_error(self, ws, code, details):
         await ws.send(protocol.encode(protocol.error(code, details[:MAX_ERROR_DETAILS])))
@@ -242,7 +246,9 @@ class ScoringServer:
             log.info("team %r registered", team)
         previous = session.attach(ws)
         if previous is not None:  # a reconnect that beat the old connection's close: the new one wins
-            asyncio.create_task(self._supersede(previous))
+            task = asyncio.create_task(self._supersede(previous))
+            self._background.add(task)  # the loop holds tasks only weakly
+            task.add_done_callback(self._background.discard)
         return session
 
     async def _supersede(self, ws):

@@ -283,7 +283,7 @@ def test_bad_register_is_refused(register, code, closes):
 
 
 def test_reconnect_resends_unanswered_in_order_and_counts_what_was_missed():
-    timeout_s = 0.3
+    timeout_s = 0.6  # wide, so that a loaded machine answers the first requests in time
 
     async def main():
         async with Server(rate=200.0, timeout_s=timeout_s) as s:
@@ -317,6 +317,16 @@ def test_reconnect_resends_unanswered_in_order_and_counts_what_was_missed():
     assert summary["connections"] == 2 and summary["accuracy"] == 1.0
 
 
+def test_server_sends_heartbeats():
+    async def main():
+        async with Server(rate=1.0, heartbeat_s=0.05) as s:
+            ws = await registered(s.url, "alpha")
+            kinds = [(await recv(ws))["type"] for _ in range(3)]
+            await ws.close()
+            return kinds
+    assert "heartbeat" in run(main())
+
+
 def test_newer_connection_of_a_team_supersedes_the_older():
     async def main():
         async with Server(rate=100.0) as s:
@@ -339,13 +349,13 @@ def test_newer_connection_of_a_team_supersedes_the_older():
 
 def test_slow_client_is_missed_while_a_fast_one_keeps_its_score():
     async def main():
-        async with Server(rate=500.0, timeout_s=0.2) as s:
+        async with Server(rate=500.0, timeout_s=0.5) as s:
             fast = await registered(s.url, "fast")
             slow = await registered(s.url, "slow")
 
             async def slow_answer():
                 seen, _, _ = await play(slow, s.targets, answer=lambda ids, p: [], stop_after=REQUESTS)
-                await asyncio.sleep(0.3)  # answer everything after the timeout
+                await asyncio.sleep(0.6)  # answer everything after the timeout
                 await slow.send(protocol.encode(protocol.inference_response(range(REQUESTS), s.targets, 0)))
                 return await recv(slow)
 
