@@ -22,7 +22,7 @@ def parse_args(argv=None) -> ServerConfig:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--stream-seed", type=int, default=1)
     parser.add_argument("--rate", type=float, help="requests/s; default: the stream's own gaps")
-    parser.add_argument("--speed", type=float, default=1.0, help="scale the stream's own pace")
+    parser.add_argument("--speed", type=float, default=1.0, help="scale the stream's own gaps (not used with --rate)")
     parser.add_argument("--atol", type=float, default=DEFAULT_ATOL)
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
     parser.add_argument("--half-life-ms", type=float, default=DEFAULT_HALF_LIFE_MS)

@@ -156,7 +156,8 @@ class TeamSession:
     # receiving ---------------------------------------------------------------------------------
     def handle_response(self, unique_ids, predictions, received):
         """Score one inference_response; returns (score_update message or None, [(error, details)])."""
-        ids = np.asarray(unique_ids, dtype=np.int64)
+        # msgpack carries ids up to 2**64 - 1; any id beyond int64 is unknown anyway
+        ids = np.array([i if -2**63 <= i < 2**63 else -1 for i in unique_ids], dtype=np.int64)
         problems = []
         known = (ids >= 0) & (ids < self.sent)
         first_seen = np.zeros(len(ids), dtype=bool)

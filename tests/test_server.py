@@ -211,6 +211,7 @@ def test_registered_client_bad_responses_get_errors_and_are_counted():
                 replies[name] = [await recv(ws) for _ in range(expect)]
 
             await send("unknown", protocol.encode(protocol.inference_response([0, 99], t[[0, 0]], 0)), 2)
+            await send("huge", protocol.encode(protocol.inference_response([2**64 - 1], t[[0]], 0)), 1)
             await send("duplicate", protocol.encode(protocol.inference_response([0], t[[0]], 0)), 1)
             await send("count", protocol.encode({"type": "inference_response", "unique_ids": [1, 2],
                                                  "predictions": t[1].tobytes(), "client_timestamp": 0}), 1)
@@ -230,6 +231,7 @@ def test_registered_client_bad_responses_get_errors_and_are_counted():
     replies, summary = run(main())
     assert [m["type"] for m in replies["unknown"]] == ["score_update", "error"]
     assert replies["unknown"][0]["unique_ids"] == [0] and "99" in replies["unknown"][1]["details"]
+    assert replies["huge"][0]["error"] == "unknown_ids"
     assert replies["duplicate"][0]["error"] == "duplicate_ids"
     assert "expected 32" in replies["count"][0]["details"]
     assert [m["type"] for m in replies["nan"]] == ["score_update", "error"]
@@ -240,7 +242,7 @@ def test_registered_client_bad_responses_get_errors_and_are_counted():
     assert replies["register"][0]["error"] == "already_registered"
     assert replies["rest"][0]["type"] == "score_update"
     assert summary["responses"] == 8 and summary["accuracy"] == 1.0 and summary["complete"]
-    assert summary["duplicates"] == 1 and summary["errors"] == 6 and summary["client_errors"] == 1
+    assert summary["duplicates"] == 1 and summary["errors"] == 7 and summary["client_errors"] == 1
 
 
 def test_client_that_never_registers_is_told_and_closed():
