@@ -20,24 +20,33 @@ tensor (INIT_RULES, first match wins):
 """
 import hashlib
 import math
+import os
 import re
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from client.model.config import TOWER_NAMES, ModelConfig
+from client.model.config import PRESETS, TOWER_NAMES, ModelConfig
 
-# Prediction std of each tower with all gains 1, measured on the full preset (seed 0, 16 symbols x 20 steps).
-UNIT_GAIN_STD = {"xlstm": 1.0, "mamba2": 1.0, "retnet": 1.0, "hawk": 1.0}
+# Prediction std of each tower with all gains 1 (seed 0, 16 symbols x 20 steps of standard-normal features),
+# per preset; a custom configuration uses the full preset's.
+UNIT_GAIN_STD = {
+    "full": {"xlstm": 3.24, "mamba2": 1.11, "retnet": 0.497, "hawk": 0.325},
+    "medium": {"xlstm": 1.47, "mamba2": 0.643, "retnet": 0.313, "hawk": 0.22},
+    "small": {"xlstm": 1.07, "mamba2": 0.498, "retnet": 0.285, "hawk": 0.195},
+    "tiny": {"xlstm": 0.81, "mamba2": 0.515, "retnet": 0.19, "hawk": 0.213},
+}
 TARGET_STD = 0.06
 RESIDUAL_WRITER = re.compile(r"(\.input_down\.(weight|bias)|\.mlp\.fc2\.(weight|bias)|\.layer\.out_proj\.weight"
                              r"|\.layer\.final_norm\.weight)$")
 
 
-def tower_gain(tower):
-    return TARGET_STD / UNIT_GAIN_STD[tower]
+def tower_gain(cfg: ModelConfig, tower: str) -> float:
+    preset = next((name for name, c in PRESETS.items() if c == cfg), "full")
+    return TARGET_STD / UNIT_GAIN_STD[preset][tower]
 
 
 def _rng(seed, name):
@@ -56,12 +65,12 @@ def _tower(name):
     return TOWER_NAMES[int(m.group(1))] if m else None
 
 
-def _init(name, shape, shapes, rng):
+def _init(name, shape, shapes, cfg, rng):
     ones = lambda: np.ones(shape, np.float32)  # noqa: E731
     zeros = lambda: np.zeros(shape, np.float32)  # noqa: E731
     sym = lambda bound: _uniform(rng, shape, -bound, bound)  # noqa: E731
     if RESIDUAL_WRITER.search(name):
-        gain = np.float32(tower_gain(_tower(name)))
+        gain = np.float32(tower_gain(cfg, _tower(name)))
         return gain * (ones() if name.endswith("final_norm.weight") else _linear(name, shape, shapes, rng))
     if name == "output_proj.bias" or re.search(r"(group_norm|outnorm)\.bias$", name):
         return zeros()
@@ -106,31 +115,46 @@ def _linear(name, shape, shapes, rng):
     return _uniform(rng, shape, -bound, bound)
 
 
+def _threads():
+    return min(16, os.cpu_count() or 1)
+
+
 def make_weights(cfg: ModelConfig, seed: int = 0, progress=None):
-    """The synthetic state dict (float32, CPU) for `cfg`, a pure function of (cfg, seed)."""
+    """The synthetic state dict (float32, CPU) for `cfg`, a pure function of (cfg, seed).
+
+    Tensors are independent streams, so they are drawn on a thread pool (numpy releases the GIL)."""
     from client.model import manifest_for  # local import: client.model imports this module
 
     tensors = manifest_for(cfg)
     shapes = {t["name"]: t["shape"] for t in tensors}
+
+    def draw(t):
+        value = _init(t["name"], tuple(t["shape"]), shapes, cfg, _rng(seed, t["name"]))
+        return torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32))
+
     state = {}
-    for k, t in enumerate(tensors):
-        name, shape = t["name"], tuple(t["shape"])
-        value = _init(name, shape, shapes, _rng(seed, name))
-        state[name] = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32))
-        if progress:
-            progress(k + 1, len(tensors))
+    with ThreadPoolExecutor(_threads()) as pool:
+        for k, (t, value) in enumerate(zip(tensors, pool.map(draw, tensors))):
+            state[t["name"]] = value
+            if progress:
+                progress(k + 1, len(tensors))
     return state
 
 
+def _tensor_digest(name, t):
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{name}|{list(t.shape)}|{str(t.dtype).removeprefix('torch.')}\n".encode())
+    if t.numel():
+        h.update(t.view(torch.uint8).reshape(-1).numpy().data)
+    return h.digest()
+
+
 def fingerprint(state_dict) -> str:
-    """sha256 over names, shapes, dtypes and bytes, in name order (first 16 hex digits)."""
-    h = hashlib.sha256()
-    for name in sorted(state_dict):
-        t = state_dict[name].detach()
-        h.update(f"{name}|{list(t.shape)}|{t.dtype}\n".encode())
-        t = t.cpu().contiguous()
-        h.update(t.view(torch.uint8).reshape(-1).numpy().data if t.numel() else b"")
-    return h.hexdigest()[:16]
+    """sha256 over the per-tensor sha256 of (name, shape, dtype, bytes), in name order; 16 hex digits."""
+    names = sorted(state_dict)
+    with ThreadPoolExecutor(_threads()) as pool:
+        digests = pool.map(lambda n: _tensor_digest(n, state_dict[n]), names)
+        return hashlib.sha256(b"".join(digests)).hexdigest()[:16]
 
 
 class CheckpointMismatch(ValueError):

@@ -1,0 +1,86 @@
+"""Deterministic weights, fingerprints and strict checkpoint loading."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from client.model import get_preset, load_model, manifest
+from client.weights import CheckpointMismatch, fingerprint, make_weights, read_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+# Pinned: the generator must give these bytes on every machine and library version.
+TINY_SEED0_FINGERPRINT = "778658c2ff0d3ee7"
+
+
+def test_two_generations_are_identical_and_seeds_differ():
+    a, b = make_weights(get_preset("tiny"), 7), make_weights(get_preset("tiny"), 7)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    c = make_weights(get_preset("tiny"), 8)
+    assert not torch.equal(a["towers.0.input_up.weight"], c["towers.0.input_up.weight"])
+    assert fingerprint(a) == fingerprint(b) != fingerprint(c)
+
+
+def test_fingerprint_is_pinned_and_sees_every_byte():
+    assert fingerprint(make_weights(get_preset("tiny"), 0)) == TINY_SEED0_FINGERPRINT
+    state = make_weights(get_preset("tiny"), 0)
+    state["output_proj.weight"][0, 0] += 1e-3
+    assert fingerprint(state) != TINY_SEED0_FINGERPRINT
+
+
+def test_every_tensor_is_filled_with_finite_values():
+    state = make_weights(get_preset("small"), 0)
+    assert [(n, list(t.shape)) for n, t in state.items()] == [(m["name"], m["shape"]) for m in manifest("small")]
+    for name, t in state.items():
+        assert t.dtype == torch.float32 and torch.isfinite(t).all(), name
+    retnet = "towers.2.blocks.0.layer."
+    assert ((state[retnet + "decay"] > 0) & (state[retnet + "decay"] < 1)).all()
+    hawk_a = state["towers.3.blocks.0.layer.rglru.a"] ** 8
+    assert ((hawk_a >= 0.9 - 1e-6) & (hawk_a <= 0.999 + 1e-6)).all()
+    assert (state["towers.1.blocks.0.layer.a"] < 0).all()
+
+
+def test_checkpoint_round_trip(tmp_path):
+    out = tmp_path / "w.pt"
+    subprocess.run([sys.executable, "scripts/make_weights.py", "--preset", "tiny", "--seed", "4", "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True)
+    model, fp = load_model("tiny", weights=str(out))
+    generated, fp_gen = load_model("tiny", seed=4)
+    assert fp == fp_gen
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), generated.state_dict().values()))
+
+
+def test_mismatched_checkpoint_lists_offending_names(tmp_path):
+    state = make_weights(get_preset("tiny"), 0)
+    del state["towers.1.blocks.0.layer.a"]
+    state["towers.9.extra"] = torch.zeros(1)
+    state["output_proj.weight"] = torch.zeros(1, 32)
+    state["towers.0.input_up.bias"] = state["towers.0.input_up.bias"].double()
+    path = tmp_path / "bad.pt"
+    torch.save(state, path)
+    with pytest.raises(CheckpointMismatch) as err:
+        load_model("tiny", weights=str(path))
+    msg = str(err.value)
+    assert "missing (1)" in msg and "towers.1.blocks.0.layer.a" in msg
+    assert "unexpected (1)" in msg and "towers.9.extra" in msg
+    assert "output_proj.weight: [1, 32]" in msg and "towers.0.input_up.bias" in msg and "float64" in msg
+
+
+def test_checkpoint_of_another_preset_is_refused(tmp_path):
+    path = tmp_path / "small.pt"
+    torch.save(make_weights(get_preset("small"), 0), path)
+    with pytest.raises(CheckpointMismatch, match="misshapen"):
+        load_model("tiny", weights=str(path))
+
+
+def test_unreadable_and_missing_files_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="weights file not found"):
+        read_checkpoint(tmp_path / "nope.pt")
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="cannot read checkpoint"):
+        read_checkpoint(junk)
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(ValueError, match="not a state dict"):
+        read_checkpoint(tmp_path / "list.pt")
