@@ -1,0 +1,628 @@
+"""One-command benchmark of the fast engine: step latency against its memory floor, the original
+one-request-at-a-time baseline, accuracy against the fp32 reference, and end-to-end serving through the
+project's scoring server on loopback.
+
+    python scripts/bench.py --json bench.json                                  # GPU, full preset
+    python scripts/bench.py --preset tiny --device cpu --quick --json out.json  # CPU smoke run
+
+Progress goes to stderr (timestamped), a summary table to stdout, and the JSON is rewritten after every
+section, so that a run cut off by a time limit still leaves the numbers it had.
+"""
+import os
+import sys
+
+# Runnable as a script from anywhere: the repository root holds the `client`, `server` and `team` packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from client.model.config import NUM_FEATURES, PRESETS, TOWER_NAMES  # noqa: E402
+from server.scoring import DEFAULT_ATOL  # noqa: E402
+
+SECTIONS = ("copy", "step", "baseline", "accuracy", "e2e", "maxrate")
+BATCH_SIZES = (1, 2, 4, 8, 16, 20, 32, 40, 64)
+MAX_BATCH = max(BATCH_SIZES)
+E2E_RATE, E2E_SYMBOLS = 400.0, 20
+MAXRATE_SYMBOLS = 64
+P99_LIMIT_MS = 50.0
+
+
+@dataclass
+class Counts:
+    """How much each section measures; --quick shrinks everything for a smoke run."""
+    copy_bytes: int
+    copy_repeats: int
+    step_warmup: int
+    step_iters: int
+    baseline_warmup: int
+    baseline_iters: int
+    accuracy_symbols: int
+    accuracy_steps: int
+    e2e_requests: int
+    rates: list
+    rate_seconds: float
+
+
+FULL = Counts(copy_bytes=1 << 30, copy_repeats=20, step_warmup=20, step_iters=200, baseline_warmup=5,
+              baseline_iters=20, accuracy_symbols=20, accuracy_steps=1000, e2e_requests=4000,
+              rates=[1000, 2000, 3000, 5000, 7000, 10000, 14000, 20000], rate_seconds=2.0)
+QUICK = Counts(copy_bytes=64 << 20, copy_repeats=5, step_warmup=2, step_iters=10, baseline_warmup=2,
+               baseline_iters=5, accuracy_symbols=4, accuracy_steps=20, e2e_requests=200,
+               rates=[50, 100], rate_seconds=1.0)
+
+
+# ---- command line --------------------------------------------------------------------------------
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _sections(text):
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown sections {unknown}; choose from {','.join(SECTIONS)}")
+    return [name for name in SECTIONS if name in names]  # always in the order that shares work sensibly
+
+
+def _rates(text):
+    try:
+        rates = [_positive_float(part) for part in text.split(",") if part.strip()]
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"rates must be positive numbers separated by commas, got {text!r}")
+    if not rates:
+        raise argparse.ArgumentTypeError("--rates needs at least one rate")
+    return sorted(set(rates))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Benchmark the fast engine (see the module docstring).")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, features and streams")
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke run")
+    parser.add_argument("--json", metavar="PATH", help="write the results here (rewritten after each section)")
+    parser.add_argument("--sections", type=_sections, default=list(SECTIONS),
+                        help=f"comma list of {','.join(SECTIONS)} (default: all)")
+    parser.add_argument("--accuracy-symbols", type=_positive_int, help="symbols stepped together (default 20)")
+    parser.add_argument("--accuracy-steps", type=_positive_int, help="steps per symbol (default 1000)")
+    parser.add_argument("--e2e-requests", type=_positive_int, help="requests of the 400 req/s run (default 4000)")
+    parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the "
+                                                     "max-rate search (default 1000,2000,...,20000)")
+    parser.add_argument("--rate-seconds", type=_positive_float, help="length of each max-rate run (default 2)")
+    parser.add_argument("--quick", action="store_true", help="small counts for a smoke run")
+    parser.add_argument("--log-dir", help="also write the progress log and client/server warnings here")
+    args = parser.parse_args(argv)
+    counts = QUICK if args.quick else FULL
+    overrides = {"accuracy_symbols": args.accuracy_symbols, "accuracy_steps": args.accuracy_steps,
+                 "e2e_requests": args.e2e_requests, "rates": args.rates, "rate_seconds": args.rate_seconds}
+    args.counts = Counts(**{**counts.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
+    if args.counts.accuracy_symbols > MAX_BATCH:
+        parser.error(f"--accuracy-symbols must be at most {MAX_BATCH} (the engine's max batch)")
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError as exc:
+        parser.error(f"bad --device {args.device!r}: {exc}")
+    if args.device.type not in ("cuda", "cpu"):
+        parser.error(f"--device must be cuda or cpu, got {args.device}")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but CUDA is not available; use --device cpu (with --quick) for a smoke run")
+    return args
+
+
+# ---- reporting -----------------------------------------------------------------------------------
+class Progress:
+    """Timestamped progress lines on stderr, also appended to a log file when --log-dir is given."""
+
+    def __init__(self, log_path=None):
+        self.start = time.monotonic()
+        self.log_path = log_path
+
+    def __call__(self, message):
+        line = f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - self.start:7.1f}s] {message}"
+        print(line, file=sys.stderr, flush=True)
+        if self.log_path is not None:
+            with open(self.log_path, "a") as log_file:
+                log_file.write(line + "\n")
+
+
+def _finite_or_none(value):
+    """JSON-safe: non-finite floats become null (plain JSON has no NaN)."""
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+class Report:
+    """The results so far; written atomically after every update."""
+
+    def __init__(self, path):
+        self.path = path
+        self.data = {}
+
+    def update(self, **fields):
+        self.data.update(_finite_or_none(fields))
+        if self.path is None:
+            return
+        tmp_path = f"{self.path}.tmp"
+        with open(tmp_path, "w") as out:
+            json.dump(self.data, out, indent=2, allow_nan=False)
+        os.replace(tmp_path, self.path)
+
+
+# ---- timing --------------------------------------------------------------------------------------
+class Timer:
+    """Milliseconds of one call: CUDA events on a GPU (the queue drained first, so a call is timed alone,
+    launch included), perf_counter on the CPU where ops run synchronously."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+
+    def time_ms(self, fn) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._start.record()
+            fn()
+            self._end.record()
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end)
+        begin = time.perf_counter()
+        fn()
+        return (time.perf_counter() - begin) * 1000.0
+
+
+def _median_p99(times_ms):
+    times = np.asarray(times_ms, dtype=np.float64)
+    return float(np.median(times)), float(np.percentile(times, 99))
+
+
+@contextmanager
+def strict_fp32():
+    """The reference is plain fp32: no TF32 matmuls or convolutions while it runs (restored afterwards,
+    since the fast engine may choose its own setting)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+# ---- sections ------------------------------------------------------------------------------------
+def measure_copy(device, counts, timer):
+    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written)."""
+    src = torch.ones(counts.copy_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    median_ms, _ = _median_p99([timer.time_ms(lambda: dst.copy_(src)) for _ in range(counts.copy_repeats)])
+    return 2 * src.numel() * src.element_size() / (median_ms / 1000.0), median_ms
+
+
+def measure_steps(engine, device, counts, timer, bandwidth, seed, progress):
+    """{B: {median, p99, floor}} in ms; the floor moves the weights once and each row's state in and out."""
+    symbols = [f"STEP_{i:03d}" for i in range(MAX_BATCH)]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    results = {}
+    for batch in BATCH_SIZES:
+        slots = engine.slots_for(symbols[:batch])
+        features = torch.randn(batch, NUM_FEATURES, generator=generator, device=device)
+        for _ in range(counts.step_warmup):
+            engine.step_slots(slots, features)
+        median, p99 = _median_p99([timer.time_ms(lambda: engine.step_slots(slots, features))
+                                   for _ in range(counts.step_iters)])
+        floor = (engine.weight_bytes + 2 * batch * engine.state_bytes) / bandwidth * 1000.0
+        results[str(batch)] = {"median": median, "p99": p99, "floor": floor}
+        progress(f"step B={batch}: median {median:.3f} ms, p99 {p99:.3f} ms, floor {floor:.3f} ms "
+                 f"({median / floor:.2f}x)")
+    return results
+
+
+@torch.no_grad()
+def measure_baseline(model, device, counts, seed):
+    """The original client's path: batch 1, one request at a time, each answer copied back to the host."""
+    rng = np.random.default_rng(seed)
+    requests = rng.standard_normal((counts.baseline_warmup + counts.baseline_iters, 1, NUM_FEATURES),
+                                   dtype=np.float32)
+    state = model.init_state(1, device=device)
+    times_ms = []
+    with strict_fp32():
+        for features in requests:
+            begin = time.perf_counter()
+            prediction, state = model(torch.from_numpy(features).to(device), state)
+            prediction.cpu()
+            times_ms.append((time.perf_counter() - begin) * 1000.0)
+    return float(np.median(times_ms[counts.baseline_warmup:]))
+
+
+@torch.no_grad()
+def measure_accuracy(engine, model, device, counts, seed, progress):
+    """Per tower, the engine's predictions against the fp32 reference on the same fresh symbols and inputs."""
+    num_symbols, num_steps = counts.accuracy_symbols, counts.accuracy_steps
+    slots = engine.slots_for([f"ACC_{i:03d}" for i in range(num_symbols)])
+    state = model.init_state(num_symbols, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    towers = len(TOWER_NAMES)
+    # float64 sums on the device: no host sync per step
+    sums = {name: torch.zeros(towers, dtype=torch.float64, device=device)
+            for name in ("sq_err", "ref", "ref_sq", "within", "bad", "finite")}
+    max_err = torch.zeros(towers, dtype=torch.float64, device=device)
+    report_every = max(num_steps // 10, 1)
+    for step in range(num_steps):
+        features = torch.randn(num_symbols, NUM_FEATURES, generator=generator, device=device)
+        with strict_fp32():
+            reference, state = model(features, state)
+        fast = engine.step_slots(slots, features).double()
+        reference = reference.double()
+        finite = torch.isfinite(fast)
+        error = torch.where(finite, (fast - reference).abs(), torch.zeros_like(fast))
+        sums["sq_err"] += (error ** 2).sum(0)
+        sums["ref"] += reference.sum(0)
+        sums["ref_sq"] += (reference ** 2).sum(0)
+        sums["within"] += ((fast - reference).abs() <= DEFAULT_ATOL).sum(0)  # NaN compares False: wrong
+        sums["bad"] += (~finite).sum(0)
+        sums["finite"] += finite.sum(0)
+        max_err = torch.maximum(max_err, error.max(0).values)
+        if (step + 1) % report_every == 0:
+            progress(f"accuracy: {step + 1}/{num_steps} steps")
+    total = num_symbols * num_steps
+    host = {name: value.cpu().numpy() for name, value in sums.items()}
+    max_err = max_err.cpu().numpy()
+    results = {}
+    for tower, name in enumerate(TOWER_NAMES):
+        finite = host["finite"][tower]
+        rmse = math.sqrt(host["sq_err"][tower] / finite) if finite else math.nan
+        mean = host["ref"][tower] / total
+        std = math.sqrt(max(host["ref_sq"][tower] / total - mean ** 2, 0.0))
+        results[name] = {"max_abs_err": float(max_err[tower]) if finite else math.nan, "rmse": rmse,
+                         "rel_rmse": rmse / std if std > 0 else math.nan,
+                         "within_atol": float(host["within"][tower] / total),
+                         "nan_or_inf": int(host["bad"][tower])}
+    return results
+
+
+class ReferenceTracker:
+    """The fp32 reference stepped through every request served to the engine, one state per symbol.
+
+    The engine keeps its symbols' states from one served stream to the next, so each stream's targets
+    must continue from the reference states where the previous stream left them.
+    """
+
+    def __init__(self, model, symbols, device):
+        self.model, self.device = model, device
+        self._row_of = {symbol: row for row, symbol in enumerate(symbols)}
+        self._state = model.init_state(len(symbols), device=device)
+
+    @torch.no_grad()
+    def targets(self, stream) -> np.ndarray:
+        rows = np.array([self._row_of[symbol] for symbol in stream.symbols.tolist()], dtype=np.int64)
+        # step of a request = how many requests of its symbol came before it in this stream
+        by_row = np.argsort(rows, kind="stable")
+        sorted_rows = rows[by_row]
+        step_of_request = np.empty(len(rows), dtype=np.int64)
+        step_of_request[by_row] = np.arange(len(rows)) - np.searchsorted(sorted_rows, sorted_rows)
+        execution_order = np.lexsort((rows, step_of_request))  # by step, then row: rows ascend in a step
+        features = torch.from_numpy(stream.features[execution_order]).to(self.device)
+        predictions = torch.empty(len(rows), len(TOWER_NAMES), dtype=torch.float32, device=self.device)
+        start = 0
+        with strict_fp32():
+            for active in np.bincount(step_of_request).tolist():
+                step_rows = rows[execution_order[start:start + active]]
+                if active == len(self._row_of):  # every symbol, in row order: no gather or scatter
+                    predictions[start:start + active], self._state = self.model(
+                        features[start:start + active], self._state)
+                else:
+                    index = torch.from_numpy(step_rows).to(self.device)
+                    step_state = {name: tensor[index] for name, tensor in self._state.items()}
+                    predictions[start:start + active], new_state = self.model(
+                        features[start:start + active], step_state)
+                    for name, tensor in new_state.items():
+                        self._state[name][index] = tensor
+                start += active
+        targets = np.empty((len(rows), len(TOWER_NAMES)), dtype=np.float32)
+        targets[execution_order] = predictions.cpu().numpy()
+        if not np.isfinite(targets).all():
+            raise ValueError("the reference model gave NaN or inf targets")
+        return targets
+
+
+def prefixed_stream(prefix, num_symbols, num_requests, seed, rate):
+    """A generated stream whose symbols carry `prefix`, so that each section has symbols of its own."""
+    from client.streams import Stream, generate_stream
+
+    stream = generate_stream(num_symbols, num_requests, seed, rate=rate)
+    return Stream(np.char.add(prefix, stream.symbols), stream.features, stream.delay_ms, meta=stream.meta)
+
+
+class ServerThread:
+    """The project's scoring server on an event loop of its own thread, so that its pacing and its
+    latency clock never wait behind the client's event loop."""
+
+    def __init__(self, config, stream, targets):
+        from server.app import ScoringServer
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="scoring-server", daemon=True)
+        self._thread.start()
+        self.server = ScoringServer(config, stream=stream, targets=targets)
+        try:
+            self.port = self._call(self.server.start())
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def wait_done(self):
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.server.wait_done(), self._loop))
+
+    def summary(self) -> dict:
+        async def first_team():
+            return self.server.summaries()[0]
+        return self._call(first_team())
+
+    def close(self):
+        self._call(self.server.stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+async def serve_stream(engine, stream, targets, rate, preset, seed) -> dict:
+    """Serve `stream` at `rate` to the team client running `engine`; the server's summary of the session."""
+    from client.runtime import StreamingClient
+    from server.app import ServerConfig
+    from team.example_model import ExampleModel
+
+    config = ServerConfig(host="127.0.0.1", port=0, preset=preset, seed=seed,
+                          symbols=len(np.unique(stream.symbols)), requests=len(stream), rate=rate, once=True)
+    server = await asyncio.to_thread(ServerThread, config, stream, targets)
+    try:
+        client = StreamingClient(ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench")
+        playing = asyncio.create_task(client.run())
+        done = asyncio.create_task(server.wait_done())
+        await asyncio.wait({done, playing}, return_when=asyncio.FIRST_COMPLETED)
+        done.cancel()
+        client.stop()
+        await playing
+        return await asyncio.to_thread(server.summary)
+    finally:
+        await asyncio.to_thread(server.close)
+
+
+def session_numbers(summary) -> dict:
+    latency = summary["latency_ms"]
+    return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "accuracy": summary["accuracy"],
+            "responses_per_s": summary["responses_per_s"], "requests": summary["total_requests"],
+            "responses": summary["responses"], "missed": summary["missed"]}
+
+
+def measure_e2e(engine, model, device, counts, args, progress):
+    symbols = [f"E2E_{name}" for name in _symbol_names(E2E_SYMBOLS)]
+    tracker = ReferenceTracker(model, symbols, device)
+    stream = prefixed_stream("E2E_", E2E_SYMBOLS, counts.e2e_requests, args.seed + 1, E2E_RATE)
+    targets = tracker.targets(stream)
+    progress(f"e2e: targets ready; serving {len(stream)} requests at {E2E_RATE:.0f} req/s")
+    return session_numbers(asyncio.run(serve_stream(engine, stream, targets, E2E_RATE, args.preset, args.seed)))
+
+
+def search_max_rate(engine, model, device, counts, args, report, progress):
+    """Ascending rates over 64 symbols until the first whose p99 reaches the limit or that misses requests
+    (a missed request may never be stepped, so later runs could not continue its symbol's state)."""
+    symbols = [f"RATE_{name}" for name in _symbol_names(MAXRATE_SYMBOLS)]
+    tracker = ReferenceTracker(model, symbols, device)
+    runs, best = [], None
+    for attempt, rate in enumerate(counts.rates):
+        num_requests = max(int(rate * counts.rate_seconds), MAXRATE_SYMBOLS)
+        stream = prefixed_stream("RATE_", MAXRATE_SYMBOLS, num_requests, args.seed + 2 + attempt, rate)
+        targets = tracker.targets(stream)
+        numbers = session_numbers(asyncio.run(serve_stream(engine, stream, targets, rate, args.preset, args.seed)))
+        passed = numbers["missed"] == 0 and numbers["p99_ms"] is not None and numbers["p99_ms"] < P99_LIMIT_MS
+        runs.append({"rate": rate, **numbers, "passed": passed})
+        best = rate if passed else best
+        report.update(max_rate_p99_50ms=best, max_rate_runs=runs)
+        progress(f"maxrate {rate:g} req/s: p50 {_fmt(numbers['p50_ms'])} ms, p99 {_fmt(numbers['p99_ms'])} ms, "
+                 f"accuracy {_fmt(numbers['accuracy'], 4)}, missed {numbers['missed']} -> "
+                 f"{'pass' if passed else 'FAIL'}")
+        if not passed:
+            break
+    return best, runs
+
+
+def _symbol_names(count):
+    from client.streams import symbol_names
+
+    return symbol_names(count)
+
+
+def _fmt(value, digits=2):
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+# ---- the run -------------------------------------------------------------------------------------
+class Bench:
+    """Runs the chosen sections, building the reference model and the engine once, when first needed."""
+
+    def __init__(self, args, report, progress):
+        self.args, self.counts, self.device = args, args.counts, args.device
+        self.report, self.progress = report, progress
+        self.timer = Timer(self.device)
+        self._model = self._engine = None
+        self.bandwidth = None
+
+    @property
+    def model(self):
+        if self._model is None:
+            from client.model import load_model
+
+            begin = time.monotonic()
+            self._model, fingerprint = load_model(self.args.preset, seed=self.args.seed, device=self.device)
+            self.report.update(weights_fingerprint=fingerprint)
+            self.progress(f"reference model {self.args.preset} loaded in {time.monotonic() - begin:.1f} s")
+        return self._model
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            try:
+                from client.engine.fast import FastEngine
+            except ImportError as exc:
+                if exc.name is None or not exc.name.startswith("client.engine.fast"):
+                    raise
+                raise RuntimeError("the fast engine is missing (client/engine/fast); nothing to benchmark") from exc
+            model = self.model
+            begin = time.monotonic()
+            self._engine = FastEngine(model, self.device, max_batch=MAX_BATCH)
+            self.report.update(engine=self._engine.describe(), weight_bytes=self._engine.weight_bytes,
+                               state_bytes=self._engine.state_bytes)
+            self.progress(f"fast engine built in {time.monotonic() - begin:.1f} s: {self._engine.describe()}")
+        return self._engine
+
+    def run_copy(self):
+        self.bandwidth, median_ms = measure_copy(self.device, self.counts, self.timer)
+        self.report.update(copy_gb_per_s=self.bandwidth / 1e9)
+        self.progress(f"copy: {self.counts.copy_bytes / 2**20:.0f} MiB in {median_ms:.3f} ms, "
+                      f"{self.bandwidth / 1e9:.1f} GB/s")
+
+    def run_step(self):
+        if self.bandwidth is None:  # the floor needs this run's bandwidth
+            self.run_copy()
+        self.report.update(step_ms=measure_steps(self.engine, self.device, self.counts, self.timer,
+                                                 self.bandwidth, self.args.seed, self.progress))
+
+    def run_baseline(self):
+        per_request = measure_baseline(self.model, self.device, self.counts, self.args.seed)
+        self.report.update(baseline_per_request_ms=per_request)
+        self.progress(f"baseline: {per_request:.3f} ms per request")
+
+    def run_accuracy(self):
+        results = measure_accuracy(self.engine, self.model, self.device, self.counts, self.args.seed,
+                                   self.progress)
+        self.report.update(accuracy=results)
+        for name, tower in results.items():
+            self.progress(f"accuracy {name}: within {DEFAULT_ATOL:g}: {tower['within_atol']:.5f}, "
+                          f"max {tower['max_abs_err']:.2e}, rel rmse {tower['rel_rmse']:.2e}, "
+                          f"nan/inf {tower['nan_or_inf']}")
+
+    def run_e2e(self):
+        numbers = measure_e2e(self.engine, self.model, self.device, self.counts, self.args, self.progress)
+        self.report.update(e2e_400rps_20sym=numbers)
+        self.progress(f"e2e: p50 {_fmt(numbers['p50_ms'])} ms, p99 {_fmt(numbers['p99_ms'])} ms, "
+                      f"accuracy {_fmt(numbers['accuracy'], 4)}, {_fmt(numbers['responses_per_s'], 1)} responses/s")
+
+    def run_maxrate(self):
+        best, _ = search_max_rate(self.engine, self.model, self.device, self.counts, self.args, self.report,
+                                  self.progress)
+        self.progress(f"maxrate: {best} req/s with p99 < {P99_LIMIT_MS:g} ms")
+
+    def run(self) -> list[str]:
+        """Every chosen section; a failing one is logged and recorded, and the others still run."""
+        failed = []
+        for section in self.args.sections:
+            self.progress(f"section {section} ...")
+            begin = time.monotonic()
+            try:
+                getattr(self, f"run_{section}")()
+            except Exception as exc:
+                failed.append(section)
+                self.progress(f"section {section} FAILED: {exc}\n{traceback.format_exc()}")
+                self.report.update(errors={**self.report.data.get("errors", {}), section: repr(exc)})
+            elapsed = time.monotonic() - begin
+            self.report.update(section_s={**self.report.data.get("section_s", {}), section: elapsed})
+            self.progress(f"section {section} done in {elapsed:.1f} s")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return failed
+
+
+def summary_table(data) -> str:
+    lines = [f"device: {data.get('device')}   preset: {data.get('preset')}"]
+    if "copy_gb_per_s" in data:
+        lines.append(f"copy bandwidth: {data['copy_gb_per_s']:.1f} GB/s")
+    if "step_ms" in data:
+        lines.append(f"{'B':>4} {'median ms':>10} {'p99 ms':>10} {'floor ms':>10} {'x floor':>8}")
+        for batch, row in data["step_ms"].items():
+            lines.append(f"{batch:>4} {row['median']:>10.3f} {row['p99']:>10.3f} {row['floor']:>10.3f} "
+                         f"{row['median'] / row['floor']:>8.2f}")
+    if "baseline_per_request_ms" in data:
+        lines.append(f"baseline (fp32, one request at a time): {data['baseline_per_request_ms']:.3f} ms/request")
+    if "accuracy" in data:
+        lines.append(f"{'tower':<8} {'within 1e-3':>12} {'max abs err':>12} {'rmse':>10} {'rel rmse':>10} {'nan/inf':>8}")
+        for name, tower in data["accuracy"].items():
+            lines.append(f"{name:<8} {tower['within_atol']:>12.5f} {_fmt(tower['max_abs_err'], 6):>12} "
+                         f"{_fmt(tower['rmse'], 6):>10} {_fmt(tower['rel_rmse'], 6):>10} {tower['nan_or_inf']:>8}")
+    if "e2e_400rps_20sym" in data:
+        e2e = data["e2e_400rps_20sym"]
+        lines.append(f"e2e 400 req/s, 20 symbols: p50 {_fmt(e2e['p50_ms'])} ms, p99 {_fmt(e2e['p99_ms'])} ms, "
+                     f"accuracy {_fmt(e2e['accuracy'], 4)}, {_fmt(e2e['responses_per_s'], 1)} responses/s")
+    if "max_rate_runs" in data:
+        for run in data["max_rate_runs"]:
+            lines.append(f"rate {run['rate']:>8g} req/s: p50 {_fmt(run['p50_ms']):>7} ms, p99 {_fmt(run['p99_ms']):>7} ms, "
+                         f"accuracy {_fmt(run['accuracy'], 4)}, missed {run['missed']}  "
+                         f"{'pass' if run['passed'] else 'FAIL'}")
+        lines.append(f"max rate with p99 < {P99_LIMIT_MS:g} ms over {MAXRATE_SYMBOLS} symbols: "
+                     f"{data['max_rate_p99_50ms']} req/s")
+    if data.get("errors"):
+        lines.append(f"FAILED sections: {', '.join(data['errors'])}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log_path = None
+    if args.log_dir is not None:
+        os.makedirs(args.log_dir, exist_ok=True)
+        log_path = os.path.join(args.log_dir, f"bench-{time.strftime('%Y%m%d-%H%M%S')}.log")
+        logging.basicConfig(filename=log_path, level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    else:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    progress = Progress(log_path)
+    report = Report(args.json)
+    report.update(device=_device_name(args.device), preset=args.preset, seed=args.seed, quick=args.quick,
+                  sections=args.sections, counts=args.counts.__dict__, torch=torch.__version__)
+    progress(f"bench on {report.data['device']}: preset {args.preset}, sections {','.join(args.sections)}")
+    failed = Bench(args, report, progress).run()
+    report.update(total_s=time.monotonic() - progress.start)
+    print(summary_table(report.data))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
