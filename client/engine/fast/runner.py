@@ -1,0 +1,127 @@
+"""How a step runs: the four towers over the state table, eagerly or as CUDA graphs per batch-size bucket."""
+import torch
+
+from client.model.config import TOWER_NAMES
+
+from .layers import BLOCKS, Linear
+from .state_table import PAD_SLOT, StateTable
+
+# fp16 keeps three more mantissa bits than bf16 at the same bandwidth. RetNet's per-head RMSNorm of
+# (q.k)v is ill-conditioned when q.k is near zero, so its tower stays in fp32 (FACTS.md, "Precision").
+DEFAULT_PRECISION = {"xlstm": torch.float16, "mamba2": torch.float16, "retnet": torch.float32,
+                     "hawk": torch.float16}
+BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+class Tower:
+    def __init__(self, sd, index, name, cfg, dtype, device):
+        prefix = f"towers.{index}."
+        self.name = name
+        self.input_down = Linear(sd[prefix + "input_down.weight"], sd[prefix + "input_down.bias"], dtype, device)
+        block = BLOCKS[name]
+        self.blocks = [block(sd, f"{prefix}blocks.{i}.", cfg, dtype, device) for i in range(cfg.depth)]
+        self.layout = {f"{name}.{i}.{k}": v for i in range(cfg.depth) for k, v in block.state_layout(cfg).items()}
+
+    def __call__(self, up, table, slots):
+        x = self.input_down(up)
+        for i, block in enumerate(self.blocks):
+            prefix = f"{self.name}.{i}."
+            x = block(x, {k[len(prefix):]: v for k, v in table.items() if k.startswith(prefix)}, slots)
+        return x
+
+
+class StepRunner:
+    """One fused step of the ensemble: step(slots [B] int32, features [B, 79]) -> predictions [B, 4]."""
+
+    def __init__(self, model, device, precision=None, capacity=64, streams=None):
+        self.device = torch.device(device)
+        self.precision = {**DEFAULT_PRECISION, **(precision or {})}
+        cfg = model.cfg
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+        self.input_up = Linear([sd[f"towers.{t}.input_up.weight"] for t in range(4)],
+                               torch.cat([sd[f"towers.{t}.input_up.bias"] for t in range(4)]), torch.float32,
+                               self.device)
+        self.proj, self.num_features = cfg.proj, cfg.features
+        self.towers = [Tower(sd, t, name, cfg, self.precision[name], self.device) for t, name in enumerate(TOWER_NAMES)]
+        self.output_w = sd["output_proj.weight"][0].to(self.device)
+        self.output_b = sd["output_proj.bias"].to(self.device)
+        layout = {k: v for tower in self.towers for k, v in tower.layout.items()}
+        self.table = StateTable(layout, capacity, self.device)
+        # Towers are independent: on CUDA each runs on its own stream so their small kernels overlap.
+        use_streams = self.device.type == "cuda" if streams is None else streams
+        self.streams = [torch.cuda.Stream(self.device) for _ in self.towers] if use_streams else None
+
+    @property
+    def weight_bytes(self):
+        linears = [self.input_up] + [t.input_down for t in self.towers]
+        total = sum(lin.nbytes for lin in linears)
+        for tower in self.towers:
+            for block in tower.blocks:
+                total += sum(v.nbytes for v in vars(block).values() if hasattr(v, "nbytes"))
+                total += sum(v.nbytes for v in vars(block.mlp).values() if hasattr(v, "nbytes"))
+        return total
+
+    def __call__(self, slots, features):
+        tables = self.table.tensors
+        up = torch.relu(self.input_up(features))  # [B, 4 * proj]: the four towers' input_up as one product
+        chunks = up.split(self.proj, dim=1)
+        if self.streams is None:
+            finals = [tower(chunk, tables, slots) for tower, chunk in zip(self.towers, chunks)]
+        else:
+            main = torch.cuda.current_stream(self.device)
+            finals = []
+            for tower, chunk, stream in zip(self.towers, chunks, self.streams):
+                stream.wait_stream(main)
+                with torch.cuda.stream(stream):
+                    finals.append(tower(chunk, tables, slots))
+            for stream in self.streams:
+                main.wait_stream(stream)
+        return torch.stack(finals, dim=1) @ self.output_w + self.output_b  # shared output_proj: [B, 4]
+
+
+class GraphedStep:
+    """CUDA graphs of the step for batch-size buckets, replayed with slots and features copied into persistent
+    input buffers; rows past the batch point at the padding slot. Graphs are captured again whenever the
+    state table is reallocated (it grew)."""
+
+    def __init__(self, runner: StepRunner, buckets=BUCKETS, progress=None):
+        self.runner, self.buckets = runner, tuple(sorted(buckets))
+        self.max_batch = self.buckets[-1]
+        dev = runner.device
+        self.slots = torch.full((self.max_batch,), PAD_SLOT, dtype=torch.int32, device=dev)
+        self.features = torch.zeros(self.max_batch, runner.num_features, device=dev)
+        self.graphs, self.outputs, self.version = {}, {}, None
+        self.progress = progress
+
+    def capture(self):
+        """Capture every bucket (largest first, so smaller graphs reuse its memory pool)."""
+        self.graphs.clear(), self.outputs.clear()
+        pool = torch.cuda.graph_pool_handle()
+        warm = torch.cuda.Stream(self.runner.device)
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):  # warm-up outside capture: Triton compiles, cuBLAS picks algorithms
+            for b in self.buckets:
+                self.runner(self.slots[:b], self.features[:b])
+        torch.cuda.current_stream().wait_stream(warm)
+        for k, b in enumerate(reversed(self.buckets)):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self.runner(self.slots[:b], self.features[:b])
+            self.graphs[b] = graph
+            if self.progress:
+                self.progress(k + 1, len(self.buckets))
+        self.slots.fill_(PAD_SLOT)
+        self.version = self.runner.table.version
+
+    def __call__(self, slots, features):
+        if self.version != self.runner.table.version:
+            self.capture()
+        B = slots.shape[0]
+        if B > self.max_batch:
+            raise ValueError(f"batch of {B} exceeds the largest captured bucket ({self.max_batch})")
+        bucket = next(b for b in self.buckets if b >= B)
+        self.slots[:B].copy_(slots, non_blocking=True)
+        self.slots[B:bucket].fill_(PAD_SLOT)
+        self.features[:B].copy_(features, non_blocking=True)
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:B]

@@ -1,0 +1,143 @@
+"""The fast engine against the fp32 reference: same code path on the CPU (kernels' PyTorch references, or the
+Triton kernels through the interpreter), CUDA graphs and padding on a GPU."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from client.engine.fast import PAD_SLOT, FastEngine
+from client.engine.reference import ReferenceEngine
+from client.model import TOWER_NAMES, load_model
+
+REPO = Path(__file__).resolve().parents[1]
+FP32 = {name: torch.float32 for name in TOWER_NAMES}
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def random_steps(seed, steps, symbols, max_batch=None):
+    """Steps of distinct random symbols; new symbols keep appearing as the stream goes on."""
+    rng = np.random.default_rng(seed)
+    for t in range(steps):
+        known = symbols[: min(len(symbols), 2 + t)]
+        k = int(rng.integers(1, min(len(known), max_batch or len(known)) + 1))
+        chosen = [str(s) for s in rng.choice(known, k, replace=False)]
+        yield chosen, rng.standard_normal((k, 79)).astype(np.float32)
+
+
+def compare(fast, ref, steps, seed=0, n_symbols=6):
+    symbols = [f"SYM_{i:03d}" for i in range(n_symbols)]
+    errors = []
+    for chosen, feats in random_steps(seed, steps, symbols):
+        got, want = fast.step(chosen, feats), ref.step(chosen, feats)
+        assert np.isfinite(got).all()
+        errors.append(np.abs(got - want))
+    return np.concatenate(errors)
+
+
+def test_fp32_fast_path_equals_reference_with_growth():
+    model, _ = load_model("tiny", seed=1)
+    fast = FastEngine(model, device="cpu", precision=FP32, capacity=2, progress=False)
+    err = compare(fast, ReferenceEngine(model, device="cpu"), steps=40)
+    assert err.max() < 2e-5, err.max(0)
+    assert fast.runner.table.capacity >= 6 and fast.runner.table.version >= 1
+
+
+def test_default_precision_within_atol_over_a_long_stream():
+    model, _ = load_model("small", seed=2)
+    fast = FastEngine(model, device="cpu", progress=False)
+    assert fast.describe()["precision"]["retnet"] == "float32"
+    err = compare(fast, ReferenceEngine(model, device="cpu"), steps=150, seed=3, n_symbols=4)
+    assert (err <= 1e-3).mean(axis=0).min() == 1.0, err.max(0)
+
+
+def test_idle_slots_and_padding_slot_are_untouched():
+    model, _ = load_model("tiny", seed=0)
+    fast = FastEngine(model, device="cpu", progress=False)
+    fast.step(["A", "B", "C"], np.random.default_rng(0).standard_normal((3, 79)).astype(np.float32))
+    before = {k: v.clone() for k, v in fast.runner.table.tensors.items()}
+    fast.step(["B"], np.random.default_rng(1).standard_normal((1, 79)).astype(np.float32))
+    slot_b = fast.runner.table.slot_of["B"]
+    tables = fast.runner.table.tensors
+    for name, t in tables.items():
+        for slot in range(t.shape[0]):
+            if slot != slot_b:
+                assert torch.equal(t[slot], before[name][slot]), (name, slot)
+    assert not torch.equal(tables["mamba2.0.h"][slot_b], before["mamba2.0.h"][slot_b])
+    assert PAD_SLOT != slot_b
+
+
+def test_bad_input_touches_no_state():
+    model, _ = load_model("tiny", seed=0)
+    fast = FastEngine(model, device="cpu", progress=False)
+    fast.step(["A"], np.zeros((1, 79), np.float32) + 0.5)
+    before = {k: v.clone() for k, v in fast.runner.table.tensors.items()}
+    bad = np.ones((2, 79), np.float32)
+    bad[1, 3] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        fast.step(["A", "B"], bad)
+    with pytest.raises(ValueError, match="duplicate"):
+        fast.step(["A", "A"], np.ones((2, 79), np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        fast.step(["A"], np.ones((1, 78), np.float32))
+    assert fast.symbols == ["A"]
+    assert all(torch.equal(v, before[k]) for k, v in fast.runner.table.tensors.items())
+
+
+def test_triton_kernels_through_the_interpreter_match_reference():
+    """The engine with the real Triton kernels (TRITON_INTERPRET=1 is read at import, so a child process)."""
+    code = (
+        "import numpy as np, torch\n"
+        "torch.set_num_threads(1)\n"
+        "from client.engine.fast import FastEngine\n"
+        "from client.engine.reference import ReferenceEngine\n"
+        "from client.model import load_model\n"
+        "import kernels._common as c; assert c.INTERPRET\n"
+        "m, _ = load_model('tiny', seed=5)\n"
+        "fast, ref = FastEngine(m, device='cpu', progress=False), ReferenceEngine(m, device='cpu')\n"
+        "rng = np.random.default_rng(0)\n"
+        "worst = 0.0\n"
+        "for syms in (['A', 'B'], ['B'], ['A', 'C', 'B']):\n"
+        "    f = rng.standard_normal((len(syms), 79)).astype(np.float32)\n"
+        "    worst = max(worst, float(np.abs(fast.step(syms, f) - ref.step(syms, f)).max()))\n"
+        "print('WORST', worst)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.split("WORST")[1]) < 1e-3
+
+
+@cuda
+def test_graphs_match_eager_and_reference_on_gpu():
+    model, _ = load_model("medium", seed=0, device="cuda")
+    graphed = FastEngine(model, device="cuda", max_batch=8, capacity=3, progress=False)
+    eager = FastEngine(model, device="cuda", graphs=False, progress=False)
+    ref = ReferenceEngine(model, device="cuda")
+    symbols = [f"S{i}" for i in range(7)]
+    for chosen, feats in random_steps(4, 60, symbols, max_batch=8):
+        g, e, r = graphed.step(chosen, feats), eager.step(chosen, feats), ref.step(chosen, feats)
+        np.testing.assert_allclose(g, e, atol=1e-5)
+        assert np.abs(g - r).max() < 2e-3
+    assert graphed.runner.table.version >= 1  # it grew past capacity 3 and captured again
+
+
+@cuda
+def test_padding_rows_never_touch_live_state_on_gpu():
+    model, _ = load_model("small", seed=0, device="cuda")
+    fast = FastEngine(model, device="cuda", max_batch=8, progress=False)
+    fast.step(["A", "B", "C"], np.ones((3, 79), np.float32))
+    torch.cuda.synchronize()
+    before = {k: v.clone() for k, v in fast.runner.table.tensors.items()}
+    fast.step(["B"], np.ones((1, 79), np.float32))
+    fast.step(list("ABCDEFG"), np.ones((7, 79), np.float32))  # bucket 8: one padding row
+    torch.cuda.synchronize()
+    live = {fast.runner.table.slot_of[s] for s in "ABCDEFG"}
+    for name, t in fast.runner.table.tensors.items():
+        for slot in range(1, t.shape[0]):
+            if slot not in live:
+                assert torch.equal(t[slot], before[name][slot]), (name, slot)
