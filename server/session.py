@@ -198,16 +198,20 @@ class TeamSession:
         total_pnl = float(pnl.sum())
         self.pnl += total_pnl
         self._recent.append((received, total_pnl))
+        self._forget_before(received - RECENT_WINDOW_S)
         self._check_done(received)
         return protocol.score_update(accepted, pnl, correct, latency_ms), problems
 
     # reporting ---------------------------------------------------------------------------------
+    def _forget_before(self, oldest):
+        while self._recent and self._recent[0][0] < oldest:
+            self._recent.popleft()
+
     def summary(self, now=None) -> dict:
         now = self._clock() if now is None else now
         latencies = self._latency_ms[self._state == ANSWERED]
         elapsed = max((self.finished_at or now) - self.start, 1e-9)
-        while self._recent and self._recent[0][0] < now - RECENT_WINDOW_S:
-            self._recent.popleft()
+        self._forget_before(now - RECENT_WINDOW_S)
         window = min(RECENT_WINDOW_S, max(now - self.start, 1e-9))
 
         def percentile(q):

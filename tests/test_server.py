@@ -1,6 +1,10 @@
 """Scoring server in-process: a stream and stand-in targets passed in, minimal websocket clients."""
 import asyncio
+import base64
 import json
+import os
+import socket
+import struct
 import urllib.request
 
 import msgpack
@@ -405,6 +409,37 @@ def test_client_that_stops_reading_is_cut_off_and_the_pace_kept():
     assert conn.aborted.is_set() and conn.sends == 1  # one frame buffered, then cut off
     assert session.connection is None
     assert session.sent == 40 and session.missed == 40 and session.done.is_set()
+
+
+def masked_frame(payload: bytes) -> bytes:
+    """A binary websocket frame as a client sends it (masked), for payloads under 64 KiB."""
+    mask = os.urandom(4)
+    size = bytes([0x80 | len(payload)]) if len(payload) < 126 else bytes([0x80 | 126]) + struct.pack("!H", len(payload))
+    return bytes([0x82]) + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def test_real_client_that_never_reads_is_cut_off():
+    requests = 20000  # ~6.6 MB of requests, all due at once: more than the socket buffers hold
+
+    async def main():
+        async with Server(requests=requests, rate=None, speed=1e6, send_stall_s=0.3, timeout_s=0.5) as s:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", s.port))
+            sock.setblocking(False)
+            # a raw websocket whose reader stops after the handshake (websockets' client reads ahead)
+            reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+            key = base64.b64encode(os.urandom(16)).decode()
+            writer.write(f"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+            writer.write(masked_frame(protocol.encode(protocol.register("stuck"))))
+            await asyncio.wait_for(s.server.wait_done(), 10)  # pace kept: everything sent, then missed
+            writer.close()
+            return s.summary("stuck")
+    summary = run(main())
+    assert not summary["connected"]
+    assert summary["requests"] == summary["missed"] == requests and summary["responses"] == 0
 
 
 def test_leaderboard_over_http_on_the_same_port():
