@@ -609,7 +609,8 @@ def summary_table(data) -> str:
     if "baseline_per_request_ms" in data:
         lines.append(f"baseline (fp32, one request at a time): {data['baseline_per_request_ms']:.3f} ms/request")
     if "accuracy" in data:
-        lines.append(f"{'tower':<8} {'within 1e-3':>12} {'max abs err':>12} {'rmse':>10} {'rel rmse':>10} {'nan/inf':>8}")
+        lines.append(f"{'tower':<8} {'within 1e-3':>12} {'max abs err':>12} {'rmse':>10} {'rel rmse':>10} "
+                     f"{'nan/inf':>8}")
         for name, tower in data["accuracy"].items():
             lines.append(f"{name:<8} {tower['within_atol']:>12.5f} {_fmt(tower['max_abs_err'], 6):>12} "
                          f"{_fmt(tower['rmse'], 6):>10} {_fmt(tower['rel_rmse'], 6):>10} {tower['nan_or_inf']:>8}")
@@ -619,11 +620,14 @@ def summary_table(data) -> str:
                      f"accuracy {_fmt(e2e['accuracy'], 4)}, {_fmt(e2e['responses_per_s'], 1)} responses/s")
     if "max_rate_runs" in data:
         for run in data["max_rate_runs"]:
-            lines.append(f"rate {run['rate']:>8g} req/s: p50 {_fmt(run['p50_ms']):>7} ms, p99 {_fmt(run['p99_ms']):>7} ms, "
-                         f"accuracy {_fmt(run['accuracy'], 4)}, missed {run['missed']}  "
+            lines.append(f"rate {run['rate']:>8g} req/s: p50 {_fmt(run['p50_ms']):>7} ms, "
+                         f"p99 {_fmt(run['p99_ms']):>7} ms, accuracy {_fmt(run['accuracy'], 4)}, missed {run['missed']}  "
                          f"{'pass' if run['passed'] else 'FAIL'}")
         lines.append(f"max rate with p99 < {P99_LIMIT_MS:g} ms over {MAXRATE_SYMBOLS} symbols: "
                      f"{data['max_rate_p99_50ms']} req/s")
+    if "section_s" in data:
+        lines.append("seconds per section: " + ", ".join(f"{name} {seconds:.1f}"
+                                                         for name, seconds in data["section_s"].items()))
     if data.get("errors"):
         lines.append(f"FAILED sections: {', '.join(data['errors'])}")
     return "\n".join(lines)
