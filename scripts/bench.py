@@ -621,8 +621,8 @@ def summary_table(data) -> str:
     if "max_rate_runs" in data:
         for run in data["max_rate_runs"]:
             lines.append(f"rate {run['rate']:>8g} req/s: p50 {_fmt(run['p50_ms']):>7} ms, "
-                         f"p99 {_fmt(run['p99_ms']):>7} ms, accuracy {_fmt(run['accuracy'], 4)}, missed {run['missed']}  "
-                         f"{'pass' if run['passed'] else 'FAIL'}")
+                         f"p99 {_fmt(run['p99_ms']):>7} ms, accuracy {_fmt(run['accuracy'], 4)}, "
+                         f"missed {run['missed']}  {'pass' if run['passed'] else 'FAIL'}")
         lines.append(f"max rate with p99 < {P99_LIMIT_MS:g} ms over {MAXRATE_SYMBOLS} symbols: "
                      f"{data['max_rate_p99_50ms']} req/s")
     if "section_s" in data:
