@@ -495,7 +495,7 @@ def test_stream_and_targets_must_agree():
 def test_pnl_grows_with_correct_towers_and_halves_per_half_life():
     from server.scoring import score_responses
     targets = np.zeros((3, 4), np.float32)
-    predictions = np.array([[0, 0, 0, 0], [0, 0, 1e-3, np.nan], [2e-3, 0, 0, 0]], np.float32)
+    predictions = np.array([[0, 0, 0, 0], [0, 0, 0.9e-3, np.nan], [2e-3, 0, 0, 0]], np.float32)
     correct, pnl = score_responses(predictions, targets, np.array([0.0, 100.0, 200.0]), atol=1e-3,
                                    half_life_ms=100.0)
     assert correct.tolist() == [4, 3, 3]  # within atol counts, NaN does not
