@@ -111,6 +111,7 @@ class ScoringServer:
         if self._targets.shape != (total, protocol.NUM_TOWERS):
             raise ValueError(f"targets must have shape ({total}, {protocol.NUM_TOWERS}), got {self._targets.shape}")
         self._offsets = send_offsets(total, stream.delay_ms, self.config.rate, self.config.speed)
+        self._num_symbols = len(np.unique(self._symbols))
         # websockets closes the connection above its own limit, so let frames somewhat over ours
         # through to be answered with an error
         self._server = await serve(self._handle, self.config.host, self.config.port,
@@ -141,7 +142,7 @@ class ScoringServer:
     def scores(self) -> dict:
         teams = sorted((leaderboard_row(s) for s in self.summaries()), key=lambda row: -row["pnl"])
         return {"time": time.time(), "teams": teams, "unregistered_errors": self.unregistered_errors,
-                "stream": {"requests": len(self._symbols), "symbols": len(np.unique(self._symbols))}}
+                "stream": {"requests": len(self._symbols), "symbols": self._num_symbols}}
 
     def _http(self, connection, request):
         if request.headers.get("Upgrade", "").lower() == "websocket":
