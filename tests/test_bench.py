@@ -178,3 +178,17 @@ def test_sections_run_in_a_fixed_order():
     assert args.sections == ["copy", "maxrate"]
     assert args.counts.rates == [100.0, 300.0]
     assert args.counts.accuracy_steps == 20  # --quick counts, where not overridden
+
+
+def test_failing_section_is_recorded_and_others_still_run(tmp_path, monkeypatch, capsys):
+    bench = _load_bench()
+    monkeypatch.setitem(sys.modules, "client.engine.fast", None)  # as if client/engine/fast were absent
+    out = tmp_path / "out.json"
+    code = bench.main(["--preset", "tiny", "--device", "cpu", "--quick", "--sections", "step,baseline",
+                       "--json", str(out)])
+    assert code == 1
+    data = json.loads(out.read_text())
+    assert set(data["errors"]) == {"step"} and "fast engine is missing" in data["errors"]["step"]
+    assert _finite(data["copy_gb_per_s"])  # measured for the step floor before the engine was needed
+    assert _finite(data["baseline_per_request_ms"])
+    assert "FAILED sections: step" in capsys.readouterr().out
