@@ -526,10 +526,11 @@ class Bench:
                 raise RuntimeError("the fast engine is missing (client/engine/fast); nothing to benchmark") from exc
             model = self.model
             begin = time.monotonic()
-            self._engine = FastEngine(model, self.device, max_batch=MAX_BATCH)
-            # Every symbol of the run gets its slot now, in one go: the state table is then allocated once,
-            # at its final size, and never grows (nor are graphs captured again) in a timed section.
-            self._engine.slots_for(self._symbols_of_run())
+            # The state table is allocated at its final size, before graphs are captured, and every symbol
+            # of the run gets its slot now: the table never grows (nor are graphs captured again) later.
+            symbols = self._symbols_of_run()
+            self._engine = FastEngine(model, self.device, max_batch=MAX_BATCH, capacity=max(len(symbols), 1))
+            self._engine.slots_for(symbols)
             self.report.update(engine=self._engine.describe(), weight_bytes=self._engine.weight_bytes,
                                state_bytes=self._engine.state_bytes)
             self.progress(f"fast engine built in {time.monotonic() - begin:.1f} s: {self._engine.describe()}")

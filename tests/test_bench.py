@@ -23,7 +23,7 @@ class StandInFastEngine:
     """FastEngine's API over the fp32 reference model, used only while client/engine/fast is absent:
     the smoke run then still exercises every section of bench.py."""
 
-    def __init__(self, model, device=None, *, max_batch=64, graphs=None, progress=True):
+    def __init__(self, model, device=None, *, max_batch=64, graphs=None, capacity=None, progress=True):
         self.model = model
         self.device = torch.device(device or next(model.parameters()).device)
         self.max_batch = max_batch
