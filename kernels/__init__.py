@@ -4,6 +4,7 @@ Every op updates fp32 state tables in place at per-row slot indices (int32, dist
 padding rows sharing a padding slot). `op` runs Triton on CUDA tensors or under TRITON_INTERPRET=1 (read
 at import) and falls back to `op_ref` otherwise.
 """
+from kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from kernels.causal_conv_update import causal_conv_update, causal_conv_update_ref
 from kernels.mamba2_update import mamba2_state_update, mamba2_state_update_ref
 from kernels.mlstm_update import mlstm_step, mlstm_step_ref
@@ -12,6 +13,7 @@ from kernels.rglru import rglru_step, rglru_step_ref
 from kernels.slstm_cell import slstm_cell, slstm_cell_ref
 
 __all__ = [
+    "add_rms_norm", "add_rms_norm_ref",
     "causal_conv_update", "causal_conv_update_ref",
     "mamba2_state_update", "mamba2_state_update_ref",
     "mlstm_step", "mlstm_step_ref",

@@ -1,127 +1,169 @@
 """How one step of each tower runs on the state table: fused projections, Triton state kernels, 16-bit
-weights with fp32 accumulation and fp32 state. Each function advances the rows `slots` of the table in place.
+weights with fp32 accumulation and fp32 state. Each block advances the rows `slots` of the table in place.
 
 Fusions (horizontal, where shapes allow): the four towers' input_up as one matrix; Mamba2's x/b/c/z
 projections as one matrix and its three convolutions as one; RetNet's q/k/v/g as one matrix; Hawk's gate and
-recurrent projections as one; mLSTM's x/gate projections as one and its 1,024 4x4 q/k blocks as one batched
-product; the sLSTM's eight block-diagonal gate maps as three batched products.
+recurrent projections as one; mLSTM's x/gate projections as one and its 1,024 4x4 q/k/v blocks as one batched
+product; the sLSTM's eight block-diagonal gate maps as one batched product. Vertically: every residual add
+with the RMSNorm after it (add_rms_norm), fc1's bias and ReLU in the GEMM epilogue, fc2's bias in the next add.
 """
 import torch
 import torch.nn.functional as F
 
 from client.model.mamba2 import HEAD_SIZE, STATE_SIZE
 from client.model.modules import FP32_EPS
-from client.model.xlstm import QKV_BLOCK, SLSTM_HEADS
-from kernels import (causal_conv_update, mamba2_state_update, mlstm_step, retention_step, retnet_output,
-                     rglru_step, slstm_cell)
+from client.model.xlstm import SLSTM_HEADS
+from kernels import (add_rms_norm, causal_conv_update, mamba2_state_update, mlstm_step, retention_step,
+                     retnet_output, rglru_step, slstm_cell)
+
+_OUT_DTYPE = {}
+
+
+def _fp32_out_supported(device):
+    """Whether mm/bmm(..., out_dtype=float32) run for fp16 inputs on this build and device: cuBLAS then
+    writes its fp32 accumulator directly, with no rounding of the product to 16 bits."""
+    key = str(device)
+    if key not in _OUT_DTYPE:
+        a = torch.ones(2, 2, 8, device=device, dtype=torch.float16)
+        try:
+            _OUT_DTYPE[key] = (torch.mm(a[0], a[0].t(), out_dtype=torch.float32).dtype == torch.float32
+                               and torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE[key] = False
+    return _OUT_DTYPE[key]
+
+
+def mm32(x, w_t):
+    """x @ w_t accumulated and returned in fp32 (x and w_t in the weight's dtype)."""
+    if w_t.dtype != torch.float32 and _fp32_out_supported(x.device):
+        return torch.mm(x, w_t, out_dtype=torch.float32)
+    return torch.mm(x, w_t).float()
+
+
+def bmm32(x, w):
+    if w.dtype != torch.float32 and _fp32_out_supported(x.device):
+        return torch.bmm(x, w, out_dtype=torch.float32)
+    return torch.bmm(x, w).float()
 
 
 class Linear:
-    """y = x @ W^T + b: W stored in `dtype` (16-bit or fp32), products accumulated in fp32, y in fp32."""
+    """y = x @ W^T + b: W stored in `dtype` (16-bit or fp32), products accumulated in fp32."""
 
     def __init__(self, weights, bias, dtype, device):
         weight = torch.cat(weights) if isinstance(weights, (list, tuple)) else weights
-        self.weight_t = weight.to(device=device, dtype=dtype).contiguous()  # [out, in]
+        self.weight = weight.to(device=device, dtype=dtype).contiguous()  # [out, in]
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
-        self.fp32_out = self.weight_t.is_cuda and dtype != torch.float32 and _has_mm_out_dtype(device)
+        self.bias_w = None if bias is None else bias.to(device=device, dtype=dtype)  # for the fused epilogue
+
+    @property
+    def dtype(self):
+        return self.weight.dtype
 
     @property
     def nbytes(self):
-        return self.weight_t.numel() * self.weight_t.element_size() + (
-            0 if self.bias is None else self.bias.numel() * 4)
+        return self.weight.numel() * self.weight.element_size() + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def product(self, x):
+        """x @ W^T in fp32, without the bias (the caller fuses it into a later kernel)."""
+        return mm32(x.to(self.dtype), self.weight.t())
 
     def __call__(self, x):
-        w = self.weight_t
-        if self.fp32_out:  # cuBLAS writes the fp32 accumulator directly: no rounding of y to 16 bits
-            y = torch.mm(x.to(w.dtype), w.t(), out_dtype=torch.float32)
-        else:
-            y = F.linear(x.to(w.dtype), w).float()
+        if self.dtype == torch.float32:
+            return F.linear(x, self.weight, self.bias)  # bias in the GEMM epilogue
+        y = self.product(x)
         return y if self.bias is None else y + self.bias
 
-
-_MM_OUT_DTYPE = {}
-
-
-def _has_mm_out_dtype(device):
-    """Whether torch.mm(..., out_dtype=float32) runs for 16-bit inputs on this build and device."""
-    key = str(device)
-    if key not in _MM_OUT_DTYPE:
-        try:
-            a = torch.ones(2, 8, device=device, dtype=torch.float16)
-            _MM_OUT_DTYPE[key] = torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_OUT_DTYPE[key] = False
-    return _MM_OUT_DTYPE[key]
+    def relu(self, x):
+        """relu(x @ W^T + b) in the weight's dtype with bias and ReLU in the GEMM epilogue: it only feeds the
+        next product, which reads it in this dtype anyway."""
+        return torch._addmm_activation(self.bias_w, x.to(self.dtype), self.weight.t())
 
 
-class BlockLinear:
-    """G block-diagonal maps of `nb` blocks sharing one input, as one batched product:
-    x [B, nb*s] -> [G, B, nb*s]."""
+class BlockDiagonal:
+    """Several block-diagonal maps (nb blocks of s x s each) over one or more inputs as ONE batched product:
+    groups = [(input index, weight [nb, s, s] as (out, in)), ...]; output g reads input groups[g][0]."""
 
-    def __init__(self, weights, dtype, device):
-        # weights: G tensors [nb, s, s] (out, in) -> [nb, s_in, G*s_out]
-        self.weight = torch.cat([w.transpose(1, 2) for w in weights], dim=2).to(device=device, dtype=dtype)
-        self.groups = len(weights)
+    def __init__(self, groups, dtype, device):
+        n_in = 1 + max(i for i, _ in groups)
+        nb, s, _ = groups[0][1].shape
+        w = torch.zeros(nb, n_in * s, len(groups) * s)
+        for out, (inp, weight) in enumerate(groups):
+            w[:, inp * s:(inp + 1) * s, out * s:(out + 1) * s] = weight.transpose(1, 2)
+        self.weight = w.to(device=device, dtype=dtype)  # [nb, inputs*s, outputs*s]
+        self.blocks, self.size, self.outputs = nb, s, len(groups)
 
     @property
     def nbytes(self):
         return self.weight.numel() * self.weight.element_size()
 
-    def __call__(self, x):
-        nb, s, gs = self.weight.shape
-        B = x.shape[0]
-        out = torch.bmm(x.view(B, nb, s).transpose(0, 1).to(self.weight.dtype), self.weight)  # [nb, B, G*s]
-        return out.float().view(nb, B, self.groups, s).permute(2, 1, 0, 3).reshape(self.groups, B, nb * s)
-
-
-def rms_norm(x, weight, eps=FP32_EPS):
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    def __call__(self, *inputs):
+        """inputs [B, nb*s] each -> [B, outputs, nb*s] fp32 (output g of row b at [b, g])."""
+        B, nb, s = inputs[0].shape[0], self.blocks, self.size
+        x = torch.stack([t.view(B, nb, s) for t in inputs], dim=2).to(self.weight.dtype).view(B, nb, -1)
+        out = bmm32(x.transpose(0, 1), self.weight)  # [nb, B, outputs*s]
+        return out.view(nb, B, self.outputs, s).permute(1, 2, 0, 3)  # [B, outputs, nb, s], a strided view
 
 
 def layer_norm(x, weight):
     return F.layer_norm(x, (x.shape[-1],), weight, None, 1e-5)
 
 
-class MLP:
-    def __init__(self, sd, prefix, dtype, device):
-        self.norm2 = sd[prefix + "norm2.weight"].to(device)
-        self.fc1 = Linear(sd[prefix + "mlp.fc1.weight"], sd[prefix + "mlp.fc1.bias"], dtype, device)
-        self.fc2 = Linear(sd[prefix + "mlp.fc2.weight"], sd[prefix + "mlp.fc2.bias"], dtype, device)
-
-    def __call__(self, x):
-        return x + self.fc2(torch.relu(self.fc1(rms_norm(x, self.norm2))))
-
-
 def _conv(sd, name, device):
     return sd[name + ".conv.weight"][:, 0, :].contiguous().to(device), sd[name + ".conv.bias"].to(device)
 
 
-class XLSTMBlock:
+class Block:
+    """norm1 -> layer -> residual; norm2 -> MLP -> residual. Each residual add is fused with the RMSNorm after
+    it: a block takes the previous block's pending (delta, bias) and returns its own, so `x += fc2 output +
+    fc2 bias` happens inside the next block's norm1 (or at the tower's end)."""
+
+    norm1_dtype = torch.float32  # the layer's input stays fp32 where it also feeds an fp32 path or a skip
+
+    def __init__(self, sd, prefix, dtype, device):
+        self.dtype = dtype
+        self.norm1 = sd[prefix + "norm1.weight"].to(device)
+        self.norm2 = sd[prefix + "norm2.weight"].to(device)
+        self.fc1 = Linear(sd[prefix + "mlp.fc1.weight"], sd[prefix + "mlp.fc1.bias"], dtype, device)
+        self.fc2 = Linear(sd[prefix + "mlp.fc2.weight"], sd[prefix + "mlp.fc2.bias"], dtype, device)
+
+    def __call__(self, x, delta, bias, st, slots):
+        t = add_rms_norm(x, delta, bias, self.norm1, FP32_EPS, self.norm1_dtype)
+        t2 = add_rms_norm(x, self.layer(t, st, slots), None, self.norm2, FP32_EPS, self.dtype)
+        return self.fc2.product(self.fc1.relu(t2)), self.fc2.bias
+
+    def parts(self):
+        return [v for v in vars(self).values() if hasattr(v, "nbytes")]
+
+
+class XLSTMBlock(Block):
     def __init__(self, sd, prefix, cfg, dtype, device):
-        p, s, m = prefix, prefix + "layer.slstm.", prefix + "layer.mlstm."
-        self.hidden, self.inner, self.heads = cfg.hidden, 2 * cfg.hidden, cfg.heads
-        self.norm1 = sd[p + "norm1.weight"].to(device)
+        super().__init__(sd, prefix, dtype, device)
+        s, m = prefix + "layer.slstm.", prefix + "layer.mlstm."
+        self.inner, self.heads = 2 * cfg.hidden, cfg.heads
         self.s_norm = sd[s + "norm.weight"].to(device)
         self.s_conv = _conv(sd, s + "conv1d", device)
-        self.s_if = BlockLinear([sd[s + "igate_input.weight"], sd[s + "fgate_input.weight"]], dtype, device)
-        self.s_zo = BlockLinear([sd[s + "zgate_input.weight"], sd[s + "ogate_input.weight"]], dtype, device)
-        self.s_state = BlockLinear([sd[s + f"{g}gate_state.weight"] for g in "ifzo"], dtype, device)
-        self.s_state_bias = torch.stack([sd[s + f"{g}gate_state.bias"] for g in "ifzo"])[:, None, :].to(device)
+        # inputs (xc, xn, y) -> outputs (i, f, z, o): i, f read xc; z, o read xn; all four read y
+        gate_in = [(0, sd[s + "igate_input.weight"]), (0, sd[s + "fgate_input.weight"]),
+                   (1, sd[s + "zgate_input.weight"]), (1, sd[s + "ogate_input.weight"])]
+        self.s_gates_in = BlockDiagonal(gate_in, dtype, device)
+        self.s_gates_state = BlockDiagonal([(0, sd[s + f"{g}gate_state.weight"]) for g in "ifzo"], dtype, device)
+        self.s_bias = torch.stack([sd[s + f"{g}gate_state.bias"] for g in "ifzo"]).to(device)  # [4, H]
+        self.s_bias_blocks = (self.s_gates_in.blocks, self.s_gates_in.size)
         self.s_gn = sd[s + "group_norm.weight"].to(device), sd[s + "group_norm.bias"].to(device)
         self.m_norm = sd[m + "norm.weight"].to(device)
         self.m_xg = Linear([sd[m + "x_proj.weight"], sd[m + "gate_proj.weight"]], None, dtype, device)
         self.m_conv = _conv(sd, m + "conv1d", device)
-        self.m_qk = BlockLinear([sd[m + "q_proj.weight"], sd[m + "k_proj.weight"]], torch.float32, device)
-        self.m_v = BlockLinear([sd[m + "v_proj.weight"]], torch.float32, device)
+        # inputs (xc, xm) -> outputs (q, k, v): q, k read the convolved xc, v the unconvolved xm
+        self.m_qkv = BlockDiagonal([(0, sd[m + "q_proj.weight"]), (0, sd[m + "k_proj.weight"]),
+                                    (1, sd[m + "v_proj.weight"])], torch.float32, device)
         cell = m + "mlstm_cell."
         self.m_gates = Linear([sd[cell + "igate_proj.weight"], sd[cell + "fgate_proj.weight"]],
                               torch.cat([sd[cell + "igate_proj.bias"], sd[cell + "fgate_proj.bias"]]),
-                              torch.float32, device)  # tiny and sets the exponential gates: fp32
+                              torch.float32, device)  # tiny, and it sets the exponential gates: fp32
         self.m_outnorm = sd[cell + "outnorm.weight"].to(device), sd[cell + "outnorm.bias"].to(device)
         self.m_skip = sd[m + "learnable_skip"].to(device)
         self.m_down = Linear(sd[m + "proj_down.weight"], None, dtype, device)
         self.final_norm = sd[prefix + "layer.final_norm.weight"].to(device)
-        self.mlp = MLP(sd, prefix, dtype, device)
 
     @staticmethod
     def state_layout(cfg):
@@ -132,46 +174,45 @@ class XLSTMBlock:
                 "mlstm.conv": ((inner, 3), f32, 0.0), "mlstm.C": ((NH, E, E), f32, 0.0),
                 "mlstm.n": ((NH, E), f32, 0.0), "mlstm.m": ((NH,), f32, 0.0)}
 
-    def __call__(self, x, st, slots):
-        B, inner, NH = x.shape[0], self.inner, self.heads
-        xin = rms_norm(x, self.norm1)
-        # sLSTM
+    def layer(self, xin, st, slots):
+        B, inner, NH = xin.shape[0], self.inner, self.heads
+        # sLSTM: all eight gate maps in two batched products, bias added while gathering them per gate
         xn = layer_norm(xin, self.s_norm)
         xc = causal_conv_update(xn, st["slstm.conv"], *self.s_conv, slots, "silu")
-        recurrent = self.s_state(st["slstm.y"][slots]) + self.s_state_bias  # [4, B, H]: i, f, z, o
-        i_f, z_o = self.s_if(xc), self.s_zo(xn)
-        y = slstm_cell(i_f[0] + recurrent[0], i_f[1] + recurrent[1], z_o[0] + recurrent[2], z_o[1] + recurrent[3],
-                       st["slstm.c"], st["slstm.n"], st["slstm.m"], st["slstm.y"], slots)
+        pre = torch.empty(B, 4, xin.shape[1], device=xin.device)
+        torch.add(self.s_gates_in(xc, xn), self.s_gates_state(st["slstm.y"][slots]), out=pre.view(B, 4, *self.s_bias_blocks))
+        pre += self.s_bias  # [B, 4, H]: i, f, z, o
+        y = slstm_cell(pre[:, 0], pre[:, 1], pre[:, 2], pre[:, 3], st["slstm.c"], st["slstm.n"], st["slstm.m"],
+                       st["slstm.y"], slots)
         s_out = F.group_norm(y, SLSTM_HEADS, *self.s_gn, 1e-5) + xin
         # mLSTM
-        xm_xg = self.m_xg(layer_norm(s_out, self.m_norm))
+        xm_xg = self.m_xg.product(layer_norm(s_out, self.m_norm))
         xm, xg = xm_xg[:, :inner], xm_xg[:, inner:]
         xc = causal_conv_update(xm, st["mlstm.conv"], *self.m_conv, slots, "silu")
-        q, k = self.m_qk(xc)
-        v = self.m_v(xm)[0]
-        gates = self.m_gates(torch.cat([q, k, v], dim=1))
-        h = mlstm_step(st["mlstm.C"], st["mlstm.n"], st["mlstm.m"], q.view(B, NH, -1), k.view(B, NH, -1),
-                       v.view(B, NH, -1), gates[:, :NH], gates[:, NH:], slots)
+        qkv = self.m_qkv(xc, xm).reshape(B, 3 * inner)  # = concat(q, k, v)
+        gates = self.m_gates(qkv)
+        q, k, v = (qkv[:, j * inner:(j + 1) * inner].view(B, NH, -1) for j in range(3))
+        h = mlstm_step(st["mlstm.C"], st["mlstm.n"], st["mlstm.m"], q, k, v, gates[:, :NH], gates[:, NH:], slots)
         h = F.group_norm(h.reshape(B, inner), NH, *self.m_outnorm, 1e-5)
-        m_out = self.m_down((h + self.m_skip * xc) * F.silu(xg)) + s_out
-        return self.mlp(x + layer_norm(m_out, self.final_norm))
+        m_out = self.m_down.product((h + self.m_skip * xc) * F.silu(xg)) + s_out
+        return layer_norm(m_out, self.final_norm)
 
 
-class Mamba2Block:
+class Mamba2Block(Block):
     def __init__(self, sd, prefix, cfg, dtype, device):
+        super().__init__(sd, prefix, dtype, device)
         p = prefix + "layer."
         self.inner, self.heads = 2 * cfg.hidden, 2 * cfg.hidden // HEAD_SIZE
-        self.norm1 = sd[prefix + "norm1.weight"].to(device)
         # x, b, c first (they share one convolution), then z
         self.in_proj = Linear([sd[p + "input_proj.weight"], sd[p + "b_proj.weight"], sd[p + "c_proj.weight"],
                                sd[p + "z_proj.weight"]], None, dtype, device)
         self.dt_proj = Linear(sd[p + "dt_proj.weight"], sd[p + "dt_proj.bias"], torch.float32, device)
-        self.conv = (torch.cat([sd[p + f"{n}.conv.weight"][:, 0, :] for n in ("input_conv", "b_conv", "c_conv")]).to(device),
-                     torch.cat([sd[p + f"{n}.conv.bias"] for n in ("input_conv", "b_conv", "c_conv")]).to(device))
+        convs = ("input_conv", "b_conv", "c_conv")
+        self.conv = (torch.cat([sd[p + f"{n}.conv.weight"][:, 0, :] for n in convs]).to(device),
+                     torch.cat([sd[p + f"{n}.conv.bias"] for n in convs]).to(device))
         self.a, self.d = sd[p + "a"].to(device), sd[p + "d"].to(device)
         self.norm = sd[p + "norm.weight"].to(device)
         self.out_proj = Linear(sd[p + "out_proj.weight"], None, dtype, device)
-        self.mlp = MLP(sd, prefix, dtype, device)
 
     @staticmethod
     def state_layout(cfg):
@@ -179,26 +220,24 @@ class Mamba2Block:
         return {"conv": ((inner + 2 * STATE_SIZE, 3), torch.float32, 0.0),
                 "h": ((inner // HEAD_SIZE, HEAD_SIZE, STATE_SIZE), torch.float32, 0.0)}
 
-    def __call__(self, x, st, slots):
-        B, inner, N = x.shape[0], self.inner, STATE_SIZE
-        t = rms_norm(x, self.norm1)
-        xbcz = self.in_proj(t)
+    def layer(self, t, st, slots):
+        B, inner, N = t.shape[0], self.inner, STATE_SIZE
+        xbcz = self.in_proj.product(t)
         xbc = causal_conv_update(xbcz[:, :inner + 2 * N], st["conv"], *self.conv, slots, "silu")
         y = mamba2_state_update(st["h"], xbc[:, :inner].view(B, self.heads, HEAD_SIZE), self.dt_proj(t), self.a,
                                 xbc[:, inner:inner + N], xbc[:, inner + N:], self.d, slots)
         gated = y.reshape(B, inner) * F.silu(xbcz[:, inner + 2 * N:])
-        return self.mlp(x + self.out_proj(rms_norm(gated, self.norm, 1e-5)))
+        return self.out_proj.product(F.rms_norm(gated, (inner,), self.norm, 1e-5))
 
 
-class RetNetBlock:
+class RetNetBlock(Block):
     def __init__(self, sd, prefix, cfg, dtype, device):
+        super().__init__(sd, prefix, dtype, device)
         p = prefix + "layer."
         self.heads, self.hidden = cfg.heads, cfg.hidden
-        self.norm1 = sd[prefix + "norm1.weight"].to(device)
         self.qkvg = Linear([sd[p + f"{n}_proj.weight"] for n in "qkvg"], None, dtype, device)
         self.out_proj = Linear(sd[p + "out_proj.weight"], None, dtype, device)
         self.decay, self.angle = sd[p + "decay"].to(device), sd[p + "angle"].to(device)
-        self.mlp = MLP(sd, prefix, dtype, device)
 
     @staticmethod
     def state_layout(cfg):
@@ -206,37 +245,37 @@ class RetNetBlock:
         return {"offset": ((), torch.int32, 0), "scale": ((cfg.heads,), torch.float32, 0.0),
                 "S": ((cfg.heads, D, D), torch.float32, 0.0)}
 
-    def __call__(self, x, st, slots):
-        B, H = x.shape[0], self.hidden
-        qkvg = self.qkvg(rms_norm(x, self.norm1))
+    def layer(self, t, st, slots):
+        B, H = t.shape[0], self.hidden
+        qkvg = self.qkvg(t)
         q, k, v = (qkvg[:, j * H:(j + 1) * H].view(B, self.heads, -1) for j in range(3))
         o = retention_step(st["S"], st["scale"], st["offset"], q, k, v, self.decay, self.angle, slots)
-        return self.mlp(x + self.out_proj(retnet_output(o, qkvg[:, 3 * H:])))
+        return self.out_proj(retnet_output(o, qkvg[:, 3 * H:]))
 
 
-class HawkBlock:
+class HawkBlock(Block):
     def __init__(self, sd, prefix, cfg, dtype, device):
+        super().__init__(sd, prefix, dtype, device)
         p = prefix + "layer."
         self.hidden = cfg.hidden
-        self.norm1 = sd[prefix + "norm1.weight"].to(device)
+        self.norm1_dtype = dtype  # the layer's input feeds only 16-bit products
         self.gate_rec = Linear([sd[p + "gate_proj.weight"], sd[p + "recurrent_proj.weight"]], None, dtype, device)
         self.conv = _conv(sd, p + "conv", device)
-        self.gates = BlockLinear([sd[p + "rglru.input_gate.weight"], sd[p + "rglru.recurrence_gate.weight"]],
-                                 dtype, device)
+        self.gates = BlockDiagonal([(0, sd[p + "rglru.input_gate.weight"]),
+                                    (0, sd[p + "rglru.recurrence_gate.weight"])], dtype, device)
         self.a = sd[p + "rglru.a"].to(device)
         self.out_proj = Linear(sd[p + "out_proj.weight"], None, dtype, device)
-        self.mlp = MLP(sd, prefix, dtype, device)
 
     @staticmethod
     def state_layout(cfg):
         return {"conv": ((cfg.hidden, 3), torch.float32, 0.0), "h": ((cfg.hidden,), torch.float32, 0.0)}
 
-    def __call__(self, x, st, slots):
-        H = self.hidden
-        gate_rec = self.gate_rec(rms_norm(x, self.norm1))
+    def layer(self, t, st, slots):
+        B, H = t.shape[0], self.hidden
+        gate_rec = self.gate_rec.product(t)
         u = causal_conv_update(gate_rec[:, H:], st["conv"], *self.conv, slots, None)
-        i_pre, r_pre = self.gates(u)
-        return self.mlp(x + self.out_proj(rglru_step(gate_rec[:, :H], u, i_pre, r_pre, self.a, st["h"], slots)))
+        gates = self.gates(u).reshape(B, 2, H)
+        return self.out_proj.product(rglru_step(gate_rec[:, :H], u, gates[:, 0], gates[:, 1], self.a, st["h"], slots))
 
 
 BLOCKS = {"xlstm": XLSTMBlock, "mamba2": Mamba2Block, "retnet": RetNetBlock, "hawk": HawkBlock}

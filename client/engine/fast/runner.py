@@ -23,11 +23,14 @@ class Tower:
         self.layout = {f"{name}.{i}.{k}": v for i in range(cfg.depth) for k, v in block.state_layout(cfg).items()}
 
     def __call__(self, up, table, slots):
-        x = self.input_down(up)
+        # x starts at zero with input_down's output pending: the first norm1 adds it (see layers.Block)
+        x = torch.zeros(up.shape[0], self.input_down.weight.shape[0], device=up.device)
+        delta, bias = self.input_down.product(up), self.input_down.bias
         for i, block in enumerate(self.blocks):
             prefix = f"{self.name}.{i}."
-            x = block(x, {k[len(prefix):]: v for k, v in table.items() if k.startswith(prefix)}, slots)
-        return x
+            delta, bias = block(x, delta, bias, {k[len(prefix):]: v for k, v in table.items()
+                                                 if k.startswith(prefix)}, slots)
+        return x + delta + bias
 
 
 class StepRunner:
@@ -55,11 +58,7 @@ class StepRunner:
     def weight_bytes(self):
         linears = [self.input_up] + [t.input_down for t in self.towers]
         total = sum(lin.nbytes for lin in linears)
-        for tower in self.towers:
-            for block in tower.blocks:
-                total += sum(v.nbytes for v in vars(block).values() if hasattr(v, "nbytes"))
-                total += sum(v.nbytes for v in vars(block.mlp).values() if hasattr(v, "nbytes"))
-        return total
+        return total + sum(part.nbytes for tower in self.towers for block in tower.blocks for part in block.parts())
 
     def __call__(self, slots, features):
         tables = self.table.tensors

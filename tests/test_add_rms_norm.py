@@ -1,0 +1,67 @@
+"""kernels/add_rms_norm.py: the Triton kernel against its PyTorch reference, and the reference against the
+equations. On a CPU the Triton kernel runs through the interpreter in a child process."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels._common import INTERPRET
+from kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS_TRITON = INTERPRET or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+
+
+def make(rows, width, delta_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g) * 3
+    delta = torch.randn(rows, width, generator=g).to(delta_dtype)
+    bias = torch.randn(width, generator=g)
+    weight = torch.rand(width, generator=g) + 0.5
+    return [t.to(DEVICE) for t in (x, delta, bias, weight)]
+
+
+def test_reference_matches_equations():
+    x, delta, bias, weight = make(3, 10, torch.float32, 0)
+    x0 = x.double().clone()
+    y = add_rms_norm_ref(x, delta, bias, weight, 1e-6)
+    s = x0 + delta.double() + bias.double()
+    expect = s / torch.sqrt((s**2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    torch.testing.assert_close(x.double(), s, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
+@pytest.mark.parametrize("rows,width", [(1, 64), (5, 100), (3, 2048)])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_triton_matches_reference(rows, width, with_bias, out_dtype):
+    x, delta, bias, weight = make(rows, width, torch.float16 if out_dtype == torch.float16 else torch.float32, rows)
+    bias = bias if with_bias else None
+    x_ref = x.clone()
+    y = add_rms_norm(x, delta, bias, weight, 1e-6, out_dtype)
+    y_ref = add_rms_norm_ref(x_ref, delta, bias, weight, 1e-6, out_dtype)
+    assert y.dtype == out_dtype
+    torch.testing.assert_close(x, x_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-3 if out_dtype == torch.float16 else 1e-5,
+                               atol=1e-5)
+
+
+def test_bad_inputs_are_clear_errors():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="delta"):
+        add_rms_norm(x, torch.zeros(2, 7), None, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="x must be a float32"):
+        add_rms_norm(x.double(), torch.zeros(2, 8), None, torch.ones(8), 1e-6)
+
+
+@pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
+def test_triton_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "triton_matches"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
