@@ -43,6 +43,57 @@ def copy_bandwidth():
     return 2 * src.numel() * 4 / (med * 1e-3)
 
 
+def tower_graph_times(runner, slots):
+    """Each tower alone captured as a CUDA graph: which one is the critical path."""
+    out = {}
+    for B in (1, 20):
+        feats = torch.randn(B, 79, device="cuda")
+        up = torch.relu(runner.input_up(feats)).split(runner.proj, dim=1)
+        for tower, chunk in zip(runner.towers, up):
+            tower(chunk, runner.table.tensors, slots[:B])  # warm-up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                tower(chunk, runner.table.tensors, slots[:B])
+            out[f"B{B}_{tower.name}"] = round(time_cuda(graph.replay, iters=30)[0], 3)
+    return out
+
+
+def fp32_gemm_times():
+    """[B, 2048] x [2048, 8192] in fp32 (RetNet's q/k/v/g), as F.linear on W [out, in] and as x @ W^T stored
+    [in, out]."""
+    out = {}
+    w = torch.randn(8192, 2048, device="cuda")
+    wt = w.t().contiguous()
+    for B in (1, 20, 64):
+        x = torch.randn(B, 2048, device="cuda")
+        out[f"B{B}_linear"] = round(1e3 * time_cuda(lambda: torch.nn.functional.linear(x, w), iters=50)[0], 1)
+        out[f"B{B}_mm_in_out"] = round(1e3 * time_cuda(lambda: x @ wt, iters=50)[0], 1)
+        out[f"B{B}_fp16"] = round(1e3 * time_cuda(lambda: torch.nn.functional.linear(x.half(), w.half()),
+                                                  iters=50)[0], 1)
+    return out
+
+
+def accuracy(model, engines, n_symbols, steps):
+    from client.engine.reference import ReferenceEngine
+    ref = ReferenceEngine(model, device="cuda")
+    syms = [f"A{i}" for i in range(n_symbols)]
+    errs = {name: [] for name in engines}
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        f = rng.standard_normal((len(syms), 79)).astype(np.float32)
+        want = ref.step(syms, f)
+        for name, engine in engines.items():
+            errs[name].append(np.abs(engine.step(syms, f) - want))
+    result = {}
+    for name, parts in errs.items():
+        e = np.concatenate(parts)
+        result[name] = {n: {"max_abs_err": float(e[:, i].max()), "within_1e-3": float((e[:, i] <= 1e-3).mean())}
+                        for i, n in enumerate(TOWER_NAMES)}
+        log(f"accuracy {name}: " + ", ".join(f"{n} {v['within_1e-3']:.4f} ({v['max_abs_err']:.1e})"
+                                             for n, v in result[name].items()))
+    return result
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full")
@@ -51,6 +102,8 @@ def main(argv=None):
     ap.add_argument("--accuracy-symbols", type=int, default=20)
     ap.add_argument("--accuracy-steps", type=int, default=100)
     ap.add_argument("--out-dir", type=Path, default=Path("prof"))
+    ap.add_argument("--variant", action="append", default=[],
+                    help="also time and check an engine with precision overrides, e.g. retnet.mlp=float16,hawk=bfloat16")
     args = ap.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -92,23 +145,30 @@ def main(argv=None):
             result[f"eager_tower_ms_B{B}_{tower.name}"] = time_cuda(
                 lambda: tower(chunk, runner.table.tensors, slots[:B]), iters=10)[0]
         result[f"eager_step_ms_B{B}"] = time_cuda(lambda: runner(slots[:B], feats), iters=10)[0]
+    result["tower_graph_ms"] = tower_graph_times(runner, slots)
+    log(f"towers alone as graphs: {result['tower_graph_ms']}")
+    result["fp32_gemm_us"] = fp32_gemm_times()
+    log(f"fp32 GEMM variants: {result['fp32_gemm_us']}")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         feats = torch.randn(20, 79, device="cuda")
         runner(slots[:20], feats)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
     (args.out_dir / "top_kernels_B20.txt").write_text(table)
-    # accuracy
-    from client.engine.reference import ReferenceEngine
-    ref = ReferenceEngine(model, device="cuda")
-    syms = [f"A{i}" for i in range(args.accuracy_symbols)]
-    errs, rng = [], np.random.default_rng(0)
-    for _ in range(args.accuracy_steps):
-        f = rng.standard_normal((len(syms), 79)).astype(np.float32)
-        errs.append(np.abs(engine.step(syms, f) - ref.step(syms, f)))
-    e = np.concatenate(errs)
-    result["accuracy"] = {n: {"max_abs_err": float(e[:, i].max()), "within_1e-3": float((e[:, i] <= 1e-3).mean())}
-                          for i, n in enumerate(TOWER_NAMES)}
+    engines = {"default": engine}
+    for spec in args.variant:
+        overrides = dict(kv.split("=") for kv in spec.split(","))
+        variant = FastEngine(model, device="cuda", max_batch=64, progress=False,
+                             precision={k: getattr(torch, v) for k, v in overrides.items()})
+        vslots = variant.slots_for([f"P{i}" for i in range(max(batches))])
+        times = {}
+        for B in batches:
+            feats = torch.randn(B, 79, device="cuda")
+            times[B] = time_cuda(lambda: variant.step_slots(vslots[:B], feats), iters=50)[0]
+        result[f"variant {spec} step_ms"] = times
+        log(f"variant {spec}: {times}, weights {variant.weight_bytes / 1e9:.2f} GB")
+        engines[spec] = variant
+    result["accuracy"] = accuracy(model, engines, args.accuracy_symbols, args.accuracy_steps)
     (args.out_dir / "profile.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     print(table[:6000])

@@ -122,8 +122,9 @@ def test_graphs_match_eager_and_reference_on_gpu():
     symbols = [f"S{i}" for i in range(7)]
     for chosen, feats in random_steps(4, 60, symbols, max_batch=8):
         g, e, r = graphed.step(chosen, feats), eager.step(chosen, feats), ref.step(chosen, feats)
-        np.testing.assert_allclose(g, e, atol=1e-5)
-        assert np.abs(g - r).max() < 2e-3
+        # a padded bucket may pick another cuBLAS algorithm than the eager batch: compare within fp16 rounding
+        assert np.abs(g - e).max() < 5e-4, np.abs(g - e).max(0)
+        assert np.abs(g - r).max() < 2e-3, np.abs(g - r).max(0)
     assert graphed.runner.table.version >= 1  # it grew past capacity 3 and captured again
 
 

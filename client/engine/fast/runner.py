@@ -8,18 +8,19 @@ from .state_table import PAD_SLOT, StateTable
 
 # fp16 keeps three more mantissa bits than bf16 at the same bandwidth. RetNet's per-head RMSNorm of
 # (q.k)v is ill-conditioned when q.k is near zero, so its tower stays in fp32 (FACTS.md, "Precision").
+# "<tower>.mlp" sets a tower's MLP products apart from the rest of the tower.
 DEFAULT_PRECISION = {"xlstm": torch.float16, "mamba2": torch.float16, "retnet": torch.float32,
                      "hawk": torch.float16}
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 
 
 class Tower:
-    def __init__(self, sd, index, name, cfg, dtype, device):
+    def __init__(self, sd, index, name, cfg, dtype, device, mlp_dtype=None):
         prefix = f"towers.{index}."
         self.name = name
         self.input_down = Linear(sd[prefix + "input_down.weight"], sd[prefix + "input_down.bias"], dtype, device)
         block = BLOCKS[name]
-        self.blocks = [block(sd, f"{prefix}blocks.{i}.", cfg, dtype, device) for i in range(cfg.depth)]
+        self.blocks = [block(sd, f"{prefix}blocks.{i}.", cfg, dtype, device, mlp_dtype) for i in range(cfg.depth)]
         self.layout = {f"{name}.{i}.{k}": v for i in range(cfg.depth) for k, v in block.state_layout(cfg).items()}
 
     def __call__(self, up, table, slots):
@@ -45,7 +46,8 @@ class StepRunner:
                                torch.cat([sd[f"towers.{t}.input_up.bias"] for t in range(4)]), torch.float32,
                                self.device)
         self.proj, self.num_features = cfg.proj, cfg.features
-        self.towers = [Tower(sd, t, name, cfg, self.precision[name], self.device) for t, name in enumerate(TOWER_NAMES)]
+        self.towers = [Tower(sd, t, name, cfg, self.precision[name], self.device, self.precision.get(f"{name}.mlp"))
+                       for t, name in enumerate(TOWER_NAMES)]
         self.output_w = sd["output_proj.weight"][0].to(self.device)
         self.output_b = sd["output_proj.bias"].to(self.device)
         layout = {k: v for tower in self.towers for k, v in tower.layout.items()}
