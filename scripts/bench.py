@@ -647,7 +647,7 @@ def main(argv=None) -> int:
     else:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.device.type == "cuda":
-        torch.cuda.set_device(args.device)  # events and synchronize() then refer to the chosen GPU
+        torch.cuda.set_device(torch.device(args.device).index or 0)  # events and synchronize() then refer to the chosen GPU
     progress = Progress(log_path)
     report = Report(args.json)
     report.update(device=_device_name(args.device), preset=args.preset, seed=args.seed, quick=args.quick,

@@ -132,6 +132,10 @@ class ScoringServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._server is not None:
+            # 1000 tells clients the session is over (websockets' own close says 1001, "going away",
+            # which a client takes as a reason to reconnect)
+            await asyncio.gather(*(ws.close(1000, "server stopped") for ws in list(self._server.connections)),
+                                 return_exceptions=True)
             self._server.close()
             await self._server.wait_closed()
 

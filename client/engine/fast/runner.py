@@ -97,6 +97,7 @@ class GraphedStep:
     def capture(self):
         """Capture every bucket (largest first, so smaller graphs reuse its memory pool)."""
         self.graphs.clear(), self.outputs.clear()
+        self.slots.fill_(PAD_SLOT)  # the warm-up runs below must only ever touch the padding slot
         pool = torch.cuda.graph_pool_handle()
         warm = torch.cuda.Stream(self.runner.device)
         warm.wait_stream(torch.cuda.current_stream())
@@ -111,7 +112,6 @@ class GraphedStep:
             self.graphs[b] = graph
             if self.progress:
                 self.progress(k + 1, len(self.buckets))
-        self.slots.fill_(PAD_SLOT)
         self.version = self.runner.table.version
 
     def __call__(self, slots, features):
