@@ -21,3 +21,9 @@ __all__ = [
     "rglru_step", "rglru_step_ref",
     "slstm_cell", "slstm_cell_ref",
 ]
+from kernels.mlstm_output import mlstm_output, mlstm_output_ref  # noqa: E402
+from kernels.slstm_output import slstm_output, slstm_output_ref  # noqa: E402
+from kernels.xlstm_residual import xlstm_residual, xlstm_residual_ref  # noqa: E402
+
+__all__ += ["mlstm_output", "mlstm_output_ref", "slstm_output", "slstm_output_ref",
+            "xlstm_residual", "xlstm_residual_ref"]

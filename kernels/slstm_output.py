@@ -1,0 +1,108 @@
+"""sLSTM block output: s_out = group_norm(y) + xin, and the mLSTM block's LayerNorm of it, in one pass.
+
+s_out = F.group_norm(y, groups, gn_weight, gn_bias, 1e-5) + xin (fp32: it is the mLSTM block's skip);
+xn = F.layer_norm(s_out, (H,), ln_weight, None, 1e-5) in out_dtype (the dtype of the product it feeds).
+One row per program, where PyTorch needs four to five kernels. The row is held as a [groups, H / groups]
+tile (each side padded to a power of two), so per-group statistics are sums along one axis of the tile and
+the whole-row statistics sums along both: any H divisible by groups works, no reshape needed.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels._common import FLOAT_DTYPES, check_input, next_pow2, use_triton
+
+NORM_EPS = 1e-5  # F.group_norm / F.layer_norm defaults, as in the model
+
+
+def check_groups(groups, width: int) -> None:
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"groups must be a positive int, got {groups!r}")
+    if width % groups:
+        raise ValueError(f"width {width} must be divisible by groups {groups}")
+
+
+def check_out_dtype(out_dtype) -> None:
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+
+
+def group_tile(groups: int, width: int) -> dict:
+    """Launch constants of a [groups, width / groups] row tile, and warps for its padded size."""
+    groups_block, group_block = next_pow2(groups), next_pow2(width // groups)
+    return dict(GROUPS=groups, GROUPS_BLOCK=groups_block, GROUP_BLOCK=group_block,
+                num_warps=max(1, min(16, groups_block * group_block // 256)))
+
+
+@triton.jit
+def row_tile(GROUPS: tl.constexpr, GROUPS_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr, group_size):
+    """Column index of each element of a [GROUPS_BLOCK, GROUP_BLOCK] tile of one row, and its mask."""
+    g = tl.arange(0, GROUPS_BLOCK)[:, None]
+    j = tl.arange(0, GROUP_BLOCK)[None, :]
+    return g * group_size + j, (g < GROUPS) & (j < group_size)
+
+
+@triton.jit
+def group_normalize(v, mask, group_size, eps):
+    """(v - mean) / sqrt(var + eps) per tile row (= group), biased variance; masked elements give 0."""
+    mean = tl.sum(v, axis=1) / group_size
+    d = tl.where(mask, v - mean[:, None], 0.0)
+    var = tl.sum(d * d, axis=1) / group_size
+    return d * (1.0 / tl.sqrt(var + eps))[:, None]
+
+
+def _check(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype):
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        raise ValueError(f"y must be a [B, H] tensor, got {getattr(y, 'shape', type(y).__name__)}")
+    rows, width = y.shape
+    y = check_input("y", y, (rows, width), y.device)
+    xin = check_input("xin", xin, (rows, width), y.device)
+    params = [check_input(name, t, (width,), y.device)
+              for name, t in (("gn_weight", gn_weight), ("gn_bias", gn_bias), ("ln_weight", ln_weight))]
+    check_groups(groups, width)
+    check_out_dtype(out_dtype)
+    return (y, xin, *params)
+
+
+def slstm_output_ref(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype=torch.float32):
+    """PyTorch reference of slstm_output, same signature."""
+    y, xin, gn_weight, gn_bias, ln_weight = (t.float() for t in _check(y, xin, gn_weight, gn_bias, ln_weight,
+                                                                       groups, out_dtype))
+    s_out = F.group_norm(y, groups, gn_weight, gn_bias, NORM_EPS) + xin
+    return s_out, F.layer_norm(s_out, s_out.shape[-1:], ln_weight, None, NORM_EPS).to(out_dtype)
+
+
+@triton.jit
+def _slstm_output_kernel(y_ptr, xin_ptr, gn_weight_ptr, gn_bias_ptr, ln_weight_ptr, s_out_ptr, xn_ptr, width,
+                         group_size, stride_y, stride_xin, stride_s_out, stride_xn, eps, GROUPS: tl.constexpr,
+                         GROUPS_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    col, mask = row_tile(GROUPS, GROUPS_BLOCK, GROUP_BLOCK, group_size)
+    y = tl.load(y_ptr + row * stride_y + col, mask=mask, other=0.0).to(tl.float32)
+    s = group_normalize(y, mask, group_size, eps)
+    s = s * tl.load(gn_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    s += tl.load(gn_bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    s += tl.load(xin_ptr + row * stride_xin + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(s_out_ptr + row * stride_s_out + col, s, mask=mask)
+    mean = tl.sum(tl.sum(s, axis=1), axis=0) / width
+    d = tl.where(mask, s - mean, 0.0)
+    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(d * d, axis=1), axis=0) / width + eps)
+    w = tl.load(ln_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(xn_ptr + row * stride_xn + col, (d * inv * w).to(xn_ptr.dtype.element_ty), mask=mask)
+
+
+def slstm_output(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype=torch.float32):
+    """y [B, H], xin [B, H], gn_weight/gn_bias/ln_weight [H], H divisible by groups
+    -> (s_out [B, H] fp32, xn [B, H] out_dtype)."""
+    if not use_triton(y):
+        return slstm_output_ref(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype)
+    y, xin, gn_weight, gn_bias, ln_weight = _check(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype)
+    rows, width = y.shape
+    s_out = torch.empty(rows, width, device=y.device, dtype=torch.float32)
+    xn = torch.empty(rows, width, device=y.device, dtype=out_dtype)
+    if rows:
+        _slstm_output_kernel[(rows,)](y, xin, gn_weight, gn_bias, ln_weight, s_out, xn, width, width // groups,
+                                      y.stride(0), xin.stride(0), s_out.stride(0), xn.stride(0), NORM_EPS,
+                                      **group_tile(groups, width))
+    return s_out, xn
