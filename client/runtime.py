@@ -8,6 +8,7 @@ without stepping the model twice.
 """
 import asyncio
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 NUM_TOWERS = 4
 # Close codes after which reconnecting cannot help: the server refused this client.
 _REFUSED_CLOSE_CODES = {1002, 1003, 1007, 1008}
+
+SWITCH_INTERVAL_S = 0.0002
 
 
 class ServerRefused(RuntimeError):
@@ -145,6 +148,9 @@ class StreamingClient:
         """Play until the session ends; return the summary."""
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        # The event loop and the model thread hand the GIL back and forth for every request; with the
+        # default 5 ms switch interval a thread that wants it can wait that long, which is latency.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         worker = threading.Thread(target=self._work, name="model-step", daemon=True)
         worker.start()
         try:

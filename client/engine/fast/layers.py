@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from client.model.mamba2 import HEAD_SIZE, STATE_SIZE
 from client.model.modules import FP32_EPS
 from client.model.xlstm import SLSTM_HEADS
-from kernels import (add_rms_norm, causal_conv_update, mamba2_state_update, mlstm_step, retention_step,
-                     retnet_output, rglru_step, slstm_cell)
+from kernels import (add_rms_norm, causal_conv_update, mamba2_state_update, mlstm_output, mlstm_step,
+                     retention_step, retnet_output, rglru_step, slstm_cell, slstm_output, xlstm_residual)
 
 _OUT_DTYPE = {}
 
@@ -151,6 +151,10 @@ class Block:
     def __call__(self, x, delta, bias, st, slots):
         t = add_rms_norm(x, delta, bias, self.norm1, FP32_EPS, self.norm1_dtype)
         t2 = add_rms_norm(x, self.layer(t, st, slots), None, self.norm2, FP32_EPS, self.mlp_dtype)
+        return self.mlp(t2)
+
+    def mlp(self, t2):
+        """fc2(relu(fc1(t2))) without fc2's bias: (delta, bias) for the next add."""
         return self.fc2.product(self.fc1.relu(t2)), self.fc2.bias
 
     def parts(self):
@@ -196,7 +200,15 @@ class XLSTMBlock(Block):
                 "mlstm.conv": ((inner, 3), f32, 0.0), "mlstm.C": ((NH, E, E), f32, 0.0),
                 "mlstm.n": ((NH, E), f32, 0.0), "mlstm.m": ((NH,), f32, 0.0)}
 
+    def __call__(self, x, delta, bias, st, slots):
+        xin = add_rms_norm(x, delta, bias, self.norm1, FP32_EPS, torch.float32)
+        m, s_out = self.layer(xin, st, slots)
+        # x += final_norm(m + s_out), then norm2, in one kernel
+        return self.mlp(xlstm_residual(x, m, s_out, self.final_norm, self.norm2, FP32_EPS, self.mlp_dtype))
+
     def layer(self, xin, st, slots):
+        """The xLSTM layer up to its final LayerNorm: (mLSTM out_proj product m, sLSTM block output s_out),
+        with the layer's output final_norm(m + s_out)."""
         B, inner, NH = xin.shape[0], self.inner, self.heads
         # sLSTM: all eight gate maps in two batched products, bias added while gathering them per gate
         xn = layer_norm(xin, self.s_norm)
@@ -206,18 +218,17 @@ class XLSTMBlock(Block):
         pre += self.s_bias  # [B, 4, H]: i, f, z, o
         y = slstm_cell(pre[:, 0], pre[:, 1], pre[:, 2], pre[:, 3], st["slstm.c"], st["slstm.n"], st["slstm.m"],
                        st["slstm.y"], slots)
-        s_out = F.group_norm(y, SLSTM_HEADS, *self.s_gn, 1e-5) + xin
+        s_out, xn = slstm_output(y, xin, *self.s_gn, self.m_norm, SLSTM_HEADS, self.dtype)
         # mLSTM
-        xm_xg = self.m_xg.product(layer_norm(s_out, self.m_norm))
+        xm_xg = self.m_xg.product(xn)
         xm, xg = xm_xg[:, :inner], xm_xg[:, inner:]
         xc = causal_conv_update(xm, st["mlstm.conv"], *self.m_conv, slots, "silu")
         qkv = self.m_qkv(xc, xm).reshape(B, 3 * inner)  # = concat(q, k, v)
         gates = self.m_gates(qkv)
         q, k, v = (qkv[:, j * inner:(j + 1) * inner].view(B, NH, -1) for j in range(3))
         h = mlstm_step(st["mlstm.C"], st["mlstm.n"], st["mlstm.m"], q, k, v, gates[:, :NH], gates[:, NH:], slots)
-        h = F.group_norm(h.reshape(B, inner), NH, *self.m_outnorm, 1e-5)
-        m_out = self.m_down.product((h + self.m_skip * xc) * F.silu(xg)) + s_out
-        return layer_norm(m_out, self.final_norm)
+        gated = mlstm_output(h.reshape(B, inner), xc, xg, self.m_skip, *self.m_outnorm, NH, self.dtype)
+        return self.m_down.product(gated), s_out
 
 
 class Mamba2Block(Block):
