@@ -6,7 +6,6 @@ at import) and falls back to `op_ref` otherwise.
 """
 from kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from kernels.causal_conv_update import causal_conv_update, causal_conv_update_ref
-from kernels.linear_fp32 import linear_fp32, linear_fp32_ref
 from kernels.mamba2_update import mamba2_state_update, mamba2_state_update_ref
 from kernels.mlstm_output import mlstm_output, mlstm_output_ref
 from kernels.mlstm_update import mlstm_step, mlstm_step_ref
@@ -19,7 +18,6 @@ from kernels.xlstm_residual import xlstm_residual, xlstm_residual_ref
 __all__ = [
     "add_rms_norm", "add_rms_norm_ref",
     "causal_conv_update", "causal_conv_update_ref",
-    "linear_fp32", "linear_fp32_ref",
     "mamba2_state_update", "mamba2_state_update_ref",
     "mlstm_step", "mlstm_step_ref",
     "retention_step", "retention_step_ref", "retnet_output", "retnet_output_ref",

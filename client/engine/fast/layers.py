@@ -13,9 +13,8 @@ import torch.nn.functional as F
 from client.model.mamba2 import HEAD_SIZE, STATE_SIZE
 from client.model.modules import FP32_EPS
 from client.model.xlstm import SLSTM_HEADS
-from kernels import (add_rms_norm, causal_conv_update, linear_fp32, mamba2_state_update, mlstm_output,
-                     mlstm_step, retention_step, retnet_output, rglru_step, slstm_cell, slstm_output,
-                     xlstm_residual)
+from kernels import (add_rms_norm, causal_conv_update, mamba2_state_update, mlstm_output, mlstm_step,
+                     retention_step, retnet_output, rglru_step, slstm_cell, slstm_output, xlstm_residual)
 
 _OUT_DTYPE = {}
 
@@ -66,21 +65,17 @@ class Linear:
 
     def product(self, x):
         """x @ W^T in fp32, without the bias (the caller fuses it into a later kernel)."""
-        if self.dtype == torch.float32:
-            return linear_fp32(x, self.weight)
         return mm32(x.to(self.dtype), self.weight.t())
 
     def __call__(self, x):
         if self.dtype == torch.float32:
-            return linear_fp32(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)  # bias in the GEMM epilogue
         y = self.product(x)
         return y if self.bias is None else y + self.bias
 
     def relu(self, x):
-        """relu(x @ W^T + b) in the weight's dtype. 16-bit: bias and ReLU in the GEMM epilogue (the result
-        only feeds the next product, which reads it in this dtype anyway)."""
-        if self.dtype == torch.float32:
-            return torch.relu(linear_fp32(x, self.weight, self.bias))
+        """relu(x @ W^T + b) in the weight's dtype with bias and ReLU in the GEMM epilogue: it only feeds the
+        next product, which reads it in this dtype anyway."""
         return torch._addmm_activation(self.bias_w, x.to(self.dtype), self.weight.t())
 
 
