@@ -52,11 +52,9 @@ class StepRunner:
         self.output_b = sd["output_proj.bias"].to(self.device)
         layout = {k: v for tower in self.towers for k, v in tower.layout.items()}
         self.table = StateTable(layout, capacity, self.device)
-        # Towers are independent: on CUDA each runs on its own stream so their small kernels overlap. The
-        # xLSTM tower has the longest chain of kernels, so its stream gets the highest priority.
+        # Towers are independent: on CUDA each runs on its own stream so their small kernels overlap.
         use_streams = self.device.type == "cuda" if streams is None else streams
-        self.streams = [torch.cuda.Stream(self.device, priority=-1 if t.name == "xlstm" else 0)
-                        for t in self.towers] if use_streams else None
+        self.streams = [torch.cuda.Stream(self.device) for _ in self.towers] if use_streams else None
 
     @property
     def weight_bytes(self):
