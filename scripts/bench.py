@@ -19,8 +19,9 @@ import asyncio  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
+import multiprocessing  # noqa: E402
 import platform  # noqa: E402
-import threading  # noqa: E402
+import queue  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
@@ -381,39 +382,58 @@ def prefixed_stream(prefix, num_symbols, num_requests, seed, rate):
     return Stream(np.char.add(prefix, stream.symbols), stream.features, stream.delay_ms, meta=stream.meta)
 
 
-class ServerThread:
-    """The project's scoring server on an event loop of its own thread, so that its pacing and its
-    latency clock never wait behind the client's event loop."""
+def _serve_in_child(config, stream, targets, to_parent, from_parent):
+    """Child process: run the scoring server, report its port, then the first team's summary."""
+    from server.app import ScoringServer
+
+    async def main():
+        server = ScoringServer(config, stream=stream, targets=targets)
+        to_parent.put(await server.start())
+        await server.wait_done()
+        to_parent.put(server.summaries()[0])
+        await asyncio.to_thread(from_parent.get)  # stay up until the client has finished
+        await server.stop()
+
+    asyncio.run(main())
+
+
+class ServerProcess:
+    """The project's scoring server in a process of its own, as a real scoring server would be: its pacing,
+    its latency clock and its event loop never wait for the client's interpreter (GIL) or event loop."""
 
     def __init__(self, config, stream, targets):
-        from server.app import ScoringServer
+        ctx = multiprocessing.get_context("spawn")
+        self._to_parent, self._from_parent = ctx.Queue(), ctx.Queue()
+        self._process = ctx.Process(target=_serve_in_child, name="scoring-server", daemon=True,
+                                    args=(config, stream, targets, self._to_parent, self._from_parent))
+        self._process.start()
+        self.port = self._get(timeout=120)
 
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="scoring-server", daemon=True)
-        self._thread.start()
-        self.server = ScoringServer(config, stream=stream, targets=targets)
+    def _get(self, timeout):
         try:
-            self.port = self._call(self.server.start())
-        except BaseException:
-            self.close()
-            raise
-
-    def _call(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+            return self._to_parent.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"the scoring server process gave no answer in {timeout} s "
+                               f"(exit code {self._process.exitcode})") from None
 
     async def wait_done(self):
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.server.wait_done(), self._loop))
+        while True:  # short waits, so that a cancelled wait leaves no thread blocked behind it
+            try:
+                self._summary = self._to_parent.get_nowait()
+                return
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise RuntimeError(f"the scoring server process ended (exit code {self._process.exitcode})")
+                await asyncio.sleep(0.05)
 
     def summary(self) -> dict:
-        async def first_team():
-            return self.server.summaries()[0]
-        return self._call(first_team())
+        return self._summary
 
     def close(self):
-        self._call(self.server.stop())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._from_parent.put("stop")
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
 
 
 async def serve_stream(engine, stream, targets, rate, preset, seed) -> dict:
@@ -424,7 +444,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed) -> dict:
 
     config = ServerConfig(host="127.0.0.1", port=0, preset=preset, seed=seed,
                           symbols=len(np.unique(stream.symbols)), requests=len(stream), rate=rate, once=True)
-    server = await asyncio.to_thread(ServerThread, config, stream, targets)
+    server = await asyncio.to_thread(ServerProcess, config, stream, targets)
     try:
         client = StreamingClient(ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench")
         playing = asyncio.create_task(client.run())
