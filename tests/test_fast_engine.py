@@ -106,7 +106,8 @@ def test_triton_kernels_through_the_interpreter_match_reference():
         "    worst = max(worst, float(np.abs(fast.step(syms, f) - ref.step(syms, f)).max()))\n"
         "print('WORST', worst)\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -47,7 +47,7 @@ def test_done_when_team_client_scores_every_request(tmp_path):
                                "--rate", "200", "--once", "--json", str(out), "--timeout-s", "60",
                                "--cache-dir", str(tmp_path / "cache")], tmp_path / "server.log")
     try:
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         team = subprocess.Popen([sys.executable, "team/example_model.py", "--host", "127.0.0.1", "--port",
                                  str(port), "--preset", "tiny", "--seed", "5", "--engine", "reference",
                                  "--team", "NAME", "--device", "cpu"], cwd=ROOT, env=env,
