@@ -59,7 +59,7 @@ class Counts:
 
 FULL = Counts(copy_bytes=1 << 30, copy_repeats=20, step_warmup=20, step_iters=200, baseline_warmup=5,
               baseline_iters=20, accuracy_symbols=20, accuracy_steps=1000, e2e_requests=4000,
-              rates=[1000, 2000, 3000, 5000, 7000, 10000, 14000, 20000], rate_seconds=2.0)
+              rates=[1000, 2000, 3000, 4000, 5000, 6000, 8000, 10000, 14000, 20000], rate_seconds=2.0)
 QUICK = Counts(copy_bytes=64 << 20, copy_repeats=5, step_warmup=2, step_iters=10, baseline_warmup=2,
                baseline_iters=5, accuracy_symbols=4, accuracy_steps=20, e2e_requests=200,
                rates=[50, 100], rate_seconds=1.0)
