@@ -7,7 +7,6 @@ so they survive reconnects; a bounded cache answers ids that the server resends 
 without stepping the model twice.
 """
 import asyncio
-import gc
 import logging
 import sys
 import threading
@@ -152,9 +151,6 @@ class StreamingClient:
         # The event loop and the model thread hand the GIL back and forth for every request; with the
         # default 5 ms switch interval a thread that wants it can wait that long, which is latency.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-        # Everything alive now (torch, the model, the engine) lives for the whole session: move it out of the
-        # collector's generations so that a full collection during play does not walk it (a latency spike).
-        gc.freeze()
         worker = threading.Thread(target=self._work, name="model-step", daemon=True)
         worker.start()
         try:
