@@ -120,7 +120,6 @@ def main(argv=None):
             state = model.init_state(B)
             feats = torch.randn(B, 79, device="cuda")
             result[f"reference_step_ms_B{B}"] = time_cuda(lambda: model(feats, state), iters=5, warmup=1)[0]
-            del state
     log(f"reference step {result['reference_step_ms_B1']:.1f} ms (B=1), {result['reference_step_ms_B20']:.1f} ms (B=20)")
 
     t = time.perf_counter()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.model import Ensemble, get_preset, load_model, manifest, split_state, stack_states
+from client.model import get_preset, load_model, manifest, split_state, stack_states
 from client.model.hawk import Hawk
 from client.model.mamba2 import Mamba2
 from client.model.retnet import RetNet
