@@ -120,11 +120,11 @@ class BlockDiagonal:
         return self.outputs * self.blocks * self.size**2 * self.weight.element_size()
 
     def __call__(self, *inputs):
-        """inputs [B, nb*s] each -> [B, outputs, nb*s] fp32 (output g of row b at [b, g])."""
+        """inputs [B, nb*s] each -> fp32 [B, outputs, nb, s], a strided view (output g of row b at [b, g])."""
         B, nb, s = inputs[0].shape[0], self.blocks, self.size
         x = torch.stack([t.view(B, nb, s) for t in inputs], dim=2).to(self.weight.dtype).view(B, nb, -1)
         out = bmm32(x.transpose(0, 1), self.weight)  # [nb, B, outputs*s]
-        return out.view(nb, B, self.outputs, s).permute(1, 2, 0, 3)  # [B, outputs, nb, s], a strided view
+        return out.view(nb, B, self.outputs, s).permute(1, 2, 0, 3)
 
 
 def layer_norm(x, weight):
