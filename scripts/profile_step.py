@@ -49,11 +49,11 @@ def tower_graph_times(runner, slots):
     for B in (1, 20):
         feats = torch.randn(B, 79, device="cuda")
         up = torch.relu(runner.input_up(feats)).split(runner.proj, dim=1)
-        for tower, chunk in zip(runner.towers, up):
-            tower(chunk, runner.table.tensors, slots[:B])  # warm-up
+        for tower, chunk, states in zip(runner.towers, up, runner.tower_states()):
+            tower(chunk, states, slots[:B])  # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                tower(chunk, runner.table.tensors, slots[:B])
+                tower(chunk, states, slots[:B])
             out[f"B{B}_{tower.name}"] = round(time_cuda(graph.replay, iters=30)[0], 3)
     return out
 
@@ -140,9 +140,9 @@ def main(argv=None):
     for B in (1, batches[-1]):
         feats = torch.randn(B, 79, device="cuda")
         up = torch.relu(runner.input_up(feats)).split(runner.proj, dim=1)
-        for tower, chunk in zip(runner.towers, up):
+        for tower, chunk, states in zip(runner.towers, up, runner.tower_states()):
             result[f"eager_tower_ms_B{B}_{tower.name}"] = time_cuda(
-                lambda: tower(chunk, runner.table.tensors, slots[:B]), iters=10)[0]
+                lambda: tower(chunk, states, slots[:B]), iters=10)[0]
         result[f"eager_step_ms_B{B}"] = time_cuda(lambda: runner(slots[:B], feats), iters=10)[0]
     result["tower_graph_ms"] = tower_graph_times(runner, slots)
     log(f"towers alone as graphs: {result['tower_graph_ms']}")

@@ -23,14 +23,17 @@ class Tower:
         self.blocks = [block(sd, f"{prefix}blocks.{i}.", cfg, dtype, device, mlp_dtype) for i in range(cfg.depth)]
         self.layout = {f"{name}.{i}.{k}": v for i in range(cfg.depth) for k, v in block.state_layout(cfg).items()}
 
-    def __call__(self, up, table, slots):
+    def block_states(self, table):
+        """Each block's view of the state table: {component: tensor} (rebuilt only when the table moves)."""
+        return [{k[len(prefix):]: v for k, v in table.items() if k.startswith(prefix)}
+                for prefix in (f"{self.name}.{i}." for i in range(len(self.blocks)))]
+
+    def __call__(self, up, block_states, slots):
         # x starts at zero with input_down's output pending: the first norm1 adds it (see layers.Block)
         x = torch.zeros(up.shape[0], self.input_down.weight.shape[0], device=up.device)
         delta, bias = self.input_down.product(up), self.input_down.bias
-        for i, block in enumerate(self.blocks):
-            prefix = f"{self.name}.{i}."
-            delta, bias = block(x, delta, bias, {k[len(prefix):]: v for k, v in table.items()
-                                                 if k.startswith(prefix)}, slots)
+        for block, states in zip(self.blocks, block_states):
+            delta, bias = block(x, delta, bias, states, slots)
         return x + delta + bias
 
 
@@ -52,6 +55,7 @@ class StepRunner:
         self.output_b = sd["output_proj.bias"].to(self.device)
         layout = {k: v for tower in self.towers for k, v in tower.layout.items()}
         self.table = StateTable(layout, capacity, self.device)
+        self._views, self._views_version = None, None
         # Towers are independent: on CUDA each runs on its own stream so their small kernels overlap.
         use_streams = self.device.type == "cuda" if streams is None else streams
         self.streams = [torch.cuda.Stream(self.device) for _ in self.towers] if use_streams else None
@@ -62,19 +66,26 @@ class StepRunner:
         total = sum(lin.nbytes for lin in linears)
         return total + sum(part.nbytes for tower in self.towers for block in tower.blocks for part in block.parts())
 
+    def tower_states(self):
+        """Per tower, per block, the views of the state table; cached until the table is reallocated."""
+        if self._views_version != self.table.version:
+            self._views = [tower.block_states(self.table.tensors) for tower in self.towers]
+            self._views_version = self.table.version
+        return self._views
+
     def __call__(self, slots, features):
-        tables = self.table.tensors
+        tower_states = self.tower_states()
         up = torch.relu(self.input_up(features))  # [B, 4 * proj]: the four towers' input_up as one product
         chunks = up.split(self.proj, dim=1)
         if self.streams is None:
-            finals = [tower(chunk, tables, slots) for tower, chunk in zip(self.towers, chunks)]
+            finals = [tower(chunk, states, slots) for tower, chunk, states in zip(self.towers, chunks, tower_states)]
         else:
             main = torch.cuda.current_stream(self.device)
             finals = []
-            for tower, chunk, stream in zip(self.towers, chunks, self.streams):
+            for tower, chunk, states, stream in zip(self.towers, chunks, tower_states, self.streams):
                 stream.wait_stream(main)
                 with torch.cuda.stream(stream):
-                    finals.append(tower(chunk, tables, slots))
+                    finals.append(tower(chunk, states, slots))
             for stream in self.streams:
                 main.wait_stream(stream)
         return torch.stack(finals, dim=1) @ self.output_w + self.output_b  # shared output_proj: [B, 4]
