@@ -1,7 +1,8 @@
-"""Triton kernels for the fast engine's recurrent state steps, each beside its PyTorch reference.
+"""Triton kernels for the fast engine's step, each beside its PyTorch reference.
 
-Every op updates fp32 state tables in place at per-row slot indices (int32, distinct within a call except
-padding rows sharing a padding slot). `op` runs Triton on CUDA tensors or under TRITON_INTERPRET=1 (read
+The state ops update fp32 state tables in place at per-row slot indices (int32, distinct within a call except
+padding rows sharing a padding slot); the others fuse the glue between them, and skinny_matmul is the weight
+product for a step's few rows. `op` runs Triton on CUDA tensors or under TRITON_INTERPRET=1 (read
 at import) and falls back to `op_ref` otherwise.
 """
 from kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
@@ -11,6 +12,7 @@ from kernels.mlstm_output import mlstm_output, mlstm_output_ref
 from kernels.mlstm_update import mlstm_step, mlstm_step_ref
 from kernels.retention_update import retention_step, retention_step_ref, retnet_output, retnet_output_ref
 from kernels.rglru import rglru_step, rglru_step_ref
+from kernels.skinny_matmul import skinny_matmul, skinny_matmul_ref
 from kernels.slstm_cell import slstm_cell, slstm_cell_ref
 from kernels.slstm_output import slstm_output, slstm_output_ref
 from kernels.xlstm_residual import xlstm_residual, xlstm_residual_ref
@@ -22,6 +24,7 @@ __all__ = [
     "mlstm_step", "mlstm_step_ref",
     "retention_step", "retention_step_ref", "retnet_output", "retnet_output_ref",
     "rglru_step", "rglru_step_ref",
+    "skinny_matmul", "skinny_matmul_ref",
     "slstm_cell", "slstm_cell_ref", "slstm_output", "slstm_output_ref",
     "mlstm_output", "mlstm_output_ref", "xlstm_residual", "xlstm_residual_ref",
 ]

@@ -103,7 +103,8 @@ def main(argv=None):
     ap.add_argument("--accuracy-steps", type=int, default=100)
     ap.add_argument("--out-dir", type=Path, default=Path("prof"))
     ap.add_argument("--variant", action="append", default=[],
-                    help="also time and check an engine with precision overrides, e.g. retnet.mlp=float16,hawk=bfloat16")
+                    help="also time and check an engine with precision overrides, e.g. retnet.mlp=float16,hawk=bfloat16, "
+                         "or with other weight dtypes on the skinny kernel, e.g. skinny=none or skinny=float32+float16")
     args = ap.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -157,8 +158,12 @@ def main(argv=None):
     engines = {"default": engine}
     for spec in args.variant:
         overrides = dict(kv.split("=") for kv in spec.split(","))
+        skinny = overrides.pop("skinny", None)
         variant = FastEngine(model, device="cuda", max_batch=64, progress=False,
                              precision={k: getattr(torch, v) for k, v in overrides.items()})
+        if skinny is not None:  # e.g. skinny=float32+float16, or skinny=none for cuBLAS throughout
+            variant.runner.set_skinny([getattr(torch, d) for d in skinny.split("+") if d != "none"])
+            variant.graphed.capture()
         vslots = variant.slots_for([f"P{i}" for i in range(max(batches))])
         times = {}
         for B in batches:

@@ -14,7 +14,10 @@ from client.model.mamba2 import HEAD_SIZE, STATE_SIZE
 from client.model.modules import FP32_EPS
 from client.model.xlstm import SLSTM_HEADS
 from kernels import (add_rms_norm, causal_conv_update, mamba2_state_update, mlstm_output, mlstm_step,
-                     retention_step, retnet_output, rglru_step, slstm_cell, slstm_output, xlstm_residual)
+                     retention_step, retnet_output, rglru_step, skinny_matmul, slstm_cell, slstm_output,
+                     xlstm_residual)
+from kernels._common import use_triton
+from kernels.skinny_matmul import supports as skinny_supports
 
 _OUT_DTYPE = {}
 
@@ -47,13 +50,16 @@ def bmm32(x, w):
 
 
 class Linear:
-    """y = x @ W^T + b: W stored in `dtype` (16-bit or fp32), products accumulated in fp32."""
+    """y = x @ W^T + b: W stored in `dtype` (16-bit or fp32), products accumulated in fp32. With `skinny` set
+    (by the runner, per weight dtype) a step's few rows go through kernels/skinny_matmul.py, which streams W
+    once and casts x to W's dtype inside the kernel; otherwise, and for shapes it does not take, cuBLAS."""
 
     def __init__(self, weights, bias, dtype, device):
         weight = torch.cat(weights) if isinstance(weights, (list, tuple)) else weights
         self.weight = weight.to(device=device, dtype=dtype).contiguous()  # [out, in]
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
         self.bias_w = None if bias is None else bias.to(device=device, dtype=dtype)  # for the fused epilogue
+        self.skinny = False
 
     @property
     def dtype(self):
@@ -63,11 +69,18 @@ class Linear:
     def nbytes(self):
         return self.weight.numel() * self.weight.element_size() + (0 if self.bias is None else self.bias.numel() * 4)
 
+    def _use_skinny(self, x):
+        return self.skinny and use_triton(self.weight) and skinny_supports(x.shape[0], *self.weight.shape)
+
     def product(self, x):
         """x @ W^T in fp32, without the bias (the caller fuses it into a later kernel)."""
+        if self._use_skinny(x):
+            return skinny_matmul(x, self.weight)
         return mm32(x.to(self.dtype), self.weight.t())
 
     def __call__(self, x):
+        if self._use_skinny(x):
+            return skinny_matmul(x, self.weight, self.bias)
         if self.dtype == torch.float32:
             return F.linear(x, self.weight, self.bias)  # bias in the GEMM epilogue
         y = self.product(x)
@@ -76,6 +89,8 @@ class Linear:
     def relu(self, x):
         """relu(x @ W^T + b) in the weight's dtype with bias and ReLU in the GEMM epilogue: it only feeds the
         next product, which reads it in this dtype anyway."""
+        if self._use_skinny(x):
+            return skinny_matmul(x, self.weight, self.bias, relu=True, out_dtype=self.dtype)
         return torch._addmm_activation(self.bias_w, x.to(self.dtype), self.weight.t())
 
 

@@ -12,6 +12,8 @@ from .state_table import PAD_SLOT, StateTable
 DEFAULT_PRECISION = {"xlstm": torch.float16, "mamba2": torch.float16, "retnet": torch.float32,
                      "hawk": torch.float16}
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+# Weight dtypes whose products run through kernels/skinny_matmul.py at B <= 64 (bench/LOG.md, section 11).
+SKINNY_DTYPES = (torch.float32,)
 
 
 class Tower:
@@ -40,7 +42,7 @@ class Tower:
 class StepRunner:
     """One fused step of the ensemble: step(slots [B] int32, features [B, 79]) -> predictions [B, 4]."""
 
-    def __init__(self, model, device, precision=None, capacity=64, streams=None):
+    def __init__(self, model, device, precision=None, capacity=64, streams=None, skinny=SKINNY_DTYPES):
         self.device = torch.device(device)
         self.precision = {**DEFAULT_PRECISION, **(precision or {})}
         cfg = model.cfg
@@ -53,6 +55,7 @@ class StepRunner:
                        for t, name in enumerate(TOWER_NAMES)]
         self.output_w = sd["output_proj.weight"][0].to(self.device)
         self.output_b = sd["output_proj.bias"].to(self.device)
+        self.set_skinny(skinny)
         layout = {k: v for tower in self.towers for k, v in tower.layout.items()}
         self.table = StateTable(layout, capacity, self.device)
         self._views, self._views_version = None, None
@@ -65,6 +68,17 @@ class StepRunner:
         linears = [self.input_up] + [t.input_down for t in self.towers]
         total = sum(lin.nbytes for lin in linears)
         return total + sum(part.nbytes for tower in self.towers for block in tower.blocks for part in block.parts())
+
+    def linears(self):
+        parts = [self.input_up] + [t.input_down for t in self.towers]
+        parts += [part for tower in self.towers for block in tower.blocks for part in block.parts()]
+        return [part for part in parts if isinstance(part, Linear)]
+
+    def set_skinny(self, dtypes):
+        """Products of weights in `dtypes` run through the skinny kernel, the others through cuBLAS (graphs
+        captured before must be captured again)."""
+        for linear in self.linears():
+            linear.skinny = linear.dtype in tuple(dtypes)
 
     def tower_states(self):
         """Per tower, per block, the views of the state table; cached until the table is reallocated."""

@@ -1,0 +1,92 @@
+"""kernels/skinny_matmul.py: the Triton kernel against its fp64 reference, for fp32 weights (tf32x3 must keep
+about fp32 accuracy, far better than TF32) and 16-bit weights. On a CPU it runs through the interpreter in a
+child process."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels._common import INTERPRET
+from kernels.skinny_matmul import default_config, skinny_matmul, skinny_matmul_ref, supports
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS_TRITON = INTERPRET or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+
+
+def make(M, N, K, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=g)
+    return x.to(DEVICE), w.to(DEVICE), b.to(DEVICE)
+
+
+def test_reference_matches_equations():
+    x, w, b = make(3, 24, 32, torch.float16, 0)
+    y = skinny_matmul_ref(x, w, b, relu=True)
+    expect = torch.relu(x.half().double() @ w.double().t() + b.double())
+    torch.testing.assert_close(y.double(), expect, rtol=1e-6, atol=1e-6)
+    assert (y >= 0).all() and (y == 0).any()
+
+
+@pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
+@pytest.mark.parametrize("M", [1, 5, 20, 64])
+@pytest.mark.parametrize("N,K", [(48, 64), (256, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_matches_reference(M, N, K, dtype):
+    x, w, b = make(M, N, K, dtype, M + N)
+    y = skinny_matmul(x, w)
+    ref = skinny_matmul_ref(x, w)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    # fp32 weights: tf32x3 is close to fp32 (relative ~1e-6); plain TF32 (~1e-3) would fail this
+    scale = ref.abs().max().item()
+    tol = 2e-5 if dtype == torch.float32 else 1e-3
+    assert (y - ref).abs().max().item() <= tol * scale, (y - ref).abs().max().item() / scale
+
+
+@pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_bias_relu_epilogue(out_dtype):
+    x, w, b = make(7, 96, 128, torch.float16, 3)
+    y = skinny_matmul(x, w, b, relu=True, out_dtype=out_dtype)
+    ref = skinny_matmul_ref(x, w, b, relu=True, out_dtype=torch.float32)
+    assert y.dtype == out_dtype and (y >= 0).all()
+    torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
+def test_explicit_config_and_strided_rows():
+    x, w, _ = make(9, 64, 256, torch.float32, 5)
+    wide = torch.zeros(9, 300, device=DEVICE)
+    wide[:, :256] = x  # rows with a stride of 300
+    y = skinny_matmul(wide[:, :256], w, config=(16, 64, 2, 4))
+    torch.testing.assert_close(y, skinny_matmul_ref(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_shapes_and_errors():
+    assert supports(1, 2048, 2048) and supports(64, 16, 16)
+    assert not supports(65, 2048, 2048) and not supports(1, 2048, 100) and not supports(1, 8, 64)
+    block_n, block_k, stages, warps = default_config(1, 8192, 2048, torch.float32)
+    assert 8192 // block_n >= 128 and 2048 % block_k == 0 and stages >= 2
+    w = torch.zeros(32, 64)
+    with pytest.raises(ValueError, match="x must have shape"):
+        skinny_matmul(torch.zeros(2, 63), w)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        skinny_matmul(torch.zeros(65, 64), w)
+    with pytest.raises(ValueError, match="weight must be"):
+        skinny_matmul(torch.zeros(2, 64), torch.zeros(32, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        skinny_matmul(torch.zeros(2, 64), w, torch.zeros(31))
+
+
+@pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
+def test_triton_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k",
+                          "triton_matches or epilogue or explicit_config"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
