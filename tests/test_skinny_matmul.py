@@ -1,6 +1,6 @@
-"""kernels/skinny_matmul.py: the Triton kernel against its fp64 reference, for fp32 weights (tf32x3 must keep
-about fp32 accuracy, far better than TF32) and 16-bit weights. On a CPU it runs through the interpreter in a
-child process."""
+"""kernels/skinny_matmul.py: the Triton kernel against its fp64 reference, for fp16 weights and for fp32 weights
+split in two fp16 halves (which must keep about fp32 accuracy, far better than TF32). On a CPU it runs through
+the interpreter in a child process."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels._common import INTERPRET
-from kernels.skinny_matmul import default_config, skinny_matmul, skinny_matmul_ref, supports
+from kernels.skinny_matmul import default_config, skinny_matmul, skinny_matmul_ref, split_fp16, supports
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
@@ -23,6 +23,27 @@ def make(M, N, K, dtype, seed):
     w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
     b = torch.randn(N, generator=g)
     return x.to(DEVICE), w.to(DEVICE), b.to(DEVICE)
+
+
+def weights_of(w):
+    """kwargs of skinny_matmul for w: fp32 weights as a split (hi, lo) pair."""
+    if w.dtype != torch.float32:
+        return {"weight": w}
+    hi, lo = split_fp16(w)
+    return {"weight": hi, "weight_lo": lo}
+
+
+def test_split_keeps_fp32_accuracy():
+    x, w, _ = make(4, 64, 512, torch.float32, 1)
+    hi, lo = split_fp16(w)
+    assert hi.dtype == lo.dtype == torch.float16
+    assert (hi.double() + lo.double() / 2048 - w.double()).abs().max() <= 2**-21 * w.abs().max()
+    exact = x.double() @ w.double().t()
+    split = skinny_matmul_ref(x, hi, weight_lo=lo)
+    fp16 = skinny_matmul_ref(x, hi)
+    scale = exact.abs().max().item()
+    assert (split.double() - exact).abs().max().item() < 2e-6 * scale
+    assert (fp16.double() - exact).abs().max().item() > 1e-4 * scale  # what the split buys
 
 
 def test_reference_matches_equations():
@@ -39,21 +60,22 @@ def test_reference_matches_equations():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_matches_reference(M, N, K, dtype):
     x, w, b = make(M, N, K, dtype, M + N)
-    y = skinny_matmul(x, w)
-    ref = skinny_matmul_ref(x, w)
+    y = skinny_matmul(x, **weights_of(w))
+    ref = skinny_matmul_ref(x, **weights_of(w))
     assert y.shape == (M, N) and y.dtype == torch.float32
-    # fp32 weights: tf32x3 is close to fp32 (relative ~1e-6); plain TF32 (~1e-3) would fail this
     scale = ref.abs().max().item()
-    tol = 2e-5 if dtype == torch.float32 else 1e-3
-    assert (y - ref).abs().max().item() <= tol * scale, (y - ref).abs().max().item() / scale
+    assert (y - ref).abs().max().item() <= 2e-6 * scale, (y - ref).abs().max().item() / scale
+    if dtype == torch.float32:  # against the fp32 weights themselves: about fp32, where TF32 gives ~1e-3
+        exact = x.double() @ w.double().t()
+        assert (y.double() - exact).abs().max().item() <= 1e-5 * scale
 
 
 @pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
 def test_bias_relu_epilogue(out_dtype):
-    x, w, b = make(7, 96, 128, torch.float16, 3)
-    y = skinny_matmul(x, w, b, relu=True, out_dtype=out_dtype)
-    ref = skinny_matmul_ref(x, w, b, relu=True, out_dtype=torch.float32)
+    x, w, b = make(7, 96, 128, torch.float32, 3)
+    y = skinny_matmul(x, **weights_of(w), bias=b, relu=True, out_dtype=out_dtype)
+    ref = skinny_matmul_ref(x, **weights_of(w), bias=b, relu=True, out_dtype=torch.float32)
     assert y.dtype == out_dtype and (y >= 0).all()
     torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3)
 
@@ -63,22 +85,24 @@ def test_explicit_config_and_strided_rows():
     x, w, _ = make(9, 64, 256, torch.float32, 5)
     wide = torch.zeros(9, 300, device=DEVICE)
     wide[:, :256] = x  # rows with a stride of 300
-    y = skinny_matmul(wide[:, :256], w, config=(16, 64, 2, 4))
-    torch.testing.assert_close(y, skinny_matmul_ref(x, w), rtol=1e-5, atol=1e-5)
+    y = skinny_matmul(wide[:, :256], **weights_of(w), config=(16, 64, 2, 4))
+    torch.testing.assert_close(y, skinny_matmul_ref(x, **weights_of(w)), rtol=1e-5, atol=1e-5)
 
 
 def test_shapes_and_errors():
     assert supports(1, 2048, 2048) and supports(64, 16, 16)
     assert not supports(65, 2048, 2048) and not supports(1, 2048, 100) and not supports(1, 8, 64)
-    block_n, block_k, stages, warps = default_config(1, 8192, 2048, torch.float32)
+    block_n, block_k, stages, warps = default_config(1, 8192, 2048, split=True)
     assert 8192 // block_n >= 128 and 2048 % block_k == 0 and stages >= 2
-    w = torch.zeros(32, 64)
+    w = torch.zeros(32, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="x must have shape"):
         skinny_matmul(torch.zeros(2, 63), w)
     with pytest.raises(ValueError, match="at most 64 rows"):
         skinny_matmul(torch.zeros(65, 64), w)
     with pytest.raises(ValueError, match="weight must be"):
-        skinny_matmul(torch.zeros(2, 64), torch.zeros(32, 64, dtype=torch.float64))
+        skinny_matmul(torch.zeros(2, 64), torch.zeros(32, 64))  # fp32 weights go in as a split pair
+    with pytest.raises(ValueError, match="split weight"):
+        skinny_matmul(torch.zeros(2, 64), w, weight_lo=torch.zeros(32, 63, dtype=torch.float16))
     with pytest.raises(ValueError, match="bias must have shape"):
         skinny_matmul(torch.zeros(2, 64), w, torch.zeros(31))
 

@@ -17,6 +17,7 @@ from kernels import (add_rms_norm, causal_conv_update, mamba2_state_update, mlst
                      retention_step, retnet_output, rglru_step, skinny_matmul, slstm_cell, slstm_output,
                      xlstm_residual)
 from kernels._common import use_triton
+from kernels.skinny_matmul import split_fp16
 from kernels.skinny_matmul import supports as skinny_supports
 
 _OUT_DTYPE = {}
@@ -50,16 +51,28 @@ def bmm32(x, w):
 
 
 class Linear:
-    """y = x @ W^T + b: W stored in `dtype` (16-bit or fp32), products accumulated in fp32. With `skinny` set
-    (by the runner, per weight dtype) a step's few rows go through kernels/skinny_matmul.py, which streams W
-    once and casts x to W's dtype inside the kernel; otherwise, and for shapes it does not take, cuBLAS."""
+    """y = x @ W^T + b: W stored in `dtype` (16-bit or fp32), products accumulated in fp32. After
+    use_skinny(True) (the runner's choice per weight dtype) a step's few rows go through
+    kernels/skinny_matmul.py, which streams W once and casts or splits x inside the kernel; otherwise, and for
+    shapes it does not take, cuBLAS."""
 
     def __init__(self, weights, bias, dtype, device):
         weight = torch.cat(weights) if isinstance(weights, (list, tuple)) else weights
         self.weight = weight.to(device=device, dtype=dtype).contiguous()  # [out, in]
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
         self.bias_w = None if bias is None else bias.to(device=device, dtype=dtype)  # for the fused epilogue
-        self.skinny = False
+        self.skinny = None  # kwargs of skinny_matmul for W, when this product uses it
+
+    def use_skinny(self, on):
+        """Route products of up to 64 rows through the skinny kernel (where Triton runs); an fp32 W is then
+        kept as a split fp16 pair too (about fp32 accuracy on fp16 tensor cores)."""
+        if not (on and use_triton(self.weight)):
+            self.skinny = None
+        elif self.dtype == torch.float32:
+            hi, lo = split_fp16(self.weight)
+            self.skinny = {"weight": hi, "weight_lo": lo}
+        else:
+            self.skinny = {"weight": self.weight}
 
     @property
     def dtype(self):
@@ -70,17 +83,17 @@ class Linear:
         return self.weight.numel() * self.weight.element_size() + (0 if self.bias is None else self.bias.numel() * 4)
 
     def _use_skinny(self, x):
-        return self.skinny and use_triton(self.weight) and skinny_supports(x.shape[0], *self.weight.shape)
+        return self.skinny is not None and skinny_supports(x.shape[0], *self.weight.shape)
 
     def product(self, x):
         """x @ W^T in fp32, without the bias (the caller fuses it into a later kernel)."""
         if self._use_skinny(x):
-            return skinny_matmul(x, self.weight)
+            return skinny_matmul(x, **self.skinny)
         return mm32(x.to(self.dtype), self.weight.t())
 
     def __call__(self, x):
         if self._use_skinny(x):
-            return skinny_matmul(x, self.weight, self.bias)
+            return skinny_matmul(x, bias=self.bias, **self.skinny)
         if self.dtype == torch.float32:
             return F.linear(x, self.weight, self.bias)  # bias in the GEMM epilogue
         y = self.product(x)
@@ -90,7 +103,7 @@ class Linear:
         """relu(x @ W^T + b) in the weight's dtype with bias and ReLU in the GEMM epilogue: it only feeds the
         next product, which reads it in this dtype anyway."""
         if self._use_skinny(x):
-            return skinny_matmul(x, self.weight, self.bias, relu=True, out_dtype=self.dtype)
+            return skinny_matmul(x, bias=self.bias, relu=True, out_dtype=self.dtype, **self.skinny)
         return torch._addmm_activation(self.bias_w, x.to(self.dtype), self.weight.t())
 
 

@@ -78,7 +78,7 @@ class StepRunner:
         """Products of weights in `dtypes` run through the skinny kernel, the others through cuBLAS (graphs
         captured before must be captured again)."""
         for linear in self.linears():
-            linear.skinny = linear.dtype in tuple(dtypes)
+            linear.use_skinny(linear.dtype in tuple(dtypes))
 
     def tower_states(self):
         """Per tower, per block, the views of the state table; cached until the table is reallocated."""
