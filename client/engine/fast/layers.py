@@ -50,6 +50,13 @@ def bmm32(x, w):
     return torch.bmm(x, w).float()
 
 
+def skinny_pays(M, N):
+    """Where the skinny kernel beats cuBLAS (scripts/bench_matmul.py, bench/matmul_h200.json): not for narrow
+    outputs (N < 1024: too few programs to stream W), nor for N <= 2048 at one or two rows, where cuBLAS's
+    GEMV splits K over more SMs than this kernel's N / BLOCK_N programs reach."""
+    return N >= 1024 and (M > 2 or N > 2048)
+
+
 class Linear:
     """y = x @ W^T + b: W stored in `dtype` (16-bit or fp32), products accumulated in fp32. After
     use_skinny(True) (the runner's choice per weight dtype) a step's few rows go through
@@ -83,7 +90,8 @@ class Linear:
         return self.weight.numel() * self.weight.element_size() + (0 if self.bias is None else self.bias.numel() * 4)
 
     def _use_skinny(self, x):
-        return self.skinny is not None and skinny_supports(x.shape[0], *self.weight.shape)
+        M, (N, K) = x.shape[0], self.weight.shape
+        return self.skinny is not None and skinny_supports(M, N, K) and skinny_pays(M, N)
 
     def product(self, x):
         """x @ W^T in fp32, without the bias (the caller fuses it into a later kernel)."""
