@@ -1,4 +1,5 @@
-"""The model behind a small interface: one batched step over distinct symbols."""
+"""The model behind a small interface: one batched step over distinct symbols, run now or submitted."""
+import threading
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -31,6 +32,26 @@ def check_step_inputs(symbols, features) -> np.ndarray:
     return features
 
 
+class PendingStep:
+    """A submitted step's outcome: result() blocks until it is ready and returns it, the same object on
+    every call and from any thread (the lock makes the first caller the only one that fetches it)."""
+
+    def __init__(self, fetch=None, *, value=None):
+        self._fetch, self._value = fetch, value
+        self._lock = threading.Lock()
+
+    @classmethod
+    def completed(cls, value) -> "PendingStep":
+        return cls(value=value)
+
+    def result(self):
+        with self._lock:
+            if self._fetch is not None:
+                self._value = self._fetch()
+                self._fetch = None
+            return self._value
+
+
 class Engine(ABC):
     """Keeps one recurrent state per symbol and advances the given symbols by one request each.
 
@@ -45,6 +66,14 @@ class Engine(ABC):
 
         Raises ValueError on duplicate symbols, a wrong shape or non-finite features, touching no state.
         """
+
+    def submit(self, symbols: list[str], features: np.ndarray) -> PendingStep:
+        """Start a step; its PendingStep's result() gives step's predictions. Steps submitted one after
+        another advance the states in submission order. Validation errors raise here, touching no state.
+
+        This default runs the step at once; engines that can overlap the host with the device override it.
+        """
+        return PendingStep.completed(self.step(symbols, features))
 
     @property
     @abstractmethod

@@ -9,12 +9,16 @@ import time
 import numpy as np
 import torch
 
-from client.engine.base import Engine, check_step_inputs
+from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_inputs
 
 from .runner import BUCKETS, DEFAULT_PRECISION, GraphedStep, StepRunner
 from .state_table import PAD_SLOT, StateTable
 
 __all__ = ["FastEngine", "StepRunner", "GraphedStep", "StateTable", "PAD_SLOT", "DEFAULT_PRECISION", "BUCKETS"]
+
+# Pinned staging buffers for submitted steps: more than the runtime keeps in flight (2), so that reusing one
+# almost never has to wait for its previous step.
+RING = 4
 
 
 def _progress(label):
@@ -23,6 +27,21 @@ def _progress(label):
         if done == total:
             sys.stderr.write("\n")
     return report
+
+
+class _Staging:
+    """One submitted step's pinned host buffers, and the event recorded after its read-back was enqueued."""
+
+    def __init__(self, max_batch, num_features):
+        self.slots = torch.empty(max_batch, dtype=torch.int32, pin_memory=True)
+        self.features = torch.empty(max_batch, num_features, dtype=torch.float32, pin_memory=True)
+        self.out = torch.empty(max_batch, NUM_TOWERS, dtype=torch.float32, pin_memory=True)
+        self.done = torch.cuda.Event()
+        self.step: PendingStep | None = None  # the last step that used these buffers
+
+    def read_back(self, batch):
+        self.done.synchronize()  # releases the GIL while the GPU finishes
+        return self.out[:batch].numpy().copy()  # a copy: the buffer is reused by a later step
 
 
 class FastEngine(Engine):
@@ -45,6 +64,10 @@ class FastEngine(Engine):
             buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
             self.graphed = GraphedStep(self.runner, buckets, progress=_progress("capturing graphs") if progress else None)
             self.graphed.capture()
+        self._ring = None  # without CUDA every step is synchronous
+        if device.type == "cuda":
+            self._ring = [_Staging(max_batch, self.runner.num_features) for _ in range(RING)]
+        self._next = 0
         self.startup_s = time.perf_counter() - start
         if progress:
             sys.stderr.write(f"[fast engine] ready on {device} in {self.startup_s:.1f} s "
@@ -70,8 +93,21 @@ class FastEngine(Engine):
                 "capacity": self.runner.table.capacity, "max_batch": self.max_batch}
 
     def slots_for(self, symbols) -> torch.Tensor:
+        return torch.tensor(self._slot_list(symbols), dtype=torch.int32).to(self.device, non_blocking=True)
+
+    def _slot_list(self, symbols) -> list[int]:
         slots = self.runner.table.slots_for(symbols)
-        return torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
+        if self.graphed is not None and self.graphed.version != self.runner.table.version:
+            # The table grew, so the next replay captures the graphs again, freeing the old graphs and their
+            # outputs; and a capture fails if another thread makes CUDA calls meanwhile (the runtime's
+            # completer waiting on an event). So first finish every step in flight and copy its result out.
+            self._drain()
+        return slots
+
+    def _drain(self):
+        for staging in self._ring or ():
+            if staging.step is not None:
+                staging.step.result()
 
     @torch.no_grad()
     def step_slots(self, slot_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -81,12 +117,43 @@ class FastEngine(Engine):
         return self.runner(slot_ids, features)
 
     def step(self, symbols, features):
-        features = check_step_inputs(list(symbols), features)
+        return self.submit(symbols, features).result()
+
+    @torch.no_grad()
+    def submit(self, symbols, features) -> PendingStep:
+        """Enqueue a step on the current CUDA stream and return at once; result() waits for its predictions.
+
+        Without CUDA, and for batches larger than max_batch, the step runs synchronously. Not thread-safe:
+        submit (and step) from one thread; result() may be called from another.
+        """
+        symbols = list(symbols)
+        features = check_step_inputs(symbols, features)
+        if self._ring is None or not symbols or len(symbols) > self.max_batch:
+            return PendingStep.completed(self._step_now(symbols, features))
+        batch = len(symbols)
+        staging = self._ring[self._next]
+        self._next = (self._next + 1) % len(self._ring)
+        if staging.step is not None:
+            # Its previous step may still be reading these inputs, or its result not yet be copied out of
+            # `out`: finish it (its PendingStep keeps the copy for whoever collects it later).
+            staging.step.result()
+        staging.slots.numpy()[:batch] = self._slot_list(symbols)
+        staging.features.numpy()[:batch] = features
+        slot_ids, feats = staging.slots[:batch], staging.features[:batch]
+        if self.graphed is None:
+            slot_ids, feats = slot_ids.to(self.device, non_blocking=True), feats.to(self.device, non_blocking=True)
+        # (GraphedStep copies the pinned host inputs straight into its device input buffers, non_blocking.)
+        staging.out[:batch].copy_(self.step_slots(slot_ids, feats), non_blocking=True)
+        staging.done.record(torch.cuda.current_stream(self.device))
+        staging.step = PendingStep(lambda: staging.read_back(batch))
+        return staging.step
+
+    def _step_now(self, symbols, features):
         if not symbols:
-            return np.zeros((0, 4), dtype=np.float32)
-        out = np.empty((len(symbols), 4), dtype=np.float32)
+            return np.zeros((0, NUM_TOWERS), dtype=np.float32)
+        out = np.empty((len(symbols), NUM_TOWERS), dtype=np.float32)
         for start in range(0, len(symbols), self.max_batch):  # larger steps run as several buckets
-            chunk = list(symbols[start:start + self.max_batch])
+            chunk = symbols[start:start + self.max_batch]
             slots = self.slots_for(chunk)
             feats = torch.from_numpy(features[start:start + len(chunk)]).to(self.device, non_blocking=True)
             out[start:start + len(chunk)] = self.step_slots(slots, feats).cpu().numpy()
