@@ -2,16 +2,18 @@
 
 The event loop only receives, validates, queues and sends; a worker thread pulls micro-batches of at
 most one request per symbol (client.scheduler) and runs the model step, so receiving never stalls.
-Each step's predictions are sent as soon as they are ready. Per-symbol states live in the engine,
-so they survive reconnects; a bounded cache answers ids that the server resends after a reconnect
-without stepping the model twice.
+A team client with submit_batch is pipelined instead: a submitter thread forms and submits the next
+batch while the previous step still runs, and a completer thread collects the steps in submission
+order, so the host's per-step work overlaps the GPU's. Each step's predictions are sent as soon as
+they are ready. Per-symbol states live in the engine, so they survive reconnects; a bounded cache
+answers ids that the server resends after a reconnect without stepping the model twice.
 """
 import asyncio
 import logging
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 from websockets.asyncio.client import connect
@@ -27,6 +29,9 @@ NUM_TOWERS = 4
 _REFUSED_CLOSE_CODES = {1002, 1003, 1007, 1008}
 
 SWITCH_INTERVAL_S = 0.0002
+# Pipelined steps in flight: one running on the GPU and the next queued behind it. More would only add
+# queueing latency; the GPU's stream order advances each symbol's state in submission order.
+PIPELINE_DEPTH = 2
 
 
 class ServerRefused(RuntimeError):
@@ -108,7 +113,10 @@ class ClientStats:
 
 
 class StreamingClient:
-    """Plays a scoring server at `url` with `team_client.process_batch` until the server ends the session.
+    """Plays a scoring server at `url` with the team client until the server ends the session.
+
+    The team client needs process_batch(requests_by_symbol) -> {"unique_ids", "predictions"}; if it also
+    has submit_batch(requests_by_symbol) -> an object whose result() gives that dict, steps are pipelined.
 
     The session ends when the server closes with code 1000, when stop() is called, or when the server
     stays unreachable for `give_up_after_s`; other disconnects reconnect with exponential backoff.
@@ -132,8 +140,14 @@ class StreamingClient:
         self.cache_size = cache_size
         self.stats = ClientStats(timeout_s)
         self._scheduler = Scheduler()
-        self._work_ready = threading.Condition()  # guards _scheduler and _worker_stopping
+        # One lock guards _scheduler, _steps and the two flags; the submitter (or the single worker)
+        # waits on _work_ready, the completer on _steps_ready, so neither takes the other's wake-up.
+        lock = threading.Lock()
+        self._work_ready = threading.Condition(lock)
+        self._steps_ready = threading.Condition(lock)
         self._worker_stopping = False
+        self._steps: deque = deque()  # (batch, pending) submitted and not yet answered, oldest first
+        self._submitter_done = False
         # The fields below are touched only on the event loop thread.
         self._in_flight: set[int] = set()   # queued or being computed
         self._rejected_ids: set[int] = set()
@@ -151,15 +165,21 @@ class StreamingClient:
         # The event loop and the model thread hand the GIL back and forth for every request; with the
         # default 5 ms switch interval a thread that wants it can wait that long, which is latency.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-        worker = threading.Thread(target=self._work, name="model-step", daemon=True)
-        worker.start()
+        if callable(getattr(self.team_client, "submit_batch", None)):
+            targets = {"model-submit": self._submit_steps, "model-complete": self._complete_steps}
+        else:
+            targets = {"model-step": self._work}
+        threads = [threading.Thread(target=target, name=name, daemon=True) for name, target in targets.items()]
+        for thread in threads:
+            thread.start()
         try:
             await self._connect_loop()
         finally:
             with self._work_ready:
                 self._worker_stopping = True
                 self._work_ready.notify_all()
-            await asyncio.to_thread(worker.join)
+            for thread in threads:  # the completer still answers every step already submitted
+                await asyncio.to_thread(thread.join)
             if self._send_tasks:
                 await asyncio.gather(*self._send_tasks, return_exceptions=True)
         return self.stats.summary()
@@ -282,7 +302,7 @@ class StreamingClient:
             predictions = np.stack([self._cache[uid] for uid in cached_ids])
             self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()))
 
-    # ---- model steps (worker thread) -------------------------------------------------------------
+    # ---- model steps (worker threads) ------------------------------------------------------------
     def _work(self):
         while True:
             with self._work_ready:
@@ -291,13 +311,54 @@ class StreamingClient:
                     return
                 batch = self._scheduler.next_batch(self.max_batch)
             try:
-                result = self.team_client.process_batch({r.symbol: (r.unique_id, r.features) for r in batch})
-                ids, predictions = _checked_result(batch, result)
+                ids, predictions = _checked_result(batch, self.team_client.process_batch(_by_symbol(batch)))
             except Exception as exc:  # a failing team client must not kill the runtime
-                log.exception("process_batch failed for unique_ids %s", [r.unique_id for r in batch])
-                self._loop.call_soon_threadsafe(self._on_batch_failed, batch, exc)
+                self._fail(batch, exc, "process_batch")
                 continue
             self._loop.call_soon_threadsafe(self._on_batch_done, ids, predictions)
+
+    def _submit_steps(self):
+        try:
+            while True:
+                with self._work_ready:
+                    self._work_ready.wait_for(lambda: self._worker_stopping or
+                                              (len(self._scheduler) and len(self._steps) < PIPELINE_DEPTH))
+                    if self._worker_stopping:
+                        return
+                    batch = self._scheduler.next_batch(self.max_batch)
+                try:
+                    pending = self.team_client.submit_batch(_by_symbol(batch))
+                except Exception as exc:  # a failing team client must not kill the runtime
+                    self._fail(batch, exc, "submit_batch")
+                    continue
+                with self._steps_ready:
+                    self._steps.append((batch, pending))
+                    self._steps_ready.notify()
+        finally:
+            with self._steps_ready:
+                self._submitter_done = True
+                self._steps_ready.notify()
+
+    def _complete_steps(self):
+        while True:
+            with self._steps_ready:
+                self._steps_ready.wait_for(lambda: self._steps or self._submitter_done)
+                if not self._steps:
+                    return  # the submitter has stopped and every step it submitted is answered
+                batch, pending = self._steps[0]
+            try:
+                ids, predictions = _checked_result(batch, pending.result())
+            except Exception as exc:  # a failing team client must not kill the runtime
+                self._fail(batch, exc, "submit_batch's result()")
+            else:
+                self._loop.call_soon_threadsafe(self._on_batch_done, ids, predictions)
+            with self._work_ready:
+                self._steps.popleft()  # only now: a step counts as in flight until it is answered
+                self._work_ready.notify()
+
+    def _fail(self, batch, exc, what):
+        log.error("%s failed for unique_ids %s", what, [r.unique_id for r in batch], exc_info=exc)
+        self._loop.call_soon_threadsafe(self._on_batch_failed, batch, exc)
 
     # ---- sending (event loop thread) -------------------------------------------------------------
     def _on_batch_done(self, ids, predictions):
@@ -333,6 +394,10 @@ class StreamingClient:
             await ws.send(frame)
         except ConnectionClosed:
             pass  # the server resends unanswered requests after the reconnect
+
+
+def _by_symbol(batch) -> dict:
+    return {r.symbol: (r.unique_id, r.features) for r in batch}
 
 
 def _checked_result(batch, result) -> tuple[list[int], np.ndarray]:
