@@ -1,0 +1,333 @@
+"""Pipelined steps: Engine.submit / PendingStep, FastEngine.submit, ExampleModel.submit_batch, and the runtime's
+submitter and completer threads against a real in-test websocket server."""
+import asyncio
+import threading
+import time
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+from test_runtime import SYMBOLS, Recorder, _expected, _play, _request, _stream
+
+from client.engine.base import PendingStep
+from client.engine.fast import FastEngine
+from client.engine.reference import ReferenceEngine
+from client.model import load_model
+from client.runtime import PIPELINE_DEPTH
+from team.example_model import ExampleModel
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", seed=1)[0]
+
+
+def _steps(seed, n, symbols, max_batch):
+    """n steps of distinct random symbols, each with its features."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        chosen = [str(s) for s in rng.choice(symbols, int(rng.integers(1, max_batch + 1)), replace=False)]
+        yield chosen, rng.standard_normal((len(chosen), 79)).astype(np.float32)
+
+
+# ---- engines -------------------------------------------------------------------------------------------
+def test_pending_step_fetches_once_and_returns_the_same_object():
+    calls = []
+    pending = PendingStep(lambda: calls.append(1) or np.ones((2, 4), np.float32))
+    first = pending.result()
+    assert pending.result() is first and calls == [1]
+    done = PendingStep.completed("value")
+    assert done.result() == "value" and done.result() == "value"
+
+
+def test_base_submit_steps_at_once_and_raises_on_bad_input(model):
+    engine, plain = ReferenceEngine(model), ReferenceEngine(model)
+    features = np.random.default_rng(0).standard_normal((2, 79)).astype(np.float32)
+    pending = engine.submit(["A", "B"], features)
+    assert engine.symbols == ["A", "B"]  # already stepped
+    np.testing.assert_array_equal(pending.result(), plain.step(["A", "B"], features))
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.submit(["C", "C"], np.ones((2, 79), np.float32))
+    assert engine.symbols == ["A", "B"]
+
+
+def test_fast_engine_submit_equals_step_on_cpu(model):
+    submitted = FastEngine(model, device="cpu", max_batch=4, capacity=2, progress=False)
+    stepped = FastEngine(model, device="cpu", max_batch=4, capacity=2, progress=False)
+    symbols = [f"S{i}" for i in range(7)]
+    pending = deque()
+    for chosen, feats in _steps(0, 20, symbols, max_batch=6):  # some steps larger than max_batch
+        pending.append((submitted.submit(chosen, feats), stepped.step(chosen, feats)))
+        if len(pending) == 2:
+            got, want = pending.popleft()
+            np.testing.assert_array_equal(got.result(), want)
+    for got, want in pending:
+        np.testing.assert_array_equal(got.result(), want)
+        assert got.result() is got.result()
+    before = {k: v.clone() for k, v in submitted.runner.table.tensors.items()}
+    bad = np.ones((2, 79), np.float32)
+    bad[1, 0] = np.inf
+    with pytest.raises(ValueError, match="non-finite"):
+        submitted.submit(["S0", "NEW"], bad)
+    assert "NEW" not in submitted.symbols
+    assert all(torch.equal(v, before[k]) for k, v in submitted.runner.table.tensors.items())
+    assert submitted.submit([], np.zeros((0, 79), np.float32)).result().shape == (0, 4)
+
+
+@cuda
+def test_fast_engine_pipelined_submits_match_sequential_steps_on_gpu():
+    model, _ = load_model("small", seed=0, device="cuda")
+    # capacity 2: the table grows (and the graphs are captured again) while steps are in flight
+    submitted = FastEngine(model, device="cuda", max_batch=8, capacity=2, progress=False)
+    stepped = FastEngine(model, device="cuda", max_batch=8, progress=False)
+    symbols = [f"S{i}" for i in range(20)]
+    pending, results = deque(), []
+    for t, (chosen, feats) in enumerate(_steps(1, 50, symbols, max_batch=8)):
+        if t == 25:  # one step larger than max_batch runs synchronously between submitted ones
+            chosen = symbols[:12]
+            feats = np.random.default_rng(t).standard_normal((12, 79)).astype(np.float32)
+        pending.append((submitted.submit(chosen, feats), stepped.step(chosen, feats)))
+        if len(pending) > 2:
+            results.append(pending.popleft())
+    results.extend(pending)
+    assert len(results) == 50
+    for got, want in results:
+        np.testing.assert_allclose(got.result(), want, rtol=0, atol=1e-6)
+    assert submitted.runner.table.version >= 1
+
+
+# ---- team client ---------------------------------------------------------------------------------------
+def test_submit_batch_resolves_to_process_batch_answer(model):
+    features = np.random.default_rng(0).standard_normal((2, 79)).astype(np.float32)
+    requests = {"B": (7, features[0]), "A": (3, features[1])}
+    pending = ExampleModel(ReferenceEngine(model)).submit_batch(requests)
+    answer = ExampleModel(ReferenceEngine(model)).process_batch(requests)
+    assert pending.result()["unique_ids"] == answer["unique_ids"] == [7, 3]
+    np.testing.assert_array_equal(pending.result()["predictions"], answer["predictions"])
+    assert ExampleModel(ReferenceEngine(model)).submit_batch({}).result()["unique_ids"] == []
+
+
+def test_submit_batch_runs_a_subclass_process_batch(model):
+    class Doubling(ExampleModel):
+        def process_batch(self, requests_by_symbol):
+            answer = super().process_batch(requests_by_symbol)
+            return {**answer, "predictions": 2 * answer["predictions"]}
+
+    requests = {"A": (1, np.ones(79, np.float32))}
+    got = Doubling(ReferenceEngine(model)).submit_batch(requests).result()["predictions"]
+    np.testing.assert_allclose(got, 2 * ExampleModel(ReferenceEngine(model)).process_batch(requests)["predictions"])
+
+
+# ---- runtime -------------------------------------------------------------------------------------------
+class FakePending:
+    def __init__(self, answer, fail):
+        self.answer, self.fail = answer, fail
+        self.ready = threading.Event()
+        self.on_result = None
+
+    def result(self):
+        assert self.ready.wait(30), "never released"
+        self.on_result()
+        if self.fail:
+            raise RuntimeError("device fault")
+        return self.answer
+
+
+class PipelinedClient:
+    """A team client whose steps are computed at submission (stream order) but complete later: a fake device
+    thread releases each step only once the next one is queued behind it (or nothing came for 50 ms), and
+    no sooner than hold_s after the previous one."""
+
+    def __init__(self, model, fail_on_id=None, hold_s=0.0):
+        self.engine = ReferenceEngine(model)
+        self.fail_on_id, self.hold_s = fail_on_id, hold_s
+        self.failed_ids = None
+        self.stepped = []        # (symbol, unique_id) in the order the model stepped them
+        self.submitted = []      # FakePending, in submission order
+        self.in_flight = self.max_in_flight = 0
+        self.cond = threading.Condition()
+        self.closed = False
+        self.device = threading.Thread(target=self._release, daemon=True)
+        self.device.start()
+
+    def submit_batch(self, requests_by_symbol):
+        symbols = list(requests_by_symbol)
+        ids = [requests_by_symbol[s][0] for s in symbols]
+        predictions = self.engine.step(symbols, np.stack([requests_by_symbol[s][1] for s in symbols]))
+        self.stepped.extend(zip(symbols, ids))
+        fail = self.fail_on_id in ids
+        if fail:
+            self.failed_ids = ids
+        pending = FakePending({"unique_ids": ids, "predictions": predictions}, fail)
+        pending.on_result = self._resolved
+        with self.cond:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self.submitted.append(pending)
+            self.cond.notify_all()
+        return pending
+
+    def process_batch(self, requests_by_symbol):
+        raise AssertionError("the runtime must use submit_batch")
+
+    def _resolved(self):
+        with self.cond:
+            self.in_flight -= 1
+
+    def _release(self):
+        released = 0
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.closed or len(self.submitted) > released)
+                if self.closed:
+                    return
+                self.cond.wait_for(lambda: len(self.submitted) > released + 1, timeout=0.05)
+                step = self.submitted[released]
+            time.sleep(self.hold_s)
+            step.ready.set()
+            released += 1
+
+    def close(self):
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.device.join()
+
+
+def _play_pipelined(team_client, handler, **options):
+    try:
+        return asyncio.run(_play(handler, team_client, **options))
+    finally:
+        team_client.close()
+
+
+def _assert_stepped_in_arrival_order(stepped, symbols, n):
+    for symbol in SYMBOLS:
+        assert [uid for s, uid in stepped if s == symbol] == [i for i in range(n) if symbols[i] == symbol]
+
+
+def _no_model_threads_left():
+    return not [t for t in threading.enumerate() if t.name.startswith("model-")]
+
+
+def test_pipelined_answers_are_correct_in_order_and_at_most_depth_in_flight(model):
+    n = 60
+    symbols, features = _stream(n, seed=3)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        for start in range(0, n, 20):  # bursts: several requests per symbol queued at once
+            await ws.send(_request(list(range(start, start + 20)), symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) >= n)
+        await ws.close(1000)
+
+    team_client = PipelinedClient(model, hold_s=0.01)  # a slow device: the runtime could queue more steps
+    client, summary = _play_pipelined(team_client, handler)
+
+    assert sorted(uid for uid, _ in recorder.responses) == list(range(n))
+    expected = _expected(model, symbols, features, range(n))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+    _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
+    assert team_client.max_in_flight == PIPELINE_DEPTH  # two really were in flight, never more
+    assert summary["responses_sent"] == n and _no_model_threads_left()
+
+
+def test_failing_result_answers_that_batch_with_client_error_and_later_ones_normally(model):
+    n = 30
+    symbols, features = _stream(n, seed=4)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request(list(range(0, 15)), symbols, features))
+        await ws.send(_request(list(range(15, n)), symbols, features))
+        await recorder.pump(ws, lambda: recorder.errors and len(recorder.answered()) + 3 >= n)
+        await ws.close(1000)
+
+    team_client = PipelinedClient(model, fail_on_id=7)
+    _play_pipelined(team_client, handler, max_batch=3)
+
+    failed = team_client.failed_ids
+    assert 7 in failed and len(failed) == 3
+    assert len(recorder.errors) == 1 and f"unique_ids {failed} not answered" in recorder.errors[0]
+    assert "device fault" in recorder.errors[0]
+    assert recorder.answered() == set(range(n)) - set(failed)  # later batches answered, also of those symbols
+    expected = _expected(model, symbols, features, range(n))  # the failed step still advanced the states
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+    _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
+
+
+def test_failing_submit_batch_answers_that_batch_with_client_error(model):
+    symbols, features = _stream(6)
+    recorder = Recorder()
+
+    class FailingSubmit(PipelinedClient):
+        def submit_batch(self, requests_by_symbol):
+            if any(uid == 1 for uid, _ in requests_by_symbol.values()):
+                raise ValueError("bad batch")
+            return super().submit_batch(requests_by_symbol)
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request(list(range(6)), symbols, features))
+        await recorder.pump(ws, lambda: recorder.errors and len(recorder.answered()) >= 5)
+        await ws.close(1000)
+
+    _play_pipelined(FailingSubmit(model), handler, max_batch=1)
+    assert recorder.answered() == {0, 2, 3, 4, 5}
+    assert "unique_ids [1] not answered: ValueError: bad batch" in recorder.errors[0]
+
+
+def test_stopping_keeps_every_submitted_step(model):
+    n = 30
+    symbols, features = _stream(n, seed=5)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request(list(range(n)), symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered())
+        await ws.close(1000)  # with steps still in flight
+
+    team_client = PipelinedClient(model, hold_s=0.02)
+    client, _ = _play_pipelined(team_client, handler, max_batch=1)
+
+    submitted = [uid for _, uid in team_client.stepped]
+    assert submitted == list(range(len(submitted))) and len(submitted) < n  # it stopped mid-stream...
+    assert set(client._cache) == set(submitted)  # ...but every submitted step was collected
+    assert client._in_flight == set(range(len(submitted), n))  # and the unsubmitted rest still waits
+    assert _no_model_threads_left()
+
+
+def test_a_client_with_only_process_batch_runs_the_single_worker(model):
+    n = 12
+    symbols, features = _stream(n, seed=6)
+    recorder = Recorder()
+    threads = set()
+
+    class ProcessOnly:
+        def __init__(self):
+            self.engine = ReferenceEngine(model)
+
+        def process_batch(self, requests_by_symbol):
+            threads.add(threading.current_thread().name)
+            return ExampleModel(self.engine).process_batch(requests_by_symbol)
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request(list(range(n)), symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) >= n)
+        await ws.close(1000)
+
+    asyncio.run(_play(handler, ProcessOnly()))
+    expected = _expected(model, symbols, features, range(n))
+    assert recorder.answered() == set(range(n))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+    assert threads == {"model-step"}
