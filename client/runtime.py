@@ -32,6 +32,10 @@ SWITCH_INTERVAL_S = 0.0002
 # Pipelined steps in flight: one running on the GPU and the next queued behind it. More would only add
 # queueing latency; the GPU's stream order advances each symbol's state in submission order.
 PIPELINE_DEPTH = 2
+# A batch formed while a step runs holds only what arrived before it, and what arrives later waits a whole
+# step more; so the next step is submitted early only when this many symbols already have work (load high
+# enough that hiding the host's per-step work pays), else when the GPU is free (bench/LOG.md, section 12).
+PIPELINE_MIN_BATCH = 16
 
 
 class ServerRefused(RuntimeError):
@@ -125,7 +129,7 @@ class StreamingClient:
     def __init__(self, team_client, url: str, team: str, token: str | None = None, *,
                  max_batch: int | None = None, heartbeat_s: float = 5.0, backoff_s: float = 0.1,
                  backoff_max_s: float = 5.0, give_up_after_s: float = 10.0, cache_size: int = 200_000,
-                 timeout_s: float = 2.0):
+                 timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -136,6 +140,9 @@ class StreamingClient:
         self.url, self.team, self.token = url, team, token
         self.max_batch = max_batch
         self.heartbeat_s, self.backoff_s, self.backoff_max_s = heartbeat_s, backoff_s, backoff_max_s
+        if pipeline_min_batch < 1:
+            raise ValueError(f"pipeline_min_batch must be a positive integer, got {pipeline_min_batch!r}")
+        self.pipeline_min_batch = pipeline_min_batch
         self.give_up_after_s = give_up_after_s
         self.cache_size = cache_size
         self.stats = ClientStats(timeout_s)
@@ -321,8 +328,7 @@ class StreamingClient:
         try:
             while True:
                 with self._work_ready:
-                    self._work_ready.wait_for(lambda: self._worker_stopping or
-                                              (len(self._scheduler) and len(self._steps) < PIPELINE_DEPTH))
+                    self._work_ready.wait_for(lambda: self._worker_stopping or self._submit_now())
                     if self._worker_stopping:
                         return
                     batch = self._scheduler.next_batch(self.max_batch)
@@ -338,6 +344,12 @@ class StreamingClient:
             with self._steps_ready:
                 self._submitter_done = True
                 self._steps_ready.notify()
+
+    def _submit_now(self) -> bool:
+        """Whether the submitter should form the next batch now (called holding the lock)."""
+        if not len(self._scheduler) or len(self._steps) >= PIPELINE_DEPTH:
+            return False
+        return not self._steps or self._scheduler.waiting_symbols() >= self.pipeline_min_batch
 
     def _complete_steps(self):
         while True:

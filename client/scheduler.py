@@ -42,6 +42,10 @@ class Scheduler:
         queue.append(request)
         self._pending += 1
 
+    def waiting_symbols(self) -> int:
+        """Symbols with at least one queued request: the size of the next batch (before max_batch)."""
+        return len(self._heads)
+
     def next_batch(self, max_batch: int | None = None) -> list[Request]:
         """Dequeue the oldest head of up to `max_batch` symbols (all symbols with work when None)."""
         if max_batch is not None and max_batch < 1:

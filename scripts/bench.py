@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from client.model.config import NUM_FEATURES, PRESETS, TOWER_NAMES  # noqa: E402
+from client.runtime import PIPELINE_MIN_BATCH  # noqa: E402
 from server.scoring import DEFAULT_ATOL  # noqa: E402
 
 SECTIONS = ("copy", "step", "baseline", "accuracy", "e2e", "maxrate")
@@ -112,6 +113,8 @@ def parse_args(argv=None):
     parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the "
                                                      "max-rate search (default 1000,2000,...,20000)")
     parser.add_argument("--rate-seconds", type=_positive_float, help="length of each max-rate run (default 2)")
+    parser.add_argument("--pipeline-min-batch", type=_positive_int,
+                        help="the client runtime's pipeline_min_batch (default: client.runtime.PIPELINE_MIN_BATCH)")
     parser.add_argument("--quick", action="store_true", help="small counts for a smoke run")
     parser.add_argument("--log-dir", help="also write the progress log and client/server warnings here")
     args = parser.parse_args(argv)
@@ -436,7 +439,7 @@ class ServerProcess:
             self._process.kill()
 
 
-async def serve_stream(engine, stream, targets, rate, preset, seed) -> dict:
+async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None) -> dict:
     """Serve `stream` at `rate` to the team client running `engine`; the server's summary of the session."""
     from client.runtime import StreamingClient
     from server.app import ServerConfig
@@ -446,7 +449,8 @@ async def serve_stream(engine, stream, targets, rate, preset, seed) -> dict:
                           symbols=len(np.unique(stream.symbols)), requests=len(stream), rate=rate, once=True)
     server = await asyncio.to_thread(ServerProcess, config, stream, targets)
     try:
-        client = StreamingClient(ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench")
+        options = {} if pipeline_min_batch is None else {"pipeline_min_batch": pipeline_min_batch}
+        client = StreamingClient(ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench", **options)
         playing = asyncio.create_task(client.run())
         done = asyncio.create_task(server.wait_done())
         await asyncio.wait({done, playing}, return_when=asyncio.FIRST_COMPLETED)
@@ -470,7 +474,8 @@ def measure_e2e(engine, model, device, counts, args, progress):
     stream = prefixed_stream("E2E_", E2E_SYMBOLS, counts.e2e_requests, args.seed + 1, E2E_RATE)
     targets = tracker.targets(stream)
     progress(f"e2e: targets ready; serving {len(stream)} requests at {E2E_RATE:.0f} req/s")
-    return session_numbers(asyncio.run(serve_stream(engine, stream, targets, E2E_RATE, args.preset, args.seed)))
+    return session_numbers(asyncio.run(serve_stream(engine, stream, targets, E2E_RATE, args.preset, args.seed,
+                                                       args.pipeline_min_batch)))
 
 
 def search_max_rate(engine, model, device, counts, args, report, progress):
@@ -483,7 +488,8 @@ def search_max_rate(engine, model, device, counts, args, report, progress):
         stream = prefixed_stream("RATE_", MAXRATE_SYMBOLS, num_requests, args.seed + 2 + attempt, rate)
         progress(f"maxrate {rate:g} req/s: reference targets of {num_requests} requests")
         targets = tracker.targets(stream)
-        numbers = session_numbers(asyncio.run(serve_stream(engine, stream, targets, rate, args.preset, args.seed)))
+        numbers = session_numbers(asyncio.run(serve_stream(engine, stream, targets, rate, args.preset, args.seed,
+                                                               args.pipeline_min_batch)))
         passed = (numbers["responses"] == numbers["requests"] and numbers["p99_ms"] is not None
                   and numbers["p99_ms"] < P99_LIMIT_MS)
         runs.append({"rate": rate, **numbers, "passed": passed})
@@ -671,7 +677,8 @@ def main(argv=None) -> int:
     progress = Progress(log_path)
     report = Report(args.json)
     report.update(device=_device_name(args.device), preset=args.preset, seed=args.seed, quick=args.quick,
-                  sections=args.sections, counts=args.counts.__dict__, torch=torch.__version__)
+                  sections=args.sections, counts=args.counts.__dict__, torch=torch.__version__,
+                  pipeline_min_batch=args.pipeline_min_batch or PIPELINE_MIN_BATCH)
     progress(f"bench on {report.data['device']}: preset {args.preset}, sections {','.join(args.sections)}")
     failed = Bench(args, report, progress).run()
     report.update(total_s=time.monotonic() - progress.start)

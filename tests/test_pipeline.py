@@ -226,7 +226,7 @@ def test_pipelined_answers_are_correct_in_order_and_at_most_depth_in_flight(mode
         await ws.close(1000)
 
     team_client = PipelinedClient(model, hold_s=0.01)  # a slow device: the runtime could queue more steps
-    client, summary = _play_pipelined(team_client, handler)
+    client, summary = _play_pipelined(team_client, handler, pipeline_min_batch=1)  # early with any work
 
     assert sorted(uid for uid, _ in recorder.responses) == list(range(n))
     expected = _expected(model, symbols, features, range(n))
@@ -235,6 +235,27 @@ def test_pipelined_answers_are_correct_in_order_and_at_most_depth_in_flight(mode
     _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
     assert team_client.max_in_flight == PIPELINE_DEPTH  # two really were in flight, never more
     assert summary["responses_sent"] == n and _no_model_threads_left()
+
+
+def test_light_load_waits_for_the_gpu_instead_of_submitting_early(model):
+    """Fewer waiting symbols than pipeline_min_batch: each batch is formed only when no step is in flight, so
+    it collects everything that arrived meanwhile."""
+    n = 30
+    symbols, features = _stream(n, seed=4)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        for start in range(0, n, 10):
+            await ws.send(_request(list(range(start, start + 10)), symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) >= n)
+        await ws.close(1000)
+
+    team_client = PipelinedClient(model, hold_s=0.01)
+    client, summary = _play_pipelined(team_client, handler, pipeline_min_batch=len(SYMBOLS) + 1)
+    assert sorted(uid for uid, _ in recorder.responses) == list(range(n))
+    _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
+    assert team_client.max_in_flight == 1 and summary["responses_sent"] == n
 
 
 def test_failing_result_answers_that_batch_with_client_error_and_later_ones_normally(model):
