@@ -35,7 +35,7 @@ PIPELINE_DEPTH = 2
 # A batch formed while a step runs holds only what arrived before it, and what arrives later waits a whole
 # step more; so the next step is submitted early only when this many symbols already have work (load high
 # enough that hiding the host's per-step work pays), else when the GPU is free (bench/LOG.md, section 12).
-PIPELINE_MIN_BATCH = 16
+PIPELINE_MIN_BATCH = 4
 
 
 class ServerRefused(RuntimeError):
