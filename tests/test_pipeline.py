@@ -204,6 +204,18 @@ def _play_pipelined(team_client, handler, **options):
         team_client.close()
 
 
+def _bursts(n, size, symbols, features, recorder, done=None):
+    """A server handler sending requests 0..n-1 in bursts of `size`, then waiting until `done()` (by default:
+    every request answered) before it closes."""
+    async def handler(ws):
+        await ws.recv()
+        for start in range(0, n, size):
+            await ws.send(_request(list(range(start, min(start + size, n))), symbols, features))
+        await recorder.pump(ws, done or (lambda: len(recorder.answered()) >= n))
+        await ws.close(1000)
+    return handler
+
+
 def _assert_stepped_in_arrival_order(stepped, symbols, n):
     for symbol in SYMBOLS:
         assert [uid for s, uid in stepped if s == symbol] == [i for i in range(n) if symbols[i] == symbol]
@@ -218,13 +230,7 @@ def test_pipelined_answers_are_correct_in_order_and_at_most_depth_in_flight(mode
     symbols, features = _stream(n, seed=3)
     recorder = Recorder()
 
-    async def handler(ws):
-        await ws.recv()
-        for start in range(0, n, 20):  # bursts: several requests per symbol queued at once
-            await ws.send(_request(list(range(start, start + 20)), symbols, features))
-        await recorder.pump(ws, lambda: len(recorder.answered()) >= n)
-        await ws.close(1000)
-
+    handler = _bursts(n, 20, symbols, features, recorder)  # several requests per symbol queued at once
     team_client = PipelinedClient(model, hold_s=0.01)  # a slow device: the runtime could queue more steps
     client, summary = _play_pipelined(team_client, handler, pipeline_min_batch=1)  # early with any work
 
@@ -244,15 +250,9 @@ def test_light_load_waits_for_the_gpu_instead_of_submitting_early(model):
     symbols, features = _stream(n, seed=4)
     recorder = Recorder()
 
-    async def handler(ws):
-        await ws.recv()
-        for start in range(0, n, 10):
-            await ws.send(_request(list(range(start, start + 10)), symbols, features))
-        await recorder.pump(ws, lambda: len(recorder.answered()) >= n)
-        await ws.close(1000)
-
     team_client = PipelinedClient(model, hold_s=0.01)
-    client, summary = _play_pipelined(team_client, handler, pipeline_min_batch=len(SYMBOLS) + 1)
+    client, summary = _play_pipelined(team_client, _bursts(n, 10, symbols, features, recorder),
+                                      pipeline_min_batch=len(SYMBOLS) + 1)
     assert sorted(uid for uid, _ in recorder.responses) == list(range(n))
     _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
     assert team_client.max_in_flight == 1 and summary["responses_sent"] == n
@@ -263,13 +263,8 @@ def test_failing_result_answers_that_batch_with_client_error_and_later_ones_norm
     symbols, features = _stream(n, seed=4)
     recorder = Recorder()
 
-    async def handler(ws):
-        await ws.recv()
-        await ws.send(_request(list(range(0, 15)), symbols, features))
-        await ws.send(_request(list(range(15, n)), symbols, features))
-        await recorder.pump(ws, lambda: recorder.errors and len(recorder.answered()) + 3 >= n)
-        await ws.close(1000)
-
+    handler = _bursts(n, 15, symbols, features, recorder,
+                      done=lambda: recorder.errors and len(recorder.answered()) + 3 >= n)
     team_client = PipelinedClient(model, fail_on_id=7)
     _play_pipelined(team_client, handler, max_batch=3)
 
@@ -310,11 +305,7 @@ def test_stopping_keeps_every_submitted_step(model):
     symbols, features = _stream(n, seed=5)
     recorder = Recorder()
 
-    async def handler(ws):
-        await ws.recv()
-        await ws.send(_request(list(range(n)), symbols, features))
-        await recorder.pump(ws, lambda: recorder.answered())
-        await ws.close(1000)  # with steps still in flight
+    handler = _bursts(n, n, symbols, features, recorder, done=recorder.answered)  # closes with steps in flight
 
     team_client = PipelinedClient(model, hold_s=0.02)
     client, _ = _play_pipelined(team_client, handler, max_batch=1)
