@@ -7,24 +7,27 @@ at import) and falls back to `op_ref` otherwise.
 """
 from kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from kernels.causal_conv_update import causal_conv_update, causal_conv_update_ref
+from kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_ref
 from kernels.mamba2_update import mamba2_state_update, mamba2_state_update_ref
+from kernels.mlstm_input import mlstm_input, mlstm_input_ref
 from kernels.mlstm_output import mlstm_output, mlstm_output_ref
 from kernels.mlstm_update import mlstm_step, mlstm_step_ref
 from kernels.retention_update import retention_step, retention_step_ref, retnet_output, retnet_output_ref
 from kernels.rglru import rglru_step, rglru_step_ref
 from kernels.skinny_matmul import skinny_matmul, skinny_matmul_ref
-from kernels.slstm_cell import slstm_cell, slstm_cell_ref
 from kernels.slstm_output import slstm_output, slstm_output_ref
+from kernels.slstm_step import slstm_step, slstm_step_ref
 from kernels.xlstm_residual import xlstm_residual, xlstm_residual_ref
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_ref",
     "causal_conv_update", "causal_conv_update_ref",
+    "gated_rms_norm", "gated_rms_norm_ref",
     "mamba2_state_update", "mamba2_state_update_ref",
-    "mlstm_step", "mlstm_step_ref",
+    "mlstm_input", "mlstm_input_ref", "mlstm_step", "mlstm_step_ref",
     "retention_step", "retention_step_ref", "retnet_output", "retnet_output_ref",
     "rglru_step", "rglru_step_ref",
     "skinny_matmul", "skinny_matmul_ref",
-    "slstm_cell", "slstm_cell_ref", "slstm_output", "slstm_output_ref",
+    "slstm_step", "slstm_step_ref", "slstm_output", "slstm_output_ref",
     "mlstm_output", "mlstm_output_ref", "xlstm_residual", "xlstm_residual_ref",
 ]

@@ -3,6 +3,7 @@
 Per head: lf = logsigmoid(fp); m_new = max(ip, m + lf); i' = exp(ip - m_new); f' = exp(lf + m - m_new);
 k <- k / sqrt(E); C <- f' C + i' k v^T; n <- f' n + i' k; m <- m_new;
 h = (q^T C) / (max(|q . n|, exp(-m_new)) + 1e-6).
+The gate pre-activations ip, fp may come as partial sums [P, B, NH] (kernels/mlstm_input.py), summed here.
 """
 import math
 
@@ -33,8 +34,10 @@ def _check(C, n, m, q, k, v, ip, fp, slot_ids):
     q = check_input("q", q, (rows, heads, head_dim), device)
     k = check_input("k", k, (rows, heads, head_dim), device)
     v = check_input("v", v, (rows, heads, head_dim), device)
-    ip = check_input("ip", ip, (rows, heads), device)
-    fp = check_input("fp", fp, (rows, heads), device)
+    parts = ip.shape[0] if isinstance(ip, torch.Tensor) and ip.dim() == 3 else None
+    gate_shape = (rows, heads) if parts is None else (parts, rows, heads)
+    ip = check_input("ip", ip, gate_shape, device)
+    fp = check_input("fp", fp, gate_shape, device)
     check_slot_ids(slot_ids, rows, device)
     return q, k, v, ip, fp
 
@@ -44,6 +47,8 @@ def mlstm_step_ref(C, n, m, q, k, v, ip, fp, slot_ids):
     q, k, v, ip, fp = _check(C, n, m, q, k, v, ip, fp, slot_ids)
     head_dim = q.shape[-1]
     index = slot_ids.long()
+    if ip.dim() == 3:
+        ip, fp = ip.sum(0), fp.sum(0)
     ip, m_old = ip.float(), m[index]
     lf = F.logsigmoid(fp.float())
     m_new = torch.maximum(ip, m_old + lf)
@@ -64,10 +69,10 @@ def mlstm_step_ref(C, n, m, q, k, v, ip, fp, slot_ids):
 @triton.jit
 def _mlstm_gates_kernel(
     n_ptr, m_ptr, q_ptr, k_ptr, ip_ptr, fp_ptr, slot_ptr, gates_ptr,
-    heads, head_dim, k_div, den_eps,
+    heads, head_dim, parts, k_div, den_eps,
     stride_n_slot, stride_m_slot,
-    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_ip_row, stride_fp_row,
-    BLOCK_E: tl.constexpr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_ip_part, stride_ip_row, stride_fp_part,
+    stride_fp_row, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Per (row, head): gates, m and n (owned by this program alone) and the readout's denominator,
     leaving (f', i', den) in a temporary for the C kernel, which never reads m or n."""
@@ -76,8 +81,12 @@ def _mlstm_gates_kernel(
     d = tl.arange(0, BLOCK_E)
     mask = d < head_dim
     slot = tl.load(slot_ptr + row).to(tl.int64)
-    ip = tl.load(ip_ptr + row * stride_ip_row + head).to(tl.float32)
-    lf = logsigmoid(tl.load(fp_ptr + row * stride_fp_row + head).to(tl.float32))
+    p = tl.arange(0, BLOCK_P)
+    ip = tl.sum(tl.load(ip_ptr + p * stride_ip_part + row * stride_ip_row + head, mask=p < parts,
+                        other=0.0).to(tl.float32), axis=0)
+    fp = tl.sum(tl.load(fp_ptr + p * stride_fp_part + row * stride_fp_row + head, mask=p < parts,
+                        other=0.0).to(tl.float32), axis=0)
+    lf = logsigmoid(fp)
     m_ptrs = m_ptr + slot * stride_m_slot + head
     m = tl.load(m_ptrs)
     m_new = tl.maximum(ip, m + lf)
@@ -139,8 +148,8 @@ def mlstm_step(C, n, m, q, k, v, ip, fp, slot_ids):
     """Advance each row's mLSTM memory by one step and read it out.
 
     C [S, NH, E, E], n [S, NH, E], m [S, NH]: fp32, updated in place at slot_ids (zeros at start).
-    q, k, v [B, NH, E] (k unscaled: / sqrt(E) inside), ip, fp [B, NH] gate pre-activations,
-    slot_ids [B] int32. Returns h [B, NH, E] float32 (before the output GroupNorm).
+    q, k, v [B, NH, E] (k unscaled: / sqrt(E) inside), ip, fp [B, NH] gate pre-activations (or [P, B, NH]
+    partial sums of them), slot_ids [B] int32. Returns h [B, NH, E] float32 (before the output GroupNorm).
     """
     if not use_triton(C):
         return mlstm_step_ref(C, n, m, q, k, v, ip, fp, slot_ids)
@@ -152,12 +161,14 @@ def mlstm_step(C, n, m, q, k, v, ip, fp, slot_ids):
         return h
     k_div = math.sqrt(head_dim)
     gates = torch.empty(rows, heads, 3, device=device, dtype=torch.float32)
+    if ip.dim() == 2:
+        ip, fp = ip[None], fp[None]
     _mlstm_gates_kernel[(rows, heads)](
         n, m, q, k, ip, fp, slot_ids, gates,
-        heads, head_dim, k_div, DEN_EPS,
+        heads, head_dim, ip.shape[0], k_div, DEN_EPS,
         n.stride(0), m.stride(0),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), ip.stride(0), fp.stride(0),
-        BLOCK_E=next_pow2(head_dim), num_warps=4,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), ip.stride(0), ip.stride(1), fp.stride(0),
+        fp.stride(1), BLOCK_E=next_pow2(head_dim), BLOCK_P=next_pow2(ip.shape[0]), num_warps=4,
     )
     block_e = split_block(head_dim, rows * heads, max_block=64, min_block=16)
     block_d = max(1, min(next_pow2(head_dim), MAX_TILE // block_e))

@@ -1,4 +1,5 @@
 """sLSTM block output: s_out = group_norm(y) + xin, and the mLSTM block's LayerNorm of it, in one pass.
+Given the state table y and slot_ids, it also stores each row's y there (slstm_step leaves that to it).
 
 s_out = F.group_norm(y, groups, gn_weight, gn_bias, 1e-5) + xin (fp32: it is the mLSTM block's skip);
 xn = F.layer_norm(s_out, (H,), ln_weight, None, 1e-5) in out_dtype (the dtype of the product it feeds).
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._common import FLOAT_DTYPES, check_input, next_pow2, use_triton
+from kernels._common import FLOAT_DTYPES, check_input, check_slot_ids, check_state, next_pow2, use_triton
 
 NORM_EPS = 1e-5  # F.group_norm / F.layer_norm defaults, as in the model
 
@@ -52,11 +53,16 @@ def group_normalize(v, mask, group_size, eps):
     return d * (1.0 / tl.sqrt(var + eps))[:, None]
 
 
-def _check(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype):
+def _check(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype, y_state, slot_ids):
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         raise ValueError(f"y must be a [B, H] tensor, got {getattr(y, 'shape', type(y).__name__)}")
     rows, width = y.shape
     y = check_input("y", y, (rows, width), y.device)
+    if (y_state is None) != (slot_ids is None):
+        raise ValueError("y_state and slot_ids go together")
+    if y_state is not None:
+        check_state("y_state", y_state, (None, width), y.device)
+        check_slot_ids(slot_ids, rows, y.device)
     xin = check_input("xin", xin, (rows, width), y.device)
     params = [check_input(name, t, (width,), y.device)
               for name, t in (("gn_weight", gn_weight), ("gn_bias", gn_bias), ("ln_weight", ln_weight))]
@@ -65,21 +71,28 @@ def _check(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype):
     return (y, xin, *params)
 
 
-def slstm_output_ref(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype=torch.float32):
-    """PyTorch reference of slstm_output, same signature."""
+def slstm_output_ref(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype=torch.float32, y_state=None,
+                     slot_ids=None):
+    """PyTorch reference of slstm_output, same signature and in-place semantics."""
     y, xin, gn_weight, gn_bias, ln_weight = (t.float() for t in _check(y, xin, gn_weight, gn_bias, ln_weight,
-                                                                       groups, out_dtype))
+                                                                       groups, out_dtype, y_state, slot_ids))
+    if y_state is not None:
+        y_state[slot_ids.long()] = y
     s_out = F.group_norm(y, groups, gn_weight, gn_bias, NORM_EPS) + xin
     return s_out, F.layer_norm(s_out, s_out.shape[-1:], ln_weight, None, NORM_EPS).to(out_dtype)
 
 
 @triton.jit
-def _slstm_output_kernel(y_ptr, xin_ptr, gn_weight_ptr, gn_bias_ptr, ln_weight_ptr, s_out_ptr, xn_ptr, width,
-                         group_size, stride_y, stride_xin, stride_s_out, stride_xn, eps, GROUPS: tl.constexpr,
+def _slstm_output_kernel(y_ptr, xin_ptr, gn_weight_ptr, gn_bias_ptr, ln_weight_ptr, s_out_ptr, xn_ptr,
+                         y_state_ptr, slot_ptr, width, group_size, stride_y, stride_xin, stride_s_out, stride_xn,
+                         stride_y_state, eps, STORE_Y: tl.constexpr, GROUPS: tl.constexpr,
                          GROUPS_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr):
     row = tl.program_id(0)
     col, mask = row_tile(GROUPS, GROUPS_BLOCK, GROUP_BLOCK, group_size)
     y = tl.load(y_ptr + row * stride_y + col, mask=mask, other=0.0).to(tl.float32)
+    if STORE_Y:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        tl.store(y_state_ptr + slot * stride_y_state + col, y, mask=mask)
     s = group_normalize(y, mask, group_size, eps)
     s = s * tl.load(gn_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
     s += tl.load(gn_bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
@@ -92,17 +105,23 @@ def _slstm_output_kernel(y_ptr, xin_ptr, gn_weight_ptr, gn_bias_ptr, ln_weight_p
     tl.store(xn_ptr + row * stride_xn + col, (d * inv * w).to(xn_ptr.dtype.element_ty), mask=mask)
 
 
-def slstm_output(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype=torch.float32):
+def slstm_output(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype=torch.float32, y_state=None,
+                 slot_ids=None):
     """y [B, H], xin [B, H], gn_weight/gn_bias/ln_weight [H], H divisible by groups
-    -> (s_out [B, H] fp32, xn [B, H] out_dtype)."""
+    -> (s_out [B, H] fp32, xn [B, H] out_dtype). With y_state [S, H] fp32 and slot_ids [B] int32, also
+    y_state[slot_ids] = y."""
     if not use_triton(y):
-        return slstm_output_ref(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype)
-    y, xin, gn_weight, gn_bias, ln_weight = _check(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype)
+        return slstm_output_ref(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype, y_state, slot_ids)
+    y, xin, gn_weight, gn_bias, ln_weight = _check(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype,
+                                                   y_state, slot_ids)
     rows, width = y.shape
     s_out = torch.empty(rows, width, device=y.device, dtype=torch.float32)
     xn = torch.empty(rows, width, device=y.device, dtype=out_dtype)
+    store_y = y_state is not None
     if rows:
-        _slstm_output_kernel[(rows,)](y, xin, gn_weight, gn_bias, ln_weight, s_out, xn, width, width // groups,
-                                      y.stride(0), xin.stride(0), s_out.stride(0), xn.stride(0), NORM_EPS,
+        _slstm_output_kernel[(rows,)](y, xin, gn_weight, gn_bias, ln_weight, s_out, xn,
+                                      y_state if store_y else y, slot_ids if store_y else y, width, width // groups,
+                                      y.stride(0), xin.stride(0), s_out.stride(0), xn.stride(0),
+                                      y_state.stride(0) if store_y else 0, NORM_EPS, STORE_Y=store_y,
                                       **group_tile(groups, width))
     return s_out, xn

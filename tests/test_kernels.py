@@ -29,7 +29,8 @@ STATE_OPS = {
     "mamba2_state_update": (kernels.mamba2_state_update, kernels.mamba2_state_update_ref, ("h",)),
     "retention_step": (kernels.retention_step, kernels.retention_step_ref, ("S", "scale", "offset")),
     "mlstm_step": (kernels.mlstm_step, kernels.mlstm_step_ref, ("C", "n", "m")),
-    "slstm_cell": (kernels.slstm_cell, kernels.slstm_cell_ref, ("c", "n", "m", "y")),
+    # y is read (the gate maps' state input), never written: slstm_output stores the new y
+    "slstm_step": (kernels.slstm_step, kernels.slstm_step_ref, ("c", "n", "m", "y")),
     "rglru_step": (kernels.rglru_step, kernels.rglru_step_ref, ("h",)),
 }
 
@@ -39,7 +40,7 @@ SMALL_DIMS = {
     "mamba2_state_update": [dict(heads=3, head_dim=6, state_dim=10), dict(heads=2, head_dim=20, state_dim=24)],
     "retention_step": [dict(heads=3, head_dim=10), dict(heads=2, head_dim=72)],
     "mlstm_step": [dict(heads=2, head_dim=24), dict(heads=1, head_dim=300)],
-    "slstm_cell": [dict(width=50), dict(width=700)],
+    "slstm_step": [dict(blocks=4, size=12), dict(blocks=2, size=40)],
     "rglru_step": [dict(width=50), dict(width=700)],
 }
 FULL_DIMS = {
@@ -47,7 +48,7 @@ FULL_DIMS = {
     "mamba2_state_update": dict(heads=64, head_dim=64, state_dim=128),
     "retention_step": dict(heads=8, head_dim=256),
     "mlstm_step": dict(heads=8, head_dim=512),
-    "slstm_cell": dict(width=2048),
+    "slstm_step": dict(blocks=4, size=512),
     "rglru_step": dict(width=2048),
 }
 
@@ -94,10 +95,12 @@ def make_args(op_name, rows, slots, dims, dtype=torch.float32, device="cpu", see
         return dict(C=randn(slots, heads, head_dim, head_dim), n=randn(slots, heads, head_dim),
                     m=randn(slots, heads), q=inp(randn(rows, heads, head_dim)), k=inp(randn(rows, heads, head_dim)),
                     v=inp(randn(rows, heads, head_dim)), ip=inp(randn(rows, heads) * 2), fp=inp(randn(rows, heads) * 2))
-    if op_name == "slstm_cell":
-        width = dims["width"]
-        return dict(i=inp(randn(rows, width)), f=inp(randn(rows, width)), z=inp(randn(rows, width)),
-                    o=inp(randn(rows, width)), c=randn(slots, width), n=rand(slots, width) + 0.5,
+    if op_name == "slstm_step":
+        blocks, size = dims["blocks"], dims["size"]
+        width = blocks * size
+        weight = (randn(2, 4, blocks, size, size) / math.sqrt(2 * size)).to(torch.float16)  # as the engine's
+        return dict(xc=inp(randn(rows, width)), xn=inp(randn(rows, width)), weight=weight,
+                    bias=randn(4, width) * 0.5, c=randn(slots, width), n=rand(slots, width) + 0.5,
                     m=randn(slots, width), y=randn(slots, width))
     if op_name == "rglru_step":
         width = dims["width"]
@@ -200,8 +203,39 @@ def test_triton_small_half_inputs(op_name, dtype):
 
 @runs_triton
 def test_triton_small_slstm_first_step_from_minus_inf():
-    check_against_reference("slstm_cell", 3, dict(width=50), device=TRITON_DEVICE, padding_rows=2,
+    check_against_reference("slstm_step", 3, dict(blocks=4, size=12), device=TRITON_DEVICE, padding_rows=2,
                             state_init=_slstm_fresh_state)
+
+
+@runs_triton
+def test_triton_small_slstm_step_leaves_y_to_slstm_output():
+    """slstm_step reads y[slots] for the gate maps and leaves it; slstm_output stores the new y there."""
+    args = make_args("slstm_step", 3, 5, dict(blocks=2, size=40), device=TRITON_DEVICE)
+    y_before = args["y"].clone()
+    slot_ids = torch.tensor([4, 0, 2], dtype=torch.int32, device=TRITON_DEVICE)
+    y_new = kernels.slstm_step(**args, slot_ids=slot_ids)
+    assert torch.equal(args["y"], y_before)
+    width = y_new.shape[1]
+    xin, ones = torch.randn(3, width, device=TRITON_DEVICE), torch.ones(width, device=TRITON_DEVICE)
+    s_out, _ = kernels.slstm_output(y_new, xin, ones, ones * 0, ones, 4, torch.float32, args["y"], slot_ids)
+    s_ref, _ = kernels.slstm_output_ref(y_new, xin, ones, ones * 0, ones, 4)
+    assert torch.equal(args["y"][slot_ids.long()], y_new)
+    assert torch.equal(args["y"][[1, 3]], y_before[[1, 3]])
+    assert_close(s_out, s_ref)
+
+
+@runs_triton
+def test_triton_small_mlstm_gates_as_partial_sums():
+    """ip, fp given as [P, B, NH] parts (as mlstm_input returns them) act as their sum."""
+    args = make_args("mlstm_step", 3, 5, dict(heads=2, head_dim=24), device=TRITON_DEVICE)
+    parts = torch.randn(5, 2, 3, 2, device=TRITON_DEVICE)  # [P, ip/fp, B, NH]
+    summed = {**args, "C": args["C"].clone(), "n": args["n"].clone(), "m": args["m"].clone(),
+              "ip": parts[:, 0].sum(0), "fp": parts[:, 1].sum(0)}
+    args.update(ip=parts[:, 0], fp=parts[:, 1])
+    slot_ids = torch.tensor([4, 0, 2], dtype=torch.int32, device=TRITON_DEVICE)
+    assert_close(kernels.mlstm_step(**args, slot_ids=slot_ids), kernels.mlstm_step_ref(**summed, slot_ids=slot_ids))
+    for name in ("C", "n", "m"):
+        assert_close(args[name], summed[name])
 
 
 @runs_triton
@@ -348,10 +382,18 @@ def test_mlstm_reference_matches_equations():
         assert after["m"][1, hd].item() == pytest.approx(m_new, rel=1e-6)
 
 
-def _slstm_expected(before, width):
+def _slstm_expected(before, blocks, size):
+    """MODEL.md's sLSTM cell for row 0 on slot 1, its gate maps written out per column (inputs rounded to
+    the weights' fp16, as the op specifies)."""
+    width = blocks * size
     expected = {name: torch.empty(width, dtype=torch.float64) for name in ("c", "n", "m", "y")}
+    w = before["weight"].double()
+    xc, xn, y = (before[name][row].half().double() for name, row in (("xc", 0), ("xn", 0), ("y", 1)))
     for j in range(width):
-        i, f, z, o = (before[name][0, j].item() for name in ("i", "f", "z", "o"))
+        h, r = divmod(j, size)
+        span = slice(h * size, (h + 1) * size)
+        i, f, z, o = (float(w[0, g, h, r] @ x[span] + w[1, g, h, r] @ y[span]) + before["bias"][g, j].item()
+                      for g, x in enumerate((xc, xc, xn, xn)))
         c, n, m = (before[name][1, j].item() for name in ("c", "n", "m"))
         lf = m - math.log1p(math.exp(-f))
         m_new = max(i, lf)
@@ -366,11 +408,12 @@ def _slstm_expected(before, width):
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["running", "first-step"])
 def test_slstm_reference_matches_equations(fresh):
-    out, before, after = _one_row("slstm_cell", dict(width=7), _slstm_fresh_state if fresh else None)
-    expected = _slstm_expected(before, 7)
+    out, before, after = _one_row("slstm_step", dict(blocks=2, size=5), _slstm_fresh_state if fresh else None)
+    expected = _slstm_expected(before, 2, 5)
     assert_close(out.double(), expected["y"])
-    for name in ("c", "n", "m", "y"):
+    for name in ("c", "n", "m"):
         assert_close(after[name][1].double(), expected[name])
+    assert torch.equal(after["y"], before["y"])
     if fresh:  # f' = 0 exactly: the old cell cannot leak in
         assert torch.isfinite(out).all()
 
@@ -429,9 +472,12 @@ BAD_INPUTS = [
     _bad("mlstm_step", "v", lambda t: t.to("meta"), "is on meta"),
     _bad("mlstm_step", "k", lambda t: t.tolist(), "must be a torch.Tensor", TypeError),
     _bad("mlstm_step", "C", lambda t: t[0], r"C must be a \[S, NH, E, E\] tensor"),
-    _bad("slstm_cell", "m", lambda t: None, "must be a torch.Tensor", TypeError),
-    _bad("slstm_cell", "c", lambda t: t[0], r"c must be a \[S, Hd\] tensor"),
-    _bad("slstm_cell", "z", lambda t: t[:, :3], r"z must have shape \[2, 50\]"),
+    _bad("slstm_step", "m", lambda t: None, "must be a torch.Tensor", TypeError),
+    _bad("slstm_step", "c", lambda t: t[0], r"c must be a \[S, H\] tensor"),
+    _bad("slstm_step", "xn", lambda t: t[:, :3], r"xn must have shape \[2, 48\]"),
+    _bad("slstm_step", "weight", lambda t: t[0], r"weight must be a \[2, 4, NB, s, s\] tensor"),
+    _bad("slstm_step", "weight", lambda t: t[:, :, :3], "do not cover the state width 48"),
+    _bad("slstm_step", "bias", lambda t: t[:3], r"bias must have shape \[4, 48\]"),
     _bad("rglru_step", "h", lambda t: t[None], r"h must be a \[S, Hd\] tensor"),
     _bad("rglru_step", "a", lambda t: t[:-1], r"a must have shape \[50\]"),
     _bad("causal_conv_update", "activation", lambda t: "relu", "activation must be None or 'silu'"),
@@ -495,7 +541,7 @@ def test_gpu_full_size_matches_reference(op_name, live_rows, dtype):
 
 @cuda_only
 def test_gpu_slstm_first_step_from_minus_inf():
-    check_against_reference("slstm_cell", 20, FULL_DIMS["slstm_cell"], device="cuda", padding_rows=3,
+    check_against_reference("slstm_step", 20, FULL_DIMS["slstm_step"], device="cuda", padding_rows=3,
                             state_init=_slstm_fresh_state)
 
 

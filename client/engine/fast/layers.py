@@ -3,9 +3,10 @@ weights with fp32 accumulation and fp32 state. Each block advances the rows `slo
 
 Fusions (horizontal, where shapes allow): the four towers' input_up as one matrix; Mamba2's x/b/c/z
 projections as one matrix and its three convolutions as one; RetNet's q/k/v/g as one matrix; Hawk's gate and
-recurrent projections as one; mLSTM's x/gate projections as one and its 1,024 4x4 q/k/v blocks as one batched
-product; the sLSTM's eight block-diagonal gate maps as one batched product. Vertically: every residual add
-with the RMSNorm after it (add_rms_norm), fc1's bias and ReLU in the GEMM epilogue, fc2's bias in the next add.
+recurrent projections as one; mLSTM's x/gate projections as one. Vertically: every residual add with the
+RMSNorm after it (add_rms_norm), fc1's bias and ReLU in the GEMM epilogue, fc2's bias in the next add; the
+sLSTM's eight block-diagonal gate maps with its cell (slstm_step); the mLSTM's convolution, its 1,024 4x4 q/k/v
+blocks and its gate projection (mlstm_input, finished inside mlstm_step); Mamba2's gate, norm and cast.
 """
 import torch
 import torch.nn.functional as F
@@ -13,12 +14,14 @@ import torch.nn.functional as F
 from client.model.mamba2 import HEAD_SIZE, STATE_SIZE
 from client.model.modules import FP32_EPS
 from client.model.xlstm import SLSTM_HEADS
-from kernels import (add_rms_norm, causal_conv_update, mamba2_state_update, mlstm_output, mlstm_step,
-                     retention_step, retnet_output, rglru_step, skinny_matmul, slstm_cell, slstm_output,
-                     xlstm_residual)
+from kernels import (add_rms_norm, causal_conv_update, gated_rms_norm, mamba2_state_update, mlstm_input,
+                     mlstm_output, mlstm_step, retention_step, retnet_output, rglru_step, skinny_matmul, slstm_output,
+                     slstm_step, xlstm_residual)
 from kernels._common import use_triton
+from kernels.mlstm_input import pack_qkv_weight
 from kernels.skinny_matmul import split_fp16
 from kernels.skinny_matmul import supports as skinny_supports
+from kernels.slstm_step import pack_weights as pack_slstm_weights
 
 _OUT_DTYPE = {}
 
@@ -115,51 +118,24 @@ class Linear:
         return torch._addmm_activation(self.bias_w, x.to(self.dtype), self.weight.t())
 
 
-class SplitKLinear:
-    """fp32 y = x @ W^T + b for a long, narrow W ([out, K] with out << K, like the mLSTM's 16 x 12288 gate
-    projection), split over K chunks as one batched product and a sum: cuBLAS's own choice for this shape
-    (sgemm_largek) ran 54 us on an H100 for 0.8 MB of weights."""
+class BlockDiagonal:
+    """Several block-diagonal maps of one input (nb blocks of s x s each, weights [nb, s, s] as (out, in)) as
+    ONE batched product."""
 
-    def __init__(self, weight, bias, device, chunk=128):
-        out, K = weight.shape
-        self.chunk = chunk if K % chunk == 0 else K
-        self.weight = weight.view(out, K // self.chunk, self.chunk).permute(1, 2, 0).contiguous().to(device)
-        self.bias = bias.to(device)
+    def __init__(self, weights, dtype, device):
+        nb, s, _ = weights[0].shape
+        w = torch.cat([weight.transpose(1, 2) for weight in weights], dim=2)
+        self.weight = w.to(device=device, dtype=dtype).contiguous()  # [nb, s (in), outputs * s]
+        self.blocks, self.size, self.outputs = nb, s, len(weights)
 
     @property
     def nbytes(self):
-        return self.weight.numel() * 4 + self.bias.numel() * 4
+        return self.weight.numel() * self.weight.element_size()
 
     def __call__(self, x):
-        B = x.shape[0]
-        parts = torch.bmm(x.view(B, -1, self.chunk).transpose(0, 1), self.weight)  # [K/chunk, B, out]
-        return parts.sum(0) + self.bias
-
-
-class BlockDiagonal:
-    """Several block-diagonal maps (nb blocks of s x s each) over one or more inputs as ONE batched product:
-    groups = [(input index, weight [nb, s, s] as (out, in)), ...]; output g reads input groups[g][0]."""
-
-    def __init__(self, groups, dtype, device):
-        n_in = 1 + max(i for i, _ in groups)
-        nb, s, _ = groups[0][1].shape
-        w = torch.zeros(nb, n_in * s, len(groups) * s)
-        for out, (inp, weight) in enumerate(groups):
-            w[:, inp * s:(inp + 1) * s, out * s:(out + 1) * s] = weight.transpose(1, 2)
-        self.weight = w.to(device=device, dtype=dtype)  # [nb, inputs*s, outputs*s]
-        self.blocks, self.size, self.outputs = nb, s, len(groups)
-
-    @property
-    def nbytes(self):
-        """Bytes of the maps themselves, which a step must read (the product also streams the zero blocks
-        between them: 4 of the sLSTM's 8 input-side blocks, about 2% of all weight bytes)."""
-        return self.outputs * self.blocks * self.size**2 * self.weight.element_size()
-
-    def __call__(self, *inputs):
-        """inputs [B, nb*s] each -> fp32 [B, outputs, nb, s], a strided view (output g of row b at [b, g])."""
-        B, nb, s = inputs[0].shape[0], self.blocks, self.size
-        x = torch.stack([t.view(B, nb, s) for t in inputs], dim=2).to(self.weight.dtype).view(B, nb, -1)
-        out = bmm32(x.transpose(0, 1), self.weight)  # [nb, B, outputs*s]
+        """x [B, nb*s] -> fp32 [B, outputs, nb, s], a strided view (output g of row b at [b, g])."""
+        B, nb, s = x.shape[0], self.blocks, self.size
+        out = bmm32(x.view(B, nb, s).transpose(0, 1).to(self.weight.dtype), self.weight)  # [nb, B, outputs*s]
         return out.view(nb, B, self.outputs, s).permute(1, 2, 0, 3)
 
 
@@ -206,24 +182,18 @@ class XLSTMBlock(Block):
         self.inner, self.heads = 2 * cfg.hidden, cfg.heads
         self.s_norm = sd[s + "norm.weight"].to(device)
         self.s_conv = _conv(sd, s + "conv1d", device)
-        # inputs (xc, xn, y) -> outputs (i, f, z, o): i, f read xc; z, o read xn; all four read y
-        gate_in = [(0, sd[s + "igate_input.weight"]), (0, sd[s + "fgate_input.weight"]),
-                   (1, sd[s + "zgate_input.weight"]), (1, sd[s + "ogate_input.weight"])]
-        self.s_gates_in = BlockDiagonal(gate_in, dtype, device)
-        self.s_gates_state = BlockDiagonal([(0, sd[s + f"{g}gate_state.weight"]) for g in "ifzo"], dtype, device)
+        self.s_weight = pack_slstm_weights([sd[s + f"{g}gate_input.weight"] for g in "ifzo"],
+                                           [sd[s + f"{g}gate_state.weight"] for g in "ifzo"], dtype).to(device)
         self.s_bias = torch.stack([sd[s + f"{g}gate_state.bias"] for g in "ifzo"]).to(device)  # [4, H]
-        self.s_bias_blocks = (self.s_gates_in.blocks, self.s_gates_in.size)
         self.s_gn = sd[s + "group_norm.weight"].to(device), sd[s + "group_norm.bias"].to(device)
         self.m_norm = sd[m + "norm.weight"].to(device)
         self.m_xg = Linear([sd[m + "x_proj.weight"], sd[m + "gate_proj.weight"]], None, dtype, device)
         self.m_conv = _conv(sd, m + "conv1d", device)
-        # inputs (xc, xm) -> outputs (q, k, v): q, k read the convolved xc, v the unconvolved xm
-        self.m_qkv = BlockDiagonal([(0, sd[m + "q_proj.weight"]), (0, sd[m + "k_proj.weight"]),
-                                    (1, sd[m + "v_proj.weight"])], torch.float32, device)
+        self.m_qkv = pack_qkv_weight(*(sd[m + f"{t}_proj.weight"] for t in "qkv")).to(device)
         cell = m + "mlstm_cell."
-        self.m_gates = SplitKLinear(torch.cat([sd[cell + "igate_proj.weight"], sd[cell + "fgate_proj.weight"]]),
-                                    torch.cat([sd[cell + "igate_proj.bias"], sd[cell + "fgate_proj.bias"]]),
-                                    device)  # tiny, and it sets the exponential gates: fp32
+        # tiny, and they set the exponential gates: fp32
+        self.m_gate_w = torch.cat([sd[cell + "igate_proj.weight"], sd[cell + "fgate_proj.weight"]]).to(device)
+        self.m_gate_b = torch.cat([sd[cell + "igate_proj.bias"], sd[cell + "fgate_proj.bias"]]).to(device)
         self.m_outnorm = sd[cell + "outnorm.weight"].to(device), sd[cell + "outnorm.bias"].to(device)
         self.m_skip = sd[m + "learnable_skip"].to(device)
         self.m_down = Linear(sd[m + "proj_down.weight"], None, dtype, device)
@@ -248,23 +218,20 @@ class XLSTMBlock(Block):
         """The xLSTM layer up to its final LayerNorm: (mLSTM out_proj product m, sLSTM block output s_out),
         with the layer's output final_norm(m + s_out)."""
         B, inner, NH = xin.shape[0], self.inner, self.heads
-        # sLSTM: all eight gate maps in two batched products, bias added while gathering them per gate
+        # sLSTM: gate maps and cell in one kernel; slstm_output stores the new y
         xn = layer_norm(xin, self.s_norm)
         xc = causal_conv_update(xn, st["slstm.conv"], *self.s_conv, slots, "silu")
-        pre = torch.empty(B, 4, xin.shape[1], device=xin.device)
-        torch.add(self.s_gates_in(xc, xn), self.s_gates_state(st["slstm.y"][slots]), out=pre.view(B, 4, *self.s_bias_blocks))
-        pre += self.s_bias  # [B, 4, H]: i, f, z, o
-        y = slstm_cell(pre[:, 0], pre[:, 1], pre[:, 2], pre[:, 3], st["slstm.c"], st["slstm.n"], st["slstm.m"],
+        y = slstm_step(xc, xn, self.s_weight, self.s_bias, st["slstm.c"], st["slstm.n"], st["slstm.m"],
                        st["slstm.y"], slots)
-        s_out, xn = slstm_output(y, xin, *self.s_gn, self.m_norm, SLSTM_HEADS, self.dtype)
+        s_out, xn = slstm_output(y, xin, *self.s_gn, self.m_norm, SLSTM_HEADS, self.dtype, st["slstm.y"], slots)
         # mLSTM
         xm_xg = self.m_xg.product(xn)
         xm, xg = xm_xg[:, :inner], xm_xg[:, inner:]
-        xc = causal_conv_update(xm, st["mlstm.conv"], *self.m_conv, slots, "silu")
-        qkv = self.m_qkv(xc, xm).reshape(B, 3 * inner)  # = concat(q, k, v)
-        gates = self.m_gates(qkv)
-        q, k, v = (qkv[:, j * inner:(j + 1) * inner].view(B, NH, -1) for j in range(3))
-        h = mlstm_step(st["mlstm.C"], st["mlstm.n"], st["mlstm.m"], q, k, v, gates[:, :NH], gates[:, NH:], slots)
+        xc, qkv, gate_parts = mlstm_input(xm, st["mlstm.conv"], *self.m_conv, self.m_qkv, self.m_gate_w,
+                                          self.m_gate_b, slots)
+        q, k, v = (qkv[:, j].view(B, NH, -1) for j in range(3))
+        h = mlstm_step(st["mlstm.C"], st["mlstm.n"], st["mlstm.m"], q, k, v, gate_parts[:, :, :NH],
+                       gate_parts[:, :, NH:], slots)
         gated = mlstm_output(h.reshape(B, inner), xc, xg, self.m_skip, *self.m_outnorm, NH, self.dtype)
         return self.m_down.product(gated), s_out
 
@@ -297,8 +264,8 @@ class Mamba2Block(Block):
         xbc = causal_conv_update(xbcz[:, :inner + 2 * N], st["conv"], *self.conv, slots, "silu")
         y = mamba2_state_update(st["h"], xbc[:, :inner].view(B, self.heads, HEAD_SIZE), self.dt_proj(t), self.a,
                                 xbc[:, inner:inner + N], xbc[:, inner + N:], self.d, slots)
-        gated = y.reshape(B, inner) * F.silu(xbcz[:, inner + 2 * N:])
-        return self.out_proj.product(F.rms_norm(gated, (inner,), self.norm, 1e-5))
+        gated = gated_rms_norm(y.reshape(B, inner), xbcz[:, inner + 2 * N:], self.norm, 1e-5, self.dtype)
+        return self.out_proj.product(gated)
 
 
 class RetNetBlock(Block):
@@ -332,8 +299,8 @@ class HawkBlock(Block):
         self.norm1_dtype = dtype  # the layer's input feeds only 16-bit products
         self.gate_rec = Linear([sd[p + "gate_proj.weight"], sd[p + "recurrent_proj.weight"]], None, dtype, device)
         self.conv = _conv(sd, p + "conv", device)
-        self.gates = BlockDiagonal([(0, sd[p + "rglru.input_gate.weight"]),
-                                    (0, sd[p + "rglru.recurrence_gate.weight"])], dtype, device)
+        self.gates = BlockDiagonal([sd[p + "rglru.input_gate.weight"], sd[p + "rglru.recurrence_gate.weight"]],
+                                   dtype, device)
         self.a = sd[p + "rglru.a"].to(device)
         self.out_proj = Linear(sd[p + "out_proj.weight"], None, dtype, device)
 

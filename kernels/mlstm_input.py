@@ -1,0 +1,150 @@
+"""The mLSTM's input side in one pass: the causal convolution, the block-diagonal q/k/v maps and the gate
+projection, as partial sums that mlstm_step finishes.
+
+xc = silu(conv(xm)) with the conv state shifted at the slots (as kernels/causal_conv_update.py does);
+q = Wq xc, k = Wk xc, v = Wv xm blockwise over blocks of 4 channels; gates = W_gate concat(q, k, v) + b_gate.
+The gate projection reads every channel, so each program returns the part of it over its CHUNK channels:
+parts [P, B, G], bias in part 0, and mlstm_step sums the parts as it reads its gates. No kernel sits between
+the two, where a separate [B, 3 inner] x [3 inner, G] product took three (bench/LOG.md, section 13).
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels._common import check_input, check_slot_ids, check_state, next_pow2, use_triton
+from kernels._math import sigmoid
+from kernels.causal_conv_update import causal_conv_update_ref
+
+QKV_BLOCK = 4
+CHUNK = 64  # channels per program: 64 programs per row at the full model's 4096
+
+
+def pack_qkv_weight(q_weight, k_weight, v_weight):
+    """BlockLinear weights [inner / 4, 4, 4] (out, in) of q, k, v -> the op's qkv_weight [inner / 4, 3, 4, 4]."""
+    return torch.stack([q_weight, k_weight, v_weight], dim=1).float().contiguous()
+
+
+def num_parts(inner: int) -> int:
+    return -(-inner // CHUNK)
+
+
+def _check(xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias, slot_ids):
+    if not isinstance(xm, torch.Tensor) or xm.dim() != 2:
+        raise ValueError(f"xm must be a [B, inner] tensor, got {getattr(xm, 'shape', type(xm).__name__)}")
+    rows, inner = xm.shape
+    device = xm.device
+    if inner % QKV_BLOCK:
+        raise ValueError(f"inner width {inner} must be a multiple of {QKV_BLOCK}")
+    xm = check_input("xm", xm, (rows, inner), device)
+    check_state("conv_state", conv_state, (None, inner, 3), device)
+    conv_weight = check_input("conv_weight", conv_weight, (inner, 4), device).contiguous()
+    conv_bias = check_input("conv_bias", conv_bias, (inner,), device)
+    qkv_weight = check_input("qkv_weight", qkv_weight, (inner // QKV_BLOCK, 3, QKV_BLOCK, QKV_BLOCK),
+                             device).contiguous()
+    gates = gate_weight.shape[0] if isinstance(gate_weight, torch.Tensor) and gate_weight.dim() == 2 else None
+    gate_weight = check_input("gate_weight", gate_weight, (gates, 3 * inner), device)
+    gate_bias = check_input("gate_bias", gate_bias, (gates,), device)
+    check_slot_ids(slot_ids, rows, device)
+    return xm, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias
+
+
+def mlstm_input_ref(xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias, slot_ids):
+    """PyTorch reference of mlstm_input, same signature and in-place semantics (fp32 throughout)."""
+    xm, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias = _check(
+        xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias, slot_ids)
+    rows, inner = xm.shape
+    xc = causal_conv_update_ref(xm, conv_state, conv_weight, conv_bias, slot_ids, "silu")
+    blocks = inner // QKV_BLOCK
+    w = qkv_weight.float()
+    q, k, v = (torch.einsum("bgi,goi->bgo", x.float().view(rows, blocks, QKV_BLOCK), w[:, t]).reshape(rows, inner)
+               for t, x in enumerate((xc, xc, xm)))
+    qkv = torch.stack([q, k, v], dim=1)  # [B, 3, inner]
+    parts = num_parts(inner)
+    pad = parts * CHUNK - inner
+    chunks = F.pad(qkv, (0, pad)).view(rows, 3, parts, CHUNK)
+    w_gate = F.pad(gate_weight.float().view(-1, 3, inner), (0, pad)).view(-1, 3, parts, CHUNK)
+    gate_parts = torch.einsum("btpc,gtpc->pbg", chunks, w_gate).contiguous()
+    gate_parts[0] += gate_bias.float()
+    return xc, qkv, gate_parts
+
+
+@triton.jit
+def _mlstm_input_kernel(
+    xm_ptr, state_ptr, conv_w_ptr, conv_b_ptr, qkv_w_ptr, gate_w_ptr, gate_b_ptr, slot_ptr, xc_ptr, qkv_ptr,
+    parts_ptr, inner, gates, stride_xm, stride_state, stride_gate_w, stride_xc, stride_qkv,
+    CHUNK: tl.constexpr, GATES_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    rows = tl.num_programs(0)
+    GROUPS: tl.constexpr = CHUNK // 4
+    g = tl.arange(0, GROUPS)
+    e = tl.arange(0, 4)
+    ch = chunk * CHUNK + g[:, None] * 4 + e[None, :]  # [GROUPS, 4]: channel of (block, place in block)
+    mask = ch < inner
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+
+    # causal convolution (kernel 4) and silu; the state keeps the last three inputs
+    state = state_ptr + slot * stride_state + ch * 3
+    s0 = tl.load(state, mask=mask, other=0.0)
+    s1 = tl.load(state + 1, mask=mask, other=0.0)
+    s2 = tl.load(state + 2, mask=mask, other=0.0)
+    xm = tl.load(xm_ptr + row * stride_xm + ch, mask=mask, other=0.0).to(tl.float32)
+    cw = conv_w_ptr + ch * 4
+    xc = (tl.load(cw, mask=mask, other=0.0) * s0 + tl.load(cw + 1, mask=mask, other=0.0) * s1
+          + tl.load(cw + 2, mask=mask, other=0.0) * s2 + tl.load(cw + 3, mask=mask, other=0.0) * xm
+          + tl.load(conv_b_ptr + ch, mask=mask, other=0.0))
+    xc = xc * sigmoid(xc)
+    tl.store(state, s1, mask=mask)
+    tl.store(state + 1, s2, mask=mask)
+    tl.store(state + 2, xm, mask=mask)
+    tl.store(xc_ptr + row * stride_xc + ch, xc, mask=mask)
+
+    # q, k, v: out[block, o] = sum_i W[block, o, i] x[block, i]
+    blk = chunk * GROUPS + g
+    w_tile = qkv_w_ptr + blk[:, None, None] * 48 + e[None, :, None] * 4 + e[None, None, :]  # [GROUPS, o, i]
+    w_mask = (blk < inner // 4)[:, None, None]
+    q = tl.sum(tl.load(w_tile, mask=w_mask, other=0.0) * xc[:, None, :], axis=2)
+    k = tl.sum(tl.load(w_tile + 16, mask=w_mask, other=0.0) * xc[:, None, :], axis=2)
+    v = tl.sum(tl.load(w_tile + 32, mask=w_mask, other=0.0) * xm[:, None, :], axis=2)
+    out = qkv_ptr + row * stride_qkv + ch
+    tl.store(out, q, mask=mask)
+    tl.store(out + inner, k, mask=mask)
+    tl.store(out + 2 * inner, v, mask=mask)
+
+    # this chunk's part of the gate projection over concat(q, k, v)
+    o = tl.arange(0, GATES_BLOCK)
+    gw = gate_w_ptr + o[:, None, None] * stride_gate_w + ch[None, :, :]  # [G, GROUPS, 4]
+    gw_mask = (o < gates)[:, None, None] & mask[None, :, :]
+    acc = (tl.load(gw, mask=gw_mask, other=0.0) * q[None, :, :]
+           + tl.load(gw + inner, mask=gw_mask, other=0.0) * k[None, :, :]
+           + tl.load(gw + 2 * inner, mask=gw_mask, other=0.0) * v[None, :, :])
+    part = tl.sum(tl.sum(acc, axis=2), axis=1)
+    part += tl.load(gate_b_ptr + o, mask=o < gates, other=0.0) * (chunk == 0).to(tl.float32)
+    tl.store(parts_ptr + (chunk * rows + row) * gates + o, part, mask=o < gates)
+
+
+def mlstm_input(xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias, slot_ids):
+    """xm [B, inner] (the mLSTM's x projection), conv_state [S, inner, 3] fp32 (updated in place at slot_ids),
+    conv_weight [inner, 4], conv_bias [inner], qkv_weight [inner / 4, 3, 4, 4] (pack_qkv_weight), gate_weight
+    [G, 3 inner] and gate_bias [G] (the input and forget gate projections, stacked), slot_ids [B] int32
+    -> (xc [B, inner] fp32: the convolved input; qkv [B, 3, inner] fp32: q, k, v; gate_parts [P, B, G] fp32,
+    whose sum over P is the gates)."""
+    if not use_triton(xm):
+        return mlstm_input_ref(xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias, slot_ids)
+    xm, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias = _check(
+        xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias, slot_ids)
+    rows, inner = xm.shape
+    gates = gate_weight.shape[0]
+    xc = torch.empty(rows, inner, device=xm.device, dtype=torch.float32)
+    qkv = torch.empty(rows, 3, inner, device=xm.device, dtype=torch.float32)
+    parts = torch.empty(num_parts(inner), rows, gates, device=xm.device, dtype=torch.float32)
+    if rows == 0:
+        return xc, qkv, parts
+    _mlstm_input_kernel[(rows, num_parts(inner))](
+        xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias, slot_ids, xc, qkv, parts,
+        inner, gates, xm.stride(0), conv_state.stride(0), gate_weight.stride(0), xc.stride(0), qkv.stride(0),
+        CHUNK=CHUNK, GATES_BLOCK=next_pow2(gates), num_warps=4,
+    )
+    return xc, qkv, parts

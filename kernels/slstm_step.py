@@ -1,0 +1,176 @@
+"""One sLSTM step (xLSTM's scalar memory): the eight block-diagonal gate maps and the cell update in one pass.
+
+Per head block h of size s (NB blocks over the width H = NB s), with y the previous output:
+pre_g = W_g,in[h] x_g + W_g,state[h] y + b_g for g in (i, f, z, o), where i and f read xc, z and o read xn;
+lf = m + logsigmoid(f); m_new = max(i, lf); i' = exp(i - m_new); f' = exp(lf - m_new);
+c <- f' c + i' tanh(z); n <- f' n + i'; y_new = sigmoid(o) c / (n + 1e-6).
+m starts at -inf: f' is then selected to be exactly 0 (never computed from -inf - -inf).
+
+One program owns BLOCK_N columns of one head block for a tile of rows and streams those columns' eight weight
+slices once (16-bit tensor-core products with fp32 accumulation, x cast to the weights' dtype like cuBLAS),
+then updates c, n, m for them. The products read y across a whole head block while other programs update
+theirs, so y is the one state this op does not write: it returns y_new, and slstm_output stores it at the
+slots (kernels/slstm_output.py).
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels._common import check_input, check_slot_ids, check_state, next_pow2, use_triton
+from kernels._math import logsigmoid, sigmoid, tanh
+
+Y_EPS = 1e-6
+GATES = 4  # i, f, z, o
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16)
+MAX_BLOCK_M = 64
+BLOCK_N = 16
+BLOCK_K = 64
+
+
+def pack_weights(input_maps, state_maps, dtype):
+    """The BlockLinear weights [NB, s, s] (out, in) of the four input maps and the four state maps, each in
+    gate order i, f, z, o -> the op's weight [2, 4, NB, s, s]."""
+    return torch.stack([torch.stack(list(input_maps)), torch.stack(list(state_maps))]).to(dtype).contiguous()
+
+
+def _check(xc, xn, weight, bias, c, n, m, y, slot_ids):
+    if not isinstance(c, torch.Tensor) or c.dim() != 2:
+        raise ValueError(f"c must be a [S, H] tensor, got {getattr(c, 'shape', type(c).__name__)}")
+    slots, width = c.shape
+    device = c.device
+    for name, state in (("c", c), ("n", n), ("m", m), ("y", y)):
+        check_state(name, state, (slots, width), device)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 5 or weight.shape[:2] != (2, GATES):
+        raise ValueError(f"weight must be a [2, 4, NB, s, s] tensor, got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    blocks, size = weight.shape[2], weight.shape[3]
+    weight = check_input("weight", weight, (2, GATES, blocks, size, size), device).contiguous()
+    if blocks * size != width:
+        raise ValueError(f"weight's {blocks} blocks of {size} do not cover the state width {width}")
+    rows = xc.shape[0] if isinstance(xc, torch.Tensor) and xc.dim() == 2 else None
+    xc = check_input("xc", xc, (rows, width), device)
+    xn = check_input("xn", xn, (rows, width), device)
+    bias = check_input("bias", bias, (GATES, width), device).contiguous()
+    check_slot_ids(slot_ids, rows, device)
+    return xc, xn, weight, bias
+
+
+def slstm_step_ref(xc, xn, weight, bias, c, n, m, y, slot_ids):
+    """PyTorch reference of slstm_step, same signature and in-place semantics: the inputs rounded to the
+    weights' dtype, products and everything after them in fp32."""
+    xc, xn, weight, bias = _check(xc, xn, weight, bias, c, n, m, y, slot_ids)
+    rows, width = xc.shape
+    blocks, size = weight.shape[2], weight.shape[3]
+    index = slot_ids.long()
+
+    def blockwise(x, w):  # [B, H] through one [NB, s, s] (out, in) map
+        x = x.to(weight.dtype).float().view(rows, blocks, size)
+        return torch.einsum("bhk,hjk->bhj", x, w.float()).reshape(rows, width)
+
+    y_prev = y[index]
+    i, f, z, o = (blockwise(x, weight[0, g]) + blockwise(y_prev, weight[1, g]) + bias[g].float()
+                  for g, x in enumerate((xc, xc, xn, xn)))
+    lf = m[index] + F.logsigmoid(f)
+    m_new = torch.maximum(i, lf)
+    i_gate = torch.exp(i - m_new)
+    f_gate = torch.where(lf == float("-inf"), torch.zeros_like(lf), torch.exp(lf - m_new))
+    c_new = f_gate * c[index] + i_gate * torch.tanh(z)
+    n_new = f_gate * n[index] + i_gate
+    c[index], n[index], m[index] = c_new, n_new, m_new
+    return torch.sigmoid(o) * c_new / (n_new + Y_EPS)
+
+
+@triton.jit
+def _slstm_step_kernel(
+    xc_ptr, xn_ptr, w_ptr, bias_ptr, c_ptr, n_ptr, m_ptr, y_ptr, slot_ptr, out_ptr,
+    rows, width, size, tiles_per_block, stride_xc, stride_xn, stride_state, stride_out, y_eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0) // tiles_per_block
+    j = (tl.program_id(0) % tiles_per_block) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns in the block
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_mask, j_mask = r < rows, j < size
+    slot = tl.load(slot_ptr + r, mask=r_mask, other=0).to(tl.int64)
+    gate_stride = width * size  # one [NB, s, s] map
+    w_rows = w_ptr + (block * size + j)[:, None] * size  # row j of block `block` of map 0
+    acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_o = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, size, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < size
+        col = block * size + k
+        x_mask = r_mask[:, None] & k_mask[None, :]
+        xc = tl.load(xc_ptr + r[:, None] * stride_xc + col[None, :], mask=x_mask, other=0.0)
+        xn = tl.load(xn_ptr + r[:, None] * stride_xn + col[None, :], mask=x_mask, other=0.0)
+        yp = tl.load(y_ptr + slot[:, None] * stride_state + col[None, :], mask=x_mask, other=0.0)
+        xc = xc.to(w_ptr.dtype.element_ty)
+        xn = xn.to(w_ptr.dtype.element_ty)
+        yp = yp.to(w_ptr.dtype.element_ty)
+        w = w_rows + k[None, :]
+        w_mask = j_mask[:, None] & k_mask[None, :]
+        acc_i = tl.dot(xc, tl.trans(tl.load(w, mask=w_mask, other=0.0)), acc_i)
+        acc_f = tl.dot(xc, tl.trans(tl.load(w + gate_stride, mask=w_mask, other=0.0)), acc_f)
+        acc_z = tl.dot(xn, tl.trans(tl.load(w + 2 * gate_stride, mask=w_mask, other=0.0)), acc_z)
+        acc_o = tl.dot(xn, tl.trans(tl.load(w + 3 * gate_stride, mask=w_mask, other=0.0)), acc_o)
+        acc_i = tl.dot(yp, tl.trans(tl.load(w + 4 * gate_stride, mask=w_mask, other=0.0)), acc_i)
+        acc_f = tl.dot(yp, tl.trans(tl.load(w + 5 * gate_stride, mask=w_mask, other=0.0)), acc_f)
+        acc_z = tl.dot(yp, tl.trans(tl.load(w + 6 * gate_stride, mask=w_mask, other=0.0)), acc_z)
+        acc_o = tl.dot(yp, tl.trans(tl.load(w + 7 * gate_stride, mask=w_mask, other=0.0)), acc_o)
+
+    col = block * size + j
+    b = bias_ptr + col
+    i = acc_i + tl.load(b, mask=j_mask, other=0.0)[None, :]
+    f = acc_f + tl.load(b + width, mask=j_mask, other=0.0)[None, :]
+    z = acc_z + tl.load(b + 2 * width, mask=j_mask, other=0.0)[None, :]
+    o = acc_o + tl.load(b + 3 * width, mask=j_mask, other=0.0)[None, :]
+    state = slot[:, None] * stride_state + col[None, :]
+    mask = r_mask[:, None] & j_mask[None, :]
+    c = tl.load(c_ptr + state, mask=mask, other=0.0)
+    n = tl.load(n_ptr + state, mask=mask, other=0.0)
+    m = tl.load(m_ptr + state, mask=mask, other=0.0)
+    lf = m + logsigmoid(f)
+    m_new = tl.maximum(i, lf)
+    i_gate = tl.exp(i - m_new)
+    f_gate = tl.where(lf == float("-inf"), 0.0, tl.exp(lf - m_new))
+    c = f_gate * c + i_gate * tanh(z)
+    n = f_gate * n + i_gate
+    tl.store(c_ptr + state, c, mask=mask)
+    tl.store(n_ptr + state, n, mask=mask)
+    tl.store(m_ptr + state, m_new, mask=mask)
+    tl.store(out_ptr + r[:, None] * stride_out + col[None, :], sigmoid(o) * c / (n + y_eps), mask=mask)
+
+
+def supports(weight) -> bool:
+    """The Triton kernel multiplies on 16-bit tensor cores; fp32 weights take the reference."""
+    return weight.dtype in WEIGHT_DTYPES
+
+
+def slstm_step(xc, xn, weight, bias, c, n, m, y, slot_ids):
+    """Advance each row's sLSTM cell by one step.
+
+    xc, xn [B, H] (the convolved and the normalised input), weight [2, 4, NB, s, s] (pack_weights: input and
+    state maps, gates i, f, z, o, each block as (out, in)), bias [4, H] (the state maps' biases); c, n, m, y
+    [S, H] fp32 states (c = n = y = 0, m = -inf at start); slot_ids [B] int32. Updates c, n, m in place at
+    slot_ids and returns the new y [B, H] float32, which the caller stores (y[slot_ids] is read, not written).
+    """
+    if not (use_triton(c) and supports(weight)):
+        return slstm_step_ref(xc, xn, weight, bias, c, n, m, y, slot_ids)
+    xc, xn, weight, bias = _check(xc, xn, weight, bias, c, n, m, y, slot_ids)
+    rows, width = xc.shape
+    out = torch.empty(rows, width, device=c.device, dtype=torch.float32)
+    if rows == 0:
+        return out
+    blocks, size = weight.shape[2], weight.shape[3]
+    block_m = max(16, min(MAX_BLOCK_M, next_pow2(rows)))
+    # three pipeline stages of x tiles (3 x BLOCK_M x BLOCK_K fp32) and weight tiles fit in shared memory
+    block_k = max(16, min(BLOCK_K if block_m <= 32 else BLOCK_K // 2, next_pow2(size)))
+    tiles = triton.cdiv(size, BLOCK_N)
+    _slstm_step_kernel[(blocks * tiles, triton.cdiv(rows, block_m))](
+        xc, xn, weight, bias, c, n, m, y, slot_ids, out,
+        rows, width, size, tiles, xc.stride(0), xn.stride(0), c.stride(0), out.stride(0), Y_EPS,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4, num_stages=3,
+    )
+    return out
