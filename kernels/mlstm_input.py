@@ -96,18 +96,25 @@ def _mlstm_input_kernel(
           + tl.load(cw + 2, mask=mask, other=0.0) * s2 + tl.load(cw + 3, mask=mask, other=0.0) * xm
           + tl.load(conv_b_ptr + ch, mask=mask, other=0.0))
     xc = xc * sigmoid(xc)
+    # A tile smaller than the program's threads is held by several threads each: without this barrier one
+    # copy's shifted state could land before another copy has read the old one.
+    tl.debug_barrier()
     tl.store(state, s1, mask=mask)
     tl.store(state + 1, s2, mask=mask)
     tl.store(state + 2, xm, mask=mask)
     tl.store(xc_ptr + row * stride_xc + ch, xc, mask=mask)
 
-    # q, k, v: out[block, o] = sum_i W[block, o, i] x[block, i]
-    blk = chunk * GROUPS + g
-    w_tile = qkv_w_ptr + blk[:, None, None] * 48 + e[None, :, None] * 4 + e[None, None, :]  # [GROUPS, o, i]
-    w_mask = (blk < inner // 4)[:, None, None]
-    q = tl.sum(tl.load(w_tile, mask=w_mask, other=0.0) * xc[:, None, :], axis=2)
-    k = tl.sum(tl.load(w_tile + 16, mask=w_mask, other=0.0) * xc[:, None, :], axis=2)
-    v = tl.sum(tl.load(w_tile + 32, mask=w_mask, other=0.0) * xm[:, None, :], axis=2)
+    # q, k, v: out[block, o] = sum_i W[block, o, i] x[block, i], as [GROUPS, 4] tiles over (block, o)
+    w = qkv_w_ptr + (chunk * GROUPS + g)[:, None] * 48 + e[None, :] * 4  # W[block, 0, o, 0]
+    q = tl.zeros((GROUPS, 4), dtype=tl.float32)
+    k = tl.zeros((GROUPS, 4), dtype=tl.float32)
+    v = tl.zeros((GROUPS, 4), dtype=tl.float32)
+    for i in tl.static_range(4):
+        xc_i = tl.sum(tl.where(e[None, :] == i, xc, 0.0), axis=1)[:, None]  # x[block, i], broadcast over o
+        xm_i = tl.sum(tl.where(e[None, :] == i, xm, 0.0), axis=1)[:, None]
+        q += tl.load(w + i, mask=mask, other=0.0) * xc_i
+        k += tl.load(w + 16 + i, mask=mask, other=0.0) * xc_i
+        v += tl.load(w + 32 + i, mask=mask, other=0.0) * xm_i
     out = qkv_ptr + row * stride_qkv + ch
     tl.store(out, q, mask=mask)
     tl.store(out + inner, k, mask=mask)

@@ -98,6 +98,7 @@ def _mlstm_gates_kernel(
     n_ptrs = n_ptr + slot * stride_n_slot + head * head_dim + d
     n = f_gate * tl.load(n_ptrs, mask=mask, other=0.0) + i_gate * k
     tl.store(n_ptrs, n, mask=mask)
+    tl.debug_barrier()  # every thread has read the old m (a scalar each thread loads) before one stores m_new
     tl.store(m_ptrs, m_new)
     den = tl.maximum(tl.abs(tl.sum(q * n, axis=0)), tl.exp(-m_new)) + den_eps
 

@@ -116,6 +116,7 @@ def _retention_prepare_kernel(
     scale = tl.load(scale_ptrs, mask=h_mask, other=0.0) * decay + 1.0
     tl.store(scale_ptrs, scale, mask=h_mask)
     tl.store(norm_ptr + row * heads + hd, tl.sqrt_rn(scale), mask=h_mask)
+    tl.debug_barrier()  # every thread has read the old offset (a scalar each thread loads) before one stores it
     tl.store(offset_ptr + slot, offset + 1)
 
 

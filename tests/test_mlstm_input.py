@@ -110,3 +110,18 @@ def test_bad_inputs_are_clear_errors(name, make_bad, match):
     args[name] = make_bad(args[name])
     with pytest.raises(ValueError, match=match):
         mlstm_input(**args, slot_ids=torch.tensor([0, 2], dtype=torch.int32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
+@pytest.mark.parametrize("rows", [20, 64])
+def test_gpu_full_size_many_rows(rows):
+    """Thousands of programs at once: each shifts its conv state only after all of its threads read it."""
+    for seed in range(3):
+        args = make(rows, 4096, 8, rows + 2, seed=seed)
+        slot_ids = torch.randperm(rows + 2)[:rows].to(torch.int32).cuda()
+        ref_state = args["conv_state"].clone()
+        out = mlstm_input(**args, slot_ids=slot_ids)
+        expected = mlstm_input_ref(**{**args, "conv_state": ref_state}, slot_ids=slot_ids)
+        for got, want in zip(out, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(args["conv_state"], ref_state, rtol=0, atol=0)
