@@ -11,7 +11,7 @@ import torch
 
 from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_inputs
 
-from .runner import BUCKETS, DEFAULT_PRECISION, GraphedStep, StepRunner
+from .runner import BUCKETS, DEFAULT_PRECISION, GraphedStep, StepRunner, input_bytes, input_views
 from .state_table import PAD_SLOT, StateTable
 
 __all__ = ["FastEngine", "StepRunner", "GraphedStep", "StateTable", "PAD_SLOT", "DEFAULT_PRECISION", "BUCKETS"]
@@ -33,8 +33,10 @@ class _Staging:
     """One submitted step's pinned host buffers, and the event recorded after its read-back was enqueued."""
 
     def __init__(self, max_batch, num_features):
-        self.slots = torch.empty(max_batch, dtype=torch.int32, pin_memory=True)
-        self.features = torch.empty(max_batch, num_features, dtype=torch.float32, pin_memory=True)
+        self.inputs = torch.zeros(input_bytes(max_batch, max_batch, num_features), dtype=torch.uint8,
+                                  pin_memory=True)  # laid out like GraphedStep.inputs
+        slots, features = input_views(self.inputs, max_batch, num_features)
+        self.slots, self.features = slots.numpy(), features.numpy()
         self.out = torch.empty(max_batch, NUM_TOWERS, dtype=torch.float32, pin_memory=True)
         self.done = torch.cuda.Event()
         self.step: PendingStep | None = None  # the last step that used these buffers
@@ -137,13 +139,15 @@ class FastEngine(Engine):
             # Its previous step may still be reading these inputs, or its result not yet be copied out of
             # `out`: finish it (its PendingStep keeps the copy for whoever collects it later).
             staging.step.result()
-        staging.slots.numpy()[:batch] = self._slot_list(symbols)
-        staging.features.numpy()[:batch] = features
-        slot_ids, feats = staging.slots[:batch], staging.features[:batch]
-        if self.graphed is None:
-            slot_ids, feats = slot_ids.to(self.device, non_blocking=True), feats.to(self.device, non_blocking=True)
-        # (GraphedStep copies the pinned host inputs straight into its device input buffers, non_blocking.)
-        staging.out[:batch].copy_(self.step_slots(slot_ids, feats), non_blocking=True)
+        staging.slots[:batch] = self._slot_list(symbols)
+        staging.slots[batch:] = PAD_SLOT
+        staging.features[:batch] = features
+        if self.graphed is not None:
+            out = self.graphed.replay_staged(staging.inputs, batch)
+        else:
+            slot_ids = torch.from_numpy(staging.slots[:batch]).to(self.device, non_blocking=True)
+            out = self.runner(slot_ids, torch.from_numpy(staging.features[:batch]).to(self.device, non_blocking=True))
+        staging.out[:batch].copy_(out, non_blocking=True)
         staging.done.record(torch.cuda.current_stream(self.device))
         staging.step = PendingStep(lambda: staging.read_back(batch))
         return staging.step
