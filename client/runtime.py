@@ -32,10 +32,12 @@ SWITCH_INTERVAL_S = 0.0002
 # Pipelined steps in flight: one running on the GPU and the next queued behind it. More would only add
 # queueing latency; the GPU's stream order advances each symbol's state in submission order.
 PIPELINE_DEPTH = 2
-# A batch formed while a step runs holds only what arrived before it, and what arrives later waits a whole
-# step more; so the next step is submitted early only when this many symbols already have work (load high
-# enough that hiding the host's per-step work pays), else when the GPU is free (bench/LOG.md, section 12).
-PIPELINE_MIN_BATCH = 4
+# The next step is submitted while one runs only when this many symbols already have work, else when the GPU
+# is free. A batch formed early misses what arrives later, which then waits a step more; but waiting for the
+# GPU puts the host's per-step work (~0.4 ms) between steps. Measured on an H100 (bench/LOG.md, sections 12
+# and 14): with a 2.8 ms step, 4 served 400 req/s best; since the step (2.4 ms) is shorter than that load's
+# 2.5 ms between requests, 1 (always early) gives p50 4.0 ms against 5.0, and the same max rate.
+PIPELINE_MIN_BATCH = 1
 
 
 class ServerRefused(RuntimeError):
