@@ -1,9 +1,5 @@
 """kernels/gated_rms_norm.py: the reference against the model's Mamba2 output norm, the Triton kernel against
 the reference (on a CPU through the interpreter, in a child process)."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +8,8 @@ import torch.nn.functional as F
 from client.model.modules import RMSNorm
 from kernels._common import INTERPRET
 from kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_ref
+from triton_interpreter import run_under_interpreter
 
-REPO = Path(__file__).resolve().parents[1]
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
@@ -43,10 +39,7 @@ def test_triton_matches_reference(rows, width, out_dtype):
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
 def test_triton_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "triton_matches"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_under_interpreter(__file__, "triton_matches")
 
 
 def test_bad_inputs_are_clear_errors():

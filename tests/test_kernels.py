@@ -9,18 +9,14 @@ Three layers:
 """
 import importlib
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import kernels
 from kernels._common import INTERPRET
+from triton_interpreter import run_under_interpreter
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 HAS_CUDA = torch.cuda.is_available()
 
 # Ops with slot-indexed state: (op, reference, state argument names)
@@ -174,14 +170,7 @@ runs_triton = pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INT
 
 @pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton kernels directly")
 def test_triton_kernels_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", __file__, "-k", "triton_small"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    summary = [line for line in result.stdout.splitlines() if line.strip()][-1:] or [""]
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "passed" in summary[0] and "skipped" not in summary[0], result.stdout[-2000:]
+    run_under_interpreter(__file__, "triton_small")
 
 
 CASES = [(op_name, dims) for op_name, dim_list in SMALL_DIMS.items() for dims in dim_list]

@@ -1,9 +1,5 @@
 """kernels/mlstm_input.py: the reference against the model's own mLSTM input side, the Triton kernel against
 the reference (on a CPU through the interpreter, in a child process), and its bad inputs."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +8,8 @@ import torch.nn.functional as F
 from client.model.xlstm import MLSTMBlock
 from kernels._common import INTERPRET
 from kernels.mlstm_input import CHUNK, mlstm_input, mlstm_input_ref, num_parts, pack_qkv_weight
+from triton_interpreter import run_under_interpreter
 
-REPO = Path(__file__).resolve().parents[1]
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
@@ -90,11 +86,7 @@ def test_triton_matches_reference(rows, inner, heads, padding_rows):
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
 def test_triton_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "triton_matches"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1], out.stdout[-1000:]
+    run_under_interpreter(__file__, "triton_matches")
 
 
 @pytest.mark.parametrize("name,make_bad,match", [

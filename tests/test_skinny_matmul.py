@@ -1,18 +1,14 @@
 """kernels/skinny_matmul.py: the Triton kernel against its fp64 reference, for fp16 weights and for fp32 weights
 split in two fp16 halves (which must keep about fp32 accuracy, far better than TF32). On a CPU it runs through
 the interpreter in a child process."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels._common import INTERPRET
 from kernels.skinny_matmul import default_config, skinny_matmul, skinny_matmul_ref, split_fp16, supports
+from triton_interpreter import run_under_interpreter
 
-REPO = Path(__file__).resolve().parents[1]
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
@@ -109,8 +105,4 @@ def test_shapes_and_errors():
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
 def test_triton_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k",
-                          "triton_matches or epilogue or explicit_config"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_under_interpreter(__file__, "triton_matches or epilogue or explicit_config")

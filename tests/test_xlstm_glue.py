@@ -1,10 +1,6 @@
 """kernels/slstm_output.py, mlstm_output.py, xlstm_residual.py: each Triton kernel against its PyTorch
 reference, and each reference against the equations in float64. On a CPU the Triton kernels run through the
 interpreter in a child process."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +9,8 @@ from kernels._common import INTERPRET
 from kernels.mlstm_output import mlstm_output, mlstm_output_ref
 from kernels.slstm_output import slstm_output, slstm_output_ref
 from kernels.xlstm_residual import xlstm_residual, xlstm_residual_ref
+from triton_interpreter import run_under_interpreter
 
-REPO = Path(__file__).resolve().parents[1]
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 OUT_DTYPES = [torch.float32, torch.float16]
@@ -163,7 +159,4 @@ def test_xlstm_residual_bad_inputs_are_clear_errors():
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernels in this process")
 def test_triton_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "triton_matches"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_under_interpreter(__file__, "triton_matches")
