@@ -15,6 +15,7 @@ from kernels.mlstm_update import mlstm_step, mlstm_step_ref
 from kernels.retention_update import retention_step, retention_step_ref, retnet_output, retnet_output_ref
 from kernels.rglru import rglru_step, rglru_step_ref
 from kernels.skinny_matmul import skinny_matmul, skinny_matmul_ref
+from kernels.slstm_input import slstm_input, slstm_input_ref
 from kernels.slstm_output import slstm_output, slstm_output_ref
 from kernels.slstm_step import slstm_step, slstm_step_ref
 from kernels.xlstm_residual import xlstm_residual, xlstm_residual_ref
@@ -28,6 +29,6 @@ __all__ = [
     "retention_step", "retention_step_ref", "retnet_output", "retnet_output_ref",
     "rglru_step", "rglru_step_ref",
     "skinny_matmul", "skinny_matmul_ref",
-    "slstm_step", "slstm_step_ref", "slstm_output", "slstm_output_ref",
+    "slstm_input", "slstm_input_ref", "slstm_step", "slstm_step_ref", "slstm_output", "slstm_output_ref",
     "mlstm_output", "mlstm_output_ref", "xlstm_residual", "xlstm_residual_ref",
 ]

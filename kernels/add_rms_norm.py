@@ -37,11 +37,11 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, bias_ptr, weight_ptr, y_ptr, width, s
     mask = col < width
     x = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
     x += tl.load(delta_ptr + row * stride_delta + col, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + col, mask=mask, other=0.0).to(tl.float32)  # before the reduction, which it would wait for
     if HAS_BIAS:
         x += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
     tl.store(x_ptr + row * stride_x + col, x, mask=mask)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
-    w = tl.load(weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + col, (x * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 

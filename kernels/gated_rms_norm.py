@@ -39,8 +39,8 @@ def _gated_rms_norm_kernel(y_ptr, z_ptr, weight_ptr, out_ptr, width, stride_y, s
     mask = col < width
     z = tl.load(z_ptr + row * stride_z + col, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(y_ptr + row * stride_y + col, mask=mask, other=0.0).to(tl.float32) * z * sigmoid(z)
+    w = tl.load(weight_ptr + col, mask=mask, other=0.0).to(tl.float32)  # before the reduction, which it would wait for
     inv = 1.0 / tl.sqrt(tl.sum(g * g, axis=0) / width + eps)
-    w = tl.load(weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + col, (g * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -40,13 +40,15 @@ def _mlstm_output_kernel(h_ptr, xc_ptr, xg_ptr, skip_ptr, gn_weight_ptr, gn_bias
                          GROUPS_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr):
     row = tl.program_id(0)
     col, mask = row_tile(GROUPS, GROUPS_BLOCK, GROUP_BLOCK, group_size)
+    # every load first: at one row the kernel is a chain of memory round trips, and a load placed after a
+    # reduction waits for it
     h = tl.load(h_ptr + row * stride_h + col, mask=mask, other=0.0).to(tl.float32)
-    v = group_normalize(h, mask, group_size, eps)
-    v = v * tl.load(gn_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
-    v += tl.load(gn_bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    gn_w = tl.load(gn_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    gn_b = tl.load(gn_bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
     xc = tl.load(xc_ptr + row * stride_xc + col, mask=mask, other=0.0).to(tl.float32)
-    v += tl.load(skip_ptr + col, mask=mask, other=0.0).to(tl.float32) * xc
+    skip = tl.load(skip_ptr + col, mask=mask, other=0.0).to(tl.float32)
     xg = tl.load(xg_ptr + row * stride_xg + col, mask=mask, other=0.0).to(tl.float32)
+    v = group_normalize(h, mask, group_size, eps) * gn_w + gn_b + skip * xc
     tl.store(out_ptr + row * stride_out + col, (v * xg * sigmoid(xg)).to(out_ptr.dtype.element_ty), mask=mask)
 
 

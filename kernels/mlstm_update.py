@@ -80,23 +80,23 @@ def _mlstm_gates_kernel(
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_E)
     mask = d < head_dim
+    # every load first (the state's once the slot is known): each is a memory round trip
     slot = tl.load(slot_ptr + row).to(tl.int64)
     p = tl.arange(0, BLOCK_P)
-    ip = tl.sum(tl.load(ip_ptr + p * stride_ip_part + row * stride_ip_row + head, mask=p < parts,
-                        other=0.0).to(tl.float32), axis=0)
-    fp = tl.sum(tl.load(fp_ptr + p * stride_fp_part + row * stride_fp_row + head, mask=p < parts,
-                        other=0.0).to(tl.float32), axis=0)
-    lf = logsigmoid(fp)
+    ip = tl.load(ip_ptr + p * stride_ip_part + row * stride_ip_row + head, mask=p < parts, other=0.0)
+    fp = tl.load(fp_ptr + p * stride_fp_part + row * stride_fp_row + head, mask=p < parts, other=0.0)
+    k = tl.load(k_ptr + row * stride_k_row + head * stride_k_head + d, mask=mask, other=0.0).to(tl.float32) / k_div
+    q = tl.load(q_ptr + row * stride_q_row + head * stride_q_head + d, mask=mask, other=0.0).to(tl.float32)
     m_ptrs = m_ptr + slot * stride_m_slot + head
     m = tl.load(m_ptrs)
+    n_ptrs = n_ptr + slot * stride_n_slot + head * head_dim + d
+    n = tl.load(n_ptrs, mask=mask, other=0.0)
+    ip = tl.sum(ip.to(tl.float32), axis=0)
+    lf = logsigmoid(tl.sum(fp.to(tl.float32), axis=0))
     m_new = tl.maximum(ip, m + lf)
     i_gate = tl.exp(ip - m_new)
     f_gate = tl.exp(lf + m - m_new)
-
-    k = tl.load(k_ptr + row * stride_k_row + head * stride_k_head + d, mask=mask, other=0.0).to(tl.float32) / k_div
-    q = tl.load(q_ptr + row * stride_q_row + head * stride_q_head + d, mask=mask, other=0.0).to(tl.float32)
-    n_ptrs = n_ptr + slot * stride_n_slot + head * head_dim + d
-    n = f_gate * tl.load(n_ptrs, mask=mask, other=0.0) + i_gate * k
+    n = f_gate * n + i_gate * k
     tl.store(n_ptrs, n, mask=mask)
     tl.debug_barrier()  # every thread has read the old m (a scalar each thread loads) before one stores m_new
     tl.store(m_ptrs, m_new)

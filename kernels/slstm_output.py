@@ -89,19 +89,21 @@ def _slstm_output_kernel(y_ptr, xin_ptr, gn_weight_ptr, gn_bias_ptr, ln_weight_p
                          GROUPS_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr):
     row = tl.program_id(0)
     col, mask = row_tile(GROUPS, GROUPS_BLOCK, GROUP_BLOCK, group_size)
+    # every load first: at one row the kernel is a chain of memory round trips, and a load placed after a
+    # reduction waits for it
     y = tl.load(y_ptr + row * stride_y + col, mask=mask, other=0.0).to(tl.float32)
+    gn_w = tl.load(gn_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    gn_b = tl.load(gn_bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    xin = tl.load(xin_ptr + row * stride_xin + col, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(ln_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
     if STORE_Y:
         slot = tl.load(slot_ptr + row).to(tl.int64)
         tl.store(y_state_ptr + slot * stride_y_state + col, y, mask=mask)
-    s = group_normalize(y, mask, group_size, eps)
-    s = s * tl.load(gn_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
-    s += tl.load(gn_bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
-    s += tl.load(xin_ptr + row * stride_xin + col, mask=mask, other=0.0).to(tl.float32)
+    s = group_normalize(y, mask, group_size, eps) * gn_w + gn_b + xin
     tl.store(s_out_ptr + row * stride_s_out + col, s, mask=mask)
     mean = tl.sum(tl.sum(s, axis=1), axis=0) / width
     d = tl.where(mask, s - mean, 0.0)
     inv = 1.0 / tl.sqrt(tl.sum(tl.sum(d * d, axis=1), axis=0) / width + eps)
-    w = tl.load(ln_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
     tl.store(xn_ptr + row * stride_xn + col, (d * inv * w).to(xn_ptr.dtype.element_ty), mask=mask)
 
 

@@ -165,12 +165,14 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, slot_ids):
         return out
     blocks, size = weight.shape[2], weight.shape[3]
     block_m = max(16, min(MAX_BLOCK_M, next_pow2(rows)))
-    # three pipeline stages of x tiles (3 x BLOCK_M x BLOCK_K fp32) and weight tiles fit in shared memory
+    # pipeline stages of x tiles (3 x BLOCK_M x BLOCK_K fp32) and weight tiles that fit in shared memory; up to 32
+    # rows two warps and four stages measured fastest at full size (H100: 10.6 against 12.8 us at one row)
     block_k = max(16, min(BLOCK_K if block_m <= 32 else BLOCK_K // 2, next_pow2(size)))
+    warps, stages = (2, 4) if block_m <= 32 else (4, 3)
     tiles = triton.cdiv(size, BLOCK_N)
     _slstm_step_kernel[(blocks * tiles, triton.cdiv(rows, block_m))](
         xc, xn, weight, bias, c, n, m, y, slot_ids, out,
         rows, width, size, tiles, xc.stride(0), xn.stride(0), c.stride(0), out.stride(0), Y_EPS,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )
     return out

@@ -40,15 +40,18 @@ def _xlstm_residual_kernel(x_ptr, m_ptr, s_out_ptr, ln_weight_ptr, rms_weight_pt
     row = tl.program_id(0)
     col = tl.arange(0, BLOCK)
     mask = col < width
+    # every load first: at one row the kernel is a chain of memory round trips, and a load placed after a
+    # reduction waits for it
     v = tl.load(m_ptr + row * stride_m + col, mask=mask, other=0.0).to(tl.float32)
     v += tl.load(s_out_ptr + row * stride_s_out + col, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
+    ln_w = tl.load(ln_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(rms_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
     d = tl.where(mask, v - tl.sum(v, axis=0) / width, 0.0)
     inv = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / width + ln_eps)
-    x = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
-    x += d * inv * tl.load(ln_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    x += d * inv * ln_w
     tl.store(x_ptr + row * stride_x + col, x, mask=mask)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + rms_eps)
-    w = tl.load(rms_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
     tl.store(t2_ptr + row * stride_t2 + col, (x * inv * w).to(t2_ptr.dtype.element_ty), mask=mask)
 
 

@@ -4,8 +4,8 @@ weights with fp32 accumulation and fp32 state. Each block advances the rows `slo
 Fusions (horizontal, where shapes allow): the four towers' input_up as one matrix; Mamba2's x/b/c/z
 projections as one matrix and its three convolutions as one; RetNet's q/k/v/g as one matrix; Hawk's gate and
 recurrent projections as one; mLSTM's x/gate projections as one. Vertically: every residual add with the
-RMSNorm after it (add_rms_norm), fc1's bias and ReLU in the GEMM epilogue, fc2's bias in the next add; the
-sLSTM's eight block-diagonal gate maps with its cell (slstm_step); the mLSTM's convolution, its 1,024 4x4 q/k/v
+RMSNorm after it (add_rms_norm; in xLSTM blocks also with the sLSTM's LayerNorm and convolution, slstm_input),
+fc1's bias and ReLU in the GEMM epilogue, fc2's bias in the next add; the sLSTM's eight block-diagonal gate maps with its cell (slstm_step); the mLSTM's convolution, its 1,024 4x4 q/k/v
 blocks and its gate projection (mlstm_input, finished inside mlstm_step); Mamba2's gate, norm and cast.
 """
 import torch
@@ -15,8 +15,8 @@ from client.model.mamba2 import HEAD_SIZE, STATE_SIZE
 from client.model.modules import FP32_EPS
 from client.model.xlstm import SLSTM_HEADS
 from kernels import (add_rms_norm, causal_conv_update, gated_rms_norm, mamba2_state_update, mlstm_input,
-                     mlstm_output, mlstm_step, retention_step, retnet_output, rglru_step, skinny_matmul, slstm_output,
-                     slstm_step, xlstm_residual)
+                     mlstm_output, mlstm_step, retention_step, retnet_output, rglru_step, skinny_matmul, slstm_input,
+                     slstm_output, slstm_step, xlstm_residual)
 from kernels._common import use_triton
 from kernels.mlstm_input import pack_qkv_weight
 from kernels.skinny_matmul import split_fp16
@@ -139,10 +139,6 @@ class BlockDiagonal:
         return out.view(nb, B, self.outputs, s).permute(1, 2, 0, 3)
 
 
-def layer_norm(x, weight):
-    return F.layer_norm(x, (x.shape[-1],), weight, None, 1e-5)
-
-
 def _conv(sd, name, device):
     return sd[name + ".conv.weight"][:, 0, :].contiguous().to(device), sd[name + ".conv.bias"].to(device)
 
@@ -209,18 +205,18 @@ class XLSTMBlock(Block):
                 "mlstm.n": ((NH, E), f32, 0.0), "mlstm.m": ((NH,), f32, 0.0)}
 
     def __call__(self, x, delta, bias, st, slots):
-        xin = add_rms_norm(x, delta, bias, self.norm1, FP32_EPS, torch.float32)
-        m, s_out = self.layer(xin, st, slots)
+        # norm1, the sLSTM's LayerNorm and its convolution in one kernel
+        xin, xn, xc = slstm_input(x, delta, bias, self.norm1, FP32_EPS, self.s_norm, st["slstm.conv"], *self.s_conv,
+                                  slots)
+        m, s_out = self.layer(xin, xn, xc, st, slots)
         # x += final_norm(m + s_out), then norm2, in one kernel
         return self.mlp(xlstm_residual(x, m, s_out, self.final_norm, self.norm2, FP32_EPS, self.mlp_dtype))
 
-    def layer(self, xin, st, slots):
-        """The xLSTM layer up to its final LayerNorm: (mLSTM out_proj product m, sLSTM block output s_out),
-        with the layer's output final_norm(m + s_out)."""
+    def layer(self, xin, xn, xc, st, slots):
+        """The xLSTM layer after slstm_input, up to its final LayerNorm: (mLSTM out_proj product m, sLSTM block
+        output s_out), with the layer's output final_norm(m + s_out)."""
         B, inner, NH = xin.shape[0], self.inner, self.heads
         # sLSTM: gate maps and cell in one kernel; slstm_output stores the new y
-        xn = layer_norm(xin, self.s_norm)
-        xc = causal_conv_update(xn, st["slstm.conv"], *self.s_conv, slots, "silu")
         y = slstm_step(xc, xn, self.s_weight, self.s_bias, st["slstm.c"], st["slstm.n"], st["slstm.m"],
                        st["slstm.y"], slots)
         s_out, xn = slstm_output(y, xin, *self.s_gn, self.m_norm, SLSTM_HEADS, self.dtype, st["slstm.y"], slots)
