@@ -30,6 +30,7 @@ from dataclasses import dataclass  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from client import event_loop  # noqa: E402
 from client.model.config import NUM_FEATURES, PRESETS, TOWER_NAMES  # noqa: E402
 from client.runtime import PIPELINE_MIN_BATCH  # noqa: E402
 from server.scoring import DEFAULT_ATOL  # noqa: E402
@@ -397,7 +398,7 @@ def _serve_in_child(config, stream, targets, to_parent, from_parent):
         await asyncio.to_thread(from_parent.get)  # stay up until the client has finished
         await server.stop()
 
-    asyncio.run(main())
+    event_loop.run(main())
 
 
 class ServerProcess:
@@ -474,7 +475,7 @@ def measure_e2e(engine, model, device, counts, args, progress):
     stream = prefixed_stream("E2E_", E2E_SYMBOLS, counts.e2e_requests, args.seed + 1, E2E_RATE)
     targets = tracker.targets(stream)
     progress(f"e2e: targets ready; serving {len(stream)} requests at {E2E_RATE:.0f} req/s")
-    return session_numbers(asyncio.run(serve_stream(engine, stream, targets, E2E_RATE, args.preset, args.seed,
+    return session_numbers(event_loop.run(serve_stream(engine, stream, targets, E2E_RATE, args.preset, args.seed,
                                                        args.pipeline_min_batch)))
 
 
@@ -488,7 +489,7 @@ def search_max_rate(engine, model, device, counts, args, report, progress):
         stream = prefixed_stream("RATE_", MAXRATE_SYMBOLS, num_requests, args.seed + 2 + attempt, rate)
         progress(f"maxrate {rate:g} req/s: reference targets of {num_requests} requests")
         targets = tracker.targets(stream)
-        numbers = session_numbers(asyncio.run(serve_stream(engine, stream, targets, rate, args.preset, args.seed,
+        numbers = session_numbers(event_loop.run(serve_stream(engine, stream, targets, rate, args.preset, args.seed,
                                                                args.pipeline_min_batch)))
         passed = (numbers["responses"] == numbers["requests"] and numbers["p99_ms"] is not None
                   and numbers["p99_ms"] < P99_LIMIT_MS)

@@ -4,6 +4,7 @@ import asyncio
 import json
 import signal
 
+from client import event_loop
 from server.app import ScoringServer, ServerConfig
 from server.leaderboard import format_table
 from server.scoring import DEFAULT_ATOL, DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
@@ -69,7 +70,7 @@ async def run(config: ServerConfig):
 def main(argv=None):
     config = parse_args(argv)
     try:
-        asyncio.run(run(config))
+        event_loop.run(run(config))
     except KeyboardInterrupt:
         pass
 

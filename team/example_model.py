@@ -16,6 +16,7 @@ import logging  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from client import event_loop  # noqa: E402
 from client.engine import ENGINES, Engine, make_engine  # noqa: E402
 from client.engine.base import NUM_TOWERS, PendingStep  # noqa: E402
 from client.model.config import PRESETS  # noqa: E402
@@ -144,7 +145,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    summary, server_summaries = asyncio.run(play(args))
+    summary, server_summaries = event_loop.run(play(args))
     print(json.dumps(summary, indent=2))
     if server_summaries:
         print("server summary: " + json.dumps(server_summaries, indent=2))
