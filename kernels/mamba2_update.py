@@ -59,21 +59,23 @@ def _mamba2_state_update_kernel(
     n = tl.arange(0, BLOCK_N)
     p_mask = p < head_dim
     n_mask = n < state_dim
+    # every load first (the state's once the slot is known): each is a memory round trip
     slot = tl.load(slot_ptr + row).to(tl.int64)
-
-    dt = softplus(tl.load(dt_ptr + row * stride_dt_row + head).to(tl.float32))
-    decay = tl.exp(tl.load(a_ptr + head).to(tl.float32) * dt)
+    dt = tl.load(dt_ptr + row * stride_dt_row + head).to(tl.float32)
+    a = tl.load(a_ptr + head).to(tl.float32)
+    skip = tl.load(d_ptr + head).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x_row + head * stride_x_head + p, mask=p_mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + row * stride_b_row + n, mask=n_mask, other=0.0).to(tl.float32)
     c = tl.load(c_ptr + row * stride_c_row + n, mask=n_mask, other=0.0).to(tl.float32)
-
     tile = h_ptr + slot * stride_h_slot + head * stride_h_head + p[:, None] * stride_h_p + n[None, :]
     tile_mask = p_mask[:, None] & n_mask[None, :]
     h = tl.load(tile, mask=tile_mask, other=0.0)
-    h = decay * h + (dt * x)[:, None] * b[None, :]
+
+    dt = softplus(dt)
+    h = tl.exp(a * dt) * h + (dt * x)[:, None] * b[None, :]
     tl.store(tile, h, mask=tile_mask)
 
-    y = tl.sum(h * c[None, :], axis=1) + tl.load(d_ptr + head).to(tl.float32) * x
+    y = tl.sum(h * c[None, :], axis=1) + skip * x
     tl.store(y_ptr + row * stride_y_row + head * stride_y_head + p, y, mask=p_mask)
 
 

@@ -86,34 +86,35 @@ def _retention_prepare_kernel(
     h_mask = hd < heads
     d_mask = d < head_dim
     mask = h_mask[:, None] & d_mask[None, :]
+    # every load first (the state's once the slot is known): at one row each is a memory round trip
     slot = tl.load(slot_ptr + row).to(tl.int64)
-
+    partner = d ^ 1
+    q_row = q_ptr + row * stride_q_row + hd[:, None] * stride_q_head
+    q = tl.load(q_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    q_partner = tl.load(q_row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    k_row = k_ptr + row * stride_k_row + hd[:, None] * stride_k_head
+    k = tl.load(k_row + d[None, :], mask=mask, other=0.0).to(tl.float32) * k_scale
+    k_partner = tl.load(k_row + partner[None, :], mask=mask, other=0.0).to(tl.float32) * k_scale
+    angle = tl.load(angle_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    decay = tl.load(decay_ptr + hd, mask=h_mask, other=0.0).to(tl.float32)
     offset = tl.load(offset_ptr + slot)
-    theta = offset.to(tl.float32) * tl.load(angle_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    scale_ptrs = scale_ptr + slot * heads + hd
+    scale = tl.load(scale_ptrs, mask=h_mask, other=0.0) * decay + 1.0
+
+    theta = offset.to(tl.float32) * angle
     if PRECISE_TRIG:
         cos = libdevice.cos(theta)
         sin = libdevice.sin(theta)
     else:
         cos = tl.cos(theta)
         sin = tl.sin(theta)
-    partner = d ^ 1
     sign = tl.where(d % 2 == 0, -1.0, 1.0)
-
-    q_row = q_ptr + row * stride_q_row + hd[:, None] * stride_q_head
-    q = tl.load(q_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    q_partner = tl.load(q_row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     q_rot = q * cos[None, :] + (sign[None, :] * q_partner) * sin[None, :]
-    k_row = k_ptr + row * stride_k_row + hd[:, None] * stride_k_head
-    k = tl.load(k_row + d[None, :], mask=mask, other=0.0).to(tl.float32) * k_scale
-    k_partner = tl.load(k_row + partner[None, :], mask=mask, other=0.0).to(tl.float32) * k_scale
     k_rot = k * cos[None, :] + (sign[None, :] * k_partner) * sin[None, :]
     tmp = (row * heads + hd[:, None]) * head_dim + d[None, :]
     tl.store(q_rot_ptr + tmp, q_rot, mask=mask)
     tl.store(k_rot_ptr + tmp, k_rot, mask=mask)
 
-    scale_ptrs = scale_ptr + slot * heads + hd
-    decay = tl.load(decay_ptr + hd, mask=h_mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptrs, mask=h_mask, other=0.0) * decay + 1.0
     tl.store(scale_ptrs, scale, mask=h_mask)
     tl.store(norm_ptr + row * heads + hd, tl.sqrt_rn(scale), mask=h_mask)
     tl.debug_barrier()  # every thread has read the old offset (a scalar each thread loads) before one stores it
@@ -217,10 +218,10 @@ def _retnet_output_kernel(
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     mask = d < head_dim
-    o = tl.load(o_ptr + row * stride_o_row + head * stride_o_head + d, mask=mask, other=0.0).to(tl.float32)
-    rms = tl.sqrt_rn(tl.sum(o * o, axis=0) / head_dim + eps)
     col = head * head_dim + d
-    g = tl.load(g_ptr + row * stride_g_row + col, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + row * stride_o_row + head * stride_o_head + d, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g_row + col, mask=mask, other=0.0).to(tl.float32)  # before the reduction
+    rms = tl.sqrt_rn(tl.sum(o * o, axis=0) / head_dim + eps)
     tl.store(out_ptr + row * stride_out_row + col, g / (1.0 + tl.exp(-g)) * (o / rms), mask=mask)
 
 
