@@ -1,6 +1,11 @@
-"""One Mamba2 SSM step against a slot-indexed state table (like mamba_ssm's selective_state_update).
+"""One Mamba2 SSM step against a slot-indexed state table (like mamba_ssm's selective_state_update), with its
+dt projection:
 
-dt = softplus(dt_raw); h <- exp(a*dt) h + dt * x b^T; y = h c + d x   (per head; h is [P, N]).
+dt = softplus(t w_dt^T + b_dt); h <- exp(a*dt) h + dt * x b^T; y = h c + d x   (per head; h is [P, N]).
+
+dt_proj is a [heads, hidden] fp32 product: as a cuBLAS call it cost two kernels per block at one row (a dot and a
+reduction) and an FMA-bound GEMM at 20 rows, on the Mamba2 tower's chain. Here each program computes its head's
+dt from t (a row of hidden values, read from L2 by the head's programs after the first).
 """
 import torch
 import torch.nn.functional as F
@@ -15,7 +20,7 @@ MAX_TILE = 2048
 NUM_WARPS = 4
 
 
-def _check(h, x, dt_raw, a, b, c, d, slot_ids):
+def _check(h, x, t, dt_weight, dt_bias, a, b, c, d, slot_ids):
     if not isinstance(h, torch.Tensor) or h.dim() != 4:
         raise ValueError(f"h must be a [S, H, P, N] tensor, got {getattr(h, 'shape', type(h).__name__)}")
     _, heads, head_dim, state_dim = h.shape
@@ -23,21 +28,23 @@ def _check(h, x, dt_raw, a, b, c, d, slot_ids):
     check_state("h", h, (None, heads, head_dim, state_dim), device)
     rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 3 else None
     x = check_input("x", x, (rows, heads, head_dim), device)
-    dt_raw = check_input("dt_raw", dt_raw, (rows, heads), device)
+    t = check_input("t", t, (rows, None), device)
+    dt_weight = check_input("dt_weight", dt_weight, (heads, t.shape[1]), device)
+    dt_bias = check_input("dt_bias", dt_bias, (heads,), device)
     a = check_input("a", a, (heads,), device)
     b = check_input("b", b, (rows, state_dim), device)
     c = check_input("c", c, (rows, state_dim), device)
     d = check_input("d", d, (heads,), device)
     check_slot_ids(slot_ids, rows, device)
-    return x, dt_raw, a, b, c, d
+    return x, t, dt_weight, dt_bias, a, b, c, d
 
 
-def mamba2_state_update_ref(h, x, dt_raw, a, b, c, d, slot_ids):
+def mamba2_state_update_ref(h, x, t, dt_weight, dt_bias, a, b, c, d, slot_ids):
     """PyTorch reference of mamba2_state_update, same signature and in-place semantics."""
-    x, dt_raw, a, b, c, d = _check(h, x, dt_raw, a, b, c, d, slot_ids)
+    x, t, dt_weight, dt_bias, a, b, c, d = _check(h, x, t, dt_weight, dt_bias, a, b, c, d, slot_ids)
     x, b, c = x.float(), b.float(), c.float()
     index = slot_ids.long()
-    dt = F.softplus(dt_raw.float())
+    dt = F.softplus(t.float() @ dt_weight.float().t() + dt_bias.float())
     decay = torch.exp(a.float() * dt)
     h_new = decay[:, :, None, None] * h[index] + dt[:, :, None, None] * x[:, :, :, None] * b[:, None, None, :]
     h[index] = h_new
@@ -46,12 +53,12 @@ def mamba2_state_update_ref(h, x, dt_raw, a, b, c, d, slot_ids):
 
 @triton.jit
 def _mamba2_state_update_kernel(
-    h_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, slot_ptr, y_ptr,
-    head_dim, state_dim,
+    h_ptr, x_ptr, t_ptr, dt_w_ptr, dt_b_ptr, a_ptr, b_ptr, c_ptr, d_ptr, slot_ptr, y_ptr,
+    head_dim, state_dim, hidden,
     stride_h_slot, stride_h_head, stride_h_p,
-    stride_x_row, stride_x_head, stride_dt_row, stride_b_row, stride_c_row,
+    stride_x_row, stride_x_head, stride_t_row, stride_dt_w, stride_b_row, stride_c_row,
     stride_y_row, stride_y_head,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -61,7 +68,10 @@ def _mamba2_state_update_kernel(
     n_mask = n < state_dim
     # every load first (the state's once the slot is known): each is a memory round trip
     slot = tl.load(slot_ptr + row).to(tl.int64)
-    dt = tl.load(dt_ptr + row * stride_dt_row + head).to(tl.float32)
+    k = tl.arange(0, BLOCK_K)
+    t = tl.load(t_ptr + row * stride_t_row + k, mask=k < hidden, other=0.0).to(tl.float32)
+    dt_w = tl.load(dt_w_ptr + head * stride_dt_w + k, mask=k < hidden, other=0.0).to(tl.float32)
+    dt_b = tl.load(dt_b_ptr + head).to(tl.float32)
     a = tl.load(a_ptr + head).to(tl.float32)
     skip = tl.load(d_ptr + head).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x_row + head * stride_x_head + p, mask=p_mask, other=0.0).to(tl.float32)
@@ -71,7 +81,7 @@ def _mamba2_state_update_kernel(
     tile_mask = p_mask[:, None] & n_mask[None, :]
     h = tl.load(tile, mask=tile_mask, other=0.0)
 
-    dt = softplus(dt)
+    dt = softplus(tl.sum(t * dt_w, axis=0) + dt_b)
     h = tl.exp(a * dt) * h + (dt * x)[:, None] * b[None, :]
     tl.store(tile, h, mask=tile_mask)
 
@@ -79,16 +89,17 @@ def _mamba2_state_update_kernel(
     tl.store(y_ptr + row * stride_y_row + head * stride_y_head + p, y, mask=p_mask)
 
 
-def mamba2_state_update(h, x, dt_raw, a, b, c, d, slot_ids):
+def mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, slot_ids):
     """Advance each row's Mamba2 state by one step and read it out.
 
     h [S, H, P, N] fp32 (updated in place at slot_ids), x [B, H, P] (conv+silu output viewed per head),
-    dt_raw [B, H] (dt_proj output with its bias; softplus applied inside), a [H] (negative), b [B, N],
-    c [B, N], d [H], slot_ids [B] int32. Returns y [B, H, P] float32.
+    t [B, K] (the layer's input) with dt_weight [H, K] and dt_bias [H] (dt_proj; softplus applied inside),
+    a [H] (negative), b [B, N], c [B, N], d [H], slot_ids [B] int32. Returns y [B, H, P] float32.
     """
     if not use_triton(h):
-        return mamba2_state_update_ref(h, x, dt_raw, a, b, c, d, slot_ids)
-    x, dt_raw, a, b, c, d = _check(h, x, dt_raw, a, b, c, d, slot_ids)
+        return mamba2_state_update_ref(h, x, t, dt_weight, dt_bias, a, b, c, d, slot_ids)
+    x, t, dt_weight, dt_bias, a, b, c, d = _check(h, x, t, dt_weight, dt_bias, a, b, c, d, slot_ids)
+    dt_weight = dt_weight.contiguous()
     rows, heads, head_dim = x.shape
     state_dim = h.shape[3]
     y = torch.empty(rows, heads, head_dim, device=h.device, dtype=torch.float32)
@@ -98,11 +109,11 @@ def mamba2_state_update(h, x, dt_raw, a, b, c, d, slot_ids):
     block_p = split_block(head_dim, rows * heads, max_block=max(1, MAX_TILE // block_n), min_block=4)
     grid = (rows, heads, triton.cdiv(head_dim, block_p))
     _mamba2_state_update_kernel[grid](
-        h, x, dt_raw, a, b, c, d, slot_ids, y,
-        head_dim, state_dim,
+        h, x, t, dt_weight, dt_bias, a, b, c, d, slot_ids, y,
+        head_dim, state_dim, t.shape[1],
         h.stride(0), h.stride(1), h.stride(2),
-        x.stride(0), x.stride(1), dt_raw.stride(0), b.stride(0), c.stride(0),
+        x.stride(0), x.stride(1), t.stride(0), dt_weight.stride(0), b.stride(0), c.stride(0),
         y.stride(0), y.stride(1),
-        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=NUM_WARPS,
+        BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(t.shape[1]), num_warps=NUM_WARPS,
     )
     return y

@@ -33,7 +33,8 @@ STATE_OPS = {
 # Small, deliberately non-power-of-two sizes for the interpreter; the model's sizes for the GPU.
 SMALL_DIMS = {
     "causal_conv_update": [dict(channels=37), dict(channels=300)],
-    "mamba2_state_update": [dict(heads=3, head_dim=6, state_dim=10), dict(heads=2, head_dim=20, state_dim=24)],
+    "mamba2_state_update": [dict(heads=3, head_dim=6, state_dim=10, hidden=20),
+                            dict(heads=2, head_dim=20, state_dim=24, hidden=300)],
     "retention_step": [dict(heads=3, head_dim=10), dict(heads=2, head_dim=72)],
     "mlstm_step": [dict(heads=2, head_dim=24), dict(heads=1, head_dim=300)],
     "slstm_step": [dict(blocks=4, size=12), dict(blocks=2, size=40)],
@@ -41,7 +42,7 @@ SMALL_DIMS = {
 }
 FULL_DIMS = {
     "causal_conv_update": dict(channels=4096),
-    "mamba2_state_update": dict(heads=64, head_dim=64, state_dim=128),
+    "mamba2_state_update": dict(heads=64, head_dim=64, state_dim=128, hidden=2048),
     "retention_step": dict(heads=8, head_dim=256),
     "mlstm_step": dict(heads=8, head_dim=512),
     "slstm_step": dict(blocks=4, size=512),
@@ -74,9 +75,10 @@ def make_args(op_name, rows, slots, dims, dtype=torch.float32, device="cpu", see
         return dict(x=inp(randn(rows, ch)), conv_state=randn(slots, ch, 3), weight=inp(randn(ch, 4) * 0.5),
                     bias=inp(randn(ch)), activation="silu")
     if op_name == "mamba2_state_update":
-        heads, head_dim, state_dim = dims["heads"], dims["head_dim"], dims["state_dim"]
+        heads, head_dim, state_dim, hidden = dims["heads"], dims["head_dim"], dims["state_dim"], dims["hidden"]
         return dict(h=randn(slots, heads, head_dim, state_dim), x=inp(randn(rows, heads, head_dim)),
-                    dt_raw=inp(randn(rows, heads) * 2), a=inp(-(rand(heads) * 15 + 1)),
+                    t=inp(randn(rows, hidden)), dt_weight=inp(randn(heads, hidden) * 2 / math.sqrt(hidden)),
+                    dt_bias=inp(randn(heads)), a=inp(-(rand(heads) * 15 + 1)),
                     b=inp(randn(rows, state_dim)), c=inp(randn(rows, state_dim)), d=inp(randn(heads)))
     if op_name == "retention_step":
         heads, head_dim = dims["heads"], dims["head_dim"]
@@ -294,14 +296,15 @@ def test_causal_conv_reference_matches_equations():
 
 
 def test_mamba2_reference_matches_equations():
-    dims = dict(heads=2, head_dim=3, state_dim=5)
+    dims = dict(heads=2, head_dim=3, state_dim=5, hidden=7)
     out, before, after = _one_row("mamba2_state_update", dims)
     h, x = _f64(before["h"][1]), _f64(before["x"][0])
     b, c = _f64(before["b"][0]), _f64(before["c"][0])
     expected_h = torch.empty_like(h)
     expected_y = torch.empty(2, 3, dtype=torch.float64)
     for hd in range(2):
-        dt = math.log1p(math.exp(before["dt_raw"][0, hd].item()))
+        dt_raw = sum(before["t"][0, k].item() * before["dt_weight"][hd, k].item() for k in range(7))
+        dt = math.log1p(math.exp(dt_raw + before["dt_bias"][hd].item()))
         decay = math.exp(before["a"][hd].item() * dt)
         for p in range(3):
             for n in range(5):
@@ -474,7 +477,9 @@ BAD_INPUTS = [
     _bad("causal_conv_update", "weight", lambda t: t[:, :3], r"weight must have shape \[37, 4\]"),
     _bad("causal_conv_update", "conv_state", lambda t: t[:, :, :2], r"conv_state must have shape \[\*, 37, 3\]"),
     _bad("mamba2_state_update", "h", lambda t: t[0], r"h must be a \[S, H, P, N\] tensor"),
-    _bad("mamba2_state_update", "dt_raw", lambda t: t[:, :1], r"dt_raw must have shape \[2, 3\]"),
+    _bad("mamba2_state_update", "dt_weight", lambda t: t[:, :1], r"dt_weight must have shape \[3, 20\]"),
+    _bad("mamba2_state_update", "t", lambda t: t[0], r"t must have shape \[2, \*\]"),
+    _bad("mamba2_state_update", "dt_bias", lambda t: t[:2], r"dt_bias must have shape \[3\]"),
     _bad("retention_step", "S", lambda t: t[..., :-1, :-1], "head size D must be even"),
     _bad("retention_step", "S", lambda t: t[0], r"S must be a \[S, Hh, D, D\] tensor"),
     _bad("retention_step", "offset", lambda t: t.long(), "offset must be an int32 tensor"),

@@ -2,7 +2,7 @@
 weights with fp32 accumulation and fp32 state. Each block advances the rows `slots` of the table in place.
 
 Fusions (horizontal, where shapes allow): the four towers' input_up as one matrix; Mamba2's x/b/c/z
-projections as one matrix and its three convolutions as one; RetNet's q/k/v/g as one matrix; Hawk's gate and
+projections as one matrix, its three convolutions as one and its dt projection inside the state update; RetNet's q/k/v/g as one matrix; Hawk's gate and
 recurrent projections as one; mLSTM's x/gate projections as one. Vertically: every residual add with the
 RMSNorm after it (add_rms_norm; in xLSTM blocks also with the sLSTM's LayerNorm and convolution, slstm_input),
 fc1's bias and ReLU in the GEMM epilogue, fc2's bias in the next add; the sLSTM's eight block-diagonal gate maps with its cell (slstm_step); the mLSTM's convolution, its 1,024 4x4 q/k/v
@@ -240,7 +240,8 @@ class Mamba2Block(Block):
         # x, b, c first (they share one convolution), then z
         self.in_proj = Linear([sd[p + "input_proj.weight"], sd[p + "b_proj.weight"], sd[p + "c_proj.weight"],
                                sd[p + "z_proj.weight"]], None, dtype, device)
-        self.dt_proj = Linear(sd[p + "dt_proj.weight"], sd[p + "dt_proj.bias"], torch.float32, device)
+        # fp32, projected inside mamba2_state_update
+        self.dt_weight, self.dt_bias = sd[p + "dt_proj.weight"].to(device), sd[p + "dt_proj.bias"].to(device)
         convs = ("input_conv", "b_conv", "c_conv")
         self.conv = (torch.cat([sd[p + f"{n}.conv.weight"][:, 0, :] for n in convs]).to(device),
                      torch.cat([sd[p + f"{n}.conv.bias"] for n in convs]).to(device))
@@ -258,8 +259,8 @@ class Mamba2Block(Block):
         B, inner, N = t.shape[0], self.inner, STATE_SIZE
         xbcz = self.in_proj.product(t)
         xbc = causal_conv_update(xbcz[:, :inner + 2 * N], st["conv"], *self.conv, slots, "silu")
-        y = mamba2_state_update(st["h"], xbc[:, :inner].view(B, self.heads, HEAD_SIZE), self.dt_proj(t), self.a,
-                                xbc[:, inner:inner + N], xbc[:, inner + N:], self.d, slots)
+        y = mamba2_state_update(st["h"], xbc[:, :inner].view(B, self.heads, HEAD_SIZE), t, self.dt_weight,
+                                self.dt_bias, self.a, xbc[:, inner:inner + N], xbc[:, inner + N:], self.d, slots)
         gated = gated_rms_norm(y.reshape(B, inner), xbcz[:, inner + 2 * N:], self.norm, 1e-5, self.dtype)
         return self.out_proj.product(gated)
 
