@@ -2,11 +2,13 @@
 weights with fp32 accumulation and fp32 state. Each block advances the rows `slots` of the table in place.
 
 Fusions (horizontal, where shapes allow): the four towers' input_up as one matrix; Mamba2's x/b/c/z
-projections as one matrix, its three convolutions as one and its dt projection inside the state update; RetNet's q/k/v/g as one matrix; Hawk's gate and
-recurrent projections as one; mLSTM's x/gate projections as one. Vertically: every residual add with the
-RMSNorm after it (add_rms_norm; in xLSTM blocks also with the sLSTM's LayerNorm and convolution, slstm_input),
-fc1's bias and ReLU in the GEMM epilogue, fc2's bias in the next add; the sLSTM's eight block-diagonal gate maps with its cell (slstm_step); the mLSTM's convolution, its 1,024 4x4 q/k/v
-blocks and its gate projection (mlstm_input, finished inside mlstm_step); Mamba2's gate, norm and cast.
+projections as one matrix, its three convolutions as one and its dt projection inside the state update;
+RetNet's q/k/v/g as one matrix; Hawk's gate and recurrent projections as one; mLSTM's x/gate projections as
+one. Vertically: every residual add with the RMSNorm after it (add_rms_norm; in xLSTM blocks also with the
+sLSTM's LayerNorm and convolution, slstm_input), fc1's bias and ReLU in the GEMM epilogue, fc2's bias in the
+next add; the sLSTM's eight block-diagonal gate maps with its cell (slstm_step); the mLSTM's convolution, its
+1,024 4x4 q/k/v blocks and its gate projection (mlstm_input, finished inside mlstm_step); Mamba2's gate, norm
+and cast.
 """
 import torch
 import torch.nn.functional as F
