@@ -9,6 +9,7 @@ they are ready. Per-symbol states live in the engine, so they survive reconnects
 answers ids that the server resends after a reconnect without stepping the model twice.
 """
 import asyncio
+import gc
 import logging
 import sys
 import threading
@@ -174,6 +175,10 @@ class StreamingClient:
         # The event loop and the model thread hand the GIL back and forth for every request; with the
         # default 5 ms switch interval a thread that wants it can wait that long, which is latency.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        # A full collection walks every object alive, torch's and the model's: 96 ms on an H100 machine, in the
+        # middle of play (bench/LOG.md section 22). Frozen, they are out of the collector's reach.
+        gc.collect()
+        gc.freeze()
         if callable(getattr(self.team_client, "submit_batch", None)):
             targets = {"model-submit": self._submit_steps, "model-complete": self._complete_steps}
         else:
@@ -191,6 +196,7 @@ class StreamingClient:
                 await asyncio.to_thread(thread.join)
             if self._send_tasks:
                 await asyncio.gather(*self._send_tasks, return_exceptions=True)
+            gc.unfreeze()
         return self.stats.summary()
 
     def stop(self) -> None:

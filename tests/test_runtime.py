@@ -1,5 +1,6 @@
 """The runtime against a real in-test websocket server playing scripted request streams."""
 import asyncio
+import gc
 import math
 import socket
 
@@ -180,6 +181,29 @@ def test_failing_process_batch_sends_an_error_and_keeps_going(model):
     asyncio.run(_play(handler, CountingClient(ReferenceEngine(model), fail_on_id=1), max_batch=1))
     assert 1 not in recorder.answered()
     assert "unique_ids [1] not answered" in recorder.errors[0] and "team client bug" in recorder.errors[0]
+
+
+def test_objects_alive_at_start_are_frozen_out_of_the_collector_during_play(model):
+    symbols, features = _stream(3)
+    recorder = Recorder()
+    frozen_during_steps = []
+
+    class Observing(CountingClient):
+        def process_batch(self, requests_by_symbol):
+            frozen_during_steps.append(gc.get_freeze_count())
+            return super().process_batch(requests_by_symbol)
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request([0, 1, 2], symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) == 3)
+        await ws.close(1000)
+
+    team_client = Observing(ReferenceEngine(model))
+    assert gc.get_freeze_count() == 0
+    asyncio.run(_play(handler, team_client))
+    assert frozen_during_steps and min(frozen_during_steps) > 0  # the model's tensors among them
+    assert gc.get_freeze_count() == 0  # and given back to the collector when play ends
 
 
 def test_policy_close_raises_server_refused(model):
