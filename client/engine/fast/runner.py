@@ -11,6 +11,10 @@ from .state_table import PAD_SLOT, StateTable
 # "<tower>.mlp" sets a tower's MLP products apart from the rest of the tower.
 DEFAULT_PRECISION = {"xlstm": torch.float16, "mamba2": torch.float16, "retnet": torch.float32,
                      "hawk": torch.float16}
+# CUDA stream priorities (lower runs first; captured into the graphs' kernels). The xLSTM tower is the longest
+# chain of small kernels: ahead of the other towers' products its kernels wait less for a free SM (bench/LOG.md
+# section 23: B=1 -65 us, B=64 -165 us; other assignments gained less or lost).
+STREAM_PRIORITY = {"xlstm": -1}
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 # Weight dtypes whose products run through kernels/skinny_matmul.py at B <= 64 (bench/LOG.md, section 11).
 SKINNY_DTYPES = (torch.float32,)
@@ -61,7 +65,8 @@ class StepRunner:
         self._views, self._views_version = None, None
         # Towers are independent: on CUDA each runs on its own stream so their small kernels overlap.
         use_streams = self.device.type == "cuda" if streams is None else streams
-        self.streams = [torch.cuda.Stream(self.device) for _ in self.towers] if use_streams else None
+        self.streams = [torch.cuda.Stream(self.device, priority=STREAM_PRIORITY.get(tower.name, 0))
+                        for tower in self.towers] if use_streams else None
 
     @property
     def weight_bytes(self):
