@@ -14,11 +14,11 @@ from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_input
 from .runner import BUCKETS, DEFAULT_PRECISION, GraphedStep, StepRunner, input_bytes, input_views
 from .state_table import PAD_SLOT, StateTable
 
-__all__ = ["FastEngine", "StepRunner", "GraphedStep", "StateTable", "PAD_SLOT", "DEFAULT_PRECISION", "BUCKETS"]
+__all__ = ["FastEngine", "RING", "StepRunner", "GraphedStep", "StateTable", "PAD_SLOT", "DEFAULT_PRECISION", "BUCKETS"]
 
-# Pinned staging buffers for submitted steps: more than the runtime keeps in flight (2), so that reusing one
-# almost never has to wait for its previous step.
-RING = 4
+# Pinned staging buffers for submitted steps, each with its own set of graphs: one more than the runtime keeps
+# in flight (2), so that reusing one never has to wait for its previous step.
+RING = 3
 
 
 def _progress(label):
@@ -60,15 +60,16 @@ class FastEngine(Engine):
         self.device = device
         self.max_batch = max_batch
         self.runner = StepRunner(model, device, precision, capacity=capacity or max_batch)
+        self._ring = None  # without CUDA every step is synchronous
+        if device.type == "cuda":
+            self._ring = [_Staging(max_batch, self.runner.num_features) for _ in range(RING)]
         use_graphs = device.type == "cuda" if graphs is None else graphs
         self.graphed = None
         if use_graphs:
             buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
-            self.graphed = GraphedStep(self.runner, buckets, progress=_progress("capturing graphs") if progress else None)
+            self.graphed = GraphedStep(self.runner, buckets, progress=_progress("capturing graphs") if progress else None,
+                                       staging=[(st.inputs, st.out) for st in self._ring or ()])
             self.graphed.capture()
-        self._ring = None  # without CUDA every step is synchronous
-        if device.type == "cuda":
-            self._ring = [_Staging(max_batch, self.runner.num_features) for _ in range(RING)]
         self._next = 0
         self.startup_s = time.perf_counter() - start
         if progress:
@@ -133,7 +134,7 @@ class FastEngine(Engine):
         if self._ring is None or not symbols or len(symbols) > self.max_batch:
             return PendingStep.completed(self._step_now(symbols, features))
         batch = len(symbols)
-        staging = self._ring[self._next]
+        index, staging = self._next, self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         if staging.step is not None:
             # Its previous step may still be reading these inputs, or its result not yet be copied out of
@@ -143,11 +144,11 @@ class FastEngine(Engine):
         staging.slots[batch:] = PAD_SLOT
         staging.features[:batch] = features
         if self.graphed is not None:
-            out = self.graphed.replay_staged(staging.inputs, batch)
+            self.graphed.replay_staged(index, batch)  # copies in, step, predictions out: one launch
         else:
             slot_ids = torch.from_numpy(staging.slots[:batch]).to(self.device, non_blocking=True)
             out = self.runner(slot_ids, torch.from_numpy(staging.features[:batch]).to(self.device, non_blocking=True))
-        staging.out[:batch].copy_(out, non_blocking=True)
+            staging.out[:batch].copy_(out, non_blocking=True)
         staging.done.record(torch.cuda.current_stream(self.device))
         staging.step = PendingStep(lambda: staging.read_back(batch))
         return staging.step

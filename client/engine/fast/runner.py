@@ -126,20 +126,26 @@ def input_bytes(batch, max_batch, num_features):
 class GraphedStep:
     """CUDA graphs of the step for batch-size buckets, replayed with slots and features copied into persistent
     input buffers; rows past the batch point at the padding slot. Graphs are captured again whenever the
-    state table is reallocated (it grew)."""
+    state table is reallocated (it grew).
 
-    def __init__(self, runner: StepRunner, buckets=BUCKETS, progress=None):
+    For each pinned host staging pair (inputs laid out like self.inputs, out [max_batch, 4]) a second set of
+    graphs also carries the copies: host inputs to device, predictions back to the host's out. A submitted
+    step is then one launch; two copies issued from the host cost more than the launch (bench/LOG.md, section 24).
+    """
+
+    def __init__(self, runner: StepRunner, buckets=BUCKETS, progress=None, staging=()):
         self.runner, self.buckets = runner, tuple(sorted(buckets))
         self.max_batch = self.buckets[-1]
         self.inputs = torch.zeros(input_bytes(self.max_batch, self.max_batch, runner.num_features),
                                   dtype=torch.uint8, device=runner.device)
         self.slots, self.features = input_views(self.inputs, self.max_batch, runner.num_features)
-        self.graphs, self.outputs, self.version = {}, {}, None
+        self.staging = list(staging)
+        self.graphs, self.outputs, self.staged_graphs, self.version = {}, {}, {}, None
         self.progress = progress
 
     def capture(self):
-        """Capture every bucket (largest first, so smaller graphs reuse its memory pool)."""
-        self.graphs.clear(), self.outputs.clear()
+        """Capture every bucket (largest first, so smaller graphs reuse its memory pool), then the staged sets."""
+        self.graphs.clear(), self.outputs.clear(), self.staged_graphs.clear()
         self.slots.fill_(PAD_SLOT)  # the warm-up runs below must only ever touch the padding slot
         pool = torch.cuda.graph_pool_handle()
         warm = torch.cuda.Stream(self.runner.device)
@@ -148,13 +154,21 @@ class GraphedStep:
             for b in self.buckets:
                 self.runner(self.slots[:b], self.features[:b])
         torch.cuda.current_stream().wait_stream(warm)
-        for k, b in enumerate(reversed(self.buckets)):
+        jobs = [(b, index) for b in reversed(self.buckets) for index in (None, *range(len(self.staging)))]
+        for done, (b, index) in enumerate(jobs, 1):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self.runner(self.slots[:b], self.features[:b])
-            self.graphs[b] = graph
+                if index is None:
+                    self.outputs[b] = self.runner(self.slots[:b], self.features[:b])
+                    self.graphs[b] = graph
+                else:
+                    host_inputs, host_out = self.staging[index]
+                    n = input_bytes(b, self.max_batch, self.runner.num_features)
+                    self.inputs[:n].copy_(host_inputs[:n], non_blocking=True)
+                    host_out[:b].copy_(self.runner(self.slots[:b], self.features[:b]), non_blocking=True)
+                    self.staged_graphs[index, b] = graph
             if self.progress:
-                self.progress(k + 1, len(self.buckets))
+                self.progress(done, len(jobs))
         self.version = self.runner.table.version
 
     def _bucket(self, B):
@@ -173,12 +187,7 @@ class GraphedStep:
         self.graphs[bucket].replay()
         return self.outputs[bucket][:B]
 
-    def replay_staged(self, staged, B):
-        """Replay for a batch of B whose inputs are staged in a (pinned) host byte buffer laid out like
-        self.inputs, with every slot id past B already the padding slot: one copy, then the graph (the
-        host work before the GPU starts is on the latency path of every request)."""
-        bucket = self._bucket(B)
-        n = input_bytes(B, self.max_batch, self.runner.num_features)
-        self.inputs[:n].copy_(staged[:n], non_blocking=True)
-        self.graphs[bucket].replay()
-        return self.outputs[bucket][:B]
+    def replay_staged(self, index, B):
+        """Launch the step of a batch of B staged in self.staging[index] (slot ids past B already the padding
+        slot); its predictions land in that pair's host out once the stream reaches this point."""
+        self.staged_graphs[index, self._bucket(B)].replay()
