@@ -132,7 +132,7 @@ class StreamingClient:
     def __init__(self, team_client, url: str, team: str, token: str | None = None, *,
                  max_batch: int | None = None, heartbeat_s: float = 5.0, backoff_s: float = 0.1,
                  backoff_max_s: float = 5.0, give_up_after_s: float = 10.0, cache_size: int = 200_000,
-                 timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH):
+                 timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH, timeline: bool = False):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -149,6 +149,9 @@ class StreamingClient:
         self.give_up_after_s = give_up_after_s
         self.cache_size = cache_size
         self.stats = ClientStats(timeout_s)
+        # With timeline=True: unique_id -> {stage: time.monotonic()} for the stages received, batched,
+        # submitted (pipelined steps only), done and answered (the answer queued for sending).
+        self.timeline: dict[int, dict[str, float]] | None = {} if timeline else None
         self._scheduler = Scheduler()
         # One lock guards _scheduler, _steps and the two flags; the submitter (or the single worker)
         # waits on _work_ready, the completer on _steps_ready, so neither takes the other's wake-up.
@@ -307,6 +310,7 @@ class StreamingClient:
                 self._in_flight.add(uid)
                 self.stats.note_request()
                 new_requests.append(Request(uid, symbol, row, received_at))
+        self._mark("received", (r.unique_id for r in new_requests))
         if new_requests:
             with self._work_ready:
                 for request in new_requests:
@@ -325,11 +329,13 @@ class StreamingClient:
                 if self._worker_stopping:
                     return
                 batch = self._scheduler.next_batch(self.max_batch)
+            self._mark("batched", (r.unique_id for r in batch))
             try:
                 ids, predictions = _checked_result(batch, self.team_client.process_batch(_by_symbol(batch)))
             except Exception as exc:  # a failing team client must not kill the runtime
                 self._fail(batch, exc, "process_batch")
                 continue
+            self._mark("done", ids)
             self._loop.call_soon_threadsafe(self._on_batch_done, ids, predictions)
 
     def _submit_steps(self):
@@ -340,11 +346,13 @@ class StreamingClient:
                     if self._worker_stopping:
                         return
                     batch = self._scheduler.next_batch(self.max_batch)
+                self._mark("batched", (r.unique_id for r in batch))
                 try:
                     pending = self.team_client.submit_batch(_by_symbol(batch))
                 except Exception as exc:  # a failing team client must not kill the runtime
                     self._fail(batch, exc, "submit_batch")
                     continue
+                self._mark("submitted", (r.unique_id for r in batch))
                 with self._steps_ready:
                     self._steps.append((batch, pending))
                     self._steps_ready.notify()
@@ -371,10 +379,17 @@ class StreamingClient:
             except Exception as exc:  # a failing team client must not kill the runtime
                 self._fail(batch, exc, "submit_batch's result()")
             else:
+                self._mark("done", ids)
                 self._loop.call_soon_threadsafe(self._on_batch_done, ids, predictions)
             with self._work_ready:
                 self._steps.popleft()  # only now: a step counts as in flight until it is answered
                 self._work_ready.notify()
+
+    def _mark(self, stage, ids):
+        if self.timeline is not None:
+            now = time.monotonic()
+            for uid in ids:
+                self.timeline.setdefault(uid, {})[stage] = now
 
     def _fail(self, batch, exc, what):
         log.error("%s failed for unique_ids %s", what, [r.unique_id for r in batch], exc_info=exc)
@@ -390,6 +405,7 @@ class StreamingClient:
         self.stats.responses_sent += len(ids)
         # When disconnected the answers wait in the cache for the server's resend.
         self._send(self._ws, protocol.inference_response(ids, predictions, time.time()))
+        self._mark("answered", ids)
 
     def _on_batch_failed(self, batch, exc):
         ids = [r.unique_id for r in batch]

@@ -386,15 +386,24 @@ def prefixed_stream(prefix, num_symbols, num_requests, seed, rate):
     return Stream(np.char.add(prefix, stream.symbols), stream.features, stream.delay_ms, meta=stream.meta)
 
 
-def _serve_in_child(config, stream, targets, to_parent, from_parent):
-    """Child process: run the scoring server, report its port, then the first team's summary."""
+def _serve_in_child(config, stream, targets, to_parent, from_parent, timeline=False):
+    """Child process: run the scoring server, report its port, then the first team's summary (with timeline:
+    also its per-request send times and latencies and what stalled the process, under "timeline")."""
+    from client.stalls import StallProbe
     from server.app import ScoringServer
 
     async def main():
+        probe = StallProbe().start() if timeline else None
+        watch = asyncio.create_task(probe.watch_loop()) if probe else None
         server = ScoringServer(config, stream=stream, targets=targets)
         to_parent.put(await server.start())
         await server.wait_done()
-        to_parent.put(server.summaries()[0])
+        summary = server.summaries()[0]
+        if probe:
+            watch.cancel()
+            probe.stop()
+            summary["timeline"] = {**server.first_session.request_times(), "stalls": probe.events()}
+        to_parent.put(summary)
         await asyncio.to_thread(from_parent.get)  # stay up until the client has finished
         await server.stop()
 
@@ -405,11 +414,11 @@ class ServerProcess:
     """The project's scoring server in a process of its own, as a real scoring server would be: its pacing,
     its latency clock and its event loop never wait for the client's interpreter (GIL) or event loop."""
 
-    def __init__(self, config, stream, targets):
+    def __init__(self, config, stream, targets, timeline=False):
         ctx = multiprocessing.get_context("spawn")
         self._to_parent, self._from_parent = ctx.Queue(), ctx.Queue()
         self._process = ctx.Process(target=_serve_in_child, name="scoring-server", daemon=True,
-                                    args=(config, stream, targets, self._to_parent, self._from_parent))
+                                    args=(config, stream, targets, self._to_parent, self._from_parent, timeline))
         self._process.start()
         self.port = self._get(timeout=120)
 
@@ -440,26 +449,38 @@ class ServerProcess:
             self._process.kill()
 
 
-async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None) -> dict:
-    """Serve `stream` at `rate` to the team client running `engine`; the server's summary of the session."""
+async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False) -> dict:
+    """Serve `stream` at `rate` to the team client running `engine`; the server's summary of the session.
+    With timeline, the summary's "timeline" also has the client's per-request stages and both processes'
+    stalls (scripts/e2e_timeline.py reads them)."""
     from client.runtime import StreamingClient
+    from client.stalls import StallProbe
     from server.app import ServerConfig
     from team.example_model import ExampleModel
 
     config = ServerConfig(host="127.0.0.1", port=0, preset=preset, seed=seed,
                           symbols=len(np.unique(stream.symbols)), requests=len(stream), rate=rate, once=True)
-    server = await asyncio.to_thread(ServerProcess, config, stream, targets)
+    server = await asyncio.to_thread(ServerProcess, config, stream, targets, timeline)
+    probe = StallProbe().start() if timeline else None
+    watch = asyncio.create_task(probe.watch_loop()) if probe else None
     try:
         options = {} if pipeline_min_batch is None else {"pipeline_min_batch": pipeline_min_batch}
-        client = StreamingClient(ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench", **options)
+        client = StreamingClient(ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench", timeline=timeline,
+                                 **options)
         playing = asyncio.create_task(client.run())
         done = asyncio.create_task(server.wait_done())
         await asyncio.wait({done, playing}, return_when=asyncio.FIRST_COMPLETED)
         done.cancel()
         client.stop()
         await playing
-        return await asyncio.to_thread(server.summary)
+        summary = await asyncio.to_thread(server.summary)
+        if probe:
+            summary["timeline"].update(client=client.timeline, client_stalls=probe.events())
+        return summary
     finally:
+        if probe:
+            watch.cancel()
+            probe.stop()
         await asyncio.to_thread(server.close)
 
 

@@ -73,6 +73,30 @@ def fp32_gemm_times():
     return out
 
 
+def priority_times(engine, slots, batches, specs, rounds=3):
+    """Step medians (ms) per CUDA stream priority assignment, e.g. "xlstm=-1,mamba2=-1" ("none": all 0): each
+    assignment's graphs captured and timed in turn, `rounds` times; the engine's own streams restored after."""
+    names = [tower.name for tower in engine.runner.towers]
+    assignments = {}
+    for spec in specs:
+        pairs = [] if spec == "none" else [kv.split("=") for kv in spec.split(",")]
+        if any(len(kv) != 2 or kv[0] not in names for kv in pairs):
+            raise SystemExit(f"--priorities {spec!r}: expected none or tower=priority[,...] with towers {names}")
+        assignments[spec] = {name: int(value) for name, value in pairs}
+    own = engine.runner.streams
+    times = {spec: {B: [] for B in batches} for spec in specs}
+    for _ in range(rounds):
+        for spec, priorities in assignments.items():
+            engine.runner.streams = [torch.cuda.Stream(engine.device, priority=priorities.get(name, 0)) for name in names]
+            engine.graphed.capture()
+            for B in batches:
+                feats = torch.randn(B, 79, device="cuda")
+                times[spec][B].append(time_cuda(lambda: engine.step_slots(slots[:B], feats), iters=100)[0])
+    engine.runner.streams = own
+    engine.graphed.capture()
+    return {spec: {B: float(np.median(v)) for B, v in by_batch.items()} for spec, by_batch in times.items()}
+
+
 def accuracy(model, engines, n_symbols, steps):
     from client.engine.reference import ReferenceEngine
     ref = ReferenceEngine(model, device="cuda")
@@ -105,6 +129,9 @@ def main(argv=None):
     ap.add_argument("--variant", action="append", default=[],
                     help="also time and check an engine with precision overrides, e.g. retnet.mlp=float16,hawk=bfloat16, "
                          "or with other weight dtypes on the skinny kernel, e.g. skinny=none or skinny=float32+float16")
+    ap.add_argument("--priorities", action="append", default=[],
+                    help="also time the step under these CUDA stream priorities per tower, e.g. xlstm=-1 or "
+                         "xlstm=-1,mamba2=-1 or none (all 0); repeat to compare (bench/LOG.md section 23)")
     args = ap.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -136,6 +163,10 @@ def main(argv=None):
         floor = (engine.weight_bytes + 2 * B * engine.state_bytes) / bw * 1e3
         result["step_ms"][B] = {"median": med, "p99": p99, "floor": floor}
         log(f"B={B}: {med:.3f} ms (p99 {p99:.3f}), floor {floor:.3f} ms")
+    if args.priorities:
+        result["priority_step_ms"] = priority_times(engine, slots, batches, args.priorities)
+        for spec, times in result["priority_step_ms"].items():
+            log(f"priorities {spec}: " + ", ".join(f"B={B} {t:.3f} ms" for B, t in times.items()))
     # eager per-tower times and top kernels of one eager step
     runner = engine.runner
     for B in (1, batches[-1]):

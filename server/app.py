@@ -140,6 +140,11 @@ class ScoringServer:
             await self._server.wait_closed()
 
     # reporting ---------------------------------------------------------------------------------
+    @property
+    def first_session(self) -> TeamSession | None:
+        """The session of the first team that registered (the one wait_done() waits for)."""
+        return self._first
+
     def summaries(self) -> list[dict]:
         return [session.summary() for session in self._sessions.values()]
 

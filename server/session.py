@@ -207,6 +207,11 @@ class TeamSession:
         while self._recent and self._recent[0][0] < oldest:
             self._recent.popleft()
 
+    def request_times(self) -> dict:
+        """Per request in stream order: when it was sent on the session's clock (NaN if not yet sent) and its
+        latency in ms (NaN unless answered in time)."""
+        return {"sent": self._send_time.copy(), "latency_ms": self._latency_ms.copy()}
+
     def summary(self, now=None) -> dict:
         now = self._clock() if now is None else now
         latencies = self._latency_ms[self._state == ANSWERED]

@@ -242,7 +242,7 @@ def test_pipelined_answers_are_correct_in_order_and_at_most_depth_in_flight(mode
 
     handler = _bursts(n, 20, symbols, features, recorder)  # several requests per symbol queued at once
     team_client = PipelinedClient(model, hold_s=0.01)  # a slow device: the runtime could queue more steps
-    client, summary = _play_pipelined(team_client, handler, pipeline_min_batch=1)  # early with any work
+    client, summary = _play_pipelined(team_client, handler, pipeline_min_batch=1, timeline=True)  # early
 
     assert sorted(uid for uid, _ in recorder.responses) == list(range(n))
     expected = _expected(model, symbols, features, range(n))
@@ -251,6 +251,10 @@ def test_pipelined_answers_are_correct_in_order_and_at_most_depth_in_flight(mode
     _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
     assert team_client.max_in_flight == PIPELINE_DEPTH  # two really were in flight, never more
     assert summary["responses_sent"] == n and _no_model_threads_left()
+    assert set(client.timeline) == set(range(n))  # every answer's stages, in order
+    for stages in client.timeline.values():
+        order = [stages[s] for s in ("received", "batched", "submitted", "done", "answered")]
+        assert order == sorted(order)
 
 
 def test_light_load_waits_for_the_gpu_instead_of_submitting_early(model):

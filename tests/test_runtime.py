@@ -201,9 +201,34 @@ def test_objects_alive_at_start_are_frozen_out_of_the_collector_during_play(mode
 
     team_client = Observing(ReferenceEngine(model))
     assert gc.get_freeze_count() == 0
-    asyncio.run(_play(handler, team_client))
+    client, _ = asyncio.run(_play(handler, team_client))
+    assert client.timeline is None  # recorded only when asked for
     assert frozen_during_steps and min(frozen_during_steps) > 0  # the model's tensors among them
     assert gc.get_freeze_count() == 0  # and given back to the collector when play ends
+
+
+def test_timeline_of_a_process_batch_client_has_its_stages_in_order(model):
+    symbols, features = _stream(6)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request([0, 1, 2, 3, 4, 5], symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) == 6)
+        await ws.close(1000)
+
+    class OnlyProcessBatch:  # no submit_batch: the runtime's single worker steps it
+        def __init__(self):
+            self.example = ExampleModel(ReferenceEngine(model))
+
+        def process_batch(self, requests_by_symbol):
+            return self.example.process_batch(requests_by_symbol)
+
+    client, _ = asyncio.run(_play(handler, OnlyProcessBatch(), timeline=True))
+    assert set(client.timeline) == set(range(6))
+    for stages in client.timeline.values():
+        assert set(stages) == {"received", "batched", "done", "answered"}  # no separate submit
+        assert stages["received"] <= stages["batched"] <= stages["done"] <= stages["answered"]
 
 
 def test_policy_close_raises_server_refused(model):

@@ -1,0 +1,63 @@
+"""What stalls a process: the garbage collector's runs, a sleeping thread woken late, an event loop held up.
+
+Each is noted as (start on time.monotonic(), duration s[, detail]), so that a slow answer can be matched with
+what happened around it in the client's and the server's process (scripts/e2e_timeline.py).
+"""
+import asyncio
+import gc
+import threading
+import time
+
+
+class StallProbe:
+    """Notes collector runs, wake-ups of a thread sleeping `tick_s` that come more than `late_s` late (the
+    process or its CPU was held up), and event-loop lag above `lag_s` once watch_loop() runs on a loop."""
+
+    def __init__(self, tick_s: float = 0.001, late_s: float = 0.002, lag_s: float = 0.003):
+        self.tick_s, self.late_s, self.lag_s = tick_s, late_s, lag_s
+        self.collections: list[tuple[float, float, int]] = []  # (start, seconds, generation)
+        self.late_wakeups: list[tuple[float, float]] = []      # (went to sleep, seconds beyond tick_s)
+        self.loop_lags: list[tuple[float, float]] = []         # (went to sleep, seconds beyond tick_s)
+        self._gc_start = None
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self) -> "StallProbe":
+        gc.callbacks.append(self._on_gc)
+        self._thread = threading.Thread(target=self._watch, name="stall-probe", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self):
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._gc_start = time.monotonic()
+        elif self._gc_start is not None:
+            self.collections.append((self._gc_start, time.monotonic() - self._gc_start, info["generation"]))
+
+    def _watch(self):
+        while not self._stop.is_set():
+            asleep = time.monotonic()
+            time.sleep(self.tick_s)
+            beyond = time.monotonic() - asleep - self.tick_s
+            if beyond > self.late_s:
+                self.late_wakeups.append((asleep, beyond))
+
+    async def watch_loop(self):
+        """Run as a task on the event loop to watch; cancel it to stop."""
+        while True:
+            asleep = time.monotonic()
+            await asyncio.sleep(self.tick_s)
+            beyond = time.monotonic() - asleep - self.tick_s
+            if beyond > self.lag_s:
+                self.loop_lags.append((asleep, beyond))
+
+    def events(self) -> dict:
+        return {"collections": list(self.collections), "late_wakeups": list(self.late_wakeups),
+                "loop_lags": list(self.loop_lags)}

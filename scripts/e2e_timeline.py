@@ -1,0 +1,142 @@
+"""Where end-to-end latency goes, and what makes its tail: serves streams to the team client over loopback (as
+bench.py's e2e section does) and joins, per request, the server's send and receive times with the client's
+stages, with what stalled either process (collector runs, sleeping threads woken late, event-loop lag).
+
+    python scripts/e2e_timeline.py --preset full --sessions 2 --json timeline.json
+
+For each session it prints each segment's p50 / p90 / max over all answers and over the slowest 1%, the stalls
+of both processes, and the slowest answers with the stalls around them. bench/LOG.md sections 22 and 25 read it.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+import bench  # noqa: E402
+from client import event_loop  # noqa: E402
+
+# (name, from, to): the stages of an answer, in order; "sent" and "end" are the server's send and receive
+SEGMENTS = (("server send -> client receive", "sent", "received"),
+            ("receive -> batch formed", "received", "batched"),
+            ("batch formed -> submitted", "batched", "submitted"),
+            ("submitted -> step done", "submitted", "done"),
+            ("step done -> answer queued", "done", "answered"),
+            ("answer queued -> server receive", "answered", "end"))
+STALL_KINDS = ("collections", "late_wakeups", "loop_lags")
+
+
+def analyze(timeline: dict, slowest: int = 12, near_s: float = 0.02) -> dict:
+    """Join the server's per-request times with the client's stages; summarise segments and stalls."""
+    sent, latency = np.asarray(timeline["sent"]), np.asarray(timeline["latency_ms"])
+    rows = []
+    for uid, stages in timeline["client"].items():
+        uid = int(uid)
+        if 0 <= uid < len(sent) and np.isfinite(latency[uid]):
+            row = {"unique_id": uid, "latency_ms": float(latency[uid]), "sent": float(sent[uid]),
+                   "end": float(sent[uid] + latency[uid] / 1e3), **stages}
+            row.setdefault("submitted", row.get("batched"))  # process_batch clients have no separate submit
+            if all(row.get(stage) is not None for _, a, b in SEGMENTS for stage in (a, b)):
+                rows.append(row)
+    if not rows:
+        raise ValueError("no answered request has every stage on the timeline")
+    latencies = np.array([r["latency_ms"] for r in rows])
+    p99 = float(np.percentile(latencies, 99))
+    tail = [r for r in rows if r["latency_ms"] >= p99]
+
+    def stats(selected):
+        out = {}
+        for name, a, b in SEGMENTS:
+            ms = 1e3 * np.array([r[b] - r[a] for r in selected])
+            out[name] = {"p50": float(np.median(ms)), "p90": float(np.percentile(ms, 90)), "max": float(ms.max())}
+        return out
+
+    start, end = min(r["sent"] for r in rows), max(r["end"] for r in rows)
+    processes = {"server": timeline["stalls"], "client": timeline["client_stalls"]}
+    stalls = {}
+    for process, events in processes.items():
+        stalls[process] = {}
+        for kind in STALL_KINDS:
+            inside = [e for e in events[kind] if start <= e[0] <= end]
+            stalls[process][kind] = {"count": len(inside), "max_ms": 1e3 * max((e[1] for e in inside), default=0.0),
+                                     "total_ms": 1e3 * sum(e[1] for e in inside)}
+        full = [e for e in events["collections"] if start <= e[0] <= end and e[2] == 2]
+        stalls[process]["full_collections"] = {"count": len(full), "max_ms": 1e3 * max((e[1] for e in full),
+                                                                                        default=0.0)}
+    worst = []
+    for r in sorted(rows, key=lambda r: -r["latency_ms"])[:slowest]:
+        near = [f"{process} {kind} {1e3 * e[1]:.1f} ms at {1e3 * (e[0] - r['sent']):+.1f}"
+                for process, events in processes.items() for kind in STALL_KINDS
+                for e in events[kind] if r["sent"] - near_s <= e[0] <= r["end"]]
+        worst.append({"unique_id": r["unique_id"], "latency_ms": r["latency_ms"],
+                      "segments_ms": [1e3 * (r[b] - r[a]) for _, a, b in SEGMENTS], "stalls_near": near})
+    return {"answers": len(rows), "p50_ms": float(np.median(latencies)), "p99_ms": p99,
+            "segments_all": stats(rows), "segments_slowest_1pct": stats(tail), "stalls": stalls, "slowest": worst}
+
+
+def format_report(result: dict) -> str:
+    lines = [f"{result['answers']} answers: p50 {result['p50_ms']:.2f} ms, p99 {result['p99_ms']:.2f} ms",
+             f"{'segment (ms)':34} {'all: p50 / p90 / max':>26} {'slowest 1%: p50 / p90 / max':>32}"]
+    for name, _, _ in SEGMENTS:
+        a, t = result["segments_all"][name], result["segments_slowest_1pct"][name]
+        lines.append(f"{name:34} {a['p50']:8.2f} {a['p90']:8.2f} {a['max']:8.2f} "
+                     f"{t['p50']:10.2f} {t['p90']:10.2f} {t['max']:10.2f}")
+    for process, kinds in result["stalls"].items():
+        parts = [f"{kind.replace('_', ' ')} {v['count']} (max {v['max_ms']:.1f} ms)" for kind, v in kinds.items()]
+        lines.append(f"{process} stalls: " + ", ".join(parts))
+    lines.append("slowest answers (ms, the segments in order) and the stalls around them:")
+    for w in result["slowest"]:
+        segments = " ".join(f"{v:6.2f}" for v in w["segments_ms"])
+        lines.append(f"  {w['latency_ms']:7.2f} | {segments} | {'; '.join(w['stalls_near'][:4])}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--device", default=None, help="cuda (default where available) or cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rate", type=float, default=bench.E2E_RATE, help="requests per second")
+    ap.add_argument("--symbols", type=int, default=bench.E2E_SYMBOLS)
+    ap.add_argument("--requests", type=int, default=4000, help="requests per session")
+    ap.add_argument("--sessions", type=int, default=2, help="sessions in a row on one engine")
+    ap.add_argument("--slowest", type=int, default=12, help="slowest answers to list")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    if args.rate <= 0 or args.symbols < 1 or args.requests < args.symbols or args.sessions < 1:
+        ap.error("need --rate > 0, --symbols >= 1, --requests >= --symbols and --sessions >= 1")
+
+    import torch
+
+    from client.engine.fast import FastEngine
+    from client.model import load_model
+    from client.streams import symbol_names
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, _ = load_model(args.preset, seed=args.seed, device=device)
+    engine = FastEngine(model, device=device, max_batch=64, progress=sys.stderr.isatty())
+    tracker = bench.ReferenceTracker(model, [f"TL_{name}" for name in symbol_names(args.symbols)], device)
+    results = []
+    for session in range(args.sessions):
+        stream = bench.prefixed_stream("TL_", args.symbols, args.requests, args.seed + 100 + session, args.rate)
+        targets = tracker.targets(stream)
+        started = time.perf_counter()
+        summary = event_loop.run(bench.serve_stream(engine, stream, targets, args.rate, args.preset, args.seed,
+                                                    timeline=True))
+        result = {"session": session, "rate": args.rate, "symbols": args.symbols, "seconds":
+                  time.perf_counter() - started, **analyze(summary["timeline"], args.slowest)}
+        print(f"== session {session}: " + format_report(result), flush=True)
+        results.append(result)
+    if args.json:
+        args.json.write_text(json.dumps({"device": bench._device_name(device), "preset": args.preset,
+                                         "sessions": results}, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

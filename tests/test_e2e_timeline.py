@@ -1,0 +1,91 @@
+"""scripts/e2e_timeline.py: the join of server and client times, and a CPU run end to end."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "e2e_timeline.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("e2e_timeline_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _timeline(n=200, slow_id=17):
+    """Requests sent 2.5 ms apart; each answer's stages 0.2 / 0.1 / 0.3 / 2.0 / 0.1 / 0.3 ms apart, except
+    slow_id, whose step takes 20 ms with a 15 ms server-side stall noted during it."""
+    sent = 100.0 + 0.0025 * np.arange(n)
+    client, latency = {}, np.full(n, np.nan)
+    for uid in range(n):
+        step = 0.020 if uid == slow_id else 0.002
+        t = sent[uid] + 0.0002
+        stages = {"received": t, "batched": t + 0.0001, "submitted": t + 0.0004}
+        stages["done"] = stages["submitted"] + step
+        stages["answered"] = stages["done"] + 0.0001
+        client[uid] = stages
+        latency[uid] = 1e3 * (stages["answered"] + 0.0003 - sent[uid])
+    latency[5] = np.nan  # never answered in time: left out
+    stalls = {"collections": [(sent[slow_id] + 0.001, 0.015, 2), (50.0, 0.5, 2)],  # the second before the window
+              "late_wakeups": [], "loop_lags": []}
+    quiet = {"collections": [], "late_wakeups": [(sent[3], 0.004)], "loop_lags": []}
+    return {"sent": sent, "latency_ms": latency, "client": client, "stalls": stalls, "client_stalls": quiet}
+
+
+def test_analyze_joins_the_stages_and_finds_the_stall_behind_the_slowest_answer():
+    result = _load().analyze(_timeline(), slowest=3)
+    assert result["answers"] == 199
+    segments = result["segments_all"]
+    assert segments["server send -> client receive"]["p50"] == pytest.approx(0.2)
+    assert segments["receive -> batch formed"]["p50"] == pytest.approx(0.1)
+    assert segments["batch formed -> submitted"]["p50"] == pytest.approx(0.3)
+    assert segments["submitted -> step done"]["p50"] == pytest.approx(2.0)
+    assert segments["submitted -> step done"]["max"] == pytest.approx(20.0)
+    assert segments["answer queued -> server receive"]["p50"] == pytest.approx(0.3)
+    slowest = result["slowest"][0]
+    assert slowest["unique_id"] == 17 and slowest["latency_ms"] == pytest.approx(21.0)
+    assert slowest["segments_ms"][3] == pytest.approx(20.0)
+    assert slowest["stalls_near"] == ["server collections 15.0 ms at +1.0"]
+    assert result["segments_slowest_1pct"]["submitted -> step done"]["max"] == pytest.approx(20.0)
+    server = result["stalls"]["server"]
+    assert server["collections"]["count"] == 1 and server["full_collections"]["max_ms"] == pytest.approx(15.0)
+    assert result["stalls"]["client"]["late_wakeups"] == {"count": 1, "max_ms": pytest.approx(4.0),
+                                                          "total_ms": pytest.approx(4.0)}
+    assert "21.00" in _load().format_report(result)
+
+
+def test_analyze_refuses_a_timeline_without_answers():
+    timeline = _timeline()
+    timeline["latency_ms"][:] = np.nan
+    with pytest.raises(ValueError, match="no answered request"):
+        _load().analyze(timeline)
+
+
+def test_cpu_run_reports_every_answer_of_every_session(tmp_path):
+    out = tmp_path / "timeline.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--device", "cpu", "--rate", "200",
+                           "--symbols", "4", "--requests", "60", "--sessions", "2", "--slowest", "2",
+                           "--json", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["device"].startswith("cpu") and len(data["sessions"]) == 2
+    for session in data["sessions"]:
+        assert session["answers"] == 60
+        assert session["p99_ms"] >= session["p50_ms"] > 0
+        for stats in session["segments_all"].values():
+            assert stats["max"] >= stats["p90"] >= stats["p50"] >= -0.01  # one clock for both processes
+        assert set(session["stalls"]) == {"server", "client"} and len(session["slowest"]) == 2
+    assert "== session 1:" in done.stdout and "slowest answers" in done.stdout
+
+
+def test_bad_options_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        _load().main(["--requests", "3", "--symbols", "4"])
+    assert "--requests >= --symbols" in capsys.readouterr().err

@@ -1,0 +1,50 @@
+"""client.stalls.StallProbe: collector runs, late wake-ups and event-loop lag are noted with their times."""
+import asyncio
+import gc
+import sys
+import time
+
+from client.stalls import StallProbe
+
+
+def test_collections_are_noted_with_their_generation_and_stop_detaches():
+    probe = StallProbe().start()
+    try:
+        before = time.monotonic()
+        gc.collect()
+    finally:
+        probe.stop()
+    assert any(gen == 2 and start >= before and seconds >= 0 for start, seconds, gen in probe.collections)
+    count = len(probe.collections)
+    gc.collect()
+    assert len(probe.collections) == count  # stopped: no longer a collector callback
+
+
+def test_a_thread_kept_from_the_interpreter_wakes_late():
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)  # this thread keeps the GIL up to 50 ms while the probe's thread waits for it
+    probe = StallProbe(tick_s=0.001, late_s=0.01).start()
+    try:
+        time.sleep(0.01)  # let the probe's thread start sleeping
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+        probe.stop()
+    assert probe.late_wakeups and max(late for _, late in probe.late_wakeups) > 0.01
+
+
+def test_a_blocked_event_loop_is_noted_as_lag():
+    probe = StallProbe(tick_s=0.001, lag_s=0.02)
+
+    async def main():
+        watch = asyncio.create_task(probe.watch_loop())
+        await asyncio.sleep(0.01)
+        time.sleep(0.06)  # a coroutine that blocks the loop
+        await asyncio.sleep(0.01)
+        watch.cancel()
+
+    asyncio.run(main())
+    assert len(probe.loop_lags) == 1 and probe.loop_lags[0][1] >= 0.04
+    assert set(probe.events()) == {"collections", "late_wakeups", "loop_lags"}
