@@ -13,7 +13,9 @@ class StallProbe:
     """Notes collector runs, wake-ups of a thread sleeping `tick_s` that come more than `late_s` late (the
     process or its CPU was held up), and event-loop lag above `lag_s` once watch_loop() runs on a loop."""
 
-    def __init__(self, tick_s: float = 0.001, late_s: float = 0.002, lag_s: float = 0.003):
+    # The probe's own wake-ups cost the process latency: every 1 ms they added ~0.3 ms to the p50 at 400 req/s
+    # (bench/LOG.md section 27); every 5 ms still catches every longer stall and most of a few ms.
+    def __init__(self, tick_s: float = 0.005, late_s: float = 0.002, lag_s: float = 0.003):
         self.tick_s, self.late_s, self.lag_s = tick_s, late_s, lag_s
         self.collections: list[tuple[float, float, int]] = []  # (start, seconds, generation)
         self.late_wakeups: list[tuple[float, float]] = []      # (went to sleep, seconds beyond tick_s)

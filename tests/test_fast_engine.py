@@ -68,6 +68,10 @@ def test_idle_slots_and_padding_slot_are_untouched():
                 assert torch.equal(t[slot], before[name][slot]), (name, slot)
     assert not torch.equal(tables["mamba2.0.h"][slot_b], before["mamba2.0.h"][slot_b])
     assert PAD_SLOT != slot_b
+    # slots not yet given out still hold the initial state, which a new symbol takes over as it is
+    table = fast.runner.table
+    for name, (_, _, init) in table.layout.items():
+        assert (tables[name][len(table.slot_of) + 1:] == init).all(), name
 
 
 def test_bad_input_touches_no_state():

@@ -169,7 +169,23 @@ class GraphedStep:
                     self.staged_graphs[index, b] = graph
             if self.progress:
                 self.progress(done, len(jobs))
+        self._upload()
         self.version = self.runner.table.version
+
+    def _upload(self):
+        """Launch every graph once, on the padding slot: a graph's first launch uploads it to the device, which
+        takes milliseconds for a step's ~600 nodes and must not fall on a live request (bench/LOG.md section 27).
+        A staging buffer may hold the step being submitted (the table grew under it): its slot ids are kept."""
+        slot_ids = [input_views(host_inputs, self.max_batch, self.runner.num_features)[0]
+                    for host_inputs, _ in self.staging]
+        kept = [ids.clone() for ids in slot_ids]
+        for ids in slot_ids:
+            ids.fill_(PAD_SLOT)
+        for graph in (*self.graphs.values(), *self.staged_graphs.values()):
+            graph.replay()
+        torch.cuda.current_stream(self.runner.device).synchronize()
+        for ids, before in zip(slot_ids, kept):
+            ids.copy_(before)
 
     def _bucket(self, B):
         if self.version != self.runner.table.version:

@@ -41,15 +41,15 @@ class StateTable:
         self.version += 1
 
     def slots_for(self, symbols) -> list[int]:
-        """The slot of each symbol; a new symbol gets a fresh slot with its initial state."""
+        """The slot of each symbol; a new symbol gets a fresh slot, which holds its initial state already: slots
+        are allocated (and grown) filled with it, and nothing writes a slot before it is given out (padding rows
+        write the padding slot). Filling it again would cost a launch per state tensor (~240 in the full preset,
+        ~2.5 ms of host time on a symbol's first request; bench/LOG.md section 27)."""
         new = [s for s in dict.fromkeys(symbols) if s not in self.slot_of]
         if new:
             needed = len(self.slot_of) + len(new)
             if needed > self.capacity:
                 self._grow(needed)
             for symbol in new:
-                slot = len(self.slot_of) + 1  # slots are never freed: a symbol's state is its memory
-                self.slot_of[symbol] = slot
-                for name, (_, _, init) in self.layout.items():
-                    self.tensors[name][slot].fill_(init)
+                self.slot_of[symbol] = len(self.slot_of) + 1  # never freed: a symbol's state is its memory
         return [self.slot_of[s] for s in symbols]
