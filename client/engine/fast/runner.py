@@ -130,7 +130,7 @@ class GraphedStep:
 
     For each pinned host staging pair (inputs laid out like self.inputs, out [max_batch, 4]) a second set of
     graphs also carries the copies: host inputs to device, predictions back to the host's out. A submitted
-    step is then one launch; two copies issued from the host cost more than the launch (bench/LOG.md, section 24).
+    step is then one launch instead of two copies and a launch from the host (bench/LOG.md, sections 17, 24).
     """
 
     def __init__(self, runner: StepRunner, buckets=BUCKETS, progress=None, staging=()):
