@@ -1,0 +1,163 @@
+"""The accuracy suite: an engine's predictions against the fp32 reference on every input family.
+
+Each symbol is fed one family (client/families.py) for the whole stream, all symbols stepped together; a few
+symbols also run a long standard-normal stream. The reference's predictions are computed once per suite and
+reused for every engine measured against it (precisions, state dtypes). The gate: on every family, every
+tower has at least GATE_WITHIN of its predictions within the scoring tolerance, and none is NaN or inf.
+"""
+import math
+import time
+
+import numpy as np
+import torch
+
+from client.families import FAMILIES, LONG_FAMILY, family_features
+from client.model.config import TOWER_NAMES
+
+ATOL = 1e-3  # the scoring server's tolerance (server/scoring.py)
+GATE_WITHIN = 0.999
+
+
+class ReferenceStepper:
+    """The fp32 reference stepping a fixed batch of symbols. On CUDA one step is captured as a CUDA graph:
+    the same kernels as eagerly (so the same results), without ~1,000 launches from Python per step."""
+
+    def __init__(self, model, batch, device):
+        self.model, self.device = model, torch.device(device)
+        dtype = model.output_proj.weight.dtype  # float64 for a check of the fp32 reference itself
+        self.state = {k: v.to(dtype) if v.is_floating_point() else v
+                      for k, v in model.init_state(batch, device=self.device).items()}
+        self.features = torch.zeros(batch, model.cfg.features, device=self.device, dtype=dtype)
+        self.graph = None
+        if self.device.type == "cuda":
+            self._capture()
+
+    @torch.no_grad()
+    def _capture(self):
+        warm = torch.cuda.Stream(self.device)
+        warm.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(warm):  # cuBLAS picks its algorithms outside the capture
+            self.model(self.features, {k: v.clone() for k, v in self.state.items()})
+        torch.cuda.current_stream(self.device).wait_stream(warm)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out, self.new_state = self.model(self.features, self.state)
+
+    @torch.no_grad()
+    def step(self, features: torch.Tensor) -> torch.Tensor:
+        """Predictions [B, 4] (fp32) for one step of every symbol; the states advance."""
+        with strict_fp32():
+            if self.graph is None:
+                out, self.state = self.model(features.to(self.features.dtype), self.state)
+                return out
+            self.features.copy_(features)
+            self.graph.replay()
+            for name, tensor in self.state.items():
+                tensor.copy_(self.new_state[name])
+            return self.out.clone()
+
+
+class strict_fp32:
+    """The reference is plain fp32: no TF32 products while it runs (the previous setting restored after)."""
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+
+
+class Suite:
+    """The inputs and the reference's predictions of one suite: `runs` maps a run name to (symbol families,
+    features [steps, symbols, 79]): one run of every family side by side, one of long streams."""
+
+    def __init__(self, model, device, *, families=tuple(FAMILIES), symbols_per_family=4, steps=1000,
+                 long_symbols=4, long_steps=10_000, seed=0, progress=None):
+        self.device = torch.device(device)
+        self.progress = progress or (lambda message: None)
+        self.runs = {}
+        unknown = [name for name in families if name not in FAMILIES]
+        if unknown:
+            raise ValueError(f"unknown input families {unknown}; choose from {', '.join(FAMILIES)}")
+        if families and symbols_per_family and steps:
+            self.runs["families"] = ([name for name in families for _ in range(symbols_per_family)],
+                                     np.concatenate([family_features(name, steps, symbols_per_family, seed)
+                                                     for name in families], axis=1))
+        if long_symbols and long_steps:
+            self.runs[LONG_FAMILY] = ([LONG_FAMILY] * long_symbols,
+                                      family_features(LONG_FAMILY, long_steps, long_symbols, seed))
+        self.targets = {name: self._reference(model, name, features) for name, (_, features) in self.runs.items()}
+
+    @property
+    def symbols(self) -> int:
+        return sum(features.shape[1] for _, features in self.runs.values())
+
+    def _reference(self, model, name, features):
+        steps, batch, _ = features.shape
+        begin = time.monotonic()
+        stepper = ReferenceStepper(model, batch, self.device)
+        targets = torch.empty(steps, batch, len(TOWER_NAMES), device=self.device)
+        report_every = max(steps // 5, 1)
+        for step in range(steps):
+            targets[step] = stepper.step(torch.from_numpy(features[step]).to(self.device))
+            if (step + 1) % report_every == 0:
+                self.progress(f"accuracy suite: reference {name} {step + 1}/{steps} steps "
+                              f"({time.monotonic() - begin:.0f} s)")
+        return targets
+
+    @torch.no_grad()
+    def measure(self, engine, prefix="") -> dict:
+        """{family: {tower: {within_atol, max_abs_err, rmse, nan_or_inf}}} of `engine` (a FastEngine: stepped
+        through step_slots on fresh symbols named `prefix`...), and "gate" {passed, worst: (family, tower,
+        within_atol)}."""
+        stats = {}
+        for name, (families, features) in self.runs.items():
+            steps, batch, _ = features.shape
+            symbols = [f"{prefix}{name}/{i:03d}" for i in range(batch)]
+            slots = engine.slots_for(symbols)
+            errors = torch.empty(steps, batch, len(TOWER_NAMES), dtype=torch.float64, device=self.device)
+            for step in range(steps):
+                got = engine.step_slots(slots, torch.from_numpy(features[step]).to(self.device))
+                errors[step] = (got.double() - self.targets[name][step].double()).abs()
+            if hasattr(engine, "release"):
+                engine.release(symbols)
+            errors = errors.cpu().numpy()
+            for family in dict.fromkeys(families):
+                columns = [i for i, f in enumerate(families) if f == family]
+                stats[family] = _tower_stats(errors[:, columns].reshape(-1, len(TOWER_NAMES)))
+        return {"families": stats, "gate": gate(stats)}
+
+
+def _tower_stats(errors) -> dict:
+    """errors [n, towers] (NaN where the engine gave NaN or inf): per tower within ATOL, max, rmse, NaN count."""
+    result = {}
+    for tower, name in enumerate(TOWER_NAMES):
+        column = errors[:, tower]
+        finite = np.isfinite(column)
+        result[name] = {"within_atol": float((column <= ATOL).mean()),  # NaN compares False: wrong
+                        "max_abs_err": float(column[finite].max()) if finite.any() else math.nan,
+                        "rmse": float(np.sqrt(np.mean(column[finite] ** 2))) if finite.any() else math.nan,
+                        "nan_or_inf": int((~finite).sum())}
+    return result
+
+
+def gate(stats) -> dict:
+    """Whether every tower holds GATE_WITHIN on every family with no NaN, and the worst (family, tower)."""
+    worst = min(((family, tower, row["within_atol"]) for family, towers in stats.items()
+                 for tower, row in towers.items()), key=lambda item: item[2])
+    nan = sum(row["nan_or_inf"] for towers in stats.values() for row in towers.values())
+    return {"passed": bool(worst[2] >= GATE_WITHIN and nan == 0), "worst": list(worst), "nan_or_inf": nan}
+
+
+def format_table(result) -> str:
+    """One line per family: within 1e-3 (%) and max error per tower."""
+    lines = [f"{'family':<14}" + "".join(f"{name:>20}" for name in TOWER_NAMES)]
+    for family, towers in result["families"].items():
+        lines.append(f"{family:<14}" + "".join(f"{100 * row['within_atol']:>10.2f}% {row['max_abs_err']:>8.1e}"
+                                               for row in towers.values()))
+    g = result["gate"]
+    lines.append(f"gate (>= {100 * GATE_WITHIN:g}% on every tower and family, no NaN): "
+                 f"{'passed' if g['passed'] else 'FAILED'}; worst {g['worst'][0]} {g['worst'][1]} "
+                 f"{100 * g['worst'][2]:.2f}%")
+    return "\n".join(lines)
