@@ -148,13 +148,16 @@ def _conv(sd, name, device):
 class Block:
     """norm1 -> layer -> residual; norm2 -> MLP -> residual. Each residual add is fused with the RMSNorm after
     it: a block takes the previous block's pending (delta, bias) and returns its own, so `x += fc2 output +
-    fc2 bias` happens inside the next block's norm1 (or at the tower's end)."""
+    fc2 bias` happens inside the next block's norm1 (or at the tower's end).
 
+    `dtype_of(part)` gives each weight group's dtype (PARTS: the names a precision override may use, as
+    "<tower>.<part>"); an activation that feeds only one part's product is rounded to that part's dtype."""
+
+    PARTS = ("mlp",)
     norm1_dtype = torch.float32  # the layer's input stays fp32 where it also feeds an fp32 path or a skip
 
-    def __init__(self, sd, prefix, dtype, device, mlp_dtype=None):
-        self.dtype = dtype
-        self.mlp_dtype = mlp_dtype or dtype
+    def __init__(self, sd, prefix, dtype_of, device):
+        self.mlp_dtype = dtype_of("mlp")
         self.norm1 = sd[prefix + "norm1.weight"].to(device)
         self.norm2 = sd[prefix + "norm2.weight"].to(device)
         self.fc1 = Linear(sd[prefix + "mlp.fc1.weight"], sd[prefix + "mlp.fc1.bias"], self.mlp_dtype, device)
@@ -174,36 +177,41 @@ class Block:
 
 
 class XLSTMBlock(Block):
-    def __init__(self, sd, prefix, cfg, dtype, device, mlp_dtype=None):
-        super().__init__(sd, prefix, dtype, device, mlp_dtype)
+    PARTS = ("mlp", "slstm", "mlstm_proj", "mlstm_qkv", "mlstm_down")
+
+    def __init__(self, sd, prefix, cfg, dtype_of, device):
+        super().__init__(sd, prefix, dtype_of, device)
         s, m = prefix + "layer.slstm.", prefix + "layer.mlstm."
         self.inner, self.heads = 2 * cfg.hidden, cfg.heads
         self.s_norm = sd[s + "norm.weight"].to(device)
         self.s_conv = _conv(sd, s + "conv1d", device)
         self.s_weight = pack_slstm_weights([sd[s + f"{g}gate_input.weight"] for g in "ifzo"],
-                                           [sd[s + f"{g}gate_state.weight"] for g in "ifzo"], dtype).to(device)
+                                           [sd[s + f"{g}gate_state.weight"] for g in "ifzo"],
+                                           dtype_of("slstm")).to(device)
         self.s_bias = torch.stack([sd[s + f"{g}gate_state.bias"] for g in "ifzo"]).to(device)  # [4, H]
         self.s_gn = sd[s + "group_norm.weight"].to(device), sd[s + "group_norm.bias"].to(device)
         self.m_norm = sd[m + "norm.weight"].to(device)
-        self.m_xg = Linear([sd[m + "x_proj.weight"], sd[m + "gate_proj.weight"]], None, dtype, device)
+        self.m_xg = Linear([sd[m + "x_proj.weight"], sd[m + "gate_proj.weight"]], None, dtype_of("mlstm_proj"),
+                           device)
         self.m_conv = _conv(sd, m + "conv1d", device)
-        self.m_qkv = pack_qkv_weight(*(sd[m + f"{t}_proj.weight"] for t in "qkv")).to(device)
+        self.m_qkv = pack_qkv_weight(*(sd[m + f"{t}_proj.weight"] for t in "qkv")).to(device, dtype_of("mlstm_qkv"))
         cell = m + "mlstm_cell."
         # tiny, and they set the exponential gates: fp32
         self.m_gate_w = torch.cat([sd[cell + "igate_proj.weight"], sd[cell + "fgate_proj.weight"]]).to(device)
         self.m_gate_b = torch.cat([sd[cell + "igate_proj.bias"], sd[cell + "fgate_proj.bias"]]).to(device)
         self.m_outnorm = sd[cell + "outnorm.weight"].to(device), sd[cell + "outnorm.bias"].to(device)
         self.m_skip = sd[m + "learnable_skip"].to(device)
-        self.m_down = Linear(sd[m + "proj_down.weight"], None, dtype, device)
+        self.m_down = Linear(sd[m + "proj_down.weight"], None, dtype_of("mlstm_down"), device)
         self.final_norm = sd[prefix + "layer.final_norm.weight"].to(device)
 
     @staticmethod
-    def state_layout(cfg):
+    def state_layout(cfg, matrix_dtype=torch.float32):
+        """{component: (per-slot shape, dtype, initial value)}; the matrix memory C may be stored in 16 bits."""
         H, inner, NH = cfg.hidden, 2 * cfg.hidden, cfg.heads
         E, f32 = inner // NH, torch.float32
         return {"slstm.conv": ((H, 3), f32, 0.0), "slstm.y": ((H,), f32, 0.0), "slstm.c": ((H,), f32, 0.0),
                 "slstm.n": ((H,), f32, 0.0), "slstm.m": ((H,), f32, float("-inf")),
-                "mlstm.conv": ((inner, 3), f32, 0.0), "mlstm.C": ((NH, E, E), f32, 0.0),
+                "mlstm.conv": ((inner, 3), f32, 0.0), "mlstm.C": ((NH, E, E), matrix_dtype, 0.0),
                 "mlstm.n": ((NH, E), f32, 0.0), "mlstm.m": ((NH,), f32, 0.0)}
 
     def __call__(self, x, delta, bias, st, slots):
@@ -221,7 +229,8 @@ class XLSTMBlock(Block):
         # sLSTM: gate maps and cell in one kernel; slstm_output stores the new y
         y = slstm_step(xc, xn, self.s_weight, self.s_bias, st["slstm.c"], st["slstm.n"], st["slstm.m"],
                        st["slstm.y"], slots)
-        s_out, xn = slstm_output(y, xin, *self.s_gn, self.m_norm, SLSTM_HEADS, self.dtype, st["slstm.y"], slots)
+        s_out, xn = slstm_output(y, xin, *self.s_gn, self.m_norm, SLSTM_HEADS, self.m_xg.dtype, st["slstm.y"],
+                                 slots)
         # mLSTM
         xm_xg = self.m_xg.product(xn)
         xm, xg = xm_xg[:, :inner], xm_xg[:, inner:]
@@ -230,18 +239,20 @@ class XLSTMBlock(Block):
         q, k, v = (qkv[:, j].view(B, NH, -1) for j in range(3))
         h = mlstm_step(st["mlstm.C"], st["mlstm.n"], st["mlstm.m"], q, k, v, gate_parts[:, :, :NH],
                        gate_parts[:, :, NH:], slots)
-        gated = mlstm_output(h.reshape(B, inner), xc, xg, self.m_skip, *self.m_outnorm, NH, self.dtype)
+        gated = mlstm_output(h.reshape(B, inner), xc, xg, self.m_skip, *self.m_outnorm, NH, self.m_down.dtype)
         return self.m_down.product(gated), s_out
 
 
 class Mamba2Block(Block):
-    def __init__(self, sd, prefix, cfg, dtype, device, mlp_dtype=None):
-        super().__init__(sd, prefix, dtype, device, mlp_dtype)
+    PARTS = ("mlp", "in_proj", "out_proj")
+
+    def __init__(self, sd, prefix, cfg, dtype_of, device):
+        super().__init__(sd, prefix, dtype_of, device)
         p = prefix + "layer."
         self.inner, self.heads = 2 * cfg.hidden, 2 * cfg.hidden // HEAD_SIZE
         # x, b, c first (they share one convolution), then z
         self.in_proj = Linear([sd[p + "input_proj.weight"], sd[p + "b_proj.weight"], sd[p + "c_proj.weight"],
-                               sd[p + "z_proj.weight"]], None, dtype, device)
+                               sd[p + "z_proj.weight"]], None, dtype_of("in_proj"), device)
         # fp32, projected inside mamba2_state_update
         self.dt_weight, self.dt_bias = sd[p + "dt_proj.weight"].to(device), sd[p + "dt_proj.bias"].to(device)
         convs = ("input_conv", "b_conv", "c_conv")
@@ -249,13 +260,13 @@ class Mamba2Block(Block):
                      torch.cat([sd[p + f"{n}.conv.bias"] for n in convs]).to(device))
         self.a, self.d = sd[p + "a"].to(device), sd[p + "d"].to(device)
         self.norm = sd[p + "norm.weight"].to(device)
-        self.out_proj = Linear(sd[p + "out_proj.weight"], None, dtype, device)
+        self.out_proj = Linear(sd[p + "out_proj.weight"], None, dtype_of("out_proj"), device)
 
     @staticmethod
-    def state_layout(cfg):
+    def state_layout(cfg, matrix_dtype=torch.float32):
         inner = 2 * cfg.hidden
         return {"conv": ((inner + 2 * STATE_SIZE, 3), torch.float32, 0.0),
-                "h": ((inner // HEAD_SIZE, HEAD_SIZE, STATE_SIZE), torch.float32, 0.0)}
+                "h": ((inner // HEAD_SIZE, HEAD_SIZE, STATE_SIZE), matrix_dtype, 0.0)}
 
     def layer(self, t, st, slots):
         B, inner, N = t.shape[0], self.inner, STATE_SIZE
@@ -263,24 +274,26 @@ class Mamba2Block(Block):
         xbc = causal_conv_update(xbcz[:, :inner + 2 * N], st["conv"], *self.conv, slots, "silu")
         y = mamba2_state_update(st["h"], xbc[:, :inner].view(B, self.heads, HEAD_SIZE), t, self.dt_weight,
                                 self.dt_bias, self.a, xbc[:, inner:inner + N], xbc[:, inner + N:], self.d, slots)
-        gated = gated_rms_norm(y.reshape(B, inner), xbcz[:, inner + 2 * N:], self.norm, 1e-5, self.dtype)
+        gated = gated_rms_norm(y.reshape(B, inner), xbcz[:, inner + 2 * N:], self.norm, 1e-5, self.out_proj.dtype)
         return self.out_proj.product(gated)
 
 
 class RetNetBlock(Block):
-    def __init__(self, sd, prefix, cfg, dtype, device, mlp_dtype=None):
-        super().__init__(sd, prefix, dtype, device, mlp_dtype)
+    PARTS = ("mlp", "qkvg", "out_proj")
+
+    def __init__(self, sd, prefix, cfg, dtype_of, device):
+        super().__init__(sd, prefix, dtype_of, device)
         p = prefix + "layer."
         self.heads, self.hidden = cfg.heads, cfg.hidden
-        self.qkvg = Linear([sd[p + f"{n}_proj.weight"] for n in "qkvg"], None, dtype, device)
-        self.out_proj = Linear(sd[p + "out_proj.weight"], None, dtype, device)
+        self.qkvg = Linear([sd[p + f"{n}_proj.weight"] for n in "qkvg"], None, dtype_of("qkvg"), device)
+        self.out_proj = Linear(sd[p + "out_proj.weight"], None, dtype_of("out_proj"), device)
         self.decay, self.angle = sd[p + "decay"].to(device), sd[p + "angle"].to(device)
 
     @staticmethod
-    def state_layout(cfg):
+    def state_layout(cfg, matrix_dtype=torch.float32):
         D = cfg.hidden // cfg.heads
         return {"offset": ((), torch.int32, 0), "scale": ((cfg.heads,), torch.float32, 0.0),
-                "S": ((cfg.heads, D, D), torch.float32, 0.0)}
+                "S": ((cfg.heads, D, D), matrix_dtype, 0.0)}
 
     def layer(self, t, st, slots):
         B, H = t.shape[0], self.hidden
@@ -291,20 +304,23 @@ class RetNetBlock(Block):
 
 
 class HawkBlock(Block):
-    def __init__(self, sd, prefix, cfg, dtype, device, mlp_dtype=None):
-        super().__init__(sd, prefix, dtype, device, mlp_dtype)
+    PARTS = ("mlp", "gate_rec", "rglru_gates", "out_proj")
+
+    def __init__(self, sd, prefix, cfg, dtype_of, device):
+        super().__init__(sd, prefix, dtype_of, device)
         p = prefix + "layer."
         self.hidden = cfg.hidden
-        self.norm1_dtype = dtype  # the layer's input feeds only 16-bit products
-        self.gate_rec = Linear([sd[p + "gate_proj.weight"], sd[p + "recurrent_proj.weight"]], None, dtype, device)
+        self.gate_rec = Linear([sd[p + "gate_proj.weight"], sd[p + "recurrent_proj.weight"]], None,
+                               dtype_of("gate_rec"), device)
+        self.norm1_dtype = self.gate_rec.dtype  # the layer's input feeds only this product
         self.conv = _conv(sd, p + "conv", device)
         self.gates = BlockDiagonal([sd[p + "rglru.input_gate.weight"], sd[p + "rglru.recurrence_gate.weight"]],
-                                   dtype, device)
+                                   dtype_of("rglru_gates"), device)
         self.a = sd[p + "rglru.a"].to(device)
-        self.out_proj = Linear(sd[p + "out_proj.weight"], None, dtype, device)
+        self.out_proj = Linear(sd[p + "out_proj.weight"], None, dtype_of("out_proj"), device)
 
     @staticmethod
-    def state_layout(cfg):
+    def state_layout(cfg, matrix_dtype=torch.float32):
         return {"conv": ((cfg.hidden, 3), torch.float32, 0.0), "h": ((cfg.hidden,), torch.float32, 0.0)}
 
     def layer(self, t, st, slots):
