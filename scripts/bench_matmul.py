@@ -80,7 +80,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     model, _ = load_model(args.preset, device="cuda")
-    runner = StepRunner(model, "cuda", capacity=1, streams=False, skinny=())
+    runner = StepRunner(model, "cuda", streams=False, skinny=())
     del model
     groups, split = defaultdict(list), defaultdict(list)
     for linear in runner.linears():

@@ -49,7 +49,7 @@ def tower_graph_times(runner, slots):
     for B in (1, 20):
         feats = torch.randn(B, 79, device="cuda")
         up = torch.relu(runner.input_up(feats)).split(runner.proj, dim=1)
-        for tower, chunk, states in zip(runner.towers, up, runner.tower_states()):
+        for tower, chunk, states in zip(runner.towers, up, runner.tower_states):
             tower(chunk, states, slots[:B])  # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -151,7 +151,7 @@ def main(argv=None):
     log(f"reference step {result['reference_step_ms_B1']:.1f} ms (B=1), {result['reference_step_ms_B20']:.1f} ms (B=20)")
 
     t = time.perf_counter()
-    engine = FastEngine(model, device="cuda", max_batch=64)
+    engine = FastEngine(model, device="cuda", max_batch=64, capacity=64)
     result["fast_startup_s"] = time.perf_counter() - t
     result["describe"] = engine.describe()
     batches = [int(b) for b in args.batches.split(",")]
@@ -172,7 +172,7 @@ def main(argv=None):
     for B in (1, batches[-1]):
         feats = torch.randn(B, 79, device="cuda")
         up = torch.relu(runner.input_up(feats)).split(runner.proj, dim=1)
-        for tower, chunk, states in zip(runner.towers, up, runner.tower_states()):
+        for tower, chunk, states in zip(runner.towers, up, runner.tower_states):
             result[f"eager_tower_ms_B{B}_{tower.name}"] = time_cuda(
                 lambda: tower(chunk, states, slots[:B]), iters=10)[0]
         result[f"eager_step_ms_B{B}"] = time_cuda(lambda: runner(slots[:B], feats), iters=10)[0]
@@ -190,7 +190,7 @@ def main(argv=None):
     for spec in args.variant:
         overrides = dict(kv.split("=") for kv in spec.split(","))
         skinny = overrides.pop("skinny", None)
-        variant = FastEngine(model, device="cuda", max_batch=64, progress=False,
+        variant = FastEngine(model, device="cuda", max_batch=64, capacity=64, progress=False,
                              precision={k: getattr(torch, v) for k, v in overrides.items()})
         if skinny is not None:  # e.g. skinny=float32+float16, or skinny=none for cuBLAS throughout
             variant.runner.set_skinny([getattr(torch, d) for d in skinny.split("+") if d != "none"])

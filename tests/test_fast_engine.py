@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.engine.fast import PAD_SLOT, FastEngine
+from client.engine.fast import PAD_SLOT, CapacityError, FastEngine
 from client.engine.reference import ReferenceEngine
 from client.model import TOWER_NAMES, load_model
 
@@ -38,12 +38,36 @@ def compare(fast, ref, steps, seed=0, n_symbols=6):
     return np.concatenate(errors)
 
 
-def test_fp32_fast_path_equals_reference_with_growth():
+def test_fp32_fast_path_equals_reference_through_the_host_tier():
     model, _ = load_model("tiny", seed=1)
-    fast = FastEngine(model, device="cpu", precision=FP32, capacity=2, progress=False)
+    fast = FastEngine(model, device="cpu", precision=FP32, capacity=2, host_symbols=8, progress=False)
     err = compare(fast, ReferenceEngine(model, device="cpu"), steps=40)
     assert err.max() < 2e-5, err.max(0)
-    assert fast.runner.table.capacity >= 6 and fast.runner.table.version >= 1
+    assert fast.table.capacity == 2 and fast.table.stats["offloaded"] > 0 and fast.table.stats["restored"] > 0
+
+
+def test_offloaded_symbols_continue_bit_for_bit():
+    model, _ = load_model("tiny", seed=4)
+    tight = FastEngine(model, device="cpu", capacity=2, host_symbols=6, reserve=1, progress=False)
+    roomy = FastEngine(model, device="cpu", capacity=6, host_symbols=0, progress=False)
+    for chosen, feats in random_steps(5, 40, [f"S{i}" for i in range(6)], max_batch=2):
+        assert np.array_equal(tight.step(chosen, feats), roomy.step(chosen, feats))
+    assert tight.table.stats["restored"] > 0 and roomy.table.stats["offloaded"] == 0
+
+
+def test_symbol_beyond_every_tier_fails_alone():
+    model, _ = load_model("tiny", seed=0)
+    fast = FastEngine(model, device="cpu", capacity=1, host_symbols=1, progress=False)
+    ones = np.ones((1, 79), np.float32)
+    first = fast.step(["A"], ones)
+    fast.step(["B"], ones)
+    assert fast.unplaceable(["C"]) == ["C"] and fast.unplaceable(["A"]) == []
+    with pytest.raises(CapacityError, match="1 on the GPU and 1 in host memory"):
+        fast.step(["C"], ones)
+    fresh = FastEngine(model, device="cpu", capacity=2, progress=False)
+    fresh.step(["A"], ones)
+    assert np.array_equal(fast.step(["A"], ones), fresh.step(["A"], ones))  # A lost nothing
+    assert not np.array_equal(first, fast.step(["A"], ones))
 
 
 def test_default_precision_within_atol_over_a_long_stream():
@@ -58,10 +82,10 @@ def test_idle_slots_and_padding_slot_are_untouched():
     model, _ = load_model("tiny", seed=0)
     fast = FastEngine(model, device="cpu", progress=False)
     fast.step(["A", "B", "C"], np.random.default_rng(0).standard_normal((3, 79)).astype(np.float32))
-    before = {k: v.clone() for k, v in fast.runner.table.tensors.items()}
+    before = {k: v.clone() for k, v in fast.table.tensors.items()}
     fast.step(["B"], np.random.default_rng(1).standard_normal((1, 79)).astype(np.float32))
-    slot_b = fast.runner.table.slot_of["B"]
-    tables = fast.runner.table.tensors
+    slot_b = fast.table.slot_of["B"]
+    tables = fast.table.tensors
     for name, t in tables.items():
         for slot in range(t.shape[0]):
             if slot != slot_b:
@@ -69,8 +93,8 @@ def test_idle_slots_and_padding_slot_are_untouched():
     assert not torch.equal(tables["mamba2.0.h"][slot_b], before["mamba2.0.h"][slot_b])
     assert PAD_SLOT != slot_b
     # slots not yet given out still hold the initial state, which a new symbol takes over as it is
-    table = fast.runner.table
-    for name, (_, _, init) in table.layout.items():
+    table = fast.table
+    for name, (_, _, init) in table.parts[0].layout.items():
         assert (tables[name][len(table.slot_of) + 1:] == init).all(), name
 
 
@@ -78,7 +102,7 @@ def test_bad_input_touches_no_state():
     model, _ = load_model("tiny", seed=0)
     fast = FastEngine(model, device="cpu", progress=False)
     fast.step(["A"], np.zeros((1, 79), np.float32) + 0.5)
-    before = {k: v.clone() for k, v in fast.runner.table.tensors.items()}
+    before = {k: v.clone() for k, v in fast.table.tensors.items()}
     bad = np.ones((2, 79), np.float32)
     bad[1, 3] = np.nan
     with pytest.raises(ValueError, match="non-finite"):
@@ -88,7 +112,7 @@ def test_bad_input_touches_no_state():
     with pytest.raises(ValueError, match="shape"):
         fast.step(["A"], np.ones((1, 78), np.float32))
     assert fast.symbols == ["A"]
-    assert all(torch.equal(v, before[k]) for k, v in fast.runner.table.tensors.items())
+    assert all(torch.equal(v, before[k]) for k, v in fast.table.tensors.items())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the Triton kernels run natively in the GPU tests")
@@ -124,8 +148,8 @@ def test_triton_kernels_through_the_interpreter_match_reference():
 @cuda
 def test_graphs_match_eager_and_reference_on_gpu():
     model, _ = load_model("medium", seed=0, device="cuda")
-    graphed = FastEngine(model, device="cuda", max_batch=8, capacity=3, progress=False)
-    eager = FastEngine(model, device="cuda", graphs=False, progress=False)
+    graphed = FastEngine(model, device="cuda", max_batch=8, capacity=3, host_symbols=8, progress=False)
+    eager = FastEngine(model, device="cuda", graphs=False, capacity=8, progress=False)
     ref = ReferenceEngine(model, device="cuda")
     symbols = [f"S{i}" for i in range(7)]
     for chosen, feats in random_steps(4, 60, symbols, max_batch=8):
@@ -133,21 +157,37 @@ def test_graphs_match_eager_and_reference_on_gpu():
         # a padded bucket may pick another cuBLAS algorithm than the eager batch: compare within fp16 rounding
         assert np.abs(g - e).max() < 5e-4, np.abs(g - e).max(0)
         assert np.abs(g - r).max() < 2e-3, np.abs(g - r).max(0)
-    assert graphed.runner.table.version >= 1  # it grew past capacity 3 and captured again
+    assert graphed.table.stats["restored"] > 0  # 7 symbols through 3 slots, with the graphs never captured again
 
 
 @cuda
 def test_padding_rows_never_touch_live_state_on_gpu():
     model, _ = load_model("small", seed=0, device="cuda")
-    fast = FastEngine(model, device="cuda", max_batch=8, progress=False)
+    fast = FastEngine(model, device="cuda", max_batch=8, capacity=10, progress=False)
     fast.step(["A", "B", "C"], np.ones((3, 79), np.float32))
     torch.cuda.synchronize()
-    before = {k: v.clone() for k, v in fast.runner.table.tensors.items()}
+    before = {k: v.clone() for k, v in fast.table.tensors.items()}
     fast.step(["B"], np.ones((1, 79), np.float32))
     fast.step(list("ABCDEFG"), np.ones((7, 79), np.float32))  # bucket 8: one padding row
     torch.cuda.synchronize()
-    live = {fast.runner.table.slot_of[s] for s in "ABCDEFG"}
-    for name, t in fast.runner.table.tensors.items():
+    live = {fast.table.slot_of[s] for s in "ABCDEFG"}
+    for name, t in fast.table.tensors.items():
         for slot in range(1, t.shape[0]):
             if slot not in live:
                 assert torch.equal(t[slot], before[name][slot]), (name, slot)
+
+
+@cuda
+def test_offload_and_return_with_steps_in_flight_on_gpu():
+    """Pipelined submits (several steps enqueued) through a 3-slot table: every state moved to host memory and
+    back lands byte for byte, as in an engine that never offloads."""
+    model, _ = load_model("small", seed=1, device="cuda")
+    tight = FastEngine(model, device="cuda", max_batch=4, capacity=3, host_symbols=16, reserve=1, progress=False)
+    roomy = FastEngine(model, device="cuda", max_batch=4, capacity=12, host_symbols=0, progress=False)
+    steps = list(random_steps(7, 80, [f"S{i}" for i in range(12)], max_batch=3))
+    pending = [tight.submit(chosen, feats) for chosen, feats in steps[:2]]
+    for i, (chosen, feats) in enumerate(steps):
+        if i + 2 < len(steps):
+            pending.append(tight.submit(*steps[i + 2]))
+        assert np.array_equal(pending[i].result(), roomy.step(chosen, feats)), i
+    assert tight.table.stats["offloaded"] > 10 and tight.table.stats["restored"] > 10

@@ -4,13 +4,18 @@ import torch
 from client.model.config import TOWER_NAMES
 
 from .layers import BLOCKS, Linear
-from .state_table import PAD_SLOT, StateTable
+from .state_table import PAD_SLOT
 
 # fp16 keeps three more mantissa bits than bf16 at the same bandwidth. RetNet's per-head RMSNorm of
 # (q.k)v is ill-conditioned when q.k is near zero, so its tower stays in fp32 (FACTS.md, "Precision").
-# "<tower>.mlp" sets a tower's MLP products apart from the rest of the tower.
+# input_down carries the features' scale straight to the prediction (the residual stream has no norm before
+# output_proj): with features 100x unit scale, fp16 weights there put Mamba2 and Hawk outside 1e-3 (bench/LOG.md
+# section 29), so it stays fp32 for 1.5% of the step. "<tower>.<part>" (TOWER_PARTS) sets one weight group of
+# a tower apart from the rest of it.
 DEFAULT_PRECISION = {"xlstm": torch.float16, "mamba2": torch.float16, "retnet": torch.float32,
-                     "hawk": torch.float16}
+                     "hawk": torch.float16, "xlstm.input_down": torch.float32,
+                     "mamba2.input_down": torch.float32, "hawk.input_down": torch.float32}
+TOWER_PARTS = {name: ("input_down", *block.PARTS) for name, block in BLOCKS.items()}
 # CUDA stream priorities (lower runs first; captured into the graphs' kernels). The xLSTM tower is the longest
 # chain of small kernels: ahead of the other towers' products its kernels wait less for a free SM (bench/LOG.md
 # section 23: B=1 -65 us, B=64 -165 us; other assignments gained less or lost).
@@ -20,17 +25,44 @@ BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 SKINNY_DTYPES = (torch.float32,)
 
 
+def resolve_precision(overrides=None):
+    """DEFAULT_PRECISION with `overrides` on top; a tower given a dtype of its own drops the defaults of its
+    parts (so {"hawk": bf16} is the whole Hawk tower in bf16), unless those parts are given too."""
+    overrides = dict(overrides or {})
+    kept = {key: dtype for key, dtype in DEFAULT_PRECISION.items() if "." not in key or key.split(".")[0] not in overrides}
+    precision = {**kept, **overrides}
+    check_precision(precision)
+    return precision
+
+
+def check_precision(precision):
+    """{tower or "<tower>.<part>": dtype}: raise ValueError naming what is unknown."""
+    for key, dtype in precision.items():
+        tower, _, part = key.partition(".")
+        if tower not in TOWER_PARTS or (part and part not in TOWER_PARTS[tower]):
+            known = ", ".join(f"{t} ({', '.join(parts)})" for t, parts in TOWER_PARTS.items())
+            raise ValueError(f"precision override {key!r} names no tower or part; towers (parts): {known}")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"precision of {key!r} must be float32, float16 or bfloat16, got {dtype}")
+
+
 class Tower:
-    def __init__(self, sd, index, name, cfg, dtype, device, mlp_dtype=None):
+    def __init__(self, sd, index, name, cfg, precision, device, state_dtype=torch.float32):
         prefix = f"towers.{index}."
         self.name = name
-        self.input_down = Linear(sd[prefix + "input_down.weight"], sd[prefix + "input_down.bias"], dtype, device)
+
+        def dtype_of(part):
+            return precision.get(f"{name}.{part}", precision[name])
+
+        self.input_down = Linear(sd[prefix + "input_down.weight"], sd[prefix + "input_down.bias"],
+                                 dtype_of("input_down"), device)
         block = BLOCKS[name]
-        self.blocks = [block(sd, f"{prefix}blocks.{i}.", cfg, dtype, device, mlp_dtype) for i in range(cfg.depth)]
-        self.layout = {f"{name}.{i}.{k}": v for i in range(cfg.depth) for k, v in block.state_layout(cfg).items()}
+        self.blocks = [block(sd, f"{prefix}blocks.{i}.", cfg, dtype_of, device) for i in range(cfg.depth)]
+        self.layout = {f"{name}.{i}.{k}": v for i in range(cfg.depth)
+                       for k, v in block.state_layout(cfg, state_dtype).items()}
 
     def block_states(self, table):
-        """Each block's view of the state table: {component: tensor} (rebuilt only when the table moves)."""
+        """Each block's view of the state table: {component: tensor}."""
         return [{k[len(prefix):]: v for k, v in table.items() if k.startswith(prefix)}
                 for prefix in (f"{self.name}.{i}." for i in range(len(self.blocks)))]
 
@@ -44,29 +76,40 @@ class Tower:
 
 
 class StepRunner:
-    """One fused step of the ensemble: step(slots [B] int32, features [B, 79]) -> predictions [B, 4]."""
+    """One fused step of some towers (all four by default): step(slots [B] int32, features [B, 79]) ->
+    predictions [B, towers] in this runner's tower order. The state lives in a StateTable made from `layout`
+    and handed over with attach()."""
 
-    def __init__(self, model, device, precision=None, capacity=64, streams=None, skinny=SKINNY_DTYPES):
+    def __init__(self, model, device, precision=None, *, towers=TOWER_NAMES, state_dtype=torch.float32,
+                 streams=None, skinny=SKINNY_DTYPES):
         self.device = torch.device(device)
-        self.precision = {**DEFAULT_PRECISION, **(precision or {})}
+        self.precision = resolve_precision(precision)
+        unknown = [name for name in towers if name not in TOWER_NAMES]
+        if unknown or not towers:
+            raise ValueError(f"towers must be some of {', '.join(TOWER_NAMES)}, got {list(towers)}")
         cfg = model.cfg
         sd = {k: v.detach() for k, v in model.state_dict().items()}
-        self.input_up = Linear([sd[f"towers.{t}.input_up.weight"] for t in range(4)],
-                               torch.cat([sd[f"towers.{t}.input_up.bias"] for t in range(4)]), torch.float32,
+        indices = [TOWER_NAMES.index(name) for name in towers]
+        self.tower_names = [TOWER_NAMES[t] for t in indices]
+        # the towers' input_up as one product
+        self.input_up = Linear([sd[f"towers.{t}.input_up.weight"] for t in indices],
+                               torch.cat([sd[f"towers.{t}.input_up.bias"] for t in indices]), torch.float32,
                                self.device)
         self.proj, self.num_features = cfg.proj, cfg.features
-        self.towers = [Tower(sd, t, name, cfg, self.precision[name], self.device, self.precision.get(f"{name}.mlp"))
-                       for t, name in enumerate(TOWER_NAMES)]
+        self.towers = [Tower(sd, t, TOWER_NAMES[t], cfg, self.precision, self.device, state_dtype) for t in indices]
         self.output_w = sd["output_proj.weight"][0].to(self.device)
         self.output_b = sd["output_proj.bias"].to(self.device)
         self.set_skinny(skinny)
-        layout = {k: v for tower in self.towers for k, v in tower.layout.items()}
-        self.table = StateTable(layout, capacity, self.device)
-        self._views, self._views_version = None, None
+        self.layout = {k: v for tower in self.towers for k, v in tower.layout.items()}
+        self.tower_states = None  # per tower, per block, the views of the state table (attach)
         # Towers are independent: on CUDA each runs on its own stream so their small kernels overlap.
         use_streams = self.device.type == "cuda" if streams is None else streams
         self.streams = [torch.cuda.Stream(self.device, priority=STREAM_PRIORITY.get(tower.name, 0))
                         for tower in self.towers] if use_streams else None
+
+    def attach(self, tensors):
+        """Run on the state table whose component views (for this runner's layout) are `tensors`."""
+        self.tower_states = [tower.block_states(tensors) for tower in self.towers]
 
     @property
     def weight_bytes(self):
@@ -85,29 +128,22 @@ class StepRunner:
         for linear in self.linears():
             linear.use_skinny(linear.dtype in tuple(dtypes))
 
-    def tower_states(self):
-        """Per tower, per block, the views of the state table; cached until the table is reallocated."""
-        if self._views_version != self.table.version:
-            self._views = [tower.block_states(self.table.tensors) for tower in self.towers]
-            self._views_version = self.table.version
-        return self._views
-
     def __call__(self, slots, features):
-        tower_states = self.tower_states()
-        up = torch.relu(self.input_up(features))  # [B, 4 * proj]: the four towers' input_up as one product
+        up = torch.relu(self.input_up(features))  # [B, towers * proj]
         chunks = up.split(self.proj, dim=1)
         if self.streams is None:
-            finals = [tower(chunk, states, slots) for tower, chunk, states in zip(self.towers, chunks, tower_states)]
+            finals = [tower(chunk, states, slots)
+                      for tower, chunk, states in zip(self.towers, chunks, self.tower_states)]
         else:
             main = torch.cuda.current_stream(self.device)
             finals = []
-            for tower, chunk, states, stream in zip(self.towers, chunks, tower_states, self.streams):
+            for tower, chunk, states, stream in zip(self.towers, chunks, self.tower_states, self.streams):
                 stream.wait_stream(main)
                 with torch.cuda.stream(stream):
                     finals.append(tower(chunk, states, slots))
             for stream in self.streams:
                 main.wait_stream(stream)
-        return torch.stack(finals, dim=1) @ self.output_w + self.output_b  # shared output_proj: [B, 4]
+        return torch.stack(finals, dim=1) @ self.output_w + self.output_b  # shared output_proj: [B, towers]
 
 
 def input_views(buffer, max_batch, num_features):
@@ -125,8 +161,8 @@ def input_bytes(batch, max_batch, num_features):
 
 class GraphedStep:
     """CUDA graphs of the step for batch-size buckets, replayed with slots and features copied into persistent
-    input buffers; rows past the batch point at the padding slot. Graphs are captured again whenever the
-    state table is reallocated (it grew).
+    input buffers; rows past the batch point at the padding slot. The state table is allocated once, so the
+    graphs stay valid for the engine's life.
 
     For each pinned host staging pair (inputs laid out like self.inputs, out [max_batch, 4]) a second set of
     graphs also carries the copies: host inputs to device, predictions back to the host's out. A submitted
@@ -140,7 +176,7 @@ class GraphedStep:
                                   dtype=torch.uint8, device=runner.device)
         self.slots, self.features = input_views(self.inputs, self.max_batch, runner.num_features)
         self.staging = list(staging)
-        self.graphs, self.outputs, self.staged_graphs, self.version = {}, {}, {}, None
+        self.graphs, self.outputs, self.staged_graphs = {}, {}, {}
         self.progress = progress
 
     def capture(self):
@@ -170,26 +206,17 @@ class GraphedStep:
             if self.progress:
                 self.progress(done, len(jobs))
         self._upload()
-        self.version = self.runner.table.version
 
     def _upload(self):
         """Launch every graph once, on the padding slot: a graph's first launch uploads it to the device, which
-        takes milliseconds for a step's ~600 nodes and must not fall on a live request (bench/LOG.md section 27).
-        A staging buffer may hold the step being submitted (the table grew under it): its slot ids are kept."""
-        slot_ids = [input_views(host_inputs, self.max_batch, self.runner.num_features)[0]
-                    for host_inputs, _ in self.staging]
-        kept = [ids.clone() for ids in slot_ids]
-        for ids in slot_ids:
-            ids.fill_(PAD_SLOT)
+        takes milliseconds for a step's ~600 nodes and must not fall on a live request (bench/LOG.md section 27)."""
+        for host_inputs, _ in self.staging:
+            input_views(host_inputs, self.max_batch, self.runner.num_features)[0].fill_(PAD_SLOT)
         for graph in (*self.graphs.values(), *self.staged_graphs.values()):
             graph.replay()
         torch.cuda.current_stream(self.runner.device).synchronize()
-        for ids, before in zip(slot_ids, kept):
-            ids.copy_(before)
 
     def _bucket(self, B):
-        if self.version != self.runner.table.version:
-            self.capture()
         if B > self.max_batch:
             raise ValueError(f"batch of {B} exceeds the largest captured bucket ({self.max_batch})")
         return next(b for b in self.buckets if b >= B)
