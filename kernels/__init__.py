@@ -1,9 +1,9 @@
 """Triton kernels for the fast engine's step, each beside its PyTorch reference.
 
-The state ops update fp32 state tables in place at per-row slot indices (int32, distinct within a call except
-padding rows sharing a padding slot); the others fuse the glue between them, and skinny_matmul is the weight
-product for a step's few rows. `op` runs Triton on CUDA tensors or under TRITON_INTERPRET=1 (read
-at import) and falls back to `op_ref` otherwise.
+The state ops update state tables in place at per-row slot indices (int32, distinct within a call except
+padding rows sharing a padding slot); a table may be a view of a slot-major buffer (kernels/_common.py). The
+others fuse the glue between them, and skinny_matmul is the weight product for a step's few rows. `op` runs
+Triton on CUDA tensors or under TRITON_INTERPRET=1 (read at import) and falls back to `op_ref` otherwise.
 """
 from kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from kernels.causal_conv_update import causal_conv_update, causal_conv_update_ref

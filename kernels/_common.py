@@ -1,8 +1,11 @@
 """Shared launch rules and input checks for the state-step kernels.
 
-Every op follows one convention: state tensors are fp32 tables with a leading slot dimension S; step row b
-reads and writes state[slot_ids[b]]. Inputs may be fp32/bf16/fp16; all math is fp32.
+Every op follows one convention: state tensors are tables with a leading slot dimension S; step row b
+reads and writes state[slot_ids[b]]. A table may be a view of a slot-major buffer (each slot's whole state
+one block of bytes): its slot stride is then that block, and only each slot's own tensor is dense. States are
+fp32; inputs may be fp32/bf16/fp16; all math is fp32.
 """
+import math
 import os
 
 import torch
@@ -45,15 +48,36 @@ def _check_shape(name: str, t: torch.Tensor, shape) -> None:
         raise ValueError(f"{name} must have shape {_shape_str(shape)}, got {list(t.shape)}")
 
 
-def check_state(name: str, t: torch.Tensor, shape, device: torch.device) -> None:
-    """A state table: fp32, contiguous (it is updated in place), on `device`; None in shape = any size."""
+def _dtype_names(dtypes) -> str:
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _slot_dense(t: torch.Tensor) -> bool:
+    """t[0] contiguous (strides of size-1 dims do not matter), for any number of slots."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_state(name: str, t: torch.Tensor, shape, device: torch.device, dtypes=(torch.float32,)) -> None:
+    """A state table [S, ...] updated in place: dtype one of `dtypes`, on `device`, each slot's tensor dense
+    at any slot stride (a view of a slot-major buffer) without overlapping the next slot's; None in shape =
+    any size. Kernels take the slot stride from t.stride(0) and address within a slot as in a dense tensor."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _check_shape(name, t, shape)
-    if t.dtype != torch.float32:
-        raise ValueError(f"{name} is a state and must be float32, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} is updated in place and must be contiguous")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} is a state and must be {_dtype_names(dtypes)}, got {t.dtype}")
+    if not _slot_dense(t):
+        raise ValueError(f"{name} is updated in place and each slot's state must be contiguous (any slot stride), "
+                         f"got strides {tuple(t.stride())} for shape {list(t.shape)}")
+    per_slot = math.prod(t.shape[1:])
+    if t.shape[0] > 1 and t.stride(0) < max(per_slot, 1):
+        raise ValueError(f"{name}'s slots overlap: slot stride {t.stride(0)} < {per_slot} elements per slot")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} like the other tensors")
 

@@ -37,8 +37,7 @@ def _check_step(S, scale, offset, q, k, v, decay, angle, slot_ids):
     check_state("scale", scale, (slots, heads), device)
     if not isinstance(offset, torch.Tensor) or offset.dtype != torch.int32:
         raise ValueError(f"offset must be an int32 tensor, got {getattr(offset, 'dtype', type(offset).__name__)}")
-    if offset.shape != (slots,) or not offset.is_contiguous() or offset.device != device:
-        raise ValueError(f"offset must be a contiguous [{slots}] tensor on {device}, got {list(offset.shape)}")
+    check_state("offset", offset, (slots,), device, (torch.int32,))
     rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else None
     q = check_input("q", q, (rows, heads, head_dim), device)
     k = check_input("k", k, (rows, heads, head_dim), device)
@@ -74,7 +73,7 @@ def _retention_prepare_kernel(
     scale_ptr, offset_ptr, q_ptr, k_ptr, decay_ptr, angle_ptr, slot_ptr,
     q_rot_ptr, k_rot_ptr, norm_ptr,
     heads, head_dim, k_scale,
-    stride_q_row, stride_q_head, stride_k_row, stride_k_head,
+    stride_scale_slot, stride_offset_slot, stride_q_row, stride_q_head, stride_k_row, stride_k_head,
     PRECISE_TRIG: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per row, all heads at once: rotary q~, k~ into temporaries, sqrt(scale_new) into a temporary, then
@@ -97,8 +96,8 @@ def _retention_prepare_kernel(
     k_partner = tl.load(k_row + partner[None, :], mask=mask, other=0.0).to(tl.float32) * k_scale
     angle = tl.load(angle_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
     decay = tl.load(decay_ptr + hd, mask=h_mask, other=0.0).to(tl.float32)
-    offset = tl.load(offset_ptr + slot)
-    scale_ptrs = scale_ptr + slot * heads + hd
+    offset = tl.load(offset_ptr + slot * stride_offset_slot)
+    scale_ptrs = scale_ptr + slot * stride_scale_slot + hd
     scale = tl.load(scale_ptrs, mask=h_mask, other=0.0) * decay + 1.0
 
     theta = offset.to(tl.float32) * angle
@@ -118,7 +117,7 @@ def _retention_prepare_kernel(
     tl.store(scale_ptrs, scale, mask=h_mask)
     tl.store(norm_ptr + row * heads + hd, tl.sqrt_rn(scale), mask=h_mask)
     tl.debug_barrier()  # every thread has read the old offset (a scalar each thread loads) before one stores it
-    tl.store(offset_ptr + slot, offset + 1)
+    tl.store(offset_ptr + slot * stride_offset_slot, offset + 1)
 
 
 @triton.jit
@@ -157,7 +156,8 @@ def _retention_state_kernel(
 def retention_step(S, scale, offset, q, k, v, decay, angle, slot_ids):
     """Advance each row's retention state by one step and read it out (before the per-head RMSNorm).
 
-    S [S, Hh, D, D] fp32, scale [S, Hh] fp32, offset [S] int32: all updated in place at slot_ids.
+    S [S, Hh, D, D] fp32, scale [S, Hh] fp32, offset [S] int32: all updated in place at slot_ids; each may be a
+    slot-major view (kernels/_common.py).
     q, k, v [B, Hh, D] (k unscaled: D^-1/2 is applied inside), decay [Hh], angle [D], slot_ids [B] int32.
     Returns o [B, Hh, D] float32.
     """
@@ -175,7 +175,7 @@ def retention_step(S, scale, offset, q, k, v, decay, angle, slot_ids):
     _retention_prepare_kernel[(rows,)](
         scale, offset, q, k, decay, angle, slot_ids, q_rot, k_rot, norm,
         heads, head_dim, head_dim**-0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        scale.stride(0), offset.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         PRECISE_TRIG=not INTERPRET, BLOCK_H=next_pow2(heads), BLOCK_D=next_pow2(head_dim), num_warps=4,
     )
     block_e = split_block(head_dim, rows * heads, max_block=64, min_block=16)

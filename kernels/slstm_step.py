@@ -84,7 +84,8 @@ def slstm_step_ref(xc, xn, weight, bias, c, n, m, y, slot_ids):
 @triton.jit
 def _slstm_step_kernel(
     xc_ptr, xn_ptr, w_ptr, bias_ptr, c_ptr, n_ptr, m_ptr, y_ptr, slot_ptr, out_ptr,
-    rows, width, size, tiles_per_block, stride_xc, stride_xn, stride_state, stride_out, y_eps,
+    rows, width, size, tiles_per_block, stride_xc, stride_xn, stride_c, stride_n, stride_m, stride_y, stride_out,
+    y_eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0) // tiles_per_block
@@ -105,7 +106,7 @@ def _slstm_step_kernel(
         x_mask = r_mask[:, None] & k_mask[None, :]
         xc = tl.load(xc_ptr + r[:, None] * stride_xc + col[None, :], mask=x_mask, other=0.0)
         xn = tl.load(xn_ptr + r[:, None] * stride_xn + col[None, :], mask=x_mask, other=0.0)
-        yp = tl.load(y_ptr + slot[:, None] * stride_state + col[None, :], mask=x_mask, other=0.0)
+        yp = tl.load(y_ptr + slot[:, None] * stride_y + col[None, :], mask=x_mask, other=0.0)
         xc = xc.to(w_ptr.dtype.element_ty)
         xn = xn.to(w_ptr.dtype.element_ty)
         yp = yp.to(w_ptr.dtype.element_ty)
@@ -126,20 +127,22 @@ def _slstm_step_kernel(
     f = acc_f + tl.load(b + width, mask=j_mask, other=0.0)[None, :]
     z = acc_z + tl.load(b + 2 * width, mask=j_mask, other=0.0)[None, :]
     o = acc_o + tl.load(b + 3 * width, mask=j_mask, other=0.0)[None, :]
-    state = slot[:, None] * stride_state + col[None, :]
     mask = r_mask[:, None] & j_mask[None, :]
-    c = tl.load(c_ptr + state, mask=mask, other=0.0)
-    n = tl.load(n_ptr + state, mask=mask, other=0.0)
-    m = tl.load(m_ptr + state, mask=mask, other=0.0)
+    c_ptrs = c_ptr + slot[:, None] * stride_c + col[None, :]
+    n_ptrs = n_ptr + slot[:, None] * stride_n + col[None, :]
+    m_ptrs = m_ptr + slot[:, None] * stride_m + col[None, :]
+    c = tl.load(c_ptrs, mask=mask, other=0.0)
+    n = tl.load(n_ptrs, mask=mask, other=0.0)
+    m = tl.load(m_ptrs, mask=mask, other=0.0)
     lf = m + logsigmoid(f)
     m_new = tl.maximum(i, lf)
     i_gate = tl.exp(i - m_new)
     f_gate = tl.where(lf == float("-inf"), 0.0, tl.exp(lf - m_new))
     c = f_gate * c + i_gate * tanh(z)
     n = f_gate * n + i_gate
-    tl.store(c_ptr + state, c, mask=mask)
-    tl.store(n_ptr + state, n, mask=mask)
-    tl.store(m_ptr + state, m_new, mask=mask)
+    tl.store(c_ptrs, c, mask=mask)
+    tl.store(n_ptrs, n, mask=mask)
+    tl.store(m_ptrs, m_new, mask=mask)
     tl.store(out_ptr + r[:, None] * stride_out + col[None, :], sigmoid(o) * c / (n + y_eps), mask=mask)
 
 
@@ -153,8 +156,9 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, slot_ids):
 
     xc, xn [B, H] (the convolved and the normalised input), weight [2, 4, NB, s, s] (pack_weights: input and
     state maps, gates i, f, z, o, each block as (out, in)), bias [4, H] (the state maps' biases); c, n, m, y
-    [S, H] fp32 states (c = n = y = 0, m = -inf at start); slot_ids [B] int32. Updates c, n, m in place at
-    slot_ids and returns the new y [B, H] float32, which the caller stores (y[slot_ids] is read, not written).
+    [S, H] fp32 states (c = n = y = 0, m = -inf at start; each may be a slot-major view, kernels/_common.py);
+    slot_ids [B] int32. Updates c, n, m in place at slot_ids and returns the new y [B, H] float32, which the
+    caller stores (y[slot_ids] is read, not written).
     """
     if not (use_triton(c) and supports(weight)):
         return slstm_step_ref(xc, xn, weight, bias, c, n, m, y, slot_ids)
@@ -172,7 +176,8 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, slot_ids):
     tiles = triton.cdiv(size, BLOCK_N)
     _slstm_step_kernel[(blocks * tiles, triton.cdiv(rows, block_m))](
         xc, xn, weight, bias, c, n, m, y, slot_ids, out,
-        rows, width, size, tiles, xc.stride(0), xn.stride(0), c.stride(0), out.stride(0), Y_EPS,
+        rows, width, size, tiles, xc.stride(0), xn.stride(0), c.stride(0), n.stride(0), m.stride(0), y.stride(0),
+        out.stride(0), Y_EPS,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )
     return out

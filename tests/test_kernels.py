@@ -483,7 +483,7 @@ BAD_INPUTS = [
     _bad("retention_step", "S", lambda t: t[..., :-1, :-1], "head size D must be even"),
     _bad("retention_step", "S", lambda t: t[0], r"S must be a \[S, Hh, D, D\] tensor"),
     _bad("retention_step", "offset", lambda t: t.long(), "offset must be an int32 tensor"),
-    _bad("retention_step", "offset", lambda t: t[:-1], "offset must be a contiguous"),
+    _bad("retention_step", "offset", lambda t: t[:-1], r"offset must have shape \[3\]"),
     _bad("retention_step", "angle", lambda t: t[:-2], r"angle must have shape \[10\]"),
 ]
 
