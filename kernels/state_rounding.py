@@ -1,6 +1,6 @@
 """16-bit state storage with fp32 math: loads widen exactly to fp32, stores round back to the table's dtype
 (fp16 or bf16), to nearest or stochastically. Triton device functions, and their PyTorch references beside
-them, which agree bit for bit.
+them, which agree bit for bit (NaN payloads aside).
 
 Stochastic rounding stores x's neighbour above or below with probability given by the distance: unbiased
 (E[stored] = x), so rounding errors do not accumulate a drift over long streams as round-to-nearest's can.
@@ -14,19 +14,20 @@ runs inside CUDA graphs):
 hash32 is lowbias32 (C. Wellons): two multiplies and three xor-shifts on uint32. The slot is not hashed, so a
 symbol's state rounds the same whichever slot holds it.
 
-    bf16: add the top 16 bits of `bits` to x's fp32 bit pattern and drop its low 16 bits
-          (nearest: add 0x7FFF plus the kept lsb: round half to even, as PyTorch does);
-    fp16: lo = the neighbour toward zero, g = the fp16 gap above it (a power of two); store lo + g when
-          u * g < |x| - |lo|, u = 23 bits of `bits` in [0, 1). Every term is exact in fp32.
+    nearest: the plain cast (round half to even);
+    bf16: add the top 16 bits of `bits` to x's fp32 bit pattern and drop its low 16 bits;
+    fp16: lo = x rounded toward zero, g = the fp16 gap above |lo| (a power of two); store lo one step away
+          from zero when u * g < |x - lo|, u = the low 23 bits of `bits` as a fraction in [0, 1). Every term
+          is exact in fp32.
           Beyond 65504 the next value is taken as 65536: inf with probability (|x| - 65504) / 32.
 
-Zeros keep their sign, subnormals round on their own grid, inf stays inf and NaN a quiet NaN of its sign.
-Costs per stored element beyond the plain cast: 9 integer ops for the hash (with the xor of the seed); then
-about 4 for bf16 and 20 for fp16 (nearest: 4 for bf16, 3 for fp16, for the NaN rule and, in bf16, the
-rounding written out).
+Zeros keep their sign, subnormals round on their own grid, inf stays inf and NaN stays NaN (its payload may
+change). Cost per stored element beyond the plain cast: 9 integer ops for the hash (with the xor of the seed),
+then about 5 for bf16 and 12 for fp16.
 
-The conversions are written out in bits because the Triton interpreter (the CPU tests) truncates fp32 to bf16
-and misconverts bf16 subnormals; the only casts used are exact ones and fp32 to fp16 to nearest.
+The Triton interpreter (the CPU tests) truncates fp32 to bf16 where a GPU rounds to nearest, and rounds
+subnormals wrongly toward zero: there the two casts are written out in bits and steps, giving what the GPU's
+own casts give.
 """
 from typing import NamedTuple
 
@@ -34,9 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._common import INTERPRET
+
+# Triton reads this global as a compile-time constant
+INTERPRETED = tl.constexpr(INTERPRET)
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK32 = 0xFFFFFFFF
-FP16_MAX = 65504.0
 
 
 class StochasticRounding(NamedTuple):
@@ -103,37 +107,43 @@ def to_fp32(v):
 
 
 @triton.jit
-def _round_bf16(x, STOCHASTIC: tl.constexpr, seed, index):
-    b = x.to(tl.uint32, bitcast=True)
-    if STOCHASTIC:
-        add = hash32(index.to(tl.uint32, bitcast=True) ^ seed) >> 16
+def _bf16_nearest(x):
+    if INTERPRETED:  # PyTorch's round half to even, in bits (a NaN keeps its sign and top payload, quieted)
+        b = x.to(tl.uint32, bitcast=True)
+        hi = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        hi = tl.where(x != x, (b >> 16) | 0x40, hi)
+        return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
-        add = 0x7FFF + ((b >> 16) & 1)
-    hi = (b + add) >> 16
-    hi = tl.where(x != x, ((b >> 16) & 0x8000) | 0x7FC0, hi)
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _fp16_toward_zero(x):
+    if INTERPRETED:  # to nearest, then one step back toward zero where that went past x
+        near = x.to(tl.float16)
+        back = (tl.abs(near.to(tl.float32)) > tl.abs(x)).to(tl.int16)
+        return (near.to(tl.int16, bitcast=True) - back).to(tl.float16, bitcast=True)
+    else:
+        return x.to(tl.float16, fp_downcast_rounding="rtz")
+
+
+@triton.jit
+def _bf16_stochastic(x, bits):
+    b = x.to(tl.uint32, bitcast=True)
+    hi = (b + (bits >> 16)) >> 16
+    hi = tl.where(x != x, (b >> 16) | 0x40, hi)  # a NaN's payload could carry into the sign
     return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _round_fp16(x, STOCHASTIC: tl.constexpr, seed, index):
-    sign = (x.to(tl.uint32, bitcast=True) >> 16) & 0x8000
-    if STOCHASTIC:
-        ax = tl.abs(x)
-        c = tl.minimum(ax, 65504.0)
-        near = c.to(tl.float16)
-        near_f = near.to(tl.float32)
-        lo = near.to(tl.int16, bitcast=True).to(tl.int32)  # magnitude bits (c >= 0)
-        lo -= (near_f > c).to(tl.int32)  # toward zero
-        gap = ((tl.maximum(lo >> 10, 1) + 102) << 23).to(tl.float32, bitcast=True)  # 2^(max(exp, 1) - 25)
-        resid = ax - near_f
-        resid = tl.where(near_f > c, resid + gap, resid)  # |x| - |lo|, exact
-        bits = hash32(index.to(tl.uint32, bitcast=True) ^ seed)
-        u = ((bits >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
-        mag = (lo + (u * gap < resid).to(tl.int32)).to(tl.uint32)
-    else:
-        mag = x.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32) & 0x7FFF
-    out = tl.where(x != x, 0x7E00, mag) | sign
-    return out.to(tl.uint16).to(tl.float16, bitcast=True)
+def _fp16_stochastic(x, bits):
+    lo = _fp16_toward_zero(x)
+    lo_f = lo.to(tl.float32)
+    # the gap above |lo|: 2^-10 of its binade, 2^-24 among the subnormals
+    gap = tl.maximum((lo_f.to(tl.int32, bitcast=True) & 0x7F800000) - (10 << 23), 0x33800000)
+    u = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+    up = u * gap.to(tl.float32, bitcast=True) < tl.abs(x - lo_f)
+    return (lo.to(tl.int16, bitcast=True) + up.to(tl.int16)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -141,9 +151,15 @@ def store_state(ptrs, x, mask, STOCHASTIC: tl.constexpr, seed, index):
     """Store fp32 x at ptrs in their dtype: fp32 as is; fp16/bf16 to nearest, or stochastically (STOCHASTIC)
     with the row's seed (row_seed) and each element's flat index within the slot's tensor (int32)."""
     if ptrs.dtype.element_ty == tl.bfloat16:
-        x = _round_bf16(x, STOCHASTIC, seed, index)
+        if STOCHASTIC:
+            x = _bf16_stochastic(x, hash32(index.to(tl.uint32, bitcast=True) ^ seed))
+        else:
+            x = _bf16_nearest(x)
     elif ptrs.dtype.element_ty == tl.float16:
-        x = _round_fp16(x, STOCHASTIC, seed, index)
+        if STOCHASTIC:
+            x = _fp16_stochastic(x, hash32(index.to(tl.uint32, bitcast=True) ^ seed))
+        else:
+            x = x.to(tl.float16)
     tl.store(ptrs, x, mask=mask)
 
 
@@ -176,10 +192,6 @@ def stochastic_bits_ref(rounding: StochasticRounding, slot_ids: torch.Tensor, sh
     return hash32_ref(index ^ seed.view(-1, *[1] * len(shape)))
 
 
-def _bits32(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int32).to(torch.int64) & MASK32
-
-
 def _as16(bits: torch.Tensor, dtype) -> torch.Tensor:
     bits = bits & 0xFFFF
     return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(dtype)
@@ -190,31 +202,22 @@ def round_ref(x: torch.Tensor, dtype, bits=None) -> torch.Tensor:
     uint32, x's shape: stochastic_bits_ref), as store_state does."""
     if dtype == torch.float32:
         return x
-    x = x.float()
-    b = _bits32(x)
-    sign = (b >> 16) & 0x8000
-    nan = torch.isnan(x)
-    if dtype == torch.bfloat16:
-        add = (bits >> 16) if bits is not None else 0x7FFF + ((b >> 16) & 1)
-        hi = ((b + add) & MASK32) >> 16
-        return _as16(torch.where(nan, sign | 0x7FC0, hi), dtype)
-    if dtype != torch.float16:
+    if dtype not in STATE_DTYPES:
         raise ValueError(f"state dtype must be one of {STATE_DTYPES}, got {dtype}")
+    x = x.float()
     if bits is None:
-        mag = (x.half().view(torch.int16).to(torch.int64) & 0x7FFF)
-    else:
-        ax = x.abs()
-        c = ax.clamp(max=FP16_MAX)
-        near = c.half()
-        near_f = near.float()
-        stepped = near_f > c
-        lo = near.view(torch.int16).to(torch.int64) - stepped.long()
-        gap = (((lo >> 10).clamp(min=1) + 102) << 23).to(torch.int32).view(torch.float32)
-        resid = ax - near_f
-        resid = torch.where(stepped, resid + gap, resid)
-        u = (((bits >> 9) | 0x3F800000).to(torch.int32).view(torch.float32)) - 1.0
-        mag = lo + (u * gap < resid).long()
-    return _as16(torch.where(nan, 0x7E00, mag) | sign, dtype)
+        return x.to(dtype)
+    if dtype == torch.bfloat16:
+        b = x.contiguous().view(torch.int32).to(torch.int64) & MASK32
+        hi = ((b + (bits >> 16)) & MASK32) >> 16
+        return _as16(torch.where(torch.isnan(x), (b >> 16) | 0x40, hi), dtype)
+    near = x.half()
+    lo = near.view(torch.int16).to(torch.int64) - (near.float().abs() > x.abs()).long()  # toward zero
+    lo_f = _as16(lo, dtype).float()
+    gap = ((lo_f.view(torch.int32).to(torch.int64) & 0x7F800000) - (10 << 23)).clamp(min=0x33800000)
+    u = ((bits & 0x7FFFFF) | 0x3F800000).to(torch.int32).view(torch.float32) - 1.0
+    up = u * gap.to(torch.int32).view(torch.float32) < (x - lo_f).abs()
+    return _as16(lo + up.long(), dtype)
 
 
 def store_ref(table: torch.Tensor, slot_ids: torch.Tensor, x: torch.Tensor, rounding) -> None:

@@ -76,13 +76,9 @@ def test_seeds_follow_the_documented_formula():
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=["fp16", "bf16"])
-def test_nearest_is_torchs_cast(dtype):
+def test_nearest_is_the_plain_cast(dtype):
     x = sample_values()
-    got, want = round_ref(x, dtype), x.to(dtype)
-    nan = torch.isnan(x)
-    assert torch.equal(bits16(got)[~nan], bits16(want)[~nan])
-    assert torch.isnan(got[nan].float()).all()
-    assert torch.equal(torch.signbit(got[nan]), torch.signbit(x[nan]))
+    assert torch.equal(bits16(round_ref(x, dtype)), bits16(x.to(dtype)))
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=["fp16", "bf16"])
@@ -101,7 +97,7 @@ def test_stochastic_lands_on_a_neighbour(dtype):
     lo = torch.where(table[hi] == ax[finite], hi, hi - 1)
     mag = got.abs()[finite]
     assert ((mag == table[lo]) | (mag == table[hi])).all()
-    assert torch.equal(torch.signbit(got), torch.signbit(x))
+    assert torch.equal(torch.signbit(got[finite]), torch.signbit(x[finite]))
     assert torch.equal(got[torch.isinf(x)], x[torch.isinf(x)])
     assert torch.isnan(got[torch.isnan(x)]).all()
     exact = finite & (x.to(dtype).float() == x)
@@ -227,10 +223,12 @@ def test_triton_matches_reference(dtype, stochastic):
     bits = stochastic_bits_ref(StochasticRounding(counter, 12345), slot_ids, (n,)) if stochastic else None
     expected = round_ref(x, dtype, bits)
     got = args[1].cpu()
+    nan = torch.isnan(x)
+    assert torch.isnan(got[nan]).all()
     if dtype == torch.float32:
-        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+        assert torch.equal(got[~nan].view(torch.int32), expected[~nan].view(torch.int32))
     else:
-        assert torch.equal(bits16(got), bits16(expected))
+        assert torch.equal(bits16(got[~nan]), bits16(expected[~nan]))
 
 
 @pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
