@@ -157,6 +157,8 @@ def assert_only_written(buf, before, regions, written, slot_ids):
 # Slot-major tables: every state kernel, bit for bit as on contiguous tables
 
 def check_slot_major(op_name, impl, device, full=False):
+    """One step with the op's states carved out of one slot-major buffer, beside contiguous copies: outputs
+    and states bit for bit alike, and no byte changed outside the written components of the rows' slots."""
     op = OPS[op_name][impl]
     slots, slot_ids, _ = layout(3, padding=2, idle=3, device=device)
     args, names, written = case(op_name, len(slot_ids), slots, full=full, device=device)
