@@ -1,9 +1,11 @@
 """Triton kernels for the fast engine's step, each beside its PyTorch reference.
 
 The state ops update state tables in place at per-row slot indices (int32, distinct within a call except
-padding rows sharing a padding slot); a table may be a view of a slot-major buffer (kernels/_common.py). The
-others fuse the glue between them, and skinny_matmul is the weight product for a step's few rows. `op` runs
-Triton on CUDA tensors or under TRITON_INTERPRET=1 (read at import) and falls back to `op_ref` otherwise.
+padding rows sharing a padding slot); a table may be a view of a slot-major buffer (kernels/_common.py), and
+the three matrix states may be stored in fp16/bf16, rounded to nearest or stochastically
+(kernels/state_rounding.py). The others fuse the glue between them, and skinny_matmul is the weight product
+for a step's few rows. `op` runs Triton on CUDA tensors or under TRITON_INTERPRET=1 (read at import) and falls
+back to `op_ref` otherwise.
 """
 from kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from kernels.causal_conv_update import causal_conv_update, causal_conv_update_ref
@@ -18,6 +20,7 @@ from kernels.skinny_matmul import skinny_matmul, skinny_matmul_ref
 from kernels.slstm_input import slstm_input, slstm_input_ref
 from kernels.slstm_output import slstm_output, slstm_output_ref
 from kernels.slstm_step import slstm_step, slstm_step_ref
+from kernels.state_rounding import StochasticRounding
 from kernels.xlstm_residual import xlstm_residual, xlstm_residual_ref
 
 __all__ = [
@@ -31,4 +34,5 @@ __all__ = [
     "skinny_matmul", "skinny_matmul_ref",
     "slstm_input", "slstm_input_ref", "slstm_step", "slstm_step_ref", "slstm_output", "slstm_output_ref",
     "mlstm_output", "mlstm_output_ref", "xlstm_residual", "xlstm_residual_ref",
+    "StochasticRounding",
 ]

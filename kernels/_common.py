@@ -3,7 +3,8 @@
 Every op follows one convention: state tensors are tables with a leading slot dimension S; step row b
 reads and writes state[slot_ids[b]]. A table may be a view of a slot-major buffer (each slot's whole state
 one block of bytes): its slot stride is then that block, and only each slot's own tensor is dense. States are
-fp32; inputs may be fp32/bf16/fp16; all math is fp32.
+fp32, except that the large matrix states may be stored in fp16/bf16 (kernels/state_rounding.py). Inputs may
+be fp32/bf16/fp16; all math is fp32.
 """
 import math
 import os
@@ -71,7 +72,8 @@ def check_state(name: str, t: torch.Tensor, shape, device: torch.device, dtypes=
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _check_shape(name, t, shape)
     if t.dtype not in dtypes:
-        raise ValueError(f"{name} is a state and must be {_dtype_names(dtypes)}, got {t.dtype}")
+        hint = " (16-bit storage is for the large matrix states only)" if t.dtype in FLOAT_DTYPES else ""
+        raise ValueError(f"{name} is a state and must be {_dtype_names(dtypes)}, got {t.dtype}{hint}")
     if not _slot_dense(t):
         raise ValueError(f"{name} is updated in place and each slot's state must be contiguous (any slot stride), "
                          f"got strides {tuple(t.stride())} for shape {list(t.shape)}")

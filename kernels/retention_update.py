@@ -4,12 +4,16 @@ and the fused output gate silu(g) * rmsnorm_per_head(o).
 theta = float(offset) * angle; q~ = q cos theta + rot(q) sin theta, k~ likewise on k * D^-1/2, with
 rot(u)[2j], rot(u)[2j+1] = -u[2j+1], u[2j];  S <- S * decay + k~ v^T;  scale <- scale * decay + 1;
 o = (q~ S) / sqrt(scale);  offset <- offset + 1.
+S may be stored in fp16/bf16 (kernels/state_rounding.py): the math and the readout use the fp32 S, and only its
+store rounds.
 """
 import torch
 import triton
 import triton.language as tl
 
 from kernels._common import INTERPRET, check_input, check_slot_ids, check_state, next_pow2, split_block, use_triton
+from kernels.state_rounding import (STATE_DTYPES, check_rounding, kernel_args, row_seed, store_ref, store_state,
+                                    to_fp32)
 
 RMS_EPS = 1e-6
 # fp32 values of S streamed per program per loop iteration (32 per thread at 4 warps)
@@ -26,14 +30,14 @@ def _rotate(u):
     return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
 
 
-def _check_step(S, scale, offset, q, k, v, decay, angle, slot_ids):
+def _check_step(S, scale, offset, q, k, v, decay, angle, slot_ids, rounding):
     if not isinstance(S, torch.Tensor) or S.dim() != 4:
         raise ValueError(f"S must be a [S, Hh, D, D] tensor, got {getattr(S, 'shape', type(S).__name__)}")
     slots, heads, head_dim, _ = S.shape
     if head_dim % 2:
         raise ValueError(f"the head size D must be even for rotary pairs, got {head_dim}")
     device = S.device
-    check_state("S", S, (slots, heads, head_dim, head_dim), device)
+    check_state("S", S, (slots, heads, head_dim, head_dim), device, STATE_DTYPES)
     check_state("scale", scale, (slots, heads), device)
     if not isinstance(offset, torch.Tensor) or offset.dtype != torch.int32:
         raise ValueError(f"offset must be an int32 tensor, got {getattr(offset, 'dtype', type(offset).__name__)}")
@@ -45,12 +49,12 @@ def _check_step(S, scale, offset, q, k, v, decay, angle, slot_ids):
     decay = check_input("decay", decay, (heads,), device)
     angle = check_input("angle", angle, (head_dim,), device)
     check_slot_ids(slot_ids, rows, device)
-    return q, k, v, decay, angle
+    return q, k, v, decay, angle, check_rounding(rounding, slots, device)
 
 
-def retention_step_ref(S, scale, offset, q, k, v, decay, angle, slot_ids):
+def retention_step_ref(S, scale, offset, q, k, v, decay, angle, slot_ids, rounding=None):
     """PyTorch reference of retention_step, same signature and in-place semantics."""
-    q, k, v, decay, angle = _check_step(S, scale, offset, q, k, v, decay, angle, slot_ids)
+    q, k, v, decay, angle, rounding = _check_step(S, scale, offset, q, k, v, decay, angle, slot_ids, rounding)
     head_dim = q.shape[-1]
     index = slot_ids.long()
     decay = decay.float()
@@ -60,9 +64,9 @@ def retention_step_ref(S, scale, offset, q, k, v, decay, angle, slot_ids):
     k = k.float() * head_dim**-0.5
     q_rot = q * cos + _rotate(q) * sin
     k_rot = k * cos + _rotate(k) * sin
-    S_new = S[index] * decay[None, :, None, None] + k_rot[..., :, None] * v.float()[..., None, :]
+    S_new = S[index].float() * decay[None, :, None, None] + k_rot[..., :, None] * v.float()[..., None, :]
     scale_new = scale[index] * decay + 1
-    S[index] = S_new
+    store_ref(S, slot_ids, S_new, rounding)
     scale[index] = scale_new
     offset[index] = offset[index] + 1
     return torch.einsum("bhd,bhde->bhe", q_rot, S_new) / torch.sqrt(scale_new)[..., None]
@@ -120,13 +124,13 @@ def _retention_prepare_kernel(
     tl.store(offset_ptr + slot * stride_offset_slot, offset + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["salt"])
 def _retention_state_kernel(
-    S_ptr, v_ptr, decay_ptr, slot_ptr, q_rot_ptr, k_rot_ptr, norm_ptr, o_ptr,
-    heads, head_dim,
-    stride_S_slot, stride_S_head, stride_S_row,
+    S_ptr, v_ptr, decay_ptr, slot_ptr, q_rot_ptr, k_rot_ptr, norm_ptr, o_ptr, counter_ptr,
+    heads, head_dim, salt,
+    stride_S_slot, stride_S_head, stride_S_row, stride_counter,
     stride_v_row, stride_v_head, stride_o_row, stride_o_head,
-    BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+    STOCHASTIC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """One program per (row, head, tile of value columns e): streams S[:, e-tile] once, in d chunks."""
     row = tl.program_id(0)
@@ -136,7 +140,7 @@ def _retention_state_kernel(
     slot = tl.load(slot_ptr + row).to(tl.int64)
     decay = tl.load(decay_ptr + head).to(tl.float32)
     v = tl.load(v_ptr + row * stride_v_row + head * stride_v_head + e, mask=e_mask, other=0.0).to(tl.float32)
-    S_head = S_ptr + slot * stride_S_slot + head * stride_S_head
+    S_slot = S_ptr + slot * stride_S_slot
     tmp = (row * heads + head) * head_dim
     acc = tl.zeros([BLOCK_E], dtype=tl.float32)
     for d0 in range(0, head_dim, BLOCK_D):
@@ -144,26 +148,32 @@ def _retention_state_kernel(
         d_mask = d < head_dim
         q_rot = tl.load(q_rot_ptr + tmp + d, mask=d_mask, other=0.0)
         k_rot = tl.load(k_rot_ptr + tmp + d, mask=d_mask, other=0.0)
-        tile = S_head + d[:, None] * stride_S_row + e[None, :]
+        index = head * stride_S_head + d[:, None] * stride_S_row + e[None, :]  # within the slot's S
         tile_mask = d_mask[:, None] & e_mask[None, :]
-        S = tl.load(tile, mask=tile_mask, other=0.0) * decay + k_rot[:, None] * v[None, :]
-        tl.store(tile, S, mask=tile_mask)
+        S = tl.load(S_slot + index, mask=tile_mask, other=0.0)
+        if STOCHASTIC:  # the counter loaded in the loop, beside the tile: a seed hoisted out would wait for it
+            seed = row_seed(tl.load(counter_ptr + slot * stride_counter), salt)
+        else:
+            seed = 0
+        S = to_fp32(S) * decay + k_rot[:, None] * v[None, :]
+        store_state(S_slot + index, S, tile_mask, STOCHASTIC, seed, index)
         acc += tl.sum(q_rot[:, None] * S, axis=0)
     o = acc / tl.load(norm_ptr + row * heads + head)
     tl.store(o_ptr + row * stride_o_row + head * stride_o_head + e, o, mask=e_mask)
 
 
-def retention_step(S, scale, offset, q, k, v, decay, angle, slot_ids):
+def retention_step(S, scale, offset, q, k, v, decay, angle, slot_ids, rounding=None):
     """Advance each row's retention state by one step and read it out (before the per-head RMSNorm).
 
-    S [S, Hh, D, D] fp32, scale [S, Hh] fp32, offset [S] int32: all updated in place at slot_ids; each may be a
-    slot-major view (kernels/_common.py).
-    q, k, v [B, Hh, D] (k unscaled: D^-1/2 is applied inside), decay [Hh], angle [D], slot_ids [B] int32.
-    Returns o [B, Hh, D] float32.
+    S [S, Hh, D, D] fp32, fp16 or bf16, scale [S, Hh] fp32, offset [S] int32: all updated in place at
+    slot_ids; each may be a slot-major view (kernels/_common.py). q, k, v [B, Hh, D] (k unscaled: D^-1/2 is
+    applied inside), decay [Hh], angle [D], slot_ids [B] int32. rounding: how a 16-bit S is stored, None or
+    "nearest", or StochasticRounding(counter, salt) (kernels/state_rounding.py); an fp32 S is stored as is.
+    Returns o [B, Hh, D] float32, read from the fp32 S before its rounding.
     """
     if not use_triton(S):
-        return retention_step_ref(S, scale, offset, q, k, v, decay, angle, slot_ids)
-    q, k, v, decay, angle = _check_step(S, scale, offset, q, k, v, decay, angle, slot_ids)
+        return retention_step_ref(S, scale, offset, q, k, v, decay, angle, slot_ids, rounding)
+    q, k, v, decay, angle, rounding = _check_step(S, scale, offset, q, k, v, decay, angle, slot_ids, rounding)
     rows, heads, head_dim = q.shape
     device = S.device
     o = torch.empty(rows, heads, head_dim, device=device, dtype=torch.float32)
@@ -180,12 +190,13 @@ def retention_step(S, scale, offset, q, k, v, decay, angle, slot_ids):
     )
     block_e = split_block(head_dim, rows * heads, max_block=64, min_block=16)
     block_d = max(1, min(next_pow2(head_dim), MAX_TILE // block_e))
+    counter, stride_counter, salt, stochastic = kernel_args(S, rounding, slot_ids)
     _retention_state_kernel[(rows, heads, triton.cdiv(head_dim, block_e))](
-        S, v, decay, slot_ids, q_rot, k_rot, norm, o,
-        heads, head_dim,
-        S.stride(0), S.stride(1), S.stride(2),
+        S, v, decay, slot_ids, q_rot, k_rot, norm, o, counter,
+        heads, head_dim, salt,
+        S.stride(0), head_dim * head_dim, head_dim, stride_counter,
         v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        BLOCK_D=block_d, BLOCK_E=block_e, num_warps=NUM_WARPS,
+        STOCHASTIC=stochastic, BLOCK_D=block_d, BLOCK_E=block_e, num_warps=NUM_WARPS,
     )
     return o
 

@@ -1,26 +1,34 @@
 """How the state kernels store state: every state kernel on slot-major tables (each component a strided view of
-one byte buffer [S, slot bytes]).
+one byte buffer [S, slot bytes]), and the three matrix states (mLSTM C, Mamba2 h, RetNet S) in fp16/bf16 with
+round-to-nearest or stochastic rounding (kernels/state_rounding.py).
 
 Triton cases run on a GPU when there is one, else under the interpreter in a child process (see
 tests/test_kernels.py); references and bad input run here; full-size cases need a GPU.
 """
+import importlib
+
 import pytest
 import torch
 
 import kernels
 from kernels._common import INTERPRET
-from test_kernels import SMALL_DIMS, STATE_OPS, make_args
+from kernels.state_rounding import StochasticRounding, round_ref, stochastic_bits_ref
+from test_kernels import FULL_DIMS, SMALL_DIMS, STATE_OPS, assert_close, make_args
 from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 RUNS_TRITON = INTERPRET or HAS_CUDA
 DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
 runs_triton = pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
+cuda_only = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU")
 
 OPS = {name: (op, ref) for name, (op, ref, _) in STATE_OPS.items()}
 OPS.update(mlstm_input=(kernels.mlstm_input, kernels.mlstm_input_ref),
            slstm_input=(kernels.slstm_input, kernels.slstm_input_ref),
            slstm_output=(kernels.slstm_output, kernels.slstm_output_ref))
+MATRIX = {"mlstm_step": "C", "mamba2_state_update": "h", "retention_step": "S"}
+HALF = [torch.float16, torch.bfloat16]
+MANTISSA = {torch.float16: (10, 2.0**-24), torch.bfloat16: (7, 2.0**-133)}  # bits, smallest subnormal
 GAP = 16  # poisoned bytes before, between and after a slot's components: another component's bytes
 
 
@@ -57,14 +65,38 @@ def assert_same_bits(actual, expected, name=""):
     assert same.all(), f"{name}: {(~same).sum().item()} of {same.numel()} differ"
 
 
+def assert_within_one_ulp(actual, expected, name="", min_equal=0.99, rtol=2e-5):
+    """16-bit values at most one step apart on the ordered grid of the dtype (or within fp32 agreement,
+    rtol scaled by the largest magnitude: where the update cancels, a value is far smaller than its terms and
+    their fp32 rounding can exceed its own ulp), and nearly all equal: two fp32 results that differ in their
+    last bits round apart rarely, while rounding from other random bits (a stale counter, a wrong index)
+    would differ in about half of the values."""
+    def ordered(t):
+        b = bits(t).to(torch.int32) & 0xFFFF
+        return torch.where(b >= 0x8000, -(b & 0x7FFF), b)
+    steps = (ordered(actual) - ordered(expected)).abs()
+    close = (actual.float() - expected.float()).abs() <= rtol * expected.float().abs().max()
+    far = (steps > 1) & ~close
+    assert not far.any(), f"{name}: {far.sum().item()} values more than one ulp apart"
+    assert (steps == 0).float().mean().item() >= min_equal, f"{name}: {(steps > 0).sum().item()} values differ"
+
+
+def ulp(v, dtype):
+    mantissa, smallest = MANTISSA[dtype]
+    _, exponent = torch.frexp(v.abs())
+    return torch.ldexp(torch.ones_like(v), exponent - 1 - mantissa).clamp(min=smallest)
+
+
 def as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
 
-def case(op_name, rows, slots, dims=None, seed=0, device=DEVICE):
-    """(arguments without slot_ids, state names, names of the states the op writes) for one call."""
+def case(op_name, rows, slots, full=False, dims=None, seed=0, device=DEVICE):
+    """(arguments without slot_ids, state names, names of the states the op writes) for one call, at small
+    sizes, the full model's or `dims`."""
     if op_name in STATE_OPS:
-        args = make_args(op_name, rows, slots, dims or SMALL_DIMS[op_name][0], device=device, seed=seed)
+        dims = dims or (FULL_DIMS[op_name] if full else SMALL_DIMS[op_name][0])
+        args = make_args(op_name, rows, slots, dims, device=device, seed=seed)
         names = STATE_OPS[op_name][2]
         return args, names, tuple(n for n in names if (op_name, n) != ("slstm_step", "y"))  # y: read only
     gen = torch.Generator().manual_seed(seed)
@@ -73,29 +105,29 @@ def case(op_name, rows, slots, dims=None, seed=0, device=DEVICE):
         return torch.randn(*shape, generator=gen).to(device)
 
     if op_name == "mlstm_input":
-        inner, gates = 72, 4
+        inner, gates = (4096, 16) if full else (72, 4)
         args = dict(xm=randn(rows, inner), conv_state=randn(slots, inner, 3), conv_weight=randn(inner, 4) * 0.5,
                     conv_bias=randn(inner), qkv_weight=randn(inner // 4, 3, 4, 4) * 0.5,
                     gate_weight=randn(gates, 3 * inner) / inner**0.5, gate_bias=randn(gates))
         return args, ("conv_state",), ("conv_state",)
     if op_name == "slstm_input":
-        width = 40
+        width = 2048 if full else 40
         args = dict(x=randn(rows, width), delta=randn(rows, width), bias=randn(width),
                     norm_weight=randn(width).abs() + 0.5, rms_eps=1e-6, ln_weight=randn(width).abs() + 0.5,
                     conv_state=randn(slots, width, 3), conv_weight=randn(width, 4), conv_bias=randn(width))
         return args, ("conv_state",), ("conv_state",)
     if op_name == "slstm_output":
-        width = 48
+        width = 2048 if full else 48
         args = dict(y=randn(rows, width), xin=randn(rows, width), gn_weight=randn(width), gn_bias=randn(width),
                     ln_weight=randn(width), groups=4, out_dtype=torch.float32, y_state=randn(slots, width))
         return args, ("y_state",), ("y_state",)
     raise KeyError(op_name)
 
 
-def run(op, args, tables, slot_ids):
+def run(op, args, tables, slot_ids, **extra):
     """op on copies of the inputs (slstm_input updates x in place), with `tables` as its states."""
     call = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    return as_tuple(op(**call, **tables, slot_ids=slot_ids))
+    return as_tuple(op(**call, **tables, **extra, slot_ids=slot_ids))
 
 
 def layout(live, padding, idle, device, seed=1):
@@ -124,11 +156,12 @@ def assert_only_written(buf, before, regions, written, slot_ids):
 # ---------------------------------------------------------------------------------------------------------
 # Slot-major tables: every state kernel, bit for bit as on contiguous tables
 
-def check_slot_major(op_name, impl, device):
+def check_slot_major(op_name, impl, device, full=False):
+    """One step with the op's states carved out of one slot-major buffer, beside contiguous copies: outputs
+    and states bit for bit alike, and no byte changed outside the written components of the rows' slots."""
     op = OPS[op_name][impl]
-    live = 3
-    slots, slot_ids, live_slots = layout(live, padding=2, idle=3, device=device)
-    args, names, written = case(op_name, len(slot_ids), slots, device=device)
+    slots, slot_ids, _ = layout(3, padding=2, idle=3, device=device)
+    args, names, written = case(op_name, len(slot_ids), slots, full=full, device=device)
     tables = {name: args.pop(name) for name in names}
     poison_padding_slot(tables, slots - 1)
     buf, views, regions = slot_major(tables, slots)
@@ -191,6 +224,152 @@ def test_triton_small_slot_major(op_name):
     check_slot_major(op_name, 0, DEVICE)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# 16-bit matrix states
+
+def check_half_state(op_name, dtype, stochastic, impl, device, full=False, dims=None, live=3, padding=2):
+    """One step on a slot-major table whose matrix state is `dtype`, beside an fp32 run from the same values.
+
+    The readout equals the fp32 run's bit for bit (it reads the fp32 state before rounding); the stored state
+    is the fp32 run's new state rounded by round_ref with the rows' counters and the salt, bit for bit; the
+    small states equal the fp32 run's; nothing outside the rows' states (the counter included) is written.
+    For Triton (impl 0), also against the reference from the same 16-bit state: within one ulp (their fp32
+    math differs in the last bits, which can move a rounding by one step), the readout close."""
+    op = OPS[op_name][impl]
+    matrix = MATRIX[op_name]
+    slots, slot_ids, live_slots = layout(live, padding, idle=2, device=device)
+    args, names, _ = case(op_name, len(slot_ids), slots, full=full, dims=dims, device=device)
+    tables = {name: args.pop(name) for name in names}
+    poison_padding_slot(tables, slots - 1)
+    tables[matrix] = tables[matrix].to(dtype)
+    counter = torch.randint(-2**31, 2**31 - 1, (slots,), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    buf, views, regions = slot_major({**tables, "counter": counter.to(device)}, slots)
+    counter = views.pop("counter")
+    rounding = StochasticRounding(counter, 1234) if stochastic else "nearest"
+    fp32 = {name: t.float() if name == matrix else t.clone() for name, t in tables.items()}
+    initial = {name: t.clone() for name, t in views.items()}
+    before = buf.clone()
+    out = run(op, args, views, slot_ids, rounding=rounding)
+    out32 = run(op, args, fp32, slot_ids)
+    assert_same_bits(out[0][:live], out32[0][:live], "readout")
+    noise = stochastic_bits_ref(rounding, slot_ids[:live], views[matrix].shape[1:]) if stochastic else None
+    assert_same_bits(views[matrix][live_slots], round_ref(fp32[matrix][live_slots], dtype, noise), matrix)
+    for name in names:
+        if name != matrix:
+            assert_same_bits(views[name][live_slots], fp32[name][live_slots], name)
+    assert_only_written(buf, before, regions, names, slot_ids)
+    if impl == 0:
+        ref_out = run(OPS[op_name][1], args, initial, slot_ids, rounding=rounding)
+        assert_close(out[0][:live], ref_out[0][:live])
+        assert_within_one_ulp(views[matrix][live_slots], initial[matrix][live_slots], matrix)
+
+
+@pytest.mark.parametrize("op_name", list(MATRIX))
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_reference_half_state(op_name, dtype, stochastic):
+    check_half_state(op_name, dtype, stochastic, 1, "cpu")
+
+
+@runs_triton
+@pytest.mark.parametrize("op_name", list(MATRIX))
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_triton_small_half_state(op_name, dtype, stochastic):
+    check_half_state(op_name, dtype, stochastic, 0, DEVICE)
+
+
+@runs_triton
+@pytest.mark.parametrize("op_name,module", [("mlstm_step", "mlstm_update"), ("retention_step", "retention_update")])
+def test_triton_small_half_state_in_several_chunks(op_name, module, monkeypatch):
+    """Small tiles: the d loop runs over several chunks (the counter loaded in each) and value-column tiles."""
+    monkeypatch.setattr(importlib.import_module(f"kernels.{module}"), "MAX_TILE", 16 * 16)
+    check_half_state(op_name, torch.float16, True, 0, DEVICE, dims=dict(heads=2, head_dim=40))
+
+
+@pytest.mark.parametrize("op_name", list(MATRIX))
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_reference_half_state_tracks_fp32(op_name, dtype, stochastic):
+    """Steps of 16-bit state (the counter advancing) stay within their rounding of an fp32 run: each step
+    adds at most one gap at the element's largest magnitude (the updates are linear in the state with
+    factors <= 1), doubled for crossing a binade."""
+    steps, rows = 6, 3
+    matrix = MATRIX[op_name]
+    args, names, _ = case(op_name, rows, rows, device="cpu")
+    half = {name: args.pop(name) for name in names}
+    half[matrix] = half[matrix].to(dtype)
+    fp32 = {name: t.float() if name == matrix else t.clone() for name, t in half.items()}
+    slot_ids = torch.arange(rows, dtype=torch.int32)
+    counter = torch.zeros(rows, dtype=torch.int32)
+    rounding = StochasticRounding(counter, 7) if stochastic else None
+    peak = fp32[matrix].abs()
+    ref = OPS[op_name][1]
+    for _ in range(steps):
+        run(ref, args, half, slot_ids, rounding=rounding)
+        run(ref, args, fp32, slot_ids)
+        counter += 1
+        peak = torch.maximum(peak, fp32[matrix].abs())
+    error = (half[matrix].float() - fp32[matrix]).abs()
+    assert (error <= 2 * steps * ulp(peak, dtype)).all()
+    assert (error > 0).any()
+
+
+@pytest.mark.parametrize("op_name", list(MATRIX))
+def test_reference_stochastic_rounding_follows_counter_and_salt(op_name):
+    """The same counter and salt give the same bits; another salt or counter, other bits (within one ulp)."""
+    matrix = MATRIX[op_name]
+    args, names, _ = case(op_name, 2, 2, device="cpu")
+    start = {name: args.pop(name) for name in names}
+    start[matrix] = start[matrix].to(torch.bfloat16)
+    slot_ids = torch.tensor([1, 0], dtype=torch.int32)
+
+    def stored(counter, salt):
+        tables = {name: t.clone() for name, t in start.items()}
+        rounding = StochasticRounding(torch.tensor(counter, dtype=torch.int32), salt)
+        run(OPS[op_name][1], args, tables, slot_ids, rounding=rounding)
+        return tables[matrix]
+
+    base = stored([3, 8], 1)
+    assert_same_bits(stored([3, 8], 1), base)
+    for other in (stored([3, 8], 2), stored([4, 9], 1)):
+        assert (bits(other) != bits(base)).any(dim=-1).any(dim=-1).all()  # in every slot and head
+        assert_within_one_ulp(other, base, min_equal=0)
+
+
+@pytest.mark.parametrize("op_name,name,make_bad,match", [
+    ("mlstm_step", "n", lambda t: t.half(), r"n is a state and must be float32, got torch.float16 \(16-bit storage "
+                                           r"is for the large matrix states only\)"),
+    ("mlstm_step", "m", lambda t: t.bfloat16(), "m is a state and must be float32, got torch.bfloat16"),
+    ("retention_step", "scale", lambda t: t.half(), "scale is a state and must be float32, got torch.float16"),
+    ("slstm_step", "c", lambda t: t.bfloat16(), "c is a state and must be float32, got torch.bfloat16"),
+    ("rglru_step", "h", lambda t: t.half(), "h is a state and must be float32, got torch.float16"),
+    ("causal_conv_update", "conv_state", lambda t: t.half(), "conv_state is a state and must be float32, got"),
+    ("mlstm_step", "C", lambda t: t.double(), "C is a state and must be float32, float16 or bfloat16, got"),
+    ("mamba2_state_update", "h", lambda t: t.to(torch.int16), "h is a state and must be float32, float16 or"),
+], ids=["mlstm-n", "mlstm-m", "retention-scale", "slstm-c", "rglru-h", "conv", "mlstm-C-double", "mamba2-h-int"])
+def test_16bit_small_states_are_rejected(op_name, name, make_bad, match):
+    args = make_args(op_name, 2, 3, SMALL_DIMS[op_name][0])
+    args[name] = make_bad(args[name])
+    with pytest.raises(ValueError, match=match):
+        OPS[op_name][0](**args, slot_ids=torch.tensor([0, 2], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("op_name", list(MATRIX))
+@pytest.mark.parametrize("rounding,match", [
+    ((torch.zeros(3, dtype=torch.int64), 1), r"rounding counter must be an int32 \[3\] tensor"),
+    ((torch.zeros(4, dtype=torch.int32), 1), r"counter must be an int32 \[3\] tensor .* got torch.int32 \[4\]"),
+    ((torch.zeros(3, 1, dtype=torch.int32), 1), r"rounding counter must be an int32 \[3\] tensor"),
+    ((torch.zeros(3, dtype=torch.int32), -2), r"rounding salt must be an int in \[0, 2\*\*31\)"),
+    ("stochastic", "rounding must be None, 'nearest' or StochasticRounding"),
+], ids=["counter-dtype", "counter-length", "counter-rank", "salt", "mode"])
+def test_bad_rounding_is_rejected(op_name, rounding, match):
+    args = make_args(op_name, 2, 3, SMALL_DIMS[op_name][0])
+    args[MATRIX[op_name]] = args[MATRIX[op_name]].half()
+    with pytest.raises(ValueError, match=match):
+        OPS[op_name][0](**args, slot_ids=torch.tensor([0, 2], dtype=torch.int32), rounding=rounding)
+
+
 @pytest.mark.parametrize("op_name,name,make_bad,match", [
     ("mlstm_step", "C", lambda t: t.transpose(2, 3), "each slot's state must be contiguous"),
     ("mlstm_step", "n", lambda t: t[:, :, :1].expand(-1, -1, 24), "each slot's state must be contiguous"),
@@ -204,3 +383,50 @@ def test_bad_slot_layout_is_rejected(op_name, name, make_bad, match):
     args[name] = make_bad(args[name])
     with pytest.raises(ValueError, match=match):
         op(**args, slot_ids=torch.tensor([0, 2], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU, full model sizes
+
+@cuda_only
+@pytest.mark.parametrize("op_name", list(MATRIX))
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("live_rows", [1, 20])
+def test_gpu_half_state_full_size(op_name, dtype, stochastic, live_rows):
+    check_half_state(op_name, dtype, stochastic, 0, "cuda", full=True, live=live_rows)
+
+
+@cuda_only
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_gpu_slot_major_full_size(op_name):
+    check_slot_major(op_name, 0, "cuda", full=True)
+
+
+@cuda_only
+@pytest.mark.parametrize("op_name", list(MATRIX))
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_gpu_stochastic_rounding_in_a_cuda_graph(op_name, dtype):
+    """Captured once; the counter advances on the device between replays, and each replay rounds with it."""
+    op, ref = OPS[op_name]
+    matrix = MATRIX[op_name]
+    slots = 8
+    args, names, _ = case(op_name, 3, slots, full=True, device="cuda", seed=3)
+    args[matrix] = args[matrix].to(dtype)
+    rounding = StochasticRounding(torch.zeros(slots, dtype=torch.int32, device="cuda"), 5)
+    ref_args = {**args, **{name: args[name].clone() for name in names}}
+    slot_ids = torch.tensor([5, 0, 2], dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up compiles the kernels outside the capture
+        op(**{**args, **{name: args[name].clone() for name in names}}, slot_ids=slot_ids, rounding=rounding)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(**args, slot_ids=slot_ids, rounding=rounding)
+    for _ in range(2):
+        rounding.counter.add_(1)  # the runner's increment, on the device
+        graph.replay()
+        expected = ref(**ref_args, slot_ids=slot_ids, rounding=rounding)
+        assert_close(out, expected)
+        assert_within_one_ulp(args[matrix], ref_args[matrix], matrix)
