@@ -191,3 +191,37 @@ def test_offload_and_return_with_steps_in_flight_on_gpu():
             pending.append(tight.submit(*steps[i + 2]))
         assert np.array_equal(pending[i].result(), roomy.step(chosen, feats)), i
     assert tight.table.stats["offloaded"] > 10 and tight.table.stats["restored"] > 10
+
+
+@pytest.mark.parametrize("state_dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_16_bit_state_stays_close_to_fp32_state(state_dtype, rounding):
+    model, _ = load_model("small", seed=6)
+    half = FastEngine(model, device="cpu", capacity=4, state_dtype=state_dtype, state_rounding=rounding,
+                      progress=False)
+    full = FastEngine(model, device="cpu", capacity=4, progress=False)
+    assert half.state_bytes < 0.75 * full.state_bytes
+    assert half.describe()["state_dtype"] == state_dtype
+    err = compare(half, full, steps=60, seed=2, n_symbols=4)
+    assert np.isfinite(err).all() and err.max() < (2e-3 if state_dtype == "fp16" else 2e-2), err.max(0)
+    if rounding == "stochastic":
+        counter = half.table.tensors["steps"]
+        assert int(counter[1:].sum()) == sum(len(c) for c, _ in random_steps(2, 60, [f"SYM_{i:03d}" for i in range(4)]))
+
+
+def test_16_bit_state_moves_through_the_host_tier_bit_for_bit():
+    model, _ = load_model("tiny", seed=7)
+    options = dict(device="cpu", state_dtype="fp16", state_rounding="stochastic", progress=False)
+    tight = FastEngine(model, capacity=2, host_symbols=6, **options)
+    roomy = FastEngine(model, capacity=6, host_symbols=0, **options)
+    for chosen, feats in random_steps(8, 40, [f"S{i}" for i in range(6)], max_batch=2):
+        assert np.array_equal(tight.step(chosen, feats), roomy.step(chosen, feats))
+    assert tight.table.stats["restored"] > 0
+
+
+def test_unknown_state_dtype_or_rounding_is_a_clear_error():
+    model, _ = load_model("tiny", seed=0)
+    with pytest.raises(ValueError, match="unknown state dtype 'fp8'"):
+        FastEngine(model, device="cpu", state_dtype="fp8", progress=False)
+    with pytest.raises(ValueError, match="state rounding must be nearest or stochastic"):
+        FastEngine(model, device="cpu", state_dtype="fp16", state_rounding="up", progress=False)

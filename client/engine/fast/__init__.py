@@ -85,11 +85,12 @@ class FastEngine(Engine):
 
     def __init__(self, model, device=None, *, max_batch=64, graphs=None, precision=None, capacity=None,
                  state_memory=None, host_symbols=None, idle_timeout_s=None, reserve=0, state_dtype="fp32",
-                 devices=None, time_steps=False, progress=True):
+                 state_rounding="stochastic", devices=None, time_steps=False, progress=True):
         """device, or devices (several: the towers placed over them); capacity (symbols on the GPU) or
         state_memory (the share of free GPU memory the state table takes, STATE_MEMORY by default);
         host_symbols: states that may wait in host memory (default: what HOST_MEMORY of available host memory
-        holds on CUDA, none on the CPU); state_dtype: fp32, or fp16/bf16 storage of the matrix states;
+        holds on CUDA, none on the CPU); state_dtype: fp32, or fp16/bf16 storage of the matrix states, rounded
+        stochastically or to nearest (state_rounding);
         time_steps: keep (batch, GPU milliseconds) of every submitted step in step_times."""
         devices = [torch.device(d) for d in (devices or [device or ("cuda" if torch.cuda.is_available() else "cpu")])]
         if state_dtype not in STATE_DTYPES:
@@ -105,13 +106,14 @@ class FastEngine(Engine):
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         start = time.perf_counter()
         self.device, self.devices, self.max_batch = devices[0], devices, max_batch
-        self.state_dtype = state_dtype
+        self.state_dtype, self.state_rounding = state_dtype, state_rounding
         placement = place_towers(model, precision, len(devices))
         self.shards = []
         for device, towers in zip(devices, placement):
             if progress and len(devices) > 1:
                 sys.stderr.write(f"[fast engine] {device}: towers {', '.join(towers)}\n")
-            runner = StepRunner(model, device, precision, towers=towers, state_dtype=STATE_DTYPES[state_dtype])
+            runner = StepRunner(model, device, precision, towers=towers, state_dtype=STATE_DTYPES[state_dtype],
+                                state_rounding=state_rounding)
             self.shards.append(_Shard(runner, [TOWER_NAMES.index(name) for name in towers]))
         parts = [(shard.runner.layout, shard.device) for shard in self.shards]
         if capacity is None:
@@ -185,7 +187,8 @@ class FastEngine(Engine):
         return {"device": ", ".join(map(str, self.devices)), "graphs": self.graphed is not None,
                 "towers": {str(shard.device): shard.runner.tower_names for shard in self.shards},
                 "precision": {k: str(v).removeprefix("torch.") for k, v in self.runner.precision.items()},
-                "state_dtype": self.state_dtype, "weight_bytes": self.weight_bytes,
+                "state_dtype": self.state_dtype, "state_rounding": self.state_rounding if self.state_dtype != "fp32"
+                else None, "weight_bytes": self.weight_bytes,
                 "state_bytes_per_symbol": self.state_bytes, "capacity": self.table.capacity,
                 "host_symbols": self.table.host_capacity, "max_batch": self.max_batch}
 

@@ -238,7 +238,7 @@ class XLSTMBlock(Block):
                                           self.m_gate_b, slots)
         q, k, v = (qkv[:, j].view(B, NH, -1) for j in range(3))
         h = mlstm_step(st["mlstm.C"], st["mlstm.n"], st["mlstm.m"], q, k, v, gate_parts[:, :, :NH],
-                       gate_parts[:, :, NH:], slots)
+                       gate_parts[:, :, NH:], slots, rounding=st["rounding"])
         gated = mlstm_output(h.reshape(B, inner), xc, xg, self.m_skip, *self.m_outnorm, NH, self.m_down.dtype)
         return self.m_down.product(gated), s_out
 
@@ -273,7 +273,8 @@ class Mamba2Block(Block):
         xbcz = self.in_proj.product(t)
         xbc = causal_conv_update(xbcz[:, :inner + 2 * N], st["conv"], *self.conv, slots, "silu")
         y = mamba2_state_update(st["h"], xbc[:, :inner].view(B, self.heads, HEAD_SIZE), t, self.dt_weight,
-                                self.dt_bias, self.a, xbc[:, inner:inner + N], xbc[:, inner + N:], self.d, slots)
+                                self.dt_bias, self.a, xbc[:, inner:inner + N], xbc[:, inner + N:], self.d, slots,
+                                rounding=st["rounding"])
         gated = gated_rms_norm(y.reshape(B, inner), xbcz[:, inner + 2 * N:], self.norm, 1e-5, self.out_proj.dtype)
         return self.out_proj.product(gated)
 
@@ -299,7 +300,8 @@ class RetNetBlock(Block):
         B, H = t.shape[0], self.hidden
         qkvg = self.qkvg(t)
         q, k, v = (qkvg[:, j * H:(j + 1) * H].view(B, self.heads, -1) for j in range(3))
-        o = retention_step(st["S"], st["scale"], st["offset"], q, k, v, self.decay, self.angle, slots)
+        o = retention_step(st["S"], st["scale"], st["offset"], q, k, v, self.decay, self.angle, slots,
+                           rounding=st["rounding"])
         return self.out_proj(retnet_output(o, qkvg[:, 3 * H:]))
 
 

@@ -3,6 +3,8 @@ import torch
 
 from client.model.config import TOWER_NAMES
 
+from kernels.state_rounding import StochasticRounding
+
 from .layers import BLOCKS, Linear
 from .state_table import PAD_SLOT
 
@@ -21,6 +23,7 @@ TOWER_PARTS = {name: ("input_down", *block.PARTS) for name, block in BLOCKS.item
 # section 23: B=1 -65 us, B=64 -165 us; other assignments gained less or lost).
 STREAM_PRIORITY = {"xlstm": -1}
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+STEP_COUNTER = "steps"  # the state table's per-slot step counter (stochastic rounding of 16-bit state)
 # Weight dtypes whose products run through kernels/skinny_matmul.py at B <= 64 (bench/LOG.md, section 11).
 SKINNY_DTYPES = (torch.float32,)
 
@@ -61,10 +64,13 @@ class Tower:
         self.layout = {f"{name}.{i}.{k}": v for i in range(cfg.depth)
                        for k, v in block.state_layout(cfg, state_dtype).items()}
 
-    def block_states(self, table):
-        """Each block's view of the state table: {component: tensor}."""
-        return [{k[len(prefix):]: v for k, v in table.items() if k.startswith(prefix)}
-                for prefix in (f"{self.name}.{i}." for i in range(len(self.blocks)))]
+    def block_states(self, table, counter=None):
+        """Each block's view of the state table: {component: tensor, "rounding": how its 16-bit matrix state is
+        stored}: to nearest (None), or stochastically seeded by the slots' step `counter` and a salt per block."""
+        tower = TOWER_NAMES.index(self.name)
+        return [{**{k[len(prefix):]: v for k, v in table.items() if k.startswith(prefix)},
+                 "rounding": None if counter is None else StochasticRounding(counter, 64 * tower + i)}
+                for i, prefix in enumerate(f"{self.name}.{i}." for i in range(len(self.blocks)))]
 
     def __call__(self, up, block_states, slots):
         # x starts at zero with input_down's output pending: the first norm1 adds it (see layers.Block)
@@ -81,7 +87,7 @@ class StepRunner:
     and handed over with attach()."""
 
     def __init__(self, model, device, precision=None, *, towers=TOWER_NAMES, state_dtype=torch.float32,
-                 streams=None, skinny=SKINNY_DTYPES):
+                 state_rounding="stochastic", streams=None, skinny=SKINNY_DTYPES):
         self.device = torch.device(device)
         self.precision = resolve_precision(precision)
         unknown = [name for name in towers if name not in TOWER_NAMES]
@@ -101,6 +107,14 @@ class StepRunner:
         self.output_b = sd["output_proj.bias"].to(self.device)
         self.set_skinny(skinny)
         self.layout = {k: v for tower in self.towers for k, v in tower.layout.items()}
+        if state_rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"state rounding must be nearest or stochastic, got {state_rounding!r}")
+        # 16-bit matrix state rounded stochastically needs fresh random bits every step: a step counter per slot,
+        # part of the symbol's state (so a symbol's rounding does not depend on its slot or its neighbours)
+        self.stochastic = state_dtype != torch.float32 and state_rounding == "stochastic"
+        if self.stochastic:
+            self.layout[STEP_COUNTER] = ((), torch.int32, 0)
+        self.counter = self._ones = None
         self.tower_states = None  # per tower, per block, the views of the state table (attach)
         # Towers are independent: on CUDA each runs on its own stream so their small kernels overlap.
         use_streams = self.device.type == "cuda" if streams is None else streams
@@ -109,7 +123,10 @@ class StepRunner:
 
     def attach(self, tensors):
         """Run on the state table whose component views (for this runner's layout) are `tensors`."""
-        self.tower_states = [tower.block_states(tensors) for tower in self.towers]
+        if self.stochastic:
+            self.counter = tensors[STEP_COUNTER]
+            self._ones = torch.ones(BUCKETS[-1], dtype=torch.int32, device=self.device)
+        self.tower_states = [tower.block_states(tensors, self.counter) for tower in self.towers]
 
     @property
     def weight_bytes(self):
@@ -143,6 +160,8 @@ class StepRunner:
                     finals.append(tower(chunk, states, slots))
             for stream in self.streams:
                 main.wait_stream(stream)
+        if self.counter is not None:  # every tower has stored its state: the rows' slots advance a step
+            self.counter.index_add_(0, slots, self._ones[:slots.shape[0]])
         return torch.stack(finals, dim=1) @ self.output_w + self.output_b  # shared output_proj: [B, towers]
 
 
