@@ -148,21 +148,23 @@ class StepRunner:
     def __call__(self, slots, features):
         up = torch.relu(self.input_up(features))  # [B, towers * proj]
         chunks = up.split(self.proj, dim=1)
+        # Each tower's prediction is its own product with output_proj (the same shapes whichever towers share
+        # this runner, so a runner of some towers gives bit for bit a runner of all four's columns)
         if self.streams is None:
-            finals = [tower(chunk, states, slots)
-                      for tower, chunk, states in zip(self.towers, chunks, self.tower_states)]
+            predictions = [torch.mv(tower(chunk, states, slots), self.output_w)
+                           for tower, chunk, states in zip(self.towers, chunks, self.tower_states)]
         else:
             main = torch.cuda.current_stream(self.device)
-            finals = []
+            predictions = []
             for tower, chunk, states, stream in zip(self.towers, chunks, self.tower_states, self.streams):
                 stream.wait_stream(main)
                 with torch.cuda.stream(stream):
-                    finals.append(tower(chunk, states, slots))
+                    predictions.append(torch.mv(tower(chunk, states, slots), self.output_w))
             for stream in self.streams:
                 main.wait_stream(stream)
         if self.counter is not None:  # every tower has stored its state: the rows' slots advance a step
             self.counter.index_add_(0, slots, self._ones[:slots.shape[0]])
-        return torch.stack(finals, dim=1) @ self.output_w + self.output_b  # shared output_proj: [B, towers]
+        return torch.stack(predictions, dim=1) + self.output_b  # [B, towers]
 
 
 def input_views(buffer, max_batch, num_features):
