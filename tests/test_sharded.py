@@ -2,6 +2,7 @@
 engine, symbols placed by load and kept, parts answered as they complete, a failing shard's part alone fails."""
 import numpy as np
 import pytest
+import torch
 
 from client.engine.fast import FastEngine
 from client.engine.sharded import ModelSpec, ShardedEngine, ShardError
@@ -71,3 +72,19 @@ def test_missing_gpu_is_a_clear_error():
 def test_shard_that_cannot_start_says_why():
     with pytest.raises(ShardError, match="failed to start: cpu: ValueError: unknown preset"):
         ShardedEngine(ModelSpec("huge"), ["cpu"], progress=False)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpu_shards_serve_like_one_engine():
+    model, _ = load_model("small", seed=3, device="cuda")
+    single = FastEngine(model, "cuda", capacity=16, progress=False)
+    engine = ShardedEngine(ModelSpec("small", seed=3), ["cuda:0", "cuda:1"], progress=False, capacity=16)
+    try:
+        rng = np.random.default_rng(2)
+        for _ in range(10):
+            chosen = [f"S{i}" for i in rng.choice(16, 12, replace=False)]
+            features = rng.standard_normal((12, 79)).astype(np.float32)
+            np.testing.assert_allclose(engine.step(chosen, features), single.step(chosen, features), rtol=0, atol=2e-4)
+        assert sorted(set(engine.shard_of.values())) == [0, 1]
+    finally:
+        engine.close()
