@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_inputs
+from client.engine.precision import describe_precision, resolve_precision
 
 from .runner import BUCKETS, DEFAULT_PRECISION, GraphedStep, StepRunner, input_bytes, input_views
 from .state_table import PAD_SLOT, StateTable
@@ -51,6 +52,9 @@ class FastEngine(Engine):
 
     def __init__(self, model, device=None, *, max_batch=64, graphs=None, precision=None, capacity=None,
                  progress=True):
+        """precision: a spec string ("auto", "bf16", "bf16,retnet=fp32": client/engine/precision.py), or a
+        {tower or "<tower>.mlp": dtype} dict of overrides of DEFAULT_PRECISION."""
+        precision = resolve_precision(precision)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda":
             # The fp32 parts (RetNet tower, gates) must be true fp32 products, not TF32.
@@ -73,8 +77,8 @@ class FastEngine(Engine):
         self._next = 0
         self.startup_s = time.perf_counter() - start
         if progress:
-            sys.stderr.write(f"[fast engine] ready on {device} in {self.startup_s:.1f} s "
-                             f"({self.describe()['precision']})\n")
+            sys.stderr.write(f"[fast engine] ready on {device} in {self.startup_s:.1f} s; precision "
+                             f"{describe_precision(self.runner.precision)}\n")
 
     @property
     def symbols(self):

@@ -28,12 +28,12 @@ from kernels.slstm_step import pack_weights as pack_slstm_weights
 _OUT_DTYPE = {}
 
 
-def _fp32_out_supported(device):
-    """Whether mm/bmm(..., out_dtype=float32) run for fp16 inputs on this build and device: cuBLAS then
-    writes its fp32 accumulator directly, with no rounding of the product to 16 bits."""
-    key = str(device)
+def _fp32_out_supported(device, dtype):
+    """Whether mm/bmm(..., out_dtype=float32) run for `dtype` (fp16, bf16) inputs on this build and device: cuBLAS
+    then writes its fp32 accumulator directly, with no rounding of the product to 16 bits."""
+    key = (str(device), dtype)
     if key not in _OUT_DTYPE:
-        a = torch.ones(2, 2, 8, device=device, dtype=torch.float16)
+        a = torch.ones(2, 2, 8, device=device, dtype=dtype)
         try:
             _OUT_DTYPE[key] = (torch.mm(a[0], a[0].t(), out_dtype=torch.float32).dtype == torch.float32
                                and torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32)
@@ -44,14 +44,20 @@ def _fp32_out_supported(device):
 
 def mm32(x, w_t):
     """x @ w_t accumulated and returned in fp32 (x and w_t in the weight's dtype)."""
-    if w_t.dtype != torch.float32 and _fp32_out_supported(x.device):
-        return torch.mm(x, w_t, out_dtype=torch.float32)
+    if w_t.dtype != torch.float32:
+        if _fp32_out_supported(x.device, w_t.dtype):
+            return torch.mm(x, w_t, out_dtype=torch.float32)
+        if x.device.type == "cpu":  # the 16-bit values' products exactly, summed in fp32: what cuBLAS computes
+            return torch.mm(x.float(), w_t.float())
     return torch.mm(x, w_t).float()
 
 
 def bmm32(x, w):
-    if w.dtype != torch.float32 and _fp32_out_supported(x.device):
-        return torch.bmm(x, w, out_dtype=torch.float32)
+    if w.dtype != torch.float32:
+        if _fp32_out_supported(x.device, w.dtype):
+            return torch.bmm(x, w, out_dtype=torch.float32)
+        if x.device.type == "cpu":
+            return torch.bmm(x.float(), w.float())
     return torch.bmm(x, w).float()
 
 

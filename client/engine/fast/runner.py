@@ -1,16 +1,12 @@
 """How a step runs: the four towers over the state table, eagerly or as CUDA graphs per batch-size bucket."""
 import torch
 
+from client.engine.precision import DEFAULT_PRECISION
 from client.model.config import TOWER_NAMES
 
 from .layers import BLOCKS, Linear
 from .state_table import PAD_SLOT, StateTable
 
-# fp16 keeps three more mantissa bits than bf16 at the same bandwidth. RetNet's per-head RMSNorm of
-# (q.k)v is ill-conditioned when q.k is near zero, so its tower stays in fp32 (FACTS.md, "Precision").
-# "<tower>.mlp" sets a tower's MLP products apart from the rest of the tower.
-DEFAULT_PRECISION = {"xlstm": torch.float16, "mamba2": torch.float16, "retnet": torch.float32,
-                     "hawk": torch.float16}
 # CUDA stream priorities (lower runs first; captured into the graphs' kernels). The xLSTM tower is the longest
 # chain of small kernels: ahead of the other towers' products its kernels wait less for a free SM (bench/LOG.md
 # section 23: B=1 -65 us, B=64 -165 us; other assignments gained less or lost).
