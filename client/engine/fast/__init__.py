@@ -51,9 +51,11 @@ class FastEngine(Engine):
     name = "fast"
 
     def __init__(self, model, device=None, *, max_batch=64, graphs=None, precision=None, capacity=None,
-                 progress=True):
+                 progress=True, compile=False):
         """precision: a spec string ("auto", "bf16", "bf16,retnet=fp32": client/engine/precision.py), or a
-        {tower or "<tower>.mlp": dtype} dict of overrides of DEFAULT_PRECISION."""
+        {tower or "<tower>.mlp": dtype} dict of overrides of DEFAULT_PRECISION. compile: each block through
+        torch.compile (compiled.py), compiled here, before any graph is captured; CompileUnavailable if it
+        cannot run."""
         precision = resolve_precision(precision)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda":
@@ -63,7 +65,11 @@ class FastEngine(Engine):
         start = time.perf_counter()
         self.device = device
         self.max_batch = max_batch
-        self.runner = StepRunner(model, device, precision, capacity=capacity or max_batch)
+        self.runner = StepRunner(model, device, precision, capacity=capacity or max_batch, compile=compile)
+        self.compile_s = None
+        if compile:
+            from .compiled import warm_up
+            self.compile_s = warm_up(self.runner, max_batch, progress)
         self._ring = None  # without CUDA every step is synchronous
         if device.type == "cuda":
             self._ring = [_Staging(max_batch, self.runner.num_features) for _ in range(RING)]
@@ -77,7 +83,8 @@ class FastEngine(Engine):
         self._next = 0
         self.startup_s = time.perf_counter() - start
         if progress:
-            sys.stderr.write(f"[fast engine] ready on {device} in {self.startup_s:.1f} s; precision "
+            compiled = "" if self.compile_s is None else f", compiled in {self.compile_s:.1f} s"
+            sys.stderr.write(f"[fast engine] ready on {device} in {self.startup_s:.1f} s{compiled}; precision "
                              f"{describe_precision(self.runner.precision)}\n")
 
     @property
@@ -97,7 +104,8 @@ class FastEngine(Engine):
         return {"device": str(self.device), "graphs": self.graphed is not None,
                 "precision": {k: str(v).removeprefix("torch.") for k, v in self.runner.precision.items()},
                 "weight_bytes": self.weight_bytes, "state_bytes_per_symbol": self.state_bytes,
-                "capacity": self.runner.table.capacity, "max_batch": self.max_batch}
+                "capacity": self.runner.table.capacity, "max_batch": self.max_batch,
+                "compile": self.runner.compiled, "compile_s": self.compile_s, "startup_s": self.startup_s}
 
     def slots_for(self, symbols) -> torch.Tensor:
         return torch.tensor(self._slot_list(symbols), dtype=torch.int32).to(self.device, non_blocking=True)

@@ -23,6 +23,7 @@ class Tower:
         self.input_down = Linear(sd[prefix + "input_down.weight"], sd[prefix + "input_down.bias"], dtype, device)
         block = BLOCKS[name]
         self.blocks = [block(sd, f"{prefix}blocks.{i}.", cfg, dtype, device, mlp_dtype) for i in range(cfg.depth)]
+        self.steps = self.blocks  # what runs each block: the block, or its compiled step (compiled.py)
         self.layout = {f"{name}.{i}.{k}": v for i in range(cfg.depth) for k, v in block.state_layout(cfg).items()}
 
     def block_states(self, table):
@@ -34,15 +35,15 @@ class Tower:
         # x starts at zero with input_down's output pending: the first norm1 adds it (see layers.Block)
         x = torch.zeros(up.shape[0], self.input_down.weight.shape[0], device=up.device)
         delta, bias = self.input_down.product(up), self.input_down.bias
-        for block, states in zip(self.blocks, block_states):
-            delta, bias = block(x, delta, bias, states, slots)
+        for step, states in zip(self.steps, block_states):
+            delta, bias = step(x, delta, bias, states, slots)
         return x + delta + bias
 
 
 class StepRunner:
     """One fused step of the ensemble: step(slots [B] int32, features [B, 79]) -> predictions [B, 4]."""
 
-    def __init__(self, model, device, precision=None, capacity=64, streams=None, skinny=SKINNY_DTYPES):
+    def __init__(self, model, device, precision=None, capacity=64, streams=None, skinny=SKINNY_DTYPES, compile=False):
         self.device = torch.device(device)
         self.precision = {**DEFAULT_PRECISION, **(precision or {})}
         cfg = model.cfg
@@ -63,6 +64,10 @@ class StepRunner:
         use_streams = self.device.type == "cuda" if streams is None else streams
         self.streams = [torch.cuda.Stream(self.device, priority=STREAM_PRIORITY.get(tower.name, 0))
                         for tower in self.towers] if use_streams else None
+        self.compiled = compile
+        if compile:
+            from .compiled import compile_towers
+            compile_towers(self)
 
     @property
     def weight_bytes(self):
