@@ -84,6 +84,7 @@ def test_compile_unavailable_is_a_one_line_error(monkeypatch):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found in\ntorch._inductor.config.cpp.cxx")
 
     model, _ = load_model("tiny", seed=0)
+    monkeypatch.setattr(compiled, "_COMPILE_RUNS", set())  # forget an earlier test's working probe
     monkeypatch.setattr(torch, "compile", broken)
     with pytest.raises(compiled.CompileUnavailable, match="torch.compile does not run on cpu") as info:
         FastEngine(model, device="cpu", compile=True, progress=False)

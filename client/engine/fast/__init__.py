@@ -65,11 +65,14 @@ class FastEngine(Engine):
         start = time.perf_counter()
         self.device = device
         self.max_batch = max_batch
-        self.runner = StepRunner(model, device, precision, capacity=capacity or max_batch, compile=compile)
-        self.compile_s = None
+        self.compile_s = None  # seconds of compiling: torch.compile's probe, then every graph the step needs
         if compile:
-            from .compiled import warm_up
-            self.compile_s = warm_up(self.runner, max_batch, progress)
+            from .compiled import check_compile, warm_up
+            check_compile(device)  # before the weights are converted: where it cannot run, fail at once
+            self.compile_s = time.perf_counter() - start
+        self.runner = StepRunner(model, device, precision, capacity=capacity or max_batch, compile=compile)
+        if compile:
+            self.compile_s += warm_up(self.runner, max_batch, progress)
         self._ring = None  # without CUDA every step is synchronous
         if device.type == "cuda":
             self._ring = [_Staging(max_batch, self.runner.num_features) for _ in range(RING)]

@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+import torch._dynamo
 
 from .state_table import PAD_SLOT
 
@@ -24,6 +25,7 @@ from .state_table import PAD_SLOT
 RECOMPILE_LIMIT = 64
 # Batch sizes whose first calls compile every graph a step can need (see the module docstring).
 WARM_UP_BATCHES = (1, 2, 3)
+_COMPILE_RUNS = set()  # devices where check_compile's probe compiled and ran
 
 
 class CompileUnavailable(ValueError):
@@ -32,9 +34,11 @@ class CompileUnavailable(ValueError):
 
 def check_compile(device):
     """Raise CompileUnavailable unless this torch has the APIs of the compiled step and torch.compile runs on
-    `device` (on a CPU, Inductor needs a C++ compiler; on a GPU, Triton). Imports kernels/library.py, which
-    registers the custom ops and how Dynamo traces the kernels."""
-    import torch._dynamo
+    `device` (on a CPU, Inductor needs a C++ compiler; on a GPU, Triton); checked once per device. Imports
+    kernels/library.py, which registers the custom ops and how Dynamo traces the kernels."""
+    device = torch.device(device)
+    if device in _COMPILE_RUNS:
+        return
     needed = (("torch.library.custom_op", torch.library, "custom_op"),
               ("torch.compiler.substitute_in_graph", torch.compiler, "substitute_in_graph"),
               ("torch._dynamo.config.recompile_limit", torch._dynamo.config, "recompile_limit"))
@@ -50,6 +54,7 @@ def check_compile(device):
         reason = " ".join(str(exc).split())[:300]
         raise CompileUnavailable(f"torch.compile does not run on {device} ({type(exc).__name__}: {reason}); "
                                  f"run without --compile") from exc
+    _COMPILE_RUNS.add(device)
 
 
 def compile_towers(runner):
