@@ -1,7 +1,9 @@
 """The torch.compile path: the custom ops of kernels/library.py (opcheck, fake shapes with a symbolic batch), the
 compiled engine against the hand-fused one and the fp32 reference (tiny preset on the CPU, where Inductor compiles
 C++; small preset inside CUDA graphs on a GPU), and its one-line error where torch.compile cannot run."""
+import importlib.util
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from kernels.skinny_matmul import split_fp16
 from test_fast_engine import compare, random_steps
 from test_kernels import SMALL_DIMS, make_args
 
+REPO = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 FP32 = {name: torch.float32 for name in TOWER_NAMES}
@@ -130,6 +133,24 @@ def test_compiled_engine_at_the_default_precision_holds_atol():
         worst_ref = max(worst_ref, float(np.abs(got - ref.step(chosen, feats)).max()))
         worst_hand = max(worst_hand, float(np.abs(got - hand_fused.step(chosen, feats)).max()))
     assert worst_ref <= 1e-3 and worst_hand <= 5e-4, (worst_ref, worst_hand)
+
+
+@needs_compiler
+def test_compile_bench_measures_both_paths():
+    """scripts/compile_bench.py's measurement, in this process (a child's work) on the tiny preset, and its summary;
+    the graphs are those the tests above compiled, so nothing compiles here."""
+    spec = importlib.util.spec_from_file_location("compile_bench", REPO / "scripts" / "compile_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    settings = dict(preset="tiny", seed=0, device="cpu", batches=[1, 3], iters=2, warmup=1, precision="auto")
+    cold = bench.measure_in_child(settings)
+    assert cold["graphs_after_steps"] == cold["compiled_graphs"]
+    for row in cold["steps"].values():
+        assert row["compiled"]["median_ms"] > 0 and row["hand_fused"]["p99_ms"] > 0 and row["max_abs_diff"] < 1e-3
+    warm = bench.measure_in_child(settings, hand_fused=False)
+    assert "hand_fused" not in warm["steps"]["1"]
+    table = bench.summary({**settings, "cold": cold, "warm": warm})
+    assert "compiled engine startup: cold" in table and "| 3 |" in table
 
 
 @cuda
