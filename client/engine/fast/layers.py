@@ -80,6 +80,7 @@ class Linear:
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
         self.bias_w = None if bias is None else bias.to(device=device, dtype=dtype)  # for the fused epilogue
         self.skinny = None  # kwargs of skinny_matmul for W, when this product uses it
+        _fp32_out_supported(device, dtype)  # probed now rather than inside a torch.compile trace
 
     def use_skinny(self, on):
         """Route products of up to 64 rows through the skinny kernel (where Triton runs); an fp32 W is then
@@ -134,6 +135,7 @@ class BlockDiagonal:
         nb, s, _ = weights[0].shape
         w = torch.cat([weight.transpose(1, 2) for weight in weights], dim=2)
         self.weight = w.to(device=device, dtype=dtype).contiguous()  # [nb, s (in), outputs * s]
+        _fp32_out_supported(device, dtype)
         self.blocks, self.size, self.outputs = nb, s, len(weights)
 
     @property
