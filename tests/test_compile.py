@@ -142,15 +142,16 @@ def test_compile_bench_measures_both_paths():
     spec = importlib.util.spec_from_file_location("compile_bench", REPO / "scripts" / "compile_bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    settings = dict(preset="tiny", seed=0, device="cpu", batches=[1, 3], iters=2, warmup=1, precision="auto")
+    settings = dict(preset="tiny", seed=0, device="cpu", batches=[1, 3], iters=2, warmup=1, precision="auto",
+                    engines=["compiled", "hand_fused"], time_steps=True)
     cold = bench.measure_in_child(settings)
-    assert cold["graphs_after_steps"] == cold["compiled_graphs"]
+    assert cold["graphs_after_steps"] == cold["compiled_graphs"] and cold["compile_s"] > 0
     for row in cold["steps"].values():
         assert row["compiled"]["median_ms"] > 0 and row["hand_fused"]["p99_ms"] > 0 and row["max_abs_diff"] < 1e-3
-    warm = bench.measure_in_child(settings, hand_fused=False)
-    assert "hand_fused" not in warm["steps"]["1"]
-    table = bench.summary({**settings, "cold": cold, "warm": warm})
-    assert "compiled engine startup: cold" in table and "| 3 |" in table
+    hand_fused_cold = bench.measure_in_child({**settings, "engines": ["hand_fused"], "time_steps": False})
+    assert "steps" not in hand_fused_cold and hand_fused_cold["hand_fused_startup_s"] > 0
+    table = bench.summary({**settings, "cold": cold, "warm": cold, "hand_fused_cold": hand_fused_cold})
+    assert "startup, cold cache: compiled" in table and "| 3 (warm) |" in table
 
 
 @cuda
