@@ -35,7 +35,7 @@ def test_components_are_aligned_views_of_one_block_per_slot():
     offsets, size = slot_layout(LAYOUT)
     assert size % ALIGN == 0 and all(offset % ALIGN == 0 for offset in offsets.values())
     t = table()
-    assert t.parts[0].buffer.shape == (4, size)
+    assert [chunk.shape for chunk, _ in t.parts[0].chunks] == [(4, size)]  # one block per slot
     for name, (shape, dtype, init) in LAYOUT.items():
         view = t.tensors[name]
         assert view.shape == (4, *shape) and view.dtype == dtype
@@ -74,6 +74,19 @@ def test_least_recently_used_moves_to_host_and_returns_byte_for_byte():
     assert all((t.tensors[name][1] == init).all() for name, (_, _, init) in LAYOUT.items())
     slot = t.slots_for(["A"])[0]  # B is least recently used now: it goes to the host, A comes back
     assert list(t.offloaded) == ["B"] and t.stats["restored"] == 1
+    assert all(torch.equal(t.tensors[name][slot], saved[name]) for name in LAYOUT)
+
+
+def test_a_buffer_per_component_moves_states_the_same_way():
+    t = table(capacity=2, host_capacity=4, separate=True)
+    assert len(t.parts[0].chunks) == len(LAYOUT)
+    t.slots_for(["A"])
+    write(t, 1, 6)
+    saved = state_of(t, 1)
+    t.slots_for(["B"])
+    t.slots_for(["C"])  # A out
+    assert all((t.tensors[name][1] == init).all() for name, (_, _, init) in LAYOUT.items())
+    slot = t.slots_for(["A"])[0]
     assert all(torch.equal(t.tensors[name][slot], saved[name]) for name in LAYOUT)
 
 

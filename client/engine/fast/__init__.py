@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_inputs
+from client.engine.precision import describe_precision, resolve_precision
 from client.model.config import TOWER_NAMES
 
 from .placement import place_towers
@@ -85,13 +86,17 @@ class FastEngine(Engine):
 
     def __init__(self, model, device=None, *, max_batch=64, graphs=None, precision=None, capacity=None,
                  state_memory=None, host_symbols=None, idle_timeout_s=None, reserve=0, state_dtype="fp32",
-                 state_rounding="stochastic", devices=None, time_steps=False, progress=True):
+                 state_rounding="stochastic", devices=None, time_steps=False, compile=False, progress=True):
         """device, or devices (several: the towers placed over them); capacity (symbols on the GPU) or
         state_memory (the share of free GPU memory the state table takes, STATE_MEMORY by default);
         host_symbols: states that may wait in host memory (default: what HOST_MEMORY of available host memory
         holds on CUDA, none on the CPU); state_dtype: fp32, or fp16/bf16 storage of the matrix states, rounded
         stochastically or to nearest (state_rounding);
-        time_steps: keep (batch, GPU milliseconds) of every submitted step in step_times."""
+        time_steps: keep (batch, GPU milliseconds) of every submitted step in step_times. precision: a spec
+        string ("auto", "bf16", "bf16,retnet=fp32": client/engine/precision.py) or a {tower or "<tower>.<part>":
+        dtype} dict of overrides of DEFAULT_PRECISION. compile: each block through torch.compile (compiled.py),
+        compiled here, before any graph is captured; CompileUnavailable if it cannot run."""
+        precision = resolve_precision(precision)
         devices = [torch.device(d) for d in (devices or [device or ("cuda" if torch.cuda.is_available() else "cpu")])]
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"unknown state dtype {state_dtype!r}; choose one of {', '.join(STATE_DTYPES)}")
@@ -107,13 +112,19 @@ class FastEngine(Engine):
         start = time.perf_counter()
         self.device, self.devices, self.max_batch = devices[0], devices, max_batch
         self.state_dtype, self.state_rounding = state_dtype, state_rounding
+        self.compile_s = None  # seconds of compiling: torch.compile's probe, then every graph the step needs
+        if compile:
+            from .compiled import check_compile, warm_up
+            for device in devices:
+                check_compile(device)  # before the weights are converted: where it cannot run, fail at once
+            self.compile_s = time.perf_counter() - start
         placement = place_towers(model, precision, len(devices))
         self.shards = []
         for device, towers in zip(devices, placement):
             if progress and len(devices) > 1:
                 sys.stderr.write(f"[fast engine] {device}: towers {', '.join(towers)}\n")
             runner = StepRunner(model, device, precision, towers=towers, state_dtype=STATE_DTYPES[state_dtype],
-                                state_rounding=state_rounding)
+                                state_rounding=state_rounding, compile=compile)
             self.shards.append(_Shard(runner, [TOWER_NAMES.index(name) for name in towers]))
         parts = [(shard.runner.layout, shard.device) for shard in self.shards]
         if capacity is None:
@@ -122,10 +133,12 @@ class FastEngine(Engine):
             host_symbols = (int(HOST_MEMORY * _available_host_bytes()) // self._slot_bytes(parts)
                             if devices[0].type == "cuda" else 0)
         self.table = StateTable(parts, capacity, host_capacity=host_symbols, idle_timeout_s=idle_timeout_s,
-                                reserve=reserve)
+                                reserve=reserve, separate=compile)
         self.max_batch = max_batch = min(max_batch, capacity)  # a step's symbols all hold GPU slots at once
         for shard, part in zip(self.shards, self.table.parts):
             shard.runner.attach(part.tensors)
+            if compile:
+                self.compile_s += warm_up(shard.runner, self.max_batch, progress)
         self._ring = None  # without CUDA every step is synchronous
         self.step_times = [] if time_steps else None
         if devices[0].type == "cuda":
@@ -145,8 +158,10 @@ class FastEngine(Engine):
         self.startup_s = time.perf_counter() - start
         if progress:
             d = self.describe()
-            sys.stderr.write(f"[fast engine] ready on {', '.join(map(str, devices))} in {self.startup_s:.1f} s "
-                             f"({d['precision']}); state table: {d['capacity']} symbols on the GPU "
+            compiled = "" if self.compile_s is None else f", compiled in {self.compile_s:.1f} s"
+            sys.stderr.write(f"[fast engine] ready on {', '.join(map(str, devices))} in {self.startup_s:.1f} s"
+                             f"{compiled}; precision {describe_precision(self.runner.precision)}; state table: "
+                             f"{d['capacity']} symbols on the GPU "
                              f"({d['state_bytes_per_symbol'] / 2**20:.1f} MiB each, {state_dtype}), "
                              f"{d['host_symbols']} in host memory\n")
 
@@ -190,7 +205,9 @@ class FastEngine(Engine):
                 "state_dtype": self.state_dtype, "state_rounding": self.state_rounding if self.state_dtype != "fp32"
                 else None, "weight_bytes": self.weight_bytes,
                 "state_bytes_per_symbol": self.state_bytes, "capacity": self.table.capacity,
-                "host_symbols": self.table.host_capacity, "max_batch": self.max_batch}
+                "host_symbols": self.table.host_capacity, "max_batch": self.max_batch,
+                "compile": self.runner.compiled, "compile_s": self.compile_s,
+                "startup_s": getattr(self, "startup_s", None)}
 
     def unplaceable(self, symbols) -> list[str]:
         """The symbols of a step that the state table cannot hold (no side effects)."""

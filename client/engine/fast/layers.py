@@ -28,12 +28,12 @@ from kernels.slstm_step import pack_weights as pack_slstm_weights
 _OUT_DTYPE = {}
 
 
-def _fp32_out_supported(device):
-    """Whether mm/bmm(..., out_dtype=float32) run for fp16 inputs on this build and device: cuBLAS then
-    writes its fp32 accumulator directly, with no rounding of the product to 16 bits."""
-    key = str(device)
+def _fp32_out_supported(device, dtype):
+    """Whether mm/bmm(..., out_dtype=float32) run for `dtype` (fp16, bf16) inputs on this build and device: cuBLAS
+    then writes its fp32 accumulator directly, with no rounding of the product to 16 bits."""
+    key = (str(device), dtype)
     if key not in _OUT_DTYPE:
-        a = torch.ones(2, 2, 8, device=device, dtype=torch.float16)
+        a = torch.ones(2, 2, 8, device=device, dtype=dtype)
         try:
             _OUT_DTYPE[key] = (torch.mm(a[0], a[0].t(), out_dtype=torch.float32).dtype == torch.float32
                                and torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32)
@@ -44,14 +44,20 @@ def _fp32_out_supported(device):
 
 def mm32(x, w_t):
     """x @ w_t accumulated and returned in fp32 (x and w_t in the weight's dtype)."""
-    if w_t.dtype != torch.float32 and _fp32_out_supported(x.device):
-        return torch.mm(x, w_t, out_dtype=torch.float32)
+    if w_t.dtype != torch.float32:
+        if _fp32_out_supported(x.device, w_t.dtype):
+            return torch.mm(x, w_t, out_dtype=torch.float32)
+        if x.device.type == "cpu":  # the 16-bit values' products exactly, summed in fp32: what cuBLAS computes
+            return torch.mm(x.float(), w_t.float())
     return torch.mm(x, w_t).float()
 
 
 def bmm32(x, w):
-    if w.dtype != torch.float32 and _fp32_out_supported(x.device):
-        return torch.bmm(x, w, out_dtype=torch.float32)
+    if w.dtype != torch.float32:
+        if _fp32_out_supported(x.device, w.dtype):
+            return torch.bmm(x, w, out_dtype=torch.float32)
+        if x.device.type == "cpu":
+            return torch.bmm(x.float(), w.float())
     return torch.bmm(x, w).float()
 
 
@@ -74,6 +80,7 @@ class Linear:
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
         self.bias_w = None if bias is None else bias.to(device=device, dtype=dtype)  # for the fused epilogue
         self.skinny = None  # kwargs of skinny_matmul for W, when this product uses it
+        _fp32_out_supported(device, dtype)  # probed now rather than inside a torch.compile trace
 
     def use_skinny(self, on):
         """Route products of up to 64 rows through the skinny kernel (where Triton runs); an fp32 W is then
@@ -128,6 +135,7 @@ class BlockDiagonal:
         nb, s, _ = weights[0].shape
         w = torch.cat([weight.transpose(1, 2) for weight in weights], dim=2)
         self.weight = w.to(device=device, dtype=dtype).contiguous()  # [nb, s (in), outputs * s]
+        _fp32_out_supported(device, dtype)
         self.blocks, self.size, self.outputs = nb, s, len(weights)
 
     @property
@@ -150,10 +158,10 @@ class Block:
     it: a block takes the previous block's pending (delta, bias) and returns its own, so `x += fc2 output +
     fc2 bias` happens inside the next block's norm1 (or at the tower's end).
 
-    `dtype_of(part)` gives each weight group's dtype (PARTS: the names a precision override may use, as
-    "<tower>.<part>"); an activation that feeds only one part's product is rounded to that part's dtype."""
+    `dtype_of(part)` gives each weight group's dtype (client.engine.precision.TOWER_PARTS: the names a precision
+    override may use, as "<tower>.<part>"); an activation that feeds only one part's product is rounded to that
+    part's dtype."""
 
-    PARTS = ("mlp",)
     norm1_dtype = torch.float32  # the layer's input stays fp32 where it also feeds an fp32 path or a skip
 
     def __init__(self, sd, prefix, dtype_of, device):
@@ -177,7 +185,6 @@ class Block:
 
 
 class XLSTMBlock(Block):
-    PARTS = ("mlp", "slstm", "mlstm_proj", "mlstm_qkv", "mlstm_down")
 
     def __init__(self, sd, prefix, cfg, dtype_of, device):
         super().__init__(sd, prefix, dtype_of, device)
@@ -244,7 +251,6 @@ class XLSTMBlock(Block):
 
 
 class Mamba2Block(Block):
-    PARTS = ("mlp", "in_proj", "out_proj")
 
     def __init__(self, sd, prefix, cfg, dtype_of, device):
         super().__init__(sd, prefix, dtype_of, device)
@@ -280,7 +286,6 @@ class Mamba2Block(Block):
 
 
 class RetNetBlock(Block):
-    PARTS = ("mlp", "qkvg", "out_proj")
 
     def __init__(self, sd, prefix, cfg, dtype_of, device):
         super().__init__(sd, prefix, dtype_of, device)
@@ -306,7 +311,6 @@ class RetNetBlock(Block):
 
 
 class HawkBlock(Block):
-    PARTS = ("mlp", "gate_rec", "rglru_gates", "out_proj")
 
     def __init__(self, sd, prefix, cfg, dtype_of, device):
         super().__init__(sd, prefix, dtype_of, device)

@@ -12,7 +12,7 @@ import torch
 
 from client.model.config import TOWER_NAMES
 
-from .runner import resolve_precision
+from client.engine.precision import resolve_precision
 
 # Each tower alone at B=1 as a CUDA graph (ms, H100, scripts/profile_step.py; bench/LOG.md section 31): the
 # chain term of the estimate.

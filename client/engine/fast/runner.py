@@ -1,6 +1,7 @@
 """How a step runs: the four towers over the state table, eagerly or as CUDA graphs per batch-size bucket."""
 import torch
 
+from client.engine.precision import DEFAULT_PRECISION, TOWER_PARTS, resolve_precision
 from client.model.config import TOWER_NAMES
 
 from kernels.state_rounding import StochasticRounding
@@ -8,16 +9,6 @@ from kernels.state_rounding import StochasticRounding
 from .layers import BLOCKS, Linear
 from .state_table import PAD_SLOT
 
-# fp16 keeps three more mantissa bits than bf16 at the same bandwidth. RetNet's per-head RMSNorm of
-# (q.k)v is ill-conditioned when q.k is near zero, so its tower stays in fp32 (FACTS.md, "Precision").
-# input_down carries the features' scale straight to the prediction (the residual stream has no norm before
-# output_proj): with features 100x unit scale, fp16 weights there put Mamba2 and Hawk outside 1e-3 (bench/LOG.md
-# section 29), so it stays fp32 for 1.5% of the step. "<tower>.<part>" (TOWER_PARTS) sets one weight group of
-# a tower apart from the rest of it.
-DEFAULT_PRECISION = {"xlstm": torch.float16, "mamba2": torch.float16, "retnet": torch.float32,
-                     "hawk": torch.float16, "xlstm.input_down": torch.float32,
-                     "mamba2.input_down": torch.float32, "hawk.input_down": torch.float32}
-TOWER_PARTS = {name: ("input_down", *block.PARTS) for name, block in BLOCKS.items()}
 # CUDA stream priorities (lower runs first; captured into the graphs' kernels). The xLSTM tower is the longest
 # chain of small kernels: ahead of the other towers' products its kernels wait less for a free SM (bench/LOG.md
 # section 23: B=1 -65 us, B=64 -165 us; other assignments gained less or lost).
@@ -28,39 +19,21 @@ STEP_COUNTER = "steps"  # the state table's per-slot step counter (stochastic ro
 SKINNY_DTYPES = (torch.float32,)
 
 
-def resolve_precision(overrides=None):
-    """DEFAULT_PRECISION with `overrides` on top; a tower given a dtype of its own drops the defaults of its
-    parts (so {"hawk": bf16} is the whole Hawk tower in bf16), unless those parts are given too."""
-    overrides = dict(overrides or {})
-    kept = {key: dtype for key, dtype in DEFAULT_PRECISION.items() if "." not in key or key.split(".")[0] not in overrides}
-    precision = {**kept, **overrides}
-    check_precision(precision)
-    return precision
-
-
-def check_precision(precision):
-    """{tower or "<tower>.<part>": dtype}: raise ValueError naming what is unknown."""
-    for key, dtype in precision.items():
-        tower, _, part = key.partition(".")
-        if tower not in TOWER_PARTS or (part and part not in TOWER_PARTS[tower]):
-            known = ", ".join(f"{t} ({', '.join(parts)})" for t, parts in TOWER_PARTS.items())
-            raise ValueError(f"precision override {key!r} names no tower or part; towers (parts): {known}")
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"precision of {key!r} must be float32, float16 or bfloat16, got {dtype}")
-
-
 class Tower:
     def __init__(self, sd, index, name, cfg, precision, device, state_dtype=torch.float32):
         prefix = f"towers.{index}."
         self.name = name
 
         def dtype_of(part):
+            if part not in TOWER_PARTS[name]:
+                raise KeyError(f"{name} has no weight group {part!r} in client.engine.precision.TOWER_PARTS")
             return precision.get(f"{name}.{part}", precision[name])
 
         self.input_down = Linear(sd[prefix + "input_down.weight"], sd[prefix + "input_down.bias"],
                                  dtype_of("input_down"), device)
         block = BLOCKS[name]
         self.blocks = [block(sd, f"{prefix}blocks.{i}.", cfg, dtype_of, device) for i in range(cfg.depth)]
+        self.steps = self.blocks  # what runs each block: the block, or its compiled step (compiled.py)
         self.layout = {f"{name}.{i}.{k}": v for i in range(cfg.depth)
                        for k, v in block.state_layout(cfg, state_dtype).items()}
 
@@ -76,8 +49,8 @@ class Tower:
         # x starts at zero with input_down's output pending: the first norm1 adds it (see layers.Block)
         x = torch.zeros(up.shape[0], self.input_down.weight.shape[0], device=up.device)
         delta, bias = self.input_down.product(up), self.input_down.bias
-        for block, states in zip(self.blocks, block_states):
-            delta, bias = block(x, delta, bias, states, slots)
+        for step, states in zip(self.steps, block_states):
+            delta, bias = step(x, delta, bias, states, slots)
         return x + delta + bias
 
 
@@ -87,7 +60,7 @@ class StepRunner:
     and handed over with attach()."""
 
     def __init__(self, model, device, precision=None, *, towers=TOWER_NAMES, state_dtype=torch.float32,
-                 state_rounding="stochastic", streams=None, skinny=SKINNY_DTYPES):
+                 state_rounding="stochastic", streams=None, skinny=SKINNY_DTYPES, compile=False):
         self.device = torch.device(device)
         self.precision = resolve_precision(precision)
         unknown = [name for name in towers if name not in TOWER_NAMES]
@@ -120,6 +93,10 @@ class StepRunner:
         use_streams = self.device.type == "cuda" if streams is None else streams
         self.streams = [torch.cuda.Stream(self.device, priority=STREAM_PRIORITY.get(tower.name, 0))
                         for tower in self.towers] if use_streams else None
+        self.compiled = compile
+        if compile:
+            from .compiled import compile_towers
+            compile_towers(self)
 
     def attach(self, tensors):
         """Run on the state table whose component views (for this runner's layout) are `tensors`."""

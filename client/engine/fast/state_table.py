@@ -58,25 +58,42 @@ def capacity_for_memory(slot_bytes, share, device) -> int:
 
 
 class _Part:
-    """One device's share of every slot: the bytes, the component views, and a side stream for copies."""
+    """One device's share of every slot: the bytes, the component views, and a side stream for copies.
 
-    def __init__(self, layout, device, slots):
+    Packed (the default), a slot's components lie in one block of bytes, moved with one copy. Separate, each
+    component has its own buffer (torch.compile's functionalization does not take in-place updates of inputs
+    that are views of one storage), and moving a slot is one copy per component."""
+
+    def __init__(self, layout, device, slots, separate=False):
         self.layout, self.device = dict(layout), torch.device(device)
         self.offsets, self.slot_bytes = slot_layout(self.layout)
-        self.buffer = torch.empty(slots, self.slot_bytes, dtype=torch.uint8, device=self.device)
-        self.tensors = {name: self._view(self.buffer, name) for name in self.layout}
+        # chunks: (buffer [slots, bytes], first byte within the slot's block)
+        if separate:
+            ends = [*sorted(self.offsets.values())[1:], self.slot_bytes]
+            self.chunks = [(torch.empty(slots, end - start, dtype=torch.uint8, device=self.device), start)
+                           for start, end in zip(sorted(self.offsets.values()), ends)]
+        else:
+            self.chunks = [(torch.empty(slots, self.slot_bytes, dtype=torch.uint8, device=self.device), 0)]
         self.initial = torch.zeros(1, self.slot_bytes, dtype=torch.uint8, device=self.device)
         for name, (_, _, init) in self.layout.items():
-            self._view(self.initial, name).fill_(init)
-        self.buffer.copy_(self.initial.expand_as(self.buffer))
+            self._view(self.initial, 0, name).fill_(init)
+        self.tensors = {}
+        for name, start in self.offsets.items():
+            buffer, chunk_start = next(chunk for chunk in reversed(self.chunks) if chunk[1] <= start)
+            self.tensors[name] = self._view(buffer, chunk_start, name)
+        for buffer, start in self.chunks:
+            buffer.copy_(self._initial(start, buffer).expand_as(buffer))
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.pending: dict[int, torch.cuda.Event] = {}  # slot -> its last copy's completion
 
-    def _view(self, block, name):
+    def _view(self, block, block_start, name):
         shape, dtype, _ = self.layout[name]
-        start = self.offsets[name]
+        start = self.offsets[name] - block_start
         return block[:, start:start + _numel(shape) * dtype.itemsize].view(dtype).view(block.shape[0], *shape)
+
+    def _initial(self, start, buffer):
+        return self.initial[:, start:start + buffer.shape[1]]
 
     def new_host_buffer(self):
         return torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
@@ -95,16 +112,25 @@ class _Part:
 
     def offload(self, slot, host):
         def copies():
-            host.copy_(self.buffer[slot], non_blocking=True)
-            self.buffer[slot:slot + 1].copy_(self.initial)  # ready for a new symbol
+            for buffer, start in self.chunks:
+                host[start:start + buffer.shape[1]].copy_(buffer[slot], non_blocking=True)
+                buffer[slot:slot + 1].copy_(self._initial(start, buffer))  # ready for a new symbol
 
         self.copy(slot, copies)
 
     def restore(self, slot, host):
-        self.copy(slot, lambda: self.buffer[slot].copy_(host, non_blocking=True))
+        def copies():
+            for buffer, start in self.chunks:
+                buffer[slot].copy_(host[start:start + buffer.shape[1]], non_blocking=True)
+
+        self.copy(slot, copies)
 
     def reset(self, slot):
-        self.copy(slot, lambda: self.buffer[slot:slot + 1].copy_(self.initial))
+        def copies():
+            for buffer, start in self.chunks:
+                buffer[slot:slot + 1].copy_(self._initial(start, buffer))
+
+        self.copy(slot, copies)
 
     def wait_for(self, slot):
         """Make the device's current stream wait for the slot's pending copies (if any)."""
@@ -116,11 +142,12 @@ class _Part:
 
 class StateTable:
     def __init__(self, parts, capacity: int, *, host_capacity: int = 0, idle_timeout_s=None, reserve: int = 0,
-                 clock=time.monotonic):
+                 separate=False, clock=time.monotonic):
         """parts: [(layout {name: (per-slot shape, dtype, initial value)}, device)], one per device (a single
         (layout, device) pair is one part); capacity: live GPU slots; host_capacity: symbols whose state may
         wait in host memory; reserve: free slots kept ready by moving least recently used states to the host
-        ahead of need, so that a new symbol's step does not wait for that copy."""
+        ahead of need, so that a new symbol's step does not wait for that copy; separate: a buffer per component
+        (for torch.compile) instead of one block per slot."""
         if isinstance(parts, tuple) and len(parts) == 2 and isinstance(parts[0], dict):
             parts = [parts]
         if capacity < 1 or host_capacity < 0 or reserve < 0:
@@ -128,7 +155,7 @@ class StateTable:
                              f"{host_capacity}, {reserve}")
         if idle_timeout_s is not None and not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be positive (or None: never), got {idle_timeout_s}")
-        self.parts = [_Part(layout, device, capacity + 1) for layout, device in parts]
+        self.parts = [_Part(layout, device, capacity + 1, separate) for layout, device in parts]
         self.host_capacity, self.idle_timeout_s, self.reserve, self.clock = host_capacity, idle_timeout_s, reserve, clock
         self.resident: OrderedDict[str, int] = OrderedDict()  # symbol -> slot, least recently used first
         self.offloaded: dict[str, list[torch.Tensor]] = {}     # symbol -> its state in host memory, per part
@@ -145,7 +172,7 @@ class StateTable:
 
     @property
     def capacity(self) -> int:
-        return self.parts[0].buffer.shape[0] - 1
+        return self.parts[0].chunks[0][0].shape[0] - 1
 
     @property
     def bytes_per_slot(self) -> int:
