@@ -31,16 +31,25 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from client import event_loop  # noqa: E402
+from client.accuracy import Suite, format_table as accuracy_table  # noqa: E402
+from client.engine.precision import add_precision_argument, describe_precision, parse_precision  # noqa: E402
+from client.families import FAMILIES  # noqa: E402
 from client.model.config import NUM_FEATURES, PRESETS, TOWER_NAMES  # noqa: E402
 from client.runtime import PIPELINE_MIN_BATCH  # noqa: E402
 from server.scoring import DEFAULT_ATOL  # noqa: E402
 
-SECTIONS = ("copy", "step", "baseline", "accuracy", "e2e", "maxrate")
+STATE_DTYPE_NAMES = ("fp32", "fp16", "bf16")
+
+SECTIONS = ("copy", "step", "baseline", "accuracy", "precisions", "state_dtypes", "compile", "e2e", "maxrate",
+            "churn", "capacity", "gpus", "shards")
 BATCH_SIZES = (1, 2, 4, 8, 16, 20, 32, 40, 64)
 MAX_BATCH = max(BATCH_SIZES)
 E2E_RATE, E2E_SYMBOLS = 400.0, 20
 MAXRATE_SYMBOLS = 64
+SHARD_SYMBOLS = 128
 P99_LIMIT_MS = 50.0
+SHORT_BATCHES = (1, 20, 64)  # step times of the engine variants (precisions, state dtypes, GPU counts)
+STEP_LIMIT_MS = 5.0  # capacity section: no step of B <= 20 over this while new symbols arrive
 
 
 @dataclass
@@ -52,19 +61,29 @@ class Counts:
     step_iters: int
     baseline_warmup: int
     baseline_iters: int
-    accuracy_symbols: int
-    accuracy_steps: int
+    family_symbols: int  # accuracy suite: symbols per input family
+    family_steps: int
+    long_symbols: int
+    long_steps: int
     e2e_requests: int
     rates: list
     rate_seconds: float
+    new_symbols: int  # capacity section: symbols arriving mid-stream
+    arrival_seconds: float
+    churn_symbols: int
+    churn_capacity: int
+    churn_steps: int
 
 
 FULL = Counts(copy_bytes=1 << 30, copy_repeats=20, step_warmup=20, step_iters=200, baseline_warmup=5,
-              baseline_iters=20, accuracy_symbols=20, accuracy_steps=1000, e2e_requests=4000,
-              rates=[1000, 2000, 3000, 4000, 5000, 6000, 8000, 10000, 14000, 20000], rate_seconds=2.0)
+              baseline_iters=20, family_symbols=4, family_steps=1000, long_symbols=4, long_steps=10_000,
+              e2e_requests=4000, rates=[1000, 2000, 3000, 4000, 5000, 6000, 8000, 10000, 12000, 14000, 20000],
+              rate_seconds=2.0, new_symbols=200, arrival_seconds=10.0, churn_symbols=24, churn_capacity=8,
+              churn_steps=200)
 QUICK = Counts(copy_bytes=64 << 20, copy_repeats=5, step_warmup=2, step_iters=10, baseline_warmup=2,
-               baseline_iters=5, accuracy_symbols=4, accuracy_steps=20, e2e_requests=200,
-               rates=[50, 100], rate_seconds=1.0)
+               baseline_iters=5, family_symbols=2, family_steps=40, long_symbols=2, long_steps=300,
+               e2e_requests=200, rates=[50, 100], rate_seconds=1.0, new_symbols=12, arrival_seconds=2.0,
+               churn_symbols=6, churn_capacity=3, churn_steps=30)
 
 
 # ---- command line --------------------------------------------------------------------------------
@@ -90,6 +109,34 @@ def _sections(text):
     return [name for name in SECTIONS if name in names]  # always in the order that shares work sensibly
 
 
+def _positive_int_value(text):
+    return _positive_int(text)
+
+
+def _state_dtype(text):
+    if text not in STATE_DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown state dtype {text!r}; choose from {', '.join(STATE_DTYPE_NAMES)}")
+    return text
+
+
+def _precision_spec(text):
+    parse_precision(text)  # a bad spec is refused here, in one line
+    return text
+
+
+def _list_of(item, separator=","):
+    def parse(text):
+        try:
+            values = [item(part.strip()) for part in text.split(";" if item is _precision_spec else separator)
+                      if part.strip()]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if not values:
+            raise argparse.ArgumentTypeError("expected at least one value")
+        return values
+    return parse
+
+
 def _rates(text):
     try:
         rates = [_positive_float(part) for part in text.split(",") if part.strip()]
@@ -108,8 +155,22 @@ def parse_args(argv=None):
     parser.add_argument("--json", metavar="PATH", help="write the results here (rewritten after each section)")
     parser.add_argument("--sections", type=_sections, default=list(SECTIONS),
                         help=f"comma list of {','.join(SECTIONS)} (default: all)")
-    parser.add_argument("--accuracy-symbols", type=_positive_int, help="symbols stepped together (default 20)")
-    parser.add_argument("--accuracy-steps", type=_positive_int, help="steps per symbol (default 1000)")
+    parser.add_argument("--family-symbols", type=_positive_int, help="accuracy suite: symbols per input family "
+                                                                     "(default 4)")
+    parser.add_argument("--family-steps", type=_positive_int, help="accuracy suite: steps per family (default 1000)")
+    parser.add_argument("--long-steps", type=_positive_int, help="accuracy suite: steps of the long streams "
+                                                                 "(default 10000)")
+    add_precision_argument(parser)
+    parser.add_argument("--precisions", type=_list_of(_precision_spec), default=["auto", "fp16", "bf16", "fp32"],
+                        help="precisions section: precision specs separated by ';' (default: auto;fp16;bf16;fp32)")
+    parser.add_argument("--state-dtype", choices=STATE_DTYPE_NAMES, default="fp32",
+                        help="state storage of the engine of the other sections (default fp32)")
+    parser.add_argument("--state-dtypes", type=_list_of(_state_dtype), default=["fp32", "fp16", "bf16"],
+                        help="state_dtypes section: comma list (default fp32,fp16,bf16)")
+    parser.add_argument("--gpus", type=_list_of(_positive_int_value), default=None,
+                        help="gpus and shards sections: GPU counts to run, comma list (default: 1 and every GPU)")
+    parser.add_argument("--merge", action="store_true", help="keep what --json already holds; rewrite only the "
+                                                               "sections of this run")
     parser.add_argument("--e2e-requests", type=_positive_int, help="requests of the 400 req/s run (default 4000)")
     parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the "
                                                      "max-rate search (default 1000,2000,...,20000)")
@@ -120,11 +181,13 @@ def parse_args(argv=None):
     parser.add_argument("--log-dir", help="also write the progress log and client/server warnings here")
     args = parser.parse_args(argv)
     counts = QUICK if args.quick else FULL
-    overrides = {"accuracy_symbols": args.accuracy_symbols, "accuracy_steps": args.accuracy_steps,
-                 "e2e_requests": args.e2e_requests, "rates": args.rates, "rate_seconds": args.rate_seconds}
+    overrides = {"family_symbols": args.family_symbols, "family_steps": args.family_steps,
+                 "long_steps": args.long_steps, "e2e_requests": args.e2e_requests, "rates": args.rates,
+                 "rate_seconds": args.rate_seconds}
     args.counts = Counts(**{**counts.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
-    if args.counts.accuracy_symbols > MAX_BATCH:
-        parser.error(f"--accuracy-symbols must be at most {MAX_BATCH} (the engine's max batch)")
+    if args.counts.family_symbols * len(FAMILIES) > MAX_BATCH:
+        parser.error(f"--family-symbols must be at most {MAX_BATCH // len(FAMILIES)}: all families step together "
+                     f"in batches of at most {MAX_BATCH}")
     try:
         args.device = torch.device(args.device)
     except RuntimeError as exc:
@@ -239,34 +302,29 @@ def step_symbols():
     return [f"STEP_{i:03d}" for i in range(MAX_BATCH)]
 
 
-def accuracy_symbols(count):
-    return [f"ACC_{i:03d}" for i in range(count)]
-
-
-def e2e_symbols():
-    return [f"E2E_{name}" for name in _symbol_names(E2E_SYMBOLS)]
-
-
-def rate_symbols():
-    return [f"RATE_{name}" for name in _symbol_names(MAXRATE_SYMBOLS)]
-
-
-def measure_steps(engine, device, counts, timer, bandwidth, seed, progress):
-    """{B: {median, p99, floor}} in ms; the floor moves the weights once and each row's state in and out."""
+def measure_steps(engine, device, counts, timer, bandwidth, seed, progress, batches=BATCH_SIZES):
+    """{B: {median, p99, floor}} in ms; the floor moves the weights once and each row's state in and out (on
+    several GPUs, the slowest GPU's: its towers' weights and state)."""
     symbols = step_symbols()
     generator = torch.Generator(device=device).manual_seed(seed)
+    shards = getattr(engine, "shards", None) or []
     results = {}
-    for batch in BATCH_SIZES:
+    for batch in batches:
         slots = engine.slots_for(symbols[:batch])
         features = torch.randn(batch, NUM_FEATURES, generator=generator, device=device)
         for _ in range(counts.step_warmup):
             engine.step_slots(slots, features)
         median, p99 = _median_p99([timer.time_ms(lambda: engine.step_slots(slots, features))
                                    for _ in range(counts.step_iters)])
-        floor = (engine.weight_bytes + 2 * batch * engine.state_bytes) / bandwidth * 1000.0
+        if len(shards) > 1:
+            floor = max(shard.runner.weight_bytes + 2 * batch * part.slot_bytes
+                        for shard, part in zip(shards, engine.table.parts)) / bandwidth * 1000.0
+        else:
+            floor = (engine.weight_bytes + 2 * batch * engine.state_bytes) / bandwidth * 1000.0
         results[str(batch)] = {"median": median, "p99": p99, "floor": floor}
         progress(f"step B={batch}: median {median:.3f} ms, p99 {p99:.3f} ms, floor {floor:.3f} ms "
                  f"({median / floor:.2f}x)")
+    engine.release(symbols)
     return results
 
 
@@ -285,52 +343,6 @@ def measure_baseline(model, device, counts, seed):
             prediction.cpu()
             times_ms.append((time.perf_counter() - begin) * 1000.0)
     return float(np.median(times_ms[counts.baseline_warmup:]))
-
-
-@torch.no_grad()
-def measure_accuracy(engine, model, device, counts, seed, progress):
-    """Per tower, the engine's predictions against the fp32 reference on the same fresh symbols and inputs."""
-    num_symbols, num_steps = counts.accuracy_symbols, counts.accuracy_steps
-    slots = engine.slots_for(accuracy_symbols(num_symbols))
-    state = model.init_state(num_symbols, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    towers = len(TOWER_NAMES)
-    # float64 sums on the device: no host sync per step
-    sums = {name: torch.zeros(towers, dtype=torch.float64, device=device)
-            for name in ("sq_err", "ref", "ref_sq", "within", "bad", "finite")}
-    max_err = torch.zeros(towers, dtype=torch.float64, device=device)
-    report_every = max(num_steps // 10, 1)
-    for step in range(num_steps):
-        features = torch.randn(num_symbols, NUM_FEATURES, generator=generator, device=device)
-        with strict_fp32():
-            reference, state = model(features, state)
-        fast = engine.step_slots(slots, features).double()
-        reference = reference.double()
-        finite = torch.isfinite(fast)
-        error = torch.where(finite, (fast - reference).abs(), torch.zeros_like(fast))
-        sums["sq_err"] += (error ** 2).sum(0)
-        sums["ref"] += reference.sum(0)
-        sums["ref_sq"] += (reference ** 2).sum(0)
-        sums["within"] += ((fast - reference).abs() <= DEFAULT_ATOL).sum(0)  # NaN compares False: wrong
-        sums["bad"] += (~finite).sum(0)
-        sums["finite"] += finite.sum(0)
-        max_err = torch.maximum(max_err, error.max(0).values)
-        if (step + 1) % report_every == 0:
-            progress(f"accuracy: {step + 1}/{num_steps} steps")
-    total = num_symbols * num_steps
-    host = {name: value.cpu().numpy() for name, value in sums.items()}
-    max_err = max_err.cpu().numpy()
-    results = {}
-    for tower, name in enumerate(TOWER_NAMES):
-        finite = host["finite"][tower]
-        rmse = math.sqrt(host["sq_err"][tower] / finite) if finite else math.nan
-        mean = host["ref"][tower] / total
-        std = math.sqrt(max(host["ref_sq"][tower] / total - mean ** 2, 0.0))
-        results[name] = {"max_abs_err": float(max_err[tower]) if finite else math.nan, "rmse": rmse,
-                         "rel_rmse": rmse / std if std > 0 else math.nan,
-                         "within_atol": float(host["within"][tower] / total),
-                         "nan_or_inf": int(host["bad"][tower])}
-    return results
 
 
 class ReferenceTracker:
@@ -491,23 +503,28 @@ def session_numbers(summary) -> dict:
             "responses": summary["responses"], "missed": summary["missed"]}
 
 
-def measure_e2e(engine, model, device, counts, args, progress):
-    tracker = ReferenceTracker(model, e2e_symbols(), device)
-    stream = prefixed_stream("E2E_", E2E_SYMBOLS, counts.e2e_requests, args.seed + 1, E2E_RATE)
+def measure_e2e(engine, model, device, counts, args, progress, prefix="E2E_"):
+    tracker = ReferenceTracker(model, [prefix + name for name in _symbol_names(E2E_SYMBOLS)], device)
+    stream = prefixed_stream(prefix, E2E_SYMBOLS, counts.e2e_requests, args.seed + 1, E2E_RATE)
     targets = tracker.targets(stream)
+    del tracker
     progress(f"e2e: targets ready; serving {len(stream)} requests at {E2E_RATE:.0f} req/s")
-    return session_numbers(event_loop.run(serve_stream(engine, stream, targets, E2E_RATE, args.preset, args.seed,
-                                                       args.pipeline_min_batch)))
+    numbers = session_numbers(event_loop.run(serve_stream(engine, stream, targets, E2E_RATE, args.preset, args.seed,
+                                                          args.pipeline_min_batch)))
+    engine.release(np.unique(stream.symbols).tolist())
+    return numbers
 
 
-def search_max_rate(engine, model, device, counts, args, report, progress):
-    """Ascending rates over 64 symbols until the first whose p99 reaches the limit or that leaves a request
-    unanswered (it may never have been stepped, so later runs could not continue its symbol's state)."""
-    tracker = ReferenceTracker(model, rate_symbols(), device)
+def search_max_rate(engine, model, device, counts, args, report, progress, num_symbols=MAXRATE_SYMBOLS,
+                    prefix="RATE_", key="max_rate"):
+    """Ascending rates over `num_symbols` symbols until the first whose p99 reaches the limit or that leaves a
+    request unanswered (it may never have been stepped, so later runs could not continue its symbol's state).
+    Records report[key + "_p99_50ms"] and report[key + "_runs"] as it goes."""
+    tracker = ReferenceTracker(model, [prefix + name for name in _symbol_names(num_symbols)], device)
     runs, best = [], None
     for attempt, rate in enumerate(counts.rates):
-        num_requests = max(int(rate * counts.rate_seconds), MAXRATE_SYMBOLS)
-        stream = prefixed_stream("RATE_", MAXRATE_SYMBOLS, num_requests, args.seed + 2 + attempt, rate)
+        num_requests = max(int(rate * counts.rate_seconds), num_symbols)
+        stream = prefixed_stream(prefix, num_symbols, num_requests, args.seed + 2 + attempt, rate)
         progress(f"maxrate {rate:g} req/s: reference targets of {num_requests} requests")
         targets = tracker.targets(stream)
         numbers = session_numbers(event_loop.run(serve_stream(engine, stream, targets, rate, args.preset, args.seed,
@@ -516,13 +533,172 @@ def search_max_rate(engine, model, device, counts, args, report, progress):
                   and numbers["p99_ms"] < P99_LIMIT_MS)
         runs.append({"rate": rate, **numbers, "passed": passed})
         best = rate if passed else best
-        report.update(max_rate_p99_50ms=best, max_rate_runs=runs)
+        report.update(**{f"{key}_p99_50ms": best, f"{key}_runs": runs})
         progress(f"maxrate {rate:g} req/s: p50 {_fmt(numbers['p50_ms'])} ms, p99 {_fmt(numbers['p99_ms'])} ms, "
                  f"accuracy {_fmt(numbers['accuracy'], 4)}, missed {numbers['missed']} -> "
                  f"{'pass' if passed else 'FAIL'}")
         if not passed:
             break
+    engine.release([prefix + name for name in _symbol_names(num_symbols)])
     return best, runs
+
+
+def measure_precisions(bench, suite):
+    """Per weight precision: what it chose, its step time at B = 1, 20, 64 and its accuracy on every family."""
+    results = {}
+    for name in bench.args.precisions:
+        engine = bench.build_engine(precision=name, capacity=suite.symbols)
+        row = {"precision": describe_precision(engine.runner.precision),
+               "step_ms": measure_steps(engine, bench.device, bench.counts, bench.timer, bench.bandwidth,
+                                        bench.args.seed, bench.progress, SHORT_BATCHES),
+               "accuracy": suite.measure(engine, prefix=f"{name}/")}
+        results[name] = row
+        bench.report.update(precisions=results)
+        bench.progress(f"precision {name}:\n" + accuracy_table(row["accuracy"]))
+        bench.drop(engine)
+    return results
+
+
+def measure_state_dtypes(bench, suite):
+    """Per state storage: symbols held at the default memory budget, step times, accuracy on every family (long
+    streams included, where rounding in the state accumulates) and the highest rate over 64 symbols."""
+    from client.engine.fast import STATE_MEMORY
+
+    results = {}
+    for state_dtype in bench.args.state_dtypes:
+        engine = bench.build_engine(state_dtype=state_dtype, capacity=max(suite.symbols, MAXRATE_SYMBOLS))
+        row = {"state_bytes_per_symbol": engine.state_bytes,
+               "symbols_at_budget": bench.symbols_at_budget(engine, STATE_MEMORY),
+               "step_ms": measure_steps(engine, bench.device, bench.counts, bench.timer, bench.bandwidth,
+                                        bench.args.seed, bench.progress, SHORT_BATCHES),
+               "accuracy": suite.measure(engine, prefix=f"state-{state_dtype}/")}
+        results[state_dtype] = row
+        bench.report.update(state_dtypes=results)
+        bench.progress(f"state {state_dtype}: {row['symbols_at_budget']} symbols at {STATE_MEMORY:.0%} of free "
+                       f"memory\n" + accuracy_table(row["accuracy"]))
+        if bench.device.type == "cuda":
+            best, runs = search_max_rate(engine, bench.model, bench.device, bench.counts, bench.args, bench.report,
+                                         bench.progress, prefix=f"ST{state_dtype}_", key=f"state_{state_dtype}_rate")
+            row.update(max_rate_p99_50ms=best, max_rate_runs=runs)
+            bench.report.update(state_dtypes=results)
+        bench.drop(engine)
+    return results
+
+
+def arrival_stream(prefix, num_symbols, seconds, rate, seed):
+    """A stream at `rate` in which `num_symbols` symbols appear one after another over its first half, each
+    request going to a symbol already seen (so new symbols keep arriving mid-stream)."""
+    from client.streams import Stream
+
+    rng = np.random.default_rng(seed)
+    total = max(int(rate * seconds), 2 * num_symbols)
+    names = np.array([prefix + name for name in _symbol_names(num_symbols)])
+    seen = np.minimum(np.arange(total) * 2 * num_symbols // total + 1, num_symbols)  # symbols seen so far
+    choice = (rng.random(total) * seen).astype(np.int64)
+    choice[np.arange(num_symbols) * total // (2 * num_symbols)] = np.arange(num_symbols)  # each one's arrival
+    features = rng.standard_normal((total, NUM_FEATURES)).astype(np.float32)
+    return Stream(names[choice], features, np.full(total, 1000.0 / rate))
+
+
+def measure_capacity(bench):
+    """Symbols held at the default memory budget; then new symbols arriving mid-stream at 400 req/s into that
+    engine: the end-to-end p99, missed requests, and every step's GPU time (none of B <= 20 over 5 ms)."""
+    from client.engine.fast import STATE_MEMORY
+
+    counts = bench.counts
+    stream = arrival_stream("NEW_", counts.new_symbols, counts.arrival_seconds, E2E_RATE, bench.args.seed + 5)
+    tracker = ReferenceTracker(bench.model, np.unique(stream.symbols).tolist(), bench.device)
+    targets = tracker.targets(stream)
+    del tracker
+    bench.close_engine()  # the budget is a share of the memory free now
+    engine = bench.build_engine(state_memory=STATE_MEMORY if bench.device.type == "cuda" else None,
+                                capacity=None if bench.device.type == "cuda" else counts.new_symbols,
+                                time_steps=bench.device.type == "cuda")
+    numbers = session_numbers(event_loop.run(serve_stream(engine, stream, targets, E2E_RATE, bench.args.preset,
+                                                          bench.args.seed, bench.args.pipeline_min_batch)))
+    steps = np.array(engine.step_times or [(0, 0.0)])
+    small = steps[steps[:, 0] <= 20, 1]
+    result = {"symbols_at_budget": engine.table.capacity, "state_memory": STATE_MEMORY,
+              "state_bytes_per_symbol": engine.state_bytes, "new_symbols": counts.new_symbols, **numbers,
+              "steps": len(engine.step_times or []),
+              "step_ms_max_b20": float(small.max()) if small.size else None,
+              "step_ms_p99_b20": float(np.percentile(small, 99)) if small.size else None,
+              "steps_over_limit": int((small > STEP_LIMIT_MS).sum())}
+    bench.drop(engine)
+    return result
+
+
+def measure_churn(bench):
+    """Symbols leaving and returning through a GPU tier smaller than them: states offloaded to host memory and
+    brought back give the same predictions, bit for bit, as an engine that never offloads; a symbol that left
+    (released) and comes back starts afresh, as in both engines."""
+    counts = bench.counts
+    symbols = [f"CHURN_{i:03d}" for i in range(counts.churn_symbols)]
+    tight = bench.build_engine(capacity=counts.churn_capacity, host_symbols=counts.churn_symbols, reserve=1,
+                               max_batch=counts.churn_capacity)
+    roomy = bench.build_engine(capacity=counts.churn_symbols, host_symbols=0, max_batch=counts.churn_capacity)
+    rng = np.random.default_rng(bench.args.seed + 6)
+    equal, worst, step_ms = True, 0.0, []
+    for step in range(counts.churn_steps):
+        batch = [str(s) for s in rng.choice(symbols, int(rng.integers(1, counts.churn_capacity + 1)), replace=False)]
+        features = rng.standard_normal((len(batch), NUM_FEATURES)).astype(np.float32)
+        begin = time.perf_counter()
+        got = tight.step(batch, features)
+        step_ms.append((time.perf_counter() - begin) * 1000.0)
+        want = roomy.step(batch, features)
+        equal &= bool(np.array_equal(got, want))
+        worst = max(worst, float(np.abs(got - want).max()))
+        if step % 25 == 24:  # a symbol leaves; it may come back later as a new one
+            gone = [str(rng.choice(symbols))]
+            tight.release(gone)
+            roomy.release(gone)
+    result = {"symbols": counts.churn_symbols, "gpu_slots": counts.churn_capacity, "steps": counts.churn_steps,
+              "bit_equal": equal, "max_abs_diff": worst, **tight.table.stats,
+              "step_ms_p50": float(np.median(step_ms)), "step_ms_p99": float(np.percentile(step_ms, 99)),
+              "step_ms_max": float(np.max(step_ms))}
+    bench.drop(tight)
+    bench.drop(roomy)
+    return result
+
+
+def measure_gpus(bench):
+    """The towers spread over N GPUs of this machine, for each N asked: step times with the slowest GPU's floor,
+    and end-to-end at 400 req/s over 20 symbols."""
+    results = {}
+    for gpus in bench.gpu_counts():
+        engine = bench.build_engine(devices=[f"cuda:{i}" for i in range(gpus)], capacity=MAX_BATCH + E2E_SYMBOLS)
+        row = {"towers": engine.describe()["towers"],
+               "step_ms": measure_steps(engine, bench.device, bench.counts, bench.timer, bench.bandwidth,
+                                        bench.args.seed, bench.progress, SHORT_BATCHES),
+               "e2e_400rps_20sym": measure_e2e(engine, bench.model, bench.device, bench.counts, bench.args,
+                                               bench.progress, prefix=f"G{gpus}_")}
+        results[str(gpus)] = row
+        bench.report.update(gpus=results)
+        bench.drop(engine)
+    return results
+
+
+def measure_shards(bench):
+    """Symbols sharded over N GPUs (an engine process per GPU), for each N asked: the highest rate over 128
+    symbols with p99 < 50 ms."""
+    from client.engine.sharded import ModelSpec, ShardedEngine
+
+    results = {}
+    for gpus in bench.gpu_counts():
+        bench.close_engine()
+        devices = [f"cuda:{i}" for i in range(gpus)] if bench.device.type == "cuda" else ["cpu"] * gpus
+        per_shard = -(-SHARD_SYMBOLS // gpus) + MAX_BATCH
+        engine = ShardedEngine(ModelSpec(bench.args.preset, seed=bench.args.seed), devices, progress=False,
+                               capacity=per_shard, host_symbols=0, precision=bench.args.precision)
+        try:
+            best, runs = search_max_rate(engine, bench.model, bench.device, bench.counts, bench.args, bench.report,
+                                         bench.progress, num_symbols=SHARD_SYMBOLS, prefix=f"SH{gpus}_",
+                                         key=f"shards_{gpus}_rate")
+        finally:
+            engine.close()
+        results[str(gpus)] = {"max_rate_p99_50ms": best, "runs": runs, "startup_s": engine.startup_s}
+        bench.report.update(shards=results)
+    return results
 
 
 def _symbol_names(count):
@@ -543,13 +719,14 @@ def _device_name(device):
 
 # ---- the run -------------------------------------------------------------------------------------
 class Bench:
-    """Runs the chosen sections, building the reference model and the engine once, when first needed."""
+    """Runs the chosen sections, building the reference model, the accuracy suite and the engine once, when
+    first needed; sections that need other engines build and drop their own."""
 
     def __init__(self, args, report, progress):
         self.args, self.counts, self.device = args, args.counts, args.device
         self.report, self.progress = report, progress
         self.timer = Timer(self.device)
-        self._model = self._engine = None
+        self._model = self._engine = self._suite = None
         self.bandwidth = None
 
     @property
@@ -564,32 +741,68 @@ class Bench:
         return self._model
 
     @property
+    def suite(self) -> Suite:
+        """The accuracy suite's inputs and reference predictions, shared by every engine measured."""
+        if self._suite is None:
+            counts = self.counts
+            self._suite = Suite(self.model, self.device, symbols_per_family=counts.family_symbols,
+                                steps=counts.family_steps, long_symbols=counts.long_symbols,
+                                long_steps=counts.long_steps, seed=self.args.seed, progress=self.progress)
+        return self._suite
+
+    def build_engine(self, **options):
+        """A fast engine of the run's settings, `options` on top (capacity: symbols it holds on the GPU)."""
+        from client.engine.fast import FastEngine
+
+        settings = {"max_batch": MAX_BATCH, "precision": self.args.precision, "state_dtype": self.args.state_dtype,
+                    "capacity": MAX_BATCH, "progress": False, **options}
+        begin = time.monotonic()
+        engine = FastEngine(self.model, self.device, **settings)
+        self.progress(f"engine built in {time.monotonic() - begin:.1f} s: {engine.describe()}")
+        return engine
+
+    def drop(self, engine):
+        del engine
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    @property
     def engine(self):
+        """The engine of the step, accuracy, e2e and maxrate sections; each releases its symbols when done."""
         if self._engine is None:
-            try:
-                from client.engine.fast import FastEngine
-            except ImportError as exc:
-                if exc.name is None or not exc.name.startswith("client.engine.fast"):
-                    raise
-                raise RuntimeError("the fast engine is missing (client/engine/fast); nothing to benchmark") from exc
-            model = self.model
-            begin = time.monotonic()
-            # The state table is allocated at its final size, before graphs are captured, and every symbol
-            # of the run gets its slot now: the table never grows (nor are graphs captured again) later.
-            symbols = self._symbols_of_run()
-            self._engine = FastEngine(model, self.device, max_batch=MAX_BATCH, capacity=max(len(symbols), 1))
-            self._engine.slots_for(symbols)
+            capacity = max(MAX_BATCH, MAXRATE_SYMBOLS, E2E_SYMBOLS,
+                           self.suite.symbols if "accuracy" in self.args.sections else 0)
+            self._engine = self.build_engine(capacity=capacity)
             self.report.update(engine=self._engine.describe(), weight_bytes=self._engine.weight_bytes,
                                state_bytes=self._engine.state_bytes)
-            self.progress(f"fast engine built in {time.monotonic() - begin:.1f} s: {self._engine.describe()}")
         return self._engine
 
-    def _symbols_of_run(self):
-        sections = self.args.sections
-        return ((step_symbols() if "step" in sections else [])
-                + (accuracy_symbols(self.counts.accuracy_symbols) if "accuracy" in sections else [])
-                + (e2e_symbols() if "e2e" in sections else [])
-                + (rate_symbols() if "maxrate" in sections else []))
+    def close_engine(self):
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            self.drop(engine)
+
+    def symbols_at_budget(self, engine, share) -> int:
+        """Symbols the engine's state table would hold at `share` of the memory free without it."""
+        from client.engine.fast.state_table import slot_layout
+
+        if self.device.type != "cuda":
+            return engine.table.capacity
+        slot_bytes = sum(slot_layout(part.layout)[1] for part in engine.table.parts)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(share * (free + (engine.table.capacity + 1) * slot_bytes)) // slot_bytes - 1
+
+    def gpu_counts(self):
+        present = torch.cuda.device_count() if self.device.type == "cuda" else 2
+        counts = self.args.gpus or sorted({1, present})
+        if max(counts) > present:
+            raise ValueError(f"--gpus {max(counts)} asked for, but this machine has {present} GPU(s)")
+        return counts
+
+    def _copy_first(self):
+        if self.bandwidth is None:  # step floors need this run's bandwidth
+            self.run_copy()
 
     def run_copy(self):
         self.bandwidth, median_ms = measure_copy(self.device, self.counts, self.timer)
@@ -598,8 +811,7 @@ class Bench:
                       f"{self.bandwidth / 1e9:.1f} GB/s")
 
     def run_step(self):
-        if self.bandwidth is None:  # the floor needs this run's bandwidth
-            self.run_copy()
+        self._copy_first()
         self.report.update(step_ms=measure_steps(self.engine, self.device, self.counts, self.timer,
                                                  self.bandwidth, self.args.seed, self.progress))
 
@@ -609,13 +821,24 @@ class Bench:
         self.progress(f"baseline: {per_request:.3f} ms per request")
 
     def run_accuracy(self):
-        results = measure_accuracy(self.engine, self.model, self.device, self.counts, self.args.seed,
-                                   self.progress)
-        self.report.update(accuracy=results)
-        for name, tower in results.items():
-            self.progress(f"accuracy {name}: within {DEFAULT_ATOL:g}: {tower['within_atol']:.5f}, "
-                          f"max {tower['max_abs_err']:.2e}, rel rmse {tower['rel_rmse']:.2e}, "
-                          f"nan/inf {tower['nan_or_inf']}")
+        result = self.suite.measure(self.engine, prefix="ACC/")
+        self.report.update(accuracy=result)
+        self.progress("accuracy suite:\n" + accuracy_table(result))
+
+    def run_precisions(self):
+        self._copy_first()
+        measure_precisions(self, self.suite)
+
+    def run_state_dtypes(self):
+        self._copy_first()
+        measure_state_dtypes(self, self.suite)
+
+    def run_compile(self):
+        from scripts.compile_bench import measure_compile
+
+        self.close_engine()  # its children build their own engines on this GPU
+        self.report.update(compile=measure_compile(self.args.preset, self.args.seed, self.device,
+                                                   batches=SHORT_BATCHES))
 
     def run_e2e(self):
         numbers = measure_e2e(self.engine, self.model, self.device, self.counts, self.args, self.progress)
@@ -627,6 +850,23 @@ class Bench:
         best, _ = search_max_rate(self.engine, self.model, self.device, self.counts, self.args, self.report,
                                   self.progress)
         self.progress(f"maxrate: {best} req/s with p99 < {P99_LIMIT_MS:g} ms")
+
+    def run_churn(self):
+        result = measure_churn(self)
+        self.report.update(churn=result)
+        self.progress(f"churn: {result}")
+
+    def run_capacity(self):
+        result = measure_capacity(self)
+        self.report.update(capacity=result)
+        self.progress(f"capacity: {result}")
+
+    def run_gpus(self):
+        self._copy_first()
+        measure_gpus(self)
+
+    def run_shards(self):
+        measure_shards(self)
 
     def run(self) -> list[str]:
         """Every chosen section; a failing one is logged and recorded, and the others still run."""
@@ -660,11 +900,21 @@ def summary_table(data) -> str:
     if "baseline_per_request_ms" in data:
         lines.append(f"baseline (fp32, one request at a time): {data['baseline_per_request_ms']:.3f} ms/request")
     if "accuracy" in data:
-        lines.append(f"{'tower':<8} {'within 1e-3':>12} {'max abs err':>12} {'rmse':>10} {'rel rmse':>10} "
-                     f"{'nan/inf':>8}")
-        for name, tower in data["accuracy"].items():
-            lines.append(f"{name:<8} {tower['within_atol']:>12.5f} {_fmt(tower['max_abs_err'], 6):>12} "
-                         f"{_fmt(tower['rmse'], 6):>10} {_fmt(tower['rel_rmse'], 6):>10} {tower['nan_or_inf']:>8}")
+        lines.append("accuracy suite (within 1e-3 and max error per tower, per input family):")
+        lines.append(accuracy_table(data["accuracy"]))
+    for name, row in data.get("precisions", {}).items():
+        steps = ", ".join(f"B={b} {r['median']:.3f}" for b, r in row["step_ms"].items())
+        gate = row["accuracy"]["gate"]
+        lines.append(f"precision {name}: step ms {steps}; gate {'passed' if gate['passed'] else 'FAILED'} "
+                     f"(worst {gate['worst'][0]} {gate['worst'][1]} {100 * gate['worst'][2]:.2f}%)")
+    for name, row in data.get("state_dtypes", {}).items():
+        steps = ", ".join(f"B={b} {r['median']:.3f}" for b, r in row["step_ms"].items())
+        gate = row["accuracy"]["gate"]
+        lines.append(f"state {name}: {row['symbols_at_budget']} symbols at the budget; step ms {steps}; gate "
+                     f"{'passed' if gate['passed'] else 'FAILED'} (worst {gate['worst'][0]} {gate['worst'][1]} "
+                     f"{100 * gate['worst'][2]:.2f}%); max rate {row.get('max_rate_p99_50ms')} req/s")
+    if "compile" in data:
+        lines.append(f"compile: {json.dumps(data['compile'])[:600]}")
     if "e2e_400rps_20sym" in data:
         e2e = data["e2e_400rps_20sym"]
         lines.append(f"e2e 400 req/s, 20 symbols: p50 {_fmt(e2e['p50_ms'])} ms, p99 {_fmt(e2e['p99_ms'])} ms, "
@@ -676,6 +926,24 @@ def summary_table(data) -> str:
                          f"missed {run['missed']}  {'pass' if run['passed'] else 'FAIL'}")
         lines.append(f"max rate with p99 < {P99_LIMIT_MS:g} ms over {MAXRATE_SYMBOLS} symbols: "
                      f"{data['max_rate_p99_50ms']} req/s")
+    if "churn" in data:
+        c = data["churn"]
+        lines.append(f"churn: {c['symbols']} symbols through {c['gpu_slots']} GPU slots, {c['offloaded']} offloads, "
+                     f"{c['restored']} returns, bit-equal to never offloaded: {c['bit_equal']}; step ms p50 "
+                     f"{c['step_ms_p50']:.2f} p99 {c['step_ms_p99']:.2f} max {c['step_ms_max']:.2f}")
+    if "capacity" in data:
+        c = data["capacity"]
+        lines.append(f"capacity: {c['symbols_at_budget']} symbols at {c['state_memory']:.0%} of free memory; "
+                     f"{c['new_symbols']} new symbols at {E2E_RATE:g} req/s: p50 {_fmt(c['p50_ms'])} ms, p99 "
+                     f"{_fmt(c['p99_ms'])} ms, missed {c['missed']}, slowest step of B <= 20 "
+                     f"{_fmt(c['step_ms_max_b20'])} ms ({c['steps_over_limit']} over {STEP_LIMIT_MS:g} ms)")
+    for gpus, row in data.get("gpus", {}).items():
+        steps = ", ".join(f"B={b} {r['median']:.3f} ({r['median'] / r['floor']:.2f}x)" for b, r in row["step_ms"].items())
+        e2e = row["e2e_400rps_20sym"]
+        lines.append(f"{gpus} GPU(s) {row['towers']}: step ms {steps}; e2e p50 {_fmt(e2e['p50_ms'])} ms, p99 "
+                     f"{_fmt(e2e['p99_ms'])} ms")
+    for gpus, row in data.get("shards", {}).items():
+        lines.append(f"{gpus} shard(s): max rate over {SHARD_SYMBOLS} symbols {row['max_rate_p99_50ms']} req/s")
     if "section_s" in data:
         lines.append("seconds per section: " + ", ".join(f"{name} {seconds:.1f}"
                                                          for name, seconds in data["section_s"].items()))
@@ -698,6 +966,9 @@ def main(argv=None) -> int:
         torch.cuda.set_device(torch.device(args.device).index or 0)  # events and synchronize() then refer to the chosen GPU
     progress = Progress(log_path)
     report = Report(args.json)
+    if args.merge and args.json and os.path.exists(args.json):
+        with open(args.json) as existing:
+            report.data = json.load(existing)
     report.update(device=_device_name(args.device), preset=args.preset, seed=args.seed, quick=args.quick,
                   sections=args.sections, counts=args.counts.__dict__, torch=torch.__version__,
                   pipeline_min_batch=args.pipeline_min_batch or PIPELINE_MIN_BATCH)
