@@ -115,12 +115,13 @@ class ClientStats:
             "connections": self.connections,
         }
 
-    def progress_line(self) -> str:
+    def progress_line(self, total: int | None = None) -> str:
         s = self.summary()
         acc = f"{s['accuracy']:.3f}" if s["accuracy"] is not None else "-"
         p50, p99 = s["latency_ms"]["p50"], s["latency_ms"]["p99"]
         lat = f"{p50:.1f}/{p99:.1f} ms" if p50 is not None else "-"
-        return (f"requests {s['requests']}  responses {s['responses']}  accuracy {acc}  "
+        requests = f"{s['requests']}/{total}" if total is not None else f"{s['requests']}"
+        return (f"requests {requests}  responses {s['responses']}  accuracy {acc}  "
                 f"latency p50/p99 {lat}  pnl {s['pnl']:.2f}")
 
 
@@ -238,6 +239,10 @@ class StreamingClient:
                 "server_weights_fingerprint": welcome.get("weights_fingerprint"),
                 "weights_fingerprint": self.weights_fingerprint, "weights_match": self._weights_match()}
 
+    def progress_line(self) -> str:
+        """The stats' progress line, with the stream's length once the server has said it."""
+        return self.stats.progress_line((self.welcome or {}).get("requests"))
+
     def _finish(self, outcome: str, detail: str | None = None) -> None:
         """Record how the session ended (the first call wins)."""
         if self.outcome is not None:
@@ -323,7 +328,7 @@ class StreamingClient:
             refusal = self._refusal or {"error": reason or f"close code {code}", "details": ""}
             said = refusal["error"] + (f": {refusal['details']}" if refusal["details"] else "")
             if refusal["error"] == "weights_mismatch":
-                self._finish(WEIGHTS_MISMATCH, f"weights mismatch: {refusal['details']}")
+                self._finish(WEIGHTS_MISMATCH, refusal["details"])
             else:
                 self._finish(REFUSED, f"the server refused this client ({said})")
             return True
@@ -537,6 +542,8 @@ def _connect_error(exc) -> str:
     """What a failed connect says, without the noise of OSError's errno prefix."""
     if isinstance(exc, TimeoutError):
         return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
     return " ".join(str(exc).split()) or type(exc).__name__
 
 

@@ -2,6 +2,7 @@
 import asyncio
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -97,6 +98,10 @@ class ScoringServer:
             self._stream = (load_stream(cfg.stream) if cfg.stream is not None else
                             generate_stream(cfg.symbols, cfg.requests, cfg.stream_seed, rate=cfg.rate))
         if self._targets is None:
+            if cfg.progress:
+                weights = cfg.weights or f"seed {cfg.seed}"
+                print(f"loading preset {cfg.preset} ({weights}) for the reference targets of "
+                      f"{len(self._stream):,} requests", file=sys.stderr, flush=True)
             model, fingerprint = load_model(cfg.preset, weights=cfg.weights, seed=cfg.seed,
                                             device=cfg.device or "cpu")
             self.weights_fingerprint = fingerprint

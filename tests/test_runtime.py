@@ -263,6 +263,7 @@ def test_end_of_the_stream_completes_the_session(model, leave_at_end):
     assert [w["requests"] for w in welcomes] == [6]
     assert summary["outcome"] == runtime.COMPLETE and "6 of 6 requests" in summary["detail"]
     assert summary["total_requests"] == 6 and summary["weights_match"] is True
+    assert client.progress_line().startswith("requests 6/6  responses 6  accuracy 1.000")
     assert summary["server_weights_fingerprint"] == "f00d" and summary["accuracy"] == 1.0
 
 
@@ -271,8 +272,7 @@ def test_end_of_the_stream_completes_the_session(model, leave_at_end):
      "the server refused this client (bad_token: register token missing or wrong)"),
     (protocol.error("weights_mismatch", "the server plays preset tiny with weights aaaa, the client has preset "
                                         "tiny with weights bbbb"), runtime.WEIGHTS_MISMATCH,
-     "weights mismatch: the server plays preset tiny with weights aaaa, the client has preset tiny with weights "
-     "bbbb"),
+     "the server plays preset tiny with weights aaaa, the client has preset tiny with weights bbbb"),
     (None, runtime.REFUSED, "the server refused this client (bad protocol version)"),
 ])
 def test_a_refusal_ends_the_session_with_what_the_server_said(model, error, outcome, detail):
@@ -385,7 +385,7 @@ def test_stats_from_score_updates():
     assert summary["accuracy"] == pytest.approx(6 / 12)
     assert summary["pnl"] == pytest.approx(1.5)
     assert summary["latency_ms"]["p50"] == pytest.approx(20.0) and summary["latency_ms"]["max"] == 30.0
-    assert "responses 3" in stats.progress_line()
+    assert "requests 5  responses 3" in stats.progress_line() and "requests 5/9  " in stats.progress_line(9)
     with pytest.raises(protocol.ProtocolError, match="lengths differ"):
         stats.add_scores({"type": "score_update", "unique_ids": [1], "pnls": [], "correct": [1],
                           "latencies_ms": [1.0]})

@@ -17,10 +17,15 @@ from server.__main__ import parse_args
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# One intra-op thread, as conftest.py sets for this process: on a busy 2-core machine torch's threads only
+# wait on each other over a tiny model (targets 30x slower measured).
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def start_server(args, log_path):
     """Start `python -m server` on a free port; returns (process, port) once it listens."""
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", *args], cwd=ROOT, env=ONE_THREAD,
                             stdout=subprocess.PIPE, stderr=log, text=True)
     line = proc.stdout.readline()  # targets are computed before the server listens
     match = re.search(r"ws://127\.0\.0\.1:(\d+)", line)
