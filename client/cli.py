@@ -74,43 +74,41 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def one_line(exc: BaseException) -> str:
-    """The exception's message on one line (a multi-line message's lines joined), cut to a readable length."""
+def one_line(exc: BaseException, limit: int | None = MAX_MESSAGE_CHARS) -> str:
+    """The exception's message on one line (a multi-line message's lines joined), cut to `limit` characters."""
     text = str(exc)
     if isinstance(exc, OSError) and exc.strerror and not text.startswith(exc.strerror):
         # OSError(errno, strerror, filename) prints as "[Errno 2] No such file or directory: 'x'"
         text = exc.strerror + (f": {exc.filename}" if exc.filename else "")
     text = " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(exc).__name__
-    if len(text) > MAX_MESSAGE_CHARS:
-        text = text[:MAX_MESSAGE_CHARS - 30].rstrip() + " ... (--debug shows all of it)"
+    if limit is not None and len(text) > limit:
+        text = text[:limit - 30].rstrip() + " ... (--debug shows all of it)"
     return text
 
 
 def run_cli(main, prog: str | None = None, argv: list[str] | None = None) -> int:
     """Run main(argv) and return its exit code, reporting what it raises in one line on stderr.
 
-    `--debug` anywhere in argv (or FASTENS_DEBUG=1) prints the traceback as well; the exit code is the same."""
+    `--debug` anywhere in argv (or FASTENS_DEBUG=1) prints the traceback first, and the whole message."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or os.path.basename(sys.argv[0])
     debug = "--debug" in argv or os.environ.get("FASTENS_DEBUG", "") not in ("", "0")
+    limit = None if debug else MAX_MESSAGE_CHARS
     try:
         code = main(argv)
         return EXIT_OK if code is None else int(code)
-    except KeyboardInterrupt:
-        if debug:
-            traceback.print_exc()
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:
+        failure, code, message = exc, EXIT_INTERRUPTED, f"{prog}: interrupted"
     except CliError as exc:
-        code, message = exc.exit_code, f"{prog}: error: {one_line(exc)}"
+        failure, code, message = exc, exc.exit_code, f"{prog}: error: {one_line(exc, limit)}"
     except ORDINARY_ERRORS as exc:
-        code, message = EXIT_USAGE, f"{prog}: error: {one_line(exc)}"
+        failure, code, message = exc, EXIT_USAGE, f"{prog}: error: {one_line(exc, limit)}"
     except Exception as exc:  # a bug: still one line, with the way to its traceback
-        code = EXIT_BUG
-        message = f"{prog}: unexpected error: {type(exc).__name__}: {one_line(exc)}" + (
+        failure, code = exc, EXIT_BUG
+        message = f"{prog}: unexpected error: {type(exc).__name__}: {one_line(exc, limit)}" + (
             "" if debug else " (rerun with --debug for the traceback)")
     if debug:
-        traceback.print_exc()
+        traceback.print_exception(failure)
     print(message, file=sys.stderr, flush=True)
     return code
 

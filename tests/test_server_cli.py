@@ -3,6 +3,7 @@ import asyncio
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +82,7 @@ def test_done_when_team_client_scores_every_request(tmp_path):
     (["--rate", "0"], "rate must be positive"),
     (["--timeout-s", "-1"], "timeout_s must be positive"),
     (["--port", "99999"], "port must be in"),
-    (["--weights", "w.pt", "--seed", "3"], "not allowed with argument"),
+    (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
     (["--requests", "many"], "invalid int value"),
 ])
 def test_cli_rejects_bad_options(argv, message, capsys):
@@ -94,3 +95,33 @@ def test_cli_builds_config():
     config = parse_args(["--preset", "small", "--seed", "5", "--rate", "50", "--once", "--json", "x.json"])
     assert (config.preset, config.seed, config.rate, config.once, config.json) == ("small", 5, 50.0, True, "x.json")
     assert config.atol == 1e-3 and config.timeout_s == 2.0 and config.host == "127.0.0.1"
+
+
+def test_ordinary_mistakes_are_one_line_errors(tmp_path):
+    import torch
+
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    partial = tmp_path / "partial.pt"
+    torch.save({"output_proj.weight": torch.zeros(4, 8)}, partial)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (["--weights", "missing.pt"], "argument --weights: no such file: missing.pt (see --help)"),
+            (["--stream", "missing.npz"], "argument --stream: no such file: missing.npz (see --help)"),
+            (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+            (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}: Address already in use; is another "
+                                    f"server there? stop it or choose another --port"),
+            (["--weights", str(garbage), "--port", "0"], f"cannot read checkpoint {garbage}"),
+            (["--weights", str(partial), "--port", "0"], "checkpoint does not match the model: missing ("),
+        ]
+        for args, message in cases:
+            result = subprocess.run([sys.executable, "-m", "server", *args], cwd=ROOT, env=ONE_THREAD,
+                                    capture_output=True, text=True, timeout=120)
+            lines = result.stderr.strip().splitlines()
+            assert result.returncode == 2, result.stderr
+            assert "Traceback" not in result.stderr
+            assert lines[-1].startswith(f"python -m server: error: {message}"), result.stderr
+            assert all(line.startswith("loading preset") for line in lines[:-1]), result.stderr
