@@ -70,8 +70,8 @@ def default_device() -> str:
 
 def setup(stream, preset: str, engine: str = "reference", weights: str | None = None, seed: int = 0,
           device: str | None = None, team_dir: str | Path = DEFAULT_TEAM_DIR, cache_dir=None, progress=False):
-    """(team client, reference targets [M, 4], weights fingerprint) for `stream`; progress: a bar on stderr while
-    the targets are computed (none when they are cached).
+    """(team client, reference targets [M, 4], weights fingerprint) for `stream`; progress: say on stderr what is
+    prepared, with a bar while the targets are computed on a terminal (none when they are cached).
 
     The team module is imported first, so a broken candidate fails before any model is built, and
     the targets are computed before the engine exists, since an engine may convert the model.
@@ -82,9 +82,13 @@ def setup(stream, preset: str, engine: str = "reference", weights: str | None = 
     from client.targets import compute_targets
 
     device = device or default_device()
+    if progress:
+        print(f"{PROG}: {len(stream):,} requests; preset {preset}, engine {engine}; the reference targets come "
+              f"from the cache or are computed first", file=sys.stderr, flush=True)
     model, weights_fingerprint = load_model(preset, weights=weights, seed=seed, device=device)
+    # the targets' own bar rewrites one line: on a terminal only
     targets = compute_targets(model, stream, weights_fingerprint, device=device, cache_dir=cache_dir,
-                              progress=progress)
+                              progress=progress and sys.stderr.isatty())
     return team_class(make_engine(engine, model, device=device)), targets, weights_fingerprint
 
 
@@ -423,12 +427,8 @@ def main(argv=None) -> int:
     if args.plot:
         require_matplotlib()  # fail before the run, not after it
     stream = load_or_generate_stream(args.stream, args.symbols, args.requests, args.stream_seed, args.rate)
-    print(f"{PROG}: {len(stream):,} requests; preset {args.preset}, engine {args.engine}; the reference targets "
-          f"come from the cache or are computed first", file=sys.stderr)
-    # the targets' own bar rewrites one line: on a terminal only
     client, targets, weights_fingerprint = setup(stream, args.preset, args.engine, args.weights, args.seed,
-                                                 args.device, args.team_dir, args.cache_dir,
-                                                 progress=sys.stderr.isatty())
+                                                 args.device, args.team_dir, args.cache_dir, progress=True)
     result = evaluate(client, stream, targets, batch_size=args.batch_size, atol=args.atol,
                       profile_dir=args.profile, profile_steps=args.profile_steps, progress=True)
     print(format_report(result))

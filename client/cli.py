@@ -15,8 +15,8 @@ it raises into one line on stderr and the exit code below:
         sys.exit(cli.run_cli(main, "my_tool"))
 
 Ordinary mistakes are CliError (with its own exit code), ValueError, OSError and ImportError: the
-libraries here raise those with messages that say what is wrong. Anything else is a bug and exits 1.
-Tracebacks are printed only with --debug.
+libraries here raise those with messages that say what is wrong; so is sys.exit("message"). Anything else
+is a bug and exits 1. Tracebacks are printed only with --debug.
 """
 from __future__ import annotations
 
@@ -74,15 +74,17 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def one_line(exc: BaseException, limit: int | None = MAX_MESSAGE_CHARS) -> str:
-    """The exception's message on one line (a multi-line message's lines joined), cut to `limit` characters."""
+def one_line(exc: BaseException | str, limit: int | None = MAX_MESSAGE_CHARS) -> str:
+    """The exception's (or text's) message on one line (a multi-line message's lines joined), cut in the middle
+    to about `limit` characters: the end often says what to do."""
     text = str(exc)
     if isinstance(exc, OSError) and exc.strerror and not text.startswith(exc.strerror):
         # OSError(errno, strerror, filename) prints as "[Errno 2] No such file or directory: 'x'"
         text = exc.strerror + (f": {exc.filename}" if exc.filename else "")
     text = " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(exc).__name__
     if limit is not None and len(text) > limit:
-        text = text[:limit - 30].rstrip() + " ... (--debug shows all of it)"
+        head, tail = text[:2 * limit // 3].rstrip(), text[-limit // 3:].lstrip()
+        text = f"{head} [... --debug shows all of it ...] {tail}"
     return text
 
 
@@ -97,6 +99,12 @@ def run_cli(main, prog: str | None = None, argv: list[str] | None = None) -> int
     try:
         code = main(argv)
         return EXIT_OK if code is None else int(code)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):  # argparse's exit, or main's own code
+            raise
+        # sys.exit("message"): an error the program has already put in words (Python would exit 1)
+        print(one_line(exc.code, limit), file=sys.stderr, flush=True)
+        return EXIT_USAGE
     except KeyboardInterrupt as exc:
         failure, code, message = exc, EXIT_INTERRUPTED, f"{prog}: interrupted"
     except CliError as exc:

@@ -31,13 +31,22 @@ def test_what_main_raises_becomes_one_line_and_an_exit_code(exc, code, line, cap
 
 
 def test_debug_prints_the_traceback_and_the_whole_message(capsys):
-    long_message = "x" * (cli.MAX_MESSAGE_CHARS + 100)
+    long_message = "x" * (cli.MAX_MESSAGE_CHARS + 100) + "; do this"
     assert cli.run_cli(raising(ValueError(long_message)), "tool", []) == 2
     short = capsys.readouterr().err
-    assert len(short) < cli.MAX_MESSAGE_CHARS + 20 and short.endswith("... (--debug shows all of it)\n")
+    assert len(short) < cli.MAX_MESSAGE_CHARS + 60 and " [... --debug shows all of it ...] x" in short
+    assert short.endswith("; do this\n")  # the end says what to do: kept
     assert cli.run_cli(raising(ValueError(long_message)), "tool", ["--debug"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and err.endswith(f"tool: error: {long_message}\n")
+
+
+def test_sys_exit_with_a_message_is_an_ordinary_error(capsys):
+    assert cli.run_cli(raising(SystemExit("make_stream: num_requests must be positive")), "tool", []) == 2
+    assert capsys.readouterr().err == "make_stream: num_requests must be positive\n"
+    with pytest.raises(SystemExit) as exit_info:  # a numeric exit (argparse's) passes through
+        cli.run_cli(raising(SystemExit(2)), "tool", [])
+    assert exit_info.value.code == 2
 
 
 def test_main_returns_its_exit_code():
