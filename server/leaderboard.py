@@ -76,7 +76,8 @@ def _team_row(rank, row, server_fingerprint):
     return (f'<tr class="team{" far-below" if row["far_below"] else ""}"><td>{rank}</td>'
             f'<td>{html.escape(row["team"])}</td><td class="{row["state"]}">{row["state"]}</td>'
             f'<td><progress value="{sent}" max="{total}"></progress> {sent}/{total}</td>'
-            f'{_weights_cell(row, server_fingerprint)}{"".join(numbers)}<td class="note">{html.escape(_note(row))}</td></tr>')
+            f'{_weights_cell(row, server_fingerprint)}{"".join(numbers)}'
+            f'<td class="note">{html.escape(_note(row))}</td></tr>')
 
 
 def render_page(scores: dict) -> str:

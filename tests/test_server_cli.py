@@ -46,18 +46,33 @@ async def send_garbage(port):
         return replies
 
 
-def test_done_when_team_client_scores_every_request(tmp_path):
+def readme_server_example():
+    """The two commands of the README's scoring-server section: (server args, client args), as written."""
+    section = (ROOT / "README.md").read_text().split("## The scoring server", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    server_line, client_line = [line.split("#")[0].split() for line in block.strip().splitlines()]
+    assert server_line[:3] == ["python", "-m", "server"] and client_line[:2] == ["python", "team/example_model.py"]
+    return server_line[3:], client_line[2:]
+
+
+def replace_option(args, option, value):
+    return [value if i and args[i - 1] == option else arg for i, arg in enumerate(args)]
+
+
+def test_done_when_the_readme_example_scores_every_request(tmp_path):
     out = tmp_path / "out.json"
-    # as in the issue, with a long timeout so that a loaded CI machine still answers in time
-    proc, port = start_server(["--preset", "tiny", "--seed", "5", "--symbols", "8", "--requests", "400",
-                               "--rate", "200", "--once", "--json", str(out), "--timeout-s", "60",
-                               "--cache-dir", str(tmp_path / "cache")], tmp_path / "server.log")
+    server_args, client_args = readme_server_example()
+    assert "--once" in server_args
+    for option in ("--preset", "--seed"):  # the client plays with the server's weights
+        assert server_args[server_args.index(option) + 1] == client_args[client_args.index(option) + 1]
+    # as written, on a free port, and with a long timeout so that a loaded CI machine still answers in time
+    server_args = replace_option(replace_option(server_args, "--port", "0"), "--json", str(out))
+    proc, port = start_server([*server_args, "--timeout-s", "60", "--cache-dir", str(tmp_path / "cache")],
+                              tmp_path / "server.log")
     try:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        team = subprocess.Popen([sys.executable, "team/example_model.py", "--host", "127.0.0.1", "--port",
-                                 str(port), "--preset", "tiny", "--seed", "5", "--engine", "reference",
-                                 "--team", "NAME", "--device", "cpu"], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        team = subprocess.Popen([sys.executable, "team/example_model.py",
+                                 *replace_option(client_args, "--port", str(port)), "--team", "NAME"],
+                                cwd=ROOT, env=ONE_THREAD, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         replies = asyncio.run(send_garbage(port))
         _, team_err = team.communicate(timeout=300)
         assert team.returncode == 0, team_err[-2000:]
@@ -65,17 +80,18 @@ def test_done_when_team_client_scores_every_request(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0
+    assert "complete: the stream was played to the end: 400 of 400 requests answered in time" in team_err
     assert [r["type"] for r in replies] == ["error"] * 3
     summaries = json.loads(out.read_text())
     assert [s["team"] for s in summaries] == ["NAME"]
     summary = summaries[0]
     assert summary["requests"] == summary["responses"] == 400
     assert summary["missed"] == summary["errors"] == summary["duplicates"] == 0
-    assert summary["accuracy"] == 1.0 and summary["pnl"] > 0
+    assert summary["accuracy"] == 1.0 and summary["pnl"] > 0 and summary["weights_match"] is True
     for key in ("p50", "p90", "p99", "mean", "max"):
         assert summary["latency_ms"][key] > 0
     assert summary["responses_per_s"] > 0
-    assert re.search(r"^NAME\s+400\s+400\s+0\s+0\s+0\s+1\.0000", table, re.M), table
+    assert re.search(r"^NAME\s+400\s+400\s+0\s+0\s+0\s+1\.0000.*finished\s+match$", table, re.M), table
 
 
 @pytest.mark.parametrize("argv, message", [
