@@ -132,7 +132,7 @@ class StreamingClient:
     has submit_batch(requests_by_symbol) -> an object whose result() gives that dict, steps are pipelined.
 
     Register names the client's model (preset, weights_fingerprint): a server with other weights refuses it
-    unless allow_weights_mismatch, and the server's `welcome` is checked here too. The session ends
+    unless allow_weights_mismatch; the server's `welcome` names its own (summary's weights_match). The session ends
     - at the server's `end` (every request scored) when leave_at_end, else when the server then closes; a
       harness that ends the session itself (stop()) after reading the server's summary leaves it False;
     - when the server refuses the client or closes with code 1000 (server stopped);
@@ -167,7 +167,8 @@ class StreamingClient:
         self.outcome: str | None = None
         self.detail = ""
         self._ended = False                 # the server's end arrived
-        self._refusal: dict | None = None   # the server's last error before it welcomed this client
+        self._welcomed = False              # the server welcomed the current connection
+        self._refusal: dict | None = None   # the server's last error on this connection before its welcome
         self.max_batch = max_batch
         self.heartbeat_s, self.backoff_s, self.backoff_max_s = heartbeat_s, backoff_s, backoff_max_s
         if pipeline_min_batch < 1:
@@ -310,7 +311,7 @@ class StreamingClient:
             self.team, self.token, preset=self.preset, weights_fingerprint=self.weights_fingerprint,
             allow_weights_mismatch=self.allow_weights_mismatch)))
         self.stats.connections += 1
-        self._refusal = None
+        self._welcomed, self._refusal = False, None
         self._ws = ws
         heartbeat = asyncio.create_task(self._heartbeat(ws))
         try:
@@ -363,7 +364,7 @@ class StreamingClient:
                 self.stats.add_scores(msg)
             elif kind == "error":
                 self.stats.server_errors += 1
-                if self.welcome is None:  # a refusal of register: the outcome reports it
+                if not self._welcomed:  # a refusal of register: the outcome reports it
                     self._refusal = msg
                     log.info("server error %s: %s", msg["error"], msg["details"])
                 else:
@@ -384,7 +385,7 @@ class StreamingClient:
 
     def _on_welcome(self, msg):
         first = self.welcome is None
-        self.welcome = msg
+        self.welcome, self._welcomed = msg, True
         if first and self.on_welcome is not None:
             self.on_welcome(msg)
 

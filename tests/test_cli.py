@@ -49,6 +49,12 @@ def test_sys_exit_with_a_message_is_an_ordinary_error(capsys):
     assert exit_info.value.code == 2
 
 
+def test_every_session_outcome_has_an_exit_code():
+    from client import runtime
+    assert set(cli.EXIT_BY_OUTCOME) == set(runtime.OUTCOMES)
+    assert cli.EXIT_BY_OUTCOME[runtime.COMPLETE] == 0 and len(set(cli.EXIT_BY_OUTCOME.values())) == 6
+
+
 def test_main_returns_its_exit_code():
     assert cli.run_cli(lambda argv: None, "tool", []) == 0
     assert cli.run_cli(lambda argv: cli.EXIT_CUT_SHORT, "tool", []) == 6
