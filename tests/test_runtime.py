@@ -287,6 +287,24 @@ def test_a_refusal_ends_the_session_with_what_the_server_said(model, error, outc
     assert summary["connections"] == 1  # not retried
 
 
+def test_a_reconnect_refused_after_an_earlier_welcome_is_a_refusal(model):
+    connections = []
+
+    async def handler(ws):
+        connections.append(ws)
+        await ws.recv()
+        if len(connections) == 1:
+            await ws.send(_welcome(10))
+            ws.transport.abort()  # dropped: the client reconnects
+            return
+        await ws.send(protocol.encode(protocol.error("bad_token", "register token missing or wrong")))
+        await ws.close(1008, "bad_token")
+
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model))))
+    assert summary["outcome"] == runtime.REFUSED and "bad_token: register token missing" in summary["detail"]
+    assert summary["connections"] == 2
+
+
 def test_server_stopping_before_the_end_cuts_the_session_short(model):
     symbols, features = _stream(3)
     recorder = Recorder()
