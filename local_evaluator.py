@@ -25,15 +25,20 @@ REPO_ROOT = Path(__file__).resolve().parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from client.model.config import TOWER_NAMES  # noqa: E402
+from client import cli  # noqa: E402
+from client.model.config import PRESETS, TOWER_NAMES  # noqa: E402
 from client.scheduler import Request, Scheduler  # noqa: E402
 
+PROG = "local_evaluator.py"
 DEFAULT_TEAM_DIR = REPO_ROOT / "team"
 DEFAULT_ATOL = 1e-3
 ERROR_FLOOR = 1e-12
+# Steps the profiler records: a bounded window after the first (cold) step, so that the trace stays small
+# (the whole replay of 2,000 requests made 757 MB in 180 s).
+DEFAULT_PROFILE_STEPS = 5
 
 
-class EvaluationError(Exception):
+class EvaluationError(cli.CliError):
     """Bad input or a client that breaks the process_batch contract; the message says which."""
 
 
@@ -64,8 +69,9 @@ def default_device() -> str:
 
 
 def setup(stream, preset: str, engine: str = "reference", weights: str | None = None, seed: int = 0,
-          device: str | None = None, team_dir: str | Path = DEFAULT_TEAM_DIR, cache_dir=None):
-    """(team client, reference targets [M, 4], weights fingerprint) for `stream`.
+          device: str | None = None, team_dir: str | Path = DEFAULT_TEAM_DIR, cache_dir=None, progress=False):
+    """(team client, reference targets [M, 4], weights fingerprint) for `stream`; progress: say on stderr what is
+    prepared, with a bar while the targets are computed on a terminal (none when they are cached).
 
     The team module is imported first, so a broken candidate fails before any model is built, and
     the targets are computed before the engine exists, since an engine may convert the model.
@@ -76,9 +82,13 @@ def setup(stream, preset: str, engine: str = "reference", weights: str | None = 
     from client.targets import compute_targets
 
     device = device or default_device()
+    if progress:
+        print(f"{PROG}: {len(stream):,} requests; preset {preset}, engine {engine}; the reference targets come "
+              f"from the cache or are computed first", file=sys.stderr, flush=True)
     model, weights_fingerprint = load_model(preset, weights=weights, seed=seed, device=device)
+    # the targets' own bar rewrites one line: on a terminal only
     targets = compute_targets(model, stream, weights_fingerprint, device=device, cache_dir=cache_dir,
-                              progress=False)
+                              progress=progress and sys.stderr.isatty())
     return team_class(make_engine(engine, model, device=device)), targets, weights_fingerprint
 
 
@@ -98,9 +108,10 @@ def load_or_generate_stream(path: str | None = None, symbols: int = 6, requests:
 
 # ------------------------------------------------------------------------------------ scheduling
 
-def replay(client, symbols, features, delay_ms, batch_size: int | None = None):
+def replay(client, symbols, features, delay_ms, batch_size: int | None = None, after_step=None):
     """Feed the stream to `client.process_batch` and return (predictions [M,4], arrival_s [M],
-    answer_s [M], batch sizes) on a simulated clock.
+    answer_s [M], batch sizes) on a simulated clock; after_step(requests answered so far), if given,
+    is called after each step (progress, the profiler's window).
 
     The clock never sleeps: it advances by the measured wall time of each process_batch call and
     jumps to the next arrival when nothing is pending. Without batch_size, request i arrives at
@@ -143,6 +154,8 @@ def replay(client, symbols, features, delay_ms, batch_size: int | None = None):
         predictions[batch] = _check_response(response, batch)
         answer[batch] = clock
         batch_sizes.append(len(batch))
+        if after_step is not None:
+            after_step(admitted - len(queues))
     return predictions, arrival, answer, batch_sizes
 
 
@@ -205,12 +218,15 @@ def latency_summary(latency_ms: np.ndarray) -> dict:
 # -------------------------------------------------------------------------------------- evaluation
 
 def evaluate(client, stream, targets, *, batch_size: int | None = None, atol: float = DEFAULT_ATOL,
-             profile_dir: str | Path | None = None, top_kernels: int = 15) -> dict:
+             profile_dir: str | Path | None = None, profile_steps: int = DEFAULT_PROFILE_STEPS,
+             top_kernels: int = 15, progress: bool = False) -> dict:
     """Replay `stream` through `client.process_batch` and score it against `targets` [M, 4].
 
     Returns requests, responses, steps, mean_batch, latency_ms {p50, p90, p99, mean},
     throughput_rps (responses over the simulated time from first arrival to last answer) and
     towers {name: tower_errors}. The arrays behind them are under the private key "_series".
+    With profile_dir, torch.profiler records profile_steps steps after the first; with progress, the
+    replay's progress goes to stderr (client/cli.py's Progress).
     """
     targets = np.asarray(targets, dtype=np.float32)
     m = len(stream.symbols)
@@ -219,9 +235,17 @@ def evaluate(client, stream, targets, *, batch_size: int | None = None, atol: fl
     symbols = [str(s) for s in stream.symbols]
     features = np.ascontiguousarray(stream.features, dtype=np.float32)
 
-    with _profiling(profile_dir, top_kernels):
+    bar = cli.Progress(m, "replay", unit=" requests") if progress else None
+    with _profiling(profile_dir, profile_steps, top_kernels) as profiler_step:
+        def after_step(answered):
+            if profiler_step is not None:
+                profiler_step()
+            if bar is not None:
+                bar.update(answered)
         predictions, arrival, answer, batch_sizes = replay(client, symbols, features,
-                                                           stream.delay_ms, batch_size)
+                                                           stream.delay_ms, batch_size, after_step)
+    if bar is not None:
+        bar.close()
     latency_ms = (answer - arrival) * 1000.0
     span = float(answer.max() - arrival.min())
     return {
@@ -239,30 +263,34 @@ def evaluate(client, stream, targets, *, batch_size: int | None = None, atol: fl
 
 
 @contextlib.contextmanager
-def _profiling(profile_dir, top_kernels: int):
-    """torch.profiler around the replay: a Chrome trace in profile_dir and the top kernels printed,
-    by device time when the GPU was used, else by CPU time."""
+def _profiling(profile_dir, steps: int, top_kernels: int):
+    """torch.profiler over `steps` steps of the replay after the first (cold) one: yields the function to
+    call after each step (None without profile_dir), then writes a Chrome trace into profile_dir and
+    prints its size and the top kernels, by device time when the GPU was used, else by CPU time."""
     if profile_dir is None:
-        yield
+        yield None
         return
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     on_cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     out = Path(profile_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with profile(activities=activities) as prof:
-        yield
+    print(f"profile: recording steps 2 to {steps + 1} of the replay (--profile-steps {steps})", file=sys.stderr)
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
+        yield prof.step
         if on_cuda:
             torch.cuda.synchronize()
     trace = out / "trace.json"
+    print(f"profile: writing {trace} ...", file=sys.stderr, flush=True)
     prof.export_chrome_trace(str(trace))
     averages = prof.key_averages()
     # by device time when the run put work on the GPU (CUDA may be present but unused)
     used_gpu = on_cuda and sum(getattr(e, "self_device_time_total", 0) for e in averages) > 0
     sort_by = "self_device_time_total" if used_gpu else "self_cpu_time_total"
-    print(f"profile: trace written to {trace}; top {top_kernels} by {sort_by}:")
+    print(f"profile: trace written to {trace} ({cli.format_bytes(trace.stat().st_size)}); "
+          f"top {top_kernels} by {sort_by}:")
     print(averages.table(sort_by=sort_by, row_limit=top_kernels))
 
 
@@ -297,15 +325,20 @@ def require_matplotlib():
     return plt
 
 
-def plot(result: dict, path: str | Path) -> None:
-    """Latency histogram and each tower's absolute error along the stream, in one PNG."""
+def figure(result: dict, title: str):
+    """Latency histogram with its p50 and p99, and each tower's absolute error along the stream."""
     plt = require_matplotlib()
     series = result["_series"]
     # exact zeros are floored so that they stay on the log axis
     errors = np.maximum(np.abs(series["predictions"].astype(np.float64) - series["targets"]), ERROR_FLOOR)
     fig, (ax_lat, ax_err) = plt.subplots(2, 1, figsize=(10, 8))
+    fig.suptitle(title)
     ax_lat.hist(series["latency_ms"], bins=50)
+    for name, style in (("p50", "--"), ("p99", ":")):
+        value = result["latency_ms"][name]
+        ax_lat.axvline(value, color="k", linestyle=style, linewidth=1.0, label=f"{name} {value:.2f} ms")
     ax_lat.set(xlabel="latency (ms)", ylabel="requests", title="latency distribution")
+    ax_lat.legend()
     for column, name in enumerate(TOWER_NAMES):
         ax_err.plot(errors[:, column], label=name, linewidth=0.8)
     ax_err.axhline(result["atol"], color="k", linestyle="--", linewidth=0.8, label="atol")
@@ -313,8 +346,19 @@ def plot(result: dict, path: str | Path) -> None:
                yscale="log", title="error along the stream")
     ax_err.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot(result: dict, path: str | Path, title: str) -> None:
+    """figure() in one PNG."""
+    fig = figure(result, title)
     fig.savefig(path)
-    plt.close(fig)
+    require_matplotlib().close(fig)
+
+
+def plot_title(result: dict, preset: str, engine: str, device: str) -> str:
+    return (f"preset {preset}, engine {engine} on {device}: {result['requests']:,} requests, "
+            f"p50 {result['latency_ms']['p50']:.2f} ms, p99 {result['latency_ms']['p99']:.2f} ms")
 
 
 def public_result(result: dict, **meta) -> dict:
@@ -332,7 +376,10 @@ def positive_int(text: str) -> int:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    from client.engine import ENGINES
+
+    p = cli.ArgumentParser(
+        prog=PROG,
         description=__doc__.split("\n\n")[0],
         epilog="Clock: simulated and deterministic in what each symbol sees. Nothing sleeps; the "
                "clock advances by the measured time of each process_batch call and jumps to the next "
@@ -341,18 +388,19 @@ def parse_args(argv=None):
                "previous group is answered (delay_ms ignored). Latency = answer - arrival on this "
                "clock; throughput = responses / (last answer - first arrival).")
     src = p.add_argument_group("stream (generated unless --stream)")
-    src.add_argument("--stream", help="replay this .npz or original .parquet stream")
+    src.add_argument("--stream", type=cli.existing_file, help="replay this .npz or original .parquet stream")
     src.add_argument("--symbols", type=positive_int, default=6)
     src.add_argument("--requests", type=positive_int, default=300)
     src.add_argument("--stream-seed", type=int, default=0)
     src.add_argument("--rate", type=float, default=None,
                      help="mean arrival rate, requests/s (default: the generator's)")
     mdl = p.add_argument_group("model and client")
-    mdl.add_argument("--preset", default="tiny", help="model preset (default tiny)")
-    mdl.add_argument("--weights", help="checkpoint to load instead of seeded weights")
-    mdl.add_argument("--seed", type=int, default=0, help="weights seed")
+    mdl.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
+    weights = mdl.add_mutually_exclusive_group()
+    weights.add_argument("--weights", type=cli.existing_file, help="checkpoint to load instead of seeded weights")
+    weights.add_argument("--seed", type=int, default=0, help="weights seed")
     mdl.add_argument("--device", default=None, help="torch device (default cuda when present, else cpu)")
-    mdl.add_argument("--engine", default="reference", help="engine name (reference, fast)")
+    mdl.add_argument("--engine", default="reference", choices=ENGINES, help="engine (default reference)")
     mdl.add_argument("--team-dir", default=str(DEFAULT_TEAM_DIR),
                      help="folder holding the example_model.py to evaluate (default team/)")
     ev = p.add_argument_group("evaluation")
@@ -363,41 +411,40 @@ def parse_args(argv=None):
     ev.add_argument("--cache-dir", default=None, help="reference target cache (default: targets')")
     out = p.add_argument_group("output")
     out.add_argument("--json", help="write the summary here")
-    out.add_argument("--profile", metavar="DIR", help="torch.profiler trace into DIR; print top kernels")
+    out.add_argument("--profile", metavar="DIR", help="torch.profiler trace of a few steps into DIR; print top kernels")
+    out.add_argument("--profile-steps", type=positive_int, default=DEFAULT_PROFILE_STEPS,
+                     help=f"steps the profile records, after the first (default {DEFAULT_PROFILE_STEPS})")
     out.add_argument("--plot", metavar="PNG", help="latency distribution and per-tower error (matplotlib)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.atol > 0:
+        p.error(f"--atol must be positive, got {args.atol}")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        if args.plot:
-            require_matplotlib()  # fail before the run, not after it
-        if not args.atol > 0:
-            raise EvaluationError(f"--atol must be positive, got {args.atol}")
-        stream = load_or_generate_stream(args.stream, args.symbols, args.requests,
-                                         args.stream_seed, args.rate)
-        client, targets, weights_fingerprint = setup(stream, args.preset, args.engine, args.weights,
-                                                     args.seed, args.device, args.team_dir,
-                                                     args.cache_dir)
-        result = evaluate(client, stream, targets, batch_size=args.batch_size, atol=args.atol,
-                          profile_dir=args.profile)
-    except (EvaluationError, ValueError) as exc:
-        print(f"local_evaluator: error: {exc}", file=sys.stderr)
-        return 2
+    cli.check_device(args.device)
+    if args.plot:
+        require_matplotlib()  # fail before the run, not after it
+    stream = load_or_generate_stream(args.stream, args.symbols, args.requests, args.stream_seed, args.rate)
+    client, targets, weights_fingerprint = setup(stream, args.preset, args.engine, args.weights, args.seed,
+                                                 args.device, args.team_dir, args.cache_dir, progress=True)
+    result = evaluate(client, stream, targets, batch_size=args.batch_size, atol=args.atol,
+                      profile_dir=args.profile, profile_steps=args.profile_steps, progress=True)
     print(format_report(result))
     from client.streams import stream_fingerprint
 
-    summary = public_result(result, preset=args.preset, engine=args.engine,
-                            device=args.device or default_device(), weights_fingerprint=weights_fingerprint,
-                            stream=args.stream or stream.meta, stream_fingerprint=stream_fingerprint(stream))
+    device = args.device or default_device()
+    summary = public_result(result, preset=args.preset, engine=args.engine, device=device,
+                            weights_fingerprint=weights_fingerprint, stream=args.stream or stream.meta,
+                            stream_fingerprint=stream_fingerprint(stream))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot:
-        plot(result, args.plot)
+        plot(result, args.plot, plot_title(result, args.preset, args.engine, device))
         print(f"plot written to {args.plot}")
-    return 0
+    return cli.EXIT_OK
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_cli(main, PROG))

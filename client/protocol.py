@@ -2,7 +2,16 @@
 
 Each message is one binary websocket frame holding one msgpack map with a ``type`` field:
 
-- ``register`` {team: str, protocol: int, token?: str}: client to server, first.
+- ``register`` {team: str, protocol: int, token?: str, preset?: str, weights_fingerprint?: str,
+  allow_weights_mismatch?: bool}: client to server, first. With the client's weights fingerprint the
+  server refuses other weights than its own (``error`` weights_mismatch, then close 1008) unless
+  allow_weights_mismatch; without it the server cannot tell, and lets the client play.
+- ``welcome`` {preset: str | None, weights_fingerprint: str | None, requests: int, symbols: int,
+  weights_match: bool | None}: server to client, the answer to a register it accepts: the model whose
+  predictions are the targets, the team's stream, and whether the client's weights are the same (None:
+  one side did not say).
+- ``end`` {requests: int}: server to client, once every request of the team's stream is scored (after the
+  last ``score_update``): nothing more will come, and the client may leave.
 - ``inference_request`` {unique_ids: [int], symbols: [str], features: bytes, timestamp: float}:
   features as little-endian float32, 79 per request, row-major.
 - ``inference_response`` {unique_ids: [int], predictions: bytes | [[float]], client_timestamp: float}:
@@ -50,6 +59,10 @@ def _number_list(value):
     return isinstance(value, list) and all(_is_number(v) for v in value)
 
 
+def _optional_str(value):
+    return value is None or isinstance(value, str)
+
+
 def _bytes_or_nested_list(value):
     return isinstance(value, (bytes, list))
 
@@ -60,6 +73,19 @@ _SCHEMAS = {
         "team": (lambda v: isinstance(v, str), "a string", True),
         "protocol": (_is_int, "an integer", True),
         "token": (lambda v: v is None or isinstance(v, str), "a string", False),
+        "preset": (_optional_str, "a string", False),
+        "weights_fingerprint": (_optional_str, "a string", False),
+        "allow_weights_mismatch": (lambda v: isinstance(v, bool), "a boolean", False),
+    },
+    "welcome": {
+        "preset": (_optional_str, "a string or nil", True),
+        "weights_fingerprint": (_optional_str, "a string or nil", True),
+        "requests": (_is_int, "an integer", True),
+        "symbols": (_is_int, "an integer", True),
+        "weights_match": (lambda v: v is None or isinstance(v, bool), "a boolean or nil", False),
+    },
+    "end": {
+        "requests": (_is_int, "an integer", True),
     },
     "inference_request": {
         "unique_ids": (_int_list, "a list of integers", True),
@@ -139,11 +165,23 @@ def _as_id_list(unique_ids):
     return [int(i) for i in (unique_ids.tolist() if isinstance(unique_ids, np.ndarray) else unique_ids)]
 
 
-def register(team: str, token: str | None = None) -> dict:
+def register(team: str, token: str | None = None, *, preset: str | None = None,
+             weights_fingerprint: str | None = None, allow_weights_mismatch: bool = False) -> dict:
     msg = {"type": "register", "team": team, "protocol": PROTOCOL_VERSION}
-    if token is not None:
-        msg["token"] = token
+    optional = {"token": token, "preset": preset, "weights_fingerprint": weights_fingerprint,
+                "allow_weights_mismatch": allow_weights_mismatch or None}
+    msg.update((field, value) for field, value in optional.items() if value is not None)
     return msg
+
+
+def welcome(preset: str | None, weights_fingerprint: str | None, requests: int, symbols: int,
+            weights_match: bool | None) -> dict:
+    return {"type": "welcome", "preset": preset, "weights_fingerprint": weights_fingerprint,
+            "requests": int(requests), "symbols": int(symbols), "weights_match": weights_match}
+
+
+def end(requests: int) -> dict:
+    return {"type": "end", "requests": int(requests)}
 
 
 def inference_request(unique_ids, symbols, features: np.ndarray, timestamp: float) -> dict:

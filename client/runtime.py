@@ -29,6 +29,15 @@ NUM_TOWERS = 4
 # Close codes after which reconnecting cannot help: the server refused this client.
 _REFUSED_CLOSE_CODES = {1002, 1003, 1007, 1008}
 
+# How a session ended (the summary's "outcome"; client/cli.py maps each to an exit code).
+COMPLETE = "complete"                  # the server said the stream is over (`end`)
+UNREACHABLE = "unreachable"            # the first connection never succeeded
+REFUSED = "refused"                    # the server refused this client (token, protocol, team name)
+WEIGHTS_MISMATCH = "weights_mismatch"  # the server's model has other weights than this client's
+CUT_SHORT = "cut_short"                # connected, then the server went away or stopped before the end
+INTERRUPTED = "interrupted"            # stop() before the end (Ctrl-C in the team client)
+OUTCOMES = (COMPLETE, UNREACHABLE, REFUSED, WEIGHTS_MISMATCH, CUT_SHORT, INTERRUPTED)
+
 SWITCH_INTERVAL_S = 0.0002
 # Pipelined steps in flight: one running on the GPU and the next queued behind it. More would only add
 # queueing latency; the GPU's stream order advances each symbol's state in submission order.
@@ -39,10 +48,6 @@ PIPELINE_DEPTH = 2
 # and 14): with a 2.8 ms step, 4 served 400 req/s best; since the step (2.4 ms) is shorter than that load's
 # 2.5 ms between requests, 1 (always early) gives p50 4.0 ms against 5.0, and the same max rate.
 PIPELINE_MIN_BATCH = 1
-
-
-class ServerRefused(RuntimeError):
-    """The server closed the connection for a protocol or policy reason (e.g. registration refused)."""
 
 
 class ClientStats:
@@ -110,37 +115,60 @@ class ClientStats:
             "connections": self.connections,
         }
 
-    def progress_line(self) -> str:
+    def progress_line(self, total: int | None = None) -> str:
         s = self.summary()
         acc = f"{s['accuracy']:.3f}" if s["accuracy"] is not None else "-"
         p50, p99 = s["latency_ms"]["p50"], s["latency_ms"]["p99"]
         lat = f"{p50:.1f}/{p99:.1f} ms" if p50 is not None else "-"
-        return (f"requests {s['requests']}  responses {s['responses']}  accuracy {acc}  "
+        requests = f"{s['requests']}/{total}" if total is not None else f"{s['requests']}"
+        return (f"requests {requests}  responses {s['responses']}  accuracy {acc}  "
                 f"latency p50/p99 {lat}  pnl {s['pnl']:.2f}")
 
 
 class StreamingClient:
-    """Plays a scoring server at `url` with the team client until the server ends the session.
+    """Plays a scoring server at `url` with the team client until the session ends.
 
     The team client needs process_batch(requests_by_symbol) -> {"unique_ids", "predictions"}; if it also
     has submit_batch(requests_by_symbol) -> an object whose result() gives that dict, steps are pipelined.
 
-    The session ends when the server closes with code 1000, when stop() is called, or when the server
-    stays unreachable for `give_up_after_s`; other disconnects reconnect with exponential backoff.
+    Register names the client's model (preset, weights_fingerprint): a server with other weights refuses it
+    unless allow_weights_mismatch; the server's `welcome` names its own (summary's weights_match). The session ends
+    - at the server's `end` (every request scored) when leave_at_end, else when the server then closes; a
+      harness that ends the session itself (stop()) after reading the server's summary leaves it False;
+    - when the server refuses the client or closes with code 1000 (server stopped);
+    - when the first connection fails for `connect_timeout_s` (a wrong host or port fails fast), or a lost
+      connection cannot be made again for `give_up_after_s` (reconnects back off exponentially);
+    - at stop().
+    The summary's "outcome" says which (one of OUTCOMES) and "detail" says it in words.
     """
 
     def __init__(self, team_client, url: str, team: str, token: str | None = None, *,
+                 preset: str | None = None, weights_fingerprint: str | None = None,
+                 allow_weights_mismatch: bool = False, leave_at_end: bool = False, on_welcome=None,
                  max_batch: int | None = None, heartbeat_s: float = 5.0, backoff_s: float = 0.1,
-                 backoff_max_s: float = 5.0, give_up_after_s: float = 10.0, cache_size: int = 200_000,
-                 timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH, timeline: bool = False):
+                 backoff_max_s: float = 5.0, connect_timeout_s: float = 3.0, give_up_after_s: float = 10.0,
+                 cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
+                 timeline: bool = False):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
             raise ValueError(f"cache_size must be positive, got {cache_size!r}")
-        if heartbeat_s <= 0 or backoff_s <= 0 or backoff_max_s < backoff_s or give_up_after_s < 0:
-            raise ValueError("need heartbeat_s > 0, 0 < backoff_s <= backoff_max_s and give_up_after_s >= 0")
+        if (heartbeat_s <= 0 or backoff_s <= 0 or backoff_max_s < backoff_s or give_up_after_s < 0
+                or connect_timeout_s <= 0):
+            raise ValueError("need heartbeat_s > 0, 0 < backoff_s <= backoff_max_s, connect_timeout_s > 0 "
+                             "and give_up_after_s >= 0")
         self.team_client = team_client
         self.url, self.team, self.token = url, team, token
+        self.preset, self.weights_fingerprint = preset, weights_fingerprint
+        self.allow_weights_mismatch, self.leave_at_end = allow_weights_mismatch, leave_at_end
+        self.on_welcome = on_welcome  # called with the server's first welcome: the client is playing
+        self.connect_timeout_s = connect_timeout_s
+        self.welcome: dict | None = None
+        self.outcome: str | None = None
+        self.detail = ""
+        self._ended = False                 # the server's end arrived
+        self._welcomed = False              # the server welcomed the current connection
+        self._refusal: dict | None = None   # the server's last error on this connection before its welcome
         self.max_batch = max_batch
         self.heartbeat_s, self.backoff_s, self.backoff_max_s = heartbeat_s, backoff_s, backoff_max_s
         if pipeline_min_batch < 1:
@@ -172,7 +200,7 @@ class StreamingClient:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def run(self) -> dict:
-        """Play until the session ends; return the summary."""
+        """Play until the session ends; return the summary, with its outcome (see the class)."""
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         # The event loop and the model thread hand the GIL back and forth for every request; with the
@@ -200,7 +228,38 @@ class StreamingClient:
             if self._send_tasks:
                 await asyncio.gather(*self._send_tasks, return_exceptions=True)
             gc.unfreeze()
-        return self.stats.summary()
+        if self.outcome is None:  # only stop() ends the session without saying how
+            self._finish(COMPLETE if self._ended else INTERRUPTED)
+        return self.summary()
+
+    def summary(self) -> dict:
+        """The stats so far, with the outcome (None while playing) and the server's model."""
+        welcome = self.welcome or {}
+        return {**self.stats.summary(), "outcome": self.outcome, "detail": self.detail,
+                "total_requests": welcome.get("requests"), "server_preset": welcome.get("preset"),
+                "server_weights_fingerprint": welcome.get("weights_fingerprint"),
+                "weights_fingerprint": self.weights_fingerprint, "weights_match": self._weights_match()}
+
+    def progress_line(self) -> str:
+        """The stats' progress line, with the stream's length once the server has said it."""
+        return self.stats.progress_line((self.welcome or {}).get("requests"))
+
+    def _finish(self, outcome: str, detail: str | None = None) -> None:
+        """Record how the session ended (the first call wins)."""
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        if detail is None:
+            detail = {COMPLETE: f"the stream was played to the end: {self._played()} requests answered in time",
+                      INTERRUPTED: f"stopped before the end of the stream: {self._played()} requests answered "
+                                   f"in time"}[outcome]
+        self.detail = detail
+
+    def _weights_match(self) -> bool | None:
+        theirs = (self.welcome or {}).get("weights_fingerprint")
+        if theirs is None or self.weights_fingerprint is None:
+            return None
+        return theirs == self.weights_fingerprint
 
     def stop(self) -> None:
         """End the session (call on the event loop thread)."""
@@ -211,33 +270,48 @@ class StreamingClient:
 
     async def _connect_loop(self):
         delay = self.backoff_s
-        unreachable_since = None
+        # The first connection has connect_timeout_s in all, so that a wrong address fails fast; once the
+        # client has played, a lost connection is retried (with backoff) for give_up_after_s.
+        unreachable_since = time.monotonic()
         while not self._stop.is_set():
+            first = self.stats.connections == 0
+            window = self.connect_timeout_s if first else self.give_up_after_s
+            remaining = window - (time.monotonic() - unreachable_since)
             try:
-                async with connect(self.url, max_size=protocol.MAX_FRAME_BYTES) as ws:
-                    unreachable_since, delay = None, self.backoff_s
+                async with connect(self.url, max_size=protocol.MAX_FRAME_BYTES,
+                                   open_timeout=max(remaining, 0.1)) as ws:
+                    delay = self.backoff_s
                     if await self._session(ws):
                         return
+                    unreachable_since = time.monotonic()
             except (OSError, TimeoutError, InvalidHandshake) as exc:
-                now = time.monotonic()
-                unreachable_since = unreachable_since or now
-                if now - unreachable_since >= self.give_up_after_s:
-                    log.warning("server %s unreachable for %.1f s (%s); stopping", self.url,
-                                now - unreachable_since, exc)
+                waited = time.monotonic() - unreachable_since
+                if waited >= window:
+                    reason = _connect_error(exc)
+                    if first:
+                        self._finish(UNREACHABLE, f"cannot reach {self.url} within {waited:.1f} s ({reason})")
+                    else:
+                        self._finish(CUT_SHORT, f"the connection was lost after {self._played()} requests "
+                                                f"answered and {self.url} stayed unreachable for {waited:.1f} s "
+                                                f"({reason})")
                     return
                 log.info("connecting to %s failed (%s); retrying in %.2f s", self.url, exc, delay)
             except InvalidURI as exc:
                 raise ValueError(f"bad server url {self.url!r}: {exc}") from None
+            remaining = window - (time.monotonic() - unreachable_since)
             try:
-                await asyncio.wait_for(self._stop.wait(), delay)
+                await asyncio.wait_for(self._stop.wait(), min(delay, max(remaining, 0.0)))
             except TimeoutError:
                 pass
             delay = min(delay * 2, self.backoff_max_s)
 
     async def _session(self, ws) -> bool:
         """Serve one connection; True when the session is over, False to reconnect."""
-        await ws.send(protocol.encode(protocol.register(self.team, self.token)))
+        await ws.send(protocol.encode(protocol.register(
+            self.team, self.token, preset=self.preset, weights_fingerprint=self.weights_fingerprint,
+            allow_weights_mismatch=self.allow_weights_mismatch)))
         self.stats.connections += 1
+        self._welcomed, self._refusal = False, None
         self._ws = ws
         heartbeat = asyncio.create_task(self._heartbeat(ws))
         try:
@@ -248,12 +322,28 @@ class StreamingClient:
         finally:
             heartbeat.cancel()
             self._ws = None
-        if self._stop.is_set() or ws.close_code == 1000:
+        if self.outcome is not None or self._stop.is_set() or self._ended:
             return True
-        if ws.close_code in _REFUSED_CLOSE_CODES:
-            raise ServerRefused(f"server closed the connection with code {ws.close_code}: {ws.close_reason}")
-        log.warning("connection lost (code %s); reconnecting, states kept", ws.close_code)
+        code, reason = ws.close_code, ws.close_reason
+        if code in _REFUSED_CLOSE_CODES:
+            refusal = self._refusal or {"error": reason or f"close code {code}", "details": ""}
+            said = refusal["error"] + (f": {refusal['details']}" if refusal["details"] else "")
+            if refusal["error"] == "weights_mismatch":
+                self._finish(WEIGHTS_MISMATCH, refusal["details"])
+            else:
+                self._finish(REFUSED, f"the server refused this client ({said})")
+            return True
+        if code == 1000:
+            self._finish(CUT_SHORT, f"the server closed the session ({code} {reason or 'normal closure'}) "
+                                    f"before the end of the stream, after {self._played()} requests answered")
+            return True
+        log.warning("connection lost (code %s); reconnecting, states kept", code)
         return False
+
+    def _played(self) -> str:
+        """How many requests were answered in time, of how many (when the server said)."""
+        total = (self.welcome or {}).get("requests")
+        return f"{self.stats.scored:,} of {total:,}" if total is not None else f"{self.stats.scored:,}"
 
     async def _heartbeat(self, ws):
         try:
@@ -274,13 +364,30 @@ class StreamingClient:
                 self.stats.add_scores(msg)
             elif kind == "error":
                 self.stats.server_errors += 1
-                log.warning("server error %s: %s", msg["error"], msg["details"])
+                if not self._welcomed:  # a refusal of register: the outcome reports it
+                    self._refusal = msg
+                    log.info("server error %s: %s", msg["error"], msg["details"])
+                else:
+                    log.warning("server error %s: %s", msg["error"], msg["details"])
+            elif kind == "welcome":
+                self._on_welcome(msg)
+            elif kind == "end":
+                self._ended = True
+                if self.leave_at_end:
+                    self._finish(COMPLETE)
+                    self._spawn(ws.close())
             elif kind != "heartbeat":
                 raise protocol.ProtocolError(f"unexpected {kind} message: a server does not send those")
         except protocol.ProtocolError as exc:
             self.stats.bad_messages += 1
             log.warning("bad message from server: %s", exc)
             self._send(ws, protocol.error("bad_message", str(exc)))
+
+    def _on_welcome(self, msg):
+        first = self.welcome is None
+        self.welcome, self._welcomed = msg, True
+        if first and self.on_welcome is not None:
+            self.on_welcome(msg)
 
     def _on_request(self, ws, msg):
         try:
@@ -430,6 +537,15 @@ class StreamingClient:
             await ws.send(frame)
         except ConnectionClosed:
             pass  # the server resends unanswered requests after the reconnect
+
+
+def _connect_error(exc) -> str:
+    """What a failed connect says, without the noise of OSError's errno prefix."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _by_symbol(batch) -> dict:

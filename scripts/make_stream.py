@@ -13,12 +13,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from client import cli  # noqa: E402
 from client.model.config import PRESETS  # noqa: E402
 from client.streams import Stream, generate_stream, save_stream, stream_fingerprint  # noqa: E402
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="make_stream", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--symbols", type=int, required=True, help="number of symbols (SYM_000, ...)")
     parser.add_argument("--requests", type=int, required=True, help="number of requests")
     parser.add_argument("--seed", type=int, required=True, help="seed of the stream")
@@ -66,11 +68,13 @@ def main(argv=None):
     try:
         stream = make_stream(args)
         save_stream(stream, args.out)
-    except (ValueError, OSError, ImportError) as error:
-        sys.exit(f"make_stream: {error}")
+    except cli.ORDINARY_ERRORS as error:
+        if args.debug:
+            raise  # run_cli prints the traceback
+        sys.exit(f"make_stream: {cli.one_line(error)}")
     print(f"wrote {args.out}: {len(stream)} requests over {len(set(stream.symbols.tolist()))} symbols"
           f"{', with targets' if args.targets else ''}; stream fingerprint {stream_fingerprint(stream)[:16]}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_cli(main, "make_stream"))

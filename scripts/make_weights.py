@@ -11,33 +11,64 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from client import cli  # noqa: E402
 from client.model import PRESETS, get_preset  # noqa: E402
 from client.weights import fingerprint, make_weights  # noqa: E402
 
-
-def progress_bar(done, total):
-    if done == total or done % max(1, total // 50) == 0:
-        sys.stderr.write(f"\rgenerating tensors {done}/{total}")
-        if done == total:
-            sys.stderr.write("\n")
+PROG = "scripts/make_weights.py"
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+class CountingWriter:
+    """A file that reports the bytes written through it: torch.save writes a state dict through write()."""
+
+    def __init__(self, file, progress: cli.Progress):
+        self.file, self.progress, self.written = file, progress, 0
+
+    def write(self, data) -> int:
+        written = self.file.write(data)
+        self.written += written
+        self.progress.update(self.written)
+        return written
+
+    def flush(self):
+        self.file.flush()
+
+
+def save(state: dict, out: Path) -> None:
+    """torch.save into out (through a temporary file, so that out is whole or absent), with progress."""
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    progress = cli.Progress(total, f"saving {out}", formatter=cli.format_bytes)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    with open(tmp, "wb") as file:
+        torch.save(state, CountingWriter(file, progress))
+    progress.update(total)  # the archive's own records make the file a little larger than the tensors
+    progress.close()
+    tmp.replace(out)
+
+
+def main(argv=None) -> int:
+    parser = cli.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, type=Path, help="output .pt file")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    state = make_weights(get_preset(args.preset), args.seed, progress=progress_bar)
+    generating = None
+
+    def generated(done, total):
+        nonlocal generating
+        generating = generating or cli.Progress(total, "generating tensors")
+        generating.update(done)
+    state = make_weights(get_preset(args.preset), args.seed, progress=generated)
+    generating.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(args.out)
+    save(state, args.out)
+    print("fingerprinting ...", file=sys.stderr, flush=True)
     count = sum(t.numel() for t in state.values())
     print(f"{args.out}: {len(state)} tensors, {count:,} values, fingerprint {fingerprint(state)}, "
           f"{time.perf_counter() - start:.1f} s")
+    return cli.EXIT_OK
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_cli(main, PROG))

@@ -25,6 +25,10 @@ import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from client import cli  # noqa: E402
+
 DEFAULT_TEAM_DIR = REPO_ROOT / "team"
 DEFAULT_BACKUPS_DIR = REPO_ROOT / "backups"
 EVALUATOR = REPO_ROOT / "local_evaluator.py"
@@ -36,7 +40,7 @@ CHECK_ARGS = ("--preset", "tiny", "--engine", "reference", "--device", "cpu",
               "--symbols", "3", "--requests", "24")
 
 
-class RollError(Exception):
+class RollError(cli.CliError):
     """A refused roll or revert; nothing was changed."""
 
 
@@ -123,13 +127,14 @@ def self_check(candidate: Path, timeout_s: float = 600.0) -> str | None:
         summary_path = Path(tmp) / "check.json"
         command = [sys.executable, str(EVALUATOR), "--team-dir", str(candidate), *CHECK_ARGS,
                    "--json", str(summary_path)]
+        print(f"self-check: a short tiny-preset evaluation of {candidate} ...", file=sys.stderr, flush=True)
         try:
             done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return f"the self-check evaluation did not finish within {timeout_s:g} s"
-        if done.returncode != 0:
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
-            return f"the self-check evaluation failed (exit {done.returncode}):\n{tail}"
+        if done.returncode != 0:  # the evaluator's last line says why
+            last = ((done.stderr or done.stdout).strip().splitlines() or ["(no output)"])[-1]
+            return f"the self-check evaluation failed (exit {done.returncode}): {last}"
         summary = json.loads(summary_path.read_text())
     if summary["responses"] != summary["requests"]:
         return f"answered {summary['responses']} of {summary['requests']} requests"
@@ -183,7 +188,7 @@ def revert(team_dir: Path = DEFAULT_TEAM_DIR, backups_dir: Path = DEFAULT_BACKUP
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = cli.ArgumentParser(prog="scripts/roll.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     action = p.add_mutually_exclusive_group(required=True)
@@ -204,27 +209,23 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        if args.list:
-            snapshots = list_snapshots(args.backups_dir)
-            if not snapshots:
-                print(f"no snapshots in {args.backups_dir}")
-            for m in snapshots:
-                print(f"{m['name']:<20} {m['created']:<34} {len(m['files']):>3} files  {m['reason']}")
-        elif args.revert is not None:
-            name, saved = revert(args.team_dir, args.backups_dir, args.revert or None)
-            print(f"{args.team_dir} restored from snapshot {name}"
-                  + (f"; what it held is saved as {saved.name}" if saved else ""))
-        else:
-            saved = roll(Path(args.candidate), args.team_dir, args.backups_dir, args.force,
-                         check=lambda candidate: self_check(candidate, args.check_timeout))
-            print(f"{args.team_dir} now holds {args.candidate}"
-                  + (f"; the previous version is saved as {saved.name}" if saved else ""))
-    except RollError as exc:
-        print(f"roll: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    if args.list:
+        snapshots = list_snapshots(args.backups_dir)
+        if not snapshots:
+            print(f"no snapshots in {args.backups_dir}")
+        for m in snapshots:
+            print(f"{m['name']:<20} {m['created']:<34} {len(m['files']):>3} files  {m['reason']}")
+    elif args.revert is not None:
+        name, saved = revert(args.team_dir, args.backups_dir, args.revert or None)
+        print(f"{args.team_dir} restored from snapshot {name}"
+              + (f"; what it held is saved as {saved.name}" if saved else ""))
+    else:
+        saved = roll(Path(args.candidate), args.team_dir, args.backups_dir, args.force,
+                     check=lambda candidate: self_check(candidate, args.check_timeout))
+        print(f"{args.team_dir} now holds {args.candidate}"
+              + (f"; the previous version is saved as {saved.name}" if saved else ""))
+    return cli.EXIT_OK
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_cli(main, "scripts/roll.py"))

@@ -1,24 +1,30 @@
 """python -m server: run the scoring server, print the summary table at the end."""
-import argparse
 import asyncio
 import json
 import signal
+import socket
+import sys
 
-from client import event_loop
+from client import cli, event_loop
+from client.model.config import PRESETS
 from server.app import ScoringServer, ServerConfig
 from server.leaderboard import format_table
 from server.scoring import DEFAULT_ATOL, DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
 
+PROG = "python -m server"
+
 
 def parse_args(argv=None) -> ServerConfig:
-    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__)
+    parser = cli.ArgumentParser(prog=PROG, description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument("--preset", default="tiny", help="model preset of the reference targets")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                        help="model preset of the reference targets")
     weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--weights", help="checkpoint path")
+    weights.add_argument("--weights", type=cli.existing_file, help="checkpoint path")
     weights.add_argument("--seed", type=int, default=0, help="seed of deterministic weights")
-    parser.add_argument("--stream", help="saved stream (.npz or parquet); else one is generated")
+    parser.add_argument("--stream", type=cli.existing_file,
+                        help="saved stream (.npz or parquet); else one is generated")
     parser.add_argument("--symbols", type=int, default=20)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--stream-seed", type=int, default=1)
@@ -44,6 +50,24 @@ def parse_args(argv=None) -> ServerConfig:
         parser.error(str(exc))
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the (long) preparation of targets when the port is taken; the server binds it later."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise cli.CliError(f"--host {host}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own socket will
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise cli.CliError(f"cannot listen on {host}:{port}: {exc.strerror}; is another server there? "
+                               f"stop it or choose another --port") from None
+
+
 async def run(config: ServerConfig):
     server = ScoringServer(config)
     port = await server.start()
@@ -67,13 +91,16 @@ async def run(config: ServerConfig):
                 json.dump(summaries, f, indent=2)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     config = parse_args(argv)
+    cli.check_device(config.device)
+    check_port_free(config.host, config.port)
     try:
         event_loop.run(run(config))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C is how a server without --once is stopped: the table is printed
         pass
+    return cli.EXIT_OK
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_cli(main, PROG))

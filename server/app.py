@@ -2,6 +2,7 @@
 import asyncio
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
 from client import protocol
-from server.leaderboard import leaderboard_row, render_page
+from server.leaderboard import leaderboard_row, mark_far_below, render_page
 from server.scoring import DEFAULT_ATOL, DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
 from server.session import TeamSession, send_offsets
 
@@ -67,10 +68,16 @@ class ServerConfig:
 
 
 class ScoringServer:
-    def __init__(self, config: ServerConfig, stream=None, targets=None):
+    """Serves `config`'s stream, scored against targets of the model config.preset with config's weights.
+
+    stream and targets may be passed in (tests, benchmarks); weights_fingerprint then names the weights behind
+    the targets, and without it the server cannot tell a client with other weights (welcome says None)."""
+
+    def __init__(self, config: ServerConfig, stream=None, targets=None, weights_fingerprint: str | None = None):
         self.config = config
         self._stream = stream
         self._targets = None if targets is None else np.asarray(targets, dtype=np.float32)
+        self.weights_fingerprint = weights_fingerprint
         self._sessions: dict[str, TeamSession] = {}
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -91,8 +98,13 @@ class ScoringServer:
             self._stream = (load_stream(cfg.stream) if cfg.stream is not None else
                             generate_stream(cfg.symbols, cfg.requests, cfg.stream_seed, rate=cfg.rate))
         if self._targets is None:
+            if cfg.progress:
+                weights = cfg.weights or f"seed {cfg.seed}"
+                print(f"loading preset {cfg.preset} ({weights}) for the reference targets of "
+                      f"{len(self._stream):,} requests", file=sys.stderr, flush=True)
             model, fingerprint = load_model(cfg.preset, weights=cfg.weights, seed=cfg.seed,
                                             device=cfg.device or "cpu")
+            self.weights_fingerprint = fingerprint
             self._targets = np.asarray(compute_targets(model, self._stream, fingerprint, device=cfg.device,
                                                        cache_dir=cfg.cache_dir, progress=cfg.progress),
                                        dtype=np.float32)
@@ -114,8 +126,12 @@ class ScoringServer:
         self._num_symbols = len(np.unique(self._symbols))
         # websockets closes the connection above its own limit, so let frames somewhat over ours
         # through to be answered with an error
-        self._server = await serve(self._handle, self.config.host, self.config.port,
-                                   process_request=self._http, max_size=2 * self.config.max_frame_bytes)
+        try:
+            self._server = await serve(self._handle, self.config.host, self.config.port,
+                                       process_request=self._http, max_size=2 * self.config.max_frame_bytes)
+        except OSError as exc:
+            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}; "
+                          f"is another server there? stop it or choose another port") from exc
         return self.port
 
     @property
@@ -123,9 +139,9 @@ class ScoringServer:
         return self._server.sockets[0].getsockname()[1]
 
     async def wait_done(self):
-        """Return once the first registered team's stream is fully scored."""
+        """Return once the first registered team's stream is fully scored and the team told so."""
         await self._first_registered.wait()
-        await self._first.done.wait()
+        await self._first.ended.wait()
 
     async def stop(self):
         for task in self._tasks:
@@ -149,9 +165,12 @@ class ScoringServer:
         return [session.summary() for session in self._sessions.values()]
 
     def scores(self) -> dict:
-        teams = sorted((leaderboard_row(s) for s in self.summaries()), key=lambda row: -row["pnl"])
+        teams = mark_far_below(sorted((leaderboard_row(s) for s in self.summaries()), key=lambda row: -row["pnl"]))
+        cfg = self.config
         return {"time": time.time(), "teams": teams, "unregistered_errors": self.unregistered_errors,
-                "stream": {"requests": len(self._symbols), "symbols": self._num_symbols}}
+                "stream": {"requests": len(self._symbols), "symbols": self._num_symbols},
+                "model": {"preset": cfg.preset, "weights_fingerprint": self.weights_fingerprint},
+                "scoring": {"atol": cfg.atol, "half_life_ms": cfg.half_life_ms, "timeout_s": cfg.timeout_s}}
 
     def _http(self, connection, request):
         if request.headers.get("Upgrade", "").lower() == "websocket":
@@ -223,11 +242,11 @@ class ScoringServer:
             if problem is not None:
                 self.unregistered_errors += 1
                 await self._send_error(ws, *problem)
-                if problem[0] in ("version_mismatch", "bad_token"):
+                if problem[0] in ("version_mismatch", "bad_token", "weights_mismatch"):
                     await ws.close(1008, problem[0])
                     return None
                 continue
-            return await self._attach(msg["team"], ws)
+            return await self._attach(msg, ws)
 
     def _register_problem(self, msg):
         if msg["protocol"] != protocol.PROTOCOL_VERSION:
@@ -238,9 +257,25 @@ class ScoringServer:
         team = msg["team"]
         if not team or len(team) > MAX_TEAM_NAME or not team.isprintable():
             return ("bad_team", f"team must be 1..{MAX_TEAM_NAME} printable characters, got {team[:80]!r}")
+        if self._weights_match(msg) is False and not msg.get("allow_weights_mismatch", False):
+            # the facts only: the client says what its user can do about them
+            return ("weights_mismatch", f"the server plays preset {self.config.preset} with weights "
+                                        f"{self.weights_fingerprint}, the client has preset "
+                                        f"{msg.get('preset', '?')} with weights {msg['weights_fingerprint']}")
         return None
 
-    async def _attach(self, team, ws):
+    def _weights_match(self, msg) -> bool | None:
+        """Whether the client's weights are the server's (None: one side has no fingerprint to compare)."""
+        theirs = msg.get("weights_fingerprint")
+        if theirs is None or self.weights_fingerprint is None:
+            return None
+        return theirs == self.weights_fingerprint
+
+    async def _attach(self, msg, ws):
+        team, weights_match = msg["team"], self._weights_match(msg)
+        # first, so that the client hears which model it plays before any request
+        await ws.send(protocol.encode(protocol.welcome(self.config.preset, self.weights_fingerprint,
+                                                       len(self._symbols), self._num_symbols, weights_match)))
         session = self._sessions.get(team)
         if session is None:
             cfg = self.config
@@ -254,7 +289,9 @@ class ScoringServer:
                 self._first = session
                 self._first_registered.set()
             log.info("team %r registered", team)
-        previous = session.attach(ws)
+        previous = session.attach(ws, msg.get("weights_fingerprint"), weights_match)
+        if session.ended.is_set():  # a team back after its stream ended: nothing more will come
+            await session.send(ws, protocol.encode(protocol.end(session.total)))
         if previous is not None:  # a reconnect that beat the old connection's close: the new one wins
             task = asyncio.create_task(self._supersede(previous))
             self._background.add(task)  # the loop holds tasks only weakly
@@ -279,6 +316,8 @@ class ScoringServer:
                     await ws.send(protocol.encode(update))
                 for code, details in problems:
                     await self._send_error(ws, code, details)
+                if session.finished_at is not None:
+                    await session.announce_end()  # after the last score_update
             elif kind == "error":  # the client reports a problem of its own (e.g. a NaN feature row)
                 session.client_errors += 1
             elif kind == "register":

@@ -2,70 +2,129 @@
 import html
 
 REFRESH_S = 2
+# A team is marked when its accuracy is under this fraction of the best other team's (or of 1.0, what the
+# reference itself scores, when it plays alone): other weights or a broken client, not a slower one.
+FAR_BELOW_RATIO = 0.5
 
-_COLUMNS = (  # (heading, key, format)
-    ("Team", "team", "{}"),
+_NUMBER_COLUMNS = (  # (heading, key, format)
     ("PnL", "pnl", "{:.3f}"),
     ("Recent PnL/s", "recent_pnl_per_s", "{:.3f}"),
     ("Accuracy", "accuracy", "{:.4f}"),
     ("p50 ms", "latency_p50_ms", "{:.1f}"),
     ("p99 ms", "latency_p99_ms", "{:.1f}"),
     ("Responses/s", "responses_per_s", "{:.1f}"),
-    ("PnL/response", "pnl_per_response", "{:.4f}"),
     ("Responses", "responses", "{}"),
     ("Missed", "missed", "{}"),
     ("Errors", "errors", "{}"),
 )
+_HEADINGS = ("#", "Team", "State", "Sent", "Weights", *(title for title, _, _ in _NUMBER_COLUMNS), "Note")
 
 
 def leaderboard_row(summary: dict) -> dict:
     """The leaderboard's view of one team's summary."""
     row = {key: summary[key] for key in ("team", "pnl", "recent_pnl_per_s", "accuracy", "responses_per_s",
                                          "pnl_per_response", "responses", "missed", "errors", "duplicates",
-                                         "requests", "connected")}
+                                         "requests", "total_requests", "connected", "state",
+                                         "weights_fingerprint", "weights_match")}
     row["latency_p50_ms"] = summary["latency_ms"]["p50"]
     row["latency_p99_ms"] = summary["latency_ms"]["p99"]
     return row
+
+
+def mark_far_below(rows: list[dict]) -> list[dict]:
+    """Set each row's far_below: it has answered, and its accuracy is under FAR_BELOW_RATIO of the best
+    other team's (of 1.0 when no other team has answered)."""
+    for row in rows:
+        others = [other["accuracy"] for other in rows if other is not row and other["responses"]]
+        reference = max(others, default=1.0)
+        row["far_below"] = bool(row["responses"]) and row["accuracy"] < FAR_BELOW_RATIO * reference
+    return rows
 
 
 def _cell(fmt, value):
     return "-" if value is None else fmt.format(value)
 
 
+def _weights_cell(row, server_fingerprint):
+    match = row["weights_match"]
+    if match is None:
+        return '<td class="unknown" title="the client did not send its weights fingerprint">not said</td>'
+    title = html.escape(f"client {row['weights_fingerprint']}, server {server_fingerprint}")
+    return (f'<td class="ok" title="{title}">match</td>' if match else
+            f'<td class="bad" title="{title}">differ</td>')
+
+
+def _note(row):
+    notes = []
+    if row["far_below"]:
+        notes.append("accuracy far below")
+    if row["weights_match"] is False:
+        notes.append("other weights")
+    return "; ".join(notes)
+
+
+def _team_row(rank, row, server_fingerprint):
+    sent, total = row["requests"], row["total_requests"]
+    numbers = []
+    for _, key, fmt in _NUMBER_COLUMNS:
+        text = html.escape(_cell(fmt, row[key]))
+        if key == "accuracy" and row["far_below"]:
+            numbers.append(f'<td class="bad" title="under {FAR_BELOW_RATIO:g} x the best other team\'s">'
+                           f'&#9888; {text}</td>')
+        else:
+            numbers.append(f"<td>{text}</td>")
+    return (f'<tr class="team{" far-below" if row["far_below"] else ""}"><td>{rank}</td>'
+            f'<td>{html.escape(row["team"])}</td><td class="{row["state"]}">{row["state"]}</td>'
+            f'<td><progress value="{sent}" max="{total}"></progress> {sent}/{total}</td>'
+            f'{_weights_cell(row, server_fingerprint)}{"".join(numbers)}'
+            f'<td class="note">{html.escape(_note(row))}</td></tr>')
+
+
 def render_page(scores: dict) -> str:
     """A self-refreshing HTML page, rendered on the server so it needs no script."""
-    head = "".join(f"<th>{html.escape(title)}</th>" for title, _, _ in _COLUMNS)
-    rows = []
-    for rank, team in enumerate(scores["teams"], 1):
-        cells = "".join(f"<td>{html.escape(_cell(fmt, team[key]))}</td>" for _, key, fmt in _COLUMNS)
-        rows.append(f'<tr class="team"><td>{rank}</td>{cells}</tr>')
-    body = "\n".join(rows) or f'<tr><td colspan="{len(_COLUMNS) + 1}">no team has registered yet</td></tr>'
+    model, stream, scoring = scores["model"], scores["stream"], scores["scoring"]
+    head = "".join(f"<th>{html.escape(title)}</th>" for title in _HEADINGS)
+    rows = [_team_row(rank, row, model["weights_fingerprint"]) for rank, row in enumerate(scores["teams"], 1)]
+    body = "\n".join(rows) or f'<tr><td colspan="{len(_HEADINGS)}">no team has registered yet</td></tr>'
+    weights = model["weights_fingerprint"] or "not known"
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">
 <title>Leaderboard</title>
-<style>body{{font-family:sans-serif}} table{{border-collapse:collapse}}
-td,th{{padding:4px 10px;border-bottom:1px solid #ccc;text-align:right}} td:nth-child(2){{text-align:left}}</style>
+<style>body{{font-family:sans-serif;margin:1em 2em}} table{{border-collapse:collapse}}
+td,th{{padding:4px 8px;border-bottom:1px solid #ccc;text-align:right;white-space:nowrap}}
+td:nth-child(2),td:nth-child(3),th:nth-child(2),th:nth-child(3),th:last-child{{text-align:left}} progress{{width:5em}}
+td.note{{text-align:left}}
+.ok,.finished{{color:#070}} .playing{{color:#05a}} .disconnected,.unknown{{color:#777}}
+.bad{{color:#b00;font-weight:bold}} tr.far-below{{background:#fee}} p{{max-width:60em}}</style>
 </head><body><h1>Leaderboard</h1>
-<p>{scores["stream"]["requests"]} requests over {scores["stream"]["symbols"]} symbols per team;
-unregistered connections' errors: {scores["unregistered_errors"]}. Refreshes every {REFRESH_S} s;
-raw data at <a href="/scores.json">/scores.json</a>.</p>
-<table id="leaderboard"><thead><tr><th>#</th>{head}</tr></thead>
+<p id="model">Model: preset {html.escape(model["preset"])}, weights {html.escape(weights)}. Each team plays
+{stream["requests"]} requests over {stream["symbols"]} symbols.</p>
+<p id="pnl">PnL: each request answered within {scoring["timeout_s"]:g} s earns (correct towers / 4) &times;
+0.5<sup>latency ms / {scoring["half_life_ms"]:g}</sup>, a tower being correct within {scoring["atol"]:g} of the
+reference model, and a missed request earns 0; a team's PnL is the sum over its requests.</p>
+<table id="leaderboard"><thead><tr>{head}</tr></thead>
 <tbody>
 {body}
-</tbody></table></body></html>
+</tbody></table>
+<p>Sent: requests sent of the stream. Weights: whether the team's weights fingerprint is the server's.
+&#9888; marks an accuracy under {FAR_BELOW_RATIO:g} &times; the best other team's. Unregistered connections'
+errors: {scores["unregistered_errors"]}. Refreshes every {REFRESH_S} s; raw data at
+<a href="/scores.json">/scores.json</a>.</p></body></html>
 """
 
 
 def format_table(summaries: list[dict]) -> str:
     """Plain-text summary, one line per team."""
     headings = ("team", "requests", "responses", "missed", "errors", "dups", "accuracy",
-                "p50 ms", "p99 ms", "resp/s", "pnl")
+                "p50 ms", "p99 ms", "resp/s", "pnl", "state", "weights")
     lines = [headings]
     for s in summaries:
         lat = s["latency_ms"]
+        weights = {True: "match", False: "differ", None: "-"}[s["weights_match"]]
         lines.append((s["team"], str(s["requests"]), str(s["responses"]), str(s["missed"]), str(s["errors"]),
                       str(s["duplicates"]), f"{s['accuracy']:.4f}", _cell("{:.1f}", lat["p50"]),
-                      _cell("{:.1f}", lat["p99"]), f"{s['responses_per_s']:.1f}", f"{s['pnl']:.3f}"))
+                      _cell("{:.1f}", lat["p99"]), f"{s['responses_per_s']:.1f}", f"{s['pnl']:.3f}",
+                      s["state"], weights))
     if len(lines) == 1:
         return "no team registered"
     widths = [max(len(line[i]) for line in lines) for i in range(len(headings))]

@@ -56,15 +56,20 @@ class TeamSession:
         self._recent = deque()  # (receive time, pnl of one response message)
         self.connection = None
         self.connections = 0
+        self.weights_fingerprint = None  # the client's, as its latest register said (None: not said)
+        self.weights_match = None        # against the server's model (None: one side did not say)
         self._resend = False
         self._wake = asyncio.Event()
         self.finished_at = None
-        self.done = asyncio.Event()
+        self.done = asyncio.Event()      # every request resolved
+        self.ended = asyncio.Event()     # ... and the end message sent (or nobody was connected to get it)
+        self._end_announced = False
 
     # connections -------------------------------------------------------------------------------
-    def attach(self, connection):
+    def attach(self, connection, weights_fingerprint=None, weights_match=None):
         """Make connection the team's live one; returns the one it replaces (or None)."""
         previous, self.connection = self.connection, connection
+        self.weights_fingerprint, self.weights_match = weights_fingerprint, weights_match
         self.connections += 1
         self._resend = self.sent > 0
         self._wake.set()
@@ -101,6 +106,17 @@ class TeamSession:
                     await asyncio.wait_for(self._wake.wait(), timeout=delay)
                 except TimeoutError:
                     pass
+        await self.announce_end()
+
+    async def announce_end(self):
+        """Tell the live connection, once, that the stream is over. Called by whoever resolved the last
+        request, after sending what it had to (the server after the last score_update; run() after reaping)."""
+        if self._end_announced:
+            return
+        self._end_announced = True
+        if self.connection is not None:
+            await self.send(self.connection, protocol.encode(protocol.end(self.total)))
+        self.ended.set()
 
     async def _send_backlog(self, connection):
         """Resend, in order, every sent request not yet answered, grouped as first sent."""
@@ -243,7 +259,17 @@ class TeamSession:
             "connected": self.connection is not None,
             "connections": self.connections,
             "complete": self.finished_at is not None,
+            "state": self.state,
+            "weights_fingerprint": self.weights_fingerprint,
+            "weights_match": self.weights_match,
         }
+
+    @property
+    def state(self) -> str:
+        """finished (every request resolved), playing (connected) or disconnected."""
+        if self.finished_at is not None:
+            return "finished"
+        return "playing" if self.connection is not None else "disconnected"
 
 
 def _few(ids, limit=10):

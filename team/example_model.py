@@ -13,10 +13,11 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import signal  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from client import event_loop  # noqa: E402
+from client import cli, event_loop  # noqa: E402
 from client.engine import ENGINES, Engine, make_engine  # noqa: E402
 from client.engine.base import NUM_TOWERS, PendingStep  # noqa: E402
 from client.model.config import PRESETS  # noqa: E402
@@ -53,16 +54,34 @@ class ExampleModel:
         return PendingStep(lambda: {"unique_ids": unique_ids, "predictions": step.result()})
 
 
+PROG = "team/example_model.py"
+# What the user can do about each way a session can end badly (the runtime's outcome says what happened).
+OUTCOME_HINTS = {
+    "unreachable": "is the server running there? check --host and --port",
+    "refused": "check --token and --team",
+    "weights_mismatch": "start the client with the server's weights (its --preset and --seed, or --weights), "
+                        "or pass --allow-weights-mismatch to play anyway",
+    "cut_short": "the summary above covers what was played",
+}
+
+
 def parse_args(argv=None):
     import torch
 
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description="Play a scoring server with the team's client.")
+    parser = cli.ArgumentParser(prog=PROG, description="Play a scoring server with the team's client.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="exit codes:\n" + "\n".join(f"  {code:>3}  {meaning}"
+                                                                    for code, meaning in cli.EXIT_CODES.items()))
     parser.add_argument("--host", help="server host; without it, start the project's server in-process")
     parser.add_argument("--port", type=int, help="server port (required with --host)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: full with CUDA, else tiny)")
-    parser.add_argument("--weights", help="checkpoint path (default: synthetic weights from --seed)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--weights", type=cli.existing_file,
+                         help="checkpoint path (default: synthetic weights from --seed)")
+    weights.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
+    parser.add_argument("--allow-weights-mismatch", action="store_true",
+                        help="play even when the server's weights differ from the client's")
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--engine", choices=ENGINES, default="fast" if cuda else "reference")
     parser.add_argument("--team", default="example")
@@ -86,20 +105,42 @@ def parse_args(argv=None):
     return args
 
 
-async def _print_progress(stats):
+async def _print_progress(client):
     # One line rewritten in place on a terminal; a line every few seconds into a log file.
     live = sys.stderr.isatty()
     while True:
         await asyncio.sleep(0.5 if live else 5.0)
-        print(("\r" if live else "") + stats.progress_line(), end="" if live else "\n", file=sys.stderr, flush=True)
+        if client.welcome is not None:
+            print(("\r" if live else "") + client.progress_line(), end="" if live else "\n", file=sys.stderr,
+                  flush=True)
 
 
-async def _wait_for_last_scores(stats, num_requests, timeout_s=2.0, poll_s=0.02):
-    """The server is done once it has scored everything; its last score_update may still be in flight."""
-    for _ in range(int(timeout_s / poll_s)):
-        if stats.scored + stats.rejected >= num_requests:
-            return
-        await asyncio.sleep(poll_s)
+def _stop_on_ctrl_c(client) -> bool:
+    """The first Ctrl-C stops the client cleanly (the summary so far is still printed); a second one, while
+    it stops, interrupts at once. False where Ctrl-C is ignored (a background job) or the loop cannot take
+    signals (Windows)."""
+    loop = asyncio.get_running_loop()
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return False
+
+    def first_ctrl_c():
+        loop.remove_signal_handler(signal.SIGINT)  # back to KeyboardInterrupt for a second Ctrl-C
+        print(file=sys.stderr)
+        client.stop()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, first_ctrl_c)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _describe_welcome(url, args, welcome) -> str:
+    match = {True: "the same as this client's", None: "not compared",
+             False: "OTHER than this client's (played anyway: --allow-weights-mismatch)"}[welcome["weights_match"]]
+    return (f"playing {url} as team {args.team!r}: {welcome['requests']} requests over {welcome['symbols']} "
+            f"symbols; the server's model is preset {welcome['preset']}, weights {welcome['weights_fingerprint']} "
+            f"({match}); engine {args.engine}, device {args.device}")
 
 
 async def play(args) -> tuple[dict, list[dict] | None]:
@@ -107,7 +148,16 @@ async def play(args) -> tuple[dict, list[dict] | None]:
     from client.model import load_model
     from client.runtime import StreamingClient
 
-    model, _ = load_model(args.preset, weights=args.weights, seed=args.seed, device=args.device)
+    if args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # Leave a core to the event loop (and a server on this machine): on a 2-core machine the tiny model's
+        # steps gain nothing from a second thread, and with it the client answered 143 of 1,000 requests in time
+        # (the README's first command), with one thread all 1,000.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    weights = args.weights or f"seed {args.seed}"
+    print(f"loading preset {args.preset} ({weights}) on {args.device}, engine {args.engine}", file=sys.stderr)
+    model, fingerprint = load_model(args.preset, weights=args.weights, seed=args.seed, device=args.device)
     team_client = ExampleModel(make_engine(args.engine, model, device=args.device))
     server = None
     if args.host is None:
@@ -115,36 +165,35 @@ async def play(args) -> tuple[dict, list[dict] | None]:
 
         server = ScoringServer(ServerConfig(host="127.0.0.1", port=0, preset=args.preset, weights=args.weights,
                                             seed=args.seed, symbols=args.symbols, requests=args.requests,
-                                            rate=args.rate, once=True, device=args.device))
+                                            rate=args.rate, device=args.device))
         port = await server.start()
         url = f"ws://127.0.0.1:{port}"
     else:
         url = f"ws://{args.host}:{args.port}"
-    print(f"playing {url} as team {args.team!r}: preset {args.preset}, engine {args.engine}, "
-          f"device {args.device}", file=sys.stderr)
-    client = StreamingClient(team_client, url, args.team, args.token)
-    progress = asyncio.create_task(_print_progress(client.stats))
-    playing = asyncio.create_task(client.run())
+    client = StreamingClient(team_client, url, args.team, args.token, preset=args.preset,
+                             weights_fingerprint=fingerprint, allow_weights_mismatch=args.allow_weights_mismatch,
+                             leave_at_end=True,
+                             on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome), file=sys.stderr))
+    progress = asyncio.create_task(_print_progress(client))
+    ctrl_c = _stop_on_ctrl_c(client)
     try:
-        if server is not None:
-            done = asyncio.create_task(server.wait_done())
-            await asyncio.wait({done, playing}, return_when=asyncio.FIRST_COMPLETED)
-            if not done.done():
-                done.cancel()
-            await _wait_for_last_scores(client.stats, args.requests)
-            client.stop()
-        summary = await playing
+        summary = await client.run()
     finally:
         progress.cancel()
+        if ctrl_c:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
         if server is not None:
             await server.stop()
-    print(("\r" if sys.stderr.isatty() else "") + client.stats.progress_line(), file=sys.stderr)
+    if client.welcome is not None:
+        print(("\r" if sys.stderr.isatty() else "") + client.progress_line(), file=sys.stderr)
     return summary, server.summaries() if server is not None else None
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    cli.check_device(args.device)
     summary, server_summaries = event_loop.run(play(args))
     print(json.dumps(summary, indent=2))
     if server_summaries:
@@ -152,7 +201,12 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
+    outcome = summary["outcome"]
+    hint = OUTCOME_HINTS.get(outcome)
+    print(f"{PROG}: {outcome.replace('_', ' ')}: {summary['detail']}" + (f"; {hint}" if hint else ""),
+          file=sys.stderr)
+    return cli.EXIT_BY_OUTCOME[outcome]
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_cli(main, PROG))

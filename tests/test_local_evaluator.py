@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import local_evaluator as le
+from client import cli
 from client.streams import Stream, generate_stream, save_stream
 
 TOWERS = ("xlstm", "mamba2", "retnet", "hawk")
@@ -164,7 +165,8 @@ def team_dir():
 
 
 def run_main(capsys, *argv):
-    rc = le.main(list(map(str, argv)))
+    """The command line as `python local_evaluator.py ARGV` runs it, in this process."""
+    rc = cli.run_cli(le.main, le.PROG, list(map(str, argv)))
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -185,22 +187,40 @@ def test_tiny_reference_run_writes_every_field(tmp_path, team_dir, capsys):
                                                  "within_atol"}
         assert summary["towers"][tower]["within_atol"] == 1.0
     assert "within 0.001" in out and "hawk" in out
+    assert err.splitlines()[-1].startswith("replay: 24/24 requests (100%), ")  # the replay's progress
 
 
-def test_profile_writes_a_trace(tmp_path, team_dir, capsys):
-    rc, out, err = run_main(capsys, "--symbols", 2, "--requests", 4, "--batch-size", 2,
-                            "--team-dir", team_dir, "--cache-dir", tmp_path / "cache",
-                            "--profile", tmp_path / "prof", "--device", "cpu")
-    assert rc == 0, err
-    assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
-    assert "top 15 by self_cpu_time_total" in out
+def test_replay_tells_after_each_step_how_many_requests_are_answered():
+    answered = []
+    stream = generate_stream(3, 30, seed=2)
+    _, _, _, batch_sizes = le.replay(RecordingClient(), list(stream.symbols), stream.features, stream.delay_ms,
+                                     after_step=answered.append)
+    assert answered == np.cumsum(batch_sizes).tolist() and answered[-1] == 30
+
+
+def test_profile_records_a_bounded_window_and_says_its_size(tmp_path, team_dir, capsys):
+    def profile(steps):
+        rc, out, err = run_main(capsys, "--symbols", 2, "--requests", 40, "--batch-size", 2,
+                                "--team-dir", team_dir, "--cache-dir", tmp_path / "cache",
+                                "--profile", tmp_path / f"prof{steps}", "--profile-steps", steps, "--device", "cpu")
+        assert rc == 0, err
+        assert f"profile: recording steps 2 to {steps + 1} of the replay (--profile-steps {steps})" in err
+        size = (tmp_path / f"prof{steps}" / "trace.json").stat().st_size
+        assert f"trace written to {tmp_path / f'prof{steps}' / 'trace.json'} ({cli.format_bytes(size)})" in out
+        assert "top 15 by self_cpu_time_total" in out
+        return size
+    # 20 steps in the replay: the trace grows with the window, not with the replay
+    assert 0 < profile(2) < 0.6 * profile(8)
 
 
 # ------------------------------------------------------------------------------------ bad input
 
-def test_missing_stream_file(tmp_path, team_dir, capsys):
-    rc, _, err = run_main(capsys, "--stream", tmp_path / "nope.npz", "--team-dir", team_dir)
-    assert rc == 2 and "stream file not found" in err
+def test_missing_stream_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        le.main(["--stream", str(tmp_path / "nope.npz")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"local_evaluator.py: error: argument --stream: no such file: " \
+                                      f"{tmp_path / 'nope.npz'} (see --help)\n"
 
 
 def test_parquet_without_pyarrow(tmp_path, team_dir, capsys, monkeypatch):
@@ -254,6 +274,10 @@ def test_broken_team_client(tmp_path, capsys, source, message):
 @pytest.mark.parametrize("argv, message", [
     (["--batch-size", "0"], "--batch-size: must be a positive integer"),
     (["--symbols", "-1"], "--symbols: must be a positive integer"),
+    (["--atol", "0"], "--atol must be positive"),
+    (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (["--engine", "warp"], "argument --engine: invalid choice: 'warp'"),
+    (["--profile-steps", "0"], "--profile-steps: must be a positive integer"),
 ])
 def test_bad_options_exit_with_usage(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -262,10 +286,7 @@ def test_bad_options_exit_with_usage(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--atol", "0"], "--atol must be positive"),
     (["--rate", "-5"], "rate must be a positive number"),
-    (["--preset", "huge"], "unknown preset 'huge'"),
-    (["--engine", "warp"], "unknown engine 'warp'"),
 ])
 def test_bad_values_give_clear_errors(tmp_path, team_dir, capsys, argv, message):
     rc, _, err = run_main(capsys, "--team-dir", team_dir, "--symbols", 1, "--requests", 1,
@@ -273,11 +294,18 @@ def test_bad_values_give_clear_errors(tmp_path, team_dir, capsys, argv, message)
     assert rc == 2 and message in err, err
 
 
-def test_plot_draws_a_png(tmp_path):
+def test_plot_has_a_title_and_marks_p50_and_p99(tmp_path):
     pytest.importorskip("matplotlib")
     stream = generate_stream(3, 20, seed=2)
     result = le.evaluate(RecordingClient(), stream, sequential_targets(stream))
-    le.plot(result, tmp_path / "p.png")
+    title = le.plot_title(result, "tiny", "reference", "cpu")
+    assert title.startswith("preset tiny, engine reference on cpu: 20 requests, p50 ")
+    fig = le.figure(result, title)
+    assert fig._suptitle.get_text() == title
+    marks = {line.get_label(): line.get_xdata()[0] for line in fig.axes[0].lines}
+    assert marks == {f"p50 {result['latency_ms']['p50']:.2f} ms": result["latency_ms"]["p50"],
+                     f"p99 {result['latency_ms']['p99']:.2f} ms": result["latency_ms"]["p99"]}
+    le.plot(result, tmp_path / "p.png", title)
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -288,3 +316,18 @@ def test_profile_on_cuda_ranks_by_device_time(tmp_path, team_dir, capsys):
                             "--device", "cuda")
     assert rc == 0, err
     assert "top 15 by self_device_time_total" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stream", "missing.npz"], "argument --stream: no such file: missing.npz (see --help)"),
+    (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (["--team-dir", "nowhere"], "no team client at nowhere/example_model.py"),
+])
+def test_ordinary_mistakes_are_one_line_in_a_real_process(argv, message):
+    import subprocess
+    result = subprocess.run([sys.executable, str(le.REPO_ROOT / "local_evaluator.py"), *argv], cwd=le.REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert lines[-1].startswith(f"local_evaluator.py: error: {message}"), result.stderr
+    assert all(line.startswith("local_evaluator.py: ") for line in lines[:-1])

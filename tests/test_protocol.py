@@ -16,6 +16,19 @@ def test_register_roundtrip_with_and_without_token():
     assert roundtrip(protocol.register("alpha", token="t"))["token"] == "t"
 
 
+def test_register_names_the_model_and_welcome_and_end_roundtrip():
+    msg = roundtrip(protocol.register("alpha", preset="tiny", weights_fingerprint="ab12", allow_weights_mismatch=True))
+    assert (msg["preset"], msg["weights_fingerprint"], msg["allow_weights_mismatch"]) == ("tiny", "ab12", True)
+    welcome = roundtrip(protocol.welcome("tiny", None, 400, 8, None))
+    assert welcome == {"type": "welcome", "preset": "tiny", "weights_fingerprint": None, "requests": 400,
+                       "symbols": 8, "weights_match": None}
+    assert roundtrip(protocol.end(400)) == {"type": "end", "requests": 400}
+    with pytest.raises(ProtocolError, match="'weights_fingerprint' must be a string"):
+        protocol.decode(msgpack.packb({"type": "register", "team": "a", "protocol": 1, "weights_fingerprint": 5}))
+    with pytest.raises(ProtocolError, match="welcome: missing field 'requests'"):
+        protocol.decode(msgpack.packb({"type": "welcome", "preset": "tiny", "weights_fingerprint": None}))
+
+
 def test_inference_request_roundtrip_is_little_endian_row_major():
     features = np.arange(2 * 79, dtype=np.float32).reshape(2, 79)
     msg = roundtrip(protocol.inference_request(np.array([7, 9]), ["SYM_000", "SYM_001"], features, 12.5))

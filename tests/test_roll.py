@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from client import cli
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("roll", REPO_ROOT / "scripts" / "roll.py")
 roll = importlib.util.module_from_spec(_spec)
@@ -153,10 +155,25 @@ def test_a_malformed_manifest_is_reported(dirs):
 
 def test_cli_errors(dirs, capsys):
     team, candidate, backups = dirs
-    assert roll.main(["--revert", "--team-dir", str(team), "--backups-dir", str(backups)]) == 1
-    assert "no snapshots" in capsys.readouterr().err
+    argv = ["--revert", "--team-dir", str(team), "--backups-dir", str(backups)]
+    assert cli.run_cli(roll.main, "scripts/roll.py", argv) == 2
+    assert capsys.readouterr().err == f"scripts/roll.py: error: no snapshots in {backups}\n"
     with pytest.raises(SystemExit):
         roll.main(["--list", "--force"])
     assert "--force applies to rolling in a candidate only" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         roll.main([])
+
+
+def test_a_refused_candidate_is_one_line_through_the_cli(dirs):
+    team, candidate, backups = dirs
+    (candidate / "example_model.py").write_text("def broken(:\n")
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "roll.py"), str(candidate),
+                           "--team-dir", str(team), "--backups-dir", str(backups)],
+                          capture_output=True, text=True, env=os.environ.copy())
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    status, error = done.stderr.strip().splitlines()
+    assert status.startswith("self-check: a short tiny-preset evaluation of ")
+    assert error.startswith(f"scripts/roll.py: error: candidate {candidate} refused, {team} untouched: the "
+                            f"self-check evaluation failed (exit 2): local_evaluator.py: error: importing ")
+    assert "SyntaxError" in error and error.endswith("(--force rolls it in anyway)")

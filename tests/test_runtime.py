@@ -3,6 +3,7 @@ import asyncio
 import gc
 import math
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from websockets.asyncio.server import serve
 from client import protocol
 from client.engine.reference import ReferenceEngine
 from client.model import load_model
-from client.runtime import ClientStats, ServerRefused, StreamingClient
+from client import runtime
+from client.runtime import ClientStats, StreamingClient
 from team.example_model import ExampleModel
 
 SYMBOLS = ["SYM_000", "SYM_001", "SYM_002"]
@@ -231,23 +233,146 @@ def test_timeline_of_a_process_batch_client_has_its_stages_in_order(model):
         assert stages["received"] <= stages["batched"] <= stages["done"] <= stages["answered"]
 
 
-def test_policy_close_raises_server_refused(model):
+def _welcome(requests, fingerprint="f00d", weights_match=True):
+    return protocol.encode(protocol.welcome("tiny", fingerprint, requests, len(SYMBOLS), weights_match))
+
+
+@pytest.mark.parametrize("leave_at_end", [True, False])
+def test_end_of_the_stream_completes_the_session(model, leave_at_end):
+    symbols, features = _stream(6)
+    recorder = Recorder()
+    registers, welcomes = [], []
+
+    async def handler(ws):
+        registers.append(protocol.decode(await ws.recv()))
+        await ws.send(_welcome(6))
+        await ws.send(_request(list(range(6)), symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) == 6)
+        await ws.send(protocol.encode(protocol.score_update(range(6), [1.0] * 6, [4] * 6, [5.0] * 6)))
+        await ws.send(protocol.encode(protocol.end(6)))
+        if leave_at_end:
+            await ws.wait_closed()  # the client leaves by itself
+        else:
+            await ws.close(1000)
+
+    client, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model)), preset="tiny",
+                                        weights_fingerprint="f00d", leave_at_end=leave_at_end,
+                                        on_welcome=welcomes.append))
+    assert registers[0]["preset"] == "tiny" and registers[0]["weights_fingerprint"] == "f00d"
+    assert "allow_weights_mismatch" not in registers[0]
+    assert [w["requests"] for w in welcomes] == [6]
+    assert summary["outcome"] == runtime.COMPLETE and "6 of 6 requests" in summary["detail"]
+    assert summary["total_requests"] == 6 and summary["weights_match"] is True
+    assert client.progress_line().startswith("requests 6/6  responses 6  accuracy 1.000")
+    assert summary["server_weights_fingerprint"] == "f00d" and summary["accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("error, outcome, detail", [
+    (protocol.error("bad_token", "register token missing or wrong"), runtime.REFUSED,
+     "the server refused this client (bad_token: register token missing or wrong)"),
+    (protocol.error("weights_mismatch", "the server plays preset tiny with weights aaaa, the client has preset "
+                                        "tiny with weights bbbb"), runtime.WEIGHTS_MISMATCH,
+     "the server plays preset tiny with weights aaaa, the client has preset tiny with weights bbbb"),
+    (None, runtime.REFUSED, "the server refused this client (bad protocol version)"),
+])
+def test_a_refusal_ends_the_session_with_what_the_server_said(model, error, outcome, detail):
     async def handler(ws):
         await ws.recv()
-        await ws.send(protocol.encode(protocol.error("protocol", "server speaks protocol 99")))
-        await ws.close(1008, "bad protocol version")
+        if error is not None:
+            await ws.send(protocol.encode(error))
+        await ws.close(1008, error["error"] if error else "bad protocol version")
 
-    with pytest.raises(ServerRefused, match="1008: bad protocol version"):
-        asyncio.run(_play(handler, CountingClient(ReferenceEngine(model))))
+    client, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model))))
+    assert summary["outcome"] == outcome and summary["detail"] == detail
+    assert summary["connections"] == 1  # not retried
 
 
-def test_unreachable_server_gives_up():
+def test_a_reconnect_refused_after_an_earlier_welcome_is_a_refusal(model):
+    connections = []
+
+    async def handler(ws):
+        connections.append(ws)
+        await ws.recv()
+        if len(connections) == 1:
+            await ws.send(_welcome(10))
+            ws.transport.abort()  # dropped: the client reconnects
+            return
+        await ws.send(protocol.encode(protocol.error("bad_token", "register token missing or wrong")))
+        await ws.close(1008, "bad_token")
+
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model))))
+    assert summary["outcome"] == runtime.REFUSED and "bad_token: register token missing" in summary["detail"]
+    assert summary["connections"] == 2
+
+
+def test_server_stopping_before_the_end_cuts_the_session_short(model):
+    symbols, features = _stream(3)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_welcome(10))
+        await ws.send(_request([0, 1, 2], symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) == 3)
+        await ws.send(protocol.encode(protocol.score_update([0, 1, 2], [1.0] * 3, [4] * 3, [5.0] * 3)))
+        await ws.close(1000, "server stopped")
+
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model))))
+    assert summary["outcome"] == runtime.CUT_SHORT
+    assert "(1000 server stopped)" in summary["detail"] and "after 3 of 10 requests" in summary["detail"]
+
+
+def test_server_gone_mid_stream_cuts_the_session_short_after_the_backoff(model):
+    async def main():
+        server = await serve(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = StreamingClient(CountingClient(ReferenceEngine(model)), f"ws://127.0.0.1:{port}", "testers",
+                                 backoff_s=0.02, give_up_after_s=0.5)
+        playing = asyncio.create_task(client.run())
+        await registered.wait()
+        server.close()  # the server process dies: the connection drops and nobody listens any more
+        return await asyncio.wait_for(playing, 30)
+
+    registered = asyncio.Event()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_welcome(10))
+        registered.set()
+        await asyncio.sleep(30)
+
+    summary = asyncio.run(main())
+    assert summary["outcome"] == runtime.CUT_SHORT and "stayed unreachable" in summary["detail"]
+    assert summary["connections"] == 1
+
+
+def test_unreachable_server_fails_fast():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nobody listens there
-    client = StreamingClient(None, f"ws://127.0.0.1:{port}", "testers", backoff_s=0.01, give_up_after_s=0.2)
+    client = StreamingClient(None, f"ws://127.0.0.1:{port}", "testers", connect_timeout_s=0.5)
+    started = time.monotonic()
     summary = asyncio.run(asyncio.wait_for(client.run(), 30))
-    assert summary["requests"] == 0 and summary["connections"] == 0
+    assert time.monotonic() - started < 5
+    assert summary["outcome"] == runtime.UNREACHABLE and summary["connections"] == 0
+    assert summary["detail"].startswith(f"cannot reach ws://127.0.0.1:{port} within 0.")
+
+
+def test_stop_before_the_end_is_an_interruption(model):
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_welcome(10))
+        await ws.wait_closed()
+
+    async def main():
+        async with serve(handler, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            client = StreamingClient(CountingClient(ReferenceEngine(model)), f"ws://127.0.0.1:{port}", "testers",
+                                     on_welcome=lambda welcome: client.stop())
+            return await asyncio.wait_for(client.run(), 30)
+
+    summary = asyncio.run(main())
+    assert summary["outcome"] == runtime.INTERRUPTED and "0 of 10 requests" in summary["detail"]
 
 
 @pytest.mark.parametrize("options, match", [
@@ -278,7 +403,7 @@ def test_stats_from_score_updates():
     assert summary["accuracy"] == pytest.approx(6 / 12)
     assert summary["pnl"] == pytest.approx(1.5)
     assert summary["latency_ms"]["p50"] == pytest.approx(20.0) and summary["latency_ms"]["max"] == 30.0
-    assert "responses 3" in stats.progress_line()
+    assert "requests 5  responses 3" in stats.progress_line() and "requests 5/9  " in stats.progress_line(9)
     with pytest.raises(protocol.ProtocolError, match="lengths differ"):
         stats.add_scores({"type": "score_update", "unique_ids": [1], "pnls": [], "correct": [1],
                           "latencies_ms": [1.0]})

@@ -34,10 +34,11 @@ def run(coro):
 class Server:
     """async with Server(**config) as s: a started ScoringServer on a free port."""
 
-    def __init__(self, requests=REQUESTS, **overrides):
+    def __init__(self, requests=REQUESTS, weights_fingerprint=None, **overrides):
         self.stream, self.targets = make_stream(requests)
         overrides.setdefault("rate", 1000.0)
-        self.server = ScoringServer(ServerConfig(**overrides), stream=self.stream, targets=self.targets)
+        self.server = ScoringServer(ServerConfig(**overrides), stream=self.stream, targets=self.targets,
+                                    weights_fingerprint=weights_fingerprint)
 
     async def __aenter__(self):
         self.port = await self.server.start()
@@ -55,9 +56,11 @@ async def recv(ws, timeout=5):
     return protocol.decode(await asyncio.wait_for(ws.recv(), timeout))
 
 
-async def registered(url, team):
+async def registered(url, team, **register_fields):
+    """A connection registered as team, past the server's welcome."""
     ws = await connect(url)
-    await ws.send(protocol.encode(protocol.register(team)))
+    await ws.send(protocol.encode(protocol.register(team, **register_fields)))
+    assert (await recv(ws))["type"] == "welcome"
     return ws
 
 
@@ -267,10 +270,11 @@ def test_client_that_never_registers_is_told_and_closed():
     ({"type": "register", "team": "a", "protocol": protocol.PROTOCOL_VERSION}, "bad_token", True),
     ({"type": "register", "team": "", "protocol": protocol.PROTOCOL_VERSION, "token": "s"}, "bad_team", False),
     ({"type": "register", "team": "a\nb", "protocol": protocol.PROTOCOL_VERSION, "token": "s"}, "bad_team", False),
+    (protocol.register("a", token="s", preset="tiny", weights_fingerprint="0badc0ffee"), "weights_mismatch", True),
 ])
 def test_bad_register_is_refused(register, code, closes):
     async def main():
-        async with Server(token="s") as s:
+        async with Server(token="s", weights_fingerprint="5e4e4f0f") as s:
             ws = await connect(s.url)
             await ws.send(protocol.encode(register))
             reply = await recv(ws)
@@ -279,13 +283,17 @@ def test_bad_register_is_refused(register, code, closes):
                     await asyncio.wait_for(ws.recv(), 5)
             else:  # may still register properly
                 await ws.send(protocol.encode(protocol.register("a", token="s")))
-                assert (await recv(ws))["type"] == "inference_request"
+                assert [(await recv(ws))["type"] for _ in range(2)] == ["welcome", "inference_request"]
             await ws.close()
-            return reply
-    reply = run(main())
+            return reply, s.server.summaries()
+    reply, summaries = run(main())
     assert reply["error"] == code
+    if closes:
+        assert summaries == []  # a refused client never starts a session
     if code == "version_mismatch":
         assert f"server speaks protocol {protocol.PROTOCOL_VERSION}" in reply["details"]
+    if code == "weights_mismatch":  # both fingerprints, so that the client can say which differ
+        assert "weights 5e4e4f0f" in reply["details"] and "weights 0badc0ffee" in reply["details"]
 
 
 def test_reconnect_resends_unanswered_in_order_and_counts_what_was_missed():
@@ -363,7 +371,9 @@ def test_slow_client_is_missed_while_a_fast_one_keeps_its_score():
                 seen, _, _ = await play(slow, s.targets, answer=lambda ids, p: [], stop_after=REQUESTS)
                 await asyncio.sleep(0.6)  # answer everything after the timeout
                 await slow.send(protocol.encode(protocol.inference_response(range(REQUESTS), s.targets, 0)))
-                return await recv(slow)
+                while (msg := await recv(slow))["type"] != "score_update":  # the end of its stream comes first
+                    pass
+                return msg
 
             player = asyncio.create_task(play(fast, s.targets))
             late_update = await slow_answer()
@@ -466,8 +476,93 @@ def test_leaderboard_over_http_on_the_same_port():
     team = json.loads(scores)["teams"][0]
     assert team["team"] == "<b>alpha</b>" and team["responses"] == REQUESTS and team["accuracy"] == 1.0
     for key in ("pnl", "recent_pnl_per_s", "latency_p50_ms", "latency_p99_ms", "responses_per_s",
-                "pnl_per_response", "missed", "errors"):
+                "pnl_per_response", "missed", "errors", "far_below", "weights_match"):
         assert key in team
+    assert team["requests"] == team["total_requests"] == REQUESTS and team["state"] == "finished"
+    assert "PnL: each request answered within 2 s earns" in page and f"{REQUESTS}/{REQUESTS}</td>" in page
+
+
+@pytest.mark.parametrize("client_fingerprint, allow, match", [
+    ("5e4e4f0f", False, True),  # the server's weights
+    ("0badc0ffee", True, False),  # other weights, played anyway when the client asks to
+    (None, False, None),  # a client that does not say: the server cannot tell
+])
+def test_welcome_names_the_model_and_the_match_shows_on_the_leaderboard(client_fingerprint, allow, match):
+    async def main():
+        async with Server(weights_fingerprint="5e4e4f0f", preset="tiny") as s:
+            ws = await connect(s.url)
+            await ws.send(protocol.encode(protocol.register("alpha", preset="tiny",
+                                                            weights_fingerprint=client_fingerprint,
+                                                            allow_weights_mismatch=allow)))
+            welcome = await recv(ws)
+            first = await recv(ws)
+            await ws.close()
+            return welcome, first, s.server.scores()
+    welcome, first, scores = run(main())
+    assert welcome == protocol.welcome("tiny", "5e4e4f0f", REQUESTS, 4, match)
+    assert first["type"] == "inference_request"
+    assert scores["model"] == {"preset": "tiny", "weights_fingerprint": "5e4e4f0f"}
+    team = scores["teams"][0]
+    assert team["weights_match"] is match and team["weights_fingerprint"] == client_fingerprint
+
+
+def test_end_follows_the_last_score_update_and_greets_a_team_that_comes_back():
+    async def main():
+        async with Server() as s:
+            ws = await registered(s.url, "alpha")
+            kinds = []
+            while not kinds or kinds[-1] != "end":
+                msg = await recv(ws)
+                kinds.append(msg["type"])
+                if msg["type"] == "inference_request":
+                    ids, _, _ = protocol.parse_inference_request(msg)
+                    await ws.send(protocol.encode(protocol.inference_response(ids, s.targets[ids], 0.0)))
+            await asyncio.wait_for(s.server.wait_done(), 5)
+            states = [s.summary("alpha")["state"]]
+            await ws.close()
+            again = await connect(s.url)
+            await again.send(protocol.encode(protocol.register("alpha")))
+            kinds_again = [(await recv(again))["type"] for _ in range(2)]
+            await again.close()
+            return msg, kinds, kinds_again, states
+    end, kinds, kinds_again, states = run(main())
+    assert kinds[-2:] == ["score_update", "end"] and end["requests"] == REQUESTS
+    assert kinds_again == ["welcome", "end"]
+    assert states == ["finished"]
+
+
+def test_end_reaches_a_team_whose_last_requests_were_missed():
+    async def main():
+        async with Server(requests=8, timeout_s=0.2) as s:
+            ws = await registered(s.url, "alpha")
+            kinds = []
+            while not kinds or kinds[-1] != "end":  # never answers
+                kinds.append((await recv(ws))["type"])
+            await ws.close()
+            return kinds, s.summary("alpha")
+    kinds, summary = run(main())
+    assert set(kinds) == {"inference_request", "end"} and summary["missed"] == 8
+
+
+def test_a_port_in_use_is_refused_in_words():
+    async def main():
+        async with Server() as s:
+            with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{s.port}: .*choose another port"):
+                async with Server(port=s.port):
+                    pass
+    run(main())
+
+
+@pytest.mark.parametrize("accuracies, marked", [
+    ([1.0, 0.01], [False, True]),     # the newcomer with other weights
+    ([1.0, 0.75, 0.6], [False] * 3),  # slower or a little off: not far below
+    ([0.3], [True]),                  # alone: against the reference's 1.0
+    ([0.9], [False]),
+])
+def test_a_team_far_below_the_others_is_marked(accuracies, marked):
+    from server.leaderboard import mark_far_below
+    rows = mark_far_below([{"accuracy": a, "responses": 10} for a in accuracies] + [{"accuracy": 0.0, "responses": 0}])
+    assert [row["far_below"] for row in rows] == marked + [False]  # no answer yet: nothing to judge
 
 
 @pytest.mark.parametrize("field, value, match", [

@@ -3,6 +3,7 @@ import asyncio
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +18,15 @@ from server.__main__ import parse_args
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# One intra-op thread, as conftest.py sets for this process: on a busy 2-core machine torch's threads only
+# wait on each other over a tiny model (targets 30x slower measured).
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def start_server(args, log_path):
     """Start `python -m server` on a free port; returns (process, port) once it listens."""
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", *args], cwd=ROOT, env=ONE_THREAD,
                             stdout=subprocess.PIPE, stderr=log, text=True)
     line = proc.stdout.readline()  # targets are computed before the server listens
     match = re.search(r"ws://127\.0\.0\.1:(\d+)", line)
@@ -40,18 +46,33 @@ async def send_garbage(port):
         return replies
 
 
-def test_done_when_team_client_scores_every_request(tmp_path):
+def readme_server_example():
+    """The two commands of the README's scoring-server section: (server args, client args), as written."""
+    section = (ROOT / "README.md").read_text().split("## The scoring server", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    server_line, client_line = [line.split("#")[0].split() for line in block.strip().splitlines()]
+    assert server_line[:3] == ["python", "-m", "server"] and client_line[:2] == ["python", "team/example_model.py"]
+    return server_line[3:], client_line[2:]
+
+
+def replace_option(args, option, value):
+    return [value if i and args[i - 1] == option else arg for i, arg in enumerate(args)]
+
+
+def test_done_when_the_readme_example_scores_every_request(tmp_path):
     out = tmp_path / "out.json"
-    # as in the issue, with a long timeout so that a loaded CI machine still answers in time
-    proc, port = start_server(["--preset", "tiny", "--seed", "5", "--symbols", "8", "--requests", "400",
-                               "--rate", "200", "--once", "--json", str(out), "--timeout-s", "60",
-                               "--cache-dir", str(tmp_path / "cache")], tmp_path / "server.log")
+    server_args, client_args = readme_server_example()
+    assert "--once" in server_args
+    for option in ("--preset", "--seed"):  # the client plays with the server's weights
+        assert server_args[server_args.index(option) + 1] == client_args[client_args.index(option) + 1]
+    # as written, on a free port, and with a long timeout so that a loaded CI machine still answers in time
+    server_args = replace_option(replace_option(server_args, "--port", "0"), "--json", str(out))
+    proc, port = start_server([*server_args, "--timeout-s", "60", "--cache-dir", str(tmp_path / "cache")],
+                              tmp_path / "server.log")
     try:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        team = subprocess.Popen([sys.executable, "team/example_model.py", "--host", "127.0.0.1", "--port",
-                                 str(port), "--preset", "tiny", "--seed", "5", "--engine", "reference",
-                                 "--team", "NAME", "--device", "cpu"], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        team = subprocess.Popen([sys.executable, "team/example_model.py",
+                                 *replace_option(client_args, "--port", str(port)), "--team", "NAME"],
+                                cwd=ROOT, env=ONE_THREAD, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         replies = asyncio.run(send_garbage(port))
         _, team_err = team.communicate(timeout=300)
         assert team.returncode == 0, team_err[-2000:]
@@ -59,24 +80,25 @@ def test_done_when_team_client_scores_every_request(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0
+    assert "complete: the stream was played to the end: 400 of 400 requests answered in time" in team_err
     assert [r["type"] for r in replies] == ["error"] * 3
     summaries = json.loads(out.read_text())
     assert [s["team"] for s in summaries] == ["NAME"]
     summary = summaries[0]
     assert summary["requests"] == summary["responses"] == 400
     assert summary["missed"] == summary["errors"] == summary["duplicates"] == 0
-    assert summary["accuracy"] == 1.0 and summary["pnl"] > 0
+    assert summary["accuracy"] == 1.0 and summary["pnl"] > 0 and summary["weights_match"] is True
     for key in ("p50", "p90", "p99", "mean", "max"):
         assert summary["latency_ms"][key] > 0
     assert summary["responses_per_s"] > 0
-    assert re.search(r"^NAME\s+400\s+400\s+0\s+0\s+0\s+1\.0000", table, re.M), table
+    assert re.search(r"^NAME\s+400\s+400\s+0\s+0\s+0\s+1\.0000.*finished\s+match$", table, re.M), table
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--rate", "0"], "rate must be positive"),
     (["--timeout-s", "-1"], "timeout_s must be positive"),
     (["--port", "99999"], "port must be in"),
-    (["--weights", "w.pt", "--seed", "3"], "not allowed with argument"),
+    (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
     (["--requests", "many"], "invalid int value"),
 ])
 def test_cli_rejects_bad_options(argv, message, capsys):
@@ -89,3 +111,33 @@ def test_cli_builds_config():
     config = parse_args(["--preset", "small", "--seed", "5", "--rate", "50", "--once", "--json", "x.json"])
     assert (config.preset, config.seed, config.rate, config.once, config.json) == ("small", 5, 50.0, True, "x.json")
     assert config.atol == 1e-3 and config.timeout_s == 2.0 and config.host == "127.0.0.1"
+
+
+def test_ordinary_mistakes_are_one_line_errors(tmp_path):
+    import torch
+
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    partial = tmp_path / "partial.pt"
+    torch.save({"output_proj.weight": torch.zeros(4, 8)}, partial)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (["--weights", "missing.pt"], "argument --weights: no such file: missing.pt (see --help)"),
+            (["--stream", "missing.npz"], "argument --stream: no such file: missing.npz (see --help)"),
+            (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+            (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}: Address already in use; is another "
+                                    f"server there? stop it or choose another --port"),
+            (["--weights", str(garbage), "--port", "0"], f"cannot read checkpoint {garbage}"),
+            (["--weights", str(partial), "--port", "0"], "checkpoint does not match the model: missing ("),
+        ]
+        for args, message in cases:
+            result = subprocess.run([sys.executable, "-m", "server", *args], cwd=ROOT, env=ONE_THREAD,
+                                    capture_output=True, text=True, timeout=120)
+            lines = result.stderr.strip().splitlines()
+            assert result.returncode == 2, result.stderr
+            assert "Traceback" not in result.stderr
+            assert lines[-1].startswith(f"python -m server: error: {message}"), result.stderr
+            assert all(line.startswith("loading preset") for line in lines[:-1]), result.stderr

@@ -1,6 +1,9 @@
 import json
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -9,8 +12,13 @@ import pytest
 from client.engine.reference import ReferenceEngine
 from client.model import load_model
 from team.example_model import ExampleModel, parse_args
+from test_server_cli import ONE_THREAD, start_server
 
 REPO = Path(__file__).resolve().parent.parent
+CLIENT = [sys.executable, str(REPO / "team" / "example_model.py")]
+SERVER_WEIGHTS_SEED = "5"
+# Status lines the client may print on stderr before it says how the session ended.
+STATUS_LINES = ("--preset not given", "loading preset", "playing ws://", "requests ")
 
 
 def test_process_batch_maps_ids_to_predictions_in_symbol_order():
@@ -44,14 +52,161 @@ def test_preset_default_is_announced(capsys):
     assert f"--preset not given: using {args.preset}" in capsys.readouterr().err
 
 
+def last_line(stderr) -> str:
+    """The line that says how the run ended: the last, after status lines only, and no traceback."""
+    lines = stderr.strip().splitlines()
+    assert "Traceback" not in stderr, stderr
+    assert all(line.startswith(STATUS_LINES) or not line.strip() for line in lines[:-1]), stderr
+    return lines[-1]
+
+
 def test_embedded_server_plays_to_the_end(tmp_path):
     out = tmp_path / "e.json"
-    result = subprocess.run([sys.executable, str(REPO / "team" / "example_model.py"), "--preset", "tiny",
-                             "--symbols", "6", "--requests", "300", "--json", str(out)],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([*CLIENT, "--preset", "tiny", "--symbols", "6", "--requests", "300", "--json", str(out)],
+                            cwd=tmp_path, env=ONE_THREAD, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["requests"] == 300 and summary["responses"] == 300 and summary["missed"] == 0
-    assert summary["accuracy"] == 1.0
+    assert summary["accuracy"] == 1.0 and summary["outcome"] == "complete" and summary["weights_match"] is True
     assert set(summary["latency_ms"]) >= {"p50", "p90", "p99", "mean", "max"}
     assert summary["responses_per_s"] > 0 and summary["pnl"] > 0
+    assert last_line(result.stderr) == ("team/example_model.py: complete: the stream was played to the end: "
+                                        "300 of 300 requests answered in time")
+
+
+# ------------------------------------------------------------------ a real server, in a process of its own
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`python -m server` without --once, with a token: every test plays it under a team of its own."""
+    folder = tmp_path_factory.mktemp("server")
+    proc, port = start_server(["--preset", "tiny", "--seed", SERVER_WEIGHTS_SEED, "--symbols", "4",
+                               "--requests", "40", "--rate", "200", "--timeout-s", "60", "--token", "sesame",
+                               "--cache-dir", str(folder / "cache")], folder / "server.log")
+    yield port
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def play_client(port, *args, timeout=120):
+    return subprocess.run([*CLIENT, "--host", "127.0.0.1", "--port", str(port), "--preset", "tiny",
+                           "--engine", "reference", "--device", "cpu", *args],
+                          cwd=REPO, env=ONE_THREAD, capture_output=True, text=True, timeout=timeout)
+
+
+def test_client_leaves_when_the_server_says_the_stream_is_over(server):
+    # the server runs on (no --once): the client must leave by itself, and say so with exit code 0
+    result = play_client(server, "--seed", SERVER_WEIGHTS_SEED, "--token", "sesame", "--team", "finisher")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["outcome"] == "complete" and summary["responses"] == 40 and summary["accuracy"] == 1.0
+    assert "playing ws://127.0.0.1:" in result.stderr and "(the same as this client's)" in result.stderr
+    assert last_line(result.stderr).endswith("40 of 40 requests answered in time")
+
+
+def test_wrong_token_is_refused_in_one_line(server):
+    result = play_client(server, "--seed", SERVER_WEIGHTS_SEED, "--token", "nope", "--team", "intruder")
+    assert result.returncode == 4
+    assert json.loads(result.stdout)["outcome"] == "refused"
+    assert last_line(result.stderr) == ("team/example_model.py: refused: the server refused this client "
+                                        "(bad_token: register token missing or wrong); check --token and --team")
+    assert "playing" not in result.stderr
+
+
+def test_other_weights_are_refused_naming_both_fingerprints_unless_allowed(server):
+    from client.model import load_model
+    client_weights, server_weights = load_model("tiny", seed=0)[1], load_model("tiny", seed=5)[1]
+    refused = play_client(server, "--token", "sesame", "--team", "seed-zero")  # the default seed, 0
+    assert refused.returncode == 5
+    line = last_line(refused.stderr)
+    assert line.startswith("team/example_model.py: weights mismatch: the server plays preset tiny with weights "
+                           f"{server_weights}, the client has preset tiny with weights {client_weights}; ")
+    assert line.endswith("or pass --allow-weights-mismatch to play anyway")
+    allowed = play_client(server, "--token", "sesame", "--team", "seed-zero-anyway", "--allow-weights-mismatch")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    summary = json.loads(allowed.stdout)
+    assert summary["weights_match"] is False and summary["accuracy"] < 0.5
+    assert "OTHER than this client's (played anyway: --allow-weights-mismatch)" in allowed.stderr
+
+
+def test_unreachable_server_fails_fast_in_one_line():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    started = time.monotonic()
+    result = play_client(port)
+    assert result.returncode == 3
+    assert time.monotonic() - started < 30  # the first connection gives up after 3 s (plus the start)
+    assert json.loads(result.stdout)["outcome"] == "unreachable"
+    line = last_line(result.stderr)
+    assert line.startswith(f"team/example_model.py: unreachable: cannot reach ws://127.0.0.1:{port} within 3.")
+    assert line.endswith("is the server running there? check --host and --port")
+
+
+@pytest.fixture(scope="module")
+def targets_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("targets")
+
+
+def start_slow_server(tmp_path, targets_cache):
+    """A stream long enough (30 s) to be interrupted or cut short."""
+    return start_server(["--preset", "tiny", "--seed", SERVER_WEIGHTS_SEED, "--symbols", "2", "--requests", "600",
+                         "--rate", "20", "--timeout-s", "60", "--cache-dir", str(targets_cache)],
+                        tmp_path / "server.log")
+
+
+def start_client_until_playing(port, *args):
+    client = subprocess.Popen([*CLIENT, "--host", "127.0.0.1", "--port", str(port), "--preset", "tiny",
+                               "--seed", SERVER_WEIGHTS_SEED, "--engine", "reference", "--device", "cpu", *args],
+                              cwd=REPO, env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    while not seen or not seen[-1].startswith("playing"):
+        line = client.stderr.readline()
+        assert line, f"client ended before playing: {''.join(seen)}"
+        seen.append(line)
+    time.sleep(1.0)  # some requests played
+    return client, "".join(seen)
+
+
+def test_ctrl_c_stops_cleanly_with_the_summary_so_far(tmp_path, targets_cache):
+    server_proc, port = start_slow_server(tmp_path, targets_cache)
+    try:
+        client, before = start_client_until_playing(port)
+        client.send_signal(signal.SIGINT)
+        out, err = client.communicate(timeout=60)
+    finally:
+        server_proc.kill()
+    assert client.returncode == 130, err
+    summary = json.loads(out)
+    assert summary["outcome"] == "interrupted" and 0 < summary["requests"] < 600
+    assert last_line(before + err).startswith("team/example_model.py: interrupted: stopped before the end of the "
+                                              "stream: ")
+
+
+def test_server_stopping_mid_stream_cuts_the_client_short(tmp_path, targets_cache):
+    server_proc, port = start_slow_server(tmp_path, targets_cache)
+    try:
+        client, before = start_client_until_playing(port)
+        server_proc.terminate()  # the server stops: it closes every connection, 1000 "server stopped"
+        out, err = client.communicate(timeout=60)
+    finally:
+        server_proc.kill()
+    assert client.returncode == 6, err
+    assert json.loads(out)["outcome"] == "cut_short"
+    line = last_line(before + err)
+    assert line.startswith("team/example_model.py: cut short: the server closed the session (1000 server stopped) "
+                           "before the end of the stream, after ")
+    assert line.endswith(" of 600 requests answered; the summary above covers what was played")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--weights", "missing.pt"], "argument --weights: no such file: missing.pt"),
+    (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (["--host", "127.0.0.1"], "--host needs --port"),
+])
+def test_ordinary_mistakes_are_one_line(args, message):
+    result = subprocess.run([*CLIENT, *args], cwd=REPO, env=ONE_THREAD, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"team/example_model.py: error: {message}" + result.stderr.strip().split(
+        message, 1)[1]
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

@@ -1,0 +1,194 @@
+"""What every command line of the project shares: exit codes, one-line errors, --debug, progress lines.
+
+A command line is a `main(argv) -> exit code` that builds its options with `ArgumentParser` (which adds
+`--debug` and reports a bad option in one line) and raises on an ordinary mistake; `run_cli` turns what
+it raises into one line on stderr and the exit code below:
+
+    def main(argv=None) -> int:
+        args = cli.ArgumentParser(prog="my_tool", description=...).parse_args(argv)
+        if not Path(args.stream).is_file():
+            raise cli.CliError(f"no stream at {args.stream}; make one with scripts/make_stream.py")
+        ...
+        return cli.EXIT_OK
+
+    if __name__ == "__main__":
+        sys.exit(cli.run_cli(main, "my_tool"))
+
+Ordinary mistakes are CliError (with its own exit code), ValueError, OSError and ImportError: the
+libraries here raise those with messages that say what is wrong; so is sys.exit("message"). Anything else
+is a bug and exits 1. Tracebacks are printed only with --debug.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+EXIT_OK = 0                  # done: for the team client, the stream was played to the end
+EXIT_BUG = 1                 # an unexpected error (rerun with --debug for the traceback)
+EXIT_USAGE = 2               # an ordinary mistake: bad option, missing file, unknown preset, port in use
+EXIT_UNREACHABLE = 3         # the team client never reached the server
+EXIT_REFUSED = 4             # the server refused the team client (token, protocol version, team name)
+EXIT_WEIGHTS_MISMATCH = 5    # the server's model has other weights than the team client's
+EXIT_CUT_SHORT = 6           # connected, but the stream ended early (server gone or stopped mid-stream)
+EXIT_INTERRUPTED = 130       # Ctrl-C (128 + SIGINT, as shells report it)
+
+EXIT_CODES = {  # code -> meaning, for --help epilogs and the README
+    EXIT_OK: "played to the end (or done)",
+    EXIT_BUG: "unexpected error (a bug: rerun with --debug for the traceback)",
+    EXIT_USAGE: "ordinary mistake (bad option, missing file, unknown preset, port in use, ...)",
+    EXIT_UNREACHABLE: "server unreachable",
+    EXIT_REFUSED: "refused by the server (token, protocol, team name)",
+    EXIT_WEIGHTS_MISMATCH: "weights differ from the server's",
+    EXIT_CUT_SHORT: "cut short (the server went away or stopped before the end of the stream)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+# The team client's exit code for each outcome of client.runtime's StreamingClient.
+EXIT_BY_OUTCOME = {"complete": EXIT_OK, "unreachable": EXIT_UNREACHABLE, "refused": EXIT_REFUSED,
+                   "weights_mismatch": EXIT_WEIGHTS_MISMATCH, "cut_short": EXIT_CUT_SHORT,
+                   "interrupted": EXIT_INTERRUPTED}
+
+ORDINARY_ERRORS = (ValueError, OSError, ImportError)
+MAX_MESSAGE_CHARS = 400
+
+
+class CliError(Exception):
+    """An ordinary mistake: the message says what is wrong and what to do; exit_code is what the CLI returns."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with `--debug` added and a bad option reported in one line (exit 2) instead of usage + error."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--debug", action="store_true", help="print tracebacks (and log more) on errors")
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def one_line(exc: BaseException | str, limit: int | None = MAX_MESSAGE_CHARS) -> str:
+    """The exception's (or text's) message on one line (a multi-line message's lines joined), cut in the middle
+    to about `limit` characters: the end often says what to do."""
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.strerror and not text.startswith(exc.strerror):
+        # OSError(errno, strerror, filename) prints as "[Errno 2] No such file or directory: 'x'"
+        text = exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    text = " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(exc).__name__
+    if limit is not None and len(text) > limit:
+        head, tail = text[:2 * limit // 3].rstrip(), text[-limit // 3:].lstrip()
+        text = f"{head} [... --debug shows all of it ...] {tail}"
+    return text
+
+
+def run_cli(main, prog: str | None = None, argv: list[str] | None = None) -> int:
+    """Run main(argv) and return its exit code, reporting what it raises in one line on stderr.
+
+    `--debug` anywhere in argv (or FASTENS_DEBUG=1) prints the traceback first, and the whole message."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = prog or os.path.basename(sys.argv[0])
+    debug = "--debug" in argv or os.environ.get("FASTENS_DEBUG", "") not in ("", "0")
+    limit = None if debug else MAX_MESSAGE_CHARS
+    try:
+        code = main(argv)
+        return EXIT_OK if code is None else int(code)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):  # argparse's exit, or main's own code
+            raise
+        # sys.exit("message"): an error the program has already put in words (Python would exit 1)
+        print(one_line(exc.code, limit), file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt as exc:
+        failure, code, message = exc, EXIT_INTERRUPTED, f"{prog}: interrupted"
+    except CliError as exc:
+        failure, code, message = exc, exc.exit_code, f"{prog}: error: {one_line(exc, limit)}"
+    except ORDINARY_ERRORS as exc:
+        failure, code, message = exc, EXIT_USAGE, f"{prog}: error: {one_line(exc, limit)}"
+    except Exception as exc:  # a bug: still one line, with the way to its traceback
+        failure, code = exc, EXIT_BUG
+        message = f"{prog}: unexpected error: {type(exc).__name__}: {one_line(exc, limit)}" + (
+            "" if debug else " (rerun with --debug for the traceback)")
+    if debug:
+        traceback.print_exception(failure)
+    print(message, file=sys.stderr, flush=True)
+    return code
+
+
+def existing_file(text: str) -> str:
+    """argparse type: a path that is a file (else the option's error says which)."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
+def check_device(device: str | None) -> None:
+    """Refuse a CUDA device on a torch without CUDA before anything is built on it."""
+    if device is None or not str(device).startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CliError(f"--device {device}, but this torch ({torch.__version__}) sees no CUDA GPU; "
+                       f"use --device cpu (and --engine reference)")
+
+
+def format_bytes(size: float) -> str:
+    if size < 1000:
+        return f"{size:.0f} B"
+    for unit in ("kB", "MB"):
+        size /= 1000
+        if size < 1000:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1000:.1f} GB"
+
+
+class Progress:
+    """Progress of a long step on stderr: on a terminal one line rewritten in place (5 times a second),
+    elsewhere (a log, a CI run) one line every `every_s` seconds. Always ends with a final line."""
+
+    def __init__(self, total: float, label: str, unit: str = "", every_s: float = 5.0, stream=None,
+                 formatter=None):
+        self.total, self.label, self.unit = total, label, unit
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty()
+        self.every_s = 0.2 if self.live else every_s
+        self.format_amount = formatter or (lambda n: f"{n:,.0f}")
+        self.start = self.last = time.monotonic()
+        self.done = 0.0
+        self.closed = False
+
+    def update(self, done: float) -> None:
+        self.done = done
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            self._write(self.line(now))
+
+    def line(self, now: float | None = None) -> str:
+        now = time.monotonic() if now is None else now
+        elapsed = now - self.start
+        fraction = self.done / self.total if self.total else 1.0
+        text = (f"{self.label}: {self.format_amount(self.done)}/{self.format_amount(self.total)}{self.unit} "
+                f"({100 * fraction:.0f}%), {elapsed:.0f} s")
+        if 0 < fraction < 1 and elapsed > 1:
+            text += f", ~{elapsed * (1 - fraction) / fraction:.0f} s left"
+        return text
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._write(self.line())
+            if self.live:
+                self.stream.write("\n")
+                self.stream.flush()
+
+    def _write(self, text: str) -> None:
+        self.stream.write(f"\r{text}\033[K" if self.live else text + "\n")
+        self.stream.flush()

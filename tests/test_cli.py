@@ -1,0 +1,111 @@
+"""client/cli.py: what every command line shares."""
+import errno
+import io
+
+import pytest
+
+from client import cli
+
+
+def raising(exc):
+    def main(argv):
+        raise exc
+    return main
+
+
+@pytest.mark.parametrize("exc, code, line", [
+    (cli.CliError("no stream at s.npz; make one with scripts/make_stream.py", cli.EXIT_REFUSED), 4,
+     "tool: error: no stream at s.npz; make one with scripts/make_stream.py"),
+    (ValueError("checkpoint does not match the model:\n  missing (2):\n    a\n    b"), 2,
+     "tool: error: checkpoint does not match the model: missing (2): a b"),
+    (FileNotFoundError(errno.ENOENT, "No such file or directory", "w.pt"), 2,
+     "tool: error: No such file or directory: w.pt"),
+    (ImportError("--plot needs matplotlib: pip install matplotlib"), 2,
+     "tool: error: --plot needs matplotlib: pip install matplotlib"),
+    (RuntimeError("boom"), 1, "tool: unexpected error: RuntimeError: boom (rerun with --debug for the traceback)"),
+    (KeyboardInterrupt(), 130, "tool: interrupted"),
+])
+def test_what_main_raises_becomes_one_line_and_an_exit_code(exc, code, line, capsys):
+    assert cli.run_cli(raising(exc), "tool", []) == code
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_debug_prints_the_traceback_and_the_whole_message(capsys):
+    long_message = "x" * (cli.MAX_MESSAGE_CHARS + 100) + "; do this"
+    assert cli.run_cli(raising(ValueError(long_message)), "tool", []) == 2
+    short = capsys.readouterr().err
+    assert len(short) < cli.MAX_MESSAGE_CHARS + 60 and " [... --debug shows all of it ...] x" in short
+    assert short.endswith("; do this\n")  # the end says what to do: kept
+    assert cli.run_cli(raising(ValueError(long_message)), "tool", ["--debug"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.endswith(f"tool: error: {long_message}\n")
+
+
+def test_sys_exit_with_a_message_is_an_ordinary_error(capsys):
+    assert cli.run_cli(raising(SystemExit("make_stream: num_requests must be positive")), "tool", []) == 2
+    assert capsys.readouterr().err == "make_stream: num_requests must be positive\n"
+    with pytest.raises(SystemExit) as exit_info:  # a numeric exit (argparse's) passes through
+        cli.run_cli(raising(SystemExit(2)), "tool", [])
+    assert exit_info.value.code == 2
+
+
+def test_every_session_outcome_has_an_exit_code():
+    from client import runtime
+    assert set(cli.EXIT_BY_OUTCOME) == set(runtime.OUTCOMES)
+    assert cli.EXIT_BY_OUTCOME[runtime.COMPLETE] == 0 and len(set(cli.EXIT_BY_OUTCOME.values())) == 6
+
+
+def test_main_returns_its_exit_code():
+    assert cli.run_cli(lambda argv: None, "tool", []) == 0
+    assert cli.run_cli(lambda argv: cli.EXIT_CUT_SHORT, "tool", []) == 6
+
+
+def test_parser_reports_a_bad_option_in_one_line_and_has_debug(capsys):
+    parser = cli.ArgumentParser(prog="tool")
+    parser.add_argument("--count", type=int)
+    assert parser.parse_args(["--debug"]).debug is True
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--count", "many"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "tool: error: argument --count: invalid int value: 'many' (see --help)\n"
+
+
+def test_existing_file(tmp_path):
+    (tmp_path / "w.pt").write_bytes(b"")
+    assert cli.existing_file(str(tmp_path / "w.pt")) == str(tmp_path / "w.pt")
+    with pytest.raises(Exception, match="no such file: .*nope.pt"):
+        cli.existing_file(str(tmp_path / "nope.pt"))
+
+
+def test_cuda_device_without_cuda_is_an_ordinary_error():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present")
+    with pytest.raises(cli.CliError, match="--device cuda, but this torch .* sees no CUDA GPU; use --device cpu"):
+        cli.check_device("cuda")
+    cli.check_device("cpu")
+    cli.check_device(None)
+
+
+def test_progress_writes_a_line_every_few_seconds_off_a_terminal(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(cli.time, "monotonic", lambda: now[0])
+    out = io.StringIO()
+    progress = cli.Progress(2000, "replay", unit=" requests", every_s=5.0, stream=out)
+    for done, at in ((100, 101.0), (800, 106.0), (900, 107.0), (1600, 112.0)):
+        now[0] = at
+        progress.update(done)
+    now[0] = 115.0
+    progress.update(2000)
+    progress.close()
+    progress.close()  # once only
+    assert out.getvalue().splitlines() == [
+        "replay: 800/2,000 requests (40%), 6 s, ~9 s left",
+        "replay: 1,600/2,000 requests (80%), 12 s, ~3 s left",
+        "replay: 2,000/2,000 requests (100%), 15 s",
+    ]
+
+
+def test_format_bytes():
+    assert [cli.format_bytes(n) for n in (512, 1_500, 757_000_000, 7.9e9)] == ["512 B", "1.5 kB", "757.0 MB",
+                                                                               "7.9 GB"]

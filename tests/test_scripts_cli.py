@@ -1,0 +1,42 @@
+"""scripts/make_weights.py and scripts/make_stream.py as a user runs them: progress, one-line errors."""
+import subprocess
+import sys
+from pathlib import Path
+
+from client.model import load_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(script, *args):
+    return subprocess.run([sys.executable, str(REPO / "scripts" / script), *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_make_weights_reports_generating_saving_and_fingerprinting(tmp_path):
+    out = tmp_path / "w" / "tiny-4.pt"
+    done = run("make_weights.py", "--preset", "tiny", "--seed", "4", "--out", out)
+    assert done.returncode == 0, done.stderr
+    generating, saving, fingerprinting = done.stderr.strip().splitlines()
+    assert generating.startswith("generating tensors: 196/196 (100%)")
+    assert saving.startswith(f"saving {out}: ") and " (100%)" in saving
+    assert fingerprinting == "fingerprinting ..."
+    fingerprint = load_model("tiny", seed=4)[1]
+    assert f"fingerprint {fingerprint}" in done.stdout
+    assert load_model("tiny", weights=str(out))[1] == fingerprint  # saved through the counting writer: the same
+    assert not out.with_suffix(".pt.tmp").exists()
+
+
+def test_script_mistakes_are_one_line(tmp_path):
+    cases = [
+        ("make_weights.py", ["--preset", "huge", "--out", tmp_path / "w.pt"],
+         "scripts/make_weights.py: error: argument --preset: invalid choice: 'huge'"),
+        ("make_stream.py", ["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "tiny",
+                            "--weights", tmp_path / "missing.pt", "--out", tmp_path / "s.npz"],
+         f"make_stream: weights file not found: {tmp_path / 'missing.pt'}"),
+    ]
+    for script, args, message in cases:
+        done = run(script, *args)
+        assert done.returncode == 2
+        assert "Traceback" not in done.stderr
+        assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(message)
