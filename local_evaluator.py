@@ -26,6 +26,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from client import cli  # noqa: E402
+from client.engine.options import add_engine_arguments, engine_options  # noqa: E402
 from client.model.config import PRESETS, TOWER_NAMES  # noqa: E402
 from client.scheduler import Request, Scheduler  # noqa: E402
 
@@ -69,7 +70,8 @@ def default_device() -> str:
 
 
 def setup(stream, preset: str, engine: str = "reference", weights: str | None = None, seed: int = 0,
-          device: str | None = None, team_dir: str | Path = DEFAULT_TEAM_DIR, cache_dir=None, progress=False):
+          device: str | None = None, team_dir: str | Path = DEFAULT_TEAM_DIR, cache_dir=None, progress=False,
+          engine_options=None):
     """(team client, reference targets [M, 4], weights fingerprint) for `stream`; progress: say on stderr what is
     prepared, with a bar while the targets are computed on a terminal (none when they are cached).
 
@@ -89,7 +91,10 @@ def setup(stream, preset: str, engine: str = "reference", weights: str | None = 
     # the targets' own bar rewrites one line: on a terminal only
     targets = compute_targets(model, stream, weights_fingerprint, device=device, cache_dir=cache_dir,
                               progress=progress and sys.stderr.isatty())
-    return team_class(make_engine(engine, model, device=device)), targets, weights_fingerprint
+    from client.engine.sharded import ModelSpec
+
+    engine = make_engine(engine, model, device=device, spec=ModelSpec(preset, weights, seed), **(engine_options or {}))
+    return team_class(engine), targets, weights_fingerprint
 
 
 def load_or_generate_stream(path: str | None = None, symbols: int = 6, requests: int = 300,
@@ -167,6 +172,10 @@ def _check_response(response, batch: list[int]) -> np.ndarray:
     except (TypeError, KeyError, ValueError) as exc:
         raise EvaluationError("process_batch must return {'unique_ids': [...], 'predictions': [n, 4]}, "
                               f"got {type(response).__name__}: {exc}") from exc
+    errors = response.get("errors") or {}
+    if errors:
+        uid, why = next(iter(errors.items()))
+        raise EvaluationError(f"the team client left {len(errors)} request(s) unanswered; request {uid}: {why}")
     if preds.shape != (len(ids), len(TOWER_NAMES)):
         raise EvaluationError(f"process_batch returned predictions of shape {preds.shape} for "
                               f"{len(ids)} ids, expected ({len(ids)}, {len(TOWER_NAMES)})")
@@ -403,6 +412,7 @@ def parse_args(argv=None):
     mdl.add_argument("--engine", default="reference", choices=ENGINES, help="engine (default reference)")
     mdl.add_argument("--team-dir", default=str(DEFAULT_TEAM_DIR),
                      help="folder holding the example_model.py to evaluate (default team/)")
+    add_engine_arguments(p)
     ev = p.add_argument_group("evaluation")
     ev.add_argument("--batch-size", type=positive_int, default=None,
                     help="arrival groups of N requests, as the original evaluator")
@@ -428,7 +438,8 @@ def main(argv=None) -> int:
         require_matplotlib()  # fail before the run, not after it
     stream = load_or_generate_stream(args.stream, args.symbols, args.requests, args.stream_seed, args.rate)
     client, targets, weights_fingerprint = setup(stream, args.preset, args.engine, args.weights, args.seed,
-                                                 args.device, args.team_dir, args.cache_dir, progress=True)
+                                                 args.device, args.team_dir, args.cache_dir, progress=True,
+                                                 engine_options=engine_options(args))
     result = evaluate(client, stream, targets, batch_size=args.batch_size, atol=args.atol,
                       profile_dir=args.profile, profile_steps=args.profile_steps, progress=True)
     print(format_report(result))

@@ -438,12 +438,11 @@ class StreamingClient:
                 batch = self._scheduler.next_batch(self.max_batch)
             self._mark("batched", (r.unique_id for r in batch))
             try:
-                ids, predictions = _checked_result(batch, self.team_client.process_batch(_by_symbol(batch)))
+                ids, predictions, errors = _checked_result(batch, self.team_client.process_batch(_by_symbol(batch)))
             except Exception as exc:  # a failing team client must not kill the runtime
                 self._fail(batch, exc, "process_batch")
                 continue
-            self._mark("done", ids)
-            self._loop.call_soon_threadsafe(self._on_batch_done, ids, predictions)
+            self._answer(ids, predictions, errors)
 
     def _submit_steps(self):
         try:
@@ -482,12 +481,11 @@ class StreamingClient:
                     return  # the submitter has stopped and every step it submitted is answered
                 batch, pending = self._steps[0]
             try:
-                ids, predictions = _checked_result(batch, pending.result())
+                ids, predictions, errors = _checked_result(batch, pending.result())
             except Exception as exc:  # a failing team client must not kill the runtime
                 self._fail(batch, exc, "submit_batch's result()")
             else:
-                self._mark("done", ids)
-                self._loop.call_soon_threadsafe(self._on_batch_done, ids, predictions)
+                self._answer(ids, predictions, errors)
             with self._work_ready:
                 self._steps.popleft()  # only now: a step counts as in flight until it is answered
                 self._work_ready.notify()
@@ -498,9 +496,18 @@ class StreamingClient:
             for uid in ids:
                 self.timeline.setdefault(uid, {})[stage] = now
 
+    def _answer(self, ids, predictions, errors):
+        self._mark("done", ids)
+        if ids:
+            self._loop.call_soon_threadsafe(self._on_batch_done, ids, predictions)
+        for uid, why in errors.items():
+            log.warning("unique_id %d not answered: %s", uid, why)
+            self._loop.call_soon_threadsafe(self._on_requests_failed, [uid], why)
+
     def _fail(self, batch, exc, what):
         log.error("%s failed for unique_ids %s", what, [r.unique_id for r in batch], exc_info=exc)
-        self._loop.call_soon_threadsafe(self._on_batch_failed, batch, exc)
+        self._loop.call_soon_threadsafe(self._on_requests_failed, [r.unique_id for r in batch],
+                                        f"{type(exc).__name__}: {exc}")
 
     # ---- sending (event loop thread) -------------------------------------------------------------
     def _on_batch_done(self, ids, predictions):
@@ -514,13 +521,11 @@ class StreamingClient:
         self._send(self._ws, protocol.inference_response(ids, predictions, time.time()))
         self._mark("answered", ids)
 
-    def _on_batch_failed(self, batch, exc):
-        ids = [r.unique_id for r in batch]
+    def _on_requests_failed(self, ids, why):
         self._in_flight.difference_update(ids)
         self._rejected_ids.update(ids)
         self.stats.rejected += len(ids)
-        self._send(self._ws, protocol.error("client_error", f"unique_ids {ids} not answered: "
-                                                            f"{type(exc).__name__}: {exc}"))
+        self._send(self._ws, protocol.error("client_error", f"unique_ids {ids} not answered: {why}"))
 
     def _send(self, ws, msg):
         if ws is not None:
@@ -552,15 +557,17 @@ def _by_symbol(batch) -> dict:
     return {r.symbol: (r.unique_id, r.features) for r in batch}
 
 
-def _checked_result(batch, result) -> tuple[list[int], np.ndarray]:
-    """The (unique_ids, float32 predictions [n, 4]) of a process_batch result, checked against its batch."""
+def _checked_result(batch, result) -> tuple[list[int], np.ndarray, dict[int, str]]:
+    """The (unique_ids, float32 predictions [n, 4], {unique_id: why not answered}) of a process_batch result,
+    checked against its batch: every request of the batch is answered or has its reason."""
     try:
         ids, predictions = [int(i) for i in result["unique_ids"]], np.asarray(result["predictions"], np.float32)
-    except (TypeError, KeyError, ValueError) as exc:
+        errors = {int(uid): str(why) for uid, why in (result.get("errors") or {}).items()}
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
         raise ValueError(f"process_batch must return {{'unique_ids': [...], 'predictions': [n, 4]}}: {exc}") from None
-    if sorted(ids) != sorted(r.unique_id for r in batch):
+    if sorted(ids + list(errors)) != sorted(r.unique_id for r in batch):
         raise ValueError(f"process_batch answered ids {ids}, expected {[r.unique_id for r in batch]}")
     if predictions.shape != (len(ids), NUM_TOWERS):
         raise ValueError(f"process_batch predictions must have shape ({len(ids)}, {NUM_TOWERS}), "
                          f"got {predictions.shape}")
-    return ids, predictions
+    return ids, predictions, errors

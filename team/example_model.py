@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 
 from client import cli, event_loop  # noqa: E402
 from client.engine import ENGINES, Engine, make_engine  # noqa: E402
+from client.engine.options import add_engine_arguments, engine_options  # noqa: E402
 from client.engine.base import NUM_TOWERS, PendingStep  # noqa: E402
 from client.model.config import PRESETS  # noqa: E402
 
@@ -32,7 +33,8 @@ class ExampleModel:
 
     def process_batch(self, requests_by_symbol: dict[str, tuple[int, np.ndarray]]) -> dict:
         """{symbol: (unique_id, features[79])}, at most one request per symbol, each symbol's requests
-        in arrival order across calls -> {"unique_ids": [...], "predictions": float32 [n, 4]}."""
+        in arrival order across calls -> {"unique_ids": [...], "predictions": float32 [n, 4], "errors":
+        {unique_id: why} for requests not answered (a symbol the engine has no room for)}."""
         return self._submit(requests_by_symbol).result()
 
     def submit_batch(self, requests_by_symbol: dict[str, tuple[int, np.ndarray]]) -> PendingStep:
@@ -45,13 +47,18 @@ class ExampleModel:
         return self._submit(requests_by_symbol)
 
     def _submit(self, requests_by_symbol) -> PendingStep:
-        if not requests_by_symbol:
-            return PendingStep.completed({"unique_ids": [], "predictions": np.zeros((0, NUM_TOWERS), np.float32)})
-        symbols = list(requests_by_symbol)
+        # A symbol the engine has no room for is answered with an error; the others step as usual.
+        unplaceable = getattr(self.engine, "unplaceable", None)
+        rejected = unplaceable(list(requests_by_symbol)) if unplaceable else {}
+        errors = {requests_by_symbol[s][0]: why for s, why in rejected.items()}
+        symbols = [s for s in requests_by_symbol if s not in rejected]
+        if not symbols:
+            return PendingStep.completed({"unique_ids": [], "predictions": np.zeros((0, NUM_TOWERS), np.float32),
+                                          "errors": errors})
         unique_ids = [requests_by_symbol[s][0] for s in symbols]
         features = np.stack([np.asarray(requests_by_symbol[s][1], dtype=np.float32) for s in symbols])
         step = self.engine.submit(symbols, features)
-        return PendingStep(lambda: {"unique_ids": unique_ids, "predictions": step.result()})
+        return PendingStep(lambda: {"unique_ids": unique_ids, "predictions": step.result(), "errors": errors})
 
 
 PROG = "team/example_model.py"
@@ -90,6 +97,7 @@ def parse_args(argv=None):
     parser.add_argument("--requests", type=int, default=1000, help="embedded server: number of requests")
     parser.add_argument("--rate", type=float, help="embedded server: requests/s (default: the stream's gaps)")
     parser.add_argument("--json", metavar="PATH", help="write this client's summary as JSON")
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
     if args.host is not None and args.port is None:
         parser.error("--host needs --port")
@@ -158,7 +166,10 @@ async def play(args) -> tuple[dict, list[dict] | None]:
     weights = args.weights or f"seed {args.seed}"
     print(f"loading preset {args.preset} ({weights}) on {args.device}, engine {args.engine}", file=sys.stderr)
     model, fingerprint = load_model(args.preset, weights=args.weights, seed=args.seed, device=args.device)
-    team_client = ExampleModel(make_engine(args.engine, model, device=args.device))
+    from client.engine.sharded import ModelSpec
+
+    spec = ModelSpec(args.preset, args.weights, args.seed)
+    team_client = ExampleModel(make_engine(args.engine, model, device=args.device, spec=spec, **engine_options(args)))
     server = None
     if args.host is None:
         from server.app import ScoringServer, ServerConfig

@@ -210,3 +210,18 @@ def test_ordinary_mistakes_are_one_line(args, message):
     assert result.stderr.strip() == f"team/example_model.py: error: {message}" + result.stderr.strip().split(
         message, 1)[1]
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_a_symbol_beyond_the_state_table_is_answered_with_an_error_alone():
+    from client.engine.fast import FastEngine
+    from client.model import load_model
+    from team.example_model import ExampleModel
+
+    model, _ = load_model("tiny", seed=0)
+    client = ExampleModel(FastEngine(model, device="cpu", capacity=2, host_symbols=0, progress=False))
+    row = np.zeros(79, np.float32)
+    first = client.process_batch({"A": (1, row), "B": (2, row)})
+    assert first["unique_ids"] == [1, 2] and not first["errors"]
+    result = client.process_batch({"A": (3, row), "C": (4, row)})
+    assert result["unique_ids"] == [3] and result["predictions"].shape == (1, 4)
+    assert list(result["errors"]) == [4] and "no room for the state" in result["errors"][4]

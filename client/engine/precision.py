@@ -139,3 +139,34 @@ def add_precision_argument(parser, default="auto"):
         help="fast engine weight precision: auto (the measured default: fp16, RetNet and input_down fp32), bf16, "
              "fp16 or fp32, then overrides per tower or part, e.g. 'bf16,retnet=fp32' or "
              f"'auto,hawk=bf16,xlstm.mlp=fp32' (towers and parts: {_known_keys()})")
+
+
+# Towers with a matrix state (mLSTM C, Mamba2 h, RetNet S) that may be stored in 16 bits. A 16-bit state spec
+# applies to xLSTM and Mamba2; RetNet's S stays fp32 unless named: its per-head RMSNorm of q.S is ill-conditioned,
+# and in 16 bits it fails the accuracy suite on near-stuck feeds (bench/LOG.md section 30).
+STATE_TOWERS = ("xlstm", "mamba2", "retnet")
+STATE16_TOWERS = ("xlstm", "mamba2")
+
+
+def parse_state_dtype(spec) -> dict:
+    """A state spec ("fp32", "fp16", "bf16", then overrides such as "fp16,retnet=fp16") -> {tower: dtype} for the
+    towers with a matrix state. ValueError in one line for an unknown name."""
+    spec = spec or "fp32"
+    items = [item.strip().lower() for item in spec.split(",")]
+    base = ALIASES.get(items[0], items[0])
+    if base not in DTYPES or "=" in items[0]:
+        raise ValueError(f"unknown state dtype {items[0]!r}; choose one of {', '.join(DTYPES)}, then overrides "
+                         f"such as retnet=fp16")
+    dtypes = {tower: DTYPES[base] if tower in STATE16_TOWERS else torch.float32 for tower in STATE_TOWERS}
+    for item in items[1:]:
+        tower, sep, value = (part.strip() for part in item.partition("="))
+        value = ALIASES.get(value, value)
+        if not sep or tower not in STATE_TOWERS or value not in DTYPES:
+            raise ValueError(f"state dtype override {item!r} must read <tower>=<dtype> with a tower of "
+                             f"{', '.join(STATE_TOWERS)} and a dtype of {', '.join(DTYPES)}")
+        dtypes[tower] = DTYPES[value]
+    return dtypes
+
+
+def describe_state_dtype(dtypes) -> str:
+    return ", ".join(f"{tower} {SHORT_NAMES[dtype]}" for tower, dtype in dtypes.items())

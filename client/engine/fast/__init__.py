@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_inputs
-from client.engine.precision import describe_precision, resolve_precision
+from client.engine.precision import describe_precision, describe_state_dtype, parse_state_dtype, resolve_precision
 from client.model.config import TOWER_NAMES
 
 from .placement import place_towers
@@ -20,7 +20,7 @@ from .runner import BUCKETS, DEFAULT_PRECISION, GraphedStep, StepRunner, input_b
 from .state_table import PAD_SLOT, CapacityError, StateTable, capacity_for_memory
 
 __all__ = ["FastEngine", "RING", "StepRunner", "GraphedStep", "StateTable", "CapacityError", "PAD_SLOT",
-           "DEFAULT_PRECISION", "BUCKETS", "STATE_DTYPES"]
+           "DEFAULT_PRECISION", "BUCKETS"]
 
 # Pinned staging buffers for submitted steps, each with its own set of graphs: one more than the runtime keeps
 # in flight (2), so that reusing one never has to wait for its previous step.
@@ -29,7 +29,6 @@ RING = 3
 STATE_MEMORY = 0.8
 HOST_MEMORY = 0.5
 CPU_CAPACITY = 1024  # without a GPU the table lives in host memory: a modest default
-STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _progress(label):
@@ -90,7 +89,8 @@ class FastEngine(Engine):
         """device, or devices (several: the towers placed over them); capacity (symbols on the GPU) or
         state_memory (the share of free GPU memory the state table takes, STATE_MEMORY by default);
         host_symbols: states that may wait in host memory (default: what HOST_MEMORY of available host memory
-        holds on CUDA, none on the CPU); state_dtype: fp32, or fp16/bf16 storage of the matrix states, rounded
+        holds on CUDA, none on the CPU); state_dtype: fp32, or fp16/bf16 storage of the matrix states (of xLSTM and
+        Mamba2; "fp16,retnet=fp16" for RetNet's too: client/engine/precision.py, parse_state_dtype), rounded
         stochastically or to nearest (state_rounding);
         time_steps: keep (batch, GPU milliseconds) of every submitted step in step_times. precision: a spec
         string ("auto", "bf16", "bf16,retnet=fp32": client/engine/precision.py) or a {tower or "<tower>.<part>":
@@ -98,8 +98,7 @@ class FastEngine(Engine):
         compiled here, before any graph is captured; CompileUnavailable if it cannot run."""
         precision = resolve_precision(precision)
         devices = [torch.device(d) for d in (devices or [device or ("cuda" if torch.cuda.is_available() else "cpu")])]
-        if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"unknown state dtype {state_dtype!r}; choose one of {', '.join(STATE_DTYPES)}")
+        state_dtypes = parse_state_dtype(state_dtype)
         if capacity is not None and state_memory is not None:
             raise ValueError("give the state table's capacity or its memory share, not both")
         if capacity is not None and capacity < 1:
@@ -123,7 +122,7 @@ class FastEngine(Engine):
         for device, towers in zip(devices, placement):
             if progress and len(devices) > 1:
                 sys.stderr.write(f"[fast engine] {device}: towers {', '.join(towers)}\n")
-            runner = StepRunner(model, device, precision, towers=towers, state_dtype=STATE_DTYPES[state_dtype],
+            runner = StepRunner(model, device, precision, towers=towers, state_dtype=state_dtypes,
                                 state_rounding=state_rounding, compile=compile)
             self.shards.append(_Shard(runner, [TOWER_NAMES.index(name) for name in towers]))
         parts = [(shard.runner.layout, shard.device) for shard in self.shards]
@@ -161,8 +160,9 @@ class FastEngine(Engine):
             compiled = "" if self.compile_s is None else f", compiled in {self.compile_s:.1f} s"
             sys.stderr.write(f"[fast engine] ready on {', '.join(map(str, devices))} in {self.startup_s:.1f} s"
                              f"{compiled}; precision {describe_precision(self.runner.precision)}; state table: "
-                             f"{d['capacity']} symbols on the GPU "
-                             f"({d['state_bytes_per_symbol'] / 2**20:.1f} MiB each, {state_dtype}), "
+                             f"{d['capacity']} symbols on {'the GPU' if self.device.type == 'cuda' else 'the CPU'} "
+                             f"({d['state_bytes_per_symbol'] / 2**20:.1f} MiB each, matrix states "
+                             f"{describe_state_dtype(state_dtypes)}), "
                              f"{d['host_symbols']} in host memory\n")
 
     @staticmethod
@@ -202,16 +202,18 @@ class FastEngine(Engine):
         return {"device": ", ".join(map(str, self.devices)), "graphs": self.graphed is not None,
                 "towers": {str(shard.device): shard.runner.tower_names for shard in self.shards},
                 "precision": {k: str(v).removeprefix("torch.") for k, v in self.runner.precision.items()},
-                "state_dtype": self.state_dtype, "state_rounding": self.state_rounding if self.state_dtype != "fp32"
-                else None, "weight_bytes": self.weight_bytes,
+                "state_dtype": self.state_dtype, "state_rounding": self.state_rounding
+                if any(d != torch.float32 for d in parse_state_dtype(self.state_dtype).values()) else None,
+                "weight_bytes": self.weight_bytes,
                 "state_bytes_per_symbol": self.state_bytes, "capacity": self.table.capacity,
                 "host_symbols": self.table.host_capacity, "max_batch": self.max_batch,
                 "compile": self.runner.compiled, "compile_s": self.compile_s,
                 "startup_s": getattr(self, "startup_s", None)}
 
-    def unplaceable(self, symbols) -> list[str]:
-        """The symbols of a step that the state table cannot hold (no side effects)."""
-        return self.table.unplaceable(symbols)
+    def unplaceable(self, symbols) -> dict[str, str]:
+        """{symbol: why} for the symbols of a step that the state table cannot hold (no side effects)."""
+        rejected = self.table.unplaceable(symbols)
+        return dict.fromkeys(rejected, str(self.table.capacity_error(rejected))) if rejected else {}
 
     def release(self, symbols) -> None:
         """Forget these symbols' states (they left); their slots go to other symbols."""

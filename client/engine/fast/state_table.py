@@ -205,11 +205,7 @@ class StateTable:
         symbols = list(symbols)
         rejected = self.unplaceable(symbols)
         if rejected:
-            raise CapacityError(
-                f"no room for the state of {len(rejected)} symbol(s) ({', '.join(rejected[:5])}"
-                f"{', ...' if len(rejected) > 5 else ''}): {self.capacity} on the GPU and {self.host_capacity} in "
-                f"host memory are all in use; raise --state-memory or --host-symbols, or let idle symbols "
-                f"expire (--idle-timeout)", rejected)
+            raise self.capacity_error(rejected)
         now = self.clock()
         batch = set(symbols)
         for symbol in self._expired(now, exclude=batch):
@@ -227,6 +223,14 @@ class StateTable:
                 part.wait_for(self.resident[symbol])
         self._keep_reserve(exclude=batch)
         return [self.resident[s] for s in symbols]
+
+    def capacity_error(self, rejected) -> CapacityError:
+        """The error that names the limits for symbols that fit in no tier."""
+        return CapacityError(
+            f"no room for the state of {len(rejected)} symbol(s) ({', '.join(rejected[:5])}"
+            f"{', ...' if len(rejected) > 5 else ''}): {self.capacity} on the GPU and {self.host_capacity} in "
+            f"host memory are all in use; raise --state-memory or --host-symbols, or let idle symbols "
+            f"expire (--idle-timeout)", rejected)
 
     def release(self, symbols) -> None:
         """Forget these symbols' states (they left); unknown symbols are ignored."""

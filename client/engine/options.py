@@ -1,0 +1,79 @@
+"""The fast engine's command-line options, shared by the team client and the offline evaluator.
+
+    --precision SPEC        weights (client/engine/precision.py)
+    --compile               each block through torch.compile
+    --state-memory SHARE    the state table's share of free GPU memory (default 0.8), or --state-slots N symbols
+    --host-symbols N        states that may wait in host memory when the GPU table is full
+    --idle-timeout S        forget a symbol idle this long
+    --state-dtype SPEC      fp32, or fp16/bf16 storage of the matrix states; --state-rounding stochastic|nearest
+    --gpus N                spread over N GPUs: the towers (--split towers) or the symbols (--split symbols)
+"""
+import argparse
+import math
+
+from client.engine.precision import add_precision_argument, parse_state_dtype
+
+
+def _share(text):
+    value = float(text)
+    if not (math.isfinite(value) and 0 < value <= 0.95):
+        raise argparse.ArgumentTypeError(f"--state-memory is a share of free GPU memory in (0, 0.95], got {text}")
+    return value
+
+
+def _count(text, name, minimum):
+    value = int(text)
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{name} must be at least {minimum}, got {text}")
+    return value
+
+
+def _seconds(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"--idle-timeout must be a positive number of seconds, got {text}")
+    return value
+
+
+def _state_dtype(text):
+    try:
+        parse_state_dtype(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_engine_arguments(parser):
+    """The fast engine's options, in a group of their own."""
+    group = parser.add_argument_group("fast engine")
+    add_precision_argument(group)
+    group.add_argument("--compile", action="store_true", help="each block through torch.compile (startup +~1 min)")
+    memory = group.add_mutually_exclusive_group()
+    memory.add_argument("--state-memory", type=_share, metavar="SHARE",
+                        help="the state table's share of the GPU memory free after the weights (default 0.8)")
+    memory.add_argument("--state-slots", type=lambda t: _count(t, "--state-slots", 1), metavar="N",
+                        help="symbols the GPU state table holds, instead of a memory share")
+    group.add_argument("--host-symbols", type=lambda t: _count(t, "--host-symbols", 0), metavar="N",
+                       help="symbols whose state may wait in pinned host memory when the GPU table is full "
+                            "(default: what half the available host memory holds)")
+    group.add_argument("--idle-timeout", type=_seconds, metavar="S",
+                       help="forget a symbol idle this many seconds (default: never)")
+    group.add_argument("--state-dtype", type=_state_dtype, default="fp32", metavar="SPEC",
+                       help="matrix state storage: fp32 (default), fp16 or bf16 (xLSTM and Mamba2; "
+                            "'fp16,retnet=fp16' for RetNet too)")
+    group.add_argument("--state-rounding", choices=("stochastic", "nearest"), default="stochastic",
+                       help="how 16-bit state is rounded (default stochastic)")
+    group.add_argument("--gpus", type=lambda t: _count(t, "--gpus", 1), default=1, metavar="N",
+                       help="spread the engine over the first N GPUs (default 1)")
+    group.add_argument("--split", choices=("towers", "symbols"), default="towers",
+                       help="with --gpus > 1: each GPU runs some towers for every symbol (towers, for latency), "
+                            "or every tower for some symbols in a process per GPU (symbols, for throughput)")
+    return group
+
+
+def engine_options(args) -> dict:
+    """make_engine's keyword arguments from the parsed options."""
+    return {"precision": args.precision, "compile": args.compile, "state_memory": args.state_memory,
+            "capacity": args.state_slots, "host_symbols": args.host_symbols, "idle_timeout_s": args.idle_timeout,
+            "state_dtype": args.state_dtype, "state_rounding": args.state_rounding, "gpus": args.gpus,
+            "split": args.split}
