@@ -75,7 +75,10 @@ class StepRunner:
                                torch.cat([sd[f"towers.{t}.input_up.bias"] for t in indices]), torch.float32,
                                self.device)
         self.proj, self.num_features = cfg.proj, cfg.features
-        self.towers = [Tower(sd, t, TOWER_NAMES[t], cfg, self.precision, self.device, state_dtype) for t in indices]
+        # state_dtype: one dtype for the matrix states, or {tower: dtype} (towers not named keep fp32)
+        tower_state = (state_dtype if isinstance(state_dtype, dict) else dict.fromkeys(TOWER_NAMES, state_dtype))
+        self.towers = [Tower(sd, t, TOWER_NAMES[t], cfg, self.precision, self.device,
+                             tower_state.get(TOWER_NAMES[t], torch.float32)) for t in indices]
         self.output_w = sd["output_proj.weight"][0].to(self.device)
         self.output_b = sd["output_proj.bias"].to(self.device)
         self.set_skinny(skinny)
@@ -84,7 +87,8 @@ class StepRunner:
             raise ValueError(f"state rounding must be nearest or stochastic, got {state_rounding!r}")
         # 16-bit matrix state rounded stochastically needs fresh random bits every step: a step counter per slot,
         # part of the symbol's state (so a symbol's rounding does not depend on its slot or its neighbours)
-        self.stochastic = state_dtype != torch.float32 and state_rounding == "stochastic"
+        self.stochastic = (state_rounding == "stochastic"
+                           and any(dtype != torch.float32 for _, dtype, _ in self.layout.values() if dtype.is_floating_point))
         if self.stochastic:
             self.layout[STEP_COUNTER] = ((), torch.int32, 0)
         self.counter = self._ones = None
@@ -189,9 +193,12 @@ class GraphedStep:
                 self.runner(self.slots[:b], self.features[:b])
         torch.cuda.current_stream().wait_stream(warm)
         jobs = [(b, index) for b in reversed(self.buckets) for index in (None, *range(len(self.staging)))]
+        # torch.cuda.graph's default capture stream is made once, on the device current then: on a second GPU the
+        # capture needs a stream of its own device
+        capture_stream = torch.cuda.Stream(self.runner.device)
         for done, (b, index) in enumerate(jobs, 1):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                 if index is None:
                     self.outputs[b] = self.runner(self.slots[:b], self.features[:b])
                     self.graphs[b] = graph
