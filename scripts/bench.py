@@ -32,23 +32,25 @@ import torch  # noqa: E402
 
 from client import event_loop  # noqa: E402
 from client.accuracy import Suite, format_table as accuracy_table  # noqa: E402
-from client.engine.precision import add_precision_argument, describe_precision, parse_precision  # noqa: E402
+from client.engine.precision import (add_precision_argument, describe_precision, parse_precision,  # noqa: E402
+                                     parse_state_dtype)
 from client.families import FAMILIES  # noqa: E402
 from client.model.config import NUM_FEATURES, PRESETS, TOWER_NAMES  # noqa: E402
 from client.runtime import PIPELINE_MIN_BATCH  # noqa: E402
 from server.scoring import DEFAULT_ATOL  # noqa: E402
 
-STATE_DTYPE_NAMES = ("fp32", "fp16", "bf16")
 
 SECTIONS = ("copy", "step", "baseline", "accuracy", "precisions", "state_dtypes", "compile", "e2e", "maxrate",
-            "churn", "capacity", "gpus", "shards")
+            "state_rates", "churn", "capacity", "gpus", "shards")
 BATCH_SIZES = (1, 2, 4, 8, 16, 20, 32, 40, 64)
 MAX_BATCH = max(BATCH_SIZES)
 E2E_RATE, E2E_SYMBOLS = 400.0, 20
 MAXRATE_SYMBOLS = 64
 SHARD_SYMBOLS = 128
+SHARD_START_RATE = 2000  # req/s per GPU where the shards section's search starts (bench.counts.rates at or above)
 P99_LIMIT_MS = 50.0
-SHORT_BATCHES = (1, 20, 64)  # step times of the engine variants (precisions, state dtypes, GPU counts)
+SHORT_BATCHES = (1, 20, 64)
+REFERENCE_CHUNK = 64  # rows per reference forward when tracking many symbols (~30 GB of states beside)  # step times of the engine variants (precisions, state dtypes, GPU counts)
 STEP_LIMIT_MS = 5.0  # capacity section: no step of B <= 20 over this while new symbols arrive
 
 
@@ -77,7 +79,7 @@ class Counts:
 
 FULL = Counts(copy_bytes=1 << 30, copy_repeats=20, step_warmup=20, step_iters=200, baseline_warmup=5,
               baseline_iters=20, family_symbols=4, family_steps=1000, long_symbols=4, long_steps=10_000,
-              e2e_requests=4000, rates=[1000, 2000, 3000, 4000, 5000, 6000, 8000, 10000, 12000, 14000, 20000],
+              e2e_requests=4000, rates=[1000, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 10000, 12000, 14000, 20000],
               rate_seconds=2.0, new_symbols=200, arrival_seconds=10.0, churn_symbols=24, churn_capacity=8,
               churn_steps=200)
 QUICK = Counts(copy_bytes=64 << 20, copy_repeats=5, step_warmup=2, step_iters=10, baseline_warmup=2,
@@ -114,9 +116,21 @@ def _positive_int_value(text):
 
 
 def _state_dtype(text):
-    if text not in STATE_DTYPE_NAMES:
-        raise argparse.ArgumentTypeError(f"unknown state dtype {text!r}; choose from {', '.join(STATE_DTYPE_NAMES)}")
+    """A state dtype spec (client/engine/precision.py, parse_state_dtype), optionally ending in ':nearest' or
+    ':stochastic' (the rounding of 16-bit state; stochastic by default)."""
+    spec, _, rounding = text.partition(":")
+    try:
+        parse_state_dtype(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if rounding not in ("", "nearest", "stochastic"):
+        raise argparse.ArgumentTypeError(f"state rounding must be nearest or stochastic, got {rounding!r}")
     return text
+
+
+def _state_options(text):
+    spec, _, rounding = text.partition(":")
+    return {"state_dtype": spec, "state_rounding": rounding or "stochastic"}
 
 
 def _precision_spec(text):
@@ -127,9 +141,9 @@ def _precision_spec(text):
 def _list_of(item, separator=","):
     def parse(text):
         try:
-            values = [item(part.strip()) for part in text.split(";" if item is _precision_spec else separator)
-                      if part.strip()]
-        except ValueError as exc:
+            values = [item(part.strip()) for part in text.split(";" if item in (_precision_spec, _state_dtype)
+                                                                 else separator) if part.strip()]
+        except (ValueError, argparse.ArgumentTypeError) as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         if not values:
             raise argparse.ArgumentTypeError("expected at least one value")
@@ -163,10 +177,12 @@ def parse_args(argv=None):
     add_precision_argument(parser)
     parser.add_argument("--precisions", type=_list_of(_precision_spec), default=["auto", "fp16", "bf16", "fp32"],
                         help="precisions section: precision specs separated by ';' (default: auto;fp16;bf16;fp32)")
-    parser.add_argument("--state-dtype", choices=STATE_DTYPE_NAMES, default="fp32",
-                        help="state storage of the engine of the other sections (default fp32)")
-    parser.add_argument("--state-dtypes", type=_list_of(_state_dtype), default=["fp32", "fp16", "bf16"],
-                        help="state_dtypes section: comma list (default fp32,fp16,bf16)")
+    parser.add_argument("--state-dtype", type=_state_dtype, default="fp32",
+                        help="state storage of the other sections' engine, e.g. fp16 or fp16:nearest (default fp32)")
+    parser.add_argument("--state-dtypes", type=_list_of(_state_dtype),
+                        default=["fp32", "fp16", "fp16:nearest", "bf16", "fp16,retnet=fp16"],
+                        help="state_dtypes section: specs separated by ';' (default "
+                             "fp32;fp16;fp16:nearest;bf16;fp16,retnet=fp16)")
     parser.add_argument("--gpus", type=_list_of(_positive_int_value), default=None,
                         help="gpus and shards sections: GPU counts to run, comma list (default: 1 and every GPU)")
     parser.add_argument("--merge", action="store_true", help="keep what --json already holds; rewrite only the "
@@ -371,15 +387,17 @@ class ReferenceTracker:
         start = 0
         with strict_fp32():
             for active in np.bincount(step_of_request).tolist():
-                step_rows = rows[execution_order[start:start + active]]
-                if active == len(self._row_of):  # every symbol, in row order: no gather or scatter
+                if active == len(self._row_of) <= REFERENCE_CHUNK:  # every symbol in row order: no gather
                     predictions[start:start + active], self._state = self.model(
                         features[start:start + active], self._state)
-                else:
-                    index = torch.from_numpy(step_rows).to(self.device)
+                    start += active
+                    continue
+                # a few rows at a time: a step's new state is allocated beside the old one (153.5 MB a symbol)
+                for chunk in range(start, start + active, REFERENCE_CHUNK):
+                    end = min(chunk + REFERENCE_CHUNK, start + active)
+                    index = torch.from_numpy(rows[execution_order[chunk:end]]).to(self.device)
                     step_state = {name: tensor[index] for name, tensor in self._state.items()}
-                    predictions[start:start + active], new_state = self.model(
-                        features[start:start + active], step_state)
+                    predictions[chunk:end], new_state = self.model(features[chunk:end], step_state)
                     for name, tensor in new_state.items():
                         self._state[name][index] = tensor
                 start += active
@@ -516,13 +534,13 @@ def measure_e2e(engine, model, device, counts, args, progress, prefix="E2E_"):
 
 
 def search_max_rate(engine, model, device, counts, args, report, progress, num_symbols=MAXRATE_SYMBOLS,
-                    prefix="RATE_", key="max_rate"):
+                    prefix="RATE_", key="max_rate", rates=None):
     """Ascending rates over `num_symbols` symbols until the first whose p99 reaches the limit or that leaves a
     request unanswered (it may never have been stepped, so later runs could not continue its symbol's state).
     Records report[key + "_p99_50ms"] and report[key + "_runs"] as it goes."""
     tracker = ReferenceTracker(model, [prefix + name for name in _symbol_names(num_symbols)], device)
     runs, best = [], None
-    for attempt, rate in enumerate(counts.rates):
+    for attempt, rate in enumerate(rates or counts.rates):
         num_requests = max(int(rate * counts.rate_seconds), num_symbols)
         stream = prefixed_stream(prefix, num_symbols, num_requests, args.seed + 2 + attempt, rate)
         progress(f"maxrate {rate:g} req/s: reference targets of {num_requests} requests")
@@ -547,7 +565,7 @@ def measure_precisions(bench, suite):
     """Per weight precision: what it chose, its step time at B = 1, 20, 64 and its accuracy on every family."""
     results = {}
     for name in bench.args.precisions:
-        engine = bench.build_engine(precision=name, capacity=suite.symbols)
+        engine = bench.build_engine(precision=name, capacity=max(suite.symbols, MAX_BATCH))
         row = {"precision": describe_precision(engine.runner.precision),
                "step_ms": measure_steps(engine, bench.device, bench.counts, bench.timer, bench.bandwidth,
                                         bench.args.seed, bench.progress, SHORT_BATCHES),
@@ -560,13 +578,13 @@ def measure_precisions(bench, suite):
 
 
 def measure_state_dtypes(bench, suite):
-    """Per state storage: symbols held at the default memory budget, step times, accuracy on every family (long
-    streams included, where rounding in the state accumulates) and the highest rate over 64 symbols."""
+    """Per state storage: symbols held at the default memory budget, step times and accuracy on every family (long
+    streams included, where rounding in the state accumulates)."""
     from client.engine.fast import STATE_MEMORY
 
     results = {}
     for state_dtype in bench.args.state_dtypes:
-        engine = bench.build_engine(state_dtype=state_dtype, capacity=max(suite.symbols, MAXRATE_SYMBOLS))
+        engine = bench.build_engine(**_state_options(state_dtype), capacity=max(suite.symbols, MAXRATE_SYMBOLS))
         row = {"state_bytes_per_symbol": engine.state_bytes,
                "symbols_at_budget": bench.symbols_at_budget(engine, STATE_MEMORY),
                "step_ms": measure_steps(engine, bench.device, bench.counts, bench.timer, bench.bandwidth,
@@ -576,11 +594,29 @@ def measure_state_dtypes(bench, suite):
         bench.report.update(state_dtypes=results)
         bench.progress(f"state {state_dtype}: {row['symbols_at_budget']} symbols at {STATE_MEMORY:.0%} of free "
                        f"memory\n" + accuracy_table(row["accuracy"]))
-        if bench.device.type == "cuda":
+        bench.drop(engine)
+    return results
+
+
+def measure_state_rates(bench):
+    """The highest rate over 64 symbols for each 16-bit state storage of --state-dtypes, once per size of state
+    (the rate depends on the bytes moved, not on how they round; fp32's is the maxrate section's)."""
+    results, rated = {}, set()
+    for state_dtype in bench.args.state_dtypes:
+        if parse_state_dtype(state_dtype.partition(":")[0]) == parse_state_dtype("fp32"):
+            continue
+        engine = bench.build_engine(**_state_options(state_dtype), capacity=MAXRATE_SYMBOLS)
+        if engine.state_bytes not in rated:
+            rated.add(engine.state_bytes)
+            tag = "".join(c if c.isalnum() else "_" for c in state_dtype)
+            # from the fp32 state's rate on: the smaller state only moves fewer bytes
+            start = bench.report.data.get("max_rate_p99_50ms") or 0
+            rates = [rate for rate in bench.counts.rates if rate >= start] or bench.counts.rates
             best, runs = search_max_rate(engine, bench.model, bench.device, bench.counts, bench.args, bench.report,
-                                         bench.progress, prefix=f"ST{state_dtype}_", key=f"state_{state_dtype}_rate")
-            row.update(max_rate_p99_50ms=best, max_rate_runs=runs)
-            bench.report.update(state_dtypes=results)
+                                         bench.progress, prefix=f"ST{tag}_", key=f"state_{tag}_rate", rates=rates)
+            results[state_dtype] = {"state_bytes_per_symbol": engine.state_bytes, "max_rate_p99_50ms": best,
+                                    "runs": runs}
+            bench.report.update(state_rates=results)
         bench.drop(engine)
     return results
 
@@ -611,6 +647,7 @@ def measure_capacity(bench):
     targets = tracker.targets(stream)
     del tracker
     bench.close_engine()  # the budget is a share of the memory free now
+    bench.drop(None)
     engine = bench.build_engine(state_memory=STATE_MEMORY if bench.device.type == "cuda" else None,
                                 capacity=None if bench.device.type == "cuda" else counts.new_symbols,
                                 time_steps=bench.device.type == "cuda")
@@ -661,15 +698,37 @@ def measure_churn(bench):
     return result
 
 
+def measure_submits(engine, counts, seed, batches=SHORT_BATCHES) -> dict:
+    """{B: median and p99 ms} of a submitted step and its predictions back on the host (wall clock): what the
+    runtime waits for. With towers on several GPUs this is the step's time (each GPU's staged graph writes its
+    columns to the host; step_slots instead joins them on the first GPU)."""
+    symbols = step_symbols()
+    rng = np.random.default_rng(seed)
+    results = {}
+    for batch in batches:
+        features = rng.standard_normal((batch, NUM_FEATURES)).astype(np.float32)
+        times = []
+        for i in range(counts.step_warmup + counts.step_iters):
+            begin = time.perf_counter()
+            engine.submit(symbols[:batch], features).result()
+            times.append((time.perf_counter() - begin) * 1000.0)
+        median, p99 = _median_p99(times[counts.step_warmup:])
+        results[str(batch)] = {"median": median, "p99": p99}
+    engine.release(symbols)
+    return results
+
+
 def measure_gpus(bench):
     """The towers spread over N GPUs of this machine, for each N asked: step times with the slowest GPU's floor,
     and end-to-end at 400 req/s over 20 symbols."""
     results = {}
     for gpus in bench.gpu_counts():
-        engine = bench.build_engine(devices=[f"cuda:{i}" for i in range(gpus)], capacity=MAX_BATCH + E2E_SYMBOLS)
+        devices = [f"cuda:{i}" for i in range(gpus)] if bench.device.type == "cuda" else ["cpu"] * gpus
+        engine = bench.build_engine(devices=devices, capacity=MAX_BATCH + E2E_SYMBOLS)
         row = {"towers": engine.describe()["towers"],
                "step_ms": measure_steps(engine, bench.device, bench.counts, bench.timer, bench.bandwidth,
                                         bench.args.seed, bench.progress, SHORT_BATCHES),
+               "submit_ms": measure_submits(engine, bench.counts, bench.args.seed),
                "e2e_400rps_20sym": measure_e2e(engine, bench.model, bench.device, bench.counts, bench.args,
                                                bench.progress, prefix=f"G{gpus}_")}
         results[str(gpus)] = row
@@ -690,10 +749,12 @@ def measure_shards(bench):
         per_shard = -(-SHARD_SYMBOLS // gpus) + MAX_BATCH
         engine = ShardedEngine(ModelSpec(bench.args.preset, seed=bench.args.seed), devices, progress=False,
                                capacity=per_shard, host_symbols=0, precision=bench.args.precision)
+        # one GPU passes 2,000 req/s and more over 128 symbols: start the search at 2,000 per GPU
+        rates = [rate for rate in bench.counts.rates if rate >= SHARD_START_RATE * gpus] or bench.counts.rates
         try:
             best, runs = search_max_rate(engine, bench.model, bench.device, bench.counts, bench.args, bench.report,
                                          bench.progress, num_symbols=SHARD_SYMBOLS, prefix=f"SH{gpus}_",
-                                         key=f"shards_{gpus}_rate")
+                                         key=f"shards_{gpus}_rate", rates=rates)
         finally:
             engine.close()
         results[str(gpus)] = {"max_rate_p99_50ms": best, "runs": runs, "startup_s": engine.startup_s}
@@ -754,7 +815,7 @@ class Bench:
         """A fast engine of the run's settings, `options` on top (capacity: symbols it holds on the GPU)."""
         from client.engine.fast import FastEngine
 
-        settings = {"max_batch": MAX_BATCH, "precision": self.args.precision, "state_dtype": self.args.state_dtype,
+        settings = {"max_batch": MAX_BATCH, "precision": self.args.precision, **_state_options(self.args.state_dtype),
                     "capacity": MAX_BATCH, "progress": False, **options}
         begin = time.monotonic()
         engine = FastEngine(self.model, self.device, **settings)
@@ -851,6 +912,10 @@ class Bench:
                                   self.progress)
         self.progress(f"maxrate: {best} req/s with p99 < {P99_LIMIT_MS:g} ms")
 
+    def run_state_rates(self):
+        self.close_engine()
+        measure_state_rates(self)
+
     def run_churn(self):
         result = measure_churn(self)
         self.report.update(churn=result)
@@ -912,7 +977,7 @@ def summary_table(data) -> str:
         gate = row["accuracy"]["gate"]
         lines.append(f"state {name}: {row['symbols_at_budget']} symbols at the budget; step ms {steps}; gate "
                      f"{'passed' if gate['passed'] else 'FAILED'} (worst {gate['worst'][0]} {gate['worst'][1]} "
-                     f"{100 * gate['worst'][2]:.2f}%); max rate {row.get('max_rate_p99_50ms')} req/s")
+                     f"{100 * gate['worst'][2]:.2f}%)")
     if "compile" in data:
         lines.append(f"compile: {json.dumps(data['compile'])[:600]}")
     if "e2e_400rps_20sym" in data:
@@ -926,6 +991,9 @@ def summary_table(data) -> str:
                          f"missed {run['missed']}  {'pass' if run['passed'] else 'FAIL'}")
         lines.append(f"max rate with p99 < {P99_LIMIT_MS:g} ms over {MAXRATE_SYMBOLS} symbols: "
                      f"{data['max_rate_p99_50ms']} req/s")
+    for name, row in data.get("state_rates", {}).items():
+        lines.append(f"state {name} ({row['state_bytes_per_symbol'] / 2**20:.1f} MiB a symbol): max rate over "
+                     f"{MAXRATE_SYMBOLS} symbols {row['max_rate_p99_50ms']} req/s")
     if "churn" in data:
         c = data["churn"]
         lines.append(f"churn: {c['symbols']} symbols through {c['gpu_slots']} GPU slots, {c['offloaded']} offloads, "
@@ -940,8 +1008,9 @@ def summary_table(data) -> str:
     for gpus, row in data.get("gpus", {}).items():
         steps = ", ".join(f"B={b} {r['median']:.3f} ({r['median'] / r['floor']:.2f}x)" for b, r in row["step_ms"].items())
         e2e = row["e2e_400rps_20sym"]
-        lines.append(f"{gpus} GPU(s) {row['towers']}: step ms {steps}; e2e p50 {_fmt(e2e['p50_ms'])} ms, p99 "
-                     f"{_fmt(e2e['p99_ms'])} ms")
+        submits = ", ".join(f"B={b} {r['median']:.3f}" for b, r in row["submit_ms"].items())
+        lines.append(f"{gpus} GPU(s) {row['towers']}: step ms {steps}; submit->result ms {submits}; e2e p50 "
+                     f"{_fmt(e2e['p50_ms'])} ms, p99 {_fmt(e2e['p99_ms'])} ms")
     for gpus, row in data.get("shards", {}).items():
         lines.append(f"{gpus} shard(s): max rate over {SHARD_SYMBOLS} symbols {row['max_rate_p99_50ms']} req/s")
     if "section_s" in data:

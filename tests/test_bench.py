@@ -10,68 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from client.engine.base import check_step_inputs
-from client.model import split_state, stack_states
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "scripts" / "bench.py"
 TOWERS = ("xlstm", "mamba2", "retnet", "hawk")
 BATCHES = ("1", "2", "4", "8", "16", "20", "32", "40", "64")
-
-
-class StandInFastEngine:
-    """FastEngine's API over the fp32 reference model, used only while client/engine/fast is absent:
-    the smoke run then still exercises every section of bench.py."""
-
-    def __init__(self, model, device=None, *, max_batch=64, graphs=None, capacity=None, progress=True):
-        self.model = model
-        self.device = torch.device(device or next(model.parameters()).device)
-        self.max_batch = max_batch
-        self._slot_of: dict[str, int] = {}
-        self._states: list[dict] = []
-        self.weight_bytes = sum(t.numel() * t.element_size()
-                                for t in [*model.parameters(), *model.buffers()])
-        self.state_bytes = sum(t.numel() * t.element_size() for t in model.init_state(1).values())
-
-    def slots_for(self, symbols):
-        for symbol in symbols:
-            if symbol not in self._slot_of:
-                self._slot_of[symbol] = len(self._states)
-                self._states.append(self.model.init_state(1, device=self.device))
-        return torch.tensor([self._slot_of[s] for s in symbols], dtype=torch.int32, device=self.device)
-
-    @torch.no_grad()
-    def step_slots(self, slot_ids, features):
-        slots = slot_ids.tolist()
-        predictions, state = self.model(features, stack_states([self._states[i] for i in slots]))
-        for slot, slot_state in zip(slots, split_state(state)):
-            self._states[slot] = slot_state
-        return predictions
-
-    def step(self, symbols, features):
-        features = check_step_inputs(symbols, features)
-        return self.step_slots(self.slots_for(symbols), torch.from_numpy(features)).numpy()
-
-    def describe(self):
-        return {"engine": "stand-in over the fp32 reference"}
-
-
-FastEngine = StandInFastEngine
-
-# Runs bench.py as __main__ with the real FastEngine when client/engine/fast provides one, else with
-# this module's stand-in in its place.
-_LAUNCHER = """
-import importlib.util, runpy, sys
-sys.path.insert(0, {repo!r})
-try:
-    from client.engine.fast import FastEngine
-except ImportError:
-    spec = importlib.util.spec_from_file_location("client.engine.fast", {test_file!r})
-    sys.modules["client.engine.fast"] = stand_in = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stand_in)
-sys.argv = [{bench!r}] + sys.argv[1:]
-runpy.run_path({bench!r}, run_name="__main__")
-"""
 
 
 def _finite(value):
@@ -85,12 +28,16 @@ def _load_bench():
     return module
 
 
+CPU_SECTIONS = ["copy", "step", "baseline", "accuracy", "precisions", "state_dtypes", "e2e", "maxrate", "churn",
+                "capacity", "gpus", "shards"]  # compile: tests/test_compile.py
+
+
 def test_quick_cpu_run_writes_every_key(tmp_path):
     out = tmp_path / "out.json"
-    launcher = _LAUNCHER.format(repo=str(REPO), test_file=str(Path(__file__).resolve()), bench=str(BENCH))
-    done = subprocess.run([sys.executable, "-c", launcher, "--preset", "tiny", "--device", "cpu", "--quick",
-                           "--json", str(out), "--log-dir", str(tmp_path / "logs")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(BENCH), "--preset", "tiny", "--device", "cpu", "--quick",
+                           "--sections", ",".join(CPU_SECTIONS), "--precisions", "auto;bf16",
+                           "--state-dtypes", "fp32;fp16", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     data = json.loads(out.read_text())
     assert "errors" not in data
@@ -103,11 +50,21 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     # the floor grows with the state each extra row moves
     assert data["step_ms"]["64"]["floor"] > data["step_ms"]["1"]["floor"]
     assert _finite(data["baseline_per_request_ms"]) and data["baseline_per_request_ms"] > 0
-    assert set(data["accuracy"]) == set(TOWERS)
-    for tower in data["accuracy"].values():
-        assert all(_finite(tower[key]) for key in ("max_abs_err", "rmse", "rel_rmse", "within_atol"))
-        assert tower["nan_or_inf"] == 0
-        assert 0 <= tower["within_atol"] <= 1
+    families = data["accuracy"]["families"]
+    assert len(families) == 14 and data["accuracy"]["gate"]["passed"]
+    for towers in families.values():
+        assert set(towers) == set(TOWERS)
+        for tower in towers.values():
+            assert all(_finite(tower[key]) for key in ("max_abs_err", "rmse", "within_atol"))
+            assert tower["nan_or_inf"] == 0 and 0 <= tower["within_atol"] <= 1
+    assert set(data["precisions"]) == {"auto", "bf16"} and "bf16" in data["precisions"]["bf16"]["precision"]
+    assert set(data["state_dtypes"]) == {"fp32", "fp16"}
+    assert data["state_dtypes"]["fp16"]["state_bytes_per_symbol"] < data["state_dtypes"]["fp32"]["state_bytes_per_symbol"]
+    churn = data["churn"]
+    assert churn["bit_equal"] and churn["offloaded"] > 0 and churn["restored"] > 0
+    capacity = data["capacity"]
+    assert capacity["missed"] == 0 and capacity["responses"] == capacity["requests"]
+    assert set(data["gpus"]) == {"1", "2"} and set(data["shards"]) == {"1", "2"}
     e2e = data["e2e_400rps_20sym"]
     assert all(_finite(e2e[key]) for key in ("p50_ms", "p99_ms", "accuracy", "responses_per_s"))
     # the served states continue from the reference's: every answered request is judged correct
@@ -119,7 +76,7 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
         assert run["accuracy"] >= 0.9 or run["missed"] > 0
     passed = [run["rate"] for run in runs if run["passed"]]
     assert data["max_rate_p99_50ms"] == (max(passed) if passed else None)
-    assert set(data["section_s"]) == {"copy", "step", "baseline", "accuracy", "e2e", "maxrate"}
+    assert set(data["section_s"]) == set(CPU_SECTIONS)
     assert "max rate with p99" in done.stdout  # the summary table
     assert any((tmp_path / "logs").glob("bench-*.log"))
 
@@ -146,9 +103,13 @@ def test_reference_tracker_continues_states_across_streams():
 
 @pytest.mark.parametrize("argv, message", [
     (["--sections", "copy,warp"], "unknown sections"),
-    (["--accuracy-symbols", "0"], "positive integer"),
-    (["--accuracy-symbols", "65"], "at most 64"),
-    (["--accuracy-steps", "-3"], "positive integer"),
+    (["--family-symbols", "0"], "positive integer"),
+    (["--family-symbols", "5"], "at most 4"),
+    (["--family-steps", "-3"], "positive integer"),
+    (["--precisions", "auto;fp8"], "unknown precision 'fp8'"),
+    (["--state-dtypes", "fp16;fp9"], "unknown state dtype 'fp9'"),
+    (["--state-dtype", "fp16:up"], "state rounding must be nearest or stochastic"),
+    (["--gpus", "0"], "positive integer"),
     (["--e2e-requests", "0"], "positive integer"),
     (["--rates", "1000,-5"], "positive numbers"),
     (["--rates", ","], "at least one rate"),
@@ -177,7 +138,7 @@ def test_sections_run_in_a_fixed_order():
                                      "--rates", "300,100,100"])
     assert args.sections == ["copy", "maxrate"]
     assert args.counts.rates == [100.0, 300.0]
-    assert args.counts.accuracy_steps == 20  # --quick counts, where not overridden
+    assert args.counts.family_steps == 40  # --quick counts, where not overridden
 
 
 def test_failing_section_is_recorded_and_others_still_run(tmp_path, monkeypatch, capsys):
@@ -188,7 +149,7 @@ def test_failing_section_is_recorded_and_others_still_run(tmp_path, monkeypatch,
                        "--json", str(out)])
     assert code == 1
     data = json.loads(out.read_text())
-    assert set(data["errors"]) == {"step"} and "fast engine is missing" in data["errors"]["step"]
+    assert set(data["errors"]) == {"step"} and "client.engine.fast" in data["errors"]["step"]
     assert _finite(data["copy_gb_per_s"])  # measured for the step floor before the engine was needed
     assert _finite(data["baseline_per_request_ms"])
     assert "FAILED sections: step" in capsys.readouterr().out

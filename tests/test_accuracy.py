@@ -1,0 +1,78 @@
+"""The accuracy suite (client/families.py, client/accuracy.py): the input families, the gate, and the fast engine
+holding the gate on every family on the CPU (through the kernels' references, and through the Triton interpreter)."""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client.accuracy import GATE_WITHIN, Suite, format_table, gate
+from client.engine.fast import FastEngine
+from client.families import FAMILIES, LONG_FAMILY, family_features
+from client.model import TOWER_NAMES, load_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_families_are_what_their_names_say():
+    f = {name: family_features(name, 50, 3, seed=1) for name in [*FAMILIES, LONG_FAMILY]}
+    assert all(x.shape == (50, 3, 79) and x.dtype == np.float32 for x in f.values())
+    assert np.array_equal(family_features("stuck", 50, 3, seed=1), f["stuck"])  # deterministic
+    assert not np.array_equal(family_features("normal", 50, 3, seed=2), f["normal"])
+    assert (f["stuck"] == f["stuck"][:1]).all() and not (f["near_stuck"] == f["near_stuck"][:1]).all()
+    assert np.abs(f["near_stuck"] - f["near_stuck"][:1]).max() < 0.01
+    assert not f["zeros"].any() and (f["sparse"] == 0).mean() > 0.8
+    for exponent in (-3, -2, -1, 1, 2):
+        std = f[f"scale_1e{exponent}"].std()
+        assert 0.8 * 10.0 ** exponent < std < 1.2 * 10.0 ** exponent
+    assert np.abs(f["student_t2"]).max() > 10  # heavy tails
+    assert np.abs(f["shifted"].mean(axis=0)).mean() > 1  # each symbol its own means
+    half = f["regime_change"][25:].std() / f["regime_change"][:25].std()
+    assert half > 5
+    with pytest.raises(ValueError, match="unknown input family 'nope'"):
+        family_features("nope", 1, 1, 0)
+
+
+def _stats(within=1.0, nan=0):
+    return {tower: {"within_atol": within, "max_abs_err": 1e-4, "rmse": 1e-5, "nan_or_inf": nan}
+            for tower in TOWER_NAMES}
+
+
+def test_the_gate_needs_every_tower_of_every_family_and_no_nan():
+    assert gate({"a": _stats(), "b": _stats(GATE_WITHIN)})["passed"]
+    failed = gate({"a": _stats(), "b": {**_stats(), "retnet": {**_stats()["retnet"], "within_atol": 0.998}}})
+    assert not failed["passed"] and failed["worst"] == ["b", "retnet", 0.998]
+    assert not gate({"a": _stats(nan=1)})["passed"]
+
+
+def test_fast_engine_holds_the_gate_on_every_family_on_cpu():
+    model, _ = load_model("small", seed=0)
+    suite = Suite(model, "cpu", symbols_per_family=1, steps=30, long_symbols=1, long_steps=200, seed=0)
+    engine = FastEngine(model, device="cpu", capacity=suite.symbols, progress=False)
+    result = suite.measure(engine)
+    assert set(result["families"]) == {*FAMILIES, LONG_FAMILY}
+    assert result["gate"]["passed"], format_table(result)
+    assert engine.symbols == []  # the suite gives its symbols back
+    assert all(math.isfinite(row["max_abs_err"]) for towers in result["families"].values() for row in towers.values())
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with CUDA the kernels run natively")
+def test_fast_engine_holds_the_gate_through_the_triton_interpreter():
+    code = ("import torch\ntorch.set_num_threads(1)\n"
+            "import kernels._common as c; assert c.INTERPRET\n"
+            "from client.accuracy import Suite, format_table\n"
+            "from client.engine.fast import FastEngine\n"
+            "from client.model import load_model\n"
+            "m, _ = load_model('tiny', seed=0)\n"
+            "suite = Suite(m, 'cpu', families=('normal', 'scale_1e2', 'stuck', 'zeros'), symbols_per_family=1, "
+            "steps=6, long_symbols=0)\n"
+            "result = suite.measure(FastEngine(m, device='cpu', capacity=4, progress=False))\n"
+            "print(format_table(result))\n"
+            "assert result['gate']['passed']\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
