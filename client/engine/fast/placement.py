@@ -14,8 +14,8 @@ from client.model.config import TOWER_NAMES
 
 from client.engine.precision import resolve_precision
 
-# Each tower alone at B=1 as a CUDA graph (ms, H100, scripts/profile_step.py; bench/LOG.md section 31): the
-# chain term of the estimate.
+# Each tower alone at B=1 (ms, H100; the chain term of the estimate): xLSTM, Mamba2 and RetNet measured
+# (bench/LOG.md sections 16 and 19), Hawk estimated from its bytes (0.77 GB, the shortest chain).
 TOWER_ALONE_MS = {"xlstm": 1.08, "mamba2": 0.75, "retnet": 0.95, "hawk": 0.45}
 BANDWIDTH = 2.4e12  # bytes/s reached by the concurrent step at B=1 (bench/h100.json: 4.9 GB in 2.1 ms)
 
