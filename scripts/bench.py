@@ -111,10 +111,6 @@ def _sections(text):
     return [name for name in SECTIONS if name in names]  # always in the order that shares work sensibly
 
 
-def _positive_int_value(text):
-    return _positive_int(text)
-
-
 def _state_dtype(text):
     """A state dtype spec (client/engine/precision.py, parse_state_dtype), optionally ending in ':nearest' or
     ':stochastic' (the rounding of 16-bit state; stochastic by default)."""
@@ -183,7 +179,7 @@ def parse_args(argv=None):
                         default=["fp32", "fp16", "fp16:nearest", "bf16", "fp16,retnet=fp16"],
                         help="state_dtypes section: specs separated by ';' (default "
                              "fp32;fp16;fp16:nearest;bf16;fp16,retnet=fp16)")
-    parser.add_argument("--gpus", type=_list_of(_positive_int_value), default=None,
+    parser.add_argument("--gpus", type=_list_of(_positive_int), default=None,
                         help="gpus and shards sections: GPU counts to run, comma list (default: 1 and every GPU)")
     parser.add_argument("--merge", action="store_true", help="keep what --json already holds; rewrite only the "
                                                                "sections of this run")
