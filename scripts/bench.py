@@ -24,14 +24,13 @@ import platform  # noqa: E402
 import queue  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from client import event_loop  # noqa: E402
-from client.accuracy import Suite, format_table as accuracy_table  # noqa: E402
+from client.accuracy import Suite, strict_fp32, format_table as accuracy_table  # noqa: E402
 from client.engine.precision import (add_precision_argument, describe_precision, parse_precision,  # noqa: E402
                                      parse_state_dtype)
 from client.families import FAMILIES  # noqa: E402
@@ -284,18 +283,6 @@ class Timer:
 def _median_p99(times_ms):
     times = np.asarray(times_ms, dtype=np.float64)
     return float(np.median(times)), float(np.percentile(times, 99))
-
-
-@contextmanager
-def strict_fp32():
-    """The reference is plain fp32: no TF32 matmuls or convolutions while it runs (restored afterwards,
-    since the fast engine may choose its own setting)."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 # ---- sections ------------------------------------------------------------------------------------
