@@ -17,7 +17,7 @@ from client.model.config import TOWER_NAMES
 
 from .placement import place_towers
 from .runner import BUCKETS, DEFAULT_PRECISION, GraphedStep, StepRunner, input_bytes, input_views
-from .state_table import PAD_SLOT, CapacityError, StateTable, capacity_for_memory
+from .state_table import PAD_SLOT, CapacityError, StateTable, capacity_for_memory, slot_layout
 
 __all__ = ["FastEngine", "RING", "StepRunner", "GraphedStep", "StateTable", "CapacityError", "PAD_SLOT",
            "DEFAULT_PRECISION", "BUCKETS"]
@@ -167,12 +167,10 @@ class FastEngine(Engine):
 
     @staticmethod
     def _slot_bytes(parts):
-        from .state_table import slot_layout
         return sum(slot_layout(layout)[1] for layout, _ in parts)
 
     @staticmethod
     def _capacity_for_memory(parts, share):
-        from .state_table import slot_layout
         if parts[0][1].type != "cuda":
             if not 0 < share <= 0.95:
                 raise ValueError(f"--state-memory must be a share in (0, 0.95], got {share}")
