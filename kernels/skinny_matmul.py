@@ -9,6 +9,8 @@ fp32 accuracy on fp16 tensor cores ("split fp16"): W is stored once as W = W_hi 
 tensors, 4 bytes per weight like fp32), x is split the same way in registers, and
 x W^T = x_hi W_hi^T + (x_hi W_lo^T + x_lo W_hi^T) / 2^11, dropping only x_lo W_lo^T: about 22 bits of each
 product, relative error ~1e-6 where TF32 gives ~1e-3. RetNet's tower needs that (FACTS.md, "Precision").
+W_lo may cover only W's first rows (a product whose leading rows need fp32 and the rest fp16, as the mLSTM's fused
+x/gate projection: bench/LOG.md section 34); the other rows are plain fp16.
 16-bit weights alone multiply x cast to their dtype and accumulate in fp32, as cuBLAS does.
 """
 import torch
@@ -35,10 +37,13 @@ def _check(x, weight, bias, weight_lo):
                          f"{getattr(weight, 'shape', type(weight).__name__)} {getattr(weight, 'dtype', '')}")
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous")
-    if weight_lo is not None and (weight_lo.shape != weight.shape or weight_lo.dtype != torch.float16
-                                  or weight.dtype != torch.float16 or not weight_lo.is_contiguous()):
-        raise ValueError("a split weight is two contiguous float16 tensors (hi, lo) of one shape")
     N, K = weight.shape
+    if weight_lo is not None and (weight_lo.dim() != 2 or not 0 < weight_lo.shape[0] <= N
+                                  or weight_lo.shape[1] != K or weight_lo.dtype != torch.float16
+                                  or weight.dtype != torch.float16 or not weight_lo.is_contiguous()):
+        raise ValueError(f"a split weight is two contiguous float16 tensors (hi [N, K], lo [N_lo <= N, K] of "
+                         f"hi's first rows), got {tuple(weight.shape)} {weight.dtype} and "
+                         f"{tuple(getattr(weight_lo, 'shape', ()))} {getattr(weight_lo, 'dtype', '')}")
     x = check_input("x", x, (None, K), weight.device)
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows, got {x.shape[0]}")
@@ -47,27 +52,22 @@ def _check(x, weight, bias, weight_lo):
 
 
 def skinny_matmul_ref(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None):
-    """PyTorch reference, exact in fp64: x rounded to W's dtype, or split like W when weight_lo is given."""
+    """PyTorch reference, exact in fp64: x rounded to W's dtype, or split like W for the rows weight_lo covers."""
     x, bias = _check(x, weight, bias, weight_lo)
-    if weight_lo is None:
-        y = x.to(weight.dtype).double() @ weight.double().t()
-    else:
+    y = x.to(weight.dtype).double() @ weight.double().t()
+    if weight_lo is not None:
         x_hi, x_lo = (t.double() for t in split_fp16(x.float()))
-        y = x_hi @ weight.double().t() + (x_hi @ weight_lo.double().t() + x_lo @ weight.double().t()) / LO_SCALE
+        rows = weight_lo.shape[0]
+        y[:, :rows] += (x_hi @ weight_lo.double().t() + x_lo @ weight[:rows].double().t()) / LO_SCALE
     if bias is not None:
         y += bias.double()
     return (y.clamp_min(0) if relu else y).to(out_dtype)
 
 
 @triton.jit
-def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                          HAS_BIAS: tl.constexpr, RELU: tl.constexpr, SPLIT: tl.constexpr, LO_SCALE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm = tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-    w_offsets = rn[:, None] * K + rk[None, :]
+def _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, SPLIT: tl.constexpr,
+              LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] of x @ W^T in fp32; with SPLIT, its columns below N_LO split."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     corr = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the split's lower-order terms, x LO_SCALE
     for k in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the launcher)
@@ -77,13 +77,35 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, K, stride_
         acc = tl.dot(x_hi, tl.trans(w), acc)
         if SPLIT:
             x_lo = ((x.to(tl.float32) - x_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
-            w_lo = tl.load(w_lo_ptr + w_offsets, mask=rn[:, None] < N, other=0.0)
+            w_lo = tl.load(w_lo_ptr + w_offsets, mask=rn[:, None] < N_LO, other=0.0)
             corr = tl.dot(x_hi, tl.trans(w_lo), corr)
             corr = tl.dot(x_lo, tl.trans(w), corr)
         x_ptrs += BLOCK_K
         w_offsets += BLOCK_K
+    if SPLIT:  # rows past N_LO are plain fp16 products: their x_lo W_hi term is dropped
+        acc += tl.where(rn[None, :] < N_LO, corr, 0.0) * (1.0 / LO_SCALE)
+    return acc
+
+
+@triton.jit
+def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, stride_xm, stride_ym,
+                          HAS_BIAS: tl.constexpr, RELU: tl.constexpr, SPLIT: tl.constexpr, LO_SCALE: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    w_offsets = rn[:, None] * K + rk[None, :]
+    # a program wholly past the split rows streams W alone: one loop of each kind, each pipelined
+    split = False
     if SPLIT:
-        acc += corr * (1.0 / LO_SCALE)
+        split = tl.program_id(0) * BLOCK_N < N_LO
+    if split:
+        acc = _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, True, LO_SCALE, BLOCK_M,
+                        BLOCK_N, BLOCK_K)
+    else:
+        acc = _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, False, LO_SCALE, BLOCK_M,
+                        BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     if RELU:
@@ -112,7 +134,8 @@ def supports(M, N, K) -> bool:
 
 def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None, config=None):
     """x [M <= 64, K] (any float dtype), weight [N, K] fp16/bf16 -> [M, N] in out_dtype, accumulated in fp32;
-    with weight_lo (split_fp16 of an fp32 weight: weight, weight_lo = hi, lo) about fp32 accuracy.
+    with weight_lo (split_fp16 of an fp32 weight: weight, weight_lo = hi, lo) about fp32 accuracy, for the
+    first weight_lo.shape[0] rows (the others are fp16).
     `config` = (BLOCK_N, BLOCK_K, num_stages, num_warps) overrides default_config (for benchmarks)."""
     if not use_triton(weight):
         return skinny_matmul_ref(x, weight, bias, relu, out_dtype, weight_lo)
@@ -129,7 +152,8 @@ def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, wei
     if K % block_k:
         raise ValueError(f"BLOCK_K={block_k} must divide K={K}")
     _skinny_matmul_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, weight_lo if split else weight, bias if bias is not None else weight, y, M, N, K, x.stride(0),
+        x, weight, weight_lo if split else weight, bias if bias is not None else weight, y, M, N,
+        weight_lo.shape[0] if split else 0, K, x.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, RELU=relu, SPLIT=split, LO_SCALE=LO_SCALE,
         BLOCK_M=max(16, next_pow2(M)), BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps)
     return y

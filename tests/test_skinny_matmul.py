@@ -66,6 +66,27 @@ def test_triton_matches_reference(M, N, K, dtype):
         assert (y.double() - exact).abs().max().item() <= 1e-5 * scale
 
 
+def split_rows(w, rows):
+    """kwargs of skinny_matmul for w with its first `rows` rows split (about fp32) and the others fp16."""
+    hi, lo = split_fp16(w[:rows])
+    return {"weight": torch.cat([hi, w[rows:].half()]).contiguous(), "weight_lo": lo.contiguous()}
+
+
+@pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
+@pytest.mark.parametrize("M", [1, 20])
+@pytest.mark.parametrize("rows", [128, 40])  # a whole number of programs' columns, and not
+def test_split_rows_then_fp16_rows(M, rows):
+    x, w, _ = make(M, 256, 128, torch.float32, M + rows)
+    y = skinny_matmul(x, **split_rows(w, rows))
+    ref = skinny_matmul_ref(x, **split_rows(w, rows))
+    scale = ref.abs().max().item()
+    assert (y - ref).abs().max().item() <= 2e-6 * scale
+    exact = x.double() @ w.double().t()
+    assert (y[:, :rows].double() - exact[:, :rows]).abs().max().item() <= 1e-5 * scale  # about fp32
+    fp16 = skinny_matmul_ref(x, w[rows:].half())  # the other rows: the fp16 product, x rounded to fp16
+    assert (y[:, rows:] - fp16).abs().max().item() <= 2e-6 * scale
+
+
 @pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
 def test_bias_relu_epilogue(out_dtype):
@@ -99,10 +120,12 @@ def test_shapes_and_errors():
         skinny_matmul(torch.zeros(2, 64), torch.zeros(32, 64))  # fp32 weights go in as a split pair
     with pytest.raises(ValueError, match="split weight"):
         skinny_matmul(torch.zeros(2, 64), w, weight_lo=torch.zeros(32, 63, dtype=torch.float16))
+    with pytest.raises(ValueError, match="split weight"):  # more low rows than W has
+        skinny_matmul(torch.zeros(2, 64), w, weight_lo=torch.zeros(33, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match="bias must have shape"):
         skinny_matmul(torch.zeros(2, 64), w, torch.zeros(31))
 
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
 def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches or epilogue or explicit_config")
+    run_under_interpreter(__file__, "triton_matches or epilogue or explicit_config or split_rows")

@@ -18,7 +18,7 @@ from client.model.config import TOWER_NAMES
 # The weight groups a precision override may name ("<tower>.<part>"); the fast engine's blocks (layers.py) take
 # their dtypes by these names.
 TOWER_PARTS = {
-    "xlstm": ("input_down", "mlp", "slstm", "mlstm_proj", "mlstm_qkv", "mlstm_down"),
+    "xlstm": ("input_down", "mlp", "slstm", "mlstm_x", "mlstm_gate", "mlstm_qkv", "mlstm_down"),
     "mamba2": ("input_down", "mlp", "in_proj", "out_proj"),
     "retnet": ("input_down", "mlp", "qkvg", "out_proj"),
     "hawk": ("input_down", "mlp", "gate_rec", "rglru_gates", "out_proj"),
@@ -27,10 +27,16 @@ TOWER_PARTS = {
 # ill-conditioned when q.k is near zero, so its tower stays in fp32 (FACTS.md, "Precision"). input_down carries
 # the features' scale straight to the prediction (the residual stream has no norm before output_proj): with
 # features 100x unit scale, fp16 weights there put Mamba2 and Hawk outside 1e-3 (bench/LOG.md section 29), so it
-# stays fp32, for 1.5% of the step.
+# stays fp32, for 1.5% of the step. Some mLSTM heads settle near zero on small or stuck features, and their
+# GroupNorm scales them back up, with any error upstream: their q, k, v (x_proj and the tiny q/k/v blocks) stay
+# fp32, for ~3% of the step (bench/LOG.md section 34).
 DEFAULT_PRECISION = {"xlstm": torch.float16, "mamba2": torch.float16, "retnet": torch.float32,
-                     "hawk": torch.float16, "xlstm.input_down": torch.float32,
-                     "mamba2.input_down": torch.float32, "hawk.input_down": torch.float32}
+                     "hawk": torch.float16, "xlstm.input_down": torch.float32, "xlstm.mlstm_x": torch.float32,
+                     "xlstm.mlstm_qkv": torch.float32, "mamba2.input_down": torch.float32,
+                     "hawk.input_down": torch.float32}
+
+# Parts stacked in one product (layers.Linear): one dtype, or the first fp32 and the second fp16.
+STACKED_PARTS = (("xlstm.mlstm_x", "xlstm.mlstm_gate"),)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 ALIASES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -64,6 +70,19 @@ def _set(precision, key, dtype):
     precision[key] = dtype
 
 
+def _dtype_of(precision, key):
+    return precision.get(key, precision[key.split(".")[0]])
+
+
+def check_stacked(precision):
+    for first, second in STACKED_PARTS:
+        pair = (_dtype_of(precision, first), _dtype_of(precision, second))
+        if pair[0] != pair[1] and pair != (torch.float32, torch.float16):
+            raise ValueError(f"{first} and {second} share one product: give them one dtype, or fp32 then fp16 "
+                             f"(got {SHORT_NAMES[pair[0]]} and {SHORT_NAMES[pair[1]]})")
+    return precision
+
+
 def parse_precision(spec) -> dict:
     """A spec string (or None: auto) -> {tower or "<tower>.<part>": torch.dtype}, every tower present.
     Raises ValueError with one line naming the choices for an unknown name or key."""
@@ -86,11 +105,11 @@ def parse_precision(spec) -> dict:
         if name != "auto":
             _set(precision, key, DTYPES[name])
         elif "." in key:
-            _set(precision, key, DEFAULT_PRECISION.get(key, DEFAULT_PRECISION[key.split(".")[0]]))
+            _set(precision, key, _dtype_of(DEFAULT_PRECISION, key))
         else:
             _set(precision, key, DEFAULT_PRECISION[key])
             precision.update({k: v for k, v in DEFAULT_PRECISION.items() if k.startswith(key + ".")})
-    return precision
+    return check_stacked(precision)
 
 
 def resolve_precision(precision=None) -> dict:
@@ -106,7 +125,7 @@ def resolve_precision(precision=None) -> dict:
     resolved = dict(DEFAULT_PRECISION)
     for key in sorted(precision, key=lambda k: "." in k):  # towers first, then their parts
         _set(resolved, key, precision[key])
-    return resolved
+    return check_stacked(resolved)
 
 
 def describe_precision(precision) -> str:
@@ -136,7 +155,8 @@ def add_precision_argument(parser, default="auto"):
     FastEngine(precision=...)."""
     parser.add_argument(
         "--precision", type=precision_argument, default=parse_precision(default), metavar="SPEC",
-        help="fast engine weight precision: auto (the measured default: fp16, RetNet and input_down fp32), bf16, "
+        help="fast engine weight precision: auto (the measured default: fp16; RetNet, input_down and the mLSTM's "
+             "q/k/v inputs fp32), bf16, "
              "fp16 or fp32, then overrides per tower or part, e.g. 'bf16,retnet=fp32' or "
              f"'auto,hawk=bf16,xlstm.mlp=fp32' (towers and parts: {_known_keys()})")
 

@@ -21,7 +21,7 @@ from kernels import (add_rms_norm, causal_conv_update, gated_rms_norm, mamba2_st
                      slstm_output, slstm_step, xlstm_residual)
 from kernels._common import use_triton
 from kernels.mlstm_input import pack_qkv_weight
-from kernels.skinny_matmul import split_fp16
+from kernels.skinny_matmul import LO_SCALE, split_fp16
 from kernels.skinny_matmul import supports as skinny_supports
 from kernels.slstm_step import pack_weights as pack_slstm_weights
 
@@ -72,21 +72,39 @@ class Linear:
     """y = x @ W^T + b: W stored in `dtype` (16-bit or fp32), products accumulated in fp32. After
     use_skinny(True) (the runner's choice per weight dtype) a step's few rows go through
     kernels/skinny_matmul.py, which streams W once and casts or splits x inside the kernel; otherwise, and for
-    shapes it does not take, cuBLAS."""
+    shapes it does not take, cuBLAS.
+
+    `weights` may be several matrices stacked as one product, and `dtype` one dtype per matrix: fp32 ones first,
+    then fp16 ones make one product whose leading rows keep about fp32 accuracy (a split fp16 pair) and whose
+    other rows read fp16 alone; x then comes in fp32."""
 
     def __init__(self, weights, bias, dtype, device):
-        weight = torch.cat(weights) if isinstance(weights, (list, tuple)) else weights
-        self.weight = weight.to(device=device, dtype=dtype).contiguous()  # [out, in]
+        weights = list(weights) if isinstance(weights, (list, tuple)) else [weights]
+        dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(weights)
+        weight = torch.cat(weights).to(device=device, dtype=torch.float32)
+        self.weight_lo = None  # the split rows' low halves (mixed fp32/fp16 rows only)
+        if len(set(dtypes)) == 1:
+            self.weight = weight.to(dtypes[0]).contiguous()  # [out, in]
+        else:
+            split = sum(w.shape[0] for w, d in zip(weights, dtypes) if d == torch.float32)
+            if dtypes != sorted(dtypes, key=lambda d: d != torch.float32) or set(dtypes) != {torch.float32,
+                                                                                          torch.float16}:
+                names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+                raise ValueError(f"weights stacked in one product take one dtype, or fp32 then fp16; got {names}")
+            hi, self.weight_lo = split_fp16(weight[:split])
+            self.weight = torch.cat([hi, weight[split:].to(torch.float16)]).contiguous()
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
-        self.bias_w = None if bias is None else bias.to(device=device, dtype=dtype)  # for the fused epilogue
+        self.bias_w = None if bias is None else bias.to(device=device, dtype=self.weight.dtype)  # fused epilogue
         self.skinny = None  # kwargs of skinny_matmul for W, when this product uses it
-        _fp32_out_supported(device, dtype)  # probed now rather than inside a torch.compile trace
+        _fp32_out_supported(device, self.weight.dtype)  # probed now rather than inside a torch.compile trace
 
     def use_skinny(self, on):
         """Route products of up to 64 rows through the skinny kernel (where Triton runs); an fp32 W is then
         kept as a split fp16 pair too (about fp32 accuracy on fp16 tensor cores)."""
         if not (on and use_triton(self.weight)):
             self.skinny = None
+        elif self.weight_lo is not None:
+            self.skinny = {"weight": self.weight, "weight_lo": self.weight_lo}
         elif self.dtype == torch.float32:
             hi, lo = split_fp16(self.weight)
             self.skinny = {"weight": hi, "weight_lo": lo}
@@ -95,11 +113,13 @@ class Linear:
 
     @property
     def dtype(self):
-        return self.weight.dtype
+        """The dtype x should come in: fp32 when any rows are fp32."""
+        return torch.float32 if self.weight_lo is not None else self.weight.dtype
 
     @property
     def nbytes(self):
-        return self.weight.numel() * self.weight.element_size() + (0 if self.bias is None else self.bias.numel() * 4)
+        lo = 0 if self.weight_lo is None else self.weight_lo.numel() * 2
+        return self.weight.numel() * self.weight.element_size() + lo + (0 if self.bias is None else self.bias.numel() * 4)
 
     def _use_skinny(self, x):
         M, (N, K) = x.shape[0], self.weight.shape
@@ -109,12 +129,18 @@ class Linear:
         """x @ W^T in fp32, without the bias (the caller fuses it into a later kernel)."""
         if self._use_skinny(x):
             return skinny_matmul(x, **self.skinny)
+        if self.weight_lo is not None:  # the skinny kernel's split, through cuBLAS
+            x_hi, x_lo = split_fp16(x.float())
+            y = mm32(x_hi, self.weight.t())
+            rows = self.weight_lo.shape[0]
+            y[:, :rows] += (mm32(x_hi, self.weight_lo.t()) + mm32(x_lo, self.weight[:rows].t())) / LO_SCALE
+            return y
         return mm32(x.to(self.dtype), self.weight.t())
 
     def __call__(self, x):
         if self._use_skinny(x):
             return skinny_matmul(x, bias=self.bias, **self.skinny)
-        if self.dtype == torch.float32:
+        if self.dtype == torch.float32 and self.weight_lo is None:
             return F.linear(x, self.weight, self.bias)  # bias in the GEMM epilogue
         y = self.product(x)
         return y if self.bias is None else y + self.bias
@@ -124,6 +150,8 @@ class Linear:
         next product, which reads it in this dtype anyway."""
         if self._use_skinny(x):
             return skinny_matmul(x, bias=self.bias, relu=True, out_dtype=self.dtype, **self.skinny)
+        if self.weight_lo is not None:
+            return torch.relu(self(x))
         return torch._addmm_activation(self.bias_w, x.to(self.dtype), self.weight.t())
 
 
@@ -198,8 +226,9 @@ class XLSTMBlock(Block):
         self.s_bias = torch.stack([sd[s + f"{g}gate_state.bias"] for g in "ifzo"]).to(device)  # [4, H]
         self.s_gn = sd[s + "group_norm.weight"].to(device), sd[s + "group_norm.bias"].to(device)
         self.m_norm = sd[m + "norm.weight"].to(device)
-        self.m_xg = Linear([sd[m + "x_proj.weight"], sd[m + "gate_proj.weight"]], None, dtype_of("mlstm_proj"),
-                           device)
+        # x_proj feeds q, k, v and the near-degenerate heads' GroupNorm; gate_proj acts after it (LOG section 34)
+        self.m_xg = Linear([sd[m + "x_proj.weight"], sd[m + "gate_proj.weight"]], None,
+                           [dtype_of("mlstm_x"), dtype_of("mlstm_gate")], device)
         self.m_conv = _conv(sd, m + "conv1d", device)
         self.m_qkv = pack_qkv_weight(*(sd[m + f"{t}_proj.weight"] for t in "qkv")).to(device, dtype_of("mlstm_qkv"))
         cell = m + "mlstm_cell."
