@@ -1,0 +1,106 @@
+"""What a precision costs in step time: several engines in one process, timed in turn (rounds x engines x batch
+sizes), so that the machine's drift falls on each alike. A few percent between two precisions is below the
+spread of engines timed one after another (scripts/bench.py's precisions section), not below this one's.
+
+    python scripts/precision_cost.py "auto;auto,xlstm.mlstm_x=fp16,xlstm.mlstm_qkv=fp16" --json out.json
+    python scripts/precision_cost.py "auto;fp16" --preset tiny --device cpu --rounds 1 --iters 3   # CPU smoke run
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from client import cli  # noqa: E402
+from client.engine.fast import FastEngine  # noqa: E402
+from client.engine.precision import parse_precision  # noqa: E402
+from client.model import PRESETS, load_model  # noqa: E402
+
+
+def specs_argument(text):
+    specs = [spec.strip() for spec in text.split(";")]
+    for spec in specs:
+        try:
+            parse_precision(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return specs
+
+
+def step_ms(engine, slots, features, iters):
+    """Median milliseconds of one step (GPU time between events on CUDA, wall time on the CPU)."""
+    times = []
+    for _ in range(iters):
+        if features.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            engine.step_slots(slots, features)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            engine.step_slots(slots, features)
+            times.append((time.perf_counter() - begin) * 1e3)
+    return float(np.median(times))
+
+
+def measure(specs, preset="full", device="cuda", batches=(1, 20, 64), rounds=6, iters=100, warmup=10):
+    """{spec: {batch: median over rounds of each round's median step ms}}, plus the rounds themselves."""
+    model, _ = load_model(preset, seed=0, device=device)
+    engines = {spec: FastEngine(model, device, precision=spec, capacity=sum(batches), max_batch=max(batches),
+                                progress=False) for spec in specs}
+    slots = {spec: {b: engine.slots_for([f"B{b}/{i}" for i in range(b)]) for b in batches}
+             for spec, engine in engines.items()}
+    rows = {spec: {b: [] for b in batches} for spec in specs}
+    generator = torch.Generator().manual_seed(0)
+    for done in range(rounds):
+        for spec, engine in engines.items():
+            for b in batches:
+                features = torch.randn(b, model.cfg.features, generator=generator).to(device)
+                step_ms(engine, slots[spec][b], features, warmup)
+                rows[spec][b].append(step_ms(engine, slots[spec][b], features, iters))
+        sys.stderr.write(f"round {done + 1}/{rounds} done\n")
+    return {"preset": preset, "device": str(device), "rounds": rounds, "iters": iters,
+            "weight_bytes": {spec: engine.weight_bytes for spec, engine in engines.items()},
+            "median_ms": {spec: {b: float(np.median(v)) for b, v in row.items()} for spec, row in rows.items()},
+            "round_ms": rows}
+
+
+def positive_int(text):
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def main(argv=None):
+    parser = cli.ArgumentParser(prog="precision_cost.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("specs", type=specs_argument, help="precision specs separated by ';' (the first is the base)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batches", type=lambda t: [positive_int(b) for b in t.split(",")], default=[1, 20, 64],
+                        help="comma list of batch sizes (default 1,20,64)")
+    parser.add_argument("--rounds", type=positive_int, default=6)
+    parser.add_argument("--iters", type=positive_int, default=100, help="timed steps a round, engine and batch")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args(argv)
+    cli.check_device(args.device)
+    result = measure(args.specs, args.preset, args.device, args.batches, args.rounds, args.iters)
+    base = result["median_ms"][args.specs[0]]
+    for spec, row in result["median_ms"].items():
+        cells = "  ".join(f"B={b} {ms:.3f} ms ({100 * (ms / base[b] - 1):+.1f}%)" for b, ms in row.items())
+        print(f"{spec:<48} {cli.format_bytes(result['weight_bytes'][spec]):>9}  {cells}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_cli(main, "precision_cost.py"))
