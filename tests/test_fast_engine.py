@@ -178,6 +178,27 @@ def test_padding_rows_never_touch_live_state_on_gpu():
 
 
 @cuda
+def test_precompile_threads_touch_only_the_padding_slot_on_gpu():
+    """The startup's kernel compile (one eager step a bucket, buckets in threads) leaves every symbol's state as
+    it was, and the engine's steps after it are those of an engine stepped alone."""
+    from client.engine.fast.runner import precompile
+    model, _ = load_model("small", seed=0, device="cuda")
+    fast = FastEngine(model, device="cuda", max_batch=8, capacity=10, progress=False)
+    fast.step(["A", "B", "C"], np.ones((3, 79), np.float32))
+    torch.cuda.synchronize()
+    before = {k: v.clone() for k, v in fast.table.tensors.items()}
+    precompile(fast.runner, [1, 2, 3, 5, 8])
+    for name, t in fast.table.tensors.items():
+        for slot in range(t.shape[0]):
+            if slot != PAD_SLOT:
+                assert torch.equal(t[slot], before[name][slot]), (name, slot)
+    alone = FastEngine(model, device="cuda", max_batch=8, capacity=10, progress=False)
+    alone.step(["A", "B", "C"], np.ones((3, 79), np.float32))
+    features = np.random.default_rng(0).standard_normal((3, 79)).astype(np.float32)
+    np.testing.assert_array_equal(fast.step(["A", "B", "C"], features), alone.step(["A", "B", "C"], features))
+
+
+@cuda
 def test_offload_and_return_with_steps_in_flight_on_gpu():
     """Pipelined submits (several steps enqueued) through a 3-slot table: every state moved to host memory and
     back lands byte for byte, as in an engine that never offloads."""

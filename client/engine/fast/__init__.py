@@ -16,7 +16,7 @@ from client.engine.precision import describe_precision, describe_state_dtype, pa
 from client.model.config import TOWER_NAMES
 
 from .placement import place_towers
-from .runner import BUCKETS, DEFAULT_PRECISION, GraphedStep, StepRunner, input_bytes, input_views
+from .runner import BUCKETS, DEFAULT_PRECISION, GraphedStep, StepRunner, input_bytes, input_views, precompile
 from .state_table import PAD_SLOT, CapacityError, StateTable, capacity_for_memory, slot_layout
 
 __all__ = ["FastEngine", "RING", "StepRunner", "GraphedStep", "StateTable", "CapacityError", "PAD_SLOT",
@@ -134,8 +134,16 @@ class FastEngine(Engine):
         self.table = StateTable(parts, capacity, host_capacity=host_symbols, idle_timeout_s=idle_timeout_s,
                                 reserve=reserve, separate=compile)
         self.max_batch = max_batch = min(max_batch, capacity)  # a step's symbols all hold GPU slots at once
+        buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         for shard, part in zip(self.shards, self.table.parts):
             shard.runner.attach(part.tensors)
+            began, tell = time.perf_counter(), progress and shard.device.type == "cuda"
+            if tell:
+                sys.stderr.write(f"[fast engine] compiling kernels for {len(buckets)} batch sizes on {shard.device} ...")
+                sys.stderr.flush()
+            precompile(shard.runner, buckets)
+            if tell:
+                sys.stderr.write(f" {time.perf_counter() - began:.1f} s\n")
             if compile:
                 self.compile_s += warm_up(shard.runner, self.max_batch, progress)
         self._ring = None  # without CUDA every step is synchronous
@@ -145,7 +153,6 @@ class FastEngine(Engine):
         use_graphs = devices[0].type == "cuda" if graphs is None else graphs
         self.graphed = None
         if use_graphs:
-            buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
             for i, shard in enumerate(self.shards):
                 with torch.cuda.device(shard.device):
                     label = "capturing graphs" + (f" on {shard.device}" if len(self.shards) > 1 else "")

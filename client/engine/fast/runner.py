@@ -1,4 +1,7 @@
 """How a step runs: the four towers over the state table, eagerly or as CUDA graphs per batch-size bucket."""
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from client.engine.precision import DEFAULT_PRECISION, TOWER_PARTS, resolve_precision
@@ -45,11 +48,11 @@ class Tower:
                  "rounding": None if counter is None else StochasticRounding(counter, 64 * tower + i)}
                 for i, prefix in enumerate(f"{self.name}.{i}." for i in range(len(self.blocks)))]
 
-    def __call__(self, up, block_states, slots):
+    def __call__(self, up, block_states, slots, hand_fused=False):
         # x starts at zero with input_down's output pending: the first norm1 adds it (see layers.Block)
         x = torch.zeros(up.shape[0], self.input_down.weight.shape[0], device=up.device)
         delta, bias = self.input_down.product(up), self.input_down.bias
-        for step, states in zip(self.steps, block_states):
+        for step, states in zip(self.blocks if hand_fused else self.steps, block_states):
             delta, bias = step(x, delta, bias, states, slots)
         return x + delta + bias
 
@@ -126,13 +129,14 @@ class StepRunner:
         for linear in self.linears():
             linear.use_skinny(linear.dtype in tuple(dtypes))
 
-    def __call__(self, slots, features):
+    def __call__(self, slots, features, hand_fused=False):
+        """hand_fused: run the blocks themselves even where compile() routed them through torch.compile."""
         up = torch.relu(self.input_up(features))  # [B, towers * proj]
         chunks = up.split(self.proj, dim=1)
         # Each tower's prediction is its own product with output_proj (the same shapes whichever towers share
         # this runner, so a runner of some towers gives bit for bit a runner of all four's columns)
         if self.streams is None:
-            predictions = [torch.mv(tower(chunk, states, slots), self.output_w)
+            predictions = [torch.mv(tower(chunk, states, slots, hand_fused), self.output_w)
                            for tower, chunk, states in zip(self.towers, chunks, self.tower_states)]
         else:
             main = torch.cuda.current_stream(self.device)
@@ -140,12 +144,40 @@ class StepRunner:
             for tower, chunk, states, stream in zip(self.towers, chunks, self.tower_states, self.streams):
                 stream.wait_stream(main)
                 with torch.cuda.stream(stream):
-                    predictions.append(torch.mv(tower(chunk, states, slots), self.output_w))
+                    predictions.append(torch.mv(tower(chunk, states, slots, hand_fused), self.output_w))
             for stream in self.streams:
                 main.wait_stream(stream)
         if self.counter is not None:  # every tower has stored its state: the rows' slots advance a step
             self.counter.index_add_(0, slots, self._ones[:slots.shape[0]])
         return torch.stack(predictions, dim=1) + self.output_b  # [B, towers]
+
+
+def precompile(runner, buckets) -> None:
+    """Compile the step's Triton kernels for every batch bucket before anything is captured or timed: one eager
+    step of each bucket on the padding slot, the buckets side by side in threads. A kernel compiles at its first
+    call with new constexprs (a bucket's BLOCK_M) or specialised sizes; the LLVM and ptxas stages, most of a
+    compile, release the GIL, so the threads' compiles overlap where, one after another, they took most of a cold
+    start (bench/LOG.md section 35). The hand-fused blocks run even where torch.compile will run the step: its
+    custom ops launch the same kernels. Nothing to compile without CUDA."""
+    if runner.device.type != "cuda" or runner.tower_states is None:
+        return
+    device, batch = runner.device, max(buckets)
+    slots = torch.full((batch,), PAD_SLOT, dtype=torch.int32, device=device)
+    features = torch.zeros(batch, runner.num_features, device=device)
+    start = torch.cuda.current_stream(device)
+
+    def step(rows):
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(start)
+        with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():
+            runner(slots[:rows], features[:rows], hand_fused=True)
+        return stream
+
+    with ThreadPoolExecutor(max_workers=min(len(buckets), os.cpu_count() or 1)) as pool:
+        streams = list(pool.map(step, buckets))
+    for stream in streams:
+        start.wait_stream(stream)
+    torch.cuda.synchronize(device)
 
 
 def input_views(buffer, max_batch, num_features):
