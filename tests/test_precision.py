@@ -129,3 +129,5 @@ def test_stacked_product_of_fp32_then_fp16_rows():
     assert torch.allclose(y.float(), skinny_matmul_ref(x, linear.weight, weight_lo=linear.weight_lo), atol=1e-5)
     with pytest.raises(ValueError, match="one dtype, or fp32 then fp16; got bfloat16, float32"):
         Linear([first, second], None, [BF16, F32], "cpu")
+    # one fp32 weight already on the device is used in place, not copied (GPU memory the state table keeps)
+    assert Linear(first, None, F32, "cpu").weight.data_ptr() == first.data_ptr()

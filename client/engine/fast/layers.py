@@ -81,11 +81,12 @@ class Linear:
     def __init__(self, weights, bias, dtype, device):
         weights = list(weights) if isinstance(weights, (list, tuple)) else [weights]
         dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(weights)
-        weight = torch.cat(weights).to(device=device, dtype=torch.float32)
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)  # one weight already in place: no copy
         self.weight_lo = None  # the split rows' low halves (mixed fp32/fp16 rows only)
         if len(set(dtypes)) == 1:
-            self.weight = weight.to(dtypes[0]).contiguous()  # [out, in]
+            self.weight = weight.to(device=device, dtype=dtypes[0]).contiguous()  # [out, in]
         else:
+            weight = weight.to(device=device, dtype=torch.float32)
             split = sum(w.shape[0] for w, d in zip(weights, dtypes) if d == torch.float32)
             if dtypes != sorted(dtypes, key=lambda d: d != torch.float32) or set(dtypes) != {torch.float32,
                                                                                           torch.float16}:
