@@ -20,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from client.engine.fast.layers import mm32  # noqa: E402
 from client.engine.fast.runner import StepRunner  # noqa: E402
 from client.model import load_model  # noqa: E402
 from kernels.skinny_matmul import SMEM_BUDGET, default_config, skinny_matmul, split_fp16, supports  # noqa: E402
@@ -83,30 +82,33 @@ def main(argv=None):
     runner = StepRunner(model, "cuda", streams=False, skinny=())
     del model
     groups, split = defaultdict(list), defaultdict(list)
-    for linear in runner.linears():
+    for linear in runner.linears():  # skinny=() above: product() is the cuBLAS path
         N, K = linear.weight.shape
-        key = (str(linear.dtype).removeprefix("torch."), N, K)
-        groups[key].append(linear.weight)
-        split[key].append(skinny_weights(linear.weight))
+        mixed = linear.weight_lo is not None  # fp32 rows split beside fp16 rows (layers.Linear)
+        key = ("fp32+fp16" if mixed else str(linear.dtype).removeprefix("torch."), N, K)
+        groups[key].append(linear)
+        split[key].append({"weight": linear.weight, "weight_lo": linear.weight_lo} if mixed
+                          else skinny_weights(linear.weight))
     result = {"device": torch.cuda.get_device_name(), "groups": {}}
     for B in (int(b) for b in args.batches.split(",")):
         for key in sorted(groups):
             dtype, N, K = key
             if not supports(B, N, K):
                 continue
-            ws, x = groups[key], torch.randn(B, K, device="cuda")
+            linears, x = groups[key], torch.randn(B, K, device="cuda")
+            splits = dtype in ("float32", "fp32+fp16")
 
             def skinny_us(config=None):
                 return graph_time_us([lambda w=w: skinny_matmul(x, **w, config=config) for w in split[key]])
 
-            cublas = graph_time_us([lambda w=w: mm32(x.to(w.dtype), w.t()) for w in ws])
-            best = list(default_config(B, N, K, dtype == "float32"))
+            cublas = graph_time_us([lambda linear=linear: linear.product(x) for linear in linears])
+            best = list(default_config(B, N, K, splits))
             best_us = first_us = skinny_us()
             if dtype in args.search.split(","):  # coordinate search over the launch parameters
                 for axis, values in SEARCH.items():
                     for value in values:
                         config = tuple(best[:axis] + [value] + best[axis + 1:])
-                        if value == best[axis] or not fits(config, B, K, dtype == "float32"):
+                        if value == best[axis] or not fits(config, B, K, splits):
                             continue
                         try:
                             us = skinny_us(config)
@@ -115,12 +117,12 @@ def main(argv=None):
                             continue
                         if us < best_us:
                             best, best_us = list(config), us
-            nbytes = ws[0].numel() * ws[0].element_size()
-            entry = {"weights": len(ws), "cublas_us": cublas, "skinny_us": first_us, "best_us": best_us,
+            nbytes = linears[0].nbytes
+            entry = {"weights": len(linears), "cublas_us": cublas, "skinny_us": first_us, "best_us": best_us,
                      "best_config": best, "cublas_TBps": nbytes / cublas / 1e6,
                      "skinny_TBps": nbytes / first_us / 1e6, "best_TBps": nbytes / best_us / 1e6}
             result["groups"][f"B{B} {dtype} {N}x{K}"] = entry
-            log(f"B={B} {dtype} [{N}, {K}] x{len(ws)}: cuBLAS {cublas:.1f} us ({entry['cublas_TBps']:.2f} TB/s), "
+            log(f"B={B} {dtype} [{N}, {K}] x{len(linears)}: cuBLAS {cublas:.1f} us ({entry['cublas_TBps']:.2f} TB/s), "
                 f"skinny {first_us:.1f} us, best {best_us:.1f} us ({entry['best_TBps']:.2f} TB/s) with {best}")
     print(f"{'group':30s} {'cuBLAS us':>9s} {'TB/s':>5s} {'skinny us':>9s} {'best us':>8s} {'TB/s':>5s}  best config")
     for name, g in result["groups"].items():

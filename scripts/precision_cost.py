@@ -24,6 +24,8 @@ from client.model import PRESETS, load_model  # noqa: E402
 
 def specs_argument(text):
     specs = [spec.strip() for spec in text.split(";")]
+    if len(set(specs)) < len(specs):
+        raise argparse.ArgumentTypeError(f"a precision spec is given twice in {text!r}")
     for spec in specs:
         try:
             parse_precision(spec)
@@ -54,18 +56,18 @@ def step_ms(engine, slots, features, iters):
 def measure(specs, preset="full", device="cuda", batches=(1, 20, 64), rounds=6, iters=100, warmup=10):
     """{spec: {batch: median over rounds of each round's median step ms}}, plus the rounds themselves."""
     model, _ = load_model(preset, seed=0, device=device)
-    engines = {spec: FastEngine(model, device, precision=spec, capacity=sum(batches), max_batch=max(batches),
+    # each engine holds the largest batch's symbols; a smaller batch steps the first of them
+    engines = {spec: FastEngine(model, device, precision=spec, capacity=max(batches), max_batch=max(batches),
                                 progress=False) for spec in specs}
-    slots = {spec: {b: engine.slots_for([f"B{b}/{i}" for i in range(b)]) for b in batches}
-             for spec, engine in engines.items()}
+    slots = {spec: engine.slots_for([f"S{i}" for i in range(max(batches))]) for spec, engine in engines.items()}
     rows = {spec: {b: [] for b in batches} for spec in specs}
     generator = torch.Generator().manual_seed(0)
     for done in range(rounds):
         for spec, engine in engines.items():
             for b in batches:
                 features = torch.randn(b, model.cfg.features, generator=generator).to(device)
-                step_ms(engine, slots[spec][b], features, warmup)
-                rows[spec][b].append(step_ms(engine, slots[spec][b], features, iters))
+                step_ms(engine, slots[spec][:b], features, warmup)
+                rows[spec][b].append(step_ms(engine, slots[spec][:b], features, iters))
         sys.stderr.write(f"round {done + 1}/{rounds} done\n")
     return {"preset": preset, "device": str(device), "rounds": rounds, "iters": iters,
             "weight_bytes": {spec: engine.weight_bytes for spec, engine in engines.items()},

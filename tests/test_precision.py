@@ -127,6 +127,12 @@ def test_stacked_product_of_fp32_then_fp16_rows():
     fp16 = x.half().double() @ second.half().double().t()
     assert (y[:, 48:] - fp16).abs().max() < 1e-5 and (y[:, 48:] - exact[:, 48:]).abs().max() > 1e-4
     assert torch.allclose(y.float(), skinny_matmul_ref(x, linear.weight, weight_lo=linear.weight_lo), atol=1e-5)
+    bias = torch.randn(80, generator=g)
+    with_bias = Linear([first, second], bias, [F32, F16], "cpu")
+    assert torch.allclose(with_bias(x), y.float() + bias, atol=1e-5)
+    assert torch.allclose(with_bias.relu(x), torch.relu(y.float() + bias), atol=1e-5)
+    with pytest.raises(ValueError, match="one dtype per stacked weight: 2 weights, 3 dtypes"):
+        Linear([first, second], None, [F32, F16, F16], "cpu")
     with pytest.raises(ValueError, match="one dtype, or fp32 then fp16; got bfloat16, float32"):
         Linear([first, second], None, [BF16, F32], "cpu")
     # one fp32 weight already on the device is used in place, not copied (GPU memory the state table keeps)

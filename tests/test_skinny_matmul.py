@@ -85,6 +85,9 @@ def test_split_rows_then_fp16_rows(M, rows):
     assert (y[:, :rows].double() - exact[:, :rows]).abs().max().item() <= 1e-5 * scale  # about fp32
     fp16 = skinny_matmul_ref(x, w[rows:].half())  # the other rows: the fp16 product, x rounded to fp16
     assert (y[:, rows:] - fp16).abs().max().item() <= 2e-6 * scale
+    b = torch.randn(256, device=DEVICE)  # the bias and ReLU epilogue over both kinds of rows
+    fused = skinny_matmul(x, **split_rows(w, rows), bias=b, relu=True)
+    assert (fused - torch.relu(ref + b)).abs().max().item() <= 2e-6 * scale
 
 
 @pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")

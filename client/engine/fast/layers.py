@@ -81,6 +81,8 @@ class Linear:
     def __init__(self, weights, bias, dtype, device):
         weights = list(weights) if isinstance(weights, (list, tuple)) else [weights]
         dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(weights)
+        if len(dtypes) != len(weights):
+            raise ValueError(f"one dtype per stacked weight: {len(weights)} weights, {len(dtypes)} dtypes")
         weight = weights[0] if len(weights) == 1 else torch.cat(weights)  # one weight already in place: no copy
         self.weight_lo = None  # the split rows' low halves (mixed fp32/fp16 rows only)
         if len(set(dtypes)) == 1:
@@ -95,7 +97,9 @@ class Linear:
             hi, self.weight_lo = split_fp16(weight[:split])
             self.weight = torch.cat([hi, weight[split:].to(torch.float16)]).contiguous()
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
-        self.bias_w = None if bias is None else bias.to(device=device, dtype=self.weight.dtype)  # fused epilogue
+        # for relu()'s fused epilogue (a mixed product has its own path)
+        self.bias_w = (None if bias is None or self.weight_lo is not None
+                       else bias.to(device=device, dtype=self.weight.dtype))
         self.skinny = None  # kwargs of skinny_matmul for W, when this product uses it
         _fp32_out_supported(device, self.weight.dtype)  # probed now rather than inside a torch.compile trace
 
@@ -132,9 +136,12 @@ class Linear:
             return skinny_matmul(x, **self.skinny)
         if self.weight_lo is not None:  # the skinny kernel's split, through cuBLAS
             x_hi, x_lo = split_fp16(x.float())
-            y = mm32(x_hi, self.weight.t())
+            # the split's terms must reach the sum unrounded: where cuBLAS cannot return fp16 products in fp32,
+            # multiply their values in fp32 (exact: fp16 x fp16 fits fp32's mantissa)
+            mm = mm32 if _fp32_out_supported(x.device, torch.float16) else lambda a, b: torch.mm(a.float(), b.float())
+            y = mm(x_hi, self.weight.t())
             rows = self.weight_lo.shape[0]
-            y[:, :rows] += (mm32(x_hi, self.weight_lo.t()) + mm32(x_lo, self.weight[:rows].t())) / LO_SCALE
+            y[:, :rows] += (mm(x_hi, self.weight_lo.t()) + mm(x_lo, self.weight[:rows].t())) / LO_SCALE
             return y
         return mm32(x.to(self.dtype), self.weight.t())
 
@@ -147,8 +154,8 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
     def relu(self, x):
-        """relu(x @ W^T + b) in the weight's dtype with bias and ReLU in the GEMM epilogue: it only feeds the
-        next product, which reads it in this dtype anyway."""
+        """relu(x @ W^T + b) in self.dtype with bias and ReLU in the GEMM epilogue: it only feeds the next
+        product, which reads it in this dtype anyway."""
         if self._use_skinny(x):
             return skinny_matmul(x, bias=self.bias, relu=True, out_dtype=self.dtype, **self.skinny)
         if self.weight_lo is not None:

@@ -158,7 +158,12 @@ def precompile(runner, buckets) -> None:
     call with new constexprs (a bucket's BLOCK_M) or specialised sizes; the LLVM and ptxas stages, most of a
     compile, release the GIL, so the threads' compiles overlap where, one after another, they took most of a cold
     start (bench/LOG.md section 35). The hand-fused blocks run even where torch.compile will run the step: its
-    custom ops launch the same kernels. Nothing to compile without CUDA."""
+    custom ops launch the same state kernels and products (its glue kernels, traced as their PyTorch
+    references, are compiled here for nothing). Nothing to compile without CUDA.
+
+    The threads share the towers' streams, so one step's intermediate buffers may be reused by another thread's
+    kernels while still in use: harmless here, where every row is the padding slot and every output is
+    dropped, and the reason this is no way to run live rows."""
     if runner.device.type != "cuda" or runner.tower_states is None:
         return
     device, batch = runner.device, max(buckets)
