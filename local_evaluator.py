@@ -11,7 +11,6 @@ and `setup(stream, preset, ...)` build its inputs; `main(argv)` is the command l
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import json
@@ -22,17 +21,15 @@ from pathlib import Path
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
-from client import cli  # noqa: E402
-from client.engine.options import add_engine_arguments, engine_options  # noqa: E402
-from client.model.config import PRESETS, TOWER_NAMES  # noqa: E402
-from client.scheduler import Request, Scheduler  # noqa: E402
+from client import cli
+from client.engine.options import add_engine_arguments, engine_options
+from client.model.config import PRESETS, TOWER_NAMES
+from client.constants import ATOL
+from client.scheduler import Request, Scheduler
 
 PROG = "local_evaluator.py"
 DEFAULT_TEAM_DIR = REPO_ROOT / "team"
-DEFAULT_ATOL = 1e-3
 ERROR_FLOOR = 1e-12
 # Steps the profiler records: a bounded window after the first (cold) step, so that the trace stays small
 # (the whole replay of 2,000 requests made 757 MB in 180 s).
@@ -191,7 +188,7 @@ def _check_response(response, batch: list[int]) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------- metrics
 
-def tower_errors(predictions: np.ndarray, targets: np.ndarray, atol: float = DEFAULT_ATOL) -> dict:
+def tower_errors(predictions: np.ndarray, targets: np.ndarray, atol: float = ATOL) -> dict:
     """Per tower: max/mean absolute error, rmse, rmse relative to the target's std, and the fraction
     within atol. A non-finite prediction counts as an infinite error."""
     predictions = np.asarray(predictions, dtype=np.float64)
@@ -226,7 +223,7 @@ def latency_summary(latency_ms: np.ndarray) -> dict:
 
 # -------------------------------------------------------------------------------------- evaluation
 
-def evaluate(client, stream, targets, *, batch_size: int | None = None, atol: float = DEFAULT_ATOL,
+def evaluate(client, stream, targets, *, batch_size: int | None = None, atol: float = ATOL,
              profile_dir: str | Path | None = None, profile_steps: int = DEFAULT_PROFILE_STEPS,
              top_kernels: int = 15, progress: bool = False) -> dict:
     """Replay `stream` through `client.process_batch` and score it against `targets` [M, 4].
@@ -377,13 +374,6 @@ def public_result(result: dict, **meta) -> dict:
 
 # -------------------------------------------------------------------------------------------- main
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def parse_args(argv=None):
     from client.engine import ENGINES
 
@@ -398,8 +388,8 @@ def parse_args(argv=None):
                "clock; throughput = responses / (last answer - first arrival).")
     src = p.add_argument_group("stream (generated unless --stream)")
     src.add_argument("--stream", type=cli.existing_file, help="replay this .npz or original .parquet stream")
-    src.add_argument("--symbols", type=positive_int, default=6)
-    src.add_argument("--requests", type=positive_int, default=300)
+    src.add_argument("--symbols", type=cli.positive_int, default=6)
+    src.add_argument("--requests", type=cli.positive_int, default=300)
     src.add_argument("--stream-seed", type=int, default=0)
     src.add_argument("--rate", type=float, default=None,
                      help="mean arrival rate, requests/s (default: the generator's)")
@@ -414,15 +404,15 @@ def parse_args(argv=None):
                      help="folder holding the example_model.py to evaluate (default team/)")
     add_engine_arguments(p)
     ev = p.add_argument_group("evaluation")
-    ev.add_argument("--batch-size", type=positive_int, default=None,
+    ev.add_argument("--batch-size", type=cli.positive_int, default=None,
                     help="arrival groups of N requests, as the original evaluator")
-    ev.add_argument("--atol", type=float, default=DEFAULT_ATOL,
+    ev.add_argument("--atol", type=float, default=ATOL,
                     help="tolerance for within_atol (default 1e-3)")
     ev.add_argument("--cache-dir", default=None, help="reference target cache (default: targets')")
     out = p.add_argument_group("output")
     out.add_argument("--json", help="write the summary here")
     out.add_argument("--profile", metavar="DIR", help="torch.profiler trace of a few steps into DIR; print top kernels")
-    out.add_argument("--profile-steps", type=positive_int, default=DEFAULT_PROFILE_STEPS,
+    out.add_argument("--profile-steps", type=cli.positive_int, default=DEFAULT_PROFILE_STEPS,
                      help=f"steps the profile records, after the first (default {DEFAULT_PROFILE_STEPS})")
     out.add_argument("--plot", metavar="PNG", help="latency distribution and per-tower error (matplotlib)")
     args = p.parse_args(argv)
@@ -457,5 +447,10 @@ def main(argv=None) -> int:
     return cli.EXIT_OK
 
 
+def run() -> int:
+    """The console script's entry point (pyproject.toml): main with one-line errors and exit codes."""
+    return cli.run_cli(main, PROG)
+
+
 if __name__ == "__main__":
-    sys.exit(cli.run_cli(main, PROG))
+    sys.exit(run())

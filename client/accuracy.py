@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from client.families import FAMILIES, LONG_FAMILY, family_features
-from client.model.config import TOWER_NAMES
+from client.constants import ATOL, TOWER_NAMES
+from client.engine.precision import fp32_products
 
-ATOL = 1e-3  # the scoring server's tolerance (server/scoring.py)
 GATE_WITHIN = 0.999
 
 
@@ -46,7 +46,7 @@ class ReferenceStepper:
     @torch.no_grad()
     def step(self, features: torch.Tensor) -> torch.Tensor:
         """Predictions [B, 4] (fp32) for one step of every symbol; the states advance."""
-        with strict_fp32():
+        with fp32_products():
             if self.graph is None:
                 out, self.state = self.model(features.to(self.features.dtype), self.state)
                 return out
@@ -55,17 +55,6 @@ class ReferenceStepper:
             for name, tensor in self.state.items():
                 tensor.copy_(self.new_state[name])
             return self.out.clone()
-
-
-class strict_fp32:
-    """The reference is plain fp32: no TF32 products while it runs (the previous setting restored after)."""
-
-    def __enter__(self):
-        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-
-    def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
 
 
 class Suite:
@@ -120,8 +109,7 @@ class Suite:
             for step in range(steps):
                 got = engine.step_slots(slots, torch.from_numpy(features[step]).to(self.device))
                 errors[step] = (got.double() - self.targets[name][step].double()).abs()
-            if hasattr(engine, "release"):
-                engine.release(symbols)
+            engine.release(symbols)
             errors = errors.cpu().numpy()
             for family in dict.fromkeys(families):
                 columns = [i for i, f in enumerate(families) if f == family]

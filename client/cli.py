@@ -21,6 +21,7 @@ is a bug and exits 1. Tracebacks are printed only with --debug.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -119,6 +120,28 @@ def run_cli(main, prog: str | None = None, argv: list[str] | None = None) -> int
         traceback.print_exception(failure)
     print(message, file=sys.stderr, flush=True)
     return code
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1, or a one-line error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number above 0, or a one-line error."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
 
 
 def existing_file(text: str) -> str:

@@ -27,10 +27,10 @@ import math
 import msgpack
 import numpy as np
 
+from client.constants import NUM_FEATURES, NUM_TOWERS
+
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 4 * 1024 * 1024
-NUM_FEATURES = 79  # kept local so the protocol imports nothing heavy (equals client.model.config)
-NUM_TOWERS = 4
 
 _FEATURE_DTYPE = np.dtype("<f4")
 

@@ -21,11 +21,11 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client import protocol
+from client.constants import NUM_TOWERS
 from client.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
 
-NUM_TOWERS = 4
 # Close codes after which reconnecting cannot help: the server refused this client.
 _REFUSED_CLOSE_CODES = {1002, 1003, 1007, 1008}
 

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from client.model.config import NUM_FEATURES
+from client.constants import NUM_FEATURES, NUM_TOWERS
 
-NUM_TARGETS = 4
 DEFAULT_MEAN_DELAY_MS = 12.0  # the original's sample files averaged 11-13 ms between requests
 FEATURE_COLUMNS = tuple(f"feature_{i:02d}" for i in range(NUM_FEATURES))
-TARGET_COLUMNS = tuple(f"target_{i:02d}" for i in range(NUM_TARGETS))
+TARGET_COLUMNS = tuple(f"target_{i:02d}" for i in range(NUM_TOWERS))
 _PARQUET_META_KEY = b"fastens_meta"
 
 
@@ -81,8 +80,8 @@ def _validated(symbols, features, delay_ms, targets):
 
     if targets is not None:
         targets = np.asarray(targets)
-        if targets.ndim != 2 or targets.shape[1] != NUM_TARGETS:
-            raise ValueError(f"targets must have shape [M, {NUM_TARGETS}], got {targets.shape}")
+        if targets.ndim != 2 or targets.shape[1] != NUM_TOWERS:
+            raise ValueError(f"targets must have shape [M, {NUM_TOWERS}], got {targets.shape}")
         targets = np.ascontiguousarray(targets, dtype=np.float32)
         bad = ~np.isfinite(targets).all(axis=1)
         if bad.any():
@@ -234,7 +233,7 @@ def _read_parquet(path: Path) -> Stream:
     if missing:
         raise ValueError(f"stream {path} lacks the columns {', '.join(missing)}")
     present_targets = [name for name in TARGET_COLUMNS if name in names]
-    if present_targets and len(present_targets) != NUM_TARGETS:
+    if present_targets and len(present_targets) != NUM_TOWERS:
         raise ValueError(f"stream {path} has only some target columns ({', '.join(present_targets)}); "
                          f"expected all of {', '.join(TARGET_COLUMNS)} or none")
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from client.streams import NUM_TARGETS, Stream, stream_fingerprint
+from client.constants import NUM_TOWERS
+from client.streams import Stream, stream_fingerprint
 
 
 def default_cache_dir() -> Path:
@@ -68,7 +69,7 @@ def _load_cached(path: Path, num_requests: int) -> np.ndarray | None:
         targets = np.load(path, allow_pickle=False)
     except (OSError, ValueError):
         return None
-    if targets.shape != (num_requests, NUM_TARGETS) or targets.dtype != np.float32:
+    if targets.shape != (num_requests, NUM_TOWERS) or targets.dtype != np.float32:
         return None
     return targets
 
@@ -135,7 +136,7 @@ def _run_reference(model, stream: Stream, device: torch.device, progress: bool) 
     active_per_step = np.bincount(step_of_request, minlength=num_steps)
 
     features = torch.from_numpy(stream.features[execution_order]).to(device)
-    predictions = torch.empty(len(stream), NUM_TARGETS, dtype=torch.float32, device=device)
+    predictions = torch.empty(len(stream), NUM_TOWERS, dtype=torch.float32, device=device)
     state = model.init_state(len(counts), device=device)
     bar = _Progress(num_steps, "targets", progress)
     start = 0
@@ -146,7 +147,7 @@ def _run_reference(model, stream: Stream, device: torch.device, progress: bool) 
         start += active
         bar.update(step + 1)
 
-    targets = np.empty((len(stream), NUM_TARGETS), dtype=np.float32)
+    targets = np.empty((len(stream), NUM_TOWERS), dtype=np.float32)
     targets[execution_order] = predictions.cpu().numpy()
     bad = ~np.isfinite(targets).all(axis=1)
     if bad.any():

@@ -1,10 +1,22 @@
 """Shared launch rules and input checks for the state-step kernels.
 
-Every op follows one convention: state tensors are tables with a leading slot dimension S; step row b
-reads and writes state[slot_ids[b]]. A table may be a view of a slot-major buffer (each slot's whole state
-one block of bytes): its slot stride is then that block, and only each slot's own tensor is dense. States are
-fp32, except that the large matrix states may be stored in fp16/bf16 (kernels/state_rounding.py). Inputs may
-be fp32/bf16/fp16; all math is fp32.
+Every state op follows one convention. State tensors are tables with a leading slot dimension. A step's rows
+come grouped in sequences, one per symbol, each holding that symbol's requests of the step in arrival order (as
+vLLM's query_start_loc groups a prefill's tokens):
+
+    seq_slots  int32 [G]      the state slot of sequence s
+    seq_starts int32 [G + 1]  sequence s owns rows seq_starts[s] .. seq_starts[s + 1] - 1 (non-decreasing)
+
+A program per sequence loads its slot's state once, advances it through the sequence's rows in order with the
+state held on chip, and stores it once, so a symbol's state is read and written once a step however many of its
+requests the step carries. An empty sequence (seq_starts[s] == seq_starts[s + 1]) touches no state: a CUDA graph
+captured for G sequences serves any step of at most G symbols. Rows from seq_starts[G] on are padding: they
+belong to no sequence, touch no state, and the state ops leave their outputs unwritten (the row ops compute them
+as any row; nothing mixes rows). Distinct non-empty sequences have distinct slots (the caller's contract).
+
+A table may be a view of a slot-major buffer (each slot's whole state one block of bytes): its slot stride is
+then that block, and only each slot's own tensor is dense. States are fp32, except that the large matrix states
+may be stored in fp16/bf16 (kernels/state_rounding.py). Inputs may be fp32/bf16/fp16; all math is fp32.
 """
 import math
 import os
@@ -95,6 +107,46 @@ def check_input(name: str, t: torch.Tensor, shape, device: torch.device) -> torc
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} like the other tensors")
     return t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous()
+
+
+def check_plan(seq_slots: torch.Tensor, seq_starts: torch.Tensor, device: torch.device) -> int:
+    """seq_slots int32 [G] and seq_starts int32 [G + 1] on `device`; returns G. Values (slots in range, starts
+    non-decreasing and within the rows) are the caller's contract: checking them would need a device->host sync."""
+    for name, t in (("seq_slots", seq_slots), ("seq_starts", seq_starts)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1 or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be a one-dimensional int32 tensor, got {t.dtype} {list(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} like the other tensors")
+    if seq_starts.shape[0] != seq_slots.shape[0] + 1:
+        raise ValueError(f"seq_starts must have one more entry than seq_slots ({seq_slots.shape[0]} sequences), "
+                         f"got {seq_starts.shape[0]}")
+    return seq_slots.shape[0]
+
+
+def plan(slots, lengths, sequences=None, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq_slots, seq_starts) for sequences of `lengths` rows at `slots`, padded with empty sequences to
+    `sequences` (default: as many as given); rows follow in sequence order from 0."""
+    slots, lengths = [int(s) for s in slots], [int(n) for n in lengths]
+    if len(slots) != len(lengths) or any(n < 0 for n in lengths):
+        raise ValueError(f"one non-negative length per slot, got {len(slots)} slots and lengths {lengths}")
+    sequences = len(slots) if sequences is None else sequences
+    if sequences < len(slots):
+        raise ValueError(f"{len(slots)} sequences do not fit in {sequences}")
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    starts += [starts[-1]] * (sequences - len(slots))
+    seq_slots = slots + [0] * (sequences - len(slots))
+    return (torch.tensor(seq_slots, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int32, device=device))
+
+
+def sequences_of(seq_slots: torch.Tensor, seq_starts: torch.Tensor):
+    """[(slot, first row, end row)] of the non-empty sequences, on the host: for the PyTorch references."""
+    starts = seq_starts.tolist()
+    return [(slot, begin, end) for slot, begin, end in zip(seq_slots.tolist(), starts[:-1], starts[1:]) if end > begin]
 
 
 def check_slot_ids(slot_ids: torch.Tensor, rows: int, device: torch.device) -> None:

@@ -11,32 +11,29 @@ section, so that a run cut off by a time limit still leaves the numbers it had.
 import os
 import sys
 
-# Runnable as a script from anywhere: the repository root holds the `client`, `server` and `team` packages.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import math  # noqa: E402
-import multiprocessing  # noqa: E402
-import platform  # noqa: E402
-import queue  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+import argparse
+import asyncio
+import json
+import logging
+import math
+import multiprocessing
+import platform
+import queue
+import time
+import traceback
+from dataclasses import dataclass
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from client import event_loop  # noqa: E402
-from client.accuracy import Suite, strict_fp32, format_table as accuracy_table  # noqa: E402
-from client.engine.precision import (add_precision_argument, describe_precision, parse_precision,  # noqa: E402
+from client import cli, event_loop
+from client.accuracy import Suite, format_table as accuracy_table
+from client.engine.precision import (add_precision_argument, describe_precision, fp32_products, parse_precision,
                                      parse_state_dtype)
-from client.families import FAMILIES  # noqa: E402
-from client.model.config import NUM_FEATURES, PRESETS, TOWER_NAMES  # noqa: E402
-from client.runtime import PIPELINE_MIN_BATCH  # noqa: E402
-from server.scoring import DEFAULT_ATOL  # noqa: E402
+from client.families import FAMILIES
+from client.model.config import NUM_FEATURES, PRESETS, TOWER_NAMES
+from client.runtime import PIPELINE_MIN_BATCH
 
 
 SECTIONS = ("copy", "step", "baseline", "accuracy", "precisions", "state_dtypes", "compile", "e2e", "maxrate",
@@ -88,20 +85,6 @@ QUICK = Counts(copy_bytes=64 << 20, copy_repeats=5, step_warmup=2, step_iters=10
 
 
 # ---- command line --------------------------------------------------------------------------------
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text):
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
 def _sections(text):
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in SECTIONS]
@@ -148,7 +131,7 @@ def _list_of(item, separator=","):
 
 def _rates(text):
     try:
-        rates = [_positive_float(part) for part in text.split(",") if part.strip()]
+        rates = [cli.positive_float(part) for part in text.split(",") if part.strip()]
     except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"rates must be positive numbers separated by commas, got {text!r}")
     if not rates:
@@ -164,10 +147,10 @@ def parse_args(argv=None):
     parser.add_argument("--json", metavar="PATH", help="write the results here (rewritten after each section)")
     parser.add_argument("--sections", type=_sections, default=list(SECTIONS),
                         help=f"comma list of {','.join(SECTIONS)} (default: all)")
-    parser.add_argument("--family-symbols", type=_positive_int, help="accuracy suite: symbols per input family "
+    parser.add_argument("--family-symbols", type=cli.positive_int, help="accuracy suite: symbols per input family "
                                                                      "(default 4)")
-    parser.add_argument("--family-steps", type=_positive_int, help="accuracy suite: steps per family (default 1000)")
-    parser.add_argument("--long-steps", type=_positive_int, help="accuracy suite: steps of the long streams "
+    parser.add_argument("--family-steps", type=cli.positive_int, help="accuracy suite: steps per family (default 1000)")
+    parser.add_argument("--long-steps", type=cli.positive_int, help="accuracy suite: steps of the long streams "
                                                                  "(default 10000)")
     add_precision_argument(parser)
     parser.add_argument("--precisions", type=_list_of(_precision_spec), default=["auto", "fp16", "bf16", "fp32"],
@@ -178,15 +161,15 @@ def parse_args(argv=None):
                         default=["fp32", "fp16", "fp16:nearest", "bf16", "fp16,retnet=fp16"],
                         help="state_dtypes section: specs separated by ';' (default "
                              "fp32;fp16;fp16:nearest;bf16;fp16,retnet=fp16)")
-    parser.add_argument("--gpus", type=_list_of(_positive_int), default=None,
+    parser.add_argument("--gpus", type=_list_of(cli.positive_int), default=None,
                         help="gpus and shards sections: GPU counts to run, comma list (default: 1 and every GPU)")
     parser.add_argument("--merge", action="store_true", help="keep what --json already holds; rewrite only the "
                                                                "sections of this run")
-    parser.add_argument("--e2e-requests", type=_positive_int, help="requests of the 400 req/s run (default 4000)")
+    parser.add_argument("--e2e-requests", type=cli.positive_int, help="requests of the 400 req/s run (default 4000)")
     parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the "
                                                      "max-rate search (default 1000,2000,...,20000)")
-    parser.add_argument("--rate-seconds", type=_positive_float, help="length of each max-rate run (default 2)")
-    parser.add_argument("--pipeline-min-batch", type=_positive_int,
+    parser.add_argument("--rate-seconds", type=cli.positive_float, help="length of each max-rate run (default 2)")
+    parser.add_argument("--pipeline-min-batch", type=cli.positive_int,
                         help="the client runtime's pipeline_min_batch (default: client.runtime.PIPELINE_MIN_BATCH)")
     parser.add_argument("--quick", action="store_true", help="small counts for a smoke run")
     parser.add_argument("--log-dir", help="also write the progress log and client/server warnings here")
@@ -335,7 +318,7 @@ def measure_baseline(model, device, counts, seed):
                                    dtype=np.float32)
     state = model.init_state(1, device=device)
     times_ms = []
-    with strict_fp32():
+    with fp32_products():
         for features in requests:
             begin = time.perf_counter()
             prediction, state = model(torch.from_numpy(features).to(device), state)
@@ -368,7 +351,7 @@ class ReferenceTracker:
         features = torch.from_numpy(stream.features[execution_order]).to(self.device)
         predictions = torch.empty(len(rows), len(TOWER_NAMES), dtype=torch.float32, device=self.device)
         start = 0
-        with strict_fp32():
+        with fp32_products():
             for active in np.bincount(step_of_request).tolist():
                 if active == len(self._row_of) <= REFERENCE_CHUNK:  # every symbol in row order: no gather
                     predictions[start:start + active], self._state = self.model(

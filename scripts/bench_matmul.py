@@ -15,14 +15,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from client.engine.fast.runner import StepRunner  # noqa: E402
-from client.model import load_model  # noqa: E402
-from kernels.skinny_matmul import SMEM_BUDGET, default_config, skinny_matmul, split_fp16, supports  # noqa: E402
+from client.engine.fast.runner import StepRunner
+from client.model import load_model
+from kernels.skinny_matmul import SMEM_BUDGET, default_config, skinny_matmul, split_fp16, supports
 
 SEARCH = {0: (16, 32, 64, 128), 1: (32, 64, 128, 256), 2: (2, 3, 4, 5, 6), 3: (2, 4, 8)}
 

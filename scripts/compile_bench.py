@@ -28,12 +28,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from client.model import PRESETS  # noqa: E402
+from client.model import PRESETS
 
 BATCHES = (1, 20, 64)
 

@@ -13,13 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import bench  # noqa: E402
-from client import event_loop  # noqa: E402
+from scripts import bench
+from client import event_loop
 
 # (name, from, to): the stages of an answer, in order; "sent" and "end" are the server's send and receive
 SEGMENTS = (("server send -> client receive", "sent", "received"),

@@ -9,11 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from client.model import PRESETS, TOWER_NAMES, load_model  # noqa: E402
+from client.model import PRESETS, TOWER_NAMES, load_model
 
 
 def main(argv=None):

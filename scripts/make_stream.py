@@ -11,11 +11,10 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from client import cli  # noqa: E402
-from client.model.config import PRESETS  # noqa: E402
-from client.streams import Stream, generate_stream, save_stream, stream_fingerprint  # noqa: E402
+from client import cli
+from client.model.config import PRESETS
+from client.streams import Stream, generate_stream, save_stream, stream_fingerprint
 
 
 def parse_args(argv):
@@ -76,5 +75,10 @@ def main(argv=None):
           f"{', with targets' if args.targets else ''}; stream fingerprint {stream_fingerprint(stream)[:16]}")
 
 
+def run() -> int:
+    """The console script's entry point (pyproject.toml): main with one-line errors and exit codes."""
+    return cli.run_cli(main, "make_stream")
+
+
 if __name__ == "__main__":
-    sys.exit(cli.run_cli(main, "make_stream"))
+    sys.exit(run())

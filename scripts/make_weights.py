@@ -7,13 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from client import cli  # noqa: E402
-from client.model import PRESETS, get_preset  # noqa: E402
-from client.weights import fingerprint, make_weights  # noqa: E402
+from client import cli
+from client.model import PRESETS, get_preset
+from client.weights import fingerprint, make_weights
 
 PROG = "scripts/make_weights.py"
 
@@ -70,5 +69,10 @@ def main(argv=None) -> int:
     return cli.EXIT_OK
 
 
+def run() -> int:
+    """The console script's entry point (pyproject.toml): main with one-line errors and exit codes."""
+    return cli.run_cli(main, PROG)
+
+
 if __name__ == "__main__":
-    sys.exit(cli.run_cli(main, PROG))
+    sys.exit(run())

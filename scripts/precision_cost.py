@@ -11,15 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from client import cli  # noqa: E402
-from client.engine.fast import FastEngine  # noqa: E402
-from client.engine.precision import parse_precision  # noqa: E402
-from client.model import PRESETS, load_model  # noqa: E402
+from client import cli
+from client.engine.fast import FastEngine
+from client.engine.precision import parse_precision
+from client.model import PRESETS, load_model
 
 
 def specs_argument(text):
@@ -75,22 +74,16 @@ def measure(specs, preset="full", device="cuda", batches=(1, 20, 64), rounds=6, 
             "round_ms": rows}
 
 
-def positive_int(text):
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def main(argv=None):
     parser = cli.ArgumentParser(prog="precision_cost.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("specs", type=specs_argument, help="precision specs separated by ';' (the first is the base)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batches", type=lambda t: [positive_int(b) for b in t.split(",")], default=[1, 20, 64],
+    parser.add_argument("--batches", type=lambda t: [cli.positive_int(b) for b in t.split(",")], default=[1, 20, 64],
                         help="comma list of batch sizes (default 1,20,64)")
-    parser.add_argument("--rounds", type=positive_int, default=6)
-    parser.add_argument("--iters", type=positive_int, default=100, help="timed steps a round, engine and batch")
+    parser.add_argument("--rounds", type=cli.positive_int, default=6)
+    parser.add_argument("--iters", type=cli.positive_int, default=100, help="timed steps a round, engine and batch")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     cli.check_device(args.device)
@@ -104,5 +97,10 @@ def main(argv=None):
     return 0
 
 
+def run() -> int:
+    """The console script's entry point (pyproject.toml): main with one-line errors and exit codes."""
+    return cli.run_cli(main, "precision_cost.py")
+
+
 if __name__ == "__main__":
-    sys.exit(cli.run_cli(main, "precision_cost.py"))
+    sys.exit(run())

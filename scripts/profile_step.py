@@ -9,13 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from client.engine.fast import FastEngine  # noqa: E402
-from client.model import TOWER_NAMES, load_model  # noqa: E402
+from client.engine.fast import FastEngine
+from client.model import TOWER_NAMES, load_model
 
 
 def log(msg):

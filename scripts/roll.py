@@ -25,9 +25,8 @@ import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-from client import cli  # noqa: E402
+from client import cli
 
 DEFAULT_TEAM_DIR = REPO_ROOT / "team"
 DEFAULT_BACKUPS_DIR = REPO_ROOT / "backups"
@@ -227,5 +226,10 @@ def main(argv=None) -> int:
     return cli.EXIT_OK
 
 
+def run() -> int:
+    """The console script's entry point (pyproject.toml): main with one-line errors and exit codes."""
+    return cli.run_cli(main, "scripts/roll.py")
+
+
 if __name__ == "__main__":
-    sys.exit(cli.run_cli(main, "scripts/roll.py"))
+    sys.exit(run())

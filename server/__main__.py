@@ -9,7 +9,8 @@ from client import cli, event_loop
 from client.model.config import PRESETS
 from server.app import ScoringServer, ServerConfig
 from server.leaderboard import format_table
-from server.scoring import DEFAULT_ATOL, DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
+from client.constants import ATOL
+from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
 
 PROG = "python -m server"
 
@@ -30,7 +31,7 @@ def parse_args(argv=None) -> ServerConfig:
     parser.add_argument("--stream-seed", type=int, default=1)
     parser.add_argument("--rate", type=float, help="requests/s; default: the stream's own gaps")
     parser.add_argument("--speed", type=float, default=1.0, help="scale the stream's own gaps (not used with --rate)")
-    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL)
+    parser.add_argument("--atol", type=float, default=ATOL)
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
     parser.add_argument("--half-life-ms", type=float, default=DEFAULT_HALF_LIFE_MS)
     parser.add_argument("--token", help="require this token at register")
@@ -68,7 +69,7 @@ def check_port_free(host: str, port: int) -> None:
                                f"stop it or choose another --port") from None
 
 
-async def run(config: ServerConfig):
+async def serve(config: ServerConfig):
     server = ScoringServer(config)
     port = await server.start()
     print(f"scoring server listening on ws://{config.host}:{port} (leaderboard http://{config.host}:{port}/)",
@@ -96,11 +97,16 @@ def main(argv=None) -> int:
     cli.check_device(config.device)
     check_port_free(config.host, config.port)
     try:
-        event_loop.run(run(config))
+        event_loop.run(serve(config))
     except KeyboardInterrupt:  # Ctrl-C is how a server without --once is stopped: the table is printed
         pass
     return cli.EXIT_OK
 
 
+def run() -> int:
+    """The console script's entry point (pyproject.toml): main with one-line errors and exit codes."""
+    return cli.run_cli(main, PROG)
+
+
 if __name__ == "__main__":
-    sys.exit(cli.run_cli(main, PROG))
+    sys.exit(run())

@@ -12,7 +12,8 @@ from websockets.exceptions import ConnectionClosed
 
 from client import protocol
 from server.leaderboard import leaderboard_row, mark_far_below, render_page
-from server.scoring import DEFAULT_ATOL, DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
+from client.constants import ATOL
+from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
 from server.session import TeamSession, send_offsets
 
 log = logging.getLogger("server")
@@ -33,7 +34,7 @@ class ServerConfig:
     stream_seed: int = 1
     rate: float | None = None  # requests/s; None: the stream's own gaps, scaled by speed
     speed: float = 1.0
-    atol: float = DEFAULT_ATOL
+    atol: float = ATOL
     timeout_s: float = DEFAULT_TIMEOUT_S
     half_life_ms: float = DEFAULT_HALF_LIFE_MS
     once: bool = False

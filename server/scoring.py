@@ -13,13 +13,15 @@ fraction of tower predictions judged correct over answered requests. Defaults ar
 """
 import numpy as np
 
-DEFAULT_ATOL = 1e-3
+from client.constants import ATOL
+
+
 DEFAULT_HALF_LIFE_MS = 100.0
 DEFAULT_TIMEOUT_S = 2.0
 
 
 def score_responses(predictions: np.ndarray, targets: np.ndarray, latencies_ms: np.ndarray,
-                    atol: float = DEFAULT_ATOL, half_life_ms: float = DEFAULT_HALF_LIFE_MS):
+                    atol: float = ATOL, half_life_ms: float = DEFAULT_HALF_LIFE_MS):
     """Return (correct towers per request int [n], pnl per request float [n]) for answers in time."""
     # float64 so that the atol comparison is not blurred by float32 rounding of the difference
     error = np.abs(predictions.astype(np.float64) - targets.astype(np.float64))

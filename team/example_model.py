@@ -48,8 +48,7 @@ class ExampleModel:
 
     def _submit(self, requests_by_symbol) -> PendingStep:
         # A symbol the engine has no room for is answered with an error; the others step as usual.
-        unplaceable = getattr(self.engine, "unplaceable", None)
-        rejected = unplaceable(list(requests_by_symbol)) if unplaceable else {}
+        rejected = self.engine.unplaceable(list(requests_by_symbol))
         errors = {requests_by_symbol[s][0]: why for s, why in rejected.items()}
         symbols = [s for s in requests_by_symbol if s not in rejected]
         if not symbols:
@@ -219,5 +218,10 @@ def main(argv=None) -> int:
     return cli.EXIT_BY_OUTCOME[outcome]
 
 
+def run() -> int:
+    """The console script's entry point (pyproject.toml): main with one-line errors and exit codes."""
+    return cli.run_cli(main, PROG)
+
+
 if __name__ == "__main__":
-    sys.exit(cli.run_cli(main, PROG))
+    sys.exit(run())

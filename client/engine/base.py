@@ -4,9 +4,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from client.model.config import NUM_FEATURES
-
-NUM_TOWERS = 4
+from client.constants import NUM_FEATURES, NUM_TOWERS  # noqa: F401  (NUM_TOWERS: for engines)
 
 
 def check_step_inputs(symbols, features) -> np.ndarray:
@@ -79,3 +77,19 @@ class Engine(ABC):
     @abstractmethod
     def symbols(self) -> list[str]:
         """The symbols whose state this engine holds, in order of first sight."""
+
+    @abstractmethod
+    def release(self, symbols) -> None:
+        """Forget these symbols' states (they left); unknown symbols are ignored."""
+
+    def unplaceable(self, symbols) -> dict[str, str]:
+        """{symbol: why} for the symbols of a step that this engine has no room for, without side effects. An
+        engine without a bound on its symbols has room for all."""
+        return {}
+
+    def describe(self) -> dict:
+        """What the engine is and how it was set up, for summaries and benchmark reports."""
+        return {"engine": self.name}
+
+    def close(self) -> None:
+        """Release what the engine holds beyond memory (processes, connections); a no-op by default."""

@@ -10,6 +10,7 @@ For the CLIs: add_precision_argument(parser) adds --precision, whose value is th
 describe_precision(precision) is the one line to print.
 """
 import argparse
+import contextlib
 
 import torch
 
@@ -190,3 +191,17 @@ def parse_state_dtype(spec) -> dict:
 
 def describe_state_dtype(dtypes) -> str:
     return ", ".join(f"{tower} {SHORT_NAMES[dtype]}" for tower, dtype in dtypes.items())
+
+
+@contextlib.contextmanager
+def fp32_products():
+    """fp32 products stay fp32 while this is open: no TF32, no reduced-precision fp16 reductions in cuBLAS. The
+    engine's fp32 parts (RetNet, input_down, the mLSTM's q/k/v inputs) and the reference need it; CUDA graphs keep
+    the kernels chosen at capture. The process's own settings come back after, whatever they were."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction
+    matmul.allow_tf32 = cudnn.allow_tf32 = matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = saved

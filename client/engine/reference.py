@@ -20,6 +20,13 @@ class ReferenceEngine(Engine):
     def symbols(self) -> list[str]:
         return list(self._states)
 
+    def release(self, symbols) -> None:
+        for symbol in symbols:
+            self._states.pop(symbol, None)
+
+    def describe(self) -> dict:
+        return {"engine": self.name, "device": str(self.device), "symbols": len(self._states)}
+
     def step(self, symbols, features):
         symbols = list(symbols)
         features = check_step_inputs(symbols, features)

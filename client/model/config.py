@@ -1,8 +1,7 @@
 """Model configurations. Presets change only hidden, proj, depth and heads (MODEL.md)."""
 from dataclasses import dataclass, asdict
 
-NUM_FEATURES = 79
-TOWER_NAMES = ("xlstm", "mamba2", "retnet", "hawk")
+from client.constants import NUM_FEATURES, TOWER_NAMES  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)

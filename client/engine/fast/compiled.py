@@ -18,6 +18,8 @@ import time
 import torch
 import torch._dynamo
 
+from client.engine.precision import fp32_products
+
 from .state_table import PAD_SLOT
 
 # Graphs per block type and precision are two or three, but a process may build engines of several precisions or
@@ -94,7 +96,8 @@ def warm_up(runner, max_batch, progress=True) -> float:
                              f"{time.perf_counter() - start:.0f} s)   ")
             sys.stderr.flush()
         slots = torch.full((batch,), PAD_SLOT, dtype=torch.int32, device=runner.device)
-        tower(torch.zeros(batch, runner.proj, device=runner.device), states, slots)
+        with fp32_products():  # the flags the step runs under (StepRunner.__call__): Dynamo guards on them
+            tower(torch.zeros(batch, runner.proj, device=runner.device), states, slots)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - start

@@ -4,7 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from client.engine.precision import DEFAULT_PRECISION, TOWER_PARTS, resolve_precision
+from client.engine.precision import TOWER_PARTS, fp32_products, resolve_precision
 from client.model.config import TOWER_NAMES
 
 from kernels.state_rounding import StochasticRounding
@@ -131,6 +131,10 @@ class StepRunner:
 
     def __call__(self, slots, features, hand_fused=False):
         """hand_fused: run the blocks themselves even where compile() routed them through torch.compile."""
+        with fp32_products():  # eager steps and graph captures alike: the fp32 parts must be true fp32 products
+            return self._step(slots, features, hand_fused)
+
+    def _step(self, slots, features, hand_fused):
         up = torch.relu(self.input_up(features))  # [B, towers * proj]
         chunks = up.split(self.proj, dim=1)
         # Each tower's prediction is its own product with output_proj (the same shapes whichever towers share

@@ -1,0 +1,298 @@
+"""FastEngine: the state table, the step runner and its CUDA graphs put together behind the Engine interface."""
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_inputs
+from client.engine.precision import describe_precision, describe_state_dtype, parse_state_dtype, resolve_precision
+from client.model.config import TOWER_NAMES
+
+from .placement import place_towers
+from .runner import BUCKETS, GraphedStep, StepRunner, input_bytes, input_views, precompile
+from .state_table import PAD_SLOT, StateTable, capacity_for_memory, slot_layout
+
+# Pinned staging buffers for submitted steps, each with its own set of graphs: one more than the runtime keeps
+# in flight (2), so that reusing one never has to wait for its previous step.
+RING = 3
+# The state table's default share of free GPU memory, and of available host memory for the host tier.
+STATE_MEMORY = 0.8
+HOST_MEMORY = 0.5
+CPU_CAPACITY = 1024  # without a GPU the table lives in host memory: a modest default
+
+
+def _progress(label):
+    def report(done, total):
+        sys.stderr.write(f"\r[fast engine] {label} {done}/{total}")
+        if done == total:
+            sys.stderr.write("\n")
+    return report
+
+
+def _available_host_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class Staging:
+    """One submitted step's pinned host buffers (inputs shared by every GPU, an output per GPU), and the events
+    recorded after each GPU's read-back was enqueued."""
+
+    def __init__(self, max_batch, num_features, shards, timed=False):
+        self.inputs = torch.zeros(input_bytes(max_batch, max_batch, num_features), dtype=torch.uint8,
+                                  pin_memory=True)  # laid out like GraphedStep.inputs
+        slots, features = input_views(self.inputs, max_batch, num_features)
+        self.slots, self.features = slots.numpy(), features.numpy()
+        self.outs = [torch.empty(max_batch, len(shard.columns), dtype=torch.float32, pin_memory=True)
+                     for shard in shards]
+        self.done = [torch.cuda.Event(enable_timing=timed) for _ in shards]
+        self.started = [torch.cuda.Event(enable_timing=True) for _ in shards] if timed else None
+        self.columns = [shard.columns for shard in shards]
+        self.step: PendingStep | None = None  # the last step that used these buffers
+
+    def read_back(self, batch, step_times=None):
+        out = np.empty((batch, NUM_TOWERS), dtype=np.float32)  # a copy: the buffers are reused by a later step
+        for done, host, columns in zip(self.done, self.outs, self.columns):
+            done.synchronize()  # releases the GIL while the GPU finishes
+            out[:, columns] = host[:batch].numpy()
+        if step_times is not None:
+            step_times.append((batch, max(start.elapsed_time(done) for start, done in zip(self.started, self.done))))
+        return out
+
+
+class DeviceTowers:
+    """The towers placed on one device: their runner, its CUDA graphs, and their columns of the predictions."""
+
+    def __init__(self, runner, columns):
+        self.runner, self.columns, self.graphed = runner, columns, None
+
+    @property
+    def device(self):
+        return self.runner.device
+
+
+class FastEngine(Engine):
+    name = "fast"
+
+    def __init__(self, model, device=None, *, max_batch=64, graphs=None, precision=None, capacity=None,
+                 state_memory=None, host_symbols=None, idle_timeout_s=None, reserve=0, state_dtype="fp32",
+                 state_rounding="stochastic", devices=None, time_steps=False, compile=False, progress=True):
+        """device, or devices (several: the towers placed over them); capacity (symbols on the GPU) or
+        state_memory (the share of free GPU memory the state table takes, STATE_MEMORY by default);
+        host_symbols: states that may wait in host memory (default: what HOST_MEMORY of available host memory
+        holds on CUDA, none on the CPU); state_dtype: fp32, or fp16/bf16 storage of the matrix states (of xLSTM and
+        Mamba2; "fp16,retnet=fp16" for RetNet's too: client/engine/precision.py, parse_state_dtype), rounded
+        stochastically or to nearest (state_rounding);
+        time_steps: keep (batch, GPU milliseconds) of every submitted step in step_times. precision: a spec
+        string ("auto", "bf16", "bf16,retnet=fp32": client/engine/precision.py) or a {tower or "<tower>.<part>":
+        dtype} dict of overrides of DEFAULT_PRECISION. compile: each block through torch.compile (compiled.py),
+        compiled here, before any graph is captured; CompileUnavailable if it cannot run."""
+        precision = resolve_precision(precision)
+        devices = [torch.device(d) for d in (devices or [device or ("cuda" if torch.cuda.is_available() else "cpu")])]
+        state_dtypes = parse_state_dtype(state_dtype)
+        if capacity is not None and state_memory is not None:
+            raise ValueError("give the state table's capacity or its memory share, not both")
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be a positive number of symbols, got {capacity}")
+        _check_devices(devices)
+        start = time.perf_counter()
+        self.device, self.devices, self.max_batch = devices[0], devices, max_batch
+        self.state_dtype, self.state_rounding = state_dtype, state_rounding
+        self.compile_s = None  # seconds of compiling: torch.compile's probe, then every graph the step needs
+        if compile:
+            from .compiled import check_compile, warm_up
+            for device in devices:
+                check_compile(device)  # before the weights are converted: where it cannot run, fail at once
+            self.compile_s = time.perf_counter() - start
+        placement = place_towers(model, precision, len(devices))
+        self.shards = []
+        for device, towers in zip(devices, placement):
+            if progress and len(devices) > 1:
+                sys.stderr.write(f"[fast engine] {device}: towers {', '.join(towers)}\n")
+            runner = StepRunner(model, device, precision, towers=towers, state_dtype=state_dtypes,
+                                state_rounding=state_rounding, compile=compile)
+            self.shards.append(DeviceTowers(runner, [TOWER_NAMES.index(name) for name in towers]))
+        parts = [(shard.runner.layout, shard.device) for shard in self.shards]
+        if capacity is None:
+            capacity = self._capacity_for_memory(parts, STATE_MEMORY if state_memory is None else state_memory)
+        if host_symbols is None:
+            host_symbols = (int(HOST_MEMORY * _available_host_bytes()) // self._slot_bytes(parts)
+                            if devices[0].type == "cuda" else 0)
+        self.table = StateTable(parts, capacity, host_capacity=host_symbols, idle_timeout_s=idle_timeout_s,
+                                reserve=reserve, separate=compile)
+        self.max_batch = max_batch = min(max_batch, capacity)  # a step's symbols all hold GPU slots at once
+        buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        for shard, part in zip(self.shards, self.table.parts):
+            shard.runner.attach(part.tensors)
+            began, tell = time.perf_counter(), progress and shard.device.type == "cuda"
+            if tell:
+                sys.stderr.write(f"[fast engine] compiling kernels for {len(buckets)} batch sizes on {shard.device} ...")
+                sys.stderr.flush()
+            precompile(shard.runner, buckets)
+            if tell:
+                sys.stderr.write(f" {time.perf_counter() - began:.1f} s\n")
+            if compile:
+                self.compile_s += warm_up(shard.runner, self.max_batch, progress)
+        self._ring = None  # without CUDA every step is synchronous
+        self.step_times = [] if time_steps else None
+        if devices[0].type == "cuda":
+            self._ring = [Staging(max_batch, self.runner.num_features, self.shards, time_steps) for _ in range(RING)]
+        use_graphs = devices[0].type == "cuda" if graphs is None else graphs
+        self.graphed = None
+        if use_graphs:
+            for i, shard in enumerate(self.shards):
+                with torch.cuda.device(shard.device):
+                    label = "capturing graphs" + (f" on {shard.device}" if len(self.shards) > 1 else "")
+                    shard.graphed = GraphedStep(shard.runner, buckets, progress=_progress(label) if progress else None,
+                                                staging=[(st.inputs, st.outs[i]) for st in self._ring or ()])
+                    shard.graphed.capture()
+            self.graphed = self.shards[0].graphed
+        self._next = 0
+        self.startup_s = time.perf_counter() - start
+        if progress:
+            d = self.describe()
+            compiled = "" if self.compile_s is None else f", compiled in {self.compile_s:.1f} s"
+            sys.stderr.write(f"[fast engine] ready on {', '.join(map(str, devices))} in {self.startup_s:.1f} s"
+                             f"{compiled}; precision {describe_precision(self.runner.precision)}; state table: "
+                             f"{d['capacity']} symbols on {'the GPU' if self.device.type == 'cuda' else 'the CPU'} "
+                             f"({d['state_bytes_per_symbol'] / 2**20:.1f} MiB each, matrix states "
+                             f"{describe_state_dtype(state_dtypes)}), "
+                             f"{d['host_symbols']} in host memory\n")
+
+    @staticmethod
+    def _slot_bytes(parts):
+        return sum(slot_layout(layout)[1] for layout, _ in parts)
+
+    @staticmethod
+    def _capacity_for_memory(parts, share):
+        if parts[0][1].type != "cuda":
+            if not 0 < share <= 0.95:
+                raise ValueError(f"--state-memory must be a share in (0, 0.95], got {share}")
+            fits = int(share * _available_host_bytes()) // FastEngine._slot_bytes(parts) - 1
+            return max(1, min(CPU_CAPACITY, fits))
+        return min(capacity_for_memory(slot_layout(layout)[1], share, device) for layout, device in parts)
+
+    @property
+    def runner(self) -> StepRunner:
+        """The (first) device's step runner."""
+        return self.shards[0].runner
+
+    @property
+    def symbols(self):
+        return self.table.symbols()
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(shard.runner.weight_bytes for shard in self.shards)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of state per symbol (the padding-free row of the state table)."""
+        return self.table.bytes_per_slot
+
+    def describe(self):
+        return {"device": ", ".join(map(str, self.devices)), "graphs": self.graphed is not None,
+                "towers": {str(shard.device): shard.runner.tower_names for shard in self.shards},
+                "precision": {k: str(v).removeprefix("torch.") for k, v in self.runner.precision.items()},
+                "state_dtype": self.state_dtype, "state_rounding": self.state_rounding
+                if any(d != torch.float32 for d in parse_state_dtype(self.state_dtype).values()) else None,
+                "weight_bytes": self.weight_bytes,
+                "state_bytes_per_symbol": self.state_bytes, "capacity": self.table.capacity,
+                "host_symbols": self.table.host_capacity, "max_batch": self.max_batch,
+                "compile": self.runner.compiled, "compile_s": self.compile_s,
+                "startup_s": getattr(self, "startup_s", None)}
+
+    def unplaceable(self, symbols) -> dict[str, str]:
+        """{symbol: why} for the symbols of a step that the state table cannot hold (no side effects)."""
+        rejected = self.table.unplaceable(symbols)
+        return dict.fromkeys(rejected, str(self.table.capacity_error(rejected))) if rejected else {}
+
+    def release(self, symbols) -> None:
+        """Forget these symbols' states (they left); their slots go to other symbols."""
+        self.table.release(symbols)
+
+    def slots_for(self, symbols) -> torch.Tensor:
+        return torch.tensor(self.table.slots_for(symbols), dtype=torch.int32).to(self.device, non_blocking=True)
+
+    @torch.no_grad()
+    def step_slots(self, slot_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Predictions [B, 4] on the (first) device for one device's engine; valid until the next call (graph
+        outputs are reused)."""
+        if len(self.shards) > 1:
+            parts = [shard.graphed(slot_ids.to(shard.device), features.to(shard.device)) if shard.graphed
+                     else shard.runner(slot_ids.to(shard.device), features.to(shard.device))
+                     for shard in self.shards]
+            out = torch.empty(slot_ids.shape[0], NUM_TOWERS, device=self.device)
+            for shard, part in zip(self.shards, parts):
+                out[:, shard.columns] = part.to(self.device)
+            return out
+        if self.graphed is not None:
+            return self.graphed(slot_ids, features)
+        return self.runner(slot_ids, features)
+
+    def step(self, symbols, features):
+        return self.submit(symbols, features).result()
+
+    @torch.no_grad()
+    def submit(self, symbols, features) -> PendingStep:
+        """Enqueue a step on each device's current CUDA stream and return at once; result() waits for its
+        predictions. Symbols that fit in no tier of the state table raise CapacityError before anything changes.
+
+        Without CUDA, and for batches larger than max_batch, the step runs synchronously. Not thread-safe:
+        submit (and step) from one thread; result() may be called from another.
+        """
+        symbols = list(symbols)
+        features = check_step_inputs(symbols, features)
+        if self._ring is None or not symbols or len(symbols) > self.max_batch:
+            return PendingStep.completed(self._step_now(symbols, features))
+        batch = len(symbols)
+        index, staging = self._next, self._ring[self._next]
+        self._next = (self._next + 1) % len(self._ring)
+        if staging.step is not None:
+            # Its previous step may still be reading these inputs, or its result not yet be copied out of
+            # `outs`: finish it (its PendingStep keeps the copy for whoever collects it later).
+            staging.step.result()
+        staging.slots[:batch] = self.table.slots_for(symbols)
+        staging.slots[batch:] = PAD_SLOT
+        staging.features[:batch] = features
+        for i, (shard, host_out, done) in enumerate(zip(self.shards, staging.outs, staging.done)):
+            with torch.cuda.device(shard.device):
+                if staging.started is not None:
+                    staging.started[i].record(torch.cuda.current_stream(shard.device))
+                if shard.graphed is not None:
+                    shard.graphed.replay_staged(index, batch)  # copies in, step, predictions out: one launch
+                else:
+                    slot_ids = torch.from_numpy(staging.slots[:batch]).to(shard.device, non_blocking=True)
+                    feats = torch.from_numpy(staging.features[:batch]).to(shard.device, non_blocking=True)
+                    host_out[:batch].copy_(shard.runner(slot_ids, feats), non_blocking=True)
+                done.record(torch.cuda.current_stream(shard.device))
+        staging.step = PendingStep(lambda: staging.read_back(batch, self.step_times))
+        return staging.step
+
+    def _step_now(self, symbols, features):
+        if not symbols:
+            return np.zeros((0, NUM_TOWERS), dtype=np.float32)
+        out = np.empty((len(symbols), NUM_TOWERS), dtype=np.float32)
+        for start in range(0, len(symbols), self.max_batch):  # larger steps run as several buckets
+            chunk = symbols[start:start + self.max_batch]
+            slots = self.slots_for(chunk)
+            feats = torch.from_numpy(features[start:start + len(chunk)]).to(self.device, non_blocking=True)
+            out[start:start + len(chunk)] = self.step_slots(slots, feats).cpu().numpy()
+        return out
+
+
+def _check_devices(devices):
+    kinds = {d.type for d in devices}
+    if len(kinds) != 1 or not kinds <= {"cuda", "cpu"}:
+        raise ValueError(f"devices must all be CUDA GPUs or all the CPU, got {', '.join(map(str, devices))}")
+    if "cuda" in kinds:
+        if not torch.cuda.is_available():
+            raise ValueError("a CUDA device was asked for but CUDA is not available; use --device cpu")
+        present = torch.cuda.device_count()
+        missing = [str(d) for d in devices if (d.index or 0) >= present]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} asked for, but this machine has {present} GPU(s)")
+        indices = [d.index or 0 for d in devices]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"each GPU may appear once, got {', '.join(map(str, devices))}")
