@@ -26,7 +26,8 @@ from client import cli
 from client.engine.options import add_engine_arguments, engine_options
 from client.model.config import PRESETS, TOWER_NAMES
 from client.constants import ATOL
-from client.scheduler import Request, Scheduler
+from client import team_api
+from client.scheduler import DEFAULT_MAX_PER_SYMBOL, Request, Scheduler
 
 PROG = "local_evaluator.py"
 DEFAULT_TEAM_DIR = REPO_ROOT / "team"
@@ -110,7 +111,8 @@ def load_or_generate_stream(path: str | None = None, symbols: int = 6, requests:
 
 # ------------------------------------------------------------------------------------ scheduling
 
-def replay(client, symbols, features, delay_ms, batch_size: int | None = None, after_step=None):
+def replay(client, symbols, features, delay_ms, batch_size: int | None = None, after_step=None,
+           max_requests_per_symbol: int = DEFAULT_MAX_PER_SYMBOL):
     """Feed the stream to `client.process_batch` and return (predictions [M,4], arrival_s [M],
     answer_s [M], batch sizes) on a simulated clock; after_step(requests answered so far), if given,
     is called after each step (progress, the profiler's window).
@@ -119,7 +121,8 @@ def replay(client, symbols, features, delay_ms, batch_size: int | None = None, a
     jumps to the next arrival when nothing is pending. Without batch_size, request i arrives at
     sum(delay_ms[:i+1]). With batch_size N, the stream is cut into groups of N consecutive requests,
     as the original evaluator did; a group arrives all at once when the previous group is answered,
-    and delay_ms is ignored. Which requests share a step can depend on measured times (only in the
+    and delay_ms is ignored. A step carries up to max_requests_per_symbol queued requests of a symbol when the
+    team client takes lists (client/team_api.py), else one. Which requests share a step can depend on measured times (only in the
     delay mode); what each symbol sees, and in which order, never does.
     """
     m = len(symbols)
@@ -131,6 +134,7 @@ def replay(client, symbols, features, delay_ms, batch_size: int | None = None, a
     answer = np.full(m, np.nan)
     predictions = np.full((m, len(TOWER_NAMES)), np.nan, dtype=np.float32)
     queues = Scheduler()
+    per_symbol = team_api.max_per_symbol(client, max_requests_per_symbol)
     batch_sizes = []
     clock = 0.0 if batch_size is not None else float(arrival[0])
     admitted = 0
@@ -148,10 +152,10 @@ def replay(client, symbols, features, delay_ms, batch_size: int | None = None, a
             for index in range(admitted, group_end):
                 queues.push(Request(index, symbols[index], features[index]))
             admitted = group_end
-        batch = [request.unique_id for request in queues.next_batch()]
-        requests = {symbols[i]: (i, features[i]) for i in batch}
+        requests = queues.next_batch(max_per_symbol=per_symbol)
+        batch = [request.unique_id for request in requests]
         started = time.perf_counter()
-        response = client.process_batch(requests)
+        response = client.process_batch(team_api.batch_for(client, requests))
         clock += time.perf_counter() - started
         predictions[batch] = _check_response(response, batch)
         answer[batch] = clock
@@ -224,6 +228,7 @@ def latency_summary(latency_ms: np.ndarray) -> dict:
 # -------------------------------------------------------------------------------------- evaluation
 
 def evaluate(client, stream, targets, *, batch_size: int | None = None, atol: float = ATOL,
+             max_requests_per_symbol: int = DEFAULT_MAX_PER_SYMBOL,
              profile_dir: str | Path | None = None, profile_steps: int = DEFAULT_PROFILE_STEPS,
              top_kernels: int = 15, progress: bool = False) -> dict:
     """Replay `stream` through `client.process_batch` and score it against `targets` [M, 4].
@@ -248,8 +253,8 @@ def evaluate(client, stream, targets, *, batch_size: int | None = None, atol: fl
                 profiler_step()
             if bar is not None:
                 bar.update(answered)
-        predictions, arrival, answer, batch_sizes = replay(client, symbols, features,
-                                                           stream.delay_ms, batch_size, after_step)
+        predictions, arrival, answer, batch_sizes = replay(client, symbols, features, stream.delay_ms, batch_size,
+                                                           after_step, max_requests_per_symbol)
     if bar is not None:
         bar.close()
     latency_ms = (answer - arrival) * 1000.0
@@ -431,6 +436,7 @@ def main(argv=None) -> int:
                                                  args.device, args.team_dir, args.cache_dir, progress=True,
                                                  engine_options=engine_options(args))
     result = evaluate(client, stream, targets, batch_size=args.batch_size, atol=args.atol,
+                      max_requests_per_symbol=args.max_requests_per_symbol,
                       profile_dir=args.profile, profile_steps=args.profile_steps, progress=True)
     print(format_report(result))
     from client.streams import stream_fingerprint

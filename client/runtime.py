@@ -1,7 +1,8 @@
 """The streaming client runtime: an asyncio websocket client around a team client's process_batch.
 
-The event loop only receives, validates, queues and sends; a worker thread pulls micro-batches of at
-most one request per symbol (client.scheduler) and runs the model step, so receiving never stalls.
+The event loop only receives, validates, queues and sends; a worker thread pulls micro-batches (client.scheduler:
+each waiting symbol's oldest requests, up to max_requests_per_symbol of a symbol, in the team client's format,
+client/team_api.py) and runs the model step, so receiving never stalls.
 A team client with submit_batch is pipelined instead: a submitter thread forms and submits the next
 batch while the previous step still runs, and a completer thread collects the steps in submission
 order, so the host's per-step work overlaps the GPU's. Each step's predictions are sent as soon as
@@ -22,7 +23,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client import protocol
 from client.constants import NUM_TOWERS
-from client.scheduler import Request, Scheduler
+from client import team_api
+from client.scheduler import DEFAULT_MAX_PER_SYMBOL, Request, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +131,9 @@ class StreamingClient:
     """Plays a scoring server at `url` with the team client until the session ends.
 
     The team client needs process_batch(requests_by_symbol) -> {"unique_ids", "predictions"}; if it also
-    has submit_batch(requests_by_symbol) -> an object whose result() gives that dict, steps are pipelined.
+    has submit_batch(requests_by_symbol) -> an object whose result() gives that dict, steps are pipelined. A
+    step carries up to max_requests_per_symbol queued requests of a symbol when the team client takes lists
+    (client/team_api.py), else one.
 
     Register names the client's model (preset, weights_fingerprint): a server with other weights refuses it
     unless allow_weights_mismatch; the server's `welcome` names its own (summary's weights_match). The session ends
@@ -145,7 +149,8 @@ class StreamingClient:
     def __init__(self, team_client, url: str, team: str, token: str | None = None, *,
                  preset: str | None = None, weights_fingerprint: str | None = None,
                  allow_weights_mismatch: bool = False, leave_at_end: bool = False, on_welcome=None,
-                 max_batch: int | None = None, heartbeat_s: float = 5.0, backoff_s: float = 0.1,
+                 max_batch: int | None = None, max_requests_per_symbol: int = DEFAULT_MAX_PER_SYMBOL,
+                 heartbeat_s: float = 5.0, backoff_s: float = 0.1,
                  backoff_max_s: float = 5.0, connect_timeout_s: float = 3.0, give_up_after_s: float = 10.0,
                  cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
                  timeline: bool = False):
@@ -153,6 +158,8 @@ class StreamingClient:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
             raise ValueError(f"cache_size must be positive, got {cache_size!r}")
+        if max_requests_per_symbol < 1:
+            raise ValueError(f"max_requests_per_symbol must be a positive integer, got {max_requests_per_symbol!r}")
         if (heartbeat_s <= 0 or backoff_s <= 0 or backoff_max_s < backoff_s or give_up_after_s < 0
                 or connect_timeout_s <= 0):
             raise ValueError("need heartbeat_s > 0, 0 < backoff_s <= backoff_max_s, connect_timeout_s > 0 "
@@ -170,6 +177,7 @@ class StreamingClient:
         self._welcomed = False              # the server welcomed the current connection
         self._refusal: dict | None = None   # the server's last error on this connection before its welcome
         self.max_batch = max_batch
+        self.max_per_symbol = team_api.max_per_symbol(team_client, max_requests_per_symbol)
         self.heartbeat_s, self.backoff_s, self.backoff_max_s = heartbeat_s, backoff_s, backoff_max_s
         if pipeline_min_batch < 1:
             raise ValueError(f"pipeline_min_batch must be a positive integer, got {pipeline_min_batch!r}")
@@ -435,10 +443,11 @@ class StreamingClient:
                 self._work_ready.wait_for(lambda: self._worker_stopping or len(self._scheduler))
                 if self._worker_stopping:
                     return
-                batch = self._scheduler.next_batch(self.max_batch)
+                batch = self._next_batch()
             self._mark("batched", (r.unique_id for r in batch))
             try:
-                ids, predictions, errors = _checked_result(batch, self.team_client.process_batch(_by_symbol(batch)))
+                ids, predictions, errors = _checked_result(
+                    batch, self.team_client.process_batch(team_api.batch_for(self.team_client, batch)))
             except Exception as exc:  # a failing team client must not kill the runtime
                 self._fail(batch, exc, "process_batch")
                 continue
@@ -451,10 +460,10 @@ class StreamingClient:
                     self._work_ready.wait_for(lambda: self._worker_stopping or self._submit_now())
                     if self._worker_stopping:
                         return
-                    batch = self._scheduler.next_batch(self.max_batch)
+                    batch = self._next_batch()
                 self._mark("batched", (r.unique_id for r in batch))
                 try:
-                    pending = self.team_client.submit_batch(_by_symbol(batch))
+                    pending = self.team_client.submit_batch(team_api.batch_for(self.team_client, batch))
                 except Exception as exc:  # a failing team client must not kill the runtime
                     self._fail(batch, exc, "submit_batch")
                     continue
@@ -466,6 +475,10 @@ class StreamingClient:
             with self._steps_ready:
                 self._submitter_done = True
                 self._steps_ready.notify()
+
+    def _next_batch(self):
+        """The next step's requests (called holding the lock)."""
+        return self._scheduler.next_batch(self.max_batch, self.max_per_symbol)
 
     def _submit_now(self) -> bool:
         """Whether the submitter should form the next batch now (called holding the lock)."""
@@ -551,10 +564,6 @@ def _connect_error(exc) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _by_symbol(batch) -> dict:
-    return {r.symbol: (r.unique_id, r.features) for r in batch}
 
 
 def _checked_result(batch, result) -> tuple[list[int], np.ndarray, dict[int, str]]:

@@ -1,7 +1,10 @@
-"""Per-symbol FIFO queues and micro-batches of at most one request per symbol, oldest first.
+"""Per-symbol FIFO queues and micro-batches: each waiting symbol's oldest requests, oldest heads first.
 
-Each symbol's requests reach the model strictly in arrival order, and no queue ever discards one:
-a dropped request would desynchronise that symbol's state from the server's for the rest of the stream.
+A batch takes up to `max_per_symbol` queued requests of each symbol it serves (1: one request per symbol per
+step, the original event's rule), grouped by symbol and in arrival order within a symbol: the engine advances a
+symbol's state through its requests in that order in one step (a backlog drains at once instead of one request
+per step). Each symbol's requests reach the model strictly in arrival order, and no queue ever discards one: a
+dropped request would desynchronise that symbol's state from the server's for the rest of the stream.
 Not thread-safe: the runtime guards it with its own lock.
 """
 import heapq
@@ -10,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+DEFAULT_MAX_PER_SYMBOL = 4  # requests of one symbol a step may carry (scripts/bench.py maxrate: measured)
 
 
 @dataclass
@@ -46,18 +51,32 @@ class Scheduler:
         """Symbols with at least one queued request: the size of the next batch (before max_batch)."""
         return len(self._heads)
 
-    def next_batch(self, max_batch: int | None = None) -> list[Request]:
-        """Dequeue the oldest head of up to `max_batch` symbols (all symbols with work when None)."""
+    def next_batch(self, max_batch: int | None = None, max_per_symbol: int = 1, ready=None) -> list[Request]:
+        """Dequeue up to `max_per_symbol` oldest requests of each of up to `max_batch` symbols (all symbols with
+        work when None), the symbols with the oldest heads first. The batch is grouped by symbol (in that order),
+        each symbol's requests in arrival order. `ready(symbol)`, if given, holds back the symbols for which it
+        is false: they keep their queues and their place for a later batch."""
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
-        batch = []
-        while self._heads and (max_batch is None or len(batch) < max_batch):
-            _, symbol = heapq.heappop(self._heads)
-            batch.append(self._queues[symbol].popleft())
+        if max_per_symbol < 1:
+            raise ValueError(f"max_per_symbol must be a positive integer, got {max_per_symbol!r}")
+        batch, served, held = [], [], []
+        while self._heads and (max_batch is None or len(served) < max_batch):
+            head = heapq.heappop(self._heads)
+            symbol = head[1]
+            if ready is not None and not ready(symbol):
+                held.append(head)
+                continue
+            queue = self._queues[symbol]
+            for _ in range(min(max_per_symbol, len(queue))):
+                batch.append(queue.popleft())
+            served.append(symbol)
         # Re-enter the symbols' next heads only now, so that no symbol appears twice in one batch.
-        for request in batch:
-            queue = self._queues[request.symbol]
+        for symbol in served:
+            queue = self._queues[symbol]
             if queue:
-                heapq.heappush(self._heads, (queue[0].seq, request.symbol))
+                heapq.heappush(self._heads, (queue[0].seq, symbol))
+        for head in held:
+            heapq.heappush(self._heads, head)
         self._pending -= len(batch)
         return batch

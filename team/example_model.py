@@ -17,7 +17,7 @@ import signal  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from client import cli, event_loop  # noqa: E402
+from client import cli, event_loop, team_api  # noqa: E402
 from client.engine import ENGINES, Engine, make_engine  # noqa: E402
 from client.engine.options import add_engine_arguments, engine_options  # noqa: E402
 from client.engine.base import NUM_TOWERS, PendingStep  # noqa: E402
@@ -26,18 +26,24 @@ from client.model.config import PRESETS  # noqa: E402
 
 class ExampleModel:
     """Answers one micro-batch at a time. The runtime pipelines steps through submit_batch (the next step is
-    queued on the GPU while the host sends the last one's answers); the local evaluator calls process_batch."""
+    queued on the GPU while the host sends the last one's answers); the local evaluator calls process_batch.
+
+    A batch holds each waiting symbol's queued requests, several of a symbol in arrival order
+    (requests_per_symbol = "many", client/team_api.py): the engine advances the symbol's state through them in
+    one step."""
+
+    requests_per_symbol = "many"
 
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    def process_batch(self, requests_by_symbol: dict[str, tuple[int, np.ndarray]]) -> dict:
-        """{symbol: (unique_id, features[79])}, at most one request per symbol, each symbol's requests
-        in arrival order across calls -> {"unique_ids": [...], "predictions": float32 [n, 4], "errors":
-        {unique_id: why} for requests not answered (a symbol the engine has no room for)}."""
+    def process_batch(self, requests_by_symbol: dict[str, list[tuple[int, np.ndarray]]]) -> dict:
+        """{symbol: [(unique_id, features[79]), ...]}, each symbol's requests in arrival order within and across
+        calls -> {"unique_ids": [...], "predictions": float32 [n, 4], "errors": {unique_id: why} for requests
+        not answered (a symbol the engine has no room for)}."""
         return self._submit(requests_by_symbol).result()
 
-    def submit_batch(self, requests_by_symbol: dict[str, tuple[int, np.ndarray]]) -> PendingStep:
+    def submit_batch(self, requests_by_symbol: dict[str, list[tuple[int, np.ndarray]]]) -> PendingStep:
         """Start process_batch's step without waiting for it: result() gives process_batch's answer.
         Batches advance the states in submission order, whenever their results are collected."""
         if type(self).process_batch is not ExampleModel.process_batch:
@@ -49,13 +55,15 @@ class ExampleModel:
     def _submit(self, requests_by_symbol) -> PendingStep:
         # A symbol the engine has no room for is answered with an error; the others step as usual.
         rejected = self.engine.unplaceable(list(requests_by_symbol))
-        errors = {requests_by_symbol[s][0]: why for s, why in rejected.items()}
-        symbols = [s for s in requests_by_symbol if s not in rejected]
-        if not symbols:
+        by_symbol = {s: team_api.queued(value) for s, value in requests_by_symbol.items()}
+        errors = {uid: why for s, why in rejected.items() for uid, _ in by_symbol[s]}
+        requests = [(s, uid, f) for s, queued in by_symbol.items() if s not in rejected for uid, f in queued]
+        if not requests:
             return PendingStep.completed({"unique_ids": [], "predictions": np.zeros((0, NUM_TOWERS), np.float32),
                                           "errors": errors})
-        unique_ids = [requests_by_symbol[s][0] for s in symbols]
-        features = np.stack([np.asarray(requests_by_symbol[s][1], dtype=np.float32) for s in symbols])
+        symbols = [s for s, _, _ in requests]
+        unique_ids = [uid for _, uid, _ in requests]
+        features = np.stack([np.asarray(f, dtype=np.float32) for _, _, f in requests])
         step = self.engine.submit(symbols, features)
         return PendingStep(lambda: {"unique_ids": unique_ids, "predictions": step.result(), "errors": errors})
 
@@ -182,7 +190,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
         url = f"ws://{args.host}:{args.port}"
     client = StreamingClient(team_client, url, args.team, args.token, preset=args.preset,
                              weights_fingerprint=fingerprint, allow_weights_mismatch=args.allow_weights_mismatch,
-                             leave_at_end=True,
+                             leave_at_end=True, max_requests_per_symbol=args.max_requests_per_symbol,
                              on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome), file=sys.stderr))
     progress = asyncio.create_task(_print_progress(client))
     ctrl_c = _stop_on_ctrl_c(client)

@@ -49,8 +49,8 @@ def test_base_submit_steps_at_once_and_raises_on_bad_input(model):
     pending = engine.submit(["A", "B"], features)
     assert engine.symbols == ["A", "B"]  # already stepped
     np.testing.assert_array_equal(pending.result(), plain.step(["A", "B"], features))
-    with pytest.raises(ValueError, match="duplicate"):
-        engine.submit(["C", "C"], np.ones((2, 79), np.float32))
+    with pytest.raises(ValueError, match="non-finite"):
+        engine.submit(["C", "C"], np.full((2, 79), np.nan, np.float32))
     assert engine.symbols == ["A", "B"]
 
 

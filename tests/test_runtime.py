@@ -33,10 +33,10 @@ class CountingClient(ExampleModel):
         self.fail_on_id = fail_on_id
 
     def process_batch(self, requests_by_symbol):
-        if any(uid == self.fail_on_id for uid, _ in requests_by_symbol.values()):
+        if any(uid == self.fail_on_id for queued in requests_by_symbol.values() for uid, _ in queued):
             raise RuntimeError("team client bug")
-        for symbol in requests_by_symbol:
-            self.stepped[symbol] = self.stepped.get(symbol, 0) + 1
+        for symbol, queued in requests_by_symbol.items():
+            self.stepped[symbol] = self.stepped.get(symbol, 0) + len(queued)
         return super().process_batch(requests_by_symbol)
 
 
@@ -133,6 +133,66 @@ def test_bad_messages_and_rows_are_answered_with_errors_and_the_rest_goes_on(mod
     assert "[11, 12]" in errors and "bytes" in errors
     assert sum(team_client.stepped.values()) == len(valid)
     assert summary["requests"] == 13 and summary["errors"] == 4 and summary["connections"] == 1
+
+
+class RecordingBatches(ExampleModel):
+    """The example client, keeping every batch it was given."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.batches = []
+
+    def process_batch(self, requests_by_symbol):
+        self.batches.append({s: [uid for uid, _ in queued] for s, queued in requests_by_symbol.items()})
+        return super().process_batch(requests_by_symbol)
+
+
+class OnePerSymbol:
+    """A team client written before batches carried lists: {symbol: (unique_id, features)}."""
+
+    def __init__(self, engine):
+        self.engine, self.batches = engine, []
+
+    def process_batch(self, requests_by_symbol):
+        self.batches.append(dict(requests_by_symbol))
+        symbols = list(requests_by_symbol)
+        ids = [requests_by_symbol[s][0] for s in symbols]
+        features = np.stack([requests_by_symbol[s][1] for s in symbols])
+        return {"unique_ids": ids, "predictions": self.engine.step(symbols, features)}
+
+
+@pytest.mark.parametrize("per_symbol", [1, 3])
+def test_a_backlog_drains_several_requests_of_a_symbol_per_step_in_order(model, per_symbol):
+    """A burst of requests of a few symbols: each step takes up to max_requests_per_symbol of a symbol's queued
+    requests in arrival order; every answer equals stepping the requests one at a time. A team client that takes
+    one request per symbol gets one, whatever the cap."""
+    n = 24
+    symbols, features = _stream(n, seed=7)
+    nan_id = 9
+    features[nan_id, 2] = np.nan  # rejected alone: its symbol's later requests go on from the state before it
+    valid = [i for i in range(n) if i != nan_id]
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request(list(range(n)), symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= set(valid))
+        await ws.close(1000)
+
+    lists, legacy = RecordingBatches(ReferenceEngine(model)), OnePerSymbol(ReferenceEngine(model))
+    for team_client in (lists, legacy):
+        recorder.responses.clear()
+        asyncio.run(_play(handler, team_client, max_requests_per_symbol=per_symbol))
+        assert sorted(uid for uid, _ in recorder.responses) == valid
+        expected = _expected(model, symbols, features, valid)
+        for uid, prediction in recorder.responses:
+            np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+        _assert_in_order_per_symbol(recorder.responses, symbols)
+    assert all(isinstance(v, tuple) for batch in legacy.batches for v in batch.values())
+    longest = max(len(ids) for batch in lists.batches for ids in batch.values())
+    assert longest == per_symbol  # the burst arrived at once: the first step takes a full run of each symbol
+    served = [uid for batch in lists.batches for ids in batch.values() for uid in ids]
+    assert sorted(served) == valid
 
 
 def test_reconnect_keeps_state_and_answers_resent_ids_from_cache(model):

@@ -78,3 +78,65 @@ def test_bad_max_batch_is_rejected(cap):
     with pytest.raises(ValueError, match="max_batch"):
         scheduler.next_batch(cap)
     assert len(scheduler) == 1
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_several_requests_per_symbol_keep_order_and_lose_nothing(seed):
+    """With up to k requests of a symbol per batch: each batch is grouped by symbol, oldest heads first, each
+    symbol's requests its oldest unserved ones in arrival order; nothing is lost or duplicated."""
+    rng = random.Random(seed)
+    symbols = [f"SYM_{i:03d}" for i in range(rng.randint(1, 8))]
+    scheduler = Scheduler()
+    pushed, served = [], []
+    for step in range(rng.randint(1, 40)):
+        for _ in range(rng.randint(0, 20)):
+            request = _request(len(pushed), rng.choice(symbols))
+            scheduler.push(request)
+            pushed.append(request)
+        cap, k = rng.choice([None, 1, 2, 5]), rng.choice([1, 2, 3, 8])
+        unserved = [r for r in pushed if r.unique_id not in {s.unique_id for s in served}]
+        batch = scheduler.next_batch(cap, max_per_symbol=k)
+        order = list(dict.fromkeys(r.symbol for r in batch))
+        assert [r.symbol for r in batch] == [s for s in order for _ in range(sum(r.symbol == s for r in batch))]
+        for symbol in order:
+            theirs = [r for r in unserved if r.symbol == symbol]
+            assert [r for r in batch if r.symbol == symbol] == theirs[:k]
+        heads = list(dict.fromkeys(r.symbol for r in unserved))  # symbols by oldest head
+        assert order == heads[:len(order)]
+        assert cap is None and len(order) == len(heads) or len(order) == min(cap or 0, len(heads))
+        served.extend(batch)
+    while len(scheduler):
+        served.extend(scheduler.next_batch(max_per_symbol=3))
+    assert sorted(r.unique_id for r in served) == list(range(len(pushed)))
+    for symbol in symbols:
+        assert [r.unique_id for r in served if r.symbol == symbol] == \
+               [r.unique_id for r in pushed if r.symbol == symbol]
+
+
+def test_a_backlog_beyond_the_cap_is_split_over_batches_in_order():
+    scheduler = Scheduler()
+    for uid in range(7):
+        scheduler.push(_request(uid, "A"))
+    scheduler.push(_request(7, "B"))
+    assert [r.unique_id for r in scheduler.next_batch(max_per_symbol=3)] == [0, 1, 2, 7]
+    assert [r.unique_id for r in scheduler.next_batch(max_per_symbol=3)] == [3, 4, 5]
+    assert [r.unique_id for r in scheduler.next_batch(max_per_symbol=3)] == [6]
+    assert len(scheduler) == 0
+
+
+def test_symbols_not_ready_wait_in_place_and_the_others_go_on():
+    scheduler = Scheduler()
+    for uid, symbol in enumerate(["A", "B", "A", "C"]):
+        scheduler.push(_request(uid, symbol))
+    held = {"A"}
+    assert [r.unique_id for r in scheduler.next_batch(max_per_symbol=2, ready=lambda s: s not in held)] == [1, 3]
+    held.clear()
+    assert [r.unique_id for r in scheduler.next_batch(max_per_symbol=2, ready=lambda s: s not in held)] == [0, 2]
+
+
+def test_bad_max_per_symbol_is_rejected():
+    scheduler = Scheduler()
+    scheduler.push(_request(0, "A"))
+    with pytest.raises(ValueError, match="max_per_symbol"):
+        scheduler.next_batch(max_per_symbol=0)
+    assert len(scheduler) == 1

@@ -7,12 +7,13 @@ __all__ = ["ENGINES", "Engine", "check_step_inputs", "make_engine"]
 
 
 def make_engine(name: str, model, device=None, *, precision=None, compile=False, gpus=1, split="towers",
-                spec=None, **fast_options) -> Engine:
+                spec=None, max_rows_per_symbol=None, **fast_options) -> Engine:
     """precision (a spec or {tower: dtype}: client/engine/precision.py), compile and fast_options (FastEngine's:
     capacity, state_memory, host_symbols, idle_timeout_s, state_dtype, state_rounding) are the fast engine's; the
     reference engine is the fp32 model run eagerly, and refuses any other precision or compile. gpus > 1 spreads
     the fast engine over that many GPUs: split "towers" in this process, "symbols" in a process per GPU that loads
-    the model from `spec` (client.engine.sharded.ModelSpec)."""
+    the model from `spec` (client.engine.sharded.ModelSpec). max_rows_per_symbol: requests of one symbol the fast
+    engine's captured steps carry (more run as several steps); the reference engine steps any number."""
     if gpus > 1 and (name != "fast" or str(device or "cuda").startswith("cpu")):
         raise ValueError("--gpus applies to the fast engine on CUDA GPUs")
     if name == "reference":
@@ -32,7 +33,8 @@ def make_engine(name: str, model, device=None, *, precision=None, compile=False,
                 raise
             raise ValueError("engine 'fast' is not available in this checkout (client/engine/fast is missing); "
                              "use --engine reference") from exc
-        options = {k: v for k, v in fast_options.items() if v is not None}
+        options = {k: v for k, v in {**fast_options, "max_rows_per_symbol": max_rows_per_symbol}.items()
+                   if v is not None}
         if gpus > 1 and split == "symbols":
             from client.engine.sharded import ShardedEngine
             if spec is None:

@@ -1,4 +1,7 @@
-"""The model behind a small interface: one batched step over distinct symbols, run now or submitted."""
+"""The model behind a small interface: one batched step over requests of several symbols, run now or submitted.
+
+A step's rows are requests: a symbol may appear several times, in arrival order, and row i of the result is the
+prediction after request i (the symbol's state advanced through its earlier rows of the step first)."""
 import threading
 from abc import ABC, abstractmethod
 
@@ -14,9 +17,6 @@ def check_step_inputs(symbols, features) -> np.ndarray:
     """
     if not all(isinstance(symbol, str) for symbol in symbols):
         raise ValueError("symbols must be strings")
-    if len(set(symbols)) != len(symbols):
-        duplicates = sorted({s for s in symbols if symbols.count(s) > 1})
-        raise ValueError(f"duplicate symbols in one step: {duplicates}; a step takes at most one request per symbol")
     features = np.asarray(features)
     if features.ndim != 2 or features.shape != (len(symbols), NUM_FEATURES):
         raise ValueError(f"features must have shape ({len(symbols)}, {NUM_FEATURES}) for "
@@ -26,8 +26,35 @@ def check_step_inputs(symbols, features) -> np.ndarray:
     features = np.ascontiguousarray(features, dtype=np.float32)
     bad_rows = np.flatnonzero(~np.isfinite(features).all(axis=1))
     if bad_rows.size:
-        raise ValueError(f"non-finite features for symbols {[symbols[i] for i in bad_rows]}")
+        raise ValueError(f"non-finite features in rows {bad_rows.tolist()[:8]} (symbols "
+                         f"{[symbols[i] for i in bad_rows[:8]]})")
     return features
+
+
+class Sequences:
+    """A step's rows grouped by symbol: `symbols` distinct, in order of first appearance; `order` the row
+    indices symbol by symbol, each symbol's in arrival order; `lengths` rows per symbol. Row order[i] of the
+    step is row i of the grouped step."""
+
+    def __init__(self, symbols):
+        rows: dict[str, list[int]] = {}
+        for row, symbol in enumerate(symbols):
+            rows.setdefault(symbol, []).append(row)
+        self.symbols = list(rows)
+        self.lengths = [len(r) for r in rows.values()]
+        self.order = np.fromiter((row for r in rows.values() for row in r), dtype=np.int64, count=len(symbols))
+        self.max_length = max(self.lengths, default=0)
+
+    def rounds(self) -> list[np.ndarray]:
+        """Row indices of the step by occurrence: round j holds the j-th request of every symbol that has one,
+        so stepping the rounds in order, each a batch of distinct symbols, is stepping the requests in order."""
+        rounds: list[list[int]] = [[] for _ in range(self.max_length)]
+        start = 0
+        for length in self.lengths:
+            for j in range(length):
+                rounds[j].append(int(self.order[start + j]))
+            start += length
+        return [np.asarray(r, dtype=np.int64) for r in rounds]
 
 
 class PendingStep:
@@ -60,9 +87,10 @@ class Engine(ABC):
 
     @abstractmethod
     def step(self, symbols: list[str], features: np.ndarray) -> np.ndarray:
-        """Advance each (distinct) symbol's state once; return float32 predictions [B, 4] in tower order.
+        """Advance each symbol's state through its rows, in order (a symbol may appear several times: one
+        request each); return float32 predictions [B, 4] in tower order, row i the prediction after request i.
 
-        Raises ValueError on duplicate symbols, a wrong shape or non-finite features, touching no state.
+        Raises ValueError on a wrong shape or non-finite features, touching no state.
         """
 
     def submit(self, symbols: list[str], features: np.ndarray) -> PendingStep:

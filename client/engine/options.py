@@ -7,11 +7,13 @@
     --idle-timeout S        forget a symbol idle this long
     --state-dtype SPEC      fp32, or fp16/bf16 storage of the matrix states; --state-rounding stochastic|nearest
     --gpus N                spread over N GPUs: the towers (--split towers) or the symbols (--split symbols)
+    --max-requests-per-symbol K   queued requests of one symbol a step may carry (1: one per symbol per step)
 """
 import argparse
 import math
 
 from client.engine.precision import add_precision_argument, parse_state_dtype
+from client.scheduler import DEFAULT_MAX_PER_SYMBOL
 
 
 def _share(text):
@@ -68,6 +70,10 @@ def add_engine_arguments(parser):
     group.add_argument("--split", choices=("towers", "symbols"), default="towers",
                        help="with --gpus > 1: each GPU runs some towers for every symbol (towers, for latency), "
                             "or every tower for some symbols in a process per GPU (symbols, for throughput)")
+    group.add_argument("--max-requests-per-symbol", type=lambda t: _count(t, "--max-requests-per-symbol", 1),
+                       default=DEFAULT_MAX_PER_SYMBOL, metavar="K",
+                       help="queued requests of one symbol a step may carry, advanced in order in one step "
+                            f"(default {DEFAULT_MAX_PER_SYMBOL}; 1: one request per symbol per step)")
     return group
 
 
@@ -76,4 +82,4 @@ def engine_options(args) -> dict:
     return {"precision": args.precision, "compile": args.compile, "state_memory": args.state_memory,
             "capacity": args.state_slots, "host_symbols": args.host_symbols, "idle_timeout_s": args.idle_timeout,
             "state_dtype": args.state_dtype, "state_rounding": args.state_rounding, "gpus": args.gpus,
-            "split": args.split}
+            "split": args.split, "max_rows_per_symbol": args.max_requests_per_symbol}

@@ -1,8 +1,9 @@
-"""The fp32 reference engine: per-symbol batch-1 states, stacked into one batched forward per step."""
+"""The fp32 reference engine: per-symbol batch-1 states, stacked into one batched forward per round of a step
+(round j: the j-th request of every symbol in the step, so a symbol's requests advance its state in order)."""
 import numpy as np
 import torch
 
-from client.engine.base import NUM_TOWERS, Engine, check_step_inputs
+from client.engine.base import NUM_TOWERS, Engine, Sequences, check_step_inputs
 from client.model.state import split_state, stack_states
 
 
@@ -32,11 +33,16 @@ class ReferenceEngine(Engine):
         features = check_step_inputs(symbols, features)
         if not symbols:
             return np.zeros((0, NUM_TOWERS), dtype=np.float32)
-        states = [self._states[s] if s in self._states else self.model.init_state(1, device=self.device)
-                  for s in symbols]
-        with torch.no_grad():
-            predictions, new_state = self.model(torch.from_numpy(features).to(self.device), stack_states(states))
-        # Store only after the forward succeeded, so a failing step leaves every state as it was.
-        for symbol, state in zip(symbols, split_state(new_state)):
-            self._states[symbol] = state
-        return predictions.detach().to("cpu", torch.float32).numpy()
+        states = {}  # the states as the step advances them, stored only after every round succeeded
+        out = np.empty((len(symbols), NUM_TOWERS), dtype=np.float32)
+        for rows in Sequences(symbols).rounds():
+            batch = [symbols[i] for i in rows]
+            before = [states.get(s) or self._states.get(s) or self.model.init_state(1, device=self.device)
+                      for s in batch]
+            with torch.no_grad():
+                predictions, after = self.model(torch.from_numpy(features[rows]).to(self.device),
+                                                stack_states(before))
+            states.update(zip(batch, split_state(after)))
+            out[rows] = predictions.detach().to("cpu", torch.float32).numpy()
+        self._states.update(states)
+        return out

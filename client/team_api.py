@@ -1,0 +1,47 @@
+"""What a team client's process_batch and submit_batch receive: the two batch formats.
+
+A team client says which format it takes with the class attribute `requests_per_symbol`:
+- "many" (team/example_model.py): {symbol: [(unique_id, features[79]), ...]}, each symbol's queued requests in
+  arrival order, several of a symbol per step; the answer has one prediction per request.
+- "one" (the default: team files written before it existed): {symbol: (unique_id, features)}, at most one request
+  per symbol per step, as the original event's rule.
+Either way every symbol's requests reach the team client in arrival order across calls, and it answers
+{"unique_ids": [...], "predictions": [n, 4], "errors": {unique_id: why}} for what it could not answer.
+"""
+ONE, MANY = "one", "many"
+FORMATS = (ONE, MANY)
+
+
+def requests_per_symbol(team_client) -> str:
+    """The team client's declared format (ONE when it declares none)."""
+    declared = getattr(team_client, "requests_per_symbol", ONE)
+    if declared not in FORMATS:
+        raise ValueError(f"{type(team_client).__name__}.requests_per_symbol must be one of {', '.join(FORMATS)}, "
+                         f"got {declared!r}")
+    return declared
+
+
+def max_per_symbol(team_client, wanted: int) -> int:
+    """Requests of one symbol a step may carry for this team client: `wanted`, or 1 for a one-per-symbol client."""
+    return wanted if requests_per_symbol(team_client) == MANY else 1
+
+
+def batch_for(team_client, requests) -> dict:
+    """The team client's batch of `requests` (scheduler Requests grouped by symbol, each symbol's in order)."""
+    if requests_per_symbol(team_client) == ONE:
+        batch = {r.symbol: (r.unique_id, r.features) for r in requests}
+        if len(batch) != len(requests):
+            raise ValueError("a one-request-per-symbol team client was given several requests of one symbol")
+        return batch
+    batch = {}
+    for r in requests:
+        batch.setdefault(r.symbol, []).append((r.unique_id, r.features))
+    return batch
+
+
+def queued(value) -> list:
+    """A symbol's entry of a batch as a list of (unique_id, features): a list as given, or the one request of a
+    one-per-symbol batch, so a team client taking lists also takes the older format."""
+    if isinstance(value, tuple) and len(value) == 2 and not isinstance(value[0], tuple):
+        return [value]
+    return list(value)
