@@ -6,7 +6,7 @@ import time
 import numpy as np
 import torch
 
-from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_inputs
+from client.engine.base import NUM_TOWERS, Engine, PendingStep, Sequences, check_step_inputs
 from client.engine.precision import describe_precision, describe_state_dtype, parse_state_dtype, resolve_precision
 from client.model.config import TOWER_NAMES
 
@@ -244,6 +244,16 @@ class FastEngine(Engine):
         """
         symbols = list(symbols)
         features = check_step_inputs(symbols, features)
+        sequences = Sequences(symbols)
+        if sequences.max_length > 1:  # several requests of a symbol: one step per round, in order
+            rounds = [(rows, self.submit([symbols[i] for i in rows], features[rows])) for rows in sequences.rounds()]
+
+            def gather():
+                out = np.empty((len(symbols), NUM_TOWERS), dtype=np.float32)
+                for rows, step in rounds:
+                    out[rows] = step.result()
+                return out
+            return PendingStep(gather)
         if self._ring is None or not symbols or len(symbols) > self.max_batch:
             return PendingStep.completed(self._step_now(symbols, features))
         batch = len(symbols)
