@@ -75,7 +75,7 @@ class DeviceTowers:
 class FastEngine(Engine):
     name = "fast"
 
-    def __init__(self, model, device=None, *, max_batch=64, graphs=None, precision=None, capacity=None,
+    def __init__(self, model, device=None, *, max_batch=64, max_rows_per_symbol=4, graphs=None, precision=None, capacity=None,
                  state_memory=None, host_symbols=None, idle_timeout_s=None, reserve=0, state_dtype="fp32",
                  state_rounding="stochastic", devices=None, time_steps=False, compile=False, progress=True):
         """device, or devices (several: the towers placed over them); capacity (symbols on the GPU) or
@@ -99,6 +99,7 @@ class FastEngine(Engine):
         start = time.perf_counter()
         self.device, self.devices, self.max_batch = devices[0], devices, max_batch
         self.state_dtype, self.state_rounding = state_dtype, state_rounding
+        self.max_rows_per_symbol = max_rows_per_symbol  # steps carrying more run in rounds (for now: any above 1)
         self.compile_s = None  # seconds of compiling: torch.compile's probe, then every graph the step needs
         if compile:
             from .compiled import check_compile, warm_up
