@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from client.engine.fast import FastEngine
+from client.engine.fast.layers import StepPlan
 from client.model import TOWER_NAMES, load_model
 
 
@@ -49,10 +50,10 @@ def tower_graph_times(runner, slots):
         feats = torch.randn(B, 79, device="cuda")
         up = torch.relu(runner.input_up(feats)).split(runner.proj, dim=1)
         for tower, chunk, states in zip(runner.towers, up, runner.tower_states):
-            tower(chunk, states, slots[:B])  # warm-up
+            tower(chunk, states, StepPlan.one_row_each(slots[:B]))  # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                tower(chunk, states, slots[:B])
+                tower(chunk, states, StepPlan.one_row_each(slots[:B]))
             out[f"B{B}_{tower.name}"] = round(time_cuda(graph.replay, iters=30)[0], 3)
     return out
 
@@ -173,15 +174,15 @@ def main(argv=None):
         up = torch.relu(runner.input_up(feats)).split(runner.proj, dim=1)
         for tower, chunk, states in zip(runner.towers, up, runner.tower_states):
             result[f"eager_tower_ms_B{B}_{tower.name}"] = time_cuda(
-                lambda: tower(chunk, states, slots[:B]), iters=10)[0]
-        result[f"eager_step_ms_B{B}"] = time_cuda(lambda: runner(slots[:B], feats), iters=10)[0]
+                lambda: tower(chunk, states, StepPlan.one_row_each(slots[:B])), iters=10)[0]
+        result[f"eager_step_ms_B{B}"] = time_cuda(lambda: runner(StepPlan.one_row_each(slots[:B]), feats), iters=10)[0]
     result["tower_graph_ms"] = tower_graph_times(runner, slots)
     log(f"towers alone as graphs: {result['tower_graph_ms']}")
     result["fp32_gemm_us"] = fp32_gemm_times()
     log(f"fp32 GEMM variants: {result['fp32_gemm_us']}")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         feats = torch.randn(20, 79, device="cuda")
-        runner(slots[:20], feats)
+        runner(StepPlan.one_row_each(slots[:20]), feats)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
     (args.out_dir / "top_kernels_B20.txt").write_text(table)

@@ -183,13 +183,13 @@ def test_padding_rows_never_touch_live_state_on_gpu():
 def test_precompile_threads_touch_only_the_padding_slot_on_gpu():
     """The startup's kernel compile (one eager step a bucket, buckets in threads) leaves every symbol's state as
     it was, and the engine's steps after it are those of an engine stepped alone."""
-    from client.engine.fast.runner import precompile
+    from client.engine.fast.runner import precompile, step_shapes
     model, _ = load_model("small", seed=0, device="cuda")
     fast = FastEngine(model, device="cuda", max_batch=8, capacity=10, progress=False)
     fast.step(["A", "B", "C"], np.ones((3, 79), np.float32))
     torch.cuda.synchronize()
     before = {k: v.clone() for k, v in fast.table.tensors.items()}
-    precompile(fast.runner, [1, 2, 3, 5, 8])
+    precompile(fast.runner, step_shapes(8, 3))
     for name, t in fast.table.tensors.items():
         for slot in range(t.shape[0]):
             if slot != PAD_SLOT:

@@ -20,7 +20,7 @@ import torch._dynamo
 
 from client.engine.precision import fp32_products
 
-from .state_table import PAD_SLOT
+from .runner import padding_plan
 
 # Graphs per block type and precision are two or three, but a process may build engines of several precisions or
 # presets (a benchmark), and every engine's blocks of a type share one code object's cache (Dynamo's default: 8).
@@ -79,25 +79,30 @@ def _compiled_step(block):
     return step
 
 
-def warm_up(runner, max_batch, progress=True) -> float:
-    """Compile every graph the step can need up to max_batch rows, tower by tower, on the padding slot; progress
-    on stderr. Returns the seconds it took."""
+def warm_up(runner, shapes, progress=True) -> float:
+    """Compile every graph the step can need for the engine's step shapes (runner.step_shapes), tower by tower,
+    on the padding slot; progress on stderr. Returns the seconds it took. Per bound on a symbol's rows (a
+    Python int the sLSTM's launches specialise on): its family's first shapes and its largest."""
     for block_states in runner.tower_states:
         for states in block_states:
             for table in states.values():
                 if isinstance(table, torch.Tensor):
                     torch._dynamo.mark_dynamic(table, 0)
-    batches = sorted({min(b, max_batch) for b in (*WARM_UP_BATCHES, max_batch)})
+    families = {}
+    for shape in sorted(shapes, key=lambda s: s.rows):
+        families.setdefault(shape.max_rows, []).append(shape)
+    warm = [shape for family in families.values()
+            for shape in dict.fromkeys([*family[:len(WARM_UP_BATCHES)], family[-1]])]
     start = time.perf_counter()
-    jobs = [(tower, states, b) for tower, states in zip(runner.towers, runner.tower_states) for b in batches]
-    for done, (tower, states, batch) in enumerate(jobs):
+    jobs = [(tower, states, shape) for tower, states in zip(runner.towers, runner.tower_states) for shape in warm]
+    for done, (tower, states, shape) in enumerate(jobs):
         if progress:
-            sys.stderr.write(f"\r[fast engine] compiling the {tower.name} blocks for B={batch} ({done}/{len(jobs)}, "
-                             f"{time.perf_counter() - start:.0f} s)   ")
+            sys.stderr.write(f"\r[fast engine] compiling the {tower.name} blocks for {shape.rows} rows "
+                             f"({done}/{len(jobs)}, {time.perf_counter() - start:.0f} s)   ")
             sys.stderr.flush()
-        slots = torch.full((batch,), PAD_SLOT, dtype=torch.int32, device=runner.device)
         with fp32_products():  # the flags the step runs under (StepRunner.__call__): Dynamo guards on them
-            tower(torch.zeros(batch, runner.proj, device=runner.device), states, slots)
+            tower(torch.zeros(shape.rows, runner.proj, device=runner.device), states,
+                  padding_plan(shape, runner.device))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - start

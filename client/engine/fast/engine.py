@@ -11,8 +11,9 @@ from client.engine.precision import describe_precision, describe_state_dtype, pa
 from client.model.config import TOWER_NAMES
 
 from .placement import place_towers
-from .runner import BUCKETS, GraphedStep, StepRunner, input_bytes, input_views, precompile
-from .state_table import PAD_SLOT, StateTable, capacity_for_memory, slot_layout
+from .layers import StepPlan
+from .runner import GraphedStep, StepInputs, StepRunner, precompile, shape_for, step_shapes
+from .state_table import StateTable, capacity_for_memory, slot_layout
 
 # Pinned staging buffers for submitted steps, each with its own set of graphs: one more than the runtime keeps
 # in flight (2), so that reusing one never has to wait for its previous step.
@@ -21,6 +22,7 @@ RING = 3
 STATE_MEMORY = 0.8
 HOST_MEMORY = 0.5
 CPU_CAPACITY = 1024  # without a GPU the table lives in host memory: a modest default
+MAX_ROWS_PER_SYMBOL = 4  # requests of one symbol a captured step carries (client.scheduler.DEFAULT_MAX_PER_SYMBOL)
 
 
 def _progress(label):
@@ -39,12 +41,11 @@ class Staging:
     """One submitted step's pinned host buffers (inputs shared by every GPU, an output per GPU), and the events
     recorded after each GPU's read-back was enqueued."""
 
-    def __init__(self, max_batch, num_features, shards, timed=False):
-        self.inputs = torch.zeros(input_bytes(max_batch, max_batch, num_features), dtype=torch.uint8,
-                                  pin_memory=True)  # laid out like GraphedStep.inputs
-        slots, features = input_views(self.inputs, max_batch, num_features)
-        self.slots, self.features = slots.numpy(), features.numpy()
-        self.outs = [torch.empty(max_batch, len(shard.columns), dtype=torch.float32, pin_memory=True)
+    def __init__(self, max_sequences, max_rows, num_features, shards, timed=False):
+        self.inputs = StepInputs(torch.zeros(StepInputs.bytes_for(max_sequences, max_rows, num_features),
+                                             dtype=torch.uint8, pin_memory=True),
+                                 max_sequences, max_rows, num_features)  # laid out like GraphedStep.inputs
+        self.outs = [torch.empty(max_rows, len(shard.columns), dtype=torch.float32, pin_memory=True)
                      for shard in shards]
         self.done = [torch.cuda.Event(enable_timing=timed) for _ in shards]
         self.started = [torch.cuda.Event(enable_timing=True) for _ in shards] if timed else None
@@ -75,10 +76,13 @@ class DeviceTowers:
 class FastEngine(Engine):
     name = "fast"
 
-    def __init__(self, model, device=None, *, max_batch=64, max_rows_per_symbol=4, graphs=None, precision=None, capacity=None,
-                 state_memory=None, host_symbols=None, idle_timeout_s=None, reserve=0, state_dtype="fp32",
-                 state_rounding="stochastic", devices=None, time_steps=False, compile=False, progress=True):
-        """device, or devices (several: the towers placed over them); capacity (symbols on the GPU) or
+    def __init__(self, model, device=None, *, max_batch=64, max_rows_per_symbol=MAX_ROWS_PER_SYMBOL, graphs=None,
+                 precision=None, capacity=None, state_memory=None, host_symbols=None, idle_timeout_s=None, reserve=0,
+                 state_dtype="fp32", state_rounding="stochastic", devices=None, time_steps=False, compile=False,
+                 progress=True):
+        """max_batch: symbols a captured step holds; max_rows_per_symbol: requests of one symbol it carries
+        (a step with more runs as several, in order). device, or devices (several: the towers placed over them);
+        capacity (symbols on the GPU) or
         state_memory (the share of free GPU memory the state table takes, STATE_MEMORY by default);
         host_symbols: states that may wait in host memory (default: what HOST_MEMORY of available host memory
         holds on CUDA, none on the CPU); state_dtype: fp32, or fp16/bf16 storage of the matrix states (of xLSTM and
@@ -95,11 +99,13 @@ class FastEngine(Engine):
             raise ValueError("give the state table's capacity or its memory share, not both")
         if capacity is not None and capacity < 1:
             raise ValueError(f"capacity must be a positive number of symbols, got {capacity}")
+        if max_rows_per_symbol < 1 or max_batch < 1:
+            raise ValueError(f"max_batch and max_rows_per_symbol must be positive, got {max_batch}, "
+                             f"{max_rows_per_symbol}")
         _check_devices(devices)
         start = time.perf_counter()
         self.device, self.devices, self.max_batch = devices[0], devices, max_batch
         self.state_dtype, self.state_rounding = state_dtype, state_rounding
-        self.max_rows_per_symbol = max_rows_per_symbol  # steps carrying more run in rounds (for now: any above 1)
         self.compile_s = None  # seconds of compiling: torch.compile's probe, then every graph the step needs
         if compile:
             from .compiled import check_compile, warm_up
@@ -123,30 +129,35 @@ class FastEngine(Engine):
         self.table = StateTable(parts, capacity, host_capacity=host_symbols, idle_timeout_s=idle_timeout_s,
                                 reserve=reserve, separate=compile)
         self.max_batch = max_batch = min(max_batch, capacity)  # a step's symbols all hold GPU slots at once
-        buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.max_rows_per_symbol = max_rows_per_symbol
+        self.shapes = step_shapes(max_batch, max_rows_per_symbol)
         for shard, part in zip(self.shards, self.table.parts):
             shard.runner.attach(part.tensors)
             began, tell = time.perf_counter(), progress and shard.device.type == "cuda"
             if tell:
-                sys.stderr.write(f"[fast engine] compiling kernels for {len(buckets)} batch sizes on {shard.device} ...")
+                sys.stderr.write(f"[fast engine] compiling kernels for {len(self.shapes)} step shapes on "
+                                 f"{shard.device} ...")
                 sys.stderr.flush()
-            precompile(shard.runner, buckets)
+            precompile(shard.runner, self.shapes)
             if tell:
                 sys.stderr.write(f" {time.perf_counter() - began:.1f} s\n")
             if compile:
-                self.compile_s += warm_up(shard.runner, self.max_batch, progress)
+                self.compile_s += warm_up(shard.runner, self.shapes, progress)
         self._ring = None  # without CUDA every step is synchronous
         self.step_times = [] if time_steps else None
+        max_rows = max(shape.rows for shape in self.shapes)
         if devices[0].type == "cuda":
-            self._ring = [Staging(max_batch, self.runner.num_features, self.shards, time_steps) for _ in range(RING)]
+            self._ring = [Staging(max_batch, max_rows, self.runner.num_features, self.shards, time_steps)
+                          for _ in range(RING)]
         use_graphs = devices[0].type == "cuda" if graphs is None else graphs
         self.graphed = None
         if use_graphs:
             for i, shard in enumerate(self.shards):
                 with torch.cuda.device(shard.device):
                     label = "capturing graphs" + (f" on {shard.device}" if len(self.shards) > 1 else "")
-                    shard.graphed = GraphedStep(shard.runner, buckets, progress=_progress(label) if progress else None,
-                                                staging=[(st.inputs, st.outs[i]) for st in self._ring or ()])
+                    shard.graphed = GraphedStep(shard.runner, self.shapes,
+                                                progress=_progress(label) if progress else None,
+                                                staging=[(st.inputs.buffer, st.outs[i]) for st in self._ring or ()])
                     shard.graphed.capture()
             self.graphed = self.shards[0].graphed
         self._next = 0
@@ -201,6 +212,7 @@ class FastEngine(Engine):
                 "weight_bytes": self.weight_bytes,
                 "state_bytes_per_symbol": self.state_bytes, "capacity": self.table.capacity,
                 "host_symbols": self.table.host_capacity, "max_batch": self.max_batch,
+                "max_rows_per_symbol": self.max_rows_per_symbol, "step_shapes": len(self.shapes),
                 "compile": self.runner.compiled, "compile_s": self.compile_s,
                 "startup_s": getattr(self, "startup_s", None)}
 
@@ -218,19 +230,26 @@ class FastEngine(Engine):
 
     @torch.no_grad()
     def step_slots(self, slot_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """Predictions [B, 4] on the (first) device for one device's engine; valid until the next call (graph
-        outputs are reused)."""
+        """Predictions [B, 4] on the (first) device for one request of each slot (distinct); valid until the next
+        call (graph outputs are reused)."""
+        return self.step_plan(StepPlan.one_row_each(slot_ids), features)
+
+    @torch.no_grad()
+    def step_plan(self, plan: StepPlan, features: torch.Tensor) -> torch.Tensor:
+        """Predictions [R, 4] on the (first) device for a step whose plan and features are on the device."""
         if len(self.shards) > 1:
-            parts = [shard.graphed(slot_ids.to(shard.device), features.to(shard.device)) if shard.graphed
-                     else shard.runner(slot_ids.to(shard.device), features.to(shard.device))
-                     for shard in self.shards]
-            out = torch.empty(slot_ids.shape[0], NUM_TOWERS, device=self.device)
+            parts = []
+            for shard in self.shards:
+                moved = StepPlan(plan.seq_slots.to(shard.device), plan.seq_starts.to(shard.device), plan.max_rows)
+                rows = features.to(shard.device)
+                parts.append(shard.graphed(moved, rows) if shard.graphed else shard.runner(moved, rows))
+            out = torch.empty(features.shape[0], NUM_TOWERS, device=self.device)
             for shard, part in zip(self.shards, parts):
                 out[:, shard.columns] = part.to(self.device)
             return out
         if self.graphed is not None:
-            return self.graphed(slot_ids, features)
-        return self.runner(slot_ids, features)
+            return self.graphed(plan, features)
+        return self.runner(plan, features)
 
     def step(self, symbols, features):
         return self.submit(symbols, features).result()
@@ -238,59 +257,87 @@ class FastEngine(Engine):
     @torch.no_grad()
     def submit(self, symbols, features) -> PendingStep:
         """Enqueue a step on each device's current CUDA stream and return at once; result() waits for its
-        predictions. Symbols that fit in no tier of the state table raise CapacityError before anything changes.
+        predictions. A symbol may appear several times (its requests in arrival order): the step advances its
+        state through them in order. Symbols that fit in no tier of the state table raise CapacityError before
+        anything changes.
 
-        Without CUDA, and for batches larger than max_batch, the step runs synchronously. Not thread-safe:
-        submit (and step) from one thread; result() may be called from another.
+        Without CUDA the step runs synchronously. A step of more than max_batch symbols or max_rows_per_symbol
+        requests of a symbol runs as several, in order. Not thread-safe: submit (and step) from one thread;
+        result() may be called from another.
         """
         symbols = list(symbols)
         features = check_step_inputs(symbols, features)
-        sequences = Sequences(symbols)
-        if sequences.max_length > 1:  # several requests of a symbol: one step per round, in order
-            rounds = [(rows, self.submit([symbols[i] for i in rows], features[rows])) for rows in sequences.rounds()]
+        if not symbols:
+            return PendingStep.completed(np.zeros((0, NUM_TOWERS), dtype=np.float32))
+        parts = self._split(Sequences(symbols))
+        if len(parts) == 1:
+            return self._submit_part(*parts[0], features)
+        pending = [(rows, self._submit_part(part, rows, features)) for part, rows in parts]
 
-            def gather():
-                out = np.empty((len(symbols), NUM_TOWERS), dtype=np.float32)
-                for rows, step in rounds:
-                    out[rows] = step.result()
-                return out
-            return PendingStep(gather)
-        if self._ring is None or not symbols or len(symbols) > self.max_batch:
-            return PendingStep.completed(self._step_now(symbols, features))
-        batch = len(symbols)
+        def gather():
+            out = np.empty((len(symbols), NUM_TOWERS), dtype=np.float32)
+            for rows, step in pending:
+                out[rows] = step.result()
+            return out
+        return PendingStep(gather)
+
+    def _split(self, sequences: Sequences):
+        """[(Sequences of a part, its rows of the step)]: parts of at most max_batch symbols and
+        max_rows_per_symbol requests of a symbol, in an order that keeps each symbol's requests in order."""
+        if len(sequences.symbols) <= self.max_batch and sequences.max_length <= self.max_rows_per_symbol:
+            return [(sequences, np.arange(len(sequences.order)))]
+        runs, start = [], 0  # [(symbol, its rows in order)]
+        for symbol, length in zip(sequences.symbols, sequences.lengths):
+            runs.append((symbol, sequences.order[start:start + length]))
+            start += length
+        parts, k = [], self.max_rows_per_symbol
+        for chunk in range(0, sequences.max_length, k):
+            live = [(symbol, rows[chunk:chunk + k]) for symbol, rows in runs if len(rows) > chunk]
+            for first in range(0, len(live), self.max_batch):
+                group = live[first:first + self.max_batch]
+                rows = np.concatenate([r for _, r in group])
+                parts.append((Sequences([symbol for symbol, r in group for _ in r]), rows))
+        return parts
+
+    def _submit_part(self, sequences: Sequences, rows, features) -> PendingStep:
+        """One step of at most max_batch symbols and max_rows_per_symbol requests each: `rows` of `features`."""
+        grouped = features[rows[sequences.order]]  # each symbol's rows together, in order
+        restore = np.empty_like(sequences.order)
+        restore[sequences.order] = np.arange(len(sequences.order))
+        if self._ring is None:
+            return PendingStep.completed(self._step_now(sequences, grouped)[restore])
+        shape = shape_for(self.shapes, len(grouped), len(sequences.symbols), sequences.max_length)
         index, staging = self._next, self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         if staging.step is not None:
             # Its previous step may still be reading these inputs, or its result not yet be copied out of
             # `outs`: finish it (its PendingStep keeps the copy for whoever collects it later).
             staging.step.result()
-        staging.slots[:batch] = self.table.slots_for(symbols)
-        staging.slots[batch:] = PAD_SLOT
-        staging.features[:batch] = features
+        staging.inputs.fill(self.table.slots_for(sequences.symbols), sequences.lengths, grouped)
+        total = len(grouped)
         for i, (shard, host_out, done) in enumerate(zip(self.shards, staging.outs, staging.done)):
             with torch.cuda.device(shard.device):
                 if staging.started is not None:
                     staging.started[i].record(torch.cuda.current_stream(shard.device))
                 if shard.graphed is not None:
-                    shard.graphed.replay_staged(index, batch)  # copies in, step, predictions out: one launch
+                    shard.graphed.replay_staged(index, shape, total)  # copies in, step, predictions out
                 else:
-                    slot_ids = torch.from_numpy(staging.slots[:batch]).to(shard.device, non_blocking=True)
-                    feats = torch.from_numpy(staging.features[:batch]).to(shard.device, non_blocking=True)
-                    host_out[:batch].copy_(shard.runner(slot_ids, feats), non_blocking=True)
+                    plan = staging.inputs.plan(shape)
+                    plan = StepPlan(plan.seq_slots.to(shard.device, non_blocking=True),
+                                    plan.seq_starts.to(shard.device, non_blocking=True), plan.max_rows)
+                    rows_in = staging.inputs.features[:shape.rows].to(shard.device, non_blocking=True)
+                    host_out[:total].copy_(shard.runner(plan, rows_in)[:total], non_blocking=True)
                 done.record(torch.cuda.current_stream(shard.device))
-        staging.step = PendingStep(lambda: staging.read_back(batch, self.step_times))
+        staging.step = PendingStep(lambda: staging.read_back(total, self.step_times)[restore])
         return staging.step
 
-    def _step_now(self, symbols, features):
-        if not symbols:
-            return np.zeros((0, NUM_TOWERS), dtype=np.float32)
-        out = np.empty((len(symbols), NUM_TOWERS), dtype=np.float32)
-        for start in range(0, len(symbols), self.max_batch):  # larger steps run as several buckets
-            chunk = symbols[start:start + self.max_batch]
-            slots = self.slots_for(chunk)
-            feats = torch.from_numpy(features[start:start + len(chunk)]).to(self.device, non_blocking=True)
-            out[start:start + len(chunk)] = self.step_slots(slots, feats).cpu().numpy()
-        return out
+    def _step_now(self, sequences: Sequences, grouped):
+        """A step run at once (no CUDA): the grouped rows' predictions [R, 4]."""
+        slots = self.table.slots_for(sequences.symbols)
+        starts = np.concatenate([[0], np.cumsum(sequences.lengths)])
+        plan = StepPlan(torch.tensor(slots, dtype=torch.int32, device=self.device),
+                        torch.tensor(starts, dtype=torch.int32, device=self.device), sequences.max_length)
+        return self.step_plan(plan, torch.from_numpy(grouped).to(self.device)).cpu().numpy()
 
 
 def _check_devices(devices):

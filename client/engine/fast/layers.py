@@ -1,5 +1,7 @@
 """How one step of each tower runs on the state table: fused projections, Triton state kernels, 16-bit
-weights with fp32 accumulation and fp32 state. Each block advances the rows `slots` of the table in place.
+weights with fp32 accumulation and fp32 state. Each block advances the table in place as a step's plan says
+(StepPlan: the rows grouped in sequences, one per symbol; each recurrent kernel loads a symbol's state once and
+advances it through the symbol's rows in order: kernels/_common.py).
 
 Fusions (horizontal, where shapes allow): the four towers' input_up as one matrix; Mamba2's x/b/c/z
 projections as one matrix, its three convolutions as one and its dt projection inside the state update;
@@ -10,6 +12,8 @@ next add; the sLSTM's eight block-diagonal gate maps with its cell (slstm_step);
 1,024 4x4 q/k/v blocks and its gate projection (mlstm_input, finished inside mlstm_step); Mamba2's gate, norm
 and cast.
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +30,25 @@ from kernels.skinny_matmul import supports as skinny_supports
 from kernels.slstm_step import pack_weights as pack_slstm_weights
 
 _OUT_DTYPE = {}
+
+
+class StepPlan(NamedTuple):
+    """Which state each row of a step advances (kernels/_common.py): sequence s owns rows seq_starts[s] ..
+    seq_starts[s+1]-1 of the step and advances slot seq_slots[s]; max_rows bounds any sequence's length (the
+    sLSTM's recurrent gate maps take one launch per row position)."""
+    seq_slots: torch.Tensor   # int32 [G]
+    seq_starts: torch.Tensor  # int32 [G + 1]
+    max_rows: int = 1
+
+    @property
+    def sequences(self):
+        return self.seq_slots, self.seq_starts
+
+    @classmethod
+    def one_row_each(cls, slot_ids):
+        """Row b advances slot slot_ids[b] (distinct slots): the plan of a step of one request per symbol."""
+        rows = slot_ids.shape[0]
+        return cls(slot_ids, torch.arange(rows + 1, dtype=torch.int32, device=slot_ids.device), 1)
 
 
 def _fp32_out_supported(device, dtype):
@@ -207,9 +230,9 @@ class Block:
         self.fc1 = Linear(sd[prefix + "mlp.fc1.weight"], sd[prefix + "mlp.fc1.bias"], self.mlp_dtype, device)
         self.fc2 = Linear(sd[prefix + "mlp.fc2.weight"], sd[prefix + "mlp.fc2.bias"], self.mlp_dtype, device)
 
-    def __call__(self, x, delta, bias, st, slots):
+    def __call__(self, x, delta, bias, st, plan):
         t = add_rms_norm(x, delta, bias, self.norm1, FP32_EPS, self.norm1_dtype)
-        t2 = add_rms_norm(x, self.layer(t, st, slots), None, self.norm2, FP32_EPS, self.mlp_dtype)
+        t2 = add_rms_norm(x, self.layer(t, st, plan), None, self.norm2, FP32_EPS, self.mlp_dtype)
         return self.mlp(t2)
 
     def mlp(self, t2):
@@ -258,31 +281,31 @@ class XLSTMBlock(Block):
                 "mlstm.conv": ((inner, 3), f32, 0.0), "mlstm.C": ((NH, E, E), matrix_dtype, 0.0),
                 "mlstm.n": ((NH, E), f32, 0.0), "mlstm.m": ((NH,), f32, 0.0)}
 
-    def __call__(self, x, delta, bias, st, slots):
+    def __call__(self, x, delta, bias, st, plan):
         # norm1, the sLSTM's LayerNorm and its convolution in one kernel
         xin, xn, xc = slstm_input(x, delta, bias, self.norm1, FP32_EPS, self.s_norm, st["slstm.conv"], *self.s_conv,
-                                  slots)
-        m, s_out = self.layer(xin, xn, xc, st, slots)
+                                  *plan.sequences)
+        m, s_out = self.layer(xin, xn, xc, st, plan)
         # x += final_norm(m + s_out), then norm2, in one kernel
         return self.mlp(xlstm_residual(x, m, s_out, self.final_norm, self.norm2, FP32_EPS, self.mlp_dtype))
 
-    def layer(self, xin, xn, xc, st, slots):
+    def layer(self, xin, xn, xc, st, plan):
         """The xLSTM layer after slstm_input, up to its final LayerNorm: (mLSTM out_proj product m, sLSTM block
         output s_out), with the layer's output final_norm(m + s_out)."""
         B, inner, NH = xin.shape[0], self.inner, self.heads
         # sLSTM: gate maps and cell in one kernel; slstm_output stores the new y
         y = slstm_step(xc, xn, self.s_weight, self.s_bias, st["slstm.c"], st["slstm.n"], st["slstm.m"],
-                       st["slstm.y"], slots)
+                       st["slstm.y"], *plan.sequences, max_rows=plan.max_rows)
         s_out, xn = slstm_output(y, xin, *self.s_gn, self.m_norm, SLSTM_HEADS, self.m_xg.dtype, st["slstm.y"],
-                                 slots)
+                                 *plan.sequences)
         # mLSTM
         xm_xg = self.m_xg.product(xn)
         xm, xg = xm_xg[:, :inner], xm_xg[:, inner:]
         xc, qkv, gate_parts = mlstm_input(xm, st["mlstm.conv"], *self.m_conv, self.m_qkv, self.m_gate_w,
-                                          self.m_gate_b, slots)
+                                          self.m_gate_b, *plan.sequences)
         q, k, v = (qkv[:, j].view(B, NH, -1) for j in range(3))
         h = mlstm_step(st["mlstm.C"], st["mlstm.n"], st["mlstm.m"], q, k, v, gate_parts[:, :, :NH],
-                       gate_parts[:, :, NH:], slots, rounding=st["rounding"])
+                       gate_parts[:, :, NH:], *plan.sequences, rounding=st["rounding"])
         gated = mlstm_output(h.reshape(B, inner), xc, xg, self.m_skip, *self.m_outnorm, NH, self.m_down.dtype)
         return self.m_down.product(gated), s_out
 
@@ -311,12 +334,13 @@ class Mamba2Block(Block):
         return {"conv": ((inner + 2 * STATE_SIZE, 3), torch.float32, 0.0),
                 "h": ((inner // HEAD_SIZE, HEAD_SIZE, STATE_SIZE), matrix_dtype, 0.0)}
 
-    def layer(self, t, st, slots):
+    def layer(self, t, st, plan):
         B, inner, N = t.shape[0], self.inner, STATE_SIZE
         xbcz = self.in_proj.product(t)
-        xbc = causal_conv_update(xbcz[:, :inner + 2 * N], st["conv"], *self.conv, slots, "silu")
+        xbc = causal_conv_update(xbcz[:, :inner + 2 * N], st["conv"], *self.conv, *plan.sequences, "silu")
         y = mamba2_state_update(st["h"], xbc[:, :inner].view(B, self.heads, HEAD_SIZE), t, self.dt_weight,
-                                self.dt_bias, self.a, xbc[:, inner:inner + N], xbc[:, inner + N:], self.d, slots,
+                                self.dt_bias, self.a, xbc[:, inner:inner + N], xbc[:, inner + N:], self.d,
+                                *plan.sequences,
                                 rounding=st["rounding"])
         gated = gated_rms_norm(y.reshape(B, inner), xbcz[:, inner + 2 * N:], self.norm, 1e-5, self.out_proj.dtype)
         return self.out_proj.product(gated)
@@ -338,11 +362,11 @@ class RetNetBlock(Block):
         return {"offset": ((), torch.int32, 0), "scale": ((cfg.heads,), torch.float32, 0.0),
                 "S": ((cfg.heads, D, D), matrix_dtype, 0.0)}
 
-    def layer(self, t, st, slots):
+    def layer(self, t, st, plan):
         B, H = t.shape[0], self.hidden
         qkvg = self.qkvg(t)
         q, k, v = (qkvg[:, j * H:(j + 1) * H].view(B, self.heads, -1) for j in range(3))
-        o = retention_step(st["S"], st["scale"], st["offset"], q, k, v, self.decay, self.angle, slots,
+        o = retention_step(st["S"], st["scale"], st["offset"], q, k, v, self.decay, self.angle, *plan.sequences,
                            rounding=st["rounding"])
         return self.out_proj(retnet_output(o, qkvg[:, 3 * H:]))
 
@@ -366,12 +390,13 @@ class HawkBlock(Block):
     def state_layout(cfg, matrix_dtype=torch.float32):
         return {"conv": ((cfg.hidden, 3), torch.float32, 0.0), "h": ((cfg.hidden,), torch.float32, 0.0)}
 
-    def layer(self, t, st, slots):
+    def layer(self, t, st, plan):
         B, H = t.shape[0], self.hidden
         gate_rec = self.gate_rec.product(t)
-        u = causal_conv_update(gate_rec[:, H:], st["conv"], *self.conv, slots, None)
+        u = causal_conv_update(gate_rec[:, H:], st["conv"], *self.conv, *plan.sequences, None)
         gates = self.gates(u).reshape(B, 2, H)
-        return self.out_proj.product(rglru_step(gate_rec[:, :H], u, gates[:, 0], gates[:, 1], self.a, st["h"], slots))
+        return self.out_proj.product(rglru_step(gate_rec[:, :H], u, gates[:, 0], gates[:, 1], self.a, st["h"],
+                                                *plan.sequences))
 
 
 BLOCKS = {"xlstm": XLSTMBlock, "mamba2": Mamba2Block, "retnet": RetNetBlock, "hawk": HawkBlock}

@@ -1,7 +1,17 @@
-"""How a step runs: the four towers over the state table, eagerly or as CUDA graphs per batch-size bucket."""
+"""How a step runs: the four towers over the state table, eagerly or as CUDA graphs per step shape.
+
+A step's rows are grouped in sequences, one per symbol (layers.StepPlan); its shape (rows, sequences, max_rows)
+is padded up to a captured one: steps of one row per symbol (the light load's case) to a bucket of B rows and
+B sequences, steps carrying several requests of a symbol to a bucket of rows, as many sequences as a step of
+that many rows can have (at most max_batch), and a bound on any symbol's rows (a power of two, up to the
+engine's max_rows_per_symbol: the sLSTM's recurrent maps take one launch per row position).
+"""
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from client.engine.precision import TOWER_PARTS, fp32_products, resolve_precision
@@ -9,14 +19,16 @@ from client.model.config import TOWER_NAMES
 
 from kernels.state_rounding import StochasticRounding
 
-from .layers import BLOCKS, Linear
+from .layers import BLOCKS, Linear, StepPlan
 from .state_table import PAD_SLOT
 
 # CUDA stream priorities (lower runs first; captured into the graphs' kernels). The xLSTM tower is the longest
 # chain of small kernels: ahead of the other towers' products its kernels wait less for a free SM (bench/LOG.md
 # section 23: B=1 -65 us, B=64 -165 us; other assignments gained less or lost).
 STREAM_PRIORITY = {"xlstm": -1}
-BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # rows = symbols, one row each
+# Rows of steps that carry several requests of a symbol: about 1.5x apart, so padding costs at most a third
+ROW_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 STEP_COUNTER = "steps"  # the state table's per-slot step counter (stochastic rounding of 16-bit state)
 # Weight dtypes whose products run through kernels/skinny_matmul.py at B <= 64 (bench/LOG.md, section 11).
 SKINNY_DTYPES = (torch.float32,)
@@ -48,19 +60,20 @@ class Tower:
                  "rounding": None if counter is None else StochasticRounding(counter, 64 * tower + i)}
                 for i, prefix in enumerate(f"{self.name}.{i}." for i in range(len(self.blocks)))]
 
-    def __call__(self, up, block_states, slots, hand_fused=False):
+    def __call__(self, up, block_states, plan, hand_fused=False):
         # x starts at zero with input_down's output pending: the first norm1 adds it (see layers.Block)
         x = torch.zeros(up.shape[0], self.input_down.weight.shape[0], device=up.device)
         delta, bias = self.input_down.product(up), self.input_down.bias
         for step, states in zip(self.blocks if hand_fused else self.steps, block_states):
-            delta, bias = step(x, delta, bias, states, slots)
+            delta, bias = step(x, delta, bias, states, plan)
         return x + delta + bias
 
 
 class StepRunner:
-    """One fused step of some towers (all four by default): step(slots [B] int32, features [B, 79]) ->
-    predictions [B, towers] in this runner's tower order. The state lives in a StateTable made from `layout`
-    and handed over with attach()."""
+    """One fused step of some towers (all four by default): runner(plan, features [R, 79]) -> predictions
+    [R, towers] in this runner's tower order, row i the prediction after the step's request i (layers.StepPlan
+    says which symbol's state each row advances). The state lives in a StateTable made from `layout` and handed
+    over with attach()."""
 
     def __init__(self, model, device, precision=None, *, towers=TOWER_NAMES, state_dtype=torch.float32,
                  state_rounding="stochastic", streams=None, skinny=SKINNY_DTYPES, compile=False):
@@ -94,7 +107,7 @@ class StepRunner:
                            and any(dtype != torch.float32 for _, dtype, _ in self.layout.values() if dtype.is_floating_point))
         if self.stochastic:
             self.layout[STEP_COUNTER] = ((), torch.int32, 0)
-        self.counter = self._ones = None
+        self.counter = None
         self.tower_states = None  # per tower, per block, the views of the state table (attach)
         # Towers are independent: on CUDA each runs on its own stream so their small kernels overlap.
         use_streams = self.device.type == "cuda" if streams is None else streams
@@ -109,7 +122,6 @@ class StepRunner:
         """Run on the state table whose component views (for this runner's layout) are `tensors`."""
         if self.stochastic:
             self.counter = tensors[STEP_COUNTER]
-            self._ones = torch.ones(BUCKETS[-1], dtype=torch.int32, device=self.device)
         self.tower_states = [tower.block_states(tensors, self.counter) for tower in self.towers]
 
     @property
@@ -129,18 +141,18 @@ class StepRunner:
         for linear in self.linears():
             linear.use_skinny(linear.dtype in tuple(dtypes))
 
-    def __call__(self, slots, features, hand_fused=False):
+    def __call__(self, plan: StepPlan, features, hand_fused=False):
         """hand_fused: run the blocks themselves even where compile() routed them through torch.compile."""
         with fp32_products():  # eager steps and graph captures alike: the fp32 parts must be true fp32 products
-            return self._step(slots, features, hand_fused)
+            return self._step(plan, features, hand_fused)
 
-    def _step(self, slots, features, hand_fused):
+    def _step(self, plan, features, hand_fused):
         up = torch.relu(self.input_up(features))  # [B, towers * proj]
         chunks = up.split(self.proj, dim=1)
         # Each tower's prediction is its own product with output_proj (the same shapes whichever towers share
         # this runner, so a runner of some towers gives bit for bit a runner of all four's columns)
         if self.streams is None:
-            predictions = [torch.mv(tower(chunk, states, slots, hand_fused), self.output_w)
+            predictions = [torch.mv(tower(chunk, states, plan, hand_fused), self.output_w)
                            for tower, chunk, states in zip(self.towers, chunks, self.tower_states)]
         else:
             main = torch.cuda.current_stream(self.device)
@@ -148,107 +160,177 @@ class StepRunner:
             for tower, chunk, states, stream in zip(self.towers, chunks, self.tower_states, self.streams):
                 stream.wait_stream(main)
                 with torch.cuda.stream(stream):
-                    predictions.append(torch.mv(tower(chunk, states, slots, hand_fused), self.output_w))
+                    predictions.append(torch.mv(tower(chunk, states, plan, hand_fused), self.output_w))
             for stream in self.streams:
                 main.wait_stream(stream)
-        if self.counter is not None:  # every tower has stored its state: the rows' slots advance a step
-            self.counter.index_add_(0, slots, self._ones[:slots.shape[0]])
+        if self.counter is not None:  # every tower has stored its state: each slot advances by its rows
+            self.counter.index_add_(0, plan.seq_slots, plan.seq_starts[1:] - plan.seq_starts[:-1])
         return torch.stack(predictions, dim=1) + self.output_b  # [B, towers]
 
 
-def precompile(runner, buckets) -> None:
-    """Compile the step's Triton kernels for every batch bucket before anything is captured or timed: one eager
-    step of each bucket on the padding slot, the buckets side by side in threads. A kernel compiles at its first
-    call with new constexprs (a bucket's BLOCK_M) or specialised sizes; the LLVM and ptxas stages, most of a
+class StepShape(NamedTuple):
+    """A captured step's size: rows, sequences (symbols) and the bound on any sequence's rows."""
+    rows: int
+    sequences: int
+    max_rows: int
+
+
+def step_shapes(max_batch, max_rows_per_symbol) -> list[StepShape]:
+    """Every shape the engine captures: one row per symbol up to max_batch symbols, then for each bound kb on a
+    symbol's rows (powers of two below max_rows_per_symbol, and it), row buckets up to max_batch * kb."""
+    shapes = [StepShape(b, b, 1) for b in (*(b for b in BUCKETS if b < max_batch), max_batch)]
+    bounds = [1 << i for i in range(1, math.ceil(math.log2(max_rows_per_symbol)))] if max_rows_per_symbol > 1 else []
+    for kb in (*bounds, *([max_rows_per_symbol] if max_rows_per_symbol > 1 else [])):
+        top = max_batch * kb
+        for rows in (*(r for r in ROW_BUCKETS if kb <= r < top), top):
+            shapes.append(StepShape(rows, min(rows, max_batch), kb))
+    return shapes
+
+
+def shape_for(shapes, rows, sequences, max_rows) -> StepShape:
+    """The smallest captured shape that holds a step (shapes as step_shapes gives them, each family ascending)."""
+    fits = [s for s in shapes if s.max_rows >= max_rows and s.rows >= rows and s.sequences >= sequences]
+    if not fits:
+        raise ValueError(f"a step of {rows} rows over {sequences} symbols, up to {max_rows} of a symbol, exceeds "
+                         f"every captured shape")
+    return min(fits, key=lambda s: (s.max_rows, s.rows))
+
+
+def padding_plan(shape, device) -> StepPlan:
+    """A plan of `shape` whose sequences all lie at the padding slot: for runs that compile or capture."""
+    starts = torch.full((shape.sequences + 1,), shape.max_rows, dtype=torch.int32, device=device)
+    starts[0] = 0
+    return StepPlan(torch.full((shape.sequences,), PAD_SLOT, dtype=torch.int32, device=device), starts,
+                    shape.max_rows)
+
+
+def precompile(runner, shapes) -> None:
+    """Compile the step's Triton kernels for every step shape before anything is captured or timed: one eager
+    step of each shape on the padding slot, the shapes side by side in threads. A kernel compiles at its first
+    call with new constexprs (a shape's BLOCK_M) or specialised sizes; the LLVM and ptxas stages, most of a
     compile, release the GIL, so the threads' compiles overlap where, one after another, they took most of a cold
     start (bench/LOG.md section 35). The hand-fused blocks run even where torch.compile will run the step: its
     custom ops launch the same state kernels and products (its glue kernels, traced as their PyTorch
     references, are compiled here for nothing). Nothing to compile without CUDA.
 
     The threads share the towers' streams, so one step's intermediate buffers may be reused by another thread's
-    kernels while still in use: harmless here, where every row is the padding slot and every output is
+    kernels while still in use: harmless here, where every sequence is the padding slot's and every output is
     dropped, and the reason this is no way to run live rows."""
     if runner.device.type != "cuda" or runner.tower_states is None:
         return
-    device, batch = runner.device, max(buckets)
-    slots = torch.full((batch,), PAD_SLOT, dtype=torch.int32, device=device)
-    features = torch.zeros(batch, runner.num_features, device=device)
+    device = runner.device
+    features = torch.zeros(max(s.rows for s in shapes), runner.num_features, device=device)
     start = torch.cuda.current_stream(device)
 
-    def step(rows):
+    def step(shape):
         stream = torch.cuda.Stream(device)
         stream.wait_stream(start)
         with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():
-            runner(slots[:rows], features[:rows], hand_fused=True)
+            runner(padding_plan(shape, device), features[:shape.rows], hand_fused=True)
         return stream
 
-    with ThreadPoolExecutor(max_workers=min(len(buckets), os.cpu_count() or 1)) as pool:
-        streams = list(pool.map(step, buckets))
+    with ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
+        streams = list(pool.map(step, shapes))
     for stream in streams:
         start.wait_stream(stream)
     torch.cuda.synchronize(device)
 
 
-def input_views(buffer, max_batch, num_features):
-    """A step's inputs carved from one byte buffer: slot ids (int32 [max_batch]), then features (float32
-    [max_batch, F]); so one copy of its first input_bytes(B, ...) bytes delivers a batch of B."""
-    slots = buffer[:4 * max_batch].view(torch.int32)
-    features = buffer[4 * max_batch:4 * max_batch * (1 + num_features)].view(torch.float32)
-    return slots, features.view(max_batch, num_features)
+class StepInputs:
+    """A step's inputs carved from one byte buffer: seq_slots (int32 [max_sequences]), seq_starts (int32
+    [max_sequences + 1]), then features (float32 [max_rows, F]) at a 16-byte boundary; so one copy of its first
+    nbytes(R) bytes delivers a step of R rows. Sequences past the step's are empty (at the padding slot, starting
+    at the step's last row), so a graph of more sequences than the step's reads them as nothing to do."""
 
+    def __init__(self, buffer, max_sequences, max_rows, num_features):
+        self.buffer, self.max_sequences, self.num_features = buffer, max_sequences, num_features
+        self.seq_slots = buffer[:4 * max_sequences].view(torch.int32)
+        self.seq_starts = buffer[4 * max_sequences:4 * (2 * max_sequences + 1)].view(torch.int32)
+        self.offset = -(-4 * (2 * max_sequences + 1) // 16) * 16
+        self.features = buffer[self.offset:self.offset + 4 * max_rows * num_features].view(torch.float32).view(
+            max_rows, num_features)
 
-def input_bytes(batch, max_batch, num_features):
-    """Bytes of an input buffer that carry a batch of `batch` rows: every slot id, the batch's features."""
-    return 4 * (max_batch + batch * num_features)
+    @staticmethod
+    def bytes_for(max_sequences, max_rows, num_features):
+        return -(-4 * (2 * max_sequences + 1) // 16) * 16 + 4 * max_rows * num_features
+
+    def nbytes(self, rows):
+        """Bytes that carry a step of `rows` rows: every sequence entry, the step's features."""
+        return self.offset + 4 * rows * self.num_features
+
+    def plan(self, shape) -> StepPlan:
+        return StepPlan(self.seq_slots[:shape.sequences], self.seq_starts[:shape.sequences + 1], shape.max_rows)
+
+    def fill(self, slots, lengths, features):
+        """Write a step into a host buffer: sequence s of lengths[s] rows at slots[s]; features [R, F] (numpy) in
+        sequence order. Through numpy views: a step's host work is on the latency path."""
+        seq_slots, seq_starts, host_features = (t.numpy() for t in (self.seq_slots, self.seq_starts, self.features))
+        n, rows = len(slots), features.shape[0]
+        seq_slots[:n] = slots
+        seq_slots[n:] = PAD_SLOT
+        seq_starts[0] = 0
+        np.cumsum(lengths, out=seq_starts[1:n + 1])
+        seq_starts[n + 1:] = rows
+        host_features[:rows] = features
+
+    def fill_padding(self):
+        """Every sequence empty at the padding slot (for the startup runs of the graphs)."""
+        self.seq_slots.fill_(PAD_SLOT)
+        self.seq_starts.fill_(0)
 
 
 class GraphedStep:
-    """CUDA graphs of the step for batch-size buckets, replayed with slots and features copied into persistent
-    input buffers; rows past the batch point at the padding slot. The state table is allocated once, so the
-    graphs stay valid for the engine's life.
+    """CUDA graphs of the step for its shapes (step_shapes), replayed with the step's plan and features copied
+    into persistent input buffers (StepInputs); rows and sequences past the step's are padding, which touches no
+    state. The state table is allocated once, so the graphs stay valid for the engine's life.
 
-    For each pinned host staging pair (inputs laid out like self.inputs, out [max_batch, 4]) a second set of
-    graphs also carries the copies: host inputs to device, predictions back to the host's out. A submitted
-    step is then one launch instead of two copies and a launch from the host (bench/LOG.md, sections 17, 24).
+    For each pinned host staging pair (inputs laid out like self.inputs, out [max rows, towers]), the shapes of
+    one row per symbol (the latency-critical light load) get a second set of graphs that also carries the copies:
+    host inputs to device, predictions back to the host's out. A submitted step is then one launch instead of two
+    copies and a launch from the host (bench/LOG.md, sections 17, 24). Larger steps copy around their graph.
     """
 
-    def __init__(self, runner: StepRunner, buckets=BUCKETS, progress=None, staging=()):
-        self.runner, self.buckets = runner, tuple(sorted(buckets))
-        self.max_batch = self.buckets[-1]
-        self.inputs = torch.zeros(input_bytes(self.max_batch, self.max_batch, runner.num_features),
-                                  dtype=torch.uint8, device=runner.device)
-        self.slots, self.features = input_views(self.inputs, self.max_batch, runner.num_features)
-        self.staging = list(staging)
+    def __init__(self, runner: StepRunner, shapes, progress=None, staging=()):
+        self.runner, self.shapes = runner, sorted(shapes, key=lambda s: (s.max_rows, s.rows))
+        self.max_sequences = max(s.sequences for s in self.shapes)
+        self.max_rows = max(s.rows for s in self.shapes)
+        size = StepInputs.bytes_for(self.max_sequences, self.max_rows, runner.num_features)
+        self.inputs = StepInputs(torch.zeros(size, dtype=torch.uint8, device=runner.device), self.max_sequences,
+                                 self.max_rows, runner.num_features)
+        self.staging = [(StepInputs(host, self.max_sequences, self.max_rows, runner.num_features), out)
+                        for host, out in staging]
         self.graphs, self.outputs, self.staged_graphs = {}, {}, {}
         self.progress = progress
 
     def capture(self):
-        """Capture every bucket (largest first, so smaller graphs reuse its memory pool), then the staged sets."""
+        """Capture every shape (largest first, so smaller graphs reuse its memory pool), then the staged sets."""
         self.graphs.clear(), self.outputs.clear(), self.staged_graphs.clear()
-        self.slots.fill_(PAD_SLOT)  # the warm-up runs below must only ever touch the padding slot
+        self.inputs.fill_padding()  # the warm-up runs below must touch no live slot
         pool = torch.cuda.graph_pool_handle()
         warm = torch.cuda.Stream(self.runner.device)
         warm.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(warm):  # warm-up outside capture: Triton compiles, cuBLAS picks algorithms
-            for b in self.buckets:
-                self.runner(self.slots[:b], self.features[:b])
+            for shape in self.shapes:
+                self.runner(self.inputs.plan(shape), self.inputs.features[:shape.rows])
         torch.cuda.current_stream().wait_stream(warm)
-        jobs = [(b, index) for b in reversed(self.buckets) for index in (None, *range(len(self.staging)))]
+        jobs = [(shape, index) for shape in sorted(self.shapes, key=lambda s: -s.rows)
+                for index in (None, *(range(len(self.staging)) if shape.max_rows == 1 else ()))]
         # torch.cuda.graph's default capture stream is made once, on the device current then: on a second GPU the
         # capture needs a stream of its own device
         capture_stream = torch.cuda.Stream(self.runner.device)
-        for done, (b, index) in enumerate(jobs, 1):
+        for done, (shape, index) in enumerate(jobs, 1):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+                plan, features = self.inputs.plan(shape), self.inputs.features[:shape.rows]
                 if index is None:
-                    self.outputs[b] = self.runner(self.slots[:b], self.features[:b])
-                    self.graphs[b] = graph
+                    self.outputs[shape] = self.runner(plan, features)
+                    self.graphs[shape] = graph
                 else:
                     host_inputs, host_out = self.staging[index]
-                    n = input_bytes(b, self.max_batch, self.runner.num_features)
-                    self.inputs[:n].copy_(host_inputs[:n], non_blocking=True)
-                    host_out[:b].copy_(self.runner(self.slots[:b], self.features[:b]), non_blocking=True)
-                    self.staged_graphs[index, b] = graph
+                    n = self.inputs.nbytes(shape.rows)
+                    self.inputs.buffer[:n].copy_(host_inputs.buffer[:n], non_blocking=True)
+                    host_out[:shape.rows].copy_(self.runner(plan, features), non_blocking=True)
+                    self.staged_graphs[index, shape] = graph
             if self.progress:
                 self.progress(done, len(jobs))
         self._upload()
@@ -257,26 +339,38 @@ class GraphedStep:
         """Launch every graph once, on the padding slot: a graph's first launch uploads it to the device, which
         takes milliseconds for a step's ~600 nodes and must not fall on a live request (bench/LOG.md section 27)."""
         for host_inputs, _ in self.staging:
-            input_views(host_inputs, self.max_batch, self.runner.num_features)[0].fill_(PAD_SLOT)
+            host_inputs.fill_padding()
+        self.inputs.fill_padding()
         for graph in (*self.graphs.values(), *self.staged_graphs.values()):
             graph.replay()
         torch.cuda.current_stream(self.runner.device).synchronize()
 
-    def _bucket(self, B):
-        if B > self.max_batch:
-            raise ValueError(f"batch of {B} exceeds the largest captured bucket ({self.max_batch})")
-        return next(b for b in self.buckets if b >= B)
+    def shape_for(self, rows, sequences, max_rows) -> StepShape:
+        return shape_for(self.shapes, rows, sequences, max_rows)
 
-    def __call__(self, slots, features):
-        B = slots.shape[0]
-        bucket = self._bucket(B)
-        self.slots[:B].copy_(slots, non_blocking=True)
-        self.slots[B:bucket].fill_(PAD_SLOT)
-        self.features[:B].copy_(features, non_blocking=True)
-        self.graphs[bucket].replay()
-        return self.outputs[bucket][:B]
+    def __call__(self, plan: StepPlan, features):
+        """The step of a plan already on the device: copied into the graph's inputs, replayed; the predictions
+        (valid until the next replay of that shape)."""
+        rows, sequences = features.shape[0], plan.seq_slots.shape[0]
+        shape = self.shape_for(rows, sequences, plan.max_rows)
+        inputs = self.inputs
+        inputs.seq_slots[:sequences].copy_(plan.seq_slots, non_blocking=True)
+        inputs.seq_slots[sequences:].fill_(PAD_SLOT)
+        inputs.seq_starts[:sequences + 1].copy_(plan.seq_starts, non_blocking=True)
+        inputs.seq_starts[sequences + 1:].fill_(rows)
+        inputs.features[:rows].copy_(features, non_blocking=True)
+        self.graphs[shape].replay()
+        return self.outputs[shape][:rows]
 
-    def replay_staged(self, index, B):
-        """Launch the step of a batch of B staged in self.staging[index] (slot ids past B already the padding
-        slot); its predictions land in that pair's host out once the stream reaches this point."""
-        self.staged_graphs[index, self._bucket(B)].replay()
+    def replay_staged(self, index, shape, rows):
+        """Launch the step of `rows` rows staged in self.staging[index] (its plan filled by StepInputs.fill) at
+        `shape`; its predictions land in that pair's host out once the stream reaches this point."""
+        graph = self.staged_graphs.get((index, shape))
+        if graph is not None:
+            graph.replay()
+            return
+        host_inputs, host_out = self.staging[index]
+        n = self.inputs.nbytes(shape.rows)
+        self.inputs.buffer[:n].copy_(host_inputs.buffer[:n], non_blocking=True)
+        self.graphs[shape].replay()
+        host_out[:rows].copy_(self.outputs[shape][:rows], non_blocking=True)
