@@ -20,14 +20,16 @@ from pathlib import Path
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parent
-
 from client import cli
+from client.accuracy import tower_errors
+from client.answers import check_answer
+from client.constants import ATOL
 from client.engine.options import add_engine_arguments, engine_options
 from client.model.config import PRESETS, TOWER_NAMES
-from client.constants import ATOL
 from client import team_api
 from client.scheduler import DEFAULT_MAX_PER_SYMBOL, Request, Scheduler
+
+REPO_ROOT = Path(__file__).resolve().parent
 
 PROG = "local_evaluator.py"
 DEFAULT_TEAM_DIR = REPO_ROOT / "team"
@@ -157,7 +159,7 @@ def replay(client, symbols, features, delay_ms, batch_size: int | None = None, a
         started = time.perf_counter()
         response = client.process_batch(team_api.batch_for(client, requests))
         clock += time.perf_counter() - started
-        predictions[batch] = _check_response(response, batch)
+        predictions[batch] = _answered(response, batch)
         answer[batch] = clock
         batch_sizes.append(len(batch))
         if after_step is not None:
@@ -165,56 +167,21 @@ def replay(client, symbols, features, delay_ms, batch_size: int | None = None, a
     return predictions, arrival, answer, batch_sizes
 
 
-def _check_response(response, batch: list[int]) -> np.ndarray:
-    """The response's predictions reordered to `batch`; every id answered exactly once."""
+def _answered(response, batch: list[int]) -> np.ndarray:
+    """The response's predictions in the order of `batch`: a replay scores every request, so none may be left
+    unanswered."""
     try:
-        ids = [int(i) for i in response["unique_ids"]]
-        preds = np.asarray(response["predictions"], dtype=np.float32)
-    except (TypeError, KeyError, ValueError) as exc:
-        raise EvaluationError("process_batch must return {'unique_ids': [...], 'predictions': [n, 4]}, "
-                              f"got {type(response).__name__}: {exc}") from exc
-    errors = response.get("errors") or {}
-    if errors:
-        uid, why = next(iter(errors.items()))
-        raise EvaluationError(f"the team client left {len(errors)} request(s) unanswered; request {uid}: {why}")
-    if preds.shape != (len(ids), len(TOWER_NAMES)):
-        raise EvaluationError(f"process_batch returned predictions of shape {preds.shape} for "
-                              f"{len(ids)} ids, expected ({len(ids)}, {len(TOWER_NAMES)})")
-    if sorted(ids) != sorted(batch):
-        missing = sorted(set(batch) - set(ids))
-        unexpected = sorted(set(ids) - set(batch))
-        repeated = sorted({i for i in ids if ids.count(i) > 1})
-        raise EvaluationError(f"process_batch must answer each request of the batch once: missing ids "
-                              f"{missing[:5]}, unexpected ids {unexpected[:5]}, repeated ids {repeated[:5]}")
-    row_of = {uid: row for row, uid in enumerate(ids)}
-    return preds[[row_of[i] for i in batch]]
+        answer = check_answer(response, batch)
+    except ValueError as exc:
+        raise EvaluationError(str(exc)) from None
+    if answer.errors:
+        uid, why = next(iter(answer.errors.items()))
+        raise EvaluationError(f"the team client left {len(answer.errors)} request(s) unanswered; request {uid}: "
+                              f"{why}")
+    return answer.in_order(batch)
 
 
 # ----------------------------------------------------------------------------------------- metrics
-
-def tower_errors(predictions: np.ndarray, targets: np.ndarray, atol: float = ATOL) -> dict:
-    """Per tower: max/mean absolute error, rmse, rmse relative to the target's std, and the fraction
-    within atol. A non-finite prediction counts as an infinite error."""
-    predictions = np.asarray(predictions, dtype=np.float64)
-    targets = np.asarray(targets, dtype=np.float64)
-    if predictions.shape != targets.shape:
-        raise EvaluationError(f"targets have shape {targets.shape}, predictions {predictions.shape}")
-    errors = np.where(np.isfinite(predictions), np.abs(predictions - targets), np.inf)
-    result = {}
-    for column, name in enumerate(TOWER_NAMES):
-        err = errors[:, column]
-        rmse = float(np.sqrt(np.mean(err ** 2)))
-        std = float(np.std(targets[:, column]))
-        result[name] = {
-            "max_abs_err": float(err.max()),
-            "mean_abs_err": float(err.mean()),
-            "rmse": rmse,
-            # a constant target has no scale to compare against
-            "rel_rmse": rmse / std if std > 0 else None,
-            "within_atol": float(np.mean(err <= atol)),
-        }
-    return result
-
 
 def latency_summary(latency_ms: np.ndarray) -> dict:
     return {
@@ -316,12 +283,12 @@ def format_report(result: dict) -> str:
         f"latency ms  p50 {lat['p50']:.3f}  p90 {lat['p90']:.3f}  p99 {lat['p99']:.3f}  "
         f"mean {lat['mean']:.3f}   throughput {'n/a' if rps is None else f'{rps:.1f}'} req/s",
         f"{'tower':<8}{'max_abs_err':>13}{'mean_abs_err':>14}{'rmse':>12}{'rel_rmse':>10}"
-        f"{'within ' + format(result['atol'], 'g'):>14}",
+        f"{'within ' + format(result['atol'], 'g'):>14}{'nan/inf':>9}",
     ]
     for name, t in result["towers"].items():
         rel = "n/a" if t["rel_rmse"] is None else f"{t['rel_rmse']:.2e}"
         lines.append(f"{name:<8}{t['max_abs_err']:>13.3e}{t['mean_abs_err']:>14.3e}{t['rmse']:>12.3e}"
-                     f"{rel:>10}{t['within_atol']:>14.4f}")
+                     f"{rel:>10}{t['within_atol']:>14.4f}{t['nan_or_inf']:>9}")
     return "\n".join(lines)
 
 

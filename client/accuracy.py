@@ -97,35 +97,46 @@ class Suite:
 
     @torch.no_grad()
     def measure(self, engine, prefix="") -> dict:
-        """{family: {tower: {within_atol, max_abs_err, rmse, nan_or_inf}}} of `engine` (a FastEngine: stepped
-        through step_slots on fresh symbols named `prefix`...), and "gate" {passed, worst: (family, tower,
-        within_atol)}."""
+        """{family: {tower: tower_errors}} of `engine` (a FastEngine: stepped through step_slots on fresh symbols
+        named `prefix`...), and "gate" {passed, worst: (family, tower, within_atol), nan_or_inf}."""
         stats = {}
         for name, (families, features) in self.runs.items():
             steps, batch, _ = features.shape
             symbols = [f"{prefix}{name}/{i:03d}" for i in range(batch)]
             slots = engine.slots_for(symbols)
-            errors = torch.empty(steps, batch, len(TOWER_NAMES), dtype=torch.float64, device=self.device)
+            predictions = torch.empty(steps, batch, len(TOWER_NAMES), dtype=torch.float32, device=self.device)
             for step in range(steps):
-                got = engine.step_slots(slots, torch.from_numpy(features[step]).to(self.device))
-                errors[step] = (got.double() - self.targets[name][step].double()).abs()
+                predictions[step] = engine.step_slots(slots, torch.from_numpy(features[step]).to(self.device))
             engine.release(symbols)
-            errors = errors.cpu().numpy()
+            predictions, targets = predictions.cpu().numpy(), self.targets[name].cpu().numpy()
             for family in dict.fromkeys(families):
                 columns = [i for i, f in enumerate(families) if f == family]
-                stats[family] = _tower_stats(errors[:, columns].reshape(-1, len(TOWER_NAMES)))
+                stats[family] = tower_errors(predictions[:, columns].reshape(-1, len(TOWER_NAMES)),
+                                             targets[:, columns].reshape(-1, len(TOWER_NAMES)))
         return {"families": stats, "gate": gate(stats)}
 
 
-def _tower_stats(errors) -> dict:
-    """errors [n, towers] (NaN where the engine gave NaN or inf): per tower within ATOL, max, rmse, NaN count."""
-    result = {}
-    for tower, name in enumerate(TOWER_NAMES):
-        column = errors[:, tower]
-        finite = np.isfinite(column)
-        result[name] = {"within_atol": float((column <= ATOL).mean()),  # NaN compares False: wrong
-                        "max_abs_err": float(column[finite].max()) if finite.any() else math.nan,
-                        "rmse": float(np.sqrt(np.mean(column[finite] ** 2))) if finite.any() else math.nan,
+def tower_errors(predictions, targets, atol: float = ATOL) -> dict:
+    """Per tower, of predictions against targets [n, towers]: the fraction within atol (a NaN or inf prediction is
+    wrong), the max and mean absolute error and the rmse over the finite predictions (NaN where there are none),
+    the rmse relative to the targets' std (None for a constant target, which has no scale), and the count of NaN
+    or inf predictions. In float64, so that the statistics add no rounding of their own."""
+    predictions = np.asarray(predictions, dtype=np.float64)
+    targets = np.asarray(targets, dtype=np.float64)
+    if predictions.shape != targets.shape or predictions.ndim != 2 or predictions.shape[1] != len(TOWER_NAMES):
+        raise ValueError(f"predictions {predictions.shape} and targets {targets.shape} must both be "
+                         f"[n, {len(TOWER_NAMES)}]")
+    rows, result = len(predictions), {}
+    for column, name in enumerate(TOWER_NAMES):
+        finite = np.isfinite(predictions[:, column])
+        error = np.abs(predictions[finite, column] - targets[finite, column])
+        rmse = float(np.sqrt(np.mean(error ** 2))) if error.size else math.nan
+        std = float(np.std(targets[:, column]))
+        result[name] = {"within_atol": float((error <= atol).sum() / rows) if rows else math.nan,
+                        "max_abs_err": float(error.max()) if error.size else math.nan,
+                        "mean_abs_err": float(error.mean()) if error.size else math.nan,
+                        "rmse": rmse,
+                        "rel_rmse": rmse / std if std > 0 else None,
                         "nan_or_inf": int((~finite).sum())}
     return result
 

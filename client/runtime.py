@@ -22,6 +22,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client import protocol
+from client.answers import check_answer
 from client.constants import NUM_TOWERS
 from client import team_api
 from client.scheduler import DEFAULT_MAX_PER_SYMBOL, Request, Scheduler
@@ -446,8 +447,9 @@ class StreamingClient:
                 batch = self._next_batch()
             self._mark("batched", (r.unique_id for r in batch))
             try:
-                ids, predictions, errors = _checked_result(
-                    batch, self.team_client.process_batch(team_api.batch_for(self.team_client, batch)))
+                ids, predictions, errors = check_answer(
+                    self.team_client.process_batch(team_api.batch_for(self.team_client, batch)),
+                    [r.unique_id for r in batch])
             except Exception as exc:  # a failing team client must not kill the runtime
                 self._fail(batch, exc, "process_batch")
                 continue
@@ -494,7 +496,7 @@ class StreamingClient:
                     return  # the submitter has stopped and every step it submitted is answered
                 batch, pending = self._steps[0]
             try:
-                ids, predictions, errors = _checked_result(batch, pending.result())
+                ids, predictions, errors = check_answer(pending.result(), [r.unique_id for r in batch])
             except Exception as exc:  # a failing team client must not kill the runtime
                 self._fail(batch, exc, "submit_batch's result()")
             else:
@@ -566,17 +568,3 @@ def _connect_error(exc) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _checked_result(batch, result) -> tuple[list[int], np.ndarray, dict[int, str]]:
-    """The (unique_ids, float32 predictions [n, 4], {unique_id: why not answered}) of a process_batch result,
-    checked against its batch: every request of the batch is answered or has its reason."""
-    try:
-        ids, predictions = [int(i) for i in result["unique_ids"]], np.asarray(result["predictions"], np.float32)
-        errors = {int(uid): str(why) for uid, why in (result.get("errors") or {}).items()}
-    except (TypeError, KeyError, ValueError, AttributeError) as exc:
-        raise ValueError(f"process_batch must return {{'unique_ids': [...], 'predictions': [n, 4]}}: {exc}") from None
-    if sorted(ids + list(errors)) != sorted(r.unique_id for r in batch):
-        raise ValueError(f"process_batch answered ids {ids}, expected {[r.unique_id for r in batch]}")
-    if predictions.shape != (len(ids), NUM_TOWERS):
-        raise ValueError(f"process_batch predictions must have shape ({len(ids)}, {NUM_TOWERS}), "
-                         f"got {predictions.shape}")
-    return ids, predictions, errors

@@ -5,9 +5,9 @@ compilation included) with a cold and a warm compile cache.
     python scripts/compile_bench.py --preset full --json bench/compile_h100.json
     python scripts/compile_bench.py --preset tiny --device cpu --batches 1,4 --iters 5   # CPU smoke run
 
-From Python (e.g. scripts/bench.py, whose directory is then on sys.path):
+From Python (e.g. scripts/bench.py's compile section):
 
-    from compile_bench import measure_compile
+    from scripts.compile_bench import measure_compile
     result = measure_compile("full", seed=0, device="cuda", batches=(1, 20, 64))
 
 Each measurement runs in a child process, so that "cold" is what a fresh machine sees: new, empty
@@ -27,12 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
 import numpy as np
 import torch
 
 from client.model import PRESETS
+from scripts.benchmarks.harness import Timer
 
 BATCHES = (1, 20, 64)
 
@@ -64,27 +63,6 @@ def _child(settings, cache):
                    json.dumps(settings)]
         subprocess.run(command, env=env, check=True)  # its progress goes to our stderr
         return json.loads(Path(out.name).read_text())
-
-
-class Timer:
-    """Milliseconds of one call, as scripts/bench.py measures a step: CUDA events around it with the queue drained
-    first (launch included); perf_counter on the CPU."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn):
-        if not self.cuda:
-            begin = time.perf_counter()
-            fn()
-            return (time.perf_counter() - begin) * 1e3
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
 
 
 def measure_in_child(settings) -> dict:
@@ -125,7 +103,7 @@ def time_steps(engines, device, batches, iters, warmup, seed) -> dict:
         times = {name: [] for name in engines}
         for i in range(warmup + iters):
             for name, engine in engines.items():
-                ms = timer(lambda: engine.step_slots(slots[name], features))
+                ms = timer.time_ms(lambda: engine.step_slots(slots[name], features))
                 if i >= warmup:
                     times[name].append(ms)
         row = {name: {"median_ms": float(np.median(t)), "p99_ms": float(np.percentile(t, 99))}

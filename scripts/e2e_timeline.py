@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts import bench
 from client import event_loop
+from scripts.benchmarks.harness import E2E_RATE, E2E_SYMBOLS, device_name
+from scripts.benchmarks.serving import ReferenceTracker, prefixed_names, prefixed_stream, serve_stream
 
 # (name, from, to): the stages of an answer, in order; "sent" and "end" are the server's send and receive
 SEGMENTS = (("server send -> client receive", "sent", "received"),
@@ -99,8 +100,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--preset", default="full")
     ap.add_argument("--device", default=None, help="cuda (default where available) or cpu")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rate", type=float, default=bench.E2E_RATE, help="requests per second")
-    ap.add_argument("--symbols", type=int, default=bench.E2E_SYMBOLS)
+    ap.add_argument("--rate", type=float, default=E2E_RATE, help="requests per second")
+    ap.add_argument("--symbols", type=int, default=E2E_SYMBOLS)
     ap.add_argument("--requests", type=int, default=4000, help="requests per session")
     ap.add_argument("--sessions", type=int, default=2, help="sessions in a row on one engine")
     ap.add_argument("--slowest", type=int, default=12, help="slowest answers to list")
@@ -113,25 +114,24 @@ def main(argv=None) -> list[dict]:
 
     from client.engine.fast import FastEngine
     from client.model import load_model
-    from client.streams import symbol_names
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, _ = load_model(args.preset, seed=args.seed, device=device)
     engine = FastEngine(model, device=device, max_batch=64, progress=sys.stderr.isatty())
-    tracker = bench.ReferenceTracker(model, [f"TL_{name}" for name in symbol_names(args.symbols)], device)
+    tracker = ReferenceTracker(model, prefixed_names("TL_", args.symbols), device)
     results = []
     for session in range(args.sessions):
-        stream = bench.prefixed_stream("TL_", args.symbols, args.requests, args.seed + 100 + session, args.rate)
+        stream = prefixed_stream("TL_", args.symbols, args.requests, args.seed + 100 + session, args.rate)
         targets = tracker.targets(stream)
         started = time.perf_counter()
-        summary = event_loop.run(bench.serve_stream(engine, stream, targets, args.rate, args.preset, args.seed,
-                                                    timeline=True))
+        summary = event_loop.run(serve_stream(engine, stream, targets, args.rate, args.preset, args.seed,
+                                              timeline=True))
         result = {"session": session, "rate": args.rate, "symbols": args.symbols, "seconds":
                   time.perf_counter() - started, **analyze(summary["timeline"], args.slowest)}
         print(f"== session {session}: " + format_report(result), flush=True)
         results.append(result)
     if args.json:
-        args.json.write_text(json.dumps({"device": bench._device_name(device), "preset": args.preset,
+        args.json.write_text(json.dumps({"device": device_name(device), "preset": args.preset,
                                          "sessions": results}, indent=1))
     return results
 

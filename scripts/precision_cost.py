@@ -8,7 +8,6 @@ spread of engines timed one after another (scripts/bench.py's precisions section
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 
@@ -19,6 +18,7 @@ from client import cli
 from client.engine.fast import FastEngine
 from client.engine.precision import parse_precision
 from client.model import PRESETS, load_model
+from scripts.benchmarks.harness import Timer
 
 
 def specs_argument(text):
@@ -35,21 +35,8 @@ def specs_argument(text):
 
 def step_ms(engine, slots, features, iters):
     """Median milliseconds of one step (GPU time between events on CUDA, wall time on the CPU)."""
-    times = []
-    for _ in range(iters):
-        if features.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            engine.step_slots(slots, features)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            engine.step_slots(slots, features)
-            times.append((time.perf_counter() - begin) * 1e3)
-    return float(np.median(times))
+    timer = Timer(features.device)
+    return float(np.median([timer.time_ms(lambda: engine.step_slots(slots, features)) for _ in range(iters)]))
 
 
 def measure(specs, preset="full", device="cuda", batches=(1, 20, 64), rounds=6, iters=100, warmup=10):

@@ -15,7 +15,7 @@ import torch
 
 from client.engine.fast import FastEngine
 from client.engine.fast.layers import StepPlan
-from client.model import TOWER_NAMES, load_model
+from client.model import load_model
 
 
 def log(msg):
@@ -98,23 +98,21 @@ def priority_times(engine, slots, batches, specs, rounds=3):
 
 
 def accuracy(model, engines, n_symbols, steps):
+    from client.accuracy import tower_errors
     from client.engine.reference import ReferenceEngine
     ref = ReferenceEngine(model, device="cuda")
     syms = [f"A{i}" for i in range(n_symbols)]
-    errs = {name: [] for name in engines}
+    predictions, targets = {name: [] for name in engines}, []
     rng = np.random.default_rng(0)
     for _ in range(steps):
         f = rng.standard_normal((len(syms), 79)).astype(np.float32)
-        want = ref.step(syms, f)
+        targets.append(ref.step(syms, f))
         for name, engine in engines.items():
-            errs[name].append(np.abs(engine.step(syms, f) - want))
-    result = {}
-    for name, parts in errs.items():
-        e = np.concatenate(parts)
-        result[name] = {n: {"max_abs_err": float(e[:, i].max()), "within_1e-3": float((e[:, i] <= 1e-3).mean())}
-                        for i, n in enumerate(TOWER_NAMES)}
-        log(f"accuracy {name}: " + ", ".join(f"{n} {v['within_1e-3']:.4f} ({v['max_abs_err']:.1e})"
-                                             for n, v in result[name].items()))
+            predictions[name].append(engine.step(syms, f))
+    result = {name: tower_errors(np.concatenate(parts), np.concatenate(targets)) for name, parts in predictions.items()}
+    for name, towers in result.items():
+        log(f"accuracy {name}: " + ", ".join(f"{n} {v['within_atol']:.4f} ({v['max_abs_err']:.1e})"
+                                             for n, v in towers.items()))
     return result
 
 

@@ -32,6 +32,12 @@ def test_families_are_what_their_names_say():
     assert np.abs(f["shifted"].mean(axis=0)).mean() > 1  # each symbol its own means
     half = f["regime_change"][25:].std() / f["regime_change"][:25].std()
     assert half > 5
+    column_std = np.log10(f["column_scales"].reshape(-1, 79).std(axis=0))
+    assert column_std.max() - column_std.min() > 5  # columns orders of magnitude apart
+    moves = np.abs(np.diff(f["offsets"], axis=0) / f["offsets"][:-1])
+    assert f["offsets"].min() > 5 and f["offsets"].max() > 1000 and moves.max() < 0.01  # large levels, small moves
+    kinds = [np.abs(f["feed_mix"][..., k::3]).mean() for k in range(3)]
+    assert kinds[0] > 10 and kinds[1] > 500 and kinds[2] < 0.01  # prices, volumes, returns
     with pytest.raises(ValueError, match="unknown input family 'nope'"):
         family_features("nope", 1, 1, 0)
 
@@ -67,9 +73,9 @@ def test_fast_engine_holds_the_gate_through_the_triton_interpreter():
             "from client.engine.fast import FastEngine\n"
             "from client.model import load_model\n"
             "m, _ = load_model('tiny', seed=0)\n"
-            "suite = Suite(m, 'cpu', families=('normal', 'scale_1e2', 'stuck', 'zeros'), symbols_per_family=1, "
-            "steps=6, long_symbols=0)\n"
-            "result = suite.measure(FastEngine(m, device='cpu', capacity=4, progress=False))\n"
+            "suite = Suite(m, 'cpu', families=('normal', 'scale_1e2', 'stuck', 'zeros', 'feed_mix'), "
+            "symbols_per_family=1, steps=6, long_symbols=0)\n"
+            "result = suite.measure(FastEngine(m, device='cpu', capacity=5, progress=False))\n"
             "print(format_table(result))\n"
             "assert result['gate']['passed']\n")
     env = {**os.environ, "TRITON_INTERPRET": "1",

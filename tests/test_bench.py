@@ -1,4 +1,5 @@
-"""scripts/bench.py: a CPU smoke run (tiny preset, --quick) leaves a complete JSON; bad options are refused."""
+"""scripts/bench.py and its sections (scripts/benchmarks/): a CPU smoke run (tiny preset, --quick) leaves a complete
+JSON; bad options are refused."""
 import importlib.util
 import json
 import math
@@ -82,14 +83,14 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
 
 
 def test_reference_tracker_continues_states_across_streams():
-    bench = _load_bench()
     from client.model import load_model
+    from scripts.benchmarks.serving import ReferenceTracker, prefixed_stream
 
     model, _ = load_model("tiny")
     symbols = ["A_SYM_000", "A_SYM_001", "A_SYM_002"]
-    tracker = bench.ReferenceTracker(model, symbols, torch.device("cpu"))
-    first = bench.prefixed_stream("A_", 3, 7, seed=5, rate=100.0)
-    second = bench.prefixed_stream("A_", 3, 5, seed=6, rate=100.0)
+    tracker = ReferenceTracker(model, symbols, torch.device("cpu"))
+    first = prefixed_stream("A_", 3, 7, seed=5, rate=100.0)
+    second = prefixed_stream("A_", 3, 5, seed=6, rate=100.0)
     targets = np.concatenate([tracker.targets(first), tracker.targets(second)])
     # the same requests one at a time through each symbol's own state
     states, expected = {}, []

@@ -120,6 +120,9 @@ def test_order_of_symbols_inside_a_step_does_not_matter():
     ({"unique_ids": [7], "predictions": np.zeros((1, 4))}, "missing ids [0], unexpected ids [7]"),
     ({"predictions": np.zeros((1, 4))}, "must return"),
     (None, "must return"),
+    ({"unique_ids": [0], "predictions": np.zeros((1, 4)), "errors": {0: "why"}}, "repeated ids [0]"),
+    ({"unique_ids": [], "predictions": np.zeros((0, 4)), "errors": {0: "no room"}},
+     "unanswered; request 0: no room"),
 ])
 def test_a_client_breaking_the_contract_gets_a_clear_error(response, message):
     class BadClient:
@@ -138,13 +141,15 @@ def test_targets_of_the_wrong_shape_are_refused():
 
 
 def test_tower_errors_values():
+    from client.accuracy import tower_errors
+
     targets = np.zeros((4, 4), np.float32)
     targets[:, 1] = [1, -1, 1, -1]  # std 1
     predictions = targets.copy()
     predictions[0, 0] = 2e-3
     predictions[:, 1] += 0.5
     predictions[3, 3] = np.nan
-    errors = le.tower_errors(predictions, targets, atol=1e-3)
+    errors = tower_errors(predictions, targets, atol=1e-3)
     assert errors["xlstm"]["within_atol"] == 0.75
     assert errors["xlstm"]["max_abs_err"] == pytest.approx(2e-3)
     assert errors["xlstm"]["rel_rmse"] is None  # constant target
@@ -152,8 +157,10 @@ def test_tower_errors_values():
     assert errors["mamba2"]["rel_rmse"] == pytest.approx(0.5)
     assert errors["mamba2"]["within_atol"] == 0.0
     assert errors["retnet"] == {"max_abs_err": 0.0, "mean_abs_err": 0.0, "rmse": 0.0,
-                                "rel_rmse": None, "within_atol": 1.0}
-    assert errors["hawk"]["max_abs_err"] == np.inf and errors["hawk"]["within_atol"] == 0.75
+                                "rel_rmse": None, "within_atol": 1.0, "nan_or_inf": 0}
+    # a NaN prediction is wrong and counted; the error statistics are of the finite ones
+    assert errors["hawk"]["within_atol"] == 0.75 and errors["hawk"]["nan_or_inf"] == 1
+    assert errors["hawk"]["max_abs_err"] == 0.0
 
 
 # ----------------------------------------------------------------------------- CLI, real model
@@ -184,7 +191,7 @@ def test_tiny_reference_run_writes_every_field(tmp_path, team_dir, capsys):
     assert summary["stream"]["num_symbols"] == 3 and len(summary["stream_fingerprint"]) == 64
     for tower in TOWERS:
         assert set(summary["towers"][tower]) == {"max_abs_err", "mean_abs_err", "rmse", "rel_rmse",
-                                                 "within_atol"}
+                                                 "within_atol", "nan_or_inf"}
         assert summary["towers"][tower]["within_atol"] == 1.0
     assert "within 0.001" in out and "hawk" in out
     assert err.splitlines()[-1].startswith("replay: 24/24 requests (100%), ")  # the replay's progress

@@ -472,12 +472,10 @@ def test_stats_from_score_updates():
 
 def test_requests_a_client_cannot_place_get_an_error_and_the_rest_are_answered():
     """A symbol the engine has no room for: its request alone gets an error, the batch's others are answered."""
-    from client.runtime import _checked_result
-    from client.scheduler import Request
+    from client.answers import check_answer
 
-    batch = [Request(1, "A", np.zeros(79, np.float32)), Request(2, "B", np.zeros(79, np.float32))]
-    ids, predictions, errors = _checked_result(batch, {"unique_ids": [1], "predictions": np.zeros((1, 4)),
-                                                       "errors": {2: "no room for the state of 1 symbol(s) (B)"}})
+    ids, predictions, errors = check_answer({"unique_ids": [1], "predictions": np.zeros((1, 4)),
+                                             "errors": {2: "no room for the state of 1 symbol(s) (B)"}}, [1, 2])
     assert ids == [1] and predictions.shape == (1, 4) and errors == {2: "no room for the state of 1 symbol(s) (B)"}
-    with pytest.raises(ValueError, match="expected"):
-        _checked_result(batch, {"unique_ids": [1], "predictions": np.zeros((1, 4))})
+    with pytest.raises(ValueError, match=r"missing ids \[2\]"):
+        check_answer({"unique_ids": [1], "predictions": np.zeros((1, 4))}, [1, 2])

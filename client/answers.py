@@ -1,0 +1,46 @@
+"""A team client's answer to a batch (process_batch's result, or submit_batch's result()), checked one way for
+the live runtime (client/runtime.py) and the offline evaluator (local_evaluator.py).
+
+The contract: {"unique_ids": [...], "predictions": float32 [n, 4] in the order of unique_ids, "errors":
+{unique_id: why} (optional)}; every request of the batch is either answered once or named under errors with
+the reason it was not (e.g. a symbol the engine has no room for).
+"""
+from typing import NamedTuple
+
+import numpy as np
+
+from client.constants import NUM_TOWERS
+
+
+class Answer(NamedTuple):
+    unique_ids: list[int]
+    predictions: np.ndarray  # float32 [len(unique_ids), NUM_TOWERS], row i answers unique_ids[i]
+    errors: dict[int, str]  # unique_id -> why it was not answered
+
+    def in_order(self, batch_ids) -> np.ndarray:
+        """The predictions reordered to `batch_ids` (every one of them answered)."""
+        row_of = {uid: row for row, uid in enumerate(self.unique_ids)}
+        return self.predictions[[row_of[uid] for uid in batch_ids]]
+
+
+def check_answer(result, batch_ids) -> Answer:
+    """`result` parsed and checked against the unique ids of its batch; ValueError saying what is wrong."""
+    try:
+        ids = [int(uid) for uid in result["unique_ids"]]
+        predictions = np.asarray(result["predictions"], dtype=np.float32)
+        errors = {int(uid): str(why) for uid, why in (result.get("errors") or {}).items()}
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        raise ValueError("process_batch must return {'unique_ids': [...], 'predictions': [n, 4], 'errors': "
+                         f"{{unique_id: why}} (optional)}}, got {type(result).__name__}: {exc}") from None
+    batch_ids = [int(uid) for uid in batch_ids]
+    given = ids + list(errors)
+    if sorted(given) != sorted(batch_ids):
+        missing = sorted(set(batch_ids) - set(given))
+        unexpected = sorted(set(given) - set(batch_ids))
+        repeated = sorted({uid for uid in given if given.count(uid) > 1})
+        raise ValueError(f"process_batch must answer each request of the batch once (or name it under errors): "
+                         f"missing ids {missing[:5]}, unexpected ids {unexpected[:5]}, repeated ids {repeated[:5]}")
+    if predictions.shape != (len(ids), NUM_TOWERS):
+        raise ValueError(f"process_batch returned predictions of shape {predictions.shape} for {len(ids)} ids, "
+                         f"expected ({len(ids)}, {NUM_TOWERS})")
+    return Answer(ids, predictions, errors)

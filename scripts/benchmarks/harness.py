@@ -1,0 +1,231 @@
+"""What the benchmark's sections share: how much each measures (Counts), the timer, the step-time measurement,
+and the Bench that builds the reference model, the accuracy suite and the engine once, when first needed."""
+import platform
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from client.accuracy import Suite
+from client.model.config import NUM_FEATURES
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 20, 32, 40, 64)
+MAX_BATCH = max(BATCH_SIZES)
+SHORT_BATCHES = (1, 20, 64)  # step times of the engine variants (precisions, state dtypes, GPU counts)
+E2E_RATE, E2E_SYMBOLS = 400.0, 20
+MAXRATE_SYMBOLS = 64
+P99_LIMIT_MS = 50.0
+
+
+@dataclass
+class Counts:
+    """How much each section measures; --quick shrinks everything for a smoke run."""
+    copy_bytes: int
+    copy_repeats: int
+    step_warmup: int
+    step_iters: int
+    baseline_warmup: int
+    baseline_iters: int
+    family_symbols: int  # accuracy suite: symbols per input family
+    family_steps: int
+    long_symbols: int
+    long_steps: int
+    e2e_requests: int
+    rates: list
+    rate_seconds: float
+    new_symbols: int  # capacity section: symbols arriving mid-stream
+    arrival_seconds: float
+    churn_symbols: int
+    churn_capacity: int
+    churn_steps: int
+
+
+FULL = Counts(copy_bytes=1 << 30, copy_repeats=20, step_warmup=20, step_iters=200, baseline_warmup=5,
+              baseline_iters=20, family_symbols=4, family_steps=1000, long_symbols=4, long_steps=10_000,
+              e2e_requests=4000, rates=[1000, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 10000, 12000, 14000, 20000],
+              rate_seconds=2.0, new_symbols=200, arrival_seconds=10.0, churn_symbols=24, churn_capacity=8,
+              churn_steps=200)
+QUICK = Counts(copy_bytes=64 << 20, copy_repeats=5, step_warmup=2, step_iters=10, baseline_warmup=2,
+               baseline_iters=5, family_symbols=2, family_steps=40, long_symbols=2, long_steps=300,
+               e2e_requests=200, rates=[50, 100], rate_seconds=1.0, new_symbols=12, arrival_seconds=2.0,
+               churn_symbols=6, churn_capacity=3, churn_steps=30)
+
+
+class Timer:
+    """Milliseconds of one call: CUDA events on a GPU (the queue drained first, so a call is timed alone,
+    launch included), perf_counter on the CPU where ops run synchronously."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+
+    def time_ms(self, fn) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._start.record()
+            fn()
+            self._end.record()
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end)
+        begin = time.perf_counter()
+        fn()
+        return (time.perf_counter() - begin) * 1000.0
+
+
+def median_p99(times_ms):
+    times = np.asarray(times_ms, dtype=np.float64)
+    return float(np.median(times)), float(np.percentile(times, 99))
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def measure_copy(device, counts, timer):
+    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written), and the median copy's ms."""
+    src = torch.ones(counts.copy_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    median_ms, _ = median_p99([timer.time_ms(lambda: dst.copy_(src)) for _ in range(counts.copy_repeats)])
+    return 2 * src.numel() * src.element_size() / (median_ms / 1000.0), median_ms
+
+
+# Each section steps symbols of its own: the engine keeps every state it holds, and the served sections
+# need states that match the reference's.
+def step_symbols():
+    return [f"STEP_{i:03d}" for i in range(MAX_BATCH)]
+
+
+def measure_steps(engine, bench, bandwidth, batches=BATCH_SIZES):
+    """{B: {median, p99, floor}} in ms; the floor moves the weights once and each row's state in and out (on
+    several GPUs, the slowest GPU's: its towers' weights and state)."""
+    symbols = step_symbols()
+    generator = torch.Generator(device=bench.device).manual_seed(bench.args.seed)
+    shards = getattr(engine, "shards", None) or []
+    counts, timer = bench.counts, bench.timer
+    results = {}
+    for batch in batches:
+        slots = engine.slots_for(symbols[:batch])
+        features = torch.randn(batch, NUM_FEATURES, generator=generator, device=bench.device)
+        for _ in range(counts.step_warmup):
+            engine.step_slots(slots, features)
+        median, p99 = median_p99([timer.time_ms(lambda: engine.step_slots(slots, features))
+                                  for _ in range(counts.step_iters)])
+        if len(shards) > 1:
+            floor = max(shard.runner.weight_bytes + 2 * batch * part.slot_bytes
+                        for shard, part in zip(shards, engine.table.parts)) / bandwidth * 1000.0
+        else:
+            floor = (engine.weight_bytes + 2 * batch * engine.state_bytes) / bandwidth * 1000.0
+        results[str(batch)] = {"median": median, "p99": p99, "floor": floor}
+        bench.progress(f"step B={batch}: median {median:.3f} ms, p99 {p99:.3f} ms, floor {floor:.3f} ms "
+                       f"({median / floor:.2f}x)")
+    engine.release(symbols)
+    return results
+
+
+def state_options(text) -> dict:
+    """The engine options of a --state-dtype value: a state dtype spec, optionally ':nearest' or ':stochastic'."""
+    spec, _, rounding = text.partition(":")
+    return {"state_dtype": spec, "state_rounding": rounding or "stochastic"}
+
+
+class Bench:
+    """What the sections share: the run's options, counts, report and progress, and the reference model, the
+    accuracy suite, the copy bandwidth and the engine, each made once, when first needed; sections that need
+    other engines build and drop their own."""
+
+    def __init__(self, args, report, progress):
+        self.args, self.counts, self.device = args, args.counts, args.device
+        self.report, self.progress = report, progress
+        self.timer = Timer(self.device)
+        self._model = self._engine = self._suite = self._bandwidth = None
+
+    @property
+    def model(self):
+        if self._model is None:
+            from client.model import load_model
+
+            begin = time.monotonic()
+            self._model, fingerprint = load_model(self.args.preset, seed=self.args.seed, device=self.device)
+            self.report.update(weights_fingerprint=fingerprint)
+            self.progress(f"reference model {self.args.preset} loaded in {time.monotonic() - begin:.1f} s")
+        return self._model
+
+    @property
+    def suite(self) -> Suite:
+        """The accuracy suite's inputs and reference predictions, shared by every engine measured."""
+        if self._suite is None:
+            counts = self.counts
+            self._suite = Suite(self.model, self.device, symbols_per_family=counts.family_symbols,
+                                steps=counts.family_steps, long_symbols=counts.long_symbols,
+                                long_steps=counts.long_steps, seed=self.args.seed, progress=self.progress)
+        return self._suite
+
+    def copy_bandwidth(self) -> float:
+        """This run's copy bandwidth (bytes/s), measured and reported once: the step floors divide by it."""
+        if self._bandwidth is None:
+            self._bandwidth, median_ms = measure_copy(self.device, self.counts, self.timer)
+            self.report.update(copy_gb_per_s=self._bandwidth / 1e9)
+            self.progress(f"copy: {self.counts.copy_bytes / 2**20:.0f} MiB in {median_ms:.3f} ms, "
+                          f"{self._bandwidth / 1e9:.1f} GB/s")
+        return self._bandwidth
+
+    def build_engine(self, **options):
+        """A fast engine of the run's settings, `options` on top (capacity: symbols it holds on the GPU)."""
+        from client.engine.fast import FastEngine
+
+        settings = {"max_batch": MAX_BATCH, "precision": self.args.precision, **state_options(self.args.state_dtype),
+                    "capacity": MAX_BATCH, "progress": False, **options}
+        begin = time.monotonic()
+        engine = FastEngine(self.model, self.device, **settings)
+        self.progress(f"engine built in {time.monotonic() - begin:.1f} s: {engine.describe()}")
+        return engine
+
+    def drop(self, engine):
+        del engine
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    @property
+    def engine(self):
+        """The engine of the step, accuracy, e2e and maxrate sections; each releases its symbols when done."""
+        if self._engine is None:
+            capacity = max(MAX_BATCH, MAXRATE_SYMBOLS, E2E_SYMBOLS,
+                           self.suite.symbols if "accuracy" in self.args.sections else 0)
+            self._engine = self.build_engine(capacity=capacity)
+            self.report.update(engine=self._engine.describe(), weight_bytes=self._engine.weight_bytes,
+                               state_bytes=self._engine.state_bytes)
+        return self._engine
+
+    def close_engine(self):
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            self.drop(engine)
+
+    def symbols_at_budget(self, engine, share) -> int:
+        """Symbols the engine's state table would hold at `share` of the memory free without it."""
+        from client.engine.fast.state_table import slot_layout
+
+        if self.device.type != "cuda":
+            return engine.table.capacity
+        slot_bytes = sum(slot_layout(part.layout)[1] for part in engine.table.parts)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(share * (free + (engine.table.capacity + 1) * slot_bytes)) // slot_bytes - 1
+
+    def gpu_counts(self):
+        present = torch.cuda.device_count() if self.device.type == "cuda" else 2
+        counts = self.args.gpus or sorted({1, present})
+        if max(counts) > present:
+            raise ValueError(f"--gpus {max(counts)} asked for, but this machine has {present} GPU(s)")
+        return counts
+
+    def devices(self, gpus) -> list:
+        """The devices of `gpus` GPUs of this machine (on the CPU, the CPU that many times)."""
+        return [f"cuda:{i}" for i in range(gpus)] if self.device.type == "cuda" else ["cpu"] * gpus

@@ -1,0 +1,227 @@
+"""End-to-end serving for the benchmark and scripts/e2e_timeline.py: the project's scoring server in a process of
+its own playing a stream to the team client, with targets from the fp32 reference stepped through the same
+requests; the e2e and max-rate measurements built on it."""
+import asyncio
+import multiprocessing
+import queue
+
+import numpy as np
+import torch
+
+from client import event_loop
+from client.engine.precision import fp32_products
+from client.model.config import TOWER_NAMES
+from client.streams import Stream, generate_stream, symbol_names
+from scripts.benchmarks.harness import E2E_RATE, E2E_SYMBOLS, MAXRATE_SYMBOLS, P99_LIMIT_MS
+from scripts.benchmarks.report import fmt
+
+REFERENCE_CHUNK = 64  # rows per reference forward when tracking many symbols (~30 GB of states beside)
+
+
+class ReferenceTracker:
+    """The fp32 reference stepped through every request served to the engine, one state per symbol.
+
+    The engine keeps its symbols' states from one served stream to the next, so each stream's targets
+    must continue from the reference states where the previous stream left them.
+    """
+
+    def __init__(self, model, symbols, device):
+        self.model, self.device = model, device
+        self._row_of = {symbol: row for row, symbol in enumerate(symbols)}
+        self._state = model.init_state(len(symbols), device=device)
+
+    @torch.no_grad()
+    def targets(self, stream) -> np.ndarray:
+        rows = np.array([self._row_of[symbol] for symbol in stream.symbols.tolist()], dtype=np.int64)
+        # step of a request = how many requests of its symbol came before it in this stream
+        by_row = np.argsort(rows, kind="stable")
+        sorted_rows = rows[by_row]
+        step_of_request = np.empty(len(rows), dtype=np.int64)
+        step_of_request[by_row] = np.arange(len(rows)) - np.searchsorted(sorted_rows, sorted_rows)
+        execution_order = np.lexsort((rows, step_of_request))  # by step, then row: rows ascend in a step
+        features = torch.from_numpy(stream.features[execution_order]).to(self.device)
+        predictions = torch.empty(len(rows), len(TOWER_NAMES), dtype=torch.float32, device=self.device)
+        start = 0
+        with fp32_products():
+            for active in np.bincount(step_of_request).tolist():
+                if active == len(self._row_of) <= REFERENCE_CHUNK:  # every symbol in row order: no gather
+                    predictions[start:start + active], self._state = self.model(
+                        features[start:start + active], self._state)
+                    start += active
+                    continue
+                # a few rows at a time: a step's new state is allocated beside the old one (153.5 MB a symbol)
+                for chunk in range(start, start + active, REFERENCE_CHUNK):
+                    end = min(chunk + REFERENCE_CHUNK, start + active)
+                    index = torch.from_numpy(rows[execution_order[chunk:end]]).to(self.device)
+                    step_state = {name: tensor[index] for name, tensor in self._state.items()}
+                    predictions[chunk:end], new_state = self.model(features[chunk:end], step_state)
+                    for name, tensor in new_state.items():
+                        self._state[name][index] = tensor
+                start += active
+        targets = np.empty((len(rows), len(TOWER_NAMES)), dtype=np.float32)
+        targets[execution_order] = predictions.cpu().numpy()
+        if not np.isfinite(targets).all():
+            raise ValueError("the reference model gave NaN or inf targets")
+        return targets
+
+
+def prefixed_names(prefix, count) -> list[str]:
+    """The names of a generated stream's `count` symbols, each carrying `prefix`."""
+    return [prefix + name for name in symbol_names(count)]
+
+
+def prefixed_stream(prefix, num_symbols, num_requests, seed, rate):
+    """A generated stream whose symbols carry `prefix`, so that each section has symbols of its own."""
+    stream = generate_stream(num_symbols, num_requests, seed, rate=rate)
+    return Stream(np.char.add(prefix, stream.symbols), stream.features, stream.delay_ms, meta=stream.meta)
+
+
+def _serve_in_child(config, stream, targets, to_parent, from_parent, timeline=False):
+    """Child process: run the scoring server, report its port, then the first team's summary (with timeline:
+    also its per-request send times and latencies and what stalled the process, under "timeline")."""
+    from client.stalls import StallProbe
+    from server.app import ScoringServer
+
+    async def main():
+        probe = StallProbe().start() if timeline else None
+        watch = asyncio.create_task(probe.watch_loop()) if probe else None
+        server = ScoringServer(config, stream=stream, targets=targets)
+        to_parent.put(await server.start())
+        await server.wait_done()
+        summary = server.summaries()[0]
+        if probe:
+            watch.cancel()
+            probe.stop()
+            summary["timeline"] = {**server.first_session.request_times(), "stalls": probe.events()}
+        to_parent.put(summary)
+        await asyncio.to_thread(from_parent.get)  # stay up until the client has finished
+        await server.stop()
+
+    event_loop.run(main())
+
+
+class ServerProcess:
+    """The project's scoring server in a process of its own, as a real scoring server would be: its pacing,
+    its latency clock and its event loop never wait for the client's interpreter (GIL) or event loop."""
+
+    def __init__(self, config, stream, targets, timeline=False):
+        ctx = multiprocessing.get_context("spawn")
+        self._to_parent, self._from_parent = ctx.Queue(), ctx.Queue()
+        self._process = ctx.Process(target=_serve_in_child, name="scoring-server", daemon=True,
+                                    args=(config, stream, targets, self._to_parent, self._from_parent, timeline))
+        self._process.start()
+        self.port = self._get(timeout=120)
+
+    def _get(self, timeout):
+        try:
+            return self._to_parent.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"the scoring server process gave no answer in {timeout} s "
+                               f"(exit code {self._process.exitcode})") from None
+
+    async def wait_done(self):
+        while True:  # short waits, so that a cancelled wait leaves no thread blocked behind it
+            try:
+                self._summary = self._to_parent.get_nowait()
+                return
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise RuntimeError(f"the scoring server process ended (exit code {self._process.exitcode})")
+                await asyncio.sleep(0.05)
+
+    def summary(self) -> dict:
+        return self._summary
+
+    def close(self):
+        self._from_parent.put("stop")
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False) -> dict:
+    """Serve `stream` at `rate` to the team client running `engine`; the server's summary of the session.
+    With timeline, the summary's "timeline" also has the client's per-request stages and both processes'
+    stalls (scripts/e2e_timeline.py reads them)."""
+    from client.runtime import StreamingClient
+    from client.stalls import StallProbe
+    from server.app import ServerConfig
+    from team.example_model import ExampleModel
+
+    config = ServerConfig(host="127.0.0.1", port=0, preset=preset, seed=seed,
+                          symbols=len(np.unique(stream.symbols)), requests=len(stream), rate=rate, once=True)
+    server = await asyncio.to_thread(ServerProcess, config, stream, targets, timeline)
+    probe = StallProbe().start() if timeline else None
+    watch = asyncio.create_task(probe.watch_loop()) if probe else None
+    try:
+        options = {} if pipeline_min_batch is None else {"pipeline_min_batch": pipeline_min_batch}
+        client = StreamingClient(ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench", timeline=timeline,
+                                 **options)
+        playing = asyncio.create_task(client.run())
+        done = asyncio.create_task(server.wait_done())
+        await asyncio.wait({done, playing}, return_when=asyncio.FIRST_COMPLETED)
+        done.cancel()
+        client.stop()
+        await playing
+        summary = await asyncio.to_thread(server.summary)
+        if probe:
+            summary["timeline"].update(client=client.timeline, client_stalls=probe.events())
+        return summary
+    finally:
+        if probe:
+            watch.cancel()
+            probe.stop()
+        await asyncio.to_thread(server.close)
+
+
+def session_numbers(summary) -> dict:
+    latency = summary["latency_ms"]
+    return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "accuracy": summary["accuracy"],
+            "responses_per_s": summary["responses_per_s"], "requests": summary["total_requests"],
+            "responses": summary["responses"], "missed": summary["missed"]}
+
+
+def serve(bench, engine, stream, targets, rate) -> dict:
+    """session_numbers of `stream` served at `rate` to `engine` with the run's settings."""
+    args = bench.args
+    return session_numbers(event_loop.run(serve_stream(engine, stream, targets, rate, args.preset, args.seed,
+                                                       args.pipeline_min_batch)))
+
+
+def measure_e2e(engine, bench, prefix="E2E_"):
+    """The session's numbers of E2E_SYMBOLS symbols served at E2E_RATE."""
+    tracker = ReferenceTracker(bench.model, prefixed_names(prefix, E2E_SYMBOLS), bench.device)
+    stream = prefixed_stream(prefix, E2E_SYMBOLS, bench.counts.e2e_requests, bench.args.seed + 1, E2E_RATE)
+    targets = tracker.targets(stream)
+    del tracker
+    bench.progress(f"e2e: targets ready; serving {len(stream)} requests at {E2E_RATE:.0f} req/s")
+    numbers = serve(bench, engine, stream, targets, E2E_RATE)
+    engine.release(np.unique(stream.symbols).tolist())
+    return numbers
+
+
+def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", key="max_rate", rates=None):
+    """Ascending rates over `num_symbols` symbols until the first whose p99 reaches the limit or that leaves a
+    request unanswered (it may never have been stepped, so later runs could not continue its symbol's state).
+    Records report[key + "_p99_50ms"] and report[key + "_runs"] as it goes."""
+    counts = bench.counts
+    tracker = ReferenceTracker(bench.model, prefixed_names(prefix, num_symbols), bench.device)
+    runs, best = [], None
+    for attempt, rate in enumerate(rates or counts.rates):
+        num_requests = max(int(rate * counts.rate_seconds), num_symbols)
+        stream = prefixed_stream(prefix, num_symbols, num_requests, bench.args.seed + 2 + attempt, rate)
+        bench.progress(f"maxrate {rate:g} req/s: reference targets of {num_requests} requests")
+        targets = tracker.targets(stream)
+        numbers = serve(bench, engine, stream, targets, rate)
+        passed = (numbers["responses"] == numbers["requests"] and numbers["p99_ms"] is not None
+                  and numbers["p99_ms"] < P99_LIMIT_MS)
+        runs.append({"rate": rate, **numbers, "passed": passed})
+        best = rate if passed else best
+        bench.report.update(**{f"{key}_p99_50ms": best, f"{key}_runs": runs})
+        bench.progress(f"maxrate {rate:g} req/s: p50 {fmt(numbers['p50_ms'])} ms, p99 {fmt(numbers['p99_ms'])} ms, "
+                       f"accuracy {fmt(numbers['accuracy'], 4)}, missed {numbers['missed']} -> "
+                       f"{'pass' if passed else 'FAIL'}")
+        if not passed:
+            break
+    engine.release(prefixed_names(prefix, num_symbols))
+    return best, runs
