@@ -207,6 +207,31 @@ def test_rows_outside_fp16_range(M, kind):
         assert row_errors(y[:, split_cols:], fp16).max() < 3e-3
 
 
+def test_linear_routes_by_rows_and_its_fallback_scales_rows():
+    """layers.Linear: which products go through the kernel (SKINNY_MAX_ROWS per kind, on top of skinny_pays), and
+    its mixed product's cuBLAS fallback splits x as the kernel does, rows scaled (no inf, ~fp32 on every row)."""
+    from client.engine.fast import layers
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randn(48, 64, generator=g) / 8, torch.randn(32, 64, generator=g) / 8
+    mixed = layers.Linear([first, second], None, [torch.float32, torch.float16], "cpu")
+    x = wide_range_rows(16, 64, 0, "cpu")
+    y = mixed.product(x)
+    exact = x.double() @ torch.cat([first, second]).double().t()
+    assert torch.isfinite(y).all() and row_errors(y[:, :48], exact[:, :48]).max() < 2e-6
+    assert row_errors(y, skinny_matmul_ref(x, mixed.weight, weight_lo=mixed.weight_lo).double()).max() < 2e-6
+    wide = {dtype: layers.Linear(torch.randn(2048, 64, generator=g), None, dtype, "cpu")
+            for dtype in (torch.float32, torch.float16)}
+    assert [mixed.kind, wide[torch.float32].kind, wide[torch.float16].kind] == ["fp32+fp16", "float32", "float16"]
+    for linear in wide.values():
+        linear.skinny = {"weight": linear.weight.half()}  # as use_skinny(True) leaves it where Triton runs
+        limit = layers.SKINNY_MAX_ROWS[linear.kind]
+        for M in (1, 3, 64, 65, 512):
+            expected = layers.skinny_pays(M, 2048) and (limit is None or M <= limit)
+            assert linear._use_skinny(torch.zeros(M, 64)) == expected
+    assert not wide[torch.float32]._use_skinny(torch.zeros(1, 64))  # cuBLAS's GEMV at one row, N = 2048
+    assert wide[torch.float32]._use_skinny(torch.zeros(512, 64))  # many rows of fp32 weights: the kernel
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="the model's shapes, on a GPU")
 @pytest.mark.parametrize("M", [1, 20, 64, 65, 256, 512])
 @pytest.mark.parametrize("kind,N,K", [("fp32", 8192, 2048), ("fp32", 2048, 4096), ("fp32+fp16", 8448, 2048),
