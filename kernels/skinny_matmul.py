@@ -1,9 +1,14 @@
-"""y = x @ W^T (+ bias, then ReLU) for a step's few rows (B <= 64): each weight streamed from memory once.
+"""y = x @ W^T (+ bias, then ReLU) with W streamed from memory once: a step's few rows, or a step of many.
 
-At these shapes a product is a matrix-vector product in disguise: its cost is reading W. cuBLAS's fp32 kernels
-run on the FMA units with the rows padded to 64 or more, so from B = 4 on they are compute-bound well below the
-memory bandwidth (bench/LOG.md, sections 5 and 11). Here one program owns BLOCK_N output columns and every row
-of the step, and walks K with a pipelined load of its W slice.
+At a step's few rows (M <= 64) a product is a matrix-vector product in disguise: its cost is reading W. cuBLAS's
+fp32 kernels run on the FMA units with the rows padded to 64 or more, so from B = 4 on they are compute-bound well
+below the memory bandwidth (bench/LOG.md, sections 5 and 11). Here one program owns BLOCK_N output columns and
+every row of the step, and walks K with a pipelined load of its W slice.
+
+Past 64 rows (steps that carry several requests of a symbol: 256-512 rows) the product is a GEMM, and cuBLAS's
+true fp32 is bound by the FMA units (~4 ms a step at 256 rows for the model's 2 GB of fp32 weights). A second
+dimension of programs then tiles the rows by BLOCK_M; the row tiles of one column block are launched next to each
+other (grouped by GROUP_M), so they run at the same time and read each W tile from memory once, the others from L2.
 
 fp32 accuracy on fp16 tensor cores ("split fp16"): W is stored once as W = W_hi + W_lo / 2^11 (two fp16
 tensors, 4 bytes per weight like fp32), x is split the same way in registers, and
@@ -12,6 +17,16 @@ product, relative error ~1e-6 where TF32 gives ~1e-3. RetNet's tower needs that 
 W_lo may cover only W's first rows (a product whose leading rows need fp32 and the rest fp16, as the mLSTM's fused
 x/gate projection: bench/LOG.md section 34); the other rows are plain fp16.
 16-bit weights alone multiply x cast to their dtype and accumulate in fp32, as cuBLAS does.
+
+x outside fp16's range: fp16 overflows past 65504 and loses bits below 2^-14, while a feed's activations span
+1e-6 .. 1e6 and more. Before x meets fp16 each row is scaled by a power of two 2^s that puts its largest |x| in
+[2^14, 2^15) (exact), and the product is scaled back by 2^-s (exact): the split keeps its ~22 bits, and the fp16
+cast its 11, for any row in fp32's normal range, and no inf reaches the output. The reference scales each row
+once (split_rows); the kernel cannot see a row before its K loop ends, so it keeps a running scale per row, the
+largest tile so far setting it, and rescales its accumulators by 2^(s_new - s_old) when it drops (as flash
+attention does with its running max). Each element is then split with at least the reference's bits (its scale
+is never below the row's), and the two agree to the split's precision. bf16 has fp32's exponent range: its
+weights take x unscaled.
 """
 import torch
 import triton
@@ -19,16 +34,42 @@ import triton.language as tl
 
 from kernels._common import check_input, next_pow2, use_triton
 
-MAX_ROWS = 64
+ONE_TILE_ROWS = 64  # up to this many rows one program holds them all (the launch of a step's few rows)
 DTYPES = (torch.float16, torch.bfloat16)
 LO_SCALE = 2048.0  # 2^11: W_lo and x_lo keep the 11 bits below fp16's mantissa, in fp16's normal range
 SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program, inside an H100 SM's 227 KB
+MIN_PROGRAMS = 128  # about one per SM of an H100 or H200 (132): every SM streams W, or multiplies
+GROUP_M = 8  # row tiles launched next to each other per column block (W tile read once, then from L2)
+ROW_MAX_EXP = 14  # rows are scaled so that max |x| lies in [2^14, 2^15): one binade below fp16's 65504
 
 
 def split_fp16(t):
-    """fp32 t -> (hi, lo) fp16 with t ~= hi + lo / LO_SCALE (about 22 significant bits)."""
+    """fp32 t -> (hi, lo) fp16 with t ~= hi + lo / LO_SCALE (about 22 significant bits), for |t| inside fp16's
+    normal range (weights; x goes through split_rows)."""
     hi = t.to(torch.float16)
     return hi, ((t - hi.float()) * LO_SCALE).to(torch.float16)
+
+
+def pow2(s):
+    """2^s in fp32, exactly, for an int32 tensor s in [-126, 127] (built from its bits: no exp2 rounding)."""
+    return ((s + 127) << 23).view(torch.float32)
+
+
+def row_scales(x):
+    """int32 s [M] such that each row's max |x| * 2^s lies in [2^14, 2^15), clamped to [-126, 126] so that 2^s and
+    2^-s are normal fp32 (a row below 2^-112 is scaled by 2^126 only: still inside fp16's range, as is all of
+    fp32's normal range). The kernel computes the same from each tile's bits (_tile_scales)."""
+    biased = (x.float().abs().amax(1).view(torch.int32) >> 23) & 0xFF  # the largest |x|'s biased exponent
+    return (127 + ROW_MAX_EXP - biased).clamp(-126, 126)
+
+
+def split_rows(x):
+    """x [M, K] -> (x_hi, x_lo, unscale [M, 1] fp32): each row scaled by 2^s (row_scales) and split, so that
+    x = (x_hi + x_lo / LO_SCALE) * unscale to about 22 bits for any row in fp32's range (x_hi alone: to 11 bits,
+    the fp16 cast of x without overflow)."""
+    s = row_scales(x)
+    x_hi, x_lo = split_fp16(x.float() * pow2(s)[:, None])
+    return x_hi, x_lo, pow2(-s)[:, None]
 
 
 def _check(x, weight, bias, weight_lo):
@@ -45,38 +86,67 @@ def _check(x, weight, bias, weight_lo):
                          f"hi's first rows), got {tuple(weight.shape)} {weight.dtype} and "
                          f"{tuple(getattr(weight_lo, 'shape', ()))} {getattr(weight_lo, 'dtype', '')}")
     x = check_input("x", x, (None, K), weight.device)
-    if x.shape[0] > MAX_ROWS:
-        raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows, got {x.shape[0]}")
     bias = None if bias is None else check_input("bias", bias, (N,), weight.device)
     return x, bias
 
 
 def skinny_matmul_ref(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None):
-    """PyTorch reference, exact in fp64: x rounded to W's dtype, or split like W for the rows weight_lo covers."""
+    """PyTorch reference, exact in fp64: x rounded to W's dtype, or split like W for the rows weight_lo covers;
+    for fp16 W each row of x scaled by a power of two first and its products scaled back (split_rows)."""
     x, bias = _check(x, weight, bias, weight_lo)
-    y = x.to(weight.dtype).double() @ weight.double().t()
+    if weight.dtype == torch.float16:
+        x_hi, x_lo, unscale = (t.double() for t in split_rows(x))
+    else:
+        x_hi, x_lo, unscale = x.to(weight.dtype).double(), None, 1.0
+    y = x_hi @ weight.double().t()
     if weight_lo is not None:
-        x_hi, x_lo = (t.double() for t in split_fp16(x.float()))
         rows = weight_lo.shape[0]
         y[:, :rows] += (x_hi @ weight_lo.double().t() + x_lo @ weight[:rows].double().t()) / LO_SCALE
+    y *= unscale
     if bias is not None:
         y += bias.double()
     return (y.clamp_min(0) if relu else y).to(out_dtype)
 
 
 @triton.jit
+def _pow2(s):
+    """2^s in fp32, exactly, for int32 s in [-126, 127]."""
+    return ((s + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile_scales(x, ROW_MAX_EXP: tl.constexpr):
+    """row_scales of the fp32 tile x: int32 s [BLOCK_M] with each row's max |x| * 2^s in [2^14, 2^15)."""
+    biased = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.minimum(tl.maximum(127 + ROW_MAX_EXP - biased, -126), 126)
+
+
+@triton.jit
 def _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, SPLIT: tl.constexpr,
-              LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's [BLOCK_M, BLOCK_N] of x @ W^T in fp32; with SPLIT, its columns below N_LO split."""
+              SCALE_X: tl.constexpr, LO_SCALE: tl.constexpr, ROW_MAX_EXP: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] of x @ W^T in fp32; with SPLIT, its columns below N_LO split; with
+    SCALE_X (fp16 W), each row of x scaled by a power of two before its cast and the products scaled back."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     corr = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the split's lower-order terms, x LO_SCALE
+    s = tl.full((BLOCK_M,), 126, tl.int32)  # the rows' running scale: x is multiplied by 2^s (the largest, yet)
     for k in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the launcher)
         x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
         w = tl.load(w_ptr + w_offsets, mask=rn[:, None] < N, other=0.0)
+        if SCALE_X:  # a larger row max lowers s: what the accumulators hold so far follows, by 2^(s_new - s)
+            x = x.to(tl.float32)
+            s_new = tl.minimum(s, _tile_scales(x, ROW_MAX_EXP))
+            # exact (a power of two <= 1); clamped at 2^-126, where it leaves only terms 2^-126 below this tile's
+            alpha = _pow2(tl.maximum(s_new - s, -126))[:, None]
+            acc = acc * alpha
+            if SPLIT:
+                corr = corr * alpha
+            s = s_new
+            x = x * _pow2(s)[:, None]
         x_hi = x.to(w_ptr.dtype.element_ty)
         acc = tl.dot(x_hi, tl.trans(w), acc)
         if SPLIT:
-            x_lo = ((x.to(tl.float32) - x_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
+            x_lo = ((x - x_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
             w_lo = tl.load(w_lo_ptr + w_offsets, mask=rn[:, None] < N_LO, other=0.0)
             corr = tl.dot(x_hi, tl.trans(w_lo), corr)
             corr = tl.dot(x_lo, tl.trans(w), corr)
@@ -84,28 +154,45 @@ def _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, SPLIT: 
         w_offsets += BLOCK_K
     if SPLIT:  # rows past N_LO are plain fp16 products: their x_lo W_hi term is dropped
         acc += tl.where(rn[None, :] < N_LO, corr, 0.0) * (1.0 / LO_SCALE)
+    if SCALE_X:
+        acc = acc * _pow2(-s)[:, None]
     return acc
 
 
 @triton.jit
 def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, stride_xm, stride_ym,
-                          HAS_BIAS: tl.constexpr, RELU: tl.constexpr, SPLIT: tl.constexpr, LO_SCALE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm = tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                          HAS_BIAS: tl.constexpr, RELU: tl.constexpr, SPLIT: tl.constexpr, SCALE_X: tl.constexpr,
+                          LO_SCALE: tl.constexpr, ROW_MAX_EXP: tl.constexpr, ROW_TILES: tl.constexpr,
+                          GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    if ROW_TILES:
+        # groups of GROUP_M row tiles; inside a group the row tiles of one column block are consecutive programs,
+        # so they run together and share each W tile through L2
+        pid = tl.program_id(0)
+        row_tiles = tl.cdiv(M, BLOCK_M)
+        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first = (pid // per_group) * GROUP_M
+        group_rows = tl.minimum(row_tiles - first, GROUP_M)
+        pid_m = first + (pid % per_group) % group_rows
+        pid_n = (pid % per_group) // group_rows
+    else:  # one row tile: a program per column block (the launch of a step's few rows)
+        pid_m = 0
+        pid_n = tl.program_id(0)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     w_offsets = rn[:, None] * K + rk[None, :]
     # a program wholly past the split rows streams W alone: one loop of each kind, each pipelined
     split = False
     if SPLIT:
-        split = tl.program_id(0) * BLOCK_N < N_LO
+        split = pid_n * BLOCK_N < N_LO
     if split:
-        acc = _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, True, LO_SCALE, BLOCK_M,
-                        BLOCK_N, BLOCK_K)
+        acc = _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, True, SCALE_X, LO_SCALE,
+                        ROW_MAX_EXP, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        acc = _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, False, LO_SCALE, BLOCK_M,
-                        BLOCK_N, BLOCK_K)
+        acc = _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, False, SCALE_X, LO_SCALE,
+                        ROW_MAX_EXP, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     if RELU:
@@ -115,28 +202,40 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, s
 
 
 def default_config(M, N, K, split):
-    """(BLOCK_N, BLOCK_K, num_stages, num_warps): at least ~128 programs so that every SM streams W, and as
-    many K tiles in flight per program as shared memory holds."""
-    block_m = max(16, next_pow2(M))
-    block_n = max(16, min(64, next_pow2(N) // 128))
-    block_k = 128
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps).
+    Up to ONE_TILE_ROWS rows: one row tile, at least ~128 programs so that every SM streams W, and as many K
+    tiles in flight per program as shared memory holds. More rows: a GEMM, the largest tile that still gives
+    MIN_PROGRAMS programs (compute-bound: every SM multiplies), fewer where the shape has fewer."""
+    if M <= ONE_TILE_ROWS:
+        block_m = max(16, next_pow2(M))
+        block_n = max(16, min(64, next_pow2(N) // 128))
+        block_k = 128
+        while K % block_k:
+            block_k //= 2
+        # x counted at 2 bytes an element (the configs bench/matmul_h200.json measured), W fp16 (hi and lo)
+        tile_bytes = (2 * block_m + (2 if split else 1) * 2 * block_n) * block_k
+        return block_m, block_n, block_k, max(2, min(5, SMEM_BUDGET // tile_bytes)), 4
+    tiles = ((128, 128), (128, 64), (64, 64), (64, 32), (64, 16))
+    block_m, block_n = next(((bm, bn) for bm, bn in tiles if triton.cdiv(M, bm) * triton.cdiv(N, bn) >= MIN_PROGRAMS),
+                            tiles[-1])
+    block_k = 32 if split else 64  # a split tile holds x in fp32 and W twice: 4 bytes per element of each
     while K % block_k:
         block_k //= 2
-    tile_bytes = (2 * block_m + (2 if split else 1) * 2 * block_n) * block_k  # x fp32, W fp16 (hi and lo)
-    stages = max(2, min(5, SMEM_BUDGET // tile_bytes))
-    return block_n, block_k, stages, 4
+    tile_bytes = (4 * block_m + (2 if split else 1) * 2 * block_n) * block_k
+    accumulators = (2 if split else 1) * block_m * block_n  # fp32, in registers: 8 warps from 128 x 128 on
+    return block_m, block_n, block_k, max(2, min(4, SMEM_BUDGET // tile_bytes)), 8 if accumulators >= 128 * 128 else 4
 
 
 def supports(M, N, K) -> bool:
-    """Shapes the kernel takes: few rows, K a multiple of 16 (one tl.dot step)."""
-    return 1 <= M <= MAX_ROWS and K % 16 == 0 and N >= 16
+    """Shapes the kernel takes: any rows, K a multiple of 16 (one tl.dot step)."""
+    return M >= 1 and K % 16 == 0 and N >= 16
 
 
 def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None, config=None):
-    """x [M <= 64, K] (any float dtype), weight [N, K] fp16/bf16 -> [M, N] in out_dtype, accumulated in fp32;
+    """x [M, K] (any float dtype), weight [N, K] fp16/bf16 -> [M, N] in out_dtype, accumulated in fp32;
     with weight_lo (split_fp16 of an fp32 weight: weight, weight_lo = hi, lo) about fp32 accuracy, for the
     first weight_lo.shape[0] rows (the others are fp16).
-    `config` = (BLOCK_N, BLOCK_K, num_stages, num_warps) overrides default_config (for benchmarks)."""
+    `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) overrides default_config (for benchmarks)."""
     if not use_triton(weight):
         return skinny_matmul_ref(x, weight, bias, relu, out_dtype, weight_lo)
     x, bias = _check(x, weight, bias, weight_lo)
@@ -145,15 +244,16 @@ def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, wei
     if M == 0:
         return y
     if not supports(M, N, K):
-        raise ValueError(f"skinny_matmul does not take M={M}, N={N}, K={K} (needs M <= {MAX_ROWS}, K % 16 == 0, "
-                         f"N >= 16)")
+        raise ValueError(f"skinny_matmul does not take M={M}, N={N}, K={K} (needs K % 16 == 0, N >= 16)")
     split = weight_lo is not None
-    block_n, block_k, stages, warps = config or default_config(M, N, K, split)
-    if K % block_k:
-        raise ValueError(f"BLOCK_K={block_k} must divide K={K}")
-    _skinny_matmul_kernel[(triton.cdiv(N, block_n),)](
+    block_m, block_n, block_k, stages, warps = config or default_config(M, N, K, split)
+    if K % block_k or block_m < 16 or block_m != next_pow2(block_m):
+        raise ValueError(f"BLOCK_K={block_k} must divide K={K}, and BLOCK_M={block_m} be a power of two >= 16")
+    row_tiles = triton.cdiv(M, block_m)
+    _skinny_matmul_kernel[(row_tiles * triton.cdiv(N, block_n),)](
         x, weight, weight_lo if split else weight, bias if bias is not None else weight, y, M, N,
-        weight_lo.shape[0] if split else 0, K, x.stride(0),
-        y.stride(0), HAS_BIAS=bias is not None, RELU=relu, SPLIT=split, LO_SCALE=LO_SCALE,
-        BLOCK_M=max(16, next_pow2(M)), BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps)
+        weight_lo.shape[0] if split else 0, K, x.stride(0), y.stride(0), HAS_BIAS=bias is not None, RELU=relu,
+        SPLIT=split, SCALE_X=weight.dtype == torch.float16, LO_SCALE=LO_SCALE, ROW_MAX_EXP=ROW_MAX_EXP,
+        ROW_TILES=row_tiles > 1, GROUP_M=GROUP_M, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_stages=stages, num_warps=warps)
     return y

@@ -1,12 +1,14 @@
 """kernels/skinny_matmul.py: the Triton kernel against its fp64 reference, for fp16 weights and for fp32 weights
-split in two fp16 halves (which must keep about fp32 accuracy, far better than TF32). On a CPU it runs through
-the interpreter in a child process."""
+split in two fp16 halves (which must keep about fp32 accuracy, far better than TF32), at a step's few rows and in
+row tiles, and for rows far outside fp16's range. On a CPU it runs through the interpreter in a child process; on
+a GPU the model's own shapes run too."""
 
 import pytest
 import torch
 
 from kernels._common import INTERPRET
-from kernels.skinny_matmul import default_config, skinny_matmul, skinny_matmul_ref, split_fp16, supports
+from kernels.skinny_matmul import (MIN_PROGRAMS, default_config, row_scales, skinny_matmul, skinny_matmul_ref,
+                                   split_fp16, split_rows, supports)
 from triton_interpreter import run_under_interpreter
 
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
@@ -51,7 +53,7 @@ def test_reference_matches_equations():
 
 
 @pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
-@pytest.mark.parametrize("M", [1, 5, 20, 64])
+@pytest.mark.parametrize("M", [1, 5, 20, 64, 65, 200])  # one row tile, and several (default_config's GEMM tiles)
 @pytest.mark.parametrize("N,K", [(48, 64), (256, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_matches_reference(M, N, K, dtype):
@@ -66,19 +68,19 @@ def test_triton_matches_reference(M, N, K, dtype):
         assert (y.double() - exact).abs().max().item() <= 1e-5 * scale
 
 
-def split_rows(w, rows):
+def mixed_weights(w, rows):
     """kwargs of skinny_matmul for w with its first `rows` rows split (about fp32) and the others fp16."""
     hi, lo = split_fp16(w[:rows])
     return {"weight": torch.cat([hi, w[rows:].half()]).contiguous(), "weight_lo": lo.contiguous()}
 
 
 @pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
-@pytest.mark.parametrize("M", [1, 20])
+@pytest.mark.parametrize("M", [1, 20, 150])
 @pytest.mark.parametrize("rows", [128, 40])  # a whole number of programs' columns, and not
 def test_split_rows_then_fp16_rows(M, rows):
     x, w, _ = make(M, 256, 128, torch.float32, M + rows)
-    y = skinny_matmul(x, **split_rows(w, rows))
-    ref = skinny_matmul_ref(x, **split_rows(w, rows))
+    y = skinny_matmul(x, **mixed_weights(w, rows))
+    ref = skinny_matmul_ref(x, **mixed_weights(w, rows))
     scale = ref.abs().max().item()
     assert (y - ref).abs().max().item() <= 2e-6 * scale
     exact = x.double() @ w.double().t()
@@ -86,7 +88,7 @@ def test_split_rows_then_fp16_rows(M, rows):
     fp16 = skinny_matmul_ref(x, w[rows:].half())  # the other rows: the fp16 product, x rounded to fp16
     assert (y[:, rows:] - fp16).abs().max().item() <= 2e-6 * scale
     b = torch.randn(256, device=DEVICE)  # the bias and ReLU epilogue over both kinds of rows
-    fused = skinny_matmul(x, **split_rows(w, rows), bias=b, relu=True)
+    fused = skinny_matmul(x, **mixed_weights(w, rows), bias=b, relu=True)
     assert (fused - torch.relu(ref + b)).abs().max().item() <= 2e-6 * scale
 
 
@@ -101,24 +103,37 @@ def test_bias_relu_epilogue(out_dtype):
 
 
 @pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
-def test_explicit_config_and_strided_rows():
-    x, w, _ = make(9, 64, 256, torch.float32, 5)
-    wide = torch.zeros(9, 300, device=DEVICE)
+@pytest.mark.parametrize("M,config", [
+    (9, (16, 16, 64, 2, 4)),
+    (40, (16, 32, 64, 2, 4)),     # three row tiles of a step's few rows
+    (150, (16, 16, 32, 2, 4)),    # ten row tiles: a full group of GROUP_M = 8 and a partial one
+    (300, (128, 128, 32, 2, 8)),  # the GEMM tile, the last row tile partial
+])
+def test_explicit_config_and_strided_rows(M, config):
+    x, w, b = make(M, 64 if M < 300 else 256, 256, torch.float32, M)
+    wide = torch.zeros(M, 300, device=DEVICE)
     wide[:, :256] = x  # rows with a stride of 300
-    y = skinny_matmul(wide[:, :256], **weights_of(w), config=(16, 64, 2, 4))
-    torch.testing.assert_close(y, skinny_matmul_ref(x, **weights_of(w)), rtol=1e-5, atol=1e-5)
+    for kwargs in (weights_of(w), weights_of(w.half())):
+        y = skinny_matmul(wide[:, :256], **kwargs, bias=b, config=config)
+        torch.testing.assert_close(y, skinny_matmul_ref(x, **kwargs, bias=b), rtol=1e-5, atol=1e-5)
 
 
 def test_shapes_and_errors():
-    assert supports(1, 2048, 2048) and supports(64, 16, 16)
-    assert not supports(65, 2048, 2048) and not supports(1, 2048, 100) and not supports(1, 8, 64)
-    block_n, block_k, stages, warps = default_config(1, 8192, 2048, split=True)
-    assert 8192 // block_n >= 128 and 2048 % block_k == 0 and stages >= 2
+    assert supports(1, 2048, 2048) and supports(64, 16, 16) and supports(512, 8192, 2048) and supports(5000, 16, 16)
+    assert not supports(0, 2048, 2048) and not supports(1, 2048, 100) and not supports(1, 8, 64)
+    # a step's few rows: the launch bench/matmul_h200.json measured, one row tile
+    assert default_config(1, 8192, 2048, split=True) == (16, 64, 128, 4, 4)
+    assert default_config(64, 2048, 4096, split=False) == (64, 16, 128, 5, 4)
+    assert default_config(20, 4096, 2048, split=True) == (32, 32, 128, 5, 4)
+    for M in (65, 128, 256, 512):  # the model's shapes in row tiles: every SM gets a program
+        for N, K in ((8192, 2048), (4096, 2048), (2048, 4096), (2048, 2048)):
+            for split in (True, False):
+                block_m, block_n, block_k, stages, warps = default_config(M, N, K, split)
+                assert -(-M // block_m) * (N // block_n) >= MIN_PROGRAMS and K % block_k == 0 and stages >= 2
+    assert default_config(512, 8192, 2048, split=True)[:2] == (128, 128)
     w = torch.zeros(32, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="x must have shape"):
         skinny_matmul(torch.zeros(2, 63), w)
-    with pytest.raises(ValueError, match="at most 64 rows"):
-        skinny_matmul(torch.zeros(65, 64), w)
     with pytest.raises(ValueError, match="weight must be"):
         skinny_matmul(torch.zeros(2, 64), torch.zeros(32, 64))  # fp32 weights go in as a split pair
     with pytest.raises(ValueError, match="split weight"):
@@ -129,6 +144,106 @@ def test_shapes_and_errors():
         skinny_matmul(torch.zeros(2, 64), w, torch.zeros(31))
 
 
+def wide_range_rows(M, K, seed, device=DEVICE):
+    """x [M, K] far outside fp16's range: row scales 1e-6 .. 1e6, half the rows with columns of scale 1e-2 .. 1e5
+    rising along K (each K tile's max above the last: the kernel's running scale drops every tile), one row spanning
+    1e-35 .. 1e35 (fp32's range), one row of zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-6, 6, M)[:, None]
+    x[::2] *= torch.logspace(-2, 5, K)
+    x[M // 2] = torch.randn(K, generator=g) * torch.logspace(-35, 35, K)
+    x[M // 3] = 0
+    return x.to(device)
+
+
+def row_errors(y, exact):
+    """Per row, the largest error against the row's largest |exact| (rows of zeros: against 1)."""
+    return ((y.double() - exact).abs().amax(1) / exact.abs().amax(1).clamp_min(1e-300)).cpu()
+
+
+def test_row_scaling_keeps_the_split_exact_over_fp32s_range():
+    x = wide_range_rows(24, 256, 0, "cpu")
+    s = row_scales(x)
+    amax = x.abs().amax(1)
+    scaled = amax * torch.pow(2.0, s.double())
+    assert ((scaled >= 2**14) & (scaled < 2**15) | (amax == 0)).all() and s.abs().max() <= 126
+    x_hi, x_lo, unscale = split_rows(x)
+    assert torch.isfinite(x_hi).all() and torch.isfinite(x_lo).all()
+    back = (x_hi.double() + x_lo.double() / 2048) * unscale.double()
+    large = x.abs() >= amax[:, None] * 2**-26  # elements within 26 binades of their row's max: every bit kept
+    assert ((back - x.double()).abs() <= 2**-21 * x.double().abs())[large].all()
+    small = (back - x.double()).abs()[~large]  # the rest: errors 2^-50 below the row's max, far under its noise
+    assert (small <= 2**-48 * amax[:, None].double().expand_as(x)[~large]).all()
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) / 16
+    hi, lo = split_fp16(w)
+    exact = x.double() @ w.double().t()
+    assert row_errors(skinny_matmul_ref(x, hi, weight_lo=lo), exact).max() < 2e-6  # ~fp32 on every row
+    fp16 = skinny_matmul_ref(x, w.half())  # x cast to fp16 row by row: no inf, fp16's 11 bits on every row
+    assert torch.isfinite(fp16).all() and row_errors(fp16, exact).max() < 3e-3
+    # what the scaling buys: the plain split overflows on large rows, and loses bits on rows below 2^-14
+    naive_hi, naive_lo = split_fp16(x)
+    naive = skinny_matmul_ref(naive_hi.float() + naive_lo.float() / 2048, hi, weight_lo=lo)  # (x rounded as split)
+    tiny = (amax > 0) & (amax < 2**-14)
+    assert not torch.isfinite(naive_hi).all() and tiny.any() and row_errors(naive, exact)[tiny].min() > 1e-6
+
+
+@pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
+@pytest.mark.parametrize("M", [12, 100])
+@pytest.mark.parametrize("kind", ["fp32", "fp32+fp16", "fp16"])
+def test_rows_outside_fp16_range(M, kind):
+    x = wide_range_rows(M, 256, M)
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(M), device="cpu").to(DEVICE) / 16
+    weights = {"fp32": weights_of(w), "fp32+fp16": mixed_weights(w, 40), "fp16": weights_of(w.half())}[kind]
+    y = skinny_matmul(x, **weights, bias=torch.zeros(96, device=DEVICE))
+    ref = skinny_matmul_ref(x, **weights)
+    exact = x.double() @ w.double().t()
+    assert torch.isfinite(y).all()
+    assert row_errors(y, ref.double()).max() < 2e-6  # the kernel's running row scale against the reference's
+    split_cols = {"fp32": 96, "fp32+fp16": 40, "fp16": 0}[kind]
+    if split_cols:  # about fp32 on every row, whatever its scale
+        assert row_errors(y[:, :split_cols], exact[:, :split_cols]).max() < 2e-6
+    if split_cols < 96:  # fp16 weights: the fp16 product, rounded but never inf
+        fp16 = x.double() @ w[split_cols:].half().double().t()
+        assert row_errors(y[:, split_cols:], fp16).max() < 3e-3
+
+
+def test_linear_routes_by_rows_and_its_fallback_scales_rows():
+    """layers.Linear: which products go through the kernel (SKINNY_MAX_ROWS per kind, on top of skinny_pays), and
+    its mixed product's cuBLAS fallback splits x as the kernel does, rows scaled (no inf, ~fp32 on every row)."""
+    from client.engine.fast import layers
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randn(48, 64, generator=g) / 8, torch.randn(32, 64, generator=g) / 8
+    mixed = layers.Linear([first, second], None, [torch.float32, torch.float16], "cpu")
+    x = wide_range_rows(16, 64, 0, "cpu")
+    y = mixed.product(x)
+    exact = x.double() @ torch.cat([first, second]).double().t()
+    assert torch.isfinite(y).all() and row_errors(y[:, :48], exact[:, :48]).max() < 2e-6
+    assert row_errors(y, skinny_matmul_ref(x, mixed.weight, weight_lo=mixed.weight_lo).double()).max() < 2e-6
+    wide = {dtype: layers.Linear(torch.randn(2048, 64, generator=g), None, dtype, "cpu")
+            for dtype in (torch.float32, torch.float16)}
+    assert [mixed.kind, wide[torch.float32].kind, wide[torch.float16].kind] == ["fp32+fp16", "float32", "float16"]
+    for linear in wide.values():
+        linear.skinny = {"weight": linear.weight.half()}  # as use_skinny(True) leaves it where Triton runs
+        limit = layers.SKINNY_MAX_ROWS[linear.kind]
+        for M in (1, 3, 64, 65, 512):
+            expected = layers.skinny_pays(M, 2048) and (limit is None or M <= limit)
+            assert linear._use_skinny(torch.zeros(M, 64)) == expected
+    assert not wide[torch.float32]._use_skinny(torch.zeros(1, 64))  # cuBLAS's GEMV at one row, N = 2048
+    assert wide[torch.float32]._use_skinny(torch.zeros(512, 64))  # many rows of fp32 weights: the kernel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="the model's shapes, on a GPU")
+@pytest.mark.parametrize("M", [1, 20, 64, 65, 256, 512])
+@pytest.mark.parametrize("kind,N,K", [("fp32", 8192, 2048), ("fp32", 2048, 4096), ("fp32+fp16", 8448, 2048),
+                                      ("fp16", 8192, 2048), ("fp16", 2048, 4096)])
+def test_model_shapes_on_gpu(M, kind, N, K):
+    x = wide_range_rows(M, K, M) if M >= 8 else make(M, N, K, torch.float32, M)[0]
+    w = torch.randn(N, K, device=DEVICE) / K**0.5
+    weights = {"fp32": weights_of(w), "fp32+fp16": mixed_weights(w, 8192), "fp16": weights_of(w.half())}[kind]
+    y = skinny_matmul(x, **weights)
+    assert torch.isfinite(y).all() and row_errors(y, skinny_matmul_ref(x, **weights).double()).max() < 2e-6
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
 def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches or epilogue or explicit_config or split_rows")
+    run_under_interpreter(__file__, "triton_matches or epilogue or explicit_config or split_rows or outside_fp16")

@@ -25,7 +25,7 @@ from kernels import (add_rms_norm, causal_conv_update, gated_rms_norm, mamba2_st
                      slstm_output, slstm_step, xlstm_residual)
 from kernels._common import use_triton
 from kernels.mlstm_input import pack_qkv_weight
-from kernels.skinny_matmul import LO_SCALE, split_fp16
+from kernels.skinny_matmul import LO_SCALE, split_fp16, split_rows
 from kernels.skinny_matmul import supports as skinny_supports
 from kernels.slstm_step import pack_weights as pack_slstm_weights
 
@@ -84,6 +84,16 @@ def bmm32(x, w):
     return torch.bmm(x, w).float()
 
 
+# Most rows of a product that go through the skinny kernel, per Linear.kind (the names scripts/bench_matmul.py's
+# table uses; None: any). Past 64 rows a product is a GEMM and the kernel tiles the rows. Split fp32 weights (whole
+# or mixed): cuBLAS's true fp32 runs on the FMA units (~60 TFLOP/s on an H100, ~4 ms a step at 256 rows), the
+# kernel's three fp16 tensor-core products at up to ~990: expected to win at every M. 16-bit weights: past one row
+# tile cuBLAS runs its own tensor-core GEMM, which this kernel is not expected to beat. Neither is measured yet past
+# 64 rows: set these from `scripts/bench_matmul.py --batches 1,4,16,64,128,256,512` (a finite limit adds a guard on
+# the batch to the compiled step's graphs, see compiled.py).
+SKINNY_MAX_ROWS = {"float32": None, "fp32+fp16": None, "float16": 64, "bfloat16": 64}
+
+
 def skinny_pays(M, N):
     """Where the skinny kernel beats cuBLAS (scripts/bench_matmul.py, bench/matmul_h200.json): not for narrow
     outputs (N < 1024: too few programs to stream W), nor for N <= 2048 at one or two rows, where cuBLAS's
@@ -127,8 +137,8 @@ class Linear:
         _fp32_out_supported(device, self.weight.dtype)  # probed now rather than inside a torch.compile trace
 
     def use_skinny(self, on):
-        """Route products of up to 64 rows through the skinny kernel (where Triton runs); an fp32 W is then
-        kept as a split fp16 pair too (about fp32 accuracy on fp16 tensor cores)."""
+        """Route products through the skinny kernel (where Triton runs; up to SKINNY_MAX_ROWS rows); an fp32 W is
+        then kept as a split fp16 pair too (about fp32 accuracy on fp16 tensor cores)."""
         if not (on and use_triton(self.weight)):
             self.skinny = None
         elif self.weight_lo is not None:
@@ -145,27 +155,34 @@ class Linear:
         return torch.float32 if self.weight_lo is not None else self.weight.dtype
 
     @property
+    def kind(self):
+        """How W is stored, as SKINNY_MAX_ROWS and scripts/bench_matmul.py name it."""
+        return "fp32+fp16" if self.weight_lo is not None else str(self.weight.dtype).removeprefix("torch.")
+
+    @property
     def nbytes(self):
         lo = 0 if self.weight_lo is None else self.weight_lo.numel() * 2
         return self.weight.numel() * self.weight.element_size() + lo + (0 if self.bias is None else self.bias.numel() * 4)
 
     def _use_skinny(self, x):
-        M, (N, K) = x.shape[0], self.weight.shape
-        return self.skinny is not None and skinny_supports(M, N, K) and skinny_pays(M, N)
+        if self.skinny is None:
+            return False
+        M, (N, K), max_rows = x.shape[0], self.weight.shape, SKINNY_MAX_ROWS[self.kind]
+        return (max_rows is None or M <= max_rows) and skinny_supports(M, N, K) and skinny_pays(M, N)
 
     def product(self, x):
         """x @ W^T in fp32, without the bias (the caller fuses it into a later kernel)."""
         if self._use_skinny(x):
             return skinny_matmul(x, **self.skinny)
-        if self.weight_lo is not None:  # the skinny kernel's split, through cuBLAS
-            x_hi, x_lo = split_fp16(x.float())
+        if self.weight_lo is not None:  # the skinny kernel's split, through cuBLAS (rows scaled: any fp32 range)
+            x_hi, x_lo, unscale = split_rows(x)
             # the split's terms must reach the sum unrounded: where cuBLAS cannot return fp16 products in fp32,
             # multiply their values in fp32 (exact: fp16 x fp16 fits fp32's mantissa)
             mm = mm32 if _fp32_out_supported(x.device, torch.float16) else lambda a, b: torch.mm(a.float(), b.float())
             y = mm(x_hi, self.weight.t())
             rows = self.weight_lo.shape[0]
             y[:, :rows] += (mm(x_hi, self.weight_lo.t()) + mm(x_lo, self.weight[:rows].t())) / LO_SCALE
-            return y
+            return y * unscale
         return mm32(x.to(self.dtype), self.weight.t())
 
     def __call__(self, x):
@@ -196,6 +213,11 @@ class BlockDiagonal:
         self.weight = w.to(device=device, dtype=dtype).contiguous()  # [nb, s (in), outputs * s]
         _fp32_out_supported(device, dtype)
         self.blocks, self.size, self.outputs = nb, s, len(weights)
+
+    @property
+    def kind(self):
+        """How W is stored, as SKINNY_MAX_ROWS and scripts/bench_matmul.py name it."""
+        return "fp32+fp16" if self.weight_lo is not None else str(self.weight.dtype).removeprefix("torch.")
 
     @property
     def nbytes(self):
