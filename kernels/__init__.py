@@ -1,7 +1,8 @@
 """Triton kernels for the fast engine's step, each beside its PyTorch reference.
 
-The state ops update state tables in place at per-row slot indices (int32, distinct within a call except
-padding rows sharing a padding slot); a table may be a view of a slot-major buffer (kernels/_common.py), and
+The state ops update state tables in place at their slots: a step's rows grouped in sequences, one per symbol
+(seq_slots, seq_starts: kernels/_common.py), or per-row slot_ids (int32, distinct within a call except padding rows
+sharing a padding slot) for those that take one row per symbol; a table may be a view of a slot-major buffer, and
 the three matrix states may be stored in fp16/bf16, rounded to nearest or stochastically
 (kernels/state_rounding.py). The others fuse the glue between them, and skinny_matmul is the weight product
 for a step's few rows. `op` runs Triton on CUDA tensors or under TRITON_INTERPRET=1 (read at import) and falls

@@ -149,6 +149,22 @@ def sequences_of(seq_slots: torch.Tensor, seq_starts: torch.Tensor):
     return [(slot, begin, end) for slot, begin, end in zip(seq_slots.tolist(), starts[:-1], starts[1:]) if end > begin]
 
 
+def row_positions(seq_slots: torch.Tensor, seq_starts: torch.Tensor):
+    """The PyTorch references' walk over a step's sequences, vectorised over them: (slots, positions), with slots
+    the non-empty sequences' slots (int64) and, for each row position j in order, (indices into slots of the
+    sequences longer than j, their j-th rows), both int64 on the plan's device. Reads the plan on the host."""
+    sequences = sequences_of(seq_slots, seq_starts)
+    device = seq_slots.device
+    lengths = [end - begin for _, begin, end in sequences]
+    positions = []
+    for j in range(max(lengths, default=0)):
+        active = [i for i, n in enumerate(lengths) if n > j]
+        rows = [sequences[i][1] + j for i in active]
+        positions.append((torch.tensor(active, dtype=torch.int64, device=device),
+                          torch.tensor(rows, dtype=torch.int64, device=device)))
+    return torch.tensor([slot for slot, _, _ in sequences], dtype=torch.int64, device=device), positions
+
+
 def check_slot_ids(slot_ids: torch.Tensor, rows: int, device: torch.device) -> None:
     """slot_ids: int32 [rows] on `device`. Range and distinctness are the caller's contract: checking
     them would need a device->host sync."""

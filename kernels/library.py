@@ -31,12 +31,13 @@ def _empty(*shape, like, dtype=torch.float32):
 
 @torch.library.custom_op(f"{NAMESPACE}::causal_conv_update", mutates_args=("conv_state",))
 def causal_conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                       slot_ids: torch.Tensor, activation: Optional[str] = None) -> torch.Tensor:
-    return kernels.causal_conv_update(x, conv_state, weight, bias, slot_ids, activation)
+                       seq_slots: torch.Tensor, seq_starts: torch.Tensor,
+                       activation: Optional[str] = None) -> torch.Tensor:
+    return kernels.causal_conv_update(x, conv_state, weight, bias, seq_slots, seq_starts, activation)
 
 
 @causal_conv_update.register_fake
-def _(x, conv_state, weight, bias, slot_ids, activation=None):
+def _(x, conv_state, weight, bias, seq_slots, seq_starts, activation=None):
     return _empty(*x.shape, like=x)
 
 
@@ -59,25 +60,27 @@ def _traced_state_op(name):
 @torch.library.custom_op(f"{NAMESPACE}::mamba2_state_update", mutates_args=("h",))
 def mamba2_state_update(h: torch.Tensor, x: torch.Tensor, t: torch.Tensor, dt_weight: torch.Tensor,
                         dt_bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
-                        slot_ids: torch.Tensor, counter: Optional[torch.Tensor] = None, salt: int = 0) -> torch.Tensor:
-    return kernels.mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, slot_ids,
+                        seq_slots: torch.Tensor, seq_starts: torch.Tensor, counter: Optional[torch.Tensor] = None,
+                        salt: int = 0) -> torch.Tensor:
+    return kernels.mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_starts,
                                        rounding=_rounding(counter, salt))
 
 
 @mamba2_state_update.register_fake
-def _(h, x, t, dt_weight, dt_bias, a, b, c, d, slot_ids, counter=None, salt=0):
+def _(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_starts, counter=None, salt=0):
     return _empty(*x.shape, like=x)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::mlstm_input", mutates_args=("conv_state",))
 def mlstm_input(xm: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor,
-                qkv_weight: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor,
-                slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return kernels.mlstm_input(xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias, slot_ids)
+                qkv_weight: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor, seq_slots: torch.Tensor,
+                seq_starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return kernels.mlstm_input(xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias, seq_slots,
+                               seq_starts)
 
 
 @mlstm_input.register_fake
-def _(xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias, slot_ids):
+def _(xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias, seq_slots, seq_starts):
     rows, inner = xm.shape
     return (_empty(rows, inner, like=xm), _empty(rows, 3, inner, like=xm),
             _empty(num_parts(inner), rows, gate_weight.shape[0], like=xm))
@@ -109,12 +112,12 @@ def _(S, scale, offset, q, k, v, decay, angle, slot_ids, counter=None, salt=0):
 
 @torch.library.custom_op(f"{NAMESPACE}::rglru_step", mutates_args=("h",))
 def rglru_step(gate_pre: torch.Tensor, u: torch.Tensor, i_pre: torch.Tensor, r_pre: torch.Tensor, a: torch.Tensor,
-               h: torch.Tensor, slot_ids: torch.Tensor, c: float = 8.0) -> torch.Tensor:
-    return kernels.rglru_step(gate_pre, u, i_pre, r_pre, a, h, slot_ids, c)
+               h: torch.Tensor, seq_slots: torch.Tensor, seq_starts: torch.Tensor, c: float = 8.0) -> torch.Tensor:
+    return kernels.rglru_step(gate_pre, u, i_pre, r_pre, a, h, seq_slots, seq_starts, c)
 
 
 @rglru_step.register_fake
-def _(gate_pre, u, i_pre, r_pre, a, h, slot_ids, c=8.0):
+def _(gate_pre, u, i_pre, r_pre, a, h, seq_slots, seq_starts, c=8.0):
     return _empty(*u.shape, like=u)
 
 

@@ -20,7 +20,7 @@ from client.model import TOWER_NAMES, load_model
 from kernels.mlstm_input import pack_qkv_weight
 from kernels.skinny_matmul import split_fp16
 from test_fast_engine import compare, random_steps
-from test_kernels import SMALL_DIMS, make_args
+from test_kernels import SMALL_DIMS, make_args, slot_args
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
@@ -34,13 +34,13 @@ needs_compiler = pytest.mark.skipif(not HAS_CUDA and shutil.which("g++") is None
 
 
 def op_cases(rows=3, device=DEVICE):
-    """(op name, kwargs) of one small call of every fastens op; slot ids distinct, the padding slot last."""
-    slot_ids = torch.tensor([4, 1, 2][:rows], dtype=torch.int32, device=device)
+    """(op name, kwargs) of one small call of every fastens op; slots distinct."""
+    slots = [4, 1, 2][:rows]
     cases = []
     for name in ("causal_conv_update", "mamba2_state_update", "retention_step", "mlstm_step", "slstm_step",
                  "rglru_step"):
         args = make_args(name, rows, 6, SMALL_DIMS[name][0], device=device)
-        cases.append((name, {**args, "slot_ids": slot_ids}))
+        cases.append((name, {**args, **slot_args(name, slots, device=device)}))
     g = torch.Generator().manual_seed(0)
     inner, gates = 32, 4
     mlstm_input = dict(xm=torch.randn(rows, inner, generator=g), conv_state=torch.randn(6, inner, 3, generator=g),
@@ -48,7 +48,8 @@ def op_cases(rows=3, device=DEVICE):
                        qkv_weight=pack_qkv_weight(*torch.randn(3, inner // 4, 4, 4, generator=g)),
                        gate_weight=torch.randn(gates, 3 * inner, generator=g),
                        gate_bias=torch.randn(gates, generator=g))
-    cases.append(("mlstm_input", {**{k: v.to(device) for k, v in mlstm_input.items()}, "slot_ids": slot_ids}))
+    cases.append(("mlstm_input", {**{k: v.to(device) for k, v in mlstm_input.items()},
+                                  **slot_args("mlstm_input", slots, device=device)}))
     x, w, b = (t.to(device) for t in (torch.randn(rows, 64, generator=g), torch.randn(48, 64, generator=g) / 8,
                                       torch.randn(48, generator=g)))
     hi, lo = split_fp16(w)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels
-from kernels._common import INTERPRET
+from kernels._common import INTERPRET, plan
 from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
@@ -29,6 +29,8 @@ STATE_OPS = {
     "slstm_step": (kernels.slstm_step, kernels.slstm_step_ref, ("c", "n", "m", "y")),
     "rglru_step": (kernels.rglru_step, kernels.rglru_step_ref, ("h",)),
 }
+# ops that take a step's rows as sequences (seq_slots, seq_starts: kernels/_common.py); the others take slot_ids
+RAGGED_OPS = {"causal_conv_update", "mamba2_state_update", "rglru_step", "mlstm_input", "slstm_input"}
 
 # Small, deliberately non-power-of-two sizes for the interpreter; the model's sizes for the GPU.
 SMALL_DIMS = {
@@ -56,8 +58,20 @@ def _rotary_angle(head_dim, device=None):
     return inv_freq.repeat_interleave(2)
 
 
+def slot_args(op_name, live_slots, padding_rows=0, padding_slot=0, device="cpu"):
+    """The slots of one row per live slot and then padding rows, as op_name takes them: slot_ids, the padding rows
+    on padding_slot; or seq_slots and seq_starts, a one-row sequence per live slot, then an empty sequence at
+    padding_slot per padding row (as the engine pads a step), the padding rows after the last sequence."""
+    live_slots = [int(s) for s in live_slots]
+    if op_name in RAGGED_OPS:
+        seq_slots, seq_starts = plan(live_slots + [padding_slot] * padding_rows,
+                                     [1] * len(live_slots) + [0] * padding_rows, device=device)
+        return dict(seq_slots=seq_slots, seq_starts=seq_starts)
+    return dict(slot_ids=torch.tensor(live_slots + [padding_slot] * padding_rows, dtype=torch.int32, device=device))
+
+
 def make_args(op_name, rows, slots, dims, dtype=torch.float32, device="cpu", seed=0):
-    """Keyword arguments for one call (slot_ids excluded): fp32 states, inputs in `dtype`, values in the
+    """Keyword arguments for one call (the slots excluded: slot_args): fp32 states, inputs in `dtype`, values in the
     ranges the model produces (negative Mamba2 a, decays in (0, 1), positive normalisers...)."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -118,8 +132,8 @@ def check_against_reference(op_name, live_rows, dims, dtype=torch.float32, devic
     """Run `op` and its reference side by side for a few steps on copies of one state table.
 
     Live rows use distinct random slots; padding rows all share the last slot, which starts poisoned
-    (NaN, or a huge offset) and is never compared. Outputs of live rows and the states of their slots
-    must agree; slots that no row names must stay bit-for-bit unchanged.
+    (NaN, or a huge offset) and is never compared (ops taking sequences must leave it as it is). Outputs of
+    live rows and the states of their slots must agree; slots that no row names must stay bit-for-bit unchanged.
     """
     op, ref, state_names = STATE_OPS[op_name]
     untouched = 3
@@ -127,7 +141,7 @@ def check_against_reference(op_name, live_rows, dims, dtype=torch.float32, devic
     padding_slot = slots - 1
     gen = torch.Generator().manual_seed(seed + 1)
     live_slots = torch.randperm(slots - 1, generator=gen)[:live_rows]
-    slot_ids = torch.cat([live_slots, torch.full((padding_rows,), padding_slot)]).to(torch.int32).to(device)
+    slot_kwargs = slot_args(op_name, live_slots, padding_rows, padding_slot, device)
     args = make_args(op_name, live_rows + padding_rows, slots, dims, dtype, device, seed)
     if state_init:
         state_init(args)
@@ -136,14 +150,14 @@ def check_against_reference(op_name, live_rows, dims, dtype=torch.float32, devic
     initial = {name: args[name].clone() for name in state_names}
     ref_args = {**args, **{name: args[name].clone() for name in state_names}}
     for _ in range(steps):
-        out = op(**args, slot_ids=slot_ids)
-        expected = ref(**ref_args, slot_ids=slot_ids)
+        out = op(**args, **slot_kwargs)
+        expected = ref(**ref_args, **slot_kwargs)
         assert out.dtype == torch.float32
         assert torch.isfinite(out[:live_rows]).all()
         assert_close(out[:live_rows], expected[:live_rows])
     written = torch.zeros(slots, dtype=torch.bool)
     written[live_slots] = True
-    written[padding_slot] = True
+    written[padding_slot] = op_name not in RAGGED_OPS
     for name in state_names:
         live = live_slots.to(device)
         if args[name].dtype == torch.int32:
@@ -151,7 +165,13 @@ def check_against_reference(op_name, live_rows, dims, dtype=torch.float32, devic
         else:
             assert_close(args[name][live], ref_args[name][live])
         idle = (~written).nonzero().flatten().to(device)
-        assert torch.equal(args[name][idle], initial[name][idle]), f"{name}: a slot no row names was written"
+        assert torch.equal(_bits(args[name][idle]), _bits(initial[name][idle])), \
+            f"{name}: a slot no row names was written"
+
+
+def _bits(t):
+    """Bit patterns, so that a NaN-poisoned slot compares equal to itself."""
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
 def _slstm_fresh_state(args):
@@ -270,7 +290,7 @@ def _one_row(op_name, dims, state_init=None):
         state_init(args)
     before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     _, ref, _ = STATE_OPS[op_name]
-    out = ref(**args, slot_ids=torch.tensor([1], dtype=torch.int32))
+    out = ref(**args, **slot_args(op_name, [1]))
     return out[0], before, args
 
 
@@ -432,8 +452,8 @@ def test_cpu_tensors_fall_back_to_reference(op_name):
     op, ref, state_names = STATE_OPS[op_name]
     args = make_args(op_name, 2, 4, SMALL_DIMS[op_name][0])
     ref_args = {**args, **{name: args[name].clone() for name in state_names}}
-    slot_ids = torch.tensor([3, 1], dtype=torch.int32)
-    assert torch.equal(op(**args, slot_ids=slot_ids), ref(**ref_args, slot_ids=slot_ids))
+    slots = slot_args(op_name, [3, 1])
+    assert torch.equal(op(**args, **slots), ref(**ref_args, **slots))
     for name in state_names:
         assert torch.equal(args[name], ref_args[name])
 
@@ -443,7 +463,7 @@ def test_zero_rows_is_a_no_op(op_name):
     op, _, state_names = STATE_OPS[op_name]
     args = make_args(op_name, 0, 2, SMALL_DIMS[op_name][0])
     before = {name: args[name].clone() for name in state_names}
-    out = op(**args, slot_ids=torch.zeros(0, dtype=torch.int32))
+    out = op(**args, **slot_args(op_name, []))
     assert out.shape[0] == 0
     for name in state_names:
         assert torch.equal(args[name], before[name])
@@ -494,7 +514,7 @@ def test_bad_input_is_rejected(op_name, name, make_bad, match, error):
     args = make_args(op_name, 2, 3, SMALL_DIMS[op_name][0])
     args[name] = make_bad(args[name])
     with pytest.raises(error, match=match):
-        op(**args, slot_ids=torch.tensor([0, 2], dtype=torch.int32))
+        op(**args, **slot_args(op_name, [0, 2]))
 
 
 @pytest.mark.parametrize("make_bad,match", [
@@ -504,9 +524,9 @@ def test_bad_input_is_rejected(op_name, name, make_bad, match, error):
     (lambda s: s.tolist(), "slot_ids must be a torch.Tensor"),
 ], ids=["dtype", "length", "device", "list"])
 def test_bad_slot_ids_are_rejected(make_bad, match):
-    args = make_args("rglru_step", 2, 3, dict(width=8))
+    args = make_args("slstm_step", 2, 3, dict(blocks=2, size=4))
     with pytest.raises((ValueError, TypeError), match=match):
-        kernels.rglru_step(**args, slot_ids=make_bad(torch.tensor([0, 2], dtype=torch.int32)))
+        kernels.slstm_step(**args, slot_ids=make_bad(torch.tensor([0, 2], dtype=torch.int32)))
 
 
 @pytest.mark.parametrize("o_shape,g_shape,match", [
@@ -550,26 +570,28 @@ def test_gpu_retnet_output(live_rows):
 @cuda_only
 @pytest.mark.parametrize("op_name", list(STATE_OPS))
 def test_gpu_cuda_graph_replay(op_name):
-    """Captured once, replayed with new slot ids written into the captured buffer, as an engine would."""
+    """Captured once, replayed with new slots written into the captured buffers, as an engine would (a step of
+    several rows per sequence: tests/test_*_ragged.py)."""
     op, ref, state_names = STATE_OPS[op_name]
     rows, slots = 3, 8
     dims = dict(FULL_DIMS[op_name])
     args = make_args(op_name, rows, slots, dims, device="cuda", seed=3)
     ref_args = {**args, **{name: args[name].clone() for name in state_names}}
-    slot_ids = torch.tensor([5, 0, 2], dtype=torch.int32, device="cuda")
+    slots = slot_args(op_name, [5, 0, 2], device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up compiles the kernels outside the capture
         warm = {**args, **{name: args[name].clone() for name in state_names}}
-        op(**warm, slot_ids=slot_ids)
+        op(**warm, **slots)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = op(**args, slot_ids=slot_ids)
+        out = op(**args, **slots)
     for step_slots in ([5, 0, 2], [1, 7, 5]):
-        slot_ids.copy_(torch.tensor(step_slots, dtype=torch.int32))
+        for name, value in slot_args(op_name, step_slots, device="cuda").items():
+            slots[name].copy_(value)
         graph.replay()
-        expected = ref(**ref_args, slot_ids=slot_ids)
+        expected = ref(**ref_args, **slots)
         assert_close(out, expected)
     for name in state_names:
         if args[name].dtype == torch.int32:

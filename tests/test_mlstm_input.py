@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from client.model.xlstm import MLSTMBlock
-from kernels._common import INTERPRET
+from kernels._common import INTERPRET, plan
 from kernels.mlstm_input import CHUNK, mlstm_input, mlstm_input_ref, num_parts, pack_qkv_weight
 from triton_interpreter import run_under_interpreter
 
@@ -46,7 +46,7 @@ def test_reference_matches_the_model():
             xm, state, block.conv1d.conv.weight[:, 0, :], block.conv1d.conv.bias,
             pack_qkv_weight(block.q_proj.weight, block.k_proj.weight, block.v_proj.weight),
             torch.cat([cell.igate_proj.weight, cell.fgate_proj.weight]),
-            torch.cat([cell.igate_proj.bias, cell.fgate_proj.bias]), torch.arange(rows, dtype=torch.int32))
+            torch.cat([cell.igate_proj.bias, cell.fgate_proj.bias]), *plan(range(rows), [1] * rows))
     torch.testing.assert_close(got_xc, xc, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_qkv.reshape(rows, -1), qkv, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(parts.sum(0), gates, rtol=1e-5, atol=1e-5)
@@ -58,8 +58,9 @@ def test_reference_matches_the_model():
 @pytest.mark.parametrize("rows,inner,heads", [(1, 8, 1), (3, 2 * CHUNK + 12, 2), (2, 4096, 8)])
 @pytest.mark.parametrize("padding_rows", [0, 2])
 def test_triton_matches_reference(rows, inner, heads, padding_rows):
-    """Live rows on distinct slots, padding rows on a NaN-poisoned padding slot, strided xm (a column slice of
-    the fused x/gate projection); untouched slots keep their state bit for bit."""
+    """One row per sequence on distinct slots, padding rows after them and as many empty sequences on a
+    NaN-poisoned padding slot, strided xm (a column slice of the fused x/gate projection); untouched slots (the
+    padding slot too) keep their state bit for bit. Several rows per sequence: tests/test_mlstm_input_ragged.py."""
     slots = rows + 3
     args = make(rows + padding_rows, 2 * inner, heads, slots, seed=rows)
     args["xm"] = args["xm"][:, :inner]
@@ -69,10 +70,11 @@ def test_triton_matches_reference(rows, inner, heads, padding_rows):
     args["gate_weight"] = args["gate_weight"][:, :3 * inner].contiguous()
     pad = slots - 1
     args["conv_state"][pad] = float("nan")
-    slot_ids = torch.tensor(list(range(rows - 1, -1, -1)) + [pad] * padding_rows, dtype=torch.int32, device=DEVICE)
+    seq_slots, seq_starts = plan(list(range(rows - 1, -1, -1)) + [pad] * padding_rows,
+                                 [1] * rows + [0] * padding_rows, device=DEVICE)
     ref_state = args["conv_state"].clone()
-    out = mlstm_input(**args, slot_ids=slot_ids)
-    expected = mlstm_input_ref(**{**args, "conv_state": ref_state}, slot_ids=slot_ids)
+    out = mlstm_input(**args, seq_slots=seq_slots, seq_starts=seq_starts)
+    expected = mlstm_input_ref(**{**args, "conv_state": ref_state}, seq_slots=seq_slots, seq_starts=seq_starts)
     for got, want in zip(out, expected):
         assert got.dtype == torch.float32
         if got.dim() == 3 and got.shape[0] == num_parts(inner):
@@ -81,7 +83,7 @@ def test_triton_matches_reference(rows, inner, heads, padding_rows):
             got, want = got[:rows], want[:rows]
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(args["conv_state"][:pad], ref_state[:pad], rtol=0, atol=0)
+    torch.testing.assert_close(args["conv_state"], ref_state, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
@@ -101,7 +103,8 @@ def test_bad_inputs_are_clear_errors(name, make_bad, match):
     args = make(2, 8, 1, 3, device="cpu")
     args[name] = make_bad(args[name])
     with pytest.raises(ValueError, match=match):
-        mlstm_input(**args, slot_ids=torch.tensor([0, 2], dtype=torch.int32))
+        mlstm_input(**args, seq_slots=torch.tensor([0, 2], dtype=torch.int32),
+                    seq_starts=torch.tensor([0, 1, 2], dtype=torch.int32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
@@ -110,10 +113,10 @@ def test_gpu_full_size_many_rows(rows):
     """Thousands of programs at once: each shifts its conv state only after all of its threads read it."""
     for seed in range(3):
         args = make(rows, 4096, 8, rows + 2, seed=seed)
-        slot_ids = torch.randperm(rows + 2)[:rows].to(torch.int32).cuda()
+        seq_slots, seq_starts = plan(torch.randperm(rows + 2)[:rows], [1] * rows, device="cuda")
         ref_state = args["conv_state"].clone()
-        out = mlstm_input(**args, slot_ids=slot_ids)
-        expected = mlstm_input_ref(**{**args, "conv_state": ref_state}, slot_ids=slot_ids)
+        out = mlstm_input(**args, seq_slots=seq_slots, seq_starts=seq_starts)
+        expected = mlstm_input_ref(**{**args, "conv_state": ref_state}, seq_slots=seq_slots, seq_starts=seq_starts)
         for got, want in zip(out, expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(args["conv_state"], ref_state, rtol=0, atol=0)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from client.model.modules import FP32_EPS, RMSNorm
 from client.model.xlstm import SLSTMBlock
-from kernels._common import INTERPRET
+from kernels._common import INTERPRET, plan
 from kernels.slstm_input import slstm_input, slstm_input_ref
 from triton_interpreter import run_under_interpreter
 
@@ -44,7 +44,7 @@ def test_reference_matches_the_model():
         state = conv.clone()
         got_x = x.clone()
         got = slstm_input_ref(got_x, delta, bias, norm1.weight, FP32_EPS, block.norm.weight, state,
-                              block.conv1d.conv.weight, block.conv1d.conv.bias, torch.arange(rows, dtype=torch.int32))
+                              block.conv1d.conv.weight, block.conv1d.conv.bias, *plan(range(rows), [1] * rows))
     torch.testing.assert_close(got_x, residual)
     for mine, model in zip(got, (xin, xn, xc)):
         torch.testing.assert_close(mine, model, rtol=1e-5, atol=1e-5)
@@ -56,26 +56,29 @@ def test_reference_matches_the_model():
 @pytest.mark.parametrize("padding_rows", [0, 2])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_triton_matches_reference(rows, width, padding_rows, with_bias):
-    """Live rows on distinct slots, padding rows on a NaN-poisoned padding slot, a strided delta; untouched slots
-    keep their state bit for bit."""
+    """One row per sequence on distinct slots, padding rows after them and as many empty sequences on a
+    NaN-poisoned padding slot, a strided delta; untouched slots (the padding slot too) keep their state bit for
+    bit, padding rows are left as they are. Several rows per sequence: tests/test_slstm_input_ragged.py."""
     slots = rows + 3
     args = make(rows + padding_rows, width, slots, seed=rows + width)
     args["delta"] = torch.cat([args["delta"], args["delta"]], dim=1)[:, width // 2:width // 2 + width]
     args["bias"] = args["bias"] if with_bias else None
     pad = slots - 1
     args["conv_state"][pad] = float("nan")
-    slot_ids = torch.tensor(list(range(rows - 1, -1, -1)) + [pad] * padding_rows, dtype=torch.int32, device=DEVICE)
+    seq = plan(list(range(rows - 1, -1, -1)) + [pad] * padding_rows, [1] * rows + [0] * padding_rows, device=DEVICE)
+    x_before = args["x"].clone()
     ref = {**args, "x": args["x"].clone(), "conv_state": args["conv_state"].clone()}
-    out = slstm_input(**args, slot_ids=slot_ids)
-    expected = slstm_input_ref(**ref, slot_ids=slot_ids)
+    out = slstm_input(**args, seq_slots=seq[0], seq_starts=seq[1])
+    expected = slstm_input_ref(**ref, seq_slots=seq[0], seq_starts=seq[1])
     for got, want in zip(out, expected):
         assert got.dtype == torch.float32 and got.shape == want.shape
         assert torch.isfinite(got[:rows]).all()
         torch.testing.assert_close(got[:rows], want[:rows], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(args["x"], ref["x"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(args["x"][:rows], ref["x"][:rows], rtol=1e-6, atol=1e-6)
+    assert torch.equal(args["x"][rows:], x_before[rows:])
     # live slots shift in xn (equal to rounding), the others keep their state bit for bit
     torch.testing.assert_close(args["conv_state"][:rows], ref["conv_state"][:rows], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(args["conv_state"][rows:pad], ref["conv_state"][rows:pad], rtol=0, atol=0)
+    torch.testing.assert_close(args["conv_state"][rows:], ref["conv_state"][rows:], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
@@ -95,7 +98,8 @@ def test_bad_inputs_are_clear_errors(name, make_bad, match):
     args = make(2, 8, 3, device="cpu")
     args[name] = make_bad(args[name])
     with pytest.raises(ValueError, match=match):
-        slstm_input(**args, slot_ids=torch.tensor([0, 2], dtype=torch.int32))
+        slstm_input(**args, seq_slots=torch.tensor([0, 2], dtype=torch.int32),
+                    seq_starts=torch.tensor([0, 1, 2], dtype=torch.int32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
@@ -105,14 +109,15 @@ def test_gpu_full_size_many_rows(rows):
     early would leave another thread's old taps overwritten)."""
     for seed in range(3):
         args = make(rows, 2048, rows + 2, seed=seed)
-        slot_ids = torch.randperm(rows + 2)[:rows].to(torch.int32).cuda()
+        slots = torch.randperm(rows + 2)[:rows]
+        seq_slots, seq_starts = plan(slots, [1] * rows, device="cuda")
         ref = {**args, "x": args["x"].clone(), "conv_state": args["conv_state"].clone()}
-        out = slstm_input(**args, slot_ids=slot_ids)
-        expected = slstm_input_ref(**ref, slot_ids=slot_ids)
+        out = slstm_input(**args, seq_slots=seq_slots, seq_starts=seq_starts)
+        expected = slstm_input_ref(**ref, seq_slots=seq_slots, seq_starts=seq_starts)
         for got, want in zip(out, expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(args["x"], ref["x"], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(args["conv_state"], ref["conv_state"], rtol=1e-5, atol=1e-5)
         # the shift itself is exact: the two oldest taps of each live slot are the previous newest two
-        live = slot_ids.long()
+        live = slots.cuda()
         torch.testing.assert_close(args["conv_state"][live, :, :2], ref["conv_state"][live, :, :2], rtol=0, atol=0)

@@ -13,7 +13,7 @@ import torch
 import kernels
 from kernels._common import INTERPRET
 from kernels.state_rounding import StochasticRounding, round_ref, stochastic_bits_ref
-from test_kernels import FULL_DIMS, SMALL_DIMS, STATE_OPS, assert_close, make_args
+from test_kernels import FULL_DIMS, RAGGED_OPS, SMALL_DIMS, STATE_OPS, assert_close, make_args, slot_args
 from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
@@ -107,7 +107,7 @@ def as_tuple(out):
 
 
 def case(op_name, rows, slots, full=False, dims=None, seed=0, device=DEVICE):
-    """(arguments without slot_ids, state names, names of the states the op writes) for one call, at small
+    """(arguments without the slots, state names, names of the states the op writes) for one call, at small
     sizes, the full model's or `dims`."""
     if op_name in STATE_OPS:
         dims = dims or (FULL_DIMS[op_name] if full else SMALL_DIMS[op_name][0])
@@ -139,18 +139,29 @@ def case(op_name, rows, slots, full=False, dims=None, seed=0, device=DEVICE):
     raise KeyError(op_name)
 
 
-def run(op, args, tables, slot_ids, **extra):
-    """op on copies of the inputs (slstm_input updates x in place), with `tables` as its states."""
+def run(op, args, tables, rows_slots, **extra):
+    """op on copies of the inputs (slstm_input updates x in place), with `tables` as its states and rows_slots
+    (slot_args) its rows' slots."""
     call = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    return as_tuple(op(**call, **tables, **extra, slot_ids=slot_ids))
+    return as_tuple(op(**call, **tables, **extra, **rows_slots))
 
 
-def layout(live, padding, idle, device, seed=1):
-    """Slot ids: live rows on distinct random slots, padding rows on the last slot; and those live slots."""
+def layout(op_name, live, padding, idle, device, seed=1):
+    """Live rows on distinct random slots, then padding rows on the last slot (slot_args): (slots in all, the
+    rows' slots as op_name takes them, the live slots, the slots the op may write: the padding slot too for
+    ops taking slot_ids)."""
     slots = live + idle + 1
-    live_slots = torch.randperm(slots - 1, generator=torch.Generator().manual_seed(seed))[:live]
-    slot_ids = torch.cat([live_slots, torch.full((padding,), slots - 1)]).to(torch.int32).to(device)
-    return slots, slot_ids, live_slots.to(device)
+    live_slots = torch.randperm(slots - 1, generator=torch.Generator().manual_seed(seed))[:live].to(device)
+    rows_slots = slot_args(op_name, live_slots, padding, slots - 1, device)
+    written = live_slots if op_name in RAGGED_OPS or not padding else torch.cat(
+        [live_slots, torch.tensor([slots - 1], device=device)])
+    return slots, rows_slots, live_slots, written
+
+
+def live_outputs(op_name, out, live):
+    """The outputs' live rows: the op may leave padding rows unwritten (mlstm_input's gate parts [P, B, G] hold
+    their rows in dim 1)."""
+    return [o[:, :live] if (op_name, k) == ("mlstm_input", 2) else o[:live] for k, o in enumerate(out)]
 
 
 def poison_padding_slot(tables, pad):
@@ -158,12 +169,12 @@ def poison_padding_slot(tables, pad):
         t[pad] = 2**30 if t.dtype == torch.int32 else float("nan")
 
 
-def assert_only_written(buf, before, regions, written, slot_ids):
-    """Bytes change only in the written components of the rows' slots."""
+def assert_only_written(buf, before, regions, written, written_slots):
+    """Bytes change only in the written components of the written slots."""
     allowed = torch.zeros_like(buf, dtype=torch.bool)
     for name in written:
         start, stop = regions[name]
-        allowed[slot_ids.long(), start:stop] = True
+        allowed[written_slots.long(), start:stop] = True
     changed = buf != before
     assert not (changed & ~allowed).any(), f"{(changed & ~allowed).sum().item()} bytes written outside the rows' states"
 
@@ -175,27 +186,29 @@ def check_slot_major(op_name, impl, device, full=False):
     """One step with the op's states carved out of one slot-major buffer, beside contiguous copies: outputs
     and states bit for bit alike, and no byte changed outside the written components of the rows' slots."""
     op = OPS[op_name][impl]
-    slots, slot_ids, _ = layout(3, padding=2, idle=3, device=device)
-    args, names, written = case(op_name, len(slot_ids), slots, full=full, device=device)
+    live = 3
+    slots, rows_slots, _, written_slots = layout(op_name, live, padding=2, idle=3, device=device)
+    args, names, written = case(op_name, live + 2, slots, full=full, device=device)
     tables = {name: args.pop(name) for name in names}
     poison_padding_slot(tables, slots - 1)
     buf, views, regions = slot_major(tables, slots)
     before = buf.clone()
     contiguous = {name: t.clone() for name, t in tables.items()}
-    for got, want in zip(run(op, args, views, slot_ids), run(op, args, contiguous, slot_ids)):
+    outs = [live_outputs(op_name, run(op, args, states, rows_slots), live) for states in (views, contiguous)]
+    for got, want in zip(*outs):
         assert_alike(got, want, "output")
     kept = torch.ones(slots, dtype=torch.bool, device=device)
     kept[-1] = False  # the padding slot: padding rows race on it
     for name in names:
         assert_alike(views[name][kept], contiguous[name][kept], name)
-    assert_only_written(buf, before, regions, written, slot_ids)
+    assert_only_written(buf, before, regions, written, written_slots)
 
 
 def check_distinct_slot_strides(op_name, impl, device):
     """Each state a view of its own wider table, so that every state has its own slot stride."""
     op = OPS[op_name][impl]
-    slots, slot_ids, _ = layout(3, padding=0, idle=2, device=device)
-    args, names, _ = case(op_name, len(slot_ids), slots, device=device)
+    slots, rows_slots, _, _ = layout(op_name, 3, padding=0, idle=2, device=device)
+    args, names, _ = case(op_name, 3, slots, device=device)
     tables = {name: args.pop(name) for name in names}
     views = {}
     for i, (name, t) in enumerate(tables.items()):
@@ -203,7 +216,7 @@ def check_distinct_slot_strides(op_name, impl, device):
         views[name] = wide[:, 4 * (i + 1):4 * (i + 1) + t[0].numel()].view(t.shape)
         views[name].copy_(t)
     assert len({v.stride(0) for v in views.values()}) == len(views)
-    for got, want in zip(run(op, args, views, slot_ids), run(op, args, tables, slot_ids)):
+    for got, want in zip(run(op, args, views, rows_slots), run(op, args, tables, rows_slots)):
         assert_same_bits(got, want, "output")
     for name in names:
         assert_same_bits(views[name], tables[name], name)
@@ -252,8 +265,8 @@ def check_half_state(op_name, dtype, stochastic, impl, device, full=False, dims=
     math differs in the last bits, which can move a rounding by one step), the readout close."""
     op = OPS[op_name][impl]
     matrix = MATRIX[op_name]
-    slots, slot_ids, live_slots = layout(live, padding, idle=2, device=device)
-    args, names, _ = case(op_name, len(slot_ids), slots, full=full, dims=dims, device=device)
+    slots, rows_slots, live_slots, written_slots = layout(op_name, live, padding, idle=2, device=device)
+    args, names, _ = case(op_name, live + padding, slots, full=full, dims=dims, device=device)
     tables = {name: args.pop(name) for name in names}
     poison_padding_slot(tables, slots - 1)
     tables[matrix] = tables[matrix].to(dtype)
@@ -264,17 +277,17 @@ def check_half_state(op_name, dtype, stochastic, impl, device, full=False, dims=
     fp32 = {name: t.float() if name == matrix else t.clone() for name, t in tables.items()}
     initial = {name: t.clone() for name, t in views.items()}
     before = buf.clone()
-    out = run(op, args, views, slot_ids, rounding=rounding)
-    out32 = run(op, args, fp32, slot_ids)
+    out = run(op, args, views, rows_slots, rounding=rounding)
+    out32 = run(op, args, fp32, rows_slots)
     assert_alike(out[0][:live], out32[0][:live], "readout")
-    noise = stochastic_bits_ref(rounding, slot_ids[:live], views[matrix].shape[1:]) if stochastic else None
+    noise = stochastic_bits_ref(rounding, live_slots, views[matrix].shape[1:]) if stochastic else None
     assert_alike(views[matrix][live_slots], round_ref(fp32[matrix][live_slots], dtype, noise), matrix)
     for name in names:
         if name != matrix:
             assert_alike(views[name][live_slots], fp32[name][live_slots], name)
-    assert_only_written(buf, before, regions, names, slot_ids)
+    assert_only_written(buf, before, regions, names, written_slots)
     if impl == 0:
-        ref_out = run(OPS[op_name][1], args, initial, slot_ids, rounding=rounding)
+        ref_out = run(OPS[op_name][1], args, initial, rows_slots, rounding=rounding)
         assert_close(out[0][:live], ref_out[0][:live])
         assert_within_one_ulp(views[matrix][live_slots], initial[matrix][live_slots], matrix)
 
@@ -315,14 +328,14 @@ def test_reference_half_state_tracks_fp32(op_name, dtype, stochastic):
     half = {name: args.pop(name) for name in names}
     half[matrix] = half[matrix].to(dtype)
     fp32 = {name: t.float() if name == matrix else t.clone() for name, t in half.items()}
-    slot_ids = torch.arange(rows, dtype=torch.int32)
+    rows_slots = slot_args(op_name, range(rows))
     counter = torch.zeros(rows, dtype=torch.int32)
     rounding = StochasticRounding(counter, 7) if stochastic else None
     peak = fp32[matrix].abs()
     ref = OPS[op_name][1]
     for _ in range(steps):
-        run(ref, args, half, slot_ids, rounding=rounding)
-        run(ref, args, fp32, slot_ids)
+        run(ref, args, half, rows_slots, rounding=rounding)
+        run(ref, args, fp32, rows_slots)
         counter += 1
         peak = torch.maximum(peak, fp32[matrix].abs())
     error = (half[matrix].float() - fp32[matrix]).abs()
@@ -337,12 +350,12 @@ def test_reference_stochastic_rounding_follows_counter_and_salt(op_name):
     args, names, _ = case(op_name, 2, 2, device="cpu")
     start = {name: args.pop(name) for name in names}
     start[matrix] = start[matrix].to(torch.bfloat16)
-    slot_ids = torch.tensor([1, 0], dtype=torch.int32)
+    rows_slots = slot_args(op_name, [1, 0])
 
     def stored(counter, salt):
         tables = {name: t.clone() for name, t in start.items()}
         rounding = StochasticRounding(torch.tensor(counter, dtype=torch.int32), salt)
-        run(OPS[op_name][1], args, tables, slot_ids, rounding=rounding)
+        run(OPS[op_name][1], args, tables, rows_slots, rounding=rounding)
         return tables[matrix]
 
     base = stored([3, 8], 1)
@@ -367,7 +380,7 @@ def test_16bit_small_states_are_rejected(op_name, name, make_bad, match):
     args = make_args(op_name, 2, 3, SMALL_DIMS[op_name][0])
     args[name] = make_bad(args[name])
     with pytest.raises(ValueError, match=match):
-        OPS[op_name][0](**args, slot_ids=torch.tensor([0, 2], dtype=torch.int32))
+        OPS[op_name][0](**args, **slot_args(op_name, [0, 2]))
 
 
 @pytest.mark.parametrize("op_name", list(MATRIX))
@@ -382,7 +395,7 @@ def test_bad_rounding_is_rejected(op_name, rounding, match):
     args = make_args(op_name, 2, 3, SMALL_DIMS[op_name][0])
     args[MATRIX[op_name]] = args[MATRIX[op_name]].half()
     with pytest.raises(ValueError, match=match):
-        OPS[op_name][0](**args, slot_ids=torch.tensor([0, 2], dtype=torch.int32), rounding=rounding)
+        OPS[op_name][0](**args, **slot_args(op_name, [0, 2]), rounding=rounding)
 
 
 @pytest.mark.parametrize("op_name,name,make_bad,match", [
@@ -397,7 +410,7 @@ def test_bad_slot_layout_is_rejected(op_name, name, make_bad, match):
     args = make_args(op_name, 2, 3, SMALL_DIMS[op_name][0])
     args[name] = make_bad(args[name])
     with pytest.raises(ValueError, match=match):
-        op(**args, slot_ids=torch.tensor([0, 2], dtype=torch.int32))
+        op(**args, **slot_args(op_name, [0, 2]))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -429,21 +442,21 @@ def test_gpu_stochastic_rounding_in_a_cuda_graph(op_name, dtype):
     args, names, _ = case(op_name, 3, slots, full=True, device="cuda", seed=3)
     args[matrix] = args[matrix].to(dtype)
     rounding = StochasticRounding(torch.zeros(slots, dtype=torch.int32, device="cuda"), 5)
-    slot_ids = torch.tensor([5, 0, 2], dtype=torch.int32, device="cuda")
+    rows_slots = slot_args(op_name, [5, 0, 2], device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up compiles the kernels outside the capture
-        op(**{**args, **{name: args[name].clone() for name in names}}, slot_ids=slot_ids, rounding=rounding)
+        op(**{**args, **{name: args[name].clone() for name in names}}, **rows_slots, rounding=rounding)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = op(**args, slot_ids=slot_ids, rounding=rounding)
+        out = op(**args, **rows_slots, rounding=rounding)
     for _ in range(2):
         rounding.counter.add_(1)  # the runner's increment, on the device
         # the reference steps from the state this replay starts from: kernel and reference states left to
         # evolve apart would differ by more than a step's rounding (10 of 6.3 million values of C on an H100)
         ref_args = {**args, **{name: args[name].clone() for name in names}}
         graph.replay()
-        expected = ref(**ref_args, slot_ids=slot_ids, rounding=rounding)
+        expected = ref(**ref_args, **rows_slots, rounding=rounding)
         assert_close(out, expected)
         assert_within_one_ulp(args[matrix], ref_args[matrix], matrix)
