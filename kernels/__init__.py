@@ -13,8 +13,10 @@ from kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_ref
 from kernels.mamba2_update import mamba2_state_update, mamba2_state_update_ref
 from kernels.mlstm_input import mlstm_input, mlstm_input_ref
 from kernels.mlstm_output import mlstm_output, mlstm_output_ref
-from kernels.mlstm_update import mlstm_step, mlstm_step_ref
-from kernels.retention_update import retention_step, retention_step_ref, retnet_output, retnet_output_ref
+from kernels.mlstm_step import mlstm_step, mlstm_step_ref
+from kernels.outer_product_update import outer_product_update, outer_product_update_ref
+from kernels.retention_step import retention_step, retention_step_ref
+from kernels.retnet_output import retnet_output, retnet_output_ref
 from kernels.rglru import rglru_step, rglru_step_ref
 from kernels.skinny_matmul import skinny_matmul, skinny_matmul_ref
 from kernels.slstm_input import slstm_input, slstm_input_ref
@@ -29,6 +31,7 @@ __all__ = [
     "gated_rms_norm", "gated_rms_norm_ref",
     "mamba2_state_update", "mamba2_state_update_ref",
     "mlstm_input", "mlstm_input_ref", "mlstm_step", "mlstm_step_ref",
+    "outer_product_update", "outer_product_update_ref",
     "retention_step", "retention_step_ref", "retnet_output", "retnet_output_ref",
     "rglru_step", "rglru_step_ref",
     "skinny_matmul", "skinny_matmul_ref",

@@ -149,6 +149,21 @@ def sequences_of(seq_slots: torch.Tensor, seq_starts: torch.Tensor):
     return [(slot, begin, end) for slot, begin, end in zip(seq_slots.tolist(), starts[:-1], starts[1:]) if end > begin]
 
 
+def row_positions(seq_slots: torch.Tensor, seq_starts: torch.Tensor):
+    """The non-empty sequences by row position, on the host: for the PyTorch references, which apply the one-row
+    math to row position j of every sequence longer than j at once. Returns (slots, positions): slots int64 [L]
+    the state slots of the L non-empty sequences; positions a list over j of (which, rows), int64 tensors: which
+    of the L sequences are longer than j, and their j-th rows. All on seq_starts' device."""
+    seqs = sequences_of(seq_slots, seq_starts)
+    slots, begins, ends = torch.tensor(seqs, dtype=torch.int64, device=seq_starts.device).view(-1, 3).unbind(1)
+    lengths = ends - begins
+    positions = []
+    for j in range(max([end - begin for _, begin, end in seqs], default=0)):
+        which = (lengths > j).nonzero().flatten()
+        positions.append((which, begins[which] + j))
+    return slots, positions
+
+
 def check_slot_ids(slot_ids: torch.Tensor, rows: int, device: torch.device) -> None:
     """slot_ids: int32 [rows] on `device`. Range and distinctness are the caller's contract: checking
     them would need a device->host sync."""

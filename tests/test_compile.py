@@ -20,7 +20,7 @@ from client.model import TOWER_NAMES, load_model
 from kernels.mlstm_input import pack_qkv_weight
 from kernels.skinny_matmul import split_fp16
 from test_fast_engine import compare, random_steps
-from test_kernels import SMALL_DIMS, make_args
+from test_kernels import SMALL_DIMS, make_args, slot_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
@@ -40,7 +40,7 @@ def op_cases(rows=3, device=DEVICE):
     for name in ("causal_conv_update", "mamba2_state_update", "retention_step", "mlstm_step", "slstm_step",
                  "rglru_step"):
         args = make_args(name, rows, 6, SMALL_DIMS[name][0], device=device)
-        cases.append((name, {**args, "slot_ids": slot_ids}))
+        cases.append((name, {**args, **slot_kwargs(name, slot_ids)}))
     g = torch.Generator().manual_seed(0)
     inner, gates = 32, 4
     mlstm_input = dict(xm=torch.randn(rows, inner, generator=g), conv_state=torch.randn(6, inner, 3, generator=g),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels
-from kernels._common import INTERPRET
+from kernels._common import INTERPRET, plan
 from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
@@ -29,6 +29,8 @@ STATE_OPS = {
     "slstm_step": (kernels.slstm_step, kernels.slstm_step_ref, ("c", "n", "m", "y")),
     "rglru_step": (kernels.rglru_step, kernels.rglru_step_ref, ("h",)),
 }
+# ops that take a step's sequences (seq_slots, seq_starts: kernels/_common.py) in place of slot_ids
+SEQUENCE_OPS = {"retention_step", "mlstm_step", "slstm_step", "slstm_output"}
 
 # Small, deliberately non-power-of-two sizes for the interpreter; the model's sizes for the GPU.
 SMALL_DIMS = {
@@ -107,6 +109,19 @@ def make_args(op_name, rows, slots, dims, dtype=torch.float32, device="cpu", see
     raise KeyError(op_name)
 
 
+def slot_kwargs(op_name, slot_ids, live_rows=None):
+    """The op's slot arguments for rows on slot_ids, the first live_rows (default: all) live and the others
+    padding rows: slot_ids itself, or, for an op taking sequences, a sequence of one row per live row
+    (plan(slots, [1] * B)) padded with an empty sequence per padding row at its slot, so that the padding rows
+    lie past every sequence."""
+    if op_name not in SEQUENCE_OPS:
+        return dict(slot_ids=slot_ids)
+    live_rows = len(slot_ids) if live_rows is None else live_rows
+    lengths = [1] * live_rows + [0] * (len(slot_ids) - live_rows)
+    seq_slots, seq_starts = plan(slot_ids.tolist(), lengths, device=slot_ids.device)
+    return dict(seq_slots=seq_slots, seq_starts=seq_starts)
+
+
 def assert_close(actual, expected, rtol=2e-5):
     """fp32 agreement, the absolute part scaled by the largest expected magnitude (sums of many terms)."""
     atol = rtol * max(1.0, expected.abs().max().item())
@@ -119,7 +134,8 @@ def check_against_reference(op_name, live_rows, dims, dtype=torch.float32, devic
 
     Live rows use distinct random slots; padding rows all share the last slot, which starts poisoned
     (NaN, or a huge offset) and is never compared. Outputs of live rows and the states of their slots
-    must agree; slots that no row names must stay bit-for-bit unchanged.
+    must agree; slots that no row names must stay bit-for-bit unchanged, and for an op taking sequences (whose
+    padding rows touch no state) the padding slot too.
     """
     op, ref, state_names = STATE_OPS[op_name]
     untouched = 3
@@ -135,9 +151,10 @@ def check_against_reference(op_name, live_rows, dims, dtype=torch.float32, devic
         args[name][padding_slot] = 2**30 if args[name].dtype == torch.int32 else float("nan")
     initial = {name: args[name].clone() for name in state_names}
     ref_args = {**args, **{name: args[name].clone() for name in state_names}}
+    slots_args = slot_kwargs(op_name, slot_ids, live_rows)
     for _ in range(steps):
-        out = op(**args, slot_ids=slot_ids)
-        expected = ref(**ref_args, slot_ids=slot_ids)
+        out = op(**args, **slots_args)
+        expected = ref(**ref_args, **slots_args)
         assert out.dtype == torch.float32
         assert torch.isfinite(out[:live_rows]).all()
         assert_close(out[:live_rows], expected[:live_rows])
@@ -152,6 +169,10 @@ def check_against_reference(op_name, live_rows, dims, dtype=torch.float32, devic
             assert_close(args[name][live], ref_args[name][live])
         idle = (~written).nonzero().flatten().to(device)
         assert torch.equal(args[name][idle], initial[name][idle]), f"{name}: a slot no row names was written"
+        if op_name in SEQUENCE_OPS:
+            padding = args[name][padding_slot]
+            assert torch.equal(padding.view(torch.int32), initial[name][padding_slot].view(torch.int32)), \
+                f"{name}: the padding rows' slot was written"
 
 
 def _slstm_fresh_state(args):
@@ -204,11 +225,12 @@ def test_triton_small_slstm_step_leaves_y_to_slstm_output():
     args = make_args("slstm_step", 3, 5, dict(blocks=2, size=40), device=TRITON_DEVICE)
     y_before = args["y"].clone()
     slot_ids = torch.tensor([4, 0, 2], dtype=torch.int32, device=TRITON_DEVICE)
-    y_new = kernels.slstm_step(**args, slot_ids=slot_ids)
+    sequences = slot_kwargs("slstm_step", slot_ids)
+    y_new = kernels.slstm_step(**args, **sequences)
     assert torch.equal(args["y"], y_before)
     width = y_new.shape[1]
     xin, ones = torch.randn(3, width, device=TRITON_DEVICE), torch.ones(width, device=TRITON_DEVICE)
-    s_out, _ = kernels.slstm_output(y_new, xin, ones, ones * 0, ones, 4, torch.float32, args["y"], slot_ids)
+    s_out, _ = kernels.slstm_output(y_new, xin, ones, ones * 0, ones, 4, torch.float32, args["y"], **sequences)
     s_ref, _ = kernels.slstm_output_ref(y_new, xin, ones, ones * 0, ones, 4)
     assert torch.equal(args["y"][slot_ids.long()], y_new)
     assert torch.equal(args["y"][[1, 3]], y_before[[1, 3]])
@@ -223,17 +245,17 @@ def test_triton_small_mlstm_gates_as_partial_sums():
     summed = {**args, "C": args["C"].clone(), "n": args["n"].clone(), "m": args["m"].clone(),
               "ip": parts[:, 0].sum(0), "fp": parts[:, 1].sum(0)}
     args.update(ip=parts[:, 0], fp=parts[:, 1])
-    slot_ids = torch.tensor([4, 0, 2], dtype=torch.int32, device=TRITON_DEVICE)
-    assert_close(kernels.mlstm_step(**args, slot_ids=slot_ids), kernels.mlstm_step_ref(**summed, slot_ids=slot_ids))
+    sequences = slot_kwargs("mlstm_step", torch.tensor([4, 0, 2], dtype=torch.int32, device=TRITON_DEVICE))
+    assert_close(kernels.mlstm_step(**args, **sequences), kernels.mlstm_step_ref(**summed, **sequences))
     for name in ("C", "n", "m"):
         assert_close(args[name], summed[name])
 
 
 @runs_triton
-@pytest.mark.parametrize("op_name,module", [("mlstm_step", "mlstm_update"), ("retention_step", "retention_update")])
-def test_triton_small_streams_state_in_several_chunks(op_name, module, monkeypatch):
+@pytest.mark.parametrize("op_name", ["mlstm_step", "retention_step"])
+def test_triton_small_streams_state_in_several_chunks(op_name, monkeypatch):
     """Small tiles force the d loop over several chunks and several value-column tiles."""
-    monkeypatch.setattr(importlib.import_module(f"kernels.{module}"), "MAX_TILE", 16 * 16)
+    monkeypatch.setattr(importlib.import_module(f"kernels.{op_name}"), "MAX_TILE", 16 * 16)
     check_against_reference(op_name, 2, dict(heads=2, head_dim=40), device=TRITON_DEVICE, padding_rows=1)
 
 
@@ -246,8 +268,8 @@ def test_triton_small_strided_inputs():
     for j, name in enumerate(("q", "k", "v")):
         args[name] = fused[:, j * heads * head_dim:(j + 1) * heads * head_dim].unflatten(1, (heads, head_dim))
     ref_args = {**args, "C": args["C"].clone(), "n": args["n"].clone(), "m": args["m"].clone()}
-    slot_ids = torch.tensor([4, 0, 2], dtype=torch.int32, device=TRITON_DEVICE)
-    assert_close(kernels.mlstm_step(**args, slot_ids=slot_ids), kernels.mlstm_step_ref(**ref_args, slot_ids=slot_ids))
+    sequences = slot_kwargs("mlstm_step", torch.tensor([4, 0, 2], dtype=torch.int32, device=TRITON_DEVICE))
+    assert_close(kernels.mlstm_step(**args, **sequences), kernels.mlstm_step_ref(**ref_args, **sequences))
     assert_close(args["C"], ref_args["C"])
 
 
@@ -270,7 +292,7 @@ def _one_row(op_name, dims, state_init=None):
         state_init(args)
     before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     _, ref, _ = STATE_OPS[op_name]
-    out = ref(**args, slot_ids=torch.tensor([1], dtype=torch.int32))
+    out = ref(**args, **slot_kwargs(op_name, torch.tensor([1], dtype=torch.int32)))
     return out[0], before, args
 
 
@@ -432,8 +454,8 @@ def test_cpu_tensors_fall_back_to_reference(op_name):
     op, ref, state_names = STATE_OPS[op_name]
     args = make_args(op_name, 2, 4, SMALL_DIMS[op_name][0])
     ref_args = {**args, **{name: args[name].clone() for name in state_names}}
-    slot_ids = torch.tensor([3, 1], dtype=torch.int32)
-    assert torch.equal(op(**args, slot_ids=slot_ids), ref(**ref_args, slot_ids=slot_ids))
+    slots = slot_kwargs(op_name, torch.tensor([3, 1], dtype=torch.int32))
+    assert torch.equal(op(**args, **slots), ref(**ref_args, **slots))
     for name in state_names:
         assert torch.equal(args[name], ref_args[name])
 
@@ -443,7 +465,7 @@ def test_zero_rows_is_a_no_op(op_name):
     op, _, state_names = STATE_OPS[op_name]
     args = make_args(op_name, 0, 2, SMALL_DIMS[op_name][0])
     before = {name: args[name].clone() for name in state_names}
-    out = op(**args, slot_ids=torch.zeros(0, dtype=torch.int32))
+    out = op(**args, **slot_kwargs(op_name, torch.zeros(0, dtype=torch.int32)))
     assert out.shape[0] == 0
     for name in state_names:
         assert torch.equal(args[name], before[name])
@@ -494,7 +516,7 @@ def test_bad_input_is_rejected(op_name, name, make_bad, match, error):
     args = make_args(op_name, 2, 3, SMALL_DIMS[op_name][0])
     args[name] = make_bad(args[name])
     with pytest.raises(error, match=match):
-        op(**args, slot_ids=torch.tensor([0, 2], dtype=torch.int32))
+        op(**args, **slot_kwargs(op_name, torch.tensor([0, 2], dtype=torch.int32)))
 
 
 @pytest.mark.parametrize("make_bad,match", [
@@ -556,20 +578,22 @@ def test_gpu_cuda_graph_replay(op_name):
     dims = dict(FULL_DIMS[op_name])
     args = make_args(op_name, rows, slots, dims, device="cuda", seed=3)
     ref_args = {**args, **{name: args[name].clone() for name in state_names}}
-    slot_ids = torch.tensor([5, 0, 2], dtype=torch.int32, device="cuda")
+    slots = slot_kwargs(op_name, torch.tensor([5, 0, 2], dtype=torch.int32, device="cuda"))
+    # the tensor of slots: slot_ids, or seq_slots (one row per sequence)
+    slot_ids = slots.get("slot_ids", slots.get("seq_slots"))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up compiles the kernels outside the capture
         warm = {**args, **{name: args[name].clone() for name in state_names}}
-        op(**warm, slot_ids=slot_ids)
+        op(**warm, **slots)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = op(**args, slot_ids=slot_ids)
+        out = op(**args, **slots)
     for step_slots in ([5, 0, 2], [1, 7, 5]):
         slot_ids.copy_(torch.tensor(step_slots, dtype=torch.int32))
         graph.replay()
-        expected = ref(**ref_args, slot_ids=slot_ids)
+        expected = ref(**ref_args, **slots)
         assert_close(out, expected)
     for name in state_names:
         if args[name].dtype == torch.int32:
