@@ -4,6 +4,7 @@ bit), and with 16-bit matrix state rounded once per sequence. Used by the per-ke
 import torch
 
 from kernels._common import plan
+from kernels.state_rounding import StochasticRounding, round_ref, stochastic_bits_ref
 
 PAD_SLOT = 0  # the engine's padding slot: the empty sequences that pad a step to its G point at it
 # rows per sequence: a sequence of 2, an empty one with a slot of its own, 5, 1 (then empty ones at PAD_SLOT)
@@ -118,3 +119,39 @@ def check_against_reference(op, ref, args, state_names, layout, assert_close, **
             assert_close(got[name][written].float(), want[name][written].float())
         assert_same_bits(got[name][unwritten], args[name][unwritten], f"{name} outside the sequences' slots")
         assert_same_bits(want[name][unwritten], args[name][unwritten], f"{name} (reference) outside the slots")
+
+
+def check_half_state(op, args, state_names, matrix, layout, dtype, stochastic, assert_alike, ref=None,
+                     assert_within_one_ulp=None):
+    """A 16-bit matrix state over the step's sequences: the readouts equal those of the same op on the widened fp32
+    state (the state stays fp32 on chip through a sequence's rows), and each written slot's stored state is that
+    fp32 run's final state rounded once, by round_ref seeded from the slot's counter; the small states equal the
+    fp32 run's; every other slot and the counter are untouched. assert_alike: bit for bit on the CPU, within
+    fp32 rounding on a GPU (tests/test_state_storage.py). With `ref`, also the reference from the same 16-bit
+    state: readouts close, stored state within one ulp."""
+    half = clone_states(args, state_names)
+    half[matrix] = args[matrix].to(dtype)
+    fp32 = clone_states(half, state_names)
+    fp32[matrix] = half[matrix].float()
+    initial = clone_states(half, state_names)
+    counter = torch.randint(-2**31, 2**31 - 1, (layout.slots,), dtype=torch.int32,
+                            generator=torch.Generator().manual_seed(2)).to(layout.device)
+    counter_before = counter.clone()
+    rounding = StochasticRounding(counter, 1234) if stochastic else "nearest"
+    out = op(**half, **layout.plan, rounding=rounding)
+    out32 = op(**fp32, **layout.plan)
+    live = slice(0, layout.live_rows)
+    assert_alike(out[live], out32[live], "readout")
+    written, unwritten = layout.written.to(layout.device), layout.unwritten.to(layout.device)
+    noise = stochastic_bits_ref(rounding, written, half[matrix].shape[1:]) if stochastic else None
+    assert_alike(half[matrix][written], round_ref(fp32[matrix][written], dtype, noise), matrix)
+    for name in state_names:
+        if name != matrix:
+            assert_alike(half[name][written], fp32[name][written], name)
+        assert_same_bits(half[name][unwritten], initial[name][unwritten], f"{name} outside the sequences' slots")
+    assert torch.equal(counter, counter_before)
+    if ref is not None:
+        want = clone_states(initial, state_names)
+        expected = ref(**want, **layout.plan, rounding=rounding)
+        torch.testing.assert_close(out[live], expected[live], rtol=2e-5, atol=2e-5 * expected[live].abs().max().item())
+        assert_within_one_ulp(half[matrix][written], want[matrix][written], matrix)
