@@ -83,10 +83,11 @@ def store_last_rows(y_state, y, seq_slots, seq_starts):
         return
     slots, starts, ends = seq_slots.long(), seq_starts[:-1].long(), seq_starts[1:].long()
     live = ends > starts
-    first = torch.argmax(live.to(torch.int32))  # the first non-empty sequence, or 0 if none is
+    # the first non-empty sequence (or 0 if none is), as a [1] index: a 0-d tensor index would be read on the host
+    first = torch.argmax(live.to(torch.int32)).view(1)
     any_live = live.any()
-    target = torch.where(live, slots, torch.where(any_live, slots[first], slots))
-    source = torch.where(live, ends - 1, ends[first] - 1).clamp(0, rows - 1)
+    target = torch.where(live, slots, torch.where(any_live, slots.index_select(0, first), slots))
+    source = torch.where(live, ends - 1, ends.index_select(0, first) - 1).clamp(0, rows - 1)
     y_state[target] = torch.where((live | any_live)[:, None], y[source].float(), y_state[target])
 
 
