@@ -91,7 +91,7 @@ def test_reference_half_state_rounds_once_per_sequence(dtype, stochastic):
     (lambda args, plan_: args.update(v=args["v"][..., :-1]), r"v must have shape \[10, 2, 20\]"),
     (lambda args, plan_: args.update(den=args["den"][:, :1]), r"den must have shape \[10, 2\]"),
     (lambda args, plan_: plan_.update(seq_starts=plan_["seq_starts"][:-1]), "seq_starts must have one more entry"),
-    (lambda args, plan_: plan_.update(seq_slots=plan_["seq_slots"].long()), "seq_slots must be a one-dimensional int32"),
+    (lambda args, plan_: plan_.update(seq_slots=plan_["seq_slots"].long()), "seq_slots must be a one-dimensional"),
 ], ids=["M-rank", "v-width", "den-heads", "starts-length", "slots-dtype"])
 def test_bad_input_is_rejected(make_bad, match):
     layout = Layout(device="cpu")
