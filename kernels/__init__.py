@@ -4,9 +4,9 @@ The state ops update state tables in place over a step's sequences of rows (seq_
 sequence per symbol, kernels/_common.py; ops still taking per-row slot_ids name one slot per row); a table may be
 a view of a slot-major buffer (kernels/_common.py), and the three matrix states may be stored in fp16/bf16,
 rounded to nearest or stochastically (kernels/state_rounding.py). mlstm_step and retention_step share their
-matrix-state kernel, outer_product_update. The others fuse the glue between them, and skinny_matmul is the weight product
-for a step's few rows. `op` runs Triton on CUDA tensors or under TRITON_INTERPRET=1 (read at import) and falls
-back to `op_ref` otherwise.
+matrix-state kernel, outer_product_update. The others fuse the glue between them, and skinny_matmul is the
+weight product for a step's few rows. `op` runs Triton on CUDA tensors or under TRITON_INTERPRET=1 (read at
+import) and falls back to `op_ref` otherwise.
 """
 from kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from kernels.causal_conv_update import causal_conv_update, causal_conv_update_ref

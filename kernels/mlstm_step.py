@@ -101,7 +101,7 @@ def _mlstm_prepare_kernel(
     n_ptrs = n_ptr + slot * stride_n_slot + head * head_dim + d
     n_mask = d < tl.where(live, head_dim, 0)  # (not mask & live: the interpreter makes that int32)
     n = tl.load(n_ptrs, mask=n_mask, other=0.0)
-    for row in range(start, end):
+    for row in tl.range(start, end, num_stages=1):  # unpipelined: a prologue would cost the one-row step
         ip = tl.load(ip_ptr + p * stride_ip_part + row * stride_ip_row + head, mask=p < parts, other=0.0)
         fp = tl.load(fp_ptr + p * stride_fp_part + row * stride_fp_row + head, mask=p < parts, other=0.0)
         k = tl.load(k_ptr + row * stride_k_row + head * stride_k_head + d, mask=mask, other=0.0).to(tl.float32)
@@ -118,8 +118,10 @@ def _mlstm_prepare_kernel(
         tl.store(k_in_ptr + tmp * head_dim + d, i_gate * k, mask=mask)
         tl.store(f_gate_ptr + tmp, f_gate)
         tl.store(den_ptr + tmp, tl.maximum(tl.abs(tl.sum(q * n, axis=0)), tl.exp(-m)) + den_eps)
+    # every thread has read the old m (a scalar each thread loads) and n (replicated across threads at small
+    # head sizes) before one stores the new
+    tl.debug_barrier()
     tl.store(n_ptrs, n, mask=n_mask)
-    tl.debug_barrier()  # every thread has read the old m (a scalar each thread loads) before one stores the new
     tl.store(m_ptrs, m, mask=live)
 
 

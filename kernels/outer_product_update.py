@@ -92,7 +92,7 @@ def _outer_product_kernel(
             seed = row_seed(tl.load(counter_ptr + slot * stride_counter), salt)
         else:
             seed = 0
-        for row in range(start, end):
+        for row in tl.range(start, end, num_stages=1):  # unpipelined: a prologue would cost the one-row step
             q = tl.load(q_ptr + row * stride_q_row + head * stride_q_head + d, mask=d_mask, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + row * stride_k_row + head * stride_k_head + d, mask=d_mask, other=0.0).to(tl.float32)
             v = tl.load(v_ptr + row * stride_v_row + head * stride_v_head + e, mask=e_mask, other=0.0).to(tl.float32)

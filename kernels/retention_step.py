@@ -106,7 +106,7 @@ def _retention_prepare_kernel(
     scale_ptrs = scale_ptr + slot * stride_scale_slot + hd
     scale_mask = hd < tl.where(live, heads, 0)  # (not h_mask & live: the interpreter makes that int32)
     scale = tl.load(scale_ptrs, mask=scale_mask, other=0.0)
-    for row in range(start, end):
+    for row in tl.range(start, end, num_stages=1):  # unpipelined: a prologue would cost the one-row step
         q_row = q_ptr + row * stride_q_row + hd[:, None] * stride_q_head
         q = tl.load(q_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
         q_partner = tl.load(q_row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -128,8 +128,10 @@ def _retention_prepare_kernel(
         scale = scale * decay + 1.0
         tl.store(norm_ptr + row * heads + hd, tl.sqrt_rn(scale), mask=h_mask)
         offset += 1
+    # every thread has read the old offset (a scalar each thread loads) and scale (replicated across threads)
+    # before one stores the new
+    tl.debug_barrier()
     tl.store(scale_ptrs, scale, mask=scale_mask)
-    tl.debug_barrier()  # every thread has read the old offset (a scalar each thread loads) before one stores it
     tl.store(offset_ptrs, offset, mask=live)
 
 
