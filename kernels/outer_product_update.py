@@ -12,10 +12,12 @@ Each chunk is advanced through all of the sequence's rows before the next is loa
 sum over the chunks, kept in the output row between chunks (the accumulator's place: a sequence's row count is
 only known on the device). The tiling is the one-row-per-sequence step's (value tiles fine enough for two
 programs per SM, d chunks of at most MAX_TILE / BLOCK_E values): at one row per sequence the work is the one-row
-kernel's. At the full sizes' few sequences the whole column tile is one chunk (mLSTM 512 x 16, RetNet 256 x 16
-up to 2 sequences), held on chip across the rows, and the readout goes straight from registers to the output.
-Holding the column tile whole at every size instead (BLOCK_D = D) would force 16-column tiles, four times the
-programs of today's 64-column tiles, at the many-sequence steps where one row per sequence is the common case.
+kernel's. At the full sizes' few sequences the whole column tile is one chunk (mLSTM C 512 x 16 up to 2
+sequences, RetNet S 256 x 16 up to 4), held on chip across the rows, and the readout goes straight from registers
+to the output. Holding the column tile whole at every size instead (BLOCK_D = D) would force 16-column tiles, four
+times the programs of the one-row step's 64-column tiles, at the many-sequence steps where one row per sequence is
+the common case; the partial readouts kept in the output row cost a load and a store of BLOCK_E values per row and
+chunk, from L1/L2, beside the chunk's BLOCK_D x BLOCK_E values of state.
 """
 import torch
 import triton
