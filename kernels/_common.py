@@ -150,28 +150,16 @@ def sequences_of(seq_slots: torch.Tensor, seq_starts: torch.Tensor):
 
 
 def row_positions(seq_slots: torch.Tensor, seq_starts: torch.Tensor):
-    """The PyTorch references' walk over a step's sequences, vectorised over them: (slots, positions), with slots
-    the non-empty sequences' slots (int64) and, for each row position j in order, (indices into slots of the
-    sequences longer than j, their j-th rows), both int64 on the plan's device. Reads the plan on the host."""
-    sequences = sequences_of(seq_slots, seq_starts)
-    device = seq_slots.device
-    lengths = [end - begin for _, begin, end in sequences]
+    """The non-empty sequences by row position, on the host: for the PyTorch references, which apply the one-row
+    math to row position j of every sequence longer than j at once. Returns (slots, positions): slots int64 [L]
+    the state slots of the L non-empty sequences; positions a list over j of (which, rows), int64 tensors: which
+    of the L sequences are longer than j, and their j-th rows. All on seq_starts' device."""
+    seqs = sequences_of(seq_slots, seq_starts)
+    slots, begins, ends = torch.tensor(seqs, dtype=torch.int64, device=seq_starts.device).view(-1, 3).unbind(1)
+    lengths = ends - begins
     positions = []
-    for j in range(max(lengths, default=0)):
-        active = [i for i, n in enumerate(lengths) if n > j]
-        rows = [sequences[i][1] + j for i in active]
-        positions.append((torch.tensor(active, dtype=torch.int64, device=device),
-                          torch.tensor(rows, dtype=torch.int64, device=device)))
-    return torch.tensor([slot for slot, _, _ in sequences], dtype=torch.int64, device=device), positions
+    for j in range(max([end - begin for _, begin, end in seqs], default=0)):
+        which = (lengths > j).nonzero().flatten()
+        positions.append((which, begins[which] + j))
+    return slots, positions
 
-
-def check_slot_ids(slot_ids: torch.Tensor, rows: int, device: torch.device) -> None:
-    """slot_ids: int32 [rows] on `device`. Range and distinctness are the caller's contract: checking
-    them would need a device->host sync."""
-    if not isinstance(slot_ids, torch.Tensor):
-        raise TypeError(f"slot_ids must be a torch.Tensor, got {type(slot_ids).__name__}")
-    _check_shape("slot_ids", slot_ids, (rows,))
-    if slot_ids.dtype != torch.int32:
-        raise ValueError(f"slot_ids must be int32, got {slot_ids.dtype}")
-    if slot_ids.device != device:
-        raise ValueError(f"slot_ids is on {slot_ids.device}, expected {device} like the other tensors")

@@ -10,7 +10,8 @@ Tracing rules (registered on import, used only while torch.compile traces; eager
 - the state ops and the skinny products are traced as their custom ops (opaque to the compiler);
 - the glue ops (norms, residual adds, gates) are traced as their PyTorch references, which Inductor fuses. Two of
   them touch state: slstm_input's reference calls causal_conv_update_ref, traced as the custom op too, and
-  slstm_output's stores y at the slots, which Inductor fuses as a scatter into the table.
+  slstm_output's stores each sequence's last y at its slot without a host sync (store_last_rows), which Inductor
+  fuses as a scatter into the table.
 So torch.compile of the hand-fused step (client/engine/fast/layers.py) compiles the same code with compiled glue.
 """
 from typing import Optional
@@ -88,25 +89,26 @@ def _(xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias
 
 @torch.library.custom_op(f"{NAMESPACE}::mlstm_step", mutates_args=("C", "n", "m"))
 def mlstm_step(C: torch.Tensor, n: torch.Tensor, m: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, ip: torch.Tensor, fp: torch.Tensor, slot_ids: torch.Tensor,
+               v: torch.Tensor, ip: torch.Tensor, fp: torch.Tensor, seq_slots: torch.Tensor, seq_starts: torch.Tensor,
                counter: Optional[torch.Tensor] = None, salt: int = 0) -> torch.Tensor:
-    return kernels.mlstm_step(C, n, m, q, k, v, ip, fp, slot_ids, rounding=_rounding(counter, salt))
+    return kernels.mlstm_step(C, n, m, q, k, v, ip, fp, seq_slots, seq_starts, rounding=_rounding(counter, salt))
 
 
 @mlstm_step.register_fake
-def _(C, n, m, q, k, v, ip, fp, slot_ids, counter=None, salt=0):
+def _(C, n, m, q, k, v, ip, fp, seq_slots, seq_starts, counter=None, salt=0):
     return _empty(*q.shape, like=q)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::retention_step", mutates_args=("S", "scale", "offset"))
 def retention_step(S: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor, decay: torch.Tensor, angle: torch.Tensor, slot_ids: torch.Tensor,
-                   counter: Optional[torch.Tensor] = None, salt: int = 0) -> torch.Tensor:
-    return kernels.retention_step(S, scale, offset, q, k, v, decay, angle, slot_ids, rounding=_rounding(counter, salt))
+                   v: torch.Tensor, decay: torch.Tensor, angle: torch.Tensor, seq_slots: torch.Tensor,
+                   seq_starts: torch.Tensor, counter: Optional[torch.Tensor] = None, salt: int = 0) -> torch.Tensor:
+    return kernels.retention_step(S, scale, offset, q, k, v, decay, angle, seq_slots, seq_starts,
+                                  rounding=_rounding(counter, salt))
 
 
 @retention_step.register_fake
-def _(S, scale, offset, q, k, v, decay, angle, slot_ids, counter=None, salt=0):
+def _(S, scale, offset, q, k, v, decay, angle, seq_slots, seq_starts, counter=None, salt=0):
     return _empty(*q.shape, like=q)
 
 
@@ -123,12 +125,13 @@ def _(gate_pre, u, i_pre, r_pre, a, h, seq_slots, seq_starts, c=8.0):
 
 @torch.library.custom_op(f"{NAMESPACE}::slstm_step", mutates_args=("c", "n", "m"))
 def slstm_step(xc: torch.Tensor, xn: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c: torch.Tensor,
-               n: torch.Tensor, m: torch.Tensor, y: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
-    return kernels.slstm_step(xc, xn, weight, bias, c, n, m, y, slot_ids)
+               n: torch.Tensor, m: torch.Tensor, y: torch.Tensor, seq_slots: torch.Tensor, seq_starts: torch.Tensor,
+               max_rows: int = 1) -> torch.Tensor:
+    return kernels.slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows)
 
 
 @slstm_step.register_fake
-def _(xc, xn, weight, bias, c, n, m, y, slot_ids):
+def _(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1):
     return _empty(*xc.shape, like=xc)
 
 

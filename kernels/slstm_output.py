@@ -1,18 +1,20 @@
 """sLSTM block output: s_out = group_norm(y) + xin, and the mLSTM block's LayerNorm of it, in one pass.
-Given the state table y and slot_ids, it also stores each row's y there (slstm_step leaves that to it).
+Given the state table y and a step's sequences (seq_slots, seq_starts: kernels/_common.py), it also stores each
+sequence's last row of y at its slot, the state after the sequence (slstm_step leaves that to it).
 
 s_out = F.group_norm(y, groups, gn_weight, gn_bias, 1e-5) + xin (fp32: it is the mLSTM block's skip);
 xn = F.layer_norm(s_out, (H,), ln_weight, None, 1e-5) in out_dtype (the dtype of the product it feeds).
-One row per program, where PyTorch needs four to five kernels. The row is held as a [groups, H / groups]
-tile (each side padded to a power of two), so per-group statistics are sums along one axis of the tile and
-the whole-row statistics sums along both: any H divisible by groups works, no reshape needed.
+One row per program, where PyTorch needs four to five kernels; program s also stores sequence s's last y. The
+row is held as a [groups, H / groups] tile (each side padded to a power of two), so per-group statistics are sums
+along one axis of the tile and the whole-row statistics sums along both: any H divisible by groups works, no
+reshape needed.
 """
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._common import FLOAT_DTYPES, check_input, check_slot_ids, check_state, next_pow2, use_triton
+from kernels._common import FLOAT_DTYPES, check_input, check_plan, check_state, next_pow2, use_triton
 
 NORM_EPS = 1e-5  # F.group_norm / F.layer_norm defaults, as in the model
 
@@ -53,16 +55,16 @@ def group_normalize(v, mask, group_size, eps):
     return d * (1.0 / tl.sqrt(var + eps))[:, None]
 
 
-def _check(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype, y_state, slot_ids):
+def _check(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype, y_state, seq_slots, seq_starts):
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         raise ValueError(f"y must be a [B, H] tensor, got {getattr(y, 'shape', type(y).__name__)}")
     rows, width = y.shape
     y = check_input("y", y, (rows, width), y.device)
-    if (y_state is None) != (slot_ids is None):
-        raise ValueError("y_state and slot_ids go together")
+    if not (y_state is None) == (seq_slots is None) == (seq_starts is None):
+        raise ValueError("y_state, seq_slots and seq_starts go together")
     if y_state is not None:
         check_state("y_state", y_state, (None, width), y.device)
-        check_slot_ids(slot_ids, rows, y.device)
+        check_plan(seq_slots, seq_starts, y.device)
     xin = check_input("xin", xin, (rows, width), y.device)
     params = [check_input(name, t, (width,), y.device)
               for name, t in (("gn_weight", gn_weight), ("gn_bias", gn_bias), ("ln_weight", ln_weight))]
@@ -71,59 +73,87 @@ def _check(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype, y_state, sl
     return (y, xin, *params)
 
 
+def store_last_rows(y_state, y, seq_slots, seq_starts):
+    """y_state[seq_slots[s]] = y[seq_starts[s + 1] - 1] for every non-empty sequence s, with no device->host sync
+    (torch.compile traces slstm_output_ref into the step): an empty sequence repeats the first non-empty
+    sequence's store (with none, it stores its own slot's values back), so that a slot named twice is given one
+    value whichever store lands last."""
+    rows, sequences = y.shape[0], seq_slots.shape[0]
+    if rows == 0 or sequences == 0:
+        return
+    slots, starts, ends = seq_slots.long(), seq_starts[:-1].long(), seq_starts[1:].long()
+    live = ends > starts
+    # the first non-empty sequence (or 0 if none is), as a [1] index: a 0-d tensor index would be read on the host
+    first = torch.argmax(live.to(torch.int32)).view(1)
+    any_live = live.any()
+    target = torch.where(live, slots, torch.where(any_live, slots.index_select(0, first), slots))
+    source = torch.where(live, ends - 1, ends.index_select(0, first) - 1).clamp(0, rows - 1)
+    y_state[target] = torch.where((live | any_live)[:, None], y[source].float(), y_state[target])
+
+
 def slstm_output_ref(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype=torch.float32, y_state=None,
-                     slot_ids=None):
+                     seq_slots=None, seq_starts=None):
     """PyTorch reference of slstm_output, same signature and in-place semantics."""
-    y, xin, gn_weight, gn_bias, ln_weight = (t.float() for t in _check(y, xin, gn_weight, gn_bias, ln_weight,
-                                                                       groups, out_dtype, y_state, slot_ids))
+    y, xin, gn_weight, gn_bias, ln_weight = (t.float() for t in _check(y, xin, gn_weight, gn_bias, ln_weight, groups,
+                                                                       out_dtype, y_state, seq_slots, seq_starts))
     if y_state is not None:
-        y_state[slot_ids.long()] = y
+        store_last_rows(y_state, y, seq_slots, seq_starts)
     s_out = F.group_norm(y, groups, gn_weight, gn_bias, NORM_EPS) + xin
     return s_out, F.layer_norm(s_out, s_out.shape[-1:], ln_weight, None, NORM_EPS).to(out_dtype)
 
 
 @triton.jit
 def _slstm_output_kernel(y_ptr, xin_ptr, gn_weight_ptr, gn_bias_ptr, ln_weight_ptr, s_out_ptr, xn_ptr,
-                         y_state_ptr, slot_ptr, width, group_size, stride_y, stride_xin, stride_s_out, stride_xn,
-                         stride_y_state, eps, STORE_Y: tl.constexpr, GROUPS: tl.constexpr,
-                         GROUPS_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+                         y_state_ptr, seq_slot_ptr, seq_start_ptr, rows, sequences, width, group_size, stride_y,
+                         stride_xin, stride_s_out, stride_xn, stride_y_state, eps, STORE_Y: tl.constexpr,
+                         GROUPS: tl.constexpr, GROUPS_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr):
+    """Row `pid` (if a row) and the store of sequence `pid`'s last y (if a sequence and not empty)."""
+    pid = tl.program_id(0)
     col, mask = row_tile(GROUPS, GROUPS_BLOCK, GROUP_BLOCK, group_size)
+    row_mask = tl.where(pid < rows, mask, False)  # (not mask & (pid < rows): the interpreter makes that int32)
     # every load first: at one row the kernel is a chain of memory round trips, and a load placed after a
     # reduction waits for it
-    y = tl.load(y_ptr + row * stride_y + col, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + pid * stride_y + col, mask=row_mask, other=0.0).to(tl.float32)
     gn_w = tl.load(gn_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
     gn_b = tl.load(gn_bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
-    xin = tl.load(xin_ptr + row * stride_xin + col, mask=mask, other=0.0).to(tl.float32)
+    xin = tl.load(xin_ptr + pid * stride_xin + col, mask=row_mask, other=0.0).to(tl.float32)
     w = tl.load(ln_weight_ptr + col, mask=mask, other=0.0).to(tl.float32)
     if STORE_Y:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        tl.store(y_state_ptr + slot * stride_y_state + col, y, mask=mask)
+        is_seq = pid < sequences
+        last = tl.load(seq_start_ptr + pid + 1, mask=is_seq, other=0) - 1
+        slot = tl.load(seq_slot_ptr + pid, mask=is_seq, other=0).to(tl.int64)
+        stored = is_seq & (last >= tl.load(seq_start_ptr + pid, mask=is_seq, other=0))
+        store_mask = tl.where(stored, mask, False)  # (not mask & stored: the interpreter makes that int32)
+        y_last = tl.load(y_ptr + last * stride_y + col, mask=store_mask, other=0.0).to(tl.float32)
+        tl.store(y_state_ptr + slot * stride_y_state + col, y_last, mask=store_mask)
     s = group_normalize(y, mask, group_size, eps) * gn_w + gn_b + xin
-    tl.store(s_out_ptr + row * stride_s_out + col, s, mask=mask)
+    tl.store(s_out_ptr + pid * stride_s_out + col, s, mask=row_mask)
     mean = tl.sum(tl.sum(s, axis=1), axis=0) / width
     d = tl.where(mask, s - mean, 0.0)
     inv = 1.0 / tl.sqrt(tl.sum(tl.sum(d * d, axis=1), axis=0) / width + eps)
-    tl.store(xn_ptr + row * stride_xn + col, (d * inv * w).to(xn_ptr.dtype.element_ty), mask=mask)
+    tl.store(xn_ptr + pid * stride_xn + col, (d * inv * w).to(xn_ptr.dtype.element_ty), mask=row_mask)
 
 
 def slstm_output(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype=torch.float32, y_state=None,
-                 slot_ids=None):
+                 seq_slots=None, seq_starts=None):
     """y [B, H], xin [B, H], gn_weight/gn_bias/ln_weight [H], H divisible by groups
-    -> (s_out [B, H] fp32, xn [B, H] out_dtype). With y_state [S, H] fp32 and slot_ids [B] int32, also
-    y_state[slot_ids] = y."""
+    -> (s_out [B, H] fp32, xn [B, H] out_dtype). With y_state [S, H] fp32 and a step's sequences seq_slots [G],
+    seq_starts [G + 1] int32 (kernels/_common.py), also y_state[seq_slots[s]] = y[last row of s] for each
+    non-empty sequence s: the sLSTM's y after the sequence. Padding rows and empty sequences store nothing."""
     if not use_triton(y):
-        return slstm_output_ref(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype, y_state, slot_ids)
+        return slstm_output_ref(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype, y_state, seq_slots,
+                                seq_starts)
     y, xin, gn_weight, gn_bias, ln_weight = _check(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype,
-                                                   y_state, slot_ids)
+                                                   y_state, seq_slots, seq_starts)
     rows, width = y.shape
     s_out = torch.empty(rows, width, device=y.device, dtype=torch.float32)
     xn = torch.empty(rows, width, device=y.device, dtype=out_dtype)
     store_y = y_state is not None
+    sequences = seq_slots.shape[0] if store_y else 0
     if rows:
-        _slstm_output_kernel[(rows,)](y, xin, gn_weight, gn_bias, ln_weight, s_out, xn,
-                                      y_state if store_y else y, slot_ids if store_y else y, width, width // groups,
-                                      y.stride(0), xin.stride(0), s_out.stride(0), xn.stride(0),
-                                      y_state.stride(0) if store_y else 0, NORM_EPS, STORE_Y=store_y,
-                                      **group_tile(groups, width))
+        _slstm_output_kernel[(max(rows, sequences),)](
+            y, xin, gn_weight, gn_bias, ln_weight, s_out, xn,
+            y_state if store_y else y, seq_slots if store_y else y, seq_starts if store_y else y, rows, sequences,
+            width, width // groups, y.stride(0), xin.stride(0), s_out.stride(0), xn.stride(0),
+            y_state.stride(0) if store_y else 0, NORM_EPS, STORE_Y=store_y, **group_tile(groups, width))
     return s_out, xn

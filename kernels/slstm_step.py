@@ -6,18 +6,25 @@ lf = m + logsigmoid(f); m_new = max(i, lf); i' = exp(i - m_new); f' = exp(lf - m
 c <- f' c + i' tanh(z); n <- f' n + i'; y_new = sigmoid(o) c / (n + 1e-6).
 m starts at -inf: f' is then selected to be exactly 0 (never computed from -inf - -inf).
 
-One program owns BLOCK_N columns of one head block for a tile of rows and streams those columns' eight weight
-slices once (16-bit tensor-core products with fp32 accumulation, x cast to the weights' dtype like cuBLAS),
+One program owns BLOCK_N columns of one head block for a tile of sequences and streams those columns' eight
+weight slices once (16-bit tensor-core products with fp32 accumulation, x cast to the weights' dtype like cuBLAS),
 then updates c, n, m for them. The products read y across a whole head block while other programs update
-theirs, so y is the one state this op does not write: it returns y_new, and slstm_output stores it at the
-slots (kernels/slstm_output.py).
+theirs, so y is the one state this op does not write: it returns y_new, and slstm_output stores each sequence's
+last at its slot (kernels/slstm_output.py).
+
+A sequence's rows run one launch per row position j < max_rows (kernels/_common.py's sequences): launch j advances
+row j of every sequence longer than j, its y the state y for j = 0, else the previous row's output of this op, and
+reads and writes c, n, m (one value per column) each time. A row's gate maps need the previous row's whole y of a
+head block, which the block's column programs finish only together: a loop over rows inside one launch would need
+those programs to wait on each other (a grid-wide barrier, which deadlocks unless all are resident at once, not
+guaranteed beside the other towers' kernels), or one program per head block, 32 times fewer programs at one row.
 """
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._common import check_input, check_slot_ids, check_state, next_pow2, use_triton
+from kernels._common import check_input, check_plan, check_state, next_pow2, row_positions, use_triton
 from kernels._math import logsigmoid, sigmoid, tanh
 
 Y_EPS = 1e-6
@@ -34,7 +41,7 @@ def pack_weights(input_maps, state_maps, dtype):
     return torch.stack([torch.stack(list(input_maps)), torch.stack(list(state_maps))]).to(dtype).contiguous()
 
 
-def _check(xc, xn, weight, bias, c, n, m, y, slot_ids):
+def _check(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows):
     if not isinstance(c, torch.Tensor) or c.dim() != 2:
         raise ValueError(f"c must be a [S, H] tensor, got {getattr(c, 'shape', type(c).__name__)}")
     slots, width = c.shape
@@ -52,47 +59,65 @@ def _check(xc, xn, weight, bias, c, n, m, y, slot_ids):
     xc = check_input("xc", xc, (rows, width), device)
     xn = check_input("xn", xn, (rows, width), device)
     bias = check_input("bias", bias, (GATES, width), device).contiguous()
-    check_slot_ids(slot_ids, rows, device)
+    check_plan(seq_slots, seq_starts, device)
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"max_rows must be a positive int (a bound on any sequence's length), got {max_rows!r}")
     return xc, xn, weight, bias
 
 
-def slstm_step_ref(xc, xn, weight, bias, c, n, m, y, slot_ids):
+def slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1):
     """PyTorch reference of slstm_step, same signature and in-place semantics: the inputs rounded to the
-    weights' dtype, products and everything after them in fp32."""
-    xc, xn, weight, bias = _check(xc, xn, weight, bias, c, n, m, y, slot_ids)
+    weights' dtype, products and everything after them in fp32, row position by row position. A sequence longer
+    than max_rows is an error here (the kernel cannot see it)."""
+    xc, xn, weight, bias = _check(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows)
     rows, width = xc.shape
     blocks, size = weight.shape[2], weight.shape[3]
-    index = slot_ids.long()
+    out = torch.zeros(rows, width, device=xc.device, dtype=torch.float32)
+    slots, positions = row_positions(seq_slots, seq_starts)
+    if len(positions) > max_rows:
+        raise ValueError(f"a sequence has {len(positions)} rows, more than max_rows={max_rows}")
 
-    def blockwise(x, w):  # [B, H] through one [NB, s, s] (out, in) map
-        x = x.to(weight.dtype).float().view(rows, blocks, size)
-        return torch.einsum("bhk,hjk->bhj", x, w.float()).reshape(rows, width)
+    def blockwise(x, w):  # [R, H] through one [NB, s, s] (out, in) map
+        x = x.to(weight.dtype).float().view(-1, blocks, size)
+        return torch.einsum("bhk,hjk->bhj", x, w.float()).reshape(-1, width)
 
-    y_prev = y[index]
-    i, f, z, o = (blockwise(x, weight[0, g]) + blockwise(y_prev, weight[1, g]) + bias[g].float()
-                  for g, x in enumerate((xc, xc, xn, xn)))
-    lf = m[index] + F.logsigmoid(f)
-    m_new = torch.maximum(i, lf)
-    i_gate = torch.exp(i - m_new)
-    f_gate = torch.where(lf == float("-inf"), torch.zeros_like(lf), torch.exp(lf - m_new))
-    c_new = f_gate * c[index] + i_gate * torch.tanh(z)
-    n_new = f_gate * n[index] + i_gate
-    c[index], n[index], m[index] = c_new, n_new, m_new
-    return torch.sigmoid(o) * c_new / (n_new + Y_EPS)
+    c_seq, n_seq, m_seq = c[slots], n[slots], m[slots]
+    for j, (which, rs) in enumerate(positions):  # row position j of every sequence longer than j
+        y_prev = y[slots[which]] if j == 0 else out[rs - 1]
+        i, f, z, o = (blockwise(x[rs], weight[0, g]) + blockwise(y_prev, weight[1, g]) + bias[g].float()
+                      for g, x in enumerate((xc, xc, xn, xn)))
+        lf = m_seq[which] + F.logsigmoid(f)
+        m_new = torch.maximum(i, lf)
+        i_gate = torch.exp(i - m_new)
+        f_gate = torch.where(lf == float("-inf"), torch.zeros_like(lf), torch.exp(lf - m_new))
+        c_seq[which] = f_gate * c_seq[which] + i_gate * torch.tanh(z)
+        n_seq[which] = f_gate * n_seq[which] + i_gate
+        m_seq[which] = m_new
+        out[rs] = torch.sigmoid(o) * c_seq[which] / (n_seq[which] + Y_EPS)
+    c[slots], n[slots], m[slots] = c_seq, n_seq, m_seq
+    return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["position"])
 def _slstm_step_kernel(
-    xc_ptr, xn_ptr, w_ptr, bias_ptr, c_ptr, n_ptr, m_ptr, y_ptr, slot_ptr, out_ptr,
-    rows, width, size, tiles_per_block, stride_xc, stride_xn, stride_c, stride_n, stride_m, stride_y, stride_out,
-    y_eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    xc_ptr, xn_ptr, w_ptr, bias_ptr, c_ptr, n_ptr, m_ptr, y_ptr, seq_slot_ptr, seq_start_ptr, out_ptr,
+    sequences, position, width, size, tiles_per_block, stride_xc, stride_xn, stride_c, stride_n, stride_m, stride_y,
+    stride_out, y_eps,
+    FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Row `position` of a tile of sequences (those that long): its y_prev the state y (FIRST, position 0) or
+    the previous row's output."""
     block = tl.program_id(0) // tiles_per_block
     j = (tl.program_id(0) % tiles_per_block) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns in the block
-    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_mask, j_mask = r < rows, j < size
-    slot = tl.load(slot_ptr + r, mask=r_mask, other=0).to(tl.int64)
+    s = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    s_mask, j_mask = s < sequences, j < size
+    r = tl.load(seq_start_ptr + s, mask=s_mask, other=0) + position
+    r_mask = s_mask & (r < tl.load(seq_start_ptr + s + 1, mask=s_mask, other=0))
+    slot = tl.load(seq_slot_ptr + s, mask=s_mask, other=0).to(tl.int64)
+    if FIRST:
+        y_rows = y_ptr + slot * stride_y
+    else:
+        y_rows = out_ptr + (r - 1).to(tl.int64) * stride_out
     gate_stride = width * size  # one [NB, s, s] map
     w_rows = w_ptr + (block * size + j)[:, None] * size  # row j of block `block` of map 0
     acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -106,7 +131,7 @@ def _slstm_step_kernel(
         x_mask = r_mask[:, None] & k_mask[None, :]
         xc = tl.load(xc_ptr + r[:, None] * stride_xc + col[None, :], mask=x_mask, other=0.0)
         xn = tl.load(xn_ptr + r[:, None] * stride_xn + col[None, :], mask=x_mask, other=0.0)
-        yp = tl.load(y_ptr + slot[:, None] * stride_y + col[None, :], mask=x_mask, other=0.0)
+        yp = tl.load(y_rows[:, None] + col[None, :], mask=x_mask, other=0.0)
         xc = xc.to(w_ptr.dtype.element_ty)
         xn = xn.to(w_ptr.dtype.element_ty)
         yp = yp.to(w_ptr.dtype.element_ty)
@@ -151,33 +176,38 @@ def supports(weight) -> bool:
     return weight.dtype in WEIGHT_DTYPES
 
 
-def slstm_step(xc, xn, weight, bias, c, n, m, y, slot_ids):
-    """Advance each row's sLSTM cell by one step.
+def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1):
+    """Advance each sequence's sLSTM cell through its rows.
 
     xc, xn [B, H] (the convolved and the normalised input), weight [2, 4, NB, s, s] (pack_weights: input and
     state maps, gates i, f, z, o, each block as (out, in)), bias [4, H] (the state maps' biases); c, n, m, y
     [S, H] fp32 states (c = n = y = 0, m = -inf at start; each may be a slot-major view, kernels/_common.py);
-    slot_ids [B] int32. Updates c, n, m in place at slot_ids and returns the new y [B, H] float32, which the
-    caller stores (y[slot_ids] is read, not written).
+    seq_slots [G] and seq_starts [G + 1] int32 (kernels/_common.py); max_rows (int) at least the longest
+    sequence's row count, known when the step is built: one launch per row position. Updates c, n, m in place at
+    seq_slots and returns y [B, H] float32, each row's new y (padding rows' unwritten), which the caller stores
+    (y[seq_slots] is read, not written: slstm_output stores each sequence's last row).
     """
     if not (use_triton(c) and supports(weight)):
-        return slstm_step_ref(xc, xn, weight, bias, c, n, m, y, slot_ids)
-    xc, xn, weight, bias = _check(xc, xn, weight, bias, c, n, m, y, slot_ids)
+        return slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows)
+    xc, xn, weight, bias = _check(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows)
     rows, width = xc.shape
+    sequences = seq_slots.shape[0]
     out = torch.empty(rows, width, device=c.device, dtype=torch.float32)
-    if rows == 0:
+    if rows == 0 or sequences == 0:
         return out
     blocks, size = weight.shape[2], weight.shape[3]
-    block_m = max(16, min(MAX_BLOCK_M, next_pow2(rows)))
+    block_m = max(16, min(MAX_BLOCK_M, next_pow2(sequences)))
     # pipeline stages of x tiles (3 x BLOCK_M x BLOCK_K fp32) and weight tiles that fit in shared memory; up to 32
     # rows two warps and four stages measured fastest at full size (H100: 10.6 against 12.8 us at one row)
     block_k = max(16, min(BLOCK_K if block_m <= 32 else BLOCK_K // 2, next_pow2(size)))
     warps, stages = (2, 4) if block_m <= 32 else (4, 3)
     tiles = triton.cdiv(size, BLOCK_N)
-    _slstm_step_kernel[(blocks * tiles, triton.cdiv(rows, block_m))](
-        xc, xn, weight, bias, c, n, m, y, slot_ids, out,
-        rows, width, size, tiles, xc.stride(0), xn.stride(0), c.stride(0), n.stride(0), m.stride(0), y.stride(0),
-        out.stride(0), Y_EPS,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-    )
+    for position in range(max_rows):
+        _slstm_step_kernel[(blocks * tiles, triton.cdiv(sequences, block_m))](
+            xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, out,
+            sequences, position, width, size, tiles, xc.stride(0), xn.stride(0), c.stride(0), n.stride(0),
+            m.stride(0), y.stride(0), out.stride(0), Y_EPS,
+            FIRST=position == 0, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=warps,
+            num_stages=stages,
+        )
     return out

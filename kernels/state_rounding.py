@@ -7,8 +7,10 @@ Stochastic rounding stores x's neighbour above or below with probability given b
 Its random bits are a hash, reproducible and computed on the device without host work per step (the step
 runs inside CUDA graphs):
 
-    seed  = hash32(counter[slot] ^ hash32(salt))     per row: counter is the runner's int32 [S] step
-                                                     counter, salt an int telling layers and tensors apart
+    seed  = hash32(counter[slot] ^ hash32(salt))     per store of a slot's state (once per sequence of
+                                                     rows, kernels/_common.py): counter is the runner's
+                                                     int32 [S] step counter, salt an int telling layers
+                                                     and tensors apart
     bits  = hash32(index ^ seed)                     per element: index is its flat index in the slot's tensor
 
 hash32 is lowbias32 (C. Wellons): two multiplies and three xor-shifts on uint32. The slot is not hashed, so a
@@ -45,8 +47,8 @@ MASK32 = 0xFFFFFFFF
 
 class StochasticRounding(NamedTuple):
     """`rounding=` of the state ops: round 16-bit state stores stochastically, seeded by counter (int32 [S], the
-    per-slot step counter, read at each row's slot) and salt (an int in [0, 2**31), distinct per layer and
-    tensor). A plain (counter, salt) tuple works too."""
+    per-slot step counter, read at each sequence's slot before the step advances it) and salt (an int in
+    [0, 2**31), distinct per layer and tensor). A plain (counter, salt) tuple works too."""
     counter: torch.Tensor
     salt: int
 

@@ -17,6 +17,7 @@ from client.engine.fast import FastEngine
 from client.engine.fast import compiled
 from client.engine.reference import ReferenceEngine
 from client.model import TOWER_NAMES, load_model
+from kernels._common import plan
 from kernels.mlstm_input import pack_qkv_weight
 from kernels.skinny_matmul import split_fp16
 from test_fast_engine import compare, random_steps
@@ -41,6 +42,13 @@ def op_cases(rows=3, device=DEVICE):
                  "rglru_step"):
         args = make_args(name, rows, 6, SMALL_DIMS[name][0], device=device)
         cases.append((name, {**args, **slot_args(name, slots, device=device)}))
+    # several rows per sequence, an empty sequence, a padding row
+    seq_slots, seq_starts = plan([4, 1, 2][:rows], [rows - 1, 0, 0][:rows], 3, device)
+    for name in ("causal_conv_update", "mamba2_state_update", "retention_step", "mlstm_step", "slstm_step",
+                 "rglru_step"):
+        args = make_args(name, rows, 6, SMALL_DIMS[name][0], device=device)
+        extra = dict(max_rows=rows - 1) if name == "slstm_step" else {}
+        cases.append((name, {**args, "seq_slots": seq_slots, "seq_starts": seq_starts, **extra}))
     g = torch.Generator().manual_seed(0)
     inner, gates = 32, 4
     mlstm_input = dict(xm=torch.randn(rows, inner, generator=g), conv_state=torch.randn(6, inner, 3, generator=g),

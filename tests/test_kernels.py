@@ -29,8 +29,8 @@ STATE_OPS = {
     "slstm_step": (kernels.slstm_step, kernels.slstm_step_ref, ("c", "n", "m", "y")),
     "rglru_step": (kernels.rglru_step, kernels.rglru_step_ref, ("h",)),
 }
-# ops that take a step's rows as sequences (seq_slots, seq_starts: kernels/_common.py); the others take slot_ids
-RAGGED_OPS = {"causal_conv_update", "mamba2_state_update", "rglru_step", "mlstm_input", "slstm_input"}
+# every state op takes a step's rows as sequences (seq_slots, seq_starts: kernels/_common.py)
+SEQUENCE_OPS = {*STATE_OPS, "mlstm_input", "slstm_input", "slstm_output"}
 
 # Small, deliberately non-power-of-two sizes for the interpreter; the model's sizes for the GPU.
 SMALL_DIMS = {
@@ -63,11 +63,9 @@ def slot_args(op_name, live_slots, padding_rows=0, padding_slot=0, device="cpu")
     on padding_slot; or seq_slots and seq_starts, a one-row sequence per live slot, then an empty sequence at
     padding_slot per padding row (as the engine pads a step), the padding rows after the last sequence."""
     live_slots = [int(s) for s in live_slots]
-    if op_name in RAGGED_OPS:
-        seq_slots, seq_starts = plan(live_slots + [padding_slot] * padding_rows,
-                                     [1] * len(live_slots) + [0] * padding_rows, device=device)
-        return dict(seq_slots=seq_slots, seq_starts=seq_starts)
-    return dict(slot_ids=torch.tensor(live_slots + [padding_slot] * padding_rows, dtype=torch.int32, device=device))
+    seq_slots, seq_starts = plan(live_slots + [padding_slot] * padding_rows,
+                                 [1] * len(live_slots) + [0] * padding_rows, device=device)
+    return dict(seq_slots=seq_slots, seq_starts=seq_starts)
 
 
 def make_args(op_name, rows, slots, dims, dtype=torch.float32, device="cpu", seed=0):
@@ -121,6 +119,11 @@ def make_args(op_name, rows, slots, dims, dtype=torch.float32, device="cpu", see
     raise KeyError(op_name)
 
 
+def slot_kwargs(op_name, slot_ids):
+    """slot_args for one row per slot of the int32 tensor slot_ids, on its device."""
+    return slot_args(op_name, slot_ids.tolist(), device=slot_ids.device)
+
+
 def assert_close(actual, expected, rtol=2e-5):
     """fp32 agreement, the absolute part scaled by the largest expected magnitude (sums of many terms)."""
     atol = rtol * max(1.0, expected.abs().max().item())
@@ -132,8 +135,9 @@ def check_against_reference(op_name, live_rows, dims, dtype=torch.float32, devic
     """Run `op` and its reference side by side for a few steps on copies of one state table.
 
     Live rows use distinct random slots; padding rows all share the last slot, which starts poisoned
-    (NaN, or a huge offset) and is never compared (ops taking sequences must leave it as it is). Outputs of
-    live rows and the states of their slots must agree; slots that no row names must stay bit-for-bit unchanged.
+    (NaN, or a huge offset) and is never compared. Outputs of live rows and the states of their slots
+    must agree; slots that no row names must stay bit-for-bit unchanged, and for an op taking sequences (whose
+    padding rows touch no state) the padding slot too.
     """
     op, ref, state_names = STATE_OPS[op_name]
     untouched = 3
@@ -141,7 +145,7 @@ def check_against_reference(op_name, live_rows, dims, dtype=torch.float32, devic
     padding_slot = slots - 1
     gen = torch.Generator().manual_seed(seed + 1)
     live_slots = torch.randperm(slots - 1, generator=gen)[:live_rows]
-    slot_kwargs = slot_args(op_name, live_slots, padding_rows, padding_slot, device)
+    plan_args = slot_args(op_name, live_slots, padding_rows, padding_slot, device)
     args = make_args(op_name, live_rows + padding_rows, slots, dims, dtype, device, seed)
     if state_init:
         state_init(args)
@@ -150,14 +154,13 @@ def check_against_reference(op_name, live_rows, dims, dtype=torch.float32, devic
     initial = {name: args[name].clone() for name in state_names}
     ref_args = {**args, **{name: args[name].clone() for name in state_names}}
     for _ in range(steps):
-        out = op(**args, **slot_kwargs)
-        expected = ref(**ref_args, **slot_kwargs)
+        out = op(**args, **plan_args)
+        expected = ref(**ref_args, **plan_args)
         assert out.dtype == torch.float32
         assert torch.isfinite(out[:live_rows]).all()
         assert_close(out[:live_rows], expected[:live_rows])
     written = torch.zeros(slots, dtype=torch.bool)
     written[live_slots] = True
-    written[padding_slot] = op_name not in RAGGED_OPS
     for name in state_names:
         live = live_slots.to(device)
         if args[name].dtype == torch.int32:
@@ -224,11 +227,12 @@ def test_triton_small_slstm_step_leaves_y_to_slstm_output():
     args = make_args("slstm_step", 3, 5, dict(blocks=2, size=40), device=TRITON_DEVICE)
     y_before = args["y"].clone()
     slot_ids = torch.tensor([4, 0, 2], dtype=torch.int32, device=TRITON_DEVICE)
-    y_new = kernels.slstm_step(**args, slot_ids=slot_ids)
+    sequences = slot_kwargs("slstm_step", slot_ids)
+    y_new = kernels.slstm_step(**args, **sequences)
     assert torch.equal(args["y"], y_before)
     width = y_new.shape[1]
     xin, ones = torch.randn(3, width, device=TRITON_DEVICE), torch.ones(width, device=TRITON_DEVICE)
-    s_out, _ = kernels.slstm_output(y_new, xin, ones, ones * 0, ones, 4, torch.float32, args["y"], slot_ids)
+    s_out, _ = kernels.slstm_output(y_new, xin, ones, ones * 0, ones, 4, torch.float32, args["y"], **sequences)
     s_ref, _ = kernels.slstm_output_ref(y_new, xin, ones, ones * 0, ones, 4)
     assert torch.equal(args["y"][slot_ids.long()], y_new)
     assert torch.equal(args["y"][[1, 3]], y_before[[1, 3]])
@@ -243,17 +247,17 @@ def test_triton_small_mlstm_gates_as_partial_sums():
     summed = {**args, "C": args["C"].clone(), "n": args["n"].clone(), "m": args["m"].clone(),
               "ip": parts[:, 0].sum(0), "fp": parts[:, 1].sum(0)}
     args.update(ip=parts[:, 0], fp=parts[:, 1])
-    slot_ids = torch.tensor([4, 0, 2], dtype=torch.int32, device=TRITON_DEVICE)
-    assert_close(kernels.mlstm_step(**args, slot_ids=slot_ids), kernels.mlstm_step_ref(**summed, slot_ids=slot_ids))
+    sequences = slot_kwargs("mlstm_step", torch.tensor([4, 0, 2], dtype=torch.int32, device=TRITON_DEVICE))
+    assert_close(kernels.mlstm_step(**args, **sequences), kernels.mlstm_step_ref(**summed, **sequences))
     for name in ("C", "n", "m"):
         assert_close(args[name], summed[name])
 
 
 @runs_triton
-@pytest.mark.parametrize("op_name,module", [("mlstm_step", "mlstm_update"), ("retention_step", "retention_update")])
-def test_triton_small_streams_state_in_several_chunks(op_name, module, monkeypatch):
+@pytest.mark.parametrize("op_name", ["mlstm_step", "retention_step"])
+def test_triton_small_streams_state_in_several_chunks(op_name, monkeypatch):
     """Small tiles force the d loop over several chunks and several value-column tiles."""
-    monkeypatch.setattr(importlib.import_module(f"kernels.{module}"), "MAX_TILE", 16 * 16)
+    monkeypatch.setattr(importlib.import_module(f"kernels.{op_name}"), "MAX_TILE", 16 * 16)
     check_against_reference(op_name, 2, dict(heads=2, head_dim=40), device=TRITON_DEVICE, padding_rows=1)
 
 
@@ -266,8 +270,8 @@ def test_triton_small_strided_inputs():
     for j, name in enumerate(("q", "k", "v")):
         args[name] = fused[:, j * heads * head_dim:(j + 1) * heads * head_dim].unflatten(1, (heads, head_dim))
     ref_args = {**args, "C": args["C"].clone(), "n": args["n"].clone(), "m": args["m"].clone()}
-    slot_ids = torch.tensor([4, 0, 2], dtype=torch.int32, device=TRITON_DEVICE)
-    assert_close(kernels.mlstm_step(**args, slot_ids=slot_ids), kernels.mlstm_step_ref(**ref_args, slot_ids=slot_ids))
+    sequences = slot_kwargs("mlstm_step", torch.tensor([4, 0, 2], dtype=torch.int32, device=TRITON_DEVICE))
+    assert_close(kernels.mlstm_step(**args, **sequences), kernels.mlstm_step_ref(**ref_args, **sequences))
     assert_close(args["C"], ref_args["C"])
 
 
@@ -517,16 +521,19 @@ def test_bad_input_is_rejected(op_name, name, make_bad, match, error):
         op(**args, **slot_args(op_name, [0, 2]))
 
 
-@pytest.mark.parametrize("make_bad,match", [
-    (lambda s: s.long(), "slot_ids must be int32"),
-    (lambda s: s[:1], r"slot_ids must have shape \[2\]"),
-    (lambda s: s.to("meta"), "slot_ids is on meta"),
-    (lambda s: s.tolist(), "slot_ids must be a torch.Tensor"),
+@pytest.mark.parametrize("name,make_bad,match", [
+    ("seq_slots", lambda s: s.long(), "seq_slots must be a one-dimensional int32 tensor"),
+    ("seq_starts", lambda s: s[:2], "seq_starts must have one more entry than seq_slots"),
+    ("seq_slots", lambda s: s.to("meta"), "seq_slots is on meta"),
+    ("seq_starts", lambda s: s.tolist(), "seq_starts must be a torch.Tensor"),
 ], ids=["dtype", "length", "device", "list"])
-def test_bad_slot_ids_are_rejected(make_bad, match):
-    args = make_args("slstm_step", 2, 3, dict(blocks=2, size=4))
+@pytest.mark.parametrize("op_name", list(STATE_OPS))
+def test_bad_plans_are_rejected(op_name, name, make_bad, match):
+    args = make_args(op_name, 2, 3, SMALL_DIMS[op_name][0])
+    plan_args = slot_args(op_name, [0, 2])
+    plan_args[name] = make_bad(plan_args[name])
     with pytest.raises((ValueError, TypeError), match=match):
-        kernels.slstm_step(**args, slot_ids=make_bad(torch.tensor([0, 2], dtype=torch.int32)))
+        STATE_OPS[op_name][0](**args, **plan_args)
 
 
 @pytest.mark.parametrize("o_shape,g_shape,match", [

@@ -13,7 +13,7 @@ import torch
 import kernels
 from kernels._common import INTERPRET
 from kernels.state_rounding import StochasticRounding, round_ref, stochastic_bits_ref
-from test_kernels import FULL_DIMS, RAGGED_OPS, SMALL_DIMS, STATE_OPS, assert_close, make_args, slot_args
+from test_kernels import FULL_DIMS, SMALL_DIMS, STATE_OPS, assert_close, make_args, slot_args
 from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
@@ -147,15 +147,12 @@ def run(op, args, tables, rows_slots, **extra):
 
 
 def layout(op_name, live, padding, idle, device, seed=1):
-    """Live rows on distinct random slots, then padding rows on the last slot (slot_args): (slots in all, the
-    rows' slots as op_name takes them, the live slots, the slots the op may write: the padding slot too for
-    ops taking slot_ids)."""
+    """Live rows on distinct random slots, then padding rows past every sequence (empty sequences at the last
+    slot: slot_args): (slots in all, the rows' plan, the live slots, the slots the op may write: the live ones)."""
     slots = live + idle + 1
     live_slots = torch.randperm(slots - 1, generator=torch.Generator().manual_seed(seed))[:live].to(device)
     rows_slots = slot_args(op_name, live_slots, padding, slots - 1, device)
-    written = live_slots if op_name in RAGGED_OPS or not padding else torch.cat(
-        [live_slots, torch.tensor([slots - 1], device=device)])
-    return slots, rows_slots, live_slots, written
+    return slots, rows_slots, live_slots, live_slots
 
 
 def live_outputs(op_name, out, live):
@@ -308,10 +305,10 @@ def test_triton_small_half_state(op_name, dtype, stochastic):
 
 
 @runs_triton
-@pytest.mark.parametrize("op_name,module", [("mlstm_step", "mlstm_update"), ("retention_step", "retention_update")])
-def test_triton_small_half_state_in_several_chunks(op_name, module, monkeypatch):
+@pytest.mark.parametrize("op_name", ["mlstm_step", "retention_step"])
+def test_triton_small_half_state_in_several_chunks(op_name, monkeypatch):
     """Small tiles: the d loop runs over several chunks (the counter loaded in each) and value-column tiles."""
-    monkeypatch.setattr(importlib.import_module(f"kernels.{module}"), "MAX_TILE", 16 * 16)
+    monkeypatch.setattr(importlib.import_module(f"kernels.{op_name}"), "MAX_TILE", 16 * 16)
     check_half_state(op_name, torch.float16, True, 0, DEVICE, dims=dict(heads=2, head_dim=40))
 
 
