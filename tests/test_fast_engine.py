@@ -28,6 +28,20 @@ def random_steps(seed, steps, symbols, max_batch=None):
         yield chosen, rng.standard_normal((k, 79)).astype(np.float32)
 
 
+def backlog_steps(seed, steps, symbols, max_requests):
+    """Steps carrying up to max_requests requests of each of some symbols, interleaved in arrival order."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        chosen = [str(s) for s in rng.choice(symbols, int(rng.integers(1, len(symbols) + 1)), replace=False)]
+        rows = [s for s in chosen for _ in range(int(rng.integers(1, max_requests + 1)))]
+        rows = [rows[i] for i in rng.permutation(len(rows))]
+        yield rows, rng.standard_normal((len(rows), 79)).astype(np.float32)
+
+
+def one_at_a_time(engine, symbols, features):
+    return np.concatenate([engine.step([s], features[i:i + 1]) for i, s in enumerate(symbols)])
+
+
 def compare(fast, ref, steps, seed=0, n_symbols=6):
     symbols = [f"SYM_{i:03d}" for i in range(n_symbols)]
     errors = []
@@ -117,6 +131,38 @@ def test_bad_input_touches_no_state():
     assert all(torch.equal(v, before[k]) for k, v in fast.table.tensors.items())
 
 
+@pytest.mark.parametrize("precision, tolerance", [(FP32, 1e-6), (None, 2e-4)])
+def test_several_requests_of_a_symbol_in_one_step_equal_one_at_a_time(precision, tolerance):
+    """Each symbol's requests of a step advance its state in order: the predictions and the states after are those
+    of stepping the requests one at a time (within the rounding of products over other rows: fp32 products, or
+    activations rounded to fp16, whose roundings such differences can flip). Steps larger than max_batch symbols
+    or max_rows_per_symbol requests of a symbol run as several, in order; states move through the host tier."""
+    model, _ = load_model("tiny", seed=2)
+    together = FastEngine(model, device="cpu", precision=precision, max_batch=3, max_rows_per_symbol=2, capacity=3,
+                          host_symbols=4, progress=False)
+    alone = FastEngine(model, device="cpu", precision=precision, capacity=6, progress=False)
+    symbols = [f"S{i}" for i in range(6)]
+    for rows, feats in backlog_steps(1, 12, symbols, max_requests=5):
+        got, want = together.step(rows, feats), one_at_a_time(alone, rows, feats)
+        assert np.abs(got - want).max() < tolerance, np.abs(got - want).max(0)
+    assert together.table.stats["restored"] > 0
+    after = np.random.default_rng(9).standard_normal((6, 79)).astype(np.float32)
+    assert np.abs(together.step(symbols, after) - alone.step(symbols, after)).max() < tolerance
+
+
+def test_a_step_of_several_requests_touches_only_its_symbols_slots():
+    model, _ = load_model("tiny", seed=0)
+    fast = FastEngine(model, device="cpu", progress=False)
+    fast.step(["A", "B", "C"], np.random.default_rng(0).standard_normal((3, 79)).astype(np.float32))
+    before = {k: v.clone() for k, v in fast.table.tensors.items()}
+    fast.step(["B", "B", "B"], np.random.default_rng(1).standard_normal((3, 79)).astype(np.float32))
+    slot_b = fast.table.slot_of["B"]
+    for name, t in fast.table.tensors.items():
+        for slot in range(t.shape[0]):
+            if slot != slot_b:
+                assert torch.equal(t[slot], before[name][slot]), (name, slot)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the Triton kernels run natively in the GPU tests")
 def test_triton_kernels_through_the_interpreter_match_reference():
     """The engine with the real Triton kernels (TRITON_INTERPRET=1 is read at import, so a child process)."""
@@ -128,13 +174,14 @@ def test_triton_kernels_through_the_interpreter_match_reference():
         "from client.model import load_model\n"
         "import kernels._common as c; assert c.INTERPRET\n"
         "m, _ = load_model('tiny', seed=5)\n"
-        "fast, ref = FastEngine(m, device='cpu', progress=False), ReferenceEngine(m, device='cpu')\n"
+        "fast = FastEngine(m, device='cpu', max_rows_per_symbol=3, progress=False)\n"
+        "ref = ReferenceEngine(m, device='cpu')\n"
         "import client.engine.fast.layers as layers\n"
         "layers.skinny_pays = lambda M, N: True  # the tiny preset's products are all narrow\n"
         "fast.runner.set_skinny((torch.float32, torch.float16))  # every product through the skinny kernel\n"
         "rng = np.random.default_rng(0)\n"
         "worst = 0.0\n"
-        "for syms in (['A', 'B'], ['B'], ['A', 'C', 'B']):\n"
+        "for syms in (['A', 'B'], ['B'], ['A', 'C', 'B'], ['C', 'A', 'C', 'C', 'B', 'A']):\n"
         "    f = rng.standard_normal((len(syms), 79)).astype(np.float32)\n"
         "    worst = max(worst, float(np.abs(fast.step(syms, f) - ref.step(syms, f)).max()))\n"
         "print('WORST', worst)\n"
@@ -160,6 +207,32 @@ def test_graphs_match_eager_and_reference_on_gpu():
         assert np.abs(g - e).max() < 5e-4, np.abs(g - e).max(0)
         assert np.abs(g - r).max() < 2e-3, np.abs(g - r).max(0)
     assert graphed.table.stats["restored"] > 0  # 7 symbols through 3 slots, with the graphs never captured again
+
+
+@cuda
+def test_several_requests_per_symbol_through_the_graphs_on_gpu():
+    """Steps of several requests per symbol replay the graphs of their shape (rows, symbols, requests of a
+    symbol): the predictions of one request at a time; the padding rows and empty sequences touch no slot."""
+    model, _ = load_model("small", seed=1, device="cuda")
+    graphed = FastEngine(model, device="cuda", max_batch=4, max_rows_per_symbol=4, capacity=5, host_symbols=8,
+                         progress=False)
+    alone = FastEngine(model, device="cuda", graphs=False, capacity=8, progress=False)
+    symbols = [f"S{i}" for i in range(7)]
+    pending = []
+    for rows, feats in backlog_steps(2, 30, symbols, max_requests=6):
+        pending.append((graphed.submit(rows, feats), one_at_a_time(alone, rows, feats)))
+    for got, want in pending:
+        assert np.abs(got.result() - want).max() < 5e-4
+    torch.cuda.synchronize()
+    before = {k: v.clone() for k, v in graphed.table.tensors.items()}
+    graphed.step(["S1", "S1", "S1", "S2"], np.ones((4, 79), np.float32))  # two of the shape's four sequences empty
+    torch.cuda.synchronize()
+    live = {graphed.table.slot_of[s] for s in ("S1", "S2")}
+    for name, t in graphed.table.tensors.items():
+        for slot in range(t.shape[0]):
+            if slot not in live:
+                assert torch.equal(t[slot], before[name][slot]), (name, slot)
+    assert graphed.table.stats["restored"] > 0
 
 
 @cuda
