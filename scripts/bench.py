@@ -23,6 +23,7 @@ from client.engine.precision import add_precision_argument, parse_precision, par
 from client.families import FAMILIES
 from client.model.config import PRESETS
 from client.runtime import PIPELINE_MIN_BATCH
+from client.scheduler import DEFAULT_MAX_PER_SYMBOL
 from scripts.benchmarks import SECTIONS
 from scripts.benchmarks.harness import FULL, MAX_BATCH, QUICK, Bench, Counts, device_name
 from scripts.benchmarks.report import Progress, Report
@@ -106,6 +107,9 @@ def parse_args(argv=None):
     parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the "
                                                      "max-rate search (default 1000,2000,...,20000)")
     parser.add_argument("--rate-seconds", type=cli.positive_float, help="length of each max-rate run (default 2)")
+    parser.add_argument("--max-requests-per-symbol", type=cli.positive_int, default=DEFAULT_MAX_PER_SYMBOL,
+                        metavar="K", help="requests of one symbol a step may carry (default "
+                                          f"{DEFAULT_MAX_PER_SYMBOL}); maxrate and backlog also run K = 1")
     parser.add_argument("--pipeline-min-batch", type=cli.positive_int,
                         help="the client runtime's pipeline_min_batch (default: client.runtime.PIPELINE_MIN_BATCH)")
     parser.add_argument("--quick", action="store_true", help="small counts for a smoke run")
@@ -180,7 +184,8 @@ def main(argv=None) -> int:
         report.load()
     report.update(device=device_name(args.device), preset=args.preset, seed=args.seed, quick=args.quick,
                   sections=args.sections, counts=args.counts.__dict__, torch=torch.__version__,
-                  pipeline_min_batch=args.pipeline_min_batch or PIPELINE_MIN_BATCH)
+                  pipeline_min_batch=args.pipeline_min_batch or PIPELINE_MIN_BATCH,
+                  max_requests_per_symbol=args.max_requests_per_symbol)
     progress(f"bench on {report.data['device']}: preset {args.preset}, sections {','.join(args.sections)}")
     failed = run_sections(Bench(args, report, progress))
     report.update(total_s=time.monotonic() - progress.start)

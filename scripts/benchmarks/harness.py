@@ -33,6 +33,7 @@ class Counts:
     long_steps: int
     e2e_requests: int
     rates: list
+    k1_rates: list  # maxrate with one request per symbol per step (today's rule before several per step)
     rate_seconds: float
     new_symbols: int  # capacity section: symbols arriving mid-stream
     arrival_seconds: float
@@ -43,12 +44,12 @@ class Counts:
 
 FULL = Counts(copy_bytes=1 << 30, copy_repeats=20, step_warmup=20, step_iters=200, baseline_warmup=5,
               baseline_iters=20, family_symbols=4, family_steps=1000, long_symbols=4, long_steps=10_000,
-              e2e_requests=4000, rates=[1000, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 10000, 12000, 14000, 20000],
-              rate_seconds=2.0, new_symbols=200, arrival_seconds=10.0, churn_symbols=24, churn_capacity=8,
+              e2e_requests=4000, rates=[2000, 5000, 8000, 11000, 14000, 17000, 20000, 23000, 26000, 30000],
+              k1_rates=[3000, 4000, 5000, 6000, 7000, 8000], rate_seconds=1.5, new_symbols=200, arrival_seconds=10.0, churn_symbols=24, churn_capacity=8,
               churn_steps=200)
 QUICK = Counts(copy_bytes=64 << 20, copy_repeats=5, step_warmup=2, step_iters=10, baseline_warmup=2,
                baseline_iters=5, family_symbols=2, family_steps=40, long_symbols=2, long_steps=300,
-               e2e_requests=200, rates=[50, 100], rate_seconds=1.0, new_symbols=12, arrival_seconds=2.0,
+               e2e_requests=200, rates=[50, 100], k1_rates=[50], rate_seconds=1.0, new_symbols=12, arrival_seconds=2.0,
                churn_symbols=6, churn_capacity=3, churn_steps=30)
 
 
@@ -129,6 +130,37 @@ def measure_steps(engine, bench, bandwidth, batches=BATCH_SIZES):
     return results
 
 
+ROWS_PER_SYMBOL = (1, 2, 4, 8)  # the step table of several requests per symbol
+ROW_TABLE_SYMBOLS = (1, 20, 64)
+
+
+def measure_step_rows(engine, bench, bandwidth):
+    """{"GxK": {symbols, rows, median, p99, floor}} in ms: steps of G symbols carrying k requests each (up to
+    the engine's max_rows_per_symbol), through the engine's graphs; the floor moves the weights once and each
+    symbol's state in and out once, whatever its rows."""
+    from client.engine.fast.layers import StepPlan
+
+    symbols = step_symbols()
+    generator = torch.Generator(device=bench.device).manual_seed(bench.args.seed + 1)
+    counts, timer = bench.counts, bench.timer
+    results = {}
+    for g in ROW_TABLE_SYMBOLS:
+        slots = engine.slots_for(symbols[:g])
+        for k in (k for k in ROWS_PER_SYMBOL if k <= engine.max_rows_per_symbol):
+            plan = StepPlan(slots, torch.arange(0, g * k + 1, k, dtype=torch.int32, device=bench.device), k)
+            features = torch.randn(g * k, NUM_FEATURES, generator=generator, device=bench.device)
+            for _ in range(counts.step_warmup):
+                engine.step_plan(plan, features)
+            median, p99 = median_p99([timer.time_ms(lambda: engine.step_plan(plan, features))
+                                      for _ in range(counts.step_iters)])
+            floor = (engine.weight_bytes + 2 * g * engine.state_bytes) / bandwidth * 1000.0
+            results[f"{g}x{k}"] = {"symbols": g, "rows": g * k, "median": median, "p99": p99, "floor": floor}
+            bench.progress(f"step {g} symbols x {k} requests: median {median:.3f} ms, p99 {p99:.3f} ms, floor "
+                           f"{floor:.3f} ms; {1000 * g * k / median:.0f} requests/s at this shape")
+    engine.release(symbols)
+    return results
+
+
 def state_options(text) -> dict:
     """The engine options of a --state-dtype value: a state dtype spec, optionally ':nearest' or ':stochastic'."""
     spec, _, rounding = text.partition(":")
@@ -180,7 +212,8 @@ class Bench:
         """A fast engine of the run's settings, `options` on top (capacity: symbols it holds on the GPU)."""
         from client.engine.fast import FastEngine
 
-        settings = {"max_batch": MAX_BATCH, "precision": self.args.precision, **state_options(self.args.state_dtype),
+        settings = {"max_batch": MAX_BATCH, "max_rows_per_symbol": self.args.max_requests_per_symbol,
+                    "precision": self.args.precision, **state_options(self.args.state_dtype),
                     "capacity": MAX_BATCH, "progress": False, **options}
         begin = time.monotonic()
         engine = FastEngine(self.model, self.device, **settings)

@@ -139,10 +139,12 @@ class ServerProcess:
             self._process.kill()
 
 
-async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False) -> dict:
-    """Serve `stream` at `rate` to the team client running `engine`; the server's summary of the session.
-    With timeline, the summary's "timeline" also has the client's per-request stages and both processes'
-    stalls (scripts/e2e_timeline.py reads them)."""
+async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False,
+                       max_requests_per_symbol=None, team_client=None, during=None) -> dict:
+    """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
+    the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
+    processes' stalls (scripts/e2e_timeline.py reads them). `during(client)`, a coroutine function, runs beside
+    the session (the backlog section pauses the client with it)."""
     from client.runtime import StreamingClient
     from client.stalls import StallProbe
     from server.app import ServerConfig
@@ -154,15 +156,18 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     probe = StallProbe().start() if timeline else None
     watch = asyncio.create_task(probe.watch_loop()) if probe else None
     try:
-        options = {} if pipeline_min_batch is None else {"pipeline_min_batch": pipeline_min_batch}
-        client = StreamingClient(ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench", timeline=timeline,
-                                 **options)
+        options = {"pipeline_min_batch": pipeline_min_batch, "max_requests_per_symbol": max_requests_per_symbol}
+        client = StreamingClient(team_client or ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench",
+                                 timeline=timeline, **{k: v for k, v in options.items() if v is not None})
         playing = asyncio.create_task(client.run())
+        beside = asyncio.create_task(during(client)) if during is not None else None
         done = asyncio.create_task(server.wait_done())
         await asyncio.wait({done, playing}, return_when=asyncio.FIRST_COMPLETED)
         done.cancel()
         client.stop()
         await playing
+        if beside is not None:
+            await beside
         summary = await asyncio.to_thread(server.summary)
         if probe:
             summary["timeline"].update(client=client.timeline, client_stalls=probe.events())
@@ -181,11 +186,13 @@ def session_numbers(summary) -> dict:
             "responses": summary["responses"], "missed": summary["missed"]}
 
 
-def serve(bench, engine, stream, targets, rate) -> dict:
-    """session_numbers of `stream` served at `rate` to `engine` with the run's settings."""
+def serve(bench, engine, stream, targets, rate, per_symbol=None) -> dict:
+    """session_numbers of `stream` served at `rate` to `engine` with the run's settings (per_symbol: requests of
+    a symbol a step may carry, the run's --max-requests-per-symbol by default)."""
     args = bench.args
-    return session_numbers(event_loop.run(serve_stream(engine, stream, targets, rate, args.preset, args.seed,
-                                                       args.pipeline_min_batch)))
+    return session_numbers(event_loop.run(serve_stream(
+        engine, stream, targets, rate, args.preset, args.seed, args.pipeline_min_batch,
+        max_requests_per_symbol=per_symbol or args.max_requests_per_symbol)))
 
 
 def measure_e2e(engine, bench, prefix="E2E_"):
@@ -200,10 +207,12 @@ def measure_e2e(engine, bench, prefix="E2E_"):
     return numbers
 
 
-def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", key="max_rate", rates=None):
+def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", key="max_rate", rates=None,
+                    per_symbol=None):
     """Ascending rates over `num_symbols` symbols until the first whose p99 reaches the limit or that leaves a
     request unanswered (it may never have been stepped, so later runs could not continue its symbol's state).
-    Records report[key + "_p99_50ms"] and report[key + "_runs"] as it goes."""
+    Records report[key + "_p99_50ms"] and report[key + "_runs"] as it goes. per_symbol: requests of a symbol a
+    step may carry (default: the run's --max-requests-per-symbol)."""
     counts = bench.counts
     tracker = ReferenceTracker(bench.model, prefixed_names(prefix, num_symbols), bench.device)
     runs, best = [], None
@@ -212,7 +221,7 @@ def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", 
         stream = prefixed_stream(prefix, num_symbols, num_requests, bench.args.seed + 2 + attempt, rate)
         bench.progress(f"maxrate {rate:g} req/s: reference targets of {num_requests} requests")
         targets = tracker.targets(stream)
-        numbers = serve(bench, engine, stream, targets, rate)
+        numbers = serve(bench, engine, stream, targets, rate, per_symbol)
         passed = (numbers["responses"] == numbers["requests"] and numbers["p99_ms"] is not None
                   and numbers["p99_ms"] < P99_LIMIT_MS)
         runs.append({"rate": rate, **numbers, "passed": passed})
