@@ -30,7 +30,7 @@ for part in "$@"; do
     backlog) bench --sections backlog ;;
     maxrate) bench --sections maxrate ;;
     accuracy) bench --sections accuracy --family-symbols 4 ;;
-    matmul) python3 scripts/bench_matmul.py --json "$OUT/matmul.json" 2>&1 | tail -40 ;;
+    matmul) python3 -m scripts.bench_matmul --json "$OUT/matmul.json" 2>&1 | tail -40 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
