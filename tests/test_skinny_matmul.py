@@ -241,7 +241,9 @@ def test_model_shapes_on_gpu(M, kind, N, K):
     w = torch.randn(N, K, device=DEVICE) / K**0.5
     weights = {"fp32": weights_of(w), "fp32+fp16": mixed_weights(w, 8192), "fp16": weights_of(w.half())}[kind]
     y = skinny_matmul(x, **weights)
-    assert torch.isfinite(y).all() and row_errors(y, skinny_matmul_ref(x, **weights).double()).max() < 2e-6
+    # fp32 accumulation over K terms (tensor-core tiles summed in fp32): ~sqrt(K) roundings of 2^-24 (H100: up to
+    # 7.9e-6 at K = 4096, 3.9e-6 at K = 2048)
+    assert torch.isfinite(y).all() and row_errors(y, skinny_matmul_ref(x, **weights).double()).max() < 2e-7 * K**0.5
 
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
