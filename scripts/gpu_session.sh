@@ -3,8 +3,8 @@
 # order, its log and JSON written under $OUT. The GPU image has no websockets: a wheel carried in .whl/ is
 # installed into a temporary folder first.
 #   bash scripts/gpu_session.sh tests                      # the GPU tests of kernels, engine, pipeline, storage
-#   bash scripts/gpu_session.sh step e2e backlog matmul    # bench sections, then skinny vs cuBLAS per row count
-#   bash scripts/gpu_session.sh maxrate accuracy
+#   bash scripts/gpu_session.sh bench:step,e2e,backlog matmul  # bench sections (one engine), skinny vs cuBLAS
+#   bash scripts/gpu_session.sh bench:maxrate bench:accuracy
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -25,11 +25,7 @@ for part in "$@"; do
         tests/test_causal_conv_update_ragged.py tests/test_rglru_ragged.py tests/test_mamba2_ragged.py \
         tests/test_slstm_input_ragged.py tests/test_mlstm_input_ragged.py tests/test_skinny_matmul.py \
         tests/test_fast_engine.py tests/test_pipeline.py tests/test_state_storage.py 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
-    step) bench --sections step ;;
-    e2e) bench --sections e2e ;;
-    backlog) bench --sections backlog ;;
-    maxrate) bench --sections maxrate ;;
-    accuracy) bench --sections accuracy --family-symbols 4 ;;
+    bench:*) bench --sections "${part#bench:}" ;;
     matmul) python3 -m scripts.bench_matmul --json "$OUT/matmul.json" 2>&1 | tail -40 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
