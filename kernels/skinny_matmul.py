@@ -18,7 +18,8 @@ W_lo may cover only W's first rows (a product whose leading rows need fp32 and t
 x/gate projection: bench/LOG.md section 34); the other rows are plain fp16.
 16-bit weights alone multiply x cast to their dtype and accumulate in fp32, as cuBLAS does.
 
-x outside fp16's range: fp16 overflows past 65504 and loses bits below 2^-14, while a feed's activations span
+x outside fp16's range (scale_rows=True, for the products whose input is not normalised: input_down's, which
+carries the features' scale): fp16 overflows past 65504 and loses bits below 2^-14, while a feed's activations span
 1e-6 .. 1e6 and more. Before x meets fp16 each row is scaled by a power of two 2^s that puts its largest |x| in
 [2^14, 2^15) (exact), and the product is scaled back by 2^-s (exact): the split keeps its ~22 bits, and the fp16
 cast its 11, for any row in fp32's normal range, and no inf reaches the output. The reference scales each row
@@ -26,7 +27,8 @@ once (split_rows); the kernel cannot see a row before its K loop ends, so it kee
 largest tile so far setting it, and rescales its accumulators by 2^(s_new - s_old) when it drops (as flash
 attention does with its running max). Each element is then split with at least the reference's bits (its scale
 is never below the row's), and the two agree to the split's precision. bf16 has fp32's exponent range: its
-weights take x unscaled.
+weights take x unscaled. The running scale costs the split path ~1.3-1.9x at 64 rows on an H100 (bench/LOG.md
+section 36), so products of normalised inputs (every other one in the step) take x as it is.
 """
 import torch
 import triton
@@ -90,12 +92,15 @@ def _check(x, weight, bias, weight_lo):
     return x, bias
 
 
-def skinny_matmul_ref(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None):
+def skinny_matmul_ref(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None, scale_rows=False):
     """PyTorch reference, exact in fp64: x rounded to W's dtype, or split like W for the rows weight_lo covers;
-    for fp16 W each row of x scaled by a power of two first and its products scaled back (split_rows)."""
+    with scale_rows and fp16 W each row of x scaled by a power of two first and its products scaled back
+    (split_rows)."""
     x, bias = _check(x, weight, bias, weight_lo)
-    if weight.dtype == torch.float16:
+    if scale_rows and weight.dtype == torch.float16:
         x_hi, x_lo, unscale = (t.double() for t in split_rows(x))
+    elif weight_lo is not None:
+        x_hi, x_lo, unscale = (t.double() for t in (*split_fp16(x.float()), torch.tensor(1.0)))
     else:
         x_hi, x_lo, unscale = x.to(weight.dtype).double(), None, 1.0
     y = x_hi @ weight.double().t()
@@ -231,13 +236,15 @@ def supports(M, N, K) -> bool:
     return M >= 1 and K % 16 == 0 and N >= 16
 
 
-def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None, config=None):
+def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None, config=None,
+                  scale_rows=False):
     """x [M, K] (any float dtype), weight [N, K] fp16/bf16 -> [M, N] in out_dtype, accumulated in fp32;
     with weight_lo (split_fp16 of an fp32 weight: weight, weight_lo = hi, lo) about fp32 accuracy, for the
-    first weight_lo.shape[0] rows (the others are fp16).
+    first weight_lo.shape[0] rows (the others are fp16). scale_rows: x's rows may lie anywhere in fp32's range
+    (scaled by powers of two around the fp16 cast; see the module docstring).
     `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) overrides default_config (for benchmarks)."""
     if not use_triton(weight):
-        return skinny_matmul_ref(x, weight, bias, relu, out_dtype, weight_lo)
+        return skinny_matmul_ref(x, weight, bias, relu, out_dtype, weight_lo, scale_rows)
     x, bias = _check(x, weight, bias, weight_lo)
     (M, K), N = x.shape, weight.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=out_dtype)
@@ -253,7 +260,7 @@ def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, wei
     _skinny_matmul_kernel[(row_tiles * triton.cdiv(N, block_n),)](
         x, weight, weight_lo if split else weight, bias if bias is not None else weight, y, M, N,
         weight_lo.shape[0] if split else 0, K, x.stride(0), y.stride(0), HAS_BIAS=bias is not None, RELU=relu,
-        SPLIT=split, SCALE_X=weight.dtype == torch.float16, LO_SCALE=LO_SCALE, ROW_MAX_EXP=ROW_MAX_EXP,
+        SPLIT=split, SCALE_X=scale_rows and weight.dtype == torch.float16, LO_SCALE=LO_SCALE, ROW_MAX_EXP=ROW_MAX_EXP,
         ROW_TILES=row_tiles > 1, GROUP_M=GROUP_M, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_stages=stages, num_warps=warps)
     return y

@@ -177,14 +177,15 @@ def test_row_scaling_keeps_the_split_exact_over_fp32s_range():
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) / 16
     hi, lo = split_fp16(w)
     exact = x.double() @ w.double().t()
-    assert row_errors(skinny_matmul_ref(x, hi, weight_lo=lo), exact).max() < 2e-6  # ~fp32 on every row
-    fp16 = skinny_matmul_ref(x, w.half())  # x cast to fp16 row by row: no inf, fp16's 11 bits on every row
+    assert row_errors(skinny_matmul_ref(x, hi, weight_lo=lo, scale_rows=True), exact).max() < 2e-6  # ~fp32, any row
+    fp16 = skinny_matmul_ref(x, w.half(), scale_rows=True)  # x cast to fp16 row by row: no inf, 11 bits a row
     assert torch.isfinite(fp16).all() and row_errors(fp16, exact).max() < 3e-3
     # what the scaling buys: the plain split overflows on large rows, and loses bits on rows below 2^-14
     naive_hi, naive_lo = split_fp16(x)
-    naive = skinny_matmul_ref(naive_hi.float() + naive_lo.float() / 2048, hi, weight_lo=lo)  # (x rounded as split)
+    naive = skinny_matmul_ref(x, hi, weight_lo=lo)  # scale_rows=False: x split as it is
     tiny = (amax > 0) & (amax < 2**-14)
-    assert not torch.isfinite(naive_hi).all() and tiny.any() and row_errors(naive, exact)[tiny].min() > 1e-6
+    assert not torch.isfinite(naive_hi).all() and not torch.isfinite(naive).all()
+    assert tiny.any() and row_errors(naive, exact)[tiny].min() > 1e-6
 
 
 @pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
@@ -194,8 +195,8 @@ def test_rows_outside_fp16_range(M, kind):
     x = wide_range_rows(M, 256, M)
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(M), device="cpu").to(DEVICE) / 16
     weights = {"fp32": weights_of(w), "fp32+fp16": mixed_weights(w, 40), "fp16": weights_of(w.half())}[kind]
-    y = skinny_matmul(x, **weights, bias=torch.zeros(96, device=DEVICE))
-    ref = skinny_matmul_ref(x, **weights)
+    y = skinny_matmul(x, **weights, bias=torch.zeros(96, device=DEVICE), scale_rows=True)
+    ref = skinny_matmul_ref(x, **weights, scale_rows=True)
     exact = x.double() @ w.double().t()
     assert torch.isfinite(y).all()
     assert row_errors(y, ref.double()).max() < 2e-6  # the kernel's running row scale against the reference's
@@ -213,12 +214,15 @@ def test_linear_routes_by_rows_and_its_fallback_scales_rows():
     from client.engine.fast import layers
     g = torch.Generator().manual_seed(0)
     first, second = torch.randn(48, 64, generator=g) / 8, torch.randn(32, 64, generator=g) / 8
-    mixed = layers.Linear([first, second], None, [torch.float32, torch.float16], "cpu")
+    mixed = layers.Linear([first, second], None, [torch.float32, torch.float16], "cpu", scale_rows=True)
     x = wide_range_rows(16, 64, 0, "cpu")
     y = mixed.product(x)
     exact = x.double() @ torch.cat([first, second]).double().t()
     assert torch.isfinite(y).all() and row_errors(y[:, :48], exact[:, :48]).max() < 2e-6
-    assert row_errors(y, skinny_matmul_ref(x, mixed.weight, weight_lo=mixed.weight_lo).double()).max() < 2e-6
+    assert row_errors(y, skinny_matmul_ref(x, mixed.weight, weight_lo=mixed.weight_lo,
+                                           scale_rows=True).double()).max() < 2e-6
+    unscaled = layers.Linear([first, second], None, [torch.float32, torch.float16], "cpu")
+    assert not torch.isfinite(unscaled.product(x)).all()  # without scale_rows the split overflows fp16
     wide = {dtype: layers.Linear(torch.randn(2048, 64, generator=g), None, dtype, "cpu")
             for dtype in (torch.float32, torch.float16)}
     assert [mixed.kind, wide[torch.float32].kind, wide[torch.float16].kind] == ["fp32+fp16", "float32", "float16"]
@@ -240,6 +244,7 @@ def test_model_shapes_on_gpu(M, kind, N, K):
     x = wide_range_rows(M, K, M) if M >= 8 else make(M, N, K, torch.float32, M)[0]
     w = torch.randn(N, K, device=DEVICE) / K**0.5
     weights = {"fp32": weights_of(w), "fp32+fp16": mixed_weights(w, 8192), "fp16": weights_of(w.half())}[kind]
+    weights["scale_rows"] = M >= 8  # wide_range_rows: rows past fp16's range
     y = skinny_matmul(x, **weights)
     # fp32 accumulation over K terms (tensor-core tiles summed in fp32): ~sqrt(K) roundings of 2^-24 (H100: up to
     # 7.9e-6 at K = 4096, 3.9e-6 at K = 2048)

@@ -111,7 +111,7 @@ class Linear:
     then fp16 ones make one product whose leading rows keep about fp32 accuracy (a split fp16 pair) and whose
     other rows read fp16 alone; x then comes in fp32."""
 
-    def __init__(self, weights, bias, dtype, device):
+    def __init__(self, weights, bias, dtype, device, scale_rows=False):
         weights = list(weights) if isinstance(weights, (list, tuple)) else [weights]
         dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(weights)
         if len(dtypes) != len(weights):
@@ -134,6 +134,8 @@ class Linear:
         self.bias_w = (None if bias is None or self.weight_lo is not None
                        else bias.to(device=device, dtype=self.weight.dtype))
         self.skinny = None  # kwargs of skinny_matmul for W, when this product uses it
+        # x may lie anywhere in fp32's range (not normalised): scaled around its fp16 cast (skinny_matmul.py)
+        self.scale_rows = scale_rows
         _fp32_out_supported(device, self.weight.dtype)  # probed now rather than inside a torch.compile trace
 
     def use_skinny(self, on):
@@ -142,12 +144,12 @@ class Linear:
         if not (on and use_triton(self.weight)):
             self.skinny = None
         elif self.weight_lo is not None:
-            self.skinny = {"weight": self.weight, "weight_lo": self.weight_lo}
+            self.skinny = {"weight": self.weight, "weight_lo": self.weight_lo, "scale_rows": self.scale_rows}
         elif self.dtype == torch.float32:
             hi, lo = split_fp16(self.weight)
-            self.skinny = {"weight": hi, "weight_lo": lo}
+            self.skinny = {"weight": hi, "weight_lo": lo, "scale_rows": self.scale_rows}
         else:
-            self.skinny = {"weight": self.weight}
+            self.skinny = {"weight": self.weight, "scale_rows": self.scale_rows}
 
     @property
     def dtype(self):
@@ -174,8 +176,8 @@ class Linear:
         """x @ W^T in fp32, without the bias (the caller fuses it into a later kernel)."""
         if self._use_skinny(x):
             return skinny_matmul(x, **self.skinny)
-        if self.weight_lo is not None:  # the skinny kernel's split, through cuBLAS (rows scaled: any fp32 range)
-            x_hi, x_lo, unscale = split_rows(x)
+        if self.weight_lo is not None:  # the skinny kernel's split, through cuBLAS
+            x_hi, x_lo, unscale = split_rows(x) if self.scale_rows else (*split_fp16(x.float()), 1.0)
             # the split's terms must reach the sum unrounded: where cuBLAS cannot return fp16 products in fp32,
             # multiply their values in fp32 (exact: fp16 x fp16 fits fp32's mantissa)
             mm = mm32 if _fp32_out_supported(x.device, torch.float16) else lambda a, b: torch.mm(a.float(), b.float())
