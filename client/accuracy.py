@@ -96,17 +96,25 @@ class Suite:
         return targets
 
     @torch.no_grad()
-    def measure(self, engine, prefix="") -> dict:
-        """{family: {tower: tower_errors}} of `engine` (a FastEngine: stepped through step_slots on fresh symbols
-        named `prefix`...), and "gate" {passed, worst: (family, tower, within_atol), nan_or_inf}."""
+    def measure(self, engine, prefix="", per_symbol=1) -> dict:
+        """{family: {tower: tower_errors}} of `engine` (a FastEngine: stepped through step_plan on fresh symbols
+        named `prefix`...), and "gate" {passed, worst: (family, tower, within_atol), nan_or_inf}. per_symbol: each
+        engine step carries that many consecutive requests of every symbol (a backlog of per_symbol requests in
+        every step; the last step of a stream what is left)."""
+        from client.engine.fast.layers import StepPlan
+
         stats = {}
         for name, (families, features) in self.runs.items():
             steps, batch, _ = features.shape
             symbols = [f"{prefix}{name}/{i:03d}" for i in range(batch)]
             slots = engine.slots_for(symbols)
             predictions = torch.empty(steps, batch, len(TOWER_NAMES), dtype=torch.float32, device=self.device)
-            for step in range(steps):
-                predictions[step] = engine.step_slots(slots, torch.from_numpy(features[step]).to(self.device))
+            for first in range(0, steps, per_symbol):
+                k = min(per_symbol, steps - first)
+                plan = StepPlan(slots, torch.arange(0, batch * k + 1, k, dtype=torch.int32, device=self.device), k)
+                rows = torch.from_numpy(features[first:first + k].transpose(1, 0, 2).reshape(batch * k, -1))
+                out = engine.step_plan(plan, rows.to(self.device))  # symbol by symbol, each its k requests
+                predictions[first:first + k] = out.view(batch, k, -1).transpose(0, 1)
             engine.release(symbols)
             predictions, targets = predictions.cpu().numpy(), self.targets[name].cpu().numpy()
             for family in dict.fromkeys(families):

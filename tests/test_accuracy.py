@@ -63,6 +63,8 @@ def test_fast_engine_holds_the_gate_on_every_family_on_cpu():
     assert result["gate"]["passed"], format_table(result)
     assert engine.symbols == []  # the suite gives its symbols back
     assert all(math.isfinite(row["max_abs_err"]) for towers in result["families"].values() for row in towers.values())
+    backlog = suite.measure(engine, per_symbol=4)  # 4 requests of every symbol in every step (the last: 2)
+    assert backlog["gate"]["passed"], format_table(backlog)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with CUDA the kernels run natively")
