@@ -93,8 +93,10 @@ def setup(stream, preset: str, engine: str = "reference", weights: str | None = 
                               progress=progress and sys.stderr.isatty())
     from client.engine.sharded import ModelSpec
 
+    from client.original_team import as_runtime_client
+
     engine = make_engine(engine, model, device=device, spec=ModelSpec(preset, weights, seed), **(engine_options or {}))
-    return team_class(engine), targets, weights_fingerprint
+    return as_runtime_client(team_class(engine)), targets, weights_fingerprint
 
 
 def load_or_generate_stream(path: str | None = None, symbols: int = 6, requests: int = 300,

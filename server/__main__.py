@@ -72,7 +72,8 @@ def check_port_free(host: str, port: int) -> None:
 async def serve(config: ServerConfig):
     server = ScoringServer(config)
     port = await server.start()
-    print(f"scoring server listening on ws://{config.host}:{port} (leaderboard http://{config.host}:{port}/)",
+    print(f"scoring server listening on ws://{config.host}:{port} (leaderboard http://{config.host}:{port}/; the "
+          f"original protocol, newline-delimited JSON over TCP, on the same port: tcp://{config.host}:{port})",
           flush=True)
     main = asyncio.current_task()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)

@@ -1,4 +1,5 @@
-"""The scoring server: websocket sessions per team plus a leaderboard over plain HTTP, one port."""
+"""The scoring server: sessions per team, in the websocket protocol or the original event's (newline-delimited JSON
+over TCP, server/original.py), plus a leaderboard over plain HTTP, one port."""
 import asyncio
 import json
 import logging
@@ -11,6 +12,7 @@ from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
 from client import protocol
+from server.original import OriginalConnection, sniffing_connections
 from server.leaderboard import leaderboard_row, mark_far_below, render_page
 from client.constants import ATOL
 from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
@@ -84,6 +86,7 @@ class ScoringServer:
         self._background: set[asyncio.Task] = set()
         self._first_registered = asyncio.Event()
         self._first: TeamSession | None = None
+        self._original_connections: dict[OriginalConnection, asyncio.Task] = {}
         self.unregistered_errors = 0
         self._server = None
 
@@ -129,7 +132,9 @@ class ScoringServer:
         # through to be answered with an error
         try:
             self._server = await serve(self._handle, self.config.host, self.config.port,
-                                       process_request=self._http, max_size=2 * self.config.max_frame_bytes)
+                                       process_request=self._http, max_size=2 * self.config.max_frame_bytes,
+                                       create_connection=sniffing_connections(self._accept_original,
+                                                                              self.config.register_timeout_s))
         except OSError as exc:
             raise OSError(f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}; "
                           f"is another server there? stop it or choose another port") from exc
@@ -152,7 +157,9 @@ class ScoringServer:
             # 1000 tells clients the session is over (websockets' own close says 1001, "going away",
             # which a client takes as a reason to reconnect)
             await asyncio.gather(*(ws.close(1000, "server stopped") for ws in list(self._server.connections)),
+                                 *(conn.close(1000, "server stopped") for conn in list(self._original_connections)),
                                  return_exceptions=True)
+            await asyncio.gather(*self._original_connections.values(), return_exceptions=True)
             self._server.close()
             await self._server.wait_closed()
 
@@ -188,7 +195,25 @@ class ScoringServer:
         response.headers["Cache-Control"] = "no-store"
         return response
 
-    # websocket connections ---------------------------------------------------------------------
+    # connections -------------------------------------------------------------------------------
+    def _accept_original(self, transport):
+        """An original-protocol connection: the same handling as a websocket one (server/original.py)."""
+        connection = OriginalConnection(transport, 2 * self.config.max_frame_bytes)
+        self._original_connections[connection] = asyncio.create_task(self._handle_original(connection))
+        return connection.protocol
+
+    async def _handle_original(self, connection):
+        try:
+            await self._handle(connection)
+        finally:  # as websockets closes a connection once its handler returns
+            await connection.close()
+            del self._original_connections[connection]
+
+    def _decode(self, ws, frame) -> dict:
+        if isinstance(ws, OriginalConnection):
+            return ws.decode(frame)
+        return protocol.decode(frame, self.config.max_frame_bytes)
+
     async def _handle(self, ws):
         session = None
         heartbeats = asyncio.create_task(self._heartbeats(ws))
@@ -230,7 +255,7 @@ class ScoringServer:
                 await ws.close(1008, "register first")
                 return None
             try:
-                msg = protocol.decode(frame, self.config.max_frame_bytes)
+                msg = self._decode(ws, frame)
             except protocol.ProtocolError as exc:
                 self.unregistered_errors += 1
                 await self._send_error(ws, "protocol_error", str(exc))
@@ -308,7 +333,7 @@ class ScoringServer:
 
     async def _on_message(self, session, ws, frame, received):
         try:
-            msg = protocol.decode(frame, self.config.max_frame_bytes)
+            msg = self._decode(ws, frame)
             kind = msg["type"]
             if kind == "inference_response":
                 ids, predictions = protocol.parse_inference_response(msg)
