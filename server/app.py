@@ -14,7 +14,7 @@ from websockets.exceptions import ConnectionClosed
 from client import protocol
 from server.original import OriginalConnection, sniffing_connections
 from server.leaderboard import leaderboard_row, mark_far_below, render_page
-from client.constants import ATOL
+from client.constants import ATOL, TARGET_SOURCES
 from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
 from server.session import TeamSession, send_offsets
 
@@ -43,6 +43,7 @@ class ServerConfig:
     json: str | None = None
     device: str | None = None
     cache_dir: str | None = None
+    targets: str = "model"  # score against the weights' model, or "file": the stream file's own targets
     token: str | None = None  # when set, register must carry it
     register_timeout_s: float = 10.0
     heartbeat_s: float = 5.0
@@ -66,6 +67,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if not self.atol >= 0:
             raise ValueError(f"atol must be non-negative, got {self.atol}")
+        if self.targets not in TARGET_SOURCES:
+            raise ValueError(f"targets must be one of {', '.join(TARGET_SOURCES)}, got {self.targets!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
 
@@ -81,6 +84,7 @@ class ScoringServer:
         self._stream = stream
         self._targets = None if targets is None else np.asarray(targets, dtype=np.float32)
         self.weights_fingerprint = weights_fingerprint
+        self.targets_comparison = None  # the stream file's own targets against the model's (client.targets)
         self._sessions: dict[str, TeamSession] = {}
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -95,13 +99,14 @@ class ScoringServer:
         """Load the reference model, the stream and its targets (through the targets cache)."""
         from client.model import load_model
         from client.streams import generate_stream, load_stream
-        from client.targets import compute_targets
+        from client.targets import check_targets_source, choose_targets, compute_targets, describe_targets
 
         cfg = self.config
         if self._stream is None:
             self._stream = (load_stream(cfg.stream) if cfg.stream is not None else
                             generate_stream(cfg.symbols, cfg.requests, cfg.stream_seed, rate=cfg.rate))
         if self._targets is None:
+            check_targets_source(self._stream, cfg.targets)
             if cfg.progress:
                 weights = cfg.weights or f"seed {cfg.seed}"
                 print(f"loading preset {cfg.preset} ({weights}) for the reference targets of "
@@ -109,9 +114,16 @@ class ScoringServer:
             model, fingerprint = load_model(cfg.preset, weights=cfg.weights, seed=cfg.seed,
                                             device=cfg.device or "cpu")
             self.weights_fingerprint = fingerprint
-            self._targets = np.asarray(compute_targets(model, self._stream, fingerprint, device=cfg.device,
-                                                       cache_dir=cfg.cache_dir, progress=cfg.progress),
-                                       dtype=np.float32)
+            model_targets = compute_targets(model, self._stream, fingerprint, device=cfg.device,
+                                            cache_dir=cfg.cache_dir, progress=cfg.progress)
+            targets, self.targets_comparison = choose_targets(self._stream, model_targets, cfg.targets, cfg.atol)
+            self._targets = np.asarray(targets, dtype=np.float32)
+            if self.targets_comparison is not None:
+                weights = f"weights {cfg.weights}" if cfg.weights else f"seed {cfg.seed}"
+                line = describe_targets(self.targets_comparison, cfg.targets, f"preset {cfg.preset}, {weights}")
+                log.info("%s", line)
+                if cfg.progress:
+                    print(line, file=sys.stderr, flush=True)
 
     async def start(self) -> int:
         """Prepare the stream and targets, then listen; returns the bound port."""
@@ -178,6 +190,7 @@ class ScoringServer:
         return {"time": time.time(), "teams": teams, "unregistered_errors": self.unregistered_errors,
                 "stream": {"requests": len(self._symbols), "symbols": self._num_symbols},
                 "model": {"preset": cfg.preset, "weights_fingerprint": self.weights_fingerprint},
+                "targets": {"source": cfg.targets, "file_vs_model": self.targets_comparison},
                 "scoring": {"atol": cfg.atol, "half_life_ms": cfg.half_life_ms, "timeout_s": cfg.timeout_s}}
 
     def _http(self, connection, request):
