@@ -1,6 +1,7 @@
 """Team code written for the original event: its names from `client`, its process_batch through the adapter, in the
 local evaluator and the team client."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from client.engine.base import PendingStep
 from client.engine.reference import ReferenceEngine
 from client.model import load_model
 from client.original_team import OriginalStyleClient, as_runtime_client
-from test_server_cli import ONE_THREAD
+from test_server_cli import ONE_THREAD, start_server
 
 REPO = Path(__file__).resolve().parent.parent
 ORIGINAL_TEAM_DIR = Path(__file__).resolve().parent / "original_team"
@@ -117,15 +118,27 @@ def test_the_evaluator_runs_an_original_style_team(tmp_path, capsys):
                for t in TOWERS)
 
 
-def test_the_team_client_plays_an_original_style_team_in_the_original_protocol(tmp_path):
+def test_the_team_client_plays_an_original_style_team_in_the_original_protocol_without_websockets(tmp_path):
+    """The project's server in a process of its own; the team client, in the original protocol, where websockets
+    cannot be imported (as on a machine that has none)."""
+    shim = tmp_path / "shim" / "websockets"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('websockets is not installed here')\n")
+    server, port = start_server(["--preset", "tiny", "--seed", "0", "--symbols", "4", "--requests", "60", "--rate",
+                                 "100", "--timeout-s", "60", "--once", "--cache-dir", str(tmp_path / "cache")],
+                                tmp_path / "server.log")
     out = tmp_path / "summary.json"
-    result = subprocess.run([sys.executable, str(REPO / "team" / "example_model.py"), "--team-dir",
-                             str(ORIGINAL_TEAM_DIR), "--protocol", "tcp-json", "--preset", "tiny", "--symbols", "4",
-                             "--requests", "60", "--rate", "100", "--json", str(out)],
-                            cwd=tmp_path, env=ONE_THREAD, capture_output=True, text=True, timeout=300)
+    try:
+        result = subprocess.run([sys.executable, str(REPO / "team" / "example_model.py"), "--host", "127.0.0.1",
+                                 "--port", str(port), "--protocol", "tcp-json", "--team-dir", str(ORIGINAL_TEAM_DIR),
+                                 "--preset", "tiny", "--engine", "reference", "--device", "cpu", "--json", str(out)],
+                                cwd=tmp_path, env={**ONE_THREAD, "PYTHONPATH": str(shim.parent)},
+                                capture_output=True, text=True, timeout=300)
+        table, _ = server.communicate(timeout=60)
+    finally:
+        server.kill()
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["outcome"] == "complete" and summary["responses"] == 60 and summary["accuracy"] == 1.0
-    assert "playing tcp://127.0.0.1:" in result.stderr and "in the original protocol" in result.stderr
-    server = json.loads(result.stdout.split("server summary: ", 1)[1])
-    assert [(s["team"], s["responses"], s["accuracy"]) for s in server] == [("tcp-json:127.0.0.1", 60, 1.0)]
+    assert f"playing tcp://127.0.0.1:{port} in the original protocol" in result.stderr
+    assert re.search(r"^tcp-json:127\.0\.0\.1\s+60\s+60\s+0\s+0\s+0\s+1\.0000", table, re.M), table
