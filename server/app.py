@@ -211,7 +211,7 @@ class ScoringServer:
     # connections -------------------------------------------------------------------------------
     def _accept_original(self, transport):
         """An original-protocol connection: the same handling as a websocket one (server/original.py)."""
-        connection = OriginalConnection(transport, 2 * self.config.max_frame_bytes)
+        connection = OriginalConnection(transport, self.config.max_frame_bytes)
         self._original_connections[connection] = asyncio.create_task(self._handle_original(connection))
         return connection.protocol
 

@@ -82,7 +82,9 @@ class OriginalConnection:
     """One original-protocol client, seen by the server's logic as a websocket connection (see the module)."""
 
     def __init__(self, transport, max_line_bytes: int):
-        self._reader = asyncio.StreamReader(limit=max_line_bytes)
+        # As websockets does with frames: a line up to twice the limit is read and answered with an error, a longer
+        # one closes the connection.
+        self._reader = asyncio.StreamReader(limit=2 * max_line_bytes)
         # the asyncio protocol that takes the transport over from the sniffer
         self.protocol = asyncio.StreamReaderProtocol(self._reader)
         self.transport = transport
@@ -119,7 +121,9 @@ class OriginalConnection:
     def decode(self, line: bytes) -> dict:
         """The project's message of a client's line; ProtocolError when it is not one."""
         if self._overrun:
-            raise ProtocolError(f"line exceeds the limit of {self.max_line_bytes} bytes; closing the connection")
+            raise ProtocolError(f"line exceeds twice the limit of {self.max_line_bytes} bytes; closing the connection")
+        if len(line) > self.max_line_bytes:
+            raise ProtocolError(f"line of {len(line)} bytes exceeds the limit of {self.max_line_bytes} bytes")
         msg = original.from_original(original.decode_line(line), team=self.team)
         if msg is None:  # a stats_update: the server's own kind
             raise ProtocolError("a client does not send stats_update messages")

@@ -96,10 +96,11 @@ async def garbage_connection(port, lines):
 def test_an_original_client_plays_the_server_to_the_end():
     stream, targets = stand_in()
     garbage = [b'{"message_type": "heartbeat", "timestamp": 1.0}\n', b"{not json\n",
-               b'{"message_type": "launch"}\n', b'{"message_type": "register", "x": "' + b"y" * 3000 + b'"}\n']
+               b'{"message_type": "launch"}\n', b'{"message_type": "register", "x": "' + b"y" * 5000 + b'"}\n',
+               b'{"message_type": "register", "x": "' + b"y" * 9000 + b'"}\n']
 
     async def main():
-        server = ScoringServer(ServerConfig(rate=400.0, heartbeat_s=0.1, max_frame_bytes=1024), stream=stream,
+        server = ScoringServer(ServerConfig(rate=400.0, heartbeat_s=0.1, max_frame_bytes=4096), stream=stream,
                                targets=targets)
         port = await server.start()
         client = OriginalClient(port, targets)
@@ -119,12 +120,14 @@ def test_an_original_client_plays_the_server_to_the_end():
     summary = summaries[0]
     assert summary["responses"] == REQUESTS and summary["missed"] == summary["errors"] == 0
     assert summary["accuracy"] == 1.0 and summary["weights_match"] is None and summary["complete"]
-    assert scores["teams"][0]["team"] == "tcp-json:127.0.0.1" and scores["unregistered_errors"] == 4
-    assert [(r["error"], r["details"][:40]) for r in replies] == [
-        ("not_registered", "send register first, not heartbeat"),
-        ("protocol_error", "line is not JSON: Expecting property nam"),
-        ("protocol_error", "unknown message_type 'launch'; expected "),
-        ("protocol_error", "line exceeds the limit of 2048 bytes; cl")]
+    assert scores["teams"][0]["team"] == "tcp-json:127.0.0.1" and scores["unregistered_errors"] == 5
+    expected = [("not_registered", "send register first, not heartbeat"),
+                ("protocol_error", "line is not JSON: Expecting property name"),
+                ("protocol_error", "unknown message_type 'launch'; expected one of register, "),
+                ("protocol_error", "line of 5038 bytes exceeds the limit of 4096 bytes"),  # as a websocket frame's
+                ("protocol_error", "line exceeds twice the limit of 4096 bytes; closing the connection")]
+    assert [r["error"] for r in replies] == [code for code, _ in expected]
+    assert all(r["details"].startswith(details) for r, (_, details) in zip(replies, expected)), replies
     # every message as the event had it, and nothing the original client does not know
     for kind, fields in ORIGINAL_FIELDS.items():
         assert client.kinds(kind), kind
