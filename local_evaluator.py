@@ -23,7 +23,7 @@ import numpy as np
 from client import cli
 from client.accuracy import tower_errors
 from client.answers import check_answer
-from client.constants import ATOL
+from client.constants import ATOL, TARGET_SOURCES
 from client.engine.options import add_engine_arguments, engine_options
 from client.model.config import PRESETS, TOWER_NAMES
 from client import team_api
@@ -93,8 +93,10 @@ def setup(stream, preset: str, engine: str = "reference", weights: str | None = 
                               progress=progress and sys.stderr.isatty())
     from client.engine.sharded import ModelSpec
 
+    from client.original_team import as_runtime_client
+
     engine = make_engine(engine, model, device=device, spec=ModelSpec(preset, weights, seed), **(engine_options or {}))
-    return team_class(engine), targets, weights_fingerprint
+    return as_runtime_client(team_class(engine)), targets, weights_fingerprint
 
 
 def load_or_generate_stream(path: str | None = None, symbols: int = 6, requests: int = 300,
@@ -381,6 +383,9 @@ def parse_args(argv=None):
     ev.add_argument("--atol", type=float, default=ATOL,
                     help="tolerance for within_atol (default 1e-3)")
     ev.add_argument("--cache-dir", default=None, help="reference target cache (default: targets')")
+    ev.add_argument("--targets", choices=TARGET_SOURCES, default="model",
+                    help="score against the chosen weights' fp32 model (default) or the stream file's own targets; "
+                         "a file with targets is compared with the model either way")
     out = p.add_argument_group("output")
     out.add_argument("--json", help="write the summary here")
     out.add_argument("--profile", metavar="DIR", help="torch.profiler trace of a few steps into DIR; print top kernels")
@@ -399,9 +404,16 @@ def main(argv=None) -> int:
     if args.plot:
         require_matplotlib()  # fail before the run, not after it
     stream = load_or_generate_stream(args.stream, args.symbols, args.requests, args.stream_seed, args.rate)
+    from client.targets import check_targets_source, choose_targets, describe_targets
+
+    check_targets_source(stream, args.targets)
     client, targets, weights_fingerprint = setup(stream, args.preset, args.engine, args.weights, args.seed,
                                                  args.device, args.team_dir, args.cache_dir, progress=True,
                                                  engine_options=engine_options(args))
+    targets, comparison = choose_targets(stream, targets, args.targets, args.atol)
+    if comparison is not None:
+        model = f"preset {args.preset}, " + (f"weights {args.weights}" if args.weights else f"seed {args.seed}")
+        print(f"{PROG}: {describe_targets(comparison, args.targets, model)}", file=sys.stderr, flush=True)
     result = evaluate(client, stream, targets, batch_size=args.batch_size, atol=args.atol,
                       max_requests_per_symbol=args.max_requests_per_symbol,
                       profile_dir=args.profile, profile_steps=args.profile_steps, progress=True)
@@ -411,7 +423,8 @@ def main(argv=None) -> int:
     device = args.device or default_device()
     summary = public_result(result, preset=args.preset, engine=args.engine, device=device,
                             weights_fingerprint=weights_fingerprint, stream=args.stream or stream.meta,
-                            stream_fingerprint=stream_fingerprint(stream))
+                            stream_fingerprint=stream_fingerprint(stream),
+                            targets={"source": args.targets, "file_vs_model": comparison})
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot:

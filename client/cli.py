@@ -29,7 +29,8 @@ import traceback
 
 EXIT_OK = 0                  # done: for the team client, the stream was played to the end
 EXIT_BUG = 1                 # an unexpected error (rerun with --debug for the traceback)
-EXIT_USAGE = 2               # an ordinary mistake: bad option, missing file, unknown preset, port in use
+EXIT_USAGE = 2               # an ordinary mistake: bad option, missing file, unknown preset, port in use, the
+                             # server speaks the other --protocol
 EXIT_UNREACHABLE = 3         # the team client never reached the server
 EXIT_REFUSED = 4             # the server refused the team client (token, protocol version, team name)
 EXIT_WEIGHTS_MISMATCH = 5    # the server's model has other weights than the team client's
@@ -39,7 +40,7 @@ EXIT_INTERRUPTED = 130       # Ctrl-C (128 + SIGINT, as shells report it)
 EXIT_CODES = {  # code -> meaning, for --help epilogs and the README
     EXIT_OK: "played to the end (or done)",
     EXIT_BUG: "unexpected error (a bug: rerun with --debug for the traceback)",
-    EXIT_USAGE: "ordinary mistake (bad option, missing file, unknown preset, port in use, ...)",
+    EXIT_USAGE: "ordinary mistake (bad option, missing file, unknown preset, port in use, other --protocol, ...)",
     EXIT_UNREACHABLE: "server unreachable",
     EXIT_REFUSED: "refused by the server (token, protocol, team name)",
     EXIT_WEIGHTS_MISMATCH: "weights differ from the server's",
@@ -50,7 +51,7 @@ EXIT_CODES = {  # code -> meaning, for --help epilogs and the README
 # The team client's exit code for each outcome of client.runtime's StreamingClient.
 EXIT_BY_OUTCOME = {"complete": EXIT_OK, "unreachable": EXIT_UNREACHABLE, "refused": EXIT_REFUSED,
                    "weights_mismatch": EXIT_WEIGHTS_MISMATCH, "cut_short": EXIT_CUT_SHORT,
-                   "interrupted": EXIT_INTERRUPTED}
+                   "interrupted": EXIT_INTERRUPTED, "wrong_protocol": EXIT_USAGE}
 
 ORDINARY_ERRORS = (ValueError, OSError, ImportError)
 MAX_MESSAGE_CHARS = 400

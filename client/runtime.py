@@ -1,4 +1,4 @@
-"""The streaming client runtime: an asyncio websocket client around a team client's process_batch.
+"""The streaming client runtime: an asyncio client around a team client's process_batch.
 
 The event loop only receives, validates, queues and sends; a worker thread pulls micro-batches (client.scheduler:
 each waiting symbol's oldest requests, up to max_requests_per_symbol of a symbol, in the team client's format,
@@ -7,7 +7,8 @@ A team client with submit_batch is pipelined instead: a submitter thread forms a
 batch while the previous step still runs, and a completer thread collects the steps in submission
 order, so the host's per-step work overlaps the GPU's. Each step's predictions are sent as soon as
 they are ready. Per-symbol states live in the engine, so they survive reconnects; a bounded cache
-answers ids that the server resends after a reconnect without stepping the model twice.
+answers ids that the server resends after a reconnect without stepping the model twice. The server's protocol
+(websocket or the original event's tcp-json) is the transport's business (client/transport.py).
 """
 import asyncio
 import gc
@@ -18,10 +19,7 @@ import time
 from collections import OrderedDict, deque
 
 import numpy as np
-from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
-
-from client import protocol
+from client import protocol, transport
 from client.answers import check_answer
 from client.constants import NUM_TOWERS
 from client import team_api
@@ -39,7 +37,8 @@ REFUSED = "refused"                    # the server refused this client (token, 
 WEIGHTS_MISMATCH = "weights_mismatch"  # the server's model has other weights than this client's
 CUT_SHORT = "cut_short"                # connected, then the server went away or stopped before the end
 INTERRUPTED = "interrupted"            # stop() before the end (Ctrl-C in the team client)
-OUTCOMES = (COMPLETE, UNREACHABLE, REFUSED, WEIGHTS_MISMATCH, CUT_SHORT, INTERRUPTED)
+WRONG_PROTOCOL = "wrong_protocol"      # the server speaks the other protocol (websocket, tcp-json)
+OUTCOMES = (COMPLETE, UNREACHABLE, REFUSED, WEIGHTS_MISMATCH, CUT_SHORT, INTERRUPTED, WRONG_PROTOCOL)
 
 SWITCH_INTERVAL_S = 0.0002
 # Pipelined steps in flight: one running on the GPU and the next queued behind it. More would only add
@@ -129,7 +128,8 @@ class ClientStats:
 
 
 class StreamingClient:
-    """Plays a scoring server at `url` with the team client until the session ends.
+    """Plays a scoring server at `url` (ws://host:port, or tcp://host:port for the original protocol) with the team
+    client until the session ends.
 
     The team client needs process_batch(requests_by_symbol) -> {"unique_ids", "predictions"}; if it also
     has submit_batch(requests_by_symbol) -> an object whose result() gives that dict, steps are pipelined. A
@@ -143,6 +143,7 @@ class StreamingClient:
     - when the server refuses the client or closes with code 1000 (server stopped);
     - when the first connection fails for `connect_timeout_s` (a wrong host or port fails fast), or a lost
       connection cannot be made again for `give_up_after_s` (reconnects back off exponentially);
+    - when the server speaks the other protocol (the detail names the flag to pass);
     - at stop().
     The summary's "outcome" says which (one of OUTCOMES) and "detail" says it in words.
     """
@@ -287,16 +288,18 @@ class StreamingClient:
             window = self.connect_timeout_s if first else self.give_up_after_s
             remaining = window - (time.monotonic() - unreachable_since)
             try:
-                async with connect(self.url, max_size=protocol.MAX_FRAME_BYTES,
-                                   open_timeout=max(remaining, 0.1)) as ws:
+                async with await transport.connect(self.url, open_timeout=max(remaining, 0.1)) as ws:
                     delay = self.backoff_s
                     if await self._session(ws):
                         return
                     unreachable_since = time.monotonic()
-            except (OSError, TimeoutError, InvalidHandshake) as exc:
+            except transport.ProtocolMismatch as exc:
+                self._finish(WRONG_PROTOCOL, str(exc))
+                return
+            except transport.ConnectError as exc:
                 waited = time.monotonic() - unreachable_since
                 if waited >= window:
-                    reason = _connect_error(exc)
+                    reason = str(exc)
                     if first:
                         self._finish(UNREACHABLE, f"cannot reach {self.url} within {waited:.1f} s ({reason})")
                     else:
@@ -305,8 +308,6 @@ class StreamingClient:
                                                 f"({reason})")
                     return
                 log.info("connecting to %s failed (%s); retrying in %.2f s", self.url, exc, delay)
-            except InvalidURI as exc:
-                raise ValueError(f"bad server url {self.url!r}: {exc}") from None
             remaining = window - (time.monotonic() - unreachable_since)
             try:
                 await asyncio.wait_for(self._stop.wait(), min(delay, max(remaining, 0.0)))
@@ -316,17 +317,17 @@ class StreamingClient:
 
     async def _session(self, ws) -> bool:
         """Serve one connection; True when the session is over, False to reconnect."""
-        await ws.send(protocol.encode(protocol.register(
-            self.team, self.token, preset=self.preset, weights_fingerprint=self.weights_fingerprint,
-            allow_weights_mismatch=self.allow_weights_mismatch)))
         self.stats.connections += 1
         self._welcomed, self._refusal = False, None
         self._ws = ws
         heartbeat = asyncio.create_task(self._heartbeat(ws))
         try:
+            await ws.send(ws.encode(protocol.register(
+                self.team, self.token, preset=self.preset, weights_fingerprint=self.weights_fingerprint,
+                allow_weights_mismatch=self.allow_weights_mismatch)))
             async for frame in ws:
                 self._on_frame(ws, frame)
-        except ConnectionClosed:
+        except transport.ConnectionClosed:
             pass
         finally:
             heartbeat.cancel()
@@ -358,14 +359,14 @@ class StreamingClient:
         try:
             while True:
                 await asyncio.sleep(self.heartbeat_s)
-                await ws.send(protocol.encode(protocol.heartbeat(time.time())))
-        except ConnectionClosed:
+                await ws.send(ws.encode(protocol.heartbeat(time.time())))
+        except transport.ConnectionClosed:
             pass
 
     # ---- receiving (event loop thread) -----------------------------------------------------------
     def _on_frame(self, ws, frame):
         try:
-            msg = protocol.decode(frame)
+            msg = ws.decode(frame)
             kind = msg["type"]
             if kind == "inference_request":
                 self._on_request(ws, msg)
@@ -544,7 +545,9 @@ class StreamingClient:
 
     def _send(self, ws, msg):
         if ws is not None:
-            self._spawn(self._send_frame(ws, protocol.encode(msg)))
+            frame = ws.encode(msg)
+            if frame is not None:
+                self._spawn(self._send_frame(ws, frame))
 
     def _spawn(self, coro):
         task = self._loop.create_task(coro)
@@ -555,16 +558,5 @@ class StreamingClient:
     async def _send_frame(ws, frame):
         try:
             await ws.send(frame)
-        except ConnectionClosed:
+        except transport.ConnectionClosed:
             pass  # the server resends unanswered requests after the reconnect
-
-
-def _connect_error(exc) -> str:
-    """What a failed connect says, without the noise of OSError's errno prefix."""
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from client.constants import NUM_TOWERS
+from client.constants import NUM_TOWERS, TARGET_SOURCES, TOWER_NAMES
 from client.streams import Stream, stream_fingerprint
 
 
@@ -155,3 +155,46 @@ def _run_reference(model, stream: Stream, device: torch.device, progress: bool) 
         raise ValueError(f"the reference model gave a NaN or inf prediction at request row {row} "
                          f"(symbol {stream.symbols[row]}); {int(bad.sum())} bad rows in all")
     return targets
+
+
+# --------------------------------------------------------------------------- a stream file's own targets
+
+def compare_targets(file_targets: np.ndarray, model_targets: np.ndarray, atol: float) -> dict:
+    """How far a stream file's own targets are from the chosen weights' model: the max |file - model| per tower,
+    the fraction of predictions within atol, and whether all are (match)."""
+    diff = np.abs(np.asarray(file_targets, np.float64) - np.asarray(model_targets, np.float64))
+    return {"max_abs_diff": {name: float(diff[:, i].max()) for i, name in enumerate(TOWER_NAMES)},
+            "within_atol": float((diff <= atol).mean()), "atol": float(atol), "match": bool((diff <= atol).all())}
+
+
+def check_targets_source(stream: Stream, source: str) -> None:
+    """ValueError unless --targets `source` can be scored for this stream (before any targets are computed)."""
+    if source not in TARGET_SOURCES:
+        raise ValueError(f"--targets must be one of {', '.join(TARGET_SOURCES)}, got {source!r}")
+    if source == "file" and stream.targets is None:
+        raise ValueError("--targets file: the stream carries no targets (target_00..target_03 in a parquet file, "
+                         "`targets` in an .npz); use --targets model")
+
+
+def choose_targets(stream: Stream, model_targets: np.ndarray, source: str, atol: float):
+    """(the targets to score against, compare_targets of the stream's own or None when it carries none) for
+    --targets `source` (check_targets_source's errors)."""
+    check_targets_source(stream, source)
+    if stream.targets is None:
+        return model_targets, None
+    comparison = compare_targets(stream.targets, model_targets, atol)
+    return (stream.targets if source == "file" else model_targets), comparison
+
+
+def describe_targets(comparison: dict, source: str, model: str) -> str:
+    """One line: whether the stream's own targets match `model` (e.g. "preset tiny, seed 0"), and which are scored."""
+    worst = max(comparison["max_abs_diff"], key=comparison["max_abs_diff"].get)
+    per_tower = ", ".join(f"{name} {value:.1e}" for name, value in comparison["max_abs_diff"].items())
+    if comparison["match"]:
+        verdict = f"match the model ({model}) within atol {comparison['atol']:g}"
+    else:
+        verdict = (f"differ from the model ({model}): {100 * comparison['within_atol']:.1f}% within atol "
+                   f"{comparison['atol']:g}, worst on {worst}; other weights made them")
+    other = "model" if source == "file" else "file"
+    return (f"the stream's own targets {verdict} (max |file - model|: {per_tower}); scoring against the "
+            f"{'file' if source == 'file' else 'model'}'s (--targets {other} to score against the {other}'s)")

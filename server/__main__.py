@@ -9,7 +9,7 @@ from client import cli, event_loop
 from client.model.config import PRESETS
 from server.app import ScoringServer, ServerConfig
 from server.leaderboard import format_table
-from client.constants import ATOL
+from client.constants import ATOL, TARGET_SOURCES
 from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
 
 PROG = "python -m server"
@@ -39,14 +39,19 @@ def parse_args(argv=None) -> ServerConfig:
     parser.add_argument("--json", help="write the summary here")
     parser.add_argument("--device", help="device of the reference model (default cpu)")
     parser.add_argument("--cache-dir", help="targets cache directory")
+    parser.add_argument("--targets", choices=TARGET_SOURCES, default="model",
+                        help="score against the weights' fp32 model (default) or the --stream file's own targets; a "
+                             "file with targets is compared with the model either way")
     args = parser.parse_args(argv)
+    if args.targets == "file" and args.stream is None:
+        parser.error("--targets file needs --stream, a file that carries targets")
     try:
         return ServerConfig(host=args.host, port=args.port, preset=args.preset, weights=args.weights,
                             seed=args.seed, stream=args.stream, symbols=args.symbols, requests=args.requests,
                             stream_seed=args.stream_seed, rate=args.rate, speed=args.speed, atol=args.atol,
                             timeout_s=args.timeout_s, half_life_ms=args.half_life_ms, token=args.token,
                             once=args.once, json=args.json, device=args.device, cache_dir=args.cache_dir,
-                            progress=True)
+                            targets=args.targets, progress=True)
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -72,7 +77,8 @@ def check_port_free(host: str, port: int) -> None:
 async def serve(config: ServerConfig):
     server = ScoringServer(config)
     port = await server.start()
-    print(f"scoring server listening on ws://{config.host}:{port} (leaderboard http://{config.host}:{port}/)",
+    print(f"scoring server listening on ws://{config.host}:{port} (leaderboard http://{config.host}:{port}/; the "
+          f"original protocol, newline-delimited JSON over TCP, on the same port: tcp://{config.host}:{port})",
           flush=True)
     main = asyncio.current_task()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)

@@ -1,4 +1,5 @@
-"""The scoring server: websocket sessions per team plus a leaderboard over plain HTTP, one port."""
+"""The scoring server: sessions per team, in the websocket protocol or the original event's (newline-delimited JSON
+over TCP, server/original.py), plus a leaderboard over plain HTTP, one port."""
 import asyncio
 import json
 import logging
@@ -11,8 +12,9 @@ from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
 from client import protocol
+from server.original import OriginalConnection, sniffing_connections
 from server.leaderboard import leaderboard_row, mark_far_below, render_page
-from client.constants import ATOL
+from client.constants import ATOL, TARGET_SOURCES
 from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
 from server.session import TeamSession, send_offsets
 
@@ -41,6 +43,7 @@ class ServerConfig:
     json: str | None = None
     device: str | None = None
     cache_dir: str | None = None
+    targets: str = "model"  # score against the weights' model, or "file": the stream file's own targets
     token: str | None = None  # when set, register must carry it
     register_timeout_s: float = 10.0
     heartbeat_s: float = 5.0
@@ -64,6 +67,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if not self.atol >= 0:
             raise ValueError(f"atol must be non-negative, got {self.atol}")
+        if self.targets not in TARGET_SOURCES:
+            raise ValueError(f"targets must be one of {', '.join(TARGET_SOURCES)}, got {self.targets!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
 
@@ -79,11 +84,13 @@ class ScoringServer:
         self._stream = stream
         self._targets = None if targets is None else np.asarray(targets, dtype=np.float32)
         self.weights_fingerprint = weights_fingerprint
+        self.targets_comparison = None  # the stream file's own targets against the model's (client.targets)
         self._sessions: dict[str, TeamSession] = {}
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._first_registered = asyncio.Event()
         self._first: TeamSession | None = None
+        self._original_connections: dict[OriginalConnection, asyncio.Task] = {}
         self.unregistered_errors = 0
         self._server = None
 
@@ -92,13 +99,14 @@ class ScoringServer:
         """Load the reference model, the stream and its targets (through the targets cache)."""
         from client.model import load_model
         from client.streams import generate_stream, load_stream
-        from client.targets import compute_targets
+        from client.targets import check_targets_source, choose_targets, compute_targets, describe_targets
 
         cfg = self.config
         if self._stream is None:
             self._stream = (load_stream(cfg.stream) if cfg.stream is not None else
                             generate_stream(cfg.symbols, cfg.requests, cfg.stream_seed, rate=cfg.rate))
         if self._targets is None:
+            check_targets_source(self._stream, cfg.targets)
             if cfg.progress:
                 weights = cfg.weights or f"seed {cfg.seed}"
                 print(f"loading preset {cfg.preset} ({weights}) for the reference targets of "
@@ -106,9 +114,16 @@ class ScoringServer:
             model, fingerprint = load_model(cfg.preset, weights=cfg.weights, seed=cfg.seed,
                                             device=cfg.device or "cpu")
             self.weights_fingerprint = fingerprint
-            self._targets = np.asarray(compute_targets(model, self._stream, fingerprint, device=cfg.device,
-                                                       cache_dir=cfg.cache_dir, progress=cfg.progress),
-                                       dtype=np.float32)
+            model_targets = compute_targets(model, self._stream, fingerprint, device=cfg.device,
+                                            cache_dir=cfg.cache_dir, progress=cfg.progress)
+            targets, self.targets_comparison = choose_targets(self._stream, model_targets, cfg.targets, cfg.atol)
+            self._targets = np.asarray(targets, dtype=np.float32)
+            if self.targets_comparison is not None:
+                weights = f"weights {cfg.weights}" if cfg.weights else f"seed {cfg.seed}"
+                line = describe_targets(self.targets_comparison, cfg.targets, f"preset {cfg.preset}, {weights}")
+                log.info("%s", line)
+                if cfg.progress:
+                    print(line, file=sys.stderr, flush=True)
 
     async def start(self) -> int:
         """Prepare the stream and targets, then listen; returns the bound port."""
@@ -129,7 +144,9 @@ class ScoringServer:
         # through to be answered with an error
         try:
             self._server = await serve(self._handle, self.config.host, self.config.port,
-                                       process_request=self._http, max_size=2 * self.config.max_frame_bytes)
+                                       process_request=self._http, max_size=2 * self.config.max_frame_bytes,
+                                       create_connection=sniffing_connections(self._accept_original,
+                                                                              self.config.register_timeout_s))
         except OSError as exc:
             raise OSError(f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}; "
                           f"is another server there? stop it or choose another port") from exc
@@ -152,7 +169,9 @@ class ScoringServer:
             # 1000 tells clients the session is over (websockets' own close says 1001, "going away",
             # which a client takes as a reason to reconnect)
             await asyncio.gather(*(ws.close(1000, "server stopped") for ws in list(self._server.connections)),
+                                 *(conn.close(1000, "server stopped") for conn in list(self._original_connections)),
                                  return_exceptions=True)
+            await asyncio.gather(*self._original_connections.values(), return_exceptions=True)
             self._server.close()
             await self._server.wait_closed()
 
@@ -171,6 +190,7 @@ class ScoringServer:
         return {"time": time.time(), "teams": teams, "unregistered_errors": self.unregistered_errors,
                 "stream": {"requests": len(self._symbols), "symbols": self._num_symbols},
                 "model": {"preset": cfg.preset, "weights_fingerprint": self.weights_fingerprint},
+                "targets": {"source": cfg.targets, "file_vs_model": self.targets_comparison},
                 "scoring": {"atol": cfg.atol, "half_life_ms": cfg.half_life_ms, "timeout_s": cfg.timeout_s}}
 
     def _http(self, connection, request):
@@ -188,7 +208,25 @@ class ScoringServer:
         response.headers["Cache-Control"] = "no-store"
         return response
 
-    # websocket connections ---------------------------------------------------------------------
+    # connections -------------------------------------------------------------------------------
+    def _accept_original(self, transport):
+        """An original-protocol connection: the same handling as a websocket one (server/original.py)."""
+        connection = OriginalConnection(transport, self.config.max_frame_bytes)
+        self._original_connections[connection] = asyncio.create_task(self._handle_original(connection))
+        return connection.protocol
+
+    async def _handle_original(self, connection):
+        try:
+            await self._handle(connection)
+        finally:  # as websockets closes a connection once its handler returns
+            await connection.close()
+            del self._original_connections[connection]
+
+    def _decode(self, ws, frame) -> dict:
+        if isinstance(ws, OriginalConnection):
+            return ws.decode(frame)
+        return protocol.decode(frame, self.config.max_frame_bytes)
+
     async def _handle(self, ws):
         session = None
         heartbeats = asyncio.create_task(self._heartbeats(ws))
@@ -230,7 +268,7 @@ class ScoringServer:
                 await ws.close(1008, "register first")
                 return None
             try:
-                msg = protocol.decode(frame, self.config.max_frame_bytes)
+                msg = self._decode(ws, frame)
             except protocol.ProtocolError as exc:
                 self.unregistered_errors += 1
                 await self._send_error(ws, "protocol_error", str(exc))
@@ -308,7 +346,7 @@ class ScoringServer:
 
     async def _on_message(self, session, ws, frame, received):
         try:
-            msg = protocol.decode(frame, self.config.max_frame_bytes)
+            msg = self._decode(ws, frame)
             kind = msg["type"]
             if kind == "inference_response":
                 ids, predictions = protocol.parse_inference_response(msg)

@@ -80,6 +80,18 @@ def _team_row(rank, row, server_fingerprint):
             f'<td class="note">{html.escape(_note(row))}</td></tr>')
 
 
+def _targets_sentence(targets: dict) -> str:
+    """Which targets are scored, when the stream file carries its own (else the model's, as the page says)."""
+    comparison = targets.get("file_vs_model")
+    if comparison is None:
+        return ""
+    worst = max(comparison["max_abs_diff"].values())
+    agreement = "match" if comparison["match"] else "differ from"
+    whose = "the stream file's own" if targets["source"] == "file" else "this model's"
+    return (f" Targets: {whose}; the file's own {agreement} the model's (max difference {worst:.1e}, atol "
+            f"{comparison['atol']:g}).")
+
+
 def render_page(scores: dict) -> str:
     """A self-refreshing HTML page, rendered on the server so it needs no script."""
     model, stream, scoring = scores["model"], scores["stream"], scores["scoring"]
@@ -87,6 +99,7 @@ def render_page(scores: dict) -> str:
     rows = [_team_row(rank, row, model["weights_fingerprint"]) for rank, row in enumerate(scores["teams"], 1)]
     body = "\n".join(rows) or f'<tr><td colspan="{len(_HEADINGS)}">no team has registered yet</td></tr>'
     weights = model["weights_fingerprint"] or "not known"
+    targets = _targets_sentence(scores["targets"])
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">
 <title>Leaderboard</title>
@@ -97,8 +110,8 @@ td.note{{text-align:left}}
 .ok,.finished{{color:#070}} .playing{{color:#05a}} .disconnected,.unknown{{color:#777}}
 .bad{{color:#b00;font-weight:bold}} tr.far-below{{background:#fee}} p{{max-width:60em}}</style>
 </head><body><h1>Leaderboard</h1>
-<p id="model">Model: preset {html.escape(model["preset"])}, weights {html.escape(weights)}. Each team plays
-{stream["requests"]} requests over {stream["symbols"]} symbols.</p>
+<p id="model">Model: preset {html.escape(model["preset"])}, weights {html.escape(weights)}.{targets} Each team
+plays {stream["requests"]} requests over {stream["symbols"]} symbols.</p>
 <p id="pnl">PnL: each request answered within {scoring["timeout_s"]:g} s earns (correct towers / 4) &times;
 0.5<sup>latency ms / {scoring["half_life_ms"]:g}</sup>, a tower being correct within {scoring["atol"]:g} of the
 reference model, and a missed request earns 0; a team's PnL is the sum over its requests.</p>

@@ -1,6 +1,7 @@
 """The team's client: `process_batch` is the one place a team changes; main() plays a scoring server.
 
     python team/example_model.py --host H --port P      # play a running server
+    python team/example_model.py --host H --port P --protocol tcp-json   # ... one of the original event's protocol
     python team/example_model.py --preset tiny           # start the project's server in-process and play it
 """
 import os
@@ -22,6 +23,7 @@ from client.engine import ENGINES, Engine, make_engine  # noqa: E402
 from client.engine.options import add_engine_arguments, engine_options  # noqa: E402
 from client.engine.base import NUM_TOWERS, PendingStep  # noqa: E402
 from client.model.config import PRESETS  # noqa: E402
+from client.transport import PROTOCOLS  # noqa: E402
 
 
 class ExampleModel:
@@ -89,6 +91,12 @@ def parse_args(argv=None):
                                                                     for code, meaning in cli.EXIT_CODES.items()))
     parser.add_argument("--host", help="server host; without it, start the project's server in-process")
     parser.add_argument("--port", type=int, help="server port (required with --host)")
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="websocket",
+                        help="the server's protocol: the project's websocket (default) or the original event's "
+                             "newline-delimited JSON over TCP (tcp-json); the project's server speaks both")
+    parser.add_argument("--team-dir", metavar="DIR",
+                        help="play the ExampleModel of DIR/example_model.py (the project's or the original event's "
+                             "style) instead of this file's")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: full with CUDA, else tiny)")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--weights", type=cli.existing_file,
@@ -114,6 +122,9 @@ def parse_args(argv=None):
         parser.error("--symbols and --requests must be positive")
     if args.rate is not None and args.rate <= 0:
         parser.error("--rate must be positive")
+    if args.protocol == "tcp-json" and args.token is not None:
+        parser.error("--token: the original protocol (tcp-json) has no field to carry it; a server that wants a "
+                     "token needs --protocol websocket")
     if args.preset is None:
         args.preset = "full" if cuda else "tiny"
         print(f"--preset not given: using {args.preset} ({'CUDA present' if cuda else 'no CUDA'})", file=sys.stderr)
@@ -151,6 +162,9 @@ def _stop_on_ctrl_c(client) -> bool:
 
 
 def _describe_welcome(url, args, welcome) -> str:
+    if args.protocol == "tcp-json":  # the original protocol has no welcome: the runtime made one up
+        return (f"playing {url} in the original protocol, as the team the server names (it registers no name); "
+                f"the server's model is not said, weights not compared; engine {args.engine}, device {args.device}")
     match = {True: "the same as this client's", None: "not compared",
              False: "OTHER than this client's (played anyway: --allow-weights-mismatch)"}[welcome["weights_match"]]
     return (f"playing {url} as team {args.team!r}: {welcome['requests']} requests over {welcome['symbols']} "
@@ -161,7 +175,9 @@ def _describe_welcome(url, args, welcome) -> str:
 async def play(args) -> tuple[dict, list[dict] | None]:
     """Play the server given by args (or an embedded one); return (client summary, server summaries)."""
     from client.model import load_model
+    from client.original_team import as_runtime_client
     from client.runtime import StreamingClient
+    from client.transport import server_url
 
     if args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         import torch
@@ -176,7 +192,13 @@ async def play(args) -> tuple[dict, list[dict] | None]:
     from client.engine.sharded import ModelSpec
 
     spec = ModelSpec(args.preset, args.weights, args.seed)
-    team_client = ExampleModel(make_engine(args.engine, model, device=args.device, spec=spec, **engine_options(args)))
+    team_class = ExampleModel
+    if args.team_dir is not None:
+        from local_evaluator import load_team_class
+
+        team_class = load_team_class(args.team_dir)
+    team_client = as_runtime_client(team_class(make_engine(args.engine, model, device=args.device, spec=spec,
+                                                           **engine_options(args))))
     server = None
     if args.host is None:
         from server.app import ScoringServer, ServerConfig
@@ -184,10 +206,9 @@ async def play(args) -> tuple[dict, list[dict] | None]:
         server = ScoringServer(ServerConfig(host="127.0.0.1", port=0, preset=args.preset, weights=args.weights,
                                             seed=args.seed, symbols=args.symbols, requests=args.requests,
                                             rate=args.rate, device=args.device))
-        port = await server.start()
-        url = f"ws://127.0.0.1:{port}"
+        url = server_url(args.protocol, "127.0.0.1", await server.start())
     else:
-        url = f"ws://{args.host}:{args.port}"
+        url = server_url(args.protocol, args.host, args.port)
     client = StreamingClient(team_client, url, args.team, args.token, preset=args.preset,
                              weights_fingerprint=fingerprint, allow_weights_mismatch=args.allow_weights_mismatch,
                              leave_at_end=True, max_requests_per_symbol=args.max_requests_per_symbol,

@@ -39,6 +39,8 @@ def test_process_batch_maps_ids_to_predictions_in_symbol_order():
     (["--rate", "-5"], "--rate must be positive"),
     (["--engine", "slow"], "invalid choice"),
     (["--preset", "huge"], "invalid choice"),
+    (["--protocol", "udp"], "invalid choice"),
+    (["--protocol", "tcp-json", "--token", "t"], "the original protocol (tcp-json) has no field to carry it"),
 ])
 def test_bad_options_exit_with_a_message(argv, match, capsys):
     with pytest.raises(SystemExit):

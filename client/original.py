@@ -1,0 +1,181 @@
+"""The original event's wire protocol, and its translation to and from the project's messages.
+
+On the wire: one plain TCP connection per client; each message is one JSON object (UTF-8) followed by a newline,
+with a ``message_type`` field naming its kind (../shared/reference/FACTS.md, "The original protocol"):
+
+- ``register`` (client to server, first): no other field. The project's server names such a team by its address.
+- ``inference_request`` (server to client): unique_ids [int], symbols [str], features [[float]] (79 a request),
+  timestamp (server send time, s).
+- ``inference_response`` (client to server): unique_ids [int], predictions [[float]] (4 a request, tower order),
+  client_timestamp.
+- ``score_update`` (server to client): unique_ids, trade_pnls, accuracies (fraction of towers correct),
+  latencies_ms.
+- ``heartbeat`` (both ways): timestamp. ``error`` (both ways): error (text), details (text or null).
+- ``stats_update`` (server to client): its fields were never public. The project's server sends one when a team's
+  stream is over: {complete: true, requests: N}, the original's counterpart of the project's ``end``.
+
+The project's server also says why before it closes a connection, as the websocket protocol's close frame would:
+an ``error`` {error: "closing", details: "<close code> <reason>"}. An original client prints it and goes on.
+
+``to_original`` and ``from_original`` translate between a project message (client/protocol.py's dicts, with
+``type``) and an original object, in either direction, so that the server's and the runtime's logic handle one
+kind of message. Reading a line checks it as client/protocol.py checks a frame: a ProtocolError says what is wrong.
+Imports no torch and no websockets.
+"""
+import json
+import math
+
+import numpy as np
+
+from client import protocol
+from client.constants import NUM_FEATURES, NUM_TOWERS
+from client.protocol import ProtocolError
+
+CLOSING = "closing"  # the error kind that carries a closing connection's code and reason
+ORIGINAL_KINDS = ("register", "inference_request", "inference_response", "score_update", "heartbeat", "error",
+                  "stats_update")
+# A line from a server may hold a whole burst of requests in JSON's decimal text (about 1.6 kB a request).
+MAX_LINE_BYTES = 64 * 1024 * 1024
+
+
+def encode_line(obj: dict) -> bytes:
+    """One original message: compact JSON and a newline."""
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def decode_line(line: bytes) -> dict:
+    """The JSON object of one line, with a known message_type; raises ProtocolError saying what is wrong."""
+    try:
+        obj = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"line is not JSON: {exc}; send one JSON object per line") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"line must hold a JSON object, got {type(obj).__name__}")
+    kind = obj.get("message_type")
+    if kind not in ORIGINAL_KINDS:
+        raise ProtocolError(f"unknown message_type {kind!r}; expected one of {', '.join(ORIGINAL_KINDS)}")
+    return obj
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _field(obj, name, check, expected, default=None, required=True):
+    if name not in obj:
+        if required:
+            raise ProtocolError(f"{obj['message_type']}: missing field {name!r}")
+        return default
+    value = obj[name]
+    if not check(value):
+        raise ProtocolError(f"{obj['message_type']}: field {name!r} must be {expected}, got {type(value).__name__}")
+    return value
+
+
+def _list_of(check):
+    return lambda value: isinstance(value, list) and all(check(v) for v in value)
+
+
+_ints = _list_of(lambda v: isinstance(v, int) and not isinstance(v, bool))
+_strs = _list_of(lambda v: isinstance(v, str))
+_numbers = _list_of(_is_number)
+
+
+def _rows(obj, name, width) -> list:
+    rows = _field(obj, name, lambda v: isinstance(v, list), "a list of lists of numbers")
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == width and all(_is_number(v) for v in row)):
+            raise ProtocolError(f"{obj['message_type']}: each row of {name!r} must be a list of {width} numbers")
+    return rows
+
+
+def from_original(obj: dict, team: str = "") -> dict:
+    """The project's message for an original object (decoded by decode_line); `team` names a register's team.
+
+    A stats_update that does not say the stream is complete has no project counterpart: None."""
+    kind = obj["message_type"]
+    if kind == "register":
+        return protocol.register(team)
+    if kind == "inference_request":
+        ids = _field(obj, "unique_ids", _ints, "a list of integers")
+        symbols = _field(obj, "symbols", _strs, "a list of strings")
+        features = _rows(obj, "features", NUM_FEATURES)
+        timestamp = _field(obj, "timestamp", _is_number, "a number")
+        if not len(ids) == len(symbols) == len(features):
+            raise ProtocolError(f"inference_request: {len(ids)} unique_ids, {len(symbols)} symbols and "
+                                f"{len(features)} feature rows")
+        rows = np.array(features, dtype=np.float32).reshape(len(ids), NUM_FEATURES)
+        return protocol.inference_request(ids, symbols, rows, timestamp)
+    if kind == "inference_response":
+        ids = _field(obj, "unique_ids", _ints, "a list of integers")
+        predictions = _rows(obj, "predictions", NUM_TOWERS)
+        client_timestamp = _field(obj, "client_timestamp", _is_number, "a number", default=0.0, required=False)
+        if len(ids) != len(predictions):
+            raise ProtocolError(f"inference_response: {len(ids)} unique_ids but {len(predictions)} predictions")
+        return {"type": "inference_response", "unique_ids": ids, "predictions": predictions,
+                "client_timestamp": client_timestamp}
+    if kind == "score_update":
+        ids = _field(obj, "unique_ids", _ints, "a list of integers")
+        pnls = _field(obj, "trade_pnls", _numbers, "a list of numbers")
+        accuracies = _field(obj, "accuracies", _numbers, "a list of numbers")
+        latencies = _field(obj, "latencies_ms", _numbers, "a list of numbers")
+        if not all(0.0 <= a <= 1.0 for a in accuracies):
+            raise ProtocolError("score_update: accuracies must be fractions of the towers, in 0..1")
+        if not len(ids) == len(pnls) == len(accuracies) == len(latencies):
+            raise ProtocolError(f"score_update: lengths differ: {len(ids)} ids, {len(pnls)} trade_pnls, "
+                                f"{len(accuracies)} accuracies, {len(latencies)} latencies")
+        return protocol.score_update(ids, pnls, [round(a * NUM_TOWERS) for a in accuracies], latencies)
+    if kind == "heartbeat":
+        timestamp = _field(obj, "timestamp", lambda v: _is_number(v) and math.isfinite(v), "a finite number")
+        return protocol.heartbeat(timestamp)
+    if kind == "error":
+        error = _field(obj, "error", lambda v: isinstance(v, str), "a string")
+        details = _field(obj, "details", lambda v: v is None or isinstance(v, str), "a string or null",
+                         required=False)
+        return protocol.error(error, details or "")
+    # stats_update
+    if _field(obj, "complete", lambda v: isinstance(v, bool), "a boolean", default=False, required=False):
+        return protocol.end(_field(obj, "requests", lambda v: isinstance(v, int) and not isinstance(v, bool),
+                                   "an integer"))
+    return None
+
+
+def to_original(msg: dict) -> dict | None:
+    """The original object for a project message; None for one the original protocol has no kind for (welcome:
+    an original client is not told it registered)."""
+    kind = msg["type"]
+    if kind == "register":  # no team, token or fingerprint: the original's register has no other field
+        return {"message_type": "register"}
+    if kind == "inference_request":
+        features = np.frombuffer(msg["features"], dtype="<f4").reshape(-1, NUM_FEATURES)
+        return {"message_type": "inference_request", "unique_ids": msg["unique_ids"], "symbols": msg["symbols"],
+                "features": features.tolist(), "timestamp": msg["timestamp"]}
+    if kind == "inference_response":
+        predictions = msg["predictions"]
+        if isinstance(predictions, bytes):
+            predictions = np.frombuffer(predictions, dtype="<f4").reshape(-1, NUM_TOWERS).tolist()
+        return {"message_type": "inference_response", "unique_ids": msg["unique_ids"], "predictions": predictions,
+                "client_timestamp": msg["client_timestamp"]}
+    if kind == "score_update":
+        return {"message_type": "score_update", "unique_ids": msg["unique_ids"], "trade_pnls": msg["pnls"],
+                "accuracies": [c / NUM_TOWERS for c in msg["correct"]], "latencies_ms": msg["latencies_ms"]}
+    if kind == "heartbeat":
+        return {"message_type": "heartbeat", "timestamp": msg["timestamp"]}
+    if kind == "error":
+        return {"message_type": "error", "error": msg["error"], "details": msg["details"]}
+    if kind == "end":
+        return {"message_type": "stats_update", "complete": True, "requests": msg["requests"]}
+    if kind == "welcome":
+        return None
+    raise ValueError(f"no original counterpart for a project message of type {kind!r}")
+
+
+def closing(code: int, reason: str) -> dict:
+    """The error a server sends before it closes a connection: what a websocket close frame says."""
+    return {"message_type": "error", "error": CLOSING, "details": f"{int(code)} {reason}"}
+
+
+def parse_closing(details: str) -> tuple[int | None, str]:
+    """(close code, reason) of a closing error's details; code None when they do not start with one."""
+    code, _, reason = (details or "").partition(" ")
+    return (int(code), reason) if code.isdigit() else (None, details or "")

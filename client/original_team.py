@@ -1,0 +1,109 @@
+"""Team code written for the original event: its names, and the adapter that runs its process_batch here.
+
+A team file in the event's style subclasses BaseInferenceClient and answers
+
+    process_batch(requests_by_symbol: Dict[str, List[PendingRequest]]) -> InferenceResponse
+
+with each symbol's queued requests in arrival order (several a symbol), answering them in any order. The team
+client (`--team-dir`) and the local evaluator construct its ExampleModel with the engine, as they do the project's
+own (it is `self.engine`), and present it to the runtime through OriginalStyleClient: a client that takes
+lists of requests a symbol (``requests_per_symbol = "many"``: the runtime's batches, {symbol: [(unique_id,
+features), ...]}), builds the PendingRequests, and turns the InferenceResponse into the runtime's answer. The
+runtime keeps its per-symbol order and its batching; a subclass that also has submit_batch (the same input, an
+object whose result() is the InferenceResponse) is pipelined as the project's example is.
+
+Imports no torch: `from client import BaseInferenceClient, PendingRequest, InferenceResponse` stays light.
+"""
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import numpy as np
+
+from client import team_api
+from client.constants import NUM_TOWERS
+from client.engine.base import PendingStep
+
+
+@dataclass
+class PendingRequest:
+    """One request waiting for its answer: its id, its symbol and its 79 features, as the wire carried them."""
+    unique_id: int
+    symbol: str
+    features: List[float]
+
+
+@dataclass
+class InferenceResponse:
+    """What process_batch answers: predictions[i] (4 floats, tower order xLSTM, Mamba2, RetNet, Hawk) for
+    unique_ids[i], in any order."""
+    unique_ids: List[int]
+    predictions: List[List[float]]
+    client_timestamp: float = field(default_factory=time.time)
+
+
+class BaseInferenceClient(ABC):
+    """The event's team-client base class. Subclass it and write process_batch; `self.engine` is the model the
+    team client or the evaluator was started with (client/engine: step(symbols, features) -> predictions)."""
+
+    def __init__(self, engine=None):
+        self.engine = engine
+
+    @abstractmethod
+    def process_batch(self, requests_by_symbol: Dict[str, List[PendingRequest]]) -> InferenceResponse:
+        """Each symbol's queued requests, oldest first -> an InferenceResponse answering every one of them."""
+
+
+def as_runtime_client(team_client):
+    """The client the runtime and the evaluator call: team code in the event's style through the adapter, the
+    project's own as it is."""
+    return OriginalStyleClient(team_client) if isinstance(team_client, BaseInferenceClient) else team_client
+
+
+class OriginalStyleClient:
+    """Presents a BaseInferenceClient to the runtime as a client that takes lists of requests a symbol."""
+
+    requests_per_symbol = team_api.MANY
+
+    def __init__(self, team_client: BaseInferenceClient):
+        self.team_client = team_client
+        if callable(getattr(team_client, "submit_batch", None)):
+            self.submit_batch = self._submit_batch  # the runtime pipelines a client that has it
+
+    def process_batch(self, requests_by_symbol) -> dict:
+        batch = pending_requests(requests_by_symbol)
+        return runtime_answer(batch, self.team_client.process_batch(batch))
+
+    def _submit_batch(self, requests_by_symbol) -> PendingStep:
+        batch = pending_requests(requests_by_symbol)
+        pending = self.team_client.submit_batch(batch)
+        return PendingStep(lambda: runtime_answer(batch, pending.result()))
+
+
+def pending_requests(requests_by_symbol) -> Dict[str, List[PendingRequest]]:
+    """{symbol: [PendingRequest, ...]} of a batch in either of client/team_api.py's formats."""
+    return {symbol: [PendingRequest(int(uid), symbol, np.asarray(features, dtype=np.float32).tolist())
+                     for uid, features in team_api.queued(queue)]
+            for symbol, queue in requests_by_symbol.items()}
+
+
+def runtime_answer(batch: Dict[str, List[PendingRequest]], response) -> dict:
+    """The runtime's {"unique_ids", "predictions" float32 [n, 4], "errors"} of an InferenceResponse to `batch`: a
+    request it left out is an error (the others are answered); an id it was not given, or gave twice, is the team
+    code's mistake."""
+    try:
+        ids = [int(uid) for uid in response.unique_ids]
+        predictions = np.asarray(response.predictions, dtype=np.float32).reshape(len(ids), NUM_TOWERS)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(f"process_batch must return InferenceResponse(unique_ids, predictions [n][{NUM_TOWERS}]), "
+                         f"got {type(response).__name__}: {exc}") from None
+    given = [request.unique_id for requests in batch.values() for request in requests]
+    unknown = sorted(set(ids) - set(given))
+    repeated = sorted({uid for uid in ids if ids.count(uid) > 1}) if len(set(ids)) != len(ids) else []
+    if unknown or repeated:
+        raise ValueError(f"process_batch answered ids it was not given {unknown[:5]} or answered twice "
+                         f"{repeated[:5]}")
+    answered = set(ids)
+    errors = {uid: "process_batch did not answer it" for uid in given if uid not in answered}
+    return {"unique_ids": ids, "predictions": predictions, "errors": errors}

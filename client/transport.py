@@ -1,0 +1,216 @@
+"""How the runtime reaches a server: a transport connects and carries the project's messages over one wire format.
+
+Two protocols, chosen by the server url's scheme:
+
+- ``ws://host:port`` (``--protocol websocket``): the project's own, msgpack maps in binary websocket frames
+  (client/protocol.py; client/websocket_transport.py, which alone imports websockets);
+- ``tcp://host:port`` (``--protocol tcp-json``): the original event's, newline-delimited JSON over TCP
+  (client/original.py), translated to and from the project's messages, so that the runtime's session logic is one.
+
+A Connection's frames go through ``decode(frame) -> message`` (a ProtocolError says what is wrong) and
+``encode(message) -> frame`` (None: the protocol has no such message, nothing to send). Iterating a connection gives
+the server's frames until it closes; ``close_code`` and ``close_reason`` then say why, as a websocket close frame
+does. A server that speaks the other protocol raises ProtocolMismatch, whose message names the flag to pass.
+"""
+import asyncio
+from abc import ABC, abstractmethod
+from urllib.parse import urlsplit
+
+from client import original
+from client.protocol import ProtocolError
+
+PROTOCOLS = ("websocket", "tcp-json")
+_SCHEME_OF = {"websocket": "ws", "tcp-json": "tcp"}
+_PROTOCOL_OF = {"ws": "websocket", "wss": "websocket", "tcp": "tcp-json"}
+PROBE_TIMEOUT_S = 1.0
+_HTTP_PROBE = b"GET / HTTP/1.1\r\nHost: probe\r\n\r\n"
+
+
+class ConnectError(Exception):
+    """The connection could not be made (refused, timed out, no valid answer); the message says why."""
+
+
+class ConnectionClosed(Exception):
+    """A send on a connection that is closed."""
+
+
+class ProtocolMismatch(Exception):
+    """The server speaks the other protocol; the message says which and the flag to pass."""
+
+
+def server_url(protocol_name: str, host: str, port: int) -> str:
+    if protocol_name not in _SCHEME_OF:
+        raise ValueError(f"unknown protocol {protocol_name!r}; choose one of {', '.join(PROTOCOLS)}")
+    host = f"[{host}]" if ":" in host else host
+    return f"{_SCHEME_OF[protocol_name]}://{host}:{port}"
+
+
+def protocol_of(url: str) -> str:
+    """The protocol a server url names by its scheme; ValueError for any other url."""
+    scheme = urlsplit(url).scheme
+    if scheme not in _PROTOCOL_OF:
+        raise ValueError(f"bad server url {url!r}: its scheme must be one of ws, wss (websocket) or tcp (tcp-json)")
+    return _PROTOCOL_OF[scheme]
+
+
+def mismatch(url: str, speaks: str) -> ProtocolMismatch:
+    flag = "tcp-json" if speaks == "tcp-json" else "websocket"
+    described = {"tcp-json": "the original protocol (newline-delimited JSON over TCP)",
+                 "websocket": "HTTP (the websocket protocol)"}[speaks]
+    return ProtocolMismatch(f"the server at {url} answers in {described}; pass --protocol {flag}")
+
+
+class Connection(ABC):
+    """One connection to a server, in one protocol (see the module)."""
+
+    close_code: int | None = None
+    close_reason: str = ""
+
+    @abstractmethod
+    def encode(self, msg: dict):
+        """The frame of a project message, or None when this protocol has no such message."""
+
+    @abstractmethod
+    def decode(self, frame) -> dict:
+        """The project message of a frame the server sent; ProtocolError when it is not one."""
+
+    @abstractmethod
+    async def send(self, frame) -> None:
+        """Send one frame; ConnectionClosed when the connection is closed."""
+
+    @abstractmethod
+    def __aiter__(self):
+        """The server's frames until the connection closes (ProtocolMismatch: the server speaks the other one)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Close the connection (nothing when it is closed already)."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info):
+        await self.close()
+
+
+async def connect(url: str, open_timeout: float) -> Connection:
+    """A connection to the server at url in the protocol its scheme names (ConnectError, ProtocolMismatch)."""
+    if protocol_of(url) == "websocket":
+        from client.websocket_transport import connect_websocket  # websockets is imported for this protocol only
+
+        return await connect_websocket(url, open_timeout)
+    return await TcpJsonConnection.open(url, open_timeout)
+
+
+async def first_bytes(host: str, port: int, send: bytes, timeout_s: float = PROBE_TIMEOUT_S) -> bytes:
+    """What a server answers first to `send` on a fresh connection (b"" when it says nothing in time)."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, TimeoutError):
+        return b""
+    try:
+        writer.write(send)
+        return await asyncio.wait_for(reader.read(64), timeout_s)
+    except (OSError, TimeoutError):
+        return b""
+    finally:
+        writer.close()
+
+
+def answers_http(answer: bytes) -> bool:
+    return answer.startswith(b"HTTP/")
+
+
+def answers_json_lines(answer: bytes) -> bool:
+    return answer.lstrip().startswith(b"{")
+
+
+class TcpJsonConnection(Connection):
+    """The original protocol: JSON lines over TCP. Its frames are project messages already decoded (or the
+    ProtocolError of a line that was not one), since a welcome is made up before the server's first message: the
+    original protocol has none, and the runtime takes an error before it for a refusal."""
+
+    def __init__(self, url, host, port, reader, writer):
+        self.url, self.host, self.port = url, host, port
+        self._reader, self._writer = reader, writer
+        self._lines_read = 0
+        self._welcomed = False
+
+    @classmethod
+    async def open(cls, url: str, open_timeout: float) -> "TcpJsonConnection":
+        parts = urlsplit(url)
+        if parts.hostname is None or parts.port is None:
+            raise ValueError(f"bad server url {url!r}: it needs a host and a port, as tcp://host:port")
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname, parts.port, limit=original.MAX_LINE_BYTES), open_timeout)
+        except TimeoutError:
+            raise ConnectError("timed out") from None
+        except OSError as exc:
+            raise ConnectError(exc.strerror or str(exc) or type(exc).__name__) from None
+        return cls(url, parts.hostname, parts.port, reader, writer)
+
+    def encode(self, msg: dict):
+        obj = original.to_original(msg)
+        return None if obj is None else original.encode_line(obj)
+
+    def decode(self, frame) -> dict:
+        if isinstance(frame, ProtocolError):
+            raise frame
+        return frame
+
+    async def send(self, frame: bytes) -> None:
+        if self._writer.is_closing():
+            raise ConnectionClosed("the connection is closed")
+        self._writer.write(frame)
+        try:
+            await self._writer.drain()
+        except OSError as exc:
+            raise ConnectionClosed(str(exc)) from None
+
+    async def __aiter__(self):
+        while True:
+            try:
+                line = await self._reader.readline()
+            except ValueError:  # a line over the limit: what follows cannot be trusted to start a line
+                yield ProtocolError(f"a line from the server exceeds {original.MAX_LINE_BYTES} bytes; "
+                                    f"closing the connection")
+                await self.close()
+                return
+            except OSError:
+                line = b""
+            if not line.endswith(b"\n"):  # the end of the connection (a last line cut short is lost with it)
+                # A websocket server closes at once, without a word, on a line that is no HTTP request: ask it
+                # one to tell it from a server that went away.
+                if not self._lines_read and answers_http(await first_bytes(self.host, self.port, _HTTP_PROBE)):
+                    raise mismatch(self.url, "websocket")
+                return
+            if answers_http(line) and not self._lines_read:
+                raise mismatch(self.url, "websocket")
+            self._lines_read += 1
+            if not line.strip():
+                continue
+            try:
+                obj = original.decode_line(line)
+                msg = original.from_original(obj)
+            except ProtocolError as exc:
+                yield exc
+                continue
+            if msg is None:
+                continue
+            if msg["type"] == "error" and msg["error"] == original.CLOSING:
+                self.close_code, self.close_reason = original.parse_closing(msg["details"])
+                continue
+            if not self._welcomed and msg["type"] != "error":
+                self._welcomed = True
+                yield {"type": "welcome", "preset": None, "weights_fingerprint": None, "requests": None,
+                       "symbols": None, "weights_match": None}
+            yield msg
+
+    async def close(self) -> None:
+        if not self._writer.is_closing():
+            self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except OSError:
+            pass

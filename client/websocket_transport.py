@@ -1,0 +1,73 @@
+"""The project's own protocol over websockets (client/protocol.py): the one module of the client that imports
+websockets, so that a client playing the original protocol (tcp-json) runs without it."""
+from urllib.parse import urlsplit
+
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+
+from client import protocol
+from client.transport import (ConnectError, Connection, ConnectionClosed as TransportClosed, answers_json_lines,
+                              first_bytes, mismatch)
+
+
+async def connect_websocket(url: str, open_timeout: float) -> "WebSocketConnection":
+    try:
+        ws = await connect(url, max_size=protocol.MAX_FRAME_BYTES, open_timeout=open_timeout)
+    except InvalidURI as exc:
+        raise ValueError(f"bad server url {url!r}: {exc}") from None
+    except (InvalidHandshake, TimeoutError) as exc:
+        # A server of the original protocol takes the handshake's lines for bad JSON and answers each with an
+        # error line, which is no HTTP response: ask it again to tell it from a server that is only slow.
+        parts = urlsplit(url)
+        if answers_json_lines(await first_bytes(parts.hostname, parts.port or 80, b"GET / HTTP/1.1\r\n")):
+            raise mismatch(url, "tcp-json") from None
+        raise ConnectError(_reason(exc)) from None
+    except OSError as exc:
+        raise ConnectError(_reason(exc)) from None
+    return WebSocketConnection(ws)
+
+
+def _reason(exc) -> str:
+    """What a failed connect says, without the noise of OSError's errno prefix."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+class WebSocketConnection(Connection):
+    """Binary websocket frames, each one msgpack map."""
+
+    def __init__(self, ws):
+        self._ws = ws
+
+    @property
+    def close_code(self):
+        return self._ws.close_code
+
+    @property
+    def close_reason(self):
+        return self._ws.close_reason or ""
+
+    def encode(self, msg: dict) -> bytes:
+        return protocol.encode(msg)
+
+    def decode(self, frame) -> dict:
+        return protocol.decode(frame)
+
+    async def send(self, frame: bytes) -> None:
+        try:
+            await self._ws.send(frame)
+        except ConnectionClosed as exc:
+            raise TransportClosed(str(exc)) from None
+
+    async def __aiter__(self):
+        try:
+            async for frame in self._ws:
+                yield frame
+        except ConnectionClosed:
+            return
+
+    async def close(self) -> None:
+        await self._ws.close()

@@ -1,0 +1,161 @@
+"""The original event's protocol on the scoring server's port, beside the websocket protocol and the leaderboard.
+
+Every connection starts with a ProtocolSniffer: its first bytes choose. A JSON object (``{``) is the original
+protocol (client/original.py); anything else is HTTP, handed to websockets as if it had been its own from the
+start (a websocket upgrade, the leaderboard page, or a bad request websockets answers). The sniffer is what
+``create_connection`` of websockets' serve() makes, so websockets keeps its listening socket and its handshake.
+
+An OriginalConnection presents a JSON-lines connection to the server's logic as the websocket connection it
+expects, so that registering, scoring, limits and faults are the same code for both protocols: send() takes the
+project's frames (msgpack) and writes their original lines; the frames it yields are the client's lines, which
+decode() turns into the project's messages (a register names the team by the client's address).
+"""
+import asyncio
+import logging
+
+import msgpack
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK
+
+from client import original
+from client.protocol import ProtocolError
+
+log = logging.getLogger("server")
+# Whitespace a client may send before its first byte that tells the protocol (then it is handed to websockets,
+# which answers a bad request).
+_MAX_LEADING_WHITESPACE = 1024
+
+
+def team_name(address) -> str:
+    """The team of an original client, which registers with no name: its host, so that a client of that host that
+    connects again resumes its session (the runtime relies on it; the original client never reconnects)."""
+    host = address[0] if isinstance(address, (tuple, list)) and address else "unknown"
+    return f"tcp-json:{host}"
+
+
+def sniffing_connections(on_original, first_bytes_timeout_s: float):
+    """websockets' create_connection: each connection first goes through a ProtocolSniffer. on_original(transport)
+    -> the asyncio protocol that takes an original-protocol connection over."""
+
+    def create_connection(*args, **kwargs):
+        return ProtocolSniffer(lambda: ServerConnection(*args, **kwargs), on_original, first_bytes_timeout_s)
+
+    return create_connection
+
+
+class ProtocolSniffer(asyncio.Protocol):
+    """Holds a new connection's first bytes until they tell its protocol, then hands the connection over."""
+
+    def __init__(self, make_websocket_connection, on_original, timeout_s):
+        self._make_websocket_connection = make_websocket_connection
+        self._on_original = on_original
+        self._timeout_s = timeout_s
+        self._buffer = bytearray()
+        self._transport = None
+        self._timer = None
+
+    def connection_made(self, transport):
+        self._transport = transport
+        # a connection that says nothing is closed, as websockets' open_timeout would
+        self._timer = asyncio.get_running_loop().call_later(self._timeout_s, transport.abort)
+
+    def data_received(self, data):
+        self._buffer += data
+        head = self._buffer.lstrip()
+        if not head and len(self._buffer) <= _MAX_LEADING_WHITESPACE:
+            return
+        self._timer.cancel()
+        protocol = (self._on_original(self._transport) if head[:1] == b"{" else self._make_websocket_connection())
+        self._transport.set_protocol(protocol)
+        protocol.connection_made(self._transport)
+        protocol.data_received(bytes(self._buffer))
+
+    def eof_received(self):
+        return False  # closed before it said anything: nothing to hand over
+
+    def connection_lost(self, exc):
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+class OriginalConnection:
+    """One original-protocol client, seen by the server's logic as a websocket connection (see the module)."""
+
+    def __init__(self, transport, max_line_bytes: int):
+        # As websockets does with frames: a line up to twice the limit is read and answered with an error, a longer
+        # one closes the connection.
+        self._reader = asyncio.StreamReader(limit=2 * max_line_bytes)
+        # the asyncio protocol that takes the transport over from the sniffer
+        self.protocol = asyncio.StreamReaderProtocol(self._reader)
+        self.transport = transport
+        self._writer = asyncio.StreamWriter(transport, self.protocol, self._reader, asyncio.get_running_loop())
+        self.max_line_bytes = max_line_bytes
+        self.remote_address = transport.get_extra_info("peername")
+        self.team = team_name(self.remote_address)
+        self._overrun = False
+
+    # receiving ---------------------------------------------------------------------------------
+    async def recv(self) -> bytes:
+        """The client's next line; ConnectionClosed once it has closed."""
+        if self._overrun:  # the line after an over-long one cannot be told from its tail
+            await self.close(1009, "line too long")
+            raise ConnectionClosedError(None, None)
+        try:
+            line = await self._reader.readline()
+        except ValueError:
+            self._overrun = True
+            return b""  # decode() says what was wrong
+        except OSError:
+            line = b""
+        if not line.endswith(b"\n"):  # closed (a last line without its newline is not a message)
+            raise ConnectionClosedOK(None, None)
+        return line
+
+    async def __aiter__(self):
+        while True:
+            try:
+                yield await self.recv()
+            except (ConnectionClosedOK, ConnectionClosedError):
+                return
+
+    def decode(self, line: bytes) -> dict:
+        """The project's message of a client's line; ProtocolError when it is not one."""
+        if self._overrun:
+            raise ProtocolError(f"line exceeds twice the limit of {self.max_line_bytes} bytes; closing the connection")
+        if len(line) > self.max_line_bytes:
+            raise ProtocolError(f"line of {len(line)} bytes exceeds the limit of {self.max_line_bytes} bytes")
+        msg = original.from_original(original.decode_line(line), team=self.team)
+        if msg is None:  # a stats_update: the server's own kind
+            raise ProtocolError("a client does not send stats_update messages")
+        return msg
+
+    # sending -----------------------------------------------------------------------------------
+    async def send(self, frame: bytes) -> None:
+        """Write the original line of a project frame (nothing for a message the original protocol has no kind
+        for); ConnectionClosed when the connection is closed."""
+        obj = original.to_original(msgpack.unpackb(frame, raw=False))
+        if obj is not None:
+            await self._write(original.encode_line(obj))
+
+    async def _write(self, line: bytes):
+        if self._writer.is_closing():
+            raise ConnectionClosedError(None, None)
+        self._writer.write(line)
+        try:
+            await self._writer.drain()
+        except OSError:
+            raise ConnectionClosedError(None, None) from None
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Say why in a closing error (what a websocket close frame says), then close."""
+        if self._writer.is_closing():
+            return
+        try:
+            await asyncio.wait_for(self._write(original.encode_line(original.closing(code, reason))), 1.0)
+        except ConnectionClosedError:
+            pass
+        except TimeoutError:  # a client that stopped reading
+            self.transport.abort()
+        self._writer.close()
+        log.debug("closed original-protocol connection of %s (%s %s)", self.team, code, reason)
+

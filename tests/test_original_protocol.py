@@ -1,0 +1,291 @@
+"""The original event's protocol (newline-delimited JSON over TCP) on the project's server and in its runtime."""
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+from websockets.asyncio.server import serve
+
+from client import original, protocol, runtime
+from client.protocol import ProtocolError
+from client.runtime import StreamingClient
+from client.streams import generate_stream
+from server import ScoringServer, ServerConfig
+
+REQUESTS = 48
+# The fields of each kind as the event had them (FACTS.md, "The original protocol").
+ORIGINAL_FIELDS = {"inference_request": {"unique_ids", "symbols", "features", "timestamp"},
+                   "score_update": {"unique_ids", "trade_pnls", "accuracies", "latencies_ms"},
+                   "heartbeat": {"timestamp"}, "error": {"error", "details"}}
+
+
+def stand_in(requests=REQUESTS):
+    return generate_stream(4, requests, seed=3), np.random.default_rng(0).normal(0, 0.05, (requests, 4)).astype(
+        np.float32)
+
+
+def run(coro, timeout=60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class OriginalClient:
+    """A client written from the original protocol's facts: it registers with no field, sends a heartbeat every
+    heartbeat_s, answers the requests it has gathered in one response per batch (covering several request
+    messages, last first), prints errors and goes on, never exits by itself and does not notice a closed
+    connection (it keeps polling)."""
+
+    def __init__(self, port, targets, heartbeat_s=0.05, batch_s=0.01):
+        self.port, self.targets = port, targets
+        self.heartbeat_s, self.batch_s = heartbeat_s, batch_s
+        self.received = []  # every object the server sent
+        self.queued = []
+
+    async def run(self):
+        reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.send({"message_type": "register"})
+        await asyncio.gather(self._receive(reader), self._heartbeats(), self._answer())
+
+    def send(self, obj):
+        self.writer.write(json.dumps(obj).encode() + b"\n")
+
+    async def _receive(self, reader):
+        while True:
+            try:
+                line = await reader.readline()
+            except OSError:
+                line = b""
+            if not line:  # closed: it does not notice, and polls on
+                await asyncio.sleep(0.01)
+                continue
+            msg = json.loads(line)
+            self.received.append(msg)
+            if msg["message_type"] == "inference_request":
+                self.queued += msg["unique_ids"]
+            elif msg["message_type"] == "error":
+                print("server error:", msg["error"], msg["details"])
+
+    async def _heartbeats(self):
+        while True:
+            self.send({"message_type": "heartbeat", "timestamp": time.time()})
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def _answer(self):
+        while True:
+            await asyncio.sleep(self.batch_s)
+            if self.queued:
+                ids, self.queued = self.queued[::-1], []
+                self.send({"message_type": "inference_response", "unique_ids": ids,
+                           "predictions": self.targets[ids].tolist(), "client_timestamp": time.time()})
+
+    def kinds(self, kind):
+        return [msg for msg in self.received if msg["message_type"] == kind]
+
+
+async def garbage_connection(port, lines):
+    """A second original-protocol connection that never registers: the server's reply to each line."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    replies = []
+    for line in lines:
+        writer.write(line)
+        replies.append(json.loads(await asyncio.wait_for(reader.readline(), 10)))
+    writer.close()
+    return replies
+
+
+def test_an_original_client_plays_the_server_to_the_end():
+    stream, targets = stand_in()
+    garbage = [b'{"message_type": "heartbeat", "timestamp": 1.0}\n', b"{not json\n",
+               b'{"message_type": "launch"}\n', b'{"message_type": "register", "x": "' + b"y" * 5000 + b'"}\n',
+               b'{"message_type": "register", "x": "' + b"y" * 9000 + b'"}\n']
+
+    async def main():
+        server = ScoringServer(ServerConfig(rate=400.0, heartbeat_s=0.1, max_frame_bytes=4096), stream=stream,
+                               targets=targets)
+        port = await server.start()
+        client = OriginalClient(port, targets)
+        playing = asyncio.create_task(client.run())
+        replies = await garbage_connection(port, garbage)
+        await server.wait_done()
+        await asyncio.sleep(0.3)  # a heartbeat or two more
+        scores = server.scores()
+        await server.stop()
+        await asyncio.sleep(0.1)
+        assert not playing.done()  # the original client never exits by itself
+        playing.cancel()
+        return client, replies, server.summaries(), scores
+
+    client, replies, summaries, scores = run(main())
+    assert [s["team"] for s in summaries] == ["tcp-json:127.0.0.1"]
+    summary = summaries[0]
+    assert summary["responses"] == REQUESTS and summary["missed"] == summary["errors"] == 0
+    assert summary["accuracy"] == 1.0 and summary["weights_match"] is None and summary["complete"]
+    assert scores["teams"][0]["team"] == "tcp-json:127.0.0.1" and scores["unregistered_errors"] == 5
+    expected = [("not_registered", "send register first, not heartbeat"),
+                ("protocol_error", "line is not JSON: Expecting property name"),
+                ("protocol_error", "unknown message_type 'launch'; expected one of register, "),
+                ("protocol_error", "line of 5038 bytes exceeds the limit of 4096 bytes"),  # as a websocket frame's
+                ("protocol_error", "line exceeds twice the limit of 4096 bytes; closing the connection")]
+    assert [r["error"] for r in replies] == [code for code, _ in expected]
+    assert all(r["details"].startswith(details) for r, (_, details) in zip(replies, expected)), replies
+    # every message as the event had it, and nothing the original client does not know
+    for kind, fields in ORIGINAL_FIELDS.items():
+        assert client.kinds(kind), kind
+        assert all(set(msg) == {"message_type", *fields} for msg in client.kinds(kind)), kind
+    requests = client.kinds("inference_request")
+    assert [i for msg in requests for i in msg["unique_ids"]] == list(range(REQUESTS))
+    assert all(len(row) == 79 for msg in requests for row in msg["features"])
+    assert np.array([row for msg in requests for row in msg["features"]], np.float32).tobytes() == \
+        stream.features.tobytes()
+    updates = client.kinds("score_update")
+    assert sorted(i for u in updates for i in u["unique_ids"]) == list(range(REQUESTS))
+    assert {a for u in updates for a in u["accuracies"]} == {1.0}
+    assert client.kinds("stats_update") == [{"message_type": "stats_update", "complete": True, "requests": REQUESTS}]
+    assert client.received[-1] == {"message_type": "error", "error": "closing", "details": "1000 server stopped"}
+
+
+class Oracle:
+    """A team client that answers every request with its target."""
+
+    def __init__(self, targets):
+        self.targets = targets
+
+    def process_batch(self, requests_by_symbol):
+        ids = [uid for uid, _ in requests_by_symbol.values()]
+        return {"unique_ids": ids, "predictions": self.targets[ids]}
+
+
+def test_the_project_client_plays_the_server_in_the_original_protocol(tmp_path):
+    from client.engine.reference import ReferenceEngine
+    from client.model import load_model
+    from team.example_model import ExampleModel
+
+    async def main():
+        server = ScoringServer(ServerConfig(preset="tiny", seed=2, symbols=3, requests=30, rate=300.0,
+                                            timeout_s=30.0, cache_dir=str(tmp_path)))
+        port = await server.start()
+        welcomes = []
+        client = StreamingClient(ExampleModel(ReferenceEngine(load_model("tiny", seed=2)[0])),
+                                 f"tcp://127.0.0.1:{port}", "ignored", leave_at_end=True, on_welcome=welcomes.append)
+        summary = await client.run()
+        await server.stop()
+        return summary, welcomes, server.summaries()
+
+    summary, welcomes, server_summaries = run(main(), timeout=120)
+    assert summary["outcome"] == runtime.COMPLETE and summary["detail"].endswith("30 requests answered in time")
+    assert summary["responses"] == 30 and summary["accuracy"] == 1.0 and summary["connections"] == 1
+    assert len(welcomes) == 1 and welcomes[0]["requests"] is None  # the original protocol has no welcome
+    assert [(s["team"], s["responses"], s["accuracy"]) for s in server_summaries] == [("tcp-json:127.0.0.1", 30, 1.0)]
+
+
+def test_a_server_that_wants_a_token_refuses_an_original_client():
+    stream, targets = stand_in()
+
+    async def main():
+        server = ScoringServer(ServerConfig(token="sesame"), stream=stream, targets=targets)
+        port = await server.start()
+        summary = await StreamingClient(Oracle(targets), f"tcp://127.0.0.1:{port}", "x").run()
+        await server.stop()
+        return summary
+
+    summary = run(main())
+    assert summary["outcome"] == runtime.REFUSED and summary["connections"] == 1
+    assert summary["detail"] == "the server refused this client (bad_token: register token missing or wrong)"
+
+
+def test_the_server_stopping_mid_stream_cuts_an_original_session_short():
+    stream, targets = stand_in(400)
+
+    async def main():
+        server = ScoringServer(ServerConfig(rate=100.0), stream=stream, targets=targets)
+        port = await server.start()
+        client = StreamingClient(Oracle(targets), f"tcp://127.0.0.1:{port}", "x",
+                                 on_welcome=lambda _: asyncio.get_running_loop().call_later(0.3, stopping.set))
+        stopping = asyncio.Event()
+        playing = asyncio.create_task(client.run())
+        await stopping.wait()
+        await server.stop()
+        return await playing
+
+    summary = run(main())
+    assert summary["outcome"] == runtime.CUT_SHORT
+    assert summary["detail"].startswith("the server closed the session (1000 server stopped) before the end")
+
+
+def test_a_client_of_either_protocol_says_which_flag_a_server_of_the_other_wants():
+    async def websocket_server():
+        async def handler(ws):
+            await ws.wait_closed()
+        return await serve(handler, "127.0.0.1", 0)
+
+    async def original_server():
+        # as the original server did: a line that does not decode is answered with an error line
+        async def handler(reader, writer):
+            while line := await reader.readline():
+                try:
+                    json.loads(line)
+                except ValueError as exc:
+                    writer.write(original.encode_line({"message_type": "error", "error": "bad json",
+                                                       "details": str(exc)}))
+        return await asyncio.start_server(handler, "127.0.0.1", 0)
+
+    async def play(make_server, scheme):
+        server = await make_server()
+        port = server.sockets[0].getsockname()[1]
+        url = f"{scheme}://127.0.0.1:{port}"
+        summary = await StreamingClient(None, url, "x", connect_timeout_s=0.5).run()
+        server.close()
+        return url, summary
+
+    for make_server, scheme, flag, speaks in ((websocket_server, "tcp", "websocket", "HTTP (the websocket protocol)"),
+                                              (original_server, "ws", "tcp-json", "the original protocol")):
+        url, summary = run(play(make_server, scheme))
+        assert summary["outcome"] == runtime.WRONG_PROTOCOL
+        assert summary["detail"].startswith(f"the server at {url} answers in {speaks}")
+        assert summary["detail"].endswith(f"; pass --protocol {flag}")
+
+
+# ---------------------------------------------------------------------------------- the wire format
+
+def line_of(msg):
+    return original.encode_line(original.to_original(msg))
+
+
+def test_each_project_message_crosses_the_original_wire_and_back():
+    features = np.random.default_rng(1).standard_normal((2, 79)).astype(np.float32)
+    predictions = np.random.default_rng(2).standard_normal((2, 4)).astype(np.float32)
+    request = protocol.inference_request([7, 8], ["A", "B"], features, 12.5)
+    back = original.from_original(original.decode_line(line_of(request)))
+    assert back == request  # float32 features exactly, through JSON's decimal text
+    response = protocol.inference_response([8, 7], predictions, 3.0)
+    _, got = protocol.parse_inference_response(original.from_original(original.decode_line(line_of(response))))
+    assert got.tobytes() == predictions.tobytes()
+    update = protocol.score_update([1, 2], [0.5, 0.25], [4, 1], [3.0, 9.0])
+    assert original.to_original(update)["accuracies"] == [1.0, 0.25]
+    assert original.from_original(original.decode_line(line_of(update))) == update
+    for msg in (protocol.heartbeat(4.0), protocol.error("bad", "why"), protocol.end(30)):
+        assert original.from_original(original.decode_line(line_of(msg))) == msg
+    assert original.to_original(protocol.register("team", "token", preset="tiny")) == {"message_type": "register"}
+    assert original.from_original({"message_type": "register"}, team="tcp-json:h") == protocol.register("tcp-json:h")
+    assert original.to_original(protocol.welcome("tiny", "f", 1, 1, None)) is None
+    assert original.from_original({"message_type": "error", "error": "e", "details": None}) == protocol.error("e", "")
+    assert original.from_original({"message_type": "stats_update", "pnl": 3.0}) is None
+
+
+@pytest.mark.parametrize("line, message", [
+    (b"{nope\n", "line is not JSON"),
+    (b"[1, 2]\n", "line must hold a JSON object, got list"),
+    (b'{"type": "heartbeat"}\n', "unknown message_type None"),
+    (b'{"message_type": "inference_response", "unique_ids": [1], "predictions": [[1, 2, 3]]}\n',
+     "each row of 'predictions' must be a list of 4 numbers"),
+    (b'{"message_type": "inference_response", "unique_ids": [1, 2], "predictions": [[1, 2, 3, 4]]}\n',
+     "2 unique_ids but 1 predictions"),
+    (b'{"message_type": "inference_request", "unique_ids": [1], "symbols": ["A"], "timestamp": 1}\n',
+     "inference_request: missing field 'features'"),
+    (b'{"message_type": "heartbeat", "timestamp": "now"}\n', "field 'timestamp' must be a finite number, got str"),
+    (b'{"message_type": "score_update", "unique_ids": [1], "trade_pnls": [1], "accuracies": [2], '
+     b'"latencies_ms": [1]}\n', "accuracies must be fractions"),
+])
+def test_a_bad_line_says_what_is_wrong(line, message):
+    with pytest.raises(ProtocolError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        original.from_original(original.decode_line(line))

@@ -1,0 +1,144 @@
+"""Team code written for the original event: its names from `client`, its process_batch through the adapter, in the
+local evaluator and the team client."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import local_evaluator as le
+from client import BaseInferenceClient, InferenceResponse, PendingRequest, cli
+from client.engine.base import PendingStep
+from client.engine.reference import ReferenceEngine
+from client.model import load_model
+from client.original_team import OriginalStyleClient, as_runtime_client
+from test_server_cli import ONE_THREAD, start_server
+
+REPO = Path(__file__).resolve().parent.parent
+ORIGINAL_TEAM_DIR = Path(__file__).resolve().parent / "original_team"
+TOWERS = ("xlstm", "mamba2", "retnet", "hawk")
+
+
+def test_the_events_names_import_from_client_without_torch():
+    result = subprocess.run([sys.executable, "-c", "import sys; from client import BaseInferenceClient, "
+                             "PendingRequest, InferenceResponse; print('torch' in sys.modules)"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", seed=4)[0]
+
+
+def original_team(engine):
+    return as_runtime_client(le.load_team_class(ORIGINAL_TEAM_DIR)(engine))
+
+
+def test_the_adapter_hands_lists_of_pending_requests_and_keeps_each_symbols_order(model):
+    rng = np.random.default_rng(0)
+    features = rng.standard_normal((5, 79)).astype(np.float32)
+    client = original_team(ReferenceEngine(model))
+    assert isinstance(client, OriginalStyleClient) and client.requests_per_symbol == "many"
+    # several requests of one symbol in one batch, as a runtime batches a "many" client
+    answer = client.process_batch({"A": [(0, features[0]), (2, features[2]), (3, features[3])],
+                                   "B": [(1, features[1])]})
+    later = client.process_batch({"B": (4, features[4])})  # one request a symbol, as the evaluator passes it
+    reference = ReferenceEngine(model)
+    expected = {0: reference.step(["A", "B"], features[[0, 1]]), 2: reference.step(["A"], features[[2]]),
+                3: reference.step(["A"], features[[3]]), 4: reference.step(["B"], features[[4]])}
+    expected = {0: expected[0][0], 1: expected[0][1], 2: expected[2][0], 3: expected[3][0], 4: expected[4][0]}
+    assert answer["unique_ids"] == [3, 2, 1, 0] and answer["errors"] == {}  # the team's own order
+    assert answer["predictions"].dtype == np.float32
+    for uid, row in zip(answer["unique_ids"] + later["unique_ids"], [*answer["predictions"], *later["predictions"]]):
+        np.testing.assert_array_equal(row, expected[uid])
+
+
+class Scripted(BaseInferenceClient):
+    """Answers with what the test gives it, and records what it was given."""
+
+    def __init__(self, response):
+        super().__init__()
+        self.response, self.given = response, None
+
+    def process_batch(self, requests_by_symbol):
+        self.given = requests_by_symbol
+        return self.response
+
+
+@pytest.mark.parametrize("response, message", [
+    (InferenceResponse([1, 9], [[0.0] * 4, [0.0] * 4]), r"ids it was not given \[9\]"),
+    (InferenceResponse([1, 1], [[0.0] * 4, [0.0] * 4]), r"answered twice \[1\]"),
+    (InferenceResponse([1], [[0.0] * 3]), r"InferenceResponse\(unique_ids, predictions \[n\]\[4\]\)"),
+    ({"unique_ids": [1], "predictions": [[0.0] * 4]}, "got dict"),
+])
+def test_a_response_that_breaks_the_contract_says_how(response, message):
+    with pytest.raises(ValueError, match=message):
+        OriginalStyleClient(Scripted(response)).process_batch({"A": [(1, np.zeros(79, np.float32))]})
+
+
+def test_a_request_left_out_is_an_error_of_its_own():
+    scripted = Scripted(InferenceResponse([2], [[1.0, 2.0, 3.0, 4.0]]))
+    answer = OriginalStyleClient(scripted).process_batch({"A": [(1, np.ones(79, np.float32))],
+                                                         "B": [(2, np.zeros(79, np.float32))]})
+    assert answer["unique_ids"] == [2] and answer["errors"] == {1: "process_batch did not answer it"}
+    assert scripted.given == {"A": [PendingRequest(1, "A", [1.0] * 79)], "B": [PendingRequest(2, "B", [0.0] * 79)]}
+
+
+def test_a_team_with_submit_batch_stays_pipelined():
+    class Pipelined(Scripted):
+        def submit_batch(self, requests_by_symbol):
+            return PendingStep(lambda: self.process_batch(requests_by_symbol))
+
+    assert not hasattr(OriginalStyleClient(Scripted(None)), "submit_batch")
+    pending = OriginalStyleClient(Pipelined(InferenceResponse([1], [[1.0] * 4]))).submit_batch(
+        {"A": [(1, np.zeros(79, np.float32))]})
+    assert pending.result()["unique_ids"] == [1]
+
+
+def run_main(capsys, *argv):
+    rc = cli.run_cli(le.main, le.PROG, list(map(str, argv)))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_the_evaluator_runs_an_original_style_team(tmp_path, capsys):
+    out_json = tmp_path / "l.json"
+    rc, _, err = run_main(capsys, "--team-dir", ORIGINAL_TEAM_DIR, "--preset", "tiny", "--symbols", 3,
+                          "--requests", 24, "--rate", 1e5, "--cache-dir", tmp_path / "cache", "--device", "cpu",
+                          "--json", out_json)
+    assert rc == 0, err
+    summary = json.loads(out_json.read_text())
+    assert summary["responses"] == 24
+    # the fp32 reference, in batches of other sizes than the targets' run: rounding apart
+    assert all(summary["towers"][t]["within_atol"] == 1.0 and summary["towers"][t]["max_abs_err"] < 1e-5
+               for t in TOWERS)
+
+
+def test_the_team_client_plays_an_original_style_team_in_the_original_protocol_without_websockets(tmp_path):
+    """The project's server in a process of its own; the team client, in the original protocol, where websockets
+    cannot be imported (as on a machine that has none)."""
+    shim = tmp_path / "shim" / "websockets"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('websockets is not installed here')\n")
+    server, port = start_server(["--preset", "tiny", "--seed", "0", "--symbols", "4", "--requests", "60", "--rate",
+                                 "100", "--timeout-s", "60", "--once", "--cache-dir", str(tmp_path / "cache")],
+                                tmp_path / "server.log")
+    out = tmp_path / "summary.json"
+    try:
+        result = subprocess.run([sys.executable, str(REPO / "team" / "example_model.py"), "--host", "127.0.0.1",
+                                 "--port", str(port), "--protocol", "tcp-json", "--team-dir", str(ORIGINAL_TEAM_DIR),
+                                 "--preset", "tiny", "--engine", "reference", "--device", "cpu", "--json", str(out)],
+                                cwd=tmp_path, env={**ONE_THREAD, "PYTHONPATH": str(shim.parent)},
+                                capture_output=True, text=True, timeout=300)
+        table, _ = server.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["outcome"] == "complete" and summary["responses"] == 60 and summary["accuracy"] == 1.0
+    assert f"playing tcp://127.0.0.1:{port} in the original protocol" in result.stderr
+    assert re.search(r"^tcp-json:127\.0\.0\.1\s+60\s+60\s+0\s+0\s+0\s+1\.0000", table, re.M), table
