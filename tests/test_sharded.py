@@ -1,6 +1,7 @@
 """Symbols sharded over engine processes (CPU processes here; one per GPU in use): the same predictions as one
 engine, symbols placed by load and kept, parts answered as they complete, a failing shard's part alone fails,
-a lost shard's symbols alone get errors (or start again from a fresh state elsewhere)."""
+a lost shard's symbols alone get errors. (Starting them again from a fresh state, --on-shard-loss reset, is the
+transport-agnostic engine's: tests/test_sharded_ray.py.)"""
 import os
 import signal
 
@@ -121,21 +122,15 @@ def test_two_gpu_shards_serve_like_one_engine():
         engine.close()
 
 
-def _placed(engine, count, prefix):
-    """count symbols stepped once (placed alternately on the two shards), and a single engine stepped alike."""
-    model, _ = load_model("tiny", seed=3)
-    single = FastEngine(model, "cpu", capacity=8, progress=False)
-    symbols = [f"{prefix}{i}" for i in range(count)]
-    features = np.random.default_rng(5).standard_normal((count, 79)).astype(np.float32)
-    np.testing.assert_allclose(engine.step(symbols, features), single.step(symbols, features), rtol=0, atol=1e-4)
-    return symbols, single, model
-
-
 def test_a_lost_shard_fails_its_symbols_alone(capsys):
     engine = ShardedEngine(process_shards(SPEC, ["cpu", "cpu"], options={"capacity": CAPACITY}, progress=False),
                            progress=True, on_shard_loss="error")
     try:
-        symbols, single, _ = _placed(engine, 4, "L")
+        model, _ = load_model("tiny", seed=3)
+        single = FastEngine(model, "cpu", capacity=8, progress=False)
+        symbols = ["L0", "L1", "L2", "L3"]  # placed alternately on the two shards
+        features = np.random.default_rng(5).standard_normal((4, 79)).astype(np.float32)
+        np.testing.assert_allclose(engine.step(symbols, features), single.step(symbols, features), rtol=0, atol=1e-4)
         lost = [s for s in symbols if engine.shard_of[s] == 1]
         os.kill(engine.shards[1].process.pid, signal.SIGKILL)
         features = np.random.default_rng(6).standard_normal((4, 79)).astype(np.float32)
@@ -154,29 +149,6 @@ def test_a_lost_shard_fails_its_symbols_alone(capsys):
         np.testing.assert_allclose(engine.step(kept, again), single.step(kept, again), rtol=0, atol=1e-4)
         engine.step(["NEW"], again[:1])
         assert engine.shard_of["NEW"] == 0  # new symbols go to the live shard
-    finally:
-        engine.close()
-
-
-def test_reset_starts_a_lost_shards_symbols_again_elsewhere(capsys):
-    engine = ShardedEngine(process_shards(SPEC, ["cpu", "cpu"], options={"capacity": CAPACITY}, progress=False),
-                           progress=True, on_shard_loss="reset")
-    try:
-        symbols, single, model = _placed(engine, 4, "R")
-        lost = [s for s in symbols if engine.shard_of[s] == 1]
-        os.kill(engine.shards[1].process.pid, signal.SIGKILL)
-        fresh = FastEngine(model, "cpu", capacity=8, progress=False)  # what a fresh state predicts
-        rng = np.random.default_rng(8)
-        for _ in range(3):
-            features = rng.standard_normal((4, 79)).astype(np.float32)
-            predictions = engine.step(symbols, features)
-            for row, symbol in enumerate(symbols):
-                reference = fresh if symbol in lost else single
-                np.testing.assert_allclose(predictions[row], reference.step([symbol], features[row:row + 1])[0],
-                                           rtol=0, atol=1e-4)
-        assert all(engine.shard_of[s] == 0 for s in symbols)
-        assert engine.losses[0]["moved_to"] == {s: 0 for s in lost}
-        assert f"its 2 symbol(s) {', '.join(lost)} start again from a fresh state on shard(s) 0" in capsys.readouterr().err
     finally:
         engine.close()
 

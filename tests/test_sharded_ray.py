@@ -206,16 +206,41 @@ def test_no_cluster_at_the_address_is_one_line(tmp_path):
                            f"Connection refused; start its head with `ray start --head --port {port}`")
 
 
-def test_team_client_plays_on_the_cluster(cluster, tmp_path):
+def test_team_client_on_the_cluster_says_a_reset_in_its_summary_and_on_the_leaderboard(cluster, tmp_path):
+    """The team client plays its embedded server on the cluster; a node is killed mid-stream; with reset its
+    symbols start again, the stream is played to the end, and the loss is in the client's summary and the
+    server's (the leaderboard's) notices."""
     out = tmp_path / "summary.json"
-    done = _run(["team/example_model.py", "--cluster", "ray", "--ray-address", cluster.address, "--preset", "tiny",
-                 "--seed", "3", "--symbols", "4", "--requests", "120", "--rate", "100", "--json", str(out)])
-    assert done.returncode == 0, done.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    client = subprocess.Popen([sys.executable, "team/example_model.py", "--cluster", "ray", "--ray-address",
+                               cluster.address, "--on-shard-loss", "reset", "--preset", "tiny", "--seed", "3",
+                               "--symbols", "4", "--requests", "400", "--rate", "50", "--json", str(out)],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        said = []
+        for line in client.stderr:  # until the server has welcomed it
+            said.append(line)
+            if line.startswith("playing ws://"):
+                break
+        time.sleep(2.0)  # mid-stream
+        cluster.remove_node(cluster.list_all_nodes()[-1], allow_graceful=False)
+        stdout, rest = client.communicate(timeout=300)
+    finally:
+        client.kill()
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+    stderr = "".join(said) + rest
+    assert client.returncode == 0, stderr[-3000:]
+    assert "2 shard(s) on CPUs (one per node, --device not given: the cluster has no GPU)" in stderr
+    assert "engine reference in 2 Ray shard(s)" in stderr
     summary = json.loads(out.read_text())
-    assert summary["outcome"] == "complete" and summary["responses"] == 120 and summary["accuracy"] == 1.0
-    assert summary["notices"] == []
-    assert "2 shard(s) on CPUs (one per node, --device not given: the cluster has no GPU)" in done.stderr
-    assert "engine reference in 2 Ray shard(s)" in done.stderr
+    assert summary["outcome"] == "complete" and summary["responses"] + summary["missed"] == 400
+    (notice,) = summary["notices"]
+    assert notice["code"] == "state_reset" and "lost: ActorDiedError: the actor died" in notice["text"]
+    assert "symbol(s) SYM_" in notice["text"] and "start again from a fresh state on shard(s)" in notice["text"]
+    assert f"[sharded engine] {notice['text']}" in stderr  # and on stderr, in one line
+    (server,) = json.loads(stdout.split("server summary: ", 1)[1])
+    assert server["notices"] == [notice] and server["notices_total"] == 1
 
 
 def test_evaluator_on_the_cluster_matches_the_reference(cluster, tmp_path, monkeypatch):

@@ -262,13 +262,13 @@ class ShardedEngine(Engine):
         self.fingerprint = fingerprints.pop()
         self.on_shard_loss, self.progress, self.transport = on_shard_loss, progress, transport
         self._lock = threading.Lock()
-        self._runners = [_Runner(self, shard) for shard in shards]
         self.shard_of: dict[str, int] = {}
         self._load = [0] * len(shards)
         self.losses: list[dict] = []
         # Called with each loss's record (its "line" says it in words), outside the engine's lock.
         self.loss_listeners: list = []
         self._closing = False
+        self._runners = [_Runner(self, shard) for shard in shards]
 
     @property
     def shards(self) -> list[Shard]:
@@ -344,7 +344,9 @@ class ShardedEngine(Engine):
         failed = []
         for index, positions in rows_of.items():
             part = _Part(rows[positions], [symbols[p] for p in positions], features[positions], arrivals)
-            if index is None:
+            if self._closing:
+                failed.append((part, ShardError("the sharded engine is closed")))
+            elif index is None:
                 failed.append((part, ShardLost("every shard of the sharded engine is lost")))
             elif self._runners[index].lost is not None:
                 failed.append((part, self._runners[index].lost))
