@@ -4,8 +4,8 @@ without GPUs (one per node by default, each given its node's CPUs).
 Each actor loads the model from the spec on its own host (a checkpoint path must exist there; synthetic weights
 are made there), builds its engine and keeps its state table. The client sends it each step's part (symbols and
 79 float32 features a row) and gets 4 float32 predictions a row back; nothing else crosses the network per step.
-Ray runs one caller's calls to an actor in order; each call also carries its sequence number, and the actor takes
-them strictly in that order (submit now, collect the result on one thread), so a symbol's requests can never be
+Whatever order an (async) actor's calls start in, each carries its sequence number and the actor takes them
+strictly in that order (submit now, collect the result on one thread), so a symbol's requests can never be
 reordered. A call whose actor or node died raises RayActorError: the shard is lost.
 
 Ray is optional (`pip install "fastens[ray]"`); this module imports it only when a cluster is asked for.
