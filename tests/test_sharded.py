@@ -64,6 +64,21 @@ def test_steps_in_flight_keep_each_symbols_order(sharded):
         np.testing.assert_allclose(step.result(), single.step(symbols, features), rtol=0, atol=1e-4)
 
 
+def test_a_symbols_several_requests_in_one_step_go_to_its_shard_in_order(sharded):
+    """Rows of one symbol, interleaved with others' (several of them on each shard), advance it in order; each
+    answer comes back in the caller's row."""
+    model, _ = load_model("tiny", seed=3)
+    one_at_a_time = FastEngine(model, "cpu", capacity=8, progress=False)
+    symbols = ["M0", "M1", "M0", "M2", "M1", "M0", "M3", "M3"]
+    features = np.random.default_rng(9).standard_normal((len(symbols), 79)).astype(np.float32)
+    predictions = sharded.step(symbols, features)
+    assert len({sharded.shard_of[s] for s in symbols}) == 2  # the step was split over both shards
+    for row, symbol in enumerate(symbols):
+        expected = one_at_a_time.step([symbol], features[row:row + 1])[0]
+        np.testing.assert_allclose(predictions[row], expected, rtol=0, atol=1e-4)
+    sharded.release(["M0", "M1", "M2", "M3"])
+
+
 def _put(engine, symbol, shard):
     """Place a symbol on the given shard, as placement would have."""
     engine.shard_of[symbol] = shard

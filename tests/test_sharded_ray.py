@@ -92,6 +92,17 @@ class TestOneEngineOnTwoNodes:
             np.testing.assert_allclose(step.result(), single.step(symbols, features), rtol=0, atol=1e-4)
 
 
+    def test_a_symbols_several_requests_in_one_step_go_to_its_node_in_order(self, model, fast_shards):
+        one_at_a_time = FastEngine(model, "cpu", capacity=16, progress=False)
+        symbols = ["M0", "M1", "M0", "M2", "M1", "M0", "M3", "M3"]
+        features = features_for(np.random.default_rng(9), len(symbols))
+        predictions = fast_shards.step(symbols, features)
+        assert len({fast_shards.shard_of[s] for s in symbols}) == 2  # split over both nodes
+        for row, symbol in enumerate(symbols):
+            np.testing.assert_allclose(predictions[row], one_at_a_time.step([symbol], features[row:row + 1])[0],
+                                       rtol=0, atol=1e-4)
+
+
 def _kill_worker_node(cluster, engine):
     """Kill the cluster's worker node (not the head) with its shard; wait until Ray knows it is dead. Returns
     the index of the shard that was on it."""
