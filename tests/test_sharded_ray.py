@@ -266,3 +266,20 @@ def test_evaluator_on_the_cluster_matches_the_reference(cluster, tmp_path, monke
     summary = json.loads(out.read_text())
     assert summary["shards"] == 3 and summary["shard_losses"] == [] and summary["on_shard_loss"] == "error"
     assert all(tower["within_atol"] == 1.0 for tower in summary["towers"].values())
+
+
+def test_bench_shards_section_on_the_cluster(cluster, tmp_path):
+    out = tmp_path / "bench.json"
+    done = _run(["scripts/bench.py", "--preset", "tiny", "--device", "cpu", "--quick", "--sections", "shards",
+                 "--cluster", "ray", "--ray-address", cluster.address, "--rates", "50", "--rate-seconds", "1",
+                 "--json", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["shards"].values()  # the cluster's default: one shard per node
+    assert row["transport"] == "ray" and len(row["where"]) == 2 and row["losses"] == []
+    assert all(where.startswith("Ray actor on node") for where in row["where"])
+    assert row["runs"][0]["rate"] == 50 and row["runs"][0]["accuracy"] == 1.0
+
+
+def test_bench_cluster_options_need_the_cluster():
+    done = _run(["scripts/bench.py", "--shards", "2"], timeout=120)
+    assert done.returncode == 2 and "--ray-address and --shards apply with --cluster ray" in done.stderr

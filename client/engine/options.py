@@ -79,11 +79,17 @@ def add_engine_arguments(parser):
                        default=DEFAULT_MAX_PER_SYMBOL, metavar="K",
                        help="queued requests of one symbol a step may carry, advanced in order in one step "
                             f"(default {DEFAULT_MAX_PER_SYMBOL}; 1: one request per symbol per step)")
+    add_cluster_arguments(parser, "shard the symbols over Ray actors, one per GPU of the cluster (CPU actors, one "
+                                  "per node, where it has no GPU); --device then names the shards' device (default: "
+                                  "GPUs where the cluster has any), and --engine theirs (default fast on GPUs, else "
+                                  "reference)")
+    return group
+
+
+def add_cluster_arguments(parser, cluster_help):
+    """--cluster, --ray-address, --shards and --on-shard-loss, in a group of their own (also scripts/bench.py's)."""
     cluster = parser.add_argument_group("symbols over several hosts (client/engine/shard_ray.py)")
-    cluster.add_argument("--cluster", choices=("ray",),
-                         help="shard the symbols over Ray actors, one per GPU of the cluster (CPU actors, one per "
-                              "node, where it has no GPU); --device then names the shards' device (default: GPUs "
-                              "where the cluster has any), and --engine theirs (default fast on GPUs, else reference)")
+    cluster.add_argument("--cluster", choices=("ray",), help=cluster_help)
     cluster.add_argument("--ray-address", metavar="ADDRESS",
                          help="the Ray cluster: HOST:PORT of its head (ray start --head), ray://HOST:PORT, auto, or "
                               "local to start Ray on this machine (default local)")
@@ -93,7 +99,7 @@ def add_engine_arguments(parser):
                          help="when a shard is lost (its process, actor or node gone): its symbols get errors "
                               "(error, the default) or start again from a fresh state on the other shards (reset, "
                               "said in the summary and to the server); every other symbol keeps playing")
-    return group
+    return cluster
 
 
 def engine_options(args) -> dict:
