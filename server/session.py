@@ -16,7 +16,7 @@ from server.scoring import score_responses
 
 PENDING, ANSWERED, MISSED, LATE = 0, 1, 2, 3  # LATE: missed, then answered after the timeout
 RECENT_WINDOW_S = 10.0
-MAX_NOTICES, NOTICE_CHARS = 10, 300  # a team's notices kept (the first ones), and the length of each
+MAX_NOTICES, NOTICE_CHARS = 10, 600  # a team's notices kept (the first ones), and the length of each
 
 
 def send_offsets(num_requests, delay_ms, rate=None, speed=1.0) -> np.ndarray:

@@ -74,8 +74,8 @@ class ShardActor:
 class _Connection:
     """This process's connection to Ray; shut down with the last shard when it was made here."""
 
-    def __init__(self, ray, address, owned):
-        self.ray, self.address, self.owned = ray, address, owned  # owned: ray.init was called here
+    def __init__(self, ray, owned):
+        self.ray, self.owned = ray, owned  # owned: ray.init was called here
         self.open_shards = 0
 
     def shard_stopped(self):
@@ -150,18 +150,18 @@ def connect(address: str):
         if address not in ("auto", current):
             raise ValueError(f"--ray-address {address}: this process is already connected to the Ray cluster at "
                              f"{current}")
-        return _Connection(ray, current, owned=False)
+        return _Connection(ray, owned=False)
     quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
     if address == LOCAL:
         ray.init(include_dashboard=False, **quiet)
-        return _Connection(ray, address, owned=True)
+        return _Connection(ray, owned=True)
     if address != "auto":
         _probe(address)
     try:
         ray.init(address=address, **quiet)
     except ConnectionError as exc:
         raise ConnectionError(f"no Ray cluster at --ray-address {address}: {exc}") from None
-    return _Connection(ray, address, owned=True)
+    return _Connection(ray, owned=True)
 
 
 def _probe(address: str):

@@ -17,7 +17,6 @@ unanswered requests there in order. Every other symbol keeps playing.
 The transports (client/engine/shard_process.py, client/engine/shard_ray.py) implement `Shard`; each shard runs
 `build_shard_engine`, loading the model from its `ModelSpec`, so no weights travel.
 """
-import itertools
 import queue
 import sys
 import threading
