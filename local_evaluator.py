@@ -83,20 +83,28 @@ def setup(stream, preset: str, engine: str = "reference", weights: str | None = 
     from client.model import load_model
     from client.targets import compute_targets
 
-    device = device or default_device()
+    # With --cluster ray, `device` is the shards' (on the cluster); the targets are computed on this machine.
+    on_cluster = (engine_options or {}).get("cluster") is not None
+    local_device = default_device() if on_cluster else (device or default_device())
     if progress:
         print(f"{PROG}: {len(stream):,} requests; preset {preset}, engine {engine}; the reference targets come "
               f"from the cache or are computed first", file=sys.stderr, flush=True)
-    model, weights_fingerprint = load_model(preset, weights=weights, seed=seed, device=device)
+    model, weights_fingerprint = load_model(preset, weights=weights, seed=seed, device=local_device)
     # the targets' own bar rewrites one line: on a terminal only
-    targets = compute_targets(model, stream, weights_fingerprint, device=device, cache_dir=cache_dir,
+    targets = compute_targets(model, stream, weights_fingerprint, device=local_device, cache_dir=cache_dir,
                               progress=progress and sys.stderr.isatty())
     from client.engine.sharded import ModelSpec
 
+    built = make_engine(engine, model, device=device if on_cluster else local_device,
+                        spec=ModelSpec(preset, weights, seed), **(engine_options or {}))
+    shards_fingerprint = getattr(built, "fingerprint", weights_fingerprint)
+    if shards_fingerprint != weights_fingerprint:  # e.g. another checkpoint at the same path on a worker host
+        built.close()
+        raise EvaluationError(f"the shards loaded weights {shards_fingerprint}, this machine {weights_fingerprint}: "
+                              f"the targets would not be theirs")
     from client.original_team import as_runtime_client
 
-    engine = make_engine(engine, model, device=device, spec=ModelSpec(preset, weights, seed), **(engine_options or {}))
-    return as_runtime_client(team_class(engine)), targets, weights_fingerprint
+    return as_runtime_client(team_class(built)), targets, weights_fingerprint
 
 
 def load_or_generate_stream(path: str | None = None, symbols: int = 6, requests: int = 300,
@@ -400,7 +408,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cli.check_device(args.device)
+    if args.cluster is None:  # else --device is the shards', on the cluster
+        cli.check_device(args.device)
     if args.plot:
         require_matplotlib()  # fail before the run, not after it
     stream = load_or_generate_stream(args.stream, args.symbols, args.requests, args.stream_seed, args.rate)
@@ -414,17 +423,30 @@ def main(argv=None) -> int:
     if comparison is not None:
         model = f"preset {args.preset}, " + (f"weights {args.weights}" if args.weights else f"seed {args.seed}")
         print(f"{PROG}: {describe_targets(comparison, args.targets, model)}", file=sys.stderr, flush=True)
-    result = evaluate(client, stream, targets, batch_size=args.batch_size, atol=args.atol,
-                      max_requests_per_symbol=args.max_requests_per_symbol,
-                      profile_dir=args.profile, profile_steps=args.profile_steps, progress=True)
+    engine = getattr(client, "engine", None)
+    try:
+        result = evaluate(client, stream, targets, batch_size=args.batch_size, atol=args.atol,
+                          max_requests_per_symbol=args.max_requests_per_symbol,
+                          profile_dir=args.profile, profile_steps=args.profile_steps, progress=True)
+    finally:
+        if engine is not None:
+            engine.close()
     print(format_report(result))
     from client.streams import stream_fingerprint
 
     device = args.device or default_device()
+    sharded = {}
+    if hasattr(engine, "losses"):  # a sharded engine: where its shards ran, and what it lost (with what it did)
+        described = engine.describe()
+        device = "; ".join(shard["where"] for shard in described["shards"])
+        sharded = {"shards": len(described["shards"]), "on_shard_loss": described["on_shard_loss"],
+                   "shard_losses": described["losses"]}
+        for loss in described["losses"]:
+            print(f"shard lost: {loss['line']}")
     summary = public_result(result, preset=args.preset, engine=args.engine, device=device,
                             weights_fingerprint=weights_fingerprint, stream=args.stream or stream.meta,
                             stream_fingerprint=stream_fingerprint(stream),
-                            targets={"source": args.targets, "file_vs_model": comparison})
+                            targets={"source": args.targets, "file_vs_model": comparison}, **sharded)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot:

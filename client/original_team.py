@@ -71,6 +71,11 @@ class OriginalStyleClient:
         if callable(getattr(team_client, "submit_batch", None)):
             self.submit_batch = self._submit_batch  # the runtime pipelines a client that has it
 
+    @property
+    def engine(self):
+        """The team code's engine (the evaluator closes it and reports a sharded engine's losses)."""
+        return getattr(self.team_client, "engine", None)
+
     def process_batch(self, requests_by_symbol) -> dict:
         batch = pending_requests(requests_by_symbol)
         return runtime_answer(batch, self.team_client.process_batch(batch))

@@ -17,7 +17,9 @@ Each message is one binary websocket frame holding one msgpack map with a ``type
 - ``inference_response`` {unique_ids: [int], predictions: bytes | [[float]], client_timestamp: float}:
   little-endian float32, 4 per request in tower order xLSTM, Mamba2, RetNet, Hawk.
 - ``score_update`` {unique_ids, pnls, correct, latencies_ms}.
-- ``heartbeat`` {timestamp}; ``error`` {error: str, details: str}.
+- ``heartbeat`` {timestamp}; ``error`` {error: str, details: str}. A client's error whose code is one of
+  CLIENT_NOTICES says something of its play that its answers do not show (a sharded engine lost a shard; its
+  symbols' states started again): the server shows it on the leaderboard and in the team's summary.
 
 ``decode`` checks the frame and every field's type; the ``parse_*`` helpers also check that counts
 and byte lengths agree, so a caller never indexes past what was sent.
@@ -30,6 +32,8 @@ import numpy as np
 from client.constants import NUM_FEATURES, NUM_TOWERS
 
 PROTOCOL_VERSION = 1
+# Codes of a client's error messages that are notices, and how the leaderboard names them.
+CLIENT_NOTICES = {"state_reset": "states reset", "shard_lost": "shard lost"}
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 
 _FEATURE_DTYPE = np.dtype("<f4")

@@ -187,6 +187,10 @@ class StreamingClient:
         self.give_up_after_s = give_up_after_s
         self.cache_size = cache_size
         self.stats = ClientStats(timeout_s)
+        # What the team client said of its play beyond its answers ({code, text}: a lost shard, states reset),
+        # each sent to the server once a connection is welcomed (the first `_notices_sent` were).
+        self.notices: list[dict] = []
+        self._notices_sent = 0
         # With timeline=True: unique_id -> {stage: time.monotonic()} for the stages received, batched,
         # submitted (pipelined steps only), done and answered (the answer queued for sending).
         self.timeline: dict[int, dict[str, float]] | None = {} if timeline else None
@@ -242,10 +246,15 @@ class StreamingClient:
             self._finish(COMPLETE if self._ended else INTERRUPTED)
         return self.summary()
 
+    def notice(self, code: str, text: str) -> None:
+        """Say what the answers alone do not show (a sharded engine's lost shard, states started again): in the
+        summary's notices and to the server as an `error` message with this code. Callable from any thread."""
+        self._loop.call_soon_threadsafe(self._on_notice, code, text)
+
     def summary(self) -> dict:
-        """The stats so far, with the outcome (None while playing) and the server's model."""
+        """The stats so far, with the outcome (None while playing), the server's model and the notices."""
         welcome = self.welcome or {}
-        return {**self.stats.summary(), "outcome": self.outcome, "detail": self.detail,
+        return {**self.stats.summary(), "outcome": self.outcome, "detail": self.detail, "notices": list(self.notices),
                 "total_requests": welcome.get("requests"), "server_preset": welcome.get("preset"),
                 "server_weights_fingerprint": welcome.get("weights_fingerprint"),
                 "weights_fingerprint": self.weights_fingerprint, "weights_match": self._weights_match()}
@@ -398,6 +407,18 @@ class StreamingClient:
         self.welcome, self._welcomed = msg, True
         if first and self.on_welcome is not None:
             self.on_welcome(msg)
+        self._send_notices()
+
+    def _on_notice(self, code, text):
+        self.notices.append({"code": code, "text": text})
+        self._send_notices()
+
+    def _send_notices(self):
+        if self._ws is None or not self._welcomed:
+            return  # sent once a connection is welcomed
+        for notice in self.notices[self._notices_sent:]:
+            self._send(self._ws, protocol.error(notice["code"], notice["text"]))
+        self._notices_sent = len(self.notices)
 
     def _on_request(self, ws, msg):
         try:

@@ -19,6 +19,7 @@ import traceback
 import torch
 
 from client import cli
+from client.engine.options import add_cluster_arguments
 from client.engine.precision import add_precision_argument, parse_precision, parse_state_dtype
 from client.families import FAMILIES
 from client.model.config import PRESETS
@@ -112,9 +113,13 @@ def parse_args(argv=None):
                                           f"{DEFAULT_MAX_PER_SYMBOL}); maxrate and backlog also run K = 1")
     parser.add_argument("--pipeline-min-batch", type=cli.positive_int,
                         help="the client runtime's pipeline_min_batch (default: client.runtime.PIPELINE_MIN_BATCH)")
+    add_cluster_arguments(parser, "shards section: the shards as Ray actors on a cluster (--shards of them, default "
+                                  "every GPU, or one per node without GPUs) instead of a process per GPU here")
     parser.add_argument("--quick", action="store_true", help="small counts for a smoke run")
     parser.add_argument("--log-dir", help="also write the progress log and client/server warnings here")
     args = parser.parse_args(argv)
+    if args.cluster is None and (args.ray_address or args.shards):
+        parser.error("--ray-address and --shards apply with --cluster ray")
     counts = QUICK if args.quick else FULL
     overrides = {"family_symbols": args.family_symbols, "family_steps": args.family_steps,
                  "long_steps": args.long_steps, "e2e_requests": args.e2e_requests, "rates": args.rates,

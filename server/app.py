@@ -359,6 +359,8 @@ class ScoringServer:
                     await session.announce_end()  # after the last score_update
             elif kind == "error":  # the client reports a problem of its own (e.g. a NaN feature row)
                 session.client_errors += 1
+                if msg["error"] in protocol.CLIENT_NOTICES:
+                    session.add_notice(msg["error"], msg["details"])
             elif kind == "register":
                 session.errors += 1
                 await self._send_error(ws, "already_registered", f"this connection is team {session.team!r}")

@@ -1,6 +1,8 @@
 """The live leaderboard page and the end-of-run summary table."""
 import html
 
+from client.protocol import CLIENT_NOTICES
+
 REFRESH_S = 2
 # A team is marked when its accuracy is under this fraction of the best other team's (or of 1.0, what the
 # reference itself scores, when it plays alone): other weights or a broken client, not a slower one.
@@ -25,7 +27,7 @@ def leaderboard_row(summary: dict) -> dict:
     row = {key: summary[key] for key in ("team", "pnl", "recent_pnl_per_s", "accuracy", "responses_per_s",
                                          "pnl_per_response", "responses", "missed", "errors", "duplicates",
                                          "requests", "total_requests", "connected", "state",
-                                         "weights_fingerprint", "weights_match")}
+                                         "weights_fingerprint", "weights_match", "notices", "notices_total")}
     row["latency_p50_ms"] = summary["latency_ms"]["p50"]
     row["latency_p99_ms"] = summary["latency_ms"]["p99"]
     return row
@@ -60,6 +62,10 @@ def _note(row):
         notes.append("accuracy far below")
     if row["weights_match"] is False:
         notes.append("other weights")
+    if row["notices"]:  # what the client said of its play: the latest in full, with how many
+        latest = row["notices"][-1]
+        count = f" ({row['notices_total']} notices)" if row["notices_total"] > 1 else ""
+        notes.append(f"{CLIENT_NOTICES.get(latest['code'], latest['code'])}{count}: {latest['text']}")
     return "; ".join(notes)
 
 
@@ -106,7 +112,7 @@ def render_page(scores: dict) -> str:
 <style>body{{font-family:sans-serif;margin:1em 2em}} table{{border-collapse:collapse}}
 td,th{{padding:4px 8px;border-bottom:1px solid #ccc;text-align:right;white-space:nowrap}}
 td:nth-child(2),td:nth-child(3),th:nth-child(2),th:nth-child(3),th:last-child{{text-align:left}} progress{{width:5em}}
-td.note{{text-align:left}}
+td.note{{text-align:left;white-space:normal;max-width:40em}}
 .ok,.finished{{color:#070}} .playing{{color:#05a}} .disconnected,.unknown{{color:#777}}
 .bad{{color:#b00;font-weight:bold}} tr.far-below{{background:#fee}} p{{max-width:60em}}</style>
 </head><body><h1>Leaderboard</h1>
@@ -141,5 +147,10 @@ def format_table(summaries: list[dict]) -> str:
     if len(lines) == 1:
         return "no team registered"
     widths = [max(len(line[i]) for line in lines) for i in range(len(headings))]
-    return "\n".join("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(line, widths)))
-                     for line in lines)
+    table = ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(line, widths)))
+             for line in lines]
+    for s in summaries:  # what each client said of its play beyond its answers
+        table += [f"{s['team']}: {CLIENT_NOTICES.get(n['code'], n['code'])}: {n['text']}" for n in s["notices"]]
+        if s["notices_total"] > len(s["notices"]):
+            table.append(f"{s['team']}: ... {s['notices_total'] - len(s['notices'])} notices more")
+    return "\n".join(table)

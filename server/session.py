@@ -16,6 +16,7 @@ from server.scoring import score_responses
 
 PENDING, ANSWERED, MISSED, LATE = 0, 1, 2, 3  # LATE: missed, then answered after the timeout
 RECENT_WINDOW_S = 10.0
+MAX_NOTICES, NOTICE_CHARS = 10, 600  # a team's notices kept (the first ones), and the length of each
 
 
 def send_offsets(num_requests, delay_ms, rate=None, speed=1.0) -> np.ndarray:
@@ -51,6 +52,8 @@ class TeamSession:
         self._reap_cursor = 0
         self.resolved = 0
         self.responses = self.missed = self.late = self.errors = self.duplicates = self.client_errors = 0
+        self.notices: list[dict] = []  # the client's notices (protocol.CLIENT_NOTICES), the first MAX_NOTICES
+        self.notices_total = 0
         self.correct_towers = 0
         self.pnl = 0.0
         self._recent = deque()  # (receive time, pnl of one response message)
@@ -218,6 +221,12 @@ class TeamSession:
         self._check_done(received)
         return protocol.score_update(accepted, pnl, correct, latency_ms), problems
 
+    def add_notice(self, code: str, text: str):
+        """A notice from the client (its states reset, a shard lost): kept for the leaderboard and summary."""
+        self.notices_total += 1
+        if len(self.notices) < MAX_NOTICES:
+            self.notices.append({"code": code, "text": text[:NOTICE_CHARS]})
+
     # reporting ---------------------------------------------------------------------------------
     def _forget_before(self, oldest):
         while self._recent and self._recent[0][0] < oldest:
@@ -262,6 +271,8 @@ class TeamSession:
             "state": self.state,
             "weights_fingerprint": self.weights_fingerprint,
             "weights_match": self.weights_match,
+            "notices": list(self.notices),
+            "notices_total": self.notices_total,
         }
 
     @property

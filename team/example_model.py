@@ -67,7 +67,25 @@ class ExampleModel:
         unique_ids = [uid for _, uid, _ in requests]
         features = np.stack([np.asarray(f, dtype=np.float32) for _, _, f in requests])
         step = self.engine.submit(symbols, features)
-        return PendingStep(lambda: {"unique_ids": unique_ids, "predictions": step.result(), "errors": errors})
+        if not hasattr(step, "parts"):
+            return PendingStep(lambda: {"unique_ids": unique_ids, "predictions": step.result(), "errors": errors})
+        return PendingStep(lambda: _answer_parts(step, unique_ids, errors))
+
+
+def _answer_parts(step, unique_ids, errors) -> dict:
+    """A step answered in parts (a sharded engine's): a part that failed (its shard lost, or without room) is an
+    error for each of its requests; the other parts are answered."""
+    predictions = np.empty((len(unique_ids), NUM_TOWERS), np.float32)
+    answered = np.zeros(len(unique_ids), bool)
+    errors = dict(errors)
+    for rows, outcome in step.parts():
+        if isinstance(outcome, Exception):
+            errors.update({unique_ids[row]: f"{type(outcome).__name__}: {outcome}" for row in rows})
+        else:
+            predictions[rows] = outcome
+            answered[rows] = True
+    return {"unique_ids": [uid for uid, done in zip(unique_ids, answered) if done],
+            "predictions": predictions[answered], "errors": errors}
 
 
 PROG = "team/example_model.py"
@@ -104,8 +122,9 @@ def parse_args(argv=None):
     weights.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
     parser.add_argument("--allow-weights-mismatch", action="store_true",
                         help="play even when the server's weights differ from the client's")
-    parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--engine", choices=ENGINES, default="fast" if cuda else "reference")
+    parser.add_argument("--device", help="cuda or cpu (default cuda when present; with --cluster ray the shards' "
+                                         "device, default GPUs where the cluster has any)")
+    parser.add_argument("--engine", choices=ENGINES, help="default fast on CUDA, else reference")
     parser.add_argument("--team", default="example")
     parser.add_argument("--token", help="registration token, if the server wants one")
     parser.add_argument("--symbols", type=int, default=20, help="embedded server: number of symbols")
@@ -125,6 +144,10 @@ def parse_args(argv=None):
     if args.protocol == "tcp-json" and args.token is not None:
         parser.error("--token: the original protocol (tcp-json) has no field to carry it; a server that wants a "
                      "token needs --protocol websocket")
+    args.local_device = "cuda" if cuda else "cpu"
+    if args.cluster is None:  # with --cluster ray the shards' device and engine follow the cluster's GPUs
+        args.device = args.device or args.local_device
+        args.engine = args.engine or ("fast" if cuda else "reference")
     if args.preset is None:
         args.preset = "full" if cuda else "tiny"
         print(f"--preset not given: using {args.preset} ({'CUDA present' if cuda else 'no CUDA'})", file=sys.stderr)
@@ -161,24 +184,31 @@ def _stop_on_ctrl_c(client) -> bool:
     return True
 
 
-def _describe_welcome(url, args, welcome) -> str:
+def _describe_welcome(url, args, welcome, engine_text) -> str:
     if args.protocol == "tcp-json":  # the original protocol has no welcome: the runtime made one up
         return (f"playing {url} in the original protocol, as the team the server names (it registers no name); "
-                f"the server's model is not said, weights not compared; engine {args.engine}, device {args.device}")
+                f"the server's model is not said, weights not compared; {engine_text}")
     match = {True: "the same as this client's", None: "not compared",
              False: "OTHER than this client's (played anyway: --allow-weights-mismatch)"}[welcome["weights_match"]]
     return (f"playing {url} as team {args.team!r}: {welcome['requests']} requests over {welcome['symbols']} "
             f"symbols; the server's model is preset {welcome['preset']}, weights {welcome['weights_fingerprint']} "
-            f"({match}); engine {args.engine}, device {args.device}")
+            f"({match}); {engine_text}")
 
 
-async def play(args) -> tuple[dict, list[dict] | None]:
-    """Play the server given by args (or an embedded one); return (client summary, server summaries)."""
+def build_engine(args) -> tuple[Engine, str, str]:
+    """(the engine args ask for, the weights fingerprint, the engine in words). With --cluster ray the model is
+    loaded by each shard, not here: the shards say the fingerprint."""
+    from client.engine.sharded import ModelSpec
     from client.model import load_model
-    from client.original_team import as_runtime_client
-    from client.runtime import StreamingClient
-    from client.transport import server_url
 
+    spec = ModelSpec(args.preset, args.weights, args.seed)
+    weights = args.weights or f"seed {args.seed}"
+    if args.cluster == "ray":
+        print(f"preset {args.preset} ({weights}) on the Ray cluster at {args.ray_address or 'local'}", file=sys.stderr)
+        engine = make_engine(args.engine, None, device=args.device, spec=spec, **engine_options(args))
+        shards = engine.describe()["shards"]
+        return engine, engine.fingerprint, (f"engine {shards[0]['engine']} in {len(shards)} Ray shard(s) "
+                                            f"({'; '.join(shard['where'] for shard in shards)})")
     if args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
@@ -186,43 +216,58 @@ async def play(args) -> tuple[dict, list[dict] | None]:
         # steps gain nothing from a second thread, and with it the client answered 143 of 1,000 requests in time
         # (the README's first command), with one thread all 1,000.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
-    weights = args.weights or f"seed {args.seed}"
     print(f"loading preset {args.preset} ({weights}) on {args.device}, engine {args.engine}", file=sys.stderr)
     model, fingerprint = load_model(args.preset, weights=args.weights, seed=args.seed, device=args.device)
-    from client.engine.sharded import ModelSpec
+    engine = make_engine(args.engine, model, device=args.device, spec=spec, **engine_options(args))
+    return engine, fingerprint, f"engine {args.engine}, device {args.device}"
 
-    spec = ModelSpec(args.preset, args.weights, args.seed)
+
+async def play(args) -> tuple[dict, list[dict] | None]:
+    """Play the server given by args (or an embedded one); return (client summary, server summaries)."""
+    from client.original_team import as_runtime_client
+    from client.runtime import StreamingClient
+    from client.transport import server_url
+
+    engine, fingerprint, engine_text = build_engine(args)
     team_class = ExampleModel
     if args.team_dir is not None:
         from local_evaluator import load_team_class
 
         team_class = load_team_class(args.team_dir)
-    team_client = as_runtime_client(team_class(make_engine(args.engine, model, device=args.device, spec=spec,
-                                                           **engine_options(args))))
+    team_client = as_runtime_client(team_class(engine))
     server = None
-    if args.host is None:
-        from server.app import ScoringServer, ServerConfig
-
-        server = ScoringServer(ServerConfig(host="127.0.0.1", port=0, preset=args.preset, weights=args.weights,
-                                            seed=args.seed, symbols=args.symbols, requests=args.requests,
-                                            rate=args.rate, device=args.device))
-        url = server_url(args.protocol, "127.0.0.1", await server.start())
-    else:
-        url = server_url(args.protocol, args.host, args.port)
-    client = StreamingClient(team_client, url, args.team, args.token, preset=args.preset,
-                             weights_fingerprint=fingerprint, allow_weights_mismatch=args.allow_weights_mismatch,
-                             leave_at_end=True, max_requests_per_symbol=args.max_requests_per_symbol,
-                             on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome), file=sys.stderr))
-    progress = asyncio.create_task(_print_progress(client))
-    ctrl_c = _stop_on_ctrl_c(client)
     try:
-        summary = await client.run()
+        if args.host is None:
+            from server.app import ScoringServer, ServerConfig
+
+            server = ScoringServer(ServerConfig(host="127.0.0.1", port=0, preset=args.preset, weights=args.weights,
+                                                seed=args.seed, symbols=args.symbols, requests=args.requests,
+                                                rate=args.rate,
+                                                device=args.local_device if args.cluster else args.device))
+            url = server_url(args.protocol, "127.0.0.1", await server.start())
+        else:
+            url = server_url(args.protocol, args.host, args.port)
+        client = StreamingClient(team_client, url, args.team, args.token, preset=args.preset,
+                                 weights_fingerprint=fingerprint, allow_weights_mismatch=args.allow_weights_mismatch,
+                                 leave_at_end=True, max_requests_per_symbol=args.max_requests_per_symbol,
+                                 on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome, engine_text),
+                                                                  file=sys.stderr))
+        # A lost shard is said in the summary and to the server (its leaderboard), not only on stderr.
+        if hasattr(engine, "loss_listeners"):
+            engine.loss_listeners.append(lambda loss: client.notice(
+                "state_reset" if loss["policy"] == "reset" else "shard_lost", loss["line"]))
+        progress = asyncio.create_task(_print_progress(client))
+        ctrl_c = _stop_on_ctrl_c(client)
+        try:
+            summary = await client.run()
+        finally:
+            progress.cancel()
+            if ctrl_c:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
     finally:
-        progress.cancel()
-        if ctrl_c:
-            asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
         if server is not None:
             await server.stop()
+        engine.close()
     if client.welcome is not None:
         print(("\r" if sys.stderr.isatty() else "") + client.progress_line(), file=sys.stderr)
     return summary, server.summaries() if server is not None else None
@@ -232,7 +277,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    cli.check_device(args.device)
+    if args.cluster is None:  # else --device is the shards', on the cluster
+        cli.check_device(args.device)
     summary, server_summaries = event_loop.run(play(args))
     print(json.dumps(summary, indent=2))
     if server_summaries:

@@ -479,3 +479,38 @@ def test_requests_a_client_cannot_place_get_an_error_and_the_rest_are_answered()
     assert ids == [1] and predictions.shape == (1, 4) and errors == {2: "no room for the state of 1 symbol(s) (B)"}
     with pytest.raises(ValueError, match=r"missing ids \[2\]"):
         check_answer({"unique_ids": [1], "predictions": np.zeros((1, 4))}, [1, 2])
+
+
+def test_a_notice_is_in_the_summary_and_on_the_servers_leaderboard(model):
+    from client.streams import generate_stream
+    from server import ScoringServer, ServerConfig
+    from server.leaderboard import format_table, render_page
+
+    line = "shard 1 (process on cpu) lost: its process exited (exit code -9); its 1 symbol(s) SYM_001 start again"
+
+    class Noticing(ExampleModel):  # says what a sharded engine's loss listener says, on its first batch
+        client = None
+
+        def process_batch(self, requests_by_symbol):
+            if not self.client.notices:
+                self.client.notice("state_reset", line)
+            return super().process_batch(requests_by_symbol)
+
+    async def main():
+        stream = generate_stream(3, 30, seed=3)
+        server = ScoringServer(ServerConfig(rate=1000.0), stream=stream,
+                               targets=np.zeros((30, 4), np.float32))
+        port = await server.start()
+        try:
+            team_client = Noticing(ReferenceEngine(model))
+            team_client.client = StreamingClient(team_client, f"ws://127.0.0.1:{port}", "testers", leave_at_end=True)
+            summary = await asyncio.wait_for(team_client.client.run(), 60)
+            return summary, server.summaries(), server.scores()
+        finally:
+            await server.stop()
+
+    summary, (server_summary,), scores = asyncio.run(main())
+    assert summary["notices"] == [{"code": "state_reset", "text": line}]
+    assert server_summary["notices"] == [{"code": "state_reset", "text": line}] and server_summary["notices_total"] == 1
+    assert f"states reset: {line}" in render_page(scores)
+    assert format_table([server_summary]).splitlines()[-1] == f"testers: states reset: {line}"

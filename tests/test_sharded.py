@@ -1,20 +1,32 @@
 """Symbols sharded over engine processes (CPU processes here; one per GPU in use): the same predictions as one
-engine, symbols placed by load and kept, parts answered as they complete, a failing shard's part alone fails."""
+engine, symbols placed by load and kept, parts answered as they complete, a failing shard's part alone fails,
+a lost shard's symbols alone get errors. (Starting them again from a fresh state, --on-shard-loss reset, is the
+transport-agnostic engine's: tests/test_sharded_ray.py.)"""
+import os
+import signal
+
 import numpy as np
 import pytest
 import torch
 
 from client.engine.fast import FastEngine
-from client.engine.sharded import ModelSpec, ShardedEngine, ShardError
+from client.engine.shard_process import process_shards
+from client.engine.sharded import ModelSpec, ShardedEngine, ShardError, ShardLost, ShardStartError
 from client.model import load_model
 
 SPEC = ModelSpec("tiny", seed=3)
 CAPACITY = 8  # symbols per shard, no host tier
 
 
+def start(devices, **options):
+    on_shard_loss = options.pop("on_shard_loss", "error")
+    return ShardedEngine(process_shards(SPEC, devices, options=options, progress=False), progress=False,
+                         on_shard_loss=on_shard_loss)
+
+
 @pytest.fixture(scope="module")
 def sharded():
-    engine = ShardedEngine(SPEC, ["cpu", "cpu"], progress=False, capacity=CAPACITY, host_symbols=0)
+    engine = start(["cpu", "cpu"], capacity=CAPACITY, host_symbols=0)
     yield engine
     engine.close()
 
@@ -41,14 +53,47 @@ def test_parts_arrive_with_their_rows(sharded):
     assert pending.result().shape == (3, 4)
 
 
+def test_steps_in_flight_keep_each_symbols_order(sharded):
+    model, _ = load_model("tiny", seed=3)
+    single = FastEngine(model, "cpu", capacity=8, progress=False)
+    rng = np.random.default_rng(4)
+    symbols = ["O0", "O1", "O2"]
+    steps = [rng.standard_normal((3, 79)).astype(np.float32) for _ in range(8)]
+    pending = [sharded.submit(symbols, features) for features in steps]  # all submitted before any is collected
+    for step, features in zip(pending, steps):
+        np.testing.assert_allclose(step.result(), single.step(symbols, features), rtol=0, atol=1e-4)
+
+
+def test_a_symbols_several_requests_in_one_step_go_to_its_shard_in_order(sharded):
+    """Rows of one symbol, interleaved with others' (several of them on each shard), advance it in order; each
+    answer comes back in the caller's row."""
+    model, _ = load_model("tiny", seed=3)
+    one_at_a_time = FastEngine(model, "cpu", capacity=8, progress=False)
+    symbols = ["M0", "M1", "M0", "M2", "M1", "M0", "M3", "M3"]
+    features = np.random.default_rng(9).standard_normal((len(symbols), 79)).astype(np.float32)
+    predictions = sharded.step(symbols, features)
+    assert len({sharded.shard_of[s] for s in symbols}) == 2  # the step was split over both shards
+    for row, symbol in enumerate(symbols):
+        expected = one_at_a_time.step([symbol], features[row:row + 1])[0]
+        np.testing.assert_allclose(predictions[row], expected, rtol=0, atol=1e-4)
+    sharded.release(["M0", "M1", "M2", "M3"])
+
+
+def _put(engine, symbol, shard):
+    """Place a symbol on the given shard, as placement would have."""
+    engine.shard_of[symbol] = shard
+    engine._load[shard] += 1
+
+
 def test_a_shard_without_room_fails_its_part_alone(sharded):
     features = np.zeros((1, 79), np.float32)
     held = sum(shard == 0 for shard in sharded.shard_of.values())
-    for i in range(CAPACITY - held):  # fill shard 0
-        sharded.shard_of[f"F{i}"] = 0
-        sharded.step([f"F{i}"], features)
-    sharded.shard_of["NEW"] = 0
-    sharded.shard_of["OTHER"] = 1
+    filled = [f"F{i}" for i in range(CAPACITY - held)]
+    for symbol in filled:  # fill shard 0
+        _put(sharded, symbol, 0)
+        sharded.step([symbol], features)
+    _put(sharded, "NEW", 0)
+    _put(sharded, "OTHER", 1)
     pending = sharded.submit(["NEW", "OTHER"], np.zeros((2, 79), np.float32))
     outcomes = {int(rows[0]): outcome for rows, outcome in pending.parts()}
     assert isinstance(outcomes[0], ShardError) and "no room for the state" in str(outcomes[0])
@@ -56,6 +101,7 @@ def test_a_shard_without_room_fails_its_part_alone(sharded):
     with pytest.raises(ShardError, match="no room"):
         pending.result()
     assert sharded.step(["F0"], features).shape == (1, 4)  # the full shard still serves its symbols
+    sharded.release(filled + ["NEW", "OTHER"])
 
 
 def test_release_frees_a_symbol_everywhere(sharded):
@@ -66,19 +112,20 @@ def test_release_frees_a_symbol_everywhere(sharded):
 
 def test_missing_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match=r"asked for, but this machine has \d+ GPU"):
-        ShardedEngine(SPEC, ["cuda:7"], progress=False)
+        process_shards(SPEC, ["cuda:7"], progress=False)
 
 
 def test_shard_that_cannot_start_says_why():
-    with pytest.raises(ShardError, match="failed to start: cpu: ValueError: unknown preset"):
-        ShardedEngine(ModelSpec("huge"), ["cpu"], progress=False)
+    with pytest.raises(ShardStartError, match="failed to start: cpu: ValueError: unknown preset"):
+        process_shards(ModelSpec("huge"), ["cpu"], progress=False)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_gpu_shards_serve_like_one_engine():
     model, _ = load_model("small", seed=3, device="cuda")
     single = FastEngine(model, "cuda", capacity=16, progress=False)
-    engine = ShardedEngine(ModelSpec("small", seed=3), ["cuda:0", "cuda:1"], progress=False, capacity=16)
+    engine = ShardedEngine(process_shards(ModelSpec("small", seed=3), ["cuda:0", "cuda:1"], options={"capacity": 16},
+                                          progress=False), progress=False)
     try:
         rng = np.random.default_rng(2)
         for _ in range(10):
@@ -88,3 +135,49 @@ def test_two_gpu_shards_serve_like_one_engine():
         assert sorted(set(engine.shard_of.values())) == [0, 1]
     finally:
         engine.close()
+
+
+def test_a_lost_shard_fails_its_symbols_alone(capsys):
+    engine = ShardedEngine(process_shards(SPEC, ["cpu", "cpu"], options={"capacity": CAPACITY}, progress=False),
+                           progress=True, on_shard_loss="error")
+    try:
+        model, _ = load_model("tiny", seed=3)
+        single = FastEngine(model, "cpu", capacity=8, progress=False)
+        symbols = ["L0", "L1", "L2", "L3"]  # placed alternately on the two shards
+        features = np.random.default_rng(5).standard_normal((4, 79)).astype(np.float32)
+        np.testing.assert_allclose(engine.step(symbols, features), single.step(symbols, features), rtol=0, atol=1e-4)
+        lost = [s for s in symbols if engine.shard_of[s] == 1]
+        os.kill(engine.shards[1].process.pid, signal.SIGKILL)
+        features = np.random.default_rng(6).standard_normal((4, 79)).astype(np.float32)
+        expected = single.step(symbols, features)
+        for rows, outcome in engine.submit(symbols, features).parts():
+            if engine.shard_of[symbols[rows[0]]] == 1:
+                assert isinstance(outcome, ShardLost) and "shard 1 (process on cpu) lost: its process exited" in str(outcome)
+            else:
+                np.testing.assert_allclose(outcome, expected[rows], rtol=0, atol=1e-4)
+        line = f"shard 1 (process on cpu) lost: its process exited (exit code -9); its 2 symbol(s) {', '.join(lost)} get errors"
+        assert line in capsys.readouterr().err
+        assert engine.losses[0]["symbols"] == lost
+        assert set(engine.unplaceable(symbols)) == set(lost)  # a caller can answer them without stepping
+        kept = [s for s in symbols if s not in lost]
+        again = np.random.default_rng(7).standard_normal((2, 79)).astype(np.float32)
+        np.testing.assert_allclose(engine.step(kept, again), single.step(kept, again), rtol=0, atol=1e-4)
+        engine.step(["NEW"], again[:1])
+        assert engine.shard_of["NEW"] == 0  # new symbols go to the live shard
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"on_shard_loss": "reset"}, "--on-shard-loss applies to sharded engines"),
+    ({"shards": 2}, "--ray-address and --shards apply with --cluster ray"),
+    ({"ray_address": "head:6379"}, "--ray-address and --shards apply with --cluster ray"),
+    ({"cluster": "ray", "gpus": 2, "spec": SPEC}, "--gpus is for one machine"),
+    ({"cluster": "ray"}, "needs the model's spec"),
+    ({"cluster": "slurm", "spec": SPEC}, "the one cluster supported is ray"),
+])
+def test_cluster_options_that_do_not_go_together_are_one_line(options, match):
+    from client.engine import make_engine
+
+    with pytest.raises(ValueError, match=match):
+        make_engine("fast", None, "cpu", **options)

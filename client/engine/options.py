@@ -8,11 +8,16 @@
     --state-dtype SPEC      fp32, or fp16/bf16 storage of the matrix states; --state-rounding stochastic|nearest
     --gpus N                spread over N GPUs: the towers (--split towers) or the symbols (--split symbols)
     --max-requests-per-symbol K   queued requests of one symbol a step may carry (1: one per symbol per step)
+    --cluster ray           the symbols sharded over the GPUs (or CPU nodes) of a Ray cluster: --ray-address ADDRESS
+                            (`local` starts Ray here), --shards N (default: every GPU; one per node without GPUs)
+    --on-shard-loss POLICY  a lost shard's symbols get errors (error) or start again from a fresh state (reset)
 """
 import argparse
 import math
 
+from client.cli import positive_int
 from client.engine.precision import add_precision_argument, parse_state_dtype
+from client.engine.sharded import ON_SHARD_LOSS
 from client.scheduler import DEFAULT_MAX_PER_SYMBOL
 
 
@@ -74,7 +79,27 @@ def add_engine_arguments(parser):
                        default=DEFAULT_MAX_PER_SYMBOL, metavar="K",
                        help="queued requests of one symbol a step may carry, advanced in order in one step "
                             f"(default {DEFAULT_MAX_PER_SYMBOL}; 1: one request per symbol per step)")
+    add_cluster_arguments(parser, "shard the symbols over Ray actors, one per GPU of the cluster (CPU actors, one "
+                                  "per node, where it has no GPU); --device then names the shards' device (default: "
+                                  "GPUs where the cluster has any), and --engine theirs (default fast on GPUs, else "
+                                  "reference)")
     return group
+
+
+def add_cluster_arguments(parser, cluster_help):
+    """--cluster, --ray-address, --shards and --on-shard-loss, in a group of their own (also scripts/bench.py's)."""
+    cluster = parser.add_argument_group("symbols over several hosts (client/engine/shard_ray.py)")
+    cluster.add_argument("--cluster", choices=("ray",), help=cluster_help)
+    cluster.add_argument("--ray-address", metavar="ADDRESS",
+                         help="the Ray cluster: HOST:PORT of its head (ray start --head), ray://HOST:PORT, auto, or "
+                              "local to start Ray on this machine (default local)")
+    cluster.add_argument("--shards", type=positive_int, metavar="N",
+                         help="shards on the cluster (default: every GPU; on a cluster without GPUs, one per node)")
+    cluster.add_argument("--on-shard-loss", choices=ON_SHARD_LOSS,
+                         help="when a shard is lost (its process, actor or node gone): its symbols get errors "
+                              "(error, the default) or start again from a fresh state on the other shards (reset, "
+                              "said in the summary and to the server); every other symbol keeps playing")
+    return cluster
 
 
 def engine_options(args) -> dict:
@@ -82,4 +107,5 @@ def engine_options(args) -> dict:
     return {"precision": args.precision, "compile": args.compile, "state_memory": args.state_memory,
             "capacity": args.state_slots, "host_symbols": args.host_symbols, "idle_timeout_s": args.idle_timeout,
             "state_dtype": args.state_dtype, "state_rounding": args.state_rounding, "gpus": args.gpus,
-            "split": args.split, "max_rows_per_symbol": args.max_requests_per_symbol}
+            "split": args.split, "max_rows_per_symbol": args.max_requests_per_symbol, "cluster": args.cluster,
+            "ray_address": args.ray_address, "shards": args.shards, "on_shard_loss": args.on_shard_loss}

@@ -1,172 +1,149 @@
-"""Symbols sharded over GPUs: one engine process per GPU, each symbol's state on exactly one of them.
+"""Symbols sharded over engines elsewhere (processes on this machine's GPUs, or Ray actors on other hosts): each
+symbol's state on exactly one shard, whatever carries the messages.
 
-A symbol is placed on the shard holding the fewest symbols when first seen and stays there. A step's symbols
-are split by shard; each part goes to its shard's process, which submits it to its own FastEngine (so the
-shards step concurrently, each pipelined on its own GPU and with its own interpreter), and the part's
-predictions come back as soon as that shard is done. Processes are started with torch.multiprocessing
-(spawn) and talk over its pipes; each loads the model itself from the same spec, so no weights travel.
+A symbol is placed on the live shard holding the fewest symbols when first seen and stays there. A step's rows
+are split by shard, each symbol's rows in the step's order; each part goes to its shard through that shard's one
+submitter thread (so a shard receives its steps, and each symbol its requests, in submission order), and one
+collector thread per shard takes the answers in the same order, so a step's parts arrive as each shard completes
+(`ShardedPendingStep.parts()`). A part a shard fails (no room, bad input) fails alone; its step's other parts are
+answered.
 
-The shard interface is what a multi-host deployment needs too: `Shard.submit(step_id, symbols, features)`,
-answered later by (step_id, predictions) or (step_id, error), plus release and stop. A remote shard runs the
-same loop (`_serve_shard`) behind a torch.distributed RPC endpoint or any message channel on another host.
+A shard that is lost (its process exits, its Ray actor or node dies) is reported once, in one line naming the
+shard and its symbols. Its unanswered parts, and every later request of its symbols, then follow
+`on_shard_loss`: "error" answers them with the loss (`unplaceable` names those symbols, so a caller can skip
+them), "reset" places its symbols again on the live shards, where they start from a fresh state, and runs their
+unanswered requests there in order. Every other symbol keeps playing.
+
+The transports (client/engine/shard_process.py, client/engine/shard_ray.py) implement `Shard`; each shard runs
+`build_shard_engine`, loading the model from its `ModelSpec`, so no weights travel.
 """
-import itertools
 import queue
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-import torch.multiprocessing as mp
 
 from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_inputs
+
+ON_SHARD_LOSS = ("error", "reset")
+SHOWN_SYMBOLS = 32  # a loss line names this many of the shard's symbols, then says how many in all
+CLOSE_TIMEOUT_S = 30
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """How a shard process loads the model: a preset with a checkpoint path or synthetic weights' seed."""
+    """How a shard loads the model: a preset with a checkpoint path (on the shard's host) or synthetic weights'
+    seed."""
     preset: str
     weights: str | None = None
     seed: int = 0
 
 
 class ShardError(RuntimeError):
-    """A shard failed a step (its message says why) or its process is gone."""
+    """A shard failed a step (its message says why)."""
 
 
-def _serve_shard(spec: ModelSpec, device: str, options: dict, requests, replies):
-    """A shard process: build the engine, then submit each step as it arrives and answer it when it is done
-    (a second thread collects results in submission order, so submitting never waits for the GPU)."""
-    from client.engine.fast import FastEngine
+class ShardLost(ShardError):
+    """A shard is gone (its process exited, its actor or node died): its symbols' states with it."""
+
+
+class ShardStartError(ShardError, ValueError):
+    """A shard could not start (bad preset or weights, no such device, no room on the cluster): an ordinary
+    mistake, reported in one line."""
+
+
+def build_shard_engine(spec: ModelSpec, device: str, engine: str, options: dict):
+    """What a shard runs: (its engine, the info it reports when ready), the model loaded from `spec` on `device`."""
+    from client.engine import make_engine
     from client.model import load_model
 
-    try:
-        model, fingerprint = load_model(spec.preset, weights=spec.weights, seed=spec.seed, device=device)
-        engine = FastEngine(model, device, progress=False, **options)
-        del model
-    except Exception as exc:  # the parent reports it on one line
-        replies.send(("failed", f"{device}: {type(exc).__name__}: {exc}"))
-        return
-    replies.send(("ready", {"fingerprint": fingerprint, **engine.describe()}))
-    submitted = queue.Queue()  # (step_id, PendingStep or the exception its submit raised)
-
-    def collect():
-        while True:
-            item = submitted.get()
-            if item is None:
-                return
-            step_id, pending = item
-            try:
-                if isinstance(pending, Exception):
-                    raise pending
-                replies.send(("done", step_id, pending.result()))
-            except Exception as exc:
-                replies.send(("error", step_id, f"{type(exc).__name__}: {exc}"))
-
-    collector = threading.Thread(target=collect, daemon=True)
-    collector.start()
-    while True:
-        message = requests.recv()
-        if message[0] == "step":
-            _, step_id, symbols, features = message
-            try:
-                submitted.put((step_id, engine.submit(symbols, features)))
-            except Exception as exc:  # bad input or no room: this step's part alone fails
-                submitted.put((step_id, exc))
-        elif message[0] == "release":
-            engine.release(message[1])
-        else:  # "stop"
-            submitted.put(None)
-            collector.join()
-            return
+    model, fingerprint = load_model(spec.preset, weights=spec.weights, seed=spec.seed, device=device)
+    options = dict(options)
+    if engine == "fast":
+        options["progress"] = False  # a shard's startup is reported by the engine that owns it
+    built = make_engine(engine, model, device=device, **options)
+    return built, {**built.describe(), "engine": engine, "fingerprint": fingerprint}
 
 
-class Shard:
-    """One shard process on one device, and the thread that receives its answers."""
+def describe_ready(shard) -> str:
+    """The line a transport prints when a shard is ready."""
+    capacity = shard.info.get("capacity")
+    return (f"[sharded engine] shard {shard.index} ready: {shard.where}, engine {shard.info['engine']}"
+            + (f", {capacity} symbols" if capacity is not None else ""))
 
-    def __init__(self, index, spec, device, options, ctx):
-        self.index, self.device = index, device
-        child_requests, self.requests = ctx.Pipe(duplex=False)  # (receiving end, sending end)
-        self.replies, child_replies = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_serve_shard, name=f"shard-{index}", daemon=True,
-                                   args=(spec, str(device), options, child_requests, child_replies))
-        self.process.start()
-        child_requests.close()  # the child's ends: closed here, so that its exit reads as EOF
-        child_replies.close()
-        self.waiting: dict[int, "_Part"] = {}
-        self.lock = threading.Lock()
-        self.info = None
 
-    def wait_ready(self, timeout_s):
-        if not self.replies.poll(timeout_s):
-            raise ShardError(f"shard {self.index} on {self.device} did not start within {timeout_s:.0f} s")
-        kind, payload = self.replies.recv()
-        if kind != "ready":
-            raise ShardError(f"shard {self.index} failed to start: {payload}")
-        self.info = payload
-        threading.Thread(target=self._receive, name=f"shard-{self.index}-replies", daemon=True).start()
+class Shard(ABC):
+    """One shard as its transport reaches it. `where` says where it runs (a device, an actor on a node); `info`
+    is what it said when ready (its engine's describe(), fingerprint, ...)."""
 
-    def submit(self, step_id, symbols, features, part):
-        with self.lock:
-            self.waiting[step_id] = part
-        self.requests.send(("step", step_id, symbols, features))
+    index: int
+    where: str
+    info: dict
 
-    def _receive(self):
-        while True:
-            try:
-                kind, step_id, payload = self.replies.recv()
-            except (EOFError, OSError):
-                error = ShardError(f"shard {self.index} on {self.device} stopped "
-                                   f"(exit code {self.process.exitcode})")
-                with self.lock:
-                    parts, self.waiting = list(self.waiting.values()), {}
-                for part in parts:
-                    part.finish(error=error)
-                return
-            with self.lock:
-                part = self.waiting.pop(step_id)
-            part.finish(payload if kind == "done" else None,
-                        None if kind == "done" else ShardError(f"shard {self.index}: {payload}"))
+    @abstractmethod
+    def submit(self, symbols: list[str], features: np.ndarray):
+        """Send one step's part; return a handle for result(). Raises ShardLost if the shard is gone."""
 
-    def stop(self):
-        try:
-            self.requests.send(("stop",))
-        except (BrokenPipeError, OSError):
-            pass
-        self.process.join(timeout=30)
-        if self.process.is_alive():
-            self.process.kill()
+    @abstractmethod
+    def result(self, handle) -> np.ndarray:
+        """The part's predictions, waited for. Called once per handle, in submission order. Raises ShardError
+        for a step the shard failed, ShardLost when the shard is gone."""
+
+    @abstractmethod
+    def release(self, symbols: list[str]) -> None:
+        """Forget these symbols' states, after every step already submitted. Raises ShardLost if gone."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Stop the shard (end its process or actor); never raises."""
 
 
 class _Part:
-    """One shard's part of a step: which rows of the step it answers; its outcome goes to the step's queue."""
+    """One shard's part of a step: its rows of the step, their symbols and features; its outcome goes to the
+    step's arrivals. `moved` marks a part taken off a lost shard (failed or run elsewhere)."""
 
-    def __init__(self, rows, arrivals):
-        self.rows, self.arrivals = rows, arrivals
-        self.predictions = self.error = None
+    def __init__(self, rows, symbols, features, arrivals):
+        self.rows, self.symbols, self.features, self.arrivals = rows, symbols, features, arrivals
+        self.moved = False
 
-    def finish(self, predictions=None, error=None):
-        self.predictions, self.error = predictions, error
-        self.arrivals.put(self)
+    def finish(self, outcome):
+        self.arrivals.put((self.rows, outcome))
+
+
+class _InFlight:
+    __slots__ = ("part", "handle")
+
+    def __init__(self, part):
+        self.part, self.handle = part, None
 
 
 class ShardedPendingStep(PendingStep):
     """A sharded step: result() waits for every part; parts() yields (rows, predictions or the exception) as
     each part arrives, so that a caller can answer them one by one."""
 
-    def __init__(self, parts, arrivals, batch):
+    def __init__(self, arrivals, batch):
         super().__init__(self._assemble)
-        self._parts, self._arrivals, self._batch = parts, arrivals, batch
-        self._arrived = []
+        self._arrivals, self._batch = arrivals, batch
+        self._arrived, self._rows_arrived = [], 0
+        self._parts_lock = threading.Lock()
 
     def parts(self):
-        for index in range(len(self._parts)):
-            if index == len(self._arrived):
-                self._arrived.append(self._arrivals.get())
-            part = self._arrived[index]
-            yield part.rows, (part.error if part.error is not None else part.predictions)
+        index = 0
+        while True:
+            with self._parts_lock:
+                if index == len(self._arrived):
+                    if self._rows_arrived == self._batch:
+                        return
+                    rows, outcome = self._arrivals.get()
+                    self._arrived.append((rows, outcome))
+                    self._rows_arrived += len(rows)
+                rows, outcome = self._arrived[index]
+            index += 1
+            yield rows, outcome
 
     def _assemble(self):
         out = np.empty((self._batch, NUM_TOWERS), dtype=np.float32)
@@ -177,61 +154,172 @@ class ShardedPendingStep(PendingStep):
         return out
 
 
+class _Runner:
+    """The engine's side of one shard: its queue of work, the one thread that submits it in order and the one
+    that collects the answers in order. Its deques are guarded by the engine's lock."""
+
+    def __init__(self, engine, shard: Shard):
+        self.engine, self.shard, self.index = engine, shard, shard.index
+        self.work = deque()       # ("step", part) or ("release", symbols), in submission order
+        self.in_flight = deque()  # _InFlight, submitted and not yet collected, oldest first
+        self.lost = None          # the loss (ShardLost), once the shard is gone
+        self.stopping = self.submitter_done = False
+        self.work_ready = threading.Condition(engine._lock)
+        self.answer_due = threading.Condition(engine._lock)
+        self.threads = [threading.Thread(target=self._submit_loop, name=f"shard-{self.index}-submit", daemon=True),
+                        threading.Thread(target=self._collect_loop, name=f"shard-{self.index}-collect",
+                                         daemon=True)]
+        for thread in self.threads:
+            thread.start()
+
+    def _submit_loop(self):
+        try:
+            while True:
+                with self.work_ready:
+                    self.work_ready.wait_for(lambda: self.work or self.stopping or self.lost)
+                    if self.lost or not self.work:
+                        return
+                    kind, item = self.work.popleft()
+                    if kind == "step":
+                        entry = _InFlight(item)
+                        self.in_flight.append(entry)
+                try:
+                    if kind == "release":
+                        self.shard.release(item)
+                    else:
+                        handle = self.shard.submit(item.symbols, item.features)
+                except ShardLost as exc:
+                    self.engine._lose(self, exc)
+                    return
+                except Exception as exc:  # not sent (e.g. not serializable): a step's part fails alone
+                    if kind == "step":
+                        with self.work_ready:
+                            if entry.part.moved:
+                                continue
+                            self.in_flight.remove(entry)
+                        entry.part.finish(ShardError(f"shard {self.index}: {type(exc).__name__}: {exc}"))
+                    continue
+                if kind == "step":
+                    with self.answer_due:
+                        entry.handle = handle
+                        self.answer_due.notify()
+        finally:
+            with self.answer_due:
+                self.submitter_done = True
+                self.answer_due.notify()
+
+    def _collect_loop(self):
+        while True:
+            with self.answer_due:
+                self.answer_due.wait_for(lambda: self.lost or (self.in_flight and self.in_flight[0].handle is not None)
+                                         or (self.submitter_done and not self.in_flight))
+                if self.lost or not self.in_flight:
+                    return
+                entry = self.in_flight[0]
+            try:
+                outcome = self.shard.result(entry.handle)
+            except ShardLost as exc:
+                self.engine._lose(self, exc)
+                return
+            except ShardError as exc:
+                outcome = exc
+            except Exception as exc:
+                outcome = ShardError(f"shard {self.index}: {type(exc).__name__}: {exc}")
+            with self.answer_due:
+                if entry.part.moved:  # the shard was lost meanwhile, and the part went with the others
+                    return
+                self.in_flight.popleft()
+            entry.part.finish(outcome)
+
+    def stop(self, timeout_s):
+        with self.work_ready:
+            self.stopping = True
+            self.work_ready.notify_all()
+            self.answer_due.notify_all()
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self.shard.stop()
+
+
 class ShardedEngine(Engine):
     name = "sharded"
 
-    def __init__(self, spec: ModelSpec, devices, *, progress=True, start_timeout_s=600, **engine_options):
-        """devices: one per shard (e.g. ["cuda:0", "cuda:1"]; "cpu" several times for a test); engine_options
-        go to each shard's FastEngine (capacity, state_memory, state_dtype, precision, max_batch, ...)."""
-        devices = [torch.device(d) for d in devices]
-        if len(devices) < 1:
-            raise ValueError("a sharded engine needs at least one device")
-        if devices[0].type == "cuda":
-            present = torch.cuda.device_count()
-            missing = [str(d) for d in devices if (d.index or 0) >= present]
-            if missing:
-                raise ValueError(f"{', '.join(missing)} asked for, but this machine has {present} GPU(s)")
-        begin = time.perf_counter()
-        ctx = mp.get_context("spawn")
-        self.shards = [Shard(i, spec, d, engine_options, ctx) for i, d in enumerate(devices)]
-        try:
-            for shard in self.shards:
-                shard.wait_ready(start_timeout_s)
-                if progress:
-                    sys.stderr.write(f"[sharded engine] shard {shard.index} ready on {shard.device}: "
-                                     f"{shard.info['capacity']} symbols\n")
-        except Exception:
-            self.close()
-            raise
+    def __init__(self, shards: list[Shard], *, on_shard_loss="error", progress=True, transport=None):
+        """shards: started shards of one transport (client.engine.shard_process.process_shards,
+        client.engine.shard_ray.ray_shards), which this engine now owns (close() stops them)."""
+        if on_shard_loss not in ON_SHARD_LOSS:
+            raise ValueError(f"--on-shard-loss {on_shard_loss!r}: choose one of {', '.join(ON_SHARD_LOSS)}")
+        if not shards:
+            raise ValueError("a sharded engine needs at least one shard")
+        fingerprints = {shard.info.get("fingerprint") for shard in shards}
+        if len(fingerprints) > 1:
+            for shard in shards:
+                shard.stop()
+            raise ShardStartError("the shards loaded different weights: " + ", ".join(
+                f"shard {s.index} ({s.where}) {s.info.get('fingerprint')}" for s in shards))
+        self.fingerprint = fingerprints.pop()
+        self.on_shard_loss, self.progress, self.transport = on_shard_loss, progress, transport
+        self._lock = threading.Lock()
         self.shard_of: dict[str, int] = {}
-        self._load = [0] * len(self.shards)
-        self._step_ids = itertools.count()
-        self.startup_s = time.perf_counter() - begin
+        self._load = [0] * len(shards)
+        self.losses: list[dict] = []
+        # Called with each loss's record (its "line" says it in words), outside the engine's lock.
+        self.loss_listeners: list = []
+        self._closing = False
+        self._runners = [_Runner(self, shard) for shard in shards]
+
+    @property
+    def shards(self) -> list[Shard]:
+        return [runner.shard for runner in self._runners]
 
     @property
     def symbols(self):
-        return list(self.shard_of)
+        with self._lock:
+            return list(self.shard_of)
 
     def describe(self):
-        return {"shards": [shard.info for shard in self.shards], "devices": [str(s.device) for s in self.shards]}
+        return {"engine": self.name, "transport": self.transport, "on_shard_loss": self.on_shard_loss,
+                "shards": [{"where": s.where, **s.info} for s in self.shards], "losses": list(self.losses)}
 
-    def _place(self, symbol) -> int:
-        shard = self.shard_of.get(symbol)
-        if shard is None:
-            shard = min(range(len(self.shards)), key=self._load.__getitem__)
-            self.shard_of[symbol] = shard
-            self._load[shard] += 1
-        return shard
+    def _place(self, symbol):
+        """The symbol's shard (placing it on the least-loaded live shard at first sight); None when no shard is
+        live. Called holding the lock."""
+        index = self.shard_of.get(symbol)
+        if index is None:
+            live = [r.index for r in self._runners if r.lost is None]
+            if not live:
+                return None
+            index = min(live, key=self._load.__getitem__)
+            self.shard_of[symbol] = index
+            self._load[index] += 1
+        return index
+
+    def unplaceable(self, symbols) -> dict[str, str]:
+        with self._lock:
+            out = {}
+            live = any(r.lost is None for r in self._runners)
+            for symbol in symbols:
+                index = self.shard_of.get(symbol)
+                if index is not None and self._runners[index].lost is not None:
+                    out[symbol] = str(self._runners[index].lost)
+                elif index is None and not live:
+                    out[symbol] = "every shard of the sharded engine is lost"
+            return out
 
     def release(self, symbols):
-        by_shard = {}
-        for symbol in symbols:
-            if symbol in self.shard_of:
-                shard = self.shard_of.pop(symbol)
-                self._load[shard] -= 1
-                by_shard.setdefault(shard, []).append(symbol)
-        for shard, names in by_shard.items():
-            self.shards[shard].requests.send(("release", names))
+        with self._lock:
+            by_shard = {}
+            for symbol in symbols:
+                if symbol in self.shard_of:
+                    index = self.shard_of.pop(symbol)
+                    self._load[index] -= 1
+                    by_shard.setdefault(index, []).append(symbol)
+            for index, names in by_shard.items():
+                runner = self._runners[index]
+                if runner.lost is None:
+                    runner.work.append(("release", names))
+                    runner.work_ready.notify()
 
     def step(self, symbols, features):
         return self.submit(symbols, features).result()
@@ -239,17 +327,99 @@ class ShardedEngine(Engine):
     def submit(self, symbols, features) -> ShardedPendingStep:
         symbols = list(symbols)
         features = check_step_inputs(symbols, features)
+        arrivals = queue.SimpleQueue()
+        with self._lock:
+            failed = self._route(np.arange(len(symbols)), symbols, features, arrivals)
+        for part, error in failed:
+            part.finish(error)
+        return ShardedPendingStep(arrivals, len(symbols))
+
+    def _route(self, rows, symbols, features, arrivals):
+        """Queue each shard's part of these rows (each symbol's rows in order); return [(part, error)] for the
+        parts that no live shard takes, to be finished outside the lock. Called holding the lock."""
         rows_of = {}
-        for row, symbol in enumerate(symbols):
-            rows_of.setdefault(self._place(symbol), []).append(row)
-        step_id, arrivals = next(self._step_ids), queue.SimpleQueue()
-        parts = []
-        for shard, rows in rows_of.items():
-            part = _Part(np.asarray(rows), arrivals)
-            self.shards[shard].submit(step_id, [symbols[r] for r in rows], features[rows], part)
-            parts.append(part)
-        return ShardedPendingStep(parts, arrivals, len(symbols))
+        for position, symbol in enumerate(symbols):
+            rows_of.setdefault(self._place(symbol), []).append(position)
+        failed = []
+        for index, positions in rows_of.items():
+            part = _Part(rows[positions], [symbols[p] for p in positions], features[positions], arrivals)
+            if self._closing:
+                failed.append((part, ShardError("the sharded engine is closed")))
+            elif index is None:
+                failed.append((part, ShardLost("every shard of the sharded engine is lost")))
+            elif self._runners[index].lost is not None:
+                failed.append((part, self._runners[index].lost))
+            else:
+                runner = self._runners[index]
+                runner.work.append(("step", part))
+                runner.work_ready.notify()
+        return failed
+
+    def _lose(self, runner: _Runner, cause: ShardLost):
+        """The shard behind runner is gone: say so once, then fail or move its unanswered parts and symbols."""
+        with self._lock:
+            if runner.lost is not None:
+                return
+            where = runner.shard.where
+            runner.lost = ShardLost(f"shard {runner.index} ({where}) lost: {cause}")
+            pending = [entry.part for entry in runner.in_flight] + [item for kind, item in runner.work
+                                                                     if kind == "step"]
+            runner.in_flight.clear()
+            runner.work.clear()
+            for part in pending:
+                part.moved = True
+            symbols = [s for s, index in self.shard_of.items() if index == runner.index]
+            closing = self._closing
+            record = None
+            if closing:
+                failed = [(part, ShardError("the sharded engine was closed")) for part in pending]
+            elif self.on_shard_loss == "error":
+                failed = [(part, runner.lost) for part in pending]
+            else:  # reset: place its symbols again (fresh state) and run their unanswered requests there, in order
+                for symbol in symbols:
+                    del self.shard_of[symbol]
+                self._load[runner.index] = 0
+                failed = []
+                for part in pending:
+                    failed += self._route(part.rows, part.symbols, part.features, part.arrivals)
+                for symbol in symbols:  # those with no request pending too, so that the line says where they went
+                    self._place(symbol)
+            runner.work_ready.notify_all()
+            runner.answer_due.notify_all()
+            if not closing:
+                record = {"shard": runner.index, "where": where, "reason": str(cause), "symbols": symbols,
+                          "policy": self.on_shard_loss, "unanswered_parts": len(pending)}
+                if self.on_shard_loss == "reset":
+                    record["moved_to"] = {symbol: self.shard_of.get(symbol) for symbol in symbols}
+                record["line"] = _loss_line(record)
+                self.losses.append(record)
+        for part, error in failed:
+            part.finish(error)
+        if closing:
+            return
+        if self.progress:
+            sys.stderr.write(f"[sharded engine] {record['line']}\n")
+            sys.stderr.flush()
+        for listener in list(self.loss_listeners):
+            listener(record)
 
     def close(self):
-        for shard in self.shards:
-            shard.stop()
+        with self._lock:
+            self._closing = True
+        for runner in self._runners:
+            runner.stop(CLOSE_TIMEOUT_S)
+
+
+def _loss_line(record) -> str:
+    """One line: which shard, where, why, its symbols, and what happens to them."""
+    symbols = record["symbols"]
+    shown = ", ".join(symbols[:SHOWN_SYMBOLS]) + (f", ... ({len(symbols)} in all)" if len(symbols) > SHOWN_SYMBOLS
+                                                  else "")
+    named = f"its {len(symbols)} symbol(s) {shown}" if symbols else "it held no symbol"
+    if record["policy"] == "error":
+        then = "get errors from now on (--on-shard-loss error)"
+    else:
+        targets = sorted({index for index in record["moved_to"].values() if index is not None})
+        then = (f"start again from a fresh state on shard(s) {', '.join(map(str, targets))} (--on-shard-loss reset)"
+                if targets else "get errors: no shard is left (--on-shard-loss reset)")
+    return f"shard {record['shard']} ({record['where']}) lost: {record['reason']}; {named} {then}"

@@ -1,4 +1,7 @@
-"""Section shards: symbols sharded over N GPUs (an engine process per GPU), for each N of --gpus."""
+"""Section shards: symbols sharded over N GPUs (an engine process per GPU) for each N of --gpus, or over the Ray
+actors of a cluster (--cluster ray)."""
+import time
+
 from scripts.benchmarks.harness import MAX_BATCH
 from scripts.benchmarks.serving import search_max_rate
 
@@ -7,25 +10,46 @@ SHARD_START_RATE = 2000  # req/s per GPU where the search starts (--rates at or 
 
 
 def run(bench):
-    """The highest rate over 128 symbols with p99 < 50 ms."""
+    """The highest rate over 128 symbols with p99 < 50 ms: for each N of --gpus, a process per GPU here; with
+    --cluster ray, the cluster's --shards Ray actors (default every GPU, or one per node without GPUs)."""
     from client.engine.sharded import ModelSpec, ShardedEngine
 
+    args = bench.args
     results = {}
-    for gpus in bench.gpu_counts():
+    for count in [args.shards] if args.cluster == "ray" else bench.gpu_counts():
         bench.close_engine()
-        per_shard = -(-SHARD_SYMBOLS // gpus) + MAX_BATCH
-        engine = ShardedEngine(ModelSpec(bench.args.preset, seed=bench.args.seed), bench.devices(gpus),
-                               progress=False, capacity=per_shard, host_symbols=0, precision=bench.args.precision)
+        begin = time.perf_counter()
+        shards = start_shards(bench, ModelSpec(args.preset, seed=args.seed), count)
+        engine = ShardedEngine(shards, on_shard_loss=args.on_shard_loss or "error", progress=False,
+                               transport=args.cluster or "process")
+        startup_s = time.perf_counter() - begin
+        count = len(shards)
         # one GPU passes 2,000 req/s and more over 128 symbols: start the search at 2,000 per GPU
-        rates = [rate for rate in bench.counts.rates if rate >= SHARD_START_RATE * gpus] or bench.counts.rates
+        rates = [rate for rate in bench.counts.rates if rate >= SHARD_START_RATE * count] or bench.counts.rates
         try:
-            best, runs = search_max_rate(engine, bench, num_symbols=SHARD_SYMBOLS, prefix=f"SH{gpus}_",
-                                         key=f"shards_{gpus}_rate", rates=rates)
+            best, runs = search_max_rate(engine, bench, num_symbols=SHARD_SYMBOLS, prefix=f"SH{count}_",
+                                         key=f"shards_{count}_rate", rates=rates)
         finally:
             engine.close()
-        results[str(gpus)] = {"max_rate_p99_50ms": best, "runs": runs, "startup_s": engine.startup_s}
+        results[str(count)] = {"max_rate_p99_50ms": best, "runs": runs, "startup_s": startup_s,
+                               "transport": engine.transport, "where": [shard.where for shard in shards],
+                               "losses": [loss["line"] for loss in engine.losses]}
         bench.report.update(shards=results)
     return results
+
+
+def start_shards(bench, spec, count):
+    """count shards, each with room for its part of the symbols and a batch (None: the cluster's default)."""
+    per_shard = -(-SHARD_SYMBOLS // (count or 1)) + MAX_BATCH
+    options = {"capacity": per_shard, "host_symbols": 0, "precision": bench.args.precision}
+    if bench.args.cluster == "ray":
+        from client.engine.shard_ray import LOCAL, ray_shards
+
+        return ray_shards(spec, bench.args.ray_address or LOCAL, count, device=bench.device.type, engine="fast",
+                          options=options, progress=False)
+    from client.engine.shard_process import process_shards
+
+    return process_shards(spec, bench.devices(count), options=options, progress=False)
 
 
 def summary(data) -> list[str]:

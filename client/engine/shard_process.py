@@ -1,0 +1,157 @@
+"""Shards as processes on this machine (one per GPU), over torch.multiprocessing pipes.
+
+Each process is started with spawn, loads the model from the spec, builds its engine, and then submits each step
+as it arrives and answers it when it is done (a second thread collects results in submission order, so
+submitting never waits for the GPU). Its exit reads as end-of-file on the replies pipe: the shard is lost.
+"""
+import queue
+import sys
+import threading
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
+                                   describe_ready)
+
+
+def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, requests, replies):
+    """A shard process: build the engine, then answer ("step", seq, symbols, features) with ("done", seq,
+    predictions) or ("error", seq, message), in order; ("release", symbols) and ("stop",) have no answer."""
+    try:
+        engine, info = build_shard_engine(spec, device, engine_name, options)
+    except Exception as exc:  # the parent reports it on one line
+        replies.send(("failed", f"{device}: {type(exc).__name__}: {exc}"))
+        return
+    replies.send(("ready", info))
+    submitted = queue.Queue()  # (seq, PendingStep or the exception its submit raised)
+
+    def collect():
+        while True:
+            item = submitted.get()
+            if item is None:
+                return
+            seq, pending = item
+            try:
+                if isinstance(pending, Exception):
+                    raise pending
+                replies.send(("done", seq, pending.result()))
+            except Exception as exc:
+                replies.send(("error", seq, f"{type(exc).__name__}: {exc}"))
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    while True:
+        message = requests.recv()
+        if message[0] == "step":
+            _, seq, symbols, features = message
+            try:
+                submitted.put((seq, engine.submit(symbols, features)))
+            except Exception as exc:  # bad input or no room: this part alone fails
+                submitted.put((seq, exc))
+        elif message[0] == "release":
+            engine.release(message[1])
+        else:  # "stop"
+            submitted.put(None)
+            collector.join()
+            return
+
+
+class ProcessShard(Shard):
+    """One shard process on one device; its replies come back in submission order."""
+
+    def __init__(self, index, spec, device, engine_name, options, ctx):
+        self.index, self.device = index, str(device)
+        self.where = f"process on {self.device}"
+        child_requests, self.requests = ctx.Pipe(duplex=False)  # (receiving end, sending end)
+        self.replies, child_replies = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_serve_shard, name=f"shard-{index}", daemon=True,
+                                   args=(spec, self.device, engine_name, options, child_requests, child_replies))
+        self.process.start()
+        child_requests.close()  # the child's ends: closed here, so that its exit reads as EOF
+        child_replies.close()
+        self.info = None
+        self._next_seq = 0
+
+    def wait_ready(self, timeout_s):
+        if not self.replies.poll(timeout_s):
+            raise ShardStartError(f"shard {self.index} on {self.device} did not start within {timeout_s:.0f} s")
+        try:
+            kind, payload = self.replies.recv()
+        except (EOFError, OSError):
+            raise ShardStartError(f"shard {self.index} on {self.device} exited while starting "
+                                  f"(exit code {self._exit_code()})") from None
+        if kind != "ready":
+            raise ShardStartError(f"shard {self.index} failed to start: {payload}")
+        self.info = payload
+
+    def _exit_code(self):
+        self.process.join(timeout=5)
+        return self.process.exitcode
+
+    def _gone(self) -> ShardLost:
+        return ShardLost(f"its process exited (exit code {self._exit_code()})")
+
+    def submit(self, symbols, features):
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        try:
+            self.requests.send(("step", seq, symbols, features))
+        except (BrokenPipeError, OSError):
+            raise self._gone() from None
+        return seq
+
+    def result(self, handle):
+        try:
+            kind, seq, payload = self.replies.recv()
+        except (EOFError, OSError):
+            raise self._gone() from None
+        if seq != handle:  # replies come in submission order; anything else is a broken shard
+            raise ShardLost(f"answered step {seq} where step {handle} was due")
+        if kind != "done":
+            raise ShardError(f"shard {self.index}: {payload}")
+        return payload
+
+    def release(self, symbols):
+        try:
+            self.requests.send(("release", symbols))
+        except (BrokenPipeError, OSError):
+            raise self._gone() from None
+
+    def stop(self):
+        try:
+            self.requests.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+
+
+def process_shards(spec: ModelSpec, devices, *, engine="fast", options=None, progress=True,
+                   start_timeout_s=600) -> list[ProcessShard]:
+    """A started shard process per device (e.g. ["cuda:0", "cuda:1"]; "cpu" several times for a test), each
+    running `engine` ("fast" or "reference") with `options` (make_engine's: capacity, precision, ...)."""
+    devices = [torch.device(d) for d in devices]
+    if len(devices) < 1:
+        raise ValueError("a sharded engine needs at least one device")
+    if devices[0].type == "cuda":
+        present = torch.cuda.device_count()
+        missing = [str(d) for d in devices if (d.index or 0) >= present]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} asked for, but this machine has {present} GPU(s)")
+    ctx = mp.get_context("spawn")
+    shards = [ProcessShard(i, spec, d, engine, options or {}, ctx) for i, d in enumerate(devices)]
+    deadline = time.monotonic() + start_timeout_s
+    try:
+        for shard in shards:
+            shard.wait_ready(max(0.0, deadline - time.monotonic()))
+            if progress:
+                sys.stderr.write(describe_ready(shard) + "\n")
+    except Exception:
+        for shard in shards:
+            shard.stop()
+        raise
+    return shards
+

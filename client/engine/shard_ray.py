@@ -1,0 +1,276 @@
+"""Shards as Ray actors, on the hosts of a Ray cluster: one actor per GPU (num_gpus=1), or CPU actors on a cluster
+without GPUs (one per node by default, each given its node's CPUs).
+
+Each actor loads the model from the spec on its own host (a checkpoint path must exist there; synthetic weights
+are made there), builds its engine and keeps its state table. The client sends it each step's part (symbols and
+79 float32 features a row) and gets 4 float32 predictions a row back; nothing else crosses the network per step.
+Whatever order an (async) actor's calls start in, each carries its sequence number and the actor takes them
+strictly in that order (submit now, collect the result on one thread), so a symbol's requests can never be
+reordered. A call whose actor or node died raises RayActorError: the shard is lost.
+
+Ray is optional (`pip install "fastens[ray]"`); this module imports it only when a cluster is asked for.
+"""
+import asyncio
+import logging
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
+                                   describe_ready)
+
+LOCAL = "local"           # --ray-address local: start a Ray instance on this machine
+PROBE_TIMEOUT_S = 5.0     # how long a cluster's address may take to accept a connection
+REASON_CHARS = 200
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError('--cluster ray needs Ray: pip install "fastens[ray]" (or pip install ray)') from exc
+    return ray
+
+
+class ShardActor:
+    """A shard in a Ray actor: its engine and state table. Async, so that the next step is submitted while the
+    last one's result is collected on the collector thread (a CUDA engine overlaps them); calls are taken in
+    their sequence order whatever order they reach the actor in."""
+
+    async def start(self, spec: ModelSpec, device: str, engine: str, options: dict) -> dict:
+        import ray
+        import torch
+
+        self.engine, info = build_shard_engine(spec, device, engine, options)
+        self.collector = ThreadPoolExecutor(1, thread_name_prefix="shard-collect")  # results in submission order
+        self.next_seq = 0
+        self.turn = asyncio.Condition()
+        context = ray.get_runtime_context()
+        gpus = ray.get_gpu_ids()
+        return {**info, "node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "gpus": [str(g) for g in gpus], "threads": torch.get_num_threads()}
+
+    async def _in_turn(self, seq, action):
+        async with self.turn:
+            await self.turn.wait_for(lambda: self.next_seq == seq)
+            try:
+                return action()
+            finally:
+                self.next_seq += 1
+                self.turn.notify_all()
+
+    async def step(self, seq: int, symbols, features):
+        features = np.require(features, requirements="W")  # Ray hands arrays over read-only; engines take tensors of them
+        pending = await self._in_turn(seq, lambda: self.engine.submit(symbols, features))
+        return await asyncio.get_running_loop().run_in_executor(self.collector, pending.result)
+
+    async def release(self, seq: int, symbols):
+        await self._in_turn(seq, lambda: self.engine.release(symbols))
+
+
+class _Connection:
+    """This process's connection to Ray; shut down with the last shard when it was made here."""
+
+    def __init__(self, ray, owned):
+        self.ray, self.owned = ray, owned  # owned: ray.init was called here
+        self.open_shards = 0
+
+    def shard_stopped(self):
+        self.open_shards -= 1
+        if self.open_shards == 0 and self.owned:
+            self.ray.shutdown()
+
+
+class RayShard(Shard):
+    def __init__(self, index, actor, connection):
+        self.index, self.actor, self.connection = index, actor, connection
+        self.where = "Ray actor (starting)"
+        self.info = None
+        self._next_seq = 0
+        self._stopped = False
+
+    def ready(self, info):
+        self.info = info
+        device = f"GPU {','.join(info['gpus'])}" if info["gpus"] else f"cpu, {info['threads']} thread(s)"
+        self.where = f"Ray actor on node {info['node_id'][:8]} at {info['ip']}, {device}"
+
+    def _seq(self):
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        return seq
+
+    def submit(self, symbols, features):
+        return self.actor.step.remote(self._seq(), symbols, features)
+
+    def result(self, handle):
+        ray = self.connection.ray
+        try:
+            return ray.get(handle)
+        except ray.exceptions.RayActorError as exc:  # the actor or its node died, or it is unreachable
+            raise ShardLost(_reason(exc)) from None
+        except ray.exceptions.RayTaskError as exc:  # the step raised in the actor: this part fails alone
+            cause = exc.cause if exc.cause is not None else exc
+            raise ShardError(f"shard {self.index}: {type(cause).__name__}: {cause}") from None
+
+    def release(self, symbols):
+        self.actor.release.remote(self._seq(), symbols)
+
+    def stop(self):
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self.connection.ray.kill(self.actor, no_restart=True)
+        except Exception:  # already gone with its node
+            pass
+        self.connection.shard_stopped()
+
+
+def _reason(exc) -> str:
+    """Why an actor call failed, in one short line (Ray's message runs to several lines of ids)."""
+    text = " ".join(str(exc).split())
+    because = text.find("The actor is dead because ")
+    if because >= 0:  # "... because its node has died." / "its worker process has died." / "it was killed ..."
+        clause = text[because + len("The actor is dead because "):].split(". ")[0].rstrip(".")
+        return f"{type(exc).__name__}: the actor died, {clause}"
+    first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
+    first = first[:1].lower() + first[1:]  # "The actor died unexpectedly before finishing this task"
+    return f"{type(exc).__name__}: {first[:REASON_CHARS]}"
+
+
+def connect(address: str):
+    """Ray, connected to the cluster at `address` (`local`: a Ray instance started on this machine; `auto`: the
+    one running here; HOST:PORT or ray://HOST:PORT). A process already connected to that cluster (or asking
+    for `auto`) keeps its connection."""
+    ray = import_ray()
+    if ray.is_initialized():
+        current = ray.get_runtime_context().gcs_address
+        if address not in ("auto", current):
+            raise ValueError(f"--ray-address {address}: this process is already connected to the Ray cluster at "
+                             f"{current}")
+        return _Connection(ray, owned=False)
+    quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
+    if address == LOCAL:
+        ray.init(include_dashboard=False, **quiet)
+        return _Connection(ray, owned=True)
+    if address != "auto":
+        _probe(address)
+    try:
+        ray.init(address=address, **quiet)
+    except ConnectionError as exc:
+        raise ConnectionError(f"no Ray cluster at --ray-address {address}: {exc}") from None
+    return _Connection(ray, owned=True)
+
+
+def _probe(address: str):
+    """Fail in one line, and fast, where nothing listens at the address (ray.init would retry for minutes)."""
+    host_port = address.split("://", 1)[-1]
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--ray-address {address}: expected HOST:PORT (the head's GCS port, 6379 by default), "
+                         f"ray://HOST:PORT, auto or local")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise ConnectionError(f"no Ray cluster at --ray-address {address}: {why}; start its head with "
+                              f"`ray start --head --port {port}`, or use --ray-address local") from None
+
+
+def _cpu_nodes(ray):
+    return [node for node in ray.nodes() if node["Alive"] and node["Resources"].get("CPU", 0) >= 1]
+
+
+def ray_shards(spec: ModelSpec, address: str = LOCAL, count: int | None = None, *, device: str | None = None,
+               engine: str | None = None, options=None, progress=True, start_timeout_s=600) -> list[RayShard]:
+    """Started Ray actor shards. device: "cuda" (an actor per GPU, `count` defaulting to every GPU of the
+    cluster), "cpu" (CPU actors, `count` defaulting to one per node, placed round-robin over the nodes), or None:
+    cuda when the cluster has GPUs, else cpu. engine: "fast" or "reference" (None: fast on GPUs, reference on
+    CPUs); options: make_engine's."""
+    connection = connect(address)
+    ray = connection.ray
+    try:
+        return _start(connection, spec, address, count, device, engine, options or {}, progress, start_timeout_s)
+    except BaseException:
+        if connection.open_shards == 0 and connection.owned:
+            ray.shutdown()
+        raise
+
+
+def shard_count(device: str, count: int | None, gpus: int, nodes: int, address: str) -> int:
+    """The shards to start: `count`, or by default one per GPU (device cuda) or one per node (device cpu); a
+    one-line error where the cluster cannot hold them."""
+    if device.startswith("cuda"):
+        if gpus == 0:
+            raise ValueError(f"--device {device}: the Ray cluster at {address} has no GPU; use --device cpu")
+        if (count or gpus) > gpus:
+            raise ValueError(f"--shards {count}: the Ray cluster at {address} has {gpus} GPU(s), one shard each")
+        return count or gpus
+    if device != "cpu":
+        raise ValueError(f"--device {device}: Ray shards run on cuda or cpu")
+    if nodes == 0:
+        raise ValueError(f"the Ray cluster at {address} has no node with a free CPU")
+    return count or nodes
+
+
+def _start(connection, spec, address, count, device, engine, options, progress, start_timeout_s):
+    ray = connection.ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    nodes = _cpu_nodes(ray)
+    chosen = device is None
+    device = device or ("cuda" if gpus else "cpu")
+    given = count
+    count = shard_count(device, count, gpus, len(nodes), address)
+    if progress:
+        why = [] if given else ["one per GPU" if device.startswith("cuda") else "one per node"]
+        why += [f"--device not given: the cluster has {'GPUs' if gpus else 'no GPU'}"] if chosen else []
+        sys.stderr.write(f"[sharded engine] the Ray cluster at {address} has {len(nodes)} node(s) and {gpus} GPU(s): "
+                         f"{count} shard(s) on {'GPUs' if device.startswith('cuda') else 'CPUs'}"
+                         + (f" ({', '.join(why)})" if why else "") + "\n")
+    if device.startswith("cuda"):
+        placements = [{"num_gpus": 1, "num_cpus": 1}] * count
+        actor_device = "cuda"  # Ray gives each actor its GPU as CUDA_VISIBLE_DEVICES
+    else:
+        # Each CPU shard takes its share of its node's CPUs (its torch threads), a fraction where shards outnumber them.
+        on_node = [nodes[i % len(nodes)] for i in range(count)]
+        placements = []
+        for node in on_node:
+            cpus, sharing = int(node["Resources"]["CPU"]), sum(other is node for other in on_node)
+            placements.append({"num_cpus": cpus // sharing if cpus >= sharing else cpus / sharing,
+                               "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)})
+        actor_device = "cpu"
+    engine = engine or ("fast" if actor_device == "cuda" else "reference")
+    actor_class = ray.remote(ShardActor)
+    shards = []
+    for index, placement in enumerate(placements):
+        shard = RayShard(index, actor_class.options(max_restarts=0, **placement).remote(), connection)
+        connection.open_shards += 1
+        shards.append(shard)
+    starts = [shard.actor.start.remote(spec, actor_device, engine, options) for shard in shards]
+    deadline = time.monotonic() + start_timeout_s
+    try:
+        for shard, start in zip(shards, starts):
+            try:
+                shard.ready(ray.get(start, timeout=max(0.0, deadline - time.monotonic())))
+            except ray.exceptions.GetTimeoutError:
+                raise ShardStartError(f"shard {shard.index} did not start within {start_timeout_s:.0f} s on the Ray "
+                                      f"cluster at {address} (is a {'GPU' if actor_device == 'cuda' else 'CPU'} "
+                                      f"free there? `ray status` shows what is used)") from None
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if exc.cause is not None else exc
+                raise ShardStartError(f"shard {shard.index} failed to start on the Ray cluster at {address}: "
+                                      f"{type(cause).__name__}: {cause}") from None
+            except ray.exceptions.RayActorError as exc:
+                raise ShardStartError(f"shard {shard.index} failed to start on the Ray cluster at {address}: "
+                                      f"{_reason(exc)}") from None
+            if progress:
+                sys.stderr.write(describe_ready(shard) + "\n")
+    except BaseException:
+        for shard in shards:
+            shard.stop()
+        raise
+    return shards

@@ -1,0 +1,285 @@
+"""Symbols sharded over Ray actors on a local Ray cluster of two nodes (ray.cluster_utils starts both on this
+machine; CPU actors, one per node; tiny preset): the predictions of one engine, symbols on both nodes, each
+symbol's order kept with many steps in flight, a node killed mid-stream failing its symbols alone with the
+message (or, with reset, starting them again from a fresh state), and the command lines on the cluster.
+
+One cluster serves the whole module (a Ray node costs seconds and memory; CI has 2 cores)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray tests need the extra: pip install -e '.[test]'")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from client.engine.fast import FastEngine  # noqa: E402
+from client.engine.reference import ReferenceEngine  # noqa: E402
+from client.engine.shard_ray import ray_shards, shard_count  # noqa: E402
+from client.engine.sharded import ModelSpec, ShardedEngine, ShardLost  # noqa: E402
+from client.model import load_model  # noqa: E402
+from team.example_model import ExampleModel  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = ModelSpec("tiny", seed=3)
+# A dead node noticed in about a second, not Ray's default half minute.
+FAST_NODE_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                   "health_check_failure_threshold": 2}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": FAST_NODE_DEATH})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, logging_level="warning")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", seed=3)[0]
+
+
+def start(cluster, engine, on_shard_loss="error", progress=False):
+    options = {"capacity": 16} if engine == "fast" else {}
+    return ShardedEngine(ray_shards(SPEC, cluster.address, device="cpu", engine=engine, options=options,
+                                    progress=False), on_shard_loss=on_shard_loss, progress=progress, transport="ray")
+
+
+def features_for(rng, count):
+    return rng.standard_normal((count, 79)).astype(np.float32)
+
+
+class TestOneEngineOnTwoNodes:
+    """One engine's shards for these tests, stopped after them (each shard takes its node's CPU)."""
+
+    @pytest.fixture(scope="class")
+    def fast_shards(self, cluster):
+        engine = start(cluster, "fast")
+        yield engine
+        engine.close()
+
+    def test_predictions_equal_one_engine_and_symbols_spread_over_both_nodes(self, cluster, model, fast_shards):
+        single = FastEngine(model, "cpu", capacity=16, progress=False)
+        rng = np.random.default_rng(0)
+        symbols = [f"S{i}" for i in range(6)]
+        for _ in range(4):
+            chosen = [str(s) for s in rng.choice(symbols, 4, replace=False)]
+            features = features_for(rng, 4)
+            # a shard steps its part of the batch alone, and a product of fewer rows may round differently
+            np.testing.assert_allclose(fast_shards.step(chosen, features), single.step(chosen, features),
+                                       rtol=0, atol=1e-4)
+        nodes = {shard.info["node_id"] for shard in fast_shards.shards}
+        assert nodes == {node["NodeID"] for node in ray.nodes() if node["Alive"]} and len(nodes) == 2
+        held = [sum(index == shard for index in fast_shards.shard_of.values()) for shard in range(2)]
+        assert sorted(held) == [3, 3]  # placed by load: each node holds symbols
+
+    def test_steps_in_flight_keep_each_symbols_order(self, model, fast_shards):
+        single = FastEngine(model, "cpu", capacity=16, progress=False)
+        rng = np.random.default_rng(1)
+        symbols = ["O0", "O1", "O2", "O3"]
+        steps = [features_for(rng, 4) for _ in range(12)]
+        pending = [fast_shards.submit(symbols, features) for features in steps]  # none collected yet
+        for step, features in zip(pending, steps):
+            np.testing.assert_allclose(step.result(), single.step(symbols, features), rtol=0, atol=1e-4)
+
+
+    def test_a_symbols_several_requests_in_one_step_go_to_its_node_in_order(self, model, fast_shards):
+        one_at_a_time = FastEngine(model, "cpu", capacity=16, progress=False)
+        symbols = ["M0", "M1", "M0", "M2", "M1", "M0", "M3", "M3"]
+        features = features_for(np.random.default_rng(9), len(symbols))
+        predictions = fast_shards.step(symbols, features)
+        assert len({fast_shards.shard_of[s] for s in symbols}) == 2  # split over both nodes
+        for row, symbol in enumerate(symbols):
+            np.testing.assert_allclose(predictions[row], one_at_a_time.step([symbol], features[row:row + 1])[0],
+                                       rtol=0, atol=1e-4)
+
+
+def _kill_worker_node(cluster, engine):
+    """Kill the cluster's worker node (not the head) with its shard; wait until Ray knows it is dead. Returns
+    the index of the shard that was on it."""
+    node = cluster.list_all_nodes()[-1]
+    index = next(s.index for s in engine.shards if s.info["node_id"] == node.node_id)
+    cluster.remove_node(node, allow_graceful=False)
+    deadline = time.monotonic() + 60
+    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() < deadline, "Ray did not notice the node's death within 60 s"
+        time.sleep(0.2)
+    return index
+
+
+def test_a_node_killed_mid_stream_fails_its_symbols_alone(cluster, model, capsys):
+    engine = start(cluster, "reference", progress=True)
+    try:
+        team = ExampleModel(engine)
+        single = ReferenceEngine(model)
+        rng = np.random.default_rng(2)
+        symbols = [f"K{i}" for i in range(6)]
+        uid = iter(range(10**6))
+        for _ in range(3):
+            features = features_for(rng, 6)
+            answer = team.process_batch({s: (next(uid), f) for s, f in zip(symbols, features)})
+            assert not answer["errors"]
+            np.testing.assert_allclose(answer["predictions"], single.step(symbols, features), rtol=0, atol=1e-5)
+        lost_shard = _kill_worker_node(cluster, engine)
+        lost = [s for s in symbols if engine.shard_of[s] == lost_shard]
+        kept = [s for s in symbols if s not in lost]
+        assert len(lost) == 3
+        for _ in range(3):
+            features = features_for(rng, 6)
+            requests = {s: (next(uid), f) for s, f in zip(symbols, features)}
+            answer = team.process_batch(requests)
+            assert sorted(answer["errors"]) == sorted(requests[s][0] for s in lost)
+            assert all(f"shard {lost_shard} (Ray actor on node" in why and "lost: ActorDiedError: the actor died"
+                       in why for why in answer["errors"].values())
+            assert answer["unique_ids"] == [requests[s][0] for s in kept]  # every other symbol keeps playing
+            kept_rows = [symbols.index(s) for s in kept]
+            np.testing.assert_allclose(answer["predictions"], single.step(kept, features[kept_rows]), rtol=0,
+                                       atol=1e-5)
+        err = capsys.readouterr().err
+        line = next(line for line in err.splitlines() if line.startswith("[sharded engine] shard"))
+        assert f"shard {lost_shard} (Ray actor on node" in line and "lost: ActorDiedError: the actor died" in line
+        assert line.endswith(f"its 3 symbol(s) {', '.join(lost)} get errors from now on (--on-shard-loss error)")
+        assert len(engine.losses) == 1 and engine.losses[0]["symbols"] == lost
+        with pytest.raises(ShardLost, match=f"shard {lost_shard} .* lost"):
+            engine.step(lost[:1], features_for(rng, 1))
+        engine.step(["NEW"], features_for(rng, 1))
+        assert engine.shard_of["NEW"] != lost_shard  # new symbols go to the shards left
+    finally:
+        engine.close()
+        cluster.add_node(num_cpus=1)  # the next tests want two nodes again
+        cluster.wait_for_nodes()
+
+
+def test_reset_starts_a_lost_nodes_symbols_again_from_a_fresh_state(cluster, model):
+    engine = start(cluster, "reference", on_shard_loss="reset")
+    try:
+        single = ReferenceEngine(model)
+        rng = np.random.default_rng(3)
+        symbols = [f"R{i}" for i in range(4)]
+        features = features_for(rng, 4)
+        np.testing.assert_allclose(engine.step(symbols, features), single.step(symbols, features), rtol=0, atol=1e-5)
+        lost_shard = _kill_worker_node(cluster, engine)
+        lost = [s for s in symbols if engine.shard_of[s] == lost_shard]
+        fresh = ReferenceEngine(model)  # what a fresh state predicts
+        for _ in range(2):
+            features = features_for(rng, 4)
+            predictions = engine.step(symbols, features)
+            for row, symbol in enumerate(symbols):
+                reference = fresh if symbol in lost else single
+                np.testing.assert_allclose(predictions[row], reference.step([symbol], features[row:row + 1])[0],
+                                           rtol=0, atol=1e-5)
+        survivor = 1 - lost_shard
+        assert engine.losses[0]["moved_to"] == {s: survivor for s in lost}
+        assert f"start again from a fresh state on shard(s) {survivor} (--on-shard-loss reset)" in \
+            engine.losses[0]["line"]
+    finally:
+        engine.close()
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+
+
+def test_shard_counts_and_what_a_cluster_cannot_hold():
+    assert shard_count("cuda", None, 4, 2, "head:6379") == 4  # every GPU by default
+    assert shard_count("cpu", None, 0, 3, "head:6379") == 3   # one per node without GPUs
+    assert shard_count("cpu", 5, 0, 2, "head:6379") == 5
+    with pytest.raises(ValueError, match=r"--shards 3: the Ray cluster at head:6379 has 2 GPU\(s\), one shard each"):
+        shard_count("cuda", 3, 2, 2, "head:6379")
+    with pytest.raises(ValueError, match="--device cuda: the Ray cluster at head:6379 has no GPU; use --device cpu"):
+        shard_count("cuda", None, 0, 2, "head:6379")
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(args, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_no_cluster_at_the_address_is_one_line(tmp_path):
+    port = _free_port()
+    done = _run(["team/example_model.py", "--cluster", "ray", "--ray-address", f"127.0.0.1:{port}"], timeout=120)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"team/example_model.py: error: no Ray cluster at --ray-address 127.0.0.1:{port}: "
+                           f"Connection refused; start its head with `ray start --head --port {port}`")
+
+
+def test_team_client_on_the_cluster_says_a_reset_in_its_summary_and_on_the_leaderboard(cluster, tmp_path):
+    """The team client plays its embedded server on the cluster; a node is killed mid-stream; with reset its
+    symbols start again, the stream is played to the end, and the loss is in the client's summary and the
+    server's (the leaderboard's) notices."""
+    out = tmp_path / "summary.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    client = subprocess.Popen([sys.executable, "team/example_model.py", "--cluster", "ray", "--ray-address",
+                               cluster.address, "--on-shard-loss", "reset", "--preset", "tiny", "--seed", "3",
+                               "--symbols", "4", "--requests", "400", "--rate", "50", "--json", str(out)],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        said = []
+        for line in client.stderr:  # until the server has welcomed it
+            said.append(line)
+            if line.startswith("playing ws://"):
+                break
+        time.sleep(2.0)  # mid-stream
+        cluster.remove_node(cluster.list_all_nodes()[-1], allow_graceful=False)
+        stdout, rest = client.communicate(timeout=300)
+    finally:
+        client.kill()
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+    stderr = "".join(said) + rest
+    assert client.returncode == 0, stderr[-3000:]
+    assert "2 shard(s) on CPUs (one per node, --device not given: the cluster has no GPU)" in stderr
+    assert "engine reference in 2 Ray shard(s)" in stderr
+    summary = json.loads(out.read_text())
+    assert summary["outcome"] == "complete" and summary["responses"] + summary["missed"] == 400
+    (notice,) = summary["notices"]
+    assert notice["code"] == "state_reset" and "lost: ActorDiedError: the actor died" in notice["text"]
+    assert "symbol(s) SYM_" in notice["text"] and "start again from a fresh state on shard(s)" in notice["text"]
+    assert f"[sharded engine] {notice['text']}" in stderr  # and on stderr, in one line
+    (server,) = json.loads(stdout.split("server summary: ", 1)[1])
+    assert server["notices"] == [notice] and server["notices_total"] == 1
+
+
+def test_evaluator_on_the_cluster_matches_the_reference(cluster, tmp_path, monkeypatch):
+    import local_evaluator
+
+    out = tmp_path / "eval.json"
+    monkeypatch.setenv("FASTENS_CACHE", str(tmp_path / "cache"))
+    code = local_evaluator.main(["--preset", "tiny", "--seed", "3", "--symbols", "4", "--requests", "60",
+                                 "--cluster", "ray", "--ray-address", cluster.address, "--shards", "3",
+                                 "--json", str(out)])
+    assert code == 0
+    summary = json.loads(out.read_text())
+    assert summary["shards"] == 3 and summary["shard_losses"] == [] and summary["on_shard_loss"] == "error"
+    assert all(tower["within_atol"] == 1.0 for tower in summary["towers"].values())
+
+
+def test_bench_shards_section_on_the_cluster(cluster, tmp_path):
+    out = tmp_path / "bench.json"
+    done = _run(["scripts/bench.py", "--preset", "tiny", "--device", "cpu", "--quick", "--sections", "shards",
+                 "--cluster", "ray", "--ray-address", cluster.address, "--rates", "50", "--rate-seconds", "1",
+                 "--json", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["shards"].values()  # the cluster's default: one shard per node
+    assert row["transport"] == "ray" and len(row["where"]) == 2 and row["losses"] == []
+    assert all(where.startswith("Ray actor on node") for where in row["where"])
+    assert row["runs"][0]["rate"] == 50 and row["runs"][0]["accuracy"] == 1.0
+
+
+def test_bench_cluster_options_need_the_cluster():
+    done = _run(["scripts/bench.py", "--shards", "2"], timeout=120)
+    assert done.returncode == 2 and "--ray-address and --shards apply with --cluster ray" in done.stderr
