@@ -137,21 +137,20 @@ def _(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1):
 
 @torch.library.custom_op(f"{NAMESPACE}::skinny_matmul", mutates_args=())
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, relu: bool = False,
-                  out_dtype: torch.dtype = torch.float32, weight_lo: Optional[torch.Tensor] = None,
-                  scale_rows: bool = False) -> torch.Tensor:
-    return kernels.skinny_matmul(x, weight, bias, relu, out_dtype, weight_lo, scale_rows=scale_rows)
+                  out_dtype: torch.dtype = torch.float32, weight_lo: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return kernels.skinny_matmul(x, weight, bias, relu, out_dtype, weight_lo)
 
 
 @skinny_matmul.register_fake
-def _(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None, scale_rows=False):
+def _(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None):
     return _empty(x.shape[0], weight.shape[0], like=x, dtype=out_dtype)
 
 
 def _traced_skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None,
-                          config=None, scale_rows=False):
+                          config=None):
     if config is not None:
         raise ValueError("skinny_matmul's config override is for benchmarks of the eager kernel, not torch.compile")
-    return torch.ops.fastens.skinny_matmul(x, weight, bias, relu, out_dtype, weight_lo, scale_rows)
+    return torch.ops.fastens.skinny_matmul(x, weight, bias, relu, out_dtype, weight_lo)
 
 
 def _traced_as_op(name):

@@ -18,17 +18,12 @@ W_lo may cover only W's first rows (a product whose leading rows need fp32 and t
 x/gate projection: bench/LOG.md section 34); the other rows are plain fp16.
 16-bit weights alone multiply x cast to their dtype and accumulate in fp32, as cuBLAS does.
 
-x outside fp16's range (scale_rows=True, for the products whose input is not normalised: input_down's, which
-carries the features' scale): fp16 overflows past 65504 and loses bits below 2^-14, while a feed's activations span
-1e-6 .. 1e6 and more. Before x meets fp16 each row is scaled by a power of two 2^s that puts its largest |x| in
-[2^14, 2^15) (exact), and the product is scaled back by 2^-s (exact): the split keeps its ~22 bits, and the fp16
-cast its 11, for any row in fp32's normal range, and no inf reaches the output. The reference scales each row
-once (split_rows); the kernel cannot see a row before its K loop ends, so it keeps a running scale per row, the
-largest tile so far setting it, and rescales its accumulators by 2^(s_new - s_old) when it drops (as flash
-attention does with its running max). Each element is then split with at least the reference's bits (its scale
-is never below the row's), and the two agree to the split's precision. bf16 has fp32's exponent range: its
-weights take x unscaled. The running scale costs the split path ~1.3-1.9x at 64 rows on an H100 (bench/LOG.md
-section 36), so products of normalised inputs (every other one in the step) take x as it is.
+x reaches fp16 as it is: the engine sends this kernel normalised activations only. The tensor cores' fp32
+accumulation keeps fewer bits than cuBLAS's FMA units (measured on an H100 at K = 4096: ~5e-6 of a row's scale
+against cuBLAS fp32's ~4e-7, bench/LOG.md section 36), ample where activations are O(1); input_down's input, which
+carries a feed's unnormalised features (columns up to 1e5) straight into the residual stream and the prediction,
+takes cuBLAS's fp32 instead (client/engine/fast/layers.py, Linear's wide_input). row_scales and split_rows cast such
+rows to fp16 without overflow where their weights are fp16.
 """
 import torch
 import triton
@@ -60,7 +55,7 @@ def pow2(s):
 def row_scales(x):
     """int32 s [M] such that each row's max |x| * 2^s lies in [2^14, 2^15), clamped to [-126, 126] so that 2^s and
     2^-s are normal fp32 (a row below 2^-112 is scaled by 2^126 only: still inside fp16's range, as is all of
-    fp32's normal range). The kernel computes the same from each tile's bits (_tile_scales)."""
+    fp32's normal range)."""
     biased = (x.float().abs().amax(1).view(torch.int32) >> 23) & 0xFF  # the largest |x|'s biased exponent
     return (127 + ROW_MAX_EXP - biased).clamp(-126, 126)
 
@@ -92,66 +87,35 @@ def _check(x, weight, bias, weight_lo):
     return x, bias
 
 
-def skinny_matmul_ref(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None, scale_rows=False):
-    """PyTorch reference, exact in fp64: x rounded to W's dtype, or split like W for the rows weight_lo covers;
-    with scale_rows and fp16 W each row of x scaled by a power of two first and its products scaled back
-    (split_rows)."""
+def skinny_matmul_ref(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None):
+    """PyTorch reference, exact in fp64: x rounded to W's dtype, or split like W for the rows weight_lo covers."""
     x, bias = _check(x, weight, bias, weight_lo)
-    if scale_rows and weight.dtype == torch.float16:
-        x_hi, x_lo, unscale = (t.double() for t in split_rows(x))
-    elif weight_lo is not None:
-        x_hi, x_lo, unscale = (t.double() for t in (*split_fp16(x.float()), torch.tensor(1.0)))
+    if weight_lo is not None:
+        x_hi, x_lo = (t.double() for t in split_fp16(x.float()))
     else:
-        x_hi, x_lo, unscale = x.to(weight.dtype).double(), None, 1.0
+        x_hi, x_lo = x.to(weight.dtype).double(), None
     y = x_hi @ weight.double().t()
     if weight_lo is not None:
         rows = weight_lo.shape[0]
         y[:, :rows] += (x_hi @ weight_lo.double().t() + x_lo @ weight[:rows].double().t()) / LO_SCALE
-    y *= unscale
     if bias is not None:
         y += bias.double()
     return (y.clamp_min(0) if relu else y).to(out_dtype)
 
 
 @triton.jit
-def _pow2(s):
-    """2^s in fp32, exactly, for int32 s in [-126, 127]."""
-    return ((s + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _tile_scales(x, ROW_MAX_EXP: tl.constexpr):
-    """row_scales of the fp32 tile x: int32 s [BLOCK_M] with each row's max |x| * 2^s in [2^14, 2^15)."""
-    biased = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return tl.minimum(tl.maximum(127 + ROW_MAX_EXP - biased, -126), 126)
-
-
-@triton.jit
 def _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, SPLIT: tl.constexpr,
-              SCALE_X: tl.constexpr, LO_SCALE: tl.constexpr, ROW_MAX_EXP: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's [BLOCK_M, BLOCK_N] of x @ W^T in fp32; with SPLIT, its columns below N_LO split; with
-    SCALE_X (fp16 W), each row of x scaled by a power of two before its cast and the products scaled back."""
+              LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] of x @ W^T in fp32; with SPLIT, its columns below N_LO split."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     corr = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the split's lower-order terms, x LO_SCALE
-    s = tl.full((BLOCK_M,), 126, tl.int32)  # the rows' running scale: x is multiplied by 2^s (the largest, yet)
     for k in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the launcher)
         x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
         w = tl.load(w_ptr + w_offsets, mask=rn[:, None] < N, other=0.0)
-        if SCALE_X:  # a larger row max lowers s: what the accumulators hold so far follows, by 2^(s_new - s)
-            x = x.to(tl.float32)
-            s_new = tl.minimum(s, _tile_scales(x, ROW_MAX_EXP))
-            # exact (a power of two <= 1); clamped at 2^-126, where it leaves only terms 2^-126 below this tile's
-            alpha = _pow2(tl.maximum(s_new - s, -126))[:, None]
-            acc = acc * alpha
-            if SPLIT:
-                corr = corr * alpha
-            s = s_new
-            x = x * _pow2(s)[:, None]
         x_hi = x.to(w_ptr.dtype.element_ty)
         acc = tl.dot(x_hi, tl.trans(w), acc)
         if SPLIT:
-            x_lo = ((x - x_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
+            x_lo = ((x.to(tl.float32) - x_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
             w_lo = tl.load(w_lo_ptr + w_offsets, mask=rn[:, None] < N_LO, other=0.0)
             corr = tl.dot(x_hi, tl.trans(w_lo), corr)
             corr = tl.dot(x_lo, tl.trans(w), corr)
@@ -159,15 +123,13 @@ def _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, SPLIT: 
         w_offsets += BLOCK_K
     if SPLIT:  # rows past N_LO are plain fp16 products: their x_lo W_hi term is dropped
         acc += tl.where(rn[None, :] < N_LO, corr, 0.0) * (1.0 / LO_SCALE)
-    if SCALE_X:
-        acc = acc * _pow2(-s)[:, None]
     return acc
 
 
 @triton.jit
 def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, stride_xm, stride_ym,
-                          HAS_BIAS: tl.constexpr, RELU: tl.constexpr, SPLIT: tl.constexpr, SCALE_X: tl.constexpr,
-                          LO_SCALE: tl.constexpr, ROW_MAX_EXP: tl.constexpr, ROW_TILES: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, RELU: tl.constexpr, SPLIT: tl.constexpr,
+                          LO_SCALE: tl.constexpr, ROW_TILES: tl.constexpr,
                           GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr):
     if ROW_TILES:
@@ -193,11 +155,11 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, s
     if SPLIT:
         split = pid_n * BLOCK_N < N_LO
     if split:
-        acc = _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, True, SCALE_X, LO_SCALE,
-                        ROW_MAX_EXP, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, True, LO_SCALE, BLOCK_M,
+                        BLOCK_N, BLOCK_K)
     else:
-        acc = _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, False, SCALE_X, LO_SCALE,
-                        ROW_MAX_EXP, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, False, LO_SCALE, BLOCK_M,
+                        BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     if RELU:
@@ -236,15 +198,13 @@ def supports(M, N, K) -> bool:
     return M >= 1 and K % 16 == 0 and N >= 16
 
 
-def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None, config=None,
-                  scale_rows=False):
+def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None, config=None):
     """x [M, K] (any float dtype), weight [N, K] fp16/bf16 -> [M, N] in out_dtype, accumulated in fp32;
     with weight_lo (split_fp16 of an fp32 weight: weight, weight_lo = hi, lo) about fp32 accuracy, for the
-    first weight_lo.shape[0] rows (the others are fp16). scale_rows: x's rows may lie anywhere in fp32's range
-    (scaled by powers of two around the fp16 cast; see the module docstring).
+    first weight_lo.shape[0] rows (the others are fp16).
     `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) overrides default_config (for benchmarks)."""
     if not use_triton(weight):
-        return skinny_matmul_ref(x, weight, bias, relu, out_dtype, weight_lo, scale_rows)
+        return skinny_matmul_ref(x, weight, bias, relu, out_dtype, weight_lo)
     x, bias = _check(x, weight, bias, weight_lo)
     (M, K), N = x.shape, weight.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=out_dtype)
@@ -260,7 +220,7 @@ def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, wei
     _skinny_matmul_kernel[(row_tiles * triton.cdiv(N, block_n),)](
         x, weight, weight_lo if split else weight, bias if bias is not None else weight, y, M, N,
         weight_lo.shape[0] if split else 0, K, x.stride(0), y.stride(0), HAS_BIAS=bias is not None, RELU=relu,
-        SPLIT=split, SCALE_X=scale_rows and weight.dtype == torch.float16, LO_SCALE=LO_SCALE, ROW_MAX_EXP=ROW_MAX_EXP,
+        SPLIT=split, LO_SCALE=LO_SCALE,
         ROW_TILES=row_tiles > 1, GROUP_M=GROUP_M, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_stages=stages, num_warps=warps)
     return y

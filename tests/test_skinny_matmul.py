@@ -177,52 +177,38 @@ def test_row_scaling_keeps_the_split_exact_over_fp32s_range():
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) / 16
     hi, lo = split_fp16(w)
     exact = x.double() @ w.double().t()
-    assert row_errors(skinny_matmul_ref(x, hi, weight_lo=lo, scale_rows=True), exact).max() < 2e-6  # ~fp32, any row
-    fp16 = skinny_matmul_ref(x, w.half(), scale_rows=True)  # x cast to fp16 row by row: no inf, 11 bits a row
+    split = (x_hi.double() @ hi.double().t() + (x_hi.double() @ lo.double().t() + x_lo.double() @ hi.double().t())
+             / 2048) * unscale.double()
+    assert row_errors(split, exact).max() < 2e-6  # ~fp32 on every row, whatever its scale
+    fp16 = (x_hi.double() @ w.half().double().t()) * unscale.double()  # x cast row by row: no inf, 11 bits a row
     assert torch.isfinite(fp16).all() and row_errors(fp16, exact).max() < 3e-3
     # what the scaling buys: the plain split overflows on large rows, and loses bits on rows below 2^-14
     naive_hi, naive_lo = split_fp16(x)
-    naive = skinny_matmul_ref(x, hi, weight_lo=lo)  # scale_rows=False: x split as it is
+    naive = skinny_matmul_ref(x, hi, weight_lo=lo)  # x split as it is
     tiny = (amax > 0) & (amax < 2**-14)
     assert not torch.isfinite(naive_hi).all() and not torch.isfinite(naive).all()
     assert tiny.any() and row_errors(naive, exact)[tiny].min() > 1e-6
 
 
-@pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
-@pytest.mark.parametrize("M", [12, 100])
-@pytest.mark.parametrize("kind", ["fp32", "fp32+fp16", "fp16"])
-def test_rows_outside_fp16_range(M, kind):
-    x = wide_range_rows(M, 256, M)
-    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(M), device="cpu").to(DEVICE) / 16
-    weights = {"fp32": weights_of(w), "fp32+fp16": mixed_weights(w, 40), "fp16": weights_of(w.half())}[kind]
-    y = skinny_matmul(x, **weights, bias=torch.zeros(96, device=DEVICE), scale_rows=True)
-    ref = skinny_matmul_ref(x, **weights, scale_rows=True)
-    exact = x.double() @ w.double().t()
-    assert torch.isfinite(y).all()
-    assert row_errors(y, ref.double()).max() < 2e-6  # the kernel's running row scale against the reference's
-    split_cols = {"fp32": 96, "fp32+fp16": 40, "fp16": 0}[kind]
-    if split_cols:  # about fp32 on every row, whatever its scale
-        assert row_errors(y[:, :split_cols], exact[:, :split_cols]).max() < 2e-6
-    if split_cols < 96:  # fp16 weights: the fp16 product, rounded but never inf
-        fp16 = x.double() @ w[split_cols:].half().double().t()
-        assert row_errors(y[:, split_cols:], fp16).max() < 3e-3
-
-
-def test_linear_routes_by_rows_and_its_fallback_scales_rows():
-    """layers.Linear: which products go through the kernel (SKINNY_MAX_ROWS per kind, on top of skinny_pays), and
-    its mixed product's cuBLAS fallback splits x as the kernel does, rows scaled (no inf, ~fp32 on every row)."""
+def test_linear_routes_by_rows_and_wide_inputs():
+    """layers.Linear: which products go through the kernel (SKINNY_MAX_ROWS per kind, on top of skinny_pays); a
+    product of unnormalised input (wide_input: input_down's) never does, and casts x to fp16 rows scaled (no inf)."""
     from client.engine.fast import layers
     g = torch.Generator().manual_seed(0)
     first, second = torch.randn(48, 64, generator=g) / 8, torch.randn(32, 64, generator=g) / 8
-    mixed = layers.Linear([first, second], None, [torch.float32, torch.float16], "cpu", scale_rows=True)
-    x = wide_range_rows(16, 64, 0, "cpu")
-    y = mixed.product(x)
+    mixed = layers.Linear([first, second], None, [torch.float32, torch.float16], "cpu")
+    x = torch.randn(16, 64, generator=g)
     exact = x.double() @ torch.cat([first, second]).double().t()
-    assert torch.isfinite(y).all() and row_errors(y[:, :48], exact[:, :48]).max() < 2e-6
-    assert row_errors(y, skinny_matmul_ref(x, mixed.weight, weight_lo=mixed.weight_lo,
-                                           scale_rows=True).double()).max() < 2e-6
-    unscaled = layers.Linear([first, second], None, [torch.float32, torch.float16], "cpu")
-    assert not torch.isfinite(unscaled.product(x)).all()  # without scale_rows the split overflows fp16
+    assert row_errors(mixed.product(x)[:, :48], exact[:, :48]).max() < 2e-6  # the split through cuBLAS
+    x = wide_range_rows(16, 64, 0, "cpu")
+    exact = x.double() @ second.double().t()
+    for dtype, bound in ((torch.float32, 2e-6), (torch.float16, 3e-3)):
+        wide = layers.Linear(second, None, dtype, "cpu", wide_input=True)
+        wide.use_skinny(True)
+        assert wide.skinny is None  # cuBLAS: fp32's accumulation, and 16-bit casts scaled by row
+        y = wide.product(x)
+        assert torch.isfinite(y).all() and row_errors(y, exact).max() < bound
+    assert not torch.isfinite(layers.Linear(second, None, torch.float16, "cpu").product(x)).all()  # unscaled: inf
     wide = {dtype: layers.Linear(torch.randn(2048, 64, generator=g), None, dtype, "cpu")
             for dtype in (torch.float32, torch.float16)}
     assert [mixed.kind, wide[torch.float32].kind, wide[torch.float16].kind] == ["fp32+fp16", "float32", "float16"]
@@ -241,16 +227,15 @@ def test_linear_routes_by_rows_and_its_fallback_scales_rows():
 @pytest.mark.parametrize("kind,N,K", [("fp32", 8192, 2048), ("fp32", 2048, 4096), ("fp32+fp16", 8448, 2048),
                                       ("fp16", 8192, 2048), ("fp16", 2048, 4096)])
 def test_model_shapes_on_gpu(M, kind, N, K):
-    x = wide_range_rows(M, K, M) if M >= 8 else make(M, N, K, torch.float32, M)[0]
+    x = make(M, N, K, torch.float32, M)[0]
     w = torch.randn(N, K, device=DEVICE) / K**0.5
     weights = {"fp32": weights_of(w), "fp32+fp16": mixed_weights(w, 8192), "fp16": weights_of(w.half())}[kind]
-    weights["scale_rows"] = M >= 8  # wide_range_rows: rows past fp16's range
     y = skinny_matmul(x, **weights)
-    # fp32 accumulation over K terms (tensor-core tiles summed in fp32): ~sqrt(K) roundings of 2^-24 (H100: up to
-    # 7.9e-6 at K = 4096, 3.9e-6 at K = 2048)
+    # the tensor cores' fp32 accumulation over K terms keeps fewer bits than FMA units (H100: up to 7.9e-6 of a
+    # row's scale at K = 4096, 3.9e-6 at K = 2048; cuBLAS's fp32 ~4e-7): why input_down takes cuBLAS (layers.py)
     assert torch.isfinite(y).all() and row_errors(y, skinny_matmul_ref(x, **weights).double()).max() < 2e-7 * K**0.5
 
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
 def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches or epilogue or explicit_config or split_rows or outside_fp16")
+    run_under_interpreter(__file__, "triton_matches or epilogue or explicit_config or split_rows or row_tiles")

@@ -111,7 +111,7 @@ class Linear:
     then fp16 ones make one product whose leading rows keep about fp32 accuracy (a split fp16 pair) and whose
     other rows read fp16 alone; x then comes in fp32."""
 
-    def __init__(self, weights, bias, dtype, device, scale_rows=False):
+    def __init__(self, weights, bias, dtype, device, wide_input=False):
         weights = list(weights) if isinstance(weights, (list, tuple)) else [weights]
         dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(weights)
         if len(dtypes) != len(weights):
@@ -134,22 +134,23 @@ class Linear:
         self.bias_w = (None if bias is None or self.weight_lo is not None
                        else bias.to(device=device, dtype=self.weight.dtype))
         self.skinny = None  # kwargs of skinny_matmul for W, when this product uses it
-        # x may lie anywhere in fp32's range (not normalised): scaled around its fp16 cast (skinny_matmul.py)
-        self.scale_rows = scale_rows
+        # x is not normalised (input_down's carries the features' scale): fp32 weights take cuBLAS's fp32, whose
+        # accumulation keeps more bits than the tensor cores' (kernels/skinny_matmul.py), 16-bit ones x row-scaled
+        self.wide_input = wide_input
         _fp32_out_supported(device, self.weight.dtype)  # probed now rather than inside a torch.compile trace
 
     def use_skinny(self, on):
         """Route products through the skinny kernel (where Triton runs; up to SKINNY_MAX_ROWS rows); an fp32 W is
         then kept as a split fp16 pair too (about fp32 accuracy on fp16 tensor cores)."""
-        if not (on and use_triton(self.weight)):
+        if not (on and use_triton(self.weight)) or self.wide_input:
             self.skinny = None
         elif self.weight_lo is not None:
-            self.skinny = {"weight": self.weight, "weight_lo": self.weight_lo, "scale_rows": self.scale_rows}
+            self.skinny = {"weight": self.weight, "weight_lo": self.weight_lo}
         elif self.dtype == torch.float32:
             hi, lo = split_fp16(self.weight)
-            self.skinny = {"weight": hi, "weight_lo": lo, "scale_rows": self.scale_rows}
+            self.skinny = {"weight": hi, "weight_lo": lo}
         else:
-            self.skinny = {"weight": self.weight, "scale_rows": self.scale_rows}
+            self.skinny = {"weight": self.weight}
 
     @property
     def dtype(self):
@@ -177,14 +178,17 @@ class Linear:
         if self._use_skinny(x):
             return skinny_matmul(x, **self.skinny)
         if self.weight_lo is not None:  # the skinny kernel's split, through cuBLAS
-            x_hi, x_lo, unscale = split_rows(x) if self.scale_rows else (*split_fp16(x.float()), 1.0)
+            x_hi, x_lo = split_fp16(x.float())
             # the split's terms must reach the sum unrounded: where cuBLAS cannot return fp16 products in fp32,
             # multiply their values in fp32 (exact: fp16 x fp16 fits fp32's mantissa)
             mm = mm32 if _fp32_out_supported(x.device, torch.float16) else lambda a, b: torch.mm(a.float(), b.float())
             y = mm(x_hi, self.weight.t())
             rows = self.weight_lo.shape[0]
             y[:, :rows] += (mm(x_hi, self.weight_lo.t()) + mm(x_lo, self.weight[:rows].t())) / LO_SCALE
-            return y * unscale
+            return y
+        if self.wide_input and self.weight.dtype == torch.float16:  # x cast without overflow, rows scaled back
+            x_hi, _, unscale = split_rows(x)
+            return mm32(x_hi, self.weight.t()) * unscale
         return mm32(x.to(self.dtype), self.weight.t())
 
     def __call__(self, x):

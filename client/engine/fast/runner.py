@@ -46,7 +46,7 @@ class Tower:
 
         # its input, relu(input_up(features)), carries the features' scale (a feed's columns: 1e-3 .. 1e5)
         self.input_down = Linear(sd[prefix + "input_down.weight"], sd[prefix + "input_down.bias"],
-                                 dtype_of("input_down"), device, scale_rows=True)
+                                 dtype_of("input_down"), device, wide_input=True)
         block = BLOCKS[name]
         self.blocks = [block(sd, f"{prefix}blocks.{i}.", cfg, dtype_of, device) for i in range(cfg.depth)]
         self.steps = self.blocks  # what runs each block: the block, or its compiled step (compiled.py)
