@@ -50,6 +50,9 @@ PIPELINE_DEPTH = 2
 # and 14): with a 2.8 ms step, 4 served 400 req/s best; since the step (2.4 ms) is shorter than that load's
 # 2.5 ms between requests, 1 (always early) gives p50 4.0 ms against 5.0, and the same max rate.
 PIPELINE_MIN_BATCH = 1
+# While every waiting symbol's state is still on its way to the GPU (the team client's ready() is False), the
+# model thread looks again this often (or at the next arrival).
+READY_POLL_S = 0.0005
 
 
 class ClientStats:
@@ -195,6 +198,10 @@ class StreamingClient:
         # submitted (pipelined steps only), done and answered (the answer queued for sending).
         self.timeline: dict[int, dict[str, float]] | None = {} if timeline else None
         self._scheduler = Scheduler()
+        # A team client with prefetch(symbols) starts moving states when their requests arrive, and its ready(symbol)
+        # holds back a symbol whose state is still on its way while the others step.
+        self._prefetch = getattr(team_client, "prefetch", None)
+        self._ready = getattr(team_client, "ready", None)
         # One lock guards _scheduler, _steps and the two flags; the submitter (or the single worker)
         # waits on _work_ready, the completer on _steps_ready, so neither takes the other's wake-up.
         lock = threading.Lock()
@@ -449,6 +456,11 @@ class StreamingClient:
                 self.stats.note_request()
                 new_requests.append(Request(uid, symbol, row, received_at))
         self._mark("received", (r.unique_id for r in new_requests))
+        if new_requests and callable(self._prefetch):
+            try:
+                self._prefetch(list(dict.fromkeys(r.symbol for r in new_requests)))
+            except Exception:  # a failing team client must not kill the runtime: the steps place the states
+                log.exception("team client's prefetch failed")
         if new_requests:
             with self._work_ready:
                 for request in new_requests:
@@ -467,6 +479,9 @@ class StreamingClient:
                 if self._worker_stopping:
                     return
                 batch = self._next_batch()
+                if not batch:  # every waiting symbol's state is still on its way
+                    self._work_ready.wait(READY_POLL_S)
+                    continue
             self._mark("batched", (r.unique_id for r in batch))
             try:
                 ids, predictions, errors = check_answer(
@@ -485,6 +500,9 @@ class StreamingClient:
                     if self._worker_stopping:
                         return
                     batch = self._next_batch()
+                    if not batch:  # every waiting symbol's state is still on its way
+                        self._work_ready.wait(READY_POLL_S)
+                        continue
                 self._mark("batched", (r.unique_id for r in batch))
                 try:
                     pending = self.team_client.submit_batch(team_api.batch_for(self.team_client, batch))
@@ -502,7 +520,15 @@ class StreamingClient:
 
     def _next_batch(self):
         """The next step's requests (called holding the lock)."""
-        return self._scheduler.next_batch(self.max_batch, self.max_per_symbol)
+        return self._scheduler.next_batch(self.max_batch, self.max_per_symbol,
+                                          self._is_ready if callable(self._ready) else None)
+
+    def _is_ready(self, symbol) -> bool:
+        try:
+            return bool(self._ready(symbol))
+        except Exception:  # a failing team client must not hold a symbol back for good
+            log.exception("team client's ready(%r) failed; stepping it", symbol)
+            return True
 
     def _submit_now(self) -> bool:
         """Whether the submitter should form the next batch now (called holding the lock)."""

@@ -54,6 +54,15 @@ class ExampleModel:
             return PendingStep.completed(self.process_batch(requests_by_symbol))
         return self._submit(requests_by_symbol)
 
+    def prefetch(self, symbols) -> None:
+        """The runtime calls this when requests for these symbols arrive: the engine starts bringing their states
+        to the GPU while other steps run."""
+        self.engine.prefetch(symbols)
+
+    def ready(self, symbol) -> bool:
+        """The runtime's scheduler holds a symbol back while this is False (its state still on its way)."""
+        return self.engine.ready(symbol)
+
     def _submit(self, requests_by_symbol) -> PendingStep:
         # A symbol the engine has no room for is answered with an error; the others step as usual.
         rejected = self.engine.unplaceable(list(requests_by_symbol))

@@ -3,6 +3,7 @@ Triton kernels through the interpreter), CUDA graphs and padding on a GPU."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,34 @@ def test_offloaded_symbols_continue_bit_for_bit():
     for chosen, feats in random_steps(5, 40, [f"S{i}" for i in range(6)], max_batch=2):
         assert np.array_equal(tight.step(chosen, feats), roomy.step(chosen, feats))
     assert tight.table.stats["restored"] > 0 and roomy.table.stats["offloaded"] == 0
+
+
+def test_prefetch_and_ready_keep_states_bit_for_bit():
+    """Requests announced ahead of their steps (prefetch on arrival, ready polled as a scheduler would) through a
+    2-slot table: the same predictions, bit for bit, as an engine that never moves a state."""
+    model, _ = load_model("tiny", seed=4)
+    tight = FastEngine(model, device="cpu", capacity=2, host_symbols=6, reserve=1, progress=False)
+    roomy = FastEngine(model, device="cpu", capacity=6, host_symbols=0, progress=False)
+    steps = list(random_steps(6, 40, [f"S{i}" for i in range(6)], max_batch=2))
+    for i, (chosen, feats) in enumerate(steps):
+        tight.prefetch([s for later, _ in steps[i + 1:i + 3] for s in later])  # the next steps' requests arrived
+        for symbol in chosen:
+            tight.ready(symbol)
+        assert np.array_equal(tight.step(chosen, feats), roomy.step(chosen, feats))
+    assert tight.table.stats["restored_ahead"] > 0
+    assert tight.describe()["reserve"] == 1 and tight.describe()["host_symbols"] == 6
+
+
+def test_default_reserve_is_at_most_an_eighth_of_the_table():
+    model, _ = load_model("tiny", seed=0)
+    assert FastEngine(model, device="cpu", capacity=2, progress=False).table.reserve == 0
+    assert FastEngine(model, device="cpu", capacity=200, progress=False).table.reserve == 8
+
+
+def test_a_host_tier_beyond_the_hosts_memory_is_refused_before_anything_is_built():
+    model, _ = load_model("tiny", seed=0)
+    with pytest.raises(ValueError, match="lower --host-symbols"):
+        FastEngine(model, device="cpu", capacity=2, host_symbols=10**9, progress=False)
 
 
 def test_symbol_beyond_every_tier_fails_alone():
@@ -287,6 +316,52 @@ def test_offload_and_return_with_steps_in_flight_on_gpu():
             pending.append(tight.submit(*steps[i + 2]))
         assert np.array_equal(pending[i].result(), roomy.step(chosen, feats)), i
     assert tight.table.stats["offloaded"] > 10 and tight.table.stats["restored"] > 10
+
+
+@cuda
+def test_a_slow_return_holds_back_only_its_own_symbol_on_gpu():
+    """X's return sits behind a long sleep on its copy stream: steps of other symbols are answered meanwhile, X is
+    not ready until its copy is done, and every prediction is the one of an engine that never moves a state. No
+    host memory is allocated or pinned after start."""
+    model, _ = load_model("small", seed=2, device="cuda")
+    tight = FastEngine(model, device="cuda", max_batch=4, capacity=4, host_symbols=8, reserve=1, progress=False)
+    roomy = FastEngine(model, device="cuda", max_batch=4, capacity=12, host_symbols=0, progress=False)
+    pool = tight.table.parts[0].host
+    assert pool.pinned == pool.count == 9 and pool.slots.is_pinned()
+    host_allocations = getattr(torch.cuda, "host_memory_stats", lambda: {})().get("num_host_alloc")
+    rng = np.random.default_rng(0)
+
+    def both(chosen):
+        feats = rng.standard_normal((len(chosen), 79)).astype(np.float32)
+        return tight.submit(chosen, feats), roomy.step(chosen, feats)
+
+    def check(pending, want):
+        np.testing.assert_array_equal(pending.result(), want)
+
+    check(*both(["X"]))
+    check(*both(["A", "B", "C"]))  # X out, to keep a slot free
+    torch.cuda.synchronize()
+    assert list(tight.table.offloaded) == ["X"]
+    tight.table.before_copy = lambda symbol, direction: (
+        torch.cuda._sleep(2_000_000_000) if (symbol, direction) == ("X", "to_gpu") else None)
+    tight.prefetch(["X"])
+    began = time.perf_counter()
+    for _ in range(5):
+        check(*both(["A", "B"]))
+    quick = time.perf_counter() - began
+    assert not tight.ready("X")
+    while not tight.ready("X"):
+        time.sleep(0.001)
+    slow = time.perf_counter() - began
+    assert quick < slow / 4, (quick, slow)
+    tight.table.before_copy = None
+    check(*both(["X", "A"]))
+    for _ in range(30):  # symbols through the host tier, announced ahead
+        chosen = [str(s) for s in rng.choice(list("ABCDEFGHX"), 3, replace=False)]
+        tight.prefetch(chosen)
+        check(*both(chosen))
+    assert tight.table.stats["restored_ahead"] > 5
+    assert getattr(torch.cuda, "host_memory_stats", lambda: {})().get("num_host_alloc") == host_allocations
 
 
 @pytest.mark.parametrize("state_dtype", ["fp16", "bf16"])

@@ -3,15 +3,17 @@ import asyncio
 import gc
 import math
 import socket
+import threading
 import time
 
 import numpy as np
 import pytest
+import torch
 from websockets.asyncio.server import serve
 
 from client import protocol
 from client.engine.reference import ReferenceEngine
-from client.model import load_model
+from client.model import TOWER_NAMES, load_model
 from client import runtime
 from client.runtime import ClientStats, StreamingClient
 from team.example_model import ExampleModel
@@ -193,6 +195,60 @@ def test_a_backlog_drains_several_requests_of_a_symbol_per_step_in_order(model, 
     assert longest == per_symbol  # the burst arrived at once: the first step takes a full run of each symbol
     served = [uid for batch in lists.batches for ids in batch.values() for uid in ids]
     assert sorted(served) == valid
+
+
+def test_a_symbol_whose_state_is_on_its_way_waits_alone_and_in_order(model):
+    """The fast engine's host tier holds COLD's state, and its way back to the GPU is held up on the copy queue:
+    the runtime starts the return when COLD's requests arrive (prefetch), the scheduler holds COLD back (ready)
+    while the other symbols are answered, and COLD's requests are answered in order once its state is back; every
+    answer is the one of stepping each symbol's requests one at a time."""
+    from client.engine.fast import FastEngine
+
+    names = ["COLD", "SYM_000", "SYM_001"]
+    symbols = [names[i % 3] for i in range(12)]
+    features = np.random.default_rng(3).standard_normal((12, 79)).astype(np.float32)
+    warm = np.random.default_rng(4).standard_normal((3, 79)).astype(np.float32)
+    engine = FastEngine(model, device="cpu", precision={name: torch.float32 for name in TOWER_NAMES}, capacity=3,
+                        host_symbols=3, reserve=1, progress=False)
+    engine.step(["COLD"], warm[:1])
+    engine.step(["SYM_000", "SYM_001"], warm[1:])  # COLD, least recently used, moves out to keep a slot free
+    assert list(engine.table.offloaded) == ["COLD"]
+    release = threading.Event()
+    engine.table.before_copy = lambda symbol, direction: (
+        release.wait(30) if (symbol, direction) == ("COLD", "to_gpu") else None)
+
+    class Prefetching(ExampleModel):
+        prefetched = []
+
+        def prefetch(self, symbols):
+            self.prefetched.append(list(symbols))
+            super().prefetch(symbols)
+
+    recorder, others = Recorder(), {i for i in range(12) if symbols[i] != "COLD"}
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request(list(range(12)), symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= others, timeout_s=20)
+        assert not recorder.answered() - others  # COLD still on its way
+        release.set()
+        await recorder.pump(ws, lambda: len(recorder.answered()) == 12)
+        await ws.close(1000)
+
+    waits = engine.table.stats["step_waits"]
+    team_client = Prefetching(engine)
+    asyncio.run(_play(handler, team_client))
+    assert team_client.prefetched[0] == names and engine.table.stats["restored_ahead"] == 1
+    assert engine.table.stats["step_waits"] == waits  # COLD stepped once its state was back
+    cold = [uid for uid, _ in recorder.responses if symbols[uid] == "COLD"]
+    assert cold == [0, 3, 6, 9] and [uid for uid, _ in recorder.responses][-4:] == cold
+    references = {name: ReferenceEngine(model) for name in names}
+    references["COLD"].step(["COLD"], warm[:1])
+    for name, row in zip(names[1:], warm[1:]):
+        references[name].step([name], row[None])
+    expected = {uid: references[symbols[uid]].step([symbols[uid]], features[uid:uid + 1])[0] for uid in range(12)}
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-4, atol=2e-5)
 
 
 def test_reconnect_keeps_state_and_answers_resent_ids_from_cache(model):

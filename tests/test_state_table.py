@@ -1,9 +1,20 @@
 """The state table's tiers on the CPU: slots allocated once, slot reuse, LRU offload to host memory and return
-byte for byte, idle expiry, the capacity error, a table spanning several devices."""
+byte for byte, idle expiry, the capacity error, a table spanning several devices; the host tier allocated once,
+returns started ahead of their step (prefetch, ready), a slow copy delaying only its own symbol. The same on
+real CUDA streams where there is a GPU."""
+import mmap
+import random
+import threading
+import time
+
 import pytest
 import torch
 
-from client.engine.fast.state_table import ALIGN, PAD_SLOT, CapacityError, StateTable, slot_layout
+from client.engine.fast import state_table
+from client.engine.fast.state_table import (ALIGN, PAD_SLOT, CapacityError, StateTable, host_memory,
+                                            host_symbols_for, host_tier_budget, slot_layout)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 LAYOUT = {"h": ((3, 5), torch.float32, 0.0), "m": ((4,), torch.float32, float("-inf")),
           "C": ((2, 2), torch.float16, 0.0), "count": ((), torch.int32, 0)}
@@ -155,3 +166,238 @@ def test_table_over_several_devices_gives_a_symbol_one_slot_everywhere():
 def test_bad_limits_are_rejected(kwargs):
     with pytest.raises(ValueError):
         table(**{"capacity": 2, **kwargs})
+
+
+def wait_until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def same_state(t, slot, saved):
+    return all(torch.equal(t.tensors[name][slot].cpu(), saved[name].cpu()) for name in saved)
+
+
+def test_the_host_tier_is_allocated_once_and_nothing_is_allocated_while_states_move(monkeypatch):
+    t = table(capacity=3, host_capacity=6, reserve=1)
+    pool = t.parts[0].host
+    assert pool.slots.shape == (7, t.parts[0].slot_bytes)  # the tier, and one spare slot for a swap
+    assert pool.stride % mmap.PAGESIZE == 0 and t.host_bytes == 7 * pool.stride
+    address = pool.slots.data_ptr()
+    calls = []
+
+    def counting(name, real):
+        def allocate(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return allocate
+
+    for name in ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "frombuffer", "tensor"):
+        monkeypatch.setattr(torch, name, counting(name, getattr(torch, name)))
+    monkeypatch.setattr(mmap, "mmap", counting("mmap", mmap.mmap))
+    rng = random.Random(0)
+    symbols = [f"S{i}" for i in range(9)]
+    for step in range(80):
+        batch = rng.sample(symbols, rng.randint(1, 3))
+        t.prefetch(rng.sample(symbols, 2))
+        t.ready(batch[0])
+        t.slots_for(batch)
+        if step % 20 == 19:
+            t.release([batch[0]])
+    assert t.stats["offloaded"] > 20 and t.stats["restored"] > 20 and t.stats["restored_ahead"] > 5
+    assert calls == [] and pool.slots.data_ptr() == address
+
+
+def test_a_host_tier_beyond_the_hosts_memory_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"a host tier of \d+ symbols needs .* GiB .*lower --host-symbols") as error:
+        table(capacity=2, host_capacity=10**12)
+    assert "\n" not in str(error.value)
+    total, available = host_memory()
+    assert 0 < available <= total and 0 <= host_tier_budget() < available
+    size = slot_layout(LAYOUT)[1]
+    assert host_symbols_for(10 * mmap.PAGESIZE, [size]) == 9  # a page a slot here, one kept spare
+    assert host_symbols_for(0, [size]) == 0
+
+
+def test_prefetch_starts_a_return_ahead_of_its_step_and_the_step_then_waits_for_nothing():
+    t = table(capacity=4, host_capacity=4, reserve=1)
+    t.slots_for(["X"])
+    write(t, 1, 7)
+    saved = state_of(t, 1)
+    t.slots_for(["A", "B", "C"])  # X, least recently used, moves out to keep a slot free
+    t.slots_for(["A"])
+    assert list(t.offloaded) == ["X"]
+    t.prefetch(["X", "NEW"])  # a request of each arrived: X comes back into the free slot, B makes room for NEW
+    assert t.stats["restored_ahead"] == 1 and "X" not in t.offloaded and "NEW" in t.slot_of
+    assert list(t.offloaded) == ["B", "C"]  # C: the reserve refilled
+    wait_until(lambda: t.ready("X") and t.ready("NEW"))
+    waits = t.stats["step_waits"]
+    slots = t.slots_for(["X", "NEW"])
+    assert t.stats["step_waits"] == waits  # its state had arrived: the step waited for no copy
+    assert same_state(t, slots[0], saved)
+    assert all((t.tensors[name][slots[1]] == init).all() for name, (_, _, init) in LAYOUT.items())
+    assert t.ready("UNKNOWN")  # its step places it
+
+
+def test_prefetch_leaves_a_symbol_beyond_every_tier_to_its_step():
+    t = table(capacity=1, host_capacity=1)
+    t.slots_for(["A"])
+    t.slots_for(["B"])
+    before = (t.slot_of, list(t.offloaded))
+    t.prefetch(["C"])
+    assert (t.slot_of, list(t.offloaded)) == before and t.ready("C")
+    with pytest.raises(CapacityError):
+        t.slots_for(["C"])
+
+
+def test_ready_starts_a_return_not_yet_under_way():
+    t = table(capacity=3, host_capacity=4, reserve=1)
+    t.slots_for(["X"])
+    write(t, 1, 3)
+    saved = state_of(t, 1)
+    t.slots_for(["A", "B"])  # X out, to keep a slot free
+    t.ready("X")  # the scheduler asks about a symbol whose request came without a prefetch
+    assert t.stats["restored_ahead"] == 1 and "X" in t.slot_of
+    wait_until(lambda: t.ready("X"))
+    assert same_state(t, t.slots_for(["X"])[0], saved)
+
+
+def test_a_slow_copy_of_one_symbol_delays_no_other_symbol():
+    """X's return blocks on its copy queue until released: the other symbols' steps, a new symbol's placement
+    and a state leaving for the host all go on meanwhile; X is not ready until its copy is done, then returns
+    byte for byte."""
+    release = threading.Event()
+
+    def before_copy(symbol, direction):
+        if (symbol, direction) == ("X", "to_gpu"):
+            assert release.wait(30)
+
+    t = table(capacity=4, host_capacity=4, reserve=1, before_copy=before_copy)
+    t.slots_for(["X"])
+    write(t, 1, 7)
+    saved = state_of(t, 1)
+    t.slots_for(["A", "B", "C"])
+    assert list(t.offloaded) == ["X"]
+    began = time.perf_counter()
+    t.prefetch(["X"])
+    assert not t.ready("X")
+    a_b = t.slots_for(["A", "B"])  # C moves out to keep a slot free; X, awaiting its step, stays
+    assert "X" in t.slot_of and list(t.offloaded) == ["C"]
+    t.prefetch(["NEW"])
+    wait_until(lambda: t.ready("NEW"), timeout_s=5)  # its slot came from C's move, which X does not hold up
+    assert t.slots_for(["NEW", "A"])[1] == a_b[0]
+    assert not t.ready("X") and time.perf_counter() - began < 5
+    release.set()
+    wait_until(lambda: t.ready("X"))
+    waits = t.stats["step_waits"]
+    assert same_state(t, t.slots_for(["X"])[0], saved) and t.stats["step_waits"] == waits
+
+
+def test_a_step_for_a_symbol_still_in_flight_waits_for_its_copy():
+    """Prefetched too late: the step's slots_for waits for X's own copy and X's state is whole."""
+    def before_copy(symbol, direction):
+        if (symbol, direction) == ("X", "to_gpu"):
+            time.sleep(0.2)
+
+    t = table(capacity=2, host_capacity=2, before_copy=before_copy)
+    t.slots_for(["X"])
+    write(t, 1, 5)
+    saved = state_of(t, 1)
+    t.slots_for(["A", "B"])
+    t.prefetch(["X"])
+    waits = t.stats["step_waits"]
+    slot = t.slots_for(["X"])[0]
+    assert t.stats["step_waits"] == waits + 1 and same_state(t, slot, saved)
+
+
+def test_prefetch_from_another_thread_while_steps_go_on_keeps_every_state():
+    """Prefetches from one thread and steps from another through a tight table: each symbol's step counter ends
+    at the number of steps it took part in (a lost or mixed-up state would show)."""
+    layout = {"count": ((), torch.int64, 0)}
+    t = StateTable((layout, "cpu"), 3, host_capacity=12, reserve=1)
+    symbols = [f"S{i}" for i in range(12)]
+    stepped = dict.fromkeys(symbols, 0)
+    stop = threading.Event()
+
+    def prefetching():  # as requests arriving on the event loop's thread would
+        rng = random.Random(1)
+        while not stop.is_set():
+            t.prefetch(rng.sample(symbols, 2))
+            t.ready(rng.choice(symbols))
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=prefetching)
+    thread.start()
+    rng = random.Random(2)
+    try:
+        for _ in range(300):
+            batch = rng.sample(symbols, rng.randint(1, 3))
+            for symbol, slot in zip(batch, t.slots_for(batch)):
+                t.tensors["count"][slot] += 1
+                stepped[symbol] += 1
+    finally:
+        stop.set()
+        thread.join()
+    counts = {s: int(t.tensors["count"][t.slots_for([s])[0]]) for s in symbols}
+    assert counts == stepped and t.stats["offloaded"] > 50
+
+
+@cuda
+def test_the_host_tier_is_pinned_at_start_on_gpu():
+    t = StateTable((LAYOUT, "cuda"), 3, host_capacity=5)
+    reports = []
+    t.wait_pinned(lambda done, total: reports.append((done, total)))
+    pool = t.parts[0].host
+    assert pool.pinned == pool.count == 6 and reports[-1] == (6, 6) and pool.slots.is_pinned()
+    assert t.pin_s is not None
+
+
+@cuda
+def test_a_slow_copy_delays_only_its_own_symbol_on_gpu():
+    """On real streams: X's return sits behind a long sleep on its copy stream; a step of other symbols on the
+    compute stream finishes without it, and X comes back byte for byte once ready."""
+    def before_copy(symbol, direction):
+        if (symbol, direction) == ("X", "to_gpu"):
+            torch.cuda._sleep(2_000_000_000)  # about a second at GPU clocks
+
+    t = StateTable((LAYOUT, "cuda"), 4, host_capacity=4, reserve=1, before_copy=before_copy)
+    t.wait_pinned()
+    t.slots_for(["X"])
+    write(t, 1, 7)
+    saved = state_of(t, 1)
+    t.slots_for(["A", "B", "C"])  # X out, to keep a slot free
+    torch.cuda.synchronize()
+    assert list(t.offloaded) == ["X"]
+    t.prefetch(["X"])  # into the free slot: nothing else moves
+    began = time.perf_counter()
+    for _ in range(5):
+        slots = t.slots_for(["A", "B"])
+        for name in LAYOUT:
+            t.tensors[name][slots] += 1  # a "step" on the compute stream
+    torch.cuda.current_stream().synchronize()
+    quick = time.perf_counter() - began
+    assert not t.ready("X")
+    wait_until(lambda: t.ready("X"), timeout_s=30)
+    slow = time.perf_counter() - began
+    assert quick < slow / 4, (quick, slow)
+    assert same_state(t, t.slots_for(["X"])[0], saved)
+
+
+@cuda
+def test_states_move_on_real_streams_bit_for_bit_with_no_host_allocation():
+    t = StateTable((LAYOUT, "cuda"), 3, host_capacity=8, reserve=1)
+    t.wait_pinned()
+    host_allocations = getattr(torch.cuda, "host_memory_stats", lambda: {})().get("num_host_alloc")
+    rng = random.Random(3)
+    symbols = [f"S{i}" for i in range(9)]
+    counts = dict.fromkeys(symbols, 0)
+    for _ in range(200):
+        batch = rng.sample(symbols, rng.randint(1, 3))
+        t.prefetch(rng.sample(symbols, 2))
+        for symbol, slot in zip(batch, t.slots_for(batch)):
+            t.tensors["count"][slot] += 1
+            counts[symbol] += 1
+    got = {s: int(t.tensors["count"][t.slots_for([s])[0]]) for s in symbols}
+    assert got == counts and t.stats["restored_ahead"] > 10
+    assert getattr(torch.cuda, "host_memory_stats", lambda: {})().get("num_host_alloc") == host_allocations

@@ -110,6 +110,16 @@ class Engine(ABC):
     def release(self, symbols) -> None:
         """Forget these symbols' states (they left); unknown symbols are ignored."""
 
+    def prefetch(self, symbols) -> None:
+        """Requests for these symbols arrived: an engine that keeps states in tiers starts moving theirs to where
+        its steps run, without waiting. Thread-safe: the runtime calls it on receive while another thread steps.
+        A no-op by default."""
+
+    def ready(self, symbol) -> bool:
+        """False while the symbol's state is still on its way (after prefetch), so that the scheduler holds the
+        symbol back while others step. Thread-safe; True by default."""
+        return True
+
     def unplaceable(self, symbols) -> dict[str, str]:
         """{symbol: why} for the symbols of a step that this engine has no room for, without side effects. An
         engine without a bound on its symbols has room for all."""

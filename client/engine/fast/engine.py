@@ -1,5 +1,4 @@
 """FastEngine: the state table, the step runner and its CUDA graphs put together behind the Engine interface."""
-import os
 import sys
 import time
 
@@ -13,14 +12,19 @@ from client.model.config import TOWER_NAMES
 from .placement import place_towers
 from .layers import StepPlan
 from .runner import GraphedStep, StepInputs, StepRunner, precompile, shape_for, step_shapes
-from .state_table import StateTable, capacity_for_memory, slot_layout
+from .state_table import StateTable, capacity_for_memory, host_memory, host_symbols_for, host_tier_budget, slot_layout
 
 # Pinned staging buffers for submitted steps, each with its own set of graphs: one more than the runtime keeps
 # in flight (2), so that reusing one never has to wait for its previous step.
 RING = 3
-# The state table's default share of free GPU memory, and of available host memory for the host tier.
+# The state table's default share of free GPU memory; the host tier's default is the available host memory less a
+# headroom (state_table.host_tier_budget). README "Symbols at scale" states the rule and what it gives.
 STATE_MEMORY = 0.8
-HOST_MEMORY = 0.5
+# Free GPU slots kept ready by moving least recently used states to the host ahead of need (at most an eighth of
+# the table): a burst of up to 8 symbols arriving together, new or returning, takes slots whose evictions are
+# done, so their returns start at once. Refilling a slot costs one state's copy to the host (146 MiB: ~5 ms at
+# PCIe speed, on the stream that carries no returns), and no capacity: the host tier holds the states moved out.
+RESERVE = 8
 CPU_CAPACITY = 1024  # without a GPU the table lives in host memory: a modest default
 MAX_ROWS_PER_SYMBOL = 4  # requests of one symbol a captured step carries (client.scheduler.DEFAULT_MAX_PER_SYMBOL)
 
@@ -31,10 +35,6 @@ def _progress(label):
         if done == total:
             sys.stderr.write("\n")
     return report
-
-
-def _available_host_bytes() -> int:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class Staging:
@@ -77,17 +77,19 @@ class FastEngine(Engine):
     name = "fast"
 
     def __init__(self, model, device=None, *, max_batch=64, max_rows_per_symbol=MAX_ROWS_PER_SYMBOL, graphs=None,
-                 precision=None, capacity=None, state_memory=None, host_symbols=None, idle_timeout_s=None, reserve=0,
-                 state_dtype="fp32", state_rounding="stochastic", devices=None, time_steps=False, compile=False,
-                 progress=True):
+                 precision=None, capacity=None, state_memory=None, host_symbols=None, host_memory=None,
+                 idle_timeout_s=None, reserve=None, state_dtype="fp32", state_rounding="stochastic", devices=None,
+                 time_steps=False, compile=False, progress=True, time_copies=False):
         """max_batch: symbols a captured step holds; max_rows_per_symbol: requests of one symbol it carries
         (a step with more runs as several, in order). device, or devices (several: the towers placed over them);
         capacity (symbols on the GPU) or
         state_memory (the share of free GPU memory the state table takes, STATE_MEMORY by default);
-        host_symbols: states that may wait in host memory (default: what HOST_MEMORY of available host memory
-        holds on CUDA, none on the CPU); state_dtype: fp32, or fp16/bf16 storage of the matrix states (of xLSTM and
-        Mamba2; "fp16,retnet=fp16" for RetNet's too: client/engine/precision.py, parse_state_dtype), rounded
-        stochastically or to nearest (state_rounding);
+        host_symbols: states that may wait in host memory (default on CUDA: what `host_memory` bytes hold, by
+        default the available host memory less a headroom; none on the CPU), allocated and pinned at start;
+        reserve: free GPU slots kept ready (default RESERVE, at most an eighth of the table); time_copies: keep
+        every host<->GPU transfer's time (table.transfer_seconds); state_dtype: fp32, or fp16/bf16 storage of the
+        matrix states (of xLSTM and Mamba2; "fp16,retnet=fp16" for RetNet's too: client/engine/precision.py,
+        parse_state_dtype), rounded stochastically or to nearest (state_rounding);
         time_steps: keep (batch, GPU milliseconds) of every submitted step in step_times. precision: a spec
         string ("auto", "bf16", "bf16,retnet=fp32": client/engine/precision.py) or a {tower or "<tower>.<part>":
         dtype} dict of overrides of DEFAULT_PRECISION. compile: each block through torch.compile (compiled.py),
@@ -124,10 +126,14 @@ class FastEngine(Engine):
         if capacity is None:
             capacity = self._capacity_for_memory(parts, STATE_MEMORY if state_memory is None else state_memory)
         if host_symbols is None:
-            host_symbols = (int(HOST_MEMORY * _available_host_bytes()) // self._slot_bytes(parts)
+            budget = host_tier_budget() if host_memory is None else host_memory
+            host_symbols = (host_symbols_for(budget, [slot_layout(layout)[1] for layout, _ in parts])
                             if devices[0].type == "cuda" else 0)
+        if reserve is None:
+            reserve = min(RESERVE, capacity // 8)
+        # The host tier is pinned in the background while the kernels compile (wait_pinned below).
         self.table = StateTable(parts, capacity, host_capacity=host_symbols, idle_timeout_s=idle_timeout_s,
-                                reserve=reserve, separate=compile)
+                                reserve=reserve, separate=compile, time_copies=time_copies)
         self.max_batch = max_batch = min(max_batch, capacity)  # a step's symbols all hold GPU slots at once
         self.max_rows_per_symbol = max_rows_per_symbol
         self.shapes = step_shapes(max_batch, max_rows_per_symbol)
@@ -143,6 +149,7 @@ class FastEngine(Engine):
                 sys.stderr.write(f" {time.perf_counter() - began:.1f} s\n")
             if compile:
                 self.compile_s += warm_up(shard.runner, self.shapes, progress)
+        self._wait_pinned(progress)  # before any graph is captured: pinning from another thread would break it
         self._ring = None  # without CUDA every step is synchronous
         self.step_times = [] if time_steps else None
         max_rows = max(shape.rows for shape in self.shapes)
@@ -170,18 +177,26 @@ class FastEngine(Engine):
                              f"{d['capacity']} symbols on {'the GPU' if self.device.type == 'cuda' else 'the CPU'} "
                              f"({d['state_bytes_per_symbol'] / 2**20:.1f} MiB each, matrix states "
                              f"{describe_state_dtype(state_dtypes)}), "
-                             f"{d['host_symbols']} in host memory\n")
+                             f"{d['host_symbols']} in host memory ({d['host_bytes'] / 2**30:.1f} GiB"
+                             f"{'' if self.table.pin_s is None else f', pinned in {self.table.pin_s:.1f} s'})\n")
 
-    @staticmethod
-    def _slot_bytes(parts):
-        return sum(slot_layout(layout)[1] for layout, _ in parts)
+    def _wait_pinned(self, progress):
+        report = None
+        if progress and self.table.host_bytes > 0 and self.device.type == "cuda":
+            gib = self.table.host_bytes / 2**30
+
+            def report(done, total):
+                sys.stderr.write(f"\r[fast engine] pinning the host tier ({gib:.1f} GiB): {done}/{total} slots")
+                if done == total:
+                    sys.stderr.write("\n")
+        self.table.wait_pinned(report)
 
     @staticmethod
     def _capacity_for_memory(parts, share):
         if parts[0][1].type != "cuda":
             if not 0 < share <= 0.95:
                 raise ValueError(f"--state-memory must be a share in (0, 0.95], got {share}")
-            fits = int(share * _available_host_bytes()) // FastEngine._slot_bytes(parts) - 1
+            fits = int(share * host_memory()[1]) // sum(slot_layout(layout)[1] for layout, _ in parts) - 1
             return max(1, min(CPU_CAPACITY, fits))
         return min(capacity_for_memory(slot_layout(layout)[1], share, device) for layout, device in parts)
 
@@ -211,7 +226,8 @@ class FastEngine(Engine):
                 if any(d != torch.float32 for d in parse_state_dtype(self.state_dtype).values()) else None,
                 "weight_bytes": self.weight_bytes,
                 "state_bytes_per_symbol": self.state_bytes, "capacity": self.table.capacity,
-                "host_symbols": self.table.host_capacity, "max_batch": self.max_batch,
+                "host_symbols": self.table.host_capacity, "host_bytes": self.table.host_bytes,
+                "host_pin_s": self.table.pin_s, "reserve": self.table.reserve, "max_batch": self.max_batch,
                 "max_rows_per_symbol": self.max_rows_per_symbol, "step_shapes": len(self.shapes),
                 "compile": self.runner.compiled, "compile_s": self.compile_s,
                 "startup_s": getattr(self, "startup_s", None)}
@@ -224,6 +240,15 @@ class FastEngine(Engine):
     def release(self, symbols) -> None:
         """Forget these symbols' states (they left); their slots go to other symbols."""
         self.table.release(symbols)
+
+    def prefetch(self, symbols) -> None:
+        """Requests for these symbols arrived: start their states' way to the GPU now (thread-safe; returns at
+        once, the copies run on the table's copy streams)."""
+        self.table.prefetch(symbols)
+
+    def ready(self, symbol) -> bool:
+        """False while the symbol's state is still on its way to the GPU (thread-safe)."""
+        return self.table.ready(symbol)
 
     def slots_for(self, symbols) -> torch.Tensor:
         return torch.tensor(self.table.slots_for(symbols), dtype=torch.int32).to(self.device, non_blocking=True)
@@ -313,12 +338,14 @@ class FastEngine(Engine):
             # Its previous step may still be reading these inputs, or its result not yet be copied out of
             # `outs`: finish it (its PendingStep keeps the copy for whoever collects it later).
             staging.step.result()
+        if staging.started is not None:  # before slots_for: a step's time includes its waits for copies
+            for shard, started in zip(self.shards, staging.started):
+                with torch.cuda.device(shard.device):
+                    started.record(torch.cuda.current_stream(shard.device))
         staging.inputs.fill(self.table.slots_for(sequences.symbols), sequences.lengths, grouped)
         total = len(grouped)
         for i, (shard, host_out, done) in enumerate(zip(self.shards, staging.outs, staging.done)):
             with torch.cuda.device(shard.device):
-                if staging.started is not None:
-                    staging.started[i].record(torch.cuda.current_stream(shard.device))
                 if shard.graphed is not None:
                     shard.graphed.replay_staged(index, shape, total)  # copies in, step, predictions out
                 else:

@@ -6,19 +6,46 @@ write there and never in a live slot. The table never grows, so CUDA graphs that
 A table may span several devices (towers placed on several GPUs): each device holds its part of every slot,
 and a symbol has the same slot on all of them.
 
-Tiers: a symbol holds a GPU slot while it is used; when no free slot is left, the least recently used
-symbol's state moves to host memory (copied on a side stream, ordered after every step already enqueued) and
-its slot goes to the newcomer. A symbol that comes back has its state copied back, byte for byte, before its
-step runs. A symbol idle for `idle_timeout_s` is forgotten (a later request starts a fresh state, as a new
-symbol would). A symbol that fits in no tier gets a CapacityError naming the limits, and nothing else changes.
+Tiers: a symbol holds a GPU slot while it is used; the least recently used symbols' states move to host memory
+to keep `reserve` slots free ahead of need, or when a symbol needs a slot and none is free. The host tier is
+allocated once, at start, and on a GPU pinned in a background thread (`wait_pinned`), so that no step allocates
+or pins memory. States move on two copy streams per device (to the host, and back to the GPU), each copy waiting
+only for what it touches: the steps enqueued before it (for a state leaving the GPU), the last copy of its GPU
+slot and of its host slot. A step waits only for the copies of its own symbols' slots.
+
+Returns start early: `prefetch(symbols)` (called when a request ARRIVES, from any thread) places the symbols,
+starting the copy back for those in host memory (and giving new ones a free slot); `ready(symbol)` says whether a
+symbol's state is on the GPU with its copies done, so that a scheduler can hold back a symbol still in flight
+while the others step. A step for a symbol whose copy is not done (no prefetch, or too late) is still correct:
+its stream waits for that copy. Without CUDA the copies run on a thread standing in for each copy stream (its
+completions are futures), so the CPU runs the same ordering as the GPU.
+
+A symbol idle for `idle_timeout_s` is forgotten (a later request starts a fresh state, as a new symbol would). A
+symbol that fits in no tier gets a CapacityError naming the limits, and nothing else changes.
+
+Thread safety: one lock guards the table's bookkeeping; slots_for, unplaceable and release come from the thread
+that steps, prefetch and ready from any thread. The symbols of the last slots_for stay on the GPU until the next
+slots_for (by then their step is enqueued, or done on the CPU), so a prefetch from another thread never moves a
+state that a step being enqueued uses.
 """
+import mmap
+import os
+import queue
+import threading
 import time
+import weakref
 from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 PAD_SLOT = 0
 ALIGN = 256  # bytes: every component starts at a multiple of this within a slot (vector loads, any dtype)
+# The default host tier takes the available host memory less this headroom, left to the process's own growth, a
+# scoring server on the same machine and the system: the larger of a fixed amount and a share of the host's memory.
+HOST_HEADROOM_BYTES = 4 << 30
+HOST_HEADROOM_SHARE = 0.05
+PIN_THREADS = 8  # threads registering host slots at start: page faults and pinning spread over cores
 
 
 class CapacityError(RuntimeError):
@@ -57,14 +84,186 @@ def capacity_for_memory(slot_bytes, share, device) -> int:
     return slots
 
 
+# ---- host memory -----------------------------------------------------------------------------------
+def _read(path) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _cgroup_memory() -> tuple[int, int] | None:
+    """(limit, bytes still free under it) of this process's memory cgroup (v2, else v1), or None without a
+    limit. Reclaimable page cache (inactive files) counts as free, as in MemAvailable."""
+    for root, limit_file, usage_file, inactive_key in (("/sys/fs/cgroup", "memory.max", "memory.current",
+                                                        "inactive_file"),
+                                                       ("/sys/fs/cgroup/memory", "memory.limit_in_bytes",
+                                                        "memory.usage_in_bytes", "total_inactive_file")):
+        limit, usage = _read(f"{root}/{limit_file}"), _read(f"{root}/{usage_file}")
+        if limit is None or usage is None:
+            continue
+        if limit.strip() == "max" or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
+            return None
+        stat = dict(line.split() for line in (_read(f"{root}/memory.stat") or "").splitlines() if line.count(" ") == 1)
+        return int(limit), max(int(limit) - int(usage) + int(stat.get(inactive_key, 0)), 0)
+    return None
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory for this process: /proc/meminfo's MemTotal and MemAvailable
+    (sysconf where there is none), within the memory cgroup's limit."""
+    info = {}
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        key, _, value = line.partition(":")
+        fields = value.split()
+        if len(fields) == 2 and fields[1] == "kB":
+            info[key] = int(fields[0]) * 1024
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = info.get("MemTotal") or os.sysconf("SC_PHYS_PAGES") * page
+    available = info.get("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * page
+    cgroup = _cgroup_memory()
+    if cgroup is not None:
+        total, available = min(total, cgroup[0]), min(available, cgroup[1])
+    return total, available
+
+
+def host_tier_budget() -> int:
+    """Bytes the host tier may take: the available host memory less the headroom (HOST_HEADROOM_BYTES, or
+    HOST_HEADROOM_SHARE of the host's memory where that is more)."""
+    total, available = host_memory()
+    return max(available - max(HOST_HEADROOM_BYTES, int(HOST_HEADROOM_SHARE * total)), 0)
+
+
+def host_slot_bytes(slot_bytes) -> int:
+    """A host slot's stride: whole pages, so that each slot is pinned on its own."""
+    return -(-slot_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def host_symbols_for(budget_bytes, slot_bytes) -> int:
+    """Symbols a host tier of `budget_bytes` holds; slot_bytes: a symbol's bytes on each device (one host slot
+    is kept spare for swaps)."""
+    return max(budget_bytes // sum(host_slot_bytes(size) for size in slot_bytes) - 1, 0)
+
+
+# ---- copies ------------------------------------------------------------------------------------------
+def _run_copies(tasks):
+    """The CPU's copy thread: each task after the completions it waits for, in order."""
+    while (task := tasks.get()) is not None:
+        copies, waits, done = task
+        try:
+            for completion in waits:
+                completion.result()
+            copies()
+        except BaseException as exc:  # noqa: BLE001 (handed to whoever waits for this copy)
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+
+class _CopyQueue:
+    """Copies run in order, each after the completions it waits for: a CUDA stream on a GPU (completions are
+    events), a thread on the CPU (completions are futures)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._tasks = None  # the CPU thread's queue, started on first use
+
+    def enqueue(self, copies, waits, after=None):
+        """Run copies() after `waits` and, on a GPU, after the work enqueued so far on stream `after`; return
+        its completion."""
+        waits = [w for w in waits if w is not None]
+        if self.stream is None:
+            if self._tasks is None:
+                self._tasks = queue.SimpleQueue()
+                threading.Thread(target=_run_copies, args=(self._tasks,), name="state-copies", daemon=True).start()
+                weakref.finalize(self, self._tasks.put, None)  # the thread ends with its queue
+            done = Future()
+            self._tasks.put((copies, waits, done))
+            return done
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_stream(after)
+            for event in waits:
+                self.stream.wait_event(event)
+            copies()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+
+def _done(completion) -> bool:
+    if completion is None:
+        return True
+    return completion.done() if isinstance(completion, Future) else completion.query()
+
+
+class _HostPool:
+    """One part's host tier: `count` slots of host memory mapped at once (page-aligned), pinned on a GPU slot by
+    slot with cudaHostRegister. Not torch's pinned allocator: it rounds every allocation up to a power of two
+    (256 MiB for a 146 MiB state, 128 GiB for a 95 GiB pool)."""
+
+    def __init__(self, count, slot_bytes, pin: bool):
+        self.stride = host_slot_bytes(slot_bytes)
+        self.count, self.pin = count, pin and count > 0
+        self.pinned = 0 if self.pin else count  # slots pinned so far (every slot counts as pinned off a GPU)
+        if count == 0:
+            self.slots = torch.empty(0, slot_bytes, dtype=torch.uint8)
+            return
+        self._map = mmap.mmap(-1, count * self.stride)
+        if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE)  # fewer pages to fault in and pin
+        self.slots = torch.frombuffer(self._map, dtype=torch.uint8).view(count, self.stride)[:, :slot_bytes]
+
+    @property
+    def bytes(self) -> int:
+        return self.count * self.stride
+
+    def pin_all(self, threads=PIN_THREADS):
+        """Register every slot with CUDA (the calls release the GIL), counting them in `pinned`; raises the first
+        failure (the slots not yet started are left alone). Unregistered when the pool is collected."""
+        if not self.pin:
+            return
+        cudart = torch.cuda.cudart()
+        base, registered, failures = self.slots.data_ptr(), [], []
+        lock = threading.Lock()
+
+        def register(index):
+            if failures:
+                return
+            error = cudart.cudaHostRegister(base + index * self.stride, self.stride, 1)  # 1: portable, every GPU
+            with lock:
+                if error != cudart.cudaError.success:
+                    failures.append(f"pinning host slot {index} of {self.count} failed: "
+                                    f"{cudart.cudaGetErrorString(error)}")
+                    return
+                registered.append(base + index * self.stride)
+                self.pinned += 1
+
+        finalizer = weakref.finalize(self, _unregister, registered, self._map)
+        finalizer.atexit = False  # at exit the system takes everything back
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, os.cpu_count() or 1))) as pool:
+            list(pool.map(register, range(self.count)))
+        if failures:
+            raise MemoryError(failures[0])
+
+
+def _unregister(addresses, mapping):
+    cudart = torch.cuda.cudart()
+    for address in addresses:
+        cudart.cudaHostUnregister(address)
+    del mapping  # unmapped once every view of it is gone, after the registrations
+
+
 class _Part:
-    """One device's share of every slot: the bytes, the component views, and a side stream for copies.
+    """One device's share of every slot: the bytes, the component views, its host tier, and its copy queues.
 
     Packed (the default), a slot's components lie in one block of bytes, moved with one copy. Separate, each
     component has its own buffer (torch.compile's functionalization does not take in-place updates of inputs
     that are views of one storage), and moving a slot is one copy per component."""
 
-    def __init__(self, layout, device, slots, separate=False):
+    def __init__(self, layout, device, slots, host_slots, separate=False):
         self.layout, self.device = dict(layout), torch.device(device)
         self.offsets, self.slot_bytes = slot_layout(self.layout)
         # chunks: (buffer [slots, bytes], first byte within the slot's block)
@@ -84,8 +283,13 @@ class _Part:
         for buffer, start in self.chunks:
             buffer.copy_(self._initial(start, buffer).expand_as(buffer))
         cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.pending: dict[int, torch.cuda.Event] = {}  # slot -> its last copy's completion
+        self.host = _HostPool(host_slots, self.slot_bytes, pin=cuda)
+        self.to_host, self.to_gpu = _CopyQueue(self.device), _CopyQueue(self.device)
+        # The stream the steps run on (set by each slots_for): states leave the GPU after its work so far.
+        self.step_stream = torch.cuda.current_stream(self.device) if cuda else None
+        self.slot_copy = {}  # GPU slot -> completion of its last copy
+        self.host_copy = {}  # host slot -> completion of its last copy
+        self.copy_times = None  # [(direction, start, end)] of every transfer, when the table times them
 
     def _view(self, block, block_start, name):
         shape, dtype, _ = self.layout[name]
@@ -95,59 +299,94 @@ class _Part:
     def _initial(self, start, buffer):
         return self.initial[:, start:start + buffer.shape[1]]
 
-    def new_host_buffer(self):
-        return torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+    def _mark(self, queue_):
+        if self.copy_times is None:
+            return None
+        if queue_.stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(queue_.stream)
+        return event
 
-    def copy(self, slot, copies):
-        """Run `copies` (touching `slot`) after every step enqueued so far on this device; note when done."""
-        if self.copy_stream is None:
-            copies()
-            return
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):  # one stream: copies touching one slot stay in order
-            copies()
-        event = torch.cuda.Event()
-        event.record(self.copy_stream)
-        self.pending[slot] = event
+    def _timed(self, direction, queue_, start):
+        if start is not None:
+            self.copy_times.append((direction, start, self._mark(queue_)))
 
-    def offload(self, slot, host):
+    def offload(self, slot, host_slot, before):
+        """Copy the slot's state into the host slot, then reset the slot for a new symbol."""
+        host = self.host.slots[host_slot]
+
         def copies():
-            for buffer, start in self.chunks:
-                host[start:start + buffer.shape[1]].copy_(buffer[slot], non_blocking=True)
-                buffer[slot:slot + 1].copy_(self._initial(start, buffer))  # ready for a new symbol
+            before()
+            start = self._mark(self.to_host)
+            for buffer, begin in self.chunks:
+                host[begin:begin + buffer.shape[1]].copy_(buffer[slot], non_blocking=True)
+            self._timed("to_host", self.to_host, start)
+            for buffer, begin in self.chunks:
+                buffer[slot:slot + 1].copy_(self._initial(begin, buffer))
 
-        self.copy(slot, copies)
+        done = self.to_host.enqueue(copies, [self.slot_copy.get(slot), self.host_copy.get(host_slot)],
+                                    after=self.step_stream)
+        self.slot_copy[slot] = self.host_copy[host_slot] = done
 
-    def restore(self, slot, host):
+    def restore(self, slot, host_slot, before):
+        host = self.host.slots[host_slot]
+
         def copies():
-            for buffer, start in self.chunks:
-                buffer[slot].copy_(host[start:start + buffer.shape[1]], non_blocking=True)
+            before()
+            start = self._mark(self.to_gpu)
+            for buffer, begin in self.chunks:
+                buffer[slot].copy_(host[begin:begin + buffer.shape[1]], non_blocking=True)
+            self._timed("to_gpu", self.to_gpu, start)
 
-        self.copy(slot, copies)
+        done = self.to_gpu.enqueue(copies, [self.slot_copy.get(slot), self.host_copy.get(host_slot)])
+        self.slot_copy[slot] = self.host_copy[host_slot] = done
 
     def reset(self, slot):
         def copies():
-            for buffer, start in self.chunks:
-                buffer[slot:slot + 1].copy_(self._initial(start, buffer))
+            for buffer, begin in self.chunks:
+                buffer[slot:slot + 1].copy_(self._initial(begin, buffer))
 
-        self.copy(slot, copies)
+        self.slot_copy[slot] = self.to_host.enqueue(copies, [self.slot_copy.get(slot)], after=self.step_stream)
 
-    def wait_for(self, slot):
-        """Make the device's current stream wait for the slot's pending copies (if any)."""
-        event = self.pending.pop(slot, None)
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-        return event
+    def pending(self, slot):
+        """The slot's last copy if it is not done yet (a finished one is forgotten)."""
+        completion = self.slot_copy.get(slot)
+        if completion is not None and _done(completion):
+            del self.slot_copy[slot]
+            return None
+        return completion
+
+    def wait(self, completion):
+        """Make the step side wait for a copy: the device's current stream on a GPU, the caller on the CPU."""
+        if isinstance(completion, Future):
+            completion.result()
+        else:
+            torch.cuda.current_stream(self.device).wait_event(completion)
+
+    def transfer_seconds(self):
+        """[(direction, bytes, seconds)] of the timed transfers that are done."""
+        done = []
+        for direction, start, end in self.copy_times or ():
+            if isinstance(start, float):
+                done.append((direction, self.slot_bytes, end - start))
+            elif end.query():
+                done.append((direction, self.slot_bytes, start.elapsed_time(end) / 1000.0))
+        return done
 
 
 class StateTable:
     def __init__(self, parts, capacity: int, *, host_capacity: int = 0, idle_timeout_s=None, reserve: int = 0,
-                 separate=False, clock=time.monotonic):
+                 separate=False, clock=time.monotonic, time_copies=False, before_copy=None):
         """parts: [(layout {name: (per-slot shape, dtype, initial value)}, device)], one per device (a single
         (layout, device) pair is one part); capacity: live GPU slots; host_capacity: symbols whose state may
-        wait in host memory; reserve: free slots kept ready by moving least recently used states to the host
-        ahead of need, so that a new symbol's step does not wait for that copy; separate: a buffer per component
-        (for torch.compile) instead of one block per slot."""
+        wait in host memory (refused in one line when the host has not the memory); reserve: free GPU slots kept
+        ready by moving least recently used states to the host ahead of need (while the host tier has room), so
+        that a symbol arriving takes a slot at once; separate: a buffer per component (for torch.compile) instead
+        of one block per slot; time_copies: keep every transfer's time (transfer_seconds); before_copy(symbol,
+        direction): called on a copy's queue before it runs (tests use it to slow one symbol's copy down).
+
+        The host tier is pinned in a background thread: wait_pinned() before capturing CUDA graphs."""
         if isinstance(parts, tuple) and len(parts) == 2 and isinstance(parts[0], dict):
             parts = [parts]
         if capacity < 1 or host_capacity < 0 or reserve < 0:
@@ -155,14 +394,53 @@ class StateTable:
                              f"{host_capacity}, {reserve}")
         if idle_timeout_s is not None and not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be positive (or None: never), got {idle_timeout_s}")
-        self.parts = [_Part(layout, device, capacity + 1, separate) for layout, device in parts]
+        # One host slot more than the tier holds: a swap moves a state out before the returning one frees its slot.
+        host_slots = host_capacity + 1 if host_capacity else 0
+        _check_host_tier(host_capacity, host_slots * sum(host_slot_bytes(slot_layout(layout)[1])
+                                                         for layout, _ in parts))
+        self.parts = [_Part(layout, device, capacity + 1, host_slots, separate) for layout, device in parts]
         self.host_capacity, self.idle_timeout_s, self.reserve, self.clock = host_capacity, idle_timeout_s, reserve, clock
+        self.before_copy = before_copy
+        for part in self.parts:
+            part.copy_times = [] if time_copies else None
         self.resident: OrderedDict[str, int] = OrderedDict()  # symbol -> slot, least recently used first
-        self.offloaded: dict[str, list[torch.Tensor]] = {}     # symbol -> its state in host memory, per part
+        self.offloaded: dict[str, int] = {}                    # symbol -> its host slot
         self.last_seen: dict[str, float] = {}
         self.free = deque(range(1, capacity + 1))
-        self._host_pool: list[tuple[list[torch.Tensor], list]] = []  # reusable host buffers, with their reads
-        self.stats = {"offloaded": 0, "restored": 0, "expired": 0, "released": 0}
+        self.free_host = deque(range(host_slots))
+        self.stats = {"offloaded": 0, "restored": 0, "restored_ahead": 0, "step_waits": 0, "expired": 0,
+                      "released": 0}
+        self._lock = threading.Lock()
+        self._in_step: set[str] = set()  # the last slots_for's symbols: their step may still be being enqueued
+        # Symbols prefetched and not stepped since: moved out only when nothing else can be (else a tight table could
+        # send a returning state back out before its step, again and again).
+        self._awaiting: dict[str, None] = {}
+        self.pin_s = None
+        self._pin_error = None
+        self._pinning = threading.Thread(target=self._pin, name="pin-host-tier", daemon=True)
+        self._pinning.start()
+
+    def _pin(self):
+        begin = time.perf_counter()
+        try:
+            for part in self.parts:
+                part.host.pin_all()
+        except Exception as exc:  # noqa: BLE001 (raised by wait_pinned, in the thread that builds the engine)
+            self._pin_error = exc
+        self.pin_s = time.perf_counter() - begin
+
+    def wait_pinned(self, report=None, every_s=0.5):
+        """Wait until the host tier is pinned, calling report(slots pinned, slots) every `every_s` seconds and
+        at the end; a failure to pin raises MemoryError in one line."""
+        total = sum(part.host.count for part in self.parts)
+        while self._pinning.is_alive():
+            self._pinning.join(every_s)
+            if report is not None and self._pinning.is_alive():
+                report(sum(part.host.pinned for part in self.parts), total)
+        if self._pin_error is not None:
+            raise MemoryError(f"the host tier could not be pinned ({self._pin_error}); lower --host-symbols")
+        if report is not None:
+            report(total, total)
 
     # ---- sizes and views --------------------------------------------------------------------------
     @property
@@ -180,49 +458,90 @@ class StateTable:
         return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
 
     @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the host tier holds (pinned on a GPU)."""
+        return sum(part.host.bytes for part in self.parts)
+
+    @property
     def slot_of(self) -> dict[str, int]:
-        return dict(self.resident)
+        with self._lock:
+            return dict(self.resident)
 
     def symbols(self) -> list[str]:
         """Every symbol with a state, on the GPU or in host memory."""
-        return [*self.resident, *self.offloaded]
+        with self._lock:
+            return [*self.resident, *self.offloaded]
+
+    def transfer_seconds(self) -> list[tuple[str, int, float]]:
+        """[(direction "to_host" or "to_gpu", bytes, seconds)] of every finished transfer (time_copies)."""
+        return [t for part in self.parts for t in part.transfer_seconds()]
 
     # ---- placing symbols --------------------------------------------------------------------------
     def unplaceable(self, symbols) -> list[str]:
         """The symbols of one step that fit in no tier (no side effects; idle symbols count as gone)."""
-        batch = list(dict.fromkeys(symbols))
-        if len(batch) > self.capacity:
-            return batch[self.capacity:]
-        new = [s for s in batch if s not in self.resident and s not in self.offloaded]
-        room = self.capacity + self.host_capacity - len(self.resident) - len(self.offloaded)
-        room += len(self._expired(self.clock(), exclude=set(batch)))
-        return new[max(room, 0):]
+        with self._lock:
+            return self._unplaceable(symbols)
 
     def slots_for(self, symbols) -> list[int]:
         """The GPU slot of each symbol of one step (distinct symbols), placing the ones not resident: a new
-        symbol gets a slot holding the initial state, an offloaded one its own state back. Copies run on a side
-        stream; each device's current stream waits for them, so the next step enqueued sees them done."""
+        symbol gets a slot holding the initial state, an offloaded one its own state back. The device's current
+        stream (the CPU: the caller) then waits for these slots' copies still under way, and for no other."""
         symbols = list(symbols)
-        rejected = self.unplaceable(symbols)
-        if rejected:
-            raise self.capacity_error(rejected)
-        now = self.clock()
-        batch = set(symbols)
-        for symbol in self._expired(now, exclude=batch):
-            self._forget(symbol)
-            self.stats["expired"] += 1
-        for symbol in symbols:
-            if symbol not in self.resident:
-                slot = self._take_slot(exclude=batch)
-                if symbol in self.offloaded:
-                    self._restore(symbol, slot)
-                self.resident[symbol] = slot
-            self.resident.move_to_end(symbol)
-            self.last_seen[symbol] = now
+        with self._lock:
+            rejected = self._unplaceable(symbols)
+            if rejected:
+                raise self.capacity_error(rejected)
+            now = self.clock()
+            batch = set(symbols)
+            self._expire(now, exclude=batch)
+            self._in_step = batch
             for part in self.parts:
-                part.wait_for(self.resident[symbol])
-        self._keep_reserve(exclude=batch)
-        return [self.resident[s] for s in symbols]
+                if part.step_stream is not None:
+                    part.step_stream = torch.cuda.current_stream(part.device)
+            for symbol in symbols:
+                self._place(symbol, exclude=batch)
+                self._touch(symbol, now)
+                self._awaiting.pop(symbol, None)
+            slots = [self.resident[s] for s in symbols]
+            waits = [(part, copy) for slot in slots for part in self.parts
+                     if (copy := part.pending(slot)) is not None]
+            self.stats["step_waits"] += len({id(copy) for _, copy in waits})
+            self._keep_reserve(exclude=batch)
+        for part, copy in waits:  # outside the lock: a wait on the CPU blocks until the copy is done
+            part.wait(copy)
+        return slots
+
+    def prefetch(self, symbols) -> None:
+        """Start placing these symbols ahead of their step (a request arrived): the copy back for those in host
+        memory, a free slot for new ones; and keep the reserve. Symbols that fit nowhere are left to their step
+        (which answers the capacity error). Returns at once: the copies run on their streams."""
+        with self._lock:
+            now = self.clock()
+            wanted = list(dict.fromkeys(symbols))
+            keep = self._in_step | set(wanted)
+            self._expire(now, exclude=keep)
+            for symbol in wanted:
+                if symbol not in self.resident:
+                    if self._unplaceable([symbol]) or not self._can_take_slot(keep):
+                        continue
+                    restoring = symbol in self.offloaded
+                    self._place(symbol, exclude=keep)
+                    self.stats["restored_ahead"] += restoring
+                self._touch(symbol, now)
+                self._awaiting[symbol] = None
+            self._keep_reserve(exclude=keep)
+
+    def ready(self, symbol) -> bool:
+        """False while the symbol's state is on its way to the GPU (its slot's copies not done); a symbol in host
+        memory with no return under way has its return started here. True for a symbol its step will place
+        itself (new, or no slot can be freed now)."""
+        with self._lock:
+            if symbol in self.offloaded and self._can_take_slot(self._in_step | {symbol}):
+                self._place(symbol, exclude=self._in_step | {symbol})
+                self._awaiting[symbol] = None
+                self.stats["restored_ahead"] += 1
+            slot = self.resident.get(symbol)
+            return slot is None or all(part.pending(slot) is None for part in self.parts)
 
     def capacity_error(self, rejected) -> CapacityError:
         """The error that names the limits for symbols that fit in no tier."""
@@ -233,61 +552,120 @@ class StateTable:
             f"expire (--idle-timeout)", rejected)
 
     def release(self, symbols) -> None:
-        """Forget these symbols' states (they left); unknown symbols are ignored."""
-        for symbol in symbols:
-            if symbol in self.resident or symbol in self.offloaded:
-                self._forget(symbol)
-                self.stats["released"] += 1
+        """Forget these symbols' states (they left); unknown symbols are ignored. From the thread that steps."""
+        with self._lock:
+            for symbol in symbols:
+                if symbol in self.resident or symbol in self.offloaded:
+                    self._forget(symbol)
+                    self.stats["released"] += 1
 
-    # ---- internals --------------------------------------------------------------------------------
+    # ---- internals (holding the lock) ---------------------------------------------------------------
+    def _unplaceable(self, symbols):
+        batch = list(dict.fromkeys(symbols))
+        if len(batch) > self.capacity:
+            return batch[self.capacity:]
+        new = [s for s in batch if s not in self.resident and s not in self.offloaded]
+        room = self.capacity + self.host_capacity - len(self.resident) - len(self.offloaded)
+        room += len(self._expired(self.clock(), exclude=set(batch)))
+        return new[max(room, 0):]
+
     def _expired(self, now, exclude):
         if self.idle_timeout_s is None:
             return []
         return [s for s, seen in self.last_seen.items() if now - seen > self.idle_timeout_s and s not in exclude]
 
+    def _expire(self, now, exclude):
+        for symbol in self._expired(now, exclude):
+            self._forget(symbol)
+            self.stats["expired"] += 1
+
+    def _touch(self, symbol, now):
+        self.resident.move_to_end(symbol)
+        self.last_seen[symbol] = now
+
     def _forget(self, symbol):
         self.last_seen.pop(symbol, None)
+        self._awaiting.pop(symbol, None)
         if symbol in self.resident:
             slot = self.resident.pop(symbol)
             for part in self.parts:
                 part.reset(slot)
             self.free.append(slot)
         else:
-            self._host_pool.append((self.offloaded.pop(symbol), []))
+            self.free_host.append(self.offloaded.pop(symbol))
 
-    def _take_slot(self, exclude) -> int:
+    def _can_take_slot(self, exclude) -> bool:
+        return bool(self.free) or (bool(self.free_host) and self._evictable(exclude) is not None)
+
+    def _evictable(self, exclude, awaiting_too=True):
+        """The least recently used resident symbol outside `exclude`, one not awaiting its step if any (with
+        awaiting_too, else None)."""
+        first = None
+        for symbol in self.resident:
+            if symbol in exclude:
+                continue
+            if symbol not in self._awaiting:
+                return symbol
+            if first is None:
+                first = symbol
+        return first if awaiting_too else None
+
+    def _place(self, symbol, exclude):
+        """Give a symbol not resident a slot: a free one (one whose copies are done, if any), else the least
+        recently used state outside `exclude` moves to the host; an offloaded symbol's state comes back into it."""
+        if symbol in self.resident:
+            return
         if not self.free:
             self._offload_lru(exclude)
-        return self.free.popleft()
+        slot = next((s for s in self.free if all(part.pending(s) is None for part in self.parts)), self.free[0])
+        self.free.remove(slot)
+        if symbol in self.offloaded:
+            host_slot = self.offloaded.pop(symbol)
+            for part in self.parts:
+                part.restore(slot, host_slot, self._before(symbol, "to_gpu"))
+            self.free_host.append(host_slot)
+            self.stats["restored"] += 1
+        self.resident[symbol] = slot
 
-    def _offload_lru(self, exclude):
-        """Move the least recently used resident symbol outside `exclude` to host memory; free its slot."""
-        symbol = next(s for s in self.resident if s not in exclude)
-        slot = self.resident.pop(symbol)
-        hosts = self._host_buffers()
-        for part, host in zip(self.parts, hosts):
-            part.offload(slot, host)
-        self.offloaded[symbol] = hosts
+    def _offload_lru(self, exclude, awaiting_too=True):
+        """Move the least recently used resident symbol outside `exclude` (not awaiting its step, if any) to host
+        memory; free its slot. False when there is none."""
+        symbol = self._evictable(exclude, awaiting_too)
+        if symbol is None:
+            return False
+        slot, host_slot = self.resident.pop(symbol), self.free_host.popleft()
+        for part in self.parts:
+            part.offload(slot, host_slot, self._before(symbol, "to_host"))
+        self.offloaded[symbol] = host_slot
         self.free.append(slot)
         self.stats["offloaded"] += 1
-
-    def _restore(self, symbol, slot):
-        hosts = self.offloaded.pop(symbol)
-        for part, host in zip(self.parts, hosts):
-            part.restore(slot, host)
-        self._host_pool.append((hosts, [part.pending.get(slot) for part in self.parts]))
-        self.stats["restored"] += 1
+        return True
 
     def _keep_reserve(self, exclude):
+        """Move states out until `reserve` slots are free (while the host tier has room), never one awaiting
+        its step."""
         while (len(self.free) < self.reserve and len(self.offloaded) < self.host_capacity
-               and any(s not in exclude for s in self.resident)):
-            self._offload_lru(exclude)
+               and self._offload_lru(exclude, awaiting_too=False)):
+            pass
 
-    def _host_buffers(self) -> list[torch.Tensor]:
-        if self._host_pool:
-            buffers, reads = self._host_pool.pop()
-            for event in reads:
-                if event is not None:
-                    event.synchronize()  # its copy back to the GPU may still read it (rare: copies are quick)
-            return buffers
-        return [part.new_host_buffer() for part in self.parts]
+    def _before(self, symbol, direction):
+        hook = self.before_copy
+        return (lambda: hook(symbol, direction)) if hook is not None else _nothing
+
+
+def _nothing():
+    pass
+
+
+def _check_host_tier(symbols, pool_bytes):
+    """Refuse, in one line, a host tier that the host's memory cannot hold beside everything else."""
+    if not pool_bytes:
+        return
+    budget = host_tier_budget()
+    if pool_bytes > budget:
+        total, available = host_memory()
+        per_symbol = pool_bytes / (symbols + 1)
+        raise ValueError(f"a host tier of {symbols} symbols needs {pool_bytes / 2**30:.1f} GiB of host memory, but "
+                         f"{available / 2**30:.1f} GiB of {total / 2**30:.1f} GiB is available and "
+                         f"{(available - budget) / 2**30:.1f} GiB stays free for the rest: at most "
+                         f"{max(int(budget // per_symbol) - 1, 0)} symbols fit; lower --host-symbols")
