@@ -2,6 +2,9 @@
 kernels, and a short accuracy check against the fp32 reference.
 
     python scripts/profile_step.py --preset full --batches 1,20,64 --out-dir prof/
+
+It times CUDA graphs and kernels with CUDA events, so it needs a CUDA GPU: without one it says so in one line
+(exit 2); `local_evaluator.py --profile DIR` profiles a replay on any device.
 """
 import argparse
 import json
@@ -13,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from client import cli
 from client.engine.fast import FastEngine
 from client.engine.fast.layers import StepPlan
 from client.model import load_model
@@ -116,8 +120,11 @@ def accuracy(model, engines, n_symbols, steps):
     return result
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+PROG = "scripts/profile_step.py"
+
+
+def main(argv=None) -> int:
+    ap = cli.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batches", default="1,20,64")
@@ -131,6 +138,10 @@ def main(argv=None):
                     help="also time the step under these CUDA stream priorities per tower, e.g. xlstm=-1 or "
                          "xlstm=-1,mamba2=-1 or none (all 0); repeat to compare (bench/LOG.md section 23)")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise cli.CliError(f"needs a CUDA GPU (it times the fast engine's CUDA graphs and kernels), and this torch "
+                           f"({torch.__version__}) sees none; on a CPU, local_evaluator.py --profile DIR profiles a "
+                           f"replay")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     result = {"device": torch.cuda.get_device_name()}
@@ -149,7 +160,7 @@ def main(argv=None):
     log(f"reference step {result['reference_step_ms_B1']:.1f} ms (B=1), {result['reference_step_ms_B20']:.1f} ms (B=20)")
 
     t = time.perf_counter()
-    engine = FastEngine(model, device="cuda", max_batch=64, capacity=64)
+    engine = FastEngine(model, device="cuda", max_batch=64, capacity=64, host_symbols=0)
     result["fast_startup_s"] = time.perf_counter() - t
     result["describe"] = engine.describe()
     batches = [int(b) for b in args.batches.split(",")]
@@ -188,7 +199,7 @@ def main(argv=None):
     for spec in args.variant:
         overrides = dict(kv.split("=") for kv in spec.split(","))
         skinny = overrides.pop("skinny", None)
-        variant = FastEngine(model, device="cuda", max_batch=64, capacity=64, progress=False,
+        variant = FastEngine(model, device="cuda", max_batch=64, capacity=64, host_symbols=0, progress=False,
                              precision={k: getattr(torch, v) for k, v in overrides.items()})
         if skinny is not None:  # e.g. skinny=float32+float16, or skinny=none for cuBLAS throughout
             variant.runner.set_skinny([getattr(torch, d) for d in skinny.split("+") if d != "none"])
@@ -205,7 +216,8 @@ def main(argv=None):
     (args.out_dir / "profile.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     print(table[:6000])
+    return cli.EXIT_OK
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_cli(main, PROG))

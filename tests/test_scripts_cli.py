@@ -1,7 +1,11 @@
-"""scripts/make_weights.py and scripts/make_stream.py as a user runs them: progress, one-line errors."""
+"""scripts/make_weights.py, scripts/make_stream.py and scripts/profile_step.py as a user runs them: progress,
+one-line errors."""
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 from client.model import load_model
 
@@ -40,3 +44,11 @@ def test_script_mistakes_are_one_line(tmp_path):
         assert done.returncode == 2
         assert "Traceback" not in done.stderr
         assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(message)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_profile_step_without_cuda_says_what_it_needs_in_one_line():
+    done = run("profile_step.py", "--preset", "tiny")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith("scripts/profile_step.py: error: needs a CUDA GPU")
