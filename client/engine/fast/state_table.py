@@ -256,7 +256,7 @@ def _unregister(addresses, mapping):
     del mapping  # unmapped once every view of it is gone, after the registrations
 
 
-class _Part:
+class DeviceSlots:
     """One device's share of every slot: the bytes, the component views, its host tier, and its copy queues.
 
     Packed (the default), a slot's components lie in one block of bytes, moved with one copy. Separate, each
@@ -398,7 +398,7 @@ class StateTable:
         host_slots = host_capacity + 1 if host_capacity else 0
         _check_host_tier(host_capacity, host_slots * sum(host_slot_bytes(slot_layout(layout)[1])
                                                          for layout, _ in parts))
-        self.parts = [_Part(layout, device, capacity + 1, host_slots, separate) for layout, device in parts]
+        self.parts = [DeviceSlots(layout, device, capacity + 1, host_slots, separate) for layout, device in parts]
         self.host_capacity, self.idle_timeout_s, self.reserve, self.clock = host_capacity, idle_timeout_s, reserve, clock
         self.before_copy = before_copy
         for part in self.parts:
