@@ -117,7 +117,8 @@ def main(argv=None) -> list[dict]:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, _ = load_model(args.preset, seed=args.seed, device=device)
-    engine = FastEngine(model, device=device, max_batch=64, progress=sys.stderr.isatty())
+    engine = FastEngine(model, device=device, max_batch=64, host_symbols=0,  # its symbols fit on the GPU
+                        progress=sys.stderr.isatty())
     tracker = ReferenceTracker(model, prefixed_names("TL_", args.symbols), device)
     results = []
     for session in range(args.sessions):

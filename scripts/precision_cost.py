@@ -44,7 +44,7 @@ def measure(specs, preset="full", device="cuda", batches=(1, 20, 64), rounds=6, 
     model, _ = load_model(preset, seed=0, device=device)
     # each engine holds the largest batch's symbols; a smaller batch steps the first of them
     engines = {spec: FastEngine(model, device, precision=spec, capacity=max(batches), max_batch=max(batches),
-                                progress=False) for spec in specs}
+                                host_symbols=0, progress=False) for spec in specs}
     slots = {spec: engine.slots_for([f"S{i}" for i in range(max(batches))]) for spec, engine in engines.items()}
     rows = {spec: {b: [] for b in batches} for spec in specs}
     generator = torch.Generator().manual_seed(0)

@@ -3,6 +3,7 @@ JSON; bad options are refused."""
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ def _load_bench():
 
 
 CPU_SECTIONS = ["copy", "step", "baseline", "accuracy", "precisions", "state_dtypes", "e2e", "maxrate", "churn",
-                "capacity", "gpus", "shards"]  # compile: tests/test_compile.py
+                "capacity", "swap", "gpus", "shards"]  # compile: tests/test_compile.py
 
 
 def test_quick_cpu_run_writes_every_key(tmp_path):
@@ -38,7 +39,8 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     done = subprocess.run([sys.executable, str(BENCH), "--preset", "tiny", "--device", "cpu", "--quick",
                            "--sections", ",".join(CPU_SECTIONS), "--precisions", "auto;bf16",
                            "--state-dtypes", "fp32;fp16", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})  # this checkout's packages, not an installed one
     assert done.returncode == 0, done.stderr[-4000:]
     data = json.loads(out.read_text())
     assert "errors" not in data
@@ -62,9 +64,21 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     assert set(data["state_dtypes"]) == {"fp32", "fp16"}
     assert data["state_dtypes"]["fp16"]["state_bytes_per_symbol"] < data["state_dtypes"]["fp32"]["state_bytes_per_symbol"]
     churn = data["churn"]
-    assert churn["bit_equal"] and churn["offloaded"] > 0 and churn["restored"] > 0
+    assert churn["bit_equal"] and churn["offloaded"] > 0 and churn["restored"] > 0 and churn["step_ms_max"] > 0
     capacity = data["capacity"]
     assert capacity["missed"] == 0 and capacity["responses"] == capacity["requests"]
+    assert capacity["symbols_held"] == capacity["symbols_at_budget"] + capacity["host_symbols"]
+    assert capacity["host_symbols"] > 0 and capacity["host_bytes"] > 0 and capacity["host_available_bytes"] > 0
+    swap = data["swap"]
+    assert swap["cold_symbols"] > swap["gpu_slots"] and swap["hot"]["missed"] == swap["cold"]["missed"] == 0
+    # every cold request brought a state back from host memory, started when the request arrived
+    assert swap["restored"] >= swap["requests"] * swap["cold_rate"] / (swap["cold_rate"] + swap["hot_rate"]) - 1
+    assert swap["restored_ahead"] == swap["restored"] and swap["swaps_per_s"] > 0
+    assert all(_finite(swap[key]) for key in ("step_ms_max_b20", "submit_ms_max"))
+    assert all(_finite(swap[side][key]) for side in ("hot", "cold") for key in ("p50_ms", "p99_ms", "max_ms"))
+    for direction in ("to_gpu", "to_host"):
+        assert swap["pinned_gb_per_s"][direction] > 0 and swap["transfer_gb_per_s"][direction] > 0
+        assert _finite(swap["bandwidth_share"][direction])
     assert set(data["gpus"]) == {"1", "2"} and set(data["shards"]) == {"1", "2"}
     e2e = data["e2e_400rps_20sym"]
     assert all(_finite(e2e[key]) for key in ("p50_ms", "p99_ms", "accuracy", "responses_per_s"))

@@ -169,7 +169,7 @@ def test_compiled_graphs_equal_the_hand_fused_graphs_on_gpu():
     """Both engines inside their CUDA graphs at B = 1, 20, 64 (small preset); nothing compiles after the engine's
     warm-up: not in its captures, nor when states move through the host tier."""
     model, _ = load_model("small", seed=0, device="cuda")
-    hand_fused = FastEngine(model, device="cuda", capacity=64, progress=False)
+    hand_fused = FastEngine(model, device="cuda", capacity=64, host_symbols=0, progress=False)
     compiled_engine = FastEngine(model, device="cuda", compile=True, capacity=64, host_symbols=64, progress=False)
     graphs = _graphs()
     rng = np.random.default_rng(0)

@@ -227,7 +227,7 @@ def test_triton_kernels_through_the_interpreter_match_reference():
 def test_graphs_match_eager_and_reference_on_gpu():
     model, _ = load_model("medium", seed=0, device="cuda")
     graphed = FastEngine(model, device="cuda", max_batch=8, capacity=3, host_symbols=8, progress=False)
-    eager = FastEngine(model, device="cuda", graphs=False, capacity=8, progress=False)
+    eager = FastEngine(model, device="cuda", graphs=False, capacity=8, host_symbols=0, progress=False)
     ref = ReferenceEngine(model, device="cuda")
     symbols = [f"S{i}" for i in range(7)]
     for chosen, feats in random_steps(4, 60, symbols, max_batch=8):
@@ -267,7 +267,7 @@ def test_several_requests_per_symbol_through_the_graphs_on_gpu():
 @cuda
 def test_padding_rows_never_touch_live_state_on_gpu():
     model, _ = load_model("small", seed=0, device="cuda")
-    fast = FastEngine(model, device="cuda", max_batch=8, capacity=10, progress=False)
+    fast = FastEngine(model, device="cuda", max_batch=8, capacity=10, host_symbols=0, progress=False)
     fast.step(["A", "B", "C"], np.ones((3, 79), np.float32))
     torch.cuda.synchronize()
     before = {k: v.clone() for k, v in fast.table.tensors.items()}
@@ -287,7 +287,7 @@ def test_precompile_threads_touch_only_the_padding_slot_on_gpu():
     it was, and the engine's steps after it are those of an engine stepped alone."""
     from client.engine.fast.runner import precompile, step_shapes
     model, _ = load_model("small", seed=0, device="cuda")
-    fast = FastEngine(model, device="cuda", max_batch=8, capacity=10, progress=False)
+    fast = FastEngine(model, device="cuda", max_batch=8, capacity=10, host_symbols=0, progress=False)
     fast.step(["A", "B", "C"], np.ones((3, 79), np.float32))
     torch.cuda.synchronize()
     before = {k: v.clone() for k, v in fast.table.tensors.items()}
@@ -296,7 +296,7 @@ def test_precompile_threads_touch_only_the_padding_slot_on_gpu():
         for slot in range(t.shape[0]):
             if slot != PAD_SLOT:
                 assert torch.equal(t[slot], before[name][slot]), (name, slot)
-    alone = FastEngine(model, device="cuda", max_batch=8, capacity=10, progress=False)
+    alone = FastEngine(model, device="cuda", max_batch=8, capacity=10, host_symbols=0, progress=False)
     alone.step(["A", "B", "C"], np.ones((3, 79), np.float32))
     features = np.random.default_rng(0).standard_normal((3, 79)).astype(np.float32)
     np.testing.assert_array_equal(fast.step(["A", "B", "C"], features), alone.step(["A", "B", "C"], features))

@@ -82,7 +82,7 @@ def test_fast_engine_pipelined_submits_match_sequential_steps_on_gpu():
     model, _ = load_model("small", seed=0, device="cuda")
     # 20 symbols through 8 slots: states move to host memory and back while steps are in flight
     submitted = FastEngine(model, device="cuda", max_batch=8, capacity=8, host_symbols=20, progress=False)
-    stepped = FastEngine(model, device="cuda", max_batch=8, capacity=20, progress=False)
+    stepped = FastEngine(model, device="cuda", max_batch=8, capacity=20, host_symbols=0, progress=False)
 
     def step_plain(chosen, feats):
         """Through the graphs without copies (the same kernels as the staged graphs, so equal to the bit)."""

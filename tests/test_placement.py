@@ -56,8 +56,8 @@ def test_bad_device_lists_are_clear_errors(model):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_gpus_submit_like_one_gpu():
     model, _ = load_model("small", seed=2, device="cuda")
-    one = FastEngine(model, device="cuda:0", capacity=8, progress=False)
-    two = FastEngine(model, devices=["cuda:0", "cuda:1"], capacity=8, progress=False)
+    one = FastEngine(model, device="cuda:0", capacity=8, host_symbols=0, progress=False)
+    two = FastEngine(model, devices=["cuda:0", "cuda:1"], capacity=8, host_symbols=0, progress=False)
     rng = np.random.default_rng(1)
     pending = []
     for _ in range(30):

@@ -123,9 +123,10 @@ def test_shard_that_cannot_start_says_why():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_gpu_shards_serve_like_one_engine():
     model, _ = load_model("small", seed=3, device="cuda")
-    single = FastEngine(model, "cuda", capacity=16, progress=False)
-    engine = ShardedEngine(process_shards(ModelSpec("small", seed=3), ["cuda:0", "cuda:1"], options={"capacity": 16},
-                                          progress=False), progress=False)
+    single = FastEngine(model, "cuda", capacity=16, host_symbols=0, progress=False)
+    engine = ShardedEngine(process_shards(ModelSpec("small", seed=3), ["cuda:0", "cuda:1"],
+                                          options={"capacity": 16, "host_symbols": 0}, progress=False),
+                           progress=False)
     try:
         rng = np.random.default_rng(2)
         for _ in range(10):

@@ -3,9 +3,13 @@ byte for byte, idle expiry, the capacity error, a table spanning several devices
 returns started ahead of their step (prefetch, ready), a slow copy delaying only its own symbol. The same on
 real CUDA streams where there is a GPU."""
 import mmap
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -341,6 +345,21 @@ def test_prefetch_from_another_thread_while_steps_go_on_keeps_every_state():
         thread.join()
     counts = {s: int(t.tensors["count"][t.slots_for([s])[0]]) for s in symbols}
     assert counts == stepped and t.stats["offloaded"] > 50
+
+
+def test_a_process_ending_while_states_move_exits_cleanly():
+    """The CPU's copy threads finish their queues at exit: stopped by the interpreter inside a torch copy, they
+    would abort the process ("terminate called without an active exception")."""
+    code = ("import torch\n"
+            "from client.engine.fast.state_table import StateTable\n"
+            "t = StateTable(({'h': ((16 << 20,), torch.float32, 0.0)}, 'cpu'), 2, host_capacity=8, reserve=1)\n"
+            "for s in 'ABCDEFGH':\n"
+            "    t.prefetch([s])\n")
+    repo = Path(__file__).resolve().parents[1]
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(repo)})
+        assert done.returncode == 0 and "terminate" not in done.stderr, done.stderr[-2000:]
 
 
 @cuda

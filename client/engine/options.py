@@ -61,8 +61,9 @@ def add_engine_arguments(parser):
     memory.add_argument("--state-slots", type=lambda t: _count(t, "--state-slots", 1), metavar="N",
                         help="symbols the GPU state table holds, instead of a memory share")
     group.add_argument("--host-symbols", type=lambda t: _count(t, "--host-symbols", 0), metavar="N",
-                       help="symbols whose state may wait in pinned host memory when the GPU table is full "
-                            "(default: what half the available host memory holds)")
+                       help="symbols whose state may wait in pinned host memory when the GPU table is full, "
+                            "pinned at start (default: what the available host memory less max(4 GiB, 5%%) "
+                            "holds; 0 on the CPU)")
     group.add_argument("--idle-timeout", type=_seconds, metavar="S",
                        help="forget a symbol idle this many seconds (default: never)")
     group.add_argument("--state-dtype", type=_state_dtype, default="fp32", metavar="SPEC",

@@ -35,22 +35,29 @@ class Counts:
     rates: list
     k1_rates: list  # maxrate with one request per symbol per step (today's rule before several per step)
     rate_seconds: float
-    new_symbols: int  # capacity section: symbols arriving mid-stream
+    new_symbols: int  # capacity section: symbols arriving mid-stream (on the CPU also its GPU tier's size)
     arrival_seconds: float
     churn_symbols: int
     churn_capacity: int
     churn_steps: int
+    cpu_host_symbols: int  # capacity and swap sections on the CPU: the host tier (a GPU takes the defaults)
+    swap_hot_symbols: int  # swap section: hot symbols at swap_hot_rate req/s, cold ones at swap_cold_rate
+    swap_hot_rate: float
+    swap_cold_rate: float
+    swap_seconds: float
 
 
 FULL = Counts(copy_bytes=1 << 30, copy_repeats=20, step_warmup=20, step_iters=200, baseline_warmup=5,
               baseline_iters=20, family_symbols=4, family_steps=1000, long_symbols=4, long_steps=10_000,
               e2e_requests=4000, rates=[2000, 5000, 8000, 11000, 14000, 17000, 20000, 23000, 26000, 30000],
               k1_rates=[3000, 4000, 5000, 6000, 7000, 8000], rate_seconds=1.5, new_symbols=200, arrival_seconds=10.0, churn_symbols=24, churn_capacity=8,
-              churn_steps=200)
+              churn_steps=200, cpu_host_symbols=400, swap_hot_symbols=20, swap_hot_rate=400.0, swap_cold_rate=50.0,
+              swap_seconds=20.0)
 QUICK = Counts(copy_bytes=64 << 20, copy_repeats=5, step_warmup=2, step_iters=10, baseline_warmup=2,
                baseline_iters=5, family_symbols=2, family_steps=40, long_symbols=2, long_steps=300,
                e2e_requests=200, rates=[50, 100], k1_rates=[50], rate_seconds=1.0, new_symbols=12, arrival_seconds=2.0,
-               churn_symbols=6, churn_capacity=3, churn_steps=30)
+               churn_symbols=6, churn_capacity=3, churn_steps=30, cpu_host_symbols=32, swap_hot_symbols=4,
+               swap_hot_rate=100.0, swap_cold_rate=20.0, swap_seconds=2.0)
 
 
 class Timer:
@@ -176,7 +183,8 @@ class Bench:
         self.args, self.counts, self.device = args, args.counts, args.device
         self.report, self.progress = report, progress
         self.timer = Timer(self.device)
-        self._model = self._engine = self._suite = self._bandwidth = None
+        self._model = self._engine = self._suite = self._bandwidth = self._tiered = None
+        self.host_memory_before_tiers = None  # (total, available) host bytes when the tiered engine was built
 
     @property
     def model(self):
@@ -209,12 +217,13 @@ class Bench:
         return self._bandwidth
 
     def build_engine(self, **options):
-        """A fast engine of the run's settings, `options` on top (capacity: symbols it holds on the GPU)."""
+        """A fast engine of the run's settings, `options` on top (capacity: symbols it holds on the GPU; no host
+        tier unless host_symbols says: a host tier is pinned at start)."""
         from client.engine.fast import FastEngine
 
         settings = {"max_batch": MAX_BATCH, "max_rows_per_symbol": self.args.max_requests_per_symbol,
                     "precision": self.args.precision, **state_options(self.args.state_dtype),
-                    "capacity": MAX_BATCH, "progress": False, **options}
+                    "capacity": MAX_BATCH, "host_symbols": 0, "progress": False, **options}
         begin = time.monotonic()
         engine = FastEngine(self.model, self.device, **settings)
         self.progress(f"engine built in {time.monotonic() - begin:.1f} s: {engine.describe()}")
@@ -240,6 +249,28 @@ class Bench:
     def close_engine(self):
         if self._engine is not None:
             engine, self._engine = self._engine, None
+            self.drop(engine)
+
+    def tiered_engine(self):
+        """The engine of the capacity and swap sections, built once (its host tier takes a while to pin): on a GPU
+        with the default tiers (the GPU's share of the memory free now, the host tier's rule, the reserve), on the
+        CPU with small ones (room for new_symbols beside the reserve, cpu_host_symbols in the host tier); steps
+        and transfers timed."""
+        if self._tiered is None:
+            from client.engine.fast import RESERVE
+            from client.engine.fast.state_table import host_memory
+
+            self.close_engine()  # the budgets are shares of the memory free now
+            cuda = self.device.type == "cuda"
+            self.host_memory_before_tiers = host_memory()
+            self._tiered = self.build_engine(capacity=None if cuda else self.counts.new_symbols + RESERVE,
+                                             host_symbols=None if cuda else self.counts.cpu_host_symbols,
+                                             time_steps=cuda, time_copies=True)
+        return self._tiered
+
+    def close_tiered_engine(self):
+        if self._tiered is not None:
+            engine, self._tiered = self._tiered, None
             self.drop(engine)
 
     def symbols_at_budget(self, engine, share) -> int:

@@ -77,8 +77,9 @@ def prefixed_stream(prefix, num_symbols, num_requests, seed, rate):
 
 
 def _serve_in_child(config, stream, targets, to_parent, from_parent, timeline=False):
-    """Child process: run the scoring server, report its port, then the first team's summary (with timeline:
-    also its per-request send times and latencies and what stalled the process, under "timeline")."""
+    """Child process: run the scoring server, report its port, then the first team's summary, with its
+    per-request send times and latencies under "request_times" (with timeline: those and what stalled the
+    process, under "timeline")."""
     from client.stalls import StallProbe
     from server.app import ScoringServer
 
@@ -89,6 +90,7 @@ def _serve_in_child(config, stream, targets, to_parent, from_parent, timeline=Fa
         to_parent.put(await server.start())
         await server.wait_done()
         summary = server.summaries()[0]
+        summary["request_times"] = server.first_session.request_times()
         if probe:
             watch.cancel()
             probe.stop()

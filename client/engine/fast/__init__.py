@@ -6,9 +6,9 @@ Engine interface (engine.py); who goes into a step is the client's scheduler.
 """
 from client.engine.precision import DEFAULT_PRECISION
 
-from .engine import RING, STATE_MEMORY, FastEngine
+from .engine import RESERVE, RING, STATE_MEMORY, FastEngine
 from .runner import BUCKETS, GraphedStep, StepRunner
 from .state_table import PAD_SLOT, CapacityError, StateTable
 
-__all__ = ["FastEngine", "RING", "STATE_MEMORY", "StepRunner", "GraphedStep", "StateTable", "CapacityError",
+__all__ = ["FastEngine", "RING", "RESERVE", "STATE_MEMORY", "StepRunner", "GraphedStep", "StateTable", "CapacityError",
            "PAD_SLOT", "DEFAULT_PRECISION", "BUCKETS"]

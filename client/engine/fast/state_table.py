@@ -28,6 +28,7 @@ that steps, prefetch and ready from any thread. The symbols of the last slots_fo
 slots_for (by then their step is enqueued, or done on the CPU), so a prefetch from another thread never moves a
 state that a step being enqueued uses.
 """
+import atexit
 import mmap
 import os
 import queue
@@ -147,8 +148,11 @@ def host_symbols_for(budget_bytes, slot_bytes) -> int:
 
 
 # ---- copies ------------------------------------------------------------------------------------------
+_COPY_THREADS: dict = {}  # the CPU's copy threads alive: their queue -> the thread
+
+
 def _run_copies(tasks):
-    """The CPU's copy thread: each task after the completions it waits for, in order."""
+    """The CPU's copy thread: each task after the completions it waits for, in order, until None."""
     while (task := tasks.get()) is not None:
         copies, waits, done = task
         try:
@@ -159,6 +163,18 @@ def _run_copies(tasks):
             done.set_exception(exc)
         else:
             done.set_result(None)
+    _COPY_THREADS.pop(tasks, None)
+
+
+@atexit.register
+def _finish_copy_threads():
+    """At exit, each CPU copy thread finishes its queue and ends: a daemon thread stopped by the interpreter's
+    shutdown in the middle of a torch op aborts the process ("terminate called without an active exception")."""
+    threads = list(_COPY_THREADS.items())
+    for tasks, _ in threads:
+        tasks.put(None)
+    for _, thread in threads:
+        thread.join()
 
 
 class _CopyQueue:
@@ -177,7 +193,9 @@ class _CopyQueue:
         if self.stream is None:
             if self._tasks is None:
                 self._tasks = queue.SimpleQueue()
-                threading.Thread(target=_run_copies, args=(self._tasks,), name="state-copies", daemon=True).start()
+                thread = threading.Thread(target=_run_copies, args=(self._tasks,), name="state-copies", daemon=True)
+                _COPY_THREADS[self._tasks] = thread
+                thread.start()
                 weakref.finalize(self, self._tasks.put, None)  # the thread ends with its queue
             done = Future()
             self._tasks.put((copies, waits, done))
@@ -438,7 +456,7 @@ class StateTable:
             if report is not None and self._pinning.is_alive():
                 report(sum(part.host.pinned for part in self.parts), total)
         if self._pin_error is not None:
-            raise MemoryError(f"the host tier could not be pinned ({self._pin_error}); lower --host-symbols")
+            raise ValueError(f"the host tier could not be pinned ({self._pin_error}); lower --host-symbols")
         if report is not None:
             report(total, total)
 
@@ -475,6 +493,13 @@ class StateTable:
     def transfer_seconds(self) -> list[tuple[str, int, float]]:
         """[(direction "to_host" or "to_gpu", bytes, seconds)] of every finished transfer (time_copies)."""
         return [t for part in self.parts for t in part.transfer_seconds()]
+
+    def reset_transfer_times(self) -> None:
+        """Forget the transfers timed so far (time_copies)."""
+        with self._lock:
+            for part in self.parts:
+                if part.copy_times is not None:
+                    part.copy_times.clear()
 
     # ---- placing symbols --------------------------------------------------------------------------
     def unplaceable(self, symbols) -> list[str]:

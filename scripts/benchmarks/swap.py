@@ -1,0 +1,157 @@
+"""Section swap: hot symbols served at 400 req/s while cold symbols cycle through the host tier at 50 symbols/s,
+each cold request bringing its symbol's state back from host memory and sending another one out.
+
+The cold symbols outnumber the GPU's slots and come in turn, so each one's state has left the GPU by the time its
+next request arrives. Measured on the engine with the default options (bench.tiered_engine): the hot and cold
+requests' latencies (the server's clock), the longest step of at most hot-symbols rows (a step never waits for a
+copy of a symbol outside it), the swaps per second sustained, and each transfer's bandwidth against the pinned
+host<->device bandwidth measured in the same run. The targets are the issue's, on an H100 with the full preset.
+"""
+import time
+
+import numpy as np
+import torch
+
+from client import event_loop
+from client.model.config import NUM_FEATURES, TOWER_NAMES
+from client.streams import Stream
+from scripts.benchmarks.harness import median_p99
+from scripts.benchmarks.report import fmt
+from scripts.benchmarks.serving import prefixed_names, serve_stream
+
+STEP_LIMIT_MS = 5.0  # targets: no step of at most 20 symbols over 5 ms,
+HOT_P99_LIMIT_MS = 6.0  # hot p99 <= 6 ms,
+COLD_LIMIT_MS = 15.0  # every cold answer within 15 ms of its request,
+BANDWIDTH_SHARE = 0.7  # and transfers at >= 70% of the pinned copy bandwidth
+COLD_BEYOND_GPU = 8  # cold symbols beyond the GPU's slots: each is out of the GPU when its turn comes again
+
+
+def swap_stream(hot, cold, seconds, hot_rate, cold_rate, seed):
+    """(stream, is_cold): requests at hot_rate going round the hot symbols, and at cold_rate to the cold symbols
+    in turn, merged in time order (the stream's gaps are the send times' differences)."""
+    rng = np.random.default_rng(seed)
+    hot_times = np.arange(int(hot_rate * seconds)) / hot_rate
+    cold_times = (np.arange(int(cold_rate * seconds)) + 0.5) / cold_rate
+    names = np.concatenate([np.asarray(hot)[np.arange(len(hot_times)) % len(hot)],
+                            np.asarray(cold)[np.arange(len(cold_times)) % len(cold)]])
+    is_cold = np.concatenate([np.zeros(len(hot_times), bool), np.ones(len(cold_times), bool)])
+    order = np.argsort(np.concatenate([hot_times, cold_times]), kind="stable")
+    times = np.concatenate([hot_times, cold_times])[order]
+    features = rng.standard_normal((len(times), NUM_FEATURES)).astype(np.float32)
+    return Stream(names[order], features, np.diff(times, prepend=0.0) * 1000.0), is_cold[order]
+
+
+def pinned_bandwidth(device, nbytes, timer, repeats=10) -> dict:
+    """Bytes/s of one copy of `nbytes` between pinned host memory and the device, each way (on the CPU, between
+    two host buffers)."""
+    cuda = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    device_buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = {}
+    for direction, (dst, src) in {"to_gpu": (device_buffer, host), "to_host": (host, device_buffer)}.items():
+        dst.copy_(src, non_blocking=True)  # warm-up
+        median_ms, _ = median_p99([timer.time_ms(lambda: dst.copy_(src, non_blocking=True))
+                                   for _ in range(repeats)])
+        rates[direction] = nbytes / (median_ms / 1000.0)
+    return rates
+
+
+class TimedSubmits:
+    """The engine behind the team client, with each submit's rows and wall-clock milliseconds noted (on the CPU a
+    submit runs the step; on a GPU it is the submitting thread's own work, placement included)."""
+
+    def __init__(self, engine):
+        self.engine, self.submits = engine, []
+
+    def submit(self, symbols, features):
+        begin = time.perf_counter()
+        pending = self.engine.submit(symbols, features)
+        self.submits.append((len(symbols), (time.perf_counter() - begin) * 1000.0))
+        return pending
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _latencies(latency_ms) -> dict:
+    answered = latency_ms[np.isfinite(latency_ms)]
+    if not answered.size:
+        return {"p50_ms": None, "p99_ms": None, "max_ms": None, "missed": int(latency_ms.size)}
+    return {"p50_ms": float(np.median(answered)), "p99_ms": float(np.percentile(answered, 99)),
+            "max_ms": float(answered.max()), "missed": int(latency_ms.size - answered.size)}
+
+
+def measure_swap(bench):
+    counts, engine = bench.counts, bench.tiered_engine()
+    table = engine.table
+    hot = prefixed_names("HOT_", counts.swap_hot_symbols)
+    cold = prefixed_names("COLD_", table.capacity + COLD_BEYOND_GPU)
+    if len(hot) + len(cold) > table.capacity + table.host_capacity:
+        raise ValueError(f"the swap section cycles {len(cold)} cold symbols beside {len(hot)} hot ones: it needs a "
+                         f"host tier of at least {len(hot) + len(cold) - table.capacity} symbols, this engine has "
+                         f"{table.host_capacity}")
+    rng = np.random.default_rng(bench.args.seed + 7)
+    for start in range(0, len(cold), engine.max_batch):  # every cold symbol placed once: most now in host memory
+        names = cold[start:start + engine.max_batch]
+        engine.step(names, rng.standard_normal((len(names), NUM_FEATURES)).astype(np.float32))
+    engine.step(hot, rng.standard_normal((len(hot), NUM_FEATURES)).astype(np.float32))
+    stream, is_cold = swap_stream(hot, cold, counts.swap_seconds, counts.swap_hot_rate, counts.swap_cold_rate,
+                                  bench.args.seed + 8)
+    seconds = float(np.sum(stream.delay_ms)) / 1000.0
+    bench.progress(f"swap: {len(hot)} hot symbols at {counts.swap_hot_rate:g} req/s, {len(cold)} cold ones in turn "
+                   f"at {counts.swap_cold_rate:g}/s, {len(stream)} requests over {seconds:.1f} s")
+    if engine.step_times is not None:
+        engine.step_times.clear()
+    table.reset_transfer_times()
+    before = dict(table.stats)
+    timed = TimedSubmits(engine)
+    targets = np.zeros((len(stream), len(TOWER_NAMES)), np.float32)  # latency only: churn checks the states' bits
+    session = event_loop.run(serve_stream(timed, stream, targets, None, bench.args.preset, bench.args.seed,
+                                          bench.args.pipeline_min_batch))
+    moved = {key: table.stats[key] - before[key] for key in ("restored", "offloaded", "restored_ahead", "step_waits")}
+    latency = np.asarray(session["request_times"]["latency_ms"], dtype=np.float64)
+    submits = np.array(timed.submits or [(0, 0.0)])
+    steps = np.array(engine.step_times) if engine.step_times else submits  # the CPU's steps run in submit
+    small = steps[steps[:, 0] <= len(hot), 1]
+    transfers = {}
+    for direction in ("to_gpu", "to_host"):
+        rates = [size / seconds_ for kind, size, seconds_ in table.transfer_seconds() if kind == direction]
+        transfers[direction] = float(np.median(rates)) if rates else None
+    pinned = pinned_bandwidth(bench.device, table.parts[0].slot_bytes, bench.timer)
+    result = {"hot_symbols": len(hot), "cold_symbols": len(cold), "hot_rate": counts.swap_hot_rate,
+              "cold_rate": counts.swap_cold_rate, "seconds": seconds, "requests": len(stream),
+              "gpu_slots": table.capacity, "host_symbols": table.host_capacity, "reserve": table.reserve,
+              "hot": _latencies(latency[~is_cold]), "cold": _latencies(latency[is_cold]),
+              "step_ms_max_b20": float(small.max()) if small.size else None,
+              "step_ms_p99_b20": float(np.percentile(small, 99)) if small.size else None,
+              "steps_over_limit": int((small > STEP_LIMIT_MS).sum()),
+              "submit_ms_max": float(submits[:, 1].max()),
+              **moved, "swaps_per_s": moved["restored"] / seconds,
+              "transfer_gb_per_s": {k: None if v is None else v / 1e9 for k, v in transfers.items()},
+              "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},
+              "bandwidth_share": {k: None if transfers[k] is None else transfers[k] / pinned[k] for k in pinned}}
+    engine.release(hot + cold)
+    return result
+
+
+def run(bench):
+    try:
+        result = measure_swap(bench)
+    finally:
+        bench.close_tiered_engine()
+    bench.report.update(swap=result)
+    bench.progress(f"swap: {result}")
+
+
+def summary(data) -> list[str]:
+    if "swap" not in data:
+        return []
+    s = data["swap"]
+    share = s["bandwidth_share"]
+    return [f"swap: {s['hot_symbols']} hot symbols at {s['hot_rate']:g} req/s, {s['cold_symbols']} cold ones through "
+            f"the host tier at {s['cold_rate']:g}/s: hot p99 {fmt(s['hot']['p99_ms'])} ms (target <= "
+            f"{HOT_P99_LIMIT_MS:g}), cold p50/max {fmt(s['cold']['p50_ms'])}/{fmt(s['cold']['max_ms'])} ms (<= "
+            f"{COLD_LIMIT_MS:g}), missed {s['hot']['missed'] + s['cold']['missed']}; longest step of B <= "
+            f"{s['hot_symbols']} {fmt(s['step_ms_max_b20'])} ms (<= {STEP_LIMIT_MS:g}), steps that waited for a copy "
+            f"{s['step_waits']}; {s['swaps_per_s']:.1f} swaps/s; transfers at {fmt(share['to_gpu'])}/"
+            f"{fmt(share['to_host'])} of the pinned bandwidth to GPU/to host (>= {BANDWIDTH_SHARE:g})"]
