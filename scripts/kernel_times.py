@@ -19,7 +19,7 @@ def measure(preset, batches, steps, seed=0):
     from client.model import load_model
 
     model, _ = load_model(preset, seed=seed, device="cuda")
-    engine = FastEngine(model, device="cuda", graphs=False, capacity=max(batches), progress=False)
+    engine = FastEngine(model, device="cuda", graphs=False, capacity=max(batches), host_symbols=0, progress=False)
     symbols = [f"K{i}" for i in range(max(batches))]
     result = {}
     for batch in batches:

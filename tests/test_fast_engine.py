@@ -245,7 +245,7 @@ def test_several_requests_per_symbol_through_the_graphs_on_gpu():
     model, _ = load_model("small", seed=1, device="cuda")
     graphed = FastEngine(model, device="cuda", max_batch=4, max_rows_per_symbol=4, capacity=5, host_symbols=8,
                          progress=False)
-    alone = FastEngine(model, device="cuda", graphs=False, capacity=8, progress=False)
+    alone = FastEngine(model, device="cuda", graphs=False, capacity=8, host_symbols=0, progress=False)
     symbols = [f"S{i}" for i in range(7)]
     pending = []
     for rows, feats in backlog_steps(2, 30, symbols, max_requests=6):
