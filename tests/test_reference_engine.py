@@ -1,4 +1,6 @@
 import importlib.util
+import re
+import time
 
 import numpy as np
 import pytest
@@ -117,3 +119,89 @@ def test_make_engine(model):
 def test_missing_fast_engine_says_so(model):
     with pytest.raises(ValueError, match="engine 'fast' is not available"):
         make_engine("fast", model)
+
+
+# ------------------------------------------------------------------ the bounded state table (issue 21, item 4)
+
+def test_states_beyond_the_device_capacity_wait_in_host_memory_and_come_back_unchanged(model):
+    rng = np.random.default_rng(4)
+    steps = [(["A", "B"], _features(rng, 2)), (["C"], _features(rng, 1)), (["A", "B"], _features(rng, 2)),
+             (["C", "A"], _features(rng, 2))]
+    bounded = ReferenceEngine(model, capacity=2, host_symbols=1)
+    unbounded = ReferenceEngine(model, capacity=10)
+    for symbols, features in steps:  # C pushes A (least recently used) to host memory, A comes back, ...
+        np.testing.assert_array_equal(bounded.step(symbols, features), unbounded.step(symbols, features))
+    stats = bounded._states.stats
+    assert stats["offloaded"] >= 2 and stats["restored"] >= 2
+    assert bounded.symbols == ["A", "B", "C"] and bounded._states.on_host == 1
+
+
+def test_a_symbol_beyond_every_tier_is_refused_naming_the_limits_and_nothing_changes(model):
+    rng = np.random.default_rng(5)
+    x = _features(rng, 3)
+    engine, untouched = ReferenceEngine(model, capacity=2, host_symbols=1), ReferenceEngine(model, capacity=3)
+    engine.step(["A", "B"], x[:2]), engine.step(["C"], x[2:])
+    untouched.step(["A", "B"], x[:2]), untouched.step(["C"], x[2:])
+    why = engine.unplaceable(["A", "D"])
+    assert list(why) == ["D"] and "no room for the state of 1 symbol(s) (D): 2 on cpu and 1 in host memory" in why["D"]
+    with pytest.raises(RuntimeError, match=r"raise --state-slots or --host-symbols, or let idle symbols expire"):
+        engine.step(["A", "D"], x[:2])
+    assert engine.unplaceable(["A", "C"]) == {} and engine.symbols == ["A", "B", "C"]
+    np.testing.assert_array_equal(engine.step(["A", "B"], x[:2]), untouched.step(["A", "B"], x[:2]))
+
+
+def test_idle_symbols_are_forgotten_so_new_ones_fit(model):
+    rng = np.random.default_rng(6)
+    engine = ReferenceEngine(model, capacity=2, idle_timeout_s=0.2)
+    fresh = ReferenceEngine(model, capacity=2)
+    for round_ in range(3):  # 6 symbols through 2 places: each pair expires before the next arrives
+        symbols = [f"S{2 * round_}", f"S{2 * round_ + 1}"]
+        x = _features(rng, 2)
+        np.testing.assert_array_equal(engine.step(symbols, x), fresh.step(symbols, x))
+        fresh.release(symbols)
+        assert engine.symbols == symbols or engine.symbols[-2:] == symbols
+        time.sleep(0.25)
+    assert len(engine.symbols) <= 2 and engine._states.stats["expired"] >= 4
+
+
+def test_many_new_symbols_keep_the_table_bounded(model):
+    engine = ReferenceEngine(model, capacity=8, host_symbols=8, idle_timeout_s=0.05)
+    rng = np.random.default_rng(7)
+    answered = refused = 0
+    for start in range(0, 400, 4):  # 400 symbols, 4 a step, each seen once
+        symbols = [f"N{i}" for i in range(start, start + 4)]
+        placeable = [s for s in symbols if s not in engine.unplaceable(symbols)]
+        refused += len(symbols) - len(placeable)
+        answered += len(engine.step(placeable, _features(rng, len(placeable))))
+        assert len(engine.symbols) <= 16
+        time.sleep(0.01)
+    assert answered + refused == 400 and answered > 0
+
+
+def test_default_capacity_on_a_cpu_is_bounded_and_said(model, capsys):
+    engine = make_engine("reference", model, "cpu")
+    described = engine.describe()
+    assert 1 <= described["capacity"] <= 1024 and described["host_symbols"] == 0
+    assert described["state_bytes_per_symbol"] > 0
+    assert capsys.readouterr().err.startswith(f"[reference engine] state table: {described['capacity']} symbols "
+                                               f"on cpu (")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"state_dtype": "fp16"}, "--state-dtype fp16 applies to the fast engine; the reference engine keeps fp32 state"),
+    ({"state_dtype": "fp32,retnet=bf16"}, "--state-dtype fp32,retnet=bf16 applies to the fast engine"),
+    ({"state_rounding": "nearest"}, "--state-rounding nearest applies to 16-bit state"),
+    ({"split": "symbols"}, "--split symbols applies with --gpus 2 or more"),
+    ({"capacity": 4, "state_memory": 0.5}, "capacity or its memory share, not both"),
+    ({"state_memory": 0.99}, "--state-memory must be a share in (0, 0.95]"),
+])
+def test_engine_options_the_reference_engine_cannot_honour_are_refused(model, options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_engine("reference", model, "cpu", **options)
+
+
+def test_table_options_reach_the_reference_engine(model):
+    engine = make_engine("reference", model, "cpu", capacity=3, host_symbols=2, idle_timeout_s=7.0,
+                         state_dtype="fp32")
+    described = engine.describe()
+    assert (described["capacity"], described["host_symbols"], described["idle_timeout_s"]) == (3, 2, 7.0)

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 CLIENT = [sys.executable, str(REPO / "team" / "example_model.py")]
 SERVER_WEIGHTS_SEED = "5"
 # Status lines the client may print on stderr before it says how the session ended.
-STATUS_LINES = ("--preset not given", "loading preset", "playing ws://", "requests ")
+STATUS_LINES = ("--preset not given", "loading preset", "[reference engine] ", "[fast engine] ", "playing ws://",
+                "requests ")
 
 
 def test_process_batch_maps_ids_to_predictions_in_symbol_order():

@@ -1,16 +1,19 @@
-"""The fast engine's command-line options, shared by the team client and the offline evaluator.
+"""The engines' command-line options, shared by the team client and the offline evaluator.
 
-    --precision SPEC        weights (client/engine/precision.py)
-    --compile               each block through torch.compile
-    --state-memory SHARE    the state table's share of free GPU memory (default 0.8), or --state-slots N symbols
-    --host-symbols N        states that may wait in host memory when the GPU table is full
-    --idle-timeout S        forget a symbol idle this long
-    --state-dtype SPEC      fp32, or fp16/bf16 storage of the matrix states; --state-rounding stochastic|nearest
-    --gpus N                spread over N GPUs: the towers (--split towers) or the symbols (--split symbols)
+    --precision SPEC        weights (client/engine/precision.py)                                    fast
+    --compile               each block through torch.compile                                        fast
+    --state-memory SHARE    the state table's share of free memory (default 0.8), or --state-slots N  both
+    --host-symbols N        states that may wait in host memory when the table is full              both
+    --idle-timeout S        forget a symbol idle this long                                          both
+    --state-dtype SPEC      fp32, or fp16/bf16 storage of the matrix states                         fast (fp32: both)
+    --state-rounding R      stochastic|nearest, for 16-bit state                                    fast
+    --gpus N                spread over N GPUs: the towers (--split towers) or the symbols          fast
     --max-requests-per-symbol K   queued requests of one symbol a step may carry (1: one per symbol per step)
     --cluster ray           the symbols sharded over the GPUs (or CPU nodes) of a Ray cluster: --ray-address ADDRESS
                             (`local` starts Ray here), --shards N (default: every GPU; one per node without GPUs)
     --on-shard-loss POLICY  a lost shard's symbols get errors (error) or start again from a fresh state (reset)
+
+An option the chosen engine cannot honour is refused in one line by make_engine (client/engine/__init__.py).
 """
 import argparse
 import math
@@ -51,29 +54,30 @@ def _state_dtype(text):
 
 
 def add_engine_arguments(parser):
-    """The fast engine's options, in a group of their own."""
-    group = parser.add_argument_group("fast engine")
+    """The engines' options, in a group of their own."""
+    group = parser.add_argument_group("engine (the state table's options apply to both engines)")
     add_precision_argument(group)
     group.add_argument("--compile", action="store_true", help="each block through torch.compile (startup +~1 min)")
     memory = group.add_mutually_exclusive_group()
     memory.add_argument("--state-memory", type=_share, metavar="SHARE",
-                        help="the state table's share of the GPU memory free after the weights (default 0.8)")
+                        help="the state table's share of the memory free after the weights: GPU memory, or host "
+                             "memory on a CPU (default 0.8; at most 1024 symbols on a CPU)")
     memory.add_argument("--state-slots", type=lambda t: _count(t, "--state-slots", 1), metavar="N",
-                        help="symbols the GPU state table holds, instead of a memory share")
+                        help="symbols the state table holds on the device, instead of a memory share")
     group.add_argument("--host-symbols", type=lambda t: _count(t, "--host-symbols", 0), metavar="N",
                        help="symbols whose state may wait in pinned host memory when the GPU table is full, "
                             "pinned at start (default: what the available host memory less max(4 GiB, 5%%) "
-                            "holds; 0 on the CPU)")
+                            "holds; 0 on the CPU and for the reference engine)")
     group.add_argument("--idle-timeout", type=_seconds, metavar="S",
                        help="forget a symbol idle this many seconds (default: never)")
     group.add_argument("--state-dtype", type=_state_dtype, default="fp32", metavar="SPEC",
                        help="matrix state storage: fp32 (default), fp16 or bf16 (xLSTM and Mamba2; "
                             "'fp16,retnet=fp16' for RetNet too)")
-    group.add_argument("--state-rounding", choices=("stochastic", "nearest"), default="stochastic",
+    group.add_argument("--state-rounding", choices=("stochastic", "nearest"),
                        help="how 16-bit state is rounded (default stochastic)")
     group.add_argument("--gpus", type=lambda t: _count(t, "--gpus", 1), default=1, metavar="N",
                        help="spread the engine over the first N GPUs (default 1)")
-    group.add_argument("--split", choices=("towers", "symbols"), default="towers",
+    group.add_argument("--split", choices=("towers", "symbols"),
                        help="with --gpus > 1: each GPU runs some towers for every symbol (towers, for latency), "
                             "or every tower for some symbols in a process per GPU (symbols, for throughput)")
     group.add_argument("--max-requests-per-symbol", type=lambda t: _count(t, "--max-requests-per-symbol", 1),

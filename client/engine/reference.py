@@ -1,21 +1,57 @@
 """The fp32 reference engine: per-symbol batch-1 states, stacked into one batched forward per round of a step
-(round j: the j-th request of every symbol in the step, so a symbol's requests advance its state in order)."""
+(round j: the j-th request of every symbol in the step, so a symbol's requests advance its state in order).
+
+The states live in a bounded table (client/engine/symbol_states.py) with the fast engine's limits: capacity on
+the device (state_slots, or a share of free memory), a host tier, idle expiry."""
+import sys
+
 import numpy as np
 import torch
 
 from client.engine.base import NUM_TOWERS, Engine, Sequences, check_step_inputs
+from client.engine.symbol_states import SymbolStates
 from client.model.state import split_state, stack_states
 
 
 class ReferenceEngine(Engine):
     name = "reference"
 
-    def __init__(self, model, device=None):
+    def __init__(self, model, device=None, *, capacity=None, state_memory=None, host_symbols=None,
+                 idle_timeout_s=None, progress=False):
+        """capacity (symbols on the device) or state_memory (by the fast engine's rules: a share of the free GPU
+        memory, or of the available host memory on a CPU, STATE_MEMORY by default, at most CPU_CAPACITY symbols on
+        a CPU); host_symbols: states that may wait in host memory when the device's table is full (default none:
+        on a CPU it is the same memory); idle_timeout_s: forget a symbol idle this long (default never)."""
         if device is None:
             device = next(model.parameters()).device
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
-        self._states: dict[str, dict[str, torch.Tensor]] = {}
+        if capacity is not None and state_memory is not None:
+            raise ValueError("give the state table's capacity or its memory share, not both")
+        self.state_bytes = sum(t.numel() * t.element_size() for t in model.init_state(1, device="meta").values())
+        if capacity is None:
+            capacity = self._capacity_for_memory(state_memory)
+        if host_symbols is None:
+            host_symbols = 0
+        self._states = SymbolStates(self.device, capacity, host_symbols, idle_timeout_s)
+        if progress:
+            expiry = "never" if idle_timeout_s is None else f"after {idle_timeout_s:g} s idle"
+            sys.stderr.write(f"[reference engine] state table: {capacity} symbols on {self.device} "
+                             f"({self.state_bytes / 2**20:.2f} MiB each), {host_symbols} in host memory; "
+                             f"idle symbols forgotten: {expiry}\n")
+
+    def _capacity_for_memory(self, share) -> int:
+        """Symbols that `share` of the device's memory holds, as the fast engine counts them (its memory rules are
+        stated once, there)."""
+        from client.engine.fast.engine import CPU_CAPACITY, STATE_MEMORY
+        from client.engine.fast.state_table import capacity_for_memory, host_memory
+
+        share = STATE_MEMORY if share is None else share
+        if self.device.type == "cuda":
+            return capacity_for_memory(self.state_bytes, share, self.device)
+        if not 0 < share <= 0.95:
+            raise ValueError(f"--state-memory must be a share in (0, 0.95], got {share}")
+        return max(1, min(CPU_CAPACITY, int(share * host_memory()[1]) // self.state_bytes))
 
     @property
     def symbols(self) -> list[str]:
@@ -25,14 +61,22 @@ class ReferenceEngine(Engine):
         for symbol in symbols:
             self._states.pop(symbol, None)
 
+    def unplaceable(self, symbols) -> dict[str, str]:
+        """{symbol: why} for the symbols of a step that the state table cannot hold (no side effects)."""
+        rejected = self._states.unplaceable(symbols)
+        return dict.fromkeys(rejected, str(self._states.capacity_error(rejected))) if rejected else {}
+
     def describe(self) -> dict:
-        return {"engine": self.name, "device": str(self.device), "symbols": len(self._states)}
+        return {"engine": self.name, "device": str(self.device), "symbols": len(self._states),
+                "state_bytes_per_symbol": self.state_bytes, "capacity": self._states.capacity,
+                "host_symbols": self._states.host_capacity, "idle_timeout_s": self._states.idle_timeout_s}
 
     def step(self, symbols, features):
         symbols = list(symbols)
         features = check_step_inputs(symbols, features)
         if not symbols:
             return np.zeros((0, NUM_TOWERS), dtype=np.float32)
+        self._states.place(symbols)  # every symbol resident, with room for the new ones (or CapacityError)
         states = {}  # the states as the step advances them, stored only after every round succeeded
         out = np.empty((len(symbols), NUM_TOWERS), dtype=np.float32)
         for rows in Sequences(symbols).rounds():

@@ -62,9 +62,7 @@ def build_shard_engine(spec: ModelSpec, device: str, engine: str, options: dict)
     from client.model import load_model
 
     model, fingerprint = load_model(spec.preset, weights=spec.weights, seed=spec.seed, device=device)
-    options = dict(options)
-    if engine == "fast":
-        options["progress"] = False  # a shard's startup is reported by the engine that owns it
+    options = {**options, "progress": False}  # a shard's startup is reported by the engine that owns it
     built = make_engine(engine, model, device=device, **options)
     return built, {**built.describe(), "engine": engine, "fingerprint": fingerprint}
 
