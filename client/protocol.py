@@ -3,13 +3,16 @@
 Each message is one binary websocket frame holding one msgpack map with a ``type`` field:
 
 - ``register`` {team: str, protocol: int, token?: str, preset?: str, weights_fingerprint?: str,
-  allow_weights_mismatch?: bool}: client to server, first. With the client's weights fingerprint the
-  server refuses other weights than its own (``error`` weights_mismatch, then close 1008) unless
-  allow_weights_mismatch; without it the server cannot tell, and lets the client play.
+  allow_weights_mismatch?: bool, session_key?: str}: client to server, first. With the client's weights
+  fingerprint the server refuses other weights than its own (``error`` weights_mismatch, then close 1008)
+  unless allow_weights_mismatch; without it the server cannot tell, and lets the client play. A team
+  already registered is taken over (a reconnect) only with the session_key its welcome gave.
+  Every refusal of a register is an ``error`` followed by a close: 1008 when trying again cannot help,
+  1013 (try again later) for a limit that passes (REFUSALS_THAT_PASS).
 - ``welcome`` {preset: str | None, weights_fingerprint: str | None, requests: int, symbols: int,
-  weights_match: bool | None}: server to client, the answer to a register it accepts: the model whose
-  predictions are the targets, the team's stream, and whether the client's weights are the same (None:
-  one side did not say).
+  weights_match: bool | None, session_key?: str}: server to client, the answer to a register it accepts:
+  the model whose predictions are the targets, the team's stream, whether the client's weights are the
+  same (None: one side did not say), and the key that lets this client's reconnects take the team over.
 - ``end`` {requests: int}: server to client, once every request of the team's stream is scored (after the
   last ``score_update``): nothing more will come, and the client may leave.
 - ``inference_request`` {unique_ids: [int], symbols: [str], features: bytes, timestamp: float}:
@@ -35,6 +38,10 @@ PROTOCOL_VERSION = 1
 # Codes of a client's error messages that are notices, and how the leaderboard names them.
 CLIENT_NOTICES = {"state_reset": "states reset", "shard_lost": "shard lost"}
 MAX_FRAME_BYTES = 4 * 1024 * 1024
+MAX_TEAM_NAME = 64  # characters: a team name is 1..64 printable characters
+# Register refusals for a limit that passes (the server closes with 1013, try again later): a client may retry.
+REFUSALS_THAT_PASS = ("rate_limited", "too_many_connections", "server_full")
+CLOSE_TRY_AGAIN_LATER = 1013
 
 _FEATURE_DTYPE = np.dtype("<f4")
 
@@ -80,6 +87,7 @@ _SCHEMAS = {
         "preset": (_optional_str, "a string", False),
         "weights_fingerprint": (_optional_str, "a string", False),
         "allow_weights_mismatch": (lambda v: isinstance(v, bool), "a boolean", False),
+        "session_key": (lambda v: isinstance(v, str), "a string", False),
     },
     "welcome": {
         "preset": (_optional_str, "a string or nil", True),
@@ -87,6 +95,7 @@ _SCHEMAS = {
         "requests": (_is_int, "an integer", True),
         "symbols": (_is_int, "an integer", True),
         "weights_match": (lambda v: v is None or isinstance(v, bool), "a boolean or nil", False),
+        "session_key": (lambda v: isinstance(v, str), "a string", False),
     },
     "end": {
         "requests": (_is_int, "an integer", True),
@@ -144,6 +153,12 @@ def encode(msg: dict) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
+# msgpack errors raised without a message, in words
+_MSGPACK_SILENT_ERRORS = {"FormatError": "a byte that begins no msgpack value (FormatError)",
+                          "StackError": "values nested too deeply (StackError)",
+                          "OutOfData": "the frame ends inside a value (OutOfData)"}
+
+
 def decode(frame, max_bytes: int = MAX_FRAME_BYTES) -> dict:
     """Decode and validate one frame; raises ProtocolError saying what is wrong."""
     if isinstance(frame, str):
@@ -155,8 +170,17 @@ def decode(frame, max_bytes: int = MAX_FRAME_BYTES) -> dict:
     try:
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated exception types on bad input
-        raise ProtocolError(f"malformed msgpack: {exc}") from None
+        why = str(exc) or _MSGPACK_SILENT_ERRORS.get(type(exc).__name__, type(exc).__name__)
+        raise ProtocolError(f"malformed msgpack: {why}") from None
     return validate(msg)
+
+
+def team_name_problem(team: str) -> str | None:
+    """Why `team` cannot be a team name (None: it can): 1..MAX_TEAM_NAME printable characters."""
+    if not team or len(team) > MAX_TEAM_NAME or not team.isprintable():
+        shown = team if len(team) <= 80 else team[:80] + "..."
+        return f"a team name is 1..{MAX_TEAM_NAME} printable characters, got {shown!r} ({len(team)} characters)"
+    return None
 
 
 def _expect(msg, kind):
@@ -170,18 +194,22 @@ def _as_id_list(unique_ids):
 
 
 def register(team: str, token: str | None = None, *, preset: str | None = None,
-             weights_fingerprint: str | None = None, allow_weights_mismatch: bool = False) -> dict:
+             weights_fingerprint: str | None = None, allow_weights_mismatch: bool = False,
+             session_key: str | None = None) -> dict:
     msg = {"type": "register", "team": team, "protocol": PROTOCOL_VERSION}
     optional = {"token": token, "preset": preset, "weights_fingerprint": weights_fingerprint,
-                "allow_weights_mismatch": allow_weights_mismatch or None}
+                "allow_weights_mismatch": allow_weights_mismatch or None, "session_key": session_key}
     msg.update((field, value) for field, value in optional.items() if value is not None)
     return msg
 
 
 def welcome(preset: str | None, weights_fingerprint: str | None, requests: int, symbols: int,
-            weights_match: bool | None) -> dict:
-    return {"type": "welcome", "preset": preset, "weights_fingerprint": weights_fingerprint,
-            "requests": int(requests), "symbols": int(symbols), "weights_match": weights_match}
+            weights_match: bool | None, session_key: str | None = None) -> dict:
+    msg = {"type": "welcome", "preset": preset, "weights_fingerprint": weights_fingerprint,
+           "requests": int(requests), "symbols": int(symbols), "weights_match": weights_match}
+    if session_key is not None:
+        msg["session_key"] = session_key
+    return msg
 
 
 def end(requests: int) -> dict:

@@ -46,20 +46,22 @@ def _choose_device(model, device) -> torch.device:
 
 
 class _Progress:
-    """A one-line progress bar on stderr: steps done/total and steps per second."""
+    """Progress on stderr, steps done/total and steps per second: on a terminal one line rewritten in place, in a
+    log one line every 5 s (no carriage returns), and always the last."""
 
     def __init__(self, total: int, label: str, enabled: bool):
         self.total, self.label, self.enabled = total, label, enabled
+        self.live = enabled and sys.stderr.isatty()
+        self.every_s = 0.2 if self.live else 5.0
         self.start = self.last_draw = time.monotonic()
 
     def update(self, done: int):
         now = time.monotonic()
-        if self.enabled and (now - self.last_draw >= 0.2 or done == self.total):
+        if self.enabled and (now - self.last_draw >= self.every_s or done == self.total):
             self.last_draw = now
             rate = done / max(now - self.start, 1e-9)
-            sys.stderr.write(f"\r{self.label}: {done}/{self.total} steps, {rate:.1f} steps/s")
-            if done == self.total:
-                sys.stderr.write("\n")
+            line = f"{self.label}: {done}/{self.total} steps, {rate:.1f} steps/s"
+            sys.stderr.write(f"\r{line}" + ("\n" if done == self.total else "") if self.live else line + "\n")
             sys.stderr.flush()
 
 

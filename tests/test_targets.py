@@ -137,6 +137,7 @@ def test_progress_bar_reports_steps(model_and_fingerprint, tmp_path, capsys):
     compute_targets(model, stream, fingerprint, cache_dir=tmp_path / "a", progress=True)
     err = capsys.readouterr().err
     assert f"{steps}/{steps} steps" in err and "steps/s" in err
+    assert "\r" not in err  # stderr is no terminal here: lines, as a log wants them
     compute_targets(model, stream, fingerprint, cache_dir=tmp_path / "b", progress=False)
     assert capsys.readouterr().err == ""
 
