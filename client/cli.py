@@ -34,7 +34,7 @@ EXIT_USAGE = 2               # an ordinary mistake: bad option, missing file, un
 EXIT_UNREACHABLE = 3         # the team client never reached the server
 EXIT_REFUSED = 4             # the server refused the team client (token, protocol version, team name)
 EXIT_WEIGHTS_MISMATCH = 5    # the server's model has other weights than the team client's
-EXIT_CUT_SHORT = 6           # connected, but the stream ended early (server gone or stopped mid-stream)
+EXIT_CUT_SHORT = 6           # connected, but the stream ended early (server gone, stopped, silent or failing)
 EXIT_INTERRUPTED = 130       # Ctrl-C (128 + SIGINT, as shells report it)
 
 EXIT_CODES = {  # code -> meaning, for --help epilogs and the README
@@ -44,14 +44,15 @@ EXIT_CODES = {  # code -> meaning, for --help epilogs and the README
     EXIT_UNREACHABLE: "server unreachable",
     EXIT_REFUSED: "refused by the server (token, protocol, team name)",
     EXIT_WEIGHTS_MISMATCH: "weights differ from the server's",
-    EXIT_CUT_SHORT: "cut short (the server went away or stopped before the end of the stream)",
+    EXIT_CUT_SHORT: "cut short (the server went away, stopped, fell silent or failed the same way on every "
+                    "connection before the end of the stream)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
 
 # The team client's exit code for each outcome of client.runtime's StreamingClient.
 EXIT_BY_OUTCOME = {"complete": EXIT_OK, "unreachable": EXIT_UNREACHABLE, "refused": EXIT_REFUSED,
                    "weights_mismatch": EXIT_WEIGHTS_MISMATCH, "cut_short": EXIT_CUT_SHORT,
-                   "interrupted": EXIT_INTERRUPTED, "wrong_protocol": EXIT_USAGE}
+                   "gave_up": EXIT_CUT_SHORT, "interrupted": EXIT_INTERRUPTED, "wrong_protocol": EXIT_USAGE}
 
 ORDINARY_ERRORS = (ValueError, OSError, ImportError)
 MAX_MESSAGE_CHARS = 400
@@ -143,6 +144,35 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
     return value
+
+
+def port_number(text: str, lowest: int = 1) -> int:
+    """argparse type: a TCP port, lowest..65535 (a server passes lowest=0: any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not lowest <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in {lowest}..65535, got {text!r}")
+    return value
+
+
+def listen_port(text: str) -> int:
+    """argparse type: a port to listen on, 0 (any free port) to 65535."""
+    return port_number(text, lowest=0)
+
+
+def output_file(text: str) -> str:
+    """argparse type: a path to write at the end, checked now (its folder exists, it can be written) so that a
+    long run does not fail at its last step."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"no such folder: {folder}")
+    if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return text
 
 
 def existing_file(text: str) -> str:

@@ -35,10 +35,17 @@ COMPLETE = "complete"                  # the server said the stream is over (`en
 UNREACHABLE = "unreachable"            # the first connection never succeeded
 REFUSED = "refused"                    # the server refused this client (token, protocol, team name)
 WEIGHTS_MISMATCH = "weights_mismatch"  # the server's model has other weights than this client's
-CUT_SHORT = "cut_short"                # connected, then the server went away or stopped before the end
+CUT_SHORT = "cut_short"                # connected, then the server went away, stopped or fell silent before the end
+GAVE_UP = "gave_up"                    # the server failed the same way on GIVE_UP_REPEATS connections in a row
 INTERRUPTED = "interrupted"            # stop() before the end (Ctrl-C in the team client)
 WRONG_PROTOCOL = "wrong_protocol"      # the server speaks the other protocol (websocket, tcp-json)
-OUTCOMES = (COMPLETE, UNREACHABLE, REFUSED, WEIGHTS_MISMATCH, CUT_SHORT, INTERRUPTED, WRONG_PROTOCOL)
+OUTCOMES = (COMPLETE, UNREACHABLE, REFUSED, WEIGHTS_MISMATCH, CUT_SHORT, GAVE_UP, INTERRUPTED, WRONG_PROTOCOL)
+
+# Connections in a row that may end the same way, with no new request in between, before the client gives up
+# (with the backoff between them, about 3 s): a server that breaks every connection is not retried forever.
+GIVE_UP_REPEATS = 5
+# Seconds without any frame from the server (it sends a heartbeat every 5 s) before the session is cut short.
+SERVER_IDLE_S = 15.0
 
 SWITCH_INTERVAL_S = 0.0002
 # Pipelined steps in flight: one running on the GPU and the next queued behind it. More would only add
@@ -147,6 +154,9 @@ class StreamingClient:
     - when the first connection fails for `connect_timeout_s` (a wrong host or port fails fast), or a lost
       connection cannot be made again for `give_up_after_s` (reconnects back off exponentially);
     - when the server speaks the other protocol (the detail names the flag to pass);
+    - when give_up_repeats connections in a row end the same way (the same close, or the same refusal of a
+      limit that passes) with no new request between them;
+    - when the server sends nothing, not even a heartbeat, for server_idle_s;
     - at stop().
     The summary's "outcome" says which (one of OUTCOMES) and "detail" says it in words.
     """
@@ -158,7 +168,8 @@ class StreamingClient:
                  heartbeat_s: float = 5.0, backoff_s: float = 0.1,
                  backoff_max_s: float = 5.0, connect_timeout_s: float = 3.0, give_up_after_s: float = 10.0,
                  cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
-                 timeline: bool = False):
+                 timeline: bool = False, give_up_repeats: int = GIVE_UP_REPEATS,
+                 server_idle_s: float = SERVER_IDLE_S):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -166,9 +177,13 @@ class StreamingClient:
         if max_requests_per_symbol < 1:
             raise ValueError(f"max_requests_per_symbol must be a positive integer, got {max_requests_per_symbol!r}")
         if (heartbeat_s <= 0 or backoff_s <= 0 or backoff_max_s < backoff_s or give_up_after_s < 0
-                or connect_timeout_s <= 0):
-            raise ValueError("need heartbeat_s > 0, 0 < backoff_s <= backoff_max_s, connect_timeout_s > 0 "
-                             "and give_up_after_s >= 0")
+                or connect_timeout_s <= 0 or give_up_repeats < 1 or not server_idle_s > 0):
+            raise ValueError("need heartbeat_s > 0, 0 < backoff_s <= backoff_max_s, connect_timeout_s > 0, "
+                             "give_up_after_s >= 0, give_up_repeats >= 1 and server_idle_s > 0")
+        self.give_up_repeats, self.server_idle_s = give_up_repeats, server_idle_s
+        self._session_key: str | None = None  # the server's, from its welcome: what a reconnect presents
+        self._failures: list[tuple] = []      # how the connections since the last new request ended
+        self._frames = 0                      # frames received (the idle watch compares counts)
         self.team_client = team_client
         self.url, self.team, self.token = url, team, token
         self.preset, self.weights_fingerprint = preset, weights_fingerprint
@@ -305,9 +320,11 @@ class StreamingClient:
             remaining = window - (time.monotonic() - unreachable_since)
             try:
                 async with await transport.connect(self.url, open_timeout=max(remaining, 0.1)) as ws:
-                    delay = self.backoff_s
+                    requests_before = self.stats.requests
                     if await self._session(ws):
                         return
+                    if self.stats.requests > requests_before:  # it played: back off from the start again
+                        delay = self.backoff_s
                     unreachable_since = time.monotonic()
             except transport.ProtocolMismatch as exc:
                 self._finish(WRONG_PROTOCOL, str(exc))
@@ -336,18 +353,24 @@ class StreamingClient:
         self.stats.connections += 1
         self._welcomed, self._refusal = False, None
         self._ws = ws
+        requests_before = self.stats.requests
         heartbeat = asyncio.create_task(self._heartbeat(ws))
+        idle_watch = asyncio.create_task(self._watch_idle(ws))
         try:
             await ws.send(ws.encode(protocol.register(
                 self.team, self.token, preset=self.preset, weights_fingerprint=self.weights_fingerprint,
-                allow_weights_mismatch=self.allow_weights_mismatch)))
+                allow_weights_mismatch=self.allow_weights_mismatch, session_key=self._session_key)))
             async for frame in ws:
+                self._frames += 1
                 self._on_frame(ws, frame)
         except transport.ConnectionClosed:
             pass
         finally:
             heartbeat.cancel()
+            idle_watch.cancel()
             self._ws = None
+        if self.stats.requests > requests_before:
+            self._failures.clear()
         if self.outcome is not None or self._stop.is_set() or self._ended:
             return True
         code, reason = ws.close_code, ws.close_reason
@@ -363,8 +386,34 @@ class StreamingClient:
             self._finish(CUT_SHORT, f"the server closed the session ({code} {reason or 'normal closure'}) "
                                     f"before the end of the stream, after {self._played()} requests answered")
             return True
-        log.warning("connection lost (code %s); reconnecting, states kept", code)
-        return False
+        how = _how_it_ended(ws, self._refusal)
+        log.warning("connection lost (%s); reconnecting, states kept", how[1])
+        return self._gave_up(*how)
+
+    def _gave_up(self, way, said) -> bool:
+        """Note how a connection ended; True (the session over, GAVE_UP) when the last give_up_repeats connections
+        all ended that way with no new request in between."""
+        self._failures.append(way)
+        if len(self._failures) < self.give_up_repeats or len(set(self._failures[-self.give_up_repeats:])) > 1:
+            return False
+        self._finish(GAVE_UP, f"the server failed the same way on {self.give_up_repeats} connections in a row, "
+                              f"with no new request between them: {said}; giving up after {self._played()} "
+                              f"requests answered")
+        return True
+
+    async def _watch_idle(self, ws):
+        """Cut the session short when the server sends nothing, not even a heartbeat, for server_idle_s."""
+        while True:
+            frames, since = self._frames, time.monotonic()
+            while self._frames == frames:
+                idle = time.monotonic() - since
+                if idle >= self.server_idle_s:
+                    self._finish(CUT_SHORT, f"the server sent nothing for {idle:.1f} s (not even a heartbeat) and "
+                                            f"never said the stream was over, after {self._played()} requests "
+                                            f"answered (the limit: --server-idle-s {self.server_idle_s:g})")
+                    ws.abort()  # a server this quiet would not answer a close either
+                    return
+                await asyncio.sleep(min(self.server_idle_s - idle, max(self.server_idle_s / 10, 0.05)))
 
     def _played(self) -> str:
         """How many requests were answered in time, of how many (when the server said)."""
@@ -390,9 +439,8 @@ class StreamingClient:
                 self.stats.add_scores(msg)
             elif kind == "error":
                 self.stats.server_errors += 1
-                if not self._welcomed:  # a refusal of register: the outcome reports it
-                    self._refusal = msg
-                    log.info("server error %s: %s", msg["error"], msg["details"])
+                if not self._welcomed:  # the answer to register: a refusal
+                    self._on_refusal(ws, msg)
                 else:
                     log.warning("server error %s: %s", msg["error"], msg["details"])
             elif kind == "welcome":
@@ -409,8 +457,23 @@ class StreamingClient:
             log.warning("bad message from server: %s", exc)
             self._send(ws, protocol.error("bad_message", str(exc)))
 
+    def _on_refusal(self, ws, msg):
+        """The server refused register: said at once, unless it is a limit that passes (rate, connections, room),
+        which the connect loop tries again (and gives up on when it keeps coming)."""
+        self._refusal = msg
+        log.info("server error %s: %s", msg["error"], msg["details"])
+        if msg["error"] in protocol.REFUSALS_THAT_PASS:
+            return
+        if msg["error"] == "weights_mismatch":
+            self._finish(WEIGHTS_MISMATCH, msg["details"])
+        else:
+            said = msg["error"] + (f": {msg['details']}" if msg["details"] else "")
+            self._finish(REFUSED, f"the server refused this client ({said})")
+        self._spawn(ws.close())
+
     def _on_welcome(self, msg):
         first = self.welcome is None
+        self._session_key = msg.get("session_key", self._session_key)
         self.welcome, self._welcomed = msg, True
         if first and self.on_welcome is not None:
             self.on_welcome(msg)
@@ -607,3 +670,16 @@ class StreamingClient:
             await ws.send(frame)
         except transport.ConnectionClosed:
             pass  # the server resends unanswered requests after the reconnect
+
+
+def _how_it_ended(ws, refusal) -> tuple[tuple, str]:
+    """(the way a lost connection ended, for comparing with the next ones; the way in words)."""
+    if refusal is not None and refusal["error"] in protocol.REFUSALS_THAT_PASS:
+        return ("refused", refusal["error"]), f"it refused the register ({refusal['error']}: {refusal['details']})"
+    if ws.client_close is not None:  # this client closed it: the server broke a rule or a limit
+        code, reason = ws.client_close
+        if code == 1009:
+            return ("client", code), f"it sent {ws.too_big} ({code}: {reason})"
+        return ("client", code), f"this client closed the connection ({code} {reason})"
+    code, reason = ws.close_code, ws.close_reason
+    return ("server", code, reason), f"the connection ended ({code}{' ' + reason if reason else ''})"

@@ -65,6 +65,10 @@ class Connection(ABC):
 
     close_code: int | None = None
     close_reason: str = ""
+    # (code, reason) of a close this client made itself because the server broke a rule or a limit (None: not so),
+    # and the size limit in words, for the close code 1009 (message too big)
+    client_close: tuple[int, str] | None = None
+    too_big: str = "a message over this client's size limit"
 
     @abstractmethod
     def encode(self, msg: dict):
@@ -85,6 +89,10 @@ class Connection(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Close the connection (nothing when it is closed already)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop the connection at once, without a closing handshake (a server that stopped answering)."""
 
     async def __aenter__(self):
         return self
@@ -130,6 +138,8 @@ class TcpJsonConnection(Connection):
     ProtocolError of a line that was not one), since a welcome is made up before the server's first message: the
     original protocol has none, and the runtime takes an error before it for a refusal."""
 
+    too_big = f"a line over this client's limit of {original.MAX_LINE_BYTES / 2**20:g} MiB"
+
     def __init__(self, url, host, port, reader, writer):
         self.url, self.host, self.port = url, host, port
         self._reader, self._writer = reader, writer
@@ -173,6 +183,7 @@ class TcpJsonConnection(Connection):
             try:
                 line = await self._reader.readline()
             except ValueError:  # a line over the limit: what follows cannot be trusted to start a line
+                self.client_close = (1009, f"a line from the server exceeds {original.MAX_LINE_BYTES} bytes")
                 yield ProtocolError(f"a line from the server exceeds {original.MAX_LINE_BYTES} bytes; "
                                     f"closing the connection")
                 await self.close()
@@ -214,3 +225,6 @@ class TcpJsonConnection(Connection):
             await self._writer.wait_closed()
         except OSError:
             pass
+
+    def abort(self) -> None:
+        self._writer.transport.abort()

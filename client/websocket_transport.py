@@ -39,8 +39,15 @@ def _reason(exc) -> str:
 class WebSocketConnection(Connection):
     """Binary websocket frames, each one msgpack map."""
 
+    too_big = f"a frame over this client's limit of {protocol.MAX_FRAME_BYTES / 2**20:g} MiB"
+
     def __init__(self, ws):
         self._ws = ws
+
+    @property
+    def client_close(self):
+        sent, received = self._ws.protocol.close_sent, self._ws.protocol.close_rcvd
+        return (sent.code, sent.reason) if sent is not None and received is None else None
 
     @property
     def close_code(self):
@@ -71,3 +78,6 @@ class WebSocketConnection(Connection):
 
     async def close(self) -> None:
         await self._ws.close()
+
+    def abort(self) -> None:
+        self._ws.transport.abort()

@@ -1,16 +1,38 @@
 """python -m server: run the scoring server, print the summary table at the end."""
-import asyncio
-import json
+import os
 import signal
-import socket
 import sys
 
-from client import cli, event_loop
-from client.model.config import PRESETS
-from server.app import ScoringServer, ServerConfig
-from server.leaderboard import format_table
-from client.constants import ATOL, TARGET_SOURCES
-from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
+
+def _exit_at_ctrl_c(*_):
+    print("python -m server: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)  # not an exception: an import that catches every exception would swallow it and go on
+
+
+def _ctrl_c_exits_until_serving():
+    """Until the event loop takes Ctrl-C over (then it stops cleanly, with what was played so far), Ctrl-C
+    exits at once with one line: nothing is lost while the imports, the model and the targets load. Left alone
+    where Ctrl-C is ignored (a background job)."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _exit_at_ctrl_c)
+
+
+if __name__ == "__main__":
+    _ctrl_c_exits_until_serving()  # first: the imports below take a second or two
+
+import asyncio  # noqa: E402
+import ipaddress  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+
+from client import cli, event_loop  # noqa: E402
+from client.model.config import PRESETS  # noqa: E402
+from server.app import ScoringServer, ServerConfig  # noqa: E402
+from server.identity import load_tokens  # noqa: E402
+from server.leaderboard import format_table  # noqa: E402
+from server.limits import Limits  # noqa: E402
+from client.constants import ATOL, TARGET_SOURCES  # noqa: E402
+from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S  # noqa: E402
 
 PROG = "python -m server"
 
@@ -18,7 +40,7 @@ PROG = "python -m server"
 def parse_args(argv=None) -> ServerConfig:
     parser = cli.ArgumentParser(prog=PROG, description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--port", type=cli.listen_port, default=8765, help="0: any free port")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                         help="model preset of the reference targets")
     weights = parser.add_mutually_exclusive_group()
@@ -34,26 +56,71 @@ def parse_args(argv=None) -> ServerConfig:
     parser.add_argument("--atol", type=float, default=ATOL)
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
     parser.add_argument("--half-life-ms", type=float, default=DEFAULT_HALF_LIFE_MS)
-    parser.add_argument("--token", help="require this token at register")
+    tokens = parser.add_mutually_exclusive_group()
+    tokens.add_argument("--token", help="require this token at register, of every team")
+    tokens.add_argument("--tokens", type=cli.existing_file, metavar="FILE",
+                        help='a token per team: a JSON object {"team": "token", ...}; only those teams play')
     parser.add_argument("--once", action="store_true", help="exit when the first client's stream is scored")
-    parser.add_argument("--json", help="write the summary here")
+    parser.add_argument("--json", type=cli.output_file, help="write the summary here")
     parser.add_argument("--device", help="device of the reference model (default cpu)")
     parser.add_argument("--cache-dir", help="targets cache directory")
     parser.add_argument("--targets", choices=TARGET_SOURCES, default="model",
                         help="score against the weights' fp32 model (default) or the --stream file's own targets; a "
                              "file with targets is compared with the model either way")
+    add_limit_arguments(parser)
     args = parser.parse_args(argv)
     if args.targets == "file" and args.stream is None:
         parser.error("--targets file needs --stream, a file that carries targets")
     try:
+        limits = Limits(max_teams=args.max_teams, max_connections_per_address=args.max_connections_per_address,
+                        registrations_per_s=args.registrations_per_s, registration_burst=args.registration_burst,
+                        max_field_chars=args.max_field_chars, bad_token_delay_s=args.bad_token_delay_s)
         return ServerConfig(host=args.host, port=args.port, preset=args.preset, weights=args.weights,
                             seed=args.seed, stream=args.stream, symbols=args.symbols, requests=args.requests,
                             stream_seed=args.stream_seed, rate=args.rate, speed=args.speed, atol=args.atol,
                             timeout_s=args.timeout_s, half_life_ms=args.half_life_ms, token=args.token,
+                            tokens=load_tokens(args.tokens) if args.tokens else None, limits=limits,
                             once=args.once, json=args.json, device=args.device, cache_dir=args.cache_dir,
                             targets=args.targets, progress=True)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def add_limit_arguments(parser):
+    """What strangers may take of the server (server/limits.py), each with its default."""
+    defaults = Limits()
+    group = parser.add_argument_group("limits")
+    group.add_argument("--max-teams", type=cli.positive_int, default=defaults.max_teams,
+                       help=f"teams the server holds; more are refused (default {defaults.max_teams})")
+    group.add_argument("--max-connections-per-address", type=cli.positive_int,
+                       default=defaults.max_connections_per_address,
+                       help=f"open websocket connections from one address (default "
+                            f"{defaults.max_connections_per_address})")
+    group.add_argument("--registrations-per-s", type=cli.positive_float, default=defaults.registrations_per_s,
+                       help=f"registrations a second from one address, refused or not (default "
+                            f"{defaults.registrations_per_s:g}), after a burst of --registration-burst")
+    group.add_argument("--registration-burst", type=cli.positive_int, default=defaults.registration_burst,
+                       help=f"registrations one address may make at once (default {defaults.registration_burst})")
+    group.add_argument("--max-field-chars", type=cli.positive_int, default=defaults.max_field_chars,
+                       help=f"characters of a register's token, preset, weights fingerprint or session key "
+                            f"(default {defaults.max_field_chars}; a team name is 1..64)")
+    group.add_argument("--bad-token-delay-s", type=float, default=defaults.bad_token_delay_s,
+                       help=f"seconds before a wrong token is answered (default {defaults.bad_token_delay_s:g})")
+
+
+def exposure_warning(config: ServerConfig) -> str | None:
+    """A warning when the server listens beyond this machine and anyone reaching it may register any team."""
+    if config.token is not None or config.tokens is not None:
+        return None
+    try:
+        loopback = ipaddress.ip_address(config.host).is_loopback
+    except ValueError:  # a host name
+        loopback = config.host == "localhost"
+    if loopback:
+        return None
+    return (f"warning: listening on {config.host} without --token or --tokens: anyone who reaches port "
+            f"{config.port} may register a team; give --tokens FILE (a token per team) to a server other "
+            f"machines can reach")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -74,14 +141,23 @@ def check_port_free(host: str, port: int) -> None:
                                f"stop it or choose another --port") from None
 
 
-async def serve(config: ServerConfig):
-    server = ScoringServer(config)
+async def serve(server: ScoringServer) -> int:
+    """Serve until done (--once), Ctrl-C or SIGTERM; print the table; exit code 130 after Ctrl-C, else 0."""
+    config = server.config
     port = await server.start()
     print(f"scoring server listening on ws://{config.host}:{port} (leaderboard http://{config.host}:{port}/; the "
           f"original protocol, newline-delimited JSON over TCP, on the same port: tcp://{config.host}:{port})",
           flush=True)
-    main = asyncio.current_task()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
+    main, loop = asyncio.current_task(), asyncio.get_running_loop()
+    interrupted = []
+
+    def ctrl_c():
+        loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C, while stopping, interrupts at once
+        interrupted.append(True)
+        main.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, main.cancel)
+    loop.add_signal_handler(signal.SIGINT, ctrl_c)
     try:
         if config.once:
             await server.wait_done()
@@ -96,21 +172,26 @@ async def serve(config: ServerConfig):
         if config.json:
             with open(config.json, "w") as f:
                 json.dump(summaries, f, indent=2)
+    return cli.EXIT_INTERRUPTED if interrupted else cli.EXIT_OK
 
 
 def main(argv=None) -> int:
     config = parse_args(argv)
+    warning = exposure_warning(config)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     cli.check_device(config.device)
     check_port_free(config.host, config.port)
-    try:
-        event_loop.run(serve(config))
-    except KeyboardInterrupt:  # Ctrl-C is how a server without --once is stopped: the table is printed
-        pass
-    return cli.EXIT_OK
+    server = ScoringServer(config)
+    # Here, not in a thread of the event loop, so that Ctrl-C stops the (long) preparation of the targets at
+    # once; once serving, it stops the server with the table so far (serve).
+    server.prepare()
+    return event_loop.run(serve(server))
 
 
 def run() -> int:
     """The console script's entry point (pyproject.toml): main with one-line errors and exit codes."""
+    _ctrl_c_exits_until_serving()
     return cli.run_cli(main, PROG)
 
 

@@ -5,22 +5,28 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
 from client import protocol
+from server.identity import Identity
 from server.original import OriginalConnection, sniffing_connections
 from server.leaderboard import leaderboard_row, mark_far_below, render_page
 from client.constants import ATOL, TARGET_SOURCES
+from server.limits import AddressLimits, Limits, field_problem
 from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
-from server.session import TeamSession, send_offsets
+from server.session import TeamSession, send_offsets, summarize
+from server.snapshot import LeaderboardSnapshot
 
 log = logging.getLogger("server")
-MAX_TEAM_NAME = 64
 MAX_ERROR_DETAILS = 500
+# The leaderboard's responses: a page that runs no script, loads nothing and cannot be framed.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; "
+                                           "form-action 'none'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
 
 
 @dataclass
@@ -45,6 +51,8 @@ class ServerConfig:
     cache_dir: str | None = None
     targets: str = "model"  # score against the weights' model, or "file": the stream file's own targets
     token: str | None = None  # when set, register must carry it
+    tokens: dict[str, str] | None = None  # {team: token}: only these teams play, each with its own token
+    limits: Limits = field(default_factory=Limits)
     register_timeout_s: float = 10.0
     heartbeat_s: float = 5.0
     send_stall_s: float | None = None  # None: timeout_s
@@ -71,6 +79,8 @@ class ServerConfig:
             raise ValueError(f"targets must be one of {', '.join(TARGET_SOURCES)}, got {self.targets!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.token is not None and self.tokens is not None:
+            raise ValueError("give one token for every team (--token) or a token per team (--tokens), not both")
 
 
 class ScoringServer:
@@ -86,17 +96,21 @@ class ScoringServer:
         self.weights_fingerprint = weights_fingerprint
         self.targets_comparison = None  # the stream file's own targets against the model's (client.targets)
         self._sessions: dict[str, TeamSession] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}  # team -> its session's run()
         self._background: set[asyncio.Task] = set()
         self._first_registered = asyncio.Event()
         self._first: TeamSession | None = None
         self._original_connections: dict[OriginalConnection, asyncio.Task] = {}
         self.unregistered_errors = 0
         self._server = None
+        self._identity = Identity(config.token, config.tokens)
+        self._addresses = AddressLimits(config.limits)
+        self._leaderboard = LeaderboardSnapshot(self._collect_scores, _build_leaderboard)
 
     # lifecycle ---------------------------------------------------------------------------------
-    def _prepare(self):
-        """Load the reference model, the stream and its targets (through the targets cache)."""
+    def prepare(self):
+        """Load the reference model, the stream and its targets (through the targets cache). start() does it in a
+        thread when it was not done; `python -m server` does it first, in its main thread, where Ctrl-C stops it."""
         from client.model import load_model
         from client.streams import generate_stream, load_stream
         from client.targets import check_targets_source, choose_targets, compute_targets, describe_targets
@@ -128,7 +142,7 @@ class ScoringServer:
     async def start(self) -> int:
         """Prepare the stream and targets, then listen; returns the bound port."""
         if self._stream is None or self._targets is None:
-            await asyncio.to_thread(self._prepare)
+            await asyncio.to_thread(self.prepare)
         stream = self._stream
         self._symbols = np.asarray(stream.symbols).astype(str)
         self._features = np.ascontiguousarray(stream.features, dtype=np.float32)
@@ -162,9 +176,9 @@ class ScoringServer:
         await self._first.ended.wait()
 
     async def stop(self):
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         if self._server is not None:
             # 1000 tells clients the session is over (websockets' own close says 1001, "going away",
             # which a client takes as a reason to reconnect)
@@ -174,6 +188,7 @@ class ScoringServer:
             await asyncio.gather(*self._original_connections.values(), return_exceptions=True)
             self._server.close()
             await self._server.wait_closed()
+        self._leaderboard.close()
 
     # reporting ---------------------------------------------------------------------------------
     @property
@@ -185,27 +200,29 @@ class ScoringServer:
         return [session.summary() for session in self._sessions.values()]
 
     def scores(self) -> dict:
-        teams = mark_far_below(sorted((leaderboard_row(s) for s in self.summaries()), key=lambda row: -row["pnl"]))
+        return _scores(self._collect_scores())
+
+    def _collect_scores(self) -> dict:
+        """What the scores are made of, copied on the event loop (_scores finishes them anywhere)."""
         cfg = self.config
-        return {"time": time.time(), "teams": teams, "unregistered_errors": self.unregistered_errors,
+        return {"time": time.time(), "teams": [session.snapshot() for session in self._sessions.values()],
+                "unregistered_errors": self.unregistered_errors,
                 "stream": {"requests": len(self._symbols), "symbols": self._num_symbols},
                 "model": {"preset": cfg.preset, "weights_fingerprint": self.weights_fingerprint},
                 "targets": {"source": cfg.targets, "file_vs_model": self.targets_comparison},
                 "scoring": {"atol": cfg.atol, "half_life_ms": cfg.half_life_ms, "timeout_s": cfg.timeout_s}}
 
-    def _http(self, connection, request):
+    async def _http(self, connection, request):
         if request.headers.get("Upgrade", "").lower() == "websocket":
             return None
         path = request.path.split("?", 1)[0]
-        if path == "/":
-            response, content_type = connection.respond(200, render_page(self.scores())), "text/html"
-        elif path == "/scores.json":
-            response, content_type = connection.respond(200, json.dumps(self.scores())), "application/json"
-        else:
-            return connection.respond(404, f"not found: {path}; try / or /scores.json\n")
+        if path not in ("/", "/scores.json"):
+            return connection.respond(404, f"not found: {path[:100]}; try / or /scores.json\n")
+        page, data = await self._leaderboard.get()
+        response = connection.respond(200, page if path == "/" else data)
         del response.headers["Content-Type"]
-        response.headers["Content-Type"] = f"{content_type}; charset=utf-8"
-        response.headers["Cache-Control"] = "no-store"
+        response.headers["Content-Type"] = f"{'text/html' if path == '/' else 'application/json'}; charset=utf-8"
+        response.headers.update(PAGE_HEADERS)
         return response
 
     # connections -------------------------------------------------------------------------------
@@ -228,10 +245,22 @@ class ScoringServer:
         return protocol.decode(frame, self.config.max_frame_bytes)
 
     async def _handle(self, ws):
+        address = ws.remote_address[0] if ws.remote_address else "unknown"
+        refusal = self._addresses.connect(address)
+        if refusal is not None:
+            self.unregistered_errors += 1
+            await self._refuse(ws, *refusal)
+            return
+        try:
+            await self._serve_connection(ws, address)
+        finally:
+            self._addresses.disconnect(address)
+
+    async def _serve_connection(self, ws, address):
         session = None
         heartbeats = asyncio.create_task(self._heartbeats(ws))
         try:
-            session = await self._register(ws)
+            session = await self._register(ws, address)
             if session is None:
                 return
             async for frame in ws:
@@ -254,7 +283,17 @@ class ScoringServer:
     async def _send_error(self, ws, code, details):
         await ws.send(protocol.encode(protocol.error(code, details[:MAX_ERROR_DETAILS])))
 
-    async def _register(self, ws):
+    async def _refuse(self, ws, code, details):
+        """Refuse a register (or a connection): the error, then a close saying whether trying again can help."""
+        if code == "bad_token":  # slows down guessing: the connection stays open (and counted) meanwhile
+            await asyncio.sleep(self.config.limits.bad_token_delay_s)
+        try:
+            await self._send_error(ws, code, details)
+            await ws.close(protocol.CLOSE_TRY_AGAIN_LATER if code in protocol.REFUSALS_THAT_PASS else 1008, code)
+        except ConnectionClosed:
+            pass
+
+    async def _register(self, ws, address):
         """Wait for a valid register; answer anything else with an error. None: connection closed."""
         deadline = asyncio.get_running_loop().time() + self.config.register_timeout_s
         while True:
@@ -277,30 +316,47 @@ class ScoringServer:
                 self.unregistered_errors += 1
                 await self._send_error(ws, "not_registered", f"send register first, not {msg['type']}")
                 continue
-            problem = self._register_problem(msg)
+            # the last check, _team_problem, and _attach's new session come with no await between them
+            problem = (self._addresses.register(address) or self._register_problem(msg)
+                       or self._team_problem(msg, ws))
             if problem is not None:
                 self.unregistered_errors += 1
-                await self._send_error(ws, *problem)
-                if problem[0] in ("version_mismatch", "bad_token", "weights_mismatch"):
-                    await ws.close(1008, problem[0])
-                    return None
-                continue
+                await self._refuse(ws, *problem)
+                return None
             return await self._attach(msg, ws)
 
     def _register_problem(self, msg):
+        problem = field_problem(msg, self.config.limits)
+        if problem is not None:
+            return problem
         if msg["protocol"] != protocol.PROTOCOL_VERSION:
             return ("version_mismatch", f"server speaks protocol {protocol.PROTOCOL_VERSION}, "
                                         f"client sent {msg['protocol']}")
-        if self.config.token is not None and msg.get("token") != self.config.token:
-            return ("bad_token", "register token missing or wrong")
         team = msg["team"]
-        if not team or len(team) > MAX_TEAM_NAME or not team.isprintable():
-            return ("bad_team", f"team must be 1..{MAX_TEAM_NAME} printable characters, got {team[:80]!r}")
+        problem = protocol.team_name_problem(team)
+        if problem is not None:
+            return ("bad_team", problem)
+        problem = self._identity.token_problem(team, msg.get("token"))
+        if problem is not None:
+            return problem
         if self._weights_match(msg) is False and not msg.get("allow_weights_mismatch", False):
             # the facts only: the client says what its user can do about them
             return ("weights_mismatch", f"the server plays preset {self.config.preset} with weights "
                                         f"{self.weights_fingerprint}, the client has preset "
                                         f"{msg.get('preset', '?')} with weights {msg['weights_fingerprint']}")
+        return None
+
+    def _team_problem(self, msg, ws):
+        """Whether this register may be its team: a known team only with its session key, a new one if there
+        is room."""
+        team = msg["team"]
+        if team in self._sessions:
+            if isinstance(ws, OriginalConnection) and team == ws.team:
+                return None  # the original protocol names a team after its client's host, which is then its key
+            return self._identity.takeover_problem(team, msg.get("session_key"))
+        if len(self._sessions) >= self.config.limits.max_teams:
+            return ("server_full", f"this server holds its limit of {self.config.limits.max_teams} teams "
+                                   f"(--max-teams); none can join now")
         return None
 
     def _weights_match(self, msg) -> bool | None:
@@ -312,22 +368,29 @@ class ScoringServer:
 
     async def _attach(self, msg, ws):
         team, weights_match = msg["team"], self._weights_match(msg)
-        # first, so that the client hears which model it plays before any request
-        await ws.send(protocol.encode(protocol.welcome(self.config.preset, self.weights_fingerprint,
-                                                       len(self._symbols), self._num_symbols, weights_match)))
         session = self._sessions.get(team)
-        if session is None:
+        if session is None:  # before any await: a second register of the name now finds the team
             cfg = self.config
             session = TeamSession(team, self._symbols, self._features, self._targets, self._offsets,
                                   atol=cfg.atol, half_life_ms=cfg.half_life_ms, timeout_s=cfg.timeout_s,
                                   send_stall_s=cfg.send_stall_s or cfg.timeout_s,
                                   max_requests_per_message=cfg.max_requests_per_message)
             self._sessions[team] = session
-            self._tasks.append(asyncio.create_task(session.run()))
+            self._identity.issue(team)
+            self._tasks[team] = asyncio.create_task(session.run())
             if self._first is None:
                 self._first = session
                 self._first_registered.set()
             log.info("team %r registered", team)
+        # first, so that the client hears which model it plays before any request
+        welcome = protocol.welcome(self.config.preset, self.weights_fingerprint, len(self._symbols),
+                                   self._num_symbols, weights_match, session_key=self._identity.key_of(team))
+        try:
+            await ws.send(protocol.encode(welcome))
+        except ConnectionClosed:
+            if session.connections == 0:  # gone before hearing its key: the name is free again
+                self._drop_team(team)
+            raise
         previous = session.attach(ws, msg.get("weights_fingerprint"), weights_match)
         if session.ended.is_set():  # a team back after its stream ended: nothing more will come
             await session.send(ws, protocol.encode(protocol.end(session.total)))
@@ -336,6 +399,14 @@ class ScoringServer:
             self._background.add(task)  # the loop holds tasks only weakly
             task.add_done_callback(self._background.discard)
         return session
+
+    def _drop_team(self, team):
+        session = self._sessions.pop(team)
+        self._identity.forget(team)
+        self._tasks.pop(team).cancel()
+        if self._first is session:
+            self._first = None
+            self._first_registered.clear()
 
     async def _supersede(self, ws):
         try:
@@ -370,3 +441,14 @@ class ScoringServer:
         except protocol.ProtocolError as exc:
             session.errors += 1
             await self._send_error(ws, "protocol_error", str(exc))
+
+
+def _scores(raw: dict) -> dict:
+    """The leaderboard's data from ScoringServer._collect_scores: each team summarized, best PnL first."""
+    rows = (leaderboard_row(summarize(snapshot)) for snapshot in raw["teams"])
+    return {**raw, "teams": mark_far_below(sorted(rows, key=lambda row: -row["pnl"]))}
+
+
+def _build_leaderboard(raw: dict) -> tuple[str, str]:
+    scores = _scores(raw)
+    return render_page(scores), json.dumps(scores)

@@ -17,6 +17,9 @@ from server.scoring import score_responses
 PENDING, ANSWERED, MISSED, LATE = 0, 1, 2, 3  # LATE: missed, then answered after the timeout
 RECENT_WINDOW_S = 10.0
 MAX_NOTICES, NOTICE_CHARS = 10, 600  # a team's notices kept (the first ones), and the length of each
+# While nobody is connected a session marks what fell due (at its due time) and what was missed this often, not
+# at every request: 64 teams left disconnected at 200 requests/s took a third of the server's core.
+DISCONNECTED_TICK_S = 0.25
 
 
 def send_offsets(num_requests, delay_ms, rate=None, speed=1.0) -> np.ndarray:
@@ -94,9 +97,11 @@ class TeamSession:
             due = int(np.searchsorted(self._offsets, now - self.start, side="right"))
             if due > self.sent:
                 first, self.sent = self.sent, due
-                self._send_time[first:due] = now
                 if self.connection is not None:
+                    self._send_time[first:due] = now
                     await self._send_requests(self.connection, np.arange(first, due), now)
+                else:  # sent, as far as scoring goes, when each fell due
+                    self._send_time[first:due] = self.start + self._offsets[first:due]
             self._reap(self._clock())
             if self.resolved >= self.total:
                 break
@@ -104,6 +109,8 @@ class TeamSession:
             next_miss = (self._send_time[self._reap_cursor] + self._timeout_s
                          if self._reap_cursor < self.sent else math.inf)
             delay = min(next_due, next_miss) - self._clock()
+            if self.connection is None:  # attach() wakes it at once
+                delay = max(delay, DISCONNECTED_TICK_S)
             if delay > 0:
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=delay)
@@ -175,7 +182,7 @@ class TeamSession:
     # receiving ---------------------------------------------------------------------------------
     def handle_response(self, unique_ids, predictions, received):
         """Score one inference_response; returns (score_update message or None, [(error, details)])."""
-        # msgpack carries ids up to 2**64 - 1; any id beyond int64 is unknown anyway
+        # msgpack carries ids up to 2**64 - 1; any id beyond int64 is unknown anyway (-1 here; errors name it as sent)
         ids = np.array([i if -2**63 <= i < 2**63 else -1 for i in unique_ids], dtype=np.int64)
         problems = []
         known = (ids >= 0) & (ids < self.sent)
@@ -187,7 +194,8 @@ class TeamSession:
         accept = known & ~repeated & finite
         if (~known).any():
             self.errors += 1
-            problems.append(("unknown_ids", f"ids never sent to team {self.team!r}: {_few(ids[~known])}"))
+            unknown = [i for i, k in zip(unique_ids, known) if not k]
+            problems.append(("unknown_ids", f"ids never sent to team {self.team!r}: {_few(unknown)}"))
         if repeated.any():
             self.duplicates += int(repeated.sum())
             problems.append(("duplicate_ids", f"ids already answered: {_few(ids[repeated])}"))
@@ -238,15 +246,14 @@ class TeamSession:
         return {"sent": self._send_time.copy(), "latency_ms": self._latency_ms.copy()}
 
     def summary(self, now=None) -> dict:
+        return summarize(self.snapshot(now))
+
+    def snapshot(self, now=None) -> dict:
+        """The summary's raw material, copied (cheap: the event loop calls it); summarize() finishes it anywhere,
+        so that the percentiles of a leaderboard with many teams are computed off the event loop."""
         now = self._clock() if now is None else now
-        latencies = self._latency_ms[self._state == ANSWERED]
-        elapsed = max((self.finished_at or now) - self.start, 1e-9)
         self._forget_before(now - RECENT_WINDOW_S)
         window = min(RECENT_WINDOW_S, max(now - self.start, 1e-9))
-
-        def percentile(q):
-            return float(np.percentile(latencies, q)) if len(latencies) else None
-
         return {
             "team": self.team,
             "requests": self.sent,
@@ -257,13 +264,10 @@ class TeamSession:
             "errors": self.errors,
             "client_errors": self.client_errors,
             "duplicates": self.duplicates,
-            "accuracy": self.correct_towers / (4 * self.responses) if self.responses else 0.0,
-            "latency_ms": {"p50": percentile(50), "p90": percentile(90), "p99": percentile(99),
-                           "mean": float(latencies.mean()) if len(latencies) else None,
-                           "max": float(latencies.max()) if len(latencies) else None},
-            "responses_per_s": self.responses / elapsed,
+            "correct_towers": self.correct_towers,
+            "latencies_ms": self._latency_ms[self._state == ANSWERED],
+            "elapsed_s": max((self.finished_at or now) - self.start, 1e-9),
             "pnl": self.pnl,
-            "pnl_per_response": self.pnl / self.responses if self.responses else 0.0,
             "recent_pnl_per_s": sum(p for _, p in self._recent) / window,
             "connected": self.connection is not None,
             "connections": self.connections,
@@ -283,6 +287,31 @@ class TeamSession:
         return "playing" if self.connection is not None else "disconnected"
 
 
+def summarize(snapshot: dict) -> dict:
+    """A team's summary from its snapshot (TeamSession.snapshot)."""
+    latencies, responses = snapshot["latencies_ms"], snapshot["responses"]
+
+    def percentile(q):
+        return float(np.percentile(latencies, q)) if len(latencies) else None
+
+    counts = ("team", "requests", "total_requests", "responses", "missed", "late", "errors", "client_errors",
+              "duplicates")
+    status = ("connected", "connections", "complete", "state", "weights_fingerprint", "weights_match", "notices",
+              "notices_total")
+    return {
+        **{key: snapshot[key] for key in counts},
+        "accuracy": snapshot["correct_towers"] / (4 * responses) if responses else 0.0,
+        "latency_ms": {"p50": percentile(50), "p90": percentile(90), "p99": percentile(99),
+                       "mean": float(latencies.mean()) if len(latencies) else None,
+                       "max": float(latencies.max()) if len(latencies) else None},
+        "responses_per_s": responses / snapshot["elapsed_s"],
+        "pnl": snapshot["pnl"],
+        "pnl_per_response": snapshot["pnl"] / responses if responses else 0.0,
+        "recent_pnl_per_s": snapshot["recent_pnl_per_s"],
+        **{key: snapshot[key] for key in status},
+    }
+
+
 def _few(ids, limit=10):
-    shown = ", ".join(str(int(i)) for i in ids[:limit])
+    shown = ", ".join(str(int(i)) for i in ids[:limit])  # ints, whatever their size, as the client sent them
     return shown + (f" ... ({len(ids)} in all)" if len(ids) > limit else "")

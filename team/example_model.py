@@ -5,7 +5,25 @@
     python team/example_model.py --preset tiny           # start the project's server in-process and play it
 """
 import os
+import signal
 import sys
+
+
+def _exit_at_ctrl_c(*_):
+    print("team/example_model.py: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)  # not an exception: an import that catches every exception would swallow it and go on
+
+
+def _ctrl_c_exits_until_serving():
+    """Until the event loop takes Ctrl-C over (then it stops cleanly, with what was played so far), Ctrl-C
+    exits at once with one line: nothing is lost while the imports, the model and the targets load. Left alone
+    where Ctrl-C is ignored (a background job)."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _exit_at_ctrl_c)
+
+
+if __name__ == "__main__":
+    _ctrl_c_exits_until_serving()  # first: the imports below take a second or two
 
 # Runnable as a script from anywhere: the repository root holds the `client` and `server` packages.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -14,15 +32,15 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-import signal  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from client import cli, event_loop, team_api  # noqa: E402
+from client import cli, event_loop, protocol, team_api  # noqa: E402
 from client.engine import ENGINES, Engine, make_engine  # noqa: E402
 from client.engine.options import add_engine_arguments, engine_options  # noqa: E402
 from client.engine.base import NUM_TOWERS, PendingStep  # noqa: E402
 from client.model.config import PRESETS  # noqa: E402
+from client.runtime import SERVER_IDLE_S  # noqa: E402
 from client.transport import PROTOCOLS  # noqa: E402
 
 
@@ -105,7 +123,15 @@ OUTCOME_HINTS = {
     "weights_mismatch": "start the client with the server's weights (its --preset and --seed, or --weights), "
                         "or pass --allow-weights-mismatch to play anyway",
     "cut_short": "the summary above covers what was played",
+    "gave_up": "the summary above covers what was played; ask the server's organisers about it",
 }
+
+
+def _team_name(text):
+    problem = protocol.team_name_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def parse_args(argv=None):
@@ -117,7 +143,7 @@ def parse_args(argv=None):
                                 epilog="exit codes:\n" + "\n".join(f"  {code:>3}  {meaning}"
                                                                     for code, meaning in cli.EXIT_CODES.items()))
     parser.add_argument("--host", help="server host; without it, start the project's server in-process")
-    parser.add_argument("--port", type=int, help="server port (required with --host)")
+    parser.add_argument("--port", type=cli.port_number, help="server port (required with --host)")
     parser.add_argument("--protocol", choices=PROTOCOLS, default="websocket",
                         help="the server's protocol: the project's websocket (default) or the original event's "
                              "newline-delimited JSON over TCP (tcp-json); the project's server speaks both")
@@ -134,12 +160,16 @@ def parse_args(argv=None):
     parser.add_argument("--device", help="cuda or cpu (default cuda when present; with --cluster ray the shards' "
                                          "device, default GPUs where the cluster has any)")
     parser.add_argument("--engine", choices=ENGINES, help="default fast on CUDA, else reference")
-    parser.add_argument("--team", default="example")
+    parser.add_argument("--team", type=_team_name, default="example",
+                        help=f"the team's name: 1..{protocol.MAX_TEAM_NAME} printable characters")
     parser.add_argument("--token", help="registration token, if the server wants one")
     parser.add_argument("--symbols", type=int, default=20, help="embedded server: number of symbols")
     parser.add_argument("--requests", type=int, default=1000, help="embedded server: number of requests")
     parser.add_argument("--rate", type=float, help="embedded server: requests/s (default: the stream's gaps)")
-    parser.add_argument("--json", metavar="PATH", help="write this client's summary as JSON")
+    parser.add_argument("--json", metavar="PATH", type=cli.output_file, help="write this client's summary as JSON")
+    parser.add_argument("--server-idle-s", type=cli.positive_float, default=SERVER_IDLE_S, metavar="S",
+                        help=f"leave (exit 6) when the server sends nothing, not even a heartbeat, for S seconds "
+                             f"(default {SERVER_IDLE_S:g}: three of its heartbeats)")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     if args.host is not None and args.port is None:
@@ -259,6 +289,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
         client = StreamingClient(team_client, url, args.team, args.token, preset=args.preset,
                                  weights_fingerprint=fingerprint, allow_weights_mismatch=args.allow_weights_mismatch,
                                  leave_at_end=True, max_requests_per_symbol=args.max_requests_per_symbol,
+                                 server_idle_s=args.server_idle_s,
                                  on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome, engine_text),
                                                                   file=sys.stderr))
         # A lost shard is said in the summary and to the server (its leaderboard), not only on stderr.
@@ -304,6 +335,7 @@ def main(argv=None) -> int:
 
 def run() -> int:
     """The console script's entry point (pyproject.toml): main with one-line errors and exit codes."""
+    _ctrl_c_exits_until_serving()
     return cli.run_cli(main, PROG)
 
 

@@ -570,3 +570,104 @@ def test_a_notice_is_in_the_summary_and_on_the_servers_leaderboard(model):
     assert server_summary["notices"] == [{"code": "state_reset", "text": line}] and server_summary["notices_total"] == 1
     assert f"states reset: {line}" in render_page(scores)
     assert format_table([server_summary]).splitlines()[-1] == f"testers: states reset: {line}"
+
+
+# ------------------------------------------------------------------ hostile servers (issue 21)
+
+def test_a_refusal_is_said_at_once_even_when_the_server_keeps_the_connection_open(model):
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(protocol.encode(protocol.error("bad_team", "a team name is 1..64 printable characters")))
+        await ws.wait_closed()  # an older server: it waits for another register (then times out)
+
+    started = time.monotonic()
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model))))
+    assert time.monotonic() - started < 5
+    assert summary["outcome"] == runtime.REFUSED and summary["connections"] == 1
+    assert summary["detail"] == "the server refused this client (bad_team: a team name is 1..64 printable characters)"
+
+
+def test_a_reconnect_presents_the_session_key_of_the_welcome(model):
+    registers = []
+
+    async def handler(ws):
+        registers.append(protocol.decode(await ws.recv()))
+        await ws.send(protocol.encode(protocol.welcome("tiny", "f00d", 10, 3, True, session_key="k3y")))
+        if len(registers) == 1:
+            ws.transport.abort()  # dropped: the client reconnects
+            return
+        await ws.send(protocol.encode(protocol.end(10)))
+        await ws.wait_closed()
+
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model)), leave_at_end=True))
+    assert "session_key" not in registers[0] and registers[1]["session_key"] == "k3y"
+    assert summary["outcome"] == runtime.COMPLETE
+
+
+def test_a_limit_that_passes_is_tried_again_and_the_session_plays_on(model):
+    symbols, features = _stream(3)
+    recorder, connections = Recorder(), []
+
+    async def handler(ws):
+        connections.append(protocol.decode(await ws.recv()))
+        if len(connections) <= 2:
+            await ws.send(protocol.encode(protocol.error("rate_limited", "too many registrations; try again")))
+            await ws.close(protocol.CLOSE_TRY_AGAIN_LATER, "rate_limited")
+            return
+        await ws.send(_welcome(3))
+        await ws.send(_request([0, 1, 2], symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) == 3)
+        await ws.send(protocol.encode(protocol.end(3)))
+        await ws.wait_closed()
+
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model)), leave_at_end=True))
+    assert summary["outcome"] == runtime.COMPLETE and len(connections) == 3 and recorder.answered() == {0, 1, 2}
+
+
+@pytest.mark.parametrize("break_it, said", [
+    ("huge_frame", "it sent a frame over this client's limit of 4 MiB (1009: frame with 524288000 bytes exceeds "
+                   "limit of 4194304 bytes)"),
+    ("close_1011", "the connection ended (1011 internal error)"),
+    ("rate_limited", "it refused the register (rate_limited: try again later)"),
+])
+def test_a_server_that_fails_the_same_way_on_every_connection_is_given_up(model, break_it, said):
+    symbols, features = _stream(3)
+    connections = []
+
+    async def handler(ws):
+        connections.append(protocol.decode(await ws.recv()))
+        if break_it == "rate_limited":
+            await ws.send(protocol.encode(protocol.error("rate_limited", "try again later")))
+            await ws.close(protocol.CLOSE_TRY_AGAIN_LATER, "rate_limited")
+            return
+        await ws.send(_welcome(10))
+        await ws.send(_request([0, 1, 2], symbols, features))  # the same requests on every connection
+        await asyncio.sleep(0.05)
+        if break_it == "huge_frame":  # a frame header announcing 500 MB
+            ws.transport.write(bytes([0x82, 127]) + (500 * 2**20).to_bytes(8, "big"))
+            await ws.wait_closed()
+        else:
+            await ws.close(1011, "internal error")
+
+    started = time.monotonic()
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model)), give_up_repeats=3))
+    assert time.monotonic() - started < 20
+    assert summary["outcome"] == runtime.GAVE_UP and len(connections) == 3 == summary["connections"]
+    played = "0" if break_it == "rate_limited" else "0 of 10"  # (never welcomed: the stream's length unknown)
+    assert summary["detail"] == (f"the server failed the same way on 3 connections in a row, with no new request "
+                                 f"between them: {said}; giving up after {played} requests answered")
+
+
+def test_a_server_that_falls_silent_without_end_cuts_the_session_short(model):
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_welcome(10))
+        await ws.wait_closed()  # no heartbeat, no request, no end
+
+    started = time.monotonic()
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model)), server_idle_s=0.5))
+    assert time.monotonic() - started < 10
+    assert summary["outcome"] == runtime.CUT_SHORT and summary["connections"] == 1
+    assert summary["detail"].startswith("the server sent nothing for 0.5 s (not even a heartbeat) and never said "
+                                        "the stream was over, after 0 of 10 requests answered (the limit: "
+                                        "--server-idle-s 0.5)")

@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import struct
+import threading
 import urllib.request
 
 import msgpack
@@ -16,6 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from client import protocol
 from client.streams import generate_stream
 from server import ScoringServer, ServerConfig
+from server.limits import Limits
 from server.session import TeamSession, send_offsets
 
 REQUESTS = 60
@@ -57,10 +59,13 @@ async def recv(ws, timeout=5):
 
 
 async def registered(url, team, **register_fields):
-    """A connection registered as team, past the server's welcome."""
+    """A connection registered as team, past the server's welcome; its session_key is the welcome's (what a
+    reconnect presents)."""
     ws = await connect(url)
     await ws.send(protocol.encode(protocol.register(team, **register_fields)))
-    assert (await recv(ws))["type"] == "welcome"
+    welcome = await recv(ws)
+    assert welcome["type"] == "welcome", welcome
+    ws.session_key = welcome["session_key"]
     return ws
 
 
@@ -264,36 +269,37 @@ def test_client_that_never_registers_is_told_and_closed():
     assert reply["error"] == "register_timeout" and unregistered == 1 and summaries == []
 
 
-@pytest.mark.parametrize("register, code, closes", [
-    ({"type": "register", "team": "a", "protocol": protocol.PROTOCOL_VERSION + 1}, "version_mismatch", True),
-    ({"type": "register", "team": "a", "protocol": protocol.PROTOCOL_VERSION, "token": "nope"}, "bad_token", True),
-    ({"type": "register", "team": "a", "protocol": protocol.PROTOCOL_VERSION}, "bad_token", True),
-    ({"type": "register", "team": "", "protocol": protocol.PROTOCOL_VERSION, "token": "s"}, "bad_team", False),
-    ({"type": "register", "team": "a\nb", "protocol": protocol.PROTOCOL_VERSION, "token": "s"}, "bad_team", False),
-    (protocol.register("a", token="s", preset="tiny", weights_fingerprint="0badc0ffee"), "weights_mismatch", True),
+@pytest.mark.parametrize("register, code", [
+    ({"type": "register", "team": "a", "protocol": protocol.PROTOCOL_VERSION + 1}, "version_mismatch"),
+    ({"type": "register", "team": "a", "protocol": protocol.PROTOCOL_VERSION, "token": "nope"}, "bad_token"),
+    ({"type": "register", "team": "a", "protocol": protocol.PROTOCOL_VERSION}, "bad_token"),
+    ({"type": "register", "team": "", "protocol": protocol.PROTOCOL_VERSION, "token": "s"}, "bad_team"),
+    ({"type": "register", "team": "a\nb", "protocol": protocol.PROTOCOL_VERSION, "token": "s"}, "bad_team"),
+    ({"type": "register", "team": "a" * 65, "protocol": protocol.PROTOCOL_VERSION, "token": "s"}, "bad_team"),
+    (protocol.register("a", token="s", preset="tiny", weights_fingerprint="0badc0ffee"), "weights_mismatch"),
+    (protocol.register("a", token="s", weights_fingerprint="f" * 257), "field_too_long"),
 ])
-def test_bad_register_is_refused(register, code, closes):
+def test_bad_register_is_refused_and_closed_at_once(register, code):
     async def main():
-        async with Server(token="s", weights_fingerprint="5e4e4f0f") as s:
+        async with Server(token="s", weights_fingerprint="5e4e4f0f", limits=Limits(bad_token_delay_s=0.1)) as s:
             ws = await connect(s.url)
             await ws.send(protocol.encode(register))
             reply = await recv(ws)
-            if closes:
-                with pytest.raises(ConnectionClosed):
-                    await asyncio.wait_for(ws.recv(), 5)
-            else:  # may still register properly
-                await ws.send(protocol.encode(protocol.register("a", token="s")))
-                assert [(await recv(ws))["type"] for _ in range(2)] == ["welcome", "inference_request"]
-            await ws.close()
-            return reply, s.server.summaries()
-    reply, summaries = run(main())
-    assert reply["error"] == code
-    if closes:
-        assert summaries == []  # a refused client never starts a session
+            with pytest.raises(ConnectionClosed):  # a refusal ends the connection: the client learns at once
+                await asyncio.wait_for(ws.recv(), 5)
+            return reply, ws.close_code, s.server.summaries()
+    reply, close_code, summaries = run(main())
+    assert reply["error"] == code and close_code == 1008  # trying again cannot help
+    assert summaries == []  # a refused client never starts a session
     if code == "version_mismatch":
         assert f"server speaks protocol {protocol.PROTOCOL_VERSION}" in reply["details"]
     if code == "weights_mismatch":  # both fingerprints, so that the client can say which differ
         assert "weights 5e4e4f0f" in reply["details"] and "weights 0badc0ffee" in reply["details"]
+    if code == "bad_team":
+        assert reply["details"].startswith("a team name is 1..64 printable characters, got ")
+    if code == "field_too_long":
+        assert reply["details"] == ("register field 'weights_fingerprint' holds 257 characters; this server takes "
+                                    "at most 256 (--max-field-chars)")
 
 
 def test_reconnect_resends_unanswered_in_order_and_counts_what_was_missed():
@@ -309,7 +315,7 @@ def test_reconnect_resends_unanswered_in_order_and_counts_what_was_missed():
                 pending = await recv(ws)
             await ws.close()
             await asyncio.sleep(timeout_s + 0.1)  # what fell due meanwhile is past the timeout
-            ws = await registered(s.url, "alpha")
+            ws = await registered(s.url, "alpha", session_key=ws.session_key)
             second = asyncio.create_task(play(ws, s.targets))
             await s.server.wait_done()
             await ws.close()
@@ -346,7 +352,7 @@ def test_newer_connection_of_a_team_supersedes_the_older():
         async with Server(rate=100.0) as s:
             old = await registered(s.url, "alpha")
             await recv(old)
-            new = await registered(s.url, "alpha")
+            new = await registered(s.url, "alpha", session_key=old.session_key)
             messages = []
             try:
                 while True:
@@ -461,16 +467,21 @@ def test_leaderboard_over_http_on_the_same_port():
 
             def get(path):
                 with urllib.request.urlopen(f"http://127.0.0.1:{s.port}{path}", timeout=5) as response:
+                    headers.append(response.headers)
                     return response.headers["Content-Type"], response.read().decode()
+            headers = []
             page = await asyncio.to_thread(get, "/")
             scores = await asyncio.to_thread(get, "/scores.json")
             with pytest.raises(urllib.error.HTTPError, match="404"):
                 await asyncio.to_thread(get, "/nope")
             await ws.close()
             await player
-            return page, scores
-    (page_type, page), (json_type, scores) = run(main())
+            return page, scores, headers
+    (page_type, page), (json_type, scores), headers = run(main())
     assert page_type.startswith("text/html") and 'http-equiv="refresh"' in page
+    for response_headers in headers:  # nothing on the page may run, load or be sniffed as another type
+        assert response_headers["Content-Security-Policy"].startswith("default-src 'none'; style-src 'unsafe-inline'")
+        assert response_headers["X-Content-Type-Options"] == "nosniff"
     assert "&lt;b&gt;alpha&lt;/b&gt;" in page and "<b>alpha" not in page  # team names are escaped
     assert json_type.startswith("application/json")
     team = json.loads(scores)["teams"][0]
@@ -499,7 +510,8 @@ def test_welcome_names_the_model_and_the_match_shows_on_the_leaderboard(client_f
             await ws.close()
             return welcome, first, s.server.scores()
     welcome, first, scores = run(main())
-    assert welcome == protocol.welcome("tiny", "5e4e4f0f", REQUESTS, 4, match)
+    assert len(welcome["session_key"]) >= 32  # the team's own: what lets its reconnects take it over
+    assert welcome == protocol.welcome("tiny", "5e4e4f0f", REQUESTS, 4, match, session_key=welcome["session_key"])
     assert first["type"] == "inference_request"
     assert scores["model"] == {"preset": "tiny", "weights_fingerprint": "5e4e4f0f"}
     team = scores["teams"][0]
@@ -521,7 +533,7 @@ def test_end_follows_the_last_score_update_and_greets_a_team_that_comes_back():
             states = [s.summary("alpha")["state"]]
             await ws.close()
             again = await connect(s.url)
-            await again.send(protocol.encode(protocol.register("alpha")))
+            await again.send(protocol.encode(protocol.register("alpha", session_key=ws.session_key)))
             kinds_again = [(await recv(again))["type"] for _ in range(2)]
             await again.close()
             return msg, kinds, kinds_again, states
@@ -595,3 +607,162 @@ def test_pnl_grows_with_correct_towers_and_halves_per_half_life():
                                    half_life_ms=100.0)
     assert correct.tolist() == [4, 3, 3]  # within atol counts, NaN does not
     assert pnl == pytest.approx([1.0, 0.75 * 0.5, 0.75 * 0.25])
+
+
+# ------------------------------------------------------------------ strangers (issue 21): identity and limits
+
+async def refused(url, register, source="127.0.0.1"):
+    """Register on a new connection from `source` (any 127.x address reaches the server); returns (error,
+    close code) of the server's refusal."""
+    ws = await connect(url, local_addr=(source, 0))
+    if register is not None:
+        await ws.send(protocol.encode(register))
+    reply = await recv(ws)
+    with pytest.raises(ConnectionClosed):
+        await asyncio.wait_for(ws.recv(), 5)
+    return reply, ws.close_code
+
+
+def test_a_team_is_taken_over_only_with_its_session_key():
+    async def main():
+        async with Server(rate=20.0) as s:
+            owner = await registered(s.url, "alpha")
+            keyless = await refused(s.url, protocol.register("alpha"))
+            wrong_key = await refused(s.url, protocol.register("alpha", session_key="guessed"))
+            await owner.close()  # gone: the name stays the team's while its session runs
+            gone = await refused(s.url, protocol.register("alpha"))
+            back = await registered(s.url, "alpha", session_key=owner.session_key)
+            first = await recv(back)
+            await back.close()
+            return keyless, wrong_key, gone, back.session_key, owner.session_key, first, s.summary("alpha")
+    keyless, wrong_key, gone, key_again, key, first, summary = run(main())
+    for reply, close_code in (keyless, wrong_key, gone):
+        assert reply["error"] == "team_taken" and close_code == 1008
+        assert reply["details"].startswith("team 'alpha' is registered by another client; only that client's ")
+    assert key_again == key  # the same key for the team's whole session
+    assert first["type"] == "inference_request" and first["unique_ids"][0] == 0  # its own stream, resent
+    assert summary["connections"] == 2
+
+
+def test_per_team_tokens_admit_only_their_teams_and_prove_the_team():
+    async def main():
+        async with Server(tokens={"alpha": "a-secret", "beta": "b-secret"}, rate=5.0,
+                          limits=Limits(bad_token_delay_s=0.01)) as s:
+            owner = await registered(s.url, "alpha", token="a-secret")
+            others_token = await refused(s.url, protocol.register("alpha", token="b-secret"))
+            unlisted = await refused(s.url, protocol.register("gamma", token="a-secret"))
+            restarted = await registered(s.url, "alpha", token="a-secret")  # no key: the token proves the team
+            await restarted.close()
+            await owner.close()
+            return others_token, unlisted, restarted.session_key == owner.session_key
+    others_token, unlisted, same_key = run(main())
+    assert others_token[0]["error"] == "bad_token" and others_token[0]["details"] == (
+        "register token missing or wrong for team 'alpha'")
+    assert unlisted[0]["error"] == "bad_token" and "'gamma' is not in this server's tokens file" in unlisted[0]["details"]
+    assert same_key
+
+
+def test_teams_connections_and_registrations_are_limited_each_with_its_reason():
+    limits = Limits(max_teams=2, max_connections_per_address=3, registrations_per_s=1.0, registration_burst=3,
+                    bad_token_delay_s=0.01)
+
+    async def main():
+        async with Server(limits=limits, rate=5.0) as s:  # (slow: the teams here never read their requests)
+            teams = [await registered(s.url, name) for name in ("alpha", "beta")]
+            full = await refused(s.url, protocol.register("gamma"), source="127.0.0.2")
+            # from 127.0.0.3: three connections open, a fourth is refused before it can say anything
+            held = [await connect(s.url, local_addr=("127.0.0.3", 0)) for _ in range(3)]
+            crowded = await refused(s.url, None, source="127.0.0.3")
+            await held[0].close()
+            await asyncio.sleep(0.05)
+            room_again = await connect(s.url, local_addr=("127.0.0.3", 0))
+            await room_again.send(protocol.encode(protocol.register("beta")))  # a register: team_taken, counted
+            taken = (await recv(room_again))["error"]
+            third = await refused(s.url, protocol.register("alpha"))  # 127.0.0.1's third register: team_taken
+            limited = await refused(s.url, protocol.register("alpha"))  # its fourth within a second
+            for ws in [*teams, *held[1:], room_again]:
+                await ws.close()
+            return full, crowded, taken, third, limited, len(s.server.summaries())
+    full, crowded, taken, third, limited, teams = run(main())
+    assert full[0]["error"] == "server_full" and full[1] == protocol.CLOSE_TRY_AGAIN_LATER
+    assert full[0]["details"] == "this server holds its limit of 2 teams (--max-teams); none can join now"
+    assert crowded[0]["error"] == "too_many_connections" and crowded[1] == protocol.CLOSE_TRY_AGAIN_LATER
+    assert crowded[0]["details"].startswith("3 connections from 127.0.0.3 are open already")
+    assert taken == "team_taken" and third[0]["error"] == "team_taken"
+    assert limited[0]["error"] == "rate_limited" and limited[1] == protocol.CLOSE_TRY_AGAIN_LATER
+    assert limited[0]["details"].startswith("too many registrations from 127.0.0.1: this server takes 1 a second "
+                                            "after a burst of 3 (--registrations-per-s, --registration-burst)")
+    assert teams == 2
+
+
+def test_a_wrong_token_is_answered_late():
+    async def main():
+        async with Server(token="s", limits=Limits(bad_token_delay_s=0.4)) as s:
+            started = asyncio.get_running_loop().time()
+            reply, _ = await refused(s.url, protocol.register("a", token="guess"))
+            return reply, asyncio.get_running_loop().time() - started
+    reply, took = run(main())
+    assert reply["error"] == "bad_token" and took >= 0.4
+
+
+def test_ids_beyond_int64_are_named_as_sent():
+    async def main():
+        async with Server(rate=None, speed=1e6, requests=8) as s:
+            ws = await registered(s.url, "alpha")
+            await recv(ws)
+            await ws.send(protocol.encode({"type": "inference_response", "unique_ids": [2**64 - 1, 2**63],
+                                           "predictions": [[0.0] * 4] * 2, "client_timestamp": 0.0}))
+            reply = await recv(ws)
+            while reply["type"] != "error":
+                reply = await recv(ws)
+            await ws.close()
+            return reply
+    reply = run(main())
+    assert reply["error"] == "unknown_ids"
+    assert reply["details"] == f"ids never sent to team 'alpha': {2**64 - 1}, {2**63}"
+
+
+def test_the_leaderboard_is_built_off_the_event_loop_at_most_once_a_second():
+    async def main():
+        async with Server() as s:
+            ws = await registered(s.url, "alpha")
+            loop_thread = threading.current_thread()
+            built_in = []
+            build = s.server._leaderboard._build
+
+            def recording_build(raw):
+                built_in.append(threading.current_thread())
+                return build(raw)
+            s.server._leaderboard._build = recording_build
+
+            def get(path):
+                with urllib.request.urlopen(f"http://127.0.0.1:{s.port}{path}", timeout=10) as response:
+                    return response.read()
+            pages = await asyncio.gather(*(asyncio.to_thread(get, path) for path in ["/", "/scores.json"] * 10))
+            await ws.close()
+            return loop_thread, built_in, pages
+    loop_thread, built_in, pages = run(main())
+    assert 1 <= len(built_in) <= 2 and loop_thread not in built_in  # 20 requests, one or two builds, in threads
+    assert all(b"alpha" in page for page in pages)
+
+
+def test_a_disconnected_team_costs_the_server_a_few_wakes_a_second():
+    class CountingSession(TeamSession):
+        wakes = 0
+
+        def _reap(self, now):
+            CountingSession.wakes += 1
+            super()._reap(now)
+
+    async def main():
+        stream, targets = make_stream(400)
+        offsets = send_offsets(400, stream.delay_ms, rate=400.0)
+        session = CountingSession("gone", stream.symbols, stream.features, targets, offsets, atol=1e-3,
+                                  half_life_ms=100.0, timeout_s=0.2, send_stall_s=0.2, max_requests_per_message=16)
+        await asyncio.wait_for(session.run(), 5)  # nobody connected: 1 s of requests, all missed
+        return session
+    session = run(main())
+    assert session.sent == session.missed == 400 and session.done.is_set()
+    assert CountingSession.wakes <= 10  # (at every request: 400)
+    times = session.request_times()["sent"]
+    np.testing.assert_allclose(times - session.start, send_offsets(400, None, rate=400.0))  # when each fell due

@@ -97,7 +97,11 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--rate", "0"], "rate must be positive"),
     (["--timeout-s", "-1"], "timeout_s must be positive"),
-    (["--port", "99999"], "port must be in"),
+    (["--port", "99999"], "argument --port: must be a port number in 0..65535, got '99999'"),
+    (["--port", "-1"], "argument --port: must be a port number in 0..65535, got '-1'"),
+    (["--json", "/no/such/folder/out.json"], "argument --json: no such folder: /no/such/folder"),
+    (["--max-teams", "0"], "argument --max-teams: must be a positive integer, got '0'"),
+    (["--token", "a", "--tokens", "README.md"], "not allowed with argument"),
     (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
     (["--requests", "many"], "invalid int value"),
 ])

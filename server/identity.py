@@ -1,0 +1,83 @@
+"""Who may register as which team.
+
+A server may want a token at register: one for everybody (`--token`) or one per team (`--tokens FILE`, a JSON
+object {team: token}; only the teams it names may play). A team that registers gets a session key in its
+welcome; while its session runs, only a register presenting that key takes the team over (the client's own
+reconnect), and anyone else registering the name is refused (team_taken). With per-team tokens the token
+already proves the team, so it takes the team over too (a team's client restarted after a crash).
+"""
+import hmac
+import json
+import secrets
+
+
+def load_tokens(path: str) -> dict[str, str]:
+    """{team: token} from a JSON file holding one object of strings; ValueError in one line otherwise."""
+    from client import protocol
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            tokens = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--tokens {path}: not JSON ({exc.msg} at line {exc.lineno}); write one object "
+                         f'{{"team": "token", ...}}') from None
+    if not isinstance(tokens, dict) or not tokens:
+        raise ValueError(f'--tokens {path}: expected one non-empty JSON object {{"team": "token", ...}}')
+    for team, token in tokens.items():
+        problem = protocol.team_name_problem(team)
+        if problem is not None:
+            raise ValueError(f"--tokens {path}: {problem}")
+        if not isinstance(token, str) or not token:
+            raise ValueError(f"--tokens {path}: the token of team {team!r} must be a non-empty string")
+    return tokens
+
+
+def same_secret(given, expected: str) -> bool:
+    """given == expected, in time independent of where they differ."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+class Identity:
+    """The server's tokens and each team's session key."""
+
+    def __init__(self, token: str | None = None, tokens: dict[str, str] | None = None):
+        if token is not None and tokens is not None:
+            raise ValueError("give one token for every team (--token) or a token per team (--tokens), not both")
+        self.token, self.tokens = token, tokens
+        self._keys: dict[str, str] = {}
+
+    @property
+    def open(self) -> bool:
+        """Whether anyone who reaches the server may register (no token asked)."""
+        return self.token is None and self.tokens is None
+
+    def token_problem(self, team: str, token) -> tuple[str, str] | None:
+        """("bad_token", details) when the register's token is not the one its team needs, else None."""
+        if self.tokens is not None:
+            expected = self.tokens.get(team)
+            if expected is None:
+                return ("bad_token", f"team {team!r} is not in this server's tokens file; ask its organisers")
+            if not same_secret(token, expected):
+                return ("bad_token", f"register token missing or wrong for team {team!r}")
+        elif self.token is not None and not same_secret(token, self.token):
+            return ("bad_token", "register token missing or wrong")
+        return None
+
+    def takeover_problem(self, team: str, session_key) -> tuple[str, str] | None:
+        """None when a register for the known team `team` may take it over (the team's session key, or its own
+        token from the tokens file), else ("team_taken", details)."""
+        if same_secret(session_key, self._keys[team]) or self.tokens is not None:
+            return None
+        return ("team_taken", f"team {team!r} is registered by another client; only that client's reconnects "
+                              f"(with the session key of its welcome) may play it: choose another --team")
+
+    def issue(self, team: str) -> str:
+        """A new team's session key."""
+        key = self._keys[team] = secrets.token_urlsafe(24)
+        return key
+
+    def key_of(self, team: str) -> str:
+        return self._keys[team]
+
+    def forget(self, team: str) -> None:
+        self._keys.pop(team, None)

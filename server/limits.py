@@ -1,0 +1,109 @@
+"""What strangers may take of the server: each limit a flag of `python -m server`, each refusal an error naming it.
+
+Per address (the connecting IP): open websocket connections, and registrations per second (a token bucket:
+`registration_burst` at once, then `registrations_per_s`); every register counts, refused or not, so that
+guessing tokens is as slow as registering. Per server: teams. Per register: the length of its strings.
+"""
+import time
+from dataclasses import dataclass
+
+# Register fields limited by Limits.max_field_chars (the team name has the protocol's own limit).
+LIMITED_FIELDS = ("token", "preset", "weights_fingerprint", "session_key")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_teams: int = 64
+    max_connections_per_address: int = 16
+    registrations_per_s: float = 2.0
+    registration_burst: int = 10
+    max_field_chars: int = 256
+    bad_token_delay_s: float = 1.0  # a wrong token is answered this much later (the connection held meanwhile)
+
+    def __post_init__(self):
+        for name in ("max_teams", "max_connections_per_address", "registrations_per_s", "registration_burst",
+                     "max_field_chars"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.bad_token_delay_s >= 0:
+            raise ValueError(f"bad_token_delay_s must be non-negative, got {self.bad_token_delay_s}")
+
+
+def field_problem(msg: dict, limits: Limits) -> tuple[str, str] | None:
+    """("field_too_long", details) for the first string field of a register over its limit, else None (the team
+    name is checked against the protocol's own limit, client.protocol.team_name_problem)."""
+    for field in LIMITED_FIELDS:
+        value = msg.get(field)
+        if isinstance(value, str) and len(value) > limits.max_field_chars:
+            return ("field_too_long", f"register field {field!r} holds {len(value):,} characters; this server "
+                                      f"takes at most {limits.max_field_chars} (--max-field-chars)")
+    return None
+
+
+class _Address:
+    __slots__ = ("connections", "tokens", "refilled_at")
+
+    def __init__(self, burst, now):
+        self.connections, self.tokens, self.refilled_at = 0, float(burst), now
+
+
+class AddressLimits:
+    """Open connections and registrations of each address."""
+
+    def __init__(self, limits: Limits, clock=time.monotonic):
+        self.limits, self.clock = limits, clock
+        self._addresses: dict[str, _Address] = {}
+
+    def _entry(self, address) -> _Address:
+        entry = self._addresses.get(address)
+        if entry is None:
+            self._forget_idle()
+            entry = self._addresses[address] = _Address(self.limits.registration_burst, self.clock())
+        return entry
+
+    def _forget_idle(self):
+        """Drop addresses with nothing open and a full bucket (they are as new), so the table stays small."""
+        if len(self._addresses) < 1024:
+            return
+        for address in [a for a, e in self._addresses.items() if not e.connections and self._refill(e) >=
+                        self.limits.registration_burst]:
+            del self._addresses[address]
+
+    def _refill(self, entry) -> float:
+        now = self.clock()
+        entry.tokens = min(float(self.limits.registration_burst),
+                           entry.tokens + (now - entry.refilled_at) * self.limits.registrations_per_s)
+        entry.refilled_at = now
+        return entry.tokens
+
+    def connect(self, address) -> tuple[str, str] | None:
+        """Count a new connection of address; a refusal (code, details) when it has its limit open already
+        (then it is not counted)."""
+        entry = self._entry(address)
+        if entry.connections >= self.limits.max_connections_per_address:
+            return ("too_many_connections", f"{entry.connections} connections from {address} are open already, "
+                                            f"the most this server takes from one address "
+                                            f"(--max-connections-per-address); close one and try again")
+        entry.connections += 1
+        return None
+
+    def disconnect(self, address) -> None:
+        entry = self._addresses.get(address)
+        if entry is not None and entry.connections:
+            entry.connections -= 1
+
+    def register(self, address) -> tuple[str, str] | None:
+        """Spend one registration of address; a refusal when its budget is spent."""
+        entry = self._entry(address)
+        if self._refill(entry) < 1.0:
+            wait_s = (1.0 - entry.tokens) / self.limits.registrations_per_s
+            return ("rate_limited", f"too many registrations from {address}: this server takes "
+                                    f"{self.limits.registrations_per_s:g} a second after a burst of "
+                                    f"{self.limits.registration_burst} (--registrations-per-s, "
+                                    f"--registration-burst); try again in {wait_s:.1f} s")
+        entry.tokens -= 1.0
+        return None
+
+    def open_connections(self, address) -> int:
+        entry = self._addresses.get(address)
+        return entry.connections if entry is not None else 0
