@@ -387,8 +387,10 @@ class StreamingClient:
                                     f"before the end of the stream, after {self._played()} requests answered")
             return True
         how = _how_it_ended(ws, self._refusal)
+        if self._gave_up(*how):
+            return True
         log.warning("connection lost (%s); reconnecting, states kept", how[1])
-        return self._gave_up(*how)
+        return False
 
     def _gave_up(self, way, said) -> bool:
         """Note how a connection ended; True (the session over, GAVE_UP) when the last give_up_repeats connections

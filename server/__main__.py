@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     config = parse_args(argv)
     warning = exposure_warning(config)
     if warning:
-        print(warning, file=sys.stderr, flush=True)
+        print(f"{PROG}: {warning}", file=sys.stderr, flush=True)
     cli.check_device(config.device)
     check_port_free(config.host, config.port)
     server = ScoringServer(config)

@@ -152,6 +152,8 @@ class TeamSession:
         """Send one frame; a client that stops reading is cut off after send_stall_s so that the
         server keeps its pace and buffers at most one frame for it."""
         task = asyncio.ensure_future(connection.send(frame))
+        # (should the session be cancelled meanwhile, the send's own end is of no interest: not an unseen error)
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
         done, _ = await asyncio.wait({task}, timeout=self._send_stall_s)
         if not done:
             connection.transport.abort()  # the websockets docs advise closing, not cancelling, a stuck send

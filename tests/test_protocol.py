@@ -70,7 +70,8 @@ def test_score_update_heartbeat_error_roundtrip():
 
 @pytest.mark.parametrize("frame, match", [
     ("{}", "text frame"),
-    (b"\xc1", "malformed msgpack"),
+    (b"\xc1", "malformed msgpack: a byte that begins no msgpack value \\(FormatError\\)$"),  # said, never empty
+    (b"\x92\x01", "malformed msgpack: Unpack failed: incomplete input$"),
     (protocol.encode({"type": "heartbeat", "timestamp": 1}) + b"\x00", "malformed msgpack"),
     (msgpack.packb([1, 2]), "must be a msgpack map"),
     (msgpack.packb({1: 2}), "malformed msgpack"),  # non-string keys
@@ -133,3 +134,20 @@ def test_builders_reject_inconsistent_input():
         protocol.score_update([1, 2], [0.5], [1, 2], [1.0, 2.0])
     with pytest.raises(ProtocolError, match="must be finite"):
         protocol.heartbeat(float("nan"))
+
+
+@pytest.mark.parametrize("team, problem", [
+    ("alpha", None), ("x" * 64, None), ("", "got '' (0 characters)"), ("a\nb", "got 'a\\nb' (3 characters)"),
+    ("x" * 65, "(65 characters)"),
+])
+def test_team_names_are_one_to_64_printable_characters(team, problem):
+    said = protocol.team_name_problem(team)
+    assert said == problem if problem is None else said.startswith("a team name is 1..64 printable characters, ")
+    if problem is not None:
+        assert said.endswith(problem)
+
+
+def test_register_and_welcome_carry_the_session_key():
+    assert roundtrip(protocol.register("a", session_key="k"))["session_key"] == "k"
+    assert roundtrip(protocol.welcome("tiny", "f", 10, 2, True, session_key="k"))["session_key"] == "k"
+    assert "session_key" not in protocol.register("a") and "session_key" not in protocol.welcome("t", "f", 1, 1, None)

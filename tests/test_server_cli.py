@@ -3,14 +3,17 @@ import asyncio
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
 import pytest
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from client import protocol
 from server.__main__ import parse_args
@@ -145,3 +148,70 @@ def test_ordinary_mistakes_are_one_line_errors(tmp_path):
             assert "Traceback" not in result.stderr
             assert lines[-1].startswith(f"python -m server: error: {message}"), result.stderr
             assert all(line.startswith("loading preset") for line in lines[:-1]), result.stderr
+
+
+# ------------------------------------------------------------------ issue 21: Ctrl-C, exposure, tokens file
+
+def test_ctrl_c_stops_the_server_while_it_computes_the_targets(tmp_path):
+    # 100,000 requests over 2 symbols: a minute of targets on a CPU, nothing cached
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", "--symbols", "2", "--requests", "100000",
+                             "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, env=ONE_THREAD,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr.readline().startswith("loading preset tiny")
+    time.sleep(2)  # computing the targets now
+    proc.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - started < 5 and proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "python -m server: interrupted" and "Traceback" not in err
+    assert "listening" not in out
+
+
+def test_ctrl_c_stops_a_serving_server_with_the_table_so_far(tmp_path):
+    out_json = tmp_path / "out.json"
+    proc, port = start_server(["--symbols", "2", "--requests", "400", "--rate", "50", "--json", str(out_json),
+                               "--cache-dir", str(tmp_path / "cache")], tmp_path / "server.log")
+
+    async def play_a_little():
+        async with connect(f"ws://127.0.0.1:{port}") as ws:
+            await ws.send(protocol.encode(protocol.register("partial")))
+            while (msg := protocol.decode(await asyncio.wait_for(ws.recv(), 10)))["type"] != "inference_request":
+                pass
+            proc.send_signal(signal.SIGINT)  # while the team plays
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    await asyncio.wait_for(ws.recv(), 30)
+            return ws.close_code
+    close_code = asyncio.run(play_a_little())
+    table, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and close_code == 1000
+    assert re.search(r"^partial\s+\d+\s+0\s+", table, re.M), table
+    assert [s["team"] for s in json.loads(out_json.read_text())] == ["partial"]
+
+
+def test_a_server_other_machines_reach_without_tokens_is_warned(tmp_path):
+    with socket.socket() as taken:  # a port in use: the server stops right after its checks
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "server", "--host", "0.0.0.0", "--port", str(port)], cwd=ROOT,
+                                env=ONE_THREAD, capture_output=True, text=True, timeout=120)
+    first, last = result.stderr.strip().splitlines()
+    assert first == (f"python -m server: warning: listening on 0.0.0.0 without --token or --tokens: anyone who reaches "
+                     f"port {port} may register a team; give --tokens FILE (a token per team) to a server other "
+                     f"machines can reach")
+    assert last.startswith(f"python -m server: error: cannot listen on 0.0.0.0:{port}") and result.returncode == 2
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not JSON (Expecting property name enclosed in double quotes at line 1)"),
+    ("[]", 'expected one non-empty JSON object {"team": "token", ...}'),
+    ('{"alpha": ""}', "the token of team 'alpha' must be a non-empty string"),
+    ('{"a\\nb": "t"}', "a team name is 1..64 printable characters"),
+])
+def test_a_bad_tokens_file_is_one_line(tmp_path, content, message, capsys):
+    path = tmp_path / "tokens.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit):
+        parse_args(["--tokens", str(path)])
+    assert f"--tokens {path}: {message}" in capsys.readouterr().err

@@ -206,6 +206,12 @@ def test_server_stopping_mid_stream_cuts_the_client_short(tmp_path, targets_cach
     (["--weights", "missing.pt"], "argument --weights: no such file: missing.pt"),
     (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     (["--host", "127.0.0.1"], "--host needs --port"),
+    # checked before the model loads (issue 21): not after the stream, not after a register timeout
+    (["--team", ""], "argument --team: a team name is 1..64 printable characters, got '' (0 characters)"),
+    (["--team", "a\nb"], "argument --team: a team name is 1..64 printable characters, got 'a\\nb' (3 characters)"),
+    (["--team", "x" * 65], "argument --team: a team name is 1..64 printable characters, got "),
+    (["--host", "127.0.0.1", "--port", "-1"], "argument --port: must be a port number in 1..65535, got '-1'"),
+    (["--json", "/no/such/folder/summary.json"], "argument --json: no such folder: /no/such/folder"),
 ])
 def test_ordinary_mistakes_are_one_line(args, message):
     result = subprocess.run([*CLIENT, *args], cwd=REPO, env=ONE_THREAD, capture_output=True, text=True, timeout=120)
@@ -213,6 +219,25 @@ def test_ordinary_mistakes_are_one_line(args, message):
     assert result.stderr.strip() == f"team/example_model.py: error: {message}" + result.stderr.strip().split(
         message, 1)[1]
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_ctrl_c_while_starting_is_one_line():
+    for delay_s in (0.3, 1.0):  # in the imports (torch), then loading the model
+        client = subprocess.Popen([*CLIENT, "--host", "127.0.0.1", "--port", "9"], cwd=REPO, env=ONE_THREAD,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay_s)
+        client.send_signal(signal.SIGINT)
+        _, err = client.communicate(timeout=60)
+        assert client.returncode == 130 and "Traceback" not in err, err
+        assert err.strip().splitlines()[-1] == "team/example_model.py: interrupted"
+
+
+def test_an_engine_option_the_reference_engine_cannot_honour_is_one_line():
+    result = subprocess.run([*CLIENT, "--engine", "reference", "--state-dtype", "fp16"], cwd=REPO, env=ONE_THREAD,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("team/example_model.py: error: --state-dtype fp16 applies to the "
+                                                      "fast engine; the reference engine keeps fp32 state")
 
 
 def test_a_symbol_beyond_the_state_table_is_answered_with_an_error_alone():
