@@ -90,21 +90,23 @@ def add_limit_arguments(parser):
     """What strangers may take of the server (server/limits.py), each with its default."""
     defaults = Limits()
     group = parser.add_argument_group("limits")
-    group.add_argument("--max-teams", type=cli.positive_int, default=defaults.max_teams,
+    group.add_argument("--max-teams", type=cli.positive_int, default=defaults.max_teams, metavar="N",
                        help=f"teams the server holds; more are refused (default {defaults.max_teams})")
-    group.add_argument("--max-connections-per-address", type=cli.positive_int,
+    group.add_argument("--max-connections-per-address", type=cli.positive_int, metavar="N",
                        default=defaults.max_connections_per_address,
                        help=f"open websocket connections from one address (default "
                             f"{defaults.max_connections_per_address})")
     group.add_argument("--registrations-per-s", type=cli.positive_float, default=defaults.registrations_per_s,
+                       metavar="R",
                        help=f"registrations a second from one address, refused or not (default "
                             f"{defaults.registrations_per_s:g}), after a burst of --registration-burst")
     group.add_argument("--registration-burst", type=cli.positive_int, default=defaults.registration_burst,
+                       metavar="N",
                        help=f"registrations one address may make at once (default {defaults.registration_burst})")
-    group.add_argument("--max-field-chars", type=cli.positive_int, default=defaults.max_field_chars,
+    group.add_argument("--max-field-chars", type=cli.positive_int, default=defaults.max_field_chars, metavar="N",
                        help=f"characters of a register's token, preset, weights fingerprint or session key "
                             f"(default {defaults.max_field_chars}; a team name is 1..64)")
-    group.add_argument("--bad-token-delay-s", type=float, default=defaults.bad_token_delay_s,
+    group.add_argument("--bad-token-delay-s", type=float, default=defaults.bad_token_delay_s, metavar="S",
                        help=f"seconds before a wrong token is answered (default {defaults.bad_token_delay_s:g})")
 
 

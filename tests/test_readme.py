@@ -1,0 +1,45 @@
+"""The README keeps up with the code: every option of the server and of the team client is in its section, and
+every test its fault table names exists."""
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def section(title: str) -> str:
+    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def options(command) -> set[str]:
+    result = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", result.stdout)) - {"--help"}
+
+
+@pytest.mark.parametrize("command, title", [
+    (["-m", "server"], "The scoring server"),
+    (["team/example_model.py"], "The team client"),
+])
+def test_every_option_is_in_the_readme(command, title):
+    text = section(title)
+    missing = sorted(option for option in options(command) if not re.search(rf"(?<![\w-]){option}(?![\w-])", text))
+    assert not missing, f"README section {title!r} does not name {', '.join(missing)}"
+
+
+def test_every_test_the_fault_table_names_exists():
+    table = section("Strangers and faults")
+    named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", table)
+    assert len(named) >= 20
+    defined = {}
+    for file, test in named:
+        if file not in defined:
+            tree = ast.parse((ROOT / "tests" / file).read_text())
+            defined[file] = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        assert test in defined[file], f"the README's fault table names {file}::{test}, which does not exist"
