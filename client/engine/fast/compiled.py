@@ -95,10 +95,12 @@ def warm_up(runner, shapes, progress=True) -> float:
             for shape in dict.fromkeys([*family[:len(WARM_UP_BATCHES)], family[-1]])]
     start = time.perf_counter()
     jobs = [(tower, states, shape) for tower, states in zip(runner.towers, runner.tower_states) for shape in warm]
+    live = sys.stderr.isatty()  # a line rewritten in place on a terminal; in a log, a line each
+    rewrite, end = ("\r", "   ") if live else ("", "\n")
     for done, (tower, states, shape) in enumerate(jobs):
         if progress:
-            sys.stderr.write(f"\r[fast engine] compiling the {tower.name} blocks for {shape.rows} rows "
-                             f"({done}/{len(jobs)}, {time.perf_counter() - start:.0f} s)   ")
+            sys.stderr.write(f"{rewrite}[fast engine] compiling the {tower.name} blocks for {shape.rows} rows "
+                             f"({done}/{len(jobs)}, {time.perf_counter() - start:.0f} s){end}")
             sys.stderr.flush()
         with fp32_products():  # the flags the step runs under (StepRunner.__call__): Dynamo guards on them
             tower(torch.zeros(shape.rows, runner.proj, device=runner.device), states,
@@ -107,5 +109,6 @@ def warm_up(runner, shapes, progress=True) -> float:
         torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - start
     if progress:
-        sys.stderr.write(f"\r[fast engine] compiled {len(jobs)} tower steps in {seconds:.1f} s{' ' * 30}\n")
+        sys.stderr.write(f"{rewrite}[fast engine] compiled {len(jobs)} tower steps in {seconds:.1f} s"
+                         f"{' ' * 30 if live else ''}\n")
     return seconds

@@ -30,10 +30,13 @@ MAX_ROWS_PER_SYMBOL = 4  # requests of one symbol a captured step carries (clien
 
 
 def _progress(label):
+    live = sys.stderr.isatty()  # in a log (not a terminal): the last count only, and no carriage returns
+
     def report(done, total):
-        sys.stderr.write(f"\r[fast engine] {label} {done}/{total}")
-        if done == total:
-            sys.stderr.write("\n")
+        if live:
+            sys.stderr.write(f"\r[fast engine] {label} {done}/{total}" + ("\n" if done == total else ""))
+        elif done == total:
+            sys.stderr.write(f"[fast engine] {label} {done}/{total}\n")
     return report
 
 
