@@ -205,3 +205,13 @@ def test_table_options_reach_the_reference_engine(model):
                          state_dtype="fp32")
     described = engine.describe()
     assert (described["capacity"], described["host_symbols"], described["idle_timeout_s"]) == (3, 2, 7.0)
+
+
+def test_a_symbol_several_times_in_a_step_takes_one_place(model):
+    rng = np.random.default_rng(8)
+    x = _features(rng, 4)
+    bounded, unbounded = ReferenceEngine(model, capacity=1, host_symbols=1), ReferenceEngine(model, capacity=4)
+    np.testing.assert_array_equal(bounded.step(["A", "A", "A"], x[:3]), unbounded.step(["A", "A", "A"], x[:3]))
+    np.testing.assert_array_equal(bounded.step(["B", "B"], x[:2]), unbounded.step(["B", "B"], x[:2]))  # A to host
+    assert list(bounded.unplaceable(["A", "B", "A"])) == ["B"]  # two symbols, one place on the device
+    np.testing.assert_array_equal(bounded.step(["A"], x[3:]), unbounded.step(["A"], x[3:]))  # A back, as it was
