@@ -378,9 +378,6 @@ class ScoringServer:
             self._sessions[team] = session
             self._identity.issue(team)
             self._tasks[team] = asyncio.create_task(session.run())
-            if self._first is None:
-                self._first = session
-                self._first_registered.set()
             log.info("team %r registered", team)
         # first, so that the client hears which model it plays before any request
         welcome = protocol.welcome(self.config.preset, self.weights_fingerprint, len(self._symbols),
@@ -391,6 +388,9 @@ class ScoringServer:
             if session.connections == 0:  # gone before hearing its key: the name is free again
                 self._drop_team(team)
             raise
+        if self._first is None:  # the first team welcomed: the one wait_done() (--once) waits for
+            self._first = session
+            self._first_registered.set()
         previous = session.attach(ws, msg.get("weights_fingerprint"), weights_match)
         if session.ended.is_set():  # a team back after its stream ended: nothing more will come
             await session.send(ws, protocol.encode(protocol.end(session.total)))
@@ -401,12 +401,9 @@ class ScoringServer:
         return session
 
     def _drop_team(self, team):
-        session = self._sessions.pop(team)
+        self._sessions.pop(team)
         self._identity.forget(team)
         self._tasks.pop(team).cancel()
-        if self._first is session:
-            self._first = None
-            self._first_registered.clear()
 
     async def _supersede(self, ws):
         try:
