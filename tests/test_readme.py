@@ -20,7 +20,9 @@ def options(command) -> set[str]:
     result = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
-    return set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", result.stdout)) - {"--help"}
+    # each option's own line of the help, indented two spaces ("  --name ..." or "  -h, --help"), not options
+    # named in a help text (its lines are indented further)
+    return set(re.findall(r"^  (?:-\w, )?(--[a-z][a-z-]*)", result.stdout, re.M)) - {"--help"}
 
 
 @pytest.mark.parametrize("command, title", [

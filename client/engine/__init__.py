@@ -1,6 +1,4 @@
 """Engines chosen by --engine: `reference` (fp32, one batched step per micro-batch) and `fast`."""
-import torch
-
 from client.engine.base import Engine, check_step_inputs
 
 ENGINES = ("reference", "fast")
@@ -85,6 +83,8 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
 
 def _check_state_rounding(options) -> None:
     if "state_rounding" in options:
+        import torch
+
         from client.engine.precision import parse_state_dtype
 
         if all(dtype == torch.float32 for dtype in parse_state_dtype(options.get("state_dtype")).values()):
@@ -94,6 +94,8 @@ def _check_state_rounding(options) -> None:
 
 def _check_reference_options(precision, compile, options) -> None:
     """Refuse, in one line, what the reference engine (the fp32 model run eagerly) cannot honour."""
+    import torch
+
     from client.engine.precision import DEFAULT_PRECISION, describe_precision, parse_precision, parse_state_dtype
     from client.engine.precision import resolve_precision
 
