@@ -767,3 +767,27 @@ def test_a_disconnected_team_costs_the_server_a_few_wakes_a_second():
     assert CountingSession.wakes <= 10  # (at every request: 400)
     times = session.request_times()["sent"]
     np.testing.assert_allclose(times - session.start, send_offsets(400, None, rate=400.0))  # when each fell due
+
+
+def test_an_original_protocol_team_is_its_host_and_only_that_host_takes_it_over():
+    """The original protocol registers no name: the server names the team after the client's host, which is then
+    its key. A websocket stranger claiming that name is refused; the host's next connection takes its team back."""
+    async def original_client(port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.6", 0))
+        writer.write(b'{"message_type": "register"}\n')
+        while (msg := json.loads(await asyncio.wait_for(reader.readline(), 10)))["message_type"] == "heartbeat":
+            pass
+        return writer, msg
+
+    async def main():
+        async with Server(rate=20.0) as s:
+            first, first_msg = await original_client(s.port)
+            impostor = await refused(s.url, protocol.register("tcp-json:127.0.0.6"), source="127.0.0.7")
+            again, again_msg = await original_client(s.port)
+            for writer in (first, again):
+                writer.close()
+            return first_msg, impostor, again_msg, s.server.summaries()
+    first_msg, impostor, again_msg, summaries = run(main())
+    assert first_msg["message_type"] == again_msg["message_type"] == "inference_request"
+    assert impostor[0]["error"] == "team_taken"
+    assert [(s["team"], s["connections"]) for s in summaries] == [("tcp-json:127.0.0.6", 2)]
