@@ -186,12 +186,7 @@ class FastEngine(Engine):
     def _wait_pinned(self, progress):
         report = None
         if progress and self.table.host_bytes > 0 and self.device.type == "cuda":
-            gib = self.table.host_bytes / 2**30
-
-            def report(done, total):
-                sys.stderr.write(f"\r[fast engine] pinning the host tier ({gib:.1f} GiB): {done}/{total} slots")
-                if done == total:
-                    sys.stderr.write("\n")
+            report = _progress(f"pinning the host tier ({self.table.host_bytes / 2**30:.1f} GiB): slots")
         self.table.wait_pinned(report)
 
     @staticmethod
