@@ -10,11 +10,11 @@ import hmac
 import json
 import secrets
 
+from client import protocol
+
 
 def load_tokens(path: str) -> dict[str, str]:
     """{team: token} from a JSON file holding one object of strings; ValueError in one line otherwise."""
-    from client import protocol
-
     try:
         with open(path, encoding="utf-8") as f:
             tokens = json.load(f)
@@ -46,11 +46,6 @@ class Identity:
         self.token, self.tokens = token, tokens
         self._keys: dict[str, str] = {}
 
-    @property
-    def open(self) -> bool:
-        """Whether anyone who reaches the server may register (no token asked)."""
-        return self.token is None and self.tokens is None
-
     def token_problem(self, team: str, token) -> tuple[str, str] | None:
         """("bad_token", details) when the register's token is not the one its team needs, else None."""
         if self.tokens is not None:
@@ -71,10 +66,9 @@ class Identity:
         return ("team_taken", f"team {team!r} is registered by another client; only that client's reconnects "
                               f"(with the session key of its welcome) may play it: choose another --team")
 
-    def issue(self, team: str) -> str:
-        """A new team's session key."""
-        key = self._keys[team] = secrets.token_urlsafe(24)
-        return key
+    def issue(self, team: str) -> None:
+        """Give a new team its session key."""
+        self._keys[team] = secrets.token_urlsafe(24)
 
     def key_of(self, team: str) -> str:
         return self._keys[team]

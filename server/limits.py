@@ -103,7 +103,3 @@ class AddressLimits:
                                     f"--registration-burst); try again in {wait_s:.1f} s")
         entry.tokens -= 1.0
         return None
-
-    def open_connections(self, address) -> int:
-        entry = self._addresses.get(address)
-        return entry.connections if entry is not None else 0

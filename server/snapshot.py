@@ -19,7 +19,6 @@ class LeaderboardSnapshot:
         self._rebuild: asyncio.Future | None = None
         # a thread of its own: the loop's default executor may be busy (or full) with other work
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leaderboard")
-        self.builds = 0
 
     async def get(self) -> tuple[str, str]:
         """(page HTML, scores JSON), at most max_age_s old; concurrent callers share one rebuild."""
@@ -35,7 +34,6 @@ class LeaderboardSnapshot:
             raw, started = self._collect(), self._clock()
             self._current = await asyncio.get_running_loop().run_in_executor(self._thread, self._build, raw)
             self._built_at = started
-            self.builds += 1
             return self._current
         finally:
             self._rebuild = None
