@@ -175,6 +175,17 @@ def output_file(text: str) -> str:
     return text
 
 
+def argument_type(parse):
+    """An argparse type from `parse`, which raises ValueError with a one-line message: that message becomes the
+    option's error."""
+    def parse_argument(text):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse_argument
+
+
 def existing_file(text: str) -> str:
     """argparse type: a path that is a file (else the option's error says which)."""
     if not os.path.isfile(text):

@@ -20,7 +20,7 @@ import torch
 
 from client import cli
 from client.engine.options import add_cluster_arguments
-from client.engine.precision import add_precision_argument, parse_precision, parse_state_dtype
+from client.engine.precision import FP32_STATE, add_precision_argument, precision_argument, state_storage_argument
 from client.families import FAMILIES
 from client.model.config import PRESETS
 from client.runtime import PIPELINE_MIN_BATCH
@@ -36,24 +36,6 @@ def _sections(text):
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown sections {unknown}; choose from {','.join(SECTIONS)}")
     return [name for name in SECTIONS if name in names]  # always in the order that shares work sensibly
-
-
-def _state_dtype(text):
-    """A state dtype spec (client/engine/precision.py, parse_state_dtype), optionally ending in ':nearest' or
-    ':stochastic' (the rounding of 16-bit state; stochastic by default)."""
-    spec, _, rounding = text.partition(":")
-    try:
-        parse_state_dtype(spec)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if rounding not in ("", "nearest", "stochastic"):
-        raise argparse.ArgumentTypeError(f"state rounding must be nearest or stochastic, got {rounding!r}")
-    return text
-
-
-def _precision_spec(text):
-    parse_precision(text)  # a bad spec is refused here, in one line
-    return text
 
 
 def _list_of(item, separator=","):
@@ -92,12 +74,12 @@ def parse_args(argv=None):
     parser.add_argument("--long-steps", type=cli.positive_int, help="accuracy suite: steps of the long streams "
                                                                  "(default 10000)")
     add_precision_argument(parser)
-    parser.add_argument("--precisions", type=_list_of(_precision_spec, ";"), default=["auto", "fp16", "bf16", "fp32"],
+    parser.add_argument("--precisions", type=_list_of(precision_argument, ";"), default="auto;fp16;bf16;fp32",
                         help="precisions section: precision specs separated by ';' (default: auto;fp16;bf16;fp32)")
-    parser.add_argument("--state-dtype", type=_state_dtype, default="fp32",
+    parser.add_argument("--state-dtype", type=state_storage_argument, default=FP32_STATE,
                         help="state storage of the other sections' engine, e.g. fp16 or fp16:nearest (default fp32)")
-    parser.add_argument("--state-dtypes", type=_list_of(_state_dtype, ";"),
-                        default=["fp32", "fp16", "fp16:nearest", "bf16", "fp16,retnet=fp16"],
+    parser.add_argument("--state-dtypes", type=_list_of(state_storage_argument, ";"),
+                        default="fp32;fp16;fp16:nearest;bf16;fp16,retnet=fp16",
                         help="state_dtypes section: specs separated by ';' (default "
                              "fp32;fp16;fp16:nearest;bf16;fp16,retnet=fp16)")
     parser.add_argument("--gpus", type=_list_of(cli.positive_int), default=None,

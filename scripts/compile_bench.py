@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from client.engine.precision import Precision, precision_argument
 from client.model import PRESETS
 from scripts.benchmarks.harness import Timer
 
@@ -43,7 +44,7 @@ def log(msg):
 def measure_compile(preset="full", seed=0, device="cuda", batches=BATCHES, iters=200, warmup=20, precision="auto",
                     cache_dir=None) -> dict:
     """The settings, and the results of the children "cold", "warm" and "hand_fused_cold" (measure_in_child).
-    cache_dir: where the fresh cache directories go (default: a temporary directory, removed afterwards)."""
+    precision: a spec (client/engine/precision.py), which each child parses. cache_dir: where the fresh cache directories go (default: a temporary directory, removed afterwards)."""
     settings = dict(preset=preset, seed=seed, device=str(device), batches=list(batches), iters=iters, warmup=warmup,
                     precision=precision)
     both = dict(engines=["compiled", "hand_fused"], time_steps=True)
@@ -77,8 +78,8 @@ def measure_in_child(settings) -> dict:
     device = torch.device(settings["device"])
     batches, iters, warmup = settings["batches"], settings["iters"], settings["warmup"]
     model, _ = load_model(settings["preset"], seed=settings["seed"], device=device)
-    options = dict(precision=settings["precision"], max_batch=max(64, *batches), capacity=sum(batches),
-                   host_symbols=0)  # the symbols fit on the GPU: no host tier to pin
+    options = dict(precision=Precision.parse(settings["precision"]), max_batch=max(64, *batches),
+                   capacity=sum(batches), host_symbols=0)  # the symbols fit on the GPU: no host tier to pin
     engines = {name: FastEngine(model, device, compile=name == "compiled", **options) for name in settings["engines"]}
     result = {"torch": torch.__version__,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -145,7 +146,8 @@ def parse_args(argv=None):
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--precision", default="auto", help="a precision spec (client/engine/precision.py)")
+    parser.add_argument("--precision", type=precision_argument, default="auto",
+                        help="a precision spec (client/engine/precision.py)")
     parser.add_argument("--json", metavar="PATH", help="write the result here")
     parser.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
@@ -159,7 +161,8 @@ def main(argv=None) -> int:
         Path(args.child).write_text(json.dumps(result))
         return 0
     batches = tuple(int(b) for b in args.batches.split(","))
-    result = measure_compile(args.preset, args.seed, args.device, batches, args.iters, args.warmup, args.precision)
+    result = measure_compile(args.preset, args.seed, args.device, batches, args.iters, args.warmup,
+                             args.precision.spec)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     print(summary(result))

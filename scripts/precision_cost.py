@@ -16,21 +16,19 @@ import torch
 
 from client import cli
 from client.engine.fast import FastEngine
-from client.engine.precision import parse_precision
+from client.engine.precision import Precision
 from client.model import PRESETS, load_model
 from scripts.benchmarks.harness import Timer
 
 
-def specs_argument(text):
+def specs_argument(text) -> list[Precision]:
     specs = [spec.strip() for spec in text.split(";")]
     if len(set(specs)) < len(specs):
         raise argparse.ArgumentTypeError(f"a precision spec is given twice in {text!r}")
-    for spec in specs:
-        try:
-            parse_precision(spec)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return specs
+    try:
+        return [Precision.parse(spec) for spec in specs]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def step_ms(engine, slots, features, iters):
@@ -39,12 +37,14 @@ def step_ms(engine, slots, features, iters):
     return float(np.median([timer.time_ms(lambda: engine.step_slots(slots, features)) for _ in range(iters)]))
 
 
-def measure(specs, preset="full", device="cuda", batches=(1, 20, 64), rounds=6, iters=100, warmup=10):
+def measure(precisions, preset="full", device="cuda", batches=(1, 20, 64), rounds=6, iters=100, warmup=10):
     """{spec: {batch: median over rounds of each round's median step ms}}, plus the rounds themselves."""
     model, _ = load_model(preset, seed=0, device=device)
     # each engine holds the largest batch's symbols; a smaller batch steps the first of them
-    engines = {spec: FastEngine(model, device, precision=spec, capacity=max(batches), max_batch=max(batches),
-                                host_symbols=0, progress=False) for spec in specs}
+    engines = {precision.spec: FastEngine(model, device, precision=precision, capacity=max(batches),
+                                          max_batch=max(batches), host_symbols=0, progress=False)
+               for precision in precisions}
+    specs = list(engines)
     slots = {spec: engine.slots_for([f"S{i}" for i in range(max(batches))]) for spec, engine in engines.items()}
     rows = {spec: {b: [] for b in batches} for spec in specs}
     generator = torch.Generator().manual_seed(0)
@@ -75,7 +75,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     cli.check_device(args.device)
     result = measure(args.specs, args.preset, args.device, args.batches, args.rounds, args.iters)
-    base = result["median_ms"][args.specs[0]]
+    base = result["median_ms"][args.specs[0].spec]
     for spec, row in result["median_ms"].items():
         cells = "  ".join(f"B={b} {ms:.3f} ms ({100 * (ms / base[b] - 1):+.1f}%)" for b, ms in row.items())
         print(f"{spec:<48} {cli.format_bytes(result['weight_bytes'][spec]):>9}  {cells}")

@@ -19,6 +19,7 @@ import torch
 from client import cli
 from client.engine.fast import FastEngine
 from client.engine.fast.layers import StepPlan
+from client.engine.precision import Precision
 from client.model import load_model
 
 
@@ -197,10 +198,10 @@ def main(argv=None) -> int:
     (args.out_dir / "top_kernels_B20.txt").write_text(table)
     engines = {"default": engine}
     for spec in args.variant:
-        overrides = dict(kv.split("=") for kv in spec.split(","))
-        skinny = overrides.pop("skinny", None)
+        overrides = [kv for kv in spec.split(",") if not kv.startswith("skinny=")]
+        skinny = next((kv.partition("=")[2] for kv in spec.split(",") if kv.startswith("skinny=")), None)
         variant = FastEngine(model, device="cuda", max_batch=64, capacity=64, host_symbols=0, progress=False,
-                             precision={k: getattr(torch, v) for k, v in overrides.items()})
+                             precision=Precision.parse(",".join(["auto", *overrides])))
         if skinny is not None:  # e.g. skinny=float32+float16, or skinny=none for cuBLAS throughout
             variant.runner.set_skinny([getattr(torch, d) for d in skinny.split("+") if d != "none"])
             variant.graphed.capture()

@@ -15,8 +15,9 @@ import kernels.library  # noqa: F401  (registers the fastens ops)
 from client.engine import make_engine
 from client.engine.fast import FastEngine
 from client.engine.fast import compiled
+from client.engine.precision import FP32_PRECISION
 from client.engine.reference import ReferenceEngine
-from client.model import TOWER_NAMES, load_model
+from client.model import load_model
 from kernels._common import plan
 from kernels.mlstm_input import pack_qkv_weight
 from kernels.skinny_matmul import split_fp16
@@ -26,7 +27,6 @@ from test_kernels import SMALL_DIMS, make_args, slot_args
 REPO = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-FP32 = {name: torch.float32 for name in TOWER_NAMES}
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 # On a CPU Inductor compiles C++: without a compiler FastEngine(compile=True) raises CompileUnavailable (tested
 # below with a stand-in failure), and the engine tests cannot run.
@@ -121,8 +121,8 @@ def test_compiled_engine_in_fp32_matches_the_reference():
     """The compiled glue in fp32 computes the reference's function; the engine compiles up front (B = 1, 2, more)
     and never again, also when states move through the host tier (the same holds for a capture on a GPU)."""
     model, _ = load_model("tiny", seed=1)
-    fast = FastEngine(model, device="cpu", precision=FP32, compile=True, max_batch=6, capacity=3, host_symbols=6,
-                      progress=False)
+    fast = FastEngine(model, device="cpu", precision=FP32_PRECISION, compile=True, max_batch=6, capacity=3,
+                      host_symbols=6, progress=False)
     assert fast.describe()["compile"] and fast.describe()["compile_s"] > 0
     graphs = _graphs()
     err = compare(fast, ReferenceEngine(model, device="cpu"), steps=16)

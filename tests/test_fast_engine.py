@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from client.engine.fast import PAD_SLOT, CapacityError, FastEngine
+from client.engine.precision import DEFAULT_PRECISION, FP32_PRECISION, StateStorage
 from client.engine.reference import ReferenceEngine
-from client.model import TOWER_NAMES, load_model
+from client.model import load_model
 
 REPO = Path(__file__).resolve().parents[1]
-FP32 = {name: torch.float32 for name in TOWER_NAMES}
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -55,7 +55,7 @@ def compare(fast, ref, steps, seed=0, n_symbols=6):
 
 def test_fp32_fast_path_equals_reference_through_the_host_tier():
     model, _ = load_model("tiny", seed=1)
-    fast = FastEngine(model, device="cpu", precision=FP32, capacity=2, host_symbols=8, progress=False)
+    fast = FastEngine(model, device="cpu", precision=FP32_PRECISION, capacity=2, host_symbols=8, progress=False)
     err = compare(fast, ReferenceEngine(model, device="cpu"), steps=40)
     assert err.max() < 2e-5, err.max(0)
     assert fast.table.capacity == 2 and fast.table.stats["offloaded"] > 0 and fast.table.stats["restored"] > 0
@@ -160,7 +160,7 @@ def test_bad_input_touches_no_state():
     assert all(torch.equal(v, before[k]) for k, v in fast.table.tensors.items())
 
 
-@pytest.mark.parametrize("precision, tolerance", [(FP32, 1e-6), (None, 2e-4)])
+@pytest.mark.parametrize("precision, tolerance", [(FP32_PRECISION, 1e-6), (DEFAULT_PRECISION, 2e-4)])
 def test_several_requests_of_a_symbol_in_one_step_equal_one_at_a_time(precision, tolerance):
     """Each symbol's requests of a step advance its state in order: the predictions and the states after are those
     of stepping the requests one at a time (within the rounding of products over other rows: fp32 products, or
@@ -368,7 +368,7 @@ def test_a_slow_return_holds_back_only_its_own_symbol_on_gpu():
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_16_bit_state_stays_close_to_fp32_state(state_dtype, rounding):
     model, _ = load_model("small", seed=6)
-    half = FastEngine(model, device="cpu", capacity=4, state_dtype=state_dtype, state_rounding=rounding,
+    half = FastEngine(model, device="cpu", capacity=4, state_storage=StateStorage.parse(state_dtype, rounding),
                       progress=False)
     full = FastEngine(model, device="cpu", capacity=4, progress=False)
     assert half.state_bytes < 0.75 * full.state_bytes
@@ -382,7 +382,7 @@ def test_16_bit_state_stays_close_to_fp32_state(state_dtype, rounding):
 
 def test_16_bit_state_moves_through_the_host_tier_bit_for_bit():
     model, _ = load_model("tiny", seed=7)
-    options = dict(device="cpu", state_dtype="fp16", state_rounding="stochastic", progress=False)
+    options = dict(device="cpu", state_storage=StateStorage.parse("fp16:stochastic"), progress=False)
     tight = FastEngine(model, capacity=2, host_symbols=6, **options)
     roomy = FastEngine(model, capacity=6, host_symbols=0, **options)
     for chosen, feats in random_steps(8, 40, [f"S{i}" for i in range(6)], max_batch=2):
@@ -390,9 +390,9 @@ def test_16_bit_state_moves_through_the_host_tier_bit_for_bit():
     assert tight.table.stats["restored"] > 0
 
 
-def test_unknown_state_dtype_or_rounding_is_a_clear_error():
+def test_settings_are_values_parsed_where_they_come_in():
     model, _ = load_model("tiny", seed=0)
-    with pytest.raises(ValueError, match="unknown state dtype 'fp8'"):
-        FastEngine(model, device="cpu", state_dtype="fp8", progress=False)
-    with pytest.raises(ValueError, match="state rounding must be nearest or stochastic"):
-        FastEngine(model, device="cpu", state_dtype="fp16", state_rounding="up", progress=False)
+    with pytest.raises(TypeError, match=r"Precision.parse\('bf16'\)"):
+        FastEngine(model, device="cpu", precision="bf16", progress=False)
+    with pytest.raises(TypeError, match=r"StateStorage.parse\('fp16'\)"):
+        FastEngine(model, device="cpu", state_storage="fp16", progress=False)

@@ -5,6 +5,7 @@ import torch
 
 from client.engine.fast import FastEngine
 from client.engine.fast.placement import estimate_ms, place_towers, tower_weight_bytes
+from client.engine.precision import DEFAULT_PRECISION, FP32_PRECISION
 from client.model import TOWER_NAMES, load_model
 
 
@@ -15,21 +16,21 @@ def model():
 
 @pytest.mark.parametrize("gpus", [1, 2, 3, 4, 6])
 def test_every_tower_placed_once_on_at_most_four_devices(model, gpus):
-    placement = place_towers(model, None, gpus)
+    placement = place_towers(model, DEFAULT_PRECISION, gpus)
     assert len(placement) == min(gpus, 4) and all(placement)
     assert sorted(t for group in placement for t in group) == sorted(TOWER_NAMES)
 
 
 def test_placement_minimises_the_slowest_device(model):
     sizes = tower_weight_bytes(model)
-    best = max(estimate_ms(group, sizes) for group in place_towers(model, None, 2))
+    best = max(estimate_ms(group, sizes) for group in place_towers(model, DEFAULT_PRECISION, 2))
     xlstm_alone = estimate_ms(["xlstm"], sizes)
     assert best >= xlstm_alone
     assert best <= max(estimate_ms(["xlstm", "hawk"], sizes), estimate_ms(["mamba2", "retnet"], sizes))
 
 
 def test_weight_bytes_follow_the_precision(model):
-    auto, fp32 = tower_weight_bytes(model), tower_weight_bytes(model, {t: torch.float32 for t in TOWER_NAMES})
+    auto, fp32 = tower_weight_bytes(model), tower_weight_bytes(model, FP32_PRECISION)
     assert auto["retnet"] == fp32["retnet"] and auto["xlstm"] < fp32["xlstm"]
 
 
@@ -50,7 +51,7 @@ def test_bad_device_lists_are_clear_errors(model):
     with pytest.raises(ValueError, match="must all be CUDA GPUs or all the CPU"):
         FastEngine(model, devices=["cpu", "meta"], progress=False)
     with pytest.raises(ValueError, match="number of GPUs must be positive"):
-        place_towers(model, None, 0)
+        place_towers(model, DEFAULT_PRECISION, 0)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

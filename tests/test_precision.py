@@ -1,6 +1,8 @@
-"""--precision: the spec grammar, its one-line errors, and the fast engine at each precision against the fp32
-reference (on the CPU through the kernels' references; the same code path as on a GPU)."""
+"""--precision and --state-dtype: the spec grammars, their one-line errors, the values they parse to, the weight
+groups' one table, and the fast engine at each precision against the fp32 reference (on the CPU through the kernels'
+references; the same code path as on a GPU)."""
 import argparse
+import pickle
 
 import numpy as np
 import pytest
@@ -8,19 +10,22 @@ import torch
 
 from client.engine import make_engine
 from client.engine.fast import FastEngine
-from client.engine.precision import (DEFAULT_PRECISION, add_precision_argument, describe_precision,
-                                     parse_precision, resolve_precision)
+from client.engine.fast.placement import weight_group_of
+from client.engine.options import add_engine_arguments, engine_options
+from client.engine.precision import (DEFAULT_PRECISION, FP32_PRECISION, WEIGHT_GROUPS, Precision, StateStorage,
+                                     add_precision_argument)
 from client.engine.reference import ReferenceEngine
 from client.model import TOWER_NAMES, load_model
 from test_fast_engine import compare
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-AUTO_WITHOUT_HAWK_PARTS = {k: v for k, v in DEFAULT_PRECISION.items() if not k.startswith("hawk.")}
+AUTO = DEFAULT_PRECISION.as_dict()
+AUTO_WITHOUT_HAWK_PARTS = {k: v for k, v in AUTO.items() if not k.startswith("hawk.")}
 
 
 @pytest.mark.parametrize("spec, expected", [
-    ("auto", DEFAULT_PRECISION),
-    (None, DEFAULT_PRECISION),
+    ("auto", AUTO),
+    (None, AUTO),
     ("bf16", dict.fromkeys(TOWER_NAMES, BF16)),
     ("float16", dict.fromkeys(TOWER_NAMES, F16)),
     (" FP32 ", dict.fromkeys(TOWER_NAMES, F32)),
@@ -28,14 +33,15 @@ AUTO_WITHOUT_HAWK_PARTS = {k: v for k, v in DEFAULT_PRECISION.items() if not k.s
     # a tower's own dtype covers all of it: auto's fp32 input_down of Hawk goes too
     ("auto,hawk=bf16,xlstm.mlp=fp32", {**AUTO_WITHOUT_HAWK_PARTS, "hawk": BF16, "xlstm.mlp": F32}),
     ("hawk=bfloat16", {**AUTO_WITHOUT_HAWK_PARTS, "hawk": BF16}),  # overrides alone start from auto
-    ("auto,hawk=bf16,hawk.input_down=fp32", {**DEFAULT_PRECISION, "hawk": BF16}),
+    ("auto,hawk=bf16,hawk.input_down=fp32", {**AUTO, "hawk": BF16}),
     ("fp32,retnet=auto,xlstm.mlp=auto", {**dict.fromkeys(TOWER_NAMES, F32), "xlstm.mlp": F16}),
     ("fp16,xlstm=auto", {**dict.fromkeys(TOWER_NAMES, F16), "xlstm.input_down": F32, "xlstm.mlstm_x": F32,
                          "xlstm.mlstm_qkv": F32}),
     ("fp16,xlstm.mlstm_x=fp32", {**dict.fromkeys(TOWER_NAMES, F16), "xlstm.mlstm_x": F32}),
+    ("fp16,xlstm.mlp=fp16", dict.fromkeys(TOWER_NAMES, F16)),  # a group given its tower's dtype is no exception
 ])
 def test_specs_parse(spec, expected):
-    assert parse_precision(spec) == expected
+    assert Precision.parse(spec).as_dict() == expected
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -52,44 +58,105 @@ def test_specs_parse(spec, expected):
 ])
 def test_bad_specs_are_one_line_errors(spec, match):
     with pytest.raises(ValueError, match=match) as info:
-        parse_precision(spec)
+        Precision.parse(spec)
     assert "\n" not in str(info.value)
 
 
-def test_dict_overrides_are_checked():
-    assert resolve_precision({"retnet": F16}) == {**DEFAULT_PRECISION, "retnet": F16}
-    assert resolve_precision({"hawk": BF16}) == {**AUTO_WITHOUT_HAWK_PARTS, "hawk": BF16}
-    assert resolve_precision({"hawk": BF16, "hawk.input_down": F32})["hawk.input_down"] == F32
-    with pytest.raises(ValueError, match="names no tower"):
-        resolve_precision({"retnt": F32})
-    with pytest.raises(ValueError, match="must be torch.float16"):
-        resolve_precision({"retnet": torch.int8})
-    with pytest.raises(ValueError, match="share one product"):
-        resolve_precision({"xlstm": BF16, "xlstm.mlstm_x": F32})
+def test_a_precision_is_a_value():
+    """Equal by what each weight group gets, whatever the spec said; the spec kept for names; picklable (the
+    sharded engine sends it to its processes)."""
+    spelled_out = Precision.parse("fp16,retnet=fp32,xlstm.input_down=fp32,xlstm.mlstm_x=fp32,xlstm.mlstm_qkv=fp32,"
+                                  "mamba2.input_down=fp32,hawk.input_down=fp32")
+    assert spelled_out == DEFAULT_PRECISION and hash(spelled_out) == hash(DEFAULT_PRECISION)
+    assert spelled_out.spec.startswith("fp16,retnet") and str(DEFAULT_PRECISION) == "auto"
+    assert Precision.parse("bf16") != FP32_PRECISION
+    assert pickle.loads(pickle.dumps(DEFAULT_PRECISION)) == DEFAULT_PRECISION
+    assert DEFAULT_PRECISION.dtype_of("xlstm", "mlstm_x") == F32 and DEFAULT_PRECISION.dtype_of("xlstm", "mlp") == F16
+    assert DEFAULT_PRECISION.dtype_of("retnet") == F32
+    with pytest.raises(KeyError, match="no weight group 'attn'"):
+        DEFAULT_PRECISION.dtype_of("hawk", "attn")
+
+
+def test_weight_groups_are_the_engines_and_the_placements():
+    """The one table of weight groups: the engine's blocks ask for exactly its groups, and each group lies on some
+    weights of the tower's state dict (placement.py counts their bytes)."""
+    model, _ = load_model("tiny", seed=0)
+
+    class Recording(Precision):
+        def dtype_of(self, tower, group=None):
+            asked.setdefault(tower, set()).add(group)
+            return super().dtype_of(tower, group)
+
+    asked = {}
+    FastEngine(model, device="cpu", precision=Recording(DEFAULT_PRECISION.dtypes), capacity=1, progress=False)
+    assert asked == {tower: set(groups) for tower, groups in WEIGHT_GROUPS.items()}
+    keys = list(model.state_dict())
+    for index, tower in enumerate(TOWER_NAMES):
+        found = {weight_group_of(tower, key) for key in keys if key.startswith(f"towers.{index}.")}
+        assert found - {None} == set(WEIGHT_GROUPS[tower]), tower
 
 
 def test_describe_says_what_each_tower_got():
-    assert describe_precision("auto") == ("xlstm fp16 (input_down fp32, mlstm_x fp32, mlstm_qkv fp32), mamba2 fp16 "
-                                          "(input_down fp32), retnet fp32, hawk fp16 (input_down fp32) "
-                                          "(auto: the measured default)")
-    assert describe_precision("bf16,xlstm.mlp=fp32") == "xlstm bf16 (mlp fp32), mamba2 bf16, retnet bf16, hawk bf16"
+    assert DEFAULT_PRECISION.describe() == ("xlstm fp16 (input_down fp32, mlstm_x fp32, mlstm_qkv fp32), mamba2 fp16 "
+                                            "(input_down fp32), retnet fp32, hawk fp16 (input_down fp32) "
+                                            "(auto: the measured default)")
+    assert Precision.parse("bf16,xlstm.mlp=fp32").describe() == ("xlstm bf16 (mlp fp32), mamba2 bf16, retnet bf16, "
+                                                                 "hawk bf16")
 
 
 def test_argparse_option_parses_and_reports_errors_in_one_line(capsys):
     parser = argparse.ArgumentParser()
     add_precision_argument(parser)
     assert parser.parse_args([]).precision == DEFAULT_PRECISION
-    assert parser.parse_args(["--precision", "bf16,retnet=fp32"]).precision["retnet"] == F32
+    assert parser.parse_args(["--precision", "bf16,retnet=fp32"]).precision.dtype_of("retnet") == F32
     with pytest.raises(SystemExit):
         parser.parse_args(["--precision", "fp8"])
     assert "argument --precision: unknown precision 'fp8'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("spec, rounding, dtypes, rounded", [
+    ("fp32", None, (F32, F32, F32), "stochastic"),
+    ("fp16", None, (F16, F16, F32), "stochastic"),  # RetNet's S stays fp32 unless named
+    ("bf16:nearest", None, (BF16, BF16, F32), "nearest"),
+    ("fp16,retnet=fp16", "nearest", (F16, F16, F16), "nearest"),
+    ("float16:stochastic", "stochastic", (F16, F16, F32), "stochastic"),
+])
+def test_state_storage_specs_parse(spec, rounding, dtypes, rounded):
+    storage = StateStorage.parse(spec, rounding)
+    assert tuple(storage.dtype_of(tower) for tower in ("xlstm", "mamba2", "retnet")) == dtypes
+    assert storage.dtype_of("hawk") == F32 and storage.rounding == rounded and storage.spec == spec
+    assert storage.sixteen_bit == (dtypes != (F32, F32, F32))
+
+
+@pytest.mark.parametrize("spec, rounding, match", [
+    ("fp9", None, "unknown state dtype 'fp9'"),
+    ("fp16,hawk=fp16", None, "must read <tower>=<dtype> with a tower of xlstm, mamba2, retnet"),
+    ("fp16:up", None, "state rounding must be nearest or stochastic, got 'up'"),
+    ("fp16", "up", "state rounding must be nearest or stochastic, got 'up'"),
+    ("fp16:nearest", "stochastic", "says nearest rounding, and the rounding given is stochastic"),
+    ("fp32", "nearest", "--state-rounding nearest applies to 16-bit state"),
+    ("fp32:stochastic", None, "--state-rounding stochastic applies to 16-bit state"),
+])
+def test_bad_state_storage_is_a_one_line_error(spec, rounding, match):
+    with pytest.raises(ValueError, match=match):
+        StateStorage.parse(spec, rounding)
+
+
+def test_engine_options_carry_the_parsed_values():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    options = engine_options(parser.parse_args(["--precision", "bf16", "--state-dtype", "fp16",
+                                                "--state-rounding", "nearest"]))
+    assert options["precision"] == Precision.parse("bf16")
+    assert options["state_storage"] == StateStorage.parse("fp16", "nearest")
+    assert engine_options(parser.parse_args([]))["state_storage"] == StateStorage.parse("fp32")
+
+
 def test_reference_engine_refuses_another_precision():
     model, _ = load_model("tiny", seed=0)
-    assert isinstance(make_engine("reference", model, "cpu", precision="fp32"), ReferenceEngine)
+    assert isinstance(make_engine("reference", model, "cpu", precision=FP32_PRECISION), ReferenceEngine)
     with pytest.raises(ValueError, match="applies to the fast engine"):
-        make_engine("reference", model, "cpu", precision="bf16")
+        make_engine("reference", model, "cpu", precision=Precision.parse("bf16"))
 
 
 # Worst error over 40 steps of the small preset seen on the CPU, and the bound kept: bf16 keeps 8 bits of mantissa
@@ -104,10 +171,10 @@ def test_reference_engine_refuses_another_precision():
 ])
 def test_fast_engine_at_each_precision(spec, bound, capsys):
     model, _ = load_model("small", seed=2)
-    fast = FastEngine(model, device="cpu", precision=spec)
-    chosen = parse_precision(spec)
-    assert fast.describe()["precision"] == {k: str(v).removeprefix("torch.") for k, v in chosen.items()}
-    assert describe_precision(chosen) in capsys.readouterr().err  # the ready line says what it chose
+    chosen = Precision.parse(spec)
+    fast = FastEngine(model, device="cpu", precision=chosen)
+    assert fast.describe()["precision"] == {k: str(v).removeprefix("torch.") for k, v in chosen.as_dict().items()}
+    assert chosen.describe() in capsys.readouterr().err  # the ready line says what it chose
     err = compare(fast, ReferenceEngine(model, device="cpu"), steps=40, seed=3, n_symbols=4)
     assert np.isfinite(err).all() and err.max() < bound, err.max(0)
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from client.engine import ENGINES, make_engine
+from client.engine.precision import FP32_STATE, StateStorage
 from client.engine.reference import ReferenceEngine
 from client.model import load_model
 
@@ -188,9 +189,10 @@ def test_default_capacity_on_a_cpu_is_bounded_and_said(model, capsys):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"state_dtype": "fp16"}, "--state-dtype fp16 applies to the fast engine; the reference engine keeps fp32 state"),
-    ({"state_dtype": "fp32,retnet=bf16"}, "--state-dtype fp32,retnet=bf16 applies to the fast engine"),
-    ({"state_rounding": "nearest"}, "--state-rounding nearest applies to 16-bit state"),
+    ({"state_storage": StateStorage.parse("fp16")},
+     "--state-dtype fp16 applies to the fast engine; the reference engine keeps fp32 state"),
+    ({"state_storage": StateStorage.parse("fp32,retnet=bf16")},
+     "--state-dtype fp32,retnet=bf16 applies to the fast engine"),
     ({"split": "symbols"}, "--split symbols applies with --gpus 2 or more"),
     ({"capacity": 4, "state_memory": 0.5}, "capacity or its memory share, not both"),
     ({"state_memory": 0.99}, "--state-memory must be a share in (0, 0.95]"),
@@ -202,7 +204,7 @@ def test_engine_options_the_reference_engine_cannot_honour_are_refused(model, op
 
 def test_table_options_reach_the_reference_engine(model):
     engine = make_engine("reference", model, "cpu", capacity=3, host_symbols=2, idle_timeout_s=7.0,
-                         state_dtype="fp32")
+                         state_storage=FP32_STATE)
     described = engine.describe()
     assert (described["capacity"], described["host_symbols"], described["idle_timeout_s"]) == (3, 2, 7.0)
 

@@ -8,12 +8,11 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from websockets.asyncio.server import serve
 
 from client import protocol
 from client.engine.reference import ReferenceEngine
-from client.model import TOWER_NAMES, load_model
+from client.model import load_model
 from client import runtime
 from client.runtime import ClientStats, StreamingClient
 from team.example_model import ExampleModel
@@ -203,13 +202,14 @@ def test_a_symbol_whose_state_is_on_its_way_waits_alone_and_in_order(model):
     while the other symbols are answered, and COLD's requests are answered in order once its state is back; every
     answer is the one of stepping each symbol's requests one at a time."""
     from client.engine.fast import FastEngine
+    from client.engine.precision import FP32_PRECISION
 
     names = ["COLD", "SYM_000", "SYM_001"]
     symbols = [names[i % 3] for i in range(12)]
     features = np.random.default_rng(3).standard_normal((12, 79)).astype(np.float32)
     warm = np.random.default_rng(4).standard_normal((3, 79)).astype(np.float32)
-    engine = FastEngine(model, device="cpu", precision={name: torch.float32 for name in TOWER_NAMES}, capacity=3,
-                        host_symbols=3, reserve=1, progress=False)
+    engine = FastEngine(model, device="cpu", precision=FP32_PRECISION, capacity=3, host_symbols=3, reserve=1,
+                        progress=False)
     engine.step(["COLD"], warm[:1])
     engine.step(["SYM_000", "SYM_001"], warm[1:])  # COLD, least recently used, moves out to keep a slot free
     assert list(engine.table.offloaded) == ["COLD"]

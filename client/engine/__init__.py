@@ -13,9 +13,9 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
                 spec=None, cluster=None, ray_address=None, shards=None, on_shard_loss=None,
                 max_rows_per_symbol=None, progress=True, **table_options) -> Engine:
     """table_options: the state table's capacity or state_memory, host_symbols and idle_timeout_s (both engines),
-    and the fast engine's state_dtype and state_rounding; None means the engine's default. precision (a spec or
-    {tower: dtype}: client/engine/precision.py) and compile are the fast engine's; the reference engine is the fp32
-    model run eagerly, and refuses any other precision, compile or 16-bit state. gpus > 1 spreads the fast engine
+    and the fast engine's state_storage (a StateStorage: client/engine/precision.py); None means the engine's
+    default. precision (a Precision, None for the default) and compile are the fast engine's; the reference engine
+    is the fp32 model run eagerly, and refuses any other precision, compile or 16-bit state. gpus > 1 spreads the fast engine
     over that many GPUs: split "towers" (the default) in this process, "symbols" in a process per GPU that loads
     the model from `spec` (client.engine.sharded.ModelSpec). max_rows_per_symbol: requests of one symbol the fast
     engine's captured steps carry (more run as several steps); the reference engine steps any number. cluster
@@ -35,7 +35,6 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
         raise ValueError("a sharded engine needs the model's spec (preset and weights) for its shards")
     if split is not None and gpus == 1:
         raise ValueError(f"--split {split} applies with --gpus 2 or more")
-    _check_state_rounding(options)
     if name == "reference":
         _check_reference_options(precision, compile, options)
     if cluster == "ray":
@@ -75,40 +74,28 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
                                      options=_shard_options(name, precision, compile, options))
             return ShardedEngine(started, on_shard_loss=on_shard_loss or "error", progress=progress,
                                  transport="process")
+        from client.engine.precision import DEFAULT_PRECISION
+
         devices = [f"cuda:{i}" for i in range(gpus)] if gpus > 1 else None
-        return FastEngine(model, device=device, devices=devices, precision=precision, compile=compile,
-                          progress=progress, **options)
+        return FastEngine(model, device=device, devices=devices, compile=compile, progress=progress,
+                          precision=DEFAULT_PRECISION if precision is None else precision, **options)
     raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
-
-
-def _check_state_rounding(options) -> None:
-    if "state_rounding" in options:
-        import torch
-
-        from client.engine.precision import parse_state_dtype
-
-        if all(dtype == torch.float32 for dtype in parse_state_dtype(options.get("state_dtype")).values()):
-            raise ValueError(f"--state-rounding {options['state_rounding']} applies to 16-bit state (--state-dtype "
-                             f"fp16 or bf16); fp32 state is not rounded")
 
 
 def _check_reference_options(precision, compile, options) -> None:
     """Refuse, in one line, what the reference engine (the fp32 model run eagerly) cannot honour."""
-    import torch
-
-    from client.engine.precision import DEFAULT_PRECISION, describe_precision, parse_precision, parse_state_dtype
-    from client.engine.precision import resolve_precision
+    from client.engine.precision import DEFAULT_PRECISION, FP32_PRECISION, FP32_STATE
 
     if compile:
         raise ValueError("--compile applies to the fast engine; the reference engine runs the fp32 model eagerly")
-    if precision is not None and resolve_precision(precision) not in (DEFAULT_PRECISION, parse_precision("fp32")):
-        raise ValueError(f"--precision {describe_precision(precision)} applies to the fast engine; the reference "
-                         f"engine is the fp32 model")
-    state_dtype = options.get("state_dtype", "fp32")
-    if any(dtype != torch.float32 for dtype in parse_state_dtype(state_dtype).values()):
-        raise ValueError(f"--state-dtype {state_dtype} applies to the fast engine; the reference engine keeps fp32 "
+    if precision is not None and precision not in (DEFAULT_PRECISION, FP32_PRECISION):
+        raise ValueError(f"--precision {precision.describe()} applies to the fast engine; the reference engine is "
+                         f"the fp32 model")
+    storage = options.get("state_storage", FP32_STATE)
+    if storage.sixteen_bit:
+        raise ValueError(f"--state-dtype {storage.spec} applies to the fast engine; the reference engine keeps fp32 "
                          f"state")
-    unknown = sorted(set(options) - set(TABLE_OPTIONS) - {"state_dtype"})
+    unknown = sorted(set(options) - set(TABLE_OPTIONS) - {"state_storage"})
     if unknown:
         raise TypeError(f"make_engine got options no engine takes: {', '.join(unknown)}")
 

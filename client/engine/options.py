@@ -19,7 +19,7 @@ import argparse
 import math
 
 from client.cli import positive_int
-from client.engine.precision import add_precision_argument, parse_state_dtype
+from client.engine.precision import FP32_STATE, ROUNDINGS, add_precision_argument, state_storage_argument
 from client.engine.sharded import ON_SHARD_LOSS
 from client.scheduler import DEFAULT_MAX_PER_SYMBOL
 
@@ -45,14 +45,6 @@ def _seconds(text):
     return value
 
 
-def _state_dtype(text):
-    try:
-        parse_state_dtype(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
 def add_engine_arguments(parser):
     """The engines' options, in a group of their own."""
     group = parser.add_argument_group("engine (the state table's options apply to both engines)")
@@ -70,10 +62,10 @@ def add_engine_arguments(parser):
                             "holds; 0 on the CPU and for the reference engine)")
     group.add_argument("--idle-timeout", type=_seconds, metavar="S",
                        help="forget a symbol idle this many seconds (default: never)")
-    group.add_argument("--state-dtype", type=_state_dtype, default="fp32", metavar="SPEC",
+    group.add_argument("--state-dtype", type=state_storage_argument, default=FP32_STATE, metavar="SPEC",
                        help="matrix state storage: fp32 (default), fp16 or bf16 (xLSTM and Mamba2; "
                             "'fp16,retnet=fp16' for RetNet too)")
-    group.add_argument("--state-rounding", choices=("stochastic", "nearest"),
+    group.add_argument("--state-rounding", choices=ROUNDINGS,
                        help="how 16-bit state is rounded (default stochastic)")
     group.add_argument("--gpus", type=lambda t: _count(t, "--gpus", 1), default=1, metavar="N",
                        help="spread the engine over the first N GPUs (default 1)")
@@ -109,8 +101,9 @@ def add_cluster_arguments(parser, cluster_help):
 
 def engine_options(args) -> dict:
     """make_engine's keyword arguments from the parsed options."""
+    storage = args.state_dtype if args.state_rounding is None else args.state_dtype.with_rounding(args.state_rounding)
     return {"precision": args.precision, "compile": args.compile, "state_memory": args.state_memory,
             "capacity": args.state_slots, "host_symbols": args.host_symbols, "idle_timeout_s": args.idle_timeout,
-            "state_dtype": args.state_dtype, "state_rounding": args.state_rounding, "gpus": args.gpus,
-            "split": args.split, "max_rows_per_symbol": args.max_requests_per_symbol, "cluster": args.cluster,
+            "state_storage": storage, "gpus": args.gpus, "split": args.split,
+            "max_rows_per_symbol": args.max_requests_per_symbol, "cluster": args.cluster,
             "ray_address": args.ray_address, "shards": args.shards, "on_shard_loss": args.on_shard_loss}

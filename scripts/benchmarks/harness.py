@@ -115,7 +115,6 @@ def measure_steps(engine, bench, bandwidth, batches=BATCH_SIZES):
     several GPUs, the slowest GPU's: its towers' weights and state)."""
     symbols = step_symbols()
     generator = torch.Generator(device=bench.device).manual_seed(bench.args.seed)
-    shards = getattr(engine, "shards", None) or []
     counts, timer = bench.counts, bench.timer
     results = {}
     for batch in batches:
@@ -125,9 +124,9 @@ def measure_steps(engine, bench, bandwidth, batches=BATCH_SIZES):
             engine.step_slots(slots, features)
         median, p99 = median_p99([timer.time_ms(lambda: engine.step_slots(slots, features))
                                   for _ in range(counts.step_iters)])
-        if len(shards) > 1:
+        if len(engine.shards) > 1:
             floor = max(shard.runner.weight_bytes + 2 * batch * part.slot_bytes
-                        for shard, part in zip(shards, engine.table.parts)) / bandwidth * 1000.0
+                        for shard, part in zip(engine.shards, engine.table.parts)) / bandwidth * 1000.0
         else:
             floor = (engine.weight_bytes + 2 * batch * engine.state_bytes) / bandwidth * 1000.0
         results[str(batch)] = {"median": median, "p99": p99, "floor": floor}
@@ -166,12 +165,6 @@ def measure_step_rows(engine, bench, bandwidth):
                            f"{floor:.3f} ms; {1000 * g * k / median:.0f} requests/s at this shape")
     engine.release(symbols)
     return results
-
-
-def state_options(text) -> dict:
-    """The engine options of a --state-dtype value: a state dtype spec, optionally ':nearest' or ':stochastic'."""
-    spec, _, rounding = text.partition(":")
-    return {"state_dtype": spec, "state_rounding": rounding or "stochastic"}
 
 
 class Bench:
@@ -216,13 +209,18 @@ class Bench:
                           f"{self._bandwidth / 1e9:.1f} GB/s")
         return self._bandwidth
 
+    def record(self, key, result):
+        """A section's result under `key` in the report, and in the progress log."""
+        self.report.update(**{key: result})
+        self.progress(f"{key}: {result}")
+
     def build_engine(self, **options):
         """A fast engine of the run's settings, `options` on top (capacity: symbols it holds on the GPU; no host
         tier unless host_symbols says: a host tier is pinned at start)."""
         from client.engine.fast import FastEngine
 
         settings = {"max_batch": MAX_BATCH, "max_rows_per_symbol": self.args.max_requests_per_symbol,
-                    "precision": self.args.precision, **state_options(self.args.state_dtype),
+                    "precision": self.args.precision, "state_storage": self.args.state_dtype,
                     "capacity": MAX_BATCH, "host_symbols": 0, "progress": False, **options}
         begin = time.monotonic()
         engine = FastEngine(self.model, self.device, **settings)
@@ -275,11 +273,9 @@ class Bench:
 
     def symbols_at_budget(self, engine, share) -> int:
         """Symbols the engine's state table would hold at `share` of the memory free without it."""
-        from client.engine.fast.state_table import slot_layout
-
         if self.device.type != "cuda":
             return engine.table.capacity
-        slot_bytes = sum(slot_layout(part.layout)[1] for part in engine.table.parts)
+        slot_bytes = sum(part.slot_bytes for part in engine.table.parts)
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(share * (free + (engine.table.capacity + 1) * slot_bytes)) // slot_bytes - 1
 

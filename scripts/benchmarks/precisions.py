@@ -1,6 +1,5 @@
 """Section precisions: per weight precision of --precisions, what it chose, its step time and its accuracy."""
 from client.accuracy import format_table
-from client.engine.precision import describe_precision
 from scripts.benchmarks.harness import MAX_BATCH, SHORT_BATCHES, measure_steps
 from scripts.benchmarks.report import gate_line, step_cells
 
@@ -9,9 +8,10 @@ def run(bench):
     """Per weight precision: what it chose, its step time at B = 1, 20, 64 and its accuracy on every family."""
     bandwidth, suite = bench.copy_bandwidth(), bench.suite
     results = {}
-    for name in bench.args.precisions:
-        engine = bench.build_engine(precision=name, capacity=max(suite.symbols, MAX_BATCH))
-        row = {"precision": describe_precision(engine.runner.precision),
+    for precision in bench.args.precisions:
+        name = precision.spec
+        engine = bench.build_engine(precision=precision, capacity=max(suite.symbols, MAX_BATCH))
+        row = {"precision": precision.describe(),
                "step_ms": measure_steps(engine, bench, bandwidth, SHORT_BATCHES),
                "accuracy": suite.measure(engine, prefix=f"{name}/")}
         results[name] = row

@@ -1,6 +1,6 @@
 """Section state_dtypes: per state storage of --state-dtypes, the symbols it holds, its step time and accuracy."""
 from client.accuracy import format_table
-from scripts.benchmarks.harness import MAXRATE_SYMBOLS, SHORT_BATCHES, measure_steps, state_options
+from scripts.benchmarks.harness import MAXRATE_SYMBOLS, SHORT_BATCHES, measure_steps
 from scripts.benchmarks.report import gate_line, step_cells
 
 
@@ -11,15 +11,16 @@ def run(bench):
 
     bandwidth, suite = bench.copy_bandwidth(), bench.suite
     results = {}
-    for state_dtype in bench.args.state_dtypes:
-        engine = bench.build_engine(**state_options(state_dtype), capacity=max(suite.symbols, MAXRATE_SYMBOLS))
+    for storage in bench.args.state_dtypes:
+        name = storage.spec
+        engine = bench.build_engine(state_storage=storage, capacity=max(suite.symbols, MAXRATE_SYMBOLS))
         row = {"state_bytes_per_symbol": engine.state_bytes,
                "symbols_at_budget": bench.symbols_at_budget(engine, STATE_MEMORY),
                "step_ms": measure_steps(engine, bench, bandwidth, SHORT_BATCHES),
-               "accuracy": suite.measure(engine, prefix=f"state-{state_dtype}/")}
-        results[state_dtype] = row
+               "accuracy": suite.measure(engine, prefix=f"state-{name}/")}
+        results[name] = row
         bench.report.update(state_dtypes=results)
-        bench.progress(f"state {state_dtype}: {row['symbols_at_budget']} symbols at {STATE_MEMORY:.0%} of free "
+        bench.progress(f"state {name}: {row['symbols_at_budget']} symbols at {STATE_MEMORY:.0%} of free "
                        f"memory\n" + format_table(row["accuracy"]))
         bench.drop(engine)
     return results

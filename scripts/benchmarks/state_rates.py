@@ -1,6 +1,5 @@
 """Section state_rates: the highest rate over 64 symbols for each 16-bit state storage of --state-dtypes."""
-from client.engine.precision import parse_state_dtype
-from scripts.benchmarks.harness import MAXRATE_SYMBOLS, state_options
+from scripts.benchmarks.harness import MAXRATE_SYMBOLS
 from scripts.benchmarks.serving import search_max_rate
 
 
@@ -9,19 +8,19 @@ def run(bench):
     section's)."""
     bench.close_engine()
     results, rated = {}, set()
-    for state_dtype in bench.args.state_dtypes:
-        if parse_state_dtype(state_dtype.partition(":")[0]) == parse_state_dtype("fp32"):
+    for storage in bench.args.state_dtypes:
+        if not storage.sixteen_bit:
             continue
-        engine = bench.build_engine(**state_options(state_dtype), capacity=MAXRATE_SYMBOLS)
+        name = storage.spec
+        engine = bench.build_engine(state_storage=storage, capacity=MAXRATE_SYMBOLS)
         if engine.state_bytes not in rated:
             rated.add(engine.state_bytes)
-            tag = "".join(c if c.isalnum() else "_" for c in state_dtype)
+            tag = "".join(c if c.isalnum() else "_" for c in name)
             # from the fp32 state's rate on: the smaller state only moves fewer bytes
             start = bench.report.data.get("max_rate_p99_50ms") or 0
             rates = [rate for rate in bench.counts.rates if rate >= start] or bench.counts.rates
             best, runs = search_max_rate(engine, bench, prefix=f"ST{tag}_", key=f"state_{tag}_rate", rates=rates)
-            results[state_dtype] = {"state_bytes_per_symbol": engine.state_bytes, "max_rate_p99_50ms": best,
-                                    "runs": runs}
+            results[name] = {"state_bytes_per_symbol": engine.state_bytes, "max_rate_p99_50ms": best, "runs": runs}
             bench.report.update(state_rates=results)
         bench.drop(engine)
     return results

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from client.engine.base import NUM_TOWERS, Engine, PendingStep, Sequences, check_step_inputs
-from client.engine.precision import describe_precision, describe_state_dtype, parse_state_dtype, resolve_precision
+from client.engine.precision import DEFAULT_PRECISION, FP32_STATE, Precision, StateStorage
 from client.model.config import TOWER_NAMES
 
 from .placement import place_towers
@@ -80,9 +80,9 @@ class FastEngine(Engine):
     name = "fast"
 
     def __init__(self, model, device=None, *, max_batch=64, max_rows_per_symbol=MAX_ROWS_PER_SYMBOL, graphs=None,
-                 precision=None, capacity=None, state_memory=None, host_symbols=None, host_memory=None,
-                 idle_timeout_s=None, reserve=None, state_dtype="fp32", state_rounding="stochastic", devices=None,
-                 time_steps=False, compile=False, progress=True, time_copies=False):
+                 precision=DEFAULT_PRECISION, capacity=None, state_memory=None, host_symbols=None, host_memory=None,
+                 idle_timeout_s=None, reserve=None, state_storage=FP32_STATE, devices=None, time_steps=False,
+                 compile=False, progress=True, time_copies=False):
         """max_batch: symbols a captured step holds; max_rows_per_symbol: requests of one symbol it carries
         (a step with more runs as several, in order). device, or devices (several: the towers placed over them);
         capacity (symbols on the GPU) or
@@ -90,16 +90,16 @@ class FastEngine(Engine):
         host_symbols: states that may wait in host memory (default on CUDA: what `host_memory` bytes hold, by
         default the available host memory less a headroom; none on the CPU), allocated and pinned at start;
         reserve: free GPU slots kept ready (default RESERVE, at most an eighth of the table); time_copies: keep
-        every host<->GPU transfer's time (table.transfer_seconds); state_dtype: fp32, or fp16/bf16 storage of the
-        matrix states (of xLSTM and Mamba2; "fp16,retnet=fp16" for RetNet's too: client/engine/precision.py,
-        parse_state_dtype), rounded stochastically or to nearest (state_rounding);
-        time_steps: keep (batch, GPU milliseconds) of every submitted step in step_times. precision: a spec
-        string ("auto", "bf16", "bf16,retnet=fp32": client/engine/precision.py) or a {tower or "<tower>.<part>":
-        dtype} dict of overrides of DEFAULT_PRECISION. compile: each block through torch.compile (compiled.py),
-        compiled here, before any graph is captured; CompileUnavailable if it cannot run."""
-        precision = resolve_precision(precision)
+        every host<->GPU transfer's time (table.transfer_seconds); state_storage: the matrix states' dtypes and
+        rounding (a StateStorage, client/engine/precision.py: fp32, or fp16/bf16 storage of xLSTM's and Mamba2's,
+        rounded stochastically or to nearest); time_steps: keep (batch, GPU milliseconds) of every submitted step
+        in step_times. precision: the weights' dtypes (a Precision, client/engine/precision.py). compile: each
+        block through torch.compile (compiled.py), compiled here, before any graph is captured;
+        CompileUnavailable if it cannot run."""
+        if not isinstance(precision, Precision) or not isinstance(state_storage, StateStorage):
+            raise TypeError("precision and state_storage are a Precision and a StateStorage, parsed where they come "
+                            "in: Precision.parse('bf16'), StateStorage.parse('fp16') (client/engine/precision.py)")
         devices = [torch.device(d) for d in (devices or [device or ("cuda" if torch.cuda.is_available() else "cpu")])]
-        state_dtypes = parse_state_dtype(state_dtype)
         if capacity is not None and state_memory is not None:
             raise ValueError("give the state table's capacity or its memory share, not both")
         if capacity is not None and capacity < 1:
@@ -110,7 +110,7 @@ class FastEngine(Engine):
         _check_devices(devices)
         start = time.perf_counter()
         self.device, self.devices, self.max_batch = devices[0], devices, max_batch
-        self.state_dtype, self.state_rounding = state_dtype, state_rounding
+        self.state_storage = state_storage
         self.compile_s = None  # seconds of compiling: torch.compile's probe, then every graph the step needs
         if compile:
             from .compiled import check_compile, warm_up
@@ -122,8 +122,8 @@ class FastEngine(Engine):
         for device, towers in zip(devices, placement):
             if progress and len(devices) > 1:
                 sys.stderr.write(f"[fast engine] {device}: towers {', '.join(towers)}\n")
-            runner = StepRunner(model, device, precision, towers=towers, state_dtype=state_dtypes,
-                                state_rounding=state_rounding, compile=compile)
+            runner = StepRunner(model, device, precision, towers=towers, state_storage=state_storage,
+                                compile=compile)
             self.shards.append(DeviceTowers(runner, [TOWER_NAMES.index(name) for name in towers]))
         parts = [(shard.runner.layout, shard.device) for shard in self.shards]
         if capacity is None:
@@ -176,10 +176,10 @@ class FastEngine(Engine):
             d = self.describe()
             compiled = "" if self.compile_s is None else f", compiled in {self.compile_s:.1f} s"
             sys.stderr.write(f"[fast engine] ready on {', '.join(map(str, devices))} in {self.startup_s:.1f} s"
-                             f"{compiled}; precision {describe_precision(self.runner.precision)}; state table: "
+                             f"{compiled}; precision {precision.describe()}; state table: "
                              f"{d['capacity']} symbols on {'the GPU' if self.device.type == 'cuda' else 'the CPU'} "
                              f"({d['state_bytes_per_symbol'] / 2**20:.1f} MiB each, matrix states "
-                             f"{describe_state_dtype(state_dtypes)}), "
+                             f"{state_storage.describe()}), "
                              f"{d['host_symbols']} in host memory ({d['host_bytes'] / 2**30:.1f} GiB"
                              f"{'' if self.table.pin_s is None else f', pinned in {self.table.pin_s:.1f} s'})\n")
 
@@ -219,9 +219,9 @@ class FastEngine(Engine):
     def describe(self):
         return {"device": ", ".join(map(str, self.devices)), "graphs": self.graphed is not None,
                 "towers": {str(shard.device): shard.runner.tower_names for shard in self.shards},
-                "precision": {k: str(v).removeprefix("torch.") for k, v in self.runner.precision.items()},
-                "state_dtype": self.state_dtype, "state_rounding": self.state_rounding
-                if any(d != torch.float32 for d in parse_state_dtype(self.state_dtype).values()) else None,
+                "precision": {k: str(v).removeprefix("torch.") for k, v in self.runner.precision.as_dict().items()},
+                "state_dtype": self.state_storage.spec,
+                "state_rounding": self.state_storage.rounding if self.state_storage.sixteen_bit else None,
                 "weight_bytes": self.weight_bytes,
                 "state_bytes_per_symbol": self.state_bytes, "capacity": self.table.capacity,
                 "host_symbols": self.table.host_capacity, "host_bytes": self.table.host_bytes,

@@ -245,9 +245,9 @@ class Block:
     it: a block takes the previous block's pending (delta, bias) and returns its own, so `x += fc2 output +
     fc2 bias` happens inside the next block's norm1 (or at the tower's end).
 
-    `dtype_of(part)` gives each weight group's dtype (client.engine.precision.TOWER_PARTS: the names a precision
-    override may use, as "<tower>.<part>"); an activation that feeds only one part's product is rounded to that
-    part's dtype."""
+    `dtype_of(group)` gives each weight group's dtype (client.engine.precision.WEIGHT_GROUPS: the names a precision
+    override may use, as "<tower>.<group>"); an activation that feeds only one group's product is rounded to that
+    group's dtype."""
 
     norm1_dtype = torch.float32  # the layer's input stays fp32 where it also feeds an fp32 path or a skip
 

@@ -10,9 +10,8 @@ import itertools
 
 import torch
 
+from client.engine.precision import DEFAULT_PRECISION, WEIGHT_GROUPS
 from client.model.config import TOWER_NAMES
-
-from client.engine.precision import TOWER_PARTS, resolve_precision
 
 # Each tower alone at B=1 (ms, H100; the chain term of the estimate): xLSTM, Mamba2 and RetNet measured
 # (bench/LOG.md sections 16 and 19), Hawk estimated from its bytes (0.77 GB, the shortest chain).
@@ -20,32 +19,20 @@ TOWER_ALONE_MS = {"xlstm": 1.08, "mamba2": 0.75, "retnet": 0.95, "hawk": 0.45}
 BANDWIDTH = 2.4e12  # bytes/s reached by the concurrent step at B=1 (bench/h100.json: 4.9 GB in 2.1 ms)
 
 
-# Where each weight group of client.engine.precision.TOWER_PARTS lies in a tower's state dict.
-PART_KEYS = {
-    "input_down": (".input_down.",), "mlp": (".mlp.",), "slstm": (".layer.slstm.",),
-    "mlstm_x": (".mlstm.x_proj.",), "mlstm_gate": (".mlstm.gate_proj.",),
-    "mlstm_qkv": (".mlstm.q_proj.", ".mlstm.k_proj.", ".mlstm.v_proj."), "mlstm_down": (".mlstm.proj_down.",),
-    "in_proj": (".input_proj.", ".b_proj.", ".c_proj.", ".z_proj."),
-    "qkvg": (".q_proj.", ".k_proj.", ".v_proj.", ".g_proj."), "out_proj": (".layer.out_proj.",),
-    "gate_rec": (".gate_proj.", ".recurrent_proj."), "rglru_gates": (".rglru.input_gate.", ".rglru.recurrence_gate."),
-}
+def weight_group_of(tower, key):
+    """The weight group (WEIGHT_GROUPS) that a state-dict key of the tower lies in, or None."""
+    return next((group for group, keys in WEIGHT_GROUPS[tower].items() if any(k in key for k in keys)), None)
 
 
-def _part_of(tower, key):
-    return next((part for part in TOWER_PARTS[tower] if any(k in key for k in PART_KEYS[part])), None)
-
-
-def tower_weight_bytes(model, precision=None) -> dict[str, int]:
-    """Bytes of each tower's weights in the engine's precision, weight group by weight group (input_up in fp32,
+def tower_weight_bytes(model, precision=DEFAULT_PRECISION) -> dict[str, int]:
+    """Bytes of each tower's weights in the engine's Precision, weight group by weight group (input_up in fp32,
     as the runner keeps it; the small tensors outside every group in the tower's dtype)."""
-    precision = resolve_precision(precision)
     sizes = {name: 0 for name in TOWER_NAMES}
     for key, tensor in model.state_dict().items():
         if not key.startswith("towers."):
             continue
         name = TOWER_NAMES[int(key.split(".")[1])]
-        part = _part_of(name, key)
-        dtype = torch.float32 if ".input_up." in key else precision.get(f"{name}.{part}", precision[name])
+        dtype = torch.float32 if ".input_up." in key else precision.dtype_of(name, weight_group_of(name, key))
         sizes[name] += tensor.numel() * dtype.itemsize
     return sizes
 

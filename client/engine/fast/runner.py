@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from client.engine.precision import TOWER_PARTS, fp32_products, resolve_precision
+from client.engine.precision import DEFAULT_PRECISION, FP32_STATE, fp32_products
 from client.model.config import TOWER_NAMES
 
 from kernels.state_rounding import StochasticRounding
@@ -39,10 +39,8 @@ class Tower:
         prefix = f"towers.{index}."
         self.name = name
 
-        def dtype_of(part):
-            if part not in TOWER_PARTS[name]:
-                raise KeyError(f"{name} has no weight group {part!r} in client.engine.precision.TOWER_PARTS")
-            return precision.get(f"{name}.{part}", precision[name])
+        def dtype_of(group):
+            return precision.dtype_of(name, group)
 
         # its input, relu(input_up(features)), carries the features' scale (a feed's columns: 1e-3 .. 1e5)
         self.input_down = Linear(sd[prefix + "input_down.weight"], sd[prefix + "input_down.bias"],
@@ -76,10 +74,10 @@ class StepRunner:
     says which symbol's state each row advances). The state lives in a StateTable made from `layout` and handed
     over with attach()."""
 
-    def __init__(self, model, device, precision=None, *, towers=TOWER_NAMES, state_dtype=torch.float32,
-                 state_rounding="stochastic", streams=None, skinny=SKINNY_DTYPES, compile=False):
+    def __init__(self, model, device, precision=DEFAULT_PRECISION, *, towers=TOWER_NAMES, state_storage=FP32_STATE,
+                 streams=None, skinny=SKINNY_DTYPES, compile=False):
         self.device = torch.device(device)
-        self.precision = resolve_precision(precision)
+        self.precision = precision
         unknown = [name for name in towers if name not in TOWER_NAMES]
         if unknown or not towers:
             raise ValueError(f"towers must be some of {', '.join(TOWER_NAMES)}, got {list(towers)}")
@@ -92,19 +90,15 @@ class StepRunner:
                                torch.cat([sd[f"towers.{t}.input_up.bias"] for t in indices]), torch.float32,
                                self.device)
         self.proj, self.num_features = cfg.proj, cfg.features
-        # state_dtype: one dtype for the matrix states, or {tower: dtype} (towers not named keep fp32)
-        tower_state = (state_dtype if isinstance(state_dtype, dict) else dict.fromkeys(TOWER_NAMES, state_dtype))
-        self.towers = [Tower(sd, t, TOWER_NAMES[t], cfg, self.precision, self.device,
-                             tower_state.get(TOWER_NAMES[t], torch.float32)) for t in indices]
+        self.towers = [Tower(sd, t, TOWER_NAMES[t], cfg, precision, self.device,
+                             state_storage.dtype_of(TOWER_NAMES[t])) for t in indices]
         self.output_w = sd["output_proj.weight"][0].to(self.device)
         self.output_b = sd["output_proj.bias"].to(self.device)
         self.set_skinny(skinny)
         self.layout = {k: v for tower in self.towers for k, v in tower.layout.items()}
-        if state_rounding not in ("nearest", "stochastic"):
-            raise ValueError(f"state rounding must be nearest or stochastic, got {state_rounding!r}")
         # 16-bit matrix state rounded stochastically needs fresh random bits every step: a step counter per slot,
         # part of the symbol's state (so a symbol's rounding does not depend on its slot or its neighbours)
-        self.stochastic = (state_rounding == "stochastic"
+        self.stochastic = (state_storage.rounding == "stochastic"
                            and any(dtype != torch.float32 for _, dtype, _ in self.layout.values() if dtype.is_floating_point))
         if self.stochastic:
             self.layout[STEP_COUNTER] = ((), torch.int32, 0)
