@@ -11,9 +11,10 @@ import time
 import numpy as np
 import torch
 
-from client.families import FAMILIES, LONG_FAMILY, family_features
 from client.constants import ATOL, TOWER_NAMES
+from client.engine.base import Engine
 from client.engine.precision import fp32_products
+from client.families import FAMILIES, LONG_FAMILY, family_features
 
 GATE_WITHIN = 0.999
 
@@ -95,28 +96,23 @@ class Suite:
                               f"({time.monotonic() - begin:.0f} s)")
         return targets
 
-    @torch.no_grad()
-    def measure(self, engine, prefix="", per_symbol=1) -> dict:
-        """{family: {tower: tower_errors}} of `engine` (a FastEngine: stepped through step_plan on fresh symbols
-        named `prefix`...), and "gate" {passed, worst: (family, tower, within_atol), nan_or_inf}. per_symbol: each
-        engine step carries that many consecutive requests of every symbol (a backlog of per_symbol requests in
-        every step; the last step of a stream what is left)."""
-        from client.engine.fast.layers import StepPlan
-
+    def measure(self, engine: Engine, prefix="", per_symbol=1) -> dict:
+        """{family: {tower: tower_errors}} of `engine`, stepped through its public step on fresh symbols named
+        `prefix`... and released after, and "gate" {passed, worst: (family, tower, within_atol), nan_or_inf}.
+        per_symbol: each step carries that many consecutive requests of every symbol (a backlog of per_symbol
+        requests in every step; the last step of a stream what is left)."""
         stats = {}
         for name, (families, features) in self.runs.items():
             steps, batch, _ = features.shape
             symbols = [f"{prefix}{name}/{i:03d}" for i in range(batch)]
-            slots = engine.slots_for(symbols)
-            predictions = torch.empty(steps, batch, len(TOWER_NAMES), dtype=torch.float32, device=self.device)
+            predictions = np.empty((steps, batch, len(TOWER_NAMES)), dtype=np.float32)
             for first in range(0, steps, per_symbol):
                 k = min(per_symbol, steps - first)
-                plan = StepPlan(slots, torch.arange(0, batch * k + 1, k, dtype=torch.int32, device=self.device), k)
-                rows = torch.from_numpy(features[first:first + k].transpose(1, 0, 2).reshape(batch * k, -1))
-                out = engine.step_plan(plan, rows.to(self.device))  # symbol by symbol, each its k requests
-                predictions[first:first + k] = out.view(batch, k, -1).transpose(0, 1)
+                rows = features[first:first + k].transpose(1, 0, 2).reshape(batch * k, -1)  # each symbol's k in order
+                out = engine.step([symbol for symbol in symbols for _ in range(k)], rows)
+                predictions[first:first + k] = out.reshape(batch, k, -1).transpose(1, 0, 2)
             engine.release(symbols)
-            predictions, targets = predictions.cpu().numpy(), self.targets[name].cpu().numpy()
+            targets = self.targets[name].cpu().numpy()
             for family in dict.fromkeys(families):
                 columns = [i for i, f in enumerate(families) if f == family]
                 stats[family] = tower_errors(predictions[:, columns].reshape(-1, len(TOWER_NAMES)),

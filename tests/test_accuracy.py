@@ -67,6 +67,20 @@ def test_fast_engine_holds_the_gate_on_every_family_on_cpu():
     assert backlog["gate"]["passed"], format_table(backlog)
 
 
+def test_the_suite_measures_any_engine_through_its_public_step():
+    """The reference engine is the model the targets come from: every prediction equal, none wrong."""
+    from client.engine.reference import ReferenceEngine
+
+    model, _ = load_model("tiny", seed=0)
+    suite = Suite(model, "cpu", families=("normal", "stuck"), symbols_per_family=2, steps=5, long_symbols=1,
+                  long_steps=20, seed=0)
+    engine = ReferenceEngine(model, device="cpu")
+    result = suite.measure(engine, prefix="R/")
+    assert result["gate"]["passed"] and engine.symbols == []
+    for towers in result["families"].values():
+        assert all(row["max_abs_err"] == 0.0 and row["within_atol"] == 1.0 for row in towers.values())
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with CUDA the kernels run natively")
 def test_fast_engine_holds_the_gate_through_the_triton_interpreter():
     code = ("import torch\ntorch.set_num_threads(1)\n"
