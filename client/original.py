@@ -1,7 +1,7 @@
 """The original event's wire protocol, and its translation to and from the project's messages.
 
 On the wire: one plain TCP connection per client; each message is one JSON object (UTF-8) followed by a newline,
-with a ``message_type`` field naming its kind (../shared/reference/FACTS.md, "The original protocol"):
+with a ``message_type`` field naming its kind (docs/facts.md, "The original protocol"):
 
 - ``register`` (client to server, first): no other field. The project's server names such a team by its address.
 - ``inference_request`` (server to client): unique_ids [int], symbols [str], features [[float]] (79 a request),

@@ -13,7 +13,7 @@ other (grouped by GROUP_M), so they run at the same time and read each W tile fr
 fp32 accuracy on fp16 tensor cores ("split fp16"): W is stored once as W = W_hi + W_lo / 2^11 (two fp16
 tensors, 4 bytes per weight like fp32), x is split the same way in registers, and
 x W^T = x_hi W_hi^T + (x_hi W_lo^T + x_lo W_hi^T) / 2^11, dropping only x_lo W_lo^T: about 22 bits of each
-product, relative error ~1e-6 where TF32 gives ~1e-3. RetNet's tower needs that (FACTS.md, "Precision").
+product, relative error ~1e-6 where TF32 gives ~1e-3. RetNet's tower needs that (docs/facts.md, "Precision").
 W_lo may cover only W's first rows (a product whose leading rows need fp32 and the rest fp16, as the mLSTM's fused
 x/gate projection: bench/LOG.md section 34); the other rows are plain fp16.
 16-bit weights alone multiply x cast to their dtype and accumulate in fp32, as cuBLAS does.

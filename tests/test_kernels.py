@@ -1,7 +1,7 @@
 """Tests of the state-step kernels (kernels/).
 
 Three layers:
-- each PyTorch reference against a plain float64 computation of the MODEL.md equations for one row;
+- each PyTorch reference against a plain float64 computation of docs/model/'s equations for one row;
 - each Triton kernel against its reference, on the CPU through the Triton interpreter. Triton fixes the
   interpreter choice when it is imported and @triton.jit decorates, so those cases run in a child pytest
   process with TRITON_INTERPRET=1 (test_triton_kernels_under_interpreter) and are skipped here;
@@ -284,7 +284,7 @@ def test_triton_small_retnet_output(heads, head_dim):
 
 
 # ---------------------------------------------------------------------------------------------------
-# References vs plain float64 computations of the MODEL.md equations, one row
+# References vs plain float64 computations of docs/model/'s equations, one row
 
 def _one_row(op_name, dims, state_init=None):
     """A single-row call on slot 1 of a 3-slot table: (reference output row, args before the call,
@@ -342,7 +342,7 @@ def test_retention_reference_matches_equations():
     heads, head_dim = 2, 6
     out, before, after = _one_row("retention_step", dict(heads=heads, head_dim=head_dim))
     offset = before["offset"][1].item()
-    theta = (torch.tensor(float(offset)) * before["angle"]).double()  # fp32 product, as MODEL.md says
+    theta = (torch.tensor(float(offset)) * before["angle"]).double()  # fp32 product, as docs/model/retnet.md says
     expected_o = torch.empty(heads, head_dim, dtype=torch.float64)
     for hd in range(heads):
         q, v = _f64(before["q"][0, hd]), _f64(before["v"][0, hd])
@@ -399,7 +399,7 @@ def test_mlstm_reference_matches_equations():
 
 
 def _slstm_expected(before, blocks, size):
-    """MODEL.md's sLSTM cell for row 0 on slot 1, its gate maps written out per column (inputs rounded to
+    """docs/model/xlstm.md's sLSTM cell for row 0 on slot 1, its gate maps written out per column (inputs rounded to
     the weights' fp16, as the op specifies)."""
     width = blocks * size
     expected = {name: torch.empty(width, dtype=torch.float64) for name in ("c", "n", "m", "y")}

@@ -43,7 +43,8 @@ def row_dims(args):
 
 
 def test_reference_matches_equations():
-    """A sequence of 3 rows (and an empty one, and one of 2) against MODEL.md's cell in float64, row by row."""
+    """A sequence of 3 rows (and an empty one, and one of 2) against docs/model/xlstm.md's cell in float64, row by
+    row."""
     heads, head_dim = 2, 5
     layout = Layout(lengths=(3, 0, 2), padding_rows=1, device="cpu")
     args = make_args("mlstm_step", layout.rows, layout.slots, dict(heads=heads, head_dim=head_dim), seed=7)

@@ -1,4 +1,4 @@
-"""The reference ensemble against MODEL.md: manifest, each layer against an independent float64 numpy
+"""The reference ensemble against docs/model/: manifest, each layer against an independent float64 numpy
 calculation of its equations, batching, and long-stream stability."""
 import json
 import math
@@ -94,7 +94,7 @@ def check_rows(xs, outs, step_fn, init):
 def test_mamba2_matches_equations():
     layer = randomize(Mamba2(HIDDEN), 1)
     with torch.no_grad():
-        layer.a.copy_(-torch.rand(layer.a.shape) * 3 - 0.5)  # MODEL.md: a negative
+        layer.a.copy_(-torch.rand(layer.a.shape) * 3 - 0.5)  # docs/model/mamba2.md: a negative
     W = {k: P(v) for k, v in layer.state_dict().items()}
     H, Pn, N = layer.num_heads, 64, 128
     xs, outs = run_layer(layer, 4, 3, 2)

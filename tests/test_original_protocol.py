@@ -14,7 +14,7 @@ from client.streams import generate_stream
 from server import ScoringServer, ServerConfig
 
 REQUESTS = 48
-# The fields of each kind as the event had them (FACTS.md, "The original protocol").
+# The fields of each kind as the event had them (docs/facts.md, "The original protocol").
 ORIGINAL_FIELDS = {"inference_request": {"unique_ids", "symbols", "features", "timestamp"},
                    "score_update": {"unique_ids", "trade_pnls", "accuracies", "latencies_ms"},
                    "heartbeat": {"timestamp"}, "error": {"error", "details"}}

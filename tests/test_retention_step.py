@@ -34,8 +34,8 @@ def ragged(layout, dims=SMALL, dtype=torch.float32):
 
 
 def test_reference_matches_equations():
-    """A sequence of 3 rows (and an empty one, and one of 2) against MODEL.md's retention in float64, row by row:
-    the offset advancing by one per row."""
+    """A sequence of 3 rows (and an empty one, and one of 2) against docs/model/retnet.md's retention in float64, row
+    by row: the offset advancing by one per row."""
     heads, head_dim = 2, 6
     layout = Layout(lengths=(3, 0, 2), padding_rows=1, device="cpu")
     args = make_args("retention_step", layout.rows, layout.slots, dict(heads=heads, head_dim=head_dim), seed=7)
@@ -57,7 +57,7 @@ def test_reference_matches_equations():
             S, scale = before["S"][slot, hd].double(), before["scale"][slot, hd].item()
             decay = before["decay"][hd].item()
             for j, row in enumerate(range(starts[s], starts[s + 1])):
-                theta = (torch.tensor(float(offset + j)) * before["angle"]).double()  # fp32 product, as MODEL.md
+                theta = (torch.tensor(float(offset + j)) * before["angle"]).double()  # fp32, as docs/model/retnet.md
                 q_rot = rotary(before["q"][row, hd].double(), theta)
                 k_rot = rotary(before["k"][row, hd].double() / math.sqrt(head_dim), theta)
                 S = S * decay + torch.outer(k_rot, before["v"][row, hd].double())

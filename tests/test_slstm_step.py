@@ -43,7 +43,7 @@ def store_y(args, out, rows, step):
 
 
 def test_reference_matches_equations():
-    """Sequences of 3 and 2 rows (and an empty one) against MODEL.md's cell in float64, row by row: a row's
+    """Sequences of 3 and 2 rows (and an empty one) against docs/model/xlstm.md's cell in float64, row by row: a row's
     y_prev is the previous row's output (the inputs to the gate maps rounded to the weights' fp16, as the op
     specifies)."""
     blocks, size = 2, 5

@@ -38,7 +38,7 @@ WEIGHT_GROUPS = {
 }
 
 # fp16 keeps three more mantissa bits than bf16 at the same bandwidth. RetNet's per-head RMSNorm of (q.k)v is
-# ill-conditioned when q.k is near zero, so its tower stays in fp32 (FACTS.md, "Precision"). input_down carries
+# ill-conditioned when q.k is near zero, so its tower stays in fp32 (docs/facts.md, "Precision"). input_down carries
 # the features' scale straight to the prediction (the residual stream has no norm before output_proj): with
 # features 100x unit scale, fp16 weights there put Mamba2 and Hawk outside 1e-3 (bench/LOG.md section 29), so it
 # stays fp32, for 1.5% of the step. Some mLSTM heads settle near zero on small or stuck features, and their

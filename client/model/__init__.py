@@ -1,4 +1,4 @@
-"""The fp32 reference ensemble (MODEL.md): the "theoretical prediction" everything is checked against."""
+"""The fp32 reference ensemble (docs/model/): the "theoretical prediction" everything is checked against."""
 import torch
 
 from .config import NUM_FEATURES, PRESETS, TOWER_NAMES, ModelConfig, get_preset

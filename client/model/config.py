@@ -1,4 +1,4 @@
-"""Model configurations. Presets change only hidden, proj, depth and heads (MODEL.md)."""
+"""Model configurations. Presets change only hidden, proj, depth and heads (docs/model/ensemble.md)."""
 from dataclasses import dataclass, asdict
 
 from client.constants import NUM_FEATURES, TOWER_NAMES  # noqa: F401  (re-exported)

@@ -1,4 +1,4 @@
-"""Towers and the ensemble (MODEL.md, "The ensemble")."""
+"""Towers and the ensemble (docs/model/ensemble.md)."""
 import torch
 from torch import nn
 import torch.nn.functional as F

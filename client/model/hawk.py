@@ -1,4 +1,4 @@
-"""Hawk layer: gated branch times an RG-LRU recurrence (MODEL.md, "Hawk layer")."""
+"""Hawk layer: gated branch times an RG-LRU recurrence (docs/model/hawk.md)."""
 import torch
 from torch import nn
 import torch.nn.functional as F

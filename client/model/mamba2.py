@@ -1,4 +1,4 @@
-"""Mamba2 layer, one step (MODEL.md, "Mamba2 layer")."""
+"""Mamba2 layer, one step (docs/model/mamba2.md)."""
 import torch
 from torch import nn
 import torch.nn.functional as F

@@ -1,4 +1,4 @@
-"""Shared pieces of the reference ensemble (MODEL.md, "Shared pieces"). Plain fp32 PyTorch."""
+"""Shared pieces of the reference ensemble (docs/model/ensemble.md, "Shared pieces"). Plain fp32 PyTorch."""
 import torch
 from torch import nn
 import torch.nn.functional as F

@@ -1,4 +1,4 @@
-"""RetNet (multi-scale retention) layer, one step (MODEL.md, "RetNet layer")."""
+"""RetNet (multi-scale retention) layer, one step (docs/model/retnet.md)."""
 import torch
 from torch import nn
 import torch.nn.functional as F

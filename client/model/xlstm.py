@@ -1,4 +1,4 @@
-"""xLSTM layer = sLSTM block, then mLSTM block, then a final LayerNorm (MODEL.md, "xLSTM layer")."""
+"""xLSTM layer = sLSTM block, then mLSTM block, then a final LayerNorm (docs/model/xlstm.md)."""
 import torch
 from torch import nn
 import torch.nn.functional as F
