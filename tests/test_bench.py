@@ -135,19 +135,13 @@ def test_reference_tracker_continues_states_across_streams():
     (["--device", "nonsense"], "bad --device"),
     (["--preset", "huge"], "invalid choice"),
 ])
-def test_bad_options_are_refused(argv, message, capsys):
-    bench = _load_bench()
-    with pytest.raises(SystemExit) as exit_info:
-        bench.parse_args(["--device", "cpu", *argv])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+def test_bad_options_are_refused(argv, message, usage_error):
+    assert message in usage_error(_load_bench().parse_args, ["--device", "cpu", *argv])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_cuda_device_without_cuda_is_refused(capsys):
-    with pytest.raises(SystemExit):
-        _load_bench().parse_args(["--device", "cuda"])
-    assert "CUDA is not available" in capsys.readouterr().err
+def test_cuda_device_without_cuda_is_refused(usage_error):
+    assert "CUDA is not available" in usage_error(_load_bench().parse_args, ["--device", "cuda"])
 
 
 def test_sections_run_in_a_fixed_order():

@@ -286,10 +286,8 @@ def test_broken_team_client(tmp_path, capsys, source, message):
     (["--engine", "warp"], "argument --engine: invalid choice: 'warp'"),
     (["--profile-steps", "0"], "--profile-steps: must be a positive integer"),
 ])
-def test_bad_options_exit_with_usage(capsys, argv, message):
-    with pytest.raises(SystemExit) as exit_info:
-        le.main(argv)
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+def test_bad_options_exit_with_usage(usage_error, argv, message):
+    assert message in usage_error(le.main, argv)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -43,10 +43,8 @@ def test_process_batch_maps_ids_to_predictions_in_symbol_order():
     (["--protocol", "udp"], "invalid choice"),
     (["--protocol", "tcp-json", "--token", "t"], "the original protocol (tcp-json) has no field to carry it"),
 ])
-def test_bad_options_exit_with_a_message(argv, match, capsys):
-    with pytest.raises(SystemExit):
-        parse_args(argv)
-    assert match in capsys.readouterr().err
+def test_bad_options_exit_with_a_message(argv, match, usage_error):
+    assert match in usage_error(parse_args, argv)
 
 
 def test_preset_default_is_announced(capsys):

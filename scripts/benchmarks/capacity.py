@@ -58,20 +58,17 @@ def measure_capacity(bench):
 
 
 def run(bench):
-    result = measure_capacity(bench)
-    bench.report.update(capacity=result)
-    bench.progress(f"capacity: {result}")
+    bench.record("capacity", measure_capacity(bench))
     if "swap" not in bench.args.sections:
         bench.close_tiered_engine()
 
 
 def summary(data) -> list[str]:
-    if "capacity" not in data:
-        return []
-    c = data["capacity"]
-    return [f"capacity: {c['symbols_held']} symbols held with the default options: {c['symbols_at_budget']} on the "
-            f"GPU at {c['state_memory']:.0%} of free memory, {c['host_symbols']} in host memory "
-            f"({c['host_bytes'] / 2**30:.1f} GiB of {c['host_available_bytes'] / 2**30:.1f} GiB available, pinned in "
-            f"{fmt(c['host_pin_s'], 1)} s); {c['new_symbols']} new symbols at {E2E_RATE:g} req/s: p50 "
-            f"{fmt(c['p50_ms'])} ms, p99 {fmt(c['p99_ms'])} ms, missed {c['missed']}, slowest step of B <= 20 "
-            f"{fmt(c['step_ms_max_b20'])} ms ({c['steps_over_limit']} over {STEP_LIMIT_MS:g} ms)"]
+    c = data.get("capacity")
+    return [] if c is None else [
+        f"capacity: {c['symbols_held']} symbols held with the default options: {c['symbols_at_budget']} on the "
+        f"GPU at {c['state_memory']:.0%} of free memory, {c['host_symbols']} in host memory "
+        f"({c['host_bytes'] / 2**30:.1f} GiB of {c['host_available_bytes'] / 2**30:.1f} GiB available, pinned in "
+        f"{fmt(c['host_pin_s'], 1)} s); {c['new_symbols']} new symbols at {E2E_RATE:g} req/s: p50 "
+        f"{fmt(c['p50_ms'])} ms, p99 {fmt(c['p99_ms'])} ms, missed {c['missed']}, slowest step of B <= 20 "
+        f"{fmt(c['step_ms_max_b20'])} ms ({c['steps_over_limit']} over {STEP_LIMIT_MS:g} ms)"]

@@ -5,6 +5,10 @@ import numpy as np
 
 from client.model.config import NUM_FEATURES
 
+SUMMARY = ("churn: {symbols} symbols through {gpu_slots} GPU slots, {offloaded} offloads, {restored} returns, "
+           "bit-equal to never offloaded: {bit_equal}; step ms p50 {step_ms_p50:.2f} p99 {step_ms_p99:.2f} "
+           "max {step_ms_max:.2f}")
+
 
 def measure_churn(bench):
     """States offloaded to host memory and brought back give the same predictions, bit for bit, as an engine that
@@ -39,15 +43,8 @@ def measure_churn(bench):
 
 
 def run(bench):
-    result = measure_churn(bench)
-    bench.report.update(churn=result)
-    bench.progress(f"churn: {result}")
+    bench.record("churn", measure_churn(bench))
 
 
 def summary(data) -> list[str]:
-    if "churn" not in data:
-        return []
-    c = data["churn"]
-    return [f"churn: {c['symbols']} symbols through {c['gpu_slots']} GPU slots, {c['offloaded']} offloads, "
-            f"{c['restored']} returns, bit-equal to never offloaded: {c['bit_equal']}; step ms p50 "
-            f"{c['step_ms_p50']:.2f} p99 {c['step_ms_p99']:.2f} max {c['step_ms_max']:.2f}"]
+    return [SUMMARY.format(**data["churn"])] if "churn" in data else []
