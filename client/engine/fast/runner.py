@@ -3,8 +3,8 @@
 A step's rows are grouped in sequences, one per symbol (layers.StepPlan); its shape (rows, sequences, max_rows)
 is padded up to a captured one: steps of one row per symbol (the light load's case) to a bucket of B rows and
 B sequences, steps carrying several requests of a symbol to a bucket of rows, as many sequences as a step of
-that many rows can have (at most max_batch), and a bound on any symbol's rows (a power of two, up to the
-engine's max_rows_per_symbol: the sLSTM's recurrent maps take one launch per row position).
+that many rows can have (at most max_batch), and the engine's max_rows_per_symbol as the bound on any symbol's
+rows (the sLSTM's recurrent maps take one launch per row position).
 """
 import math
 import os
@@ -27,8 +27,6 @@ from .state_table import PAD_SLOT
 # section 23: B=1 -65 us, B=64 -165 us; other assignments gained less or lost).
 STREAM_PRIORITY = {"xlstm": -1}
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # rows = symbols, one row each
-# Rows of steps that carry several requests of a symbol: about 1.5x apart, so padding costs at most a third
-ROW_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 STEP_COUNTER = "steps"  # the state table's per-slot step counter (stochastic rounding of 16-bit state)
 # Weight dtypes whose products run through kernels/skinny_matmul.py at B <= 64 (bench/LOG.md, section 11).
 SKINNY_DTYPES = (torch.float32,)
@@ -171,14 +169,16 @@ class StepShape(NamedTuple):
 
 
 def step_shapes(max_batch, max_rows_per_symbol) -> list[StepShape]:
-    """Every shape the engine captures: one row per symbol up to max_batch symbols, then for each bound kb on a
-    symbol's rows (powers of two below max_rows_per_symbol, and it), row buckets up to max_batch * kb."""
+    """Every shape the engine captures: one row per symbol up to max_batch symbols (the light load's steps, at
+    the bucket sizes that keep their padding small), then steps of up to max_rows_per_symbol rows a symbol at
+    row counts a power of two apart up to max_batch of them. Each shape costs startup (its Triton
+    specialisations compile, its graphs capture: bench/LOG.md section 36), so the several-rows family is coarse:
+    a backlog's steps are long, and a row of padding costs them little."""
     shapes = [StepShape(b, b, 1) for b in (*(b for b in BUCKETS if b < max_batch), max_batch)]
-    bounds = [1 << i for i in range(1, math.ceil(math.log2(max_rows_per_symbol)))] if max_rows_per_symbol > 1 else []
-    for kb in (*bounds, *([max_rows_per_symbol] if max_rows_per_symbol > 1 else [])):
-        top = max_batch * kb
-        for rows in (*(r for r in ROW_BUCKETS if kb <= r < top), top):
-            shapes.append(StepShape(rows, min(rows, max_batch), kb))
+    if max_rows_per_symbol > 1:
+        k, top = max_rows_per_symbol, max_batch * max_rows_per_symbol
+        rows = [k << i for i in range(top.bit_length()) if (k << i) < top] + [top]
+        shapes += [StepShape(r, min(r, max_batch), k) for r in rows]
     return shapes
 
 
