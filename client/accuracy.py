@@ -1,6 +1,7 @@
 """The accuracy suite: an engine's predictions against the fp32 reference on every input family.
 
-Each symbol is fed one family (client/families.py) for the whole stream, all symbols stepped together; a few
+Each symbol is fed one family (client/families.py) for the whole stream, all symbols stepped together, once per
+input seed (a family's narrowest tower moves from seed to seed: a family is judged by its worst seed); a few
 symbols also run a long standard-normal stream. The reference's predictions are computed once per suite and
 reused for every engine measured against it (precisions, state dtypes). The gate: on every family, every
 tower has at least GATE_WITHIN of its predictions within the scoring tolerance, and none is NaN or inf.
@@ -60,28 +61,37 @@ class ReferenceStepper:
 
 class Suite:
     """The inputs and the reference's predictions of one suite: `runs` maps a run name to (symbol families,
-    features [steps, symbols, 79]): one run of every family side by side, one of long streams."""
+    features [steps, symbols, 79], input seed): one run of every family side by side per seed in `seeds` (by
+    default `seed` alone), one of long streams (the first seed)."""
 
     def __init__(self, model, device, *, families=tuple(FAMILIES), symbols_per_family=4, steps=1000,
-                 long_symbols=4, long_steps=10_000, seed=0, progress=None):
+                 long_symbols=4, long_steps=10_000, seed=0, seeds=None, progress=None):
         self.device = torch.device(device)
         self.progress = progress or (lambda message: None)
         self.runs = {}
         unknown = [name for name in families if name not in FAMILIES]
         if unknown:
             raise ValueError(f"unknown input families {unknown}; choose from {', '.join(FAMILIES)}")
+        seeds = list(dict.fromkeys(seeds if seeds is not None else [seed]))
+        if not seeds:
+            raise ValueError("the suite needs at least one input seed")
         if families and symbols_per_family and steps:
-            self.runs["families"] = ([name for name in families for _ in range(symbols_per_family)],
-                                     np.concatenate([family_features(name, steps, symbols_per_family, seed)
-                                                     for name in families], axis=1))
+            for s in seeds:
+                self.runs[f"families@{s}"] = (
+                    [name for name in families for _ in range(symbols_per_family)],
+                    np.concatenate([family_features(name, steps, symbols_per_family, s) for name in families],
+                                   axis=1), s)
         if long_symbols and long_steps:
             self.runs[LONG_FAMILY] = ([LONG_FAMILY] * long_symbols,
-                                      family_features(LONG_FAMILY, long_steps, long_symbols, seed))
-        self.targets = {name: self._reference(model, name, features) for name, (_, features) in self.runs.items()}
+                                      family_features(LONG_FAMILY, long_steps, long_symbols, seeds[0]), seeds[0])
+        self.seeds = seeds
+        self.targets = {name: self._reference(model, name, features)
+                        for name, (_, features, _) in self.runs.items()}
 
     @property
     def symbols(self) -> int:
-        return sum(features.shape[1] for _, features in self.runs.values())
+        """Symbols an engine must hold at once: the largest run's (measure steps one run at a time)."""
+        return max((features.shape[1] for _, features, _ in self.runs.values()), default=0)
 
     def _reference(self, model, name, features):
         steps, batch, _ = features.shape
@@ -97,12 +107,14 @@ class Suite:
         return targets
 
     def measure(self, engine: Engine, prefix="", per_symbol=1) -> dict:
-        """{family: {tower: tower_errors}} of `engine`, stepped through its public step on fresh symbols named
-        `prefix`... and released after, and "gate" {passed, worst: (family, tower, within_atol), nan_or_inf}.
+        """{"families": {family: {tower: tower_errors}}, each family's worst seed per tower; "seeds": {seed:
+        {family: {tower: tower_errors}}}; "gate" {passed, worst: (family, tower, within_atol), nan_or_inf}} of
+        `engine`, stepped through its public step on fresh symbols named `prefix`... and released after.
         per_symbol: each step carries that many consecutive requests of every symbol (a backlog of per_symbol
         requests in every step; the last step of a stream what is left)."""
-        stats = {}
-        for name, (families, features) in self.runs.items():
+        by_seed = {}
+        for name, (families, features, seed) in self.runs.items():
+            stats = by_seed.setdefault(seed, {})
             steps, batch, _ = features.shape
             symbols = [f"{prefix}{name}/{i:03d}" for i in range(batch)]
             predictions = np.empty((steps, batch, len(TOWER_NAMES)), dtype=np.float32)
@@ -117,7 +129,32 @@ class Suite:
                 columns = [i for i, f in enumerate(families) if f == family]
                 stats[family] = tower_errors(predictions[:, columns].reshape(-1, len(TOWER_NAMES)),
                                              targets[:, columns].reshape(-1, len(TOWER_NAMES)))
-        return {"families": stats, "gate": gate(stats)}
+        worst = worst_of(list(by_seed.values()))
+        return {"families": worst, "seeds": {str(seed): stats for seed, stats in by_seed.items()},
+                "gate": gate(worst)}
+
+
+def worst_of(results: list[dict]) -> dict:
+    """{family: {tower: errors}}: per family and tower, the worst of several measurements' tower_errors (the least
+    within atol, the largest errors, NaN or inf counted over all), families in first-seen order."""
+    worst = {}
+    for stats in results:
+        for family, towers in stats.items():
+            for tower, row in towers.items():
+                kept = worst.setdefault(family, {}).get(tower)
+                worst[family][tower] = row if kept is None else _worse(kept, row)
+    return worst
+
+
+def _worse(a: dict, b: dict) -> dict:
+    def worse(key):
+        if key == "nan_or_inf":
+            return a[key] + b[key]
+        values = [v for v in (a[key], b[key]) if v is not None and not math.isnan(v)]
+        if not values:
+            return a[key]
+        return min(values) if key == "within_atol" else max(values)  # the others are errors
+    return {key: worse(key) for key in a}
 
 
 def tower_errors(predictions, targets, atol: float = ATOL) -> dict:
@@ -159,6 +196,8 @@ def format_table(result) -> str:
     for family, towers in result["families"].items():
         lines.append(f"{family:<14}" + "".join(f"{100 * row['within_atol']:>10.2f}% {row['max_abs_err']:>8.1e}"
                                                for row in towers.values()))
+    if len(result.get("seeds", ())) > 1:
+        lines.append(f"each family's worst of input seeds {', '.join(result['seeds'])}")
     g = result["gate"]
     lines.append(f"gate (>= {100 * GATE_WITHIN:g}% on every tower and family, no NaN): "
                  f"{'passed' if g['passed'] else 'FAILED'}; worst {g['worst'][0]} {g['worst'][1]} "

@@ -71,6 +71,9 @@ def parse_args(argv=None):
     parser.add_argument("--family-symbols", type=cli.positive_int, help="accuracy suite: symbols per input family "
                                                                      "(default 4)")
     parser.add_argument("--family-steps", type=cli.positive_int, help="accuracy suite: steps per family (default 1000)")
+    parser.add_argument("--family-seeds", type=cli.positive_int, help="accuracy suite: input seeds of the families, "
+                                                                    "--seed and on (default 3; each family's worst "
+                                                                    "seed is its result)")
     parser.add_argument("--long-steps", type=cli.positive_int, help="accuracy suite: steps of the long streams "
                                                                  "(default 10000)")
     add_precision_argument(parser)
@@ -104,6 +107,7 @@ def parse_args(argv=None):
         parser.error("--ray-address and --shards apply with --cluster ray")
     counts = QUICK if args.quick else FULL
     overrides = {"family_symbols": args.family_symbols, "family_steps": args.family_steps,
+                 "family_seeds": args.family_seeds,
                  "long_steps": args.long_steps, "e2e_requests": args.e2e_requests, "rates": args.rates,
                  "rate_seconds": args.rate_seconds}
     args.counts = Counts(**{**counts.__dict__, **{k: v for k, v in overrides.items() if v is not None}})

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.accuracy import GATE_WITHIN, Suite, format_table, gate
+from client.accuracy import GATE_WITHIN, Suite, format_table, gate, worst_of
 from client.engine.fast import FastEngine
 from client.families import FAMILIES, LONG_FAMILY, family_features
 from client.model import TOWER_NAMES, load_model
@@ -79,6 +79,28 @@ def test_the_suite_measures_any_engine_through_its_public_step():
     assert result["gate"]["passed"] and engine.symbols == []
     for towers in result["families"].values():
         assert all(row["max_abs_err"] == 0.0 and row["within_atol"] == 1.0 for row in towers.values())
+
+
+def test_a_family_is_judged_by_its_worst_seed():
+    a, b = _stats(), _stats(0.998)
+    b["hawk"] = {**b["hawk"], "within_atol": 1.0, "max_abs_err": 5e-3, "nan_or_inf": 2}
+    worst = worst_of([{"normal": a}, {"normal": b, "stuck": a}])
+    assert worst["normal"]["xlstm"]["within_atol"] == 0.998 and worst["normal"]["hawk"]["within_atol"] == 1.0
+    assert worst["normal"]["hawk"]["max_abs_err"] == 5e-3 and worst["normal"]["hawk"]["nan_or_inf"] == 2
+    assert list(worst) == ["normal", "stuck"]
+
+
+def test_the_suite_runs_the_families_once_per_seed():
+    from client.engine.reference import ReferenceEngine
+
+    model, _ = load_model("tiny", seed=0)
+    suite = Suite(model, "cpu", families=("normal", "stuck"), symbols_per_family=2, steps=4, long_symbols=1,
+                  long_steps=6, seeds=[3, 4])
+    assert list(suite.runs) == ["families@3", "families@4", LONG_FAMILY] and suite.symbols == 4
+    assert not np.array_equal(suite.runs["families@3"][1], suite.runs["families@4"][1])
+    result = suite.measure(ReferenceEngine(model, device="cpu"))
+    assert set(result["seeds"]) == {"3", "4"} and set(result["seeds"]["4"]) == {"normal", "stuck"}
+    assert set(result["families"]) == {"normal", "stuck", LONG_FAMILY} and result["gate"]["passed"]
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with CUDA the kernels run natively")

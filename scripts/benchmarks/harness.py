@@ -29,9 +29,11 @@ class Counts:
     baseline_iters: int
     family_symbols: int  # accuracy suite: symbols per input family
     family_steps: int
+    family_seeds: int  # accuracy suite: input seeds the families run with (each family judged by its worst)
     long_symbols: int
     long_steps: int
     e2e_requests: int
+    e2e_runs: int  # e2e sessions in a row, each reported (the tail varies from run to run)
     rates: list
     k1_rates: list  # maxrate with one request per symbol per step (today's rule before several per step)
     rate_seconds: float
@@ -48,14 +50,16 @@ class Counts:
 
 
 FULL = Counts(copy_bytes=1 << 30, copy_repeats=20, step_warmup=20, step_iters=200, baseline_warmup=5,
-              baseline_iters=20, family_symbols=4, family_steps=1000, long_symbols=4, long_steps=10_000,
-              e2e_requests=4000, rates=[2000, 5000, 8000, 11000, 14000, 17000, 20000, 23000, 26000, 30000],
+              baseline_iters=20, family_symbols=4, family_steps=1000, family_seeds=3, long_symbols=4,
+              long_steps=10_000,
+              e2e_requests=4000, e2e_runs=3, rates=[2000, 5000, 8000, 11000, 14000, 17000, 20000, 23000, 26000, 30000],
               k1_rates=[3000, 4000, 5000, 6000, 7000, 8000], rate_seconds=1.5, new_symbols=200, arrival_seconds=10.0, churn_symbols=24, churn_capacity=8,
               churn_steps=200, cpu_host_symbols=400, swap_hot_symbols=20, swap_hot_rate=400.0, swap_cold_rate=50.0,
               swap_seconds=20.0)
 QUICK = Counts(copy_bytes=64 << 20, copy_repeats=5, step_warmup=2, step_iters=10, baseline_warmup=2,
-               baseline_iters=5, family_symbols=2, family_steps=40, long_symbols=2, long_steps=300,
-               e2e_requests=200, rates=[50, 100], k1_rates=[50], rate_seconds=1.0, new_symbols=12, arrival_seconds=2.0,
+               baseline_iters=5, family_symbols=2, family_steps=40, family_seeds=1, long_symbols=2,
+               long_steps=300,
+               e2e_requests=200, e2e_runs=1, rates=[50, 100], k1_rates=[50], rate_seconds=1.0, new_symbols=12, arrival_seconds=2.0,
                churn_symbols=6, churn_capacity=3, churn_steps=30, cpu_host_symbols=32, swap_hot_symbols=4,
                swap_hot_rate=100.0, swap_cold_rate=20.0, swap_seconds=2.0)
 
@@ -197,7 +201,9 @@ class Bench:
             counts = self.counts
             self._suite = Suite(self.model, self.device, symbols_per_family=counts.family_symbols,
                                 steps=counts.family_steps, long_symbols=counts.long_symbols,
-                                long_steps=counts.long_steps, seed=self.args.seed, progress=self.progress)
+                                long_steps=counts.long_steps,
+                                seeds=[self.args.seed + i for i in range(counts.family_seeds)],
+                                progress=self.progress)
         return self._suite
 
     def copy_bandwidth(self) -> float:
