@@ -197,10 +197,11 @@ def serve(bench, engine, stream, targets, rate, per_symbol=None) -> dict:
         max_requests_per_symbol=per_symbol or args.max_requests_per_symbol)))
 
 
-def measure_e2e(engine, bench, prefix="E2E_"):
-    """The session's numbers of E2E_SYMBOLS symbols served at E2E_RATE."""
+def measure_e2e(engine, bench, prefix="E2E_", run=0):
+    """The session's numbers of E2E_SYMBOLS symbols served at E2E_RATE (run: the stream's index, for its seed)."""
     tracker = ReferenceTracker(bench.model, prefixed_names(prefix, E2E_SYMBOLS), bench.device)
-    stream = prefixed_stream(prefix, E2E_SYMBOLS, bench.counts.e2e_requests, bench.args.seed + 1, E2E_RATE)
+    stream = prefixed_stream(prefix, E2E_SYMBOLS, bench.counts.e2e_requests, bench.args.seed + 1 + 100 * run,
+                             E2E_RATE)
     targets = tracker.targets(stream)
     del tracker
     bench.progress(f"e2e: targets ready; serving {len(stream)} requests at {E2E_RATE:.0f} req/s")
