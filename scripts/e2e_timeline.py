@@ -9,12 +9,14 @@ of both processes, and the slowest answers with the stalls around them. bench/LO
 """
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 
 import numpy as np
+import torch
 
 from client import event_loop
 from scripts.benchmarks.harness import E2E_RATE, E2E_SYMBOLS, device_name
@@ -95,6 +97,27 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def host_memory_problem(preset, symbols, available=None) -> str | None:
+    """Why a run on the CPU would not fit in host memory (None if it fits): the fp32 reference model, the engine's
+    copy of its weights (fp32 at most), and three states per symbol (the engine's, and the reference's before and
+    after a step), 1 GiB beside."""
+    from client.engine.fast.state_table import host_memory
+    from client.model import get_preset, manifest
+    from client.model.ensemble import Ensemble
+
+    weights = sum(4 * math.prod(entry["shape"]) for entry in manifest(preset))
+    with torch.device("meta"):
+        state = sum(t.numel() * t.element_size()
+                    for t in Ensemble(get_preset(preset)).init_state(1, device="meta").values())
+    need = 2 * weights + 3 * symbols * state + 2**30
+    available = host_memory()[1] if available is None else available
+    if need <= available:
+        return None
+    return (f"the {preset} preset with {symbols} symbols needs about {need / 1e9:.1f} GB of host memory on the CPU "
+            f"(the reference model, the engine's weights, three states per symbol), and {available / 1e9:.1f} GB is "
+            f"available: run it on a GPU, or with a smaller --preset or fewer --symbols")
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full")
@@ -110,14 +133,17 @@ def main(argv=None) -> list[dict]:
     if args.rate <= 0 or args.symbols < 1 or args.requests < args.symbols or args.sessions < 1:
         ap.error("need --rate > 0, --symbols >= 1, --requests >= --symbols and --sessions >= 1")
 
-    import torch
-
     from client.engine.fast import FastEngine
     from client.model import load_model
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        problem = host_memory_problem(args.preset, args.symbols)
+        if problem:
+            sys.exit(f"e2e_timeline.py: {problem}")
     model, _ = load_model(args.preset, seed=args.seed, device=device)
-    engine = FastEngine(model, device=device, max_batch=64, host_symbols=0,  # its symbols fit on the GPU
+    # The state table holds the timeline's symbols and no more: the reference targets need the memory beside it.
+    engine = FastEngine(model, device=device, max_batch=64, capacity=args.symbols, host_symbols=0,
                         progress=sys.stderr.isatty())
     tracker = ReferenceTracker(model, prefixed_names("TL_", args.symbols), device)
     results = []

@@ -89,3 +89,15 @@ def test_bad_options_are_refused(capsys):
     with pytest.raises(SystemExit):
         _load().main(["--requests", "3", "--symbols", "4"])
     assert "--requests >= --symbols" in capsys.readouterr().err
+
+
+def test_a_cpu_run_that_cannot_fit_in_host_memory_says_what_it_needs():
+    module = _load()
+    assert module.host_memory_problem("tiny", 20, available=2**30 + 10**8) is None
+    problem = module.host_memory_problem("full", 20, available=24 * 10**9)
+    assert "needs about 26.2 GB of host memory" in problem and "24.0 GB is available" in problem
+    out = subprocess.run([sys.executable, str(SCRIPT), "--preset", "full", "--device", "cpu", "--symbols", "100000",
+                          "--requests", "100000"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.strip().startswith("e2e_timeline.py: the full preset with 100000 "
+                                                                 "symbols needs about")
+    assert "Traceback" not in out.stderr
