@@ -1,7 +1,9 @@
 """GPU time per kernel of one eager step of the fast engine, summed by kernel name: where two versions of the
-engine differ (run it in each checkout, then compare the JSONs with --compare).
+engine differ (run it in each checkout, then compare the JSONs with --compare), or where the time of a step's
+extra requests goes (compare shapes: --batches 64x1,64x4 --top 25).
 
     python -m scripts.kernel_times --json new.json                   # full preset, B = 1 and 64
+    python -m scripts.kernel_times --batches 64x1,64x4 --top 25      # 64 symbols, 1 and 4 requests each
     python -m scripts.kernel_times --compare old.json new.json       # the kernels whose time moved most
 """
 import argparse
@@ -10,33 +12,49 @@ import sys
 from collections import defaultdict
 
 
-def measure(preset, batches, steps, seed=0):
+def shape(text):
+    """"B" (B symbols, one request each) or "GxK" (G symbols, K requests each) -> (G, K)."""
+    symbols, _, rows = text.strip().partition("x")
+    try:
+        g, k = int(symbols), int(rows or 1)
+    except ValueError:
+        g = k = 0
+    if g < 1 or k < 1:
+        raise argparse.ArgumentTypeError(f"a step shape is B or GxK with positive integers, got {text!r}")
+    return g, k
+
+
+def measure(preset, shapes, steps, seed=0):
     import numpy as np
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from client.engine.fast import FastEngine
+    from client.engine.fast.layers import StepPlan
     from client.model import load_model
 
     model, _ = load_model(preset, seed=seed, device="cuda")
-    engine = FastEngine(model, device="cuda", graphs=False, capacity=max(batches), host_symbols=0, progress=False)
-    symbols = [f"K{i}" for i in range(max(batches))]
+    engine = FastEngine(model, device="cuda", graphs=False, capacity=max(g for g, _ in shapes), host_symbols=0,
+                        max_rows_per_symbol=max(k for _, k in shapes), progress=False)
+    symbols = [f"K{i}" for i in range(max(g for g, _ in shapes))]
     result = {}
-    for batch in batches:
-        slots = engine.slots_for(symbols[:batch])
-        features = torch.from_numpy(np.random.default_rng(seed).standard_normal((batch, 79)).astype(np.float32)).cuda()
+    for g, k in shapes:
+        slots = engine.slots_for(symbols[:g])
+        plan = StepPlan(slots, torch.arange(0, g * k + 1, k, dtype=torch.int32, device="cuda"), k)
+        rng = np.random.default_rng(seed)
+        features = torch.from_numpy(rng.standard_normal((g * k, 79)).astype(np.float32)).cuda()
         for _ in range(3):
-            engine.step_slots(slots, features)
+            engine.step_plan(plan, features)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                engine.step_slots(slots, features)
+                engine.step_plan(plan, features)
             torch.cuda.synchronize()
         times = defaultdict(float)
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
                 times[event.name[:90]] += event.device_time / steps  # us per step
-        result[str(batch)] = dict(sorted(times.items(), key=lambda kv: -kv[1]))
+        result[str(g) if k == 1 else f"{g}x{k}"] = dict(sorted(times.items(), key=lambda kv: -kv[1]))
     return result
 
 
@@ -52,21 +70,31 @@ def compare(old, new, top=25):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="full")
-    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--batches", default="1,64", help="step shapes: B (one request per symbol) or GxK (G "
+                                                           "symbols, K requests each), comma list")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json")
+    parser.add_argument("--top", type=int, default=0, help="also print each shape's slowest kernels")
     parser.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"))
     args = parser.parse_args(argv)
     if args.compare:
         old, new = (json.load(open(path)) for path in args.compare)
         compare(old, new)
         return 0
-    result = measure(args.preset, [int(b) for b in args.batches.split(",")], args.steps)
+    try:
+        shapes = [shape(text) for text in args.batches.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    result = measure(args.preset, shapes, args.steps)
+    for name, times in result.items() if args.top else ():
+        print(f"{name}: {sum(times.values()):.0f} us of kernel time per step")
+        for kernel, us in list(times.items())[:args.top]:
+            print(f"  {us:9.1f}  {kernel}")
     text = json.dumps(result, indent=1)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text)
-    else:
+    elif not args.top:
         print(text)
     return 0
 
