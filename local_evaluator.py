@@ -27,7 +27,8 @@ from client.constants import ATOL, TARGET_SOURCES
 from client.engine.options import add_engine_arguments, engine_options
 from client.model.config import PRESETS, TOWER_NAMES
 from client import team_api
-from client.scheduler import DEFAULT_MAX_PER_SYMBOL, Request, Scheduler
+from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
+from client.scheduler import Request, Scheduler
 
 REPO_ROOT = Path(__file__).resolve().parent
 
@@ -124,7 +125,7 @@ def load_or_generate_stream(path: str | None = None, symbols: int = 6, requests:
 # ------------------------------------------------------------------------------------ scheduling
 
 def replay(client, symbols, features, delay_ms, batch_size: int | None = None, after_step=None,
-           max_requests_per_symbol: int = DEFAULT_MAX_PER_SYMBOL):
+           max_requests_per_symbol: int = DEFAULT_REQUESTS_PER_SYMBOL):
     """Feed the stream to `client.process_batch` and return (predictions [M,4], arrival_s [M],
     answer_s [M], batch sizes) on a simulated clock; after_step(requests answered so far), if given,
     is called after each step (progress, the profiler's window).
@@ -205,7 +206,7 @@ def latency_summary(latency_ms: np.ndarray) -> dict:
 # -------------------------------------------------------------------------------------- evaluation
 
 def evaluate(client, stream, targets, *, batch_size: int | None = None, atol: float = ATOL,
-             max_requests_per_symbol: int = DEFAULT_MAX_PER_SYMBOL,
+             max_requests_per_symbol: int = DEFAULT_REQUESTS_PER_SYMBOL,
              profile_dir: str | Path | None = None, profile_steps: int = DEFAULT_PROFILE_STEPS,
              top_kernels: int = 15, progress: bool = False) -> dict:
     """Replay `stream` through `client.process_batch` and score it against `targets` [M, 4].

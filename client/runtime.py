@@ -23,7 +23,8 @@ from client import protocol, transport
 from client.answers import check_answer
 from client.constants import NUM_TOWERS
 from client import team_api
-from client.scheduler import DEFAULT_MAX_PER_SYMBOL, Request, Scheduler
+from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
+from client.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ class StreamingClient:
     def __init__(self, team_client, url: str, team: str, token: str | None = None, *,
                  preset: str | None = None, weights_fingerprint: str | None = None,
                  allow_weights_mismatch: bool = False, leave_at_end: bool = False, on_welcome=None,
-                 max_batch: int | None = None, max_requests_per_symbol: int = DEFAULT_MAX_PER_SYMBOL,
+                 max_batch: int | None = None, max_requests_per_symbol: int = DEFAULT_REQUESTS_PER_SYMBOL,
                  heartbeat_s: float = 5.0, backoff_s: float = 0.1,
                  backoff_max_s: float = 5.0, connect_timeout_s: float = 3.0, give_up_after_s: float = 10.0,
                  cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-DEFAULT_MAX_PER_SYMBOL = 4  # requests of one symbol a step may carry (scripts/bench.py maxrate: measured)
-
 
 @dataclass
 class Request:

@@ -19,12 +19,12 @@ import traceback
 import torch
 
 from client import cli
+from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.engine.options import add_cluster_arguments
 from client.engine.precision import FP32_STATE, add_precision_argument, precision_argument, state_storage_argument
 from client.families import FAMILIES
 from client.model.config import PRESETS
 from client.runtime import PIPELINE_MIN_BATCH
-from client.scheduler import DEFAULT_MAX_PER_SYMBOL
 from scripts.benchmarks import SECTIONS
 from scripts.benchmarks.harness import FULL, MAX_BATCH, QUICK, Bench, Counts, device_name
 from scripts.benchmarks.report import Progress, Report
@@ -93,9 +93,9 @@ def parse_args(argv=None):
     parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the "
                                                      "max-rate search (default 1000,2000,...,20000)")
     parser.add_argument("--rate-seconds", type=cli.positive_float, help="length of each max-rate run (default 2)")
-    parser.add_argument("--max-requests-per-symbol", type=cli.positive_int, default=DEFAULT_MAX_PER_SYMBOL,
+    parser.add_argument("--max-requests-per-symbol", type=cli.positive_int, default=DEFAULT_REQUESTS_PER_SYMBOL,
                         metavar="K", help="requests of one symbol a step may carry (default "
-                                          f"{DEFAULT_MAX_PER_SYMBOL}); maxrate and backlog also run K = 1")
+                                          f"{DEFAULT_REQUESTS_PER_SYMBOL}); maxrate and backlog also run K = 1")
     parser.add_argument("--pipeline-min-batch", type=cli.positive_int,
                         help="the client runtime's pipeline_min_batch (default: client.runtime.PIPELINE_MIN_BATCH)")
     add_cluster_arguments(parser, "shards section: the shards as Ray actors on a cluster (--shards of them, default "

@@ -21,7 +21,7 @@ import math
 from client.cli import positive_int
 from client.engine.precision import FP32_STATE, ROUNDINGS, add_precision_argument, state_storage_argument
 from client.engine.sharded import ON_SHARD_LOSS
-from client.scheduler import DEFAULT_MAX_PER_SYMBOL
+from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 
 
 def _share(text):
@@ -73,9 +73,9 @@ def add_engine_arguments(parser):
                        help="with --gpus > 1: each GPU runs some towers for every symbol (towers, for latency), "
                             "or every tower for some symbols in a process per GPU (symbols, for throughput)")
     group.add_argument("--max-requests-per-symbol", type=lambda t: _count(t, "--max-requests-per-symbol", 1),
-                       default=DEFAULT_MAX_PER_SYMBOL, metavar="K",
+                       default=DEFAULT_REQUESTS_PER_SYMBOL, metavar="K",
                        help="queued requests of one symbol a step may carry, advanced in order in one step "
-                            f"(default {DEFAULT_MAX_PER_SYMBOL}; 1: one request per symbol per step)")
+                            f"(default {DEFAULT_REQUESTS_PER_SYMBOL}; 1: one request per symbol per step)")
     add_cluster_arguments(parser, "shard the symbols over Ray actors, one per GPU of the cluster (CPU actors, one "
                                   "per node, where it has no GPU); --device then names the shards' device (default: "
                                   "GPUs where the cluster has any), and --engine theirs (default fast on GPUs, else "

@@ -5,6 +5,7 @@ import time
 import numpy as np
 import torch
 
+from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.engine.base import NUM_TOWERS, Engine, PendingStep, Sequences, check_step_inputs
 from client.engine.precision import DEFAULT_PRECISION, FP32_STATE, Precision, StateStorage
 from client.model.config import TOWER_NAMES
@@ -26,7 +27,6 @@ STATE_MEMORY = 0.8
 # PCIe speed, on the stream that carries no returns), and no capacity: the host tier holds the states moved out.
 RESERVE = 8
 CPU_CAPACITY = 1024  # without a GPU the table lives in host memory: a modest default
-MAX_ROWS_PER_SYMBOL = 4  # requests of one symbol a captured step carries (client.scheduler.DEFAULT_MAX_PER_SYMBOL)
 
 
 def _progress(label):
@@ -79,9 +79,9 @@ class DeviceTowers:
 class FastEngine(Engine):
     name = "fast"
 
-    def __init__(self, model, device=None, *, max_batch=64, max_rows_per_symbol=MAX_ROWS_PER_SYMBOL, graphs=None,
-                 precision=DEFAULT_PRECISION, capacity=None, state_memory=None, host_symbols=None, host_memory=None,
-                 idle_timeout_s=None, reserve=None, state_storage=FP32_STATE, devices=None, time_steps=False,
+    def __init__(self, model, device=None, *, max_batch=64, max_rows_per_symbol=DEFAULT_REQUESTS_PER_SYMBOL,
+                 graphs=None, precision=DEFAULT_PRECISION, capacity=None, state_memory=None, host_symbols=None,
+                 host_memory=None, idle_timeout_s=None, reserve=None, state_storage=FP32_STATE, devices=None, time_steps=False,
                  compile=False, progress=True, time_copies=False):
         """max_batch: symbols a captured step holds; max_rows_per_symbol: requests of one symbol it carries
         (a step with more runs as several, in order). device, or devices (several: the towers placed over them);
