@@ -23,11 +23,11 @@ import numpy as np
 from client import cli
 from client.accuracy import tower_errors
 from client.answers import check_answer
-from client.constants import ATOL, TARGET_SOURCES
+from client.constants import ATOL, DEFAULT_REQUESTS_PER_SYMBOL, TARGET_SOURCES
+from client.engine.base import Engine
 from client.engine.options import add_engine_arguments, engine_options
 from client.model.config import PRESETS, TOWER_NAMES
 from client import team_api
-from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.scheduler import Request, Scheduler
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -437,8 +437,8 @@ def main(argv=None) -> int:
 
     device = args.device or default_device()
     sharded = {}
-    if hasattr(engine, "losses"):  # a sharded engine: where its shards ran, and what it lost (with what it did)
-        described = engine.describe()
+    described = engine.describe() if isinstance(engine, Engine) else {}
+    if "shards" in described:  # a sharded engine: where its shards ran, and what it lost (with what it did)
         device = "; ".join(shard["where"] for shard in described["shards"])
         sharded = {"shards": len(described["shards"]), "on_shard_loss": described["on_shard_loss"],
                    "shard_losses": described["losses"]}

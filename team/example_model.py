@@ -293,8 +293,8 @@ async def play(args) -> tuple[dict, list[dict] | None]:
                                  on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome, engine_text),
                                                                   file=sys.stderr))
         # A lost shard is said in the summary and to the server (its leaderboard), not only on stderr.
-        if hasattr(engine, "loss_listeners"):
-            engine.loss_listeners.append(lambda loss: client.notice(
+        if engine is not None:
+            engine.on_loss(lambda loss: client.notice(
                 "state_reset" if loss["policy"] == "reset" else "shard_lost", loss["line"]))
         progress = asyncio.create_task(_print_progress(client))
         ctrl_c = _stop_on_ctrl_c(client)

@@ -129,5 +129,14 @@ class Engine(ABC):
         """What the engine is and how it was set up, for summaries and benchmark reports."""
         return {"engine": self.name}
 
+    @property
+    def losses(self) -> list[dict]:
+        """The parts of this engine lost while it played (a sharded engine's shards: a record each, its "line"
+        saying it in words); an engine of one part loses none."""
+        return []
+
+    def on_loss(self, listener) -> None:
+        """Call listener(record) with each part lost from now on; a no-op for an engine of one part."""
+
     def close(self) -> None:
         """Release what the engine holds beyond memory (processes, connections); a no-op by default."""

@@ -261,9 +261,8 @@ class ShardedEngine(Engine):
         self._lock = threading.Lock()
         self.shard_of: dict[str, int] = {}
         self._load = [0] * len(shards)
-        self.losses: list[dict] = []
-        # Called with each loss's record (its "line" says it in words), outside the engine's lock.
-        self.loss_listeners: list = []
+        self._losses: list[dict] = []
+        self._loss_listeners: list = []  # called with each loss's record, outside the engine's lock
         self._closing = False
         self._runners = [_Runner(self, shard) for shard in shards]
 
@@ -278,7 +277,15 @@ class ShardedEngine(Engine):
 
     def describe(self):
         return {"engine": self.name, "transport": self.transport, "on_shard_loss": self.on_shard_loss,
-                "shards": [{"where": s.where, **s.info} for s in self.shards], "losses": list(self.losses)}
+                "shards": [{"where": s.where, **s.info} for s in self.shards], "losses": self.losses}
+
+    @property
+    def losses(self) -> list[dict]:
+        with self._lock:
+            return list(self._losses)
+
+    def on_loss(self, listener) -> None:
+        self._loss_listeners.append(listener)
 
     def _place(self, symbol):
         """The symbol's shard (placing it on the least-loaded live shard at first sight); None when no shard is
@@ -390,7 +397,7 @@ class ShardedEngine(Engine):
                 if self.on_shard_loss == "reset":
                     record["moved_to"] = {symbol: self.shard_of.get(symbol) for symbol in symbols}
                 record["line"] = _loss_line(record)
-                self.losses.append(record)
+                self._losses.append(record)
         for part, error in failed:
             part.finish(error)
         if closing:
@@ -398,7 +405,7 @@ class ShardedEngine(Engine):
         if self.progress:
             sys.stderr.write(f"[sharded engine] {record['line']}\n")
             sys.stderr.flush()
-        for listener in list(self.loss_listeners):
+        for listener in list(self._loss_listeners):
             listener(record)
 
     def close(self):
