@@ -1,4 +1,4 @@
-"""The torch.compile path: the custom ops of kernels/library.py (opcheck, fake shapes with a symbolic batch), the
+"""The torch.compile path: the custom ops of kernels/custom_ops.py (opcheck, fake shapes with a symbolic batch), the
 compiled engine against the hand-fused one and the fp32 reference (tiny preset on the CPU, where Inductor compiles
 C++; small preset inside CUDA graphs on a GPU), and its one-line error where torch.compile cannot run."""
 import importlib.util
@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import kernels.library  # noqa: F401  (registers the fastens ops)
+import kernels.custom_ops  # noqa: F401  (registers the fastens ops)
 from client.engine import make_engine
 from client.engine.fast import FastEngine
 from client.engine.fast import compiled

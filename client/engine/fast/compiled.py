@@ -1,6 +1,6 @@
 """The step through torch.compile: each block's glue compiled by Inductor, its Triton kernels as custom ops.
 
-Each block (layers.py) is compiled as it is: kernels/library.py has Dynamo trace the glue ops (norms, residual
+Each block (layers.py) is compiled as it is: kernels/custom_ops.py has Dynamo trace the glue ops (norms, residual
 adds, gates) as their PyTorch references, which Inductor fuses, and the state kernels and skinny products as
 opaque custom ops. The unit is one block, not a tower: the blocks of a tower have the same code, shapes and
 guards (no guard on an object's identity), so a tower compiles one block and reuses it for its other blocks, and
@@ -37,7 +37,7 @@ class CompileUnavailable(ValueError):
 def check_compile(device):
     """Raise CompileUnavailable unless this torch has the APIs of the compiled step and torch.compile runs on
     `device` (on a CPU, Inductor needs a C++ compiler; on a GPU, Triton); checked once per device. Imports
-    kernels/library.py, which registers the custom ops and how Dynamo traces the kernels."""
+    kernels/custom_ops.py, which registers the custom ops and how Dynamo traces the kernels."""
     device = torch.device(device)
     if device in _COMPILE_RUNS:
         return
@@ -48,7 +48,7 @@ def check_compile(device):
     if missing:
         raise CompileUnavailable(f"--compile needs torch >= 2.7 ({', '.join(missing)}); this is torch "
                                  f"{torch.__version__}: run without --compile")
-    import kernels.library  # noqa: F401  (registration)
+    import kernels.custom_ops  # noqa: F401  (registration)
     try:
         probe = torch.compile(lambda t: torch.relu(t) * 2 + 1, fullgraph=True)
         probe(torch.ones(8, device=device))
