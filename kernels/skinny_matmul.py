@@ -20,7 +20,7 @@ x/gate projection: bench/LOG.md section 34); the other rows are plain fp16.
 
 x reaches fp16 as it is: the engine sends this kernel normalised activations only. The tensor cores' fp32
 accumulation keeps fewer bits than cuBLAS's FMA units (measured on an H100 at K = 4096: ~5e-6 of a row's scale
-against cuBLAS fp32's ~4e-7, bench/LOG.md section 36), ample where activations are O(1); input_down's input, which
+against cuBLAS fp32's ~4e-7, bench/LOG.md section 40), ample where activations are O(1); input_down's input, which
 carries a feed's unnormalised features (columns up to 1e5) straight into the residual stream and the prediction,
 takes cuBLAS's fp32 instead (client/engine/fast/layers.py, Linear's wide_input). row_scales and split_rows cast such
 rows to fp16 without overflow where their weights are fp16.
