@@ -539,16 +539,7 @@ class StreamingClient:
 
     # ---- model steps (worker threads) ------------------------------------------------------------
     def _work(self):
-        while True:
-            with self._work_ready:
-                self._work_ready.wait_for(lambda: self._worker_stopping or len(self._scheduler))
-                if self._worker_stopping:
-                    return
-                batch = self._next_batch()
-                if not batch:  # every waiting symbol's state is still on its way
-                    self._work_ready.wait(READY_POLL_S)
-                    continue
-            self._mark("batched", (r.unique_id for r in batch))
+        while (batch := self._take_batch(lambda: len(self._scheduler))) is not None:
             try:
                 ids, predictions, errors = check_answer(
                     self.team_client.process_batch(team_api.batch_for(self.team_client, batch)),
@@ -560,16 +551,7 @@ class StreamingClient:
 
     def _submit_steps(self):
         try:
-            while True:
-                with self._work_ready:
-                    self._work_ready.wait_for(lambda: self._worker_stopping or self._submit_now())
-                    if self._worker_stopping:
-                        return
-                    batch = self._next_batch()
-                    if not batch:  # every waiting symbol's state is still on its way
-                        self._work_ready.wait(READY_POLL_S)
-                        continue
-                self._mark("batched", (r.unique_id for r in batch))
+            while (batch := self._take_batch(self._submit_now)) is not None:
                 try:
                     pending = self.team_client.submit_batch(team_api.batch_for(self.team_client, batch))
                 except Exception as exc:  # a failing team client must not kill the runtime
@@ -583,6 +565,21 @@ class StreamingClient:
             with self._steps_ready:
                 self._submitter_done = True
                 self._steps_ready.notify()
+
+    def _take_batch(self, due):
+        """The next step's requests, marked batched, once due() holds (called under the lock); None when the
+        runtime stops. While every waiting symbol's state is still on its way, it waits and asks again."""
+        with self._work_ready:
+            while True:
+                self._work_ready.wait_for(lambda: self._worker_stopping or due())
+                if self._worker_stopping:
+                    return None
+                batch = self._next_batch()
+                if batch:
+                    break
+                self._work_ready.wait(READY_POLL_S)
+        self._mark("batched", (r.unique_id for r in batch))
+        return batch
 
     def _next_batch(self):
         """The next step's requests (called holding the lock)."""
