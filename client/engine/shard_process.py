@@ -5,7 +5,6 @@ as it arrives and answers it when it is done (a second thread collects results i
 submitting never waits for the GPU). Its exit reads as end-of-file on the replies pipe: the shard is lost.
 """
 import queue
-import sys
 import threading
 import time
 
@@ -13,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
-                                   describe_ready)
+                                   wait_started)
 
 
 def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, requests, replies):
@@ -150,14 +149,5 @@ def process_shards(spec: ModelSpec, devices, *, engine="fast", options=None, pro
     ctx = mp.get_context("spawn")
     shards = [ProcessShard(i, spec, d, engine, options, ctx) for i, d in enumerate(devices)]
     deadline = time.monotonic() + start_timeout_s
-    try:
-        for shard in shards:
-            shard.wait_ready(max(0.0, deadline - time.monotonic()))
-            if progress:
-                sys.stderr.write(describe_ready(shard) + "\n")
-    except Exception:
-        for shard in shards:
-            shard.stop()
-        raise
-    return shards
+    return wait_started(shards, lambda shard: shard.wait_ready(max(0.0, deadline - time.monotonic())), progress)
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
-                                   describe_ready)
+                                   wait_started)
 
 LOCAL = "local"           # --ray-address local: start a Ray instance on this machine
 PROBE_TIMEOUT_S = 5.0     # how long a cluster's address may take to accept a connection
@@ -252,25 +252,19 @@ def _start(connection, spec, address, count, device, engine, options, progress, 
         shards.append(shard)
     starts = [shard.actor.start.remote(spec, actor_device, engine, options) for shard in shards]
     deadline = time.monotonic() + start_timeout_s
-    try:
-        for shard, start in zip(shards, starts):
-            try:
-                shard.ready(ray.get(start, timeout=max(0.0, deadline - time.monotonic())))
-            except ray.exceptions.GetTimeoutError:
-                raise ShardStartError(f"shard {shard.index} did not start within {start_timeout_s:.0f} s on the Ray "
-                                      f"cluster at {address} (is a {'GPU' if actor_device == 'cuda' else 'CPU'} "
-                                      f"free there? `ray status` shows what is used)") from None
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if exc.cause is not None else exc
-                raise ShardStartError(f"shard {shard.index} failed to start on the Ray cluster at {address}: "
-                                      f"{type(cause).__name__}: {cause}") from None
-            except ray.exceptions.RayActorError as exc:
-                raise ShardStartError(f"shard {shard.index} failed to start on the Ray cluster at {address}: "
-                                      f"{_reason(exc)}") from None
-            if progress:
-                sys.stderr.write(describe_ready(shard) + "\n")
-    except BaseException:
-        for shard in shards:
-            shard.stop()
-        raise
-    return shards
+
+    def wait(shard):
+        try:
+            shard.ready(ray.get(starts[shard.index], timeout=max(0.0, deadline - time.monotonic())))
+        except ray.exceptions.GetTimeoutError:
+            raise ShardStartError(f"shard {shard.index} did not start within {start_timeout_s:.0f} s on the Ray "
+                                  f"cluster at {address} (is a {'GPU' if actor_device == 'cuda' else 'CPU'} "
+                                  f"free there? `ray status` shows what is used)") from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            raise ShardStartError(f"shard {shard.index} failed to start on the Ray cluster at {address}: "
+                                  f"{type(cause).__name__}: {cause}") from None
+        except ray.exceptions.RayActorError as exc:
+            raise ShardStartError(f"shard {shard.index} failed to start on the Ray cluster at {address}: "
+                                  f"{_reason(exc)}") from None
+    return wait_started(shards, wait, progress)

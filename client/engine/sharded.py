@@ -74,6 +74,21 @@ def describe_ready(shard) -> str:
             + (f", {capacity} symbols" if capacity is not None else ""))
 
 
+def wait_started(shards, wait, progress):
+    """The shards, once wait(shard) has returned for each in turn (it raises what a failed start says), each said
+    ready on stderr with progress; a failure stops them all."""
+    try:
+        for shard in shards:
+            wait(shard)
+            if progress:
+                sys.stderr.write(describe_ready(shard) + "\n")
+    except BaseException:
+        for shard in shards:
+            shard.stop()
+        raise
+    return shards
+
+
 class Shard(ABC):
     """One shard as its transport reaches it. `where` says where it runs (a device, an actor on a node); `info`
     is what it said when ready (its engine's describe(), fingerprint, ...)."""
