@@ -31,6 +31,22 @@ def check_step_inputs(symbols, features) -> np.ndarray:
     return features
 
 
+class CapacityError(RuntimeError):
+    """Symbols that fit in no tier of an engine's state table; `symbols` lists them."""
+
+    def __init__(self, message, symbols):
+        super().__init__(message)
+        self.symbols = list(symbols)
+
+    @classmethod
+    def no_room(cls, rejected, tiers, raise_option):
+        """The error that names the limits: `tiers` says what they hold ("342 on the GPU"), `raise_option` which
+        option gives the first tier more."""
+        return cls(f"no room for the state of {len(rejected)} symbol(s) ({', '.join(rejected[:5])}"
+                   f"{', ...' if len(rejected) > 5 else ''}): {tiers} are all in use; raise {raise_option} or "
+                   f"--host-symbols, or let idle symbols expire (--idle-timeout)", rejected)
+
+
 class Sequences:
     """A step's rows grouped by symbol: `symbols` distinct, in order of first appearance; `order` the row
     indices symbol by symbol, each symbol's in arrival order; `lengths` rows per symbol. Row order[i] of the

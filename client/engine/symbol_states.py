@@ -12,13 +12,7 @@ The step reads and writes states through the mapping interface (`symbol in state
 import time
 from collections.abc import MutableMapping
 
-
-class CapacityError(RuntimeError):
-    """Symbols that fit in no tier of the table; `symbols` lists them."""
-
-    def __init__(self, message, symbols):
-        super().__init__(message)
-        self.symbols = list(symbols)
+from client.engine.base import CapacityError
 
 
 class SymbolStates(MutableMapping):
@@ -103,11 +97,8 @@ class SymbolStates(MutableMapping):
 
     def capacity_error(self, rejected) -> CapacityError:
         """The error that names the limits for symbols that fit in no tier."""
-        return CapacityError(
-            f"no room for the state of {len(rejected)} symbol(s) ({', '.join(rejected[:5])}"
-            f"{', ...' if len(rejected) > 5 else ''}): {self.capacity} on {self.device} and {self.host_capacity} in "
-            f"host memory are all in use; raise --state-slots or --host-symbols, or let idle symbols expire "
-            f"(--idle-timeout)", rejected)
+        return CapacityError.no_room(rejected, f"{self.capacity} on {self.device} and {self.host_capacity} in host "
+                                     f"memory", "--state-slots")
 
     # ---- internals ----------------------------------------------------------------------------------
     def _expired(self, now, exclude) -> list[str]:

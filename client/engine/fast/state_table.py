@@ -40,6 +40,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from client.engine.base import CapacityError
+
 PAD_SLOT = 0
 ALIGN = 256  # bytes: every component starts at a multiple of this within a slot (vector loads, any dtype)
 # The default host tier takes the available host memory less this headroom, left to the process's own growth, a
@@ -47,14 +49,6 @@ ALIGN = 256  # bytes: every component starts at a multiple of this within a slot
 HOST_HEADROOM_BYTES = 4 << 30
 HOST_HEADROOM_SHARE = 0.05
 PIN_THREADS = 8  # threads registering host slots at start: page faults and pinning spread over cores
-
-
-class CapacityError(RuntimeError):
-    """Symbols that fit in no tier of the state table; `symbols` lists them."""
-
-    def __init__(self, message, symbols):
-        super().__init__(message)
-        self.symbols = list(symbols)
 
 
 def _numel(shape):
@@ -570,11 +564,8 @@ class StateTable:
 
     def capacity_error(self, rejected) -> CapacityError:
         """The error that names the limits for symbols that fit in no tier."""
-        return CapacityError(
-            f"no room for the state of {len(rejected)} symbol(s) ({', '.join(rejected[:5])}"
-            f"{', ...' if len(rejected) > 5 else ''}): {self.capacity} on the GPU and {self.host_capacity} in "
-            f"host memory are all in use; raise --state-memory or --host-symbols, or let idle symbols "
-            f"expire (--idle-timeout)", rejected)
+        return CapacityError.no_room(rejected, f"{self.capacity} on the GPU and {self.host_capacity} in host memory",
+                                     "--state-memory")
 
     def release(self, symbols) -> None:
         """Forget these symbols' states (they left); unknown symbols are ignored. From the thread that steps."""
