@@ -10,6 +10,6 @@ ATOL = 1e-3                                        # a tower's prediction is cor
 TARGET_SOURCES = ("model", "file")                 # --targets: the chosen weights' fp32 model, or a stream file's own
 # Queued requests of one symbol a step may carry by default (the scheduler's cap, the fast engine's captured bound).
 # Measured over 64 symbols on an H100, the highest rate with p99 under 50 ms: 5,000 requests/s at 1, 8,000 at 4 and
-# at 8 (a step's extra rows cost ~35 us each in compute, so 8 adds no rate; its coarser small shapes cost the
-# event's load latency): bench/LOG.md section 36.
+# at 8 (a step's extra rows cost ~35 us each in compute, so 8 adds no rate; and its smallest several-rows shape
+# made one symbol's two requests a 3.44 ms step against 2.86 at 4): bench/LOG.md section 36.
 DEFAULT_REQUESTS_PER_SYMBOL = 4
