@@ -1,5 +1,7 @@
 """Section e2e: the engine behind the team client, served 400 req/s over 20 symbols by the scoring server, several
 sessions in a row (every one reported: the tail is the machine's as much as the code's, bench/LOG.md section 25)."""
+import math
+
 from scripts.benchmarks.report import fmt
 from scripts.benchmarks.serving import measure_e2e
 
@@ -11,17 +13,24 @@ def line(numbers) -> str:
 
 
 def run(bench):
-    """e2e_runs sessions in a row, each recorded; the headline figure is the run of the highest p99."""
+    """e2e_runs sessions in a row, each recorded; the headline is the worst run (_tail)."""
     runs = []
     for i in range(bench.counts.e2e_runs):
         runs.append(measure_e2e(bench.engine, bench, run=i))
-        bench.report.update(e2e_400rps_20sym=max(runs, key=lambda n: n["p99_ms"] or 0.0), e2e_runs=runs)
+        bench.report.update(e2e_400rps_20sym=max(runs, key=_tail), e2e_runs=runs)
         bench.progress(f"e2e run {i + 1}/{bench.counts.e2e_runs}: {line(runs[-1])}")
+
+
+def _tail(numbers):
+    """A run's rank for the headline: missed requests first, then the p99 (a run with no answer is the worst)."""
+    return numbers["missed"], math.inf if numbers["p99_ms"] is None else numbers["p99_ms"]
 
 
 def summary(data) -> list[str]:
     if "e2e_400rps_20sym" not in data:
         return []
     runs = data.get("e2e_runs", [])
+    if len(runs) < 2:
+        return [f"e2e 400 req/s, 20 symbols: {line(data['e2e_400rps_20sym'])}"]
     lines = [f"e2e 400 req/s, 20 symbols, run {i + 1}: {line(numbers)}" for i, numbers in enumerate(runs)]
-    return lines + [f"e2e 400 req/s, 20 symbols (the run of the highest p99): {line(data['e2e_400rps_20sym'])}"]
+    return lines + [f"e2e 400 req/s, 20 symbols (the worst run): {line(data['e2e_400rps_20sym'])}"]
