@@ -136,7 +136,8 @@ class Suite:
 
 def worst_of(results: list[dict]) -> dict:
     """{family: {tower: errors}}: per family and tower, the worst of several measurements' tower_errors (the least
-    within atol, the largest errors, NaN or inf counted over all), families in first-seen order."""
+    within atol, the largest errors, a NaN error where one measurement had no finite prediction, NaN or inf
+    predictions counted over all), families in first-seen order."""
     worst = {}
     for stats in results:
         for family, towers in stats.items():
@@ -150,9 +151,11 @@ def _worse(a: dict, b: dict) -> dict:
     def worse(key):
         if key == "nan_or_inf":
             return a[key] + b[key]
-        values = [v for v in (a[key], b[key]) if v is not None and not math.isnan(v)]
+        values = [v for v in (a[key], b[key]) if v is not None]  # None: a constant target (no relative error)
         if not values:
-            return a[key]
+            return None
+        if any(math.isnan(v) for v in values):  # no finite prediction at all: no error can stand for it
+            return math.nan
         return min(values) if key == "within_atol" else max(values)  # the others are errors
     return {key: worse(key) for key in a}
 

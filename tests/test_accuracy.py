@@ -88,6 +88,11 @@ def test_a_family_is_judged_by_its_worst_seed():
     assert worst["normal"]["xlstm"]["within_atol"] == 0.998 and worst["normal"]["hawk"]["within_atol"] == 1.0
     assert worst["normal"]["hawk"]["max_abs_err"] == 5e-3 and worst["normal"]["hawk"]["nan_or_inf"] == 2
     assert list(worst) == ["normal", "stuck"]
+    lost = {**_stats(0.0, nan=4000)["mamba2"], "max_abs_err": math.nan, "rel_rmse": None}
+    merged = worst_of([{"zeros": {"mamba2": lost}}, {"zeros": {"mamba2": {**_stats()["mamba2"], "rel_rmse": 0.1}}}])
+    row = merged["zeros"]["mamba2"]
+    assert row["within_atol"] == 0.0 and math.isnan(row["max_abs_err"]) and row["nan_or_inf"] == 4000
+    assert row["rel_rmse"] == 0.1
 
 
 def test_the_suite_runs_the_families_once_per_seed():
