@@ -38,6 +38,9 @@ class CapacityError(RuntimeError):
         super().__init__(message)
         self.symbols = list(symbols)
 
+    def __reduce__(self):  # pickled whole (a shard's error crossing a process or Ray)
+        return type(self), (str(self), self.symbols)
+
     @classmethod
     def no_room(cls, rejected, tiers, raise_option):
         """The error that names the limits: `tiers` says what they hold ("342 on the GPU"), `raise_option` which
