@@ -21,9 +21,8 @@ from collections import OrderedDict, deque
 import numpy as np
 from client import protocol, transport
 from client.answers import check_answer
-from client.constants import NUM_TOWERS
+from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, NUM_TOWERS
 from client import team_api
-from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)

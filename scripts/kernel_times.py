@@ -86,10 +86,11 @@ def main(argv=None):
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
     result = measure(args.preset, shapes, args.steps)
-    for name, times in result.items() if args.top else ():
-        print(f"{name}: {sum(times.values()):.0f} us of kernel time per step")
-        for kernel, us in list(times.items())[:args.top]:
-            print(f"  {us:9.1f}  {kernel}")
+    if args.top:
+        for name, times in result.items():
+            print(f"{name}: {sum(times.values()):.0f} us of kernel time per step")
+            for kernel, us in list(times.items())[:args.top]:
+                print(f"  {us:9.1f}  {kernel}")
     text = json.dumps(result, indent=1)
     if args.json:
         with open(args.json, "w") as f:

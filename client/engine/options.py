@@ -19,9 +19,9 @@ import argparse
 import math
 
 from client.cli import positive_int
+from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.engine.precision import FP32_STATE, ROUNDINGS, add_precision_argument, state_storage_argument
 from client.engine.sharded import ON_SHARD_LOSS
-from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 
 
 def _share(text):

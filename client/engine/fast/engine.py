@@ -81,8 +81,8 @@ class FastEngine(Engine):
 
     def __init__(self, model, device=None, *, max_batch=64, max_rows_per_symbol=DEFAULT_REQUESTS_PER_SYMBOL,
                  graphs=None, precision=DEFAULT_PRECISION, capacity=None, state_memory=None, host_symbols=None,
-                 host_memory=None, idle_timeout_s=None, reserve=None, state_storage=FP32_STATE, devices=None, time_steps=False,
-                 compile=False, progress=True, time_copies=False):
+                 host_memory=None, idle_timeout_s=None, reserve=None, state_storage=FP32_STATE, devices=None,
+                 time_steps=False, compile=False, progress=True, time_copies=False):
         """max_batch: symbols a captured step holds; max_rows_per_symbol: requests of one symbol it carries
         (a step with more runs as several, in order). device, or devices (several: the towers placed over them);
         capacity (symbols on the GPU) or
