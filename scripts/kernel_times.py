@@ -11,17 +11,22 @@ import json
 import sys
 from collections import defaultdict
 
+from client import cli
 
-def shape(text):
-    """"B" (B symbols, one request each) or "GxK" (G symbols, K requests each) -> (G, K)."""
-    symbols, _, rows = text.strip().partition("x")
-    try:
-        g, k = int(symbols), int(rows or 1)
-    except ValueError:
-        g = k = 0
-    if g < 1 or k < 1:
-        raise argparse.ArgumentTypeError(f"a step shape is B or GxK with positive integers, got {text!r}")
-    return g, k
+
+def shapes(text):
+    """"B" (B symbols, one request each) or "GxK" (G symbols, K requests each), comma-separated -> [(G, K)]."""
+    result = []
+    for part in text.split(","):
+        symbols, _, rows = part.strip().partition("x")
+        try:
+            g, k = int(symbols), int(rows or 1)
+        except ValueError:
+            g = k = 0
+        if g < 1 or k < 1:
+            raise ValueError(f"a step shape is B or GxK with positive integers, got {part.strip()!r}")
+        result.append((g, k))
+    return result
 
 
 def measure(preset, shapes, steps, seed=0):
@@ -67,12 +72,15 @@ def compare(old, new, top=25):
             print(f"  {a.get(name, 0):9.1f} {b.get(name, 0):9.1f} {b.get(name, 0) - a.get(name, 0):+9.1f}  {name}")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+PROG = "scripts/kernel_times.py"
+
+
+def main(argv=None) -> int:
+    parser = cli.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="full")
-    parser.add_argument("--batches", default="1,64", help="step shapes: B (one request per symbol) or GxK (G "
-                                                           "symbols, K requests each), comma list")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batches", default="1,64", type=cli.argument_type(shapes),
+                        help="step shapes: B (one request per symbol) or GxK (G symbols, K requests each), comma list")
+    parser.add_argument("--steps", type=cli.positive_int, default=10)
     parser.add_argument("--json")
     parser.add_argument("--top", type=int, default=0, help="also print each shape's slowest kernels")
     parser.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"))
@@ -80,12 +88,13 @@ def main(argv=None):
     if args.compare:
         old, new = (json.load(open(path)) for path in args.compare)
         compare(old, new)
-        return 0
-    try:
-        shapes = [shape(text) for text in args.batches.split(",")]
-    except argparse.ArgumentTypeError as exc:
-        parser.error(str(exc))
-    result = measure(args.preset, shapes, args.steps)
+        return cli.EXIT_OK
+    import torch
+
+    if not torch.cuda.is_available():
+        raise cli.CliError(f"needs a CUDA GPU (it profiles the fast engine's CUDA kernels), and this torch "
+                           f"({torch.__version__}) sees none")
+    result = measure(args.preset, args.batches, args.steps)
     if args.top:
         for name, times in result.items():
             print(f"{name}: {sum(times.values()):.0f} us of kernel time per step")
@@ -97,8 +106,8 @@ def main(argv=None):
             f.write(text)
     elif not args.top:
         print(text)
-    return 0
+    return cli.EXIT_OK
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_cli(main, PROG))

@@ -123,6 +123,7 @@ def test_reference_tracker_continues_states_across_streams():
     (["--family-symbols", "0"], "positive integer"),
     (["--family-symbols", "5"], "at most 4"),
     (["--family-steps", "-3"], "positive integer"),
+    (["--family-seeds", "0"], "positive integer"),
     (["--precisions", "auto;fp8"], "unknown precision 'fp8'"),
     (["--state-dtypes", "fp16;fp9"], "unknown state dtype 'fp9'"),
     (["--state-dtype", "fp16:up"], "state rounding must be nearest or stochastic"),

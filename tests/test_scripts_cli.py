@@ -1,5 +1,5 @@
-"""scripts/make_weights.py, scripts/make_stream.py and scripts/profile_step.py as a user runs them: progress,
-one-line errors."""
+"""scripts/make_weights.py, scripts/make_stream.py, scripts/profile_step.py and scripts/kernel_times.py as a user runs
+them: progress, one-line errors."""
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +38,9 @@ def test_script_mistakes_are_one_line(tmp_path):
         ("make_stream.py", ["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "tiny",
                             "--weights", tmp_path / "missing.pt", "--out", tmp_path / "s.npz"],
          f"make_stream: weights file not found: {tmp_path / 'missing.pt'}"),
+        ("kernel_times.py", ["--batches", "64x4,8x0"],
+         "scripts/kernel_times.py: error: argument --batches: a step shape is B or GxK with positive integers, got "
+         "'8x0'"),
     ]
     for script, args, message in cases:
         done = run(script, *args)
@@ -52,3 +55,11 @@ def test_profile_step_without_cuda_says_what_it_needs_in_one_line():
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert done.stderr.startswith("scripts/profile_step.py: error: needs a CUDA GPU")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_kernel_times_without_cuda_says_what_it_needs_in_one_line():
+    done = run("kernel_times.py", "--batches", "64x1,64x4")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith("scripts/kernel_times.py: error: needs a CUDA GPU")
