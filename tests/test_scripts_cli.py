@@ -50,16 +50,10 @@ def test_script_mistakes_are_one_line(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_profile_step_without_cuda_says_what_it_needs_in_one_line():
-    done = run("profile_step.py", "--preset", "tiny")
+@pytest.mark.parametrize("script, args", [("profile_step.py", ["--preset", "tiny"]),
+                                          ("kernel_times.py", ["--batches", "64x1,64x4"])])
+def test_gpu_scripts_without_cuda_say_what_they_need_in_one_line(script, args):
+    done = run(script, *args)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
-    assert done.stderr.startswith("scripts/profile_step.py: error: needs a CUDA GPU")
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_kernel_times_without_cuda_says_what_it_needs_in_one_line():
-    done = run("kernel_times.py", "--batches", "64x1,64x4")
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
-    assert done.stderr.startswith("scripts/kernel_times.py: error: needs a CUDA GPU")
+    assert done.stderr.startswith(f"scripts/{script}: error: needs a CUDA GPU")
