@@ -84,7 +84,6 @@ class Suite:
         if long_symbols and long_steps:
             self.runs[LONG_FAMILY] = ([LONG_FAMILY] * long_symbols,
                                       family_features(LONG_FAMILY, long_steps, long_symbols, seeds[0]), seeds[0])
-        self.seeds = seeds
         self.targets = {name: self._reference(model, name, features)
                         for name, (_, features, _) in self.runs.items()}
 
