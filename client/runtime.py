@@ -4,8 +4,8 @@ The event loop only receives, validates, queues and sends; a worker thread pulls
 each waiting symbol's oldest requests, up to max_requests_per_symbol of a symbol, in the team client's format,
 client/team_api.py) and runs the model step, so receiving never stalls.
 A team client with submit_batch is pipelined instead: a submitter thread forms and submits the next
-batch while the previous step still runs, and a completer thread collects the steps in submission
-order, so the host's per-step work overlaps the GPU's. Each step's predictions are sent as soon as
+batch while the previous step still runs, just before it ends (client/step_clock.py), and a completer thread
+collects the steps in submission order, so the host's per-step work overlaps the GPU's. Each step's predictions are sent as soon as
 they are ready. Per-symbol states live in the engine, so they survive reconnects; a bounded cache
 answers ids that the server resends after a reconnect without stepping the model twice. The server's protocol
 (websocket or the original event's tcp-json) is the transport's business (client/transport.py).
@@ -24,6 +24,7 @@ from client.answers import check_answer
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, NUM_TOWERS
 from client import team_api
 from client.scheduler import Request, Scheduler
+from client.step_clock import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,10 @@ SWITCH_INTERVAL_S = 0.0002
 # Pipelined steps in flight: one running on the GPU and the next queued behind it. More would only add
 # queueing latency; the GPU's stream order advances each symbol's state in submission order.
 PIPELINE_DEPTH = 2
-# The next step is submitted while one runs only when this many symbols already have work, else when the GPU
-# is free. A batch formed early misses what arrives later, which then waits a step more; but waiting for the
-# GPU puts the host's per-step work (~0.4 ms) between steps. Measured on an H100 (bench/LOG.md, sections 12
-# and 14): with a 2.8 ms step, 4 served 400 req/s best; since the step (2.4 ms) is shorter than that load's
-# 2.5 ms between requests, 1 (always early) gives p50 4.0 ms against 5.0, and the same max rate.
+# The next step is formed while one runs (just before it ends, client/step_clock.py) only when this many
+# symbols already have work, else when the GPU is free: waiting for the GPU puts the host's per-step work
+# (~0.4 ms) between steps. Measured on an H100 (bench/LOG.md, sections 12 and 14), when the next step was
+# formed as soon as the previous was submitted: 1 gave p50 4.0 ms against 5.0 at 400 req/s.
 PIPELINE_MIN_BATCH = 1
 # While every waiting symbol's state is still on its way to the GPU (the team client's ready() is False), the
 # model thread looks again this often (or at the next arrival).
@@ -223,7 +223,8 @@ class StreamingClient:
         self._work_ready = threading.Condition(lock)
         self._steps_ready = threading.Condition(lock)
         self._worker_stopping = False
-        self._steps: deque = deque()  # (batch, pending) submitted and not yet answered, oldest first
+        self._steps: deque = deque()  # (batch, pending, submitted at) not yet answered, oldest first
+        self._clock = StepClock()  # when to form the next pipelined step (under the lock)
         self._submitter_done = False
         # The fields below are touched only on the event loop thread.
         self._in_flight: set[int] = set()   # queued or being computed
@@ -538,7 +539,7 @@ class StreamingClient:
 
     # ---- model steps (worker threads) ------------------------------------------------------------
     def _work(self):
-        while (batch := self._take_batch(lambda: len(self._scheduler))) is not None:
+        while (batch := self._take_batch(lambda: 0.0 if len(self._scheduler) else None)) is not None:
             try:
                 ids, predictions, errors = check_answer(
                     self.team_client.process_batch(team_api.batch_for(self.team_client, batch)),
@@ -550,27 +551,32 @@ class StreamingClient:
 
     def _submit_steps(self):
         try:
-            while (batch := self._take_batch(self._submit_now)) is not None:
+            while (batch := self._take_batch(self._submit_in)) is not None:
+                formed_at = time.monotonic()
                 try:
                     pending = self.team_client.submit_batch(team_api.batch_for(self.team_client, batch))
                 except Exception as exc:  # a failing team client must not kill the runtime
                     self._fail(batch, exc, "submit_batch")
                     continue
+                submitted_at = time.monotonic()
                 self._mark("submitted", (r.unique_id for r in batch))
                 with self._steps_ready:
-                    self._steps.append((batch, pending))
+                    self._clock.submitted(formed_at, submitted_at)
+                    self._steps.append((batch, pending, submitted_at))
                     self._steps_ready.notify()
         finally:
             with self._steps_ready:
                 self._submitter_done = True
                 self._steps_ready.notify()
 
-    def _take_batch(self, due):
-        """The next step's requests, marked batched, once due() holds (called under the lock); None when the
-        runtime stops. While every waiting symbol's state is still on its way, it waits and asks again."""
+    def _take_batch(self, due_in):
+        """The next step's requests, marked batched, once due_in() (called under the lock: seconds until the step
+        is due, None until a notify) says 0; None when the runtime stops. While every waiting symbol's state is
+        still on its way, it waits and asks again."""
         with self._work_ready:
             while True:
-                self._work_ready.wait_for(lambda: self._worker_stopping or due())
+                while not self._worker_stopping and (delay := due_in()) != 0:
+                    self._work_ready.wait(delay)
                 if self._worker_stopping:
                     return None
                 batch = self._next_batch()
@@ -592,11 +598,18 @@ class StreamingClient:
             log.exception("team client's ready(%r) failed; stepping it", symbol)
             return True
 
-    def _submit_now(self) -> bool:
-        """Whether the submitter should form the next batch now (called holding the lock)."""
+    def _submit_in(self) -> float | None:
+        """Seconds until the submitter should form the next batch, 0 for now, None while only a notify can change
+        that: nothing waits, the pipeline is full, or too few symbols wait to form one before the GPU is free
+        (called holding the lock)."""
         if not len(self._scheduler) or len(self._steps) >= PIPELINE_DEPTH:
-            return False
-        return not self._steps or self._scheduler.waiting_symbols() >= self.pipeline_min_batch
+            return None
+        if not self._steps:
+            return 0.0
+        if self._scheduler.waiting_symbols() < self.pipeline_min_batch:
+            return None
+        batch, _, submitted_at = self._steps[0]
+        return self._clock.form_in(len(batch), submitted_at)
 
     def _complete_steps(self):
         while True:
@@ -604,15 +617,20 @@ class StreamingClient:
                 self._steps_ready.wait_for(lambda: self._steps or self._submitter_done)
                 if not self._steps:
                     return  # the submitter has stopped and every step it submitted is answered
-                batch, pending = self._steps[0]
+                batch, pending, submitted_at = self._steps[0]
             try:
-                ids, predictions, errors = check_answer(pending.result(), [r.unique_id for r in batch])
+                answer = pending.result()
+                ended_at = time.monotonic()
+                ids, predictions, errors = check_answer(answer, [r.unique_id for r in batch])
             except Exception as exc:  # a failing team client must not kill the runtime
                 self._fail(batch, exc, "submit_batch's result()")
+                ended_at = None  # a failed step's time says nothing of the next ones
             else:
                 self._answer(ids, predictions, errors)
             with self._work_ready:
                 self._steps.popleft()  # only now: a step counts as in flight until it is answered
+                if ended_at is not None:
+                    self._clock.ended(len(batch), submitted_at, ended_at)
                 self._work_ready.notify()
 
     def _mark(self, stage, ids):

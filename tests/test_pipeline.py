@@ -258,6 +258,58 @@ def test_pipelined_answers_are_correct_in_order_and_at_most_depth_in_flight(mode
         assert order == sorted(order)
 
 
+class SerialDevice:
+    """A team client whose steps run one after another on a fake device, each step_s long from when it can start
+    (its submission, or the end of the step before it): the order and timing of a GPU's stream."""
+
+    def __init__(self, model, step_s):
+        self.engine, self.step_s = ReferenceEngine(model), step_s
+        self.batches = []  # the unique ids of each submitted step, in order
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def submit_batch(self, requests_by_symbol):
+        symbols = list(requests_by_symbol)
+        ids = [requests_by_symbol[s][0] for s in symbols]
+        predictions = self.engine.step(symbols, np.stack([requests_by_symbol[s][1] for s in symbols]))
+        with self._lock:
+            self.batches.append(ids)
+            self._free_at = ends = max(time.monotonic(), self._free_at) + self.step_s
+        return PendingStep(lambda: time.sleep(max(0.0, ends - time.monotonic()))
+                           or {"unique_ids": ids, "predictions": predictions})
+
+    def process_batch(self, requests_by_symbol):
+        raise AssertionError("the runtime must use submit_batch")
+
+
+def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model):
+    """Requests arriving while a step runs all go into the next step: it is formed when the one in flight is about
+    to end (client/step_clock.py), not as soon as the first of them arrives."""
+    symbols, features = _stream(9, seed=5)
+    recorder = Recorder()
+    step_s = 0.15
+
+    async def handler(ws):
+        await ws.recv()
+        for uid in range(5):  # one at a time, the device idle between them: the clock learns a step's time
+            await ws.send(_request([uid], symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) > uid)
+        await ws.send(_request([5], symbols, features))  # a step of one row starts at once
+        for uid in (6, 7, 8):  # three more while it runs, 20 ms apart
+            await asyncio.sleep(0.02)
+            await ws.send(_request([uid], symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) >= 9)
+        await ws.close(1000)
+
+    team_client = SerialDevice(model, step_s)
+    _, summary = asyncio.run(_play(handler, team_client, max_requests_per_symbol=4))
+    assert summary["responses_sent"] == 9
+    assert team_client.batches[-2:] == [[5], [6, 7, 8]]  # 6, 7 and 8 are of three symbols
+    expected = _expected(model, symbols, features, range(9))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+
+
 def test_light_load_waits_for_the_gpu_instead_of_submitting_early(model):
     """Fewer waiting symbols than pipeline_min_batch: each batch is formed only when no step is in flight, so
     it collects everything that arrived meanwhile."""

@@ -1,0 +1,58 @@
+"""When the runtime should form its next pipelined step: late, just before the step in flight ends.
+
+A step formed as soon as the one before it is submitted carries only what arrived before that moment, then waits
+behind it on the device; what arrives while it waits goes into the step after, so under load a request waits
+through the rest of the step in flight, the queued one and its own: about 2.5 steps on average (bench/LOG.md
+section 41). Formed just before the step in flight ends, the next step carries everything that arrived while it
+ran and still starts the moment it ends: 1.5 steps on average, whatever the load.
+
+The clock learns how long steps take, per size (rows rounded up to a power of two), from when each one ended, and
+how long the host takes to form and submit one (the lead it must be formed by). A step's device time is counted
+from when it could start: its submission, or the end of the step before it if that came later.
+"""
+import time
+
+# Weight of the latest observation in the running averages (about the last 5 steps of a size count).
+SMOOTHING = 0.2
+# Formed this much earlier than the host's own time says: a thread's wake-up, the spread of step times.
+MARGIN_S = 0.0003
+
+
+def size_class(rows: int) -> int:
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+class StepClock:
+    """Step times per size and the host's submit time, learned as steps end; not thread-safe (the runtime calls it
+    under its lock)."""
+
+    def __init__(self, smoothing: float = SMOOTHING, margin_s: float = MARGIN_S, clock=time.monotonic):
+        if not 0 < smoothing <= 1 or margin_s < 0:
+            raise ValueError(f"need 0 < smoothing <= 1 and margin_s >= 0, got {smoothing!r} and {margin_s!r}")
+        self.smoothing, self.margin_s, self.now = smoothing, margin_s, clock
+        self._step_s: dict[int, float] = {}  # size class -> seconds a step of that size ran
+        self._submit_s: float | None = None  # seconds from forming a step to its submit call returning
+        self._last_end: float | None = None  # when the latest step ended
+
+    def _average(self, old, new):
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def submitted(self, formed_at: float, submitted_at: float) -> None:
+        self._submit_s = self._average(self._submit_s, submitted_at - formed_at)
+
+    def ended(self, rows: int, submitted_at: float, ended_at: float) -> None:
+        """A step of `rows` rows submitted at `submitted_at` ended (its answer came back) at `ended_at`; steps end in
+        the order they were submitted."""
+        started = submitted_at if self._last_end is None else max(submitted_at, self._last_end)
+        size = size_class(rows)
+        self._step_s[size] = self._average(self._step_s.get(size), ended_at - started)
+        self._last_end = ended_at
+
+    def form_in(self, rows: int, submitted_at: float) -> float:
+        """Seconds from now until the next step should be formed, while a step of `rows` rows submitted at
+        `submitted_at` is the only one in flight: 0 when it is due (or nothing is known yet of steps that size)."""
+        step_s = self._step_s.get(size_class(rows))
+        if step_s is None or self._submit_s is None:
+            return 0.0
+        started = submitted_at if self._last_end is None else max(submitted_at, self._last_end)
+        return max(0.0, started + step_s - self._submit_s - self.margin_s - self.now())
