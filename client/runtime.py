@@ -168,7 +168,7 @@ class StreamingClient:
                  heartbeat_s: float = 5.0, backoff_s: float = 0.1,
                  backoff_max_s: float = 5.0, connect_timeout_s: float = 3.0, give_up_after_s: float = 10.0,
                  cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
-                 timeline: bool = False, give_up_repeats: int = GIVE_UP_REPEATS,
+                 form_late: bool = True, timeline: bool = False, give_up_repeats: int = GIVE_UP_REPEATS,
                  server_idle_s: float = SERVER_IDLE_S):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
@@ -202,6 +202,9 @@ class StreamingClient:
         if pipeline_min_batch < 1:
             raise ValueError(f"pipeline_min_batch must be a positive integer, got {pipeline_min_batch!r}")
         self.pipeline_min_batch = pipeline_min_batch
+        # False: the next step is formed as soon as the one in flight is submitted (what the runtime did before
+        # client/step_clock.py; kept to measure the two against each other)
+        self.form_late = form_late
         self.give_up_after_s = give_up_after_s
         self.cache_size = cache_size
         self.stats = ClientStats(timeout_s)
@@ -608,6 +611,8 @@ class StreamingClient:
             return 0.0
         if self._scheduler.waiting_symbols() < self.pipeline_min_batch:
             return None
+        if not self.form_late:
+            return 0.0
         batch, _, submitted_at = self._steps[0]
         return self._clock.form_in(len(batch), submitted_at)
 

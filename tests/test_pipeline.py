@@ -282,9 +282,10 @@ class SerialDevice:
         raise AssertionError("the runtime must use submit_batch")
 
 
-def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model):
+@pytest.mark.parametrize("form_late", [True, False])
+def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model, form_late):
     """Requests arriving while a step runs all go into the next step: it is formed when the one in flight is about
-    to end (client/step_clock.py), not as soon as the first of them arrives."""
+    to end (client/step_clock.py), not as soon as the first of them arrives (form_late=False, the rule before)."""
     symbols, features = _stream(9, seed=5)
     recorder = Recorder()
     step_s = 0.15
@@ -302,9 +303,12 @@ def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model):
         await ws.close(1000)
 
     team_client = SerialDevice(model, step_s)
-    _, summary = asyncio.run(_play(handler, team_client, max_requests_per_symbol=4))
+    _, summary = asyncio.run(_play(handler, team_client, max_requests_per_symbol=4, form_late=form_late))
     assert summary["responses_sent"] == 9
-    assert team_client.batches[-2:] == [[5], [6, 7, 8]]  # 6, 7 and 8 are of three symbols
+    if form_late:
+        assert team_client.batches[-2:] == [[5], [6, 7, 8]]  # 6, 7 and 8 are of three symbols
+    else:
+        assert team_client.batches[-3:-1] == [[5], [6]]
     expected = _expected(model, symbols, features, range(9))
     for uid, prediction in recorder.responses:
         np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)

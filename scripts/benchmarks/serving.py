@@ -142,7 +142,7 @@ class ServerProcess:
 
 
 async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False,
-                       max_requests_per_symbol=None, team_client=None, during=None) -> dict:
+                       max_requests_per_symbol=None, team_client=None, during=None, form_late=True) -> dict:
     """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
     the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
     processes' stalls (scripts/e2e_timeline.py reads them). `during(client)`, a coroutine function, runs beside
@@ -160,7 +160,8 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     try:
         options = {"pipeline_min_batch": pipeline_min_batch, "max_requests_per_symbol": max_requests_per_symbol}
         client = StreamingClient(team_client or ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench",
-                                 timeline=timeline, **{k: v for k, v in options.items() if v is not None})
+                                 timeline=timeline, form_late=form_late,
+                                 **{k: v for k, v in options.items() if v is not None})
         playing = asyncio.create_task(client.run())
         beside = asyncio.create_task(during(client)) if during is not None else None
         done = asyncio.create_task(server.wait_done())
