@@ -279,11 +279,12 @@ class XLSTMBlock(Block):
         self.inner, self.heads = 2 * cfg.hidden, cfg.heads
         self.s_norm = sd[s + "norm.weight"].to(device)
         self.s_conv = _conv(sd, s + "conv1d", device)
+        # fp32 input maps come split over fp16 state maps (kernels/slstm_step.py): weight_lo their low halves
         weight, weight_lo = pack_slstm_weights([sd[s + f"{g}gate_input.weight"] for g in "ifzo"],
                                                [sd[s + f"{g}gate_state.weight"] for g in "ifzo"],
-                                               dtype_of("slstm"), dtype_of("slstm"))
+                                               dtype_of("slstm_in"), dtype_of("slstm"))
         self.s_weight = weight.to(device)
-        self.s_weight_lo = None if weight_lo is None else weight_lo.to(device)  # split fp32 input maps' low halves
+        self.s_weight_lo = None if weight_lo is None else weight_lo.to(device)
         self.s_bias = torch.stack([sd[s + f"{g}gate_state.bias"] for g in "ifzo"]).to(device)  # [4, H]
         self.s_gn = sd[s + "group_norm.weight"].to(device), sd[s + "group_norm.bias"].to(device)
         self.m_norm = sd[m + "norm.weight"].to(device)
