@@ -126,12 +126,12 @@ def _(gate_pre, u, i_pre, r_pre, a, h, seq_slots, seq_starts, c=8.0):
 @torch.library.custom_op(f"{NAMESPACE}::slstm_step", mutates_args=("c", "n", "m"))
 def slstm_step(xc: torch.Tensor, xn: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c: torch.Tensor,
                n: torch.Tensor, m: torch.Tensor, y: torch.Tensor, seq_slots: torch.Tensor, seq_starts: torch.Tensor,
-               max_rows: int = 1) -> torch.Tensor:
-    return kernels.slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows)
+               max_rows: int = 1, weight_lo: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return kernels.slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows, weight_lo)
 
 
 @slstm_step.register_fake
-def _(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1):
+def _(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1, weight_lo=None):
     return _empty(*xc.shape, like=xc)
 
 

@@ -12,6 +12,11 @@ then updates c, n, m for them. The products read y across a whole head block whi
 theirs, so y is the one state this op does not write: it returns y_new, and slstm_output stores each sequence's
 last at its slot (kernels/slstm_output.py).
 
+fp32 input maps over fp16 state maps come split as in kernels/skinny_matmul.py (W = W_hi + W_lo / 2^11, two fp16
+tensors, still 4 bytes a weight): x is split the same way in registers and each input map takes three fp16
+products, x_hi W_hi + (x_hi W_lo + x_lo W_hi) / 2^11, about 22 bits of each. Only the input maps' rounding shows
+in the predictions (bench/LOG.md section 34), so the state maps stay 16-bit.
+
 A sequence's rows run one launch per row position j < max_rows (kernels/_common.py's sequences): launch j advances
 row j of every sequence longer than j, its y the state y for j = 0, else the previous row's output of this op, and
 reads and writes c, n, m (one value per column) each time. A row's gate maps need the previous row's whole y of a
@@ -26,6 +31,7 @@ import triton.language as tl
 
 from kernels._common import check_input, check_plan, check_state, next_pow2, row_positions, use_triton
 from kernels._math import logsigmoid, sigmoid, tanh
+from kernels.skinny_matmul import LO_SCALE, split_fp16
 
 Y_EPS = 1e-6
 GATES = 4  # i, f, z, o
@@ -35,13 +41,22 @@ BLOCK_N = 16
 BLOCK_K = 64
 
 
-def pack_weights(input_maps, state_maps, dtype):
+def pack_weights(input_maps, state_maps, input_dtype, state_dtype):
     """The BlockLinear weights [NB, s, s] (out, in) of the four input maps and the four state maps, each in
-    gate order i, f, z, o -> the op's weight [2, 4, NB, s, s]."""
-    return torch.stack([torch.stack(list(input_maps)), torch.stack(list(state_maps))]).to(dtype).contiguous()
+    gate order i, f, z, o -> the op's (weight [2, 4, NB, s, s], weight_lo): both in one dtype and weight_lo None,
+    or fp32 input maps over fp16 state maps, split: weight[0] their high halves, weight_lo [4, NB, s, s] fp16
+    their low ones."""
+    w_in, w_state = torch.stack(list(input_maps)), torch.stack(list(state_maps))
+    if input_dtype == state_dtype:
+        return torch.stack([w_in, w_state]).to(input_dtype).contiguous(), None
+    if (input_dtype, state_dtype) != (torch.float32, torch.float16):
+        raise ValueError(f"the sLSTM's maps take one dtype, or fp32 input maps and fp16 state maps; got "
+                         f"{input_dtype} and {state_dtype}")
+    hi, lo = split_fp16(w_in.float())
+    return torch.stack([hi, w_state.to(torch.float16)]).contiguous(), lo.contiguous()
 
 
-def _check(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows):
+def _check(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows, weight_lo):
     if not isinstance(c, torch.Tensor) or c.dim() != 2:
         raise ValueError(f"c must be a [S, H] tensor, got {getattr(c, 'shape', type(c).__name__)}")
     slots, width = c.shape
@@ -55,6 +70,11 @@ def _check(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows):
     weight = check_input("weight", weight, (2, GATES, blocks, size, size), device).contiguous()
     if blocks * size != width:
         raise ValueError(f"weight's {blocks} blocks of {size} do not cover the state width {width}")
+    if weight_lo is not None:
+        weight_lo = check_input("weight_lo", weight_lo, (GATES, blocks, size, size), device).contiguous()
+        if (weight.dtype, weight_lo.dtype) != (torch.float16, torch.float16):
+            raise ValueError(f"split input maps are float16 halves (weight and weight_lo), got {weight.dtype} and "
+                             f"{weight_lo.dtype}")
     rows = xc.shape[0] if isinstance(xc, torch.Tensor) and xc.dim() == 2 else None
     xc = check_input("xc", xc, (rows, width), device)
     xn = check_input("xn", xn, (rows, width), device)
@@ -62,14 +82,15 @@ def _check(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows):
     check_plan(seq_slots, seq_starts, device)
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
         raise ValueError(f"max_rows must be a positive int (a bound on any sequence's length), got {max_rows!r}")
-    return xc, xn, weight, bias
+    return xc, xn, weight, bias, weight_lo
 
 
-def slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1):
+def slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1, weight_lo=None):
     """PyTorch reference of slstm_step, same signature and in-place semantics: the inputs rounded to the
-    weights' dtype, products and everything after them in fp32, row position by row position. A sequence longer
-    than max_rows is an error here (the kernel cannot see it)."""
-    xc, xn, weight, bias = _check(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows)
+    weights' dtype (split like the input maps where they are split), products and everything after them in fp32,
+    row position by row position. A sequence longer than max_rows is an error here (the kernel cannot see it)."""
+    xc, xn, weight, bias, weight_lo = _check(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows,
+                                             weight_lo)
     rows, width = xc.shape
     blocks, size = weight.shape[2], weight.shape[3]
     out = torch.zeros(rows, width, device=xc.device, dtype=torch.float32)
@@ -81,10 +102,17 @@ def slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_
         x = x.to(weight.dtype).float().view(-1, blocks, size)
         return torch.einsum("bhk,hjk->bhj", x, w.float()).reshape(-1, width)
 
+    def input_map(x, g):
+        if weight_lo is None:
+            return blockwise(x, weight[0, g])
+        x_hi, x_lo = split_fp16(x.float())
+        lower = blockwise(x_hi, weight_lo[g]) + blockwise(x_lo, weight[0, g])
+        return blockwise(x_hi, weight[0, g]) + lower / LO_SCALE
+
     c_seq, n_seq, m_seq = c[slots], n[slots], m[slots]
     for j, (which, rs) in enumerate(positions):  # row position j of every sequence longer than j
         y_prev = y[slots[which]] if j == 0 else out[rs - 1]
-        i, f, z, o = (blockwise(x[rs], weight[0, g]) + blockwise(y_prev, weight[1, g]) + bias[g].float()
+        i, f, z, o = (input_map(x[rs], g) + blockwise(y_prev, weight[1, g]) + bias[g].float()
                       for g, x in enumerate((xc, xc, xn, xn)))
         lf = m_seq[which] + F.logsigmoid(f)
         m_new = torch.maximum(i, lf)
@@ -100,13 +128,15 @@ def slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_
 
 @triton.jit(do_not_specialize=["position"])
 def _slstm_step_kernel(
-    xc_ptr, xn_ptr, w_ptr, bias_ptr, c_ptr, n_ptr, m_ptr, y_ptr, seq_slot_ptr, seq_start_ptr, out_ptr,
+    xc_ptr, xn_ptr, w_ptr, w_lo_ptr, bias_ptr, c_ptr, n_ptr, m_ptr, y_ptr, seq_slot_ptr, seq_start_ptr, out_ptr,
     sequences, position, width, size, tiles_per_block, stride_xc, stride_xn, stride_c, stride_n, stride_m, stride_y,
     stride_out, y_eps,
-    FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FIRST: tl.constexpr, SPLIT: tl.constexpr, LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """Row `position` of a tile of sequences (those that long): its y_prev the state y (FIRST, position 0) or
-    the previous row's output."""
+    the previous row's output. SPLIT: the input maps' low halves at w_lo_ptr ([4, NB, s, s], laid out as
+    w_ptr's first four maps)."""
     block = tl.program_id(0) // tiles_per_block
     j = (tl.program_id(0) % tiles_per_block) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns in the block
     s = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -119,11 +149,16 @@ def _slstm_step_kernel(
     else:
         y_rows = out_ptr + (r - 1).to(tl.int64) * stride_out
     gate_stride = width * size  # one [NB, s, s] map
-    w_rows = w_ptr + (block * size + j)[:, None] * size  # row j of block `block` of map 0
+    w_rows = (block * size + j)[:, None] * size  # offset of row j of block `block` in a map
     acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_o = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SPLIT:  # the input maps' lower-order terms, x LO_SCALE
+        low_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        low_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        low_z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        low_o = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, size, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < size
@@ -132,19 +167,40 @@ def _slstm_step_kernel(
         xc = tl.load(xc_ptr + r[:, None] * stride_xc + col[None, :], mask=x_mask, other=0.0)
         xn = tl.load(xn_ptr + r[:, None] * stride_xn + col[None, :], mask=x_mask, other=0.0)
         yp = tl.load(y_rows[:, None] + col[None, :], mask=x_mask, other=0.0)
-        xc = xc.to(w_ptr.dtype.element_ty)
-        xn = xn.to(w_ptr.dtype.element_ty)
+        xc_hi = xc.to(w_ptr.dtype.element_ty)
+        xn_hi = xn.to(w_ptr.dtype.element_ty)
         yp = yp.to(w_ptr.dtype.element_ty)
-        w = w_rows + k[None, :]
+        w = w_ptr + w_rows + k[None, :]
         w_mask = j_mask[:, None] & k_mask[None, :]
-        acc_i = tl.dot(xc, tl.trans(tl.load(w, mask=w_mask, other=0.0)), acc_i)
-        acc_f = tl.dot(xc, tl.trans(tl.load(w + gate_stride, mask=w_mask, other=0.0)), acc_f)
-        acc_z = tl.dot(xn, tl.trans(tl.load(w + 2 * gate_stride, mask=w_mask, other=0.0)), acc_z)
-        acc_o = tl.dot(xn, tl.trans(tl.load(w + 3 * gate_stride, mask=w_mask, other=0.0)), acc_o)
+        w_i = tl.load(w, mask=w_mask, other=0.0)
+        acc_i = tl.dot(xc_hi, tl.trans(w_i), acc_i)
+        w_f = tl.load(w + gate_stride, mask=w_mask, other=0.0)
+        acc_f = tl.dot(xc_hi, tl.trans(w_f), acc_f)
+        w_z = tl.load(w + 2 * gate_stride, mask=w_mask, other=0.0)
+        acc_z = tl.dot(xn_hi, tl.trans(w_z), acc_z)
+        w_o = tl.load(w + 3 * gate_stride, mask=w_mask, other=0.0)
+        acc_o = tl.dot(xn_hi, tl.trans(w_o), acc_o)
         acc_i = tl.dot(yp, tl.trans(tl.load(w + 4 * gate_stride, mask=w_mask, other=0.0)), acc_i)
         acc_f = tl.dot(yp, tl.trans(tl.load(w + 5 * gate_stride, mask=w_mask, other=0.0)), acc_f)
         acc_z = tl.dot(yp, tl.trans(tl.load(w + 6 * gate_stride, mask=w_mask, other=0.0)), acc_z)
         acc_o = tl.dot(yp, tl.trans(tl.load(w + 7 * gate_stride, mask=w_mask, other=0.0)), acc_o)
+        if SPLIT:  # x_hi W_lo + x_lo W_hi (x_lo W_lo dropped), each W_hi tile read once
+            xc_lo = ((xc.to(tl.float32) - xc_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
+            xn_lo = ((xn.to(tl.float32) - xn_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
+            lo = w_lo_ptr + w_rows + k[None, :]
+            low_i = tl.dot(xc_hi, tl.trans(tl.load(lo, mask=w_mask, other=0.0)), low_i)
+            low_i = tl.dot(xc_lo, tl.trans(w_i), low_i)
+            low_f = tl.dot(xc_hi, tl.trans(tl.load(lo + gate_stride, mask=w_mask, other=0.0)), low_f)
+            low_f = tl.dot(xc_lo, tl.trans(w_f), low_f)
+            low_z = tl.dot(xn_hi, tl.trans(tl.load(lo + 2 * gate_stride, mask=w_mask, other=0.0)), low_z)
+            low_z = tl.dot(xn_lo, tl.trans(w_z), low_z)
+            low_o = tl.dot(xn_hi, tl.trans(tl.load(lo + 3 * gate_stride, mask=w_mask, other=0.0)), low_o)
+            low_o = tl.dot(xn_lo, tl.trans(w_o), low_o)
+    if SPLIT:
+        acc_i += low_i * (1.0 / LO_SCALE)
+        acc_f += low_f * (1.0 / LO_SCALE)
+        acc_z += low_z * (1.0 / LO_SCALE)
+        acc_o += low_o * (1.0 / LO_SCALE)
 
     col = block * size + j
     b = bias_ptr + col
@@ -172,24 +228,28 @@ def _slstm_step_kernel(
 
 
 def supports(weight) -> bool:
-    """The Triton kernel multiplies on 16-bit tensor cores; fp32 weights take the reference."""
+    """The Triton kernel multiplies on 16-bit tensor cores (split input maps too); fp32 weights take the
+    reference."""
     return weight.dtype in WEIGHT_DTYPES
 
 
-def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1):
+def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1, weight_lo=None):
     """Advance each sequence's sLSTM cell through its rows.
 
     xc, xn [B, H] (the convolved and the normalised input), weight [2, 4, NB, s, s] (pack_weights: input and
     state maps, gates i, f, z, o, each block as (out, in)), bias [4, H] (the state maps' biases); c, n, m, y
     [S, H] fp32 states (c = n = y = 0, m = -inf at start; each may be a slot-major view, kernels/_common.py);
     seq_slots [G] and seq_starts [G + 1] int32 (kernels/_common.py); max_rows (int) at least the longest
-    sequence's row count, known when the step is built: one launch per row position. Updates c, n, m in place at
-    seq_slots and returns y [B, H] float32, each row's new y (padding rows' unwritten), which the caller stores
-    (y[seq_slots] is read, not written: slstm_output stores each sequence's last row).
+    sequence's row count, known when the step is built: one launch per row position. weight_lo [4, NB, s, s]
+    fp16, with an fp16 weight: the input maps are split, weight[0] their high halves (pack_weights), and x is
+    split likewise. Updates c, n, m in place at seq_slots and returns y [B, H] float32, each row's new y (padding
+    rows' unwritten), which the caller stores (y[seq_slots] is read, not written: slstm_output stores each
+    sequence's last row).
     """
     if not (use_triton(c) and supports(weight)):
-        return slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows)
-    xc, xn, weight, bias = _check(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows)
+        return slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows, weight_lo)
+    xc, xn, weight, bias, weight_lo = _check(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows,
+                                             weight_lo)
     rows, width = xc.shape
     sequences = seq_slots.shape[0]
     out = torch.empty(rows, width, device=c.device, dtype=torch.float32)
@@ -197,17 +257,20 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows
         return out
     blocks, size = weight.shape[2], weight.shape[3]
     block_m = max(16, min(MAX_BLOCK_M, next_pow2(sequences)))
-    # pipeline stages of x tiles (3 x BLOCK_M x BLOCK_K fp32) and weight tiles that fit in shared memory; up to 32
-    # rows two warps and four stages measured fastest at full size (H100: 10.6 against 12.8 us at one row)
+    # pipeline stages of x tiles (3 x BLOCK_M x BLOCK_K fp32) and weight tiles (8 x BLOCK_N x BLOCK_K 16-bit, 12
+    # split) that fit in shared memory; up to 32 rows two warps and four stages measured fastest at full size (H100:
+    # 10.6 against 12.8 us at one row). Triton buffers stages - 1 of them: at 32 rows 3 x 40 KB, split 3 x 48 KB,
+    # inside the 227 KB of an H100's SM
     block_k = max(16, min(BLOCK_K if block_m <= 32 else BLOCK_K // 2, next_pow2(size)))
     warps, stages = (2, 4) if block_m <= 32 else (4, 3)
     tiles = triton.cdiv(size, BLOCK_N)
+    w_lo = weight if weight_lo is None else weight_lo  # unread unless split
     for position in range(max_rows):
         _slstm_step_kernel[(blocks * tiles, triton.cdiv(sequences, block_m))](
-            xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, out,
+            xc, xn, weight, w_lo, bias, c, n, m, y, seq_slots, seq_starts, out,
             sequences, position, width, size, tiles, xc.stride(0), xn.stride(0), c.stride(0), n.stride(0),
             m.stride(0), y.stride(0), out.stride(0), Y_EPS,
-            FIRST=position == 0, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=warps,
-            num_stages=stages,
+            FIRST=position == 0, SPLIT=weight_lo is not None, LO_SCALE=LO_SCALE, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
     return out

@@ -5,7 +5,7 @@ import torch
 
 from client.engine.fast import FastEngine
 from client.engine.fast.placement import estimate_ms, place_towers, tower_weight_bytes
-from client.engine.precision import DEFAULT_PRECISION, FP32_PRECISION
+from client.engine.precision import DEFAULT_PRECISION, FP32_PRECISION, Precision
 from client.model import TOWER_NAMES, load_model
 
 
@@ -32,6 +32,12 @@ def test_placement_minimises_the_slowest_device(model):
 def test_weight_bytes_follow_the_precision(model):
     auto, fp32 = tower_weight_bytes(model), tower_weight_bytes(model, FP32_PRECISION)
     assert auto["retnet"] == fp32["retnet"] and auto["xlstm"] < fp32["xlstm"]
+    # each group at its own dtype: the sLSTM's input maps 4 bytes a weight in auto (split fp16 halves), 2 in fp16
+    fp16_maps = tower_weight_bytes(model, Precision.parse("auto,xlstm.slstm_in=fp16"))
+    maps = sum(t.numel() for key, t in model.state_dict().items()
+               if key.startswith(f"towers.{TOWER_NAMES.index('xlstm')}.") and ".layer.slstm." in key
+               and "gate_input." in key)
+    assert maps and auto["xlstm"] - fp16_maps["xlstm"] == 2 * maps
 
 
 def test_two_devices_equal_one_bit_for_bit(model):

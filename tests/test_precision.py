@@ -21,6 +21,7 @@ from test_fast_engine import compare
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 AUTO = DEFAULT_PRECISION.as_dict()
 AUTO_WITHOUT_HAWK_PARTS = {k: v for k, v in AUTO.items() if not k.startswith("hawk.")}
+AUTO_WITHOUT_XLSTM_PARTS = {k: v for k, v in AUTO.items() if not k.startswith("xlstm.")}
 
 
 @pytest.mark.parametrize("spec, expected", [
@@ -35,8 +36,12 @@ AUTO_WITHOUT_HAWK_PARTS = {k: v for k, v in AUTO.items() if not k.startswith("ha
     ("hawk=bfloat16", {**AUTO_WITHOUT_HAWK_PARTS, "hawk": BF16}),  # overrides alone start from auto
     ("auto,hawk=bf16,hawk.input_down=fp32", {**AUTO, "hawk": BF16}),
     ("fp32,retnet=auto,xlstm.mlp=auto", {**dict.fromkeys(TOWER_NAMES, F32), "xlstm.mlp": F16}),
-    ("fp16,xlstm=auto", {**dict.fromkeys(TOWER_NAMES, F16), "xlstm.input_down": F32, "xlstm.mlstm_x": F32,
-                         "xlstm.mlstm_qkv": F32}),
+    ("fp16,xlstm=auto", {**dict.fromkeys(TOWER_NAMES, F16), "xlstm.input_down": F32, "xlstm.slstm_in": F32,
+                         "xlstm.mlstm_x": F32, "xlstm.mlstm_qkv": F32}),
+    # the sLSTM's input maps apart from its state maps: back to fp16 alone, or with them through the tower's dtype
+    ("auto,xlstm.slstm_in=fp16", {k: v for k, v in AUTO.items() if k != "xlstm.slstm_in"}),
+    ("auto,xlstm=fp16", {**AUTO_WITHOUT_XLSTM_PARTS, "xlstm": F16}),
+    ("auto,xlstm.slstm=fp32", {**AUTO, "xlstm.slstm": F32}),
     ("fp16,xlstm.mlstm_x=fp32", {**dict.fromkeys(TOWER_NAMES, F16), "xlstm.mlstm_x": F32}),
     ("fp16,xlstm.mlp=fp16", dict.fromkeys(TOWER_NAMES, F16)),  # a group given its tower's dtype is no exception
 ])
@@ -55,6 +60,9 @@ def test_specs_parse(spec, expected):
     # x_proj and gate_proj are one product: fp32 rows may lead fp16 ones, no other mix
     ("bf16,xlstm.mlstm_x=fp32", r"xlstm.mlstm_x and xlstm.mlstm_gate share one product: .* \(got fp32 and bf16\)"),
     ("auto,xlstm.mlstm_gate=fp32,xlstm.mlstm_x=fp16", r"share one product"),
+    # the sLSTM's eight maps are one weight too: fp32 input maps split over fp16 state maps, or one dtype
+    ("auto,xlstm.slstm=bf16", r"xlstm.slstm_in and xlstm.slstm share one product: .* \(got fp32 and bf16\)"),
+    ("fp16,xlstm.slstm=fp32", r"xlstm.slstm_in and xlstm.slstm share one product: .* \(got fp16 and fp32\)"),
 ])
 def test_bad_specs_are_one_line_errors(spec, match):
     with pytest.raises(ValueError, match=match) as info:
@@ -65,14 +73,16 @@ def test_bad_specs_are_one_line_errors(spec, match):
 def test_a_precision_is_a_value():
     """Equal by what each weight group gets, whatever the spec said; the spec kept for names; picklable (the
     sharded engine sends it to its processes)."""
-    spelled_out = Precision.parse("fp16,retnet=fp32,xlstm.input_down=fp32,xlstm.mlstm_x=fp32,xlstm.mlstm_qkv=fp32,"
-                                  "mamba2.input_down=fp32,hawk.input_down=fp32")
+    spelled_out = Precision.parse("fp16,retnet=fp32,xlstm.input_down=fp32,xlstm.slstm_in=fp32,xlstm.mlstm_x=fp32,"
+                                  "xlstm.mlstm_qkv=fp32,mamba2.input_down=fp32,hawk.input_down=fp32")
     assert spelled_out == DEFAULT_PRECISION and hash(spelled_out) == hash(DEFAULT_PRECISION)
     assert spelled_out.spec.startswith("fp16,retnet") and str(DEFAULT_PRECISION) == "auto"
     assert Precision.parse("bf16") != FP32_PRECISION
     assert pickle.loads(pickle.dumps(DEFAULT_PRECISION)) == DEFAULT_PRECISION
     assert DEFAULT_PRECISION.dtype_of("xlstm", "mlstm_x") == F32 and DEFAULT_PRECISION.dtype_of("xlstm", "mlp") == F16
     assert DEFAULT_PRECISION.dtype_of("retnet") == F32
+    assert DEFAULT_PRECISION.dtype_of("xlstm", "slstm_in") == F32
+    assert DEFAULT_PRECISION.dtype_of("xlstm", "slstm") == F16
     with pytest.raises(KeyError, match="no weight group 'attn'"):
         DEFAULT_PRECISION.dtype_of("hawk", "attn")
 
@@ -94,12 +104,17 @@ def test_weight_groups_are_the_engines_and_the_placements():
     for index, tower in enumerate(TOWER_NAMES):
         found = {weight_group_of(tower, key) for key in keys if key.startswith(f"towers.{index}.")}
         assert found - {None} == set(WEIGHT_GROUPS[tower]), tower
+    # a key lies in the first group naming a part of it: the sLSTM's input maps in slstm_in, the rest in slstm
+    slstm = {key: weight_group_of("xlstm", key) for key in keys if ".layer.slstm." in key}
+    assert {key for key, group in slstm.items() if group == "slstm_in"} == {key for key in slstm
+                                                                            if "gate_input." in key}
+    assert set(slstm.values()) == {"slstm_in", "slstm"}
 
 
 def test_describe_says_what_each_tower_got():
-    assert DEFAULT_PRECISION.describe() == ("xlstm fp16 (input_down fp32, mlstm_x fp32, mlstm_qkv fp32), mamba2 fp16 "
-                                            "(input_down fp32), retnet fp32, hawk fp16 (input_down fp32) "
-                                            "(auto: the measured default)")
+    assert DEFAULT_PRECISION.describe() == ("xlstm fp16 (input_down fp32, slstm_in fp32, mlstm_x fp32, "
+                                            "mlstm_qkv fp32), mamba2 fp16 (input_down fp32), retnet fp32, hawk fp16 "
+                                            "(input_down fp32) (auto: the measured default)")
     assert Precision.parse("bf16,xlstm.mlp=fp32").describe() == ("xlstm bf16 (mlp fp32), mamba2 bf16, retnet bf16, "
                                                                  "hawk bf16")
 

@@ -23,9 +23,11 @@ from client.constants import TOWER_NAMES
 
 # The weight groups of each tower, in one table: the names a precision override takes ("<tower>.<group>"), the names
 # the fast engine's blocks ask their dtypes by (layers.py, through Precision.dtype_of), and where each group lies in
-# a tower's state dict (what placement.py counts the bytes of), in the order they are matched.
+# a tower's state dict (what placement.py counts the bytes of), in the order they are matched (a key lies in the first
+# group that names a part of it: slstm_in before slstm).
 WEIGHT_GROUPS = {
-    "xlstm": {"input_down": (".input_down.",), "mlp": (".mlp.",), "slstm": (".layer.slstm.",),
+    "xlstm": {"input_down": (".input_down.",), "mlp": (".mlp.",),
+              "slstm_in": tuple(f".layer.slstm.{g}gate_input." for g in "ifzo"), "slstm": (".layer.slstm.",),
               "mlstm_x": (".mlstm.x_proj.",), "mlstm_gate": (".mlstm.gate_proj.",),
               "mlstm_qkv": (".mlstm.q_proj.", ".mlstm.k_proj.", ".mlstm.v_proj."),
               "mlstm_down": (".mlstm.proj_down.",)},
@@ -43,13 +45,16 @@ WEIGHT_GROUPS = {
 # features 100x unit scale, fp16 weights there put Mamba2 and Hawk outside 1e-3 (bench/LOG.md section 29), so it
 # stays fp32, for 1.5% of the step. Some mLSTM heads settle near zero on small or stuck features, and their
 # GroupNorm scales them back up, with any error upstream: their q, k, v (x_proj and the tiny q/k/v blocks) stay
-# fp32, for ~3% of the step (bench/LOG.md section 34).
+# fp32, for ~3% of the step (bench/LOG.md section 34). The sLSTM's four input maps in fp16 were the rest of xLSTM's
+# error at scale 1e-2 (99.90%, on the gate), its state maps none of it: the input maps stay fp32, split into fp16
+# halves inside slstm_step, for 0.1 GB more a step (bench/LOG.md sections 34, 38 and 42).
 _AUTO = {"xlstm": torch.float16, "mamba2": torch.float16, "retnet": torch.float32, "hawk": torch.float16,
-         "xlstm.input_down": torch.float32, "xlstm.mlstm_x": torch.float32, "xlstm.mlstm_qkv": torch.float32,
-         "mamba2.input_down": torch.float32, "hawk.input_down": torch.float32}
+         "xlstm.input_down": torch.float32, "xlstm.slstm_in": torch.float32, "xlstm.mlstm_x": torch.float32,
+         "xlstm.mlstm_qkv": torch.float32, "mamba2.input_down": torch.float32, "hawk.input_down": torch.float32}
 
-# Groups stacked in one product (layers.Linear): one dtype, or the first fp32 and the second fp16.
-STACKED_GROUPS = (("xlstm.mlstm_x", "xlstm.mlstm_gate"),)
+# Groups stacked in one weight (layers.Linear's product, slstm_step's eight maps): one dtype, or the first fp32 and
+# the second fp16.
+STACKED_GROUPS = (("xlstm.slstm_in", "xlstm.slstm"), ("xlstm.mlstm_x", "xlstm.mlstm_gate"))
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 ALIASES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -166,8 +171,8 @@ def add_precision_argument(parser, default="auto"):
     """Add --precision to an argparse parser; args.precision is then a Precision for FastEngine(precision=...)."""
     parser.add_argument(
         "--precision", type=precision_argument, default=Precision.parse(default), metavar="SPEC",
-        help="fast engine weight precision: auto (the measured default: fp16; RetNet, input_down and the mLSTM's "
-             "q/k/v inputs fp32), bf16, "
+        help="fast engine weight precision: auto (the measured default: fp16; RetNet, input_down, the sLSTM's "
+             "input maps and the mLSTM's q/k/v inputs fp32), bf16, "
              "fp16 or fp32, then overrides per tower or part, e.g. 'bf16,retnet=fp32' or "
              f"'auto,hawk=bf16,xlstm.mlp=fp32' (towers and parts: {_known_keys()})")
 

@@ -279,9 +279,12 @@ class XLSTMBlock(Block):
         self.inner, self.heads = 2 * cfg.hidden, cfg.heads
         self.s_norm = sd[s + "norm.weight"].to(device)
         self.s_conv = _conv(sd, s + "conv1d", device)
-        self.s_weight = pack_slstm_weights([sd[s + f"{g}gate_input.weight"] for g in "ifzo"],
-                                           [sd[s + f"{g}gate_state.weight"] for g in "ifzo"],
-                                           dtype_of("slstm")).to(device)
+        # fp32 input maps come split over fp16 state maps (kernels/slstm_step.py): weight_lo their low halves
+        weight, weight_lo = pack_slstm_weights([sd[s + f"{g}gate_input.weight"] for g in "ifzo"],
+                                               [sd[s + f"{g}gate_state.weight"] for g in "ifzo"],
+                                               dtype_of("slstm_in"), dtype_of("slstm"))
+        self.s_weight = weight.to(device)
+        self.s_weight_lo = None if weight_lo is None else weight_lo.to(device)
         self.s_bias = torch.stack([sd[s + f"{g}gate_state.bias"] for g in "ifzo"]).to(device)  # [4, H]
         self.s_gn = sd[s + "group_norm.weight"].to(device), sd[s + "group_norm.bias"].to(device)
         self.m_norm = sd[m + "norm.weight"].to(device)
@@ -323,7 +326,7 @@ class XLSTMBlock(Block):
         B, inner, NH = xin.shape[0], self.inner, self.heads
         # sLSTM: gate maps and cell in one kernel; slstm_output stores the new y
         y = slstm_step(xc, xn, self.s_weight, self.s_bias, st["slstm.c"], st["slstm.n"], st["slstm.m"],
-                       st["slstm.y"], *plan.sequences, max_rows=plan.max_rows)
+                       st["slstm.y"], *plan.sequences, max_rows=plan.max_rows, weight_lo=self.s_weight_lo)
         s_out, xn = slstm_output(y, xin, *self.s_gn, self.m_norm, SLSTM_HEADS, self.m_xg.dtype, st["slstm.y"],
                                  *plan.sequences)
         # mLSTM
