@@ -4,10 +4,11 @@ The event loop only receives, validates, queues and sends; a worker thread pulls
 each waiting symbol's oldest requests, up to max_requests_per_symbol of a symbol, in the team client's format,
 client/team_api.py) and runs the model step, so receiving never stalls.
 A team client with submit_batch is pipelined instead: a submitter thread forms and submits the next
-batch while the previous step still runs, just before it ends (client/step_clock.py), and a completer thread
-collects the steps in submission order, so the host's per-step work overlaps the GPU's. Each step's predictions are sent as soon as
-they are ready. Per-symbol states live in the engine, so they survive reconnects; a bounded cache
-answers ids that the server resends after a reconnect without stepping the model twice. The server's protocol
+batch while the previous step still runs (behind a long step, just before it ends: client/step_clock.py), and a
+completer thread collects the steps in submission order, so the host's per-step work overlaps the GPU's. Each
+step's predictions are sent as soon as they are ready. Per-symbol states live in the engine, so they survive
+reconnects; a bounded cache answers ids that the server resends after a reconnect without stepping the model
+twice. The server's protocol
 (websocket or the original event's tcp-json) is the transport's business (client/transport.py).
 """
 import asyncio

@@ -1,4 +1,4 @@
-"""When the runtime should form its next pipelined step: late, just before the step in flight ends.
+"""When the runtime should form its next pipelined step: behind a long step, just before that step ends.
 
 A step formed as soon as the one before it is submitted carries only what arrived before that moment, then waits
 behind it on the device; what arrives while it waits goes into the step after, so under load a request waits

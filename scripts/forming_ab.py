@@ -65,9 +65,9 @@ def measure(args, progress) -> list[dict]:
                                             session_numbers)
 
     # the e2e section's engine: no accuracy suite to size it for
-    bench = Bench(bench_args(["--sections", "e2e", "--preset", args.preset, "--device", args.device,
-                              "--seed", str(args.seed), "--max-requests-per-symbol", str(args.max_requests_per_symbol)]),
-                  Report(None), progress)
+    options = ["--sections", "e2e", "--preset", args.preset, "--device", args.device, "--seed", str(args.seed),
+               "--max-requests-per-symbol", str(args.max_requests_per_symbol)]
+    bench = Bench(bench_args(options), Report(None), progress)
     engine = bench.engine
     plan = [("e2e", pair, E2E_RATE, E2E_SYMBOLS, args.e2e_requests) for pair in range(args.pairs)]
     plan += [("rate", pair, rate, MAXRATE_SYMBOLS, max(int(rate * args.rate_seconds), MAXRATE_SYMBOLS))
