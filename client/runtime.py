@@ -25,7 +25,7 @@ from client.answers import check_answer
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, NUM_TOWERS
 from client import team_api
 from client.scheduler import Request, Scheduler
-from client.step_clock import StepClock
+from client.step_clock import StepClock, step_size
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class StreamingClient:
         self._work_ready = threading.Condition(lock)
         self._steps_ready = threading.Condition(lock)
         self._worker_stopping = False
-        self._steps: deque = deque()  # (batch, pending, submitted at) not yet answered, oldest first
+        self._steps: deque = deque()  # (batch, pending, submitted at, step_size) not yet answered, oldest first
         self._clock = StepClock()  # when to form the next pipelined step (under the lock)
         self._submitter_done = False
         # The fields below are touched only on the event loop thread.
@@ -564,9 +564,10 @@ class StreamingClient:
                     continue
                 submitted_at = time.monotonic()
                 self._mark("submitted", (r.unique_id for r in batch))
+                size = step_size(len(batch), len({r.symbol for r in batch}))
                 with self._steps_ready:
                     self._clock.submitted(formed_at, submitted_at)
-                    self._steps.append((batch, pending, submitted_at))
+                    self._steps.append((batch, pending, submitted_at, size))
                     self._steps_ready.notify()
         finally:
             with self._steps_ready:
@@ -614,8 +615,8 @@ class StreamingClient:
             return None
         if not self.form_late:
             return 0.0
-        batch, _, submitted_at = self._steps[0]
-        return self._clock.form_in(len(batch), submitted_at)
+        _, _, submitted_at, size = self._steps[0]
+        return self._clock.form_in(size, submitted_at)
 
     def _complete_steps(self):
         while True:
@@ -623,7 +624,7 @@ class StreamingClient:
                 self._steps_ready.wait_for(lambda: self._steps or self._submitter_done)
                 if not self._steps:
                     return  # the submitter has stopped and every step it submitted is answered
-                batch, pending, submitted_at = self._steps[0]
+                batch, pending, submitted_at, size = self._steps[0]
             try:
                 answer = pending.result()
                 ended_at = time.monotonic()
@@ -636,7 +637,7 @@ class StreamingClient:
             with self._work_ready:
                 self._steps.popleft()  # only now: a step counts as in flight until it is answered
                 if ended_at is not None:
-                    self._clock.ended(len(batch), submitted_at, ended_at)
+                    self._clock.ended(size, submitted_at, ended_at)
                 self._work_ready.notify()
 
     def _mark(self, stage, ids):

@@ -6,8 +6,9 @@ through the rest of the step in flight, the queued one and its own: about 2.5 st
 section 41). Formed just before the step in flight ends, the next step carries everything that arrived while it
 ran and still starts the moment it ends: 1.5 steps on average, whatever the load.
 
-The clock learns how long steps take, per size (rows rounded up to a power of two), from when each one ended, and
-how long the host takes to form and submit one (the lead it must be formed by). A step's device time is counted
+The clock learns how long steps take, per size (rows and symbols, each rounded up to a power of two: a symbol's
+state costs a step more than a row does), from when each one ended, and how long the host takes to form and submit
+one (the lead it must be formed by). A step's device time is counted
 from when it could start: its submission, or the end of the step before it if that came later.
 
 Behind a short step the next is formed at once, as before: little can arrive in what is left of a short step,
@@ -27,8 +28,9 @@ MARGIN_S = 0.0003
 LATE_AFTER_S = 0.006
 
 
-def size_class(rows: int) -> int:
-    return 1 << max(rows - 1, 0).bit_length()
+def step_size(rows: int, symbols: int) -> tuple[int, int]:
+    """The size class of a step of `rows` requests over `symbols` symbols: each rounded up to a power of two."""
+    return 1 << max(rows - 1, 0).bit_length(), 1 << max(symbols - 1, 0).bit_length()
 
 
 class StepClock:
@@ -41,7 +43,7 @@ class StepClock:
             raise ValueError(f"need 0 < smoothing <= 1, margin_s >= 0 and late_after_s >= 0, got {smoothing!r}, "
                              f"{margin_s!r} and {late_after_s!r}")
         self.smoothing, self.margin_s, self.late_after_s, self.now = smoothing, margin_s, late_after_s, clock
-        self._step_s: dict[int, float] = {}  # size class -> seconds a step of that size ran
+        self._step_s: dict[tuple, float] = {}  # step_size -> seconds a step of that size ran
         self._submit_s: float | None = None  # seconds from forming a step to its submit call returning
         self._last_end: float | None = None  # when the latest step ended
 
@@ -51,19 +53,18 @@ class StepClock:
     def submitted(self, formed_at: float, submitted_at: float) -> None:
         self._submit_s = self._average(self._submit_s, submitted_at - formed_at)
 
-    def ended(self, rows: int, submitted_at: float, ended_at: float) -> None:
-        """A step of `rows` rows submitted at `submitted_at` ended (its answer came back) at `ended_at`; steps end in
-        the order they were submitted."""
+    def ended(self, size: tuple, submitted_at: float, ended_at: float) -> None:
+        """A step of `size` (step_size) submitted at `submitted_at` ended (its answer came back) at `ended_at`; steps
+        end in the order they were submitted."""
         started = submitted_at if self._last_end is None else max(submitted_at, self._last_end)
-        size = size_class(rows)
         self._step_s[size] = self._average(self._step_s.get(size), ended_at - started)
         self._last_end = ended_at
 
-    def form_in(self, rows: int, submitted_at: float) -> float:
-        """Seconds from now until the next step should be formed, while a step of `rows` rows submitted at
+    def form_in(self, size: tuple, submitted_at: float) -> float:
+        """Seconds from now until the next step should be formed, while a step of `size` (step_size) submitted at
         `submitted_at` is the only one in flight: 0 when it is due, when such steps are short (under late_after_s),
         or when nothing is known yet of steps that size."""
-        step_s = self._step_s.get(size_class(rows))
+        step_s = self._step_s.get(size)
         if step_s is None or self._submit_s is None or step_s < self.late_after_s:
             return 0.0
         started = submitted_at if self._last_end is None else max(submitted_at, self._last_end)
