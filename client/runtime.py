@@ -8,8 +8,8 @@ batch while the previous step still runs (behind a long step, just before it end
 completer thread collects the steps in submission order, so the host's per-step work overlaps the GPU's. Each
 step's predictions are sent as soon as they are ready. Per-symbol states live in the engine, so they survive
 reconnects; a bounded cache answers ids that the server resends after a reconnect without stepping the model
-twice. The server's protocol
-(websocket or the original event's tcp-json) is the transport's business (client/transport.py).
+twice. The server's protocol (websocket or the original event's tcp-json) is the transport's business
+(client/transport.py).
 """
 import asyncio
 import gc

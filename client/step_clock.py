@@ -14,7 +14,7 @@ from when it could start: its submission, or the end of the step before it if th
 Behind a short step the next is formed at once, as before: little can arrive in what is left of a short step,
 and a late one that misjudges the end leaves the GPU idle for the host's time. Measured on one H100 host, in turn
 (bench/LOG.md section 41): at 400 req/s over 20 symbols (steps of 2.3-3 ms) forming late gave the same p50 and a
-p99 2-3 ms longer in three pairs of runs out of three; over 64 symbols at 8,000 and 11,000 req/s (steps of 12-17
+p99 1.8-3.5 ms longer in three pairs of runs out of three; over 64 symbols at 8,000 and 11,000 req/s (steps of 12-17
 ms) p50 27-29% and p99 9-25% shorter.
 """
 import time

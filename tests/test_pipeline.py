@@ -265,10 +265,12 @@ class SerialDevice:
     def __init__(self, model, step_s):
         self.engine, self.step_s = ReferenceEngine(model), step_s
         self.batches = []  # the unique ids of each submitted step, in order
+        self.formed_busy = []  # whether each step was formed while the one before it still ran
         self._free_at = 0.0
         self._lock = threading.Lock()
 
     def submit_batch(self, requests_by_symbol):
+        self.formed_busy.append(time.monotonic() < self._free_at)
         symbols = list(requests_by_symbol)
         ids = [requests_by_symbol[s][0] for s in symbols]
         predictions = self.engine.step(symbols, np.stack([requests_by_symbol[s][1] for s in symbols]))
@@ -288,7 +290,7 @@ def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model, form_
     to end (client/step_clock.py), not as soon as the first of them arrives (form_late=False, the rule before)."""
     symbols, features = _stream(9, seed=5)
     recorder = Recorder()
-    step_s = 0.15
+    step_s = 0.3  # long beside a slow machine's reference step (~20 ms), which runs in submit_batch
 
     async def handler(ws):
         await ws.recv()
@@ -296,8 +298,8 @@ def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model, form_
             await ws.send(_request([uid], symbols, features))
             await recorder.pump(ws, lambda: len(recorder.answered()) > uid)
         await ws.send(_request([5], symbols, features))  # a step of one row starts at once
-        for uid in (6, 7, 8):  # three more while it runs, 20 ms apart
-            await asyncio.sleep(0.02)
+        for uid in (6, 7, 8):  # three more while it runs, 60 ms apart
+            await asyncio.sleep(0.06)
             await ws.send(_request([uid], symbols, features))
         await recorder.pump(ws, lambda: len(recorder.answered()) >= 9)
         await ws.close(1000)
@@ -307,6 +309,7 @@ def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model, form_
     assert summary["responses_sent"] == 9
     if form_late:
         assert team_client.batches[-2:] == [[5], [6, 7, 8]]  # 6, 7 and 8 are of three symbols
+        assert team_client.formed_busy[-1]  # formed while [5] ran, not once the device was idle
     else:
         assert team_client.batches[-3:-1] == [[5], [6]]
     expected = _expected(model, symbols, features, range(9))
