@@ -123,7 +123,8 @@ def _mamba2_state_update_kernel(
         store_state(tile, h, tile_mask, STOCHASTIC, seed, index)
 
 
-def mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_starts, rounding=None):
+def mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_starts, rounding=None, *,
+                        block_p=None, num_warps=NUM_WARPS):
     """Advance each sequence's Mamba2 state through its rows in order and read it out at each.
 
     h [S, H, P, N] fp32, fp16 or bf16 (updated in place at the sequences' slots; may be a slot-major view),
@@ -133,7 +134,7 @@ def mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_
     rounding: how a 16-bit h is stored, None or "nearest", or StochasticRounding(counter, salt)
     (kernels/state_rounding.py; seeded from counter[slot] once per sequence); an fp32 h is stored as is.
     Returns y [B, H, P] float32, read from the fp32 h before its rounding; rows from seq_starts[G] on are left
-    unwritten.
+    unwritten. block_p, num_warps: the tiling, chosen here unless given (scripts/tile_sweep.py compares tilings).
     """
     if not use_triton(h):
         return mamba2_state_update_ref(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_starts, rounding)
@@ -147,13 +148,13 @@ def mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_
     if rows == 0 or sequences == 0:
         return y
     block_n = triton.next_power_of_2(state_dim)
-    block_p = split_block(head_dim, sequences * heads, max_block=max(1, MAX_TILE // block_n), min_block=4)
+    block_p = block_p or split_block(head_dim, sequences * heads, max_block=max(1, MAX_TILE // block_n), min_block=4)
     grid = (sequences, heads, triton.cdiv(head_dim, block_p))
     counter, stride_counter, salt, stochastic = kernel_args(h, rounding, seq_slots)
     _mamba2_state_update_kernel[grid](
         h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_starts, y, counter, salt, h.stride(0), stride_counter,
         x.stride(0), x.stride(1), t.stride(0), dt_weight.stride(0), b.stride(0), c.stride(0), y.stride(0), y.stride(1),
         HEAD_DIM=head_dim, STATE_DIM=state_dim, HIDDEN=t.shape[1], STOCHASTIC=stochastic, BLOCK_P=block_p,
-        BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(t.shape[1]), num_warps=NUM_WARPS,
+        BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(t.shape[1]), num_warps=num_warps,
     )
     return y

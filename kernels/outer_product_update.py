@@ -10,14 +10,17 @@ readout reads the fp32 M) and is rounded once, at its store, seeded from the slo
 One program per (sequence, head, tile of value columns e) loads M[:, e-tile] once, in d chunks of BLOCK_D rows.
 Each chunk is advanced through all of the sequence's rows before the next is loaded, so each row's readout is a
 sum over the chunks, kept in the output row between chunks (the accumulator's place: a sequence's row count is
-only known on the device). The tiling is the one-row-per-sequence step's (value tiles fine enough for two
-programs per SM, d chunks of at most MAX_TILE / BLOCK_E values): at one row per sequence the work is the one-row
-kernel's. At the full sizes' few sequences the whole column tile is one chunk (mLSTM C 512 x 16 up to 2
-sequences, RetNet S 256 x 16 up to 4), held on chip across the rows, and the readout goes straight from registers
-to the output. Holding the column tile whole at every size instead (BLOCK_D = D) would force 16-column tiles, four
-times the programs of the one-row step's 64-column tiles, at the many-sequence steps where one row per sequence is
-the common case; the partial readouts kept in the output row cost a load and a store of BLOCK_E values per row and
-chunk, from L1/L2, beside the chunk's BLOCK_D x BLOCK_E values of state.
+only known on the device). A step of few symbols takes the one-row step's tiling: value tiles fine enough for
+two programs per SM (down to 16 columns), d chunks of at most MAX_TILE / BLOCK_E values (the op's). Once the grid
+fills the GPU with 64-column tiles (from 5 symbols for the mLSTM's C, 9 for RetNet's S), the chunks grow to
+MANY_SYMBOLS_TILE values: C 512 x 512 a head in two chunks, S 256 x 256 in one, so each of a sequence's rows
+keeps fewer partial readouts in the output row. scripts/tile_sweep.py measured the kernel alone on an H100
+against 16/32/64-column tiles, 4,096-16,384-value chunks, 4 and 8 warps and a pipelined row loop
+(bench/tile_sweep_h100.json, bench/LOG.md section 44): the large chunks were the best tiling, or within 1% of it,
+at 20 and 64 symbols, 10-20% faster than the smaller ones at several rows a symbol and equal at one row. At one
+symbol they were faster alone as well, but the steps of one symbol (1, 2 or 4 requests) took the same time with
+either tiling, so few symbols keep the one-row step's, which the engine has long been checked with. The row loop
+stays unpipelined: a prologue would cost the one-row step.
 """
 import torch
 import triton
@@ -29,6 +32,10 @@ from kernels.state_rounding import (STATE_DTYPES, check_rounding, kernel_args, r
 
 # fp32 values of M streamed per program per chunk (64 per thread at 4 warps) unless an op asks otherwise
 MAX_TILE = 8192
+# Steps of many symbols: value tiles this wide (each row of a tile one 256-byte segment of fp32) fill the GPU, and
+# their chunks hold this many values (128 per thread at 4 warps)
+WIDE_BLOCK_E = 64
+MANY_SYMBOLS_TILE = 16384
 NUM_WARPS = 4
 
 
@@ -72,6 +79,7 @@ def _outer_product_kernel(
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
     stride_a_row, stride_a_head, stride_den_row, stride_den_head, stride_o_row, stride_o_head,
     STOCHASTIC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    ROW_STAGES: tl.constexpr,
 ):
     """One program per (sequence, head, tile of value columns e): streams M[:, e-tile] once, in d chunks, each
     through all of the sequence's rows."""
@@ -94,7 +102,7 @@ def _outer_product_kernel(
             seed = row_seed(tl.load(counter_ptr + slot * stride_counter), salt)
         else:
             seed = 0
-        for row in tl.range(start, end, num_stages=1):  # unpipelined: a prologue would cost the one-row step
+        for row in tl.range(start, end, num_stages=ROW_STAGES):
             q = tl.load(q_ptr + row * stride_q_row + head * stride_q_head + d, mask=d_mask, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + row * stride_k_row + head * stride_k_head + d, mask=d_mask, other=0.0).to(tl.float32)
             v = tl.load(v_ptr + row * stride_v_row + head * stride_v_head + e, mask=e_mask, other=0.0).to(tl.float32)
@@ -113,17 +121,28 @@ def _outer_product_kernel(
             tl.debug_barrier()  # every thread's partial readouts stored before any thread reads them back
 
 
-def launch(M, q, k, v, a, den, seq_slots, seq_starts, rounding, out, max_tile=None):
+def tiling(sequences, heads, d_size, e_size, max_tile) -> tuple[int, int]:
+    """(BLOCK_E, BLOCK_D) of a step's grid: the one-row step's tiling (chunks of max_tile values, the op's), with
+    chunks of MANY_SYMBOLS_TILE values once the grid fills the GPU with the widest tiles."""
+    block_e = split_block(e_size, sequences * heads, max_block=WIDE_BLOCK_E, min_block=16)
+    if block_e == WIDE_BLOCK_E:
+        max_tile = MANY_SYMBOLS_TILE
+    return block_e, max(1, min(next_pow2(d_size), max_tile // block_e))
+
+
+def launch(M, q, k, v, a, den, seq_slots, seq_starts, rounding, out, max_tile=None, *, block_e=None,
+           block_d=None, num_warps=NUM_WARPS, row_stages=1):
     """The kernel on checked arguments, writing the live rows of `out` [B, H, E] fp32: for the ops, whose
     prepared inputs may be strided views (any row and head strides, unit last stride). max_tile: fp32 values of
-    M per chunk (default MAX_TILE)."""
+    M per chunk (default MAX_TILE). block_e, block_d, num_warps, row_stages (the row loop's software pipeline,
+    1: none): the tiling, chosen here unless given (scripts/tile_sweep.py compares tilings)."""
     max_tile = max_tile or MAX_TILE
     sequences = seq_slots.shape[0]
     slots, heads, d_size, e_size = M.shape
     if sequences == 0 or q.shape[0] == 0:
         return out
-    block_e = split_block(e_size, sequences * heads, max_block=64, min_block=16)
-    block_d = max(1, min(next_pow2(d_size), max_tile // block_e))
+    chosen_e, chosen_d = tiling(sequences, heads, d_size, e_size, max_tile)
+    block_e, block_d = block_e or chosen_e, block_d or chosen_d
     counter, stride_counter, salt, stochastic = kernel_args(M, rounding, seq_slots)
     _outer_product_kernel[(sequences, heads, triton.cdiv(e_size, block_e))](
         M, q, k, v, a, den, out, seq_slots, seq_starts, counter,
@@ -131,7 +150,8 @@ def launch(M, q, k, v, a, den, seq_slots, seq_starts, rounding, out, max_tile=No
         M.stride(0), d_size * e_size, e_size, stride_counter,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), den.stride(0), den.stride(1), out.stride(0), out.stride(1),
-        STOCHASTIC=stochastic, BLOCK_D=block_d, BLOCK_E=block_e, ONE_CHUNK=block_d >= d_size, num_warps=NUM_WARPS,
+        STOCHASTIC=stochastic, BLOCK_D=block_d, BLOCK_E=block_e, ONE_CHUNK=block_d >= d_size, ROW_STAGES=row_stages,
+        num_warps=num_warps,
     )
     return out
 

@@ -126,6 +126,28 @@ def test_triton_small_row_at_a_time(dims, monkeypatch):
     check_against_row_at_a_time(op, ragged(layout, dims), STATES, ROWS, layout)
 
 
+def test_tiling_of_few_and_many_symbols():
+    """The full sizes (8 heads; C 512 x 512, S 256 x 256): one symbol keeps the one-row step's narrow tiles and the
+    op's chunk; 64 symbols fill the GPU with 64-column tiles, in chunks of MANY_SYMBOLS_TILE values."""
+    tiling = outer_module.tiling
+    assert tiling(1, 8, 512, 512, 8192) == (16, 512)
+    assert tiling(4, 8, 512, 512, 8192) == (32, 256)
+    assert tiling(64, 8, 512, 512, 8192) == (64, 256)  # C in two chunks
+    assert tiling(1, 8, 256, 256, 4096) == (16, 256)
+    assert tiling(64, 8, 256, 256, 4096) == (64, 256)  # S in one chunk
+
+
+@runs_triton
+def test_triton_small_many_symbols_tiling(monkeypatch):
+    """The many-symbols tiling at small sizes (every grid counted as full; its chunks cut to 64 x 16 values, so
+    a 40-row M takes three): against the reference, sequences of 0 to 5 rows."""
+    monkeypatch.setattr(importlib.import_module("kernels._common"), "TARGET_PROGRAMS", 1)
+    monkeypatch.setattr(outer_module, "MANY_SYMBOLS_TILE", 64 * 16)
+    assert outer_module.tiling(3, 2, 40, 40, outer_module.MAX_TILE) == (64, 16)
+    layout = Layout(device=DEVICE)
+    check_against_reference(op, ref, ragged(layout, SMALL[1]), STATES, layout, assert_close)
+
+
 @runs_triton
 def test_triton_small_half_inputs():
     layout = Layout(device=DEVICE)

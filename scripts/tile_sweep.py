@@ -1,0 +1,172 @@
+"""GPU time of the state kernels' tilings at a step's shapes: the tiling each launcher chooses today against the
+alternatives, at one and at several rows per sequence (where a tile's row loop, not its load, may set the time).
+
+    python -m scripts.tile_sweep --json bench/tile_sweep_h100.json           # full preset sizes, G x k shapes
+    python -m scripts.tile_sweep --shapes 64x1,64x4 --ops mamba2 --reps 5
+
+Ops: mlstm_C and retnet_S (kernels/outer_product_update.py at the mLSTM's and RetNet's sizes) and mamba2
+(kernels/mamba2_update.py). Each time is the median over --reps of 10 back-to-back launches, in microseconds a
+launch; the states are the shape's own G slots (fp32), the inputs random.
+"""
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+
+from client.model.config import get_preset
+from client.model.mamba2 import HEAD_SIZE, STATE_SIZE
+from scripts.kernel_times import shapes as parse_shapes
+
+
+def outer_product_configs(d_size):
+    """(block_e, block_d, num_warps, row_stages) to try; None: the launcher's own choice."""
+    configs = [None]
+    for block_e, tile, warps, stages in itertools.product((16, 32, 64), (4096, 8192, 16384), (4, 8), (1, 2)):
+        block_d = min(d_size, tile // block_e)
+        config = (block_e, block_d, warps, stages)
+        if config not in configs:
+            configs.append(config)
+    return configs
+
+
+def mamba2_configs():
+    """(block_p, num_warps) to try; None: the launcher's own choice."""
+    return [None, *itertools.product((4, 8, 16, 32, 64), (4, 8))]
+
+
+def time_us(fn, reps, torch, dev):
+    """Median over reps of 10 launches, us a launch: CUDA events on a GPU, the wall clock on the CPU (the
+    Triton interpreter: a smoke run, not a measurement)."""
+    fn()
+    if dev == "cpu":
+        times = []
+        for _ in range(reps):
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e6)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 100.0)  # ms for 10 launches -> us a launch
+    return statistics.median(times)
+
+
+def check(result, name, outputs):
+    """Every tiling computes the default's outputs and states (up to fp32 reassociation): a tiling that does not
+    is a bug, not a result."""
+    outputs = [t.clone() for t in outputs]
+    if name == "default":
+        result["_reference"] = outputs
+        return
+    for got, want in zip(outputs, result["_reference"]):
+        if not (got.isfinite().all() and (got - want).abs().max() <= 1e-4 * (want.abs().max() + 1e-6)):
+            raise AssertionError(f"tiling {name} differs from the default: max |diff| "
+                                 f"{(got - want).abs().max().item():.3g} of max |value| {want.abs().max().item():.3g}")
+
+
+def sweep_outer_product(heads, d_size, g, k, reps, torch, dev):
+    from kernels.outer_product_update import _check, launch
+    from kernels._common import plan
+
+    rows = g * k
+    M = torch.randn(g + 1, heads, d_size, d_size, device=dev) * 0.01
+    q, key = (torch.randn(rows, heads, d_size, device=dev) for _ in range(2))
+    v = torch.randn(rows, heads, d_size, device=dev)
+    a = torch.rand(rows, heads, device=dev) * 0.1 + 0.9
+    den = torch.rand(rows, heads, device=dev) + 1.0
+    seq_slots, seq_starts = plan(list(range(1, g + 1)), [k] * g, device=dev)
+    q, key, v, a, den, rounding = _check(M, q, key, v, a, den, seq_slots, seq_starts, None)
+    out = torch.empty(rows, heads, d_size, device=dev)
+    result, start = {}, M.clone()
+    for config in outer_product_configs(d_size):
+        tiling = {} if config is None else dict(zip(("block_e", "block_d", "num_warps", "row_stages"), config))
+        name = "default" if config is None else "e{}_d{}_w{}_s{}".format(*config)
+        M.copy_(start)  # one launch from the same state, against the default tiling's output and state
+        launch(M, q, key, v, a, den, seq_slots, seq_starts, rounding, out, **tiling)
+        check(result, name, (out, M[1:]))
+        result[name] = time_us(lambda: launch(M, q, key, v, a, den, seq_slots, seq_starts, rounding, out, **tiling),
+                               reps, torch, dev)
+    return result
+
+
+def sweep_mamba2(cfg, g, k, reps, torch, dev):
+    from kernels._common import plan
+    from kernels.mamba2_update import mamba2_state_update
+
+    rows, inner = g * k, 2 * cfg.hidden
+    heads = inner // HEAD_SIZE
+    h = torch.randn(g + 1, heads, HEAD_SIZE, STATE_SIZE, device=dev) * 0.01
+    x = torch.randn(rows, heads, HEAD_SIZE, device=dev)
+    t = torch.randn(rows, cfg.hidden, device=dev)
+    dt_weight = torch.randn(heads, cfg.hidden, device=dev) * 0.02
+    dt_bias, d = torch.randn(heads, device=dev), torch.randn(heads, device=dev)
+    a = -torch.rand(heads, device=dev)
+    b, c = torch.randn(rows, STATE_SIZE, device=dev), torch.randn(rows, STATE_SIZE, device=dev)
+    seq_slots, seq_starts = plan(list(range(1, g + 1)), [k] * g, device=dev)
+    result, start = {}, h.clone()
+    for config in mamba2_configs():
+        tiling = {} if config is None else {"block_p": config[0], "num_warps": config[1]}
+        name = "default" if config is None else "p{}_w{}".format(*config)
+        h.copy_(start)
+        y = mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_starts, **tiling)
+        check(result, name, (y, h[1:]))
+        result[name] = time_us(
+            lambda: mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_starts, **tiling),
+            reps, torch, dev)
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="full")
+    parser.add_argument("--shapes", default="1x1,1x4,20x1,20x4,64x1,64x4,64x8",
+                        help="step shapes GxK: G sequences of K rows (default %(default)s)")
+    parser.add_argument("--ops", default="mlstm_C,retnet_S,mamba2", help="comma list (default %(default)s)")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--json", help="write every time here")
+    args = parser.parse_args(argv)
+    import torch
+
+    from kernels._common import INTERPRET
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and not INTERPRET:
+        print("tile_sweep times Triton kernels on a GPU (on a CPU only as a smoke run, with TRITON_INTERPRET=1)",
+              file=sys.stderr)
+        return 2
+    cfg = get_preset(args.preset)
+    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    unknown = set(ops) - {"mlstm_C", "retnet_S", "mamba2"}
+    if unknown:
+        parser.error(f"unknown ops {sorted(unknown)}; choose from mlstm_C, retnet_S, mamba2")
+    results = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)", "preset": args.preset}
+    print(f"{'op':9} {'shape':6} {'default us':>10} {'best us':>9}  best tiling")
+    for op in ops:
+        results[op] = {}
+        for g, k in parse_shapes(args.shapes):
+            if op == "mlstm_C":
+                times = sweep_outer_product(cfg.heads, 2 * cfg.hidden // cfg.heads, g, k, args.reps, torch, dev)
+            elif op == "retnet_S":
+                times = sweep_outer_product(cfg.heads, cfg.hidden // cfg.heads, g, k, args.reps, torch, dev)
+            else:
+                times = sweep_mamba2(cfg, g, k, args.reps, torch, dev)
+            times.pop("_reference")
+            results[op][f"{g}x{k}"] = times
+            best = min(times, key=times.get)
+            print(f"{op:9} {g}x{k:<4} {times['default']:10.1f} {times[best]:9.1f}  {best}", flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
