@@ -113,6 +113,10 @@ def measure_swap(bench):
     submits = np.array(timed.submits or [(0, 0.0)])
     steps = np.array(engine.step_times) if engine.step_times else submits  # the CPU's steps run in submit
     small = steps[steps[:, 0] <= len(hot), 1]
+    # On a GPU, the part of each long step before its launch: the submitting thread's (placement, a wait for
+    # its own copies, the GIL), against the GPU's own time after it
+    long_steps = steps[(steps[:, 0] <= len(hot)) & (steps[:, 1] > STEP_LIMIT_MS)]
+    before_launch = long_steps[:, 2] if steps.shape[1] > 2 else np.zeros(0)
     transfers = {}
     for direction in ("to_gpu", "to_host"):
         rates = [size / seconds_ for kind, size, seconds_ in table.transfer_seconds() if kind == direction]
@@ -125,6 +129,11 @@ def measure_swap(bench):
               "step_ms_max_b20": float(small.max()) if small.size else None,
               "step_ms_p99_b20": float(np.percentile(small, 99)) if small.size else None,
               "steps_over_limit": int((small > STEP_LIMIT_MS).sum()),
+              "long_steps_before_launch_ms": {"median": float(np.median(before_launch)),
+                                              "max": float(before_launch.max())} if before_launch.size else None,
+              "long_steps_after_launch_ms": {"median": float(np.median(long_steps[:, 1] - before_launch)),
+                                             "max": float((long_steps[:, 1] - before_launch).max())}
+              if before_launch.size else None,
               "submit_ms_max": float(submits[:, 1].max()),
               **moved, "swaps_per_s": moved["restored"] / seconds,
               "transfer_gb_per_s": {k: None if v is None else v / 1e9 for k, v in transfers.items()},
@@ -154,4 +163,7 @@ def summary(data) -> list[str]:
             f"{COLD_LIMIT_MS:g}), missed {s['hot']['missed'] + s['cold']['missed']}; longest step of B <= "
             f"{s['hot_symbols']} {fmt(s['step_ms_max_b20'])} ms (<= {STEP_LIMIT_MS:g}), steps that waited for a copy "
             f"{s['step_waits']}; {s['swaps_per_s']:.1f} swaps/s; transfers at {fmt(share['to_gpu'])}/"
-            f"{fmt(share['to_host'])} of the pinned bandwidth to GPU/to host (>= {BANDWIDTH_SHARE:g})"]
+            f"{fmt(share['to_host'])} of the pinned bandwidth to GPU/to host (>= {BANDWIDTH_SHARE:g})"
+            + (f"; the long steps' time before/after their launch (median) {fmt(before['median'])}/"
+               f"{fmt(s['long_steps_after_launch_ms']['median'])} ms"
+               if (before := s.get("long_steps_before_launch_ms")) else "")]

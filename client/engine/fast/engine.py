@@ -51,7 +51,10 @@ class Staging:
         self.outs = [torch.empty(max_rows, len(shard.columns), dtype=torch.float32, pin_memory=True)
                      for shard in shards]
         self.done = [torch.cuda.Event(enable_timing=timed) for _ in shards]
+        # timed: recorded before the step's placement and before its launch (the GPU's gap between them is the
+        # submitting thread's time, waits for the step's own copies included)
         self.started = [torch.cuda.Event(enable_timing=True) for _ in shards] if timed else None
+        self.launched = [torch.cuda.Event(enable_timing=True) for _ in shards] if timed else None
         self.columns = [shard.columns for shard in shards]
         self.step: PendingStep | None = None  # the last step that used these buffers
 
@@ -61,7 +64,9 @@ class Staging:
             done.synchronize()  # releases the GIL while the GPU finishes
             out[:, columns] = host[:batch].numpy()
         if step_times is not None:
-            step_times.append((batch, max(start.elapsed_time(done) for start, done in zip(self.started, self.done))))
+            total = max(start.elapsed_time(done) for start, done in zip(self.started, self.done))
+            before_launch = max(start.elapsed_time(launched) for start, launched in zip(self.started, self.launched))
+            step_times.append((batch, total, before_launch))
         return out
 
 
@@ -92,9 +97,10 @@ class FastEngine(Engine):
         reserve: free GPU slots kept ready (default RESERVE, at most an eighth of the table); time_copies: keep
         every host<->GPU transfer's time (table.transfer_seconds); state_storage: the matrix states' dtypes and
         rounding (a StateStorage, client/engine/precision.py: fp32, or fp16/bf16 storage of xLSTM's and Mamba2's,
-        rounded stochastically or to nearest); time_steps: keep (batch, GPU milliseconds) of every submitted step
-        in step_times. precision: the weights' dtypes (a Precision, client/engine/precision.py). compile: each
-        block through torch.compile (compiled.py), compiled here, before any graph is captured;
+        rounded stochastically or to nearest); time_steps: keep (batch, GPU milliseconds from before the step's
+        placement to its end, of which before its launch) of every submitted step in step_times. precision: the
+        weights' dtypes (a Precision, client/engine/precision.py). compile: each block through torch.compile
+        (compiled.py), compiled here, before any graph is captured;
         CompileUnavailable if it cannot run."""
         if not isinstance(precision, Precision) or not isinstance(state_storage, StateStorage):
             raise TypeError("precision and state_storage are a Precision and a StateStorage, parsed where they come "
@@ -344,6 +350,8 @@ class FastEngine(Engine):
         total = len(grouped)
         for i, (shard, host_out, done) in enumerate(zip(self.shards, staging.outs, staging.done)):
             with torch.cuda.device(shard.device):
+                if staging.launched is not None:
+                    staging.launched[i].record(torch.cuda.current_stream(shard.device))
                 if shard.graphed is not None:
                     shard.graphed.replay_staged(index, shape, total)  # copies in, step, predictions out
                 else:
