@@ -6,8 +6,8 @@ B sequences, steps carrying several requests of a symbol to a bucket of rows, as
 that many rows can have (at most max_batch), and the engine's max_rows_per_symbol as the bound on any symbol's
 rows (the sLSTM's recurrent maps take one launch per row position).
 """
-import math
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -210,7 +210,12 @@ def precompile(runner, shapes) -> None:
 
     The threads share the towers' streams, so one step's intermediate buffers may be reused by another thread's
     kernels while still in use: harmless here, where every sequence is the padding slot's and every output is
-    dropped, and the reason this is no way to run live rows."""
+    dropped, and the reason this is no way to run live rows.
+
+    A shape whose step raised in the threads runs again alone, after them: Triton's runtime is not thread-safe at
+    a kernel's first launch, and an engine started on an H100 with a warm Triton cache (Triton 3.6) failed once
+    there ("TypeError: function takes exactly 33 arguments (41 given)", bench/LOG.md section 45). An error that
+    is the step's own raises again in that second run."""
     if runner.device.type != "cuda" or runner.tower_states is None:
         return
     device = runner.device
@@ -225,10 +230,22 @@ def precompile(runner, shapes) -> None:
         return stream
 
     with ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
-        streams = list(pool.map(step, shapes))
+        futures = [(shape, pool.submit(step, shape)) for shape in shapes]
+    streams, failed = [], []
+    for shape, future in futures:
+        if future.exception() is None:
+            streams.append(future.result())
+        else:
+            failed.append((shape, future.exception()))
     for stream in streams:
         start.wait_stream(stream)
     torch.cuda.synchronize(device)
+    if failed:
+        sys.stderr.write(f"[fast engine] {len(failed)} step shape(s) failed to compile side by side "
+                         f"({type(failed[0][1]).__name__}: {failed[0][1]}); compiling them one at a time\n")
+        for shape, _ in failed:
+            start.wait_stream(step(shape))
+        torch.cuda.synchronize(device)
 
 
 class StepInputs:

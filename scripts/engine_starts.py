@@ -1,0 +1,63 @@
+"""Start the fast engine again and again, each time in a fresh process: the first start may compile every kernel
+(a cold Triton cache), the others load them from the cache. Reports each start's seconds, whether it succeeded,
+and the engine's own warnings (e.g. shapes compiled again one at a time, client/engine/fast/runner.py
+precompile). Graphs are not captured: a start here is the model's weights, the state table and the kernels.
+
+    python -m scripts.engine_starts --starts 8 --json starts.json
+"""
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+START = """
+import sys, time
+began = time.perf_counter()
+from client.engine.fast import FastEngine
+from client.model import load_model
+model, _ = load_model({preset!r}, seed=0, device={device!r})
+FastEngine(model, device={device!r}, graphs=False, capacity=64, host_symbols=0, progress=False)
+print(f"started in {{time.perf_counter() - began:.1f}} s")
+"""
+
+
+def start_once(preset, device, timeout_s):
+    """(seconds, exit code, the engine's warnings and the last error line) of one start in a fresh process."""
+    began = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-c", START.format(preset=preset, device=device)],
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return time.perf_counter() - began, None, [f"no start within {timeout_s} s"]
+    lines = done.stderr.splitlines()
+    notes = [line for line in lines if line.startswith("[fast engine]")]
+    if done.returncode != 0 and lines:
+        notes.append(lines[-1])
+    return time.perf_counter() - began, done.returncode, notes
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--starts", type=int, default=8)
+    parser.add_argument("--preset", default="full")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a start may take (default 300)")
+    parser.add_argument("--json", help="write every start here")
+    args = parser.parse_args(argv)
+    starts = []
+    for index in range(args.starts):
+        seconds, code, notes = start_once(args.preset, args.device, args.timeout)
+        starts.append({"seconds": seconds, "exit_code": code, "notes": notes})
+        print(f"start {index + 1}: {'ok' if code == 0 else 'FAILED'} in {seconds:.1f} s"
+              + "".join(f"\n  {note}" for note in notes), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(starts, f, indent=1)
+    failed = sum(start["exit_code"] != 0 for start in starts)
+    print(f"{len(starts)} starts, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
