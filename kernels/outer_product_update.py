@@ -7,20 +7,21 @@ Per sequence s (state M = table[seq_slots[s]], kernels/_common.py) and head h, f
 M may be stored in fp16/bf16 (kernels/state_rounding.py): it stays fp32 on chip through the sequence's rows (each
 readout reads the fp32 M) and is rounded once, at its store, seeded from the slot's step counter.
 
-One program per (sequence, head, tile of value columns e) loads M[:, e-tile] once, in d chunks of BLOCK_D rows.
-Each chunk is advanced through all of the sequence's rows before the next is loaded, so each row's readout is a
-sum over the chunks, kept in the output row between chunks (the accumulator's place: a sequence's row count is
-only known on the device). A step of few symbols takes the one-row step's tiling: value tiles fine enough for
-two programs per SM (down to 16 columns), d chunks of at most MAX_TILE / BLOCK_E values (the op's). Once the grid
-fills the GPU with 64-column tiles (from 5 symbols for the mLSTM's C, 9 for RetNet's S), the chunks grow to
-MANY_SYMBOLS_TILE values: C 512 x 512 a head in two chunks, S 256 x 256 in one, so each of a sequence's rows
-keeps fewer partial readouts in the output row. scripts/tile_sweep.py measured the kernel alone on an H100
-against 16/32/64-column tiles, 4,096-16,384-value chunks, 4 and 8 warps and a pipelined row loop
-(bench/tile_sweep_h100.json, bench/LOG.md section 44): the large chunks were the best tiling, or within 1% of it,
-at 20 and 64 symbols, 10-20% faster than the smaller ones at several rows a symbol and equal at one row. At one
-symbol they were faster alone as well, but the steps of one symbol (1, 2 or 4 requests) took the same time with
-either tiling, so few symbols keep the one-row step's, which the engine has long been checked with. The row loop
-stays unpipelined: a prologue would cost the one-row step.
+One program per (sequence, head, tile of value columns e) loads M[:, e-tile] once, in d chunks of BLOCK_D rows. Each
+chunk is advanced through all of the sequence's rows before the next is loaded, so each row's readout is a sum over
+the chunks, kept in the output row between chunks (the accumulator's place: a sequence's row count is only known on
+the device). A step of few symbols takes the one-row step's tiling: value tiles fine enough for two programs per SM
+(down to 16 columns), d chunks of at most MAX_TILE / BLOCK_E values (the op's). Once the grid fills the GPU with
+64-column tiles (a captured shape of 5 sequences for the mLSTM's C, 9 for RetNet's S, live or not), the chunks grow
+to MANY_SYMBOLS_TILE values: C 512 x 512 a head in two chunks, S 256 x 256 in one, so each of a sequence's rows
+keeps fewer partial readouts in the output row. scripts/tile_sweep.py timed the kernel alone on an H100 against
+16/32/64-column tiles, 4,096-16,384-value chunks, 4 and 8 warps and a pipelined row loop
+(bench/tile_sweep_h100.json, bench/LOG.md section 44): at 20 and 64 symbols of several rows each the large chunks
+were the best of them, 10-20% faster than the chunks before; at one row a symbol they were within a few percent; the
+times of a step of few symbols were bound by the sweep's launches and say nothing. The steps of one symbol (1, 2 or
+4 requests) took the same time with the large chunks as with the one-row step's tiling, which steps of few symbols
+keep. The row loop stays unpipelined: a prologue would cost the one-row step, and the pipelined loop was no faster
+at the best tilings.
 """
 import torch
 import triton
@@ -121,12 +122,14 @@ def _outer_product_kernel(
             tl.debug_barrier()  # every thread's partial readouts stored before any thread reads them back
 
 
-def tiling(sequences, heads, d_size, e_size, max_tile) -> tuple[int, int]:
-    """(BLOCK_E, BLOCK_D) of a step's grid: the one-row step's tiling (chunks of max_tile values, the op's), with
-    chunks of MANY_SYMBOLS_TILE values once the grid fills the GPU with the widest tiles."""
-    block_e = split_block(e_size, sequences * heads, max_block=WIDE_BLOCK_E, min_block=16)
-    if block_e == WIDE_BLOCK_E:
+def tiling(sequences, heads, d_size, e_size, max_tile, block_e=None) -> tuple[int, int]:
+    """(BLOCK_E, BLOCK_D) of a step's grid (`sequences`: the captured shape's, live or not): the one-row step's
+    tiling (chunks of max_tile values, the op's), with chunks of MANY_SYMBOLS_TILE values once the grid fills the
+    GPU with the widest tiles. A given block_e is kept, and the chunk sized for it."""
+    widest = split_block(e_size, sequences * heads, max_block=WIDE_BLOCK_E, min_block=16)
+    if widest == WIDE_BLOCK_E:  # the grid fills the GPU with the widest tiles
         max_tile = MANY_SYMBOLS_TILE
+    block_e = block_e or widest
     return block_e, max(1, min(next_pow2(d_size), max_tile // block_e))
 
 
@@ -141,8 +144,8 @@ def launch(M, q, k, v, a, den, seq_slots, seq_starts, rounding, out, max_tile=No
     slots, heads, d_size, e_size = M.shape
     if sequences == 0 or q.shape[0] == 0:
         return out
-    chosen_e, chosen_d = tiling(sequences, heads, d_size, e_size, max_tile)
-    block_e, block_d = block_e or chosen_e, block_d or chosen_d
+    block_e, chosen_d = tiling(sequences, heads, d_size, e_size, max_tile, block_e)
+    block_d = block_d or chosen_d
     counter, stride_counter, salt, stochastic = kernel_args(M, rounding, seq_slots)
     _outer_product_kernel[(sequences, heads, triton.cdiv(e_size, block_e))](
         M, q, k, v, a, den, out, seq_slots, seq_starts, counter,

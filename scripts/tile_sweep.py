@@ -5,8 +5,12 @@ alternatives, at one and at several rows per sequence (where a tile's row loop, 
     python -m scripts.tile_sweep --shapes 64x1,64x4 --ops mamba2 --reps 5
 
 Ops: mlstm_C and retnet_S (kernels/outer_product_update.py at the mLSTM's and RetNet's sizes) and mamba2
-(kernels/mamba2_update.py). Each time is the median over --reps of 10 back-to-back launches, in microseconds a
-launch; the states are the shape's own G slots (fp32), the inputs random.
+(kernels/mamba2_update.py). Each time is the median over --reps of one launch replayed from a CUDA graph after L2
+is flushed, in microseconds; the states are the shape's own G slots (fp32), the inputs random. A shape here is G
+sequences exactly, where the engine's captured shapes may hold more (empty) ones, which changes the tiling its
+launchers choose (kernels/outer_product_update.tiling). bench/tile_sweep_h100.json was taken by the version before,
+which timed 10 back-to-back launches between two events: below ~60 us a launch, its times are the launches'
+(bench/LOG.md section 44). On a CPU, with TRITON_INTERPRET=1, a smoke run (--preset tiny).
 """
 import argparse
 import itertools
@@ -17,14 +21,17 @@ import time
 
 from client.model.config import get_preset
 from client.model.mamba2 import HEAD_SIZE, STATE_SIZE
+from kernels._common import next_pow2
 from scripts.kernel_times import shapes as parse_shapes
+
+L2_FLUSH_BYTES = 256 << 20  # written before each timed launch: five times an H100's L2
 
 
 def outer_product_configs(d_size):
     """(block_e, block_d, num_warps, row_stages) to try; None: the launcher's own choice."""
     configs = [None]
     for block_e, tile, warps, stages in itertools.product((16, 32, 64), (4096, 8192, 16384), (4, 8), (1, 2)):
-        block_d = min(d_size, tile // block_e)
+        block_d = min(next_pow2(d_size), tile // block_e)
         config = (block_e, block_d, warps, stages)
         if config not in configs:
             configs.append(config)
@@ -37,8 +44,10 @@ def mamba2_configs():
 
 
 def time_us(fn, reps, torch, dev):
-    """Median over reps of 10 launches, us a launch: CUDA events on a GPU, the wall clock on the CPU (the
-    Triton interpreter: a smoke run, not a measurement)."""
+    """Median over reps of one launch, us: on a GPU the launch replayed from a CUDA graph (no Python launch
+    overhead between the events) after L2 is flushed (in a step, the weights stream through L2 between two
+    launches of a state kernel); on the CPU the wall clock (the Triton interpreter: a smoke run, not a
+    measurement)."""
     fn()
     if dev == "cpu":
         times = []
@@ -48,15 +57,19 @@ def time_us(fn, reps, torch, dev):
             times.append((time.perf_counter() - begin) * 1e6)
         return statistics.median(times)
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
     times = []
     for _ in range(reps):
+        flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(10):
-            fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 100.0)  # ms for 10 launches -> us a launch
+        times.append(start.elapsed_time(end) * 1000.0)
     return statistics.median(times)
 
 
@@ -91,6 +104,7 @@ def sweep_outer_product(heads, d_size, g, k, reps, torch, dev):
         tiling = {} if config is None else dict(zip(("block_e", "block_d", "num_warps", "row_stages"), config))
         name = "default" if config is None else "e{}_d{}_w{}_s{}".format(*config)
         M.copy_(start)  # one launch from the same state, against the default tiling's output and state
+        out.fill_(float("nan"))  # a row the tiling leaves unwritten fails the check
         launch(M, q, key, v, a, den, seq_slots, seq_starts, rounding, out, **tiling)
         check(result, name, (out, M[1:]))
         result[name] = time_us(lambda: launch(M, q, key, v, a, den, seq_slots, seq_starts, rounding, out, **tiling),
@@ -131,7 +145,7 @@ def main(argv=None):
     parser.add_argument("--shapes", default="1x1,1x4,20x1,20x4,64x1,64x4,64x8",
                         help="step shapes GxK: G sequences of K rows (default %(default)s)")
     parser.add_argument("--ops", default="mlstm_C,retnet_S,mamba2", help="comma list (default %(default)s)")
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", help="write every time here")
     args = parser.parse_args(argv)
     import torch

@@ -396,3 +396,32 @@ def test_settings_are_values_parsed_where_they_come_in():
         FastEngine(model, device="cpu", precision="bf16", progress=False)
     with pytest.raises(TypeError, match=r"StateStorage.parse\('fp16'\)"):
         FastEngine(model, device="cpu", state_storage="fp16", progress=False)
+
+
+@cuda
+def test_precompile_runs_a_shape_that_failed_in_the_threads_again_alone(monkeypatch, capsys):
+    """A step shape that raises once in precompile's threads (as a kernel's first launch did once on an H100,
+    bench/LOG.md section 45) is run again alone and the engine starts; one that keeps raising raises."""
+    from client.engine.fast import runner as runner_module
+
+    model, _ = load_model("tiny", seed=0, device="cuda")
+    engine = FastEngine(model, device="cuda", graphs=False, capacity=4, host_symbols=0, progress=False)
+    runner = engine.shards[0].runner
+    target = engine.shapes[-1]
+    step = type(runner).__call__
+    raised = []
+
+    def flaky(self, plan, features, hand_fused=False):
+        if features.shape[0] == target.rows and plan.seq_slots.shape[0] == target.sequences and (
+                always or not raised):
+            raised.append(target)
+            raise TypeError("injected first-launch failure")
+        return step(self, plan, features, hand_fused)
+
+    monkeypatch.setattr(type(runner), "__call__", flaky)
+    always = False
+    runner_module.precompile(runner, engine.shapes)
+    assert raised == [target] and "1 step shape(s) failed to compile side by side" in capsys.readouterr().err
+    always = True
+    with pytest.raises(TypeError, match="injected"):
+        runner_module.precompile(runner, engine.shapes)

@@ -135,6 +135,7 @@ def test_tiling_of_few_and_many_symbols():
     assert tiling(64, 8, 512, 512, 8192) == (64, 256)  # C in two chunks
     assert tiling(1, 8, 256, 256, 4096) == (16, 256)
     assert tiling(64, 8, 256, 256, 4096) == (64, 256)  # S in one chunk
+    assert tiling(1, 8, 512, 512, 8192, block_e=64) == (64, 128)  # a block_e given: the op's chunk, sized for it
 
 
 @runs_triton

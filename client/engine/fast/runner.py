@@ -8,6 +8,7 @@ rows (the sLSTM's recurrent maps take one launch per row position).
 """
 import os
 import sys
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -236,16 +237,16 @@ def precompile(runner, shapes) -> None:
         if future.exception() is None:
             streams.append(future.result())
         else:
-            failed.append((shape, future.exception()))
+            failed.append(shape)
+    if failed:  # said before anything else touches the device, with the first failure's whole traceback
+        first = next(f.exception() for _, f in futures if f.exception() is not None)
+        sys.stderr.write(f"[fast engine] {len(failed)} step shape(s) failed to compile side by side; compiling "
+                         f"them one at a time. The first failure:\n{''.join(traceback.format_exception(first))}")
     for stream in streams:
         start.wait_stream(stream)
+    for shape in failed:
+        start.wait_stream(step(shape))
     torch.cuda.synchronize(device)
-    if failed:
-        sys.stderr.write(f"[fast engine] {len(failed)} step shape(s) failed to compile side by side "
-                         f"({type(failed[0][1]).__name__}: {failed[0][1]}); compiling them one at a time\n")
-        for shape, _ in failed:
-            start.wait_stream(step(shape))
-        torch.cuda.synchronize(device)
 
 
 class StepInputs:
