@@ -213,10 +213,10 @@ def precompile(runner, shapes) -> None:
     kernels while still in use: harmless here, where every sequence is the padding slot's and every output is
     dropped, and the reason this is no way to run live rows.
 
-    A shape whose step raised in the threads runs again alone, after them: Triton's runtime is not thread-safe at
-    a kernel's first launch, and an engine started on an H100 with a warm Triton cache (Triton 3.6) failed once
-    there ("TypeError: function takes exactly 33 arguments (41 given)", bench/LOG.md section 45). An error that
-    is the step's own raises again in that second run."""
+    A shape whose step raised in the threads runs again alone, after them: an engine started on an H100 with a
+    warm Triton cache (Triton 3.6) failed once at a kernel's first launch in these threads ("TypeError: function
+    takes exactly 33 arguments (41 given)", bench/LOG.md section 45), which points at Triton's runtime, not at
+    the step. An error that is the step's own raises again in that second run."""
     if runner.device.type != "cuda" or runner.tower_states is None:
         return
     device = runner.device
