@@ -27,11 +27,13 @@ def arrival_stream(prefix, num_symbols, seconds, rate, seed):
 def measure_capacity(bench):
     """Symbols held with the default options (bench.tiered_engine: on a GPU the GPU's share of free memory and the
     host tier's rule), and the host memory they were sized from; then new symbols arriving mid-stream at 400 req/s
-    into that engine: the end-to-end p99, missed requests, and every step's GPU time (none of B <= 20 over 5 ms)."""
+    into that engine (--quick: 100 req/s, which a CPU serves): the end-to-end p99, missed requests, and every
+    step's GPU time (none of B <= 20 over 5 ms)."""
     from client.engine.fast import STATE_MEMORY
 
     counts = bench.counts
-    stream = arrival_stream("NEW_", counts.new_symbols, counts.arrival_seconds, E2E_RATE, bench.args.seed + 5)
+    stream = arrival_stream("NEW_", counts.new_symbols, counts.arrival_seconds, counts.arrival_rate,
+                            bench.args.seed + 5)
     tracker = ReferenceTracker(bench.model, np.unique(stream.symbols).tolist(), bench.device)
     targets = tracker.targets(stream)
     del tracker
@@ -41,14 +43,15 @@ def measure_capacity(bench):
     table = engine.table
     if engine.step_times is not None:
         engine.step_times.clear()
-    numbers = serve(bench, engine, stream, targets, E2E_RATE)
+    numbers = serve(bench, engine, stream, targets, counts.arrival_rate)
     steps = np.array(engine.step_times or [(0, 0.0)])
     small = steps[steps[:, 0] <= 20, 1]
     result = {"symbols_held": table.capacity + table.host_capacity, "symbols_at_budget": table.capacity,
               "host_symbols": table.host_capacity, "state_memory": STATE_MEMORY, "reserve": table.reserve,
               "state_bytes_per_symbol": engine.state_bytes, "host_bytes": table.host_bytes,
               "host_pin_s": table.pin_s, "host_total_bytes": host_total, "host_available_bytes": host_available,
-              "engine_startup_s": engine.startup_s, "new_symbols": counts.new_symbols, **numbers,
+              "engine_startup_s": engine.startup_s, "new_symbols": counts.new_symbols, "rate": counts.arrival_rate,
+              **numbers,
               "steps": len(engine.step_times or []),
               "step_ms_max_b20": float(small.max()) if small.size else None,
               "step_ms_p99_b20": float(np.percentile(small, 99)) if small.size else None,
@@ -69,6 +72,6 @@ def summary(data) -> list[str]:
         f"capacity: {c['symbols_held']} symbols held with the default options: {c['symbols_at_budget']} on the "
         f"GPU at {c['state_memory']:.0%} of free memory, {c['host_symbols']} in host memory "
         f"({c['host_bytes'] / 2**30:.1f} GiB of {c['host_available_bytes'] / 2**30:.1f} GiB available, pinned in "
-        f"{fmt(c['host_pin_s'], 1)} s); {c['new_symbols']} new symbols at {E2E_RATE:g} req/s: p50 "
+        f"{fmt(c['host_pin_s'], 1)} s); {c['new_symbols']} new symbols at {c.get('rate', E2E_RATE):g} req/s: p50 "
         f"{fmt(c['p50_ms'])} ms, p99 {fmt(c['p99_ms'])} ms, missed {c['missed']}, slowest step of B <= 20 "
         f"{fmt(c['step_ms_max_b20'])} ms ({c['steps_over_limit']} over {STEP_LIMIT_MS:g} ms)"]
