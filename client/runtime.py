@@ -199,6 +199,8 @@ class StreamingClient:
         self._refusal: dict | None = None   # the server's last error on this connection before its welcome
         self.max_batch = max_batch
         self.max_per_symbol = team_api.max_per_symbol(team_client, max_requests_per_symbol)
+        # A step of this many symbols with max_per_symbol requests each is full (formed at once, _submit_in)
+        self._full_step = max_batch if max_batch is not None else team_api.step_symbols(team_client)
         self.heartbeat_s, self.backoff_s, self.backoff_max_s = heartbeat_s, backoff_s, backoff_max_s
         if pipeline_min_batch < 1:
             raise ValueError(f"pipeline_min_batch must be a positive integer, got {pipeline_min_batch!r}")
@@ -613,8 +615,8 @@ class StreamingClient:
             return 0.0
         if self._scheduler.waiting_symbols() < self.pipeline_min_batch:
             return None
-        if not self.form_late:
-            return 0.0
+        if not self.form_late or self._scheduler.fills(self._full_step, self.max_per_symbol):
+            return 0.0  # a full step gains nothing by waiting (at K = 1 under load, every step: LOG section 45)
         _, _, submitted_at, size = self._steps[0]
         return self._clock.form_in(size, submitted_at)
 

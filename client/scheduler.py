@@ -49,6 +49,18 @@ class Scheduler:
         """Symbols with at least one queued request: the size of the next batch (before max_batch)."""
         return len(self._heads)
 
+    def fills(self, max_batch: int | None, max_per_symbol: int) -> bool:
+        """Whether a batch formed now would already be full: max_batch symbols with max_per_symbol requests each
+        waiting (never without a max_batch). Nothing that arrives later could join it."""
+        if max_batch is None or len(self._heads) < max_batch:
+            return False
+        full = 0
+        for _, symbol in self._heads:  # the symbols with work
+            full += len(self._queues[symbol]) >= max_per_symbol
+            if full >= max_batch:
+                return True
+        return False
+
     def next_batch(self, max_batch: int | None = None, max_per_symbol: int = 1, ready=None) -> list[Request]:
         """Dequeue up to `max_per_symbol` oldest requests of each of up to `max_batch` symbols (all symbols with
         work when None), the symbols with the oldest heads first. The batch is grouped by symbol (in that order),

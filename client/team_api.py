@@ -26,6 +26,13 @@ def max_per_symbol(team_client, wanted: int) -> int:
     return wanted if requests_per_symbol(team_client) == MANY else 1
 
 
+def step_symbols(team_client) -> int | None:
+    """Symbols one step of the team client holds (its `max_batch`, e.g. the example's engine's), None when it
+    does not say: the runtime forms a step at once when it is already full (runtime.py, _submit_in)."""
+    value = getattr(team_client, "max_batch", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def batch_for(team_client, requests) -> dict:
     """The team client's batch of `requests` (scheduler Requests grouped by symbol, each symbol's in order)."""
     if requests_per_symbol(team_client) == ONE:

@@ -57,6 +57,11 @@ class ExampleModel:
     def __init__(self, engine: Engine):
         self.engine = engine
 
+    @property
+    def max_batch(self) -> int | None:
+        """Symbols one engine step holds (a larger batch runs as several steps)."""
+        return getattr(self.engine, "max_batch", None)
+
     def process_batch(self, requests_by_symbol: dict[str, list[tuple[int, np.ndarray]]]) -> dict:
         """{symbol: [(unique_id, features[79]), ...]}, each symbol's requests in arrival order within and across
         calls -> {"unique_ids": [...], "predictions": float32 [n, 4], "errors": {unique_id: why} for requests

@@ -266,11 +266,13 @@ class SerialDevice:
         self.engine, self.step_s = ReferenceEngine(model), step_s
         self.batches = []  # the unique ids of each submitted step, in order
         self.formed_busy = []  # whether each step was formed while the one before it still ran
+        self.formed_at = []  # time.monotonic() when each step was formed
         self._free_at = 0.0
         self._lock = threading.Lock()
 
     def submit_batch(self, requests_by_symbol):
-        self.formed_busy.append(time.monotonic() < self._free_at)
+        self.formed_at.append(time.monotonic())
+        self.formed_busy.append(self.formed_at[-1] < self._free_at)
         symbols = list(requests_by_symbol)
         ids = [requests_by_symbol[s][0] for s in symbols]
         predictions = self.engine.step(symbols, np.stack([requests_by_symbol[s][1] for s in symbols]))
@@ -313,6 +315,34 @@ def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model, form_
     else:
         assert team_client.batches[-3:-1] == [[5], [6]]
     expected = _expected(model, symbols, features, range(9))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_already_full_is_formed_at_once_not_late(model):
+    """Behind a long step, a next step that is already full (max_batch symbols with K requests each waiting) is
+    formed as soon as it fills: waiting for the step in flight to end could add nothing to it."""
+    symbols, features = _stream(8, seed=6)
+    recorder = Recorder()
+    step_s = 0.4
+
+    async def handler(ws):
+        await ws.recv()
+        for uid in range(5):  # one at a time: the clock learns a step's time
+            await ws.send(_request([uid], symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) > uid)
+        await ws.send(_request([5], symbols, features))
+        await asyncio.sleep(0.05)
+        await ws.send(_request([6, 7], symbols, features))  # two symbols: a full step of max_batch 2
+        await recorder.pump(ws, lambda: len(recorder.answered()) >= 8)
+        await ws.close(1000)
+
+    team_client = SerialDevice(model, step_s)
+    _, summary = asyncio.run(_play(handler, team_client, max_batch=2, max_requests_per_symbol=1))
+    assert summary["responses_sent"] == 8 and team_client.batches[-2:] == [[5], [6, 7]]
+    assert team_client.formed_busy[-1]
+    assert team_client.formed_at[-1] - team_client.formed_at[-2] < step_s / 2  # formed late: ~step_s after [5]
+    expected = _expected(model, symbols, features, range(8))
     for uid, prediction in recorder.responses:
         np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
 

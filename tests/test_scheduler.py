@@ -134,6 +134,19 @@ def test_symbols_not_ready_wait_in_place_and_the_others_go_on():
     assert [r.unique_id for r in scheduler.next_batch(max_per_symbol=2, ready=lambda s: s not in held)] == [0, 2]
 
 
+def test_fills_says_when_a_batch_formed_now_would_already_be_full():
+    scheduler = Scheduler()
+    assert not scheduler.fills(2, 1)
+    for uid, symbol in enumerate(["A", "A", "B"]):
+        scheduler.push(_request(uid, symbol))
+    assert scheduler.fills(2, 1) and scheduler.fills(1, 2)
+    assert not scheduler.fills(2, 2) and not scheduler.fills(3, 1) and not scheduler.fills(None, 1)
+    scheduler.push(_request(3, "B"))
+    assert scheduler.fills(2, 2)
+    scheduler.next_batch(max_per_symbol=2)
+    assert not scheduler.fills(1, 1)  # nothing waits
+
+
 def test_bad_max_per_symbol_is_rejected():
     scheduler = Scheduler()
     scheduler.push(_request(0, "A"))

@@ -33,6 +33,18 @@ def test_process_batch_maps_ids_to_predictions_in_symbol_order():
     assert empty["unique_ids"] == [] and empty["predictions"].shape == (0, 4)
 
 
+def test_the_example_says_how_many_symbols_its_engines_step_holds():
+    """The runtime forms a step at once when that many symbols wait with K requests each (team_api.step_symbols)."""
+    from client import team_api
+    from client.engine.fast import FastEngine
+
+    model = load_model("tiny", seed=2)[0]
+    fast = FastEngine(model, device="cpu", max_batch=6, capacity=8, progress=False)
+    assert team_api.step_symbols(ExampleModel(fast)) == 6
+    assert team_api.step_symbols(ExampleModel(ReferenceEngine(model))) is None  # no bound: never "full"
+    assert team_api.step_symbols(object()) is None
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--host", "127.0.0.1"], "--host needs --port"),
     (["--port", "9000"], "--port without --host"),

@@ -1,0 +1,207 @@
+"""What pinning the host tier costs, and what it costs a GPU serving meanwhile (issue 20; bench/LOG.md section 46).
+
+The host tier (client/engine/fast/state_table.py) registers its slots with cudaHostRegister at start; on the H100
+host 817 slots of 146 MiB took 109 s (section 37), so the engine's start waited past 60 s. This probe measures, on
+fresh host memory of `--slots` slots:
+- pinning one slot at a time, and with 8 and 16 threads (GB/s), each on memory already touched or not;
+- registering a slot in pieces (as a background pinner that must not hold the driver long would): GB/s, and the
+  bandwidth of one copy spanning the pieces (pinned speed, or staged through pageable memory);
+- a CUDA graph of about `--step-ms` replayed over and over, alone and while other threads pin: the replay's wall
+  time p50/p99/max, and the copies' (the latency a step would see if the tier pinned while serving).
+
+    python -m scripts.pin_probe --json pin_probe.json
+"""
+import argparse
+import json
+import mmap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+SLOT_BYTES = 146 << 20
+
+
+def fresh(count, stride):
+    buffer = mmap.mmap(-1, count * stride)
+    if hasattr(buffer, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    base = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+    return buffer, base
+
+
+def register_all(addresses, size, threads):
+    """Seconds to register every (address, size) with `threads` threads; the addresses stay registered."""
+    cudart = torch.cuda.cudart()
+
+    def one(address):
+        error = cudart.cudaHostRegister(address, size, 1)
+        if error != cudart.cudaError.success:
+            raise MemoryError(f"cudaHostRegister: {cudart.cudaGetErrorString(error)}")
+    began = time.perf_counter()
+    if threads == 1:
+        for address in addresses:
+            one(address)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, addresses))
+    return time.perf_counter() - began
+
+
+def unregister_all(addresses):
+    cudart = torch.cuda.cudart()
+    for address in addresses:
+        cudart.cudaHostUnregister(address)
+
+
+def pin_rates(slots, threads_list):
+    """GB/s of pinning fresh memory (never touched) and touched memory (faulted in first), per thread count."""
+    rows = []
+    for threads in threads_list:
+        for touched in (False, True):
+            buffer, base = fresh(slots, SLOT_BYTES)
+            if touched:
+                began = time.perf_counter()
+                view = np.frombuffer(buffer, dtype=np.uint8)
+                view[::4096] = 1  # one write a page: every page faulted in
+                touch_s = time.perf_counter() - began
+            addresses = [base + i * SLOT_BYTES for i in range(slots)]
+            seconds = register_all(addresses, SLOT_BYTES, threads)
+            rows.append({"threads": threads, "touched_first": touched, "seconds": seconds,
+                         "gb_per_s": slots * SLOT_BYTES / seconds / 1e9,
+                         "touch_s": touch_s if touched else None})
+            print(f"pin {slots} slots, {threads} thread(s), touched first {touched}: {seconds:.2f} s "
+                  f"({rows[-1]['gb_per_s']:.2f} GB/s)", flush=True)
+            unregister_all(addresses)
+            del buffer
+    return rows
+
+
+def copy_gb_per_s(host, device_buffer, repeats=5):
+    """GB/s of one host->device copy of the whole of `host` (median of repeats)."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        device_buffer.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0)
+    return host.numel() / float(np.median(times)) / 1e9
+
+
+def pieces(piece_mib_list):
+    """Registering one slot in pieces: GB/s, and a copy spanning them (pinned speed or not)."""
+    rows = []
+    device_buffer = torch.empty(SLOT_BYTES, dtype=torch.uint8, device="cuda")
+    for piece_mib in piece_mib_list:
+        piece = piece_mib << 20
+        buffer, base = fresh(4, SLOT_BYTES)
+        addresses = [base + offset for offset in range(0, 4 * SLOT_BYTES, piece)]
+        seconds = register_all(addresses, piece, 1)
+        host = torch.frombuffer(buffer, dtype=torch.uint8)[:SLOT_BYTES]
+        rate = copy_gb_per_s(host, device_buffer)
+        rows.append({"piece_mib": piece_mib, "pin_gb_per_s": 4 * SLOT_BYTES / seconds / 1e9,
+                     "pin_ms_per_piece": seconds / len(addresses) * 1000.0, "copy_gb_per_s": rate})
+        print(f"pieces of {piece_mib} MiB: pinned at {rows[-1]['pin_gb_per_s']:.2f} GB/s "
+              f"({rows[-1]['pin_ms_per_piece']:.2f} ms a piece); a copy across them {rate:.1f} GB/s", flush=True)
+        unregister_all(addresses)
+        del host, buffer
+    pageable = torch.empty(SLOT_BYTES, dtype=torch.uint8)
+    rows.append({"piece_mib": None, "copy_gb_per_s": copy_gb_per_s(pageable, device_buffer)})
+    print(f"pageable memory: a copy at {rows[-1]['copy_gb_per_s']:.1f} GB/s", flush=True)
+    return rows
+
+
+def step_graph(step_ms):
+    """A CUDA graph of matmuls lasting about step_ms."""
+    a = torch.randn(4096, 4096, device="cuda")
+    b = torch.randn(4096, 4096, device="cuda")
+    out = torch.empty_like(a)
+    torch.matmul(a, b, out=out)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(10):
+        torch.matmul(a, b, out=out)
+    torch.cuda.synchronize()
+    per = (time.perf_counter() - began) / 10 * 1000.0
+    count = max(1, round(step_ms / per))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.matmul(a, b, out=out)
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(count):
+                torch.matmul(a, b, out=out)
+    torch.cuda.synchronize()
+    return graph
+
+
+def replays(graph, seconds, copy=None):
+    """Wall ms of each replay (launch to synchronize) for `seconds`; with copy=(dst, src), a host->device copy
+    on its own stream beside each."""
+    stream = torch.cuda.Stream()
+    times = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        began = time.perf_counter()
+        graph.replay()
+        if copy is not None:
+            with torch.cuda.stream(stream):
+                copy[0].copy_(copy[1], non_blocking=True)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - began) * 1000.0)
+    times = np.asarray(times)
+    return {"replays": int(times.size), "p50_ms": float(np.median(times)), "p99_ms": float(np.percentile(times, 99)),
+            "max_ms": float(times.max())}
+
+
+def serving_while_pinning(slots, threads, step_ms, seconds, piece_mib):
+    """Replays alone, then while `threads` threads pin `slots` fresh slots (whole slots, or pieces)."""
+    graph = step_graph(step_ms)
+    pinned_host = torch.empty(SLOT_BYTES, dtype=torch.uint8, pin_memory=True)
+    device_buffer = torch.empty(SLOT_BYTES, dtype=torch.uint8, device="cuda")
+    rows = {"alone": replays(graph, seconds, (device_buffer, pinned_host))}
+    print(f"replays alone: {rows['alone']}", flush=True)
+    for piece in (None, piece_mib):
+        size = SLOT_BYTES if piece is None else piece << 20
+        buffer, base = fresh(slots, SLOT_BYTES)
+        addresses = [base + offset for offset in range(0, slots * SLOT_BYTES, size)]
+        pinning = threading.Thread(target=register_all, args=(addresses, size, threads))
+        began = time.perf_counter()
+        pinning.start()
+        label = f"while pinning ({'slots' if piece is None else f'{piece} MiB pieces'}, {threads} threads)"
+        rows[label] = replays(graph, seconds, (device_buffer, pinned_host))
+        pinning.join()
+        rows[label]["pin_s"] = time.perf_counter() - began
+        print(f"replays {label}: {rows[label]}", flush=True)
+        unregister_all(addresses)
+        del buffer
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--slots", type=int, default=32, help="slots of 146 MiB pinned in each measurement")
+    parser.add_argument("--threads", default="1,8,16")
+    parser.add_argument("--pieces", default="2,16", help="piece sizes in MiB")
+    parser.add_argument("--step-ms", type=float, default=3.0)
+    parser.add_argument("--seconds", type=float, default=3.0, help="replays measured for this long, or while pinning")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("pin_probe needs a CUDA GPU: it measures cudaHostRegister and copies to the device")
+    piece_list = [int(p) for p in args.pieces.split(",")]
+    result = {"device": torch.cuda.get_device_name(), "slot_bytes": SLOT_BYTES, "slots": args.slots,
+              "pin": pin_rates(args.slots, [int(t) for t in args.threads.split(",")]),
+              "pieces": pieces(piece_list),
+              "serving": serving_while_pinning(args.slots, 8, args.step_ms, args.seconds, piece_list[0])}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
