@@ -19,7 +19,9 @@ in the predictions (bench/LOG.md section 34), so the state maps stay 16-bit.
 
 A sequence's rows run one launch per row position j < max_rows (kernels/_common.py's sequences): launch j advances
 row j of every sequence longer than j, its y the state y for j = 0, else the previous row's output of this op, and
-reads and writes c, n, m (one value per column) each time. A row's gate maps need the previous row's whole y of a
+reads and writes c, n, m (one value per column) each time. A launch's tiles of sequences none of which is that
+long return at once: a step captured for K rows a symbol carrying fewer would otherwise read the weights K times
+(bench/LOG.md section 46: one symbol's 2 requests 3.91 ms at K = 8 against 3.13 at K = 4). A row's gate maps need the previous row's whole y of a
 head block, which the block's column programs finish only together: a loop over rows inside one launch would need
 those programs to wait on each other (a grid-wide barrier, which deadlocks unless all are resident at once, not
 guaranteed beside the other towers' kernels), or one program per head block, 32 times fewer programs at one row.
@@ -143,6 +145,8 @@ def _slstm_step_kernel(
     s_mask, j_mask = s < sequences, j < size
     r = tl.load(seq_start_ptr + s, mask=s_mask, other=0) + position
     r_mask = s_mask & (r < tl.load(seq_start_ptr + s + 1, mask=s_mask, other=0))
+    if tl.max(r_mask.to(tl.int32), axis=0) == 0:
+        return  # no sequence of this tile has a row here: a step's shorter than its shape's max_rows read nothing
     slot = tl.load(seq_slot_ptr + s, mask=s_mask, other=0).to(tl.int64)
     if FIRST:
         y_rows = y_ptr + slot * stride_y

@@ -6,6 +6,8 @@ fresh host memory of `--slots` slots:
 - pinning one slot at a time, and with 8 and 16 threads (GB/s), each on memory already touched or not;
 - registering a slot in pieces (as a background pinner that must not hold the driver long would): GB/s, and the
   bandwidth of one copy spanning the pieces (pinned speed, or staged through pageable memory);
+- a step's small copies (8 KiB) beside a state's copy in the same direction, on another stream: whether they
+  queue behind it, with the state's copy whole or in chunks;
 - a CUDA graph of about `--step-ms` replayed over and over, alone and while other threads pin: the replay's wall
   time p50/p99/max, and the copies' (the latency a step would see if the tier pinned while serving).
 
@@ -182,6 +184,51 @@ def serving_while_pinning(slots, threads, step_ms, seconds, piece_mib):
     return rows
 
 
+def small_copy_delays(chunk_mib_list, repeats=20):
+    """A step's own small copies (inputs in, predictions out) while a state's 146 MiB copy runs on another stream
+    in the same direction: the small copy's latency (ms, from its enqueue to its completion, median and max), with
+    the big copy whole or in chunks; and an event on the legacy default stream recorded behind nothing while the
+    big copy runs (whether the default stream waits for the copy stream)."""
+    host = torch.empty(SLOT_BYTES, dtype=torch.uint8, pin_memory=True)
+    device_buffer = torch.empty(SLOT_BYTES, dtype=torch.uint8, device="cuda")
+    small_host = torch.empty(8192, dtype=torch.uint8, pin_memory=True)
+    small_device = torch.empty(8192, dtype=torch.uint8, device="cuda")
+    big_stream, step_stream = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+    rows = []
+    for direction in ("to_gpu", "to_host"):
+        for chunk_mib in (None, *chunk_mib_list):
+            for stream_name in ("step stream", "default stream"):
+                stream = step_stream if stream_name == "step stream" else torch.cuda.default_stream()
+                delays = []
+                for _ in range(repeats):
+                    torch.cuda.synchronize()
+                    with torch.cuda.stream(big_stream):
+                        step = SLOT_BYTES if chunk_mib is None else chunk_mib << 20
+                        for begin in range(0, SLOT_BYTES, step):
+                            if direction == "to_gpu":
+                                device_buffer[begin:begin + step].copy_(host[begin:begin + step], non_blocking=True)
+                            else:
+                                host[begin:begin + step].copy_(device_buffer[begin:begin + step], non_blocking=True)
+                    time.sleep(0.0005)  # the big copy under way
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    with torch.cuda.stream(stream):
+                        start.record()
+                        if direction == "to_gpu":
+                            small_device.copy_(small_host, non_blocking=True)
+                        else:
+                            small_host.copy_(small_device, non_blocking=True)
+                        end.record()
+                    torch.cuda.synchronize()
+                    delays.append(start.elapsed_time(end))
+                rows.append({"direction": direction, "big_chunk_mib": chunk_mib, "stream": stream_name,
+                             "small_copy_ms_median": float(np.median(delays)), "small_copy_ms_max": float(max(delays))})
+                print(f"small copy {direction} on the {stream_name} beside a 146 MiB copy "
+                      f"{'whole' if chunk_mib is None else f'in {chunk_mib} MiB chunks'}: "
+                      f"median {rows[-1]['small_copy_ms_median']:.3f} ms, max {rows[-1]['small_copy_ms_max']:.3f}",
+                      flush=True)
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slots", type=int, default=32, help="slots of 146 MiB pinned in each measurement")
@@ -196,6 +243,7 @@ def main(argv=None):
     piece_list = [int(p) for p in args.pieces.split(",")]
     result = {"device": torch.cuda.get_device_name(), "slot_bytes": SLOT_BYTES, "slots": args.slots,
               "pin": pin_rates(args.slots, [int(t) for t in args.threads.split(",")]),
+              "small_copies": small_copy_delays([8]),
               "pieces": pieces(piece_list),
               "serving": serving_while_pinning(args.slots, 8, args.step_ms, args.seconds, piece_list[0])}
     if args.json:

@@ -28,8 +28,6 @@ from .state_table import PAD_SLOT
 # section 23: B=1 -65 us, B=64 -165 us; other assignments gained less or lost).
 STREAM_PRIORITY = {"xlstm": -1}
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # rows = symbols, one row each
-# The several-rows family's smallest shape holds this many symbols (step_shapes).
-FEW_SEQUENCES = 4
 STEP_COUNTER = "steps"  # the state table's per-slot step counter (stochastic rounding of 16-bit state)
 # Weight dtypes whose products run through kernels/skinny_matmul.py at B <= 64 (bench/LOG.md, section 11).
 SKINNY_DTYPES = (torch.float32,)
@@ -176,28 +174,22 @@ def step_shapes(max_batch, max_rows_per_symbol) -> list[StepShape]:
     the bucket sizes that keep their padding small), then steps of up to max_rows_per_symbol rows a symbol at
     row counts a power of two apart up to max_batch of them. Each shape costs startup (its Triton
     specialisations compile, its graphs capture: bench/LOG.md section 36), so the several-rows family is coarse:
-    a backlog's steps are long, and a row of padding costs them little. Its smallest shape holds at most
-    FEW_SEQUENCES symbols: the state kernels tile by the captured sequences (kernels/outer_product_update.tiling),
-    and a step of one symbol's few requests captured for more sequences would stream its state through fewer
-    programs (section 36: one symbol's 2 requests took 3.44 ms at K = 8, in a shape of 8 sequences, and 2.86 at
-    K = 4, in one of 4)."""
+    a backlog's steps are long, and a row of padding costs them little."""
     shapes = [StepShape(b, b, 1) for b in (*(b for b in BUCKETS if b < max_batch), max_batch)]
     if max_rows_per_symbol > 1:
         k, top = max_rows_per_symbol, max_batch * max_rows_per_symbol
         rows = [k << i for i in range(top.bit_length()) if (k << i) < top] + [top]
-        if min(k, max_batch) > FEW_SEQUENCES:
-            shapes.append(StepShape(k, FEW_SEQUENCES, k))
         shapes += [StepShape(r, min(r, max_batch), k) for r in rows]
     return shapes
 
 
 def shape_for(shapes, rows, sequences, max_rows) -> StepShape:
-    """The smallest captured shape that holds a step (shapes as step_shapes gives them)."""
+    """The smallest captured shape that holds a step (shapes as step_shapes gives them, each family ascending)."""
     fits = [s for s in shapes if s.max_rows >= max_rows and s.rows >= rows and s.sequences >= sequences]
     if not fits:
         raise ValueError(f"a step of {rows} rows over {sequences} symbols, up to {max_rows} of a symbol, exceeds "
                          f"every captured shape")
-    return min(fits, key=lambda s: (s.max_rows, s.rows, s.sequences))
+    return min(fits, key=lambda s: (s.max_rows, s.rows))
 
 
 def padding_plan(shape, device) -> StepPlan:
@@ -312,7 +304,7 @@ class GraphedStep:
     """
 
     def __init__(self, runner: StepRunner, shapes, progress=None, staging=()):
-        self.runner, self.shapes = runner, sorted(shapes, key=lambda s: (s.max_rows, s.rows, s.sequences))
+        self.runner, self.shapes = runner, sorted(shapes, key=lambda s: (s.max_rows, s.rows))
         self.max_sequences = max(s.sequences for s in self.shapes)
         self.max_rows = max(s.rows for s in self.shapes)
         size = StepInputs.bytes_for(self.max_sequences, self.max_rows, runner.num_features)
