@@ -9,7 +9,8 @@ NUM_TOWERS = len(TOWER_NAMES)                      # predictions per request
 ATOL = 1e-3                                        # a tower's prediction is correct within this of the target
 TARGET_SOURCES = ("model", "file")                 # --targets: the chosen weights' fp32 model, or a stream file's own
 # Queued requests of one symbol a step may carry by default (the scheduler's cap, the fast engine's captured bound).
-# Measured over 64 symbols on an H100, the highest rate with p99 under 50 ms: 5,000 requests/s at 1, 8,000 at 4 and
-# at 8 (a step's extra rows cost ~35 us each in compute, so 8 adds no rate; and its smallest several-rows shape
-# made one symbol's two requests a 3.44 ms step against 2.86 at 4): bench/LOG.md section 36.
-DEFAULT_REQUESTS_PER_SYMBOL = 4
+# Measured over 64 symbols on an H100, the highest rate with p99 under 50 ms: 13,000 requests/s at 8 against 11,000
+# at 4 and 5,000 at 1 (a near-full step of 64 symbols leaves room for the queue at 8, not at 4), and a backlog drains
+# in fewer steps; since sLSTM launches past a step's longest sequence return at once, a step of a few requests costs
+# the same at 8 as at 4 (bench/LOG.md sections 45, 46).
+DEFAULT_REQUESTS_PER_SYMBOL = 8

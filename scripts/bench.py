@@ -69,7 +69,7 @@ def parse_args(argv=None):
     parser.add_argument("--sections", type=_sections, default=list(SECTIONS),
                         help=f"comma list of {','.join(SECTIONS)} (default: all)")
     parser.add_argument("--family-symbols", type=cli.positive_int, help="accuracy suite: symbols per input family "
-                                                                     "(default 4)")
+                                                                     "(default 8)")
     parser.add_argument("--family-steps", type=cli.positive_int, help="accuracy suite: steps per family (default 1000)")
     parser.add_argument("--family-seeds", type=cli.positive_int, help="accuracy suite: input seeds of the families, "
                                                                     "--seed and on (default 3; each family's worst "
@@ -77,6 +77,9 @@ def parse_args(argv=None):
     parser.add_argument("--long-steps", type=cli.positive_int, help="accuracy suite: steps of the long streams "
                                                                  "(default 10000)")
     add_precision_argument(parser)
+    parser.add_argument("--accuracy-backlog-only", action="store_true",
+                        help="accuracy suite: only its run with a backlog of K requests of every symbol a step (with "
+                             "--merge, the one-request run already in --json stays)")
     parser.add_argument("--precisions", type=_list_of(precision_argument, ";"), default="auto;fp16;bf16;fp32",
                         help="precisions section: precision specs separated by ';' (default: auto;fp16;bf16;fp32)")
     parser.add_argument("--state-dtype", type=state_storage_argument, default=FP32_STATE,

@@ -3,11 +3,11 @@
 The host tier (client/engine/fast/state_table.py) registers its slots with cudaHostRegister at start; on the H100
 host 817 slots of 146 MiB took 109 s (section 37), so the engine's start waited past 60 s. This probe measures, on
 fresh host memory of `--slots` slots:
-- pinning one slot at a time, and with 8 and 16 threads (GB/s), each on memory already touched or not;
-- registering a slot in pieces (as a background pinner that must not hold the driver long would): GB/s, and the
-  bandwidth of one copy spanning the pieces (pinned speed, or staged through pageable memory);
+- pinning one slot at a time, and with 8 and 16 threads (GB/s): cudaHostRegister faulting the pages in, or each
+  slot faulted in first with madvise(MADV_POPULATE_WRITE);
 - a step's small copies (8 KiB) beside a state's copy in the same direction, on another stream: whether they
-  queue behind it, with the state's copy whole or in chunks;
+  queue behind it, with the state's copy whole or in chunks (one copy may not span two registrations: across
+  slots pinned in 2 MiB pieces it failed with "invalid argument" on the H100, section 46);
 - a CUDA graph of about `--step-ms` replayed over and over, alone and while other threads pin: the replay's wall
   time p50/p99/max, and the copies' (the latency a step would see if the tier pinned while serving).
 
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 SLOT_BYTES = 146 << 20
+MADV_POPULATE_WRITE = 23
 
 
 def fresh(count, stride):
@@ -34,11 +35,14 @@ def fresh(count, stride):
     return buffer, base
 
 
-def register_all(addresses, size, threads):
-    """Seconds to register every (address, size) with `threads` threads; the addresses stay registered."""
+def register_all(addresses, size, threads, populate=None):
+    """Seconds to register every (address, size) with `threads` threads, each range first faulted in at once
+    by populate(address) when given; the addresses stay registered."""
     cudart = torch.cuda.cudart()
 
     def one(address):
+        if populate is not None:
+            populate(address)
         error = cudart.cudaHostRegister(address, size, 1)
         if error != cudart.cudaError.success:
             raise MemoryError(f"cudaHostRegister: {cudart.cudaGetErrorString(error)}")
@@ -58,62 +62,26 @@ def unregister_all(addresses):
         cudart.cudaHostUnregister(address)
 
 
+def populater(buffer, base):
+    """populate(address): fault in the slot at `address` of `buffer` at once (MADV_POPULATE_WRITE)."""
+    return lambda address: buffer.madvise(MADV_POPULATE_WRITE, address - base, SLOT_BYTES)
+
+
 def pin_rates(slots, threads_list):
-    """GB/s of pinning fresh memory (never touched) and touched memory (faulted in first), per thread count."""
+    """GB/s of pinning fresh memory per thread count: registration faulting the pages in, or each slot faulted
+    in first with madvise(MADV_POPULATE_WRITE) (as the state table's host tier does)."""
     rows = []
     for threads in threads_list:
-        for touched in (False, True):
+        for populated in (False, True):
             buffer, base = fresh(slots, SLOT_BYTES)
-            if touched:
-                began = time.perf_counter()
-                view = np.frombuffer(buffer, dtype=np.uint8)
-                view[::4096] = 1  # one write a page: every page faulted in
-                touch_s = time.perf_counter() - began
             addresses = [base + i * SLOT_BYTES for i in range(slots)]
-            seconds = register_all(addresses, SLOT_BYTES, threads)
-            rows.append({"threads": threads, "touched_first": touched, "seconds": seconds,
-                         "gb_per_s": slots * SLOT_BYTES / seconds / 1e9,
-                         "touch_s": touch_s if touched else None})
-            print(f"pin {slots} slots, {threads} thread(s), touched first {touched}: {seconds:.2f} s "
-                  f"({rows[-1]['gb_per_s']:.2f} GB/s)", flush=True)
+            seconds = register_all(addresses, SLOT_BYTES, threads, populater(buffer, base) if populated else None)
+            rows.append({"threads": threads, "populated_first": populated, "seconds": seconds,
+                         "gb_per_s": slots * SLOT_BYTES / seconds / 1e9})
+            print(f"pin {slots} slots, {threads} thread(s), {'populate + register' if populated else 'register'}: "
+                  f"{seconds:.2f} s ({rows[-1]['gb_per_s']:.2f} GB/s)", flush=True)
             unregister_all(addresses)
             del buffer
-    return rows
-
-
-def copy_gb_per_s(host, device_buffer, repeats=5):
-    """GB/s of one host->device copy of the whole of `host` (median of repeats)."""
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        device_buffer.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000.0)
-    return host.numel() / float(np.median(times)) / 1e9
-
-
-def pieces(piece_mib_list):
-    """Registering one slot in pieces: GB/s, and a copy spanning them (pinned speed or not)."""
-    rows = []
-    device_buffer = torch.empty(SLOT_BYTES, dtype=torch.uint8, device="cuda")
-    for piece_mib in piece_mib_list:
-        piece = piece_mib << 20
-        buffer, base = fresh(4, SLOT_BYTES)
-        addresses = [base + offset for offset in range(0, 4 * SLOT_BYTES, piece)]
-        seconds = register_all(addresses, piece, 1)
-        host = torch.frombuffer(buffer, dtype=torch.uint8)[:SLOT_BYTES]
-        rate = copy_gb_per_s(host, device_buffer)
-        rows.append({"piece_mib": piece_mib, "pin_gb_per_s": 4 * SLOT_BYTES / seconds / 1e9,
-                     "pin_ms_per_piece": seconds / len(addresses) * 1000.0, "copy_gb_per_s": rate})
-        print(f"pieces of {piece_mib} MiB: pinned at {rows[-1]['pin_gb_per_s']:.2f} GB/s "
-              f"({rows[-1]['pin_ms_per_piece']:.2f} ms a piece); a copy across them {rate:.1f} GB/s", flush=True)
-        unregister_all(addresses)
-        del host, buffer
-    pageable = torch.empty(SLOT_BYTES, dtype=torch.uint8)
-    rows.append({"piece_mib": None, "copy_gb_per_s": copy_gb_per_s(pageable, device_buffer)})
-    print(f"pageable memory: a copy at {rows[-1]['copy_gb_per_s']:.1f} GB/s", flush=True)
     return rows
 
 
@@ -160,21 +128,22 @@ def replays(graph, seconds, copy=None):
             "max_ms": float(times.max())}
 
 
-def serving_while_pinning(slots, threads, step_ms, seconds, piece_mib):
-    """Replays alone, then while `threads` threads pin `slots` fresh slots (whole slots, or pieces)."""
+def serving_while_pinning(slots, threads, step_ms, seconds):
+    """Replays alone, then while `threads` threads pin `slots` fresh slots (registration faulting the pages in,
+    or populated first)."""
     graph = step_graph(step_ms)
     pinned_host = torch.empty(SLOT_BYTES, dtype=torch.uint8, pin_memory=True)
     device_buffer = torch.empty(SLOT_BYTES, dtype=torch.uint8, device="cuda")
     rows = {"alone": replays(graph, seconds, (device_buffer, pinned_host))}
     print(f"replays alone: {rows['alone']}", flush=True)
-    for piece in (None, piece_mib):
-        size = SLOT_BYTES if piece is None else piece << 20
+    for populated in (False, True):
         buffer, base = fresh(slots, SLOT_BYTES)
-        addresses = [base + offset for offset in range(0, slots * SLOT_BYTES, size)]
-        pinning = threading.Thread(target=register_all, args=(addresses, size, threads))
+        addresses = [base + i * SLOT_BYTES for i in range(slots)]
+        pinning = threading.Thread(target=register_all, args=(addresses, SLOT_BYTES, threads,
+                                                               populater(buffer, base) if populated else None))
         began = time.perf_counter()
         pinning.start()
-        label = f"while pinning ({'slots' if piece is None else f'{piece} MiB pieces'}, {threads} threads)"
+        label = f"while pinning ({'populate + register' if populated else 'register'}, {threads} threads)"
         rows[label] = replays(graph, seconds, (device_buffer, pinned_host))
         pinning.join()
         rows[label]["pin_s"] = time.perf_counter() - began
@@ -233,19 +202,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slots", type=int, default=32, help="slots of 146 MiB pinned in each measurement")
     parser.add_argument("--threads", default="1,8,16")
-    parser.add_argument("--pieces", default="2,16", help="piece sizes in MiB")
     parser.add_argument("--step-ms", type=float, default=3.0)
     parser.add_argument("--seconds", type=float, default=3.0, help="replays measured for this long, or while pinning")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("pin_probe needs a CUDA GPU: it measures cudaHostRegister and copies to the device")
-    piece_list = [int(p) for p in args.pieces.split(",")]
     result = {"device": torch.cuda.get_device_name(), "slot_bytes": SLOT_BYTES, "slots": args.slots,
               "pin": pin_rates(args.slots, [int(t) for t in args.threads.split(",")]),
               "small_copies": small_copy_delays([8]),
-              "pieces": pieces(piece_list),
-              "serving": serving_while_pinning(args.slots, 8, args.step_ms, args.seconds, piece_list[0])}
+              "serving": serving_while_pinning(args.slots, 8, args.step_ms, args.seconds)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

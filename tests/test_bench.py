@@ -165,3 +165,22 @@ def test_failing_section_is_recorded_and_others_still_run(tmp_path, monkeypatch,
     assert _finite(data["copy_gb_per_s"])  # measured for the step floor before the engine was needed
     assert _finite(data["baseline_per_request_ms"])
     assert "FAILED sections: step" in capsys.readouterr().out
+
+
+def test_accuracy_backlog_only_runs_the_suite_once_with_a_backlog_of_k(monkeypatch):
+    """--accuracy-backlog-only: the suite's run with K requests of every symbol a step, not the one-request run."""
+    from types import SimpleNamespace
+
+    from scripts.benchmarks import accuracy
+
+    monkeypatch.setattr(accuracy, "format_table", str)
+
+    runs, report = [], {}
+    suite = SimpleNamespace(measure=lambda engine, prefix, per_symbol=1: runs.append((prefix, per_symbol)) or {})
+    for only, expected in ((True, [("ACC8/", 8)]), (False, [("ACC/", 1), ("ACC8/", 8)])):
+        runs.clear(), report.clear()
+        bench = SimpleNamespace(args=SimpleNamespace(accuracy_backlog_only=only, max_requests_per_symbol=8),
+                                suite=suite, engine=None, report=report, progress=lambda text: None)
+        accuracy.run(bench)
+        assert runs == expected and ("accuracy" in report) is not only and report["accuracy_backlog"] == {
+            "requests_per_symbol": 8}

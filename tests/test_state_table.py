@@ -426,3 +426,40 @@ def test_states_move_on_real_streams_bit_for_bit_with_no_host_allocation():
     got = {s: int(t.tensors["count"][t.slots_for([s])[0]]) for s in symbols}
     assert got == counts and t.stats["restored_ahead"] > 10
     assert getattr(torch.cuda, "host_memory_stats", lambda: {})().get("num_host_alloc") == host_allocations
+
+
+def test_host_slots_join_as_they_are_pinned_and_a_step_waits_only_for_a_slot_it_needs(monkeypatch):
+    """The engine serves while its host tier pins (on a GPU, at ~1 GB/s): each slot joins the tier once pinned;
+    prefetch never waits for one; a step that must move a state out of a full GPU waits for the next pinned slot,
+    and the state comes back bit for bit. Registration stood in for by a gate, as on the CPU nothing is pinned."""
+    from client.engine.fast import state_table as module
+
+    gate, registered = threading.Event(), []
+
+    def register(address, nbytes):
+        gate.wait(30)
+        registered.append(address)
+
+    monkeypatch.setattr(module, "_pins", lambda device: True)
+    monkeypatch.setattr(module, "_register_host", register)
+    monkeypatch.setattr(module, "_unregister_host", lambda address: None)
+    t = table(capacity=2, host_capacity=3, pin_at_start=False)
+    assert not t.free_host and not t.pinning
+    write(t, t.slots_for(["A"])[0], 5)
+    saved = state_of(t, t.slot_of["A"])
+    t.slots_for(["B"])
+    t.start_pinning(threads=2)
+    assert t.pinning
+    t.prefetch(["C"])  # no pinned slot to move a state into: left to C's step, at once
+    assert "C" not in t.slot_of
+    stepped = threading.Thread(target=t.slots_for, args=(["C"],))
+    stepped.start()
+    stepped.join(0.3)
+    assert stepped.is_alive() and "C" not in t.slot_of  # waits for a pinned host slot
+    gate.set()
+    stepped.join(10)
+    assert not stepped.is_alive() and "C" in t.slot_of and list(t.offloaded) == ["A"]
+    t.wait_pinned()
+    assert not t.pinning and t.pin_s is not None and len(registered) == 4 and t.host_capacity == 3
+    assert t.parts[0].host.pinned == 4
+    assert same_state(t, t.slots_for(["A"])[0], saved)  # back from the host tier (the CPU's step waits for it)

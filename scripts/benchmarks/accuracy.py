@@ -5,9 +5,10 @@ from client.accuracy import format_table
 
 
 def run(bench):
-    result = bench.suite.measure(bench.engine, prefix="ACC/")
-    bench.report.update(accuracy=result)
-    bench.progress("accuracy suite:\n" + format_table(result))
+    if not bench.args.accuracy_backlog_only:
+        result = bench.suite.measure(bench.engine, prefix="ACC/")
+        bench.report.update(accuracy=result)
+        bench.progress("accuracy suite:\n" + format_table(result))
     k = bench.args.max_requests_per_symbol
     if k > 1:
         several = {"requests_per_symbol": k, **bench.suite.measure(bench.engine, prefix=f"ACC{k}/", per_symbol=k)}

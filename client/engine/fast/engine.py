@@ -140,9 +140,10 @@ class FastEngine(Engine):
                             if devices[0].type == "cuda" else 0)
         if reserve is None:
             reserve = min(RESERVE, capacity // 8)
-        # The host tier is pinned in the background while the kernels compile (wait_pinned below).
+        # The host tier is pinned in the background once the graphs are captured (a registration would break a
+        # capture): the engine serves meanwhile, each slot joining the tier as it is pinned.
         self.table = StateTable(parts, capacity, host_capacity=host_symbols, idle_timeout_s=idle_timeout_s,
-                                reserve=reserve, separate=compile, time_copies=time_copies)
+                                reserve=reserve, separate=compile, time_copies=time_copies, pin_at_start=False)
         self.max_batch = max_batch = min(max_batch, capacity)  # a step's symbols all hold GPU slots at once
         self.max_rows_per_symbol = max_rows_per_symbol
         self.shapes = step_shapes(max_batch, max_rows_per_symbol)
@@ -158,7 +159,6 @@ class FastEngine(Engine):
                 sys.stderr.write(f" {time.perf_counter() - began:.1f} s\n")
             if compile:
                 self.compile_s += warm_up(shard.runner, self.shapes, progress)
-        self._wait_pinned(progress)  # before any graph is captured: pinning from another thread would break it
         self._ring = None  # without CUDA every step is synchronous
         self.step_times = [] if time_steps else None
         max_rows = max(shape.rows for shape in self.shapes)
@@ -177,6 +177,7 @@ class FastEngine(Engine):
                     shard.graphed.capture()
             self.graphed = self.shards[0].graphed
         self._next = 0
+        self.table.start_pinning()
         self.startup_s = time.perf_counter() - start
         if progress:
             d = self.describe()
@@ -187,11 +188,13 @@ class FastEngine(Engine):
                              f"({d['state_bytes_per_symbol'] / 2**20:.1f} MiB each, matrix states "
                              f"{state_storage.describe()}), "
                              f"{d['host_symbols']} in host memory ({d['host_bytes'] / 2**30:.1f} GiB"
-                             f"{'' if self.table.pin_s is None else f', pinned in {self.table.pin_s:.1f} s'})\n")
+                             f"{', pinned in the background as the engine serves' if self.table.pinning else ''})\n")
 
-    def _wait_pinned(self, progress):
+    def wait_pinned(self, progress=True):
+        """Wait until the host tier is pinned (the engine serves meanwhile; this is for measurements that need
+        the whole tier), with progress on stderr."""
         report = None
-        if progress and self.table.host_bytes > 0 and self.device.type == "cuda":
+        if progress and self.table.pinning:
             report = _progress(f"pinning the host tier ({self.table.host_bytes / 2**30:.1f} GiB): slots")
         self.table.wait_pinned(report)
 

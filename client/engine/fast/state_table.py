@@ -8,8 +8,11 @@ and a symbol has the same slot on all of them.
 
 Tiers: a symbol holds a GPU slot while it is used; the least recently used symbols' states move to host memory
 to keep `reserve` slots free ahead of need, or when a symbol needs a slot and none is free. The host tier is
-allocated once, at start, and on a GPU pinned in a background thread (`wait_pinned`), so that no step allocates
-or pins memory. States move on two copy streams per device (to the host, and back to the GPU), each copy waiting
+allocated once, at start, and on a GPU pinned slot by slot in background threads (`start_pinning`), so that no
+step allocates or pins memory; each slot joins the tier once pinned. Pinning takes ~1 GB/s (bench/LOG.md
+section 46: ~110 s for the H100 host's 117 GiB), so the engine starts it after capturing its graphs and serves
+meanwhile; until it is done, a step that must move a state out of a full GPU while no pinned host slot is free
+waits for the next one (the tier's size never changes, so no symbol is refused for it). States move on two copy streams per device (to the host, and back to the GPU), each copy waiting
 only for what it touches: the steps enqueued before it (for a state leaving the GPU), the last copy of its GPU
 slot and of its host slot. A step waits only for the copies of its own symbols' slots.
 
@@ -48,7 +51,11 @@ ALIGN = 256  # bytes: every component starts at a multiple of this within a slot
 # scoring server on the same machine and the system: the larger of a fixed amount and a share of the host's memory.
 HOST_HEADROOM_BYTES = 4 << 30
 HOST_HEADROOM_SHARE = 0.05
-PIN_THREADS = 8  # threads registering host slots at start: page faults and pinning spread over cores
+PIN_THREADS = 8  # threads pinning host slots: page faults and registrations spread over cores
+# A state moves in copies of this size: a step's own small copies (inputs in, predictions out) then queue behind
+# at most one of them on a copy engine, not behind a whole state (146 MiB, ~3 ms: bench/LOG.md section 46).
+COPY_PIECE_BYTES = 8 << 20
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in at once (Python's mmap module names it from 3.13 only)
 
 
 def _numel(shape):
@@ -205,6 +212,12 @@ class _CopyQueue:
         return done
 
 
+def _copy_in_pieces(dst, src):
+    """dst[:] = src (one-dimensional bytes, host and device), enqueued as copies of COPY_PIECE_BYTES."""
+    for begin in range(0, dst.shape[0], COPY_PIECE_BYTES):
+        dst[begin:begin + COPY_PIECE_BYTES].copy_(src[begin:begin + COPY_PIECE_BYTES], non_blocking=True)
+
+
 def _done(completion) -> bool:
     if completion is None:
         return True
@@ -220,6 +233,7 @@ class _HostPool:
         self.stride = host_slot_bytes(slot_bytes)
         self.count, self.pin = count, pin and count > 0
         self.pinned = 0 if self.pin else count  # slots pinned so far (every slot counts as pinned off a GPU)
+        self._registered, self._count_lock = None, threading.Lock()
         if count == 0:
             self.slots = torch.empty(0, slot_bytes, dtype=torch.uint8)
             return
@@ -232,39 +246,52 @@ class _HostPool:
     def bytes(self) -> int:
         return self.count * self.stride
 
-    def pin_all(self, threads=PIN_THREADS):
-        """Register every slot with CUDA (the calls release the GIL), counting them in `pinned`; raises the first
-        failure (the slots not yet started are left alone). Unregistered when the pool is collected."""
+    def _populate(self, index):
+        """Fault the slot's pages in at once (cudaHostRegister faulting them one by one pinned at ~1.6 GB/s,
+        pages already there at 22-30 GB/s: bench/LOG.md section 46); where the kernel cannot, registration does."""
+        try:
+            self._map.madvise(MADV_POPULATE_WRITE, index * self.stride, self.stride)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def pin_slot(self, index):
+        """Register slot `index` with CUDA (the call releases the GIL) and count it in `pinned`; MemoryError if
+        it fails. Every registered slot is unregistered when the pool is collected."""
         if not self.pin:
             return
-        cudart = torch.cuda.cudart()
-        base, registered, failures = self.slots.data_ptr(), [], []
-        lock = threading.Lock()
-
-        def register(index):
-            if failures:
-                return
-            error = cudart.cudaHostRegister(base + index * self.stride, self.stride, 1)  # 1: portable, every GPU
-            with lock:
-                if error != cudart.cudaError.success:
-                    failures.append(f"pinning host slot {index} of {self.count} failed: "
-                                    f"{cudart.cudaGetErrorString(error)}")
-                    return
-                registered.append(base + index * self.stride)
-                self.pinned += 1
-
-        finalizer = weakref.finalize(self, _unregister, registered, self._map)
-        finalizer.atexit = False  # at exit the system takes everything back
-        with ThreadPoolExecutor(max_workers=max(1, min(threads, os.cpu_count() or 1))) as pool:
-            list(pool.map(register, range(self.count)))
-        if failures:
-            raise MemoryError(failures[0])
+        if self._registered is None:
+            self._registered = []
+            finalizer = weakref.finalize(self, _unregister, self._registered, self._map, _unregister_host)
+            finalizer.atexit = False  # at exit the system takes everything back
+        address = self.slots.data_ptr() + index * self.stride
+        self._populate(index)
+        error = _register_host(address, self.stride)
+        if error is not None:
+            raise MemoryError(f"pinning host slot {index} of {self.count} failed: {error}")
+        with self._count_lock:
+            self._registered.append(address)
+            self.pinned += 1
 
 
-def _unregister(addresses, mapping):
+def _pins(device) -> bool:
+    """Whether the host tier of a part on `device` is pinned (page-locked, for the GPU's copy engines)."""
+    return device.type == "cuda"
+
+
+def _register_host(address, nbytes) -> str | None:
+    """Page-lock host memory for every GPU (cudaHostRegister, portable); the error's text, None on success."""
     cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(address, nbytes, 1)  # 1: portable, every GPU
+    return None if error == cudart.cudaError.success else cudart.cudaGetErrorString(error)
+
+
+def _unregister_host(address) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _unregister(addresses, mapping, unregister):
     for address in addresses:
-        cudart.cudaHostUnregister(address)
+        unregister(address)
     del mapping  # unmapped once every view of it is gone, after the registrations
 
 
@@ -295,7 +322,7 @@ class DeviceSlots:
         for buffer, start in self.chunks:
             buffer.copy_(self._initial(start, buffer).expand_as(buffer))
         cuda = self.device.type == "cuda"
-        self.host = _HostPool(host_slots, self.slot_bytes, pin=cuda)
+        self.host = _HostPool(host_slots, self.slot_bytes, pin=_pins(self.device))
         self.to_host, self.to_gpu = _CopyQueue(self.device), _CopyQueue(self.device)
         # The stream the steps run on (set by each slots_for): states leave the GPU after its work so far.
         self.step_stream = torch.cuda.current_stream(self.device) if cuda else None
@@ -332,7 +359,7 @@ class DeviceSlots:
             before()
             start = self._mark(self.to_host)
             for buffer, begin in self.chunks:
-                host[begin:begin + buffer.shape[1]].copy_(buffer[slot], non_blocking=True)
+                _copy_in_pieces(host[begin:begin + buffer.shape[1]], buffer[slot])
             self._timed("to_host", self.to_host, start)
             for buffer, begin in self.chunks:
                 buffer[slot:slot + 1].copy_(self._initial(begin, buffer))
@@ -348,7 +375,7 @@ class DeviceSlots:
             before()
             start = self._mark(self.to_gpu)
             for buffer, begin in self.chunks:
-                buffer[slot].copy_(host[begin:begin + buffer.shape[1]], non_blocking=True)
+                _copy_in_pieces(buffer[slot], host[begin:begin + buffer.shape[1]])
             self._timed("to_gpu", self.to_gpu, start)
 
         done = self.to_gpu.enqueue(copies, [self.slot_copy.get(slot), self.host_copy.get(host_slot)])
@@ -389,16 +416,18 @@ class DeviceSlots:
 
 class StateTable:
     def __init__(self, parts, capacity: int, *, host_capacity: int = 0, idle_timeout_s=None, reserve: int = 0,
-                 separate=False, clock=time.monotonic, time_copies=False, before_copy=None):
+                 separate=False, clock=time.monotonic, time_copies=False, before_copy=None, pin_at_start=True):
         """parts: [(layout {name: (per-slot shape, dtype, initial value)}, device)], one per device (a single
         (layout, device) pair is one part); capacity: live GPU slots; host_capacity: symbols whose state may
         wait in host memory (refused in one line when the host has not the memory); reserve: free GPU slots kept
         ready by moving least recently used states to the host ahead of need (while the host tier has room), so
         that a symbol arriving takes a slot at once; separate: a buffer per component (for torch.compile) instead
         of one block per slot; time_copies: keep every transfer's time (transfer_seconds); before_copy(symbol,
-        direction): called on a copy's queue before it runs (tests use it to slow one symbol's copy down).
+        direction): called on a copy's queue before it runs (tests use it to slow one symbol's copy down);
+        pin_at_start: start pinning the host tier now (else at start_pinning(), as the engine does once its graphs
+        are captured).
 
-        The host tier is pinned in a background thread: wait_pinned() before capturing CUDA graphs."""
+        The host tier is pinned in background threads: wait_pinned() before capturing CUDA graphs."""
         if isinstance(parts, tuple) and len(parts) == 2 and isinstance(parts[0], dict):
             parts = [parts]
         if capacity < 1 or host_capacity < 0 or reserve < 0:
@@ -419,36 +448,69 @@ class StateTable:
         self.offloaded: dict[str, int] = {}                    # symbol -> its host slot
         self.last_seen: dict[str, float] = {}
         self.free = deque(range(1, capacity + 1))
-        self.free_host = deque(range(host_slots))
+        self._host_slots = host_slots
+        self.free_host = deque() if self.parts[0].host.pin else deque(range(host_slots))  # pinned, unused
         self.stats = {"offloaded": 0, "restored": 0, "restored_ahead": 0, "step_waits": 0, "expired": 0,
                       "released": 0}
         self._lock = threading.Lock()
+        self._host_slot_pinned = threading.Condition(self._lock)
         self._in_step: set[str] = set()  # the last slots_for's symbols: their step may still be being enqueued
         # Symbols prefetched and not stepped since: moved out only when nothing else can be (else a tight table could
         # send a returning state back out before its step, again and again).
         self._awaiting: dict[str, None] = {}
-        self.pin_s = None
+        self.pin_s = None  # seconds the host tier took to pin, once it is
         self._pin_error = None
-        self._pinning = threading.Thread(target=self._pin, name="pin-host-tier", daemon=True)
+        self._pinning = None
+        if pin_at_start:
+            self.start_pinning()
+
+    def start_pinning(self, threads=PIN_THREADS):
+        """Start pinning the host tier in background threads (once; nothing to do off a GPU): each slot joins the
+        tier as soon as it is pinned in every part. Not during a CUDA graph capture (a registration breaks it)."""
+        if self._pinning is not None or not self.parts[0].host.pin:
+            return
+        self._pinning = threading.Thread(target=self._pin, args=(threads,), name="pin-host-tier", daemon=True)
         self._pinning.start()
 
-    def _pin(self):
+    def _pin(self, threads):
         begin = time.perf_counter()
+
+        def pin(index):
+            if self._pin_error is None:
+                for part in self.parts:
+                    part.host.pin_slot(index)
+                with self._lock:
+                    self.free_host.append(index)
+                    self._host_slot_pinned.notify_all()
         try:
-            for part in self.parts:
-                part.host.pin_all()
-        except Exception as exc:  # noqa: BLE001 (raised by wait_pinned, in the thread that builds the engine)
-            self._pin_error = exc
-        self.pin_s = time.perf_counter() - begin
+            with ThreadPoolExecutor(max_workers=max(1, min(threads, os.cpu_count() or 1))) as pool:
+                for done in [pool.submit(pin, index) for index in range(self._host_slots)]:
+                    try:
+                        done.result()
+                    except Exception as exc:  # noqa: BLE001 (the first failure stops the others)
+                        self._pin_error = self._pin_error or exc
+        finally:
+            with self._lock:
+                if self._pin_error is not None:  # the tier keeps what was pinned, one slot spare for swaps
+                    self.host_capacity = max(min(self.host_capacity, len(self.free_host) + len(self.offloaded) - 1),
+                                             0)
+                self.pin_s = time.perf_counter() - begin
+                self._host_slot_pinned.notify_all()
+
+    @property
+    def pinning(self) -> bool:
+        """True while host slots are still being pinned."""
+        return self._pinning is not None and self.pin_s is None
 
     def wait_pinned(self, report=None, every_s=0.5):
-        """Wait until the host tier is pinned, calling report(slots pinned, slots) every `every_s` seconds and
-        at the end; a failure to pin raises MemoryError in one line."""
+        """Wait until the host tier is pinned (starting it if not started), calling report(slots pinned, slots)
+        every `every_s` seconds and at the end; a failure to pin raises ValueError in one line."""
+        self.start_pinning()
         total = sum(part.host.count for part in self.parts)
-        while self._pinning.is_alive():
+        while self._pinning is not None and self._pinning.is_alive():
             self._pinning.join(every_s)
             if report is not None and self._pinning.is_alive():
-                report(sum(part.host.pinned for part in self.parts), total)
+                report(min(part.host.pinned for part in self.parts) * len(self.parts), total)
         if self._pin_error is not None:
             raise ValueError(f"the host tier could not be pinned ({self._pin_error}); lower --host-symbols")
         if report is not None:
@@ -631,6 +693,8 @@ class StateTable:
         recently used state outside `exclude` moves to the host; an offloaded symbol's state comes back into it."""
         if symbol in self.resident:
             return
+        while not self.free and not self.free_host and self.pinning:
+            self._host_slot_pinned.wait()  # releases the lock: the pinning threads hand out slots as they go
         if not self.free:
             self._offload_lru(exclude)
         slot = next((s for s in self.free if all(part.pending(s) is None for part in self.parts)), self.free[0])
@@ -660,7 +724,7 @@ class StateTable:
     def _keep_reserve(self, exclude):
         """Move states out until `reserve` slots are free (while the host tier has room), never one awaiting
         its step."""
-        while (len(self.free) < self.reserve and len(self.offloaded) < self.host_capacity
+        while (len(self.free) < self.reserve and len(self.offloaded) < self.host_capacity and self.free_host
                and self._offload_lru(exclude, awaiting_too=False)):
             pass
 
