@@ -8,8 +8,10 @@ fresh host memory of `--slots` slots:
 - a step's small copies (8 KiB) beside a state's copy in the same direction, on another stream: whether they
   queue behind it, with the state's copy whole or in chunks (one copy may not span two registrations: across
   slots pinned in 2 MiB pieces it failed with "invalid argument" on the H100, section 46);
-- a CUDA graph of about `--step-ms` replayed over and over, alone and while other threads pin: the replay's wall
-  time p50/p99/max, and the copies' (the latency a step would see if the tier pinned while serving).
+- a CUDA graph of about `--step-ms` replayed over and over (a state's copy beside each), alone, while 8 threads
+  register whole slots (the host tier before section 46), and while a state table pins its host tier its own way
+  (one thread, 8 MiB pieces faulted in first): the replay's wall time p50/p99/max, the latency a step sees while the
+  tier pins as the engine serves.
 
     python -m scripts.pin_probe --json pin_probe.json
 """
@@ -129,27 +131,35 @@ def replays(graph, seconds, copy=None):
 
 
 def serving_while_pinning(slots, threads, step_ms, seconds):
-    """Replays alone, then while `threads` threads pin `slots` fresh slots (registration faulting the pages in,
-    or populated first)."""
+    """Replays alone; while `threads` threads register `slots` fresh whole slots (the host tier before section
+    46); and while a state table pins a host tier of `slots` slots its own way (one thread, PIECE_BYTES pieces,
+    each faulted in first)."""
+    from client.engine.fast.state_table import StateTable
+
     graph = step_graph(step_ms)
     pinned_host = torch.empty(SLOT_BYTES, dtype=torch.uint8, pin_memory=True)
     device_buffer = torch.empty(SLOT_BYTES, dtype=torch.uint8, device="cuda")
     rows = {"alone": replays(graph, seconds, (device_buffer, pinned_host))}
     print(f"replays alone: {rows['alone']}", flush=True)
-    for populated in (False, True):
-        buffer, base = fresh(slots, SLOT_BYTES)
-        addresses = [base + i * SLOT_BYTES for i in range(slots)]
-        pinning = threading.Thread(target=register_all, args=(addresses, SLOT_BYTES, threads,
-                                                               populater(buffer, base) if populated else None))
-        began = time.perf_counter()
-        pinning.start()
-        label = f"while pinning ({'populate + register' if populated else 'register'}, {threads} threads)"
-        rows[label] = replays(graph, seconds, (device_buffer, pinned_host))
-        pinning.join()
-        rows[label]["pin_s"] = time.perf_counter() - began
-        print(f"replays {label}: {rows[label]}", flush=True)
-        unregister_all(addresses)
-        del buffer
+    buffer, base = fresh(slots, SLOT_BYTES)
+    addresses = [base + i * SLOT_BYTES for i in range(slots)]
+    pinning = threading.Thread(target=register_all, args=(addresses, SLOT_BYTES, threads))
+    began = time.perf_counter()
+    pinning.start()
+    label = f"while {threads} threads register whole slots"
+    rows[label] = replays(graph, seconds, (device_buffer, pinned_host))
+    pinning.join()
+    rows[label]["pin_s"] = time.perf_counter() - began
+    print(f"replays {label}: {rows[label]}", flush=True)
+    unregister_all(addresses)
+    del buffer
+    table = StateTable(({"state": ((SLOT_BYTES,), torch.uint8, 0)}, "cuda"), 1, host_capacity=slots - 1)
+    label = "while the state table pins its host tier"
+    rows[label] = replays(graph, seconds, (device_buffer, pinned_host))
+    table.wait_pinned()
+    rows[label]["pin_s"] = table.pin_s
+    rows[label]["pin_gb_per_s"] = table.host_bytes / table.pin_s / 1e9
+    print(f"replays {label}: {rows[label]}", flush=True)
     return rows
 
 

@@ -428,28 +428,26 @@ def test_states_move_on_real_streams_bit_for_bit_with_no_host_allocation():
     assert getattr(torch.cuda, "host_memory_stats", lambda: {})().get("num_host_alloc") == host_allocations
 
 
-def test_host_slots_join_as_they_are_pinned_and_a_step_waits_only_for_a_slot_it_needs(monkeypatch):
-    """The engine serves while its host tier pins (on a GPU, at ~1 GB/s): each slot joins the tier once pinned;
-    prefetch never waits for one; a step that must move a state out of a full GPU waits for the next pinned slot,
-    and the state comes back bit for bit. Registration stood in for by a gate, as on the CPU nothing is pinned."""
+def fake_registration(monkeypatch, register):
+    """Host tiers pinned (on the CPU nothing is), each registration through register(address, nbytes)."""
     from client.engine.fast import state_table as module
-
-    gate, registered = threading.Event(), []
-
-    def register(address, nbytes):
-        gate.wait(30)
-        registered.append(address)
 
     monkeypatch.setattr(module, "_pins", lambda device: True)
     monkeypatch.setattr(module, "_register_host", register)
     monkeypatch.setattr(module, "_unregister_host", lambda address: None)
-    t = table(capacity=2, host_capacity=3, pin_at_start=False)
-    assert not t.free_host and not t.pinning
+
+
+def test_host_slots_join_as_they_are_pinned_and_a_step_waits_only_for_a_slot_it_needs(monkeypatch):
+    """The engine serves while its host tier pins (on a GPU, at ~3 GB/s): each slot joins the tier once pinned;
+    prefetch never waits for one; a step that must move a state out of a full GPU waits for the next pinned slot,
+    and the state comes back bit for bit."""
+    gate, registered = threading.Event(), []
+    fake_registration(monkeypatch, lambda address, nbytes: gate.wait(30) and registered.append(address))
+    t = table(capacity=2, host_capacity=3)
+    assert not t.free_host and t.pinning
     write(t, t.slots_for(["A"])[0], 5)
     saved = state_of(t, t.slot_of["A"])
     t.slots_for(["B"])
-    t.start_pinning(threads=2)
-    assert t.pinning
     t.prefetch(["C"])  # no pinned slot to move a state into: left to C's step, at once
     assert "C" not in t.slot_of
     stepped = threading.Thread(target=t.slots_for, args=(["C"],))
@@ -463,3 +461,38 @@ def test_host_slots_join_as_they_are_pinned_and_a_step_waits_only_for_a_slot_it_
     assert not t.pinning and t.pin_s is not None and len(registered) == 4 and t.host_capacity == 3
     assert t.parts[0].host.pinned == 4
     assert same_state(t, t.slots_for(["A"])[0], saved)  # back from the host tier (the CPU's step waits for it)
+
+
+def test_pinning_pauses_with_no_registration_under_way(monkeypatch):
+    """pause_pinning (around a CUDA graph capture) returns once no registration runs, and none starts until
+    resume_pinning; the tier then pins to the end."""
+    running, registered = threading.Lock(), []
+
+    def register(address, nbytes):
+        assert running.acquire(blocking=False), "two registrations at once"
+        time.sleep(0.002)
+        registered.append(address)
+        running.release()
+    fake_registration(monkeypatch, register)
+    t = table(capacity=2, host_capacity=60)
+    wait_until(lambda: len(registered) >= 3)
+    t.pause_pinning()
+    assert not running.locked()
+    paused_at = len(registered)
+    time.sleep(0.05)
+    assert len(registered) == paused_at and t.pinning
+    t.resume_pinning()
+    t.wait_pinned()
+    assert len(registered) == 61 and len(t.free_host) == 61
+
+
+def test_copies_split_where_the_host_registrations_do(monkeypatch):
+    from client.engine.fast import state_table as module
+
+    monkeypatch.setattr(module, "PIECE_BYTES", 16)
+    assert module._piece_bounds(0, 40) == [(0, 16), (16, 32), (32, 40)]
+    assert module._piece_bounds(10, 30) == [(0, 6), (6, 22), (22, 30)]  # bytes 10..40 of the slot
+    assert module._piece_bounds(32, 16) == [(0, 16)] and module._piece_bounds(5, 0) == []
+    src, dst = torch.arange(30, dtype=torch.uint8), torch.zeros(30, dtype=torch.uint8)
+    module._copy_in_pieces(dst, src, 10)
+    assert torch.equal(dst, src)

@@ -140,10 +140,10 @@ class FastEngine(Engine):
                             if devices[0].type == "cuda" else 0)
         if reserve is None:
             reserve = min(RESERVE, capacity // 8)
-        # The host tier is pinned in the background once the graphs are captured (a registration would break a
-        # capture): the engine serves meanwhile, each slot joining the tier as it is pinned.
+        # The host tier pins in the background from here on, paused while the graphs are captured (a registration
+        # would break a capture); the engine serves meanwhile, each slot joining the tier as it is pinned.
         self.table = StateTable(parts, capacity, host_capacity=host_symbols, idle_timeout_s=idle_timeout_s,
-                                reserve=reserve, separate=compile, time_copies=time_copies, pin_at_start=False)
+                                reserve=reserve, separate=compile, time_copies=time_copies)
         self.max_batch = max_batch = min(max_batch, capacity)  # a step's symbols all hold GPU slots at once
         self.max_rows_per_symbol = max_rows_per_symbol
         self.shapes = step_shapes(max_batch, max_rows_per_symbol)
@@ -158,26 +158,17 @@ class FastEngine(Engine):
             if tell:
                 sys.stderr.write(f" {time.perf_counter() - began:.1f} s\n")
             if compile:
+                self.table.pause_pinning()  # torch.compile's warm-up captures graphs of its own
                 self.compile_s += warm_up(shard.runner, self.shapes, progress)
         self._ring = None  # without CUDA every step is synchronous
         self.step_times = [] if time_steps else None
-        max_rows = max(shape.rows for shape in self.shapes)
-        if devices[0].type == "cuda":
-            self._ring = [Staging(max_batch, max_rows, self.runner.num_features, self.shards, time_steps)
-                          for _ in range(RING)]
-        use_graphs = devices[0].type == "cuda" if graphs is None else graphs
         self.graphed = None
-        if use_graphs:
-            for i, shard in enumerate(self.shards):
-                with torch.cuda.device(shard.device):
-                    label = "capturing graphs" + (f" on {shard.device}" if len(self.shards) > 1 else "")
-                    shard.graphed = GraphedStep(shard.runner, self.shapes,
-                                                progress=_progress(label) if progress else None,
-                                                staging=[(st.inputs.buffer, st.outs[i]) for st in self._ring or ()])
-                    shard.graphed.capture()
-            self.graphed = self.shards[0].graphed
         self._next = 0
-        self.table.start_pinning()
+        self.table.pause_pinning()  # no host registration may run while graphs are captured
+        try:
+            self._capture(graphs, time_steps, progress)
+        finally:
+            self.table.resume_pinning()
         self.startup_s = time.perf_counter() - start
         if progress:
             d = self.describe()
@@ -188,7 +179,23 @@ class FastEngine(Engine):
                              f"({d['state_bytes_per_symbol'] / 2**20:.1f} MiB each, matrix states "
                              f"{state_storage.describe()}), "
                              f"{d['host_symbols']} in host memory ({d['host_bytes'] / 2**30:.1f} GiB"
-                             f"{', pinned in the background as the engine serves' if self.table.pinning else ''})\n")
+                             f"{', pinning in the background as the engine serves' if self.table.pinning else ''})\n")
+
+    def _capture(self, graphs, time_steps, progress):
+        """The pinned staging ring and, on a GPU (unless graphs is False), every shape's CUDA graphs."""
+        if self.device.type == "cuda":
+            max_rows = max(shape.rows for shape in self.shapes)
+            self._ring = [Staging(self.max_batch, max_rows, self.runner.num_features, self.shards, time_steps)
+                          for _ in range(RING)]
+        if not (self.device.type == "cuda" if graphs is None else graphs):
+            return
+        for i, shard in enumerate(self.shards):
+            with torch.cuda.device(shard.device):
+                label = "capturing graphs" + (f" on {shard.device}" if len(self.shards) > 1 else "")
+                shard.graphed = GraphedStep(shard.runner, self.shapes, progress=_progress(label) if progress else None,
+                                            staging=[(st.inputs.buffer, st.outs[i]) for st in self._ring or ()])
+                shard.graphed.capture()
+        self.graphed = self.shards[0].graphed
 
     def wait_pinned(self, progress=True):
         """Wait until the host tier is pinned (the engine serves meanwhile; this is for measurements that need

@@ -8,10 +8,10 @@ and a symbol has the same slot on all of them.
 
 Tiers: a symbol holds a GPU slot while it is used; the least recently used symbols' states move to host memory
 to keep `reserve` slots free ahead of need, or when a symbol needs a slot and none is free. The host tier is
-allocated once, at start, and on a GPU pinned slot by slot in background threads (`start_pinning`), so that no
-step allocates or pins memory; each slot joins the tier once pinned. Pinning takes ~1 GB/s (bench/LOG.md
-section 46: ~110 s for the H100 host's 117 GiB), so the engine starts it after capturing its graphs and serves
-meanwhile; until it is done, a step that must move a state out of a full GPU while no pinned host slot is free
+allocated once, at start, and on a GPU pinned in a background thread, in pieces of PIECE_BYTES, so that no step
+allocates or pins memory; each slot joins the tier once pinned. Pinning runs at ~3 GB/s (page faults; bench/LOG.md
+section 46: ~45 s for the H100 host's 117 GiB), so the engine serves meanwhile (pausing it only while it captures
+its graphs); until it is done, a step that must move a state out of a full GPU while no pinned host slot is free
 waits for the next one (the tier's size never changes, so no symbol is refused for it). States move on two copy streams per device (to the host, and back to the GPU), each copy waiting
 only for what it touches: the steps enqueued before it (for a state leaving the GPU), the last copy of its GPU
 slot and of its host slot. A step waits only for the copies of its own symbols' slots.
@@ -39,7 +39,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -51,10 +51,11 @@ ALIGN = 256  # bytes: every component starts at a multiple of this within a slot
 # scoring server on the same machine and the system: the larger of a fixed amount and a share of the host's memory.
 HOST_HEADROOM_BYTES = 4 << 30
 HOST_HEADROOM_SHARE = 0.05
-PIN_THREADS = 8  # threads pinning host slots: page faults and registrations spread over cores
-# A state moves in copies of this size: a step's own small copies (inputs in, predictions out) then queue behind
-# at most one of them on a copy engine, not behind a whole state (146 MiB, ~3 ms: bench/LOG.md section 46).
-COPY_PIECE_BYTES = 8 << 20
+# Host slots are registered with CUDA in pieces of this size, and states move in copies within them (a copy may not
+# span two registrations): a registration holds up the GPU's launches while it runs (a whole 146 MiB slot: up to
+# ~50 ms a launch, ~0.5 s with 8 threads queued; bench/LOG.md section 46), and a step's own small copies (inputs in,
+# predictions out) queue behind at most one piece on a copy engine, not behind a whole state (~3 ms).
+PIECE_BYTES = 8 << 20
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in at once (Python's mmap module names it from 3.13 only)
 
 
@@ -212,10 +213,22 @@ class _CopyQueue:
         return done
 
 
-def _copy_in_pieces(dst, src):
-    """dst[:] = src (one-dimensional bytes, host and device), enqueued as copies of COPY_PIECE_BYTES."""
-    for begin in range(0, dst.shape[0], COPY_PIECE_BYTES):
-        dst[begin:begin + COPY_PIECE_BYTES].copy_(src[begin:begin + COPY_PIECE_BYTES], non_blocking=True)
+def _piece_bounds(start, size):
+    """[(begin, end)] splitting `size` bytes that lie from byte `start` of a slot where its host registrations
+    split (multiples of PIECE_BYTES from the slot's start)."""
+    bounds, begin = [], 0
+    while begin < size:
+        end = min(size, (start + begin) // PIECE_BYTES * PIECE_BYTES + PIECE_BYTES - start)
+        bounds.append((begin, end))
+        begin = end
+    return bounds
+
+
+def _copy_in_pieces(dst, src, start):
+    """dst[:] = src (one-dimensional bytes, host and device; byte 0 at byte `start` of its slot), enqueued as
+    copies within the slot's host registrations (a copy may not span two)."""
+    for begin, end in _piece_bounds(start, dst.shape[0]):
+        dst[begin:end].copy_(src[begin:end], non_blocking=True)
 
 
 def _done(completion) -> bool:
@@ -233,7 +246,7 @@ class _HostPool:
         self.stride = host_slot_bytes(slot_bytes)
         self.count, self.pin = count, pin and count > 0
         self.pinned = 0 if self.pin else count  # slots pinned so far (every slot counts as pinned off a GPU)
-        self._registered, self._count_lock = None, threading.Lock()
+        self._registered = None  # addresses of the pieces registered so far
         if count == 0:
             self.slots = torch.empty(0, slot_bytes, dtype=torch.uint8)
             return
@@ -246,31 +259,28 @@ class _HostPool:
     def bytes(self) -> int:
         return self.count * self.stride
 
-    def _populate(self, index):
-        """Fault the slot's pages in at once (cudaHostRegister faulting them one by one pinned at ~1.6 GB/s,
-        pages already there at 22-30 GB/s: bench/LOG.md section 46); where the kernel cannot, registration does."""
-        try:
-            self._map.madvise(MADV_POPULATE_WRITE, index * self.stride, self.stride)
-        except (OSError, ValueError, AttributeError):
-            pass
+    def pieces(self, index):
+        """[(byte offset in the pool, bytes)] of slot `index`'s registrations: PIECE_BYTES each from the slot's
+        start (the last one shorter), so that every copy piece (_copy_in_pieces) lies within one."""
+        start, end = index * self.stride, (index + 1) * self.stride
+        return [(offset, min(PIECE_BYTES, end - offset)) for offset in range(start, end, PIECE_BYTES)]
 
-    def pin_slot(self, index):
-        """Register slot `index` with CUDA (the call releases the GIL) and count it in `pinned`; MemoryError if
-        it fails. Every registered slot is unregistered when the pool is collected."""
-        if not self.pin:
-            return
+    def pin_piece(self, offset, nbytes):
+        """Fault one piece's pages in at once, then register it with CUDA (MemoryError if that fails); every
+        registered piece is unregistered when the pool is collected."""
         if self._registered is None:
             self._registered = []
             finalizer = weakref.finalize(self, _unregister, self._registered, self._map, _unregister_host)
             finalizer.atexit = False  # at exit the system takes everything back
-        address = self.slots.data_ptr() + index * self.stride
-        self._populate(index)
-        error = _register_host(address, self.stride)
+        try:  # registration would fault the pages one by one
+            self._map.madvise(MADV_POPULATE_WRITE, offset, nbytes)
+        except (OSError, ValueError, AttributeError):
+            pass
+        address = self.slots.data_ptr() + offset
+        error = _register_host(address, nbytes)
         if error is not None:
-            raise MemoryError(f"pinning host slot {index} of {self.count} failed: {error}")
-        with self._count_lock:
-            self._registered.append(address)
-            self.pinned += 1
+            raise MemoryError(f"pinning host slot {offset // self.stride} of {self.count} failed: {error}")
+        self._registered.append(address)
 
 
 def _pins(device) -> bool:
@@ -359,7 +369,7 @@ class DeviceSlots:
             before()
             start = self._mark(self.to_host)
             for buffer, begin in self.chunks:
-                _copy_in_pieces(host[begin:begin + buffer.shape[1]], buffer[slot])
+                _copy_in_pieces(host[begin:begin + buffer.shape[1]], buffer[slot], begin)
             self._timed("to_host", self.to_host, start)
             for buffer, begin in self.chunks:
                 buffer[slot:slot + 1].copy_(self._initial(begin, buffer))
@@ -375,7 +385,7 @@ class DeviceSlots:
             before()
             start = self._mark(self.to_gpu)
             for buffer, begin in self.chunks:
-                _copy_in_pieces(buffer[slot], host[begin:begin + buffer.shape[1]])
+                _copy_in_pieces(buffer[slot], host[begin:begin + buffer.shape[1]], begin)
             self._timed("to_gpu", self.to_gpu, start)
 
         done = self.to_gpu.enqueue(copies, [self.slot_copy.get(slot), self.host_copy.get(host_slot)])
@@ -416,18 +426,16 @@ class DeviceSlots:
 
 class StateTable:
     def __init__(self, parts, capacity: int, *, host_capacity: int = 0, idle_timeout_s=None, reserve: int = 0,
-                 separate=False, clock=time.monotonic, time_copies=False, before_copy=None, pin_at_start=True):
+                 separate=False, clock=time.monotonic, time_copies=False, before_copy=None):
         """parts: [(layout {name: (per-slot shape, dtype, initial value)}, device)], one per device (a single
         (layout, device) pair is one part); capacity: live GPU slots; host_capacity: symbols whose state may
         wait in host memory (refused in one line when the host has not the memory); reserve: free GPU slots kept
         ready by moving least recently used states to the host ahead of need (while the host tier has room), so
         that a symbol arriving takes a slot at once; separate: a buffer per component (for torch.compile) instead
         of one block per slot; time_copies: keep every transfer's time (transfer_seconds); before_copy(symbol,
-        direction): called on a copy's queue before it runs (tests use it to slow one symbol's copy down);
-        pin_at_start: start pinning the host tier now (else at start_pinning(), as the engine does once its graphs
-        are captured).
+        direction): called on a copy's queue before it runs (tests use it to slow one symbol's copy down).
 
-        The host tier is pinned in background threads: wait_pinned() before capturing CUDA graphs."""
+        The host tier is pinned in a background thread from now on: pause_pinning() around a CUDA graph capture."""
         if isinstance(parts, tuple) and len(parts) == 2 and isinstance(parts[0], dict):
             parts = [parts]
         if capacity < 1 or host_capacity < 0 or reserve < 0:
@@ -460,42 +468,54 @@ class StateTable:
         self._awaiting: dict[str, None] = {}
         self.pin_s = None  # seconds the host tier took to pin, once it is
         self._pin_error = None
+        self._pin_go = threading.Event()  # cleared: pinning paused (a CUDA graph capture is under way)
+        self._pin_go.set()
+        self._pin_lock = threading.Lock()  # held while a piece registers
         self._pinning = None
-        if pin_at_start:
-            self.start_pinning()
+        if self.parts[0].host.pin:
+            self._pinning = threading.Thread(target=self._pin, name="pin-host-tier", daemon=True)
+            self._pinning.start()
 
-    def start_pinning(self, threads=PIN_THREADS):
-        """Start pinning the host tier in background threads (once; nothing to do off a GPU): each slot joins the
-        tier as soon as it is pinned in every part. Not during a CUDA graph capture (a registration breaks it)."""
-        if self._pinning is not None or not self.parts[0].host.pin:
-            return
-        self._pinning = threading.Thread(target=self._pin, args=(threads,), name="pin-host-tier", daemon=True)
-        self._pinning.start()
-
-    def _pin(self, threads):
+    def _pin(self):
+        """Pin the host tier piece by piece in one thread (registrations hold up the GPU's launches: one at a
+        time, short), each slot joining the tier once pinned in every part; paused while _pin_go is clear."""
         begin = time.perf_counter()
-
-        def pin(index):
-            if self._pin_error is None:
+        try:
+            for index in range(self._host_slots):
                 for part in self.parts:
-                    part.host.pin_slot(index)
+                    for offset, nbytes in part.host.pieces(index):
+                        self._pin_piece(part.host, offset, nbytes)
+                    part.host.pinned += 1
                 with self._lock:
                     self.free_host.append(index)
                     self._host_slot_pinned.notify_all()
-        try:
-            with ThreadPoolExecutor(max_workers=max(1, min(threads, os.cpu_count() or 1))) as pool:
-                for done in [pool.submit(pin, index) for index in range(self._host_slots)]:
-                    try:
-                        done.result()
-                    except Exception as exc:  # noqa: BLE001 (the first failure stops the others)
-                        self._pin_error = self._pin_error or exc
+        except Exception as exc:  # noqa: BLE001 (the tier keeps what was pinned; wait_pinned raises it)
+            self._pin_error = exc
         finally:
             with self._lock:
-                if self._pin_error is not None:  # the tier keeps what was pinned, one slot spare for swaps
+                if self._pin_error is not None:  # one pinned slot stays spare for swaps
                     self.host_capacity = max(min(self.host_capacity, len(self.free_host) + len(self.offloaded) - 1),
                                              0)
                 self.pin_s = time.perf_counter() - begin
                 self._host_slot_pinned.notify_all()
+
+    def _pin_piece(self, pool, offset, nbytes):
+        while True:
+            self._pin_go.wait()
+            with self._pin_lock:
+                if self._pin_go.is_set():  # not paused between the wait and the lock
+                    pool.pin_piece(offset, nbytes)
+                    return
+
+    def pause_pinning(self):
+        """Stop registering host memory until resume_pinning(), returning once no registration is under way (a
+        CUDA graph capture must not see one)."""
+        self._pin_go.clear()
+        with self._pin_lock:
+            pass
+
+    def resume_pinning(self):
+        self._pin_go.set()
 
     @property
     def pinning(self) -> bool:
@@ -503,14 +523,13 @@ class StateTable:
         return self._pinning is not None and self.pin_s is None
 
     def wait_pinned(self, report=None, every_s=0.5):
-        """Wait until the host tier is pinned (starting it if not started), calling report(slots pinned, slots)
-        every `every_s` seconds and at the end; a failure to pin raises ValueError in one line."""
-        self.start_pinning()
+        """Wait until the host tier is pinned, calling report(slots pinned, slots) every `every_s` seconds and at
+        the end; a failure to pin raises ValueError in one line."""
         total = sum(part.host.count for part in self.parts)
         while self._pinning is not None and self._pinning.is_alive():
             self._pinning.join(every_s)
             if report is not None and self._pinning.is_alive():
-                report(min(part.host.pinned for part in self.parts) * len(self.parts), total)
+                report(sum(part.host.pinned for part in self.parts), total)
         if self._pin_error is not None:
             raise ValueError(f"the host tier could not be pinned ({self._pin_error}); lower --host-symbols")
         if report is not None:
