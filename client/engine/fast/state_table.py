@@ -32,6 +32,7 @@ slots_for (by then their step is enqueued, or done on the CPU), so a prefetch fr
 state that a step being enqueued uses.
 """
 import atexit
+import ctypes
 import mmap
 import os
 import queue
@@ -57,6 +58,9 @@ HOST_HEADROOM_SHARE = 0.05
 # predictions out) queue behind at most one piece on a copy engine, not behind a whole state (~3 ms).
 PIECE_BYTES = 8 << 20
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in at once (Python's mmap module names it from 3.13 only)
+_LIBC = ctypes.CDLL(None, use_errno=True)  # a CDLL's calls release the GIL
+if hasattr(_LIBC, "madvise"):
+    _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def _numel(shape):
@@ -272,15 +276,21 @@ class _HostPool:
             self._registered = []
             finalizer = weakref.finalize(self, _unregister, self._registered, self._map, _unregister_host)
             finalizer.atexit = False  # at exit the system takes everything back
-        try:  # registration would fault the pages one by one
-            self._map.madvise(MADV_POPULATE_WRITE, offset, nbytes)
-        except (OSError, ValueError, AttributeError):
-            pass
         address = self.slots.data_ptr() + offset
+        _populate(address, nbytes)
         error = _register_host(address, nbytes)
         if error is not None:
             raise MemoryError(f"pinning host slot {offset // self.stride} of {self.count} failed: {error}")
         self._registered.append(address)
+
+
+def _populate(address, nbytes) -> None:
+    """Fault a range of host memory in at once (MADV_POPULATE_WRITE), through libc so that the GIL is released
+    meanwhile (Python's mmap.madvise holds it: ~4 ms a piece that the serving thread waited through, bench/LOG.md
+    section 46). Where the kernel cannot (before Linux 5.14), registration faults the pages in itself."""
+    madvise = getattr(_LIBC, "madvise", None)
+    if madvise is not None:
+        madvise(address, nbytes, MADV_POPULATE_WRITE)
 
 
 def _pins(device) -> bool:
