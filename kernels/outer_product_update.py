@@ -122,29 +122,30 @@ def _outer_product_kernel(
             tl.debug_barrier()  # every thread's partial readouts stored before any thread reads them back
 
 
-def tiling(sequences, heads, d_size, e_size, max_tile, block_e=None) -> tuple[int, int]:
+def tiling(sequences, heads, d_size, e_size, max_tile, block_e=None, many_symbols_tile=None) -> tuple[int, int]:
     """(BLOCK_E, BLOCK_D) of a step's grid (`sequences`: the captured shape's, live or not): the one-row step's
-    tiling (chunks of max_tile values, the op's), with chunks of MANY_SYMBOLS_TILE values once the grid fills the
-    GPU with the widest tiles. A given block_e is kept, and the chunk sized for it."""
+    tiling (chunks of max_tile values, the op's), with chunks of many_symbols_tile values (MANY_SYMBOLS_TILE by
+    default) once the grid fills the GPU with the widest tiles. A given block_e is kept, and the chunk sized for
+    it."""
     widest = split_block(e_size, sequences * heads, max_block=WIDE_BLOCK_E, min_block=16)
     if widest == WIDE_BLOCK_E:  # the grid fills the GPU with the widest tiles
-        max_tile = MANY_SYMBOLS_TILE
+        max_tile = many_symbols_tile or MANY_SYMBOLS_TILE
     block_e = block_e or widest
     return block_e, max(1, min(next_pow2(d_size), max_tile // block_e))
 
 
-def launch(M, q, k, v, a, den, seq_slots, seq_starts, rounding, out, max_tile=None, *, block_e=None,
-           block_d=None, num_warps=NUM_WARPS, row_stages=1):
+def launch(M, q, k, v, a, den, seq_slots, seq_starts, rounding, out, max_tile=None, *, many_symbols_tile=None,
+           block_e=None, block_d=None, num_warps=NUM_WARPS, row_stages=1):
     """The kernel on checked arguments, writing the live rows of `out` [B, H, E] fp32: for the ops, whose
     prepared inputs may be strided views (any row and head strides, unit last stride). max_tile: fp32 values of
-    M per chunk (default MAX_TILE). block_e, block_d, num_warps, row_stages (the row loop's software pipeline,
+    M per chunk (default MAX_TILE); many_symbols_tile: per chunk once the grid is full (tiling). block_e, block_d, num_warps, row_stages (the row loop's software pipeline,
     1: none): the tiling, chosen here unless given (scripts/tile_sweep.py compares tilings)."""
     max_tile = max_tile or MAX_TILE
     sequences = seq_slots.shape[0]
     slots, heads, d_size, e_size = M.shape
     if sequences == 0 or q.shape[0] == 0:
         return out
-    block_e, chosen_d = tiling(sequences, heads, d_size, e_size, max_tile, block_e)
+    block_e, chosen_d = tiling(sequences, heads, d_size, e_size, max_tile, block_e, many_symbols_tile)
     block_d = block_d or chosen_d
     counter, stride_counter, salt, stochastic = kernel_args(M, rounding, seq_slots)
     _outer_product_kernel[(sequences, heads, triton.cdiv(e_size, block_e))](

@@ -69,7 +69,7 @@ def parse_args(argv=None):
     parser.add_argument("--sections", type=_sections, default=list(SECTIONS),
                         help=f"comma list of {','.join(SECTIONS)} (default: all)")
     parser.add_argument("--family-symbols", type=cli.positive_int, help="accuracy suite: symbols per input family "
-                                                                     "(default 8)")
+                                                                     "(default 4)")
     parser.add_argument("--family-steps", type=cli.positive_int, help="accuracy suite: steps per family (default 1000)")
     parser.add_argument("--family-seeds", type=cli.positive_int, help="accuracy suite: input seeds of the families, "
                                                                     "--seed and on (default 3; each family's worst "

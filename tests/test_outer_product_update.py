@@ -136,6 +136,7 @@ def test_tiling_of_few_and_many_symbols():
     assert tiling(1, 8, 256, 256, 4096) == (16, 256)
     assert tiling(64, 8, 256, 256, 4096) == (64, 256)  # S in one chunk
     assert tiling(1, 8, 512, 512, 8192, block_e=64) == (64, 128)  # a block_e given: the op's chunk, sized for it
+    assert tiling(64, 8, 256, 256, 4096, many_symbols_tile=4096) == (64, 64)  # RetNet's S keeps its chunks
 
 
 @runs_triton

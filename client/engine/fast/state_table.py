@@ -9,12 +9,14 @@ and a symbol has the same slot on all of them.
 Tiers: a symbol holds a GPU slot while it is used; the least recently used symbols' states move to host memory
 to keep `reserve` slots free ahead of need, or when a symbol needs a slot and none is free. The host tier is
 allocated once, at start, and on a GPU pinned in a background thread, in pieces of PIECE_BYTES, so that no step
-allocates or pins memory; each slot joins the tier once pinned. Pinning runs at ~3 GB/s (page faults; bench/LOG.md
-section 46: ~45 s for the H100 host's 117 GiB), so the engine serves meanwhile (pausing it only while it captures
-its graphs); until it is done, a step that must move a state out of a full GPU while no pinned host slot is free
-waits for the next one (the tier's size never changes, so no symbol is refused for it). States move on two copy streams per device (to the host, and back to the GPU), each copy waiting
-only for what it touches: the steps enqueued before it (for a state leaving the GPU), the last copy of its GPU
-slot and of its host slot. A step waits only for the copies of its own symbols' slots.
+allocates or pins memory; each slot joins the tier once pinned. Pinning runs at ~2.4 GB/s (page faults;
+bench/LOG.md section 46: ~50-60 s for the H100 host's 116 GiB), so the engine serves meanwhile (pausing it only
+while it captures its graphs); until it is done, a step that must move a state out of a full GPU while no pinned
+host slot is free waits for the next one (the tier's size never changes, so no symbol is refused for it).
+
+States move on two copy streams per device (to the host, and back to the GPU), in copies within the pieces, each
+waiting only for what it touches: the steps enqueued before it (for a state leaving the GPU), the last copy of its
+GPU slot and of its host slot. A step waits only for the copies of its own symbols' slots.
 
 Returns start early: `prefetch(symbols)` (called when a request ARRIVES, from any thread) places the symbols,
 starting the copy back for those in host memory (and giving new ones a free slot); `ready(symbol)` says whether a
