@@ -15,15 +15,19 @@ fresh host memory of `--slots` slots:
 
     python -m scripts.pin_probe --json pin_probe.json
 """
-import argparse
 import json
 import mmap
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+from client import cli
+
+PROG = "scripts/pin_probe.py"
 
 SLOT_BYTES = 146 << 20
 MADV_POPULATE_WRITE = 23
@@ -209,23 +213,28 @@ def small_copy_delays(chunk_mib_list, repeats=20):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--slots", type=int, default=32, help="slots of 146 MiB pinned in each measurement")
-    parser.add_argument("--threads", default="1,8,16")
-    parser.add_argument("--step-ms", type=float, default=3.0)
-    parser.add_argument("--seconds", type=float, default=3.0, help="replays measured for this long, or while pinning")
+    parser = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--slots", type=cli.positive_int, default=32,
+                        help="slots of 146 MiB pinned in each measurement")
+    parser.add_argument("--threads", type=lambda text: [cli.positive_int(t) for t in text.split(",")],
+                        default=[1, 8, 16], help="comma list of thread counts that pin (default 1,8,16)")
+    parser.add_argument("--step-ms", type=cli.positive_float, default=3.0, help="the replayed graph's length")
+    parser.add_argument("--seconds", type=cli.positive_float, default=3.0,
+                        help="replays measured for this long, or while pinning")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("pin_probe needs a CUDA GPU: it measures cudaHostRegister and copies to the device")
+        raise cli.CliError(f"needs a CUDA GPU (it measures cudaHostRegister and copies to the device), and this torch "
+                           f"({torch.__version__}) sees none")
     result = {"device": torch.cuda.get_device_name(), "slot_bytes": SLOT_BYTES, "slots": args.slots,
-              "pin": pin_rates(args.slots, [int(t) for t in args.threads.split(",")]),
+              "pin": pin_rates(args.slots, args.threads),
               "small_copies": small_copy_delays([8]),
               "serving": serving_while_pinning(args.slots, 8, args.step_ms, args.seconds)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_cli(main, PROG))

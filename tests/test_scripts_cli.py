@@ -51,7 +51,8 @@ def test_script_mistakes_are_one_line(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("script, args", [("profile_step.py", ["--preset", "tiny"]),
-                                          ("kernel_times.py", ["--batches", "64x1,64x4"])])
+                                          ("kernel_times.py", ["--batches", "64x1,64x4"]),
+                                          ("pin_probe.py", ["--slots", "4"])])
 def test_gpu_scripts_without_cuda_say_what_they_need_in_one_line(script, args):
     done = run(script, *args)
     assert done.returncode == 2 and "Traceback" not in done.stderr
