@@ -616,7 +616,7 @@ class StreamingClient:
         if self._scheduler.waiting_symbols() < self.pipeline_min_batch:
             return None
         if not self.form_late or self._scheduler.fills(self._full_step, self.max_per_symbol):
-            return 0.0  # a full step gains nothing by waiting (at K = 1 under load, every step: LOG section 45)
+            return 0.0  # a step already full gains nothing by waiting for the one in flight to end
         _, _, submitted_at, size = self._steps[0]
         return self._clock.form_in(size, submitted_at)
 

@@ -138,8 +138,9 @@ def launch(M, q, k, v, a, den, seq_slots, seq_starts, rounding, out, max_tile=No
            block_e=None, block_d=None, num_warps=NUM_WARPS, row_stages=1):
     """The kernel on checked arguments, writing the live rows of `out` [B, H, E] fp32: for the ops, whose
     prepared inputs may be strided views (any row and head strides, unit last stride). max_tile: fp32 values of
-    M per chunk (default MAX_TILE); many_symbols_tile: per chunk once the grid is full (tiling). block_e, block_d, num_warps, row_stages (the row loop's software pipeline,
-    1: none): the tiling, chosen here unless given (scripts/tile_sweep.py compares tilings)."""
+    M per chunk (default MAX_TILE); many_symbols_tile: per chunk once the grid is full (tiling). block_e, block_d,
+    num_warps, row_stages (the row loop's software pipeline, 1: none): the tiling, chosen here unless given
+    (scripts/tile_sweep.py compares tilings)."""
     max_tile = max_tile or MAX_TILE
     sequences = seq_slots.shape[0]
     slots, heads, d_size, e_size = M.shape

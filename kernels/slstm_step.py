@@ -21,10 +21,11 @@ A sequence's rows run one launch per row position j < max_rows (kernels/_common.
 row j of every sequence longer than j, its y the state y for j = 0, else the previous row's output of this op, and
 reads and writes c, n, m (one value per column) each time. A launch's tiles of sequences none of which is that
 long return at once: a step captured for K rows a symbol carrying fewer would otherwise read the weights K times
-(bench/LOG.md section 46: one symbol's 2 requests 3.91 ms at K = 8 against 3.13 at K = 4). A row's gate maps need the previous row's whole y of a
-head block, which the block's column programs finish only together: a loop over rows inside one launch would need
-those programs to wait on each other (a grid-wide barrier, which deadlocks unless all are resident at once, not
-guaranteed beside the other towers' kernels), or one program per head block, 32 times fewer programs at one row.
+(bench/LOG.md section 46: one symbol's 2 requests 3.91 ms at K = 8, 2.97 with the early return). A row's gate maps
+need the previous row's whole y of a head block, which the block's column programs finish only together: a loop over
+rows inside one launch would need those programs to wait on each other (a grid-wide barrier, which deadlocks unless
+all are resident at once, not guaranteed beside the other towers' kernels), or one program per head block, 32 times
+fewer programs at one row.
 """
 import torch
 import torch.nn.functional as F

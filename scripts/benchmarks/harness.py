@@ -258,9 +258,9 @@ class Bench:
 
     def tiered_engine(self):
         """The engine of the capacity and swap sections, built once (its host tier takes a while to pin): on a GPU
-        with the default tiers (the GPU's share of the memory free now, the host tier's rule, the reserve; its host tier
-        pinned before it is returned), on the CPU with small ones (room for new_symbols beside the reserve, cpu_host_symbols in the host tier); steps
-        and transfers timed."""
+        with the default tiers (the GPU's share of the memory free now, the host tier's rule, the reserve; its host
+        tier pinned before it is returned), on the CPU with small ones (room for new_symbols beside the reserve,
+        cpu_host_symbols in the host tier); steps and transfers timed."""
         if self._tiered is None:
             from client.engine.fast import RESERVE
             from client.engine.fast.state_table import host_memory
