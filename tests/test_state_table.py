@@ -463,6 +463,31 @@ def test_host_slots_join_as_they_are_pinned_and_a_step_waits_only_for_a_slot_it_
     assert same_state(t, t.slots_for(["A"])[0], saved)  # back from the host tier (the CPU's step waits for it)
 
 
+def test_a_host_tier_that_fails_to_pin_keeps_what_it_pinned_and_refuses_the_rest(monkeypatch, capsys):
+    """Pinning runs while the engine serves, so a failure cannot stop the start: the tier shrinks to the slots
+    pinned (one kept spare for swaps), wait_pinned says why in one line, and a symbol beyond gets the error naming
+    the limits while the others go on."""
+    registered = []
+
+    def register(address, nbytes):
+        if len(registered) == 2:
+            return "out of memory"
+        registered.append(address)
+    fake_registration(monkeypatch, register)
+    t = table(capacity=1, host_capacity=5)
+    with pytest.raises(ValueError, match=r"could not be pinned \(pinning host slot 2 of 6 failed: out of memory\)"):
+        t.wait_pinned()
+    assert t.host_capacity == 1 and len(t.free_host) == 2
+    assert capsys.readouterr().err == ("[state table] the host tier holds 1 symbols, not more: pinning host slot 2 of 6 "
+                                       "failed: out of memory; lower --host-symbols\n")
+    write(t, t.slots_for(["A"])[0], 3)
+    saved = state_of(t, t.slot_of["A"])
+    t.slots_for(["B"])  # A into the host tier's one slot
+    with pytest.raises(CapacityError, match="1 on the GPU and 1 in host memory"):
+        t.slots_for(["C"])
+    assert same_state(t, t.slots_for(["A"])[0], saved)
+
+
 def test_pinning_pauses_with_no_registration_under_way(monkeypatch):
     """pause_pinning (around a CUDA graph capture) returns once no registration runs, and none starts until
     resume_pinning; the tier then pins to the end."""

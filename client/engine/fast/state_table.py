@@ -38,6 +38,7 @@ import ctypes
 import mmap
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -508,6 +509,8 @@ class StateTable:
                 if self._pin_error is not None:  # one pinned slot stays spare for swaps
                     self.host_capacity = max(min(self.host_capacity, len(self.free_host) + len(self.offloaded) - 1),
                                              0)
+                    sys.stderr.write(f"[state table] the host tier holds {self.host_capacity} symbols, not more: "
+                                     f"{self._pin_error}; lower --host-symbols\n")
                 self.pin_s = time.perf_counter() - begin
                 self._host_slot_pinned.notify_all()
 
@@ -725,9 +728,9 @@ class StateTable:
         if symbol in self.resident:
             return
         while not self.free and not self.free_host and self.pinning:
-            self._host_slot_pinned.wait()  # releases the lock: the pinning threads hand out slots as they go
-        if not self.free:
-            self._offload_lru(exclude)
+            self._host_slot_pinned.wait()  # releases the lock: the pinning thread hands out slots as it goes
+        if not self.free and not self._offload_lru(exclude):
+            raise self.capacity_error([symbol])  # pinning failed while this step waited for a host slot
         slot = next((s for s in self.free if all(part.pending(s) is None for part in self.parts)), self.free[0])
         self.free.remove(slot)
         if symbol in self.offloaded:
@@ -740,9 +743,9 @@ class StateTable:
 
     def _offload_lru(self, exclude, awaiting_too=True):
         """Move the least recently used resident symbol outside `exclude` (not awaiting its step, if any) to host
-        memory; free its slot. False when there is none."""
+        memory; free its slot. False when there is none, or no free host slot."""
         symbol = self._evictable(exclude, awaiting_too)
-        if symbol is None:
+        if symbol is None or not self.free_host:
             return False
         slot, host_slot = self.resident.pop(symbol), self.free_host.popleft()
         for part in self.parts:
@@ -755,7 +758,7 @@ class StateTable:
     def _keep_reserve(self, exclude):
         """Move states out until `reserve` slots are free (while the host tier has room), never one awaiting
         its step."""
-        while (len(self.free) < self.reserve and len(self.offloaded) < self.host_capacity and self.free_host
+        while (len(self.free) < self.reserve and len(self.offloaded) < self.host_capacity
                and self._offload_lru(exclude, awaiting_too=False)):
             pass
 
