@@ -478,8 +478,8 @@ def test_a_host_tier_that_fails_to_pin_keeps_what_it_pinned_and_refuses_the_rest
     with pytest.raises(ValueError, match=r"could not be pinned \(pinning host slot 2 of 6 failed: out of memory\)"):
         t.wait_pinned()
     assert t.host_capacity == 1 and len(t.free_host) == 2
-    assert capsys.readouterr().err == ("[state table] the host tier holds 1 symbols, not more: pinning host slot 2 of 6 "
-                                       "failed: out of memory; lower --host-symbols\n")
+    assert capsys.readouterr().err == ("[state table] the host tier holds 1 symbols, not more: pinning host slot 2 "
+                                       "of 6 failed: out of memory; lower --host-symbols\n")
     write(t, t.slots_for(["A"])[0], 3)
     saved = state_of(t, t.slot_of["A"])
     t.slots_for(["B"])  # A into the host tier's one slot
