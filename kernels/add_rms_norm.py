@@ -1,5 +1,9 @@
 """Residual add fused with the next RMSNorm: x += delta (+ bias), in place; y = x / sqrt(mean(x^2) + eps) * w.
 
+delta + bias is rounded before it joins x, as the reference's Linear adds its bias to the product: where x is large
+(a feed's unnormalised columns carry a residual of ~1e3), adding the bias to x separately rounds x once more per
+block, an error the reference does not make (bench/LOG.md section 47).
+
 Each block of a tower ends with `x = x + fc2(...)` and the next starts with `norm1(x)`; each layer's output is
 added and normalised by norm2 the same way. One row per program reads x and delta once and writes x and y once
 (y in the dtype of the product it feeds, so no separate cast), where PyTorch needs three to four kernels.
@@ -36,10 +40,11 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, bias_ptr, weight_ptr, y_ptr, width, s
     col = tl.arange(0, BLOCK)
     mask = col < width
     x = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
-    x += tl.load(delta_ptr + row * stride_delta + col, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.load(delta_ptr + row * stride_delta + col, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(weight_ptr + col, mask=mask, other=0.0).to(tl.float32)  # before the reduction, which it would wait for
-    if HAS_BIAS:
-        x += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # the bias joins the product before the residual, as in the reference's Linear
+        delta += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    x += delta
     tl.store(x_ptr + row * stride_x + col, x, mask=mask)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
     tl.store(y_ptr + row * stride_y + col, (x * inv * w).to(y_ptr.dtype.element_ty), mask=mask)

@@ -47,6 +47,20 @@ def test_triton_matches_reference(rows, width, with_bias, out_dtype):
                                atol=1e-5)
 
 
+@pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
+def test_triton_matches_reference_adding_bias_to_delta_first():
+    # x = 2048 has an ulp of 2^-12: delta and bias of 0.4 ulp each round to nothing added to x one at a time, and
+    # to one ulp added as their sum, as the reference's Linear (product + bias, then the residual) rounds them
+    ulp = 2.0 ** -12
+    x = torch.full((2, 64), 2048.0, device=DEVICE)
+    delta = torch.full((2, 64), 0.4 * ulp, device=DEVICE)
+    bias = torch.full((64,), 0.4 * ulp, device=DEVICE)
+    x_ref = x.clone()
+    add_rms_norm(x, delta, bias, torch.ones(64, device=DEVICE), 1e-6)
+    add_rms_norm_ref(x_ref, delta, bias, torch.ones(64, device=DEVICE), 1e-6)
+    assert torch.equal(x, x_ref) and torch.equal(x, torch.full_like(x, 2048.0 + ulp))
+
+
 def test_bad_inputs_are_clear_errors():
     x = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="delta"):
