@@ -53,7 +53,7 @@ def tower_graph_times(runner, slots):
     out = {}
     for B in (1, 20):
         feats = torch.randn(B, 79, device="cuda")
-        up = torch.relu(runner.input_up(feats)).split(runner.proj, dim=1)
+        up = runner.tower_inputs(feats)
         for tower, chunk, states in zip(runner.towers, up, runner.tower_states):
             tower(chunk, states, StepPlan.one_row_each(slots[:B]))  # warm-up
             graph = torch.cuda.CUDAGraph()
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     runner = engine.runner
     for B in (1, batches[-1]):
         feats = torch.randn(B, 79, device="cuda")
-        up = torch.relu(runner.input_up(feats)).split(runner.proj, dim=1)
+        up = runner.tower_inputs(feats)
         for tower, chunk, states in zip(runner.towers, up, runner.tower_states):
             result[f"eager_tower_ms_B{B}_{tower.name}"] = time_cuda(
                 lambda: tower(chunk, states, StepPlan.one_row_each(slots[:B])), iters=10)[0]

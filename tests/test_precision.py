@@ -18,7 +18,7 @@ from client.engine.reference import ReferenceEngine
 from client.model import TOWER_NAMES, load_model
 from test_fast_engine import compare
 
-F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 AUTO = DEFAULT_PRECISION.as_dict()
 AUTO_WITHOUT_HAWK_PARTS = {k: v for k, v in AUTO.items() if not k.startswith("hawk.")}
 AUTO_WITHOUT_XLSTM_PARTS = {k: v for k, v in AUTO.items() if not k.startswith("xlstm.")}
@@ -35,7 +35,11 @@ AUTO_WITHOUT_XLSTM_PARTS = {k: v for k, v in AUTO.items() if not k.startswith("x
     ("auto,hawk=bf16,xlstm.mlp=fp32", {**AUTO_WITHOUT_HAWK_PARTS, "hawk": BF16, "xlstm.mlp": F32}),
     ("hawk=bfloat16", {**AUTO_WITHOUT_HAWK_PARTS, "hawk": BF16}),  # overrides alone start from auto
     ("auto,hawk=bf16,hawk.input_down=fp32", {**AUTO, "hawk": BF16}),
-    ("fp32,retnet=auto,xlstm.mlp=auto", {**dict.fromkeys(TOWER_NAMES, F32), "xlstm.mlp": F16}),
+    ("fp32,retnet=auto,xlstm.mlp=auto", {**dict.fromkeys(TOWER_NAMES, F32), "retnet.input_down": F64,
+                                         "xlstm.mlp": F16}),
+    # an input path in fp64, or RetNet's back to fp32
+    ("auto,retnet.input_down=fp32", {k: v for k, v in AUTO.items() if k != "retnet.input_down"}),
+    ("bf16,hawk.input_down=float64", {**dict.fromkeys(TOWER_NAMES, BF16), "hawk.input_down": F64}),
     ("fp16,xlstm=auto", {**dict.fromkeys(TOWER_NAMES, F16), "xlstm.input_down": F32, "xlstm.slstm_in": F32,
                          "xlstm.mlstm_x": F32, "xlstm.mlstm_qkv": F32}),
     # the sLSTM's input maps apart from its state maps: back to fp16 alone, or with them through the tower's dtype
@@ -54,6 +58,9 @@ def test_specs_parse(spec, expected):
     ("auto,retnt=fp32", r"'retnt' names no tower or part; towers: xlstm \(parts input_down, mlp"),
     ("auto,hawk.attn=fp32", r"'hawk.attn' names no tower or part"),
     ("auto,hawk=fp8", r"unknown precision 'fp8' for hawk"),
+    ("fp64", r"fp64 as the base is not offered: only a tower's input path takes it"),
+    ("auto,retnet=fp64", r"fp64 for retnet is not offered"),
+    ("auto,hawk.mlp=float64", r"fp64 for hawk.mlp is not offered"),
     ("auto,hawk", r"must read <tower>=<dtype>"),
     ("auto,,hawk=fp16", r"empty item"),
     ("", r"empty item"),
@@ -73,8 +80,8 @@ def test_bad_specs_are_one_line_errors(spec, match):
 def test_a_precision_is_a_value():
     """Equal by what each weight group gets, whatever the spec said; the spec kept for names; picklable (the
     sharded engine sends it to its processes)."""
-    spelled_out = Precision.parse("fp16,retnet=fp32,xlstm.input_down=fp32,xlstm.slstm_in=fp32,xlstm.mlstm_x=fp32,"
-                                  "xlstm.mlstm_qkv=fp32,mamba2.input_down=fp32,hawk.input_down=fp32")
+    spelled_out = Precision.parse("fp16,retnet=fp32,retnet.input_down=fp64,xlstm.input_down=fp32,xlstm.slstm_in=fp32,"
+                                  "xlstm.mlstm_x=fp32,xlstm.mlstm_qkv=fp32,mamba2.input_down=fp32,hawk.input_down=fp32")
     assert spelled_out == DEFAULT_PRECISION and hash(spelled_out) == hash(DEFAULT_PRECISION)
     assert spelled_out.spec.startswith("fp16,retnet") and str(DEFAULT_PRECISION) == "auto"
     assert Precision.parse("bf16") != FP32_PRECISION
@@ -113,7 +120,8 @@ def test_weight_groups_are_the_engines_and_the_placements():
 
 def test_describe_says_what_each_tower_got():
     assert DEFAULT_PRECISION.describe() == ("xlstm fp16 (input_down fp32, slstm_in fp32, mlstm_x fp32, "
-                                            "mlstm_qkv fp32), mamba2 fp16 (input_down fp32), retnet fp32, hawk fp16 "
+                                            "mlstm_qkv fp32), mamba2 fp16 (input_down fp32), retnet fp32 (input_down "
+                                            "fp64), hawk fp16 "
                                             "(input_down fp32) (auto: the measured default)")
     assert Precision.parse("bf16,xlstm.mlp=fp32").describe() == ("xlstm bf16 (mlp fp32), mamba2 bf16, retnet bf16, "
                                                                  "hawk bf16")
@@ -219,3 +227,25 @@ def test_stacked_product_of_fp32_then_fp16_rows():
         Linear([first, second], None, [BF16, F32], "cpu")
     # one fp32 weight already on the device is used in place, not copied (GPU memory the state table keeps)
     assert Linear(first, None, F32, "cpu").weight.data_ptr() == first.data_ptr()
+
+
+def test_an_fp64_input_path_rounds_once_and_leaves_the_other_towers_as_they_were():
+    """auto's RetNet input path: relu(input_up) and input_down in fp64 from the fp32 weights, rounded to fp32 once
+    (bias included); the other towers' inputs bit for bit those of the fp32 product they share."""
+    from client.engine.fast.runner import StepRunner
+    model, _ = load_model("tiny", seed=0)
+    sd = model.state_dict()
+    features = torch.from_numpy(np.random.default_rng(0).lognormal(8.0, 2.0, (3, 79)).astype(np.float32))
+    auto = StepRunner(model, "cpu")
+    fp32 = StepRunner(model, "cpu", Precision.parse("auto,retnet.input_down=fp32"))
+    retnet = TOWER_NAMES.index("retnet")
+    inputs, inputs32 = auto.tower_inputs(features), fp32.tower_inputs(features)
+    p = f"towers.{retnet}."
+    up = torch.relu(features.double() @ sd[p + "input_up.weight"].double().t() + sd[p + "input_up.bias"].double())
+    assert inputs[retnet].dtype == torch.float64 and torch.equal(inputs[retnet], up)
+    x0 = (up @ sd[p + "input_down.weight"].double().t() + sd[p + "input_down.bias"].double()).float()
+    assert torch.equal(auto.towers[retnet].input_down(inputs[retnet]).float(), x0)
+    for tower in range(len(TOWER_NAMES)):
+        if tower != retnet:
+            assert inputs[tower].dtype == torch.float32 and torch.equal(inputs[tower], inputs32[tower])
+    assert inputs32[retnet].dtype == torch.float32 and auto.weight_bytes > fp32.weight_bytes

@@ -7,6 +7,8 @@ into a value that the engine, the placement and the benchmarks take as it is:
   WEIGHT_GROUPS; an override may also be `auto`, the measured default of that key). A base or a tower override
   sets every group of the tower(s) it names. `auto` is DEFAULT_PRECISION, the measured default. Weights take the
   dtype; products accumulate in fp32 and the activation feeding a product is rounded to its weight's dtype.
+  A tower's input path (input_up, ReLU, input_down) may also be `fp64` (`<tower>.input_down=fp64`): computed in
+  float64 from the fp32 weights and features, and rounded to fp32 once, at the residual.
 - StateStorage, the matrix states' dtypes and how 16-bit ones are rounded: `fp32`, `fp16`, `bf16`, then overrides
   such as `retnet=fp16`, optionally ending in `:nearest` or `:stochastic` (the default).
 
@@ -47,9 +49,13 @@ WEIGHT_GROUPS = {
 # GroupNorm scales them back up, with any error upstream: their q, k, v (x_proj and the tiny q/k/v blocks) stay
 # fp32, for ~3% of the step (bench/LOG.md section 34). The sLSTM's four input maps in fp16 were the rest of xLSTM's
 # error at scale 1e-2 (99.90%, on the gate), its state maps none of it: the input maps stay fp32, split into fp16
-# halves inside slstm_step, for 0.1 GB more a step (bench/LOG.md sections 34, 38 and 42).
+# halves inside slstm_step, for 0.1 GB more a step (bench/LOG.md sections 34, 38 and 42). RetNet's prediction
+# carries the largest share of a feed's scale (its tower gain is the largest): on a feed of prices and volumes its
+# residual reaches ~4e3, where the fp32 rounding of input_down's 4,096-term sums alone is ~1e-4 of the prediction, so
+# its input path runs in fp64 (bench/LOG.md section 47).
 _AUTO = {"xlstm": torch.float16, "mamba2": torch.float16, "retnet": torch.float32, "hawk": torch.float16,
-         "xlstm.input_down": torch.float32, "xlstm.slstm_in": torch.float32, "xlstm.mlstm_x": torch.float32,
+         "retnet.input_down": torch.float64, "xlstm.input_down": torch.float32, "xlstm.slstm_in": torch.float32,
+         "xlstm.mlstm_x": torch.float32,
          "xlstm.mlstm_qkv": torch.float32, "mamba2.input_down": torch.float32, "hawk.input_down": torch.float32}
 
 # Groups stacked in one weight (layers.Linear's product, slstm_step's eight maps): one dtype, or the first fp32 and
@@ -57,21 +63,25 @@ _AUTO = {"xlstm": torch.float16, "mamba2": torch.float16, "retnet": torch.float3
 STACKED_GROUPS = (("xlstm.slstm_in", "xlstm.slstm"), ("xlstm.mlstm_x", "xlstm.mlstm_gate"))
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-ALIASES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+ALIASES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 BASES = ("auto", *DTYPES)
-SHORT_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# The input path alone may be computed in fp64 (the weights stay fp32 in the checkpoint; the runner keeps fp64 copies)
+INPUT_GROUP, INPUT_DTYPES = "input_down", {**DTYPES, "fp64": torch.float64}
+SHORT_NAMES = {dtype: name for name, dtype in INPUT_DTYPES.items()}
 
 
 def _known_keys():
     return ", ".join(f"{tower} (parts {', '.join(groups)})" for tower, groups in WEIGHT_GROUPS.items())
 
 
-def _dtype_or_auto(text, what):
+def _dtype_or_auto(text, what, key=None):
     name = ALIASES.get(text, text)
-    if name == "auto" or name in DTYPES:
+    if name == "auto" or name in DTYPES or (name == "fp64" and key is not None and key.endswith("." + INPUT_GROUP)):
         return name
+    if name == "fp64":
+        raise ValueError(f"fp64 {what} is not offered: only a tower's input path takes it ('<tower>.{INPUT_GROUP}=fp64')")
     raise ValueError(f"unknown precision {text!r} {what}; choose one of {', '.join(BASES)} "
-                     f"(or float16, bfloat16, float32)")
+                     f"(or float16, bfloat16, float32; fp64 for '<tower>.{INPUT_GROUP}')")
 
 
 def _check_key(key):
@@ -117,9 +127,9 @@ class Precision:
                 raise ValueError(f"precision override {item!r} must read <tower>=<dtype> (the base comes first only)")
             key = key.lower()
             _check_key(key)
-            name = _dtype_or_auto(value.lower(), f"for {key}")
+            name = _dtype_or_auto(value.lower(), f"for {key}", key)
             if name != "auto":
-                _set(dtypes, key, DTYPES[name])
+                _set(dtypes, key, INPUT_DTYPES[name])
             elif "." in key:
                 _set(dtypes, key, _dtype_in(_AUTO, key))
             else:
@@ -172,7 +182,7 @@ def add_precision_argument(parser, default="auto"):
     parser.add_argument(
         "--precision", type=precision_argument, default=Precision.parse(default), metavar="SPEC",
         help="fast engine weight precision: auto (the measured default: fp16; RetNet, input_down, the sLSTM's "
-             "input maps and the mLSTM's q/k/v inputs fp32), bf16, "
+             "input maps and the mLSTM's q/k/v inputs fp32, RetNet's input path fp64), bf16, "
              "fp16 or fp32, then overrides per tower or part, e.g. 'bf16,retnet=fp32' or "
              f"'auto,hawk=bf16,xlstm.mlp=fp32' (towers and parts: {_known_keys()})")
 

@@ -109,7 +109,10 @@ class Linear:
 
     `weights` may be several matrices stacked as one product, and `dtype` one dtype per matrix: fp32 ones first,
     then fp16 ones make one product whose leading rows keep about fp32 accuracy (a split fp16 pair) and whose
-    other rows read fp16 alone; x then comes in fp32."""
+    other rows read fp16 alone; x then comes in fp32.
+
+    An fp64 W (a tower's input path, client/engine/precision.py) multiplies x in fp64 and returns fp64: exact
+    products of the fp32 weights, summed with 29 more bits than fp32's."""
 
     def __init__(self, weights, bias, dtype, device, wide_input=False):
         weights = list(weights) if isinstance(weights, (list, tuple)) else [weights]
@@ -137,12 +140,13 @@ class Linear:
         # x is not normalised (input_down's carries the features' scale): fp32 weights take cuBLAS's fp32, whose
         # accumulation keeps more bits than the tensor cores' (kernels/skinny_matmul.py), 16-bit ones x row-scaled
         self.wide_input = wide_input
-        _fp32_out_supported(device, self.weight.dtype)  # probed now rather than inside a torch.compile trace
+        if self.weight.dtype != torch.float64:
+            _fp32_out_supported(device, self.weight.dtype)  # probed now rather than inside a torch.compile trace
 
     def use_skinny(self, on):
         """Route products through the skinny kernel (where Triton runs; up to SKINNY_MAX_ROWS rows); an fp32 W is
         then kept as a split fp16 pair too (about fp32 accuracy on fp16 tensor cores)."""
-        if not (on and use_triton(self.weight)) or self.wide_input:
+        if not (on and use_triton(self.weight)) or self.wide_input or self.weight.dtype == torch.float64:
             self.skinny = None
         elif self.weight_lo is not None:
             self.skinny = {"weight": self.weight, "weight_lo": self.weight_lo}
@@ -194,6 +198,8 @@ class Linear:
     def __call__(self, x):
         if self._use_skinny(x):
             return skinny_matmul(x, bias=self.bias, **self.skinny)
+        if self.weight.dtype == torch.float64:
+            return F.linear(x.double(), self.weight, self.bias_w)  # fp64 out, bias included
         if self.dtype == torch.float32 and self.weight_lo is None:
             return F.linear(x, self.weight, self.bias)  # bias in the GEMM epilogue
         y = self.product(x)

@@ -26,13 +26,17 @@ def weight_group_of(tower, key):
 
 def tower_weight_bytes(model, precision=DEFAULT_PRECISION) -> dict[str, int]:
     """Bytes of each tower's weights in the engine's Precision, weight group by weight group (input_up in fp32,
-    as the runner keeps it; the small tensors outside every group in the tower's dtype)."""
+    or fp64 with an fp64 input path, as the runner keeps it; the small tensors outside every group in the tower's
+    dtype)."""
     sizes = {name: 0 for name in TOWER_NAMES}
     for key, tensor in model.state_dict().items():
         if not key.startswith("towers."):
             continue
         name = TOWER_NAMES[int(key.split(".")[1])]
-        dtype = torch.float32 if ".input_up." in key else precision.dtype_of(name, weight_group_of(name, key))
+        if ".input_up." in key:
+            dtype = torch.float64 if precision.dtype_of(name, "input_down") == torch.float64 else torch.float32
+        else:
+            dtype = precision.dtype_of(name, weight_group_of(name, key))
         sizes[name] += tensor.numel() * dtype.itemsize
     return sizes
 

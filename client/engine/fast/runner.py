@@ -44,6 +44,9 @@ class Tower:
         # its input, relu(input_up(features)), carries the features' scale (a feed's columns: 1e-3 .. 1e5)
         self.input_down = Linear(sd[prefix + "input_down.weight"], sd[prefix + "input_down.bias"],
                                  dtype_of("input_down"), device, wide_input=True)
+        # an fp64 input path has its own input_up in fp64 (the others share the runner's fp32 product)
+        self.input_up = (Linear(sd[prefix + "input_up.weight"], sd[prefix + "input_up.bias"], torch.float64, device)
+                         if self.input_down.dtype == torch.float64 else None)
         block = BLOCKS[name]
         self.blocks = [block(sd, f"{prefix}blocks.{i}.", cfg, dtype_of, device) for i in range(cfg.depth)]
         self.steps = self.blocks  # what runs each block: the block, or its compiled step (compiled.py)
@@ -59,12 +62,16 @@ class Tower:
                 for i, prefix in enumerate(f"{self.name}.{i}." for i in range(len(self.blocks)))]
 
     def __call__(self, up, block_states, plan, hand_fused=False):
+        """up: relu(input_up(features)) of this tower (fp64 where its input path is)."""
         # x starts at zero with input_down's output pending: the first norm1 adds it (see layers.Block)
         x = torch.zeros(up.shape[0], self.input_down.weight.shape[0], device=up.device)
-        delta, bias = self.input_down.product(up), self.input_down.bias
+        if self.input_up is not None:  # the fp64 input path, rounded to fp32 once
+            delta, bias = self.input_down(up).float(), None
+        else:
+            delta, bias = self.input_down.product(up), self.input_down.bias
         for step, states in zip(self.blocks if hand_fused else self.steps, block_states):
             delta, bias = step(x, delta, bias, states, plan)
-        return x + delta + bias
+        return x + (delta if bias is None else delta + bias)  # bias to the product first, as the reference
 
 
 class StepRunner:
@@ -84,13 +91,14 @@ class StepRunner:
         sd = {k: v.detach() for k, v in model.state_dict().items()}
         indices = [TOWER_NAMES.index(name) for name in towers]
         self.tower_names = [TOWER_NAMES[t] for t in indices]
-        # the towers' input_up as one product
-        self.input_up = Linear([sd[f"towers.{t}.input_up.weight"] for t in indices],
-                               torch.cat([sd[f"towers.{t}.input_up.bias"] for t in indices]), torch.float32,
-                               self.device)
         self.proj, self.num_features = cfg.proj, cfg.features
         self.towers = [Tower(sd, t, TOWER_NAMES[t], cfg, precision, self.device,
                              state_storage.dtype_of(TOWER_NAMES[t])) for t in indices]
+        # the fp32 input paths' input_up as one product
+        shared = [t for t, tower in zip(indices, self.towers) if tower.input_up is None]
+        self.input_up = Linear([sd[f"towers.{t}.input_up.weight"] for t in shared],
+                               torch.cat([sd[f"towers.{t}.input_up.bias"] for t in shared]), torch.float32,
+                               self.device) if shared else None
         self.output_w = sd["output_proj.weight"][0].to(self.device)
         self.output_b = sd["output_proj.bias"].to(self.device)
         self.set_skinny(skinny)
@@ -118,16 +126,25 @@ class StepRunner:
             self.counter = tensors[STEP_COUNTER]
         self.tower_states = [tower.block_states(tensors, self.counter) for tower in self.towers]
 
+    def _input_linears(self):
+        return [lin for lin in [self.input_up] + [lin for t in self.towers for lin in (t.input_up, t.input_down)]
+                if lin is not None]
+
     @property
     def weight_bytes(self):
-        linears = [self.input_up] + [t.input_down for t in self.towers]
-        total = sum(lin.nbytes for lin in linears)
+        total = sum(lin.nbytes for lin in self._input_linears())
         return total + sum(part.nbytes for tower in self.towers for block in tower.blocks for part in block.parts())
 
     def linears(self):
-        parts = [self.input_up] + [t.input_down for t in self.towers]
+        parts = self._input_linears()
         parts += [part for tower in self.towers for block in tower.blocks for part in block.parts()]
         return [part for part in parts if isinstance(part, Linear)]
+
+    def tower_inputs(self, features):
+        """relu(input_up(features)) of each tower, in tower order: the fp32 ones from one product, an fp64 input
+        path's from its own."""
+        shared = iter(torch.relu(self.input_up(features)).split(self.proj, dim=1) if self.input_up else ())
+        return [next(shared) if tower.input_up is None else tower.input_up.relu(features) for tower in self.towers]
 
     def set_skinny(self, dtypes):
         """Products of weights in `dtypes` run through the skinny kernel, the others through cuBLAS (graphs
@@ -141,8 +158,7 @@ class StepRunner:
             return self._step(plan, features, hand_fused)
 
     def _step(self, plan, features, hand_fused):
-        up = torch.relu(self.input_up(features))  # [B, towers * proj]
-        chunks = up.split(self.proj, dim=1)
+        chunks = self.tower_inputs(features)
         # Each tower's prediction is its own product with output_proj (the same shapes whichever towers share
         # this runner, so a runner of some towers gives bit for bit a runner of all four's columns)
         if self.streams is None:
@@ -172,14 +188,19 @@ class StepShape(NamedTuple):
 def step_shapes(max_batch, max_rows_per_symbol) -> list[StepShape]:
     """Every shape the engine captures: one row per symbol up to max_batch symbols (the light load's steps, at
     the bucket sizes that keep their padding small), then steps of up to max_rows_per_symbol rows a symbol at
-    row counts a power of two apart up to max_batch of them. Each shape costs startup (its Triton
+    row counts a power of two apart up to max_batch of them (and their midpoints past max_batch rows). Each shape
+    costs startup (its Triton
     specialisations compile, its graphs capture: bench/LOG.md section 36), so the several-rows family is coarse:
     a backlog's steps are long, and a row of padding costs them little."""
     shapes = [StepShape(b, b, 1) for b in (*(b for b in BUCKETS if b < max_batch), max_batch)]
     if max_rows_per_symbol > 1:
         k, top = max_rows_per_symbol, max_batch * max_rows_per_symbol
         rows = [k << i for i in range(top.bit_length()) if (k << i) < top] + [top]
-        shapes += [StepShape(r, min(r, max_batch), k) for r in rows]
+        # past max_batch rows each row costs ~35 us of products: a step of 260 rows padded to 512 took 24.9 ms
+        # where 256 took 16.3, and under load the next step then held more (bench/LOG.md section 47), so the
+        # midpoints (1.5x) there too
+        rows += [r + r // 2 for r in rows if r >= max_batch and r + r // 2 < top]
+        shapes += [StepShape(r, min(r, max_batch), k) for r in sorted(rows)]
     return shapes
 
 

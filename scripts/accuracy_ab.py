@@ -1,0 +1,101 @@
+"""Several precision specs on some accuracy-suite families, against the fp32 reference and an fp64 one.
+
+    python scripts/accuracy_ab.py "auto;auto,retnet.input_down=fp32" --families feed_mix,stuck --per-symbol 8
+    python scripts/accuracy_ab.py "auto;fp32" --preset tiny --device cpu --steps 20 --seeds 0   # CPU smoke run
+
+For each spec and family (worst input seed), per tower: within 1e-3 of the fp32 reference and max/mean error,
+then the same against the fp64 reference (the model in float64); and the fp32 reference's own error against the
+fp64 one. An engine's error against the fp32 reference is its own rounding and the reference's together: the fp64
+line tells them apart.
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from client import cli
+from client.accuracy import Suite, tower_errors, worst_of
+from client.constants import TOWER_NAMES
+from client.engine.fast import FastEngine
+from client.families import FAMILIES
+from client.model import PRESETS, load_model
+from scripts.precision_cost import specs_argument
+
+
+def measure(precisions, families, preset="full", device="cuda", seeds=(0, 1, 2), symbols=4, steps=1000,
+            per_symbol=1, fp64=True, progress=lambda message: None):
+    model, _ = load_model(preset, seed=0, device=device)
+    suites = {"fp32": Suite(model, device, families=families, symbols_per_family=symbols, steps=steps,
+                            long_symbols=0, seeds=seeds, progress=progress)}
+    if fp64:
+        model64 = model.double()  # the fp32 reference's targets are computed: the fp32 model may go
+        del model
+        suites["fp64"] = Suite(model64, device, families=families, symbols_per_family=symbols, steps=steps,
+                               long_symbols=0, seeds=seeds, progress=progress)
+        model = model64.float()
+        del model64
+        reference = [tower_errors(suites["fp32"].targets[run].cpu().reshape(-1, len(TOWER_NAMES)),
+                                  suites["fp64"].targets[run].cpu().reshape(-1, len(TOWER_NAMES)))
+                     for run in suites["fp32"].runs]  # all families together: one line per tower
+    result = {"families": families, "seeds": list(seeds), "per_symbol": per_symbol, "engines": {}}
+    if fp64:
+        result["fp32_reference_vs_fp64"] = worst_of([{"all": r} for r in reference])["all"]
+    for precision in precisions:
+        engine = FastEngine(model, device, precision=precision, capacity=max(s.symbols for s in suites.values()),
+                            max_rows_per_symbol=per_symbol, host_symbols=0, progress=False)
+        result["engines"][precision.spec] = {
+            against: suite.measure(engine, prefix=f"{precision.spec}/{against}/", per_symbol=per_symbol)["families"]
+            for against, suite in suites.items()}
+        progress(f"{precision.spec}: measured")
+        del engine
+    return result
+
+
+def table(result) -> str:
+    lines = []
+    if "fp32_reference_vs_fp64" in result:
+        lines.append("fp32 reference vs fp64, all families: " + "  ".join(
+            f"{t} max {row['max_abs_err']:.1e} mean {row['mean_abs_err']:.1e}"
+            for t, row in result["fp32_reference_vs_fp64"].items()))
+    for spec, by_reference in result["engines"].items():
+        for against, families in by_reference.items():
+            for family, towers in families.items():
+                lines.append(f"{spec:<34} vs {against} {family:<12} " + "  ".join(
+                    f"{t} {100 * row['within_atol']:6.2f}% max {row['max_abs_err']:.1e} mean {row['mean_abs_err']:.1e}"
+                    for t, row in towers.items()))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("precisions", type=specs_argument, help="precision specs separated by ';'")
+    parser.add_argument("--families", default="feed_mix", help="families, comma-separated (default feed_mix)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--seeds", default="0,1,2", help="input seeds, comma-separated (default 0,1,2)")
+    parser.add_argument("--symbols", type=cli.positive_int, default=4, help="symbols per family (default 4)")
+    parser.add_argument("--steps", type=cli.positive_int, default=1000, help="requests per symbol (default 1000)")
+    parser.add_argument("--per-symbol", type=cli.positive_int, default=1,
+                        help="requests of every symbol in every step (a backlog; default 1)")
+    parser.add_argument("--no-fp64", action="store_true", help="skip the fp64 reference")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args(argv)
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown or not families:
+        parser.error(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    begin = time.monotonic()
+    result = measure(args.precisions, families, args.preset, args.device, seeds, args.symbols, args.steps,
+                     args.per_symbol, not args.no_fp64,
+                     lambda m: sys.stderr.write(f"[{time.monotonic() - begin:6.1f} s] {m}\n"))
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
