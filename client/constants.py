@@ -9,8 +9,8 @@ NUM_TOWERS = len(TOWER_NAMES)                      # predictions per request
 ATOL = 1e-3                                        # a tower's prediction is correct within this of the target
 TARGET_SOURCES = ("model", "file")                 # --targets: the chosen weights' fp32 model, or a stream file's own
 # Queued requests of one symbol a step may carry by default (the scheduler's cap, the fast engine's captured bound).
-# Measured over 64 symbols on H100s, the highest rate with p99 under 50 ms: 11,000 requests/s at 4, 5,000 at 1, and
-# 13,000-14,000 at 8 on two hosts (14,000: p99 83 ms on a third); but the accuracy suite with a backlog of 8 requests
-# of every symbol in every step put RetNet on feed_mix at 99.78% within 1e-3, under the gate's 99.9%, where 4 passed
-# (bench/LOG.md sections 43, 46). --max-requests-per-symbol 8 is there for throughput; the default keeps the gate.
-DEFAULT_REQUESTS_PER_SYMBOL = 4
+# Measured over 64 symbols on H100s, the highest rate with p99 under 50 ms: 11,000 requests/s at 4 (its 64x4 shape
+# itself serves 15,700/s), 13,000-14,000 at 8, 5,000 at 1 (bench/LOG.md sections 45-47). At 8 the accuracy suite with
+# a backlog of 8 requests of every symbol in every step failed once on RetNet's feed_mix (99.78%), which RetNet's
+# input path in fp64 and the bias joining its product before the residual fixed (section 47).
+DEFAULT_REQUESTS_PER_SYMBOL = 8
