@@ -6,8 +6,8 @@ through the rest of the step in flight, the queued one and its own: about 2.5 st
 section 41). Formed just before the step in flight ends, the next step carries everything that arrived while it
 ran and still starts the moment it ends: 1.5 steps on average, whatever the load.
 
-The clock learns how long steps take, per size (symbols rounded up to a power of two, rows to one or its midpoint:
-a symbol's state costs a step more than a row does), from when each one ended, and how long the host takes to form and submit
+The clock learns how long steps take, per size (rows and symbols, each rounded up to a power of two: a symbol's
+state costs a step more than a row does), from when each one ended, and how long the host takes to form and submit
 one (the lead it must be formed by). A step's device time is counted
 from when it could start: its submission, or the end of the step before it if that came later.
 
@@ -29,11 +29,8 @@ LATE_AFTER_S = 0.006
 
 
 def step_size(rows: int, symbols: int) -> tuple[int, int]:
-    """The size class of a step of `rows` requests over `symbols` symbols: symbols rounded up to a power of two,
-    rows to a power of two or its midpoint (1.5x), as the engine's captured shapes are (runner.step_shapes)."""
-    power = 1 << max(rows - 1, 0).bit_length()
-    rows_class = power * 3 // 4 if power >= 8 and rows <= power * 3 // 4 else power
-    return rows_class, 1 << max(symbols - 1, 0).bit_length()
+    """The size class of a step of `rows` requests over `symbols` symbols: each rounded up to a power of two."""
+    return 1 << max(rows - 1, 0).bit_length(), 1 << max(symbols - 1, 0).bit_length()
 
 
 class StepClock:

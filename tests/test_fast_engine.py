@@ -439,9 +439,6 @@ def test_step_shapes_hold_every_step():
                 for rows in {symbols - 1 + longest, symbols * longest}:
                     shape = shape_for(shapes, rows, symbols, longest)
                     assert shape.rows >= rows and shape.sequences >= symbols and shape.max_rows >= longest
-    assert len(step_shapes(64, 4)) == 25
-    # past max_batch rows the midpoints too: a step of 260 rows is not padded to 512
-    assert [s.rows for s in step_shapes(64, 8) if s.max_rows == 8][3:] == [64, 96, 128, 192, 256, 384, 512]
-    assert shape_for(step_shapes(64, 8), 260, 64, 8).rows == 384
+    assert len(step_shapes(64, 4)) == 23
     with pytest.raises(ValueError, match="exceeds every captured shape"):
         shape_for(step_shapes(64, 4), 10, 2, 5)

@@ -12,9 +12,8 @@ class FakeTime:
         return self.t
 
 
-def test_step_sizes_are_rows_up_to_powers_of_two_or_midpoints_and_symbols_up_to_powers_of_two():
-    assert [step_size(n, 1)[0] for n in (0, 1, 2, 3, 4, 5, 7, 64, 65, 96, 97, 257, 384, 385)] == [
-        1, 1, 2, 4, 4, 6, 8, 64, 96, 96, 128, 384, 384, 512]
+def test_step_sizes_are_rows_and_symbols_rounded_up_to_powers_of_two():
+    assert [step_size(n, 1)[0] for n in (0, 1, 2, 3, 4, 5, 64, 65)] == [1, 1, 2, 4, 4, 8, 64, 128]
     assert step_size(256, 64) == (256, 64) and step_size(64, 16) == (64, 16) and step_size(64, 33) == (64, 64)
 
 
