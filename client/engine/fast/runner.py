@@ -188,19 +188,16 @@ class StepShape(NamedTuple):
 def step_shapes(max_batch, max_rows_per_symbol) -> list[StepShape]:
     """Every shape the engine captures: one row per symbol up to max_batch symbols (the light load's steps, at
     the bucket sizes that keep their padding small), then steps of up to max_rows_per_symbol rows a symbol at
-    row counts a power of two apart up to max_batch of them (and their midpoints past max_batch rows). Each shape
-    costs startup (its Triton
+    row counts a power of two apart up to max_batch of them. Each shape costs startup (its Triton
     specialisations compile, its graphs capture: bench/LOG.md section 36), so the several-rows family is coarse:
     a backlog's steps are long, and a row of padding costs them little."""
     shapes = [StepShape(b, b, 1) for b in (*(b for b in BUCKETS if b < max_batch), max_batch)]
     if max_rows_per_symbol > 1:
         k, top = max_rows_per_symbol, max_batch * max_rows_per_symbol
         rows = [k << i for i in range(top.bit_length()) if (k << i) < top] + [top]
-        # past max_batch rows each row costs ~35 us of products: a step of 260 rows padded to 512 took 24.9 ms
-        # where 256 took 16.3, and under load the next step then held more (bench/LOG.md section 47), so the
-        # midpoints (1.5x) there too
-        rows += [r + r // 2 for r in rows if r >= max_batch and r + r // 2 < top]
-        shapes += [StepShape(r, min(r, max_batch), k) for r in sorted(rows)]
+        # no midpoints between them: with 96, 192 and 384 rows added at K = 8 the event's load ran at p50 7.2 ms
+        # against 3.4-3.8 without, on one host, cause not found (bench/LOG.md section 47)
+        shapes += [StepShape(r, min(r, max_batch), k) for r in rows]
     return shapes
 
 
