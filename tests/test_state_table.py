@@ -519,7 +519,5 @@ def test_copies_split_where_the_host_registrations_do(monkeypatch):
     assert module._piece_bounds(10, 30) == [(0, 6), (6, 22), (22, 30)]  # bytes 10..40 of the slot
     assert module._piece_bounds(32, 16) == [(0, 16)] and module._piece_bounds(5, 0) == []
     src, dst = torch.arange(30, dtype=torch.uint8), torch.zeros(30, dtype=torch.uint8)
-    pieces = module._copy_in_pieces(dst, src, 10)
-    next(pieces)  # one piece enqueued at a time: the copy queue's thread paces them
-    assert torch.equal(dst[:6], src[:6]) and not dst[6:].any()
-    assert sum(1 for _ in pieces) == 2 and torch.equal(dst, src)
+    module._copy_in_pieces(dst, src, 10)
+    assert torch.equal(dst, src)

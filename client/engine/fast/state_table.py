@@ -16,9 +16,7 @@ host slot is free waits for the next one (the tier's size never changes, so no s
 
 States move on two copy streams per device (to the host, and back to the GPU), in copies within the pieces, each
 waiting only for what it touches: the steps enqueued before it (for a state leaving the GPU), the last copy of its
-GPU slot and of its host slot. A step waits only for the copies of its own symbols' slots. A thread per copy stream
-enqueues a state's pieces as the ones before complete (PIECES_IN_FLIGHT at a time): CUDA maps its streams onto
-fewer hardware queues, and a step's stream sharing one with a copy stream waited for all that stream had enqueued.
+GPU slot and of its host slot. A step waits only for the copies of its own symbols' slots.
 
 Returns start early: `prefetch(symbols)` (called when a request ARRIVES, from any thread) places the symbols,
 starting the copy back for those in host memory (and giving new ones a free slot); `ready(symbol)` says whether a
@@ -62,10 +60,6 @@ HOST_HEADROOM_SHARE = 0.05
 # ~50 ms a launch, ~0.5 s with 8 threads queued; bench/LOG.md section 46), and a step's own small copies (inputs in,
 # predictions out) queue behind at most one piece on a copy engine, not behind a whole state (~3 ms).
 PIECE_BYTES = 8 << 20
-# Pieces a copy stream holds enqueued and not done: a stream that shares one of CUDA's hardware queues with a step's
-# stream holds that step back until what it has enqueued is done, so a copy stream is fed a piece at a time as they
-# complete, not a whole state at once (~3 ms at ~50 GB/s; bench/LOG.md sections 46 and 47).
-PIECES_IN_FLIGHT = 2
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in at once (Python's mmap module names it from 3.13 only)
 _LIBC = ctypes.CDLL(None, use_errno=True)  # a CDLL's calls release the GIL
 if hasattr(_LIBC, "madvise"):
@@ -166,37 +160,18 @@ def host_symbols_for(budget_bytes, slot_bytes) -> int:
 _COPY_THREADS: dict = {}  # the CPU's copy threads alive: their queue -> the thread
 
 
-def _run_copies(tasks, stream=None):
-    """A copy queue's thread: each task after the completions it waits for, in order, until None. On the CPU the
-    copies run here; on a GPU they are enqueued on `stream`, PIECES_IN_FLIGHT at most not yet done, and the task's
-    completion is then the event after its last piece."""
+def _run_copies(tasks):
+    """The CPU's copy thread: each task after the completions it waits for, in order, until None."""
     while (task := tasks.get()) is not None:
-        copies, waits, after, done = task
+        copies, waits, done = task
         try:
-            if stream is None:
-                for completion in waits:
-                    completion.result()
-                for _ in copies():
-                    pass
-                done.set_result(None)
-                continue
-            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-                if after is not None:
-                    stream.wait_event(after)
-                for completion in waits:
-                    stream.wait_event(completion.event())
-                in_flight = deque()
-                for _ in copies():  # each piece as it is enqueued
-                    piece = torch.cuda.Event()
-                    piece.record(stream)
-                    in_flight.append(piece)
-                    if len(in_flight) > PIECES_IN_FLIGHT:
-                        in_flight.popleft().synchronize()  # releases the GIL
-                end = torch.cuda.Event()
-                end.record(stream)
-            done.set_result(end)
+            for completion in waits:
+                completion.result()
+            copies()
         except BaseException as exc:  # noqa: BLE001 (handed to whoever waits for this copy)
             done.set_exception(exc)
+        else:
+            done.set_result(None)
     _COPY_THREADS.pop(tasks, None)
 
 
@@ -211,47 +186,37 @@ def _finish_copy_threads():
         thread.join()
 
 
-class _Completion(Future):
-    """A copy's completion: on the CPU done when the copy is; on a GPU its result is the CUDA event after the
-    copy's last piece, set once the copy queue's thread has enqueued that piece."""
-
-    def event(self) -> torch.cuda.Event:
-        return self.result()  # blocks until the last piece is enqueued (raises the copy's error)
-
-    def finished(self) -> bool:
-        if not self.done():
-            return False
-        end = self.result()
-        return end is None or end.query()
-
-
 class _CopyQueue:
-    """Copies run in order, each after the completions it waits for, from one thread per queue: on a GPU it
-    enqueues them on the queue's CUDA stream piece by piece (PIECES_IN_FLIGHT at most not done), on the CPU it
-    runs them. `copies` is a generator function: it yields after each piece it enqueues."""
+    """Copies run in order, each after the completions it waits for: a CUDA stream on a GPU (completions are
+    events), a thread on the CPU (completions are futures)."""
 
     def __init__(self, device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._tasks = None  # the thread's queue, started on first use
+        self._tasks = None  # the CPU thread's queue, started on first use
 
-    def enqueue(self, copies, waits, after=None) -> _Completion:
+    def enqueue(self, copies, waits, after=None):
         """Run copies() after `waits` and, on a GPU, after the work enqueued so far on stream `after`; return
         its completion."""
         waits = [w for w in waits if w is not None]
-        if self._tasks is None:
-            self._tasks = queue.SimpleQueue()
-            thread = threading.Thread(target=_run_copies, args=(self._tasks, self.stream), name="state-copies",
-                                      daemon=True)
-            _COPY_THREADS[self._tasks] = thread
-            thread.start()
-            weakref.finalize(self, self._tasks.put, None)  # the thread ends with its queue
-        marker = None
-        if after is not None and self.stream is not None:  # the steps enqueued so far, from the caller's thread
-            marker = torch.cuda.Event()
-            marker.record(after)
-        done = _Completion()
-        self._tasks.put((copies, waits, marker, done))
+        if self.stream is None:
+            if self._tasks is None:
+                self._tasks = queue.SimpleQueue()
+                thread = threading.Thread(target=_run_copies, args=(self._tasks,), name="state-copies", daemon=True)
+                _COPY_THREADS[self._tasks] = thread
+                thread.start()
+                weakref.finalize(self, self._tasks.put, None)  # the thread ends with its queue
+            done = Future()
+            self._tasks.put((copies, waits, done))
+            return done
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_stream(after)
+            for event in waits:
+                self.stream.wait_event(event)
+            copies()
+            done = torch.cuda.Event()
+            done.record(self.stream)
         return done
 
 
@@ -268,14 +233,15 @@ def _piece_bounds(start, size):
 
 def _copy_in_pieces(dst, src, start):
     """dst[:] = src (one-dimensional bytes, host and device; byte 0 at byte `start` of its slot), enqueued as
-    copies within the slot's host registrations (a copy may not span two); yields after each."""
+    copies within the slot's host registrations (a copy may not span two)."""
     for begin, end in _piece_bounds(start, dst.shape[0]):
         dst[begin:end].copy_(src[begin:end], non_blocking=True)
-        yield
 
 
 def _done(completion) -> bool:
-    return completion is None or completion.finished()
+    if completion is None:
+        return True
+    return completion.done() if isinstance(completion, Future) else completion.query()
 
 
 class _HostPool:
@@ -416,7 +382,7 @@ class DeviceSlots:
             before()
             start = self._mark(self.to_host)
             for buffer, begin in self.chunks:
-                yield from _copy_in_pieces(host[begin:begin + buffer.shape[1]], buffer[slot], begin)
+                _copy_in_pieces(host[begin:begin + buffer.shape[1]], buffer[slot], begin)
             self._timed("to_host", self.to_host, start)
             for buffer, begin in self.chunks:
                 buffer[slot:slot + 1].copy_(self._initial(begin, buffer))
@@ -432,7 +398,7 @@ class DeviceSlots:
             before()
             start = self._mark(self.to_gpu)
             for buffer, begin in self.chunks:
-                yield from _copy_in_pieces(buffer[slot], host[begin:begin + buffer.shape[1]], begin)
+                _copy_in_pieces(buffer[slot], host[begin:begin + buffer.shape[1]], begin)
             self._timed("to_gpu", self.to_gpu, start)
 
         done = self.to_gpu.enqueue(copies, [self.slot_copy.get(slot), self.host_copy.get(host_slot)])
@@ -442,7 +408,6 @@ class DeviceSlots:
         def copies():
             for buffer, begin in self.chunks:
                 buffer[slot:slot + 1].copy_(self._initial(begin, buffer))
-            yield
 
         self.slot_copy[slot] = self.to_host.enqueue(copies, [self.slot_copy.get(slot)], after=self.step_stream)
 
@@ -455,11 +420,11 @@ class DeviceSlots:
         return completion
 
     def wait(self, completion):
-        """Make the step side wait for a copy: the device's current stream on a GPU (once the copy's last piece is
-        enqueued), the caller on the CPU."""
-        end = completion.event()
-        if end is not None:
-            torch.cuda.current_stream(self.device).wait_event(end)
+        """Make the step side wait for a copy: the device's current stream on a GPU, the caller on the CPU."""
+        if isinstance(completion, Future):
+            completion.result()
+        else:
+            torch.cuda.current_stream(self.device).wait_event(completion)
 
     def transfer_seconds(self):
         """[(direction, bytes, seconds)] of the timed transfers that are done."""
