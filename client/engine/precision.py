@@ -55,8 +55,8 @@ WEIGHT_GROUPS = {
 # its input path runs in fp64 (bench/LOG.md section 47).
 _AUTO = {"xlstm": torch.float16, "mamba2": torch.float16, "retnet": torch.float32, "hawk": torch.float16,
          "retnet.input_down": torch.float64, "xlstm.input_down": torch.float32, "xlstm.slstm_in": torch.float32,
-         "xlstm.mlstm_x": torch.float32,
-         "xlstm.mlstm_qkv": torch.float32, "mamba2.input_down": torch.float32, "hawk.input_down": torch.float32}
+         "xlstm.mlstm_x": torch.float32, "xlstm.mlstm_qkv": torch.float32, "mamba2.input_down": torch.float32,
+         "hawk.input_down": torch.float32}
 
 # Groups stacked in one weight (layers.Linear's product, slstm_step's eight maps): one dtype, or the first fp32 and
 # the second fp16.
@@ -79,7 +79,8 @@ def _dtype_or_auto(text, what, key=None):
     if name == "auto" or name in DTYPES or (name == "fp64" and key is not None and key.endswith("." + INPUT_GROUP)):
         return name
     if name == "fp64":
-        raise ValueError(f"fp64 {what} is not offered: only a tower's input path takes it ('<tower>.{INPUT_GROUP}=fp64')")
+        raise ValueError(f"fp64 {what} is not offered: only a tower's input path takes it "
+                         f"('<tower>.{INPUT_GROUP}=fp64')")
     raise ValueError(f"unknown precision {text!r} {what}; choose one of {', '.join(BASES)} "
                      f"(or float16, bfloat16, float32; fp64 for '<tower>.{INPUT_GROUP}')")
 
