@@ -29,13 +29,10 @@ def measure(precisions, families, preset="full", device="cuda", seeds=(0, 1, 2),
     model, _ = load_model(preset, seed=0, device=device)
     suites = {"fp32": Suite(model, device, families=families, symbols_per_family=symbols, steps=steps,
                             long_symbols=0, seeds=seeds, progress=progress)}
-    if fp64:
-        model64 = model.double()  # the fp32 reference's targets are computed: the fp32 model may go
-        del model
-        suites["fp64"] = Suite(model64, device, families=families, symbols_per_family=symbols, steps=steps,
+    if fp64:  # the same model in float64 and back, in place (fp32 -> fp64 -> fp32 is exact): one copy in memory
+        suites["fp64"] = Suite(model.double(), device, families=families, symbols_per_family=symbols, steps=steps,
                                long_symbols=0, seeds=seeds, progress=progress)
-        model = model64.float()
-        del model64
+        model.float()
         reference = [tower_errors(suites["fp32"].targets[run].cpu().reshape(-1, len(TOWER_NAMES)),
                                   suites["fp64"].targets[run].cpu().reshape(-1, len(TOWER_NAMES)))
                      for run in suites["fp32"].runs]  # all families together: one line per tower
