@@ -596,7 +596,8 @@ class StreamingClient:
     def _next_batch(self):
         """The next step's requests (called holding the lock)."""
         return self._scheduler.next_batch(self.max_batch, self.max_per_symbol,
-                                          self._is_ready if callable(self._ready) else None)
+                                          self._is_ready if callable(self._ready) else None,
+                                          self._clock.rows_to_take)
 
     def _is_ready(self, symbol) -> bool:
         try:

@@ -61,11 +61,14 @@ class Scheduler:
                 return True
         return False
 
-    def next_batch(self, max_batch: int | None = None, max_per_symbol: int = 1, ready=None) -> list[Request]:
+    def next_batch(self, max_batch: int | None = None, max_per_symbol: int = 1, ready=None,
+                   rows_for=None) -> list[Request]:
         """Dequeue up to `max_per_symbol` oldest requests of each of up to `max_batch` symbols (all symbols with
         work when None), the symbols with the oldest heads first. The batch is grouped by symbol (in that order),
         each symbol's requests in arrival order. `ready(symbol)`, if given, holds back the symbols for which it
-        is false: they keep their queues and their place for a later batch."""
+        is false: they keep their queues and their place for a later batch. `rows_for(rows, symbols)`, if given,
+        says how many of those requests the batch takes: the oldest that many (by arrival), the rest staying at
+        the front of their queues."""
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if max_per_symbol < 1:
@@ -81,6 +84,8 @@ class Scheduler:
             for _ in range(min(max_per_symbol, len(queue))):
                 batch.append(queue.popleft())
             served.append(symbol)
+        if rows_for is not None and batch:
+            batch = self._keep_oldest(batch, rows_for(len(batch), len(served)))
         # Re-enter the symbols' next heads only now, so that no symbol appears twice in one batch.
         for symbol in served:
             queue = self._queues[symbol]
@@ -90,3 +95,16 @@ class Scheduler:
             heapq.heappush(self._heads, head)
         self._pending -= len(batch)
         return batch
+
+    def _keep_oldest(self, batch, keep):
+        """The `keep` oldest requests of `batch` (its grouping kept); the others go back to the front of their
+        queues, in order (within a symbol they are the newest, so each symbol keeps a prefix). `keep` is held
+        between 1 and the batch: the requests are already dequeued, and none may be lost."""
+        keep = min(max(int(keep), 1), len(batch))
+        if keep == len(batch):
+            return batch
+        newest_kept = sorted(r.seq for r in batch)[keep - 1]
+        for request in reversed(batch):
+            if request.seq > newest_kept:
+                self._queues[request.symbol].appendleft(request)
+        return [r for r in batch if r.seq <= newest_kept]

@@ -11,6 +11,11 @@ state costs a step more than a row does), from when each one ended, and how long
 one (the lead it must be formed by). A step's device time is counted
 from when it could start: its submission, or the end of the step before it if that came later.
 
+The clock also says how many of the waiting requests a step should take (rows_to_take): a step of several requests
+a symbol is padded to its size's rows, so 280 rows run as long as 512 (24.9 ms at K = 8 against 16.3 for 256 on an H100, bench/LOG.md
+section 48); under a load near the device's limit, taking the oldest 256 and leaving the rest to the next step
+serves more requests a second. The choice is the one with more rows a second by the learned step times.
+
 Behind a short step the next is formed at once, as before: little can arrive in what is left of a short step,
 and a late one that misjudges the end leaves the GPU idle for the host's time. Measured on one H100 host, in turn
 (bench/LOG.md section 41): at 400 req/s over 20 symbols (steps of 2.3-3 ms) forming late gave the same p50 and a
@@ -59,6 +64,21 @@ class StepClock:
         started = submitted_at if self._last_end is None else max(submitted_at, self._last_end)
         self._step_s[size] = self._average(self._step_s.get(size), ended_at - started)
         self._last_end = ended_at
+
+    def rows_to_take(self, rows: int, symbols: int) -> int:
+        """How many of `rows` waiting requests over `symbols` symbols the next step should take: all of them, or
+        the next smaller size's rows when a step of that size carries more requests a second than a step of all
+        of them (padded to their size) would. All of them until both sizes' step times are known, and for steps of
+        one request a symbol: the engine pads those to its own buckets of symbols, whose state traffic sets their
+        time, not to these sizes."""
+        whole = step_size(rows, symbols)
+        smaller = whole[0] // 2
+        if rows <= symbols or rows == whole[0]:
+            return rows
+        whole_s, smaller_s = self._step_s.get(whole), self._step_s.get(step_size(smaller, min(symbols, smaller)))
+        if whole_s is None or smaller_s is None or smaller / smaller_s <= rows / whole_s:
+            return rows
+        return smaller
 
     def form_in(self, size: tuple, submitted_at: float) -> float:
         """Seconds from now until the next step should be formed, while a step of `size` (step_size) submitted at

@@ -11,6 +11,7 @@ scripts/benchmarks/; this file is the command line and the runner.
 """
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -60,6 +61,16 @@ def _rates(text):
     return sorted(set(rates))
 
 
+def _non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Benchmark the fast engine (see the module docstring).")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
@@ -96,6 +107,9 @@ def parse_args(argv=None):
     parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the "
                                                      "max-rate search (default 1000,2000,...,20000)")
     parser.add_argument("--rate-seconds", type=cli.positive_float, help="length of each max-rate run (default 2)")
+    parser.add_argument("--swap-cold-rate", type=_non_negative_float, metavar="PER_S",
+                        help="swap section: cold symbols a second through the host tier (default 50; 0: the hot "
+                             "symbols alone, the section's baseline)")
     parser.add_argument("--max-requests-per-symbol", type=cli.positive_int, default=DEFAULT_REQUESTS_PER_SYMBOL,
                         metavar="K", help="requests of one symbol a step may carry (default "
                                           f"{DEFAULT_REQUESTS_PER_SYMBOL}); maxrate and backlog also run K = 1")
@@ -112,7 +126,7 @@ def parse_args(argv=None):
     overrides = {"family_symbols": args.family_symbols, "family_steps": args.family_steps,
                  "family_seeds": args.family_seeds,
                  "long_steps": args.long_steps, "e2e_requests": args.e2e_requests, "rates": args.rates,
-                 "rate_seconds": args.rate_seconds}
+                 "rate_seconds": args.rate_seconds, "swap_cold_rate": args.swap_cold_rate}
     args.counts = Counts(**{**counts.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
     if args.counts.family_symbols * len(FAMILIES) > MAX_BATCH:
         parser.error(f"--family-symbols must be at most {MAX_BATCH // len(FAMILIES)}: all families step together "

@@ -15,6 +15,7 @@ from client.engine.fast import RING, FastEngine
 from client.engine.reference import ReferenceEngine
 from client.model import load_model
 from client.runtime import PIPELINE_DEPTH
+from client.team_api import MANY, queued
 from team.example_model import ExampleModel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -259,8 +260,9 @@ def test_pipelined_answers_are_correct_in_order_and_at_most_depth_in_flight(mode
 
 
 class SerialDevice:
-    """A team client whose steps run one after another on a fake device, each step_s long from when it can start
-    (its submission, or the end of the step before it): the order and timing of a GPU's stream."""
+    """A team client whose steps run one after another on a fake device, each step_s long (or step_s(rows)) from
+    when it can start (its submission, or the end of the step before it): the order and timing of a GPU's
+    stream."""
 
     def __init__(self, model, step_s):
         self.engine, self.step_s = ReferenceEngine(model), step_s
@@ -273,12 +275,13 @@ class SerialDevice:
     def submit_batch(self, requests_by_symbol):
         self.formed_at.append(time.monotonic())
         self.formed_busy.append(self.formed_at[-1] < self._free_at)
-        symbols = list(requests_by_symbol)
-        ids = [requests_by_symbol[s][0] for s in symbols]
-        predictions = self.engine.step(symbols, np.stack([requests_by_symbol[s][1] for s in symbols]))
+        rows = [(symbol, *request) for symbol, value in requests_by_symbol.items() for request in queued(value)]
+        ids = [uid for _, uid, _ in rows]
+        predictions = self.engine.step([symbol for symbol, _, _ in rows], np.stack([f for _, _, f in rows]))
+        step_s = self.step_s(len(ids)) if callable(self.step_s) else self.step_s
         with self._lock:
             self.batches.append(ids)
-            self._free_at = ends = max(time.monotonic(), self._free_at) + self.step_s
+            self._free_at = ends = max(time.monotonic(), self._free_at) + step_s
         return PendingStep(lambda: time.sleep(max(0.0, ends - time.monotonic()))
                            or {"unique_ids": ids, "predictions": predictions})
 
@@ -343,6 +346,36 @@ def test_a_step_already_full_is_formed_at_once_not_late(model):
     assert team_client.formed_busy[-1]
     assert team_client.formed_at[-1] - team_client.formed_at[-2] < step_s / 2  # formed late: ~step_s after [5]
     expected = _expected(model, symbols, features, range(8))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+
+
+class SerialDeviceOfMany(SerialDevice):
+    requests_per_symbol = MANY
+
+
+def test_a_step_leaves_requests_to_the_next_when_a_smaller_step_serves_more_a_second(model):
+    """Steps of up to 4 rows take 0.1 s, of 5 to 8 rows 0.5 s (a step of several requests a symbol is padded to its
+    size): once the clock knows both, 6 requests of 3 symbols waiting go as the oldest 4 and then 2, 40 requests a
+    second against 12, each symbol's requests in order."""
+    symbols, features = _stream(16, seed=7)  # three symbols in turn
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        for ids in ([0, 1, 2, 3], [4, 5, 6, 7, 8, 9]):  # the clock learns both sizes' times
+            await ws.send(_request(ids, symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) > ids[-1])
+        await ws.send(_request(list(range(10, 16)), symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) >= 16)
+        await ws.close(1000)
+
+    team_client = SerialDeviceOfMany(model, lambda rows: 0.1 if rows <= 4 else 0.5)
+    _, summary = asyncio.run(_play(handler, team_client, max_requests_per_symbol=4))
+    assert summary["responses_sent"] == 16
+    assert [sorted(ids) for ids in team_client.batches] == [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11, 12, 13],
+                                                            [14, 15]]
+    expected = _expected(model, symbols, features, range(16))
     for uid, prediction in recorder.responses:
         np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
 

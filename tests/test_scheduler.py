@@ -124,6 +124,33 @@ def test_a_backlog_beyond_the_cap_is_split_over_batches_in_order():
     assert len(scheduler) == 0
 
 
+def test_rows_for_keeps_the_oldest_requests_and_the_rest_stay_first_in_their_queues():
+    scheduler = Scheduler()
+    for uid, symbol in enumerate(["A", "B", "A", "C", "B", "A", "C", "A"]):
+        scheduler.push(_request(uid, symbol))
+    asked = []
+
+    def four(rows, symbols):
+        asked.append((rows, symbols))
+        return 4
+
+    batch = scheduler.next_batch(max_per_symbol=3, rows_for=four)
+    assert asked == [(7, 3)]  # A's 0, 2, 5; B's 1, 4; C's 3, 6 (A's 7 beyond the cap)
+    assert [r.unique_id for r in batch] == [0, 2, 1, 3]  # the 4 oldest, grouped by symbol
+    assert len(scheduler) == 4
+    assert [r.unique_id for r in scheduler.next_batch(max_per_symbol=3)] == [4, 5, 7, 6]  # in order, oldest heads first
+    assert len(scheduler) == 0
+
+
+def test_rows_for_is_held_between_one_request_and_the_whole_batch():
+    scheduler = Scheduler()
+    for uid, symbol in enumerate(["A", "B", "A"]):
+        scheduler.push(_request(uid, symbol))
+    assert [r.unique_id for r in scheduler.next_batch(max_per_symbol=2, rows_for=lambda rows, symbols: 0)] == [0]
+    assert [r.unique_id for r in scheduler.next_batch(max_per_symbol=2, rows_for=lambda rows, symbols: 9)] == [1, 2]
+    assert len(scheduler) == 0
+
+
 def test_symbols_not_ready_wait_in_place_and_the_others_go_on():
     scheduler = Scheduler()
     for uid, symbol in enumerate(["A", "B", "A", "C"]):

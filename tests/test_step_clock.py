@@ -86,6 +86,36 @@ def test_steps_of_as_many_rows_over_fewer_symbols_are_timed_apart():
     assert clock.form_in(step_size(60, 60), submitted_at=0.016) == pytest.approx(0.010)
 
 
+def test_a_step_takes_the_smaller_size_when_it_carries_more_requests_a_second():
+    clock = StepClock(smoothing=1.0, margin_s=0.0, late_after_s=0.0, clock=FakeTime())
+    assert clock.rows_to_take(280, 64) == 280  # nothing known yet: all of them
+    clock.submitted(0.0, 0.0)
+    clock.ended(step_size(256, 64), submitted_at=0.0, ended_at=0.0163)      # 256 rows: 16.3 ms
+    assert clock.rows_to_take(280, 64) == 280  # 512 rows' time not known yet
+    clock.ended(step_size(512, 64), submitted_at=0.0163, ended_at=0.0412)   # 512 rows: 24.9 ms
+    # 256 rows in 16.3 ms beat 280 (or 390) in 24.9; 400 in 24.9 beat 256 in 16.3
+    assert clock.rows_to_take(280, 64) == 256 and clock.rows_to_take(390, 64) == 256
+    assert clock.rows_to_take(400, 64) == 400
+    assert clock.rows_to_take(256, 64) == 256 and clock.rows_to_take(512, 64) == 512  # no padding to save
+    assert clock.rows_to_take(200, 64) == 200  # 128 rows' time not known
+
+
+def test_the_smaller_size_is_timed_over_no_more_symbols_than_its_rows():
+    clock = StepClock(smoothing=1.0, margin_s=0.0, late_after_s=0.0, clock=FakeTime())
+    clock.submitted(0.0, 0.0)
+    clock.ended(step_size(6, 6), submitted_at=0.0, ended_at=0.003)     # 8 rows over 8 symbols: 3 ms
+    clock.ended(step_size(12, 6), submitted_at=0.003, ended_at=0.010)  # 16 rows over 8 symbols: 7 ms
+    assert clock.rows_to_take(12, 6) == 8  # 8 rows in 3 ms beat 12 in 7: the smaller step's symbols are 8
+
+
+def test_steps_of_one_request_a_symbol_take_them_all():
+    clock = StepClock(smoothing=1.0, margin_s=0.0, late_after_s=0.0, clock=FakeTime())
+    clock.submitted(0.0, 0.0)
+    clock.ended(step_size(32, 32), submitted_at=0.0, ended_at=0.005)
+    clock.ended(step_size(64, 64), submitted_at=0.005, ended_at=0.020)
+    assert clock.rows_to_take(40, 40) == 40  # the engine runs 40 symbols at its own bucket, not 64's time
+
+
 @pytest.mark.parametrize("smoothing, margin, late_after", [(0.0, 0.0, 0.0), (1.5, 0.0, 0.0), (0.5, -1.0, 0.0),
                                                            (0.5, 0.0, -1.0)])
 def test_bad_settings(smoothing, margin, late_after):

@@ -18,6 +18,7 @@ from client.streams import Stream
 from scripts.benchmarks.harness import median_p99
 from scripts.benchmarks.report import fmt
 from scripts.benchmarks.serving import prefixed_names, serve_stream
+from scripts.e2e_timeline import analyze, format_report
 
 STEP_LIMIT_MS = 5.0  # targets: no step of at most 20 symbols over 5 ms,
 HOT_P99_LIMIT_MS = 6.0  # hot p99 <= 6 ms,
@@ -81,6 +82,13 @@ def _latencies(latency_ms) -> dict:
             "max_ms": float(answered.max()), "missed": int(latency_ms.size - answered.size)}
 
 
+def _stages(timeline, requests) -> dict:
+    """scripts/e2e_timeline.py's analysis of the timeline, over `requests` (stream indices) alone."""
+    chosen = set(requests.tolist())
+    return analyze({**timeline, "client": {uid: stages for uid, stages in timeline["client"].items()
+                                           if int(uid) in chosen}}, slowest=6)
+
+
 def measure_swap(bench):
     counts, engine = bench.counts, bench.tiered_engine()
     table = engine.table
@@ -107,7 +115,11 @@ def measure_swap(bench):
     timed = TimedSubmits(engine)
     targets = np.zeros((len(stream), len(TOWER_NAMES)), np.float32)  # latency only: churn checks the states' bits
     session = event_loop.run(serve_stream(timed, stream, targets, None, bench.args.preset, bench.args.seed,
-                                          bench.args.pipeline_min_batch))
+                                          bench.args.pipeline_min_batch, timeline=True))
+    stages = {kind: _stages(session["timeline"], np.flatnonzero(chosen))
+              for kind, chosen in (("hot", ~is_cold), ("cold", is_cold)) if chosen.any()}
+    for kind, result in stages.items():
+        bench.progress(f"swap, where the {kind} requests' time went:\n{format_report(result)}")
     moved = {key: table.stats[key] - before[key] for key in ("restored", "offloaded", "restored_ahead", "step_waits")}
     latency = np.asarray(session["request_times"]["latency_ms"], dtype=np.float64)
     submits = np.array(timed.submits or [(0, 0.0)])
@@ -135,6 +147,8 @@ def measure_swap(bench):
                                              "max": float((long_steps[:, 1] - before_launch).max())}
               if before_launch.size else None,
               "submit_ms_max": float(submits[:, 1].max()),
+              "segments_ms": {kind: {"all": r["segments_all"], "slowest_1pct": r["segments_slowest_1pct"]}
+                              for kind, r in stages.items()},
               **moved, "swaps_per_s": moved["restored"] / seconds,
               "transfer_gb_per_s": {k: None if v is None else v / 1e9 for k, v in transfers.items()},
               "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},
