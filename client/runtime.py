@@ -218,6 +218,9 @@ class StreamingClient:
         # With timeline=True: unique_id -> {stage: time.monotonic()} for the stages received, batched,
         # submitted (pipelined steps only), done and answered (the answer queued for sending).
         self.timeline: dict[int, dict[str, float]] | None = {} if timeline else None
+        # timeline: each pipelined step's {formed, submitted, ended (time.monotonic()), rows, symbols, and the
+        # requests waiting once it was submitted}, in submission order
+        self.steps: list[dict] | None = [] if timeline else None
         self._scheduler = Scheduler()
         # A team client with prefetch(symbols) starts moving states when their requests arrive, and its ready(symbol)
         # holds back a symbol whose state is still on its way while the others step.
@@ -231,6 +234,7 @@ class StreamingClient:
         self._worker_stopping = False
         self._steps: deque = deque()  # (batch, pending, submitted at, step_size) not yet answered, oldest first
         self._clock = StepClock()  # when to form the next pipelined step (under the lock)
+        self._steps_ended = 0  # steps answered (or failed), the index of the next one in self.steps
         self._submitter_done = False
         # The fields below are touched only on the event loop thread.
         self._in_flight: set[int] = set()   # queued or being computed
@@ -566,8 +570,12 @@ class StreamingClient:
                     continue
                 submitted_at = time.monotonic()
                 self._mark("submitted", (r.unique_id for r in batch))
-                size = step_size(len(batch), len({r.symbol for r in batch}))
+                symbols = len({r.symbol for r in batch})
+                size = step_size(len(batch), symbols)
                 with self._steps_ready:
+                    if self.steps is not None:
+                        self.steps.append({"formed": formed_at, "submitted": submitted_at, "ended": None,
+                                           "rows": len(batch), "symbols": symbols, "waiting": len(self._scheduler)})
                     self._clock.submitted(formed_at, submitted_at)
                     self._steps.append((batch, pending, submitted_at, size))
                     self._steps_ready.notify()
@@ -639,6 +647,9 @@ class StreamingClient:
                 self._answer(ids, predictions, errors)
             with self._work_ready:
                 self._steps.popleft()  # only now: a step counts as in flight until it is answered
+                if self.steps is not None:
+                    self.steps[self._steps_ended]["ended"] = ended_at
+                    self._steps_ended += 1
                 if ended_at is not None:
                     self._clock.ended(size, submitted_at, ended_at)
                 self._work_ready.notify()

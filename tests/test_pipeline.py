@@ -371,10 +371,13 @@ def test_a_step_leaves_requests_to_the_next_when_a_smaller_step_serves_more_a_se
         await ws.close(1000)
 
     team_client = SerialDeviceOfMany(model, lambda rows: 0.1 if rows <= 4 else 0.5)
-    _, summary = asyncio.run(_play(handler, team_client, max_requests_per_symbol=4))
+    client, summary = asyncio.run(_play(handler, team_client, max_requests_per_symbol=4, timeline=True))
     assert summary["responses_sent"] == 16
     assert [sorted(ids) for ids in team_client.batches] == [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11, 12, 13],
                                                             [14, 15]]
+    # the timeline's step log: each step's rows and symbols, in order, each ended after it was submitted
+    assert [(s["rows"], s["symbols"]) for s in client.steps] == [(4, 3), (6, 3), (4, 3), (2, 2)]
+    assert all(s["formed"] <= s["submitted"] <= s["ended"] for s in client.steps)
     expected = _expected(model, symbols, features, range(16))
     for uid, prediction in recorder.responses:
         np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)

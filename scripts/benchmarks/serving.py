@@ -173,7 +173,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
             await beside
         summary = await asyncio.to_thread(server.summary)
         if probe:
-            summary["timeline"].update(client=client.timeline, client_stalls=probe.events())
+            summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps)
         return summary
     finally:
         if probe:

@@ -74,6 +74,60 @@ class TimedSubmits:
         return getattr(self.engine, name)
 
 
+class TimedPlacement:
+    """The state table's slots_for with each call's wall-clock milliseconds and the states it sent out noted."""
+
+    def __init__(self, table):
+        self.table, self.slots_for, self.calls = table, table.slots_for, []
+
+    def __call__(self, symbols):
+        offloaded, begin = self.table.stats["offloaded"], time.perf_counter()
+        slots = self.slots_for(symbols)
+        self.calls.append(((time.perf_counter() - begin) * 1000.0, self.table.stats["offloaded"] - offloaded))
+        return slots
+
+
+def long_steps_diagnosis(steps, submits, placements, spans, max_rows) -> dict | None:
+    """What the steps of at most max_rows rows that ran over STEP_LIMIT_MS had that the others had not: the
+    submitting thread's time (submit, and placement within it), states sent out by their placement, and the
+    transfers under way on the GPU between the step's start and its launch (the one that ended last before the
+    launch, and how long before it). steps: engine.step_times rows (batch, ms, ms before launch, start ms);
+    submits, placements: one per step in order; spans: the table's transfer_spans on the steps' clock."""
+    if not (len(steps) == len(submits) == len(placements)) or steps.shape[1] < 4:
+        return None
+    small = steps[:, 0] <= max_rows
+    long = small & (steps[:, 1] > STEP_LIMIT_MS)
+    spans = np.array([(direction == "to_host", start, end) for direction, start, end in spans] or
+                     np.zeros((0, 3)), dtype=np.float64)
+
+    def under_way(i):
+        start, launch = steps[i, 3], steps[i, 3] + steps[i, 2]
+        return spans[(spans[:, 1] < launch) & (spans[:, 2] > start)], launch
+
+    def share(chosen):
+        rows = np.flatnonzero(chosen)
+        if not rows.size:
+            return None
+        overlaps = [under_way(i)[0] for i in rows]
+        return {"steps": int(rows.size),
+                "submit_ms_median": float(np.median(submits[rows, 1])),
+                "placement_ms_median": float(np.median(placements[rows, 0])),
+                "sent_states_out": float(np.mean(placements[rows, 1] > 0)),
+                "to_host_under_way": float(np.mean([(o[:, 0] == 1).any() for o in overlaps])),
+                "to_gpu_under_way": float(np.mean([(o[:, 0] == 0).any() for o in overlaps]))}
+
+    gaps, last = [], {"to_host": 0, "to_gpu": 0}
+    for i in np.flatnonzero(long):
+        overlaps, launch = under_way(i)
+        ended = overlaps[overlaps[:, 2] <= launch]
+        if ended.size:
+            j = int(np.argmax(ended[:, 2]))
+            gaps.append(launch - ended[j, 2])
+            last["to_host" if ended[j, 0] == 1 else "to_gpu"] += 1
+    return {"long": share(long), "others": share(small & ~long), "last_transfer_before_launch": last,
+            "launch_after_that_transfer_ms_median": float(np.median(gaps)) if gaps else None}
+
+
 def _latencies(latency_ms) -> dict:
     answered = latency_ms[np.isfinite(latency_ms)]
     if not answered.size:
@@ -108,11 +162,11 @@ def measure_swap(bench):
     seconds = float(np.sum(stream.delay_ms)) / 1000.0
     bench.progress(f"swap: {len(hot)} hot symbols at {counts.swap_hot_rate:g} req/s, {len(cold)} cold ones in turn "
                    f"at {counts.swap_cold_rate:g}/s, {len(stream)} requests over {seconds:.1f} s")
-    if engine.step_times is not None:
-        engine.step_times.clear()
     table.reset_transfer_times()
+    origin = engine.time_steps_from_here() if engine.step_times is not None else None
     before = dict(table.stats)
     timed = TimedSubmits(engine)
+    table.slots_for = placement = TimedPlacement(table)
     targets = np.zeros((len(stream), len(TOWER_NAMES)), np.float32)  # latency only: churn checks the states' bits
     session = event_loop.run(serve_stream(timed, stream, targets, None, bench.args.preset, bench.args.seed,
                                           bench.args.pipeline_min_batch, timeline=True))
@@ -120,6 +174,7 @@ def measure_swap(bench):
               for kind, chosen in (("hot", ~is_cold), ("cold", is_cold)) if chosen.any()}
     for kind, result in stages.items():
         bench.progress(f"swap, where the {kind} requests' time went:\n{format_report(result)}")
+    del table.slots_for
     moved = {key: table.stats[key] - before[key] for key in ("restored", "offloaded", "restored_ahead", "step_waits")}
     latency = np.asarray(session["request_times"]["latency_ms"], dtype=np.float64)
     submits = np.array(timed.submits or [(0, 0.0)])
@@ -133,6 +188,8 @@ def measure_swap(bench):
     for direction in ("to_gpu", "to_host"):
         rates = [size / seconds_ for kind, size, seconds_ in table.transfer_seconds() if kind == direction]
         transfers[direction] = float(np.median(rates)) if rates else None
+    diagnosis = None if origin is None else long_steps_diagnosis(
+        steps, submits, np.array(placement.calls or [(0.0, 0)]), table.transfer_spans(origin), len(hot))
     pinned = pinned_bandwidth(bench.device, table.parts[0].slot_bytes, bench.timer)
     result = {"hot_symbols": len(hot), "cold_symbols": len(cold), "hot_rate": counts.swap_hot_rate,
               "cold_rate": counts.swap_cold_rate, "seconds": seconds, "requests": len(stream),
@@ -147,6 +204,7 @@ def measure_swap(bench):
                                              "max": float((long_steps[:, 1] - before_launch).max())}
               if before_launch.size else None,
               "submit_ms_max": float(submits[:, 1].max()),
+              "long_steps_diagnosis": diagnosis,
               "segments_ms": {kind: {"all": r["segments_all"], "slowest_1pct": r["segments_slowest_1pct"]}
                               for kind, r in stages.items()},
               **moved, "swaps_per_s": moved["restored"] / seconds,

@@ -1,4 +1,5 @@
 """FastEngine: the state table, the step runner and its CUDA graphs put together behind the Engine interface."""
+import math
 import sys
 import time
 
@@ -58,7 +59,7 @@ class Staging:
         self.columns = [shard.columns for shard in shards]
         self.step: PendingStep | None = None  # the last step that used these buffers
 
-    def read_back(self, batch, step_times=None):
+    def read_back(self, batch, step_times=None, origin=None):
         out = np.empty((batch, NUM_TOWERS), dtype=np.float32)  # a copy: the buffers are reused by a later step
         for done, host, columns in zip(self.done, self.outs, self.columns):
             done.synchronize()  # releases the GIL while the GPU finishes
@@ -66,7 +67,9 @@ class Staging:
         if step_times is not None:
             total = max(start.elapsed_time(done) for start, done in zip(self.started, self.done))
             before_launch = max(start.elapsed_time(launched) for start, launched in zip(self.started, self.launched))
-            step_times.append((batch, total, before_launch))
+            # on the first GPU's clock, from the origin (FastEngine.time_steps_from_here): where the step began
+            began = origin.elapsed_time(self.started[0]) if origin is not None else math.nan
+            step_times.append((batch, total, before_launch, began))
         return out
 
 
@@ -98,7 +101,8 @@ class FastEngine(Engine):
         every host<->GPU transfer's time (table.transfer_seconds); state_storage: the matrix states' dtypes and
         rounding (a StateStorage, client/engine/precision.py: fp32, or fp16/bf16 storage of xLSTM's and Mamba2's,
         rounded stochastically or to nearest); time_steps: keep (batch, GPU milliseconds from before the step's
-        placement to its end, of which before its launch) of every submitted step in step_times. precision: the
+        placement to its end, of which before its launch, its start after time_steps_from_here's origin) of every
+        submitted step in step_times. precision: the
         weights' dtypes (a Precision, client/engine/precision.py). compile: each block through torch.compile
         (compiled.py), compiled here, before any graph is captured;
         CompileUnavailable if it cannot run."""
@@ -162,6 +166,7 @@ class FastEngine(Engine):
                 self.compile_s += warm_up(shard.runner, self.shapes, progress)
         self._ring = None  # without CUDA every step is synchronous
         self.step_times = [] if time_steps else None
+        self.steps_origin = None  # time_steps: the event the steps' start times count from
         self.graphed = None
         self._next = 0
         self.table.pause_pinning()  # no host registration may run while graphs are captured
@@ -196,6 +201,16 @@ class FastEngine(Engine):
                                             staging=[(st.inputs.buffer, st.outs[i]) for st in self._ring or ()])
                 shard.graphed.capture()
         self.graphed = self.shards[0].graphed
+
+    def time_steps_from_here(self):
+        """Forget the step times so far (time_steps) and count the next steps' starts from an event recorded now on
+        the first GPU's current stream; returns it (the state table's transfer_spans take the same origin)."""
+        if self.step_times is None or self.device.type != "cuda":
+            raise ValueError("time_steps_from_here needs an engine on a GPU built with time_steps=True")
+        self.step_times.clear()
+        self.steps_origin = torch.cuda.Event(enable_timing=True)
+        self.steps_origin.record(torch.cuda.current_stream(self.device))
+        return self.steps_origin
 
     def wait_pinned(self, progress=True):
         """Wait until the host tier is pinned (the engine serves meanwhile; this is for measurements that need
@@ -371,7 +386,8 @@ class FastEngine(Engine):
                     rows_in = staging.inputs.features[:shape.rows].to(shard.device, non_blocking=True)
                     host_out[:total].copy_(shard.runner(plan, rows_in)[:total], non_blocking=True)
                 done.record(torch.cuda.current_stream(shard.device))
-        staging.step = PendingStep(lambda: staging.read_back(total, self.step_times)[restore])
+        origin = self.steps_origin
+        staging.step = PendingStep(lambda: staging.read_back(total, self.step_times, origin)[restore])
         return staging.step
 
     def _step_now(self, sequences: Sequences, grouped):
