@@ -1,5 +1,7 @@
 """FastEngine: the state table, the step runner and its CUDA graphs put together behind the Engine interface."""
+import contextlib
 import math
+import os
 import sys
 import time
 
@@ -148,6 +150,10 @@ class FastEngine(Engine):
         # would break a capture); the engine serves meanwhile, each slot joining the tier as it is pinned.
         self.table = StateTable(parts, capacity, host_capacity=host_symbols, idle_timeout_s=idle_timeout_s,
                                 reserve=reserve, separate=compile, time_copies=time_copies)
+        # Steps run on a stream of their own on each GPU, made just after the table's copy streams: on the default
+        # stream a step could not launch until a state's copy to the host ended (bench/LOG.md section 48)
+        self.step_streams = ([torch.cuda.Stream(shard.device) for shard in self.shards]
+                             if self.device.type == "cuda" and os.environ.get("STEP_STREAM", "1") == "1" else [])
         self.max_batch = max_batch = min(max_batch, capacity)  # a step's symbols all hold GPU slots at once
         self.max_rows_per_symbol = max_rows_per_symbol
         self.shapes = step_shapes(max_batch, max_rows_per_symbol)
@@ -367,6 +373,18 @@ class FastEngine(Engine):
             # Its previous step may still be reading these inputs, or its result not yet be copied out of
             # `outs`: finish it (its PendingStep keeps the copy for whoever collects it later).
             staging.step.result()
+        total = len(grouped)
+        with contextlib.ExitStack() as on_step_streams:
+            for stream in self.step_streams:
+                on_step_streams.enter_context(torch.cuda.stream(stream))
+            self._launch(sequences, grouped, staging, index, shape)
+        origin = self.steps_origin
+        staging.step = PendingStep(lambda: staging.read_back(total, self.step_times, origin)[restore])
+        return staging.step
+
+    def _launch(self, sequences, grouped, staging, index, shape):
+        """Place the step's symbols and launch it on each GPU's current stream, its predictions copied into the
+        staging's outs."""
         if staging.started is not None:  # before slots_for: a step's time includes its waits for copies
             for shard, started in zip(self.shards, staging.started):
                 with torch.cuda.device(shard.device):
@@ -386,9 +404,6 @@ class FastEngine(Engine):
                     rows_in = staging.inputs.features[:shape.rows].to(shard.device, non_blocking=True)
                     host_out[:total].copy_(shard.runner(plan, rows_in)[:total], non_blocking=True)
                 done.record(torch.cuda.current_stream(shard.device))
-        origin = self.steps_origin
-        staging.step = PendingStep(lambda: staging.read_back(total, self.step_times, origin)[restore])
-        return staging.step
 
     def _step_now(self, sequences: Sequences, grouped):
         """A step run at once (no CUDA): the grouped rows' predictions [R, 4]."""
