@@ -1,5 +1,6 @@
 """What the benchmark's sections share: how much each measures (Counts), the timer, the step-time measurement,
 and the Bench that builds the reference model, the accuracy suite and the engine once, when first needed."""
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -270,7 +271,8 @@ class Bench:
             self.host_memory_before_tiers = host_memory()
             self._tiered = self.build_engine(capacity=None if cuda else self.counts.new_symbols + RESERVE,
                                              host_symbols=None if cuda else self.counts.cpu_host_symbols,
-                                             time_steps=cuda, time_copies=True)
+                                             time_steps=cuda and os.environ.get("STEP_EVENTS", "1") == "1",
+                                             time_copies=True)
             # The engine serves while its host tier pins; these sections measure the whole tier.
             self._tiered.wait_pinned(progress=False)
             if self._tiered.table.pin_s is not None:

@@ -57,7 +57,8 @@ class Staging:
         # timed: recorded before the step's placement and before its launch (the GPU's gap between them is the
         # submitting thread's time, waits for the step's own copies included)
         self.started = [torch.cuda.Event(enable_timing=True) for _ in shards] if timed else None
-        self.launched = [torch.cuda.Event(enable_timing=True) for _ in shards] if timed else None
+        self.launched = ([torch.cuda.Event(enable_timing=True) for _ in shards]
+                         if timed and os.environ.get("STEP_LAUNCH_EVENT", "1") == "1" else None)
         self.columns = [shard.columns for shard in shards]
         self.step: PendingStep | None = None  # the last step that used these buffers
 
@@ -68,7 +69,8 @@ class Staging:
             out[:, columns] = host[:batch].numpy()
         if step_times is not None:
             total = max(start.elapsed_time(done) for start, done in zip(self.started, self.done))
-            before_launch = max(start.elapsed_time(launched) for start, launched in zip(self.started, self.launched))
+            before_launch = (max(start.elapsed_time(launched) for start, launched in zip(self.started, self.launched))
+                             if self.launched is not None else math.nan)
             # on the first GPU's clock, from the origin (FastEngine.time_steps_from_here): where the step began
             began = origin.elapsed_time(self.started[0]) if origin is not None else math.nan
             step_times.append((batch, total, before_launch, began))
