@@ -185,19 +185,3 @@ def test_accuracy_backlog_only_runs_the_suite_once_with_a_backlog_of_k(monkeypat
         assert runs == expected and ("accuracy" in report) is not only and report["accuracy_backlog"] == {
             "requests_per_symbol": 8}
 
-
-def test_long_steps_diagnosis_finds_the_transfer_a_long_step_launched_after():
-    from scripts.benchmarks.swap import long_steps_diagnosis
-
-    # (rows, ms, ms before launch, start ms): steps 0 and 2 short, step 1 long, launched 0.1 ms after a copy out ended
-    steps = np.array([(1, 2.4, 0.1, 0.0), (2, 5.5, 3.1, 10.0), (1, 2.5, 0.1, 20.0), (40, 9.0, 0.1, 30.0)])
-    submits = np.array([(1, 0.3), (2, 0.5), (1, 0.4), (40, 0.6)])
-    placements = np.array([(0.1, 0), (0.2, 1), (0.1, 0), (0.1, 0)])
-    spans = [("to_host", 9.9, 13.0), ("to_gpu", 25.0, 28.0)]
-    result = long_steps_diagnosis(steps, submits, placements, spans, max_rows=20)
-    assert result["long"] == {"steps": 1, "submit_ms_median": 0.5, "placement_ms_median": 0.2, "sent_states_out": 1.0,
-                              "to_host_under_way": 1.0, "to_gpu_under_way": 0.0}
-    assert result["others"]["steps"] == 2 and result["others"]["to_host_under_way"] == 0.0  # step 3 is not small
-    assert result["last_transfer_before_launch"] == {"to_host": 1, "to_gpu": 0}
-    assert result["launch_after_that_transfer_ms_median"] == pytest.approx(0.1)
-    assert long_steps_diagnosis(steps[:2], submits, placements, spans, 20) is None  # not one per step

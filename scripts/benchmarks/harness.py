@@ -1,6 +1,5 @@
 """What the benchmark's sections share: how much each measures (Counts), the timer, the step-time measurement,
 and the Bench that builds the reference model, the accuracy suite and the engine once, when first needed."""
-import os
 import platform
 import time
 from dataclasses import dataclass
@@ -261,7 +260,8 @@ class Bench:
         """The engine of the capacity and swap sections, built once (its host tier takes a while to pin): on a GPU
         with the default tiers (the GPU's share of the memory free now, the host tier's rule, the reserve; its host
         tier pinned before it is returned), on the CPU with small ones (room for new_symbols beside the reserve,
-        cpu_host_symbols in the host tier); steps and transfers timed."""
+        cpu_host_symbols in the host tier); transfers timed. Its steps are not: the sections read them from the
+        runtime's step log, as served, with no timing event on the step's stream (bench/LOG.md section 48)."""
         if self._tiered is None:
             from client.engine.fast import RESERVE
             from client.engine.fast.state_table import host_memory
@@ -271,7 +271,6 @@ class Bench:
             self.host_memory_before_tiers = host_memory()
             self._tiered = self.build_engine(capacity=None if cuda else self.counts.new_symbols + RESERVE,
                                              host_symbols=None if cuda else self.counts.cpu_host_symbols,
-                                             time_steps=cuda and os.environ.get("STEP_EVENTS", "1") == "1",
                                              time_copies=True)
             # The engine serves while its host tier pins; these sections measure the whole tier.
             self._tiered.wait_pinned(progress=False)

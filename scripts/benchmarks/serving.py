@@ -2,6 +2,7 @@
 its own playing a stream to the team client, with targets from the fp32 reference stepped through the same
 requests; the e2e and max-rate measurements built on it."""
 import asyncio
+import math
 import multiprocessing
 import queue
 
@@ -180,6 +181,21 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
             watch.cancel()
             probe.stop()
         await asyncio.to_thread(server.close)
+
+
+def served_step_ms(steps, max_symbols) -> np.ndarray:
+    """Milliseconds of each step of at most max_symbols symbols in the runtime's step log (a timeline's "steps"),
+    from when it could start (its submission, or the end of the step before it) to its answer: the device's time
+    as the host sees it, read-back included, with no timing event on the step's stream (an event recorded there
+    held launches back while states moved: bench/LOG.md section 48)."""
+    times, last_end = [], -math.inf
+    for step in steps:
+        if step["ended"] is None:  # failed
+            continue
+        if step["symbols"] <= max_symbols:
+            times.append((step["ended"] - max(step["submitted"], last_end)) * 1000.0)
+        last_end = step["ended"]
+    return np.array(times)
 
 
 def session_numbers(summary) -> dict:

@@ -3,8 +3,8 @@ each cold request bringing its symbol's state back from host memory and sending 
 
 The cold symbols outnumber the GPU's slots and come in turn, so each one's state has left the GPU by the time its
 next request arrives. Measured on the engine with the default options (bench.tiered_engine): the hot and cold
-requests' latencies (the server's clock), the longest step of at most hot-symbols rows (a step never waits for a
-copy of a symbol outside it), the swaps per second sustained, and each transfer's bandwidth against the pinned
+requests' latencies (the server's clock), the longest step of at most hot-symbols symbols (from the runtime's step
+log: a step never waits for a copy of a symbol outside it), the swaps per second sustained, and each transfer's bandwidth against the pinned
 host<->device bandwidth measured in the same run. The targets are the issue's, on an H100 with the full preset.
 """
 import time
@@ -17,7 +17,7 @@ from client.model.config import NUM_FEATURES, TOWER_NAMES
 from client.streams import Stream
 from scripts.benchmarks.harness import median_p99
 from scripts.benchmarks.report import fmt
-from scripts.benchmarks.serving import prefixed_names, serve_stream
+from scripts.benchmarks.serving import prefixed_names, serve_stream, served_step_ms
 from scripts.e2e_timeline import analyze, format_report
 
 STEP_LIMIT_MS = 5.0  # targets: no step of at most 20 symbols over 5 ms,
@@ -74,60 +74,6 @@ class TimedSubmits:
         return getattr(self.engine, name)
 
 
-class TimedPlacement:
-    """The state table's slots_for with each call's wall-clock milliseconds and the states it sent out noted."""
-
-    def __init__(self, table):
-        self.table, self.slots_for, self.calls = table, table.slots_for, []
-
-    def __call__(self, symbols):
-        offloaded, begin = self.table.stats["offloaded"], time.perf_counter()
-        slots = self.slots_for(symbols)
-        self.calls.append(((time.perf_counter() - begin) * 1000.0, self.table.stats["offloaded"] - offloaded))
-        return slots
-
-
-def long_steps_diagnosis(steps, submits, placements, spans, max_rows) -> dict | None:
-    """What the steps of at most max_rows rows that ran over STEP_LIMIT_MS had that the others had not: the
-    submitting thread's time (submit, and placement within it), states sent out by their placement, and the
-    transfers under way on the GPU between the step's start and its launch (the one that ended last before the
-    launch, and how long before it). steps: engine.step_times rows (batch, ms, ms before launch, start ms);
-    submits, placements: one per step in order; spans: the table's transfer_spans on the steps' clock."""
-    if not (len(steps) == len(submits) == len(placements)) or steps.shape[1] < 4:
-        return None
-    small = steps[:, 0] <= max_rows
-    long = small & (steps[:, 1] > STEP_LIMIT_MS)
-    spans = np.array([(direction == "to_host", start, end) for direction, start, end in spans] or
-                     np.zeros((0, 3)), dtype=np.float64)
-
-    def under_way(i):
-        start, launch = steps[i, 3], steps[i, 3] + steps[i, 2]
-        return spans[(spans[:, 1] < launch) & (spans[:, 2] > start)], launch
-
-    def share(chosen):
-        rows = np.flatnonzero(chosen)
-        if not rows.size:
-            return None
-        overlaps = [under_way(i)[0] for i in rows]
-        return {"steps": int(rows.size),
-                "submit_ms_median": float(np.median(submits[rows, 1])),
-                "placement_ms_median": float(np.median(placements[rows, 0])),
-                "sent_states_out": float(np.mean(placements[rows, 1] > 0)),
-                "to_host_under_way": float(np.mean([(o[:, 0] == 1).any() for o in overlaps])),
-                "to_gpu_under_way": float(np.mean([(o[:, 0] == 0).any() for o in overlaps]))}
-
-    gaps, last = [], {"to_host": 0, "to_gpu": 0}
-    for i in np.flatnonzero(long):
-        overlaps, launch = under_way(i)
-        ended = overlaps[overlaps[:, 2] <= launch]
-        if ended.size:
-            j = int(np.argmax(ended[:, 2]))
-            gaps.append(launch - ended[j, 2])
-            last["to_host" if ended[j, 0] == 1 else "to_gpu"] += 1
-    return {"long": share(long), "others": share(small & ~long), "last_transfer_before_launch": last,
-            "launch_after_that_transfer_ms_median": float(np.median(gaps)) if gaps else None}
-
-
 def _latencies(latency_ms) -> dict:
     answered = latency_ms[np.isfinite(latency_ms)]
     if not answered.size:
@@ -163,10 +109,8 @@ def measure_swap(bench):
     bench.progress(f"swap: {len(hot)} hot symbols at {counts.swap_hot_rate:g} req/s, {len(cold)} cold ones in turn "
                    f"at {counts.swap_cold_rate:g}/s, {len(stream)} requests over {seconds:.1f} s")
     table.reset_transfer_times()
-    origin = engine.time_steps_from_here() if engine.step_times is not None else None
     before = dict(table.stats)
     timed = TimedSubmits(engine)
-    table.slots_for = placement = TimedPlacement(table)
     targets = np.zeros((len(stream), len(TOWER_NAMES)), np.float32)  # latency only: churn checks the states' bits
     session = event_loop.run(serve_stream(timed, stream, targets, None, bench.args.preset, bench.args.seed,
                                           bench.args.pipeline_min_batch, timeline=True))
@@ -174,22 +118,17 @@ def measure_swap(bench):
               for kind, chosen in (("hot", ~is_cold), ("cold", is_cold)) if chosen.any()}
     for kind, result in stages.items():
         bench.progress(f"swap, where the {kind} requests' time went:\n{format_report(result)}")
-    del table.slots_for
     moved = {key: table.stats[key] - before[key] for key in ("restored", "offloaded", "restored_ahead", "step_waits")}
     latency = np.asarray(session["request_times"]["latency_ms"], dtype=np.float64)
     submits = np.array(timed.submits or [(0, 0.0)])
-    steps = np.array(engine.step_times) if engine.step_times else submits  # the CPU's steps run in submit
-    small = steps[steps[:, 0] <= len(hot), 1]
-    # On a GPU, the part of each long step before its launch: the submitting thread's (placement, a wait for
-    # its own copies, the GIL), against the GPU's own time after it
-    long_steps = steps[(steps[:, 0] <= len(hot)) & (steps[:, 1] > STEP_LIMIT_MS)]
-    before_launch = long_steps[:, 2] if steps.shape[1] > 2 else np.zeros(0)
+    if bench.device.type == "cuda":
+        small = served_step_ms(session["timeline"]["steps"], len(hot))
+    else:  # a step on the CPU runs inside submit
+        small = submits[submits[:, 0] <= len(hot), 1]
     transfers = {}
     for direction in ("to_gpu", "to_host"):
         rates = [size / seconds_ for kind, size, seconds_ in table.transfer_seconds() if kind == direction]
         transfers[direction] = float(np.median(rates)) if rates else None
-    diagnosis = None if origin is None else long_steps_diagnosis(
-        steps, submits, np.array(placement.calls or [(0.0, 0)]), table.transfer_spans(origin), len(hot))
     pinned = pinned_bandwidth(bench.device, table.parts[0].slot_bytes, bench.timer)
     result = {"hot_symbols": len(hot), "cold_symbols": len(cold), "hot_rate": counts.swap_hot_rate,
               "cold_rate": counts.swap_cold_rate, "seconds": seconds, "requests": len(stream),
@@ -198,13 +137,7 @@ def measure_swap(bench):
               "step_ms_max_b20": float(small.max()) if small.size else None,
               "step_ms_p99_b20": float(np.percentile(small, 99)) if small.size else None,
               "steps_over_limit": int((small > STEP_LIMIT_MS).sum()),
-              "long_steps_before_launch_ms": {"median": float(np.median(before_launch)),
-                                              "max": float(before_launch.max())} if before_launch.size else None,
-              "long_steps_after_launch_ms": {"median": float(np.median(long_steps[:, 1] - before_launch)),
-                                             "max": float((long_steps[:, 1] - before_launch).max())}
-              if before_launch.size else None,
               "submit_ms_max": float(submits[:, 1].max()),
-              "long_steps_diagnosis": diagnosis,
               "segments_ms": {kind: {"all": r["segments_all"], "slowest_1pct": r["segments_slowest_1pct"]}
                               for kind, r in stages.items()},
               **moved, "swaps_per_s": moved["restored"] / seconds,
@@ -235,7 +168,4 @@ def summary(data) -> list[str]:
             f"{COLD_LIMIT_MS:g}), missed {s['hot']['missed'] + s['cold']['missed']}; longest step of B <= "
             f"{s['hot_symbols']} {fmt(s['step_ms_max_b20'])} ms (<= {STEP_LIMIT_MS:g}), steps that waited for a copy "
             f"{s['step_waits']}; {s['swaps_per_s']:.1f} swaps/s; transfers at {fmt(share['to_gpu'])}/"
-            f"{fmt(share['to_host'])} of the pinned bandwidth to GPU/to host (>= {BANDWIDTH_SHARE:g})"
-            + (f"; the long steps' time before/after their launch (median) {fmt(before['median'])}/"
-               f"{fmt(s['long_steps_after_launch_ms']['median'])} ms"
-               if (before := s.get("long_steps_before_launch_ms")) else "")]
+            f"{fmt(share['to_host'])} of the pinned bandwidth to GPU/to host (>= {BANDWIDTH_SHARE:g})"]

@@ -1,7 +1,5 @@
 """FastEngine: the state table, the step runner and its CUDA graphs put together behind the Engine interface."""
 import contextlib
-import math
-import os
 import sys
 import time
 
@@ -54,26 +52,20 @@ class Staging:
         self.outs = [torch.empty(max_rows, len(shard.columns), dtype=torch.float32, pin_memory=True)
                      for shard in shards]
         self.done = [torch.cuda.Event(enable_timing=timed) for _ in shards]
-        # timed: recorded before the step's placement and before its launch (the GPU's gap between them is the
-        # submitting thread's time, waits for the step's own copies included)
+        # timed: recorded before the step's placement (its time includes waits for its own copies). Not one more
+        # before its launch: with states moving, such an event held the launch back until a copy to the host
+        # ended, ~3 ms, in 1-2% of the steps (bench/LOG.md section 48)
         self.started = [torch.cuda.Event(enable_timing=True) for _ in shards] if timed else None
-        self.launched = ([torch.cuda.Event(enable_timing=True) for _ in shards]
-                         if timed and os.environ.get("STEP_LAUNCH_EVENT", "1") == "1" else None)
         self.columns = [shard.columns for shard in shards]
         self.step: PendingStep | None = None  # the last step that used these buffers
 
-    def read_back(self, batch, step_times=None, origin=None):
+    def read_back(self, batch, step_times=None):
         out = np.empty((batch, NUM_TOWERS), dtype=np.float32)  # a copy: the buffers are reused by a later step
         for done, host, columns in zip(self.done, self.outs, self.columns):
             done.synchronize()  # releases the GIL while the GPU finishes
             out[:, columns] = host[:batch].numpy()
         if step_times is not None:
-            total = max(start.elapsed_time(done) for start, done in zip(self.started, self.done))
-            before_launch = (max(start.elapsed_time(launched) for start, launched in zip(self.started, self.launched))
-                             if self.launched is not None else math.nan)
-            # on the first GPU's clock, from the origin (FastEngine.time_steps_from_here): where the step began
-            began = origin.elapsed_time(self.started[0]) if origin is not None else math.nan
-            step_times.append((batch, total, before_launch, began))
+            step_times.append((batch, max(start.elapsed_time(done) for start, done in zip(self.started, self.done))))
         return out
 
 
@@ -105,8 +97,7 @@ class FastEngine(Engine):
         every host<->GPU transfer's time (table.transfer_seconds); state_storage: the matrix states' dtypes and
         rounding (a StateStorage, client/engine/precision.py: fp32, or fp16/bf16 storage of xLSTM's and Mamba2's,
         rounded stochastically or to nearest); time_steps: keep (batch, GPU milliseconds from before the step's
-        placement to its end, of which before its launch, its start after time_steps_from_here's origin) of every
-        submitted step in step_times. precision: the
+        placement to its end) of every submitted step in step_times. precision: the
         weights' dtypes (a Precision, client/engine/precision.py). compile: each block through torch.compile
         (compiled.py), compiled here, before any graph is captured;
         CompileUnavailable if it cannot run."""
@@ -152,10 +143,10 @@ class FastEngine(Engine):
         # would break a capture); the engine serves meanwhile, each slot joining the tier as it is pinned.
         self.table = StateTable(parts, capacity, host_capacity=host_symbols, idle_timeout_s=idle_timeout_s,
                                 reserve=reserve, separate=compile, time_copies=time_copies)
-        # Steps run on a stream of their own on each GPU, made just after the table's copy streams: on the default
-        # stream a step could not launch until a state's copy to the host ended (bench/LOG.md section 48)
-        self.step_streams = ([torch.cuda.Stream(shard.device) for shard in self.shards]
-                             if self.device.type == "cuda" and os.environ.get("STEP_STREAM", "1") == "1" else [])
+        # Steps run on a stream of their own on each GPU, not on the default stream, which synchronises with every
+        # blocking stream: with a timing event before each launch, 72 of 7,760 steps of the swap section waited for a
+        # state's copy to the host against 126 on the default stream (bench/LOG.md section 48)
+        self.step_streams = [torch.cuda.Stream(shard.device) for shard in self.shards] if self.device.type == "cuda" else []
         self.max_batch = max_batch = min(max_batch, capacity)  # a step's symbols all hold GPU slots at once
         self.max_rows_per_symbol = max_rows_per_symbol
         self.shapes = step_shapes(max_batch, max_rows_per_symbol)
@@ -174,7 +165,6 @@ class FastEngine(Engine):
                 self.compile_s += warm_up(shard.runner, self.shapes, progress)
         self._ring = None  # without CUDA every step is synchronous
         self.step_times = [] if time_steps else None
-        self.steps_origin = None  # time_steps: the event the steps' start times count from
         self.graphed = None
         self._next = 0
         self.table.pause_pinning()  # no host registration may run while graphs are captured
@@ -209,16 +199,6 @@ class FastEngine(Engine):
                                             staging=[(st.inputs.buffer, st.outs[i]) for st in self._ring or ()])
                 shard.graphed.capture()
         self.graphed = self.shards[0].graphed
-
-    def time_steps_from_here(self):
-        """Forget the step times so far (time_steps) and count the next steps' starts from an event recorded now on
-        the first GPU's current stream; returns it (the state table's transfer_spans take the same origin)."""
-        if self.step_times is None or self.device.type != "cuda":
-            raise ValueError("time_steps_from_here needs an engine on a GPU built with time_steps=True")
-        self.step_times.clear()
-        self.steps_origin = torch.cuda.Event(enable_timing=True)
-        self.steps_origin.record(torch.cuda.current_stream(self.device))
-        return self.steps_origin
 
     def wait_pinned(self, progress=True):
         """Wait until the host tier is pinned (the engine serves meanwhile; this is for measurements that need
@@ -380,8 +360,7 @@ class FastEngine(Engine):
             for stream in self.step_streams:
                 on_step_streams.enter_context(torch.cuda.stream(stream))
             self._launch(sequences, grouped, staging, index, shape)
-        origin = self.steps_origin
-        staging.step = PendingStep(lambda: staging.read_back(total, self.step_times, origin)[restore])
+        staging.step = PendingStep(lambda: staging.read_back(total, self.step_times)[restore])
         return staging.step
 
     def _launch(self, sequences, grouped, staging, index, shape):
@@ -393,10 +372,8 @@ class FastEngine(Engine):
                     started.record(torch.cuda.current_stream(shard.device))
         staging.inputs.fill(self.table.slots_for(sequences.symbols), sequences.lengths, grouped)
         total = len(grouped)
-        for i, (shard, host_out, done) in enumerate(zip(self.shards, staging.outs, staging.done)):
+        for shard, host_out, done in zip(self.shards, staging.outs, staging.done):
             with torch.cuda.device(shard.device):
-                if staging.launched is not None:
-                    staging.launched[i].record(torch.cuda.current_stream(shard.device))
                 if shard.graphed is not None:
                     shard.graphed.replay_staged(index, shape, total)  # copies in, step, predictions out
                 else:

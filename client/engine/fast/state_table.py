@@ -426,12 +426,6 @@ class DeviceSlots:
         else:
             torch.cuda.current_stream(self.device).wait_event(completion)
 
-    def transfer_spans(self, origin):
-        """[(direction, start ms, end ms)] of the timed transfers that are done, on the GPU's clock from the event
-        `origin` (recorded before them)."""
-        return [(direction, origin.elapsed_time(start), origin.elapsed_time(end))
-                for direction, start, end in self.copy_times or () if not isinstance(start, float) and end.query()]
-
     def transfer_seconds(self):
         """[(direction, bytes, seconds)] of the timed transfers that are done."""
         done = []
@@ -589,11 +583,6 @@ class StateTable:
     def transfer_seconds(self) -> list[tuple[str, int, float]]:
         """[(direction "to_host" or "to_gpu", bytes, seconds)] of every finished transfer (time_copies)."""
         return [t for part in self.parts for t in part.transfer_seconds()]
-
-    def transfer_spans(self, origin) -> list[tuple[str, float, float]]:
-        """[(direction, start ms, end ms)] of every finished transfer on the first GPU (time_copies), on its clock
-        from the event `origin` (FastEngine.time_steps_from_here)."""
-        return self.parts[0].transfer_spans(origin)
 
     def reset_transfer_times(self) -> None:
         """Forget the transfers timed so far (time_copies)."""
