@@ -54,7 +54,10 @@ ALIGN = 256  # bytes: every component starts at a multiple of this within a slot
 # The default host tier takes the available host memory less this headroom, left to the process's own growth, a
 # scoring server on the same machine and the system: the larger of a fixed amount and a share of the host's memory.
 HOST_HEADROOM_BYTES = 4 << 30
-HOST_HEADROOM_SHARE = 0.05
+# 15% of the host's memory is left to everything else: with 5% (6 GiB of 128 GB) both the client's and the scoring
+# server's processes stalled for up to 30 ms at times, the swap section's tails; with 15% on the same host, no stall
+# and 1,088 symbols held (bench/LOG.md section 48)
+HOST_HEADROOM_SHARE = 0.15
 # Host slots are registered with CUDA in pieces of this size, and states move in copies within them (a copy may not
 # span two registrations): a registration holds up the GPU's launches while it runs (a whole 146 MiB slot: up to
 # ~50 ms a launch, ~0.5 s with 8 threads queued; bench/LOG.md section 46), and a step's own small copies (inputs in,
