@@ -12,9 +12,10 @@ one (the lead it must be formed by). A step's device time is counted
 from when it could start: its submission, or the end of the step before it if that came later.
 
 The clock also says how many of the waiting requests a step should take (rows_to_take): a step of several requests
-a symbol is padded to its size's rows, so 280 rows run as long as 512 (24.9 ms at K = 8 against 16.3 for 256 on an H100, bench/LOG.md
-section 48); under a load near the device's limit, taking the oldest 256 and leaving the rest to the next step
-serves more requests a second. The choice is the one with more rows a second by the learned step times.
+a symbol runs at the captured shape of its size's rows, so 280 rows run at 512's shape (served on an H100 at K = 8,
+~340 rows there took 22.2 ms, 256 rows 17.1-17.3; bench/LOG.md section 48). Taking the oldest rows of the smaller
+size and leaving the rest to the next step serves more requests a second when the rows barely pass it; the choice
+is the one with more rows a second by the learned step times.
 
 Behind a short step the next is formed at once, as before: little can arrive in what is left of a short step,
 and a late one that misjudges the end leaves the GPU idle for the host's time. Measured on one H100 host, in turn

@@ -3,9 +3,10 @@ each cold request bringing its symbol's state back from host memory and sending 
 
 The cold symbols outnumber the GPU's slots and come in turn, so each one's state has left the GPU by the time its
 next request arrives. Measured on the engine with the default options (bench.tiered_engine): the hot and cold
-requests' latencies (the server's clock), the longest step of at most hot-symbols symbols (from the runtime's step
-log: a step never waits for a copy of a symbol outside it), the swaps per second sustained, and each transfer's bandwidth against the pinned
-host<->device bandwidth measured in the same run. The targets are the issue's, on an H100 with the full preset.
+requests' latencies (the server's clock) and where their time went, the longest step of at most hot-symbols symbols
+(from the runtime's step log: a step never waits for a copy of a symbol outside it), the swaps per second
+sustained, and each transfer's bandwidth against the pinned host<->device bandwidth measured in the same run. The
+targets are the issue's, on an H100 with the full preset.
 """
 import time
 

@@ -146,7 +146,8 @@ class FastEngine(Engine):
         # Steps run on a stream of their own on each GPU, not on the default stream, which synchronises with every
         # blocking stream: with a timing event before each launch, 72 of 7,760 steps of the swap section waited for a
         # state's copy to the host against 126 on the default stream (bench/LOG.md section 48)
-        self.step_streams = [torch.cuda.Stream(shard.device) for shard in self.shards] if self.device.type == "cuda" else []
+        self.step_streams = ([torch.cuda.Stream(shard.device) for shard in self.shards]
+                             if self.device.type == "cuda" else [])
         self.max_batch = max_batch = min(max_batch, capacity)  # a step's symbols all hold GPU slots at once
         self.max_rows_per_symbol = max_rows_per_symbol
         self.shapes = step_shapes(max_batch, max_rows_per_symbol)
