@@ -184,4 +184,3 @@ def test_accuracy_backlog_only_runs_the_suite_once_with_a_backlog_of_k(monkeypat
         accuracy.run(bench)
         assert runs == expected and ("accuracy" in report) is not only and report["accuracy_backlog"] == {
             "requests_per_symbol": 8}
-
