@@ -32,6 +32,10 @@ from kernels.state_rounding import (STATE_DTYPES, check_rounding, kernel_args, r
 # A [BLOCK_P, N] tile of h per program, at most this many fp32 values (16 per thread at 4 warps)
 MAX_TILE = 2048
 NUM_WARPS = 4
+# Steps of several rows a sequence: a whole head a program, over 8 warps. Each of a head's programs projects every
+# row's dt from 8 KB of t inside the serial row loop; one program a head reads them once (bench/LOG.md section 49:
+# 64 symbols x 4 rows 150 -> 145 us, x 8 rows 228+ -> 216 us; one row a sequence keeps the tile above)
+SEVERAL_ROWS_WARPS = 8
 
 
 def _check(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_starts, rounding):
@@ -124,7 +128,7 @@ def _mamba2_state_update_kernel(
 
 
 def mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_starts, rounding=None, *,
-                        block_p=None, num_warps=NUM_WARPS):
+                        block_p=None, num_warps=None):
     """Advance each sequence's Mamba2 state through its rows in order and read it out at each.
 
     h [S, H, P, N] fp32, fp16 or bf16 (updated in place at the sequences' slots; may be a slot-major view),
@@ -148,7 +152,10 @@ def mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_
     if rows == 0 or sequences == 0:
         return y
     block_n = triton.next_power_of_2(state_dim)
+    if rows > sequences:  # a shape of several rows a sequence
+        block_p, num_warps = block_p or triton.next_power_of_2(head_dim), num_warps or SEVERAL_ROWS_WARPS
     block_p = block_p or split_block(head_dim, sequences * heads, max_block=max(1, MAX_TILE // block_n), min_block=4)
+    num_warps = num_warps or NUM_WARPS
     grid = (sequences, heads, triton.cdiv(head_dim, block_p))
     counter, stride_counter, salt, stochastic = kernel_args(h, rounding, seq_slots)
     _mamba2_state_update_kernel[grid](

@@ -110,6 +110,24 @@ def _mlstm_input_kernel(
     gw = gate_w_ptr + o[:, None, None] * (3 * INNER) + ch[None, :, :]  # [G, GROUPS, 4]
     gw_mask = (o < GATES)[:, None, None] & mask[None, :, :]
     gate_b = tl.load(gate_b_ptr + o, mask=o < GATES, other=0.0) * (chunk == 0).to(tl.float32)
+    # the weights once, before the row loop: the compiler reloads them every row otherwise (the loop's stores
+    # may alias them), ~12 KB a row from L2 for each of a step's (sequence, chunk) programs
+    w = qkv_w_ptr + (chunk * GROUPS + g)[:, None] * 48 + e[None, :] * 4  # W[block, 0, o, 0]
+    wq0 = tl.load(w + 0, mask=mask, other=0.0)
+    wq1 = tl.load(w + 1, mask=mask, other=0.0)
+    wq2 = tl.load(w + 2, mask=mask, other=0.0)
+    wq3 = tl.load(w + 3, mask=mask, other=0.0)
+    wk0 = tl.load(w + 16, mask=mask, other=0.0)
+    wk1 = tl.load(w + 17, mask=mask, other=0.0)
+    wk2 = tl.load(w + 18, mask=mask, other=0.0)
+    wk3 = tl.load(w + 19, mask=mask, other=0.0)
+    wv0 = tl.load(w + 32, mask=mask, other=0.0)
+    wv1 = tl.load(w + 33, mask=mask, other=0.0)
+    wv2 = tl.load(w + 34, mask=mask, other=0.0)
+    wv3 = tl.load(w + 35, mask=mask, other=0.0)
+    gw_q = tl.load(gw, mask=gw_mask, other=0.0)
+    gw_k = tl.load(gw + INNER, mask=gw_mask, other=0.0)
+    gw_v = tl.load(gw + 2 * INNER, mask=gw_mask, other=0.0)
 
     for row in range(start, end):
         xm = tl.load(xm_ptr + row * stride_xm + ch, mask=mask, other=0.0).to(tl.float32)
@@ -118,26 +136,26 @@ def _mlstm_input_kernel(
         tl.store(xc_ptr + row * stride_xc + ch, xc, mask=mask)
         s0, s1, s2 = s1, s2, xm
 
-        # q, k, v: out[block, o] = sum_i W[block, o, i] x[block, i], as [GROUPS, 4] tiles over (block, o)
-        w = qkv_w_ptr + (chunk * GROUPS + g)[:, None] * 48 + e[None, :] * 4  # W[block, 0, o, 0]
-        q = tl.zeros((GROUPS, 4), dtype=tl.float32)
-        k = tl.zeros((GROUPS, 4), dtype=tl.float32)
-        v = tl.zeros((GROUPS, 4), dtype=tl.float32)
-        for i in tl.static_range(4):
-            xc_i = tl.sum(tl.where(e[None, :] == i, xc, 0.0), axis=1)[:, None]  # x[block, i], broadcast over o
-            xm_i = tl.sum(tl.where(e[None, :] == i, xm, 0.0), axis=1)[:, None]
-            q += tl.load(w + i, mask=mask, other=0.0) * xc_i
-            k += tl.load(w + 16 + i, mask=mask, other=0.0) * xc_i
-            v += tl.load(w + 32 + i, mask=mask, other=0.0) * xm_i
+        # q, k, v: out[block, o] = sum_i W[block, o, i] x[block, i], as [GROUPS, 4] tiles over (block, o);
+        # x[block, i] broadcast over o
+        xc0 = tl.sum(tl.where(e[None, :] == 0, xc, 0.0), axis=1)[:, None]
+        xc1 = tl.sum(tl.where(e[None, :] == 1, xc, 0.0), axis=1)[:, None]
+        xc2 = tl.sum(tl.where(e[None, :] == 2, xc, 0.0), axis=1)[:, None]
+        xc3 = tl.sum(tl.where(e[None, :] == 3, xc, 0.0), axis=1)[:, None]
+        xm0 = tl.sum(tl.where(e[None, :] == 0, xm, 0.0), axis=1)[:, None]
+        xm1 = tl.sum(tl.where(e[None, :] == 1, xm, 0.0), axis=1)[:, None]
+        xm2 = tl.sum(tl.where(e[None, :] == 2, xm, 0.0), axis=1)[:, None]
+        xm3 = tl.sum(tl.where(e[None, :] == 3, xm, 0.0), axis=1)[:, None]
+        q = wq0 * xc0 + wq1 * xc1 + wq2 * xc2 + wq3 * xc3
+        k = wk0 * xc0 + wk1 * xc1 + wk2 * xc2 + wk3 * xc3
+        v = wv0 * xm0 + wv1 * xm1 + wv2 * xm2 + wv3 * xm3
         out = qkv_ptr + row * stride_qkv + ch
         tl.store(out, q, mask=mask)
         tl.store(out + INNER, k, mask=mask)
         tl.store(out + 2 * INNER, v, mask=mask)
 
         # this chunk's part of the gate projection over concat(q, k, v)
-        acc = (tl.load(gw, mask=gw_mask, other=0.0) * q[None, :, :]
-               + tl.load(gw + INNER, mask=gw_mask, other=0.0) * k[None, :, :]
-               + tl.load(gw + 2 * INNER, mask=gw_mask, other=0.0) * v[None, :, :])
+        acc = gw_q * q[None, :, :] + gw_k * k[None, :, :] + gw_v * v[None, :, :]
         part = tl.sum(tl.sum(acc, axis=2), axis=1) + gate_b
         tl.store(parts_ptr + (chunk * rows + row) * GATES + o, part, mask=o < GATES)
 

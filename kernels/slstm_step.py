@@ -238,7 +238,8 @@ def supports(weight) -> bool:
     return weight.dtype in WEIGHT_DTYPES
 
 
-def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1, weight_lo=None):
+def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1, weight_lo=None, *,
+               block_m=None):
     """Advance each sequence's sLSTM cell through its rows.
 
     xc, xn [B, H] (the convolved and the normalised input), weight [2, 4, NB, s, s] (pack_weights: input and
@@ -249,7 +250,7 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows
     fp16, with an fp16 weight: the input maps are split, weight[0] their high halves (pack_weights), and x is
     split likewise. Updates c, n, m in place at seq_slots and returns y [B, H] float32, each row's new y (padding
     rows' unwritten), which the caller stores (y[seq_slots] is read, not written: slstm_output stores each
-    sequence's last row).
+    sequence's last row). block_m: sequences a program, chosen here unless given (scripts/tile_sweep.py).
     """
     if not (use_triton(c) and supports(weight)):
         return slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows, weight_lo)
@@ -261,7 +262,7 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows
     if rows == 0 or sequences == 0:
         return out
     blocks, size = weight.shape[2], weight.shape[3]
-    block_m = max(16, min(MAX_BLOCK_M, next_pow2(sequences)))
+    block_m = block_m or max(16, min(MAX_BLOCK_M, next_pow2(sequences)))
     # pipeline stages of x tiles (3 x BLOCK_M x BLOCK_K fp32) and weight tiles (8 x BLOCK_N x BLOCK_K 16-bit, 12
     # split) that fit in shared memory; up to 32 rows two warps and four stages measured fastest at full size (H100:
     # 10.6 against 12.8 us at one row). Triton buffers stages - 1 of them: at 32 rows 3 x 40 KB, split 3 x 48 KB,

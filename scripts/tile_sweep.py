@@ -4,8 +4,9 @@ alternatives, at one and at several rows per sequence (where a tile's row loop, 
     python -m scripts.tile_sweep --json bench/tile_sweep_h100.json           # full preset sizes, G x k shapes
     python -m scripts.tile_sweep --shapes 64x1,64x4 --ops mamba2 --reps 5
 
-Ops: mlstm_C and retnet_S (kernels/outer_product_update.py at the mLSTM's and RetNet's sizes) and mamba2
-(kernels/mamba2_update.py). Each time is the median over --reps of one launch replayed from a CUDA graph after L2
+Ops: mlstm_C and retnet_S (kernels/outer_product_update.py at the mLSTM's and RetNet's sizes), mamba2
+(kernels/mamba2_update.py) and slstm (kernels/slstm_step.py:
+sequences a program, with the engine's split fp32 input maps over fp16 state maps, one launch per row position). Each time is the median over --reps of one launch replayed from a CUDA graph after L2
 is flushed, in microseconds; the states are the shape's own G slots (fp32), the inputs random. A shape here is G
 sequences exactly, where the engine's captured shapes may hold more (empty) ones, which changes the tiling its
 launchers choose (kernels/outer_product_update.tiling). bench/tile_sweep_h100.json was taken by the version before,
@@ -15,6 +16,7 @@ which timed 10 back-to-back launches between two events: below ~60 us a launch, 
 import argparse
 import itertools
 import json
+import re
 import statistics
 import sys
 import time
@@ -28,9 +30,11 @@ L2_FLUSH_BYTES = 256 << 20  # written before each timed launch: five times an H1
 
 
 def outer_product_configs(d_size):
-    """(block_e, block_d, num_warps, row_stages) to try; None: the launcher's own choice."""
+    """(block_e, block_d, num_warps, row_stages) to try; None: the launcher's own choice. One or two warps a
+    program with tiles of 2,048-4,096 values: a row's readout then sums over d within a warp (no barrier)."""
     configs = [None]
-    for block_e, tile, warps, stages in itertools.product((16, 32, 64), (4096, 8192, 16384), (4, 8), (1, 2)):
+    for block_e, tile, warps, stages in [*itertools.product((16, 32, 64), (4096, 8192, 16384), (4, 8), (1, 2)),
+                                         *itertools.product((8, 16, 32), (2048, 4096), (1, 2), (1,))]:
         block_d = min(next_pow2(d_size), tile // block_e)
         config = (block_e, block_d, warps, stages)
         if config not in configs:
@@ -41,6 +45,9 @@ def outer_product_configs(d_size):
 def mamba2_configs():
     """(block_p, num_warps) to try; None: the launcher's own choice."""
     return [None, *itertools.product((4, 8, 16, 32, 64), (4, 8))]
+
+
+SLSTM_BLOCK_M = (16, 32, 64)  # sequences a program
 
 
 def time_us(fn, reps, torch, dev):
@@ -86,7 +93,7 @@ def check(result, name, outputs):
                                  f"{(got - want).abs().max().item():.3g} of max |value| {want.abs().max().item():.3g}")
 
 
-def sweep_outer_product(heads, d_size, g, k, reps, torch, dev):
+def sweep_outer_product(heads, d_size, g, k, reps, torch, dev, wanted):
     from kernels.outer_product_update import _check, launch
     from kernels._common import plan
 
@@ -103,6 +110,8 @@ def sweep_outer_product(heads, d_size, g, k, reps, torch, dev):
     for config in outer_product_configs(d_size):
         tiling = {} if config is None else dict(zip(("block_e", "block_d", "num_warps", "row_stages"), config))
         name = "default" if config is None else "e{}_d{}_w{}_s{}".format(*config)
+        if not wanted(name):
+            continue
         M.copy_(start)  # one launch from the same state, against the default tiling's output and state
         out.fill_(float("nan"))  # a row the tiling leaves unwritten fails the check
         launch(M, q, key, v, a, den, seq_slots, seq_starts, rounding, out, **tiling)
@@ -112,7 +121,7 @@ def sweep_outer_product(heads, d_size, g, k, reps, torch, dev):
     return result
 
 
-def sweep_mamba2(cfg, g, k, reps, torch, dev):
+def sweep_mamba2(cfg, g, k, reps, torch, dev, wanted):
     from kernels._common import plan
     from kernels.mamba2_update import mamba2_state_update
 
@@ -130,6 +139,8 @@ def sweep_mamba2(cfg, g, k, reps, torch, dev):
     for config in mamba2_configs():
         tiling = {} if config is None else {"block_p": config[0], "num_warps": config[1]}
         name = "default" if config is None else "p{}_w{}".format(*config)
+        if not wanted(name):
+            continue
         h.copy_(start)
         y = mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_starts, **tiling)
         check(result, name, (y, h[1:]))
@@ -139,13 +150,46 @@ def sweep_mamba2(cfg, g, k, reps, torch, dev):
     return result
 
 
+def sweep_slstm(cfg, g, k, reps, torch, dev, wanted):
+    from kernels._common import plan
+    from kernels.slstm_step import pack_weights, slstm_step
+
+    rows, width, blocks = g * k, cfg.hidden, 4
+    size = width // blocks
+    maps = torch.randn(2, 4, blocks, size, size, device=dev) / (2 * size) ** 0.5
+    weight, weight_lo = pack_weights(maps[0], maps[1], torch.float32, torch.float16)
+    xc, xn = torch.randn(rows, width, device=dev), torch.randn(rows, width, device=dev)
+    bias = torch.randn(4, width, device=dev) * 0.5
+    c, n, m, y = (torch.randn(g + 1, width, device=dev) for _ in range(4))
+    n.abs_().add_(0.5)
+    seq_slots, seq_starts = plan(list(range(1, g + 1)), [k] * g, device=dev)
+    start = [t.clone() for t in (c, n, m)]
+    result = {}
+    for block_m in (None, *SLSTM_BLOCK_M):
+        tiling = {} if block_m is None else {"block_m": block_m}
+        name = "default" if block_m is None else f"m{block_m}"
+        if not wanted(name):
+            continue
+
+        def step():
+            return slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, k, weight_lo, **tiling)
+        for state, first in zip((c, n, m), start):
+            state.copy_(first)
+        out = step()
+        check(result, name, (out, c[1:], n[1:], m[1:]))
+        result[name] = time_us(step, reps, torch, dev)
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="full")
     parser.add_argument("--shapes", default="1x1,1x4,20x1,20x4,64x1,64x4,64x8",
                         help="step shapes GxK: G sequences of K rows (default %(default)s)")
-    parser.add_argument("--ops", default="mlstm_C,retnet_S,mamba2", help="comma list (default %(default)s)")
+    parser.add_argument("--ops", default="mlstm_C,retnet_S,mamba2,slstm", help="comma list (default %(default)s)")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--match", default="", help="time only the tilings whose names this regex finds "
+                        "(e.g. '_w1_'); the default's always")
     parser.add_argument("--json", help="write every time here")
     args = parser.parse_args(argv)
     import torch
@@ -157,21 +201,28 @@ def main(argv=None):
               file=sys.stderr)
         return 2
     cfg = get_preset(args.preset)
+    pattern = re.compile(args.match)
+
+    def wanted(name):
+        return name == "default" or bool(pattern.search(name))
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    unknown = set(ops) - {"mlstm_C", "retnet_S", "mamba2"}
+    unknown = set(ops) - {"mlstm_C", "retnet_S", "mamba2", "slstm"}
     if unknown:
-        parser.error(f"unknown ops {sorted(unknown)}; choose from mlstm_C, retnet_S, mamba2")
+        parser.error(f"unknown ops {sorted(unknown)}; choose from mlstm_C, retnet_S, mamba2, slstm")
     results = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)", "preset": args.preset}
     print(f"{'op':9} {'shape':6} {'default us':>10} {'best us':>9}  best tiling")
     for op in ops:
         results[op] = {}
         for g, k in parse_shapes(args.shapes):
             if op == "mlstm_C":
-                times = sweep_outer_product(cfg.heads, 2 * cfg.hidden // cfg.heads, g, k, args.reps, torch, dev)
+                times = sweep_outer_product(cfg.heads, 2 * cfg.hidden // cfg.heads, g, k, args.reps, torch, dev,
+                                            wanted)
             elif op == "retnet_S":
-                times = sweep_outer_product(cfg.heads, cfg.hidden // cfg.heads, g, k, args.reps, torch, dev)
+                times = sweep_outer_product(cfg.heads, cfg.hidden // cfg.heads, g, k, args.reps, torch, dev, wanted)
+            elif op == "mamba2":
+                times = sweep_mamba2(cfg, g, k, args.reps, torch, dev, wanted)
             else:
-                times = sweep_mamba2(cfg, g, k, args.reps, torch, dev)
+                times = sweep_slstm(cfg, g, k, args.reps, torch, dev, wanted)
             times.pop("_reference")
             results[op][f"{g}x{k}"] = times
             best = min(times, key=times.get)

@@ -249,6 +249,23 @@ def test_triton_small_launches_past_the_longest_sequence_do_nothing():
 
 
 @runs_triton
+def test_triton_small_tiles_of_sequences_do_not_change_the_result():
+    """40 sequences in tiles of 16 (three tiles, the last one partial) and of 32: the same bits, and the
+    reference's values."""
+    layout = Layout(lengths=(1, 2, 0, 3) * 10, device=DEVICE)
+    args = ragged(layout)
+    runs = []
+    for block_m in (16, 32):
+        run = {**args, **{name: args[name].clone() for name in STATES}}
+        runs.append((op(**run, **layout.plan, max_rows=3, block_m=block_m)[:layout.live_rows], run))
+    (out16, run16), (out32, run32) = runs
+    assert_same_bits(out16, out32, "y")
+    for name in STATES:
+        assert_same_bits(run16[name], run32[name], name)
+    check_against_reference(op, ref, args, STATES, layout, assert_close, max_rows=3)
+
+
+@runs_triton
 @pytest.mark.parametrize("split_maps", [False, True], ids=["16-bit", "split"])
 def test_triton_small_empty_step_touches_nothing(split_maps):
     args, weight_lo = make_args("slstm_step", 3, 4, SMALL, device=DEVICE), None
