@@ -1,5 +1,7 @@
-"""scripts/make_weights.py, scripts/make_stream.py, scripts/profile_step.py and scripts/kernel_times.py as a user runs
-them: progress, one-line errors."""
+"""scripts/make_weights.py, scripts/make_stream.py, scripts/profile_step.py, scripts/kernel_times.py and
+scripts/host_hiccups.py as a user runs them: progress, one-line errors."""
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,7 @@ def test_script_mistakes_are_one_line(tmp_path):
         ("make_stream.py", ["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "tiny",
                             "--weights", tmp_path / "missing.pt", "--out", tmp_path / "s.npz"],
          f"make_stream: weights file not found: {tmp_path / 'missing.pt'}"),
+        ("host_hiccups.py", ["--seconds", "0"], "scripts/host_hiccups.py: error: argument --seconds: "),
         ("kernel_times.py", ["--batches", "64x4,8x0"],
          "scripts/kernel_times.py: error: argument --batches: a step shape is B or GxK with positive integers, got "
          "'8x0'"),
@@ -58,3 +61,15 @@ def test_gpu_scripts_without_cuda_say_what_they_need_in_one_line(script, args):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert done.stderr.startswith(f"scripts/{script}: error: needs a CUDA GPU")
+
+
+def test_host_hiccups_spins_once_on_every_cpu_it_may_use(tmp_path):
+    out = tmp_path / "hiccups.json"
+    done = run("host_hiccups.py", "--seconds", "0.3", "--gap-ms", "0.5", "--json", out)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    cpus = sorted(os.sched_getaffinity(0))
+    assert [int(cpu) for cpu in result["cpus"]] == cpus
+    for row in result["cpus"].values():
+        assert row["gaps"] >= 0 and row["longest_ms"] > 0 and row["gap_ms_total"] >= 0.5 * row["gaps"]
+    assert f"{len(cpus)} CPUs over 0.3 s:" in done.stdout

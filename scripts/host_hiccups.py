@@ -1,0 +1,70 @@
+"""Stalls of the host itself: one process per CPU, pinned there, spins on the clock and records every gap longer
+than --gap-ms between two reads. A process alone on its CPU sees a gap only when the CPU was taken from it (by the
+kernel's own work, an interrupt storm, or, in a virtual machine, the hypervisor running something else), so gaps
+here are stalls no change in the client can avoid. bench/LOG.md section 49 reads it beside the e2e section's tail.
+
+    python scripts/host_hiccups.py --seconds 20 --json hiccups.json
+"""
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+from client import cli
+
+PROG = "scripts/host_hiccups.py"
+
+def spin(cpu, seconds, gap_ns, queue):
+    """Spin on `cpu` for `seconds`: (cpu, gaps over gap_ns in ms, the longest gap in ms)."""
+    os.sched_setaffinity(0, {cpu})
+    gaps, longest = [], 0
+    now = time.perf_counter_ns()
+    end = now + int(seconds * 1e9)
+    while now < end:
+        then, now = now, time.perf_counter_ns()
+        gap = now - then
+        longest = max(longest, gap)
+        if gap > gap_ns:
+            gaps.append(gap / 1e6)
+    queue.put((cpu, gaps, longest / 1e6))
+
+
+def measure(seconds, gap_ms, cpus=None):
+    """{cpu: {"gaps": n, "gap_ms_total": ..., "longest_ms": ...}} over the CPUs this process may run on."""
+    cpus = sorted(cpus or os.sched_getaffinity(0))
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=spin, args=(cpu, seconds, int(gap_ms * 1e6), queue)) for cpu in cpus]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        cpu, gaps, longest = queue.get()
+        results[cpu] = {"gaps": len(gaps), "gap_ms_total": round(sum(gaps), 3), "longest_ms": round(longest, 3)}
+    for p in procs:
+        p.join()
+    return dict(sorted(results.items()))
+
+
+def main(argv=None):
+    parser = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=cli.positive_float, default=20.0)
+    parser.add_argument("--gap-ms", type=cli.positive_float, default=0.5, help="gaps longer than this are counted")
+    parser.add_argument("--json", help="write the per-CPU results here")
+    args = parser.parse_args(argv)
+    results = measure(args.seconds, args.gap_ms)
+    print(f"{'cpu':>4} {'gaps':>6} {'total ms':>9} {'longest ms':>10}")
+    for cpu, row in results.items():
+        print(f"{cpu:>4} {row['gaps']:>6} {row['gap_ms_total']:>9.2f} {row['longest_ms']:>10.3f}")
+    worst = max(row["longest_ms"] for row in results.values())
+    print(f"{len(results)} CPUs over {args.seconds:g} s: {sum(r['gaps'] for r in results.values())} gaps over "
+          f"{args.gap_ms:g} ms, the longest {worst:.3f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"seconds": args.seconds, "gap_ms": args.gap_ms, "cpus": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
