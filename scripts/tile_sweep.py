@@ -6,12 +6,12 @@ alternatives, at one and at several rows per sequence (where a tile's row loop, 
 
 Ops: mlstm_C and retnet_S (kernels/outer_product_update.py at the mLSTM's and RetNet's sizes), mamba2
 (kernels/mamba2_update.py) and slstm (kernels/slstm_step.py: sequences a program, with the engine's split fp32 input
-maps over fp16 state maps, one launch per row position). Each time is the median over --reps of one launch
-replayed from a CUDA graph after L2 is flushed, in microseconds; the states are the shape's own G slots (fp32), the
-inputs random. A shape here is G sequences exactly, where the engine's captured shapes may hold more (empty) ones, which changes the tiling its
-launchers choose (kernels/outer_product_update.tiling). bench/tile_sweep_h100.json was taken by the version before,
-which timed 10 back-to-back launches between two events: below ~60 us a launch, its times are the launches'
-(bench/LOG.md section 44). On a CPU, with TRITON_INTERPRET=1, a smoke run (--preset tiny).
+maps over fp16 state maps, one launch per row position). Each time is the median over --reps of one launch replayed
+from a CUDA graph after L2 is flushed, in microseconds; the states are the shape's own G slots (fp32), the inputs
+random. A shape here is G sequences exactly, where the engine's captured shapes may hold more (empty) ones, which
+changes the tiling its launchers choose (kernels/outer_product_update.tiling). bench/tile_sweep_h100.json was taken
+by the version before, which timed 10 back-to-back launches between two events: below ~60 us a launch, its times are
+the launches' (bench/LOG.md section 44). On a CPU, with TRITON_INTERPRET=1, a smoke run (--preset tiny).
 """
 import argparse
 import itertools
