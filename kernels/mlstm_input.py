@@ -80,6 +80,13 @@ def mlstm_input_ref(xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_wei
 
 
 @triton.jit
+def _four_columns(w, mask):
+    """W[block, o, i] for i = 0..3 of a map's [GROUPS, 4] tile of (block, o) addresses at i = 0."""
+    return (tl.load(w, mask=mask, other=0.0), tl.load(w + 1, mask=mask, other=0.0),
+            tl.load(w + 2, mask=mask, other=0.0), tl.load(w + 3, mask=mask, other=0.0))
+
+
+@triton.jit
 def _mlstm_input_kernel(
     xm_ptr, state_ptr, conv_w_ptr, conv_b_ptr, qkv_w_ptr, gate_w_ptr, gate_b_ptr, seq_slots_ptr, seq_starts_ptr,
     xc_ptr, qkv_ptr, parts_ptr, rows, stride_xm, stride_state, stride_xc, stride_qkv,
@@ -114,18 +121,9 @@ def _mlstm_input_kernel(
     # the weights once, before the row loop: the compiler reloads them every row otherwise (the loop's stores
     # may alias them), ~12 KB a row from L2 for each of a step's (sequence, chunk) programs
     w = qkv_w_ptr + (chunk * GROUPS + g)[:, None] * 48 + e[None, :] * 4  # W[block, 0, o, 0]
-    wq0 = tl.load(w + 0, mask=mask, other=0.0)
-    wq1 = tl.load(w + 1, mask=mask, other=0.0)
-    wq2 = tl.load(w + 2, mask=mask, other=0.0)
-    wq3 = tl.load(w + 3, mask=mask, other=0.0)
-    wk0 = tl.load(w + 16, mask=mask, other=0.0)
-    wk1 = tl.load(w + 17, mask=mask, other=0.0)
-    wk2 = tl.load(w + 18, mask=mask, other=0.0)
-    wk3 = tl.load(w + 19, mask=mask, other=0.0)
-    wv0 = tl.load(w + 32, mask=mask, other=0.0)
-    wv1 = tl.load(w + 33, mask=mask, other=0.0)
-    wv2 = tl.load(w + 34, mask=mask, other=0.0)
-    wv3 = tl.load(w + 35, mask=mask, other=0.0)
+    wq0, wq1, wq2, wq3 = _four_columns(w, mask)
+    wk0, wk1, wk2, wk3 = _four_columns(w + 16, mask)
+    wv0, wv1, wv2, wv3 = _four_columns(w + 32, mask)
     gw_q = tl.load(gw, mask=gw_mask, other=0.0)
     gw_k = tl.load(gw + INNER, mask=gw_mask, other=0.0)
     gw_v = tl.load(gw + 2 * INNER, mask=gw_mask, other=0.0)
