@@ -16,35 +16,50 @@ from client import cli
 PROG = "scripts/host_hiccups.py"
 
 def spin(cpu, seconds, gap_ns, queue):
-    """Spin on `cpu` for `seconds`: (cpu, gaps over gap_ns in ms, the longest gap in ms)."""
+    """Spin on `cpu` for `seconds`: (cpu, [(gap start, gap end)] in ns of the monotonic clock for the gaps over
+    gap_ns, the longest gap in ms)."""
     os.sched_setaffinity(0, {cpu})
     gaps, longest = [], 0
-    now = time.perf_counter_ns()
+    now = time.monotonic_ns()
     end = now + int(seconds * 1e9)
     while now < end:
-        then, now = now, time.perf_counter_ns()
+        then, now = now, time.monotonic_ns()
         gap = now - then
         longest = max(longest, gap)
         if gap > gap_ns:
-            gaps.append(gap / 1e6)
+            gaps.append((then, now))
     queue.put((cpu, gaps, longest / 1e6))
 
 
+def shared_gaps(gaps_by_cpu) -> int:
+    """Gaps that overlap a gap on at least half of the other CPUs: the whole machine stopped, not one CPU taken."""
+    shared = 0
+    for cpu, gaps in gaps_by_cpu.items():
+        others = [other for other in gaps_by_cpu.values() if other is not gaps]
+        for start, end in gaps:
+            overlapping = sum(any(s < end and start < e for s, e in other) for other in others)
+            shared += bool(others) and overlapping * 2 >= len(others)
+    return shared
+
+
 def measure(seconds, gap_ms, cpus=None):
-    """{cpu: {"gaps": n, "gap_ms_total": ..., "longest_ms": ...}} over the CPUs this process may run on."""
+    """({cpu: {"gaps": n, "gap_ms_total": ..., "longest_ms": ...}} over the CPUs this process may run on, the gaps
+    shared by at least half of the CPUs)."""
     cpus = sorted(cpus or os.sched_getaffinity(0))
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=spin, args=(cpu, seconds, int(gap_ms * 1e6), queue)) for cpu in cpus]
     for p in procs:
         p.start()
-    results = {}
+    results, gaps_by_cpu = {}, {}
     for _ in procs:
         cpu, gaps, longest = queue.get()
-        results[cpu] = {"gaps": len(gaps), "gap_ms_total": round(sum(gaps), 3), "longest_ms": round(longest, 3)}
+        gaps_by_cpu[cpu] = gaps
+        results[cpu] = {"gaps": len(gaps), "gap_ms_total": round(sum(end - start for start, end in gaps) / 1e6, 3),
+                        "longest_ms": round(longest, 3)}
     for p in procs:
         p.join()
-    return dict(sorted(results.items()))
+    return dict(sorted(results.items())), shared_gaps(gaps_by_cpu)
 
 
 def main(argv=None):
@@ -53,16 +68,18 @@ def main(argv=None):
     parser.add_argument("--gap-ms", type=cli.positive_float, default=0.5, help="gaps longer than this are counted")
     parser.add_argument("--json", help="write the per-CPU results here")
     args = parser.parse_args(argv)
-    results = measure(args.seconds, args.gap_ms)
+    results, shared = measure(args.seconds, args.gap_ms)
     print(f"{'cpu':>4} {'gaps':>6} {'total ms':>9} {'longest ms':>10}")
     for cpu, row in results.items():
         print(f"{cpu:>4} {row['gaps']:>6} {row['gap_ms_total']:>9.2f} {row['longest_ms']:>10.3f}")
     worst = max(row["longest_ms"] for row in results.values())
     print(f"{len(results)} CPUs over {args.seconds:g} s: {sum(r['gaps'] for r in results.values())} gaps over "
-          f"{args.gap_ms:g} ms, the longest {worst:.3f} ms")
+          f"{args.gap_ms:g} ms, the longest {worst:.3f} ms; {shared} of them overlap a gap on half of the other CPUs "
+          f"or more (the whole machine stopped)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"seconds": args.seconds, "gap_ms": args.gap_ms, "cpus": results}, f, indent=1)
+            json.dump({"seconds": args.seconds, "gap_ms": args.gap_ms, "shared_gaps": shared, "cpus": results}, f,
+                      indent=1)
     return 0
 
 

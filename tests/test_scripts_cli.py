@@ -73,3 +73,10 @@ def test_host_hiccups_spins_once_on_every_cpu_it_may_use(tmp_path):
     for row in result["cpus"].values():
         assert row["gaps"] >= 0 and row["longest_ms"] > 0 and row["gap_ms_total"] >= 0.5 * row["gaps"]
     assert f"{len(cpus)} CPUs over 0.3 s:" in done.stdout
+
+
+def test_host_hiccups_counts_the_gaps_that_half_the_other_cpus_share():
+    from scripts.host_hiccups import shared_gaps
+    assert shared_gaps({0: [(0, 10)], 1: [(5, 15)], 2: [(100, 110)]}) == 2  # 0 and 1 overlap; 2 stopped alone
+    assert shared_gaps({0: [(0, 10)], 1: [(10, 20)], 2: [(30, 40)]}) == 0   # touching is not overlapping
+    assert shared_gaps({0: [(0, 10), (20, 30)]}) == 0                     # one CPU shares with no one
