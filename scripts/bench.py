@@ -10,6 +10,7 @@ section, so that a run cut off by a time limit still leaves the numbers it had. 
 scripts/benchmarks/; this file is the command line and the runner.
 """
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -20,6 +21,7 @@ import traceback
 import torch
 
 from client import cli
+from client.awake_cpus import AwakeCpus
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.engine.options import add_cluster_arguments
 from client.engine.precision import FP32_STATE, add_precision_argument, precision_argument, state_storage_argument
@@ -104,6 +106,10 @@ def parse_args(argv=None):
     parser.add_argument("--merge", action="store_true", help="keep what --json already holds; rewrite only the "
                                                                "sections of this run")
     parser.add_argument("--e2e-requests", type=cli.positive_int, help="requests of the 400 req/s run (default 4000)")
+    parser.add_argument("--e2e-runs", type=cli.positive_int, help="e2e sessions in a row (default 3)")
+    parser.add_argument("--awake-cpus", choices=("off", "on", "alternate"), default="off",
+                        help="a lowest-priority spinner on every CPU (client/awake_cpus.py): on, through every section; "
+                             "alternate, in every second e2e run (default off)")
     parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the "
                                                      "max-rate search (default 1000,2000,...,20000)")
     parser.add_argument("--rate-seconds", type=cli.positive_float, help="length of each max-rate run (default 2)")
@@ -125,7 +131,8 @@ def parse_args(argv=None):
     counts = QUICK if args.quick else FULL
     overrides = {"family_symbols": args.family_symbols, "family_steps": args.family_steps,
                  "family_seeds": args.family_seeds,
-                 "long_steps": args.long_steps, "e2e_requests": args.e2e_requests, "rates": args.rates,
+                 "long_steps": args.long_steps, "e2e_requests": args.e2e_requests, "e2e_runs": args.e2e_runs,
+                 "rates": args.rates,
                  "rate_seconds": args.rate_seconds, "swap_cold_rate": args.swap_cold_rate}
     args.counts = Counts(**{**counts.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
     if args.counts.family_symbols * len(FAMILIES) > MAX_BATCH:
@@ -191,11 +198,13 @@ def main(argv=None) -> int:
     if args.merge:
         report.load()
     report.update(device=device_name(args.device), preset=args.preset, seed=args.seed, quick=args.quick,
+                  awake_cpus=args.awake_cpus,
                   sections=args.sections, counts=args.counts.__dict__, torch=torch.__version__,
                   pipeline_min_batch=args.pipeline_min_batch or PIPELINE_MIN_BATCH,
                   max_requests_per_symbol=args.max_requests_per_symbol)
     progress(f"bench on {report.data['device']}: preset {args.preset}, sections {','.join(args.sections)}")
-    failed = run_sections(Bench(args, report, progress))
+    with AwakeCpus() if args.awake_cpus == "on" else contextlib.nullcontext():
+        failed = run_sections(Bench(args, report, progress))
     report.update(total_s=time.monotonic() - progress.start)
     print(summary_table(report.data))
     return 1 if failed else 0

@@ -1,7 +1,9 @@
 """Section e2e: the engine behind the team client, served 400 req/s over 20 symbols by the scoring server, several
 sessions in a row (every one reported: the tail is the machine's as much as the code's, bench/LOG.md section 25)."""
+import contextlib
 import math
 
+from client.awake_cpus import AwakeCpus
 from scripts.benchmarks.report import fmt
 from scripts.benchmarks.serving import measure_e2e
 
@@ -9,14 +11,20 @@ from scripts.benchmarks.serving import measure_e2e
 def line(numbers) -> str:
     """A served session's numbers in one line (the progress log, the summary, the gpus section)."""
     return (f"p50 {fmt(numbers['p50_ms'])} ms, p99 {fmt(numbers['p99_ms'])} ms, "
-            f"accuracy {fmt(numbers['accuracy'], 4)}, {fmt(numbers['responses_per_s'], 1)} responses/s")
+            f"accuracy {fmt(numbers['accuracy'], 4)}, {fmt(numbers['responses_per_s'], 1)} responses/s"
+            + (", CPUs kept awake" if numbers.get("awake_cpus") else ""))
 
 
 def run(bench):
-    """e2e_runs sessions in a row, each recorded; the headline is the worst run (_tail)."""
+    """e2e_runs sessions in a row, each recorded; the headline is the worst run (_tail). With --awake-cpus
+    alternate, every second run keeps the CPUs awake (client/awake_cpus.py; with on, bench.py keeps them so in every
+    section)."""
     runs = []
     for i in range(bench.counts.e2e_runs):
-        runs.append(measure_e2e(bench.engine, bench, run=i))
+        alternate = bench.args.awake_cpus == "alternate" and i % 2 == 1
+        with AwakeCpus() if alternate else contextlib.nullcontext():
+            numbers = measure_e2e(bench.engine, bench, run=i)
+        runs.append({**numbers, "awake_cpus": alternate or bench.args.awake_cpus == "on"})
         bench.report.update(e2e_400rps_20sym=max(runs, key=_tail), e2e_runs=runs)
         bench.progress(f"e2e run {i + 1}/{bench.counts.e2e_runs}: {line(runs[-1])}")
 
