@@ -1,9 +1,12 @@
 """What stalls a process: the garbage collector's runs, a sleeping thread woken late, an event loop held up.
 
 Each is noted as (start on time.monotonic(), duration s[, detail]), so that a slow answer can be matched with
-what happened around it in the client's and the server's process (scripts/e2e_timeline.py).
+what happened around it in the client's and the server's process (scripts/e2e_timeline.py). With a stacks file,
+an event loop held up longer than stacks_after_s has every thread's stack written there while it is held up, by
+faulthandler's own thread, which needs no GIL: what held the loop shows even when a C call kept the GIL.
 """
 import asyncio
+import faulthandler
 import gc
 import threading
 import time
@@ -15,8 +18,11 @@ class StallProbe:
 
     # The probe's own wake-ups cost the process latency: every 1 ms they added ~0.3 ms to the p50 at 400 req/s
     # (bench/LOG.md section 27); every 5 ms still catches every longer stall and most of a few ms.
-    def __init__(self, tick_s: float = 0.005, late_s: float = 0.002, lag_s: float = 0.003):
+    def __init__(self, tick_s: float = 0.005, late_s: float = 0.002, lag_s: float = 0.003,
+                 stacks_path: str | None = None, stacks_after_s: float = 0.012):
         self.tick_s, self.late_s, self.lag_s = tick_s, late_s, lag_s
+        self.stacks_path, self.stacks_after_s = stacks_path, stacks_after_s
+        self._stacks_file = None
         self.collections: list[tuple[float, float, int]] = []  # (start, seconds, generation)
         self.late_wakeups: list[tuple[float, float]] = []      # (went to sleep, seconds beyond tick_s)
         self.loop_lags: list[tuple[float, float]] = []         # (went to sleep, seconds beyond tick_s)
@@ -31,6 +37,10 @@ class StallProbe:
         return self
 
     def stop(self):
+        if self._stacks_file is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._stacks_file.close()
+            self._stacks_file = None
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         self._stop.set()
@@ -53,7 +63,11 @@ class StallProbe:
 
     async def watch_loop(self):
         """Run as a task on the event loop to watch; cancel it to stop."""
+        if self.stacks_path is not None:
+            self._stacks_file = open(self.stacks_path, "a")
         while True:
+            if self._stacks_file is not None:  # re-armed each tick: it fires only if the loop misses the next ones
+                faulthandler.dump_traceback_later(self.stacks_after_s, file=self._stacks_file)
             asleep = time.monotonic()
             await asyncio.sleep(self.tick_s)
             beyond = time.monotonic() - asleep - self.tick_s

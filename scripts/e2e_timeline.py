@@ -77,7 +77,29 @@ def analyze(timeline: dict, slowest: int = 12, near_s: float = 0.02) -> dict:
         worst.append({"unique_id": r["unique_id"], "latency_ms": r["latency_ms"],
                       "segments_ms": [1e3 * (r[b] - r[a]) for _, a, b in SEGMENTS], "stalls_near": near})
     return {"answers": len(rows), "p50_ms": float(np.median(latencies)), "p99_ms": p99,
-            "segments_all": stats(rows), "segments_slowest_1pct": stats(tail), "stalls": stalls, "slowest": worst}
+            "segments_all": stats(rows), "segments_slowest_1pct": stats(tail), "stalls": stalls, "slowest": worst,
+            "episodes": episodes(rows, start, max(2 * float(np.median(latencies)), 5.0))}
+
+
+def episodes(rows, start, slow_ms, join_s=0.03) -> list[dict]:
+    """The slow answers (over slow_ms) grouped in time: answers sent within join_s of the previous slow one's end
+    join its episode. Whether the tail is a few stalls of many answers or many single ones, when each began (s
+    after the first send), and the segment that took the most of its answers' time."""
+    slow = sorted((r for r in rows if r["latency_ms"] > slow_ms), key=lambda r: r["sent"])
+    groups = []
+    for r in slow:
+        if groups and r["sent"] <= max(g["end"] for g in groups[-1]) + join_s:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    out = []
+    for group in groups:
+        segment_ms = {name: float(np.median([1e3 * (r[b] - r[a]) for r in group])) for name, a, b in SEGMENTS}
+        out.append({"at_s": group[0]["sent"] - start, "answers": len(group),
+                    "span_ms": 1e3 * (max(r["end"] for r in group) - group[0]["sent"]),
+                    "max_latency_ms": max(r["latency_ms"] for r in group),
+                    "segment": max(segment_ms, key=segment_ms.get), "segment_median_ms": segment_ms})
+    return out
 
 
 def format_report(result: dict) -> str:
@@ -90,6 +112,10 @@ def format_report(result: dict) -> str:
     for process, kinds in result["stalls"].items():
         parts = [f"{kind.replace('_', ' ')} {v['count']} (max {v['max_ms']:.1f} ms)" for kind, v in kinds.items()]
         lines.append(f"{process} stalls: " + ", ".join(parts))
+    slow = result["episodes"]
+    lines.append(f"slow answers in {len(slow)} episodes (at s: answers, span ms, max ms, the longest segment):")
+    lines.extend(f"  {e['at_s']:7.3f}: {e['answers']:3d}, {e['span_ms']:6.1f}, {e['max_latency_ms']:6.1f}, "
+                 f"{e['segment']} ({e['segment_median_ms'][e['segment']]:.1f})" for e in slow[:40])
     lines.append("slowest answers (ms, the segments in order) and the stalls around them:")
     for w in result["slowest"]:
         segments = " ".join(f"{v:6.2f}" for v in w["segments_ms"])
@@ -129,6 +155,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--sessions", type=int, default=2, help="sessions in a row on one engine")
     ap.add_argument("--slowest", type=int, default=12, help="slowest answers to list")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--stacks", type=Path, help="a folder: every thread's stacks, in both processes, whenever an "
+                                                "event loop is held up over 12 ms (server_stacks.txt, "
+                                                "client_stacks.txt, appended session after session)")
     args = ap.parse_args(argv)
     if args.rate <= 0 or args.symbols < 1 or args.requests < args.symbols or args.sessions < 1:
         ap.error("need --rate > 0, --symbols >= 1, --requests >= --symbols and --sessions >= 1")
@@ -151,8 +180,13 @@ def main(argv=None) -> list[dict]:
         stream = prefixed_stream("TL_", args.symbols, args.requests, args.seed + 100 + session, args.rate)
         targets = tracker.targets(stream)
         started = time.perf_counter()
+        if args.stacks is not None:
+            args.stacks.mkdir(parents=True, exist_ok=True)
+            for side in ("server", "client"):
+                with open(args.stacks / f"{side}_stacks.txt", "a") as f:
+                    f.write(f"== session {session}\n")
         summary = event_loop.run(serve_stream(engine, stream, targets, args.rate, args.preset, args.seed,
-                                              timeline=True))
+                                              timeline=True, stacks_dir=args.stacks))
         result = {"session": session, "rate": args.rate, "symbols": args.symbols, "seconds":
                   time.perf_counter() - started, **analyze(summary["timeline"], args.slowest)}
         print(f"== session {session}: " + format_report(result), flush=True)

@@ -59,6 +59,20 @@ def test_analyze_joins_the_stages_and_finds_the_stall_behind_the_slowest_answer(
     assert result["stalls"]["client"]["late_wakeups"] == {"count": 1, "max_ms": pytest.approx(4.0),
                                                           "total_ms": pytest.approx(4.0)}
     assert "21.00" in _load().format_report(result)
+    episode, = result["episodes"]  # p50 2.9 ms: answers over 5.8 ms are slow, only uid 17
+    assert episode["answers"] == 1 and episode["max_latency_ms"] == pytest.approx(21.0)
+    assert episode["at_s"] == pytest.approx(0.0025 * 17) and episode["segment"] == "submitted -> step done"
+
+
+def test_slow_answers_close_in_time_are_one_episode():
+    rows = [{"unique_id": i, "sent": sent, "end": sent + latency / 1e3, "latency_ms": latency,
+             "received": sent, "batched": sent, "submitted": sent, "done": sent + latency / 1e3,
+             "answered": sent + latency / 1e3}
+            for i, (sent, latency) in enumerate([(1.0, 20.0), (1.01, 15.0), (1.2, 3.0), (2.0, 9.0), (2.5, 30.0)])]
+    found = _load().episodes(rows, start=1.0, slow_ms=5.0)
+    assert [(e["answers"], round(e["at_s"], 3)) for e in found] == [(2, 0.0), (1, 1.0), (1, 1.5)]
+    assert found[0]["span_ms"] == pytest.approx(25.0) and found[0]["max_latency_ms"] == 20.0
+    assert found[0]["segment"] == "submitted -> step done"
 
 
 def test_analyze_refuses_a_timeline_without_answers():

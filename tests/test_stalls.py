@@ -48,3 +48,25 @@ def test_a_blocked_event_loop_is_noted_as_lag():
     asyncio.run(main())
     assert len(probe.loop_lags) == 1 and probe.loop_lags[0][1] >= 0.04
     assert set(probe.events()) == {"collections", "late_wakeups", "loop_lags"}
+
+
+def _block_the_loop_for(seconds):
+    time.sleep(seconds)
+
+
+def test_a_long_stall_writes_every_threads_stack_while_it_lasts(tmp_path):
+    path = tmp_path / "stacks.txt"
+    probe = StallProbe(tick_s=0.001, stacks_path=str(path), stacks_after_s=0.05)
+
+    async def main():
+        watch = asyncio.create_task(probe.watch_loop())
+        await asyncio.sleep(0.1)  # ticks re-arm the watchdog: nothing written
+        assert path.read_text() == ""
+        _block_the_loop_for(0.3)
+        await asyncio.sleep(0.01)
+        watch.cancel()
+
+    asyncio.run(main())
+    probe.stop()
+    stacks = path.read_text()
+    assert stacks.count("Timeout (") == 1 and "_block_the_loop_for" in stacks

@@ -4,6 +4,7 @@ requests; the e2e and max-rate measurements built on it."""
 import asyncio
 import math
 import multiprocessing
+import os
 import queue
 
 import numpy as np
@@ -77,15 +78,15 @@ def prefixed_stream(prefix, num_symbols, num_requests, seed, rate):
     return Stream(np.char.add(prefix, stream.symbols), stream.features, stream.delay_ms, meta=stream.meta)
 
 
-def _serve_in_child(config, stream, targets, to_parent, from_parent, timeline=False):
+def _serve_in_child(config, stream, targets, to_parent, from_parent, timeline=False, stacks_path=None):
     """Child process: run the scoring server, report its port, then the first team's summary, with its
     per-request send times and latencies under "request_times" (with timeline: those and what stalled the
-    process, under "timeline")."""
+    process, under "timeline"; with stacks_path, the stacks of its event loop's long stalls there)."""
     from client.stalls import StallProbe
     from server.app import ScoringServer
 
     async def main():
-        probe = StallProbe().start() if timeline else None
+        probe = StallProbe(stacks_path=stacks_path).start() if timeline else None
         watch = asyncio.create_task(probe.watch_loop()) if probe else None
         server = ScoringServer(config, stream=stream, targets=targets)
         to_parent.put(await server.start())
@@ -107,11 +108,12 @@ class ServerProcess:
     """The project's scoring server in a process of its own, as a real scoring server would be: its pacing,
     its latency clock and its event loop never wait for the client's interpreter (GIL) or event loop."""
 
-    def __init__(self, config, stream, targets, timeline=False):
+    def __init__(self, config, stream, targets, timeline=False, stacks_path=None):
         ctx = multiprocessing.get_context("spawn")
         self._to_parent, self._from_parent = ctx.Queue(), ctx.Queue()
         self._process = ctx.Process(target=_serve_in_child, name="scoring-server", daemon=True,
-                                    args=(config, stream, targets, self._to_parent, self._from_parent, timeline))
+                                    args=(config, stream, targets, self._to_parent, self._from_parent, timeline,
+                                          stacks_path))
         self._process.start()
         self.port = self._get(timeout=120)
 
@@ -143,10 +145,12 @@ class ServerProcess:
 
 
 async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False,
-                       max_requests_per_symbol=None, team_client=None, during=None, form_late=True) -> dict:
+                       max_requests_per_symbol=None, team_client=None, during=None, form_late=True,
+                       stacks_dir=None) -> dict:
     """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
     the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
-    processes' stalls (scripts/e2e_timeline.py reads them). `during(client)`, a coroutine function, runs beside
+    processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir every thread's stack in each event
+    loop's long stalls (server_stacks.txt, client_stacks.txt there; client/stalls.py). `during(client)`, a coroutine function, runs beside
     the session (the backlog section pauses the client with it)."""
     from client.runtime import StreamingClient
     from client.stalls import StallProbe
@@ -155,8 +159,10 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
 
     config = ServerConfig(host="127.0.0.1", port=0, preset=preset, seed=seed,
                           symbols=len(np.unique(stream.symbols)), requests=len(stream), rate=rate, once=True)
-    server = await asyncio.to_thread(ServerProcess, config, stream, targets, timeline)
-    probe = StallProbe().start() if timeline else None
+    stacks = {side: None if stacks_dir is None else os.path.join(stacks_dir, f"{side}_stacks.txt")
+              for side in ("server", "client")}
+    server = await asyncio.to_thread(ServerProcess, config, stream, targets, timeline, stacks["server"])
+    probe = StallProbe(stacks_path=stacks["client"]).start() if timeline else None
     watch = asyncio.create_task(probe.watch_loop()) if probe else None
     try:
         options = {"pipeline_min_batch": pipeline_min_batch, "max_requests_per_symbol": max_requests_per_symbol}
