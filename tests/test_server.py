@@ -120,6 +120,16 @@ def test_correct_client_scores_every_request():
     assert summary["latency_ms"]["p50"] <= summary["latency_ms"]["p99"] <= summary["latency_ms"]["max"]
 
 
+def test_no_compression_even_for_a_client_that_offers_it():
+    async def main():
+        async with Server() as s:
+            ws = await connect(s.url)  # websockets offers permessage-deflate by default
+            extensions = ws.protocol.extensions
+            await ws.close()
+            return extensions
+    assert run(main()) == []
+
+
 def test_requests_due_together_share_a_message():
     async def main():
         async with Server(rate=None, speed=1e6) as s:  # whole stream due at once
