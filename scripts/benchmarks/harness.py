@@ -53,7 +53,7 @@ class Counts:
 FULL = Counts(copy_bytes=1 << 30, copy_repeats=20, step_warmup=20, step_iters=200, baseline_warmup=5,
               baseline_iters=20, family_symbols=4, family_steps=1000, family_seeds=3, long_symbols=4,
               long_steps=10_000, e2e_requests=4000, e2e_runs=3,
-              rates=[2000, 5000, 8000, 11000, 14000, 17000, 20000, 23000, 26000, 30000],
+              rates=[2000, 5000, 8000, 11000, 14000, 15000, 16000, 17000, 20000, 23000, 26000, 30000],
               k1_rates=[3000, 4000, 5000, 6000, 7000, 8000], rate_seconds=1.5, new_symbols=200, arrival_seconds=10.0,
               arrival_rate=E2E_RATE, churn_symbols=24, churn_capacity=8, churn_steps=200, cpu_host_symbols=400,
               swap_hot_symbols=20, swap_hot_rate=400.0, swap_cold_rate=50.0, swap_seconds=20.0)
