@@ -110,9 +110,10 @@ def parse_args(argv=None):
     parser.add_argument("--awake-cpus", choices=("off", "on", "alternate"), default="off",
                         help="a lowest-priority spinner on every CPU (client/awake_cpus.py): on, through every section; "
                              "alternate, in every second e2e run (default off)")
-    parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the "
-                                                     "max-rate search (default 2000,5000,...,14000,15000,16000,17000,...,30000)")
-    parser.add_argument("--rate-seconds", type=cli.positive_float, help="length of each max-rate run (default 2)")
+    parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the max-rate "
+                                                     "search (default 2000,5000,8000,11000,14000,15000,16000,"
+                                                     "17000,20000,...,30000)")
+    parser.add_argument("--rate-seconds", type=cli.positive_float, help="length of each max-rate run (default 1.5)")
     parser.add_argument("--swap-cold-rate", type=_non_negative_float, metavar="PER_S",
                         help="swap section: cold symbols a second through the host tier (default 50; 0: the hot "
                              "symbols alone, the section's baseline)")
