@@ -170,7 +170,7 @@ class StreamingClient:
                  backoff_max_s: float = 5.0, connect_timeout_s: float = 3.0, give_up_after_s: float = 10.0,
                  cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
                  form_late: bool = True, timeline: bool = False, give_up_repeats: int = GIVE_UP_REPEATS,
-                 server_idle_s: float = SERVER_IDLE_S):
+                 server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -182,6 +182,7 @@ class StreamingClient:
             raise ValueError("need heartbeat_s > 0, 0 < backoff_s <= backoff_max_s, connect_timeout_s > 0, "
                              "give_up_after_s >= 0, give_up_repeats >= 1 and server_idle_s > 0")
         self.give_up_repeats, self.server_idle_s = give_up_repeats, server_idle_s
+        self.ws_compression = ws_compression  # offer permessage-deflate (off: client/websocket_transport.py)
         self._session_key: str | None = None  # the server's, from its welcome: what a reconnect presents
         self._failures: list[tuple] = []      # how the connections since the last new request ended
         self._frames = 0                      # frames received (the idle watch compares counts)
@@ -330,7 +331,8 @@ class StreamingClient:
             window = self.connect_timeout_s if first else self.give_up_after_s
             remaining = window - (time.monotonic() - unreachable_since)
             try:
-                async with await transport.connect(self.url, open_timeout=max(remaining, 0.1)) as ws:
+                async with await transport.connect(self.url, open_timeout=max(remaining, 0.1),
+                                                   ws_compression=self.ws_compression) as ws:
                     requests_before = self.stats.requests
                     if await self._session(ws):
                         return

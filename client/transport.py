@@ -101,12 +101,13 @@ class Connection(ABC):
         await self.close()
 
 
-async def connect(url: str, open_timeout: float) -> Connection:
-    """A connection to the server at url in the protocol its scheme names (ConnectError, ProtocolMismatch)."""
+async def connect(url: str, open_timeout: float, ws_compression: bool = False) -> Connection:
+    """A connection to the server at url in the protocol its scheme names (ConnectError, ProtocolMismatch);
+    ws_compression offers permessage-deflate on a websocket (off: client/websocket_transport.py says why)."""
     if protocol_of(url) == "websocket":
         from client.websocket_transport import connect_websocket  # websockets is imported for this protocol only
 
-        return await connect_websocket(url, open_timeout)
+        return await connect_websocket(url, open_timeout, ws_compression)
     return await TcpJsonConnection.open(url, open_timeout)
 
 

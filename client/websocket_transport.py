@@ -10,11 +10,13 @@ from client.transport import (ConnectError, Connection, ConnectionClosed as Tran
                               first_bytes, mismatch)
 
 
-async def connect_websocket(url: str, open_timeout: float) -> "WebSocketConnection":
+async def connect_websocket(url: str, open_timeout: float, compression: bool = False) -> "WebSocketConnection":
     try:
-        # No permessage-deflate (websockets offers it by default): msgpack'd float32 features shrink by ~8% for
-        # ~30 us of the server's loop per one-row frame and ~0.8 ms per 64-row frame (bench/LOG.md section 50).
-        ws = await connect(url, max_size=protocol.MAX_FRAME_BYTES, open_timeout=open_timeout, compression=None)
+        # No permessage-deflate unless asked (websockets offers it by default; kept to measure against): msgpack'd
+        # float32 features shrink by ~8% for ~30 us of the server's loop per one-row frame and ~0.8 ms per 64-row
+        # frame (bench/LOG.md section 50).
+        ws = await connect(url, max_size=protocol.MAX_FRAME_BYTES, open_timeout=open_timeout,
+                           compression="deflate" if compression else None)
     except InvalidURI as exc:
         raise ValueError(f"bad server url {url!r}: {exc}") from None
     except (InvalidHandshake, TimeoutError) as exc:

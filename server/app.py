@@ -59,6 +59,9 @@ class ServerConfig:
     max_frame_bytes: int = protocol.MAX_FRAME_BYTES
     max_requests_per_message: int = 4096
     progress: bool = False
+    # Accept permessage-deflate when a client offers it, as websockets does by default: off, and kept only to
+    # measure against (bench.py --ws-compression; bench/LOG.md section 50).
+    ws_compression: bool = False
 
     def __post_init__(self):
         positive = {"symbols": self.symbols, "requests": self.requests, "speed": self.speed,
@@ -158,7 +161,8 @@ class ScoringServer:
         # through to be answered with an error. No permessage-deflate, even for a client that offers it: the
         # features hardly compress, and compressing them held this loop up to 31 ms at 15,000 req/s (LOG 50).
         try:
-            self._server = await serve(self._handle, self.config.host, self.config.port, compression=None,
+            self._server = await serve(self._handle, self.config.host, self.config.port,
+                                       compression="deflate" if self.config.ws_compression else None,
                                        process_request=self._http, max_size=2 * self.config.max_frame_bytes,
                                        create_connection=sniffing_connections(self._accept_original,
                                                                               self.config.register_timeout_s))

@@ -120,14 +120,15 @@ def test_correct_client_scores_every_request():
     assert summary["latency_ms"]["p50"] <= summary["latency_ms"]["p99"] <= summary["latency_ms"]["max"]
 
 
-def test_no_compression_even_for_a_client_that_offers_it():
+@pytest.mark.parametrize("ws_compression, extensions", [(False, []), (True, ["permessage-deflate"])])
+def test_no_compression_even_for_a_client_that_offers_it_unless_configured(ws_compression, extensions):
     async def main():
-        async with Server() as s:
+        async with Server(ws_compression=ws_compression) as s:
             ws = await connect(s.url)  # websockets offers permessage-deflate by default
-            extensions = ws.protocol.extensions
+            negotiated = [extension.name for extension in ws.protocol.extensions]
             await ws.close()
-            return extensions
-    assert run(main()) == []
+            return negotiated
+    assert run(main()) == extensions
 
 
 def test_requests_due_together_share_a_message():

@@ -12,19 +12,22 @@ def line(numbers) -> str:
     """A served session's numbers in one line (the progress log, the summary, the gpus section)."""
     return (f"p50 {fmt(numbers['p50_ms'])} ms, p99 {fmt(numbers['p99_ms'])} ms, "
             f"accuracy {fmt(numbers['accuracy'], 4)}, {fmt(numbers['responses_per_s'], 1)} responses/s"
-            + (", CPUs kept awake" if numbers.get("awake_cpus") else ""))
+            + (", CPUs kept awake" if numbers.get("awake_cpus") else "")
+            + (", frames compressed" if numbers.get("ws_compression") else ""))
 
 
 def run(bench):
     """e2e_runs sessions in a row, each recorded; the headline is the worst run (_tail). With --awake-cpus
     alternate, every second run keeps the CPUs awake (client/awake_cpus.py; with on, bench.py keeps them so in every
-    section)."""
+    section); with --ws-compression alternate, every second run compresses its websocket frames (as before
+    bench/LOG.md section 50)."""
     runs = []
     for i in range(bench.counts.e2e_runs):
         alternate = bench.args.awake_cpus == "alternate" and i % 2 == 1
+        compressed = bench.args.ws_compression == "alternate" and i % 2 == 1
         with AwakeCpus() if alternate else contextlib.nullcontext():
-            numbers = measure_e2e(bench.engine, bench, run=i)
-        runs.append({**numbers, "awake_cpus": alternate or bench.args.awake_cpus == "on"})
+            numbers = measure_e2e(bench.engine, bench, run=i, ws_compression=compressed)
+        runs.append({**numbers, "awake_cpus": alternate or bench.args.awake_cpus == "on", "ws_compression": compressed})
         bench.report.update(e2e_400rps_20sym=max(runs, key=_tail), e2e_runs=runs)
         bench.progress(f"e2e run {i + 1}/{bench.counts.e2e_runs}: {line(runs[-1])}")
 

@@ -146,19 +146,21 @@ class ServerProcess:
 
 async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False,
                        max_requests_per_symbol=None, team_client=None, during=None, form_late=True,
-                       stacks_dir=None) -> dict:
+                       stacks_dir=None, ws_compression=False) -> dict:
     """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
     the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
     processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir every thread's stack in each event
-    loop's long stalls (server_stacks.txt, client_stacks.txt there; client/stalls.py). `during(client)`, a coroutine function, runs beside
-    the session (the backlog section pauses the client with it)."""
+    loop's long stalls (server_stacks.txt, client_stacks.txt there; client/stalls.py). ws_compression: both ends
+    take permessage-deflate, as before bench/LOG.md section 50 (to measure against). `during(client)`, a coroutine
+    function, runs beside the session (the backlog section pauses the client with it)."""
     from client.runtime import StreamingClient
     from client.stalls import StallProbe
     from server.app import ServerConfig
     from team.example_model import ExampleModel
 
     config = ServerConfig(host="127.0.0.1", port=0, preset=preset, seed=seed,
-                          symbols=len(np.unique(stream.symbols)), requests=len(stream), rate=rate, once=True)
+                          symbols=len(np.unique(stream.symbols)), requests=len(stream), rate=rate, once=True,
+                          ws_compression=ws_compression)
     stacks = {side: None if stacks_dir is None else os.path.join(stacks_dir, f"{side}_stacks.txt")
               for side in ("server", "client")}
     server = await asyncio.to_thread(ServerProcess, config, stream, targets, timeline, stacks["server"])
@@ -167,7 +169,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     try:
         options = {"pipeline_min_batch": pipeline_min_batch, "max_requests_per_symbol": max_requests_per_symbol}
         client = StreamingClient(team_client or ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench",
-                                 timeline=timeline, form_late=form_late,
+                                 timeline=timeline, form_late=form_late, ws_compression=ws_compression,
                                  **{k: v for k, v in options.items() if v is not None})
         playing = asyncio.create_task(client.run())
         beside = asyncio.create_task(during(client)) if during is not None else None
@@ -211,16 +213,16 @@ def session_numbers(summary) -> dict:
             "responses": summary["responses"], "missed": summary["missed"]}
 
 
-def serve(bench, engine, stream, targets, rate, per_symbol=None) -> dict:
+def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=False) -> dict:
     """session_numbers of `stream` served at `rate` to `engine` with the run's settings (per_symbol: requests of
     a symbol a step may carry, the run's --max-requests-per-symbol by default)."""
     args = bench.args
     return session_numbers(event_loop.run(serve_stream(
         engine, stream, targets, rate, args.preset, args.seed, args.pipeline_min_batch,
-        max_requests_per_symbol=per_symbol or args.max_requests_per_symbol)))
+        max_requests_per_symbol=per_symbol or args.max_requests_per_symbol, ws_compression=ws_compression)))
 
 
-def measure_e2e(engine, bench, prefix="E2E_", run=0):
+def measure_e2e(engine, bench, prefix="E2E_", run=0, ws_compression=False):
     """The session's numbers of E2E_SYMBOLS symbols served at E2E_RATE (run: the stream's index, for its seed)."""
     tracker = ReferenceTracker(bench.model, prefixed_names(prefix, E2E_SYMBOLS), bench.device)
     stream = prefixed_stream(prefix, E2E_SYMBOLS, bench.counts.e2e_requests, bench.args.seed + 1 + 100 * run,
@@ -228,7 +230,7 @@ def measure_e2e(engine, bench, prefix="E2E_", run=0):
     targets = tracker.targets(stream)
     del tracker
     bench.progress(f"e2e: targets ready; serving {len(stream)} requests at {E2E_RATE:.0f} req/s")
-    numbers = serve(bench, engine, stream, targets, E2E_RATE)
+    numbers = serve(bench, engine, stream, targets, E2E_RATE, ws_compression=ws_compression)
     engine.release(np.unique(stream.symbols).tolist())
     return numbers
 
