@@ -108,8 +108,12 @@ def parse_args(argv=None):
     parser.add_argument("--e2e-requests", type=cli.positive_int, help="requests of the 400 req/s run (default 4000)")
     parser.add_argument("--e2e-runs", type=cli.positive_int, help="e2e sessions in a row (default 3)")
     parser.add_argument("--awake-cpus", choices=("off", "on", "alternate"), default="off",
-                        help="a lowest-priority spinner on every CPU (client/awake_cpus.py): on, through every section; "
-                             "alternate, in every second e2e run (default off)")
+                        help="a lowest-priority spinner on every CPU (client/awake_cpus.py): on, through every "
+                             "section; alternate, in every second e2e run (default off)")
+    parser.add_argument("--stacks", metavar="DIR",
+                        help="served sections: whenever the client's or the server's event loop misses its ticks for "
+                             "12 ms, every thread's stack of that process, appended to DIR/client_stacks.txt or "
+                             "DIR/server_stacks.txt under a line per session (client/stalls.py)")
     parser.add_argument("--ws-compression", choices=("off", "alternate"), default="off",
                         help="e2e section: permessage-deflate on both ends of the websocket in every second run, as "
                              "before bench/LOG.md section 50 (default off)")

@@ -180,11 +180,6 @@ def main(argv=None) -> list[dict]:
         stream = prefixed_stream("TL_", args.symbols, args.requests, args.seed + 100 + session, args.rate)
         targets = tracker.targets(stream)
         started = time.perf_counter()
-        if args.stacks is not None:
-            args.stacks.mkdir(parents=True, exist_ok=True)
-            for side in ("server", "client"):
-                with open(args.stacks / f"{side}_stacks.txt", "a") as f:
-                    f.write(f"== session {session}\n")
         summary = event_loop.run(serve_stream(engine, stream, targets, args.rate, args.preset, args.seed,
                                               timeline=True, stacks_dir=args.stacks))
         result = {"session": session, "rate": args.rate, "symbols": args.symbols, "seconds":

@@ -40,7 +40,8 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     out = tmp_path / "out.json"
     done = subprocess.run([sys.executable, str(BENCH), "--preset", "tiny", "--device", "cpu", "--quick",
                            "--sections", ",".join(CPU_SECTIONS), "--precisions", "auto;bf16",
-                           "--state-dtypes", "fp32;fp16", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+                           "--state-dtypes", "fp32;fp16", "--json", str(out), "--log-dir", str(tmp_path / "logs"),
+                           "--stacks", str(tmp_path / "stacks")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": str(REPO)})  # this checkout's packages, not an installed one
     assert done.returncode == 0, done.stderr[-4000:]
@@ -96,6 +97,10 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     assert set(data["section_s"]) == set(CPU_SECTIONS)
     assert "max rate with p99" in done.stdout  # the summary table
     assert any((tmp_path / "logs").glob("bench-*.log"))
+    # a line per served session in each process's stacks file (e2e, every max rate tried, capacity, swap, ...)
+    sessions = {side: [line for line in (tmp_path / "stacks" / f"{side}_stacks.txt").read_text().splitlines()
+                       if line.startswith("== ")] for side in ("client", "server")}
+    assert sessions["client"] == sessions["server"] and len(sessions["client"]) >= 2 + len(runs)
 
 
 def test_reference_tracker_continues_states_across_streams():

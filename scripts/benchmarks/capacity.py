@@ -45,7 +45,8 @@ def measure_capacity(bench):
     args = bench.args
     session = event_loop.run(serve_stream(engine, stream, targets, counts.arrival_rate, args.preset, args.seed,
                                           args.pipeline_min_batch, timeline=True,
-                                          max_requests_per_symbol=args.max_requests_per_symbol))
+                                          max_requests_per_symbol=args.max_requests_per_symbol,
+                                          stacks_dir=args.stacks))
     numbers, steps = session_numbers(session), session["timeline"]["steps"]
     small = served_step_ms(steps, 20)
     result = {"symbols_held": table.capacity + table.host_capacity, "symbols_at_budget": table.capacity,

@@ -6,6 +6,7 @@ import math
 import multiprocessing
 import os
 import queue
+import time
 
 import numpy as np
 import torch
@@ -86,7 +87,7 @@ def _serve_in_child(config, stream, targets, to_parent, from_parent, timeline=Fa
     from server.app import ScoringServer
 
     async def main():
-        probe = StallProbe(stacks_path=stacks_path).start() if timeline else None
+        probe = StallProbe(stacks_path=stacks_path).start() if timeline or stacks_path else None
         watch = asyncio.create_task(probe.watch_loop()) if probe else None
         server = ScoringServer(config, stream=stream, targets=targets)
         to_parent.put(await server.start())
@@ -96,6 +97,7 @@ def _serve_in_child(config, stream, targets, to_parent, from_parent, timeline=Fa
         if probe:
             watch.cancel()
             probe.stop()
+        if timeline:
             summary["timeline"] = {**server.first_session.request_times(), "stalls": probe.events()}
         to_parent.put(summary)
         await asyncio.to_thread(from_parent.get)  # stay up until the client has finished
@@ -163,8 +165,14 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
                           ws_compression=ws_compression)
     stacks = {side: None if stacks_dir is None else os.path.join(stacks_dir, f"{side}_stacks.txt")
               for side in ("server", "client")}
+    if stacks_dir is not None:
+        os.makedirs(stacks_dir, exist_ok=True)
+        for path in stacks.values():
+            with open(path, "a") as f:
+                f.write(f"== {time.strftime('%H:%M:%S')}: a session of {len(stream)} requests over "
+                        f"{len(np.unique(stream.symbols))} symbols at {rate} req/s\n")
     server = await asyncio.to_thread(ServerProcess, config, stream, targets, timeline, stacks["server"])
-    probe = StallProbe(stacks_path=stacks["client"]).start() if timeline else None
+    probe = StallProbe(stacks_path=stacks["client"]).start() if timeline or stacks_dir else None
     watch = asyncio.create_task(probe.watch_loop()) if probe else None
     try:
         options = {"pipeline_min_batch": pipeline_min_batch, "max_requests_per_symbol": max_requests_per_symbol}
@@ -181,7 +189,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
         if beside is not None:
             await beside
         summary = await asyncio.to_thread(server.summary)
-        if probe:
+        if timeline:
             summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps)
         return summary
     finally:
@@ -219,7 +227,8 @@ def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=
     args = bench.args
     return session_numbers(event_loop.run(serve_stream(
         engine, stream, targets, rate, args.preset, args.seed, args.pipeline_min_batch,
-        max_requests_per_symbol=per_symbol or args.max_requests_per_symbol, ws_compression=ws_compression)))
+        max_requests_per_symbol=per_symbol or args.max_requests_per_symbol, ws_compression=ws_compression,
+        stacks_dir=args.stacks)))
 
 
 def measure_e2e(engine, bench, prefix="E2E_", run=0, ws_compression=False):

@@ -114,7 +114,7 @@ def measure_swap(bench):
     timed = TimedSubmits(engine)
     targets = np.zeros((len(stream), len(TOWER_NAMES)), np.float32)  # latency only: churn checks the states' bits
     session = event_loop.run(serve_stream(timed, stream, targets, None, bench.args.preset, bench.args.seed,
-                                          bench.args.pipeline_min_batch, timeline=True))
+                                          bench.args.pipeline_min_batch, timeline=True, stacks_dir=bench.args.stacks))
     stages = {kind: _stages(session["timeline"], np.flatnonzero(chosen))
               for kind, chosen in (("hot", ~is_cold), ("cold", is_cold)) if chosen.any()}
     for kind, result in stages.items():
