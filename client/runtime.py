@@ -1,6 +1,7 @@
 """The streaming client runtime: an asyncio client around a team client's process_batch.
 
-The event loop only receives, validates, queues and sends; a worker thread pulls micro-batches (client.scheduler:
+The event loop only receives, validates, queues and sends (a team client's prefetch runs on a thread of its own,
+so that its state table's lock and copies never hold receiving up); a worker thread pulls micro-batches (client.scheduler:
 each waiting symbol's oldest requests, up to max_requests_per_symbol of a symbol, in the team client's format,
 client/team_api.py) and runs the model step, so receiving never stalls.
 A team client with submit_batch is pipelined instead: a submitter thread forms and submits the next
@@ -14,6 +15,7 @@ twice. The server's protocol (websocket or the original event's tcp-json) is the
 import asyncio
 import gc
 import logging
+import queue
 import sys
 import threading
 import time
@@ -226,6 +228,7 @@ class StreamingClient:
         # A team client with prefetch(symbols) starts moving states when their requests arrive, and its ready(symbol)
         # holds back a symbol whose state is still on its way while the others step.
         self._prefetch = getattr(team_client, "prefetch", None)
+        self._prefetches: queue.SimpleQueue = queue.SimpleQueue()  # symbols whose requests arrived; None: stop
         self._ready = getattr(team_client, "ready", None)
         # One lock guards _scheduler, _steps and the two flags; the submitter (or the single worker)
         # waits on _work_ready, the completer on _steps_ready, so neither takes the other's wake-up.
@@ -262,6 +265,8 @@ class StreamingClient:
             targets = {"model-submit": self._submit_steps, "model-complete": self._complete_steps}
         else:
             targets = {"model-step": self._work}
+        if callable(self._prefetch):
+            targets["prefetch"] = self._prefetch_arrivals
         threads = [threading.Thread(target=target, name=name, daemon=True) for name, target in targets.items()]
         for thread in threads:
             thread.start()
@@ -271,6 +276,7 @@ class StreamingClient:
             with self._work_ready:
                 self._worker_stopping = True
                 self._work_ready.notify_all()
+            self._prefetches.put(None)
             for thread in threads:  # the completer still answers every step already submitted
                 await asyncio.to_thread(thread.join)
             if self._send_tasks:
@@ -535,10 +541,7 @@ class StreamingClient:
                 new_requests.append(Request(uid, symbol, row, received_at))
         self._mark("received", (r.unique_id for r in new_requests))
         if new_requests and callable(self._prefetch):
-            try:
-                self._prefetch(list(dict.fromkeys(r.symbol for r in new_requests)))
-            except Exception:  # a failing team client must not kill the runtime: the steps place the states
-                log.exception("team client's prefetch failed")
+            self._prefetches.put([r.symbol for r in new_requests])
         if new_requests:
             with self._work_ready:
                 for request in new_requests:
@@ -548,6 +551,25 @@ class StreamingClient:
             self.stats.resent_from_cache += len(cached_ids)
             predictions = np.stack([self._cache[uid] for uid in cached_ids])
             self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()))
+
+    # ---- prefetch (its own thread) --------------------------------------------------------------
+    def _prefetch_arrivals(self):
+        """Tell the team client of arrived requests' symbols, everything queued since its last call at once (each
+        symbol once, in arrival order), until the runtime stops."""
+        while (symbols := self._prefetches.get()) is not None:
+            stopping = False
+            while not self._prefetches.empty():
+                more = self._prefetches.get()
+                if more is None:
+                    stopping = True
+                    break
+                symbols += more
+            try:
+                self._prefetch(list(dict.fromkeys(symbols)))
+            except Exception:  # a failing team client must not kill the runtime: the steps place the states
+                log.exception("team client's prefetch failed")
+            if stopping:
+                return
 
     # ---- model steps (worker threads) ------------------------------------------------------------
     def _work(self):

@@ -196,6 +196,47 @@ def test_a_backlog_drains_several_requests_of_a_symbol_per_step_in_order(model, 
     assert sorted(served) == valid
 
 
+def test_a_prefetch_that_blocks_or_fails_holds_up_no_request(model):
+    """The team client's prefetch runs off the event loop: while one call blocks (a state table's lock held long),
+    requests keep being received and answered, in order and as stepping them one at a time; a prefetch that raises
+    is logged and changes nothing. The calls see every arrived symbol once each, in arrival order."""
+    symbols, features = _stream(12)
+    expected = _expected(model, symbols, features, range(12))
+    release = threading.Event()
+
+    class SlowPrefetch(ExampleModel):
+        calls = []
+
+        def prefetch(self, symbols):
+            self.calls.append(list(symbols))
+            if len(self.calls) == 1:
+                release.wait(60)
+            elif len(self.calls) == 2:
+                raise RuntimeError("team client bug")
+
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request([0, 1, 2], symbols, features))  # the first prefetch call blocks
+        await recorder.pump(ws, lambda: len(recorder.answered()) == 3, timeout_s=20)
+        await ws.send(_request([3, 4, 5, 6, 7, 8], symbols, features))
+        await ws.send(_request([9, 10, 11], symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) == 12, timeout_s=20)
+        release.set()
+        await ws.close(1000)
+
+    team_client = SlowPrefetch(ReferenceEngine(model))
+    started = time.monotonic()
+    asyncio.run(_play(handler, team_client))
+    assert time.monotonic() - started < 30  # on the event loop, the blocked call would have held it 60 s
+    _assert_in_order_per_symbol(recorder.responses, symbols)
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+    assert team_client.calls[0] == SYMBOLS and all(call == SYMBOLS for call in team_client.calls[1:])
+    assert 2 <= len(team_client.calls) <= 3  # the later arrivals, coalesced while the first call blocked
+
+
 def test_a_symbol_whose_state_is_on_its_way_waits_alone_and_in_order(model):
     """The fast engine's host tier holds COLD's state, and its way back to the GPU is held up on the copy queue:
     the runtime starts the return when COLD's requests arrive (prefetch), the scheduler holds COLD back (ready)
