@@ -1,9 +1,9 @@
 """The streaming client runtime: an asyncio client around a team client's process_batch.
 
 The event loop only receives, validates, queues and sends (a team client's prefetch runs on a thread of its own,
-so that its state table's lock and copies never hold receiving up); a worker thread pulls micro-batches (client.scheduler:
-each waiting symbol's oldest requests, up to max_requests_per_symbol of a symbol, in the team client's format,
-client/team_api.py) and runs the model step, so receiving never stalls.
+so that its state table's lock and copies never hold receiving up); a worker thread pulls micro-batches
+(client.scheduler: each waiting symbol's oldest requests, up to max_requests_per_symbol of a symbol, in the team
+client's format, client/team_api.py) and runs the model step, so receiving never stalls.
 A team client with submit_batch is pipelined instead: a submitter thread forms and submits the next
 batch while the previous step still runs (behind a long step, just before it ends: client/step_clock.py), and a
 completer thread collects the steps in submission order, so the host's per-step work overlaps the GPU's. Each

@@ -11,8 +11,8 @@ from client.websocket_transport import connect_websocket
 def test_the_client_offers_compression_only_when_asked(compression, extensions):
     negotiated = []
 
-    async def handler(ws):
-        negotiated.append([extension.name for extension in ws.protocol.extensions])  # websockets' server accepts permessage-deflate by default
+    async def handler(ws):  # websockets' server accepts permessage-deflate by default
+        negotiated.append([extension.name for extension in ws.protocol.extensions])
         await ws.wait_closed()
 
     async def main():
