@@ -21,7 +21,7 @@ import traceback
 import torch
 
 from client import cli
-from client.awake_cpus import AwakeCpus
+from scripts.benchmarks.awake_cpus import AwakeCpus
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.engine.options import add_cluster_arguments
 from client.engine.precision import FP32_STATE, add_precision_argument, precision_argument, state_storage_argument
@@ -108,8 +108,8 @@ def parse_args(argv=None):
     parser.add_argument("--e2e-requests", type=cli.positive_int, help="requests of the 400 req/s run (default 4000)")
     parser.add_argument("--e2e-runs", type=cli.positive_int, help="e2e sessions in a row (default 3)")
     parser.add_argument("--awake-cpus", choices=("off", "on", "alternate"), default="off",
-                        help="a lowest-priority spinner on every CPU (client/awake_cpus.py): on, through every "
-                             "section; alternate, in every second e2e run (default off)")
+                        help="a lowest-priority spinner on every CPU (scripts/benchmarks/awake_cpus.py): on, through "
+                             "every section; alternate, in every second e2e run (default off)")
     parser.add_argument("--stacks", metavar="DIR",
                         help="served sections: whenever the client's or the server's event loop misses its ticks for "
                              "12 ms, every thread's stack of that process, appended to DIR/client_stacks.txt or "

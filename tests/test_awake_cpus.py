@@ -1,10 +1,10 @@
-"""client/awake_cpus.py: one lowest-priority spinner per CPU while the context is open, none after."""
+"""scripts/benchmarks/awake_cpus.py: one lowest-priority spinner per CPU while the context is open, none after."""
 import os
 import time
 
 import pytest
 
-from client.awake_cpus import AwakeCpus
+from scripts.benchmarks.awake_cpus import AwakeCpus
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux")
 

@@ -3,7 +3,7 @@ sessions in a row (every one reported: the tail is the machine's as much as the 
 import contextlib
 import math
 
-from client.awake_cpus import AwakeCpus
+from scripts.benchmarks.awake_cpus import AwakeCpus
 from scripts.benchmarks.report import fmt
 from scripts.benchmarks.serving import measure_e2e
 
@@ -18,9 +18,9 @@ def line(numbers) -> str:
 
 def run(bench):
     """e2e_runs sessions in a row, each recorded; the headline is the worst run (_tail). With --awake-cpus
-    alternate, every second run keeps the CPUs awake (client/awake_cpus.py; with on, bench.py keeps them so in every
-    section); with --ws-compression alternate, every second run compresses its websocket frames (as before
-    bench/LOG.md section 50)."""
+    alternate, every second run keeps the CPUs awake (scripts/benchmarks/awake_cpus.py; with on, bench.py keeps them
+    so in every section); with --ws-compression alternate, every second run compresses its websocket frames (as
+    before bench/LOG.md section 50)."""
     runs = []
     for i in range(bench.counts.e2e_runs):
         alternate = bench.args.awake_cpus == "alternate" and i % 2 == 1
