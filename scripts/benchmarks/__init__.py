@@ -1,5 +1,5 @@
 """scripts/bench.py's sections, one module each (run(bench) measures and records, summary(data) gives the summary
-table's lines), over the shared harness (harness.py, serving.py) and report (report.py)."""
+table's lines), over the shared harness (harness.py, serving.py, awake_cpus.py) and report (report.py)."""
 from scripts.benchmarks import (accuracy, backlog, baseline, capacity, churn, compile, copy, e2e, gpus, maxrate,
                                 precisions, shards, state_dtypes, state_rates, step, swap)
 
