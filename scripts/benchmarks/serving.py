@@ -167,10 +167,11 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
               for side in ("server", "client")}
     if stacks_dir is not None:
         os.makedirs(stacks_dir, exist_ok=True)
+        header = (f"== {time.strftime('%H:%M:%S')}: a session of {len(stream)} requests over "
+                  f"{len(np.unique(stream.symbols))} symbols at {rate} req/s\n")
         for path in stacks.values():
             with open(path, "a") as f:
-                f.write(f"== {time.strftime('%H:%M:%S')}: a session of {len(stream)} requests over "
-                        f"{len(np.unique(stream.symbols))} symbols at {rate} req/s\n")
+                f.write(header)
     server = await asyncio.to_thread(ServerProcess, config, stream, targets, timeline, stacks["server"])
     probe = StallProbe(stacks_path=stacks["client"]).start() if timeline or stacks_dir else None
     watch = asyncio.create_task(probe.watch_loop()) if probe else None
