@@ -2,14 +2,15 @@
 
 Each is noted as (start on time.monotonic(), duration s[, detail]), so that a slow answer can be matched with
 what happened around it in the client's and the server's process (scripts/e2e_timeline.py). With a stacks file,
-an event loop held up longer than stacks_after_s has every thread's stack written there while it is held up, by
-faulthandler's own thread, which needs no GIL: what held the loop shows even when a C call kept the GIL. Re-arming
-that watchdog each tick starts a thread (0.29 ms of the loop's time a tick on a 2-core CPU box): runs with stacks
-find stalls; their latencies are not the ones to report.
+an event loop held up longer than stacks_after_s has every thread's stack written there while it is held up: each
+tick re-arms a real-time timer (setitimer, ~1 us; faulthandler.dump_traceback_later starts a thread each time,
+0.29 ms on a 2-core CPU box) whose SIGALRM faulthandler's C handler answers with the dump, needing no GIL, so what
+held the loop shows even when a C call kept the GIL. The process's SIGALRM is the probe's while it watches.
 """
 import asyncio
 import faulthandler
 import gc
+import signal
 import threading
 import time
 
@@ -40,7 +41,8 @@ class StallProbe:
 
     def stop(self):
         if self._stacks_file is not None:
-            faulthandler.cancel_dump_traceback_later()
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            faulthandler.unregister(signal.SIGALRM)
             self._stacks_file.close()
             self._stacks_file = None
         if self._on_gc in gc.callbacks:
@@ -67,9 +69,10 @@ class StallProbe:
         """Run as a task on the event loop to watch; cancel it to stop."""
         if self.stacks_path is not None:
             self._stacks_file = open(self.stacks_path, "a")
+            faulthandler.register(signal.SIGALRM, file=self._stacks_file, all_threads=True)
         while True:
             if self._stacks_file is not None:  # re-armed each tick: it fires only if the loop misses the next ones
-                faulthandler.dump_traceback_later(self.stacks_after_s, file=self._stacks_file)
+                signal.setitimer(signal.ITIMER_REAL, self.stacks_after_s)
             asleep = time.monotonic()
             await asyncio.sleep(self.tick_s)
             beyond = time.monotonic() - asleep - self.tick_s

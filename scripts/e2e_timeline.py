@@ -157,8 +157,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--stacks", type=Path, help="a folder: every thread's stacks, in both processes, whenever an "
                                                 "event loop is held up over 12 ms (server_stacks.txt, "
-                                                "client_stacks.txt, appended session after session; it costs "
-                                                "each loop time: for finding stalls, not for timing)")
+                                                "client_stacks.txt, appended session after session)")
     args = ap.parse_args(argv)
     if args.rate <= 0 or args.symbols < 1 or args.requests < args.symbols or args.sessions < 1:
         ap.error("need --rate > 0, --symbols >= 1, --requests >= --symbols and --sessions >= 1")
