@@ -37,6 +37,9 @@ LO_SCALE = 2048.0  # 2^11: W_lo and x_lo keep the 11 bits below fp16's mantissa,
 SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program, inside an H100 SM's 227 KB
 MIN_PROGRAMS = 128  # about one per SM of an H100 or H200 (132): every SM streams W, or multiplies
 GROUP_M = 8  # row tiles launched next to each other per column block (W tile read once, then from L2)
+SUM_BLOCK = 1024  # outputs a program of the split-K sum
+MAX_SPLIT_K = 2  # slices of K a GEMM's programs may sum apart (each slice's fp32 partials: M x N x 4 bytes)
+MIN_K_SLICE = 512  # K terms a slice sums at least
 ROW_MAX_EXP = 14  # rows are scaled so that max |x| lies in [2^14, 2^15): one binade below fp16's 65504
 
 
@@ -104,19 +107,25 @@ def skinny_matmul_ref(x, weight, bias=None, relu=False, out_dtype=torch.float32,
 
 
 @triton.jit
-def _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, SPLIT: tl.constexpr,
-              LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's [BLOCK_M, BLOCK_N] of x @ W^T in fp32; with SPLIT, its columns below N_LO split."""
+def tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, SPLIT: tl.constexpr,
+              LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              MASK_K: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] of x @ W^T in fp32; with SPLIT, its columns below N_LO split. Without
+    MASK_K, K % BLOCK_K == 0 (the launcher checks): the loads need no mask along K."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     corr = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the split's lower-order terms, x LO_SCALE
-    for k in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the launcher)
-        x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
-        w = tl.load(w_ptr + w_offsets, mask=rn[:, None] < N, other=0.0)
+    for k in range(0, K, BLOCK_K):
+        x_mask, w_mask = rm[:, None] < M, rn[:, None] < N
+        if MASK_K:
+            k_mask = (k + tl.arange(0, BLOCK_K) < K)[None, :]
+            x_mask, w_mask = x_mask & k_mask, w_mask & k_mask
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
         x_hi = x.to(w_ptr.dtype.element_ty)
         acc = tl.dot(x_hi, tl.trans(w), acc)
         if SPLIT:
             x_lo = ((x.to(tl.float32) - x_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
-            w_lo = tl.load(w_lo_ptr + w_offsets, mask=rn[:, None] < N_LO, other=0.0)
+            w_lo = tl.load(w_lo_ptr + w_offsets, mask=w_mask & (rn[:, None] < N_LO), other=0.0)
             corr = tl.dot(x_hi, tl.trans(w_lo), corr)
             corr = tl.dot(x_lo, tl.trans(w), corr)
         x_ptrs += BLOCK_K
@@ -127,11 +136,13 @@ def _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, SPLIT: 
 
 
 @triton.jit
-def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, stride_xm, stride_ym,
+def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, stride_xm, stride_ym, stride_yk,
                           HAS_BIAS: tl.constexpr, RELU: tl.constexpr, SPLIT: tl.constexpr,
-                          LO_SCALE: tl.constexpr, ROW_TILES: tl.constexpr,
+                          LO_SCALE: tl.constexpr, ROW_TILES: tl.constexpr, SPLIT_K: tl.constexpr,
                           GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr):
+    """With SPLIT_K > 1, program (., k) sums the k-th of SPLIT_K equal slices of K and stores its fp32 partial
+    product at y_ptr + k * stride_yk, bias and ReLU left to _sum_parts_kernel."""
     if ROW_TILES:
         # groups of GROUP_M row tiles; inside a group the row tiles of one column block are consecutive programs,
         # so they run together and share each W tile through L2
@@ -147,7 +158,8 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, s
         pid_n = tl.program_id(0)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    k_part = K // SPLIT_K
+    rk = tl.program_id(1) * k_part + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     w_offsets = rn[:, None] * K + rk[None, :]
     # a program wholly past the split rows streams W alone: one loop of each kind, each pipelined
@@ -155,24 +167,48 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, s
     if SPLIT:
         split = pid_n * BLOCK_N < N_LO
     if split:
-        acc = _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, True, LO_SCALE, BLOCK_M,
-                        BLOCK_N, BLOCK_K)
+        acc = tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, k_part, True, LO_SCALE, BLOCK_M,
+                        BLOCK_N, BLOCK_K, False)
     else:
-        acc = _products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, False, LO_SCALE, BLOCK_M,
-                        BLOCK_N, BLOCK_K)
+        acc = tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, k_part, False, LO_SCALE, BLOCK_M,
+                        BLOCK_N, BLOCK_K, False)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K > 1:
+        tl.store(y_ptr + tl.program_id(1) * stride_yk + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
+        return
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     if RELU:
         acc = tl.maximum(acc, 0.0)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_parts_kernel(parts_ptr, b_ptr, y_ptr, M, N, stride_part, stride_ym, HAS_BIAS: tl.constexpr,
+                      RELU: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y = sum over k of parts[k] (in order: the same bits every run) + bias, then ReLU, in y's dtype."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < M * N
+    m, n = offsets // N, offsets % N
+    acc = tl.load(parts_ptr + m * N + n, mask=mask, other=0.0)
+    for k in tl.static_range(1, SPLIT_K):
+        acc += tl.load(parts_ptr + k * stride_part + m * N + n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    if RELU:
+        acc = tl.maximum(acc, 0.0)
+    tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def default_config(M, N, K, split):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps).
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, SPLIT_K).
     Up to ONE_TILE_ROWS rows: one row tile, at least ~128 programs so that every SM streams W, and as many K
-    tiles in flight per program as shared memory holds. More rows: a GEMM, the largest tile that still gives
-    MIN_PROGRAMS programs (compute-bound: every SM multiplies), fewer where the shape has fewer."""
+    tiles in flight per program as shared memory holds. More rows: a GEMM, the largest tile that gives
+    MIN_PROGRAMS programs (compute-bound: every SM multiplies), counting K split in up to MAX_SPLIT_K slices of at
+    least MIN_K_SLICE (a narrow product: 2,048 outputs at 256 rows are 32 tiles of 128 x 128); fewer programs where
+    the shape has fewer. Searched at 256 rows on an H100 (scripts/bench_matmul.py --search, bench/LOG.md section
+    51): K in two slices, 64 at a time below the widest tiles, paid on the narrow split products (2,048 x 4,096:
+    49.5 -> 34.9 us, 2,048 x 2,048: 28.5 -> 23.8 us); four slices did not."""
     if M <= ONE_TILE_ROWS:
         block_m = max(16, next_pow2(M))
         block_n = max(16, min(64, next_pow2(N) // 128))
@@ -181,16 +217,22 @@ def default_config(M, N, K, split):
             block_k //= 2
         # x counted at 2 bytes an element (the configs bench/matmul_h200.json measured), W fp16 (hi and lo)
         tile_bytes = (2 * block_m + (2 if split else 1) * 2 * block_n) * block_k
-        return block_m, block_n, block_k, max(2, min(5, SMEM_BUDGET // tile_bytes)), 4
+        return block_m, block_n, block_k, max(2, min(5, SMEM_BUDGET // tile_bytes)), 4, 1
     tiles = ((128, 128), (128, 64), (64, 64), (64, 32), (64, 16))
-    block_m, block_n = next(((bm, bn) for bm, bn in tiles if triton.cdiv(M, bm) * triton.cdiv(N, bn) >= MIN_PROGRAMS),
-                            tiles[-1])
-    block_k = 32 if split else 64  # a split tile holds x in fp32 and W twice: 4 bytes per element of each
-    while K % block_k:
+    for block_m, block_n in tiles:
+        programs, split_k = triton.cdiv(M, block_m) * triton.cdiv(N, block_n), 1
+        while (programs * split_k < MIN_PROGRAMS and split_k < MAX_SPLIT_K
+               and K % (2 * split_k * 64) == 0 and K // (2 * split_k) >= MIN_K_SLICE):
+            split_k *= 2
+        if programs * split_k >= MIN_PROGRAMS:
+            break
+    # a split tile holds x in fp32 and W twice (4 bytes per element of each): the widest tiles take K 32 at a time
+    block_k = 32 if split and block_n > 64 else 64
+    while K % (block_k * split_k):
         block_k //= 2
     tile_bytes = (4 * block_m + (2 if split else 1) * 2 * block_n) * block_k
-    accumulators = (2 if split else 1) * block_m * block_n  # fp32, in registers: 8 warps from 128 x 128 on
-    return block_m, block_n, block_k, max(2, min(4, SMEM_BUDGET // tile_bytes)), 8 if accumulators >= 128 * 128 else 4
+    return (block_m, block_n, block_k, max(2, min(5, SMEM_BUDGET // tile_bytes)),
+            8 if block_m * block_n >= 128 * 128 else 4, split_k)  # the accumulators in registers: 8 warps at 128 x 128
 
 
 def supports(M, N, K) -> bool:
@@ -202,7 +244,8 @@ def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, wei
     """x [M, K] (any float dtype), weight [N, K] fp16/bf16 -> [M, N] in out_dtype, accumulated in fp32;
     with weight_lo (split_fp16 of an fp32 weight: weight, weight_lo = hi, lo) about fp32 accuracy, for the
     first weight_lo.shape[0] rows (the others are fp16).
-    `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) overrides default_config (for benchmarks)."""
+    `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps[, SPLIT_K]) overrides default_config (for
+    benchmarks); SPLIT_K > 1 sums K in that many slices, in programs of their own, then adds them in order."""
     if not use_triton(weight):
         return skinny_matmul_ref(x, weight, bias, relu, out_dtype, weight_lo)
     x, bias = _check(x, weight, bias, weight_lo)
@@ -213,14 +256,21 @@ def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, wei
     if not supports(M, N, K):
         raise ValueError(f"skinny_matmul does not take M={M}, N={N}, K={K} (needs K % 16 == 0, N >= 16)")
     split = weight_lo is not None
-    block_m, block_n, block_k, stages, warps = config or default_config(M, N, K, split)
-    if K % block_k or block_m < 16 or block_m != next_pow2(block_m):
-        raise ValueError(f"BLOCK_K={block_k} must divide K={K}, and BLOCK_M={block_m} be a power of two >= 16")
+    block_m, block_n, block_k, stages, warps, split_k = (*(config or default_config(M, N, K, split)), 1)[:6]
+    if K % (block_k * split_k) or block_m < 16 or block_m != next_pow2(block_m):
+        raise ValueError(f"BLOCK_K={block_k} x SPLIT_K={split_k} must divide K={K}, and BLOCK_M={block_m} be a power "
+                         f"of two >= 16")
     row_tiles = triton.cdiv(M, block_m)
-    _skinny_matmul_kernel[(row_tiles * triton.cdiv(N, block_n),)](
-        x, weight, weight_lo if split else weight, bias if bias is not None else weight, y, M, N,
-        weight_lo.shape[0] if split else 0, K, x.stride(0), y.stride(0), HAS_BIAS=bias is not None, RELU=relu,
-        SPLIT=split, LO_SCALE=LO_SCALE,
-        ROW_TILES=row_tiles > 1, GROUP_M=GROUP_M, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    # split K: each slice's fp32 partial product, summed in order by a second kernel with the bias and ReLU
+    parts = y if split_k == 1 else torch.empty(split_k, M, N, device=x.device, dtype=torch.float32)
+    _skinny_matmul_kernel[(row_tiles * triton.cdiv(N, block_n), split_k)](
+        x, weight, weight_lo if split else weight, bias if bias is not None else weight, parts, M, N,
+        weight_lo.shape[0] if split else 0, K, x.stride(0), parts.stride(-2), parts.stride(0),
+        HAS_BIAS=bias is not None, RELU=relu, SPLIT=split, LO_SCALE=LO_SCALE, ROW_TILES=row_tiles > 1,
+        SPLIT_K=split_k, GROUP_M=GROUP_M, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_stages=stages, num_warps=warps)
+    if split_k > 1:
+        _sum_parts_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
+            parts, bias if bias is not None else parts, y, M, N, parts.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, RELU=relu, SPLIT_K=split_k, BLOCK=SUM_BLOCK)
     return y

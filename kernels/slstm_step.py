@@ -26,6 +26,15 @@ need the previous row's whole y of a head block, which the block's column progra
 rows inside one launch would need those programs to wait on each other (a grid-wide barrier, which deadlocks unless
 all are resident at once, not guaranteed beside the other towers' kernels), or one program per head block, 32 times
 fewer programs at one row.
+
+The input maps read no state, so a step of several rows a symbol takes them out of the row positions' launches:
+one launch computes every row's x W_in + b first (reading the input maps once, their 16 MB split at the full
+size, where each row position's launch read them again), and the launches of the row positions then read only
+the state maps (8 MB) and that part of their rows. The input maps' launch is a GEMM's (the skinny kernel's tile
+products, one gate and 64 columns a program); a step of one row a symbol keeps the one launch. Each part is summed
+in an accumulator of its own, in one order on both paths, (x W_in + b) + y W_state, so the two agree to the bit
+where the tensor cores sum alike (the interpreter, and an H100 at the tests' sizes). H100, a block's launches at 64
+symbols (scripts/tile_sweep.py): 4 rows each 122 -> 74 us, 8 rows 230 -> 145 (bench/LOG.md section 51).
 """
 import torch
 import torch.nn.functional as F
@@ -34,7 +43,7 @@ import triton.language as tl
 
 from kernels._common import check_input, check_plan, check_state, next_pow2, row_positions, use_triton
 from kernels._math import logsigmoid, sigmoid, tanh
-from kernels.skinny_matmul import LO_SCALE, split_fp16
+from kernels.skinny_matmul import LO_SCALE, split_fp16, tile_products
 
 Y_EPS = 1e-6
 GATES = 4  # i, f, z, o
@@ -44,6 +53,9 @@ WEIGHT_DTYPES = (torch.float16, torch.bfloat16)
 MAX_BLOCK_M = 64
 BLOCK_N = 16
 BLOCK_K = 64
+# Columns a program of the hoisted input maps (one gate's): a GEMM's tile, where the row positions' 16 columns
+# carrying all four gates took 52 us a block at 64 x 4 rows (H100)
+INPUT_BLOCK_N = 64
 
 
 def pack_weights(input_maps, state_maps, input_dtype, state_dtype):
@@ -131,17 +143,90 @@ def slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_
     return out
 
 
+@triton.jit
+def _gate_products(xc_ptr, xn_ptr, y_rows, r, r_mask, stride_xc, stride_xn, w_ptr, w_lo_ptr, block, j, j_mask, size,
+                   gate_stride, INPUTS: tl.constexpr, STATES: tl.constexpr, SPLIT: tl.constexpr,
+                   LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows r's gate products over one tile of a head block's columns j, each part in its own accumulator (so
+    that either part comes out with the same bits alone as beside the other): the input maps' (x W_in, split
+    where SPLIT; zero unless INPUTS) and the state maps' (y_prev W_state, y_prev at y_rows; zero unless STATES),
+    gates i, f, z, o."""
+    in_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    in_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    in_z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    in_o = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    low_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the split's lower-order terms, x LO_SCALE
+    low_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    low_z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    low_o = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    st_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    st_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    st_z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    st_o = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_rows = (block * size + j)[:, None] * size  # offset of row j of block `block` in a map
+    for k0 in range(0, size, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < size
+        col = block * size + k
+        x_mask = r_mask[:, None] & k_mask[None, :]
+        w = w_ptr + w_rows + k[None, :]
+        w_mask = j_mask[:, None] & k_mask[None, :]
+        if INPUTS:
+            xc = tl.load(xc_ptr + r[:, None] * stride_xc + col[None, :], mask=x_mask, other=0.0)
+            xn = tl.load(xn_ptr + r[:, None] * stride_xn + col[None, :], mask=x_mask, other=0.0)
+            xc_hi = xc.to(w_ptr.dtype.element_ty)
+            xn_hi = xn.to(w_ptr.dtype.element_ty)
+            w_i = tl.load(w, mask=w_mask, other=0.0)
+            in_i = tl.dot(xc_hi, tl.trans(w_i), in_i)
+            w_f = tl.load(w + gate_stride, mask=w_mask, other=0.0)
+            in_f = tl.dot(xc_hi, tl.trans(w_f), in_f)
+            w_z = tl.load(w + 2 * gate_stride, mask=w_mask, other=0.0)
+            in_z = tl.dot(xn_hi, tl.trans(w_z), in_z)
+            w_o = tl.load(w + 3 * gate_stride, mask=w_mask, other=0.0)
+            in_o = tl.dot(xn_hi, tl.trans(w_o), in_o)
+            if SPLIT:  # x_hi W_lo + x_lo W_hi (x_lo W_lo dropped), each W_hi tile read once
+                xc_lo = ((xc.to(tl.float32) - xc_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
+                xn_lo = ((xn.to(tl.float32) - xn_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
+                lo = w_lo_ptr + w_rows + k[None, :]
+                low_i = tl.dot(xc_hi, tl.trans(tl.load(lo, mask=w_mask, other=0.0)), low_i)
+                low_i = tl.dot(xc_lo, tl.trans(w_i), low_i)
+                low_f = tl.dot(xc_hi, tl.trans(tl.load(lo + gate_stride, mask=w_mask, other=0.0)), low_f)
+                low_f = tl.dot(xc_lo, tl.trans(w_f), low_f)
+                low_z = tl.dot(xn_hi, tl.trans(tl.load(lo + 2 * gate_stride, mask=w_mask, other=0.0)), low_z)
+                low_z = tl.dot(xn_lo, tl.trans(w_z), low_z)
+                low_o = tl.dot(xn_hi, tl.trans(tl.load(lo + 3 * gate_stride, mask=w_mask, other=0.0)), low_o)
+                low_o = tl.dot(xn_lo, tl.trans(w_o), low_o)
+        if STATES:
+            yp = tl.load(y_rows[:, None] + col[None, :], mask=x_mask, other=0.0).to(w_ptr.dtype.element_ty)
+            st_i = tl.dot(yp, tl.trans(tl.load(w + 4 * gate_stride, mask=w_mask, other=0.0)), st_i)
+            st_f = tl.dot(yp, tl.trans(tl.load(w + 5 * gate_stride, mask=w_mask, other=0.0)), st_f)
+            st_z = tl.dot(yp, tl.trans(tl.load(w + 6 * gate_stride, mask=w_mask, other=0.0)), st_z)
+            st_o = tl.dot(yp, tl.trans(tl.load(w + 7 * gate_stride, mask=w_mask, other=0.0)), st_o)
+    if SPLIT:
+        in_i += low_i * (1.0 / LO_SCALE)
+        in_f += low_f * (1.0 / LO_SCALE)
+        in_z += low_z * (1.0 / LO_SCALE)
+        in_o += low_o * (1.0 / LO_SCALE)
+    return in_i, in_f, in_z, in_o, st_i, st_f, st_z, st_o
+
+
+@triton.jit
+def _bias(bias_ptr, col, j_mask, width, g: tl.constexpr):
+    return tl.load(bias_ptr + g * width + col, mask=j_mask, other=0.0)[None, :]
+
+
 @triton.jit(do_not_specialize=["position"])
 def _slstm_step_kernel(
-    xc_ptr, xn_ptr, w_ptr, w_lo_ptr, bias_ptr, c_ptr, n_ptr, m_ptr, y_ptr, seq_slot_ptr, seq_start_ptr, out_ptr,
-    sequences, position, width, size, tiles_per_block, stride_xc, stride_xn, stride_c, stride_n, stride_m, stride_y,
-    stride_out, y_eps,
-    FIRST: tl.constexpr, SPLIT: tl.constexpr, LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    xc_ptr, xn_ptr, w_ptr, w_lo_ptr, bias_ptr, pre_ptr, c_ptr, n_ptr, m_ptr, y_ptr, seq_slot_ptr, seq_start_ptr,
+    out_ptr, sequences, position, width, size, tiles_per_block, stride_xc, stride_xn, stride_pre, stride_c, stride_n,
+    stride_m, stride_y, stride_out, y_eps,
+    FIRST: tl.constexpr, PRE: tl.constexpr, SPLIT: tl.constexpr, LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Row `position` of a tile of sequences (those that long): its y_prev the state y (FIRST, position 0) or
-    the previous row's output. SPLIT: the input maps' low halves at w_lo_ptr ([4, NB, s, s], laid out as
-    w_ptr's first four maps)."""
+    the previous row's output. PRE: the input maps' part of the gates (with the bias) is read from pre_ptr
+    ([B, 4, H], _slstm_input_gates_kernel), else computed here. SPLIT: the input maps' low halves at w_lo_ptr
+    ([4, NB, s, s], laid out as w_ptr's first four maps)."""
     block = tl.program_id(0) // tiles_per_block
     j = (tl.program_id(0) % tiles_per_block) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns in the block
     s = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -155,67 +240,22 @@ def _slstm_step_kernel(
         y_rows = y_ptr + slot * stride_y
     else:
         y_rows = out_ptr + (r - 1).to(tl.int64) * stride_out
-    gate_stride = width * size  # one [NB, s, s] map
-    w_rows = (block * size + j)[:, None] * size  # offset of row j of block `block` in a map
-    acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_o = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SPLIT:  # the input maps' lower-order terms, x LO_SCALE
-        low_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        low_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        low_z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        low_o = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, size, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < size
-        col = block * size + k
-        x_mask = r_mask[:, None] & k_mask[None, :]
-        xc = tl.load(xc_ptr + r[:, None] * stride_xc + col[None, :], mask=x_mask, other=0.0)
-        xn = tl.load(xn_ptr + r[:, None] * stride_xn + col[None, :], mask=x_mask, other=0.0)
-        yp = tl.load(y_rows[:, None] + col[None, :], mask=x_mask, other=0.0)
-        xc_hi = xc.to(w_ptr.dtype.element_ty)
-        xn_hi = xn.to(w_ptr.dtype.element_ty)
-        yp = yp.to(w_ptr.dtype.element_ty)
-        w = w_ptr + w_rows + k[None, :]
-        w_mask = j_mask[:, None] & k_mask[None, :]
-        w_i = tl.load(w, mask=w_mask, other=0.0)
-        acc_i = tl.dot(xc_hi, tl.trans(w_i), acc_i)
-        w_f = tl.load(w + gate_stride, mask=w_mask, other=0.0)
-        acc_f = tl.dot(xc_hi, tl.trans(w_f), acc_f)
-        w_z = tl.load(w + 2 * gate_stride, mask=w_mask, other=0.0)
-        acc_z = tl.dot(xn_hi, tl.trans(w_z), acc_z)
-        w_o = tl.load(w + 3 * gate_stride, mask=w_mask, other=0.0)
-        acc_o = tl.dot(xn_hi, tl.trans(w_o), acc_o)
-        acc_i = tl.dot(yp, tl.trans(tl.load(w + 4 * gate_stride, mask=w_mask, other=0.0)), acc_i)
-        acc_f = tl.dot(yp, tl.trans(tl.load(w + 5 * gate_stride, mask=w_mask, other=0.0)), acc_f)
-        acc_z = tl.dot(yp, tl.trans(tl.load(w + 6 * gate_stride, mask=w_mask, other=0.0)), acc_z)
-        acc_o = tl.dot(yp, tl.trans(tl.load(w + 7 * gate_stride, mask=w_mask, other=0.0)), acc_o)
-        if SPLIT:  # x_hi W_lo + x_lo W_hi (x_lo W_lo dropped), each W_hi tile read once
-            xc_lo = ((xc.to(tl.float32) - xc_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
-            xn_lo = ((xn.to(tl.float32) - xn_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
-            lo = w_lo_ptr + w_rows + k[None, :]
-            low_i = tl.dot(xc_hi, tl.trans(tl.load(lo, mask=w_mask, other=0.0)), low_i)
-            low_i = tl.dot(xc_lo, tl.trans(w_i), low_i)
-            low_f = tl.dot(xc_hi, tl.trans(tl.load(lo + gate_stride, mask=w_mask, other=0.0)), low_f)
-            low_f = tl.dot(xc_lo, tl.trans(w_f), low_f)
-            low_z = tl.dot(xn_hi, tl.trans(tl.load(lo + 2 * gate_stride, mask=w_mask, other=0.0)), low_z)
-            low_z = tl.dot(xn_lo, tl.trans(w_z), low_z)
-            low_o = tl.dot(xn_hi, tl.trans(tl.load(lo + 3 * gate_stride, mask=w_mask, other=0.0)), low_o)
-            low_o = tl.dot(xn_lo, tl.trans(w_o), low_o)
-    if SPLIT:
-        acc_i += low_i * (1.0 / LO_SCALE)
-        acc_f += low_f * (1.0 / LO_SCALE)
-        acc_z += low_z * (1.0 / LO_SCALE)
-        acc_o += low_o * (1.0 / LO_SCALE)
-
+    in_i, in_f, in_z, in_o, st_i, st_f, st_z, st_o = _gate_products(
+        xc_ptr, xn_ptr, y_rows, r, r_mask, stride_xc, stride_xn, w_ptr, w_lo_ptr, block, j, j_mask, size,
+        width * size, not PRE, True, SPLIT, LO_SCALE, BLOCK_M, BLOCK_N, BLOCK_K)
     col = block * size + j
-    b = bias_ptr + col
-    i = acc_i + tl.load(b, mask=j_mask, other=0.0)[None, :]
-    f = acc_f + tl.load(b + width, mask=j_mask, other=0.0)[None, :]
-    z = acc_z + tl.load(b + 2 * width, mask=j_mask, other=0.0)[None, :]
-    o = acc_o + tl.load(b + 3 * width, mask=j_mask, other=0.0)[None, :]
     mask = r_mask[:, None] & j_mask[None, :]
+    if PRE:
+        pre = pre_ptr + r[:, None] * stride_pre + col[None, :]
+        i = st_i + tl.load(pre, mask=mask, other=0.0)
+        f = st_f + tl.load(pre + width, mask=mask, other=0.0)
+        z = st_z + tl.load(pre + 2 * width, mask=mask, other=0.0)
+        o = st_o + tl.load(pre + 3 * width, mask=mask, other=0.0)
+    else:  # the same sums as the input gates' kernel and PRE's: (x W_in + b) + y_prev W_state
+        i = st_i + (in_i + _bias(bias_ptr, col, j_mask, width, 0))
+        f = st_f + (in_f + _bias(bias_ptr, col, j_mask, width, 1))
+        z = st_z + (in_z + _bias(bias_ptr, col, j_mask, width, 2))
+        o = st_o + (in_o + _bias(bias_ptr, col, j_mask, width, 3))
     c_ptrs = c_ptr + slot[:, None] * stride_c + col[None, :]
     n_ptrs = n_ptr + slot[:, None] * stride_n + col[None, :]
     m_ptrs = m_ptr + slot[:, None] * stride_m + col[None, :]
@@ -234,6 +274,39 @@ def _slstm_step_kernel(
     tl.store(out_ptr + r[:, None] * stride_out + col[None, :], sigmoid(o) * c / (n + y_eps), mask=mask)
 
 
+@triton.jit
+def _slstm_input_gates_kernel(
+    xc_ptr, xn_ptr, w_ptr, w_lo_ptr, bias_ptr, seq_start_ptr, pre_ptr, sequences, width, size, tiles_per_map,
+    stride_xc, stride_xn, stride_pre,
+    SPLIT: tl.constexpr, LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One gate's input map with its bias, x W_in + b, for a tile of BLOCK_M of a step's rows (padding rows, from
+    seq_starts[G] on, skipped) over BLOCK_N columns of one head block: pre [B, 4, H]. The products are the skinny
+    kernel's (kernels/skinny_matmul.py), in the order _gate_products sums them. The row tiles of a column tile are
+    consecutive programs (axis 0), so they read its weights from memory once."""
+    live = tl.load(seq_start_ptr + sequences)
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if tl.program_id(0) * BLOCK_M >= live:
+        return
+    gate = tl.program_id(1) // tiles_per_map
+    block = (tl.program_id(1) % tiles_per_map) // tl.cdiv(size, BLOCK_N)
+    j = (tl.program_id(1) % tl.cdiv(size, BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    if gate < 2:  # i and f read xc, z and o xn
+        x_ptrs = xc_ptr + r[:, None] * stride_xc + (block * size + k)[None, :]
+    else:
+        x_ptrs = xn_ptr + r[:, None] * stride_xn + (block * size + k)[None, :]
+    map_offset = gate * width * size + block * size * size  # map `gate`, block `block`: [s, s] (out, in)
+    acc = tile_products(x_ptrs, w_ptr + map_offset, w_lo_ptr + map_offset, j[:, None] * size + k[None, :], r, j, live,
+                    size, size, size, SPLIT, LO_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, True)
+    col = block * size + j
+    j_mask = j < size
+    pre = acc + tl.load(bias_ptr + gate * width + col, mask=j_mask, other=0.0)[None, :]
+    tl.store(pre_ptr + r[:, None] * stride_pre + gate * width + col[None, :], pre,
+             mask=(r < live)[:, None] & j_mask[None, :])
+
+
 def supports(weight) -> bool:
     """The Triton kernel multiplies on 16-bit tensor cores (split input maps too); fp32 weights take the
     reference."""
@@ -241,7 +314,7 @@ def supports(weight) -> bool:
 
 
 def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows=1, weight_lo=None, *,
-               block_m=None):
+               block_m=None, hoist_inputs=None):
     """Advance each sequence's sLSTM cell through its rows.
 
     xc, xn [B, H] (the convolved and the normalised input), weight [2, 4, NB, s, s] (pack_weights: input and
@@ -253,6 +326,8 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows
     split likewise. Updates c, n, m in place at seq_slots and returns y [B, H] float32, each row's new y (padding
     rows' unwritten), which the caller stores (y[seq_slots] is read, not written: slstm_output stores each
     sequence's last row). block_m: sequences a program, chosen here unless given (scripts/tile_sweep.py).
+    hoist_inputs: the input maps' part of every row's gates in one launch before the row positions' launches
+    (default: where max_rows > 1), which then read only the state maps; the same bits either way.
     """
     if not (use_triton(c) and supports(weight)):
         return slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows, weight_lo)
@@ -273,12 +348,26 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows
     warps, stages = (2, 4) if block_m <= 32 else (4, 3)
     tiles = triton.cdiv(size, BLOCK_N)
     w_lo = weight if weight_lo is None else weight_lo  # unread unless split
+    split = weight_lo is not None
+    hoist = max_rows > 1 if hoist_inputs is None else hoist_inputs
+    pre = out  # unread unless hoisted
+    if hoist:
+        pre = torch.empty(rows, GATES, width, device=c.device, dtype=torch.float32)
+        # tiles of block_m rows: the row-at-a-time step of the same sequences tiles them alike (the same products'
+        # instructions, so the same bits)
+        input_n = min(INPUT_BLOCK_N, next_pow2(size))
+        tiles_per_map = blocks * triton.cdiv(size, input_n)
+        _slstm_input_gates_kernel[(triton.cdiv(rows, block_m), GATES * tiles_per_map)](
+            xc, xn, weight, w_lo, bias, seq_starts, pre, sequences, width, size, tiles_per_map, xc.stride(0),
+            xn.stride(0), pre.stride(0), SPLIT=split, LO_SCALE=LO_SCALE, BLOCK_M=block_m, BLOCK_N=input_n,
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        )
     for position in range(max_rows):
         _slstm_step_kernel[(blocks * tiles, triton.cdiv(sequences, block_m))](
-            xc, xn, weight, w_lo, bias, c, n, m, y, seq_slots, seq_starts, out,
-            sequences, position, width, size, tiles, xc.stride(0), xn.stride(0), c.stride(0), n.stride(0),
-            m.stride(0), y.stride(0), out.stride(0), Y_EPS,
-            FIRST=position == 0, SPLIT=weight_lo is not None, LO_SCALE=LO_SCALE, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+            xc, xn, weight, w_lo, bias, pre, c, n, m, y, seq_slots, seq_starts, out,
+            sequences, position, width, size, tiles, xc.stride(0), xn.stride(0), pre.stride(0), c.stride(0),
+            n.stride(0), m.stride(0), y.stride(0), out.stride(0), Y_EPS,
+            FIRST=position == 0, PRE=hoist, SPLIT=split, LO_SCALE=LO_SCALE, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
             BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
     return out

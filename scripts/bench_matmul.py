@@ -10,8 +10,8 @@ are split), and each group is timed as one CUDA graph that runs the product once
 so W comes from HBM, not from L2, and launches cost what they cost inside the step's graphs. The table at the end
 gives, per group and number of rows M, cuBLAS's time (the engine's path without the kernel: true fp32 for fp32
 weights), the kernel's with default_config, and their ratio: layers.SKINNY_MAX_ROWS is set from it. For the
---search kinds a coordinate search over the kernel's (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) shows what
-it would change against default_config.
+--search kinds a coordinate search over the kernel's (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, SPLIT_K)
+shows what it would change against default_config.
 """
 import argparse
 import json
@@ -30,7 +30,9 @@ from client.model import load_model
 from kernels.skinny_matmul import default_config, skinny_matmul, split_fp16, supports
 
 # values tried per axis of the config (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)
-SEARCH = {0: (16, 32, 64, 128), 1: (16, 32, 64, 128), 2: (32, 64, 128, 256), 3: (2, 3, 4, 5, 6), 4: (2, 4, 8)}
+SEARCH = {0: (16, 32, 64, 128), 1: (16, 32, 64, 128), 2: (32, 64, 128, 256), 3: (2, 3, 4, 5, 6), 4: (2, 4, 8),
+          5: (1, 2, 4, 8)}
+SEARCH_PASSES = 2  # a second pass over the axes from the first one's best (tile sizes and split K interact)
 SMEM_PER_SM = 227 * 1024  # an H100's or H200's shared memory per block
 
 
@@ -63,9 +65,9 @@ def graph_time_us(calls, replays=20):
 
 
 def fits(config, K, split):
-    block_m, block_n, block_k, stages, _ = config
+    block_m, block_n, block_k, stages, _, split_k = config
     tile_bytes = (4 * block_m + (2 if split else 1) * 2 * block_n) * block_k  # x fp32, W fp16 (hi and lo)
-    return K % block_k == 0 and stages * tile_bytes <= SMEM_PER_SM
+    return K % (block_k * split_k) == 0 and stages * tile_bytes <= SMEM_PER_SM
 
 
 def skinny_weights(w):
@@ -112,6 +114,8 @@ def main(argv=None):
     del model
     groups, split = defaultdict(list), defaultdict(list)
     for linear in runner.linears():  # skinny=() above: product() is the cuBLAS path
+        if linear.weight.dtype == torch.float64:  # RetNet's input path: cuBLAS's fp64 only, no kernel to compare
+            continue
         N, K = linear.weight.shape
         key = (linear.kind, N, K)
         groups[key].append(linear)
@@ -134,7 +138,7 @@ def main(argv=None):
             best = list(default_config(B, N, K, splits))
             best_us = first_us = skinny_us()
             if kind in args.search.split(","):  # coordinate search over the launch parameters
-                for axis, values in SEARCH.items():
+                for axis, values in [*SEARCH.items()] * SEARCH_PASSES:
                     for value in values:
                         config = tuple(best[:axis] + [value] + best[axis + 1:])
                         if value == best[axis] or not fits(config, K, splits):

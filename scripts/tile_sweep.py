@@ -165,9 +165,10 @@ def sweep_slstm(cfg, g, k, reps, torch, dev, wanted):
     seq_slots, seq_starts = plan(list(range(1, g + 1)), [k] * g, device=dev)
     start = [t.clone() for t in (c, n, m)]
     result = {}
-    for block_m in (None, *SLSTM_BLOCK_M):
-        tiling = {} if block_m is None else {"block_m": block_m}
-        name = "default" if block_m is None else f"m{block_m}"
+    # the default (input maps hoisted out of the row positions' launches at k > 1), then the one-launch path
+    for block_m, hoist in ((None, None), (None, False), *((b, None) for b in SLSTM_BLOCK_M)):
+        tiling = {"hoist_inputs": hoist} if block_m is None else {"block_m": block_m}
+        name = "default" if (block_m, hoist) == (None, None) else "fused" if block_m is None else f"m{block_m}"
         if not wanted(name):
             continue
 

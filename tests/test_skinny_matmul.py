@@ -108,6 +108,8 @@ def test_bias_relu_epilogue(out_dtype):
     (40, (16, 32, 64, 2, 4)),     # three row tiles of a step's few rows
     (150, (16, 16, 32, 2, 4)),    # ten row tiles: a full group of GROUP_M = 8 and a partial one
     (300, (128, 128, 32, 2, 8)),  # the GEMM tile, the last row tile partial
+    (150, (64, 32, 32, 2, 4, 4)),  # K in four slices, summed by a second kernel
+    (9, (16, 16, 64, 2, 4, 2)),   # split K at a step's few rows
 ])
 def test_explicit_config_and_strided_rows(M, config):
     x, w, b = make(M, 64 if M < 300 else 256, 256, torch.float32, M)
@@ -118,19 +120,39 @@ def test_explicit_config_and_strided_rows(M, config):
         torch.testing.assert_close(y, skinny_matmul_ref(x, **kwargs, bias=b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_split_k_bias_relu_and_mixed_rows(out_dtype):
+    """K in slices: the bias and ReLU after the slices' sum, over split fp32 rows and fp16 rows alike; each
+    slice's partial summed in order, so the same bits on every call."""
+    x, w, b = make(70, 96, 256, torch.float32, 11)
+    weights = mixed_weights(w, 40)
+    config = (64, 32, 32, 2, 4, 4)
+    y = skinny_matmul(x, **weights, bias=b, relu=True, out_dtype=out_dtype, config=config)
+    ref = skinny_matmul_ref(x, **weights, bias=b, relu=True, out_dtype=torch.float32)
+    tolerance = 2e-3 if out_dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(y.float(), ref, rtol=tolerance, atol=tolerance)
+    again = skinny_matmul(x, **weights, bias=b, relu=True, out_dtype=out_dtype, config=config)
+    assert torch.equal(y, again)
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        skinny_matmul(x, **weights, config=(64, 32, 32, 2, 4, 3))  # 256 is no multiple of 32 x 3
+
+
 def test_shapes_and_errors():
     assert supports(1, 2048, 2048) and supports(64, 16, 16) and supports(512, 8192, 2048) and supports(5000, 16, 16)
     assert not supports(0, 2048, 2048) and not supports(1, 2048, 100) and not supports(1, 8, 64)
     # a step's few rows: the launch bench/matmul_h200.json measured, one row tile
-    assert default_config(1, 8192, 2048, split=True) == (16, 64, 128, 4, 4)
-    assert default_config(64, 2048, 4096, split=False) == (64, 16, 128, 5, 4)
-    assert default_config(20, 4096, 2048, split=True) == (32, 32, 128, 5, 4)
-    for M in (65, 128, 256, 512):  # the model's shapes in row tiles: every SM gets a program
+    assert default_config(1, 8192, 2048, split=True) == (16, 64, 128, 4, 4, 1)
+    assert default_config(64, 2048, 4096, split=False) == (64, 16, 128, 5, 4, 1)
+    assert default_config(20, 4096, 2048, split=True) == (32, 32, 128, 5, 4, 1)
+    for M in (65, 128, 256, 512):  # the model's shapes in row tiles: every SM gets a program, K split if need be
         for N, K in ((8192, 2048), (4096, 2048), (2048, 4096), (2048, 2048)):
             for split in (True, False):
-                block_m, block_n, block_k, stages, warps = default_config(M, N, K, split)
-                assert -(-M // block_m) * (N // block_n) >= MIN_PROGRAMS and K % block_k == 0 and stages >= 2
-    assert default_config(512, 8192, 2048, split=True)[:2] == (128, 128)
+                block_m, block_n, block_k, stages, warps, split_k = default_config(M, N, K, split)
+                assert -(-M // block_m) * (N // block_n) * split_k >= MIN_PROGRAMS and stages >= 2
+                assert K % (block_k * split_k) == 0 and K // split_k >= 512
+    assert default_config(512, 8192, 2048, split=True) == (128, 128, 32, 5, 8, 1)
+    assert default_config(256, 2048, 4096, split=True) == (128, 64, 64, 3, 4, 2)  # 64 tiles, K in two slices
     w = torch.zeros(32, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="x must have shape"):
         skinny_matmul(torch.zeros(2, 63), w)
@@ -238,4 +260,5 @@ def test_model_shapes_on_gpu(M, kind, N, K):
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
 def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches or epilogue or explicit_config or split_rows or row_tiles")
+    run_under_interpreter(__file__, "triton_matches or epilogue or explicit_config or split_rows or row_tiles "
+                                   "or split_k")

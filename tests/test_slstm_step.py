@@ -237,6 +237,26 @@ def test_triton_small_split_row_at_a_time():
 
 
 @runs_triton
+@pytest.mark.parametrize("split_maps", [False, True], ids=["16-bit", "split"])
+def test_triton_small_hoisted_input_maps_give_the_same_bits(split_maps):
+    """The input maps' part in a launch of its own before the row positions' (a step of several rows a symbol)
+    and inside each of them: the same outputs and states, bit for bit, padding rows and other slots untouched."""
+    layout = Layout(device=DEVICE)
+    args, weight_lo = ragged(layout), None
+    if split_maps:
+        args, weight_lo, _ = split(args)
+    runs = []
+    for hoist in (False, True):
+        run = {**args, **{name: args[name].clone() for name in STATES}}
+        runs.append((op(**run, **layout.plan, max_rows=5, weight_lo=weight_lo, hoist_inputs=hoist), run))
+    (fused, fused_run), (hoisted, hoisted_run) = runs
+    assert_same_bits(hoisted[:layout.live_rows], fused[:layout.live_rows], "y")
+    for name in STATES:
+        assert_same_bits(hoisted_run[name], fused_run[name], name)
+        assert_same_bits(hoisted_run[name][layout.unwritten], args[name][layout.unwritten], name)
+
+
+@runs_triton
 def test_triton_small_launches_past_the_longest_sequence_do_nothing():
     layout = Layout(device=DEVICE)
     args = ragged(layout)
