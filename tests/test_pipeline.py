@@ -14,7 +14,7 @@ from client.engine.base import PendingStep
 from client.engine.fast import RING, FastEngine
 from client.engine.reference import ReferenceEngine
 from client.model import load_model
-from client.runtime import PIPELINE_DEPTH
+from client.runtime import PIPELINE_DEPTH, StreamingClient
 from client.team_api import MANY, queued
 from team.example_model import ExampleModel
 
@@ -346,6 +346,49 @@ def test_a_step_already_full_is_formed_at_once_not_late(model):
     assert team_client.formed_busy[-1]
     assert team_client.formed_at[-1] - team_client.formed_at[-2] < step_s / 2  # formed late: ~step_s after [5]
     expected = _expected(model, symbols, features, range(8))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+
+
+def test_arrivals_wake_the_submitter_only_when_they_can_change_its_step(model, monkeypatch):
+    """While the submitter waits to form the next step late, an arrival that cannot fill that step does not wake
+    it (each wake-up is a GIL handoff between the event loop and the submitter: thousands a second at a high
+    rate); idle, it wakes on every arrival. Counted: the notifies the event loop's thread sends the submitter."""
+    loop_notifies = []
+
+    class CountingCondition(threading.Condition):
+        def notify(self, n=1):
+            if threading.current_thread() is threading.main_thread():
+                loop_notifies.append(time.monotonic())
+            super().notify(n)
+
+    def init(self, *args, _init=StreamingClient.__init__, **kwargs):
+        _init(self, *args, **kwargs)
+        self._work_ready = CountingCondition(self._steps_ready._lock)  # the lock the runtime's two share
+
+    monkeypatch.setattr(StreamingClient, "__init__", init)
+    symbols, features = _stream(12, seed=7)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        for uid in range(5):  # one at a time, the device idle between them: each wakes the idle submitter
+            await ws.send(_request([uid], symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) > uid)
+        await ws.send(_request([5], symbols, features))  # a step of one row starts at once
+        for uid in range(6, 12):  # six more while it runs, two of each symbol
+            await asyncio.sleep(0.03)
+            await ws.send(_request([uid], symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) >= 12)
+        await ws.close(1000)
+
+    team_client = SerialDevice(model, 0.4)
+    _, summary = asyncio.run(_play(handler, team_client, max_batch=8, max_requests_per_symbol=4))
+    assert summary["responses_sent"] == 12 and team_client.batches[-2:] == [[6, 7, 8], [9, 10, 11]]
+    # 0-5 woke the idle submitter, and 6 the submitter idle behind [5]; of 7-11 at most the one that filled a step
+    # (this team client takes one request a symbol); with a notify for every arrival the count was 13
+    assert len(loop_notifies) <= 8, len(loop_notifies)
+    expected = _expected(model, symbols, features, range(12))
     for uid, prediction in recorder.responses:
         np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
 
