@@ -108,8 +108,8 @@ def skinny_matmul_ref(x, weight, bias=None, relu=False, out_dtype=torch.float32,
 
 @triton.jit
 def tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, SPLIT: tl.constexpr,
-              LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              MASK_K: tl.constexpr):
+                  LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  MASK_K: tl.constexpr):
     """This program's [BLOCK_M, BLOCK_N] of x @ W^T in fp32; with SPLIT, its columns below N_LO split. Without
     MASK_K, K % BLOCK_K == 0 (the launcher checks): the loads need no mask along K."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -167,11 +167,11 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, s
     if SPLIT:
         split = pid_n * BLOCK_N < N_LO
     if split:
-        acc = tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, k_part, True, LO_SCALE, BLOCK_M,
-                        BLOCK_N, BLOCK_K, False)
+        acc = tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, k_part, True, LO_SCALE,
+                            BLOCK_M, BLOCK_N, BLOCK_K, False)
     else:
-        acc = tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, k_part, False, LO_SCALE, BLOCK_M,
-                        BLOCK_N, BLOCK_K, False)
+        acc = tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, k_part, False, LO_SCALE,
+                            BLOCK_M, BLOCK_N, BLOCK_K, False)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K > 1:
         tl.store(y_ptr + tl.program_id(1) * stride_yk + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
