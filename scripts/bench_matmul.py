@@ -29,7 +29,7 @@ from client.engine.fast.runner import StepRunner
 from client.model import load_model
 from kernels.skinny_matmul import default_config, skinny_matmul, split_fp16, supports
 
-# values tried per axis of the config (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)
+# values tried per axis of the config (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, SPLIT_K)
 SEARCH = {0: (16, 32, 64, 128), 1: (16, 32, 64, 128), 2: (32, 64, 128, 256), 3: (2, 3, 4, 5, 6), 4: (2, 4, 8),
           5: (1, 2, 4, 8)}
 SEARCH_PASSES = 2  # a second pass over the axes from the first one's best (tile sizes and split K interact)
