@@ -27,7 +27,7 @@ from client.answers import check_answer
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, NUM_TOWERS
 from client import team_api
 from client.scheduler import Request, Scheduler
-from client.step_clock import StepClock, step_size
+from client.step_clock import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class StreamingClient:
                  backoff_max_s: float = 5.0, connect_timeout_s: float = 3.0, give_up_after_s: float = 10.0,
                  cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
                  form_late: bool = True, timeline: bool = False, give_up_repeats: int = GIVE_UP_REPEATS,
-                 server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False):
+                 server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -221,9 +221,9 @@ class StreamingClient:
         # With timeline=True: unique_id -> {stage: time.monotonic()} for the stages received, batched,
         # submitted (pipelined steps only), done and answered (the answer queued for sending).
         self.timeline: dict[int, dict[str, float]] | None = {} if timeline else None
-        # timeline: each pipelined step's {formed, submitted, ended (time.monotonic()), rows, symbols, and the
-        # requests waiting once it was submitted}, in submission order
-        self.steps: list[dict] | None = [] if timeline else None
+        # timeline or step_log: each pipelined step's {formed, submitted, ended (time.monotonic()), rows, symbols,
+        # and the requests waiting once it was submitted}, in submission order
+        self.steps: list[dict] | None = [] if timeline or step_log else None
         self._scheduler = Scheduler()
         # A team client with prefetch(symbols) starts moving states when their requests arrive, and its ready(symbol)
         # holds back a symbol whose state is still on its way while the others step.
@@ -237,7 +237,8 @@ class StreamingClient:
         self._steps_ready = threading.Condition(lock)
         self._worker_stopping = False
         self._steps: deque = deque()  # (batch, pending, submitted at, step_size) not yet answered, oldest first
-        self._clock = StepClock()  # when to form the next pipelined step (under the lock)
+        # when to form the next pipelined step (under the lock), its step sizes at the team client's step rows
+        self._clock = StepClock(row_sizes=team_api.step_rows(team_client))
         self._steps_ended = 0  # steps answered (or failed), the index of the next one in self.steps
         self._submitter_done = False
         self._wake_at: int | None = 0  # waiting symbols from which an arrival notifies the submitter (under the lock)
@@ -597,7 +598,7 @@ class StreamingClient:
                 submitted_at = time.monotonic()
                 self._mark("submitted", (r.unique_id for r in batch))
                 symbols = len({r.symbol for r in batch})
-                size = step_size(len(batch), symbols)
+                size = self._clock.size(len(batch), symbols)
                 with self._steps_ready:
                     if self.steps is not None:
                         self.steps.append({"formed": formed_at, "submitted": submitted_at, "ended": None,

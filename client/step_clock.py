@@ -6,16 +6,17 @@ through the rest of the step in flight, the queued one and its own: about 2.5 st
 section 41). Formed just before the step in flight ends, the next step carries everything that arrived while it
 ran and still starts the moment it ends: 1.5 steps on average, whatever the load.
 
-The clock learns how long steps take, per size (rows and symbols, each rounded up to a power of two: a symbol's
-state costs a step more than a row does), from when each one ended, and how long the host takes to form and submit
-one (the lead it must be formed by). A step's device time is counted
-from when it could start: its submission, or the end of the step before it if that came later.
+The clock learns how long steps take, per size (rows and symbols, each rounded up to a power of two, rows to a
+row count the team client's steps run at where one lies between: a symbol's state costs a step more than a row does),
+from when each one ended, and how long the host takes to form and submit one (the lead it must be formed by). A
+step's device time is counted from when it could start: its submission, or the end of the step before it if that
+came later.
 
 The clock also says how many of the waiting requests a step should take (rows_to_take): a step of several requests
-a symbol runs at the captured shape of its size's rows, so 280 rows run at 512's shape (served on an H100 at K = 8,
-~340 rows there took 22.2 ms, 256 rows 17.1-17.3; bench/LOG.md section 48). Taking the oldest rows of the smaller
-size and leaving the rest to the next step serves more requests a second when the rows barely pass it; the choice
-is the one with more rows a second by the learned step times.
+a symbol runs at the captured shape of its size's rows, so 280 rows ran at 512's shape before the engine had one of
+384 (served on an H100 at K = 8, ~340 rows there took 22.2 ms, 256 rows 17.1-17.3; bench/LOG.md section 48). Taking
+the oldest rows of the next smaller size and leaving the rest to the next step serves more requests a second when the
+rows barely pass it; the choice is the one with more rows a second by the learned step times.
 
 Behind a short step the next is formed at once, as before: little can arrive in what is left of a short step,
 and a late one that misjudges the end leaves the GPU idle for the host's time. Measured on one H100 host, in turn
@@ -34,9 +35,13 @@ MARGIN_S = 0.0003
 LATE_AFTER_S = 0.006
 
 
-def step_size(rows: int, symbols: int) -> tuple[int, int]:
-    """The size class of a step of `rows` requests over `symbols` symbols: each rounded up to a power of two."""
-    return 1 << max(rows - 1, 0).bit_length(), 1 << max(symbols - 1, 0).bit_length()
+def step_size(rows: int, symbols: int, row_sizes=()) -> tuple[int, int]:
+    """The size class of a step of `rows` requests over `symbols` symbols: each rounded up to a power of two, rows
+    to the smallest of `row_sizes` (the rows the team client's steps run at, e.g. the engine's midpoint shape of 384
+    rows between 256 and 512) that holds them short of that power."""
+    power = 1 << max(rows - 1, 0).bit_length()
+    rows_class = min((r for r in row_sizes if rows <= r < power), default=power)
+    return rows_class, 1 << max(symbols - 1, 0).bit_length()
 
 
 class StepClock:
@@ -44,14 +49,20 @@ class StepClock:
     under its lock)."""
 
     def __init__(self, smoothing: float = SMOOTHING, margin_s: float = MARGIN_S, late_after_s: float = LATE_AFTER_S,
-                 clock=time.monotonic):
+                 clock=time.monotonic, row_sizes=()):
+        """row_sizes: the rows the team client's steps run at (team_api.step_rows), refining the powers of two."""
         if not 0 < smoothing <= 1 or margin_s < 0 or late_after_s < 0:
             raise ValueError(f"need 0 < smoothing <= 1, margin_s >= 0 and late_after_s >= 0, got {smoothing!r}, "
                              f"{margin_s!r} and {late_after_s!r}")
         self.smoothing, self.margin_s, self.late_after_s, self.now = smoothing, margin_s, late_after_s, clock
+        self.row_sizes = tuple(sorted(row_sizes))
         self._step_s: dict[tuple, float] = {}  # step_size -> seconds a step of that size ran
         self._submit_s: float | None = None  # seconds from forming a step to its submit call returning
         self._last_end: float | None = None  # when the latest step ended
+
+    def size(self, rows: int, symbols: int) -> tuple[int, int]:
+        """step_size with this clock's row sizes."""
+        return step_size(rows, symbols, self.row_sizes)
 
     def _average(self, old, new):
         return new if old is None else old + self.smoothing * (new - old)
@@ -72,11 +83,11 @@ class StepClock:
         of them (padded to their size) would. All of them until both sizes' step times are known, and for steps of
         one request a symbol: the engine pads those to its own buckets of symbols, whose state traffic sets their
         time, not to these sizes."""
-        whole = step_size(rows, symbols)
-        smaller = whole[0] // 2
+        whole = self.size(rows, symbols)
+        smaller = max([whole[0] // 2, *(r for r in self.row_sizes if r < whole[0])])  # the next size down
         if rows <= symbols or rows == whole[0]:
             return rows
-        whole_s, smaller_s = self._step_s.get(whole), self._step_s.get(step_size(smaller, min(symbols, smaller)))
+        whole_s, smaller_s = self._step_s.get(whole), self._step_s.get(self.size(smaller, min(symbols, smaller)))
         if whole_s is None or smaller_s is None or smaller / smaller_s <= rows / whole_s:
             return rows
         return smaller

@@ -33,6 +33,18 @@ def step_symbols(team_client) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def step_rows(team_client) -> tuple[int, ...]:
+    """The row counts the team client's steps of several requests a symbol run at (its `step_rows`, e.g. the
+    example's engine's captured shapes), sorted; () when it does not say. The runtime's step clock learns step times
+    at these sizes (client/step_clock.py)."""
+    value = getattr(team_client, "step_rows", ())
+    try:
+        rows = sorted(value)
+    except TypeError:
+        return ()
+    return tuple(rows) if all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in rows) else ()
+
+
 def batch_for(team_client, requests) -> dict:
     """The team client's batch of `requests` (scheduler Requests grouped by symbol, each symbol's in order)."""
     if requests_per_symbol(team_client) == ONE:

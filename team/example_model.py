@@ -62,6 +62,11 @@ class ExampleModel:
         """Symbols one engine step holds (a larger batch runs as several steps)."""
         return getattr(self.engine, "max_batch", None)
 
+    @property
+    def step_rows(self) -> tuple[int, ...]:
+        """Rows the engine's steps of several requests a symbol run at, for the runtime's step clock."""
+        return getattr(self.engine, "step_rows", ())
+
     def process_batch(self, requests_by_symbol: dict[str, list[tuple[int, np.ndarray]]]) -> dict:
         """{symbol: [(unique_id, features[79]), ...]}, each symbol's requests in arrival order within and across
         calls -> {"unique_ids": [...], "predictions": float32 [n, 4], "errors": {unique_id: why} for requests

@@ -431,7 +431,7 @@ def test_step_shapes_hold_every_step():
     """Every step of at most max_batch symbols and K requests each has a captured shape that holds it."""
     from client.engine.fast.runner import shape_for, step_shapes
 
-    for max_batch, k in ((64, 1), (64, 4), (64, 8), (8, 3), (2, 8)):
+    for max_batch, k in ((64, 1), (64, 4), (64, 8), (8, 3), (2, 8), (1, 8), (20, 8)):
         shapes = step_shapes(max_batch, k)
         assert len(set(shapes)) == len(shapes)
         for symbols in range(1, max_batch + 1):
@@ -439,6 +439,11 @@ def test_step_shapes_hold_every_step():
                 for rows in {symbols - 1 + longest, symbols * longest}:
                     shape = shape_for(shapes, rows, symbols, longest)
                     assert shape.rows >= rows and shape.sequences >= symbols and shape.max_rows >= longest
-    assert len(step_shapes(64, 4)) == 23
+    assert len(step_shapes(64, 4)) == 24
+    several = [shape.rows for shape in step_shapes(64, 8) if shape.max_rows > 1]
+    assert several == [8, 16, 32, 64, 128, 256, 384, 512]  # a power of two apart, the two largest's midpoint
+    assert [shape_for(step_shapes(64, 8), rows, 64, 8).rows for rows in (340, 384, 385)] == [384, 384, 512]
+    assert [s.rows for s in step_shapes(20, 8) if s.max_rows > 1][-3:] == [128, 144, 160]
+    assert not [s for s in step_shapes(64, 2) if s.rows == 96]  # two requests a symbol: no midpoint
     with pytest.raises(ValueError, match="exceeds every captured shape"):
         shape_for(step_shapes(64, 4), 10, 2, 5)

@@ -17,6 +17,24 @@ def test_step_sizes_are_rows_and_symbols_rounded_up_to_powers_of_two():
     assert step_size(256, 64) == (256, 64) and step_size(64, 16) == (64, 16) and step_size(64, 33) == (64, 64)
 
 
+def test_row_sizes_refine_the_powers_of_two():
+    sizes = (8, 16, 32, 64, 128, 256, 384, 512)  # the engine's several-rows shapes at K = 8 over 64 symbols
+    assert [step_size(n, 64, sizes)[0] for n in (200, 256, 257, 384, 385, 512)] == [256, 256, 384, 384, 512, 512]
+    assert [step_size(n, n, sizes)[0] for n in (1, 3, 5, 20)] == [1, 4, 8, 32]  # one row a symbol: as before
+    assert StepClock(row_sizes=sizes).size(300, 64) == (384, 64)
+
+
+def test_rows_to_take_weighs_the_next_size_down():
+    clock = StepClock(smoothing=1.0, margin_s=0.0, late_after_s=0.0, clock=FakeTime(), row_sizes=(256, 384, 512))
+    clock.ended(clock.size(256, 64), submitted_at=0.0, ended_at=0.0172)   # 256 rows: 17.2 ms
+    clock.ended(clock.size(384, 64), submitted_at=0.0172, ended_at=0.037)  # 384 rows: 19.8 ms
+    clock.ended(clock.size(512, 64), submitted_at=0.037, ended_at=0.061)   # 512 rows: 24 ms
+    assert clock.rows_to_take(270, 64) == 256  # 256 in 17.2 ms beat 270 in 19.8
+    assert clock.rows_to_take(340, 64) == 340  # 340 in 19.8 beat 256 in 17.2
+    assert clock.rows_to_take(400, 64) == 384  # 384 in 19.8 beat 400 in 24: the smaller is the midpoint
+    assert clock.rows_to_take(500, 64) == 500
+
+
 # step sizes of the tests below
 ONE, FOUR, EIGHT, WIDE = step_size(1, 1), step_size(4, 2), step_size(8, 8), step_size(64, 64)
 

@@ -45,6 +45,21 @@ def test_the_example_says_how_many_symbols_its_engines_step_holds():
     assert team_api.step_symbols(object()) is None
 
 
+def test_the_example_says_the_rows_its_engines_steps_run_at():
+    """The runtime's step clock learns step times at the engine's captured rows (team_api.step_rows)."""
+    from client import team_api
+    from client.engine.fast import FastEngine
+    from client.runtime import StreamingClient
+
+    model = load_model("tiny", seed=2)[0]
+    fast = FastEngine(model, device="cpu", max_batch=4, max_rows_per_symbol=8, capacity=8, progress=False)
+    assert team_api.step_rows(ExampleModel(fast)) == (8, 16, 24, 32)  # 24: the midpoint of the two largest
+    assert StreamingClient(ExampleModel(fast), "ws://x", "team")._clock.size(20, 4) == (24, 4)
+    assert team_api.step_rows(ExampleModel(ReferenceEngine(model))) == ()
+    for says in (None, 5, [8, "16"], [0, 8], [True]):  # a team client's attribute that is no list of rows
+        assert team_api.step_rows(type("Team", (), {"step_rows": says})()) == ()
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--host", "127.0.0.1"], "--host needs --port"),
     (["--port", "9000"], "--port without --host"),

@@ -228,6 +228,11 @@ class FastEngine(Engine):
         return self.table.symbols()
 
     @property
+    def step_rows(self) -> tuple[int, ...]:
+        """Rows of the captured shapes of several requests a symbol: a step of those is padded to the next."""
+        return tuple(sorted({shape.rows for shape in self.shapes if shape.max_rows > 1}))
+
+    @property
     def weight_bytes(self) -> int:
         return sum(shard.runner.weight_bytes for shard in self.shards)
 

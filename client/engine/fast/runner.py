@@ -188,15 +188,19 @@ class StepShape(NamedTuple):
 def step_shapes(max_batch, max_rows_per_symbol) -> list[StepShape]:
     """Every shape the engine captures: one row per symbol up to max_batch symbols (the light load's steps, at
     the bucket sizes that keep their padding small), then steps of up to max_rows_per_symbol rows a symbol at
-    row counts a power of two apart up to max_batch of them. Each shape costs startup (its Triton
+    row counts a power of two apart up to max_batch of them, with the midpoint of the two largest once a step may
+    carry four requests a symbol. Each shape costs startup (its Triton
     specialisations compile, its graphs capture: bench/LOG.md section 36), so the several-rows family is coarse:
     a backlog's steps are long, and a row of padding costs them little."""
     shapes = [StepShape(b, b, 1) for b in (*(b for b in BUCKETS if b < max_batch), max_batch)]
     if max_rows_per_symbol > 1:
         k, top = max_rows_per_symbol, max_batch * max_rows_per_symbol
         rows = [k << i for i in range(top.bit_length()) if (k << i) < top] + [top]
-        # no midpoints between them: with 96, 192 and 384 rows added at K = 8 the event's load ran at p50 7.2 ms
-        # against 3.4-3.8 without, on one host, cause not found (bench/LOG.md section 47)
+        if top >= 4 * max_batch and len(rows) > 1:
+            # and the midpoint of the two largest, where a loaded engine's steps sit: at K = 8 over 64 symbols
+            # 15,000 req/s ran steps of ~340 rows padded to 512 (22.2 ms served, 256 rows 17.2; bench/LOG.md
+            # sections 48, 52)
+            rows.insert(-1, (rows[-2] + top) // 2)
         shapes += [StepShape(r, min(r, max_batch), k) for r in rows]
     return shapes
 
