@@ -120,6 +120,8 @@ def parse_args(argv=None):
     parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the max-rate "
                                                      "search (default 2000,5000,8000,11000,14000,15000,16000,"
                                                      "17000,20000,...,30000)")
+    parser.add_argument("--k1-rates", type=_rates, help="the max-rate search's rates with one request of a symbol a "
+                                                        "step (default 3000,4000,...,8000)")
     parser.add_argument("--rate-seconds", type=cli.positive_float, help="length of each max-rate run (default 1.5)")
     parser.add_argument("--swap-cold-rate", type=_non_negative_float, metavar="PER_S",
                         help="swap section: cold symbols a second through the host tier (default 50; 0: the hot "
@@ -140,7 +142,7 @@ def parse_args(argv=None):
     overrides = {"family_symbols": args.family_symbols, "family_steps": args.family_steps,
                  "family_seeds": args.family_seeds,
                  "long_steps": args.long_steps, "e2e_requests": args.e2e_requests, "e2e_runs": args.e2e_runs,
-                 "rates": args.rates,
+                 "rates": args.rates, "k1_rates": args.k1_rates,
                  "rate_seconds": args.rate_seconds, "swap_cold_rate": args.swap_cold_rate}
     args.counts = Counts(**{**counts.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
     if args.counts.family_symbols * len(FAMILIES) > MAX_BATCH:

@@ -136,6 +136,7 @@ def test_reference_tracker_continues_states_across_streams():
     (["--e2e-requests", "0"], "positive integer"),
     (["--rates", "1000,-5"], "positive numbers"),
     (["--rates", ","], "at least one rate"),
+    (["--k1-rates", "0"], "positive numbers"),
     (["--rate-seconds", "nan"], "positive number"),
     (["--device", "meta"], "--device must be cuda or cpu"),
     (["--device", "nonsense"], "bad --device"),
@@ -152,9 +153,9 @@ def test_cuda_device_without_cuda_is_refused(usage_error):
 
 def test_sections_run_in_a_fixed_order():
     args = _load_bench().parse_args(["--device", "cpu", "--sections", "maxrate,copy", "--quick",
-                                     "--rates", "300,100,100"])
+                                     "--rates", "300,100,100", "--k1-rates", "60,40"])
     assert args.sections == ["copy", "maxrate"]
-    assert args.counts.rates == [100.0, 300.0]
+    assert args.counts.rates == [100.0, 300.0] and args.counts.k1_rates == [40.0, 60.0]
     assert args.counts.family_steps == 40  # --quick counts, where not overridden
 
 
@@ -189,3 +190,20 @@ def test_accuracy_backlog_only_runs_the_suite_once_with_a_backlog_of_k(monkeypat
         accuracy.run(bench)
         assert runs == expected and ("accuracy" in report) is not only and report["accuracy_backlog"] == {
             "requests_per_symbol": 8}
+
+
+def test_steps_by_rows_groups_the_step_log_by_the_engines_row_sizes():
+    from scripts.benchmarks.serving import steps_by_rows
+
+    def step(submitted, ended, rows, symbols=64):
+        return {"submitted": submitted, "ended": ended, "rows": rows, "symbols": symbols}
+
+    log = [step(0.000, 0.015, 240), step(0.001, 0.034, 340),  # queued behind the first: counted from its end
+           step(0.034, None, 300),                            # failed: no time
+           step(0.040, 0.059, 300), step(0.060, 0.084, 400)]
+    out = steps_by_rows(log, (128, 256, 384, 512))
+    assert list(out) == ["256", "384", "512"]
+    assert out["384"]["steps"] == 2 and out["384"]["rows_p50"] == 320
+    assert out["384"]["ms_p50"] == pytest.approx(19.0)  # 19 ms (15 -> 34) and 19 ms (40 -> 59)
+    assert out["256"]["ms_p50"] == pytest.approx(15.0) and out["512"]["ms_p50"] == pytest.approx(24.0)
+    assert list(steps_by_rows(log, ())) == ["256", "512"]  # without the engine's sizes: powers of two

@@ -141,7 +141,7 @@ def measure_steps(engine, bench, bandwidth, batches=BATCH_SIZES):
     return results
 
 
-ROWS_PER_SYMBOL = (1, 2, 4, 8)  # the step table of several requests per symbol
+ROWS_PER_SYMBOL = (1, 2, 4, 6, 8)  # the step table of several requests a symbol (64 x 6: the midpoint shape)
 ROW_TABLE_SYMBOLS = (1, 20, 64)
 
 

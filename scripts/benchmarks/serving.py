@@ -148,13 +148,14 @@ class ServerProcess:
 
 async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False,
                        max_requests_per_symbol=None, team_client=None, during=None, form_late=True,
-                       stacks_dir=None, ws_compression=False) -> dict:
+                       stacks_dir=None, ws_compression=False, step_log=False) -> dict:
     """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
     the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
     processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir every thread's stack in each event
     loop's long stalls (server_stacks.txt, client_stacks.txt there; client/stalls.py). ws_compression: both ends
     take permessage-deflate, as before bench/LOG.md section 50 (to measure against). `during(client)`, a coroutine
-    function, runs beside the session (the backlog section pauses the client with it)."""
+    function, runs beside the session (the backlog section pauses the client with it). step_log: the summary's
+    "steps" is the runtime's step log (StreamingClient.steps)."""
     from client.runtime import StreamingClient
     from client.stalls import StallProbe
     from server.app import ServerConfig
@@ -179,7 +180,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
         options = {"pipeline_min_batch": pipeline_min_batch, "max_requests_per_symbol": max_requests_per_symbol}
         client = StreamingClient(team_client or ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench",
                                  timeline=timeline, form_late=form_late, ws_compression=ws_compression,
-                                 **{k: v for k, v in options.items() if v is not None})
+                                 step_log=step_log, **{k: v for k, v in options.items() if v is not None})
         playing = asyncio.create_task(client.run())
         beside = asyncio.create_task(during(client)) if during is not None else None
         done = asyncio.create_task(server.wait_done())
@@ -192,6 +193,8 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
         summary = await asyncio.to_thread(server.summary)
         if timeline:
             summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps)
+        if step_log:
+            summary["steps"] = client.steps
         return summary
     finally:
         if probe:
@@ -215,6 +218,21 @@ def served_step_ms(steps, max_symbols) -> np.ndarray:
     return np.array(times)
 
 
+def steps_by_rows(steps, row_sizes) -> dict:
+    """{rows class: {steps, rows_p50, ms_p50, ms_p90}} of the runtime's step log, each step under its rows' size
+    class as the runtime's step clock has it (step_size with the engine's captured rows), its time as
+    served_step_ms counts it."""
+    from client.step_clock import step_size
+
+    ended = [step for step in steps if step["ended"] is not None]
+    ms = served_step_ms(ended, math.inf)
+    rows = np.array([step["rows"] for step in ended])
+    classes = np.array([step_size(step["rows"], step["symbols"], row_sizes)[0] for step in ended])
+    return {str(size): {"steps": int((chosen := classes == size).sum()), "rows_p50": float(np.median(rows[chosen])),
+                        "ms_p50": float(np.median(ms[chosen])), "ms_p90": float(np.percentile(ms[chosen], 90))}
+            for size in sorted(set(classes.tolist()))}
+
+
 def session_numbers(summary) -> dict:
     latency = summary["latency_ms"]
     return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "accuracy": summary["accuracy"],
@@ -222,14 +240,19 @@ def session_numbers(summary) -> dict:
             "responses": summary["responses"], "missed": summary["missed"]}
 
 
-def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=False) -> dict:
+def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=False, step_log=False) -> dict:
     """session_numbers of `stream` served at `rate` to `engine` with the run's settings (per_symbol: requests of
-    a symbol a step may carry, the run's --max-requests-per-symbol by default)."""
+    a symbol a step may carry, the run's --max-requests-per-symbol by default); with step_log, also its steps by
+    rows (steps_by_rows)."""
     args = bench.args
-    return session_numbers(event_loop.run(serve_stream(
+    summary = event_loop.run(serve_stream(
         engine, stream, targets, rate, args.preset, args.seed, args.pipeline_min_batch,
         max_requests_per_symbol=per_symbol or args.max_requests_per_symbol, ws_compression=ws_compression,
-        stacks_dir=args.stacks)))
+        stacks_dir=args.stacks, step_log=step_log))
+    numbers = session_numbers(summary)
+    if step_log:
+        numbers["steps_by_rows"] = steps_by_rows(summary["steps"], getattr(engine, "step_rows", ()))
+    return numbers
 
 
 def measure_e2e(engine, bench, prefix="E2E_", run=0, ws_compression=False):
@@ -259,7 +282,7 @@ def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", 
         stream = prefixed_stream(prefix, num_symbols, num_requests, bench.args.seed + 2 + attempt, rate)
         bench.progress(f"maxrate {rate:g} req/s: reference targets of {num_requests} requests")
         targets = tracker.targets(stream)
-        numbers = serve(bench, engine, stream, targets, rate, per_symbol)
+        numbers = serve(bench, engine, stream, targets, rate, per_symbol, step_log=True)
         passed = (numbers["responses"] == numbers["requests"] and numbers["p99_ms"] is not None
                   and numbers["p99_ms"] < P99_LIMIT_MS)
         runs.append({"rate": rate, **numbers, "passed": passed})
@@ -267,7 +290,9 @@ def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", 
         bench.report.update(**{f"{key}_p99_50ms": best, f"{key}_runs": runs})
         bench.progress(f"maxrate {rate:g} req/s: p50 {fmt(numbers['p50_ms'])} ms, p99 {fmt(numbers['p99_ms'])} ms, "
                        f"accuracy {fmt(numbers['accuracy'], 4)}, missed {numbers['missed']} -> "
-                       f"{'pass' if passed else 'FAIL'}")
+                       f"{'pass' if passed else 'FAIL'}; steps by rows: " + ", ".join(
+                           f"{size}: {c['steps']} x {c['ms_p50']:.1f} ms (rows p50 {c['rows_p50']:g})"
+                           for size, c in numbers["steps_by_rows"].items()))
         if not passed:
             break
     engine.release(prefixed_names(prefix, num_symbols))
