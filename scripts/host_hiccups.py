@@ -42,13 +42,31 @@ def shared_gaps(gaps_by_cpu) -> int:
     return shared
 
 
+def steal_ms() -> dict[int, float]:
+    """{cpu: ms} of time the hypervisor ran something else while this CPU wanted to run (/proc/stat's steal
+    column, in clock ticks of 10 ms on most kernels); {} where the kernel does not say (no /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    tick_ms = 1000.0 / os.sysconf("SC_CLK_TCK")
+    steal = {}
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and len(fields) >= 8:
+            steal[int(name[3:])] = int(fields[7]) * tick_ms
+    return steal
+
+
 def measure(seconds, gap_ms, cpus=None):
-    """({cpu: {"gaps": n, "gap_ms_total": ..., "longest_ms": ...}} over the CPUs this process may run on, the gaps
-    shared by at least half of the CPUs)."""
+    """({cpu: {"gaps": n, "gap_ms_total": ..., "longest_ms": ..., "steal_ms": ... (None where not known)}} over the
+    CPUs this process may run on, the gaps shared by at least half of the CPUs)."""
     cpus = sorted(cpus or os.sched_getaffinity(0))
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=spin, args=(cpu, seconds, int(gap_ms * 1e6), queue)) for cpu in cpus]
+    steal_before = steal_ms()
     for p in procs:
         p.start()
     results, gaps_by_cpu = {}, {}
@@ -59,6 +77,10 @@ def measure(seconds, gap_ms, cpus=None):
                         "longest_ms": round(longest, 3)}
     for p in procs:
         p.join()
+    steal_after = steal_ms()
+    for cpu, row in results.items():
+        known = cpu in steal_before and cpu in steal_after
+        row["steal_ms"] = round(steal_after[cpu] - steal_before[cpu], 1) if known else None
     return dict(sorted(results.items())), shared_gaps(gaps_by_cpu)
 
 
@@ -69,13 +91,15 @@ def main(argv=None):
     parser.add_argument("--json", help="write the per-CPU results here")
     args = parser.parse_args(argv)
     results, shared = measure(args.seconds, args.gap_ms)
-    print(f"{'cpu':>4} {'gaps':>6} {'total ms':>9} {'longest ms':>10}")
+    print(f"{'cpu':>4} {'gaps':>6} {'total ms':>9} {'longest ms':>10} {'steal ms':>9}")
     for cpu, row in results.items():
-        print(f"{cpu:>4} {row['gaps']:>6} {row['gap_ms_total']:>9.2f} {row['longest_ms']:>10.3f}")
+        steal = "-" if row["steal_ms"] is None else f"{row['steal_ms']:.0f}"
+        print(f"{cpu:>4} {row['gaps']:>6} {row['gap_ms_total']:>9.2f} {row['longest_ms']:>10.3f} {steal:>9}")
     worst = max(row["longest_ms"] for row in results.values())
     print(f"{len(results)} CPUs over {args.seconds:g} s: {sum(r['gaps'] for r in results.values())} gaps over "
           f"{args.gap_ms:g} ms, the longest {worst:.3f} ms; {shared} of them overlap a gap on half of the other CPUs "
-          f"or more (the whole machine stopped)")
+          f"or more (the whole machine stopped); the hypervisor's steal "
+          f"{sum(r['steal_ms'] or 0 for r in results.values()):.0f} ms in all")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"seconds": args.seconds, "gap_ms": args.gap_ms, "shared_gaps": shared, "cpus": results}, f,

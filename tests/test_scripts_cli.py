@@ -72,7 +72,23 @@ def test_host_hiccups_spins_once_on_every_cpu_it_may_use(tmp_path):
     assert [int(cpu) for cpu in result["cpus"]] == cpus
     for row in result["cpus"].values():
         assert row["gaps"] >= 0 and row["longest_ms"] > 0 and row["gap_ms_total"] >= 0.5 * row["gaps"]
-    assert f"{len(cpus)} CPUs over 0.3 s:" in done.stdout
+        assert row["steal_ms"] is None or row["steal_ms"] >= 0
+    assert f"{len(cpus)} CPUs over 0.3 s:" in done.stdout and "the hypervisor's steal" in done.stdout
+
+
+def test_host_hiccups_reads_each_cpus_steal_from_proc_stat(monkeypatch, tmp_path):
+    import builtins
+
+    from scripts import host_hiccups
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 0 5 100 0 0 0 9 0 0\ncpu0 4 0 2 50 0 0 0 7 0 0\ncpu1 6 0 3 50 0 0 0 2 0 0\nintr 5\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open",
+                        lambda path, *a, **k: real_open(stat if path == "/proc/stat" else path, *a, **k))
+    tick_ms = 1000.0 / os.sysconf("SC_CLK_TCK")
+    assert host_hiccups.steal_ms() == {0: 7 * tick_ms, 1: 2 * tick_ms}  # the aggregate "cpu" line is no CPU
+    stat.unlink()
+    assert host_hiccups.steal_ms() == {}
 
 
 def test_host_hiccups_counts_the_gaps_that_half_the_other_cpus_share():
