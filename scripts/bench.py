@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -22,6 +23,7 @@ import torch
 
 from client import cli
 from scripts.benchmarks.awake_cpus import AwakeCpus
+from scripts.benchmarks.gpu_clocks import GpuClocks, describe as describe_clocks
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.engine.options import add_cluster_arguments
 from client.engine.precision import FP32_STATE, add_precision_argument, precision_argument, state_storage_argument
@@ -133,6 +135,9 @@ def parse_args(argv=None):
                         help="the client runtime's pipeline_min_batch (default: client.runtime.PIPELINE_MIN_BATCH)")
     add_cluster_arguments(parser, "shards section: the shards as Ray actors on a cluster (--shards of them, default "
                                   "every GPU, or one per node without GPUs) instead of a process per GPU here")
+    parser.add_argument("--gpu-clocks", action="store_true",
+                        help="sample the GPU's clocks, power and clock-event (throttle) reasons with nvidia-smi every "
+                             "100 ms through each section (scripts/benchmarks/gpu_clocks.py)")
     parser.add_argument("--quick", action="store_true", help="small counts for a smoke run")
     parser.add_argument("--log-dir", help="also write the progress log and client/server warnings here")
     args = parser.parse_args(argv)
@@ -154,6 +159,8 @@ def parse_args(argv=None):
         parser.error(f"bad --device {args.device!r}: {exc}")
     if args.device.type not in ("cuda", "cpu"):
         parser.error(f"--device must be cuda or cpu, got {args.device}")
+    if args.gpu_clocks and (args.device.type != "cuda" or shutil.which("nvidia-smi") is None):
+        parser.error("--gpu-clocks samples a CUDA GPU with nvidia-smi: it needs --device cuda and nvidia-smi on PATH")
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but CUDA is not available; use --device cpu (with --quick) for a smoke run")
     return args
@@ -165,8 +172,10 @@ def run_sections(bench) -> list[str]:
     for section in bench.args.sections:
         bench.progress(f"section {section} ...")
         begin = time.monotonic()
+        clocks = GpuClocks(bench.device.index or 0) if bench.args.gpu_clocks else None
         try:
-            SECTIONS[section].run(bench)
+            with clocks or contextlib.nullcontext():
+                SECTIONS[section].run(bench)
         except Exception as exc:
             failed.append(section)
             bench.progress(f"section {section} FAILED: {exc}\n{traceback.format_exc()}")
@@ -174,6 +183,10 @@ def run_sections(bench) -> list[str]:
         elapsed = time.monotonic() - begin
         bench.report.update(section_s={**bench.report.data.get("section_s", {}), section: elapsed})
         bench.progress(f"section {section} done in {elapsed:.1f} s")
+        if clocks is not None:
+            sampled = clocks.summary()
+            bench.report.update(gpu_clocks={**bench.report.data.get("gpu_clocks", {}), section: sampled})
+            bench.progress(f"gpu clocks during {section}: {describe_clocks(sampled)}")
         if bench.device.type == "cuda":
             torch.cuda.empty_cache()
     return failed
