@@ -128,6 +128,12 @@ def parse_args(argv=None):
     parser.add_argument("--swap-cold-rate", type=_non_negative_float, metavar="PER_S",
                         help="swap section: cold symbols a second through the host tier (default 50; 0: the hot "
                              "symbols alone, the section's baseline)")
+    parser.add_argument("--swap-runs", type=cli.positive_int, default=1,
+                        help="swap section: sessions in a row on one engine, each recorded (default 1)")
+    parser.add_argument("--late-after-ms", type=_list_of(_non_negative_float), metavar="MS[,MS...]",
+                        help="served sections: the runtime forms its next step late (just before the one in flight "
+                             "ends) behind steps of at least MS (default: client/step_clock.py's LATE_AFTER_S); "
+                             "several: the e2e and swap runs take them in turn, the other sections the first")
     parser.add_argument("--max-requests-per-symbol", type=cli.positive_int, default=DEFAULT_REQUESTS_PER_SYMBOL,
                         metavar="K", help="requests of one symbol a step may carry (default "
                                           f"{DEFAULT_REQUESTS_PER_SYMBOL}); maxrate and backlog also run K = 1")

@@ -289,10 +289,12 @@ class SerialDevice:
         raise AssertionError("the runtime must use submit_batch")
 
 
-@pytest.mark.parametrize("form_late", [True, False])
-def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model, form_late):
+@pytest.mark.parametrize("form_late, late_after_s, late", [(True, None, True), (False, None, False),
+                                                          (True, 0.0, True), (True, 1.0, False)])
+def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model, form_late, late_after_s, late):
     """Requests arriving while a step runs all go into the next step: it is formed when the one in flight is about
-    to end (client/step_clock.py), not as soon as the first of them arrives (form_late=False, the rule before)."""
+    to end (client/step_clock.py), not as soon as the first of them arrives (form_late=False, the rule before, or
+    behind steps shorter than late_after_s)."""
     symbols, features = _stream(9, seed=5)
     recorder = Recorder()
     step_s = 0.3  # long beside a slow machine's reference step (~20 ms), which runs in submit_batch
@@ -310,9 +312,10 @@ def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model, form_
         await ws.close(1000)
 
     team_client = SerialDevice(model, step_s)
-    _, summary = asyncio.run(_play(handler, team_client, max_requests_per_symbol=4, form_late=form_late))
+    _, summary = asyncio.run(_play(handler, team_client, max_requests_per_symbol=4, form_late=form_late,
+                                   late_after_s=late_after_s))
     assert summary["responses_sent"] == 9
-    if form_late:
+    if late:
         assert team_client.batches[-2:] == [[5], [6, 7, 8]]  # 6, 7 and 8 are of three symbols
         assert team_client.formed_busy[-1]  # formed while [5] ran, not once the device was idle
     else:

@@ -184,6 +184,12 @@ class Bench:
         self._model = self._engine = self._suite = self._bandwidth = self._tiered = None
         self.host_memory_before_tiers = None  # (total, available) host bytes when the tiered engine was built
 
+    def late_after_s(self, run=0):
+        """The runtime's late_after_s for a served section's run `run` (--late-after-ms in turn; None: the
+        runtime's default)."""
+        values = self.args.late_after_ms
+        return None if not values else values[run % len(values)] / 1000.0
+
     @property
     def model(self):
         if self._model is None:

@@ -8,6 +8,7 @@ requests' latencies (the server's clock) and where their time went, the longest 
 sustained, and each transfer's bandwidth against the pinned host<->device bandwidth measured in the same run. The
 targets are the issue's, on an H100 with the full preset.
 """
+import math
 import time
 
 import numpy as np
@@ -90,7 +91,8 @@ def _stages(timeline, requests) -> dict:
                                            if int(uid) in chosen}}, slowest=6)
 
 
-def measure_swap(bench):
+def measure_swap(bench, run=0):
+    """One session of the swap stream on the tiered engine (run: the section's run, for Bench.late_after_s)."""
     counts, engine = bench.counts, bench.tiered_engine()
     table = engine.table
     hot = prefixed_names("HOT_", counts.swap_hot_symbols)
@@ -114,7 +116,8 @@ def measure_swap(bench):
     timed = TimedSubmits(engine)
     targets = np.zeros((len(stream), len(TOWER_NAMES)), np.float32)  # latency only: churn checks the states' bits
     session = event_loop.run(serve_stream(timed, stream, targets, None, bench.args.preset, bench.args.seed,
-                                          bench.args.pipeline_min_batch, timeline=True, stacks_dir=bench.args.stacks))
+                                          bench.args.pipeline_min_batch, timeline=True, stacks_dir=bench.args.stacks,
+                                          late_after_s=bench.late_after_s(run)))
     stages = {kind: _stages(session["timeline"], np.flatnonzero(chosen))
               for kind, chosen in (("hot", ~is_cold), ("cold", is_cold)) if chosen.any()}
     for kind, result in stages.items():
@@ -145,17 +148,29 @@ def measure_swap(bench):
               "transfer_gb_per_s": {k: None if v is None else v / 1e9 for k, v in transfers.items()},
               "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},
               "bandwidth_share": {k: None if transfers[k] is None else transfers[k] / pinned[k] for k in pinned}}
+    if bench.late_after_s(run) is not None:
+        result["late_after_ms"] = bench.late_after_s(run) * 1000.0
     engine.release(hot + cold)
     return result
 
 
 def run(bench):
+    """--swap-runs sessions in a row on one engine, each recorded under swap_runs; the headline is the worst hot
+    p99 of the runs with the first forming rule (--late-after-ms)."""
+    runs = []
     try:
-        result = measure_swap(bench)
+        for i in range(bench.args.swap_runs):
+            runs.append(measure_swap(bench, run=i))
+            headline = max(runs[::len(bench.args.late_after_ms or [None])], key=_hot_tail)
+            bench.report.update(swap=headline, swap_runs=runs)
+            bench.progress(f"swap run {i + 1}/{bench.args.swap_runs}: {runs[-1]}")
     finally:
         bench.close_tiered_engine()
-    bench.report.update(swap=result)
-    bench.progress(f"swap: {result}")
+
+
+def _hot_tail(result):
+    p99 = result["hot"]["p99_ms"]
+    return result["hot"]["missed"], math.inf if p99 is None else p99
 
 
 def summary(data) -> list[str]:
