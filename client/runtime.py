@@ -171,7 +171,8 @@ class StreamingClient:
                  heartbeat_s: float = 5.0, backoff_s: float = 0.1,
                  backoff_max_s: float = 5.0, connect_timeout_s: float = 3.0, give_up_after_s: float = 10.0,
                  cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
-                 form_late: bool = True, late_after_s: float | None = None, timeline: bool = False,
+                 form_late: bool = True, late_after_s: float | None = None, form_margin_s: float | None = None,
+                 timeline: bool = False,
                  give_up_repeats: int = GIVE_UP_REPEATS, server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
@@ -211,8 +212,9 @@ class StreamingClient:
         # False: the next step is formed as soon as the one in flight is submitted (what the runtime did before
         # client/step_clock.py; kept to measure the two against each other)
         self.form_late = form_late
-        if late_after_s is not None and not late_after_s >= 0:
-            raise ValueError(f"late_after_s must be a number of seconds >= 0, got {late_after_s!r}")
+        for name, value in (("late_after_s", late_after_s), ("form_margin_s", form_margin_s)):
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
         self.give_up_after_s = give_up_after_s
         self.cache_size = cache_size
         self.stats = ClientStats(timeout_s)
@@ -240,9 +242,11 @@ class StreamingClient:
         self._worker_stopping = False
         self._steps: deque = deque()  # (batch, pending, submitted at, step_size) not yet answered, oldest first
         # when to form the next pipelined step (under the lock), its step sizes at the team client's step rows
-        # (formed late behind steps of late_after_s or more: StepClock's default unless given)
+        # (formed late behind steps of late_after_s or more, form_margin_s before the host's time says: StepClock's
+        # defaults unless given)
+        clock_options = {"late_after_s": late_after_s, "margin_s": form_margin_s}
         self._clock = StepClock(row_sizes=team_api.step_rows(team_client),
-                                **({} if late_after_s is None else {"late_after_s": late_after_s}))
+                                **{k: v for k, v in clock_options.items() if v is not None})
         self._steps_ended = 0  # steps answered (or failed), the index of the next one in self.steps
         self._submitter_done = False
         self._wake_at: int | None = 0  # waiting symbols from which an arrival notifies the submitter (under the lock)

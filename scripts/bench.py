@@ -134,6 +134,10 @@ def parse_args(argv=None):
                         help="served sections: the runtime forms its next step late (just before the one in flight "
                              "ends) behind steps of at least MS (default: client/step_clock.py's LATE_AFTER_S); "
                              "several: the e2e and swap runs take them in turn, the other sections the first")
+    parser.add_argument("--form-margin-ms", type=_list_of(_non_negative_float), metavar="MS[,MS...]",
+                        help="served sections: the next step formed late is formed MS earlier than the runtime's "
+                             "learned times say (default: client/step_clock.py's MARGIN_S); several: in turn, as "
+                             "--late-after-ms")
     parser.add_argument("--max-requests-per-symbol", type=cli.positive_int, default=DEFAULT_REQUESTS_PER_SYMBOL,
                         metavar="K", help="requests of one symbol a step may carry (default "
                                           f"{DEFAULT_REQUESTS_PER_SYMBOL}); maxrate and backlog also run K = 1")

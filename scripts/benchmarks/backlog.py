@@ -59,7 +59,7 @@ def measure_backlog(bench, per_symbol, prefix) -> dict:
     summary = event_loop.run(serve_stream(engine, stream, targets, E2E_RATE, args.preset, args.seed,
                                           args.pipeline_min_batch, timeline=True, max_requests_per_symbol=per_symbol,
                                           team_client=team_client, during=pause, stacks_dir=args.stacks,
-                                          late_after_s=bench.late_after_s()))
+                                          **bench.forming()))
     engine.release(np.unique(stream.symbols).tolist())
     stages = summary["timeline"]["client"]
     backlog = [s for s in stages.values()

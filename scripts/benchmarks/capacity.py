@@ -46,7 +46,7 @@ def measure_capacity(bench):
     session = event_loop.run(serve_stream(engine, stream, targets, counts.arrival_rate, args.preset, args.seed,
                                           args.pipeline_min_batch, timeline=True,
                                           max_requests_per_symbol=args.max_requests_per_symbol,
-                                          stacks_dir=args.stacks, late_after_s=bench.late_after_s()))
+                                          stacks_dir=args.stacks, **bench.forming()))
     numbers, steps = session_numbers(session), session["timeline"]["steps"]
     small = served_step_ms(steps, 20)
     result = {"symbols_held": table.capacity + table.host_capacity, "symbols_at_budget": table.capacity,

@@ -184,11 +184,16 @@ class Bench:
         self._model = self._engine = self._suite = self._bandwidth = self._tiered = None
         self.host_memory_before_tiers = None  # (total, available) host bytes when the tiered engine was built
 
-    def late_after_s(self, run=0):
-        """The runtime's late_after_s for a served section's run `run` (--late-after-ms in turn; None: the
-        runtime's default)."""
-        values = self.args.late_after_ms
-        return None if not values else values[run % len(values)] / 1000.0
+    def forming_ms(self, run=0) -> dict:
+        """The step clock's settings given for a served section's run `run`, in milliseconds ({late_after_ms,
+        form_margin_ms}, each of --late-after-ms and --form-margin-ms in turn; those not given are left out: the
+        runtime's defaults)."""
+        given = {"late_after_ms": self.args.late_after_ms, "form_margin_ms": self.args.form_margin_ms}
+        return {key: values[run % len(values)] for key, values in given.items() if values}
+
+    def forming(self, run=0) -> dict:
+        """forming_ms as serve_stream's keyword arguments (late_after_s, form_margin_s)."""
+        return {key.replace("_ms", "_s"): value / 1000.0 for key, value in self.forming_ms(run).items()}
 
     @property
     def model(self):

@@ -148,7 +148,8 @@ class ServerProcess:
 
 async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False,
                        max_requests_per_symbol=None, team_client=None, during=None, form_late=True,
-                       stacks_dir=None, ws_compression=False, step_log=False, late_after_s=None) -> dict:
+                       stacks_dir=None, ws_compression=False, step_log=False, late_after_s=None,
+                       form_margin_s=None) -> dict:
     """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
     the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
     processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir every thread's stack in each event
@@ -156,7 +157,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     take permessage-deflate, as before bench/LOG.md section 50 (to measure against). `during(client)`, a coroutine
     function, runs beside the session (the backlog section pauses the client with it). step_log: the summary's
     "steps" is the runtime's step log (StreamingClient.steps). late_after_s: the runtime's step clock forms the next
-    step late behind steps this long (None: its default)."""
+    step late behind steps this long, form_margin_s before its learned times say (None: its defaults)."""
     from client.runtime import StreamingClient
     from client.stalls import StallProbe
     from server.app import ServerConfig
@@ -179,7 +180,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     watch = asyncio.create_task(probe.watch_loop()) if probe else None
     try:
         options = {"pipeline_min_batch": pipeline_min_batch, "max_requests_per_symbol": max_requests_per_symbol,
-                   "late_after_s": late_after_s}
+                   "late_after_s": late_after_s, "form_margin_s": form_margin_s}
         client = StreamingClient(team_client or ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench",
                                  timeline=timeline, form_late=form_late, ws_compression=ws_compression,
                                  step_log=step_log, **{k: v for k, v in options.items() if v is not None})
@@ -246,12 +247,12 @@ def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=
           run=0) -> dict:
     """session_numbers of `stream` served at `rate` to `engine` with the run's settings (per_symbol: requests of
     a symbol a step may carry, the run's --max-requests-per-symbol by default; run: the section's run, for
-    Bench.late_after_s); with step_log, also its steps by rows (steps_by_rows)."""
+    Bench.forming); with step_log, also its steps by rows (steps_by_rows)."""
     args = bench.args
     summary = event_loop.run(serve_stream(
         engine, stream, targets, rate, args.preset, args.seed, args.pipeline_min_batch,
         max_requests_per_symbol=per_symbol or args.max_requests_per_symbol, ws_compression=ws_compression,
-        stacks_dir=args.stacks, step_log=step_log, late_after_s=bench.late_after_s(run)))
+        stacks_dir=args.stacks, step_log=step_log, **bench.forming(run)))
     numbers = session_numbers(summary)
     if step_log:
         numbers["steps_by_rows"] = steps_by_rows(summary["steps"], getattr(engine, "step_rows", ()))
@@ -268,8 +269,7 @@ def measure_e2e(engine, bench, prefix="E2E_", run=0, ws_compression=False):
     bench.progress(f"e2e: targets ready; serving {len(stream)} requests at {E2E_RATE:.0f} req/s")
     numbers = serve(bench, engine, stream, targets, E2E_RATE, ws_compression=ws_compression, run=run)
     engine.release(np.unique(stream.symbols).tolist())
-    late_after_s = bench.late_after_s(run)
-    return numbers if late_after_s is None else {**numbers, "late_after_ms": late_after_s * 1000.0}
+    return {**numbers, **bench.forming_ms(run)}
 
 
 def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", key="max_rate", rates=None,

@@ -92,7 +92,7 @@ def _stages(timeline, requests) -> dict:
 
 
 def measure_swap(bench, run=0):
-    """One session of the swap stream on the tiered engine (run: the section's run, for Bench.late_after_s)."""
+    """One session of the swap stream on the tiered engine (run: the section's run, for Bench.forming)."""
     counts, engine = bench.counts, bench.tiered_engine()
     table = engine.table
     hot = prefixed_names("HOT_", counts.swap_hot_symbols)
@@ -117,7 +117,7 @@ def measure_swap(bench, run=0):
     targets = np.zeros((len(stream), len(TOWER_NAMES)), np.float32)  # latency only: churn checks the states' bits
     session = event_loop.run(serve_stream(timed, stream, targets, None, bench.args.preset, bench.args.seed,
                                           bench.args.pipeline_min_batch, timeline=True, stacks_dir=bench.args.stacks,
-                                          late_after_s=bench.late_after_s(run)))
+                                          **bench.forming(run)))
     stages = {kind: _stages(session["timeline"], np.flatnonzero(chosen))
               for kind, chosen in (("hot", ~is_cold), ("cold", is_cold)) if chosen.any()}
     for kind, result in stages.items():
@@ -148,24 +148,28 @@ def measure_swap(bench, run=0):
               "transfer_gb_per_s": {k: None if v is None else v / 1e9 for k, v in transfers.items()},
               "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},
               "bandwidth_share": {k: None if transfers[k] is None else transfers[k] / pinned[k] for k in pinned}}
-    if bench.late_after_s(run) is not None:
-        result["late_after_ms"] = bench.late_after_s(run) * 1000.0
+    result.update(bench.forming_ms(run))
     engine.release(hot + cold)
     return result
 
 
 def run(bench):
     """--swap-runs sessions in a row on one engine, each recorded under swap_runs; the headline is the worst hot
-    p99 of the runs with the first forming rule (--late-after-ms)."""
+    p99 of the runs with the first forming rule (--late-after-ms, --form-margin-ms)."""
     runs = []
     try:
         for i in range(bench.args.swap_runs):
             runs.append(measure_swap(bench, run=i))
-            headline = max(runs[::len(bench.args.late_after_ms or [None])], key=_hot_tail)
+            headline = max(runs[::_rules(bench.args)], key=_hot_tail)
             bench.report.update(swap=headline, swap_runs=runs)
             bench.progress(f"swap run {i + 1}/{bench.args.swap_runs}: {runs[-1]}")
     finally:
         bench.close_tiered_engine()
+
+
+def _rules(args) -> int:
+    """How many runs it takes the forming settings given to come round again."""
+    return math.lcm(len(args.late_after_ms or [0]), len(args.form_margin_ms or [0]))
 
 
 def _hot_tail(result):
