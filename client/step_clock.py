@@ -1,4 +1,4 @@
-"""When the runtime should form its next pipelined step: just before the step in flight ends.
+"""When the runtime should form its next pipelined step: behind a long step, just before that step ends.
 
 A step formed as soon as the one before it is submitted carries only what arrived before that moment, then waits
 behind it on the device; what arrives while it waits goes into the step after, so under load a request waits
@@ -18,22 +18,24 @@ a symbol runs at the captured shape of its size's rows, so 280 rows ran at 512's
 the oldest rows of the next smaller size and leaving the rest to the next step serves more requests a second when the
 rows barely pass it; the choice is the one with more rows a second by the learned step times.
 
-Behind every step, short ones too: measured on two H100 hosts (bench/LOG.md section 53), forming late behind the
-event's one-row steps (2.4 ms) with a margin of 0.8 ms served the swap section's hot requests (400 req/s over 20
-symbols beside 50 cold ones a second) at p50 4.8 against 5.4 ms and p99 6.8-7.1 against 7.4-7.5, and the event's
-load at p99 4.8-5.0 against 4.7-6.9; with a margin of 0.3 ms the event's load lost at p99 in two pairs of three (a
-late wake-up of the submitter leaves the GPU idle; section 41 had found the same on a host that stalled).
+Behind a short step the next is formed at once, as before: little can arrive in what is left of a short step,
+and a late one that misjudges the end leaves the GPU idle for the host's time. Measured on one H100 host, in turn
+(bench/LOG.md section 41): at 400 req/s over 20 symbols (steps of 2.3-3 ms) forming late gave the same p50 and a
+p99 1.8-3.5 ms longer in three pairs of runs out of three; over 64 symbols at 8,000 and 11,000 req/s (steps of 12-17
+ms) p50 27-29% and p99 9-25% shorter. Measured again on three hosts (section 53): forming late behind every step, with
+a margin of 0.8 ms, served the swap section's hot requests at p50 4.8 against 5.4 ms and p99 6.8-7.1 against 7.4-7.5
+on quiet hosts, but the event's load at p99 23.4 / 23.8 against 16.9 / 16.8 ms on a host that stalled: the queued
+step that forming at once keeps on the GPU is what carries the GPU through the host's stalls.
 """
 import time
 
 # Weight of the latest observation in the running averages (about the last 5 steps of a size count).
 SMOOTHING = 0.2
-# Formed this much earlier than the host's own time says: a thread's wake-up, the spread of step times (0.3 ms
-# left the GPU idle behind the event's 2.4 ms steps on some hosts; 0.8 costs a 20 ms step 2.5% of its arrivals).
-MARGIN_S = 0.0008
-# Steps shorter than this are followed at once (0: every step is followed late; kept to measure against, e.g.
-# bench.py --late-after-ms 6,0 for the rule before section 53).
-LATE_AFTER_S = 0.0
+# Formed this much earlier than the host's own time says: a thread's wake-up, the spread of step times.
+MARGIN_S = 0.0003
+# Steps shorter than this are followed at once (the event's load, 2.3-4.8 ms at 1-20 symbols, keeps the rule
+# before; the steps of 64 symbols, 10 ms and more, are formed late).
+LATE_AFTER_S = 0.006
 
 
 def step_size(rows: int, symbols: int, row_sizes=()) -> tuple[int, int]:
