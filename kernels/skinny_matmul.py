@@ -40,6 +40,12 @@ GROUP_M = 8  # row tiles launched next to each other per column block (W tile re
 SUM_BLOCK = 1024  # outputs a program of the split-K sum
 MAX_SPLIT_K = 2  # slices of K a GEMM's programs may sum apart (each slice's fp32 partials: M x N x 4 bytes)
 MIN_K_SLICE = 512  # K terms a slice sums at least
+# Each BLOCK_K chunk's x_hi W_hi product summed from zero by the tensor cores and added to the running fp32 sum by an
+# fp32 add (as DeepSeek-V3 promotes its FP8 partial sums). Given the running sum as its accumulator, an MMA adds its
+# products to it in its own arithmetic (tensor cores measured elsewhere align to the largest addend and truncate); on
+# an H100 the GEMM tiles' split products past 64 rows carried RetNet ~5x farther from the fp64 prediction than
+# cuBLAS's fp32 (bench/LOG.md section 53). Off until measured there, error and time (section 53, Next 1).
+PROMOTE_PARTIALS = False
 ROW_MAX_EXP = 14  # rows are scaled so that max |x| lies in [2^14, 2^15): one binade below fp16's 65504
 
 
@@ -109,9 +115,10 @@ def skinny_matmul_ref(x, weight, bias=None, relu=False, out_dtype=torch.float32,
 @triton.jit
 def tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, SPLIT: tl.constexpr,
                   LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  MASK_K: tl.constexpr):
+                  MASK_K: tl.constexpr, PROMOTE: tl.constexpr):
     """This program's [BLOCK_M, BLOCK_N] of x @ W^T in fp32; with SPLIT, its columns below N_LO split. Without
-    MASK_K, K % BLOCK_K == 0 (the launcher checks): the loads need no mask along K."""
+    MASK_K, K % BLOCK_K == 0 (the launcher checks): the loads need no mask along K. PROMOTE: each chunk's leading
+    product summed from zero, then added to the running sum in fp32 (PROMOTE_PARTIALS)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     corr = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the split's lower-order terms, x LO_SCALE
     for k in range(0, K, BLOCK_K):
@@ -122,7 +129,10 @@ def tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, SPL
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
         x_hi = x.to(w_ptr.dtype.element_ty)
-        acc = tl.dot(x_hi, tl.trans(w), acc)
+        if PROMOTE:
+            acc += tl.dot(x_hi, tl.trans(w))
+        else:
+            acc = tl.dot(x_hi, tl.trans(w), acc)
         if SPLIT:
             x_lo = ((x.to(tl.float32) - x_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
             w_lo = tl.load(w_lo_ptr + w_offsets, mask=w_mask & (rn[:, None] < N_LO), other=0.0)
@@ -140,7 +150,7 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, s
                           HAS_BIAS: tl.constexpr, RELU: tl.constexpr, SPLIT: tl.constexpr,
                           LO_SCALE: tl.constexpr, ROW_TILES: tl.constexpr, SPLIT_K: tl.constexpr,
                           GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr):
     """With SPLIT_K > 1, program (., k) sums the k-th of SPLIT_K equal slices of K and stores its fp32 partial
     product at y_ptr + k * stride_yk, bias and ReLU left to _sum_parts_kernel."""
     if ROW_TILES:
@@ -168,10 +178,10 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, s
         split = pid_n * BLOCK_N < N_LO
     if split:
         acc = tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, k_part, True, LO_SCALE,
-                            BLOCK_M, BLOCK_N, BLOCK_K, False)
+                            BLOCK_M, BLOCK_N, BLOCK_K, False, PROMOTE)
     else:
         acc = tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, k_part, False, LO_SCALE,
-                            BLOCK_M, BLOCK_N, BLOCK_K, False)
+                            BLOCK_M, BLOCK_N, BLOCK_K, False, PROMOTE)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K > 1:
         tl.store(y_ptr + tl.program_id(1) * stride_yk + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
@@ -240,12 +250,14 @@ def supports(M, N, K) -> bool:
     return M >= 1 and K % 16 == 0 and N >= 16
 
 
-def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None, config=None):
+def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None, config=None,
+                  promote=None):
     """x [M, K] (any float dtype), weight [N, K] fp16/bf16 -> [M, N] in out_dtype, accumulated in fp32;
     with weight_lo (split_fp16 of an fp32 weight: weight, weight_lo = hi, lo) about fp32 accuracy, for the
     first weight_lo.shape[0] rows (the others are fp16).
     `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps[, SPLIT_K]) overrides default_config (for
-    benchmarks); SPLIT_K > 1 sums K in that many slices, in programs of their own, then adds them in order."""
+    benchmarks); SPLIT_K > 1 sums K in that many slices, in programs of their own, then adds them in order.
+    promote: each K chunk's product added to the running sum in fp32 (default PROMOTE_PARTIALS)."""
     if not use_triton(weight):
         return skinny_matmul_ref(x, weight, bias, relu, out_dtype, weight_lo)
     x, bias = _check(x, weight, bias, weight_lo)
@@ -268,7 +280,7 @@ def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, wei
         weight_lo.shape[0] if split else 0, K, x.stride(0), parts.stride(-2), parts.stride(0),
         HAS_BIAS=bias is not None, RELU=relu, SPLIT=split, LO_SCALE=LO_SCALE, ROW_TILES=row_tiles > 1,
         SPLIT_K=split_k, GROUP_M=GROUP_M, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_stages=stages, num_warps=warps)
+        PROMOTE=PROMOTE_PARTIALS if promote is None else promote, num_stages=stages, num_warps=warps)
     if split_k > 1:
         _sum_parts_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
             parts, bias if bias is not None else parts, y, M, N, parts.stride(0), y.stride(0),

@@ -299,7 +299,7 @@ def _slstm_input_gates_kernel(
         x_ptrs = xn_ptr + r[:, None] * stride_xn + (block * size + k)[None, :]
     map_offset = gate * width * size + block * size * size  # map `gate`, block `block`: [s, s] (out, in)
     acc = tile_products(x_ptrs, w_ptr + map_offset, w_lo_ptr + map_offset, j[:, None] * size + k[None, :], r, j,
-                        live, size, size, size, SPLIT, LO_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, True)
+                        live, size, size, size, SPLIT, LO_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, True, False)
     col = block * size + j
     j_mask = j < size
     pre = acc + tl.load(bias_ptr + gate * width + col, mask=j_mask, other=0.0)[None, :]

@@ -68,6 +68,18 @@ def test_triton_matches_reference(M, N, K, dtype):
         assert (y.double() - exact).abs().max().item() <= 1e-5 * scale
 
 
+@pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
+@pytest.mark.parametrize("M", [20, 200])  # one row tile, and GEMM tiles
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_promoted_partials_match_the_reference(M, dtype):
+    """promote: each K chunk's product summed from zero and added to the running sum in fp32; the same product."""
+    x, w, b = make(M, 96, 512, dtype, 7 * M)
+    for config in (None, (64, 32, 64, 2, 4, 2)):  # the default, and K in two slices
+        y = skinny_matmul(x, **weights_of(w), bias=b, config=config, promote=True)
+        ref = skinny_matmul_ref(x, **weights_of(w), bias=b)
+        assert (y - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+
+
 def mixed_weights(w, rows):
     """kwargs of skinny_matmul for w with its first `rows` rows split (about fp32) and the others fp16."""
     hi, lo = split_fp16(w[:rows])
@@ -252,13 +264,15 @@ def test_model_shapes_on_gpu(M, kind, N, K):
     x = make(M, N, K, torch.float32, M)[0]
     w = torch.randn(N, K, device=DEVICE) / K**0.5
     weights = {"fp32": weights_of(w), "fp32+fp16": mixed_weights(w, 8192), "fp16": weights_of(w.half())}[kind]
-    y = skinny_matmul(x, **weights)
-    # the tensor cores' fp32 accumulation over K terms keeps fewer bits than FMA units (H100: up to 7.9e-6 of a
-    # row's scale at K = 4096, 3.9e-6 at K = 2048; cuBLAS's fp32 ~4e-7): why input_down takes cuBLAS (layers.py)
-    assert torch.isfinite(y).all() and row_errors(y, skinny_matmul_ref(x, **weights).double()).max() < 2e-7 * K**0.5
+    exact = skinny_matmul_ref(x, **weights).double()
+    for promote in (False, True):
+        y = skinny_matmul(x, **weights, promote=promote)
+        # the tensor cores' fp32 accumulation over K terms keeps fewer bits than FMA units (H100: up to 7.9e-6 of a
+        # row's scale at K = 4096, 3.9e-6 at K = 2048; cuBLAS's fp32 ~4e-7): why input_down takes cuBLAS (layers.py)
+        assert torch.isfinite(y).all() and row_errors(y, exact).max() < 2e-7 * K**0.5
 
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
 def test_triton_under_interpreter():
     run_under_interpreter(__file__, "triton_matches or epilogue or explicit_config or split_rows or row_tiles "
-                                   "or split_k")
+                                   "or split_k or promoted")
