@@ -172,8 +172,8 @@ class StreamingClient:
                  backoff_max_s: float = 5.0, connect_timeout_s: float = 3.0, give_up_after_s: float = 10.0,
                  cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
                  form_late: bool = True, late_after_s: float | None = None, form_margin_s: float | None = None,
-                 timeline: bool = False,
-                 give_up_repeats: int = GIVE_UP_REPEATS, server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False):
+                 timeline: bool = False, give_up_repeats: int = GIVE_UP_REPEATS,
+                 server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
