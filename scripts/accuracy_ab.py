@@ -2,6 +2,8 @@
 
     python scripts/accuracy_ab.py "auto;auto,retnet.input_down=fp32" --families feed_mix,stuck --per-symbol 8
     python scripts/accuracy_ab.py "auto;fp32" --preset tiny --device cpu --steps 20 --seeds 0   # CPU smoke run
+    python scripts/accuracy_ab.py auto --families scale_1e-2 --seeds 2 --symbols 32 --per-symbol 8 \
+        --promote-partials both     # the skinny kernel's partial sums promoted or not (bench/LOG.md section 53)
 
 For each spec and family (worst input seed), per tower: within 1e-3 of the fp32 reference and max/mean error,
 then the same against the fp64 reference (the model in float64); and the fp32 reference's own error against the
@@ -9,6 +11,7 @@ fp64 one. An engine's error against the fp32 reference is its own rounding and t
 line tells them apart.
 """
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -24,8 +27,14 @@ from client.model import PRESETS, load_model
 from scripts.precision_cost import specs_argument
 
 
+PROMOTES = {"off": (False,), "on": (True,), "both": (False, True)}
+skinny = importlib.import_module("kernels.skinny_matmul")  # the module: the package's name is its function
+
+
 def measure(precisions, families, preset="full", device="cuda", seeds=(0, 1, 2), symbols=4, steps=1000,
-            per_symbol=1, fp64=True, progress=lambda message: None):
+            per_symbol=1, fp64=True, progress=lambda message: None, promotes=(False,)):
+    """promotes: kernels.skinny_matmul.PROMOTE_PARTIALS for each engine of a spec (an engine captures its products
+    with the setting of its build); engines built with it on are named spec+promote."""
     model, _ = load_model(preset, seed=0, device=device)
     suites = {"fp32": Suite(model, device, families=families, symbols_per_family=symbols, steps=steps,
                             long_symbols=0, seeds=seeds, progress=progress)}
@@ -39,14 +48,22 @@ def measure(precisions, families, preset="full", device="cuda", seeds=(0, 1, 2),
     result = {"families": families, "seeds": list(seeds), "per_symbol": per_symbol, "engines": {}}
     if fp64:
         result["fp32_reference_vs_fp64"] = worst_of([{"all": r} for r in reference])["all"]
-    for precision in precisions:
-        engine = FastEngine(model, device, precision=precision, capacity=max(s.symbols for s in suites.values()),
-                            max_rows_per_symbol=per_symbol, host_symbols=0, progress=False)
-        result["engines"][precision.spec] = {
-            against: suite.measure(engine, prefix=f"{precision.spec}/{against}/", per_symbol=per_symbol)["families"]
-            for against, suite in suites.items()}
-        progress(f"{precision.spec}: measured")
-        del engine
+    default = skinny.PROMOTE_PARTIALS
+    try:
+        for precision in precisions:
+            for promote in promotes:
+                skinny.PROMOTE_PARTIALS = promote
+                name = precision.spec + ("+promote" if promote else "")
+                engine = FastEngine(model, device, precision=precision,
+                                    capacity=max(s.symbols for s in suites.values()),
+                                    max_rows_per_symbol=per_symbol, host_symbols=0, progress=False)
+                result["engines"][name] = {
+                    against: suite.measure(engine, prefix=f"{name}/{against}/", per_symbol=per_symbol)["families"]
+                    for against, suite in suites.items()}
+                progress(f"{name}: measured")
+                del engine
+    finally:
+        skinny.PROMOTE_PARTIALS = default
     return result
 
 
@@ -77,6 +94,9 @@ def main(argv=None):
     parser.add_argument("--per-symbol", type=cli.positive_int, default=1,
                         help="requests of every symbol in every step (a backlog; default 1)")
     parser.add_argument("--no-fp64", action="store_true", help="skip the fp64 reference")
+    parser.add_argument("--promote-partials", choices=PROMOTES, default="off",
+                        help="the skinny kernel's partial sums promoted to fp32 adds (kernels/skinny_matmul.py "
+                             "PROMOTE_PARTIALS): off, on, or both in turn for each spec (default off)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -87,7 +107,8 @@ def main(argv=None):
     begin = time.monotonic()
     result = measure(args.precisions, families, args.preset, args.device, seeds, args.symbols, args.steps,
                      args.per_symbol, not args.no_fp64,
-                     lambda m: sys.stderr.write(f"[{time.monotonic() - begin:6.1f} s] {m}\n"))
+                     lambda m: sys.stderr.write(f"[{time.monotonic() - begin:6.1f} s] {m}\n"),
+                     PROMOTES[args.promote_partials])
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -181,6 +181,20 @@ def test_failing_section_is_recorded_and_others_still_run(tmp_path, monkeypatch,
     assert "FAILED sections: step" in capsys.readouterr().out
 
 
+def test_promote_partials_holds_for_the_run_and_is_restored(tmp_path, monkeypatch):
+    import importlib
+
+    bench = _load_bench()
+    skinny = importlib.import_module("kernels.skinny_matmul")
+    during = []
+    monkeypatch.setattr(bench, "run_sections", lambda b: during.append(skinny.PROMOTE_PARTIALS) or [])
+    out = tmp_path / "out.json"
+    argv = ["--device", "cpu", "--quick", "--sections", "copy", "--promote-partials", "--json", str(out)]
+    assert bench.main(argv) == 0
+    assert during == [True] and skinny.PROMOTE_PARTIALS is False
+    assert json.loads(out.read_text())["promote_partials"] is True
+
+
 def test_accuracy_backlog_only_runs_the_suite_once_with_a_backlog_of_k(monkeypatch):
     """--accuracy-backlog-only: the suite's run with K requests of every symbol a step, not the one-request run."""
     from types import SimpleNamespace
