@@ -147,9 +147,9 @@ def _(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None)
 
 
 def _traced_skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None,
-                          config=None):
-    if config is not None:
-        raise ValueError("skinny_matmul's config override is for benchmarks of the eager kernel, not torch.compile")
+                          config=None, promote=None):
+    if config is not None or promote is not None:  # the op follows default_config and PROMOTE_PARTIALS
+        raise ValueError("skinny_matmul's config and promote overrides are for the eager kernel, not torch.compile")
     return torch.ops.fastens.skinny_matmul(x, weight, bias, relu, out_dtype, weight_lo)
 
 
