@@ -25,6 +25,8 @@ carries a feed's unnormalised features (columns up to 1e5) straight into the res
 takes cuBLAS's fp32 instead (client/engine/fast/layers.py, Linear's wide_input). row_scales and split_rows cast such
 rows to fp16 without overflow where their weights are fp16.
 """
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -67,6 +69,18 @@ def row_scales(x):
     fp32's normal range)."""
     biased = (x.float().abs().amax(1).view(torch.int32) >> 23) & 0xFF  # the largest |x|'s biased exponent
     return (127 + ROW_MAX_EXP - biased).clamp(-126, 126)
+
+
+@contextlib.contextmanager
+def promoted_partials(on: bool = True):
+    """PROMOTE_PARTIALS set to `on` inside the block (engines built there capture their products with it), the
+    setting before restored after."""
+    global PROMOTE_PARTIALS
+    before, PROMOTE_PARTIALS = PROMOTE_PARTIALS, on
+    try:
+        yield
+    finally:
+        PROMOTE_PARTIALS = before
 
 
 def split_rows(x):

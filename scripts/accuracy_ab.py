@@ -11,7 +11,6 @@ fp64 one. An engine's error against the fp32 reference is its own rounding and t
 line tells them apart.
 """
 import argparse
-import importlib
 import json
 import sys
 import time
@@ -24,16 +23,16 @@ from client.constants import TOWER_NAMES
 from client.engine.fast import FastEngine
 from client.families import FAMILIES
 from client.model import PRESETS, load_model
+from kernels.skinny_matmul import promoted_partials
 from scripts.precision_cost import specs_argument
 
 
 PROMOTES = {"off": (False,), "on": (True,), "both": (False, True)}
-skinny = importlib.import_module("kernels.skinny_matmul")  # the module: the package's name is its function
 
 
 def measure(precisions, families, preset="full", device="cuda", seeds=(0, 1, 2), symbols=4, steps=1000,
             per_symbol=1, fp64=True, progress=lambda message: None, promotes=(False,)):
-    """promotes: kernels.skinny_matmul.PROMOTE_PARTIALS for each engine of a spec (an engine captures its products
+    """promotes: kernels.skinny_matmul's PROMOTE_PARTIALS for each engine of a spec (an engine captures its products
     with the setting of its build); engines built with it on are named spec+promote."""
     model, _ = load_model(preset, seed=0, device=device)
     suites = {"fp32": Suite(model, device, families=families, symbols_per_family=symbols, steps=steps,
@@ -48,12 +47,10 @@ def measure(precisions, families, preset="full", device="cuda", seeds=(0, 1, 2),
     result = {"families": families, "seeds": list(seeds), "per_symbol": per_symbol, "engines": {}}
     if fp64:
         result["fp32_reference_vs_fp64"] = worst_of([{"all": r} for r in reference])["all"]
-    default = skinny.PROMOTE_PARTIALS
-    try:
-        for precision in precisions:
-            for promote in promotes:
-                skinny.PROMOTE_PARTIALS = promote
-                name = precision.spec + ("+promote" if promote else "")
+    for precision in precisions:
+        for promote in promotes:
+            name = precision.spec + ("+promote" if promote else "")
+            with promoted_partials(promote):
                 engine = FastEngine(model, device, precision=precision,
                                     capacity=max(s.symbols for s in suites.values()),
                                     max_rows_per_symbol=per_symbol, host_symbols=0, progress=False)
@@ -61,9 +58,7 @@ def measure(precisions, families, preset="full", device="cuda", seeds=(0, 1, 2),
                     against: suite.measure(engine, prefix=f"{name}/{against}/", per_symbol=per_symbol)["families"]
                     for against, suite in suites.items()}
                 progress(f"{name}: measured")
-                del engine
-    finally:
-        skinny.PROMOTE_PARTIALS = default
+            del engine
     return result
 
 

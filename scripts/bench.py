@@ -11,7 +11,6 @@ scripts/benchmarks/; this file is the command line and the runner.
 """
 import argparse
 import contextlib
-import importlib
 import logging
 import math
 import os
@@ -31,6 +30,7 @@ from client.engine.precision import FP32_STATE, add_precision_argument, precisio
 from client.families import FAMILIES
 from client.model.config import PRESETS
 from client.runtime import PIPELINE_MIN_BATCH
+from kernels.skinny_matmul import promoted_partials
 from scripts.benchmarks import SECTIONS
 from scripts.benchmarks.harness import FULL, MAX_BATCH, QUICK, Bench, Counts, device_name
 from scripts.benchmarks.report import Progress, Report
@@ -240,15 +240,9 @@ def main(argv=None) -> int:
                   pipeline_min_batch=args.pipeline_min_batch or PIPELINE_MIN_BATCH,
                   max_requests_per_symbol=args.max_requests_per_symbol, promote_partials=args.promote_partials)
     progress(f"bench on {report.data['device']}: preset {args.preset}, sections {','.join(args.sections)}")
-    skinny = importlib.import_module("kernels.skinny_matmul")  # the module: the package's name is its function
-    promote_before = skinny.PROMOTE_PARTIALS
-    if args.promote_partials:
-        skinny.PROMOTE_PARTIALS = True
-    try:
-        with AwakeCpus() if args.awake_cpus == "on" else contextlib.nullcontext():
-            failed = run_sections(Bench(args, report, progress))
-    finally:
-        skinny.PROMOTE_PARTIALS = promote_before
+    with (promoted_partials() if args.promote_partials else contextlib.nullcontext(),
+          AwakeCpus() if args.awake_cpus == "on" else contextlib.nullcontext()):
+        failed = run_sections(Bench(args, report, progress))
     report.update(total_s=time.monotonic() - progress.start)
     print(summary_table(report.data))
     return 1 if failed else 0
