@@ -42,12 +42,12 @@ GROUP_M = 8  # row tiles launched next to each other per column block (W tile re
 SUM_BLOCK = 1024  # outputs a program of the split-K sum
 MAX_SPLIT_K = 2  # slices of K a GEMM's programs may sum apart (each slice's fp32 partials: M x N x 4 bytes)
 MIN_K_SLICE = 512  # K terms a slice sums at least
-# Each BLOCK_K chunk's x_hi W_hi product summed from zero by the tensor cores and added to the running fp32 sum by an
-# fp32 add (as DeepSeek-V3 promotes its FP8 partial sums). Given the running sum as its accumulator, an MMA adds its
-# products to it in its own arithmetic (tensor cores measured elsewhere align to the largest addend and truncate); on
-# an H100 the GEMM tiles' split products past 64 rows carried RetNet ~5x farther from the fp64 prediction than
-# cuBLAS's fp32 (bench/LOG.md section 53). Off until measured there, error and time (section 53, Next 1).
-PROMOTE_PARTIALS = False
+# Split (fp32) weights: each BLOCK_K chunk's x_hi W_hi product summed from zero by the tensor cores and added to the
+# running fp32 sum by an fp32 add (as DeepSeek-V3 promotes its FP8 partial sums). Given the running sum as its
+# accumulator, an MMA adds its products to it in its own arithmetic: on an H100 up to 4e-6-1.4e-5 of a row's scale
+# at K = 2,048-8,192 (cuBLAS's fp32 1e-6), 3-7e-7 promoted, and RetNet at a backlog of 8 went from 1.0e-2 to 1.5e-3
+# of the fp64 prediction (bench/LOG.md section 54). fp16 weights' own rounding (~3e-4) dwarfs it: never promoted.
+PROMOTE_PARTIALS = True
 ROW_MAX_EXP = 14  # rows are scaled so that max |x| lies in [2^14, 2^15): one binade below fp16's 65504
 
 
@@ -143,8 +143,8 @@ def tile_products(x_ptrs, w_ptr, w_lo_ptr, w_offsets, rm, rn, M, N, N_LO, K, SPL
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
         x_hi = x.to(w_ptr.dtype.element_ty)
-        if PROMOTE:
-            acc += tl.dot(x_hi, tl.trans(w))
+        if PROMOTE:  # a nonzero max_num_imprecise_acc keeps Triton from folding the add into the MMA's accumulator
+            acc += tl.dot(x_hi, tl.trans(w), max_num_imprecise_acc=BLOCK_K)
         else:
             acc = tl.dot(x_hi, tl.trans(w), acc)
         if SPLIT:
@@ -271,7 +271,7 @@ def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, wei
     first weight_lo.shape[0] rows (the others are fp16).
     `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps[, SPLIT_K]) overrides default_config (for
     benchmarks); SPLIT_K > 1 sums K in that many slices, in programs of their own, then adds them in order.
-    promote: each K chunk's product added to the running sum in fp32 (default PROMOTE_PARTIALS)."""
+    promote: with weight_lo, each K chunk's product added to the running sum in fp32 (default PROMOTE_PARTIALS)."""
     if not use_triton(weight):
         return skinny_matmul_ref(x, weight, bias, relu, out_dtype, weight_lo)
     x, bias = _check(x, weight, bias, weight_lo)
@@ -294,7 +294,7 @@ def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, wei
         weight_lo.shape[0] if split else 0, K, x.stride(0), parts.stride(-2), parts.stride(0),
         HAS_BIAS=bias is not None, RELU=relu, SPLIT=split, LO_SCALE=LO_SCALE, ROW_TILES=row_tiles > 1,
         SPLIT_K=split_k, GROUP_M=GROUP_M, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PROMOTE=PROMOTE_PARTIALS if promote is None else promote, num_stages=stages, num_warps=warps)
+        PROMOTE=split and (PROMOTE_PARTIALS if promote is None else promote), num_stages=stages, num_warps=warps)
     if split_k > 1:
         _sum_parts_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
             parts, bias if bias is not None else parts, y, M, N, parts.stride(0), y.stride(0),

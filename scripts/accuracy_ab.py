@@ -3,7 +3,7 @@
     python scripts/accuracy_ab.py "auto;auto,retnet.input_down=fp32" --families feed_mix,stuck --per-symbol 8
     python scripts/accuracy_ab.py "auto;fp32" --preset tiny --device cpu --steps 20 --seeds 0   # CPU smoke run
     python scripts/accuracy_ab.py auto --families scale_1e-2 --seeds 2 --symbols 32 --per-symbol 8 \
-        --promote-partials both     # the skinny kernel's partial sums promoted or not (bench/LOG.md section 53)
+        --promote-partials both     # the skinny kernel's partial sums promoted or not (bench/LOG.md section 54)
 
 For each spec and family (worst input seed), per tower: within 1e-3 of the fp32 reference and max/mean error,
 then the same against the fp64 reference (the model in float64); and the fp32 reference's own error against the
@@ -31,9 +31,9 @@ PROMOTES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def measure(precisions, families, preset="full", device="cuda", seeds=(0, 1, 2), symbols=4, steps=1000,
-            per_symbol=1, fp64=True, progress=lambda message: None, promotes=(False,)):
+            per_symbol=1, fp64=True, progress=lambda message: None, promotes=(True,)):
     """promotes: kernels.skinny_matmul's PROMOTE_PARTIALS for each engine of a spec (an engine captures its products
-    with the setting of its build); engines built with it on are named spec+promote."""
+    with the setting of its build); engines built with it off are named spec+unpromoted."""
     model, _ = load_model(preset, seed=0, device=device)
     suites = {"fp32": Suite(model, device, families=families, symbols_per_family=symbols, steps=steps,
                             long_symbols=0, seeds=seeds, progress=progress)}
@@ -49,7 +49,7 @@ def measure(precisions, families, preset="full", device="cuda", seeds=(0, 1, 2),
         result["fp32_reference_vs_fp64"] = worst_of([{"all": r} for r in reference])["all"]
     for precision in precisions:
         for promote in promotes:
-            name = precision.spec + ("+promote" if promote else "")
+            name = precision.spec + ("" if promote else "+unpromoted")
             with promoted_partials(promote):
                 engine = FastEngine(model, device, precision=precision,
                                     capacity=max(s.symbols for s in suites.values()),
@@ -89,9 +89,10 @@ def main(argv=None):
     parser.add_argument("--per-symbol", type=cli.positive_int, default=1,
                         help="requests of every symbol in every step (a backlog; default 1)")
     parser.add_argument("--no-fp64", action="store_true", help="skip the fp64 reference")
-    parser.add_argument("--promote-partials", choices=PROMOTES, default="off",
-                        help="the skinny kernel's partial sums promoted to fp32 adds (kernels/skinny_matmul.py "
-                             "PROMOTE_PARTIALS): off, on, or both in turn for each spec (default off)")
+    parser.add_argument("--promote-partials", choices=PROMOTES, default="on",
+                        help="the skinny kernel's partial sums of fp32 weights promoted to fp32 adds "
+                             "(kernels/skinny_matmul.py PROMOTE_PARTIALS): on, off, or both in turn for each spec "
+                             "(default on)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]

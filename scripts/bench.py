@@ -146,9 +146,10 @@ def parse_args(argv=None):
                         help="the client runtime's pipeline_min_batch (default: client.runtime.PIPELINE_MIN_BATCH)")
     add_cluster_arguments(parser, "shards section: the shards as Ray actors on a cluster (--shards of them, default "
                                   "every GPU, or one per node without GPUs) instead of a process per GPU here")
-    parser.add_argument("--promote-partials", action="store_true",
-                        help="the skinny kernel's partial sums promoted to fp32 adds in every engine of the run "
-                             "(kernels/skinny_matmul.py PROMOTE_PARTIALS; bench/LOG.md section 53)")
+    parser.add_argument("--promote-partials", choices=("on", "off"), default="on",
+                        help="the skinny kernel's partial sums of fp32 weights promoted to fp32 adds in every engine "
+                             "of the run (kernels/skinny_matmul.py PROMOTE_PARTIALS; default on; bench/LOG.md "
+                             "section 54)")
     parser.add_argument("--gpu-clocks", action="store_true",
                         help="sample the GPU's clocks, power and clock-event (throttle) reasons with nvidia-smi every "
                              "100 ms through each section (scripts/benchmarks/gpu_clocks.py)")
@@ -238,9 +239,10 @@ def main(argv=None) -> int:
                   awake_cpus=args.awake_cpus,
                   sections=args.sections, counts=args.counts.__dict__, torch=torch.__version__,
                   pipeline_min_batch=args.pipeline_min_batch or PIPELINE_MIN_BATCH,
-                  max_requests_per_symbol=args.max_requests_per_symbol, promote_partials=args.promote_partials)
+                  max_requests_per_symbol=args.max_requests_per_symbol,
+                  promote_partials=args.promote_partials == "on")
     progress(f"bench on {report.data['device']}: preset {args.preset}, sections {','.join(args.sections)}")
-    with (promoted_partials() if args.promote_partials else contextlib.nullcontext(),
+    with (promoted_partials(args.promote_partials == "on"),
           AwakeCpus() if args.awake_cpus == "on" else contextlib.nullcontext()):
         failed = run_sections(Bench(args, report, progress))
     report.update(total_s=time.monotonic() - progress.start)

@@ -33,14 +33,15 @@ def test_an_unknown_family_is_a_one_line_error():
 
 
 def test_promoted_partials_run_beside_each_spec(tmp_path):
-    """--promote-partials both: each spec's engine built twice, with the skinny kernel's setting off, then on."""
+    """--promote-partials both: each spec's engine built twice, with the skinny kernel's setting off, then on (the
+    default)."""
     out = tmp_path / "ab.json"
     done = run("auto", "--preset", "tiny", "--device", "cpu", "--families", "normal", "--steps", "5", "--seeds", "0",
                "--no-fp64", "--promote-partials", "both", "--json", out)
     assert done.returncode == 0, done.stderr
     engines = json.loads(out.read_text())["engines"]
-    assert set(engines) == {"auto", "auto+promote"} and "auto+promote" in done.stdout
-    assert set(engines["auto+promote"]["fp32"]["normal"]) == {"xlstm", "mamba2", "retnet", "hawk"}
+    assert set(engines) == {"auto", "auto+unpromoted"} and "auto+unpromoted" in done.stdout
+    assert set(engines["auto+unpromoted"]["fp32"]["normal"]) == {"xlstm", "mamba2", "retnet", "hawk"}
 
 
 def test_the_promote_setting_is_each_engines_and_restored_after():
@@ -53,6 +54,6 @@ def test_the_promote_setting_is_each_engines_and_restored_after():
     seen = []
     measure(specs_argument("auto"), ["normal"], "tiny", "cpu", seeds=[0], symbols=1, steps=3, fp64=False,
             progress=lambda message: seen.append((message, skinny.PROMOTE_PARTIALS)), promotes=(False, True))
-    assert [(m, on) for m, on in seen if m.endswith("measured")] == [("auto: measured", False),
-                                                                      ("auto+promote: measured", True)]
-    assert skinny.PROMOTE_PARTIALS is False
+    assert [(m, on) for m, on in seen if m.endswith("measured")] == [("auto+unpromoted: measured", False),
+                                                                      ("auto: measured", True)]
+    assert skinny.PROMOTE_PARTIALS is True

@@ -189,10 +189,10 @@ def test_promote_partials_holds_for_the_run_and_is_restored(tmp_path, monkeypatc
     during = []
     monkeypatch.setattr(bench, "run_sections", lambda b: during.append(skinny.PROMOTE_PARTIALS) or [])
     out = tmp_path / "out.json"
-    argv = ["--device", "cpu", "--quick", "--sections", "copy", "--promote-partials", "--json", str(out)]
+    argv = ["--device", "cpu", "--quick", "--sections", "copy", "--promote-partials", "off", "--json", str(out)]
     assert bench.main(argv) == 0
-    assert during == [True] and skinny.PROMOTE_PARTIALS is False
-    assert json.loads(out.read_text())["promote_partials"] is True
+    assert during == [False] and skinny.PROMOTE_PARTIALS is True
+    assert json.loads(out.read_text())["promote_partials"] is False
 
 
 def test_accuracy_backlog_only_runs_the_suite_once_with_a_backlog_of_k(monkeypatch):

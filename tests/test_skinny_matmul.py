@@ -268,8 +268,10 @@ def test_model_shapes_on_gpu(M, kind, N, K):
     for promote in (False, True):
         y = skinny_matmul(x, **weights, promote=promote)
         # the tensor cores' fp32 accumulation over K terms keeps fewer bits than FMA units (H100: up to 7.9e-6 of a
-        # row's scale at K = 4096, 3.9e-6 at K = 2048; cuBLAS's fp32 ~4e-7): why input_down takes cuBLAS (layers.py)
-        assert torch.isfinite(y).all() and row_errors(y, exact).max() < 2e-7 * K**0.5
+        # row's scale at K = 4096, 3.9e-6 at K = 2048; cuBLAS's fp32 ~4e-7); promoted, each BLOCK_K chunk's sum is
+        # added in fp32 (H100: 3-7e-7 at K = 2,048-8,192). fp16 weights are never promoted: their rounding dominates.
+        bound = 2e-8 if promote and kind != "fp16" else 2e-7
+        assert torch.isfinite(y).all() and row_errors(y, exact).max() < bound * K**0.5
 
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
