@@ -172,7 +172,8 @@ class StreamingClient:
                  backoff_max_s: float = 5.0, connect_timeout_s: float = 3.0, give_up_after_s: float = 10.0,
                  cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
                  form_late: bool = True, late_after_s: float | None = None, form_margin_s: float | None = None,
-                 timeline: bool = False, give_up_repeats: int = GIVE_UP_REPEATS,
+                 punctual_late_after_s: float | None = None, timeline: bool = False,
+                 give_up_repeats: int = GIVE_UP_REPEATS,
                  server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
@@ -212,7 +213,8 @@ class StreamingClient:
         # False: the next step is formed as soon as the one in flight is submitted (what the runtime did before
         # client/step_clock.py; kept to measure the two against each other)
         self.form_late = form_late
-        for name, value in (("late_after_s", late_after_s), ("form_margin_s", form_margin_s)):
+        for name, value in (("late_after_s", late_after_s), ("form_margin_s", form_margin_s),
+                            ("punctual_late_after_s", punctual_late_after_s)):
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
         self.give_up_after_s = give_up_after_s
@@ -242,9 +244,10 @@ class StreamingClient:
         self._worker_stopping = False
         self._steps: deque = deque()  # (batch, pending, submitted at, step_size) not yet answered, oldest first
         # when to form the next pipelined step (under the lock), its step sizes at the team client's step rows
-        # (formed late behind steps of late_after_s or more, form_margin_s before the host's time says: StepClock's
-        # defaults unless given)
-        clock_options = {"late_after_s": late_after_s, "margin_s": form_margin_s}
+        # (formed late behind steps of late_after_s or more, or of punctual_late_after_s while the host wakes the
+        # submitter on time, form_margin_s before the host's time says: StepClock's defaults unless given)
+        clock_options = {"late_after_s": late_after_s, "margin_s": form_margin_s,
+                         "punctual_late_after_s": punctual_late_after_s}
         self._clock = StepClock(row_sizes=team_api.step_rows(team_client),
                                 **{k: v for k, v in clock_options.items() if v is not None})
         self._steps_ended = 0  # steps answered (or failed), the index of the next one in self.steps
@@ -582,6 +585,11 @@ class StreamingClient:
             if stopping:
                 return
 
+    @property
+    def late_wakes(self) -> int:
+        """Timed waits to form a step late that ended later than the step clock's margin: the GPU idled for the host."""
+        return self._clock.late_wakes
+
     # ---- model steps (worker threads) ------------------------------------------------------------
     def _work(self):
         while (batch := self._take_batch(lambda: 0.0 if len(self._scheduler) else None)) is not None:
@@ -627,7 +635,9 @@ class StreamingClient:
             while True:
                 while not self._worker_stopping and (delay := due_in()) != 0:
                     self._wake_at = self._arrivals_wake_at(delay)
-                    self._work_ready.wait(delay)
+                    due = None if delay is None else time.monotonic() + delay
+                    if not self._work_ready.wait(delay) and due is not None:  # timed out: how late it woke
+                        self._clock.woke(time.monotonic() - due)
                 if self._worker_stopping:
                     return None
                 batch = self._next_batch()

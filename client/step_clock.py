@@ -26,6 +26,11 @@ ms) p50 27-29% and p99 9-25% shorter. Measured again on three hosts (section 53)
 a margin of 0.8 ms, served the swap section's hot requests at p50 4.8 against 5.4 ms and p99 6.8-7.1 against 7.4-7.5
 on quiet hosts, but the event's load at p99 23.4 / 23.8 against 16.9 / 16.8 ms on a host that stalled: the queued
 step that forming at once keeps on the GPU is what carries the GPU through the host's stalls.
+
+So a clock given punctual_late_after_s below late_after_s follows steps that long late only while the host wakes the
+submitter on time: the runtime tells it how late each timed wait to form a step ended (woke), and one later than the
+margin (the GPU idled) puts it back on late_after_s for hold_s. Off by default until measured (bench.py
+--punctual-late-after-ms; bench/LOG.md section 54).
 """
 import time
 
@@ -36,6 +41,9 @@ MARGIN_S = 0.0003
 # Steps shorter than this are followed at once (the event's load, 2.3-4.8 ms at 1-20 symbols, keeps the rule
 # before; the steps of 64 symbols, 10 ms and more, are formed late).
 LATE_AFTER_S = 0.006
+# After a wake later than the margin, how long a clock with punctual_late_after_s keeps to late_after_s: a host that
+# stalls once stalls again within seconds (scripts/host_hiccups.py: 38-270 gaps over 0.5 ms in 5-15 s on such hosts).
+PUNCTUAL_HOLD_S = 2.0
 
 
 def step_size(rows: int, symbols: int, row_sizes=()) -> tuple[int, int]:
@@ -52,12 +60,21 @@ class StepClock:
     under its lock)."""
 
     def __init__(self, smoothing: float = SMOOTHING, margin_s: float = MARGIN_S, late_after_s: float = LATE_AFTER_S,
-                 clock=time.monotonic, row_sizes=()):
-        """row_sizes: the rows the team client's steps run at (team_api.step_rows), refining the powers of two."""
-        if not 0 < smoothing <= 1 or margin_s < 0 or late_after_s < 0:
-            raise ValueError(f"need 0 < smoothing <= 1, margin_s >= 0 and late_after_s >= 0, got {smoothing!r}, "
-                             f"{margin_s!r} and {late_after_s!r}")
+                 clock=time.monotonic, row_sizes=(), punctual_late_after_s: float | None = None,
+                 hold_s: float = PUNCTUAL_HOLD_S):
+        """row_sizes: the rows the team client's steps run at (team_api.step_rows), refining the powers of two.
+        punctual_late_after_s (<= late_after_s; default late_after_s): the threshold while the submitter has woken
+        on time for hold_s."""
+        punctual = late_after_s if punctual_late_after_s is None else punctual_late_after_s
+        if not 0 < smoothing <= 1 or margin_s < 0 or late_after_s < 0 or not 0 <= punctual <= late_after_s \
+                or hold_s < 0:
+            raise ValueError(f"need 0 < smoothing <= 1, margin_s >= 0, late_after_s >= 0, 0 <= "
+                             f"punctual_late_after_s <= late_after_s and hold_s >= 0, got {smoothing!r}, "
+                             f"{margin_s!r}, {late_after_s!r}, {punctual_late_after_s!r} and {hold_s!r}")
         self.smoothing, self.margin_s, self.late_after_s, self.now = smoothing, margin_s, late_after_s, clock
+        self.punctual_late_after_s, self.hold_s = punctual, hold_s
+        self.late_wakes = 0  # timed waits that ended later than the margin
+        self._late_wake_at: float | None = None  # when the latest of them ended
         self.row_sizes = tuple(sorted(row_sizes))
         self._step_s: dict[tuple, float] = {}  # step_size -> seconds a step of that size ran
         self._submit_s: float | None = None  # seconds from forming a step to its submit call returning
@@ -80,6 +97,19 @@ class StepClock:
         self._step_s[size] = self._average(self._step_s.get(size), ended_at - started)
         self._last_end = ended_at
 
+    def woke(self, late_by_s: float) -> None:
+        """The submitter's timed wait to form a step (form_in's seconds) ended late_by_s after it was due."""
+        if late_by_s > self.margin_s:
+            self.late_wakes += 1
+            self._late_wake_at = self.now()
+
+    def late_after(self) -> float:
+        """Steps at least this long are followed late: punctual_late_after_s while no wait has ended later than the
+        margin for hold_s, late_after_s otherwise."""
+        if self._late_wake_at is not None and self.now() - self._late_wake_at < self.hold_s:
+            return self.late_after_s
+        return self.punctual_late_after_s
+
     def rows_to_take(self, rows: int, symbols: int) -> int:
         """How many of `rows` waiting requests over `symbols` symbols the next step should take: all of them, or
         the next smaller size's rows when a step of that size carries more requests a second than a step of all
@@ -97,10 +127,10 @@ class StepClock:
 
     def form_in(self, size: tuple, submitted_at: float) -> float:
         """Seconds from now until the next step should be formed, while a step of `size` (step_size) submitted at
-        `submitted_at` is the only one in flight: 0 when it is due, when such steps are short (under late_after_s),
+        `submitted_at` is the only one in flight: 0 when it is due, when such steps are short (under late_after()),
         or when nothing is known yet of steps that size."""
         step_s = self._step_s.get(size)
-        if step_s is None or self._submit_s is None or step_s < self.late_after_s:
+        if step_s is None or self._submit_s is None or step_s < self.late_after():
             return 0.0
         started = submitted_at if self._last_end is None else max(submitted_at, self._last_end)
         return max(0.0, started + step_s - self._submit_s - self.margin_s - self.now())

@@ -30,6 +30,7 @@ from client.engine.precision import FP32_STATE, add_precision_argument, precisio
 from client.families import FAMILIES
 from client.model.config import PRESETS
 from client.runtime import PIPELINE_MIN_BATCH
+from client.step_clock import LATE_AFTER_S
 from kernels.skinny_matmul import promoted_partials
 from scripts.benchmarks import SECTIONS
 from scripts.benchmarks.harness import FULL, MAX_BATCH, QUICK, Bench, Counts, device_name
@@ -139,6 +140,11 @@ def parse_args(argv=None):
                         help="served sections: the next step formed late is formed MS earlier than the runtime's "
                              "learned times say (default: client/step_clock.py's MARGIN_S); several: in turn, as "
                              "--late-after-ms")
+    parser.add_argument("--punctual-late-after-ms", type=_list_of(_non_negative_float), metavar="MS[,MS...]",
+                        help="served sections: behind steps of at least MS (<= --late-after-ms) the next step is "
+                             "formed late while the host wakes the runtime's submitter on time (no wait ended later "
+                             "than the margin in the last 2 s; default: --late-after-ms, never); several: in turn, "
+                             "as --late-after-ms")
     parser.add_argument("--max-requests-per-symbol", type=cli.positive_int, default=DEFAULT_REQUESTS_PER_SYMBOL,
                         metavar="K", help="requests of one symbol a step may carry (default "
                                           f"{DEFAULT_REQUESTS_PER_SYMBOL}); maxrate and backlog also run K = 1")
@@ -158,6 +164,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.cluster is None and (args.ray_address or args.shards):
         parser.error("--ray-address and --shards apply with --cluster ray")
+    late_after_ms = args.late_after_ms or [LATE_AFTER_S * 1000.0]
+    if args.punctual_late_after_ms and max(args.punctual_late_after_ms) > min(late_after_ms):
+        parser.error(f"--punctual-late-after-ms must not exceed --late-after-ms ({min(late_after_ms):g})")
     counts = QUICK if args.quick else FULL
     overrides = {"family_symbols": args.family_symbols, "family_steps": args.family_steps,
                  "family_seeds": args.family_seeds,

@@ -42,7 +42,7 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
                            "--sections", ",".join(CPU_SECTIONS), "--precisions", "auto;bf16",
                            "--state-dtypes", "fp32;fp16", "--json", str(out), "--log-dir", str(tmp_path / "logs"),
                            "--stacks", str(tmp_path / "stacks"), "--swap-runs", "2", "--late-after-ms", "6,0",
-                           "--form-margin-ms", "0.5"],
+                           "--form-margin-ms", "0.5", "--punctual-late-after-ms", "0"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": str(REPO)})  # this checkout's packages, not an installed one
     assert done.returncode == 0, done.stderr[-4000:]
@@ -84,14 +84,17 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
         assert swap["pinned_gb_per_s"][direction] > 0 and swap["transfer_gb_per_s"][direction] > 0
         assert _finite(swap["bandwidth_share"][direction])
     # two swap runs, the forming rules in turn; the headline is the first rule's
-    assert [(run["late_after_ms"], run["form_margin_ms"]) for run in data["swap_runs"]] == [(6.0, 0.5), (0.0, 0.5)]
+    assert [(run["late_after_ms"], run["form_margin_ms"], run["punctual_late_after_ms"])
+            for run in data["swap_runs"]] == [(6.0, 0.5, 0.0), (0.0, 0.5, 0.0)]
+    assert all(isinstance(run["late_wakes"], int) and run["late_wakes"] >= 0 for run in data["swap_runs"])
     assert swap == data["swap_runs"][0]
     assert set(data["gpus"]) == {"1", "2"} and set(data["shards"]) == {"1", "2"}
     e2e = data["e2e_400rps_20sym"]
     assert all(_finite(e2e[key]) for key in ("p50_ms", "p99_ms", "accuracy", "responses_per_s"))
     # the served states continue from the reference's: every answered request is judged correct
     assert e2e["responses"] == e2e["requests"] and e2e["accuracy"] >= 0.9
-    assert e2e["late_after_ms"] == 6.0 and e2e["form_margin_ms"] == 0.5
+    assert e2e["late_after_ms"] == 6.0 and e2e["form_margin_ms"] == 0.5 and e2e["punctual_late_after_ms"] == 0.0
+    assert isinstance(e2e["late_wakes"], int) and e2e["late_wakes"] >= 0
     runs = data["max_rate_runs"]
     assert runs and [run["rate"] for run in runs] == sorted(run["rate"] for run in runs)
     for run in runs:
@@ -146,6 +149,8 @@ def test_reference_tracker_continues_states_across_streams():
     (["--late-after-ms", "6,-1"], "must be a number >= 0"),
     (["--swap-runs", "0"], "positive integer"),
     (["--form-margin-ms", "x"], "must be a number >= 0"),
+    (["--punctual-late-after-ms", "7"], "must not exceed --late-after-ms (6)"),
+    (["--late-after-ms", "6,3", "--punctual-late-after-ms", "0,4"], "must not exceed --late-after-ms (3)"),
     (["--device", "meta"], "--device must be cuda or cpu"),
     (["--device", "nonsense"], "bad --device"),
     (["--preset", "huge"], "invalid choice"),

@@ -15,6 +15,7 @@ from client.engine.fast import RING, FastEngine
 from client.engine.reference import ReferenceEngine
 from client.model import load_model
 from client.runtime import PIPELINE_DEPTH, StreamingClient
+from client.step_clock import StepClock
 from client.team_api import MANY, queued
 from team.example_model import ExampleModel
 
@@ -289,12 +290,17 @@ class SerialDevice:
         raise AssertionError("the runtime must use submit_batch")
 
 
-@pytest.mark.parametrize("form_late, late_after_s, late", [(True, None, True), (False, None, False),
-                                                          (True, 0.0, True), (True, 1.0, False)])
-def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model, form_late, late_after_s, late):
+@pytest.mark.parametrize("form_late, late_after_s, punctual_late_after_s, late",
+                         [(True, None, None, True), (False, None, None, False), (True, 0.0, None, True),
+                          (True, 1.0, None, False), (True, 1.0, 0.0, True)])
+def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model, form_late, late_after_s,
+                                                                    punctual_late_after_s, late, monkeypatch):
     """Requests arriving while a step runs all go into the next step: it is formed when the one in flight is about
     to end (client/step_clock.py), not as soon as the first of them arrives (form_late=False, the rule before, or
-    behind steps shorter than late_after_s)."""
+    behind steps shorter than late_after_s, unless punctual_late_after_s says so while the submitter wakes on
+    time: its timed waits are reported to the clock)."""
+    wakes = []
+    monkeypatch.setattr(StepClock, "woke", lambda clock, late_by_s: wakes.append(late_by_s))
     symbols, features = _stream(9, seed=5)
     recorder = Recorder()
     step_s = 0.3  # long beside a slow machine's reference step (~20 ms), which runs in submit_batch
@@ -312,12 +318,15 @@ def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model, form_
         await ws.close(1000)
 
     team_client = SerialDevice(model, step_s)
+    # a 50 ms margin: a loaded machine's late wake-ups neither miss the step's end nor count as late
     _, summary = asyncio.run(_play(handler, team_client, max_requests_per_symbol=4, form_late=form_late,
-                                   late_after_s=late_after_s))
+                                   late_after_s=late_after_s, form_margin_s=0.05,
+                                   punctual_late_after_s=punctual_late_after_s))
     assert summary["responses_sent"] == 9
     if late:
         assert team_client.batches[-2:] == [[5], [6, 7, 8]]  # 6, 7 and 8 are of three symbols
         assert team_client.formed_busy[-1]  # formed while [5] ran, not once the device was idle
+        assert wakes and all(late_by_s > -0.01 for late_by_s in wakes)  # the wait timed out, then was reported
     else:
         assert team_client.batches[-3:-1] == [[5], [6]]
     expected = _expected(model, symbols, features, range(9))

@@ -539,6 +539,8 @@ def test_stop_before_the_end_is_an_interruption(model):
     ({"backoff_s": 1.0, "backoff_max_s": 0.5}, "backoff_s"),
     ({"late_after_s": -0.001}, "late_after_s"),
     ({"form_margin_s": float("nan")}, "form_margin_s"),
+    ({"punctual_late_after_s": -1.0}, "punctual_late_after_s"),
+    ({"late_after_s": 0.002, "punctual_late_after_s": 0.004}, "punctual_late_after_s <= late_after_s"),
 ])
 def test_bad_client_options(options, match):
     with pytest.raises(ValueError, match=match):

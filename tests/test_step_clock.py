@@ -93,6 +93,31 @@ def test_behind_a_short_step_the_next_is_formed_at_once():
     assert clock.form_in(WIDE, submitted_at=0.013) == pytest.approx(0.010)
 
 
+def test_short_steps_are_followed_late_while_the_submitter_wakes_on_time():
+    now = FakeTime()
+    clock = StepClock(smoothing=1.0, margin_s=0.0003, late_after_s=0.006, punctual_late_after_s=0.0, hold_s=2.0,
+                      clock=now)
+    clock.submitted(0.0, 0.0)
+    clock.ended(ONE, submitted_at=0.0, ended_at=0.003)  # 3 ms: short, but the host has not been late yet
+    now.t = 0.003
+    assert clock.form_in(ONE, submitted_at=0.003) == pytest.approx(0.0027)
+    clock.woke(0.0002)  # within the margin: still punctual
+    assert clock.late_wakes == 0 and clock.form_in(ONE, submitted_at=0.003) > 0
+    clock.woke(0.0011)  # later than the margin: the GPU idled, short steps are formed at once for 2 s
+    assert clock.late_wakes == 1 and clock.late_after() == 0.006
+    now.t = 1.9
+    assert clock.form_in(ONE, submitted_at=1.9) == 0.0
+    now.t = 2.003
+    assert clock.late_after() == 0.0 and clock.form_in(ONE, submitted_at=2.003) == pytest.approx(0.0027)
+
+
+def test_without_punctual_late_after_the_rule_never_moves():
+    clock = StepClock(margin_s=0.0003, late_after_s=0.006)
+    assert clock.late_after() == 0.006
+    clock.woke(0.01)
+    assert clock.late_wakes == 1 and clock.late_after() == 0.006
+
+
 def test_steps_of_as_many_rows_over_fewer_symbols_are_timed_apart():
     now = FakeTime()
     clock = StepClock(smoothing=1.0, margin_s=0.0, late_after_s=0.0, clock=now)
@@ -139,3 +164,9 @@ def test_steps_of_one_request_a_symbol_take_them_all():
 def test_bad_settings(smoothing, margin, late_after):
     with pytest.raises(ValueError, match="smoothing"):
         StepClock(smoothing=smoothing, margin_s=margin, late_after_s=late_after)
+
+
+@pytest.mark.parametrize("punctual, hold", [(0.007, 2.0), (-0.001, 2.0), (0.0, -1.0)])
+def test_bad_punctual_settings(punctual, hold):
+    with pytest.raises(ValueError, match="punctual_late_after_s <= late_after_s"):
+        StepClock(late_after_s=0.006, punctual_late_after_s=punctual, hold_s=hold)

@@ -149,7 +149,7 @@ class ServerProcess:
 async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False,
                        max_requests_per_symbol=None, team_client=None, during=None, form_late=True,
                        stacks_dir=None, ws_compression=False, step_log=False, late_after_s=None,
-                       form_margin_s=None) -> dict:
+                       form_margin_s=None, punctual_late_after_s=None) -> dict:
     """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
     the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
     processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir every thread's stack in each event
@@ -157,7 +157,9 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     take permessage-deflate, as before bench/LOG.md section 50 (to measure against). `during(client)`, a coroutine
     function, runs beside the session (the backlog section pauses the client with it). step_log: the summary's
     "steps" is the runtime's step log (StreamingClient.steps). late_after_s: the runtime's step clock forms the next
-    step late behind steps this long, form_margin_s before its learned times say (None: its defaults)."""
+    step late behind steps this long (punctual_late_after_s: while the host wakes its submitter on time), form_margin_s
+    before its learned times say (None: its defaults). The summary's "late_wakes": the runtime's waits to form a step
+    late that ended later than that margin."""
     from client.runtime import StreamingClient
     from client.stalls import StallProbe
     from server.app import ServerConfig
@@ -180,7 +182,8 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     watch = asyncio.create_task(probe.watch_loop()) if probe else None
     try:
         options = {"pipeline_min_batch": pipeline_min_batch, "max_requests_per_symbol": max_requests_per_symbol,
-                   "late_after_s": late_after_s, "form_margin_s": form_margin_s}
+                   "late_after_s": late_after_s, "form_margin_s": form_margin_s,
+                   "punctual_late_after_s": punctual_late_after_s}
         client = StreamingClient(team_client or ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench",
                                  timeline=timeline, form_late=form_late, ws_compression=ws_compression,
                                  step_log=step_log, **{k: v for k, v in options.items() if v is not None})
@@ -194,6 +197,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
         if beside is not None:
             await beside
         summary = await asyncio.to_thread(server.summary)
+        summary["late_wakes"] = client.late_wakes
         if timeline:
             summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps)
         if step_log:
@@ -240,7 +244,7 @@ def session_numbers(summary) -> dict:
     latency = summary["latency_ms"]
     return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "accuracy": summary["accuracy"],
             "responses_per_s": summary["responses_per_s"], "requests": summary["total_requests"],
-            "responses": summary["responses"], "missed": summary["missed"]}
+            "responses": summary["responses"], "missed": summary["missed"], "late_wakes": summary.get("late_wakes")}
 
 
 def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=False, step_log=False,

@@ -147,7 +147,8 @@ def measure_swap(bench, run=0):
               **moved, "swaps_per_s": moved["restored"] / seconds,
               "transfer_gb_per_s": {k: None if v is None else v / 1e9 for k, v in transfers.items()},
               "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},
-              "bandwidth_share": {k: None if transfers[k] is None else transfers[k] / pinned[k] for k in pinned}}
+              "bandwidth_share": {k: None if transfers[k] is None else transfers[k] / pinned[k] for k in pinned},
+              "late_wakes": session["late_wakes"]}
     result.update(bench.forming_ms(run))
     engine.release(hot + cold)
     return result
@@ -169,7 +170,8 @@ def run(bench):
 
 def _rules(args) -> int:
     """How many runs it takes the forming settings given to come round again."""
-    return math.lcm(len(args.late_after_ms or [0]), len(args.form_margin_ms or [0]))
+    return math.lcm(len(args.late_after_ms or [0]), len(args.form_margin_ms or [0]),
+                    len(args.punctual_late_after_ms or [0]))
 
 
 def _hot_tail(result):
