@@ -44,6 +44,8 @@ def test_script_mistakes_are_one_line(tmp_path):
         ("kernel_times.py", ["--batches", "64x4,8x0"],
          "scripts/kernel_times.py: error: argument --batches: a step shape is B or GxK with positive integers, got "
          "'8x0'"),
+        ("matmul_error.py", ["--rows", "64,0"],
+         "scripts/matmul_error.py: error: argument --rows: must be a positive integer, got '0'"),
     ]
     for script, args, message in cases:
         done = run(script, *args)
@@ -55,7 +57,8 @@ def test_script_mistakes_are_one_line(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("script, args", [("profile_step.py", ["--preset", "tiny"]),
                                           ("kernel_times.py", ["--batches", "64x1,64x4"]),
-                                          ("pin_probe.py", ["--slots", "4"])])
+                                          ("pin_probe.py", ["--slots", "4"]),
+                                          ("matmul_error.py", ["--rows", "64"])])
 def test_gpu_scripts_without_cuda_say_what_they_need_in_one_line(script, args):
     done = run(script, *args)
     assert done.returncode == 2 and "Traceback" not in done.stderr
@@ -96,3 +99,14 @@ def test_host_hiccups_counts_the_gaps_that_half_the_other_cpus_share():
     assert shared_gaps({0: [(0, 10)], 1: [(5, 15)], 2: [(100, 110)]}) == 2  # 0 and 1 overlap; 2 stopped alone
     assert shared_gaps({0: [(0, 10)], 1: [(10, 20)], 2: [(30, 40)]}) == 0   # touching is not overlapping
     assert shared_gaps({0: [(0, 10), (20, 30)]}) == 0                     # one CPU shares with no one
+
+
+def test_matmul_error_measures_each_rows_error_against_its_largest_exact_value():
+    from scripts.matmul_error import errors
+
+    exact = torch.tensor([[2.0, -4.0, 1.0], [1e-3, 0.0, 0.0]], dtype=torch.float64)
+    y = (exact + torch.tensor([[0.0, 0.004, 0.0], [0.0, 0.0, 1e-6]], dtype=torch.float64)).float()
+    largest, mean = errors(y, exact, rows=3)
+    assert largest == pytest.approx(1e-3, rel=1e-3)  # row 0: 0.004 / 4; row 1: 1e-6 / 1e-3
+    assert mean == pytest.approx(2e-3 / 6, rel=1e-2)
+    assert errors(y, exact, rows=1) == pytest.approx((0.0, 0.0), abs=1e-7)  # only the first column: exact in fp32
