@@ -244,7 +244,7 @@ def session_numbers(summary) -> dict:
     latency = summary["latency_ms"]
     return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "accuracy": summary["accuracy"],
             "responses_per_s": summary["responses_per_s"], "requests": summary["total_requests"],
-            "responses": summary["responses"], "missed": summary["missed"], "late_wakes": summary.get("late_wakes")}
+            "responses": summary["responses"], "missed": summary["missed"], "late_wakes": summary["late_wakes"]}
 
 
 def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=False, step_log=False,
