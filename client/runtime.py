@@ -587,8 +587,13 @@ class StreamingClient:
 
     @property
     def late_wakes(self) -> int:
-        """Timed waits to form a step late that ended later than the step clock's margin: the GPU idled for the host."""
+        """How many of the submitter's timed waits to form a step late ended late (StepClock.late_wakes)."""
         return self._clock.late_wakes
+
+    @property
+    def latest_wake_s(self) -> float:
+        """The latest any of those waits ended, in seconds after it was due (StepClock.latest_wake_s)."""
+        return self._clock.latest_wake_s
 
     # ---- model steps (worker threads) ------------------------------------------------------------
     def _work(self):

@@ -28,8 +28,8 @@ on quiet hosts, but the event's load at p99 23.4 / 23.8 against 16.9 / 16.8 ms o
 step that forming at once keeps on the GPU is what carries the GPU through the host's stalls.
 
 So a clock given punctual_late_after_s below late_after_s follows steps that long late only while the host wakes the
-submitter on time: the runtime tells it how late each timed wait to form a step ended (woke), and one later than the
-margin (the GPU idled) puts it back on late_after_s for hold_s. Off by default until measured (bench.py
+submitter on time: the runtime tells it how late each timed wait to form a step ended (woke), and one more than
+late_wake_s late (a host's stall, not the timer's and the GIL's routine slack) puts it back on late_after_s for hold_s. Off by default until measured (bench.py
 --punctual-late-after-ms; bench/LOG.md section 54).
 """
 import time
@@ -41,8 +41,12 @@ MARGIN_S = 0.0003
 # Steps shorter than this are followed at once (the event's load, 2.3-4.8 ms at 1-20 symbols, keeps the rule
 # before; the steps of 64 symbols, 10 ms and more, are formed late).
 LATE_AFTER_S = 0.006
-# After a wake later than the margin, how long a clock with punctual_late_after_s keeps to late_after_s: a host that
-# stalls once stalls again within seconds (scripts/host_hiccups.py: 38-270 gaps over 0.5 ms in 5-15 s on such hosts).
+# A timed wait that ends more than this after it was due counts as late: the stalls that cost the event's load its
+# tail last milliseconds (bench/LOG.md sections 49-53), where a timer's slack and the GIL (runtime.SWITCH_INTERVAL_S,
+# 0.2 ms) make a few tenths of a millisecond routine.
+LATE_WAKE_S = 0.001
+# After a late wake, how long a clock with punctual_late_after_s keeps to late_after_s: a host that stalls once
+# stalls again within seconds (scripts/host_hiccups.py: 38-270 gaps over 0.5 ms in 5-15 s on such hosts).
 PUNCTUAL_HOLD_S = 2.0
 
 
@@ -61,20 +65,22 @@ class StepClock:
 
     def __init__(self, smoothing: float = SMOOTHING, margin_s: float = MARGIN_S, late_after_s: float = LATE_AFTER_S,
                  clock=time.monotonic, row_sizes=(), punctual_late_after_s: float | None = None,
-                 hold_s: float = PUNCTUAL_HOLD_S):
+                 late_wake_s: float = LATE_WAKE_S, hold_s: float = PUNCTUAL_HOLD_S):
         """row_sizes: the rows the team client's steps run at (team_api.step_rows), refining the powers of two.
         punctual_late_after_s (<= late_after_s; default late_after_s): the threshold while the submitter has woken
         on time for hold_s."""
         punctual = late_after_s if punctual_late_after_s is None else punctual_late_after_s
         if not 0 < smoothing <= 1 or margin_s < 0 or late_after_s < 0 or not 0 <= punctual <= late_after_s \
-                or hold_s < 0:
+                or late_wake_s < 0 or hold_s < 0:
             raise ValueError(f"need 0 < smoothing <= 1, margin_s >= 0, late_after_s >= 0, 0 <= "
-                             f"punctual_late_after_s <= late_after_s and hold_s >= 0, got {smoothing!r}, "
-                             f"{margin_s!r}, {late_after_s!r}, {punctual_late_after_s!r} and {hold_s!r}")
+                             f"punctual_late_after_s <= late_after_s, late_wake_s >= 0 and hold_s >= 0, got "
+                             f"{smoothing!r}, {margin_s!r}, {late_after_s!r}, {punctual_late_after_s!r}, "
+                             f"{late_wake_s!r} and {hold_s!r}")
         self.smoothing, self.margin_s, self.late_after_s, self.now = smoothing, margin_s, late_after_s, clock
-        self.punctual_late_after_s, self.hold_s = punctual, hold_s
-        self.late_wakes = 0  # timed waits that ended later than the margin
-        self._late_wake_at: float | None = None  # when the latest of them ended
+        self.punctual_late_after_s, self.late_wake_s, self.hold_s = punctual, late_wake_s, hold_s
+        self.late_wakes = 0  # timed waits that ended more than late_wake_s late
+        self.latest_wake_s = 0.0  # the latest any timed wait ended
+        self._late_wake_at: float | None = None  # when the latest late one ended
         self.row_sizes = tuple(sorted(row_sizes))
         self._step_s: dict[tuple, float] = {}  # step_size -> seconds a step of that size ran
         self._submit_s: float | None = None  # seconds from forming a step to its submit call returning
@@ -99,13 +105,14 @@ class StepClock:
 
     def woke(self, late_by_s: float) -> None:
         """The submitter's timed wait to form a step (form_in's seconds) ended late_by_s after it was due."""
-        if late_by_s > self.margin_s:
+        self.latest_wake_s = max(self.latest_wake_s, late_by_s)
+        if late_by_s > self.late_wake_s:
             self.late_wakes += 1
             self._late_wake_at = self.now()
 
     def late_after(self) -> float:
-        """Steps at least this long are followed late: punctual_late_after_s while no wait has ended later than the
-        margin for hold_s, late_after_s otherwise."""
+        """Steps at least this long are followed late: punctual_late_after_s while no wait has ended late for
+        hold_s, late_after_s otherwise."""
         if self._late_wake_at is not None and self.now() - self._late_wake_at < self.hold_s:
             return self.late_after_s
         return self.punctual_late_after_s

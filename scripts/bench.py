@@ -142,9 +142,9 @@ def parse_args(argv=None):
                              "--late-after-ms")
     parser.add_argument("--punctual-late-after-ms", type=_list_of(_non_negative_float), metavar="MS[,MS...]",
                         help="served sections: behind steps of at least MS (<= --late-after-ms) the next step is "
-                             "formed late while the host wakes the runtime's submitter on time (no wait ended later "
-                             "than the margin in the last 2 s; default: --late-after-ms, never); several: in turn, "
-                             "as --late-after-ms")
+                             "formed late while the host wakes the runtime's submitter on time (no wait ended over "
+                             "1 ms late in the last 2 s: client/step_clock.py; default: --late-after-ms, never); "
+                             "several: in turn, as --late-after-ms")
     parser.add_argument("--max-requests-per-symbol", type=cli.positive_int, default=DEFAULT_REQUESTS_PER_SYMBOL,
                         metavar="K", help="requests of one symbol a step may carry (default "
                                           f"{DEFAULT_REQUESTS_PER_SYMBOL}); maxrate and backlog also run K = 1")

@@ -158,8 +158,8 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     function, runs beside the session (the backlog section pauses the client with it). step_log: the summary's
     "steps" is the runtime's step log (StreamingClient.steps). late_after_s: the runtime's step clock forms the next
     step late behind steps this long (punctual_late_after_s: while the host wakes its submitter on time), form_margin_s
-    before its learned times say (None: its defaults). The summary's "late_wakes": the runtime's waits to form a step
-    late that ended later than that margin."""
+    before its learned times say (None: its defaults). The summary's "late_wakes" and "latest_wake_ms": how many of the
+    runtime's waits to form a step late ended late (client/step_clock.py LATE_WAKE_S), and the latest any ended."""
     from client.runtime import StreamingClient
     from client.stalls import StallProbe
     from server.app import ServerConfig
@@ -197,7 +197,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
         if beside is not None:
             await beside
         summary = await asyncio.to_thread(server.summary)
-        summary["late_wakes"] = client.late_wakes
+        summary.update(late_wakes=client.late_wakes, latest_wake_ms=client.latest_wake_s * 1000.0)
         if timeline:
             summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps)
         if step_log:
@@ -244,7 +244,8 @@ def session_numbers(summary) -> dict:
     latency = summary["latency_ms"]
     return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "accuracy": summary["accuracy"],
             "responses_per_s": summary["responses_per_s"], "requests": summary["total_requests"],
-            "responses": summary["responses"], "missed": summary["missed"], "late_wakes": summary["late_wakes"]}
+            "responses": summary["responses"], "missed": summary["missed"], "late_wakes": summary["late_wakes"],
+            "latest_wake_ms": summary["latest_wake_ms"]}
 
 
 def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=False, step_log=False,

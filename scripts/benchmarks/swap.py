@@ -148,7 +148,7 @@ def measure_swap(bench, run=0):
               "transfer_gb_per_s": {k: None if v is None else v / 1e9 for k, v in transfers.items()},
               "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},
               "bandwidth_share": {k: None if transfers[k] is None else transfers[k] / pinned[k] for k in pinned},
-              "late_wakes": session["late_wakes"]}
+              "late_wakes": session["late_wakes"], "latest_wake_ms": session["latest_wake_ms"]}
     result.update(bench.forming_ms(run))
     engine.release(hot + cold)
     return result
