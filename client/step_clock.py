@@ -29,8 +29,8 @@ step that forming at once keeps on the GPU is what carries the GPU through the h
 
 So a clock given punctual_late_after_s below late_after_s follows steps that long late only while the host wakes the
 submitter on time: the runtime tells it how late each timed wait to form a step ended (woke), and one more than
-late_wake_s late (a host's stall, not the timer's and the GIL's routine slack) puts it back on late_after_s for hold_s. Off by default until measured (bench.py
---punctual-late-after-ms; bench/LOG.md section 54).
+late_wake_s late (a host's stall, not the timer's and the GIL's routine slack) puts it back on late_after_s for
+hold_s. Off by default until measured (bench.py --punctual-late-after-ms; bench/LOG.md section 54).
 """
 import time
 

@@ -30,7 +30,7 @@ from client.engine.precision import FP32_STATE, add_precision_argument, precisio
 from client.families import FAMILIES
 from client.model.config import PRESETS
 from client.runtime import PIPELINE_MIN_BATCH
-from client.step_clock import LATE_AFTER_S
+from client.step_clock import LATE_AFTER_S, LATE_WAKE_S, PUNCTUAL_HOLD_S
 from kernels.skinny_matmul import promoted_partials
 from scripts.benchmarks import SECTIONS
 from scripts.benchmarks.harness import FULL, MAX_BATCH, QUICK, Bench, Counts, device_name
@@ -143,8 +143,9 @@ def parse_args(argv=None):
     parser.add_argument("--punctual-late-after-ms", type=_list_of(_non_negative_float), metavar="MS[,MS...]",
                         help="served sections: behind steps of at least MS (<= --late-after-ms) the next step is "
                              "formed late while the host wakes the runtime's submitter on time (no wait ended over "
-                             "1 ms late in the last 2 s: client/step_clock.py; default: --late-after-ms, never); "
-                             "several: in turn, as --late-after-ms")
+                             f"{LATE_WAKE_S * 1000:g} ms late in the last {PUNCTUAL_HOLD_S:g} s: "
+                             "client/step_clock.py; default: --late-after-ms, never); several: in turn, as "
+                             "--late-after-ms")
     parser.add_argument("--max-requests-per-symbol", type=cli.positive_int, default=DEFAULT_REQUESTS_PER_SYMBOL,
                         metavar="K", help="requests of one symbol a step may carry (default "
                                           f"{DEFAULT_REQUESTS_PER_SYMBOL}); maxrate and backlog also run K = 1")
