@@ -38,6 +38,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 LO_SCALE = 2048.0  # 2^11: W_lo and x_lo keep the 11 bits below fp16's mantissa, in fp16's normal range
 SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program, inside an H100 SM's 227 KB
 MIN_PROGRAMS = 128  # about one per SM of an H100 or H200 (132): every SM streams W, or multiplies
+MIN_SPLIT_PROGRAMS = 96  # a split tile's three products keep its SM busy: 96 tiles of 128 x 128 beat 160-192 smaller
 GROUP_M = 8  # row tiles launched next to each other per column block (W tile read once, then from L2)
 SUM_BLOCK = 1024  # outputs a program of the split-K sum
 MAX_SPLIT_K = 2  # slices of K a GEMM's programs may sum apart (each slice's fp32 partials: M x N x 4 bytes)
@@ -232,7 +233,9 @@ def default_config(M, N, K, split):
     least MIN_K_SLICE (a narrow product: 2,048 outputs at 256 rows are 32 tiles of 128 x 128); fewer programs where
     the shape has fewer. Searched at 256 rows on an H100 (scripts/bench_matmul.py --search, bench/LOG.md section
     51): K in two slices, 64 at a time below the widest tiles, paid on the narrow split products (2,048 x 4,096:
-    49.5 -> 34.9 us, 2,048 x 2,048: 28.5 -> 23.8 us); four slices did not."""
+    49.5 -> 34.9 us, 2,048 x 2,048: 28.5 -> 23.8 us); four slices did not. Split tiles (section 55, the partial
+    sums promoted): MIN_SPLIT_PROGRAMS, and 8 warps from 128 x 64, where 4 spill the three fp32 tiles (acc, the
+    split's corr, the chunk's product) and ran 2-3x slower."""
     if M <= ONE_TILE_ROWS:
         block_m = max(16, next_pow2(M))
         block_n = max(16, min(64, next_pow2(N) // 128))
@@ -243,20 +246,21 @@ def default_config(M, N, K, split):
         tile_bytes = (2 * block_m + (2 if split else 1) * 2 * block_n) * block_k
         return block_m, block_n, block_k, max(2, min(5, SMEM_BUDGET // tile_bytes)), 4, 1
     tiles = ((128, 128), (128, 64), (64, 64), (64, 32), (64, 16))
+    min_programs = MIN_SPLIT_PROGRAMS if split else MIN_PROGRAMS
     for block_m, block_n in tiles:
         programs, split_k = triton.cdiv(M, block_m) * triton.cdiv(N, block_n), 1
-        while (programs * split_k < MIN_PROGRAMS and split_k < MAX_SPLIT_K
+        while (programs * split_k < min_programs and split_k < MAX_SPLIT_K
                and K % (2 * split_k * 64) == 0 and K // (2 * split_k) >= MIN_K_SLICE):
             split_k *= 2
-        if programs * split_k >= MIN_PROGRAMS:
+        if programs * split_k >= min_programs:
             break
     # a split tile holds x in fp32 and W twice (4 bytes per element of each): the widest tiles take K 32 at a time
     block_k = 32 if split and block_n > 64 else 64
     while K % (block_k * split_k):
         block_k //= 2
     tile_bytes = (4 * block_m + (2 if split else 1) * 2 * block_n) * block_k
-    return (block_m, block_n, block_k, max(2, min(5, SMEM_BUDGET // tile_bytes)),
-            8 if block_m * block_n >= 128 * 128 else 4, split_k)  # the accumulators in registers: 8 warps at 128 x 128
+    wide = block_m * block_n >= (128 * 64 if split else 128 * 128)  # the fp32 tiles in registers: 8 warps
+    return block_m, block_n, block_k, max(2, min(5, SMEM_BUDGET // tile_bytes)), 8 if wide else 4, split_k
 
 
 def supports(M, N, K) -> bool:

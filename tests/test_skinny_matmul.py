@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kernels._common import INTERPRET
-from kernels.skinny_matmul import (MIN_PROGRAMS, default_config, row_scales, skinny_matmul, skinny_matmul_ref,
-                                   split_fp16, split_rows, supports)
+from kernels.skinny_matmul import (MIN_PROGRAMS, MIN_SPLIT_PROGRAMS, default_config, row_scales, skinny_matmul,
+                                   skinny_matmul_ref, split_fp16, split_rows, supports)
 from triton_interpreter import run_under_interpreter
 
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
@@ -161,10 +161,13 @@ def test_shapes_and_errors():
         for N, K in ((8192, 2048), (4096, 2048), (2048, 4096), (2048, 2048)):
             for split in (True, False):
                 block_m, block_n, block_k, stages, warps, split_k = default_config(M, N, K, split)
-                assert -(-M // block_m) * (N // block_n) * split_k >= MIN_PROGRAMS and stages >= 2
+                min_programs = MIN_SPLIT_PROGRAMS if split else MIN_PROGRAMS
+                assert -(-M // block_m) * (N // block_n) * split_k >= min_programs and stages >= 2
                 assert K % (block_k * split_k) == 0 and K // split_k >= 512
     assert default_config(512, 8192, 2048, split=True) == (128, 128, 32, 5, 8, 1)
-    assert default_config(256, 2048, 4096, split=True) == (128, 64, 64, 3, 4, 2)  # 64 tiles, K in two slices
+    assert default_config(256, 2048, 4096, split=True) == (128, 64, 64, 3, 8, 2)  # 64 tiles, K in two slices
+    assert default_config(256, 2048, 4096, split=False)[4] == 4  # one fp32 tile: 4 warps hold it
+    assert default_config(384, 2048, 2048, split=True) == (128, 128, 32, 5, 8, 2)  # 48 tiles x 2 slices: 96
     w = torch.zeros(32, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="x must have shape"):
         skinny_matmul(torch.zeros(2, 63), w)
