@@ -30,7 +30,8 @@ step that forming at once keeps on the GPU is what carries the GPU through the h
 So a clock given punctual_late_after_s below late_after_s follows steps that long late only while the host wakes the
 submitter on time: the runtime tells it how late each timed wait to form a step ended (woke), and one more than
 late_wake_s late (a host's stall, not the timer's and the GIL's routine slack) puts it back on late_after_s for
-hold_s. Off by default until measured (bench.py --punctual-late-after-ms; bench/LOG.md section 54).
+hold_s. Off by default: measured on quiet H100 hosts it moved the swap's hot p50 -0.4 ms but its p99 +0.25 and the
+event's load p99 not at all (bench.py --punctual-late-after-ms; bench/LOG.md section 55).
 """
 import time
 
