@@ -172,7 +172,7 @@ class StreamingClient:
                  backoff_max_s: float = 5.0, connect_timeout_s: float = 3.0, give_up_after_s: float = 10.0,
                  cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
                  form_late: bool = True, late_after_s: float | None = None, form_margin_s: float | None = None,
-                 punctual_late_after_s: float | None = None, timeline: bool = False,
+                 punctual_late_after_s: float | None = None, join_queued: bool = True, timeline: bool = False,
                  give_up_repeats: int = GIVE_UP_REPEATS,
                  server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False):
         if max_batch is not None and max_batch < 1:
@@ -213,6 +213,11 @@ class StreamingClient:
         # False: the next step is formed as soon as the one in flight is submitted (what the runtime did before
         # client/step_clock.py; kept to measure the two against each other)
         self.form_late = form_late
+        # A request arriving while a step waits on the GPU behind another joins that step when the team client's
+        # pending step takes it (join, fate: team/example_model.py), instead of waiting for the step after it
+        # (bench/LOG.md section 56); False: never (to measure the two against each other)
+        self.join_queued = join_queued
+        self.joins = {"taken": 0, "missed": 0}  # joins that made it into their step, and those put back
         for name, value in (("late_after_s", late_after_s), ("form_margin_s", form_margin_s),
                             ("punctual_late_after_s", punctual_late_after_s)):
             if value is not None and not value >= 0:
@@ -242,7 +247,11 @@ class StreamingClient:
         self._work_ready = threading.Condition(lock)
         self._steps_ready = threading.Condition(lock)
         self._worker_stopping = False
-        self._steps: deque = deque()  # (batch, pending, submitted at, step_size) not yet answered, oldest first
+        # (batch, pending, submitted at, step_size, joined) not yet answered, oldest first; joined: the requests
+        # joined to that step
+        self._steps: deque = deque()
+        # symbol -> (its request joined to a step, that step's pending, its joined list) until the fate is settled
+        self._joining: dict[str, tuple] = {}
         # when to form the next pipelined step (under the lock), its step sizes at the team client's step rows
         # (formed late behind steps of late_after_s or more, or of punctual_late_after_s while the host wakes the
         # submitter on time, form_margin_s before the host's time says: StepClock's defaults unless given)
@@ -558,7 +567,8 @@ class StreamingClient:
         if new_requests:
             with self._work_ready:
                 for request in new_requests:
-                    self._scheduler.push(request)
+                    if not self._join(request):
+                        self._scheduler.push(request)
                 if self._wake_at is not None and self._scheduler.waiting_symbols() >= self._wake_at:
                     self._work_ready.notify()
         if cached_ids:
@@ -625,7 +635,7 @@ class StreamingClient:
                         self.steps.append({"formed": formed_at, "submitted": submitted_at, "ended": None,
                                            "rows": len(batch), "symbols": symbols, "waiting": len(self._scheduler)})
                     self._clock.submitted(formed_at, submitted_at)
-                    self._steps.append((batch, pending, submitted_at, size))
+                    self._steps.append((batch, pending, submitted_at, size, []))
                     self._steps_ready.notify()
         finally:
             with self._steps_ready:
@@ -665,11 +675,56 @@ class StreamingClient:
 
     def _next_batch(self):
         """The next step's requests (called holding the lock)."""
-        return self._scheduler.next_batch(self.max_batch, self.max_per_symbol,
-                                          self._is_ready if callable(self._ready) else None,
-                                          self._clock.rows_to_take)
+        self._settle_joins()
+        ready = self._is_ready if callable(self._ready) or self._joining else None
+        return self._scheduler.next_batch(self.max_batch, self.max_per_symbol, ready, self._clock.rows_to_take)
+
+    def _join(self, request) -> bool:
+        """Join an arriving request to the step queued on the GPU behind the one in flight, if the team client's
+        pending step takes it and nothing of its symbol waits before it (called holding the lock): it is then
+        answered with that step instead of the one after."""
+        if not self.join_queued or len(self._steps) < PIPELINE_DEPTH or self._scheduler.has(request.symbol) \
+                or request.symbol in self._joining:
+            return False
+        _, pending, _, _, joined = self._steps[-1]
+        join = getattr(pending, "join", None)
+        if join is None:
+            return False
+        try:
+            if not join(request.unique_id, request.symbol, request.features):
+                return False
+        except Exception:  # a failing team client must not lose the request: it waits for a step as usual
+            log.exception("team client's join of unique_id %d failed; queued instead", request.unique_id)
+            return False
+        self._scheduler.stamp(request)
+        joined.append(request)
+        self._joining[request.symbol] = (request, pending, joined)
+        self._mark("batched", [request.unique_id])
+        self._mark("submitted", [request.unique_id])
+        return True
+
+    def _settle_joins(self, done=None):
+        """Settle each join whose step has read its inputs, and every join of the step `done` (its result is in;
+        called holding the lock): one that made it is answered with its step, one that did not goes back to the
+        front of its symbol's queue."""
+        for symbol, (request, pending, joined) in list(self._joining.items()):
+            fate = pending.fate(request.unique_id)
+            if fate is None and pending is not done:
+                continue
+            del self._joining[symbol]
+            if fate:
+                self.joins["taken"] += 1
+            else:
+                joined.remove(request)
+                self.joins["missed"] += 1
+                self._scheduler.requeue(request)
+                self._work_ready.notify()
 
     def _is_ready(self, symbol) -> bool:
+        if symbol in self._joining:
+            return False  # its joined request's fate decides what goes first
+        if not callable(self._ready):
+            return True
         try:
             return bool(self._ready(symbol))
         except Exception:  # a failing team client must not hold a symbol back for good
@@ -688,7 +743,7 @@ class StreamingClient:
             return None
         if not self.form_late or self._scheduler.fills(self._full_step, self.max_per_symbol):
             return 0.0  # a step already full gains nothing by waiting for the one in flight to end
-        _, _, submitted_at, size = self._steps[0]
+        _, _, submitted_at, size, _ = self._steps[0]
         return self._clock.form_in(size, submitted_at)
 
     def _complete_steps(self):
@@ -697,19 +752,32 @@ class StreamingClient:
                 self._steps_ready.wait_for(lambda: self._steps or self._submitter_done)
                 if not self._steps:
                     return  # the submitter has stopped and every step it submitted is answered
-                batch, pending, submitted_at, size = self._steps[0]
+                batch, pending, submitted_at, size, joined = self._steps[0]
             try:
                 answer = pending.result()
                 ended_at = time.monotonic()
-                ids, predictions, errors = check_answer(answer, [r.unique_id for r in batch])
             except Exception as exc:  # a failing team client must not kill the runtime
-                self._fail(batch, exc, "submit_batch's result()")
-                ended_at = None  # a failed step's time says nothing of the next ones
+                answer, ended_at = exc, None  # a failed step's time says nothing of the next ones
+            with self._work_ready:
+                if ended_at is None:
+                    for request in joined:
+                        self._joining.pop(request.symbol, None)
+                else:
+                    self._settle_joins(done=pending)
+                requests = batch + joined  # the joins that made it
+            try:
+                if ended_at is None:
+                    raise answer
+                ids, predictions, errors = check_answer(answer, [r.unique_id for r in requests])
+            except Exception as exc:  # a failing team client must not kill the runtime
+                self._fail(requests, exc, "submit_batch's result()")
+                ended_at = None
             else:
                 self._answer(ids, predictions, errors)
             with self._work_ready:
                 self._steps.popleft()  # only now: a step counts as in flight until it is answered
                 if self.steps is not None:
+                    self.steps[self._steps_ended]["joined"] = len(joined)
                     self.steps[self._steps_ended]["ended"] = ended_at
                     self._steps_ended += 1
                 if ended_at is not None:

@@ -45,6 +45,27 @@ class Scheduler:
         queue.append(request)
         self._pending += 1
 
+    def has(self, symbol) -> bool:
+        """Whether the symbol has a queued request."""
+        return bool(self._queues.get(symbol))
+
+    def stamp(self, request: Request) -> None:
+        """Number a request that goes to a step without being queued (a join) in the arrival order."""
+        request.seq = next(self._arrivals)
+
+    def requeue(self, request: Request) -> None:
+        """Put back a request that went to a step without being queued (stamped) and was not stepped: at the front
+        of its symbol's queue, where every request behind it arrived after it."""
+        if request.seq < 0:
+            raise ValueError("requeue takes a request that was pushed or stamped")
+        queue = self._queues.setdefault(request.symbol, deque())
+        if queue:
+            self._heads.remove((queue[0].seq, request.symbol))
+            heapq.heapify(self._heads)
+        queue.appendleft(request)
+        heapq.heappush(self._heads, (request.seq, request.symbol))
+        self._pending += 1
+
     def waiting_symbols(self) -> int:
         """Symbols with at least one queued request: the size of the next batch (before max_batch)."""
         return len(self._heads)

@@ -7,6 +7,12 @@ A team client says which format it takes with the class attribute `requests_per_
   per symbol per step, as the original event's rule.
 Either way every symbol's requests reach the team client in arrival order across calls, and it answers
 {"unique_ids": [...], "predictions": [n, 4], "errors": {unique_id: why}} for what it could not answer.
+
+A pending step that submit_batch returns may also take joins (team/example_model.py's does): join(unique_id,
+symbol, features) -> bool stages a request that arrived while the step waits on the device behind another, and
+fate(unique_id) -> True, False or None (not known yet) says whether the step took it; its result() answers those it
+took as well. The runtime joins only a request whose symbol has nothing queued before it, and holds that symbol's
+later requests back until the fate is known; one the step did not take goes back to the front of its queue.
 """
 ONE, MANY = "one", "many"
 FORMATS = (ONE, MANY)

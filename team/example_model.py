@@ -80,7 +80,7 @@ class ExampleModel:
             # A subclass that changed only process_batch (the one place a team changes) must still be what
             # answers, so run it now rather than the example's own pipelined step.
             return PendingStep.completed(self.process_batch(requests_by_symbol))
-        return self._submit(requests_by_symbol)
+        return self._submit(requests_by_symbol, joinable=True)
 
     def prefetch(self, symbols) -> None:
         """The runtime calls this when requests for these symbols arrive: the engine starts bringing their states
@@ -91,7 +91,7 @@ class ExampleModel:
         """The runtime's scheduler holds a symbol back while this is False (its state still on its way)."""
         return self.engine.ready(symbol)
 
-    def _submit(self, requests_by_symbol) -> PendingStep:
+    def _submit(self, requests_by_symbol, joinable=False) -> PendingStep:
         # A symbol the engine has no room for is answered with an error; the others step as usual.
         rejected = self.engine.unplaceable(list(requests_by_symbol))
         by_symbol = {s: team_api.queued(value) for s, value in requests_by_symbol.items()}
@@ -103,10 +103,43 @@ class ExampleModel:
         symbols = [s for s, _, _ in requests]
         unique_ids = [uid for _, uid, _ in requests]
         features = np.stack([np.asarray(f, dtype=np.float32) for _, _, f in requests])
-        step = self.engine.submit(symbols, features)
+        if joinable and getattr(self.engine, "takes_joins", False):
+            step = self.engine.submit(symbols, features, joinable=True)  # the runtime may join arrivals to it
+        else:
+            step = self.engine.submit(symbols, features)
+        if hasattr(step, "join"):
+            return _JoinableAnswer(step, unique_ids, errors)
         if not hasattr(step, "parts"):
             return PendingStep(lambda: {"unique_ids": unique_ids, "predictions": step.result(), "errors": errors})
         return PendingStep(lambda: _answer_parts(step, unique_ids, errors))
+
+
+class _JoinableAnswer(PendingStep):
+    """submit_batch's answer for a step the engine queued with room for more (its JoinableStep): the runtime may
+    join(unique_id, symbol, features) a request that arrives before the step starts, and fate(unique_id) says
+    whether it made it (None until the step has read its inputs); result() answers the batch and the joins
+    that made it."""
+
+    def __init__(self, step, unique_ids, errors):
+        super().__init__(self._answer)
+        self.step, self.unique_ids, self.errors = step, unique_ids, errors
+        self.joined = {}  # unique_id -> its index among the step's joins
+
+    def join(self, unique_id, symbol, features) -> bool:
+        if unique_id in self.joined or not self.step.join(symbol, features):
+            return False
+        self.joined[unique_id] = len(self.joined)
+        return True
+
+    def fate(self, unique_id) -> bool | None:
+        return self.step.fate(self.joined[unique_id])
+
+    def _answer(self):
+        predictions = self.step.result()
+        formed = len(self.unique_ids)
+        taken = [(uid, formed + j) for uid, j in self.joined.items() if self.step.fate(j)]
+        return {"unique_ids": self.unique_ids + [uid for uid, _ in taken],
+                "predictions": predictions[[*range(formed), *(row for _, row in taken)]], "errors": self.errors}
 
 
 def _answer_parts(step, unique_ids, errors) -> dict:

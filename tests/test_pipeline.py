@@ -11,7 +11,9 @@ import torch
 from test_runtime import SYMBOLS, Recorder, _expected, _play, _request, _stream
 
 from client.engine.base import PendingStep
-from client.engine.fast import RING, FastEngine
+from client.engine.fast import PAD_SLOT, RING, FastEngine
+from client.engine.fast.engine import JOIN_ROOM
+from client.engine.fast.runner import StepInputs, StepShape
 from client.engine.reference import ReferenceEngine
 from client.model import load_model
 from client.runtime import PIPELINE_DEPTH, StreamingClient
@@ -110,6 +112,73 @@ def test_fast_engine_pipelined_submits_match_sequential_steps_on_gpu():
     graphed = submitted.graphed
     assert set(graphed.staged_graphs) == {(i, shape) for i in range(RING) for shape in graphed.shapes
                                           if shape.max_rows == 1}
+
+
+def test_a_joined_request_is_one_more_sequence_of_the_staged_step_on_cpu(model):
+    """StepInputs.join on a step of one row a symbol: the step's plan then carries it as its next sequence (row),
+    the sequences after it empty; the step and the states it leaves equal, to the bit, those of a step formed with
+    the three requests at the same shape."""
+    engines = [FastEngine(model, device="cpu", max_batch=8, progress=False) for _ in range(2)]
+    rng = np.random.default_rng(7)
+    features = rng.standard_normal((3, 79)).astype(np.float32)
+    shape = StepShape(4, 4, 1)  # launched with room for two: one joined, one padding
+    num_features = engines[0].runner.num_features
+    got = []
+    for joined, engine in zip((True, False), engines):
+        inputs = StepInputs(torch.zeros(StepInputs.bytes_for(8, 8, num_features), dtype=torch.uint8), 8, 8,
+                            num_features)
+        slots = engine.table.slots_for(["A", "B", "C"])
+        if joined:
+            inputs.fill(slots[:2], [1, 1], features[:2])
+            inputs.join(2, slots[2], features[2])
+            plan = inputs.plan(shape)
+            assert plan.seq_slots.tolist() == [*slots, PAD_SLOT]
+            assert plan.seq_starts.tolist() == [0, 1, 2, 3, 3]
+        else:
+            inputs.fill(slots, [1, 1, 1], features)
+        got.append(engine.step_plan(inputs.plan(shape), inputs.features[:shape.rows])[:3].numpy())
+    np.testing.assert_array_equal(got[0], got[1])
+    again = rng.standard_normal((3, 79)).astype(np.float32)
+    np.testing.assert_array_equal(*(engine.step(["A", "B", "C"], again) for engine in engines))
+
+
+@cuda
+def test_fast_engine_joins_requests_to_a_step_queued_behind_another_on_gpu():
+    model, _ = load_model("small", seed=0, device="cuda")
+    engine = FastEngine(model, device="cuda", max_batch=8, capacity=12, host_symbols=0, progress=False)
+    plain = FastEngine(model, device="cuda", max_batch=8, capacity=12, host_symbols=0, progress=False)
+    rng = np.random.default_rng(5)
+
+    def rows(n):
+        return rng.standard_normal((n, 79)).astype(np.float32)
+
+    symbols = [f"S{i}" for i in range(8)]
+    first = rows(8)
+    np.testing.assert_allclose(engine.step(symbols, first), plain.step(symbols, first), rtol=1e-5, atol=1e-5)
+    with torch.cuda.stream(engine.step_streams[0]):
+        torch.cuda._sleep(200_000_000)  # holds the engine's stream: the next two steps wait behind it
+    joiners = ["S3", "S4"][:JOIN_ROOM]
+    fa, fb, fj = rows(2), rows(1), rows(len(joiners))
+    a = engine.submit(["S0", "S1"], fa)
+    b = engine.submit(["S2"], fb, joinable=True)
+    assert all(b.join(symbol, f) for symbol, f in zip(joiners, fj))
+    assert not b.join("S2", fj[0])  # already in the step
+    assert not b.join("NEW", fj[0])  # no GPU slot yet: it is placed by a step of its own
+    assert not b.join("S5", fj[0])  # no room left (launched with room for JOIN_ROOM)
+    with pytest.raises(ValueError, match="non-finite"):
+        b.join("S6", np.full(79, np.nan, np.float32))
+    assert b.fate(0) is None  # its inputs are not read yet
+    got_a, got_b = a.result(), b.result()
+    assert all(b.fate(j) for j in range(len(joiners)))
+    np.testing.assert_allclose(got_a, plain.step(["S0", "S1"], fa), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_b, plain.step(["S2", *joiners], np.concatenate([fb, fj])), rtol=1e-5,
+                               atol=1e-5)
+    fl = rows(1)
+    late = engine.submit(["S5"], fl, joinable=True)  # nothing runs ahead of it: launched without room
+    np.testing.assert_allclose(late.result(), plain.step(["S5"], fl), rtol=1e-5, atol=1e-5)
+    assert not hasattr(late, "join")
+    last = rows(8)  # every state, the joined ones included, moved as stepping the requests did
+    np.testing.assert_allclose(engine.step(symbols, last), plain.step(symbols, last), rtol=1e-5, atol=1e-5)
 
 
 # ---- team client ---------------------------------------------------------------------------------------
@@ -538,3 +607,156 @@ def test_a_client_with_only_process_batch_runs_the_single_worker(model):
     for uid, prediction in recorder.responses:
         np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
     assert threads == {"model-step"}
+
+
+# ---- joins: a request arriving while a step waits on the device behind another goes into that step ----------
+class _DeviceStep(PendingStep):
+    """One step of JoiningDevice: it reads its rows (the formed ones and those joined so far) when it starts."""
+
+    def __init__(self, rows, room, miss):
+        super().__init__(self._answer)
+        self.rows, self.room, self.miss = rows, room, miss  # miss(uid): a join the device reads too late
+        self.joins, self.taken = [], None  # taken: the joins read when it started
+        self.finished = threading.Event()
+        self.lock = threading.Lock()
+
+    def join(self, unique_id, symbol, features):
+        with self.lock:
+            if self.taken is not None or len(self.joins) >= self.room or symbol in {s for s, _, _ in
+                                                                                     self.rows + self.joins}:
+                return False
+            self.joins.append((symbol, unique_id, features))
+            return True
+
+    def fate(self, unique_id):
+        with self.lock:
+            return None if self.taken is None else any(uid == unique_id for _, uid, _ in self.taken)
+
+    def start(self):
+        with self.lock:
+            self.taken = [j for j in self.joins if not self.miss(j[1])]
+            return self.rows + self.taken
+
+    def _answer(self):
+        assert self.finished.wait(30), "never finished"
+        if self.answer is None:
+            raise RuntimeError("device fault")
+        return self.answer
+
+
+class JoiningDevice:
+    """A team client whose steps run one after another on a fake device, each step_s long; a step reads its
+    inputs when it starts, so a request joined to it before then is stepped with it (FastEngine's JoinableStep,
+    in time). miss(unique_id): joins the device reads as too late, as when one lands just after the step began."""
+
+    requests_per_symbol = MANY
+
+    def __init__(self, model, step_s, room=2, miss=lambda uid: False, fail_first_join=False):
+        self.engine, self.step_s, self.room, self.miss = ReferenceEngine(model), step_s, room, miss
+        self.failed = None if fail_first_join else []  # the unique ids of the step made to fail
+        self.stepped = []  # (symbol, unique_id) in the order the device stepped them
+        self.steps = deque()
+        self.cond = threading.Condition()
+        self.closed = False
+        self.device = threading.Thread(target=self._run, daemon=True)
+        self.device.start()
+
+    def submit_batch(self, requests_by_symbol):
+        rows = [(symbol, *request) for symbol, value in requests_by_symbol.items() for request in queued(value)]
+        step = _DeviceStep(rows, self.room, self.miss)
+        with self.cond:
+            self.steps.append(step)
+            self.cond.notify_all()
+        return step
+
+    def process_batch(self, requests_by_symbol):
+        raise AssertionError("the runtime must use submit_batch")
+
+    def _run(self):
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.closed or self.steps)
+                if self.closed:
+                    return
+                step = self.steps.popleft()
+            rows = step.start()
+            predictions = self.engine.step([s for s, _, _ in rows], np.stack([f for _, _, f in rows]))
+            self.stepped.extend((s, uid) for s, uid, _ in rows)
+            time.sleep(self.step_s)
+            step.answer = {"unique_ids": [uid for _, uid, _ in rows], "predictions": predictions}
+            if self.failed is None and step.taken:
+                self.failed = [uid for _, uid, _ in rows]
+                step.answer = None
+            step.finished.set()
+
+    def close(self):
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.device.join()
+
+
+def _paced(n, gap_s, symbols, features, recorder, done=None):
+    """A server handler sending requests 0..n-1 one at a time, gap_s apart, then waiting until `done()` (by
+    default: every request answered)."""
+    async def handler(ws):
+        await ws.recv()
+        for i in range(n):
+            await ws.send(_request([i], symbols, features))
+            await asyncio.sleep(gap_s)
+        await recorder.pump(ws, done or (lambda: len(recorder.answered()) >= n))
+        await ws.close(1000)
+    return handler
+
+
+@pytest.mark.parametrize("miss_every", [0, 3])
+def test_arrivals_join_the_step_queued_behind_the_one_in_flight_in_order(model, miss_every):
+    """With two steps on the device, an arriving request of a symbol with nothing waiting joins the queued one;
+    one the device read too late goes back to the front of its symbol's queue. Every answer is right and every
+    symbol steps in arrival order."""
+    n = 45
+    symbols, features = _stream(n, seed=11)
+    recorder = Recorder()
+    team_client = JoiningDevice(model, step_s=0.04,
+                                miss=(lambda uid: uid % miss_every == 0) if miss_every else (lambda uid: False))
+    client, summary = _play_pipelined(team_client, _paced(n, 0.012, symbols, features, recorder),
+                                      pipeline_min_batch=1, step_log=True)
+    expected = _expected(model, symbols, features, range(n))
+    assert sorted(uid for uid, _ in recorder.responses) == list(range(n))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+    _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
+    assert sorted(uid for _, uid in team_client.stepped) == list(range(n))  # each stepped once
+    assert client.joins["taken"] > 0
+    assert (client.joins["missed"] > 0) == bool(miss_every)
+    assert sum(step.get("joined", 0) for step in client.steps) == client.joins["taken"]
+    assert summary["responses_sent"] == n and _no_model_threads_left()
+
+
+def test_no_joins_when_switched_off(model):
+    n = 24
+    symbols, features = _stream(n, seed=12)
+    recorder = Recorder()
+    team_client = JoiningDevice(model, step_s=0.04)
+    client, _ = _play_pipelined(team_client, _paced(n, 0.012, symbols, features, recorder), pipeline_min_batch=1,
+                                join_queued=False)
+    assert recorder.answered() == set(range(n))
+    assert client.joins == {"taken": 0, "missed": 0}
+    _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
+
+
+def test_a_failing_step_answers_its_joins_with_client_error_and_the_rest_normally(model):
+    n = 30
+    symbols, features = _stream(n, seed=13)
+    recorder = Recorder()
+    team_client = JoiningDevice(model, step_s=0.04, fail_first_join=True)
+    handler = _paced(n, 0.012, symbols, features, recorder,
+                     done=lambda: len(recorder.answered()) + len(team_client.failed or ()) >= n and recorder.errors)
+    _play_pipelined(team_client, handler, pipeline_min_batch=1)
+    failed = set(team_client.failed)
+    assert len(failed) >= 2  # a formed request and at least one joined
+    assert all(any(str(uid) in error for error in recorder.errors) for uid in failed)
+    assert recorder.answered() == set(range(n)) - failed
+    expected = _expected(model, symbols, features, range(n))  # the device stepped every request
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)

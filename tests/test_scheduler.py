@@ -180,3 +180,25 @@ def test_bad_max_per_symbol_is_rejected():
     with pytest.raises(ValueError, match="max_per_symbol"):
         scheduler.next_batch(max_per_symbol=0)
     assert len(scheduler) == 1
+
+
+def test_a_requeued_request_goes_first_and_keeps_its_symbols_order():
+    scheduler = Scheduler()
+    joined = Request(0, "A", np.zeros(79, np.float32))
+    scheduler.stamp(joined)  # went straight to a step
+    scheduler.push(Request(1, "B", np.zeros(79, np.float32)))
+    scheduler.push(Request(2, "A", np.zeros(79, np.float32)))
+    assert scheduler.has("A") and not scheduler.has("C")
+    scheduler.requeue(joined)  # its step had started: back in front of A's later request
+    assert len(scheduler) == 3
+    assert [r.unique_id for r in scheduler.next_batch(max_per_symbol=4)] == [0, 2, 1]
+    # the oldest rows kept by a smaller step are still a prefix of each symbol's
+    scheduler.requeue(joined)
+    scheduler.push(Request(3, "A", np.zeros(79, np.float32)))
+    assert [r.unique_id for r in scheduler.next_batch(max_per_symbol=4, rows_for=lambda rows, symbols: 1)] == [0]
+    assert [r.unique_id for r in scheduler.next_batch(max_per_symbol=4)] == [3]
+
+
+def test_requeue_refuses_a_request_never_numbered():
+    with pytest.raises(ValueError, match="pushed or stamped"):
+        Scheduler().requeue(Request(0, "A", np.zeros(79, np.float32)))

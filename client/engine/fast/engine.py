@@ -1,6 +1,7 @@
 """FastEngine: the state table, the step runner and its CUDA graphs put together behind the Engine interface."""
 import contextlib
 import sys
+import threading
 import time
 
 import numpy as np
@@ -28,6 +29,11 @@ STATE_MEMORY = 0.8
 # PCIe speed, on the stream that carries no returns), and no capacity: the host tier holds the states moved out.
 RESERVE = 8
 CPU_CAPACITY = 1024  # without a GPU the table lives in host memory: a modest default
+# A step of one request a symbol queued behind another on the GPU is launched at a shape with room for this many
+# more (JoinableStep). At the event's pace (a request every 2.5 ms, steps of 2.4-2.7 ms) at most one arrives before
+# it starts, and room costs: on two H100s a step of one symbol took 0.03 / 0.09 ms more at 2 rows than at 1, and
+# 0.14 / 0.29 ms more at 3 (bench/LOG.md section 56).
+JOIN_ROOM = 1
 
 
 def _progress(label):
@@ -51,6 +57,8 @@ class Staging:
                                  max_sequences, max_rows, num_features)  # laid out like GraphedStep.inputs
         self.outs = [torch.empty(max_rows, len(shard.columns), dtype=torch.float32, pin_memory=True)
                      for shard in shards]
+        # each GPU's copy of the sequence slots as its step read them (-1 until then): which joins made it
+        self.taken = [torch.full((max_sequences,), -1, dtype=torch.int32, pin_memory=True) for _ in shards]
         self.done = [torch.cuda.Event(enable_timing=timed) for _ in shards]
         # timed: recorded before the step's placement (its time includes waits for its own copies). Not one more
         # before its launch: with states moving, such an event held the launch back until a copy to the host
@@ -69,6 +77,57 @@ class Staging:
         return out
 
 
+class JoinableStep(PendingStep):
+    """A step of one request a symbol queued on the GPU behind one still running, launched at a shape with room
+    for more: join() adds a request of another symbol resident on the GPU until the step starts (its inputs are
+    read from the pinned staging when the stream reaches it, StepInputs.join), fate() says whether it made it.
+
+    result(): predictions [formed rows + joins, 4], the formed rows in submit's order, then the joins in
+    join order; a join that did not make it has a row of NaN (and its symbol's state is untouched)."""
+
+    def __init__(self, engine, staging, symbols, restore, capacity, ahead):
+        super().__init__(self._read)
+        self.engine, self.staging, self.restore, self.capacity = engine, staging, restore, capacity
+        self.formed, self.ahead = len(restore), ahead  # ahead: the staging of the step it queues behind
+        self.symbols = set(symbols)
+        self.slots = []  # each join's slot, in join order
+        self._joins = threading.Lock()
+
+    def join(self, symbol, features) -> bool:
+        """Stage one request of `symbol` (features float32 [F]) into the step; False when it cannot be: no room
+        left, the step may have started (the one ahead of it is done), its symbol already in the step or not
+        resident on the GPU with its copies done. True says only that it may make it: see fate(). ValueError
+        for features of the wrong shape or not finite, as submit's."""
+        features = check_step_inputs([symbol], np.asarray(features).reshape(1, -1))[0]
+        with self._joins:
+            sequence = self.formed + len(self.slots)
+            if (sequence >= self.capacity or symbol in self.symbols
+                    or not self.engine.queued(self.staging, self.ahead)):
+                return False
+            slot = self.engine.table.resident_slot(symbol)
+            if slot is None:
+                return False
+            self.staging.inputs.join(sequence, slot, features)
+            self.slots.append(slot)
+            self.symbols.add(symbol)
+            return True
+
+    def fate(self, j) -> bool | None:
+        """Whether join j is in the step: None until the step has read its inputs."""
+        seen = int(self.staging.taken[0][self.formed + j])
+        return None if seen == -1 else seen == self.slots[j]
+
+    def _read(self):
+        with self._joins:
+            joins = len(self.slots)
+        out = self.staging.read_back(self.formed + joins, self.engine.step_times)
+        out[:self.formed] = out[:self.formed][self.restore]
+        for j in range(joins):
+            if not self.fate(j):
+                out[self.formed + j] = np.nan
+        return out
+
+
 class DeviceTowers:
     """The towers placed on one device: their runner, its CUDA graphs, and their columns of the predictions."""
 
@@ -82,6 +141,7 @@ class DeviceTowers:
 
 class FastEngine(Engine):
     name = "fast"
+    takes_joins = True  # submit(..., joinable=True): see JoinableStep
 
     def __init__(self, model, device=None, *, max_batch=64, max_rows_per_symbol=DEFAULT_REQUESTS_PER_SYMBOL,
                  graphs=None, precision=DEFAULT_PRECISION, capacity=None, state_memory=None, host_symbols=None,
@@ -196,8 +256,9 @@ class FastEngine(Engine):
         for i, shard in enumerate(self.shards):
             with torch.cuda.device(shard.device):
                 label = "capturing graphs" + (f" on {shard.device}" if len(self.shards) > 1 else "")
+                staging = [(st.inputs.buffer, st.outs[i], st.taken[i]) for st in self._ring or ()]
                 shard.graphed = GraphedStep(shard.runner, self.shapes, progress=_progress(label) if progress else None,
-                                            staging=[(st.inputs.buffer, st.outs[i]) for st in self._ring or ()])
+                                            staging=staging)
                 shard.graphed.capture()
         self.graphed = self.shards[0].graphed
 
@@ -303,11 +364,13 @@ class FastEngine(Engine):
         return self.submit(symbols, features).result()
 
     @torch.no_grad()
-    def submit(self, symbols, features) -> PendingStep:
+    def submit(self, symbols, features, *, joinable=False) -> PendingStep:
         """Enqueue a step on each device's current CUDA stream and return at once; result() waits for its
         predictions. A symbol may appear several times (its requests in arrival order): the step advances its
         state through them in order. Symbols that fit in no tier of the state table raise CapacityError before
-        anything changes.
+        anything changes. joinable: a step of one request a symbol queued behind one still running is launched
+        with room for JOIN_ROOM more and returned as a JoinableStep (on one GPU, with graphs); its predictions
+        may then differ from the same step's at its own shape in the last bits, as any padded step's.
 
         Without CUDA the step runs synchronously. A step of more than max_batch symbols or max_rows_per_symbol
         requests of a symbol runs as several, in order. Not thread-safe: submit (and step) from one thread;
@@ -319,7 +382,7 @@ class FastEngine(Engine):
             return PendingStep.completed(np.zeros((0, NUM_TOWERS), dtype=np.float32))
         parts = self._split(Sequences(symbols))
         if len(parts) == 1:
-            return self._submit_part(*parts[0], features)
+            return self._submit_part(*parts[0], features, joinable)
         pending = [(rows, self._submit_part(part, rows, features)) for part, rows in parts]
 
         def gather():
@@ -347,31 +410,49 @@ class FastEngine(Engine):
                 parts.append((Sequences([symbol for symbol, r in group for _ in r]), rows))
         return parts
 
-    def _submit_part(self, sequences: Sequences, rows, features) -> PendingStep:
+    def _submit_part(self, sequences: Sequences, rows, features, joinable=False) -> PendingStep:
         """One step of at most max_batch symbols and max_rows_per_symbol requests each: `rows` of `features`."""
         grouped = features[rows[sequences.order]]  # each symbol's rows together, in order
         restore = np.empty_like(sequences.order)
         restore[sequences.order] = np.arange(len(sequences.order))
         if self._ring is None:
             return PendingStep.completed(self._step_now(sequences, grouped)[restore])
-        shape = shape_for(self.shapes, len(grouped), len(sequences.symbols), sequences.max_length)
         index, staging = self._next, self._ring[self._next]
+        ahead = self._ring[index - 1]  # the staging of the step submitted last, which this one queues behind
         self._next = (self._next + 1) % len(self._ring)
         if staging.step is not None:
             # Its previous step may still be reading these inputs, or its result not yet be copied out of
             # `outs`: finish it (its PendingStep keeps the copy for whoever collects it later).
             staging.step.result()
-        total = len(grouped)
+        total, symbols = len(grouped), len(sequences.symbols)
+        shape = shape_for(self.shapes, total, symbols, sequences.max_length)
+        room = None
+        if joinable and sequences.max_length == 1 and len(self.shards) == 1 and self.graphed is not None \
+                and ahead.step is not None and not ahead.done[0].query():
+            # queued behind a step still running: launched with room for requests that arrive before it starts
+            wanted = min(total + JOIN_ROOM, self.max_batch)
+            room = next((s for s in self.shapes if s.max_rows == 1 and s.rows >= wanted and s.rows > total), None)
+            shape = room or shape
         with contextlib.ExitStack() as on_step_streams:
             for stream in self.step_streams:
                 on_step_streams.enter_context(torch.cuda.stream(stream))
             self._launch(sequences, grouped, staging, index, shape)
-        staging.step = PendingStep(lambda: staging.read_back(total, self.step_times)[restore])
+        if room is None:
+            staging.step = PendingStep(lambda: staging.read_back(total, self.step_times)[restore])
+        else:
+            staging.step = JoinableStep(self, staging, sequences.symbols, restore, shape.sequences, ahead)
         return staging.step
+
+    def queued(self, staging, ahead) -> bool:
+        """Whether `staging`'s step is the last submitted and the one `ahead` of it still runs (so it has not
+        started: the stream runs them in order)."""
+        return self._ring[self._next - 1] is staging and not ahead.done[0].query()
 
     def _launch(self, sequences, grouped, staging, index, shape):
         """Place the step's symbols and launch it on each GPU's current stream, its predictions copied into the
         staging's outs."""
+        for taken in staging.taken:
+            taken.fill_(-1)
         if staging.started is not None:  # before slots_for: a step's time includes its waits for copies
             for shard, started in zip(self.shards, staging.started):
                 with torch.cuda.device(shard.device):

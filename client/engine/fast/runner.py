@@ -8,6 +8,7 @@ rows (the sLSTM's recurrent maps take one launch per row position).
 """
 import os
 import sys
+import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -308,10 +309,40 @@ class StepInputs:
         seq_starts[n + 1:] = rows
         host_features[:rows] = features
 
+    def join(self, sequence, slot, features):
+        """Add one request at `slot` as sequence `sequence` (row `sequence`) of a step of one row a symbol already
+        filled with `sequence` sequences and rows, while a device copy of this buffer may be under way.
+
+        The slot is written last, after a fence: a staged graph copies the sequence slots before the rest
+        (GraphedStep.capture), so a copy that read this slot also reads the row and the starts written before it,
+        and one that read the padding slot leaves the request out (its sequence then covers padding rows only, at
+        the padding slot). The later sequences stay empty from the row after it on."""
+        seq_slots, seq_starts, host_features = (t.numpy() for t in (self.seq_slots, self.seq_starts, self.features))
+        host_features[sequence] = features
+        seq_starts[sequence + 1:] = sequence + 1
+        _store_fence()
+        seq_slots[sequence] = slot
+
+    @property
+    def slots_bytes(self):
+        """The leading bytes that hold seq_slots (copied first by a staged graph)."""
+        return 4 * self.max_sequences
+
     def fill_padding(self):
         """Every sequence empty at the padding slot (for the startup runs of the graphs)."""
         self.seq_slots.fill_(PAD_SLOT)
         self.seq_starts.fill_(0)
+
+
+_FENCE = threading.Lock()
+
+
+def _store_fence():
+    """Make the stores before it visible to a device's reads before the stores after it: a lock's atomic
+    read-modify-write orders them on x86, numpy's streaming stores included (other stores are seen in order there
+    anyway)."""
+    with _FENCE:
+        pass
 
 
 class GraphedStep:
@@ -319,10 +350,13 @@ class GraphedStep:
     into persistent input buffers (StepInputs); rows and sequences past the step's are padding, which touches no
     state. The state table is allocated once, so the graphs stay valid for the engine's life.
 
-    For each pinned host staging pair (inputs laid out like self.inputs, out [max rows, towers]), the shapes of
-    one row per symbol (the latency-critical light load) get a second set of graphs that also carries the copies:
-    host inputs to device, predictions back to the host's out. A submitted step is then one launch instead of two
-    copies and a launch from the host (bench/LOG.md, sections 17, 24). Larger steps copy around their graph.
+    For each pinned host staging triple (inputs laid out like self.inputs, out [max rows, towers], taken int32
+    [max sequences]), the shapes of one row per symbol (the latency-critical light load) get a second set of graphs
+    that also carries the copies: host inputs to device, predictions back to the host's out. A submitted step is
+    then one launch instead of two copies and a launch from the host (bench/LOG.md, sections 17, 24). Larger steps
+    copy around their graph. The staged inputs are read when the stream reaches the step, not when it is launched:
+    the sequence slots first, copied back into `taken` as read, then the rest, so that a request joined to a step
+    queued behind another (StepInputs.join) is in it exactly when `taken` shows its slot.
     """
 
     def __init__(self, runner: StepRunner, shapes, progress=None, staging=()):
@@ -332,10 +366,11 @@ class GraphedStep:
         size = StepInputs.bytes_for(self.max_sequences, self.max_rows, runner.num_features)
         self.inputs = StepInputs(torch.zeros(size, dtype=torch.uint8, device=runner.device), self.max_sequences,
                                  self.max_rows, runner.num_features)
-        self.staging = [(StepInputs(host, self.max_sequences, self.max_rows, runner.num_features), out)
-                        for host, out in staging]
+        self.staging = [(StepInputs(host, self.max_sequences, self.max_rows, runner.num_features), out, taken)
+                        for host, out, taken in staging]
         self.graphs, self.outputs, self.staged_graphs = {}, {}, {}
         self.progress = progress
+        self._taken_stream = torch.cuda.Stream(runner.device) if self.staging else None
 
     def capture(self):
         """Capture every shape (largest first, so smaller graphs reuse its memory pool), then the staged sets."""
@@ -361,19 +396,30 @@ class GraphedStep:
                     self.outputs[shape] = self.runner(plan, features)
                     self.graphs[shape] = graph
                 else:
-                    host_inputs, host_out = self.staging[index]
-                    n = self.inputs.nbytes(shape.rows)
-                    self.inputs.buffer[:n].copy_(host_inputs.buffer[:n], non_blocking=True)
-                    host_out[:shape.rows].copy_(self.runner(plan, features), non_blocking=True)
+                    self._capture_staged(index, shape, plan, features)
                     self.staged_graphs[index, shape] = graph
             if self.progress:
                 self.progress(done, len(jobs))
         self._upload()
 
+    def _capture_staged(self, index, shape, plan, features):
+        """The staged graph's work: the sequence slots copied in (and back into `taken` on a side branch, which
+        nothing of the step waits for), then the rest of the inputs, the step, its predictions out."""
+        host_inputs, host_out, host_taken = self.staging[index]
+        head, n = self.inputs.slots_bytes, self.inputs.nbytes(shape.rows)
+        self.inputs.buffer[:head].copy_(host_inputs.buffer[:head], non_blocking=True)
+        main, side = torch.cuda.current_stream(), self._taken_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            host_taken[:shape.sequences].copy_(self.inputs.seq_slots[:shape.sequences], non_blocking=True)
+        self.inputs.buffer[head:n].copy_(host_inputs.buffer[head:n], non_blocking=True)
+        host_out[:shape.rows].copy_(self.runner(plan, features), non_blocking=True)
+        main.wait_stream(side)
+
     def _upload(self):
         """Launch every graph once, on the padding slot: a graph's first launch uploads it to the device, which
         takes milliseconds for a step's ~600 nodes and must not fall on a live request (bench/LOG.md section 27)."""
-        for host_inputs, _ in self.staging:
+        for host_inputs, _, _ in self.staging:
             host_inputs.fill_padding()
         self.inputs.fill_padding()
         for graph in (*self.graphs.values(), *self.staged_graphs.values()):
@@ -404,7 +450,7 @@ class GraphedStep:
         if graph is not None:
             graph.replay()
             return
-        host_inputs, host_out = self.staging[index]
+        host_inputs, host_out, _ = self.staging[index]
         n = self.inputs.nbytes(shape.rows)
         self.inputs.buffer[:n].copy_(host_inputs.buffer[:n], non_blocking=True)
         self.graphs[shape].replay()

@@ -661,6 +661,19 @@ class StateTable:
             slot = self.resident.get(symbol)
             return slot is None or all(part.pending(slot) is None for part in self.parts)
 
+    def resident_slot(self, symbol) -> int | None:
+        """The GPU slot of a symbol resident there with its copies done, counted as used now (a step already
+        queued on the GPU takes it: JoinableStep); None otherwise. A later eviction of it runs after that step,
+        as every copy to the host runs after the steps enqueued before it."""
+        with self._lock:
+            slot = self.resident.get(symbol)
+            if slot is None or any(part.pending(slot) is not None for part in self.parts):
+                return None
+            self._touch(symbol, self.clock())
+            self._awaiting.pop(symbol, None)
+            self._in_step.add(symbol)
+            return slot
+
     def capacity_error(self, rejected) -> CapacityError:
         """The error that names the limits for symbols that fit in no tier."""
         return CapacityError.no_room(rejected, f"{self.capacity} on the GPU and {self.host_capacity} in host memory",
