@@ -77,6 +77,12 @@ def _non_negative_float(text):
     return value
 
 
+def _on_off(text):
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Benchmark the fast engine (see the module docstring).")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
@@ -145,6 +151,10 @@ def parse_args(argv=None):
                              "formed late while the host wakes the runtime's submitter on time (no wait ended over "
                              f"{LATE_WAKE_S * 1000:g} ms late in the last {PUNCTUAL_HOLD_S:g} s: "
                              "client/step_clock.py; default: --late-after-ms, never); several: in turn, as "
+                             "--late-after-ms")
+    parser.add_argument("--join", type=_list_of(_on_off), metavar="on|off[,...]",
+                        help="served sections: a request arriving while a step waits on the GPU behind another "
+                             "joins that step (the runtime's join_queued; default on); several: in turn, as "
                              "--late-after-ms")
     parser.add_argument("--max-requests-per-symbol", type=cli.positive_int, default=DEFAULT_REQUESTS_PER_SYMBOL,
                         metavar="K", help="requests of one symbol a step may carry (default "

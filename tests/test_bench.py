@@ -42,7 +42,7 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
                            "--sections", ",".join(CPU_SECTIONS), "--precisions", "auto;bf16",
                            "--state-dtypes", "fp32;fp16", "--json", str(out), "--log-dir", str(tmp_path / "logs"),
                            "--stacks", str(tmp_path / "stacks"), "--swap-runs", "2", "--late-after-ms", "6,0",
-                           "--form-margin-ms", "0.5", "--punctual-late-after-ms", "0"],
+                           "--form-margin-ms", "0.5", "--punctual-late-after-ms", "0", "--join", "on,off"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": str(REPO)})  # this checkout's packages, not an installed one
     assert done.returncode == 0, done.stderr[-4000:]
@@ -74,6 +74,8 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     assert capacity["symbols_held"] == capacity["symbols_at_budget"] + capacity["host_symbols"]
     assert capacity["host_symbols"] > 0 and capacity["host_bytes"] > 0 and capacity["host_available_bytes"] > 0
     swap = data["swap"]
+    assert [run["join_queued"] for run in data["swap_runs"]] == [True, False]
+    assert data["swap_runs"][1]["joins"] == {"taken": 0, "missed": 0}
     assert swap["cold_symbols"] > swap["gpu_slots"] and swap["hot"]["missed"] == swap["cold"]["missed"] == 0
     # every cold request brought a state back from host memory, started when the request arrived
     assert swap["restored"] >= swap["requests"] * swap["cold_rate"] / (swap["cold_rate"] + swap["hot_rate"]) - 1

@@ -12,6 +12,8 @@ def line(numbers) -> str:
     """A served session's numbers in one line (the progress log, the summary, the gpus section)."""
     return (f"p50 {fmt(numbers['p50_ms'])} ms, p99 {fmt(numbers['p99_ms'])} ms, "
             f"accuracy {fmt(numbers['accuracy'], 4)}, {fmt(numbers['responses_per_s'], 1)} responses/s"
+            + (f", joins {joins['taken']} ({joins['missed']} missed)" if (joins := numbers.get("joins")) else "")
+            + ("" if numbers.get("join_queued", True) else ", joins off")
             + (", CPUs kept awake" if numbers.get("awake_cpus") else "")
             + (", frames compressed" if numbers.get("ws_compression") else ""))
 

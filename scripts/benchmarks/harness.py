@@ -141,6 +141,48 @@ def measure_steps(engine, bench, bandwidth, batches=BATCH_SIZES):
     return results
 
 
+def measure_step_room(engine, bench, batches=(1, 2, 4), rooms=(1, 2)):
+    """{"B+R": {rows, median, p99}} in ms: a step of B symbols launched with room for R joins (padding rows at
+    the padding slot, as a step queued behind another is: JoinableStep), through the engine's graphs; and
+    {"B staged": {rows, median, p99}}: the step of B symbols through its staged graph, the inputs' copies in and
+    the predictions' out included (what a submitted step runs). None without graphs on one GPU."""
+    from client.engine.fast.layers import StepPlan
+    from client.engine.fast.runner import PAD_SLOT, shape_for
+
+    graphed = getattr(engine, "graphed", None)
+    if graphed is None or len(engine.shards) > 1:
+        return None
+    symbols = step_symbols()
+    generator = torch.Generator(device=bench.device).manual_seed(bench.args.seed + 2)
+    results = {}
+
+    def timed(key, rows, step):
+        for _ in range(bench.counts.step_warmup):
+            step()
+        median, p99 = median_p99([bench.timer.time_ms(step) for _ in range(bench.counts.step_iters)])
+        results[key] = {"rows": rows, "median": median, "p99": p99}
+        bench.progress(f"step {key} ({rows} rows): median {median:.3f} ms, p99 {p99:.3f} ms")
+
+    for batch in batches:
+        slots = engine.slots_for(symbols[:batch])
+        for room in rooms:
+            shape = shape_for(engine.shapes, batch + room, batch + room, 1)
+            seq_slots = torch.full((shape.sequences,), PAD_SLOT, dtype=torch.int32, device=bench.device)
+            seq_slots[:batch] = slots
+            starts = torch.full((shape.sequences + 1,), batch, dtype=torch.int32, device=bench.device)
+            starts[:batch + 1] = torch.arange(batch + 1, dtype=torch.int32, device=bench.device)
+            features = torch.randn(shape.rows, NUM_FEATURES, generator=generator, device=bench.device)
+            timed(f"{batch}+{room}", shape.rows,
+                  lambda: engine.step_plan(StepPlan(seq_slots, starts, 1), features))
+        staging = engine._ring[0]
+        features = torch.randn(batch, NUM_FEATURES, generator=generator, device=bench.device)
+        staging.inputs.fill(slots.cpu().numpy(), [1] * batch, features.cpu().numpy())
+        shape = shape_for(engine.shapes, batch, batch, 1)
+        timed(f"{batch} staged", shape.rows, lambda: graphed.replay_staged(0, shape, batch))
+    engine.release(symbols)
+    return results
+
+
 ROWS_PER_SYMBOL = (1, 2, 4, 6, 8)  # the step table of several requests a symbol (64 x 6: the midpoint shape)
 ROW_TABLE_SYMBOLS = (1, 20, 64)
 
@@ -187,14 +229,21 @@ class Bench:
     def forming_ms(self, run=0) -> dict:
         """The step clock's settings given for a served section's run `run`, in milliseconds ({late_after_ms,
         form_margin_ms, punctual_late_after_ms}, each of --late-after-ms, --form-margin-ms and
-        --punctual-late-after-ms in turn; those not given are left out: the runtime's defaults)."""
+        --punctual-late-after-ms in turn), and join_queued (--join in turn); those not given are left out: the
+        runtime's defaults."""
         given = {"late_after_ms": self.args.late_after_ms, "form_margin_ms": self.args.form_margin_ms,
-                 "punctual_late_after_ms": self.args.punctual_late_after_ms}
+                 "punctual_late_after_ms": self.args.punctual_late_after_ms, "join_queued": self.args.join}
         return {key: values[run % len(values)] for key, values in given.items() if values}
 
     def forming(self, run=0) -> dict:
-        """forming_ms as serve_stream's keyword arguments (late_after_s, form_margin_s, punctual_late_after_s)."""
-        return {key.replace("_ms", "_s"): value / 1000.0 for key, value in self.forming_ms(run).items()}
+        """forming_ms as serve_stream's keyword arguments (late_after_s, form_margin_s, punctual_late_after_s in
+        seconds; join_queued)."""
+        given = {}
+        for key, value in self.forming_ms(run).items():
+            if key.endswith("_ms"):
+                key, value = key[:-len("_ms")] + "_s", value / 1000.0
+            given[key] = value
+        return given
 
     @property
     def model(self):

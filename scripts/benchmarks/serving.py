@@ -149,7 +149,7 @@ class ServerProcess:
 async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False,
                        max_requests_per_symbol=None, team_client=None, during=None, form_late=True,
                        stacks_dir=None, ws_compression=False, step_log=False, late_after_s=None,
-                       form_margin_s=None, punctual_late_after_s=None) -> dict:
+                       form_margin_s=None, punctual_late_after_s=None, join_queued=None) -> dict:
     """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
     the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
     processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir every thread's stack in each event
@@ -158,8 +158,9 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     function, runs beside the session (the backlog section pauses the client with it). step_log: the summary's
     "steps" is the runtime's step log (StreamingClient.steps). late_after_s: the runtime's step clock forms the next
     step late behind steps this long (punctual_late_after_s: while the host wakes its submitter on time), form_margin_s
-    before its learned times say (None: its defaults). The summary's "late_wakes" and "latest_wake_ms": how many of the
-    runtime's waits to form a step late ended late (client/step_clock.py LATE_WAKE_S), and the latest any ended."""
+    before its learned times say (None: its defaults); join_queued: the runtime's (None: its default). The summary's
+    "late_wakes" and "latest_wake_ms": how many of the runtime's waits to form a step late ended late
+    (client/step_clock.py LATE_WAKE_S), and the latest any ended; "joins": the runtime's joins taken and missed."""
     from client.runtime import StreamingClient
     from client.stalls import StallProbe
     from server.app import ServerConfig
@@ -183,7 +184,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     try:
         options = {"pipeline_min_batch": pipeline_min_batch, "max_requests_per_symbol": max_requests_per_symbol,
                    "late_after_s": late_after_s, "form_margin_s": form_margin_s,
-                   "punctual_late_after_s": punctual_late_after_s}
+                   "punctual_late_after_s": punctual_late_after_s, "join_queued": join_queued}
         client = StreamingClient(team_client or ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench",
                                  timeline=timeline, form_late=form_late, ws_compression=ws_compression,
                                  step_log=step_log, **{k: v for k, v in options.items() if v is not None})
@@ -197,7 +198,8 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
         if beside is not None:
             await beside
         summary = await asyncio.to_thread(server.summary)
-        summary.update(late_wakes=client.late_wakes, latest_wake_ms=client.latest_wake_s * 1000.0)
+        summary.update(late_wakes=client.late_wakes, latest_wake_ms=client.latest_wake_s * 1000.0,
+                       joins=dict(client.joins))
         if timeline:
             summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps)
         if step_log:
@@ -244,7 +246,8 @@ def session_numbers(summary) -> dict:
     latency = summary["latency_ms"]
     return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "accuracy": summary["accuracy"],
             "responses_per_s": summary["responses_per_s"], "requests": summary["total_requests"],
-            "responses": summary["responses"], "missed": summary["missed"], "late_wakes": summary["late_wakes"],
+            "responses": summary["responses"], "missed": summary["missed"], "joins": summary.get("joins"),
+            "late_wakes": summary["late_wakes"],
             "latest_wake_ms": summary["latest_wake_ms"]}
 
 

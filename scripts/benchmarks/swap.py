@@ -66,9 +66,9 @@ class TimedSubmits:
     def __init__(self, engine):
         self.engine, self.submits = engine, []
 
-    def submit(self, symbols, features):
+    def submit(self, symbols, features, **options):
         begin = time.perf_counter()
-        pending = self.engine.submit(symbols, features)
+        pending = self.engine.submit(symbols, features, **options)
         self.submits.append((len(symbols), (time.perf_counter() - begin) * 1000.0))
         return pending
 
@@ -148,7 +148,8 @@ def measure_swap(bench, run=0):
               "transfer_gb_per_s": {k: None if v is None else v / 1e9 for k, v in transfers.items()},
               "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},
               "bandwidth_share": {k: None if transfers[k] is None else transfers[k] / pinned[k] for k in pinned},
-              "late_wakes": session["late_wakes"], "latest_wake_ms": session["latest_wake_ms"]}
+              "late_wakes": session["late_wakes"], "latest_wake_ms": session["latest_wake_ms"],
+              "joins": session["joins"]}
     result.update(bench.forming_ms(run))
     engine.release(hot + cold)
     return result
@@ -171,7 +172,7 @@ def run(bench):
 def _rules(args) -> int:
     """How many runs it takes the forming settings given to come round again."""
     return math.lcm(len(args.late_after_ms or [0]), len(args.form_margin_ms or [0]),
-                    len(args.punctual_late_after_ms or [0]))
+                    len(args.punctual_late_after_ms or [0]), len(args.join or [0]))
 
 
 def _hot_tail(result):
