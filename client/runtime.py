@@ -562,15 +562,19 @@ class StreamingClient:
                 self.stats.note_request()
                 new_requests.append(Request(uid, symbol, row, received_at))
         self._mark("received", (r.unique_id for r in new_requests))
-        if new_requests and callable(self._prefetch):
-            self._prefetches.put([r.symbol for r in new_requests])
         if new_requests:
+            queued = []
             with self._work_ready:
                 for request in new_requests:
                     if not self._join(request):
                         self._scheduler.push(request)
+                        queued.append(request.symbol)
                 if self._wake_at is not None and self._scheduler.waiting_symbols() >= self._wake_at:
                     self._work_ready.notify()
+            # after the joins, which the prefetch thread would hold up (the table's lock, the GIL) just as the
+            # step they join may start; a joined symbol is on the GPU already
+            if queued and callable(self._prefetch):
+                self._prefetches.put(queued)
         if cached_ids:
             self.stats.resent_from_cache += len(cached_ids)
             predictions = np.stack([self._cache[uid] for uid in cached_ids])

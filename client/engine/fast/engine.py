@@ -101,11 +101,11 @@ class JoinableStep(PendingStep):
         features = check_step_inputs([symbol], np.asarray(features).reshape(1, -1))[0]
         with self._joins:
             sequence = self.formed + len(self.slots)
-            if (sequence >= self.capacity or symbol in self.symbols
-                    or not self.engine.queued(self.staging, self.ahead)):
+            if sequence >= self.capacity or symbol in self.symbols:
                 return False
-            slot = self.engine.table.resident_slot(symbol)
-            if slot is None:
+            slot = self.engine.table.resident_slot(symbol)  # may wait for the table's lock
+            # checked last, so that little can pass between the step ahead still running and the slot's store
+            if slot is None or not self.engine.queued(self.staging, self.ahead):
                 return False
             self.staging.inputs.join(sequence, slot, features)
             self.slots.append(slot)
