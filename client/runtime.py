@@ -252,6 +252,7 @@ class StreamingClient:
         self._steps: deque = deque()
         # symbol -> (its request joined to a step, that step's pending, its joined list) until the fate is settled
         self._joining: dict[str, tuple] = {}
+        self._fate_failed: set[int] = set()  # joins whose fate() raised: their step's answer settles them
         # when to form the next pipelined step (under the lock), its step sizes at the team client's step rows
         # (formed late behind steps of late_after_s or more, or of punctual_late_after_s while the host wakes the
         # submitter on time, form_margin_s before the host's time says: StepClock's defaults unless given)
@@ -707,14 +708,25 @@ class StreamingClient:
         self._mark("submitted", [request.unique_id])
         return True
 
-    def _settle_joins(self, done=None):
-        """Settle each join whose step has read its inputs, and every join of the step `done` (its result is in;
-        called holding the lock): one that made it is answered with its step, one that did not goes back to the
-        front of its symbol's queue."""
+    def _settle_joins(self, done=None, answered=()):
+        """Settle each join whose step has read its inputs, and every join of the step `done`, which made it if its
+        answer names it (`answered`: the unique ids answered or named under errors); called holding the lock. One
+        that made it is answered with its step, one that did not goes back to the front of its symbol's queue."""
         for symbol, (request, pending, joined) in list(self._joining.items()):
-            fate = pending.fate(request.unique_id)
-            if fate is None and pending is not done:
-                continue
+            if pending is done:
+                fate = request.unique_id in answered
+            elif request.unique_id in self._fate_failed:
+                continue  # its step's answer settles it
+            else:
+                try:
+                    fate = pending.fate(request.unique_id)
+                except Exception:  # a failing team client must not kill the runtime
+                    log.exception("team client's fate(%d) failed; settled by its step's answer", request.unique_id)
+                    self._fate_failed.add(request.unique_id)
+                    continue
+                if fate is None:
+                    continue
+            self._fate_failed.discard(request.unique_id)
             del self._joining[symbol]
             if fate:
                 self.joins["taken"] += 1
@@ -762,12 +774,15 @@ class StreamingClient:
                 ended_at = time.monotonic()
             except Exception as exc:  # a failing team client must not kill the runtime
                 answer, ended_at = exc, None  # a failed step's time says nothing of the next ones
+            named = None if ended_at is None else _named(answer)
             with self._work_ready:
-                if ended_at is None:
+                if named is None:  # a failed or malformed answer: its joins fail with the step, whatever their fate
                     for request in joined:
-                        self._joining.pop(request.symbol, None)
+                        self._fate_failed.discard(request.unique_id)
+                        if self._joining.get(request.symbol, (None,))[0] is request:
+                            del self._joining[request.symbol]
                 else:
-                    self._settle_joins(done=pending)
+                    self._settle_joins(done=pending, answered=named)
                 requests = batch + joined  # the joins that made it
             try:
                 if ended_at is None:
@@ -842,6 +857,15 @@ class StreamingClient:
             await ws.send(frame)
         except transport.ConnectionClosed:
             pass  # the server resends unanswered requests after the reconnect
+
+
+def _named(answer) -> set | None:
+    """The unique ids a team client's answer names, answered or under errors; None where it is malformed (the
+    answer's check then says what is wrong)."""
+    try:
+        return {int(uid) for uid in answer["unique_ids"]} | {int(uid) for uid in answer.get("errors") or {}}
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
 
 
 def _how_it_ended(ws, refusal) -> tuple[tuple, str]:

@@ -4,6 +4,7 @@ import asyncio
 import threading
 import time
 from collections import deque
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from test_runtime import SYMBOLS, Recorder, _expected, _play, _request, _stream
 
 from client.engine.base import PendingStep
 from client.engine.fast import PAD_SLOT, RING, FastEngine
-from client.engine.fast.engine import JOIN_ROOM
+from client.engine.fast.engine import JOIN_ROOM, JoinableStep
 from client.engine.fast.runner import StepInputs, StepShape
 from client.engine.reference import ReferenceEngine
 from client.model import load_model
@@ -140,6 +141,74 @@ def test_a_joined_request_is_one_more_sequence_of_the_staged_step_on_cpu(model):
     np.testing.assert_array_equal(got[0], got[1])
     again = rng.standard_normal((3, 79)).astype(np.float32)
     np.testing.assert_array_equal(*(engine.step(["A", "B", "C"], again) for engine in engines))
+
+
+class _HostStaging:
+    """A staging on the CPU for JoinableStep's bookkeeping: the real StepInputs, `taken` as a device would write
+    it (set_taken), and the outs a finished step would hold."""
+
+    def __init__(self, num_features, rows=8):
+        self.inputs = StepInputs(torch.zeros(StepInputs.bytes_for(rows, rows, num_features), dtype=torch.uint8), rows,
+                                 rows, num_features)
+        self.taken = [torch.full((rows,), -1, dtype=torch.int32)]
+        self.outs = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+        self.done = [SimpleNamespace(synchronize=lambda: None, query=lambda: True)]
+        self.step = None
+
+    def read_back(self, batch, step_times=None):
+        return self.outs[:batch].copy()
+
+    def set_taken(self):
+        """What the staged graph's copy of the sequence slots leaves in `taken` when the step starts."""
+        self.taken[0][:] = self.inputs.seq_slots
+
+
+def test_joinable_step_keeps_each_joins_fate_and_leaves_a_missed_one_unanswered():
+    slots = {"A": 3, "B": 4, "C": 5}
+    running = {"ahead": True}
+    engine = SimpleNamespace(table=SimpleNamespace(resident_slot=slots.get), step_times=None,
+                             queued=lambda staging, ahead: running["ahead"])
+    staging = _HostStaging(79)
+    staging.inputs.fill([slots["A"]], [1], np.zeros((1, 79), np.float32))
+    step = JoinableStep(engine, staging, ["A"], np.arange(1), capacity=3, ahead=None)
+    staging.step = step
+    row = np.ones(79, np.float32)
+    assert not step.join("A", row) and not step.join("NEW", row)  # in the step; not resident on the GPU
+    assert step.join("B", row)
+    assert step.fate(0) is None  # the step has not read its inputs
+    staging.set_taken()  # it starts: B is in it
+    running["ahead"] = False
+    assert not step.join("C", row)  # the step ahead is over: too late
+    running["ahead"] = True
+    assert step.join("C", row)  # the checks passed, but the slot landed after the step read its inputs
+    assert step.fate(0) is True and step.fate(1) is False
+    out = step.result()
+    assert out.shape == (3, 4) and np.array_equal(out[:2], staging.outs[:2]) and np.isnan(out[2]).all()
+    staging.taken[0].fill_(-1)  # a later step reuses the staging: the fates stay those its step read
+    assert step.fate(0) is True and step.fate(1) is False
+    assert not step.join("C", row)  # read back: nothing joins it any more
+
+
+def test_the_example_clients_answer_names_the_joins_that_made_it():
+    """team/example_model.py's pending step over a JoinableStep: join and fate by unique id; its answer has the
+    formed requests and the joins the step read, not the one that came too late."""
+    from team.example_model import _JoinableAnswer
+
+    slots = {"A": 3, "B": 4, "C": 5}
+    engine = SimpleNamespace(table=SimpleNamespace(resident_slot=slots.get), step_times=None,
+                             queued=lambda staging, ahead: True)
+    staging = _HostStaging(79)
+    staging.inputs.fill([slots["A"]], [1], np.zeros((1, 79), np.float32))
+    answer = _JoinableAnswer(JoinableStep(engine, staging, ["A"], np.arange(1), capacity=3, ahead=None), [10], {})
+    row = np.ones(79, np.float32)
+    assert answer.join(11, "B", row) and not answer.join(11, "C", row)  # an id joins once
+    assert answer.fate(11) is None
+    staging.set_taken()
+    assert answer.join(12, "C", row)  # too late: the step read its inputs
+    result = answer.result()
+    assert result["unique_ids"] == [10, 11] and result["errors"] == {}
+    np.testing.assert_array_equal(result["predictions"], staging.outs[:2])
+    assert answer.fate(11) is True and answer.fate(12) is False
 
 
 @cuda
@@ -613,9 +682,10 @@ def test_a_client_with_only_process_batch_runs_the_single_worker(model):
 class _DeviceStep(PendingStep):
     """One step of JoiningDevice: it reads its rows (the formed ones and those joined so far) when it starts."""
 
-    def __init__(self, rows, room, miss):
+    def __init__(self, rows, room, miss, fate_fails=lambda uid: False):
         super().__init__(self._answer)
         self.rows, self.room, self.miss = rows, room, miss  # miss(uid): a join the device reads too late
+        self.fate_fails = fate_fails  # fate_fails(uid): fate() raises for this join once the step has read it
         self.joins, self.taken = [], None  # taken: the joins read when it started
         self.finished = threading.Event()
         self.lock = threading.Lock()
@@ -630,6 +700,8 @@ class _DeviceStep(PendingStep):
 
     def fate(self, unique_id):
         with self.lock:
+            if self.taken is not None and self.fate_fails(unique_id):
+                raise RuntimeError("fate lost")
             return None if self.taken is None else any(uid == unique_id for _, uid, _ in self.taken)
 
     def start(self):
@@ -651,8 +723,10 @@ class JoiningDevice:
 
     requests_per_symbol = MANY
 
-    def __init__(self, model, step_s, room=2, miss=lambda uid: False, fail_first_join=False):
+    def __init__(self, model, step_s, room=2, miss=lambda uid: False, fail_first_join=False,
+                 fate_fails=lambda uid: False):
         self.engine, self.step_s, self.room, self.miss = ReferenceEngine(model), step_s, room, miss
+        self.fate_fails = fate_fails
         self.failed = None if fail_first_join else []  # the unique ids of the step made to fail
         self.stepped = []  # (symbol, unique_id) in the order the device stepped them
         self.steps = deque()
@@ -663,7 +737,7 @@ class JoiningDevice:
 
     def submit_batch(self, requests_by_symbol):
         rows = [(symbol, *request) for symbol, value in requests_by_symbol.items() for request in queued(value)]
-        step = _DeviceStep(rows, self.room, self.miss)
+        step = _DeviceStep(rows, self.room, self.miss, self.fate_fails)
         with self.cond:
             self.steps.append(step)
             self.cond.notify_all()
@@ -760,3 +834,22 @@ def test_a_failing_step_answers_its_joins_with_client_error_and_the_rest_normall
     expected = _expected(model, symbols, features, range(n))  # the device stepped every request
     for uid, prediction in recorder.responses:
         np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+
+
+def test_a_failing_fate_is_settled_by_its_steps_answer(model, caplog):
+    """fate() raising for every join the device read: the runtime holds the symbol until the step's answer says
+    whether the join made it; every request is answered right, in order, and the runtime goes on to the end."""
+    n = 45
+    symbols, features = _stream(n, seed=14)
+    recorder = Recorder()
+    team_client = JoiningDevice(model, step_s=0.04, fate_fails=lambda uid: True)
+    client, summary = _play_pipelined(team_client, _paced(n, 0.012, symbols, features, recorder),
+                                      pipeline_min_batch=1)
+    assert recorder.answered() == set(range(n)) and not recorder.errors
+    expected = _expected(model, symbols, features, range(n))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+    _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
+    assert sorted(uid for _, uid in team_client.stepped) == list(range(n))
+    assert client.joins["taken"] > 0 and summary["responses_sent"] == n and _no_model_threads_left()
+    assert "settled by its step's answer" in caplog.text  # the path under test was taken

@@ -1,5 +1,6 @@
 """FastEngine: the state table, the step runner and its CUDA graphs put together behind the Engine interface."""
 import contextlib
+import platform
 import sys
 import threading
 import time
@@ -91,6 +92,7 @@ class JoinableStep(PendingStep):
         self.formed, self.ahead = len(restore), ahead  # ahead: the staging of the step it queues behind
         self.symbols = set(symbols)
         self.slots = []  # each join's slot, in join order
+        self._fates = None  # once the step is read back: each join's fate (the staging may then be reused)
         self._joins = threading.Lock()
 
     def join(self, symbol, features) -> bool:
@@ -101,7 +103,7 @@ class JoinableStep(PendingStep):
         features = check_step_inputs([symbol], np.asarray(features).reshape(1, -1))[0]
         with self._joins:
             sequence = self.formed + len(self.slots)
-            if sequence >= self.capacity or symbol in self.symbols:
+            if sequence >= self.capacity or symbol in self.symbols or self._fates is not None:
                 return False
             slot = self.engine.table.resident_slot(symbol)  # may wait for the table's lock
             # checked last, so that little can pass between the step ahead still running and the slot's store
@@ -114,16 +116,19 @@ class JoinableStep(PendingStep):
 
     def fate(self, j) -> bool | None:
         """Whether join j is in the step: None until the step has read its inputs."""
+        if self._fates is not None:
+            return self._fates[j]
         seen = int(self.staging.taken[0][self.formed + j])
         return None if seen == -1 else seen == self.slots[j]
 
     def _read(self):
-        with self._joins:
-            joins = len(self.slots)
-        out = self.staging.read_back(self.formed + joins, self.engine.step_times)
+        self.staging.done[0].synchronize()  # the step is over, so is the one ahead: nothing joins it any more
+        with self._joins:  # the fates kept: a later step that reuses the staging resets `taken`
+            self._fates = [self.fate(j) for j in range(len(self.slots))]
+        out = self.staging.read_back(self.formed + len(self._fates), self.engine.step_times)
         out[:self.formed] = out[:self.formed][self.restore]
-        for j in range(joins):
-            if not self.fate(j):
+        for j, made_it in enumerate(self._fates):
+            if not made_it:
                 out[self.formed + j] = np.nan
         return out
 
@@ -141,7 +146,9 @@ class DeviceTowers:
 
 class FastEngine(Engine):
     name = "fast"
-    takes_joins = True  # submit(..., joinable=True): see JoinableStep
+    # submit(..., joinable=True): see JoinableStep. On x86 only: a join's store fence (runner._store_fence) orders
+    # the host's stores as the device reads them there, not on a weaker memory model (aarch64).
+    takes_joins = platform.machine().lower() in ("x86_64", "amd64")
 
     def __init__(self, model, device=None, *, max_batch=64, max_rows_per_symbol=DEFAULT_REQUESTS_PER_SYMBOL,
                  graphs=None, precision=DEFAULT_PRECISION, capacity=None, state_memory=None, host_symbols=None,
