@@ -784,15 +784,16 @@ class StreamingClient:
                 else:
                     self._settle_joins(done=pending, answered=named)
                 requests = batch + joined  # the joins that made it
-            try:
-                if ended_at is None:
-                    raise answer
-                ids, predictions, errors = check_answer(answer, [r.unique_id for r in requests])
-            except Exception as exc:  # a failing team client must not kill the runtime
-                self._fail(requests, exc, "submit_batch's result()")
-                ended_at = None
+            if ended_at is None:
+                self._fail(requests, answer, "submit_batch's result()")
             else:
-                self._answer(ids, predictions, errors)
+                try:
+                    ids, predictions, errors = check_answer(answer, [r.unique_id for r in requests])
+                except Exception as exc:  # a failing team client must not kill the runtime
+                    self._fail(requests, exc, "submit_batch's result()")
+                    ended_at = None
+                else:
+                    self._answer(ids, predictions, errors)
             with self._work_ready:
                 self._steps.popleft()  # only now: a step counts as in flight until it is answered
                 if self.steps is not None:

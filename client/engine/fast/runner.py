@@ -314,7 +314,7 @@ class StepInputs:
         filled with `sequence` sequences and rows, while a device copy of this buffer may be under way.
 
         The slot is written last, after a fence: a staged graph copies the sequence slots before the rest
-        (GraphedStep.capture), so a copy that read this slot also reads the row and the starts written before it,
+        (GraphedStep._capture_staged), so a copy that read this slot also reads the row and the starts written before it,
         and one that read the padding slot leaves the request out (its sequence then covers padding rows only, at
         the padding slot). The later sequences stay empty from the row after it on."""
         seq_slots, seq_starts, host_features = (t.numpy() for t in (self.seq_slots, self.seq_starts, self.features))
