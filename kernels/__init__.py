@@ -5,12 +5,13 @@ sequence per symbol, its requests in arrival order, kernels/_common.py): each lo
 it through the symbol's rows in order, and stores it once. A table may be a view of a slot-major buffer, and the
 three matrix states may be stored in fp16/bf16, rounded to nearest or stochastically (kernels/state_rounding.py).
 mlstm_step and retention_step share their matrix-state kernel, outer_product_update. The others fuse the glue
-between them, and skinny_matmul is the weight product for a step's rows. `op` runs Triton on CUDA tensors or
-under TRITON_INTERPRET=1 (read at import) and falls back to `op_ref` otherwise.
+between them; skinny_matmul is the weight product for a step's rows, gemv for one row. `op` runs Triton on
+CUDA tensors or under TRITON_INTERPRET=1 (read at import) and falls back to `op_ref` otherwise.
 """
 from kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from kernels.causal_conv_update import causal_conv_update, causal_conv_update_ref
 from kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_ref
+from kernels.gemv import gemv, gemv_ref
 from kernels.mamba2_update import mamba2_state_update, mamba2_state_update_ref
 from kernels.mlstm_input import mlstm_input, mlstm_input_ref
 from kernels.mlstm_output import mlstm_output, mlstm_output_ref
@@ -30,6 +31,7 @@ __all__ = [
     "add_rms_norm", "add_rms_norm_ref",
     "causal_conv_update", "causal_conv_update_ref",
     "gated_rms_norm", "gated_rms_norm_ref",
+    "gemv", "gemv_ref",
     "mamba2_state_update", "mamba2_state_update_ref",
     "mlstm_input", "mlstm_input_ref", "mlstm_step", "mlstm_step_ref",
     "outer_product_update", "outer_product_update_ref",

@@ -1,4 +1,4 @@
-"""The step's state kernels and skinny products (Triton) as torch.library custom ops (namespace `fastens`), for
+"""The step's state kernels and products (Triton) as torch.library custom ops (namespace `fastens`), for
 torch.compile.
 
 Each op's real implementation is the public op of its file (Triton on CUDA, the PyTorch reference otherwise); its
@@ -7,7 +7,7 @@ batch size and no graph break. `mutates_args` names the state tables an op updat
 the op after every earlier read of them, and calls it on the tables themselves (no copy: the generated code shows).
 
 Tracing rules (registered on import, used only while torch.compile traces; eager calls are untouched):
-- the state ops and the skinny products are traced as their custom ops (opaque to the compiler);
+- the state ops and the products (skinny_matmul, gemv) are traced as their custom ops (opaque to the compiler);
 - the glue ops (norms, residual adds, gates) are traced as their PyTorch references, which Inductor fuses. Two of
   them touch state: slstm_input's reference calls causal_conv_update_ref, traced as the custom op too, and
   slstm_output's stores each sequence's last y at its slot without a host sync (store_last_rows), which Inductor
@@ -153,6 +153,17 @@ def _traced_skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.floa
     return torch.ops.fastens.skinny_matmul(x, weight, bias, relu, out_dtype, weight_lo)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::gemv", mutates_args=())
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, relu: bool = False,
+         out_dtype: torch.dtype = torch.float32, weight_lo: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return kernels.gemv(x, weight, bias, relu, out_dtype, weight_lo)
+
+
+@gemv.register_fake
+def _(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None):
+    return _empty(x.shape[0], weight.shape[0], like=x, dtype=out_dtype)
+
+
 def _traced_as_op(name):
     op = getattr(torch.ops.fastens, name)
 
@@ -164,7 +175,7 @@ def _traced_as_op(name):
 # public op -> what Dynamo traces in its place
 TRACED_AS = {
     **{getattr(kernels, name): _traced_as_op(name) for name in (
-        "causal_conv_update", "mlstm_input", "rglru_step", "slstm_step")},
+        "causal_conv_update", "gemv", "mlstm_input", "rglru_step", "slstm_step")},
     **{getattr(kernels, name): _traced_state_op(name) for name in (
         "mamba2_state_update", "mlstm_step", "retention_step")},
     causal_conv_update_ref: _traced_as_op("causal_conv_update"),

@@ -102,6 +102,43 @@ def priority_times(engine, slots, batches, specs, rounds=3):
     return {spec: {B: float(np.median(v)) for B, v in by_batch.items()} for spec, by_batch in times.items()}
 
 
+# name -> (a step's one row through kernels/gemv.py, launched with PDL, gemv's TILE_BYTES)
+LAUNCHES = {"cublas": (False, False, None), "gemv": (True, False, None), "gemv+pdl": (True, True, None),
+            "gemv 32k": (True, False, 32 * 1024)}
+
+
+def launch_times(engine, slots, batches, rounds=3):
+    """Step medians (ms) per LAUNCHES entry: a step's one row through cuBLAS / skinny_matmul as before
+    kernels/gemv.py ("cublas"), through gemv launched plainly, with programmatic dependent launch, with larger
+    slices of W a program; each captured and timed in turn, `rounds` times, and each tower alone at B = 1. The
+    engine's own setting restored after."""
+    import importlib
+
+    import kernels._pdl as pdl
+    gemv_kernel = importlib.import_module("kernels.gemv")  # the module (the package's `gemv` is its function)
+    times = {name: {B: [] for B in batches} for name in LAUNCHES}
+    towers = {name: {} for name in LAUNCHES}
+    pdl_before, tile_before = pdl.PDL, gemv_kernel.TILE_BYTES
+    try:
+        for round_ in range(rounds):
+            for name, (gemv, on, tile_bytes) in LAUNCHES.items():
+                pdl.PDL, gemv_kernel.TILE_BYTES = on, tile_bytes or tile_before
+                engine.runner.set_gemv(gemv)
+                engine.graphed.capture()
+                for B in batches:
+                    feats = torch.randn(B, 79, device="cuda")
+                    times[name][B].append(time_cuda(lambda: engine.step_slots(slots[:B], feats), iters=100)[0])
+                if round_ == 0:
+                    towers[name] = {k: v for k, v in tower_graph_times(engine.runner, slots).items()
+                                    if k.startswith("B1_")}
+    finally:
+        pdl.PDL, gemv_kernel.TILE_BYTES = pdl_before, tile_before
+        engine.runner.set_gemv(True)
+        engine.graphed.capture()
+    return ({name: {B: {"median": float(np.median(v)), "rounds": v} for B, v in by_batch.items()}
+             for name, by_batch in times.items()}, towers)
+
+
 def accuracy(model, engines, n_symbols, steps):
     from client.accuracy import tower_errors
     from client.engine.reference import ReferenceEngine
@@ -138,6 +175,10 @@ def main(argv=None) -> int:
     ap.add_argument("--priorities", action="append", default=[],
                     help="also time the step under these CUDA stream priorities per tower, e.g. xlstm=-1 or "
                          "xlstm=-1,mamba2=-1 or none (all 0); repeat to compare (bench/LOG.md section 23)")
+    ap.add_argument("--launch-ab", type=int, default=0, metavar="ROUNDS",
+                    help="also time the step with a step's one row through cuBLAS and through kernels/gemv.py "
+                         "(plain, with programmatic dependent launch, with larger slices of W), in turn, ROUNDS "
+                         "times (bench/LOG.md section 57)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise cli.CliError(f"needs a CUDA GPU (it times the fast engine's CUDA graphs and kernels), and this torch "
@@ -177,6 +218,11 @@ def main(argv=None) -> int:
         result["priority_step_ms"] = priority_times(engine, slots, batches, args.priorities)
         for spec, times in result["priority_step_ms"].items():
             log(f"priorities {spec}: " + ", ".join(f"B={B} {t:.3f} ms" for B, t in times.items()))
+    if args.launch_ab:
+        result["launch_step_ms"], result["launch_tower_ms"] = launch_times(engine, slots, batches, args.launch_ab)
+        for name, times in result["launch_step_ms"].items():
+            log(f"launch {name}: " + ", ".join(f"B={B} {t['median']:.3f} ms" for B, t in times.items())
+                + f"; towers alone {result['launch_tower_ms'][name]}")
     # eager per-tower times and top kernels of one eager step
     runner = engine.runner
     for B in (1, batches[-1]):

@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from client.model.mamba2 import HEAD_SIZE, STATE_SIZE
 from client.model.modules import FP32_EPS
 from client.model.xlstm import SLSTM_HEADS
-from kernels import (add_rms_norm, causal_conv_update, gated_rms_norm, mamba2_state_update, mlstm_input,
+from kernels import (add_rms_norm, causal_conv_update, gated_rms_norm, gemv, mamba2_state_update, mlstm_input,
                      mlstm_output, mlstm_step, retention_step, retnet_output, rglru_step, skinny_matmul, slstm_input,
                      slstm_output, slstm_step, xlstm_residual)
 from kernels._common import use_triton
+from kernels.gemv import supports as gemv_supports
 from kernels.mlstm_input import pack_qkv_weight
 from kernels.skinny_matmul import LO_SCALE, split_fp16, split_rows
 from kernels.skinny_matmul import supports as skinny_supports
@@ -137,6 +138,7 @@ class Linear:
         self.bias_w = (None if bias is None or self.weight_lo is not None
                        else bias.to(device=device, dtype=self.weight.dtype))
         self.skinny = None  # kwargs of skinny_matmul for W, when this product uses it
+        self.gemv = None  # kwargs of kernels/gemv.py for W, when a step's one row uses it
         # x is not normalised (input_down's carries the features' scale): fp32 weights take cuBLAS's fp32, whose
         # accumulation keeps more bits than the tensor cores' (kernels/skinny_matmul.py), 16-bit ones x row-scaled
         self.wide_input = wide_input
@@ -156,6 +158,13 @@ class Linear:
         else:
             self.skinny = {"weight": self.weight}
 
+    def use_gemv(self, on):
+        """Route a step's one row through kernels/gemv.py (where Triton runs), W read by every SM at once; not an
+        unnormalised input (wide_input: cuBLAS's fp32) nor an fp64 W."""
+        takes = (on and use_triton(self.weight) and not self.wide_input and self.weight.dtype != torch.float64
+                 and gemv_supports(*self.weight.shape))
+        self.gemv = {"weight": self.weight, "weight_lo": self.weight_lo} if takes else None
+
     @property
     def dtype(self):
         """The dtype x should come in: fp32 when any rows are fp32."""
@@ -171,6 +180,9 @@ class Linear:
         lo = 0 if self.weight_lo is None else self.weight_lo.numel() * 2
         return self.weight.numel() * self.weight.element_size() + lo + (0 if self.bias is None else self.bias.numel() * 4)
 
+    def _use_gemv(self, x):
+        return self.gemv is not None and x.shape[0] == 1
+
     def _use_skinny(self, x):
         if self.skinny is None:
             return False
@@ -179,6 +191,8 @@ class Linear:
 
     def product(self, x):
         """x @ W^T in fp32, without the bias (the caller fuses it into a later kernel)."""
+        if self._use_gemv(x):
+            return gemv(x, **self.gemv)
         if self._use_skinny(x):
             return skinny_matmul(x, **self.skinny)
         if self.weight_lo is not None:  # the skinny kernel's split, through cuBLAS
@@ -196,6 +210,8 @@ class Linear:
         return mm32(x.to(self.dtype), self.weight.t())
 
     def __call__(self, x):
+        if self._use_gemv(x):
+            return gemv(x, bias=self.bias, **self.gemv)
         if self._use_skinny(x):
             return skinny_matmul(x, bias=self.bias, **self.skinny)
         if self.weight.dtype == torch.float64:
@@ -208,6 +224,8 @@ class Linear:
     def relu(self, x):
         """relu(x @ W^T + b) in self.dtype with bias and ReLU in the GEMM epilogue: it only feeds the next
         product, which reads it in this dtype anyway."""
+        if self._use_gemv(x):
+            return gemv(x, bias=self.bias, relu=True, out_dtype=self.dtype, **self.gemv)
         if self._use_skinny(x):
             return skinny_matmul(x, bias=self.bias, relu=True, out_dtype=self.dtype, **self.skinny)
         if self.weight_lo is not None:
