@@ -5,8 +5,9 @@ sequence per symbol, its requests in arrival order, kernels/_common.py): each lo
 it through the symbol's rows in order, and stores it once. A table may be a view of a slot-major buffer, and the
 three matrix states may be stored in fp16/bf16, rounded to nearest or stochastically (kernels/state_rounding.py).
 mlstm_step and retention_step share their matrix-state kernel, outer_product_update. The others fuse the glue
-between them; skinny_matmul is the weight product for a step's rows, gemv for one row. `op` runs Triton on
-CUDA tensors or under TRITON_INTERPRET=1 (read at import) and falls back to `op_ref` otherwise.
+between them; skinny_matmul is the weight product for a step's rows, gemv for one row (or two, the second maybe
+unused). `op` runs Triton on CUDA tensors or under TRITON_INTERPRET=1 (read at import) and falls back to `op_ref`
+otherwise.
 """
 from kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from kernels.causal_conv_update import causal_conv_update, causal_conv_update_ref

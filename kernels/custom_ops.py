@@ -155,12 +155,13 @@ def _traced_skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.floa
 
 @torch.library.custom_op(f"{NAMESPACE}::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, relu: bool = False,
-         out_dtype: torch.dtype = torch.float32, weight_lo: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return kernels.gemv(x, weight, bias, relu, out_dtype, weight_lo)
+         out_dtype: torch.dtype = torch.float32, weight_lo: Optional[torch.Tensor] = None,
+         live_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return kernels.gemv(x, weight, bias, relu, out_dtype, weight_lo, live_rows)
 
 
 @gemv.register_fake
-def _(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None):
+def _(x, weight, bias=None, relu=False, out_dtype=torch.float32, weight_lo=None, live_rows=None):
     return _empty(x.shape[0], weight.shape[0], like=x, dtype=out_dtype)
 
 

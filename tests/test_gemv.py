@@ -1,5 +1,5 @@
 """kernels/gemv.py: the Triton kernel against its fp64 reference for 16-bit, fp32 and split (fp32 rows as fp16
-halves, then fp16 rows) weights at a step's one row, its launch rule, and the engine's products routed through it.
+halves, then fp16 rows) weights at a step's one row (and a second when live), its launch rule, and the engine's products routed through it.
 On a CPU it runs through the interpreter in a child process; on a GPU the model's shapes run too, and a chain of
 kernels launched with programmatic dependent launch inside a CUDA graph gives the bits of the same chain without."""
 
@@ -57,9 +57,14 @@ def test_config_streams_w_through_every_sm():
 
 
 def test_refuses_bad_inputs():
-    x, w, _ = make(2, 16, 32, 1)
-    with pytest.raises(ValueError, match=r"x must have shape \[1, 32\]"):
-        gemv_ref(x, w)  # one row: a step of more goes through skinny_matmul or cuBLAS
+    x, w, _ = make(3, 16, 32, 1)
+    live = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="one row, or two with live_rows"):
+        gemv_ref(x[:2], w)  # a step of more rows goes through skinny_matmul or cuBLAS
+    with pytest.raises(ValueError, match="one row, or two with live_rows; got 3 rows"):
+        gemv_ref(x, w, live_rows=live)
+    with pytest.raises(ValueError, match="one-element int32"):
+        gemv_ref(x[:2], w, live_rows=live.long())
     with pytest.raises(ValueError, match="2-D float32/float16/bfloat16"):
         gemv_ref(x[:1], w.double())
     with pytest.raises(ValueError, match="split weight"):
@@ -78,6 +83,24 @@ def test_triton_matches_reference(N, K, kind):
 
 
 @pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
+@pytest.mark.parametrize("live", [1, 2])
+@pytest.mark.parametrize("kind", ["fp32", "fp16", "split:20"])
+def test_second_row_only_when_live(live, kind):
+    """Two rows with the live row count on the device: the second multiplied when live, zeros when not; the first
+    row the same bits as alone."""
+    x, w, b = make(2, 300, 96, live)
+    count = torch.tensor([live], dtype=torch.int32, device=DEVICE)
+    y = gemv(x, **weights(w, kind), bias=b, relu=True, live_rows=count)
+    ref = gemv_ref(x, **weights(w, kind), bias=b, relu=True, live_rows=count)
+    assert (y - ref).abs().max().item() <= 1e-6 * ref.abs().max().item()
+    assert torch.equal(y[:1], gemv(x[:1], **weights(w, kind), bias=b, relu=True))
+    if live == 1:
+        assert (y[1] == 0).all()
+    else:
+        assert torch.equal(y[1:], gemv(x[1:], **weights(w, kind), bias=b, relu=True))
+
+
+@pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
 def test_bias_relu_epilogue_and_a_row_of_a_wider_tensor(out_dtype):
     x, w, b = make(1, 96, 128, 5)
@@ -92,8 +115,9 @@ def test_bias_relu_epilogue_and_a_row_of_a_wider_tensor(out_dtype):
 
 @pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
 def test_engine_products_route_through_it():
-    """The fast engine's Linear: one row through gemv (its bits), more through its other route."""
-    from client.engine.fast.layers import Linear
+    """The fast engine's Linear: one row through gemv (its bits), two inside live_rows(), more through its other
+    route."""
+    from client.engine.fast.layers import Linear, live_rows
     x, w, b = make(3, 64, 128, 9)
     for dtype in (torch.float32, torch.float16):
         linear = Linear(w.cpu(), b.cpu(), dtype, DEVICE)
@@ -105,6 +129,11 @@ def test_engine_products_route_through_it():
         assert relu.dtype == dtype and torch.equal(relu, gemv(x[:1], linear.weight, b, relu=True, out_dtype=dtype))
         rows = linear(x)  # three rows: the other route, the same product within its rounding
         torch.testing.assert_close(rows[:1], linear(x[:1]), rtol=1e-3, atol=1e-3)
+        unused = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+        with live_rows(unused):
+            assert torch.equal(linear(x[:2]), gemv(x[:2], linear.weight, b, live_rows=unused))
+            assert (linear(x[:2])[1] == 0).all()
+        torch.testing.assert_close(linear(x[:2]), rows[:2])  # outside: two rows through the other route
         linear.use_gemv(False)
         assert linear.gemv is None
 
@@ -157,4 +186,4 @@ def test_pdl_chain_in_a_graph_keeps_its_order():
 
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
 def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches or epilogue or route_through")
+    run_under_interpreter(__file__, "triton_matches or epilogue or route_through or only_when_live")

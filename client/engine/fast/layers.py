@@ -12,6 +12,7 @@ next add; the sLSTM's eight block-diagonal gate maps with its cell (slstm_step);
 1,024 4x4 q/k/v blocks and its gate projection (mlstm_input, finished inside mlstm_step); Mamba2's gate, norm
 and cast.
 """
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -50,6 +51,22 @@ class StepPlan(NamedTuple):
         """Row b advances slot slot_ids[b] (distinct slots): the plan of a step of one request per symbol."""
         rows = slot_ids.shape[0]
         return cls(slot_ids, torch.arange(rows + 1, dtype=torch.int32, device=slot_ids.device), 1)
+
+
+_LIVE_ROWS = None  # while a step runs (live_rows()): its count of rows that requests took, int32 [1] on the device
+
+
+@contextlib.contextmanager
+def live_rows(count):
+    """Inside the block a step's two-row products read, when they run, how many of its rows are live (count, int32
+    [1] on the device: its plan's last sequence start): a step of one symbol launched with a row of room for a join
+    (engine.JOIN_ROOM) that no request took multiplies one row (kernels/gemv.py)."""
+    global _LIVE_ROWS
+    before, _LIVE_ROWS = _LIVE_ROWS, count
+    try:
+        yield
+    finally:
+        _LIVE_ROWS = before
 
 
 def _fp32_out_supported(device, dtype):
@@ -138,7 +155,7 @@ class Linear:
         self.bias_w = (None if bias is None or self.weight_lo is not None
                        else bias.to(device=device, dtype=self.weight.dtype))
         self.skinny = None  # kwargs of skinny_matmul for W, when this product uses it
-        self.gemv = None  # kwargs of kernels/gemv.py for W, when a step's one row uses it
+        self.gemv = None  # kwargs of kernels/gemv.py for W, for a step's one row (or two, one maybe unused)
         # x is not normalised (input_down's carries the features' scale): fp32 weights take cuBLAS's fp32, whose
         # accumulation keeps more bits than the tensor cores' (kernels/skinny_matmul.py), 16-bit ones x row-scaled
         self.wide_input = wide_input
@@ -159,8 +176,8 @@ class Linear:
             self.skinny = {"weight": self.weight}
 
     def use_gemv(self, on):
-        """Route a step's one row through kernels/gemv.py (where Triton runs), W read by every SM at once; not an
-        unnormalised input (wide_input: cuBLAS's fp32) nor an fp64 W."""
+        """Route a step's one row (two inside live_rows()) through kernels/gemv.py (where Triton runs), W read by
+        every SM at once; not an unnormalised input (wide_input: cuBLAS's fp32) nor an fp64 W."""
         takes = (on and use_triton(self.weight) and not self.wide_input and self.weight.dtype != torch.float64
                  and gemv_supports(*self.weight.shape))
         self.gemv = {"weight": self.weight, "weight_lo": self.weight_lo} if takes else None
@@ -181,7 +198,10 @@ class Linear:
         return self.weight.numel() * self.weight.element_size() + lo + (0 if self.bias is None else self.bias.numel() * 4)
 
     def _use_gemv(self, x):
-        return self.gemv is not None and x.shape[0] == 1
+        return self.gemv is not None and (x.shape[0] == 1 or (x.shape[0] == 2 and _LIVE_ROWS is not None))
+
+    def _gemv(self, x, **kwargs):
+        return gemv(x, **self.gemv, **kwargs, live_rows=_LIVE_ROWS if x.shape[0] == 2 else None)
 
     def _use_skinny(self, x):
         if self.skinny is None:
@@ -192,7 +212,7 @@ class Linear:
     def product(self, x):
         """x @ W^T in fp32, without the bias (the caller fuses it into a later kernel)."""
         if self._use_gemv(x):
-            return gemv(x, **self.gemv)
+            return self._gemv(x)
         if self._use_skinny(x):
             return skinny_matmul(x, **self.skinny)
         if self.weight_lo is not None:  # the skinny kernel's split, through cuBLAS
@@ -211,7 +231,7 @@ class Linear:
 
     def __call__(self, x):
         if self._use_gemv(x):
-            return gemv(x, bias=self.bias, **self.gemv)
+            return self._gemv(x, bias=self.bias)
         if self._use_skinny(x):
             return skinny_matmul(x, bias=self.bias, **self.skinny)
         if self.weight.dtype == torch.float64:
@@ -225,7 +245,7 @@ class Linear:
         """relu(x @ W^T + b) in self.dtype with bias and ReLU in the GEMM epilogue: it only feeds the next
         product, which reads it in this dtype anyway."""
         if self._use_gemv(x):
-            return gemv(x, bias=self.bias, relu=True, out_dtype=self.dtype, **self.gemv)
+            return self._gemv(x, bias=self.bias, relu=True, out_dtype=self.dtype)
         if self._use_skinny(x):
             return skinny_matmul(x, bias=self.bias, relu=True, out_dtype=self.dtype, **self.skinny)
         if self.weight_lo is not None:

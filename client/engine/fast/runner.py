@@ -21,7 +21,7 @@ from client.model.config import TOWER_NAMES
 
 from kernels.state_rounding import StochasticRounding
 
-from .layers import BLOCKS, Linear, StepPlan
+from .layers import BLOCKS, Linear, StepPlan, live_rows
 from .state_table import PAD_SLOT
 
 # CUDA stream priorities (lower runs first; captured into the graphs' kernels). The xLSTM tower is the longest
@@ -162,7 +162,9 @@ class StepRunner:
 
     def __call__(self, plan: StepPlan, features, hand_fused=False):
         """hand_fused: run the blocks themselves even where compile() routed them through torch.compile."""
-        with fp32_products():  # eager steps and graph captures alike: the fp32 parts must be true fp32 products
+        # eager steps and graph captures alike: the fp32 parts must be true fp32 products; a two-row step's products
+        # multiply its second row only where a request took it
+        with fp32_products(), live_rows(plan.seq_starts[-1:]):
             return self._step(plan, features, hand_fused)
 
     def _step(self, plan, features, hand_fused):
