@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kernels._common import check_input, next_pow2, use_triton
 from kernels._pdl import launch_pdl
-from kernels.skinny_matmul import LO_SCALE
+from kernels.skinny_matmul import LO_SCALE, check_weights
 
 TILE_BYTES = 16 * 1024  # W bytes a program loads at once (16 KB beat 32 and 64 at one row: bench/LOG.md section 57)
 MIN_PROGRAMS = 256  # two programs an SM of an H100 (132): one streams while the other waits or sums
@@ -33,18 +33,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check(x, weight, bias, weight_lo, live_rows):
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in DTYPES:
-        raise ValueError(f"weight must be a 2-D float32/float16/bfloat16 [N, K] tensor, got "
-                         f"{getattr(weight, 'shape', type(weight).__name__)} {getattr(weight, 'dtype', '')}")
-    if not weight.is_contiguous():
-        raise ValueError("weight must be contiguous")
-    N, K = weight.shape
-    if weight_lo is not None and (weight_lo.dim() != 2 or not 0 < weight_lo.shape[0] <= N
-                                  or weight_lo.shape[1] != K or weight_lo.dtype != torch.float16
-                                  or weight.dtype != torch.float16 or not weight_lo.is_contiguous()):
-        raise ValueError(f"a split weight is two contiguous float16 tensors (hi [N, K], lo [N_lo <= N, K] of "
-                         f"hi's first rows), got {tuple(weight.shape)} {weight.dtype} and "
-                         f"{tuple(getattr(weight_lo, 'shape', ()))} {getattr(weight_lo, 'dtype', '')}")
+    N, K = check_weights(weight, weight_lo, DTYPES)
     x = check_input("x", x, (None, K), weight.device)
     if x.shape[0] != 1 and (x.shape[0] != 2 or live_rows is None):
         raise ValueError(f"gemv takes one row, or two with live_rows; got {x.shape[0]} rows"

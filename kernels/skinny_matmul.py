@@ -93,9 +93,12 @@ def split_rows(x):
     return x_hi, x_lo, pow2(-s)[:, None]
 
 
-def _check(x, weight, bias, weight_lo):
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in DTYPES:
-        raise ValueError(f"weight must be a 2-D float16/bfloat16 [N, K] tensor, got "
+def check_weights(weight, weight_lo, dtypes=DTYPES):
+    """A product's W: a contiguous 2-D [N, K] tensor of one of `dtypes`, with weight_lo (if any) the fp16 low halves
+    of its first rows (split_fp16). Returns (N, K)."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in dtypes:
+        names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"weight must be a 2-D {names} [N, K] tensor, got "
                          f"{getattr(weight, 'shape', type(weight).__name__)} {getattr(weight, 'dtype', '')}")
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous")
@@ -106,6 +109,11 @@ def _check(x, weight, bias, weight_lo):
         raise ValueError(f"a split weight is two contiguous float16 tensors (hi [N, K], lo [N_lo <= N, K] of "
                          f"hi's first rows), got {tuple(weight.shape)} {weight.dtype} and "
                          f"{tuple(getattr(weight_lo, 'shape', ()))} {getattr(weight_lo, 'dtype', '')}")
+    return N, K
+
+
+def _check(x, weight, bias, weight_lo):
+    N, K = check_weights(weight, weight_lo)
     x = check_input("x", x, (None, K), weight.device)
     bias = None if bias is None else check_input("bias", bias, (N,), weight.device)
     return x, bias
