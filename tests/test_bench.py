@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +33,8 @@ def _load_bench():
     return module
 
 
-CPU_SECTIONS = ["copy", "step", "baseline", "accuracy", "precisions", "state_dtypes", "e2e", "maxrate", "churn",
-                "capacity", "swap", "gpus", "shards"]  # compile: tests/test_compile.py
+CPU_SECTIONS = ["copy", "step", "baseline", "accuracy", "precisions", "state_dtypes", "e2e", "floor", "maxrate",
+                "churn", "capacity", "swap", "gpus", "shards"]  # compile: tests/test_compile.py
 
 
 def test_quick_cpu_run_writes_every_key(tmp_path):
@@ -98,6 +99,16 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     assert e2e["responses"] == e2e["requests"] and e2e["accuracy"] >= 0.9
     assert e2e["late_after_ms"] == 6.0 and e2e["form_margin_ms"] == 0.5 and e2e["punctual_late_after_ms"] == 0.0
     assert isinstance(e2e["late_wakes"], int) and e2e["late_wakes"] >= 0 and e2e["latest_wake_ms"] >= 0
+    # the floor's four clients served the same stream in turn, each answering every request
+    (floor_round,) = data["floor"]["rounds"]
+    assert list(floor_round) == ["echo", "runtime", "engine", "stand-in"]
+    for rung in floor_round.values():
+        assert rung["missed"] == 0 and rung["responses"] == rung["requests"]
+        assert 0 < rung["p50_ms"] <= rung["p99_ms"] <= rung["max_ms"]
+    # the stand-in took the engine's served times: its answers come no sooner than its submit and shortest step
+    engine = floor_round["engine"]
+    assert engine["submit_ms"] > 0 and all(ms > 0 for ms in engine["step_ms"].values())
+    assert floor_round["stand-in"]["p50_ms"] >= engine["submit_ms"] + min(engine["step_ms"].values())
     runs = data["max_rate_runs"]
     assert runs and [run["rate"] for run in runs] == sorted(run["rate"] for run in runs)
     for run in runs:
@@ -237,3 +248,18 @@ def test_steps_by_rows_groups_the_step_log_by_the_engines_row_sizes():
     assert out["384"]["ms_p50"] == pytest.approx(19.0)  # 19 ms (15 -> 34) and 19 ms (40 -> 59)
     assert out["256"]["ms_p50"] == pytest.approx(15.0) and out["512"]["ms_p50"] == pytest.approx(24.0)
     assert list(steps_by_rows(log, ())) == ["256", "512"]  # without the engine's sizes: powers of two
+
+
+def test_floor_stand_in_steps_queue_one_at_a_time_at_the_step_tables_pace():
+    from scripts.benchmarks.floor import StandInTeam, step_ms_of
+
+    step_ms = step_ms_of({"1": 2.0, "20": 5.8})
+    assert step_ms(1) == 2.0 and step_ms(20) == 5.8 and step_ms(10) == pytest.approx(3.8) and step_ms(64) == 5.8
+    team = StandInTeam(lambda symbols: 20.0 * symbols)
+    begin = time.perf_counter()
+    first = team.submit_batch({"A": [(1, None), (2, None)], "B": [(3, None)]})
+    second = team.submit_batch({"A": [(4, None)]})  # queued behind the first, as on a device
+    answer = second.result()
+    assert time.perf_counter() - begin >= 0.060
+    assert answer["unique_ids"] == [4] and answer["predictions"].shape == (1, 4)
+    assert first.result()["unique_ids"] == [1, 2, 3]

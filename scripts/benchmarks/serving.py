@@ -244,7 +244,8 @@ def steps_by_rows(steps, row_sizes) -> dict:
 
 def session_numbers(summary) -> dict:
     latency = summary["latency_ms"]
-    return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "accuracy": summary["accuracy"],
+    return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "max_ms": latency["max"],
+            "accuracy": summary["accuracy"],
             "responses_per_s": summary["responses_per_s"], "requests": summary["total_requests"],
             "responses": summary["responses"], "missed": summary["missed"], "joins": summary.get("joins"),
             "late_wakes": summary["late_wakes"],

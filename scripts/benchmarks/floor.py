@@ -1,0 +1,167 @@
+"""Section floor: where the event's load's latency comes from on this host. The e2e section's stream (E2E_RATE req/s
+over E2E_SYMBOLS symbols) served by the same scoring server, in turn, to four clients:
+- echo: answers each request frame in its event loop as the frame arrives, no thread and no model: what the host,
+  the server and the websocket cost; no client can do better on this host;
+- runtime: the team runtime (client/runtime.py) with a team client whose steps end at once: the runtime's threads
+  and handoffs added;
+- engine: the e2e section's client, the engine behind the team client;
+- stand-in: the runtime with a team client that takes, with no device, the engine's time just served: its submit's
+  median (spun) and its steps' served medians by symbols (one at a time, as steps queue on the device). What the
+  engine adds beyond that is neither its submit nor its step.
+e2e_runs rounds, each serving the four in turn, every session reported. A tail the echo already has is the host's."""
+import asyncio
+import time
+
+import numpy as np
+
+from client import event_loop, protocol, transport
+from client.model.config import TOWER_NAMES
+from scripts.benchmarks.harness import E2E_RATE, E2E_SYMBOLS
+from scripts.benchmarks.report import fmt
+from scripts.benchmarks.serving import (ServerProcess, ReferenceTracker, prefixed_names, prefixed_stream,
+                                        serve_stream, served_step_ms, session_numbers)
+
+PREFIX = "FLOOR_"
+RUNGS = ("echo", "runtime", "engine", "stand-in")
+SPIN_S = 0.0003  # the last stretch of a stand-in's wait is spun, not slept: a sleep may end late
+
+
+def _until(moment):
+    """Return at perf_counter() `moment`."""
+    if (wait := moment - time.perf_counter() - SPIN_S) > 0:
+        time.sleep(wait)
+    while time.perf_counter() < moment:
+        pass
+
+
+class StandInTeam:
+    """A team client of the runtime's submit/result kind with no device: submit_batch takes submit_ms, each step
+    step_ms(symbols) from when it is submitted or the one ahead of it ends, whichever is later (as steps queue on a
+    device), and answers zeros."""
+
+    requests_per_symbol = "many"
+
+    def __init__(self, step_ms, submit_ms=0.0, max_batch=E2E_SYMBOLS):
+        self.step_ms, self.submit_ms, self.max_batch = step_ms, submit_ms, max_batch
+        self._free_at = 0.0  # when the stand-in device ends its last step (perf_counter)
+
+    def submit_batch(self, batch) -> "StandInStep":
+        _until(time.perf_counter() + self.submit_ms / 1000.0)
+        ids = [uid for requests in batch.values() for uid, _ in requests]
+        ends = max(time.perf_counter(), self._free_at) + self.step_ms(len(batch)) / 1000.0
+        self._free_at = ends
+        return StandInStep(ids, ends)
+
+
+class StandInStep:
+    def __init__(self, ids, ends):
+        self.ids, self.ends = ids, ends
+
+    def result(self) -> dict:
+        _until(self.ends)
+        return {"unique_ids": self.ids, "predictions": np.zeros((len(self.ids), len(TOWER_NAMES)), np.float32)}
+
+
+def served_times(steps) -> dict:
+    """What a served session's steps took (the runtime's step log): {submit_ms: formed -> submitted median,
+    step_ms: {symbols: served median (served_step_ms)}}."""
+    ended = [step for step in steps if step["ended"] is not None]
+    served = served_step_ms(ended, np.inf)
+    symbols = np.array([step["symbols"] for step in ended])
+    return {"submit_ms": float(np.median([(step["submitted"] - step["formed"]) * 1000.0 for step in ended])),
+            "step_ms": {str(b): float(np.median(served[symbols == b])) for b in np.unique(symbols)}}
+
+
+def step_ms_of(step_ms):
+    """A step's ms at any count of symbols from {symbols (a str, as in JSON): ms} (interpolated, the ends held)."""
+    known = sorted((int(b), ms) for b, ms in step_ms.items())
+    return lambda symbols: float(np.interp(symbols, [b for b, _ in known], [ms for _, ms in known]))
+
+
+async def echo_session(server: ServerProcess):
+    """Play one session answering each request frame at once with zeros, in the loop that read it."""
+    zeros = np.zeros((E2E_SYMBOLS, len(TOWER_NAMES)), np.float32)
+    async with await transport.connect(f"ws://127.0.0.1:{server.port}", open_timeout=30) as ws:
+        await ws.send(ws.encode(protocol.register("floor-echo")))
+        async for frame in ws:
+            msg = ws.decode(frame)
+            if msg["type"] == "inference_request":
+                ids, _, _ = protocol.parse_inference_request(msg)
+                if len(ids) > len(zeros):
+                    zeros = np.zeros((len(ids), len(TOWER_NAMES)), np.float32)
+                await ws.send(ws.encode(protocol.inference_response(ids, zeros[:len(ids)], time.time())))
+            elif msg["type"] == "end":
+                break
+    await server.wait_done()
+
+
+def serve_echo(bench, stream) -> dict:
+    config = _config(bench, stream)
+    server = ServerProcess(config, stream, np.zeros((len(stream), len(TOWER_NAMES)), np.float32))
+    try:
+        event_loop.run(echo_session(server))
+        return _numbers(server.summary())
+    finally:
+        server.close()
+
+
+def _config(bench, stream):
+    from server.app import ServerConfig
+
+    return ServerConfig(host="127.0.0.1", port=0, preset=bench.args.preset, seed=bench.args.seed,
+                        symbols=len(np.unique(stream.symbols)), requests=len(stream), rate=E2E_RATE, once=True)
+
+
+def _numbers(summary) -> dict:
+    """A session's latency (its answers are zeros: no accuracy)."""
+    latency = summary["latency_ms"]
+    return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "max_ms": latency["max"],
+            "responses": summary["responses"], "requests": summary["total_requests"], "missed": summary["missed"]}
+
+
+def serve_stand_in(bench, stream, team, run) -> dict:
+    summary = event_loop.run(serve_stream(
+        None, stream, np.zeros((len(stream), len(TOWER_NAMES)), np.float32), E2E_RATE, bench.args.preset,
+        bench.args.seed, team_client=team, **bench.forming(run)))
+    return _numbers(summary)
+
+
+def run(bench):
+    names = prefixed_names(PREFIX, E2E_SYMBOLS)
+    tracker = ReferenceTracker(bench.model, names, bench.device)
+    rounds = []
+    for i in range(bench.counts.e2e_runs):
+        stream = prefixed_stream(PREFIX, E2E_SYMBOLS, bench.counts.e2e_requests, bench.args.seed + 1 + 100 * i,
+                                 E2E_RATE)
+        targets = tracker.targets(stream)
+        sessions = {"echo": serve_echo(bench, stream),
+                    "runtime": serve_stand_in(bench, stream, StandInTeam(lambda symbols: 0.0), i)}
+        served = event_loop.run(serve_stream(
+            bench.engine, stream, targets, E2E_RATE, bench.args.preset, bench.args.seed,
+            bench.args.pipeline_min_batch, max_requests_per_symbol=bench.args.max_requests_per_symbol, step_log=True,
+            **bench.forming(i)))
+        taken = served_times(served["steps"])
+        sessions["engine"] = {**session_numbers(served), **taken}
+        stand_in = StandInTeam(step_ms_of(taken["step_ms"]), taken["submit_ms"])
+        sessions["stand-in"] = serve_stand_in(bench, stream, stand_in, i)
+        rounds.append(sessions)
+        bench.report.update(floor={"rounds": rounds})
+        bench.progress(f"floor round {i + 1}/{bench.counts.e2e_runs}: " + "; ".join(
+            f"{rung} p50 {fmt(s['p50_ms'])} p99 {fmt(s['p99_ms'])} ms" for rung, s in sessions.items())
+            + f"; the engine's submit {fmt(taken['submit_ms'])} ms, steps by symbols (served ms) "
+            + ", ".join(f"{b}: {fmt(ms)}" for b, ms in taken["step_ms"].items()))
+    bench.engine.release(names)
+
+
+def summary(data) -> list[str]:
+    floor = data.get("floor")
+    if not floor:
+        return []
+    lines = ["floor (400 req/s, 20 symbols), p50 / p99 ms a session: " + ", ".join(RUNGS)
+             + "; the engine's submit and one-symbol step (served medians, ms)"]
+    for i, sessions in enumerate(floor["rounds"]):
+        engine = sessions["engine"]
+        lines.append(f"  round {i + 1}: " + ", ".join(
+            f"{fmt(sessions[rung]['p50_ms'])} / {fmt(sessions[rung]['p99_ms'])}" for rung in RUNGS)
+            + f"; {fmt(engine['submit_ms'])}, {fmt(engine['step_ms'].get('1'))}")
+    return lines
