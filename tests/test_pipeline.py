@@ -151,6 +151,7 @@ class _HostStaging:
         self.inputs = StepInputs(torch.zeros(StepInputs.bytes_for(rows, rows, num_features), dtype=torch.uint8), rows,
                                  rows, num_features)
         self.taken = [torch.full((rows,), -1, dtype=torch.int32)]
+        self.taken_views = [taken.numpy() for taken in self.taken]
         self.outs = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
         self.done = [SimpleNamespace(synchronize=lambda: None, query=lambda: True)]
         self.step = None

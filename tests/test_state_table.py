@@ -146,6 +146,22 @@ def test_idle_symbols_expire_and_make_room():
     assert t.slots_for(["C"]) == [1] and t.symbols() == ["C"] and t.stats["expired"] == 2
 
 
+def test_a_symbol_seen_again_is_not_expired_with_those_idle_since_before_it():
+    clock = Clock()
+    t = table(capacity=2, host_capacity=2, idle_timeout_s=10, clock=clock)
+    t.slots_for(["A", "B"])
+    clock.now = 3
+    t.slots_for(["C"])  # A offloaded
+    clock.now = 8
+    t.slots_for(["A"])  # back on the GPU, seen again: its idle time starts over
+    clock.now = 12  # B idle 12 s (expired), C 9 s, A 4 s
+    t.slots_for(["D"])
+    assert t.stats["expired"] == 1 and sorted(t.symbols()) == ["A", "C", "D"]
+    clock.now = 19  # C idle 16 s, D 7 s, A 11 s: C and A expired, the order of use kept
+    t.slots_for(["E"])
+    assert t.stats["expired"] == 3 and sorted(t.symbols()) == ["D", "E"]
+
+
 def test_reserve_keeps_free_slots_ready():
     t = table(capacity=3, host_capacity=5, reserve=1)
     t.slots_for(["A", "B"])

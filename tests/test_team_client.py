@@ -45,6 +45,23 @@ def test_the_example_says_how_many_symbols_its_engines_step_holds():
     assert team_api.step_symbols(object()) is None
 
 
+def test_the_example_offers_prefetch_and_ready_only_where_states_move():
+    """An engine that keeps every state on the GPU needs no prefetch (a thread woken per request) and no readiness
+    asked while a step forms: the runtime then runs neither; with a host tier both are the engine's."""
+    from client.engine.fast import FastEngine
+    from client.runtime import StreamingClient
+
+    model = load_model("tiny", seed=2)[0]
+    fixed = ExampleModel(FastEngine(model, device="cpu", capacity=4, host_symbols=0, progress=False))
+    assert fixed.prefetch is None and fixed.ready is None
+    runtime = StreamingClient(fixed, "ws://x", "team")
+    assert runtime._prefetch is None and runtime._ready is None
+    tiered = ExampleModel(engine := FastEngine(model, device="cpu", capacity=4, host_symbols=2, progress=False))
+    tiered.prefetch(["A"])
+    assert engine.table.symbols() == ["A"] and tiered.ready("A")
+    assert ExampleModel(ReferenceEngine(model)).prefetch is None  # its states never move
+
+
 def test_the_example_says_the_rows_its_engines_steps_run_at():
     """The runtime's step clock learns step times at the engine's captured rows (team_api.step_rows)."""
     from client import team_api

@@ -60,6 +60,7 @@ class Staging:
                      for shard in shards]
         # each GPU's copy of the sequence slots as its step read them (-1 until then): which joins made it
         self.taken = [torch.full((max_sequences,), -1, dtype=torch.int32, pin_memory=True) for _ in shards]
+        self.taken_views = [taken.numpy() for taken in self.taken]  # numpy: a tensor op costs ~25 us of the launch
         self.done = [torch.cuda.Event(enable_timing=timed) for _ in shards]
         # timed: recorded before the step's placement (its time includes waits for its own copies). Not one more
         # before its launch: with states moving, such an event held the launch back until a copy to the host
@@ -118,7 +119,7 @@ class JoinableStep(PendingStep):
         """Whether join j is in the step: None until the step has read its inputs."""
         if self._fates is not None:
             return self._fates[j]
-        seen = int(self.staging.taken[0][self.formed + j])
+        seen = int(self.staging.taken_views[0][self.formed + j])
         return None if seen == -1 else seen == self.slots[j]
 
     def _read(self):
@@ -332,6 +333,12 @@ class FastEngine(Engine):
         """Forget these symbols' states (they left); their slots go to other symbols."""
         self.table.release(symbols)
 
+    @property
+    def moves_states(self) -> bool:
+        """Whether a state may leave the GPU (a host tier behind the state table): prefetch and ready have nothing to
+        do otherwise."""
+        return self.table.host_capacity > 0
+
     def prefetch(self, symbols) -> None:
         """Requests for these symbols arrived: start their states' way to the GPU now (thread-safe; returns at
         once, the copies run on the table's copy streams)."""
@@ -420,10 +427,8 @@ class FastEngine(Engine):
     def _submit_part(self, sequences: Sequences, rows, features, joinable=False) -> PendingStep:
         """One step of at most max_batch symbols and max_rows_per_symbol requests each: `rows` of `features`."""
         grouped = features[rows[sequences.order]]  # each symbol's rows together, in order
-        restore = np.empty_like(sequences.order)
-        restore[sequences.order] = np.arange(len(sequences.order))
         if self._ring is None:
-            return PendingStep.completed(self._step_now(sequences, grouped)[restore])
+            return PendingStep.completed(self._step_now(sequences, grouped)[_restore(sequences.order)])
         index, staging = self._next, self._ring[self._next]
         ahead = self._ring[index - 1]  # the staging of the step submitted last, which this one queues behind
         self._next = (self._next + 1) % len(self._ring)
@@ -440,10 +445,9 @@ class FastEngine(Engine):
             wanted = min(total + JOIN_ROOM, self.max_batch)
             room = next((s for s in self.shapes if s.max_rows == 1 and s.rows >= wanted and s.rows > total), None)
             shape = room or shape
-        with contextlib.ExitStack() as on_step_streams:
-            for stream in self.step_streams:
-                on_step_streams.enter_context(torch.cuda.stream(stream))
+        with _current(self.step_streams):
             self._launch(sequences, grouped, staging, index, shape)
+        restore = _restore(sequences.order)  # after the launch: only the answer needs it
         if room is None:
             staging.step = PendingStep(lambda: staging.read_back(total, self.step_times)[restore])
         else:
@@ -458,8 +462,8 @@ class FastEngine(Engine):
     def _launch(self, sequences, grouped, staging, index, shape):
         """Place the step's symbols and launch it on each GPU's current stream, its predictions copied into the
         staging's outs."""
-        for taken in staging.taken:
-            taken.fill_(-1)
+        for taken in staging.taken_views:
+            taken[:] = -1
         if staging.started is not None:  # before slots_for: a step's time includes its waits for copies
             for shard, started in zip(self.shards, staging.started):
                 with torch.cuda.device(shard.device):
@@ -485,6 +489,31 @@ class FastEngine(Engine):
         plan = StepPlan(torch.tensor(slots, dtype=torch.int32, device=self.device),
                         torch.tensor(starts, dtype=torch.int32, device=self.device), sequences.max_length)
         return self.step_plan(plan, torch.from_numpy(grouped).to(self.device)).cpu().numpy()
+
+
+def _restore(order):
+    """The inverse permutation of a step's grouped row order: row i of the answer is grouped row restore[i]."""
+    restore = np.empty_like(order)
+    restore[order] = np.arange(len(order))
+    return restore
+
+
+@contextlib.contextmanager
+def _current(streams):
+    """Each stream current on its device for the block. One stream on the current device (one GPU) is set and put
+    back directly: torch.cuda.stream()'s device checks cost ~25 us, on a step's launch path."""
+    if len(streams) == 1 and streams[0].device_index == torch.cuda.current_device():
+        previous = torch.cuda.current_stream()
+        torch.cuda.set_stream(streams[0])
+        try:
+            yield
+        finally:
+            torch.cuda.set_stream(previous)
+        return
+    with contextlib.ExitStack() as on_streams:
+        for stream in streams:
+            on_streams.enter_context(torch.cuda.stream(stream))
+        yield
 
 
 def _check_devices(devices):

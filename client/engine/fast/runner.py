@@ -6,6 +6,7 @@ B sequences, steps carrying several requests of a symbol to a bucket of rows, as
 that many rows can have (at most max_batch), and the engine's max_rows_per_symbol as the bound on any symbol's
 rows (the sLSTM's recurrent maps take one launch per row position).
 """
+import functools
 import os
 import sys
 import threading
@@ -306,10 +307,16 @@ class StepInputs:
     def plan(self, shape) -> StepPlan:
         return StepPlan(self.seq_slots[:shape.sequences], self.seq_starts[:shape.sequences + 1], shape.max_rows)
 
+    @functools.cached_property
+    def host_views(self):
+        """numpy views of seq_slots, seq_starts and features (a host buffer's), made once: a step's host work is on
+        the latency path, and each tensor's numpy() costs microseconds."""
+        return tuple(t.numpy() for t in (self.seq_slots, self.seq_starts, self.features))
+
     def fill(self, slots, lengths, features):
         """Write a step into a host buffer: sequence s of lengths[s] rows at slots[s]; features [R, F] (numpy) in
-        sequence order. Through numpy views: a step's host work is on the latency path."""
-        seq_slots, seq_starts, host_features = (t.numpy() for t in (self.seq_slots, self.seq_starts, self.features))
+        sequence order."""
+        seq_slots, seq_starts, host_features = self.host_views
         n, rows = len(slots), features.shape[0]
         seq_slots[:n] = slots
         seq_slots[n:] = PAD_SLOT
@@ -326,7 +333,7 @@ class StepInputs:
         (GraphedStep._capture_staged), so a copy that read this slot also reads the row and the starts written before it,
         and one that read the padding slot leaves the request out (its sequence then covers padding rows only, at
         the padding slot). The later sequences stay empty from the row after it on."""
-        seq_slots, seq_starts, host_features = (t.numpy() for t in (self.seq_slots, self.seq_starts, self.features))
+        seq_slots, seq_starts, host_features = self.host_views
         host_features[sequence] = features
         seq_starts[sequence + 1:] = sequence + 1
         _store_fence()
