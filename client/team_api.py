@@ -13,6 +13,10 @@ symbol, features) -> bool stages a request that arrived while the step waits on 
 fate(unique_id) -> True, False or None (not known yet) says whether the step took it; its result() answers those it
 took as well. The runtime joins only a request whose symbol has nothing queued before it, and holds that symbol's
 later requests back until the fate is known; one the step did not take goes back to the front of its queue.
+
+A team client may also offer prefetch(symbols), called as requests arrive, and ready(symbol), asked while a step
+forms (team/example_model.py's do); one whose states never leave where its steps run says moves_states = False and
+the runtime uses neither.
 """
 ONE, MANY = "one", "many"
 FORMATS = (ONE, MANY)
@@ -30,6 +34,13 @@ def requests_per_symbol(team_client) -> str:
 def max_per_symbol(team_client, wanted: int) -> int:
     """Requests of one symbol a step may carry for this team client: `wanted`, or 1 for a one-per-symbol client."""
     return wanted if requests_per_symbol(team_client) == MANY else 1
+
+
+def moves_states(team_client) -> bool:
+    """Whether the team client's prefetch and ready have anything to do (its `moves_states`, True when it does not
+    say): a client whose states never leave where its steps run says False, and the runtime then neither wakes a
+    thread to prefetch each arrival nor asks ready while a step forms."""
+    return getattr(team_client, "moves_states", True) is not False
 
 
 def step_symbols(team_client) -> int | None:

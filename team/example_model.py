@@ -83,17 +83,19 @@ class ExampleModel:
         return self._submit(requests_by_symbol, joinable=True)
 
     @property
-    def prefetch(self):
-        """prefetch(symbols): the runtime calls it when requests for these symbols arrive, and the engine starts
-        bringing their states to the GPU while other steps run. None where the engine keeps every state on the GPU
-        (no host tier): there it would only cost each request a thread's wake-up beside its step's."""
-        return self.engine.prefetch if getattr(self.engine, "moves_states", True) else None
+    def moves_states(self) -> bool:
+        """Whether the engine may move a state off the GPU (a host tier): where it never does, the runtime neither
+        prefetches (a thread woken per request, beside its step's) nor asks ready while a step forms."""
+        return getattr(self.engine, "moves_states", True)
 
-    @property
-    def ready(self):
-        """ready(symbol): the runtime's scheduler holds a symbol back while it says False (its state still on its
-        way). None where the engine keeps every state on the GPU, so that forming a step asks nothing."""
-        return self.engine.ready if getattr(self.engine, "moves_states", True) else None
+    def prefetch(self, symbols) -> None:
+        """The runtime calls this when requests for these symbols arrive: the engine starts bringing their states
+        to the GPU while other steps run."""
+        self.engine.prefetch(symbols)
+
+    def ready(self, symbol) -> bool:
+        """The runtime's scheduler holds a symbol back while this is False (its state still on its way)."""
+        return self.engine.ready(symbol)
 
     def _submit(self, requests_by_symbol, joinable=False) -> PendingStep:
         # A symbol the engine has no room for is answered with an error; the others step as usual.

@@ -206,6 +206,7 @@ def test_a_prefetch_that_blocks_or_fails_holds_up_no_request(model):
 
     class SlowPrefetch(ExampleModel):
         calls = []
+        moves_states = True  # its prefetch has work to do, whatever the engine's states do
 
         def prefetch(self, symbols):
             self.calls.append(list(symbols))

@@ -162,6 +162,18 @@ def test_a_symbol_seen_again_is_not_expired_with_those_idle_since_before_it():
     assert t.stats["expired"] == 3 and sorted(t.symbols()) == ["D", "E"]
 
 
+def test_idle_times_stay_in_time_order_when_a_touch_comes_late():
+    """A step's placement reads the clock once and may wait (for a pinned host slot) while other threads touch
+    symbols: its later touch must not put an older time behind a newer one, which expiry reads in order."""
+    clock = Clock()
+    t = table(capacity=4, host_capacity=2, idle_timeout_s=10, clock=clock)
+    t.slots_for(["A", "B"])
+    clock.now = 8
+    t.slots_for(["A"])
+    t._touch("B", 5)  # a placement that read the clock at 5 touches B after A's touch at 8
+    assert list(t.last_seen) == ["A", "B"] and list(t.last_seen.values()) == [8, 8]
+
+
 def test_reserve_keeps_free_slots_ready():
     t = table(capacity=3, host_capacity=5, reserve=1)
     t.slots_for(["A", "B"])

@@ -53,13 +53,16 @@ def test_the_example_offers_prefetch_and_ready_only_where_states_move():
 
     model = load_model("tiny", seed=2)[0]
     fixed = ExampleModel(FastEngine(model, device="cpu", capacity=4, host_symbols=0, progress=False))
-    assert fixed.prefetch is None and fixed.ready is None
     runtime = StreamingClient(fixed, "ws://x", "team")
-    assert runtime._prefetch is None and runtime._ready is None
+    assert not fixed.moves_states and runtime._prefetch is None and runtime._ready is None
     tiered = ExampleModel(engine := FastEngine(model, device="cpu", capacity=4, host_symbols=2, progress=False))
-    tiered.prefetch(["A"])
-    assert engine.table.symbols() == ["A"] and tiered.ready("A")
-    assert ExampleModel(ReferenceEngine(model)).prefetch is None  # its states never move
+    runtime = StreamingClient(tiered, "ws://x", "team")
+    runtime._prefetch(["A"])
+    assert engine.table.symbols() == ["A"] and runtime._ready("A")
+    assert not ExampleModel(ReferenceEngine(model)).moves_states  # its states never move
+    # a team client that does not say keeps both
+    team = type("Team", (), {"prefetch": lambda self, s: None, "ready": lambda self, s: True})()
+    assert StreamingClient(team, "ws://x", "team")._prefetch is not None
 
 
 def test_the_example_says_the_rows_its_engines_steps_run_at():

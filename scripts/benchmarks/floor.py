@@ -6,10 +6,10 @@ over E2E_SYMBOLS symbols) served by the same scoring server, in turn, to four cl
   and handoffs added;
 - engine: the e2e section's client, the engine behind the team client;
 - stand-in: the runtime with a team client that takes, with no device, the engine's time just served: its submit's
-  median (spun) and its steps' served medians by symbols (one at a time, as steps queue on the device). What the
-  engine adds beyond that is neither its submit nor its step.
+  median (spun) and its steps' served medians by symbols (one at a time, as steps queue on the device), the engine's
+  step size and forming options. It takes no joins (the engine's joined requests wait for a step of their own here).
+  What the engine adds beyond it is neither its submit nor its step.
 e2e_runs rounds, each serving the four in turn, every session reported. A tail the echo already has is the host's."""
-import asyncio
 import time
 
 import numpy as np
@@ -26,12 +26,14 @@ RUNGS = ("echo", "runtime", "engine", "stand-in")
 SPIN_S = 0.0003  # the last stretch of a stand-in's wait is spun, not slept: a sleep may end late
 
 
-def _until(moment):
-    """Return at perf_counter() `moment`."""
+def _until(moment, hold_gil=False):
+    """Return at perf_counter() `moment`: slept, then spun, the GIL held while spinning (Python work, as a submit)
+    or handed on at each turn (a device wait, as the engine's synchronize, which releases it)."""
     if (wait := moment - time.perf_counter() - SPIN_S) > 0:
         time.sleep(wait)
     while time.perf_counter() < moment:
-        pass
+        if not hold_gil:
+            time.sleep(0)
 
 
 class StandInTeam:
@@ -41,12 +43,12 @@ class StandInTeam:
 
     requests_per_symbol = "many"
 
-    def __init__(self, step_ms, submit_ms=0.0, max_batch=E2E_SYMBOLS):
+    def __init__(self, step_ms, submit_ms=0.0, max_batch=None):
         self.step_ms, self.submit_ms, self.max_batch = step_ms, submit_ms, max_batch
         self._free_at = 0.0  # when the stand-in device ends its last step (perf_counter)
 
     def submit_batch(self, batch) -> "StandInStep":
-        _until(time.perf_counter() + self.submit_ms / 1000.0)
+        _until(time.perf_counter() + self.submit_ms / 1000.0, hold_gil=True)
         ids = [uid for requests in batch.values() for uid, _ in requests]
         ends = max(time.perf_counter(), self._free_at) + self.step_ms(len(batch)) / 1000.0
         self._free_at = ends
@@ -66,6 +68,8 @@ def served_times(steps) -> dict:
     """What a served session's steps took (the runtime's step log): {submit_ms: formed -> submitted median,
     step_ms: {symbols: served median (served_step_ms)}}."""
     ended = [step for step in steps if step["ended"] is not None]
+    if not ended:
+        raise RuntimeError("the engine's session ended no step: nothing for the stand-in to take")
     served = served_step_ms(ended, np.inf)
     symbols = np.array([step["symbols"] for step in ended])
     return {"submit_ms": float(np.median([(step["submitted"] - step["formed"]) * 1000.0 for step in ended])),
@@ -119,45 +123,48 @@ def _numbers(summary) -> dict:
             "responses": summary["responses"], "requests": summary["total_requests"], "missed": summary["missed"]}
 
 
-def serve_stand_in(bench, stream, team, run) -> dict:
-    summary = event_loop.run(serve_stream(
-        None, stream, np.zeros((len(stream), len(TOWER_NAMES)), np.float32), E2E_RATE, bench.args.preset,
-        bench.args.seed, team_client=team, **bench.forming(run)))
-    return _numbers(summary)
+def serve_runtime(bench, stream, team_client, run, engine=None, targets=None, step_log=False) -> dict:
+    """serve_stream's summary of `stream` served to `team_client` (None: the example's on `engine`) with the run's
+    forming options, as the e2e section serves it."""
+    if targets is None:
+        targets = np.zeros((len(stream), len(TOWER_NAMES)), np.float32)
+    return event_loop.run(serve_stream(
+        engine, stream, targets, E2E_RATE, bench.args.preset, bench.args.seed, bench.args.pipeline_min_batch,
+        max_requests_per_symbol=bench.args.max_requests_per_symbol, team_client=team_client, step_log=step_log,
+        **bench.forming(run)))
 
 
 def run(bench):
     names = prefixed_names(PREFIX, E2E_SYMBOLS)
     tracker = ReferenceTracker(bench.model, names, bench.device)
-    rounds = []
-    for i in range(bench.counts.e2e_runs):
-        stream = prefixed_stream(PREFIX, E2E_SYMBOLS, bench.counts.e2e_requests, bench.args.seed + 1 + 100 * i,
-                                 E2E_RATE)
-        targets = tracker.targets(stream)
-        sessions = {"echo": serve_echo(bench, stream),
-                    "runtime": serve_stand_in(bench, stream, StandInTeam(lambda symbols: 0.0), i)}
-        served = event_loop.run(serve_stream(
-            bench.engine, stream, targets, E2E_RATE, bench.args.preset, bench.args.seed,
-            bench.args.pipeline_min_batch, max_requests_per_symbol=bench.args.max_requests_per_symbol, step_log=True,
-            **bench.forming(i)))
-        taken = served_times(served["steps"])
-        sessions["engine"] = {**session_numbers(served), **taken}
-        stand_in = StandInTeam(step_ms_of(taken["step_ms"]), taken["submit_ms"])
-        sessions["stand-in"] = serve_stand_in(bench, stream, stand_in, i)
-        rounds.append(sessions)
-        bench.report.update(floor={"rounds": rounds})
-        bench.progress(f"floor round {i + 1}/{bench.counts.e2e_runs}: " + "; ".join(
-            f"{rung} p50 {fmt(s['p50_ms'])} p99 {fmt(s['p99_ms'])} ms" for rung, s in sessions.items())
-            + f"; the engine's submit {fmt(taken['submit_ms'])} ms, steps by symbols (served ms) "
-            + ", ".join(f"{b}: {fmt(ms)}" for b, ms in taken["step_ms"].items()))
-    bench.engine.release(names)
+    engine, rounds = bench.engine, []
+    try:
+        for i in range(bench.counts.e2e_runs):
+            stream = prefixed_stream(PREFIX, E2E_SYMBOLS, bench.counts.e2e_requests,
+                                     bench.args.seed + 1 + 100 * i, E2E_RATE)
+            targets = tracker.targets(stream)
+            sessions = {"echo": serve_echo(bench, stream), "runtime": _numbers(serve_runtime(
+                bench, stream, StandInTeam(lambda symbols: 0.0, max_batch=engine.max_batch), i))}
+            served = serve_runtime(bench, stream, None, i, engine=engine, targets=targets, step_log=True)
+            taken = served_times(served["steps"])
+            sessions["engine"] = {**session_numbers(served), **taken}
+            stand_in = StandInTeam(step_ms_of(taken["step_ms"]), taken["submit_ms"], max_batch=engine.max_batch)
+            sessions["stand-in"] = _numbers(serve_runtime(bench, stream, stand_in, i))
+            rounds.append(sessions)
+            bench.report.update(floor={"rounds": rounds})
+            bench.progress(f"floor round {i + 1}/{bench.counts.e2e_runs}: " + "; ".join(
+                f"{rung} p50 {fmt(s['p50_ms'])} p99 {fmt(s['p99_ms'])} ms" for rung, s in sessions.items())
+                + f"; the engine's submit {fmt(taken['submit_ms'])} ms, steps by symbols (served ms) "
+                + ", ".join(f"{b}: {fmt(ms)}" for b, ms in taken["step_ms"].items()))
+    finally:
+        engine.release(names)
 
 
 def summary(data) -> list[str]:
     floor = data.get("floor")
     if not floor:
         return []
-    lines = ["floor (400 req/s, 20 symbols), p50 / p99 ms a session: " + ", ".join(RUNGS)
+    lines = [f"floor ({E2E_RATE:g} req/s, {E2E_SYMBOLS} symbols), p50 / p99 ms a session: " + ", ".join(RUNGS)
              + "; the engine's submit and one-symbol step (served medians, ms)"]
     for i, sessions in enumerate(floor["rounds"]):
         engine = sessions["engine"]

@@ -60,7 +60,7 @@ class Staging:
                      for shard in shards]
         # each GPU's copy of the sequence slots as its step read them (-1 until then): which joins made it
         self.taken = [torch.full((max_sequences,), -1, dtype=torch.int32, pin_memory=True) for _ in shards]
-        self.taken_views = [taken.numpy() for taken in self.taken]  # numpy: a tensor op costs ~25 us of the launch
+        self.taken_views = [taken.numpy() for taken in self.taken]  # reset through numpy before each launch
         self.done = [torch.cuda.Event(enable_timing=timed) for _ in shards]
         # timed: recorded before the step's placement (its time includes waits for its own copies). Not one more
         # before its launch: with states moving, such an event held the launch back until a copy to the host

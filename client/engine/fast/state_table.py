@@ -718,7 +718,9 @@ class StateTable:
 
     def _touch(self, symbol, now):
         self.resident.move_to_end(symbol)
-        self.last_seen[symbol] = now
+        # never earlier than the newest: a caller's `now` may predate a touch made while _place waited (the lock
+        # released), and _expired reads last_seen in time order
+        self.last_seen[symbol] = max(now, next(reversed(self.last_seen.values()), now))
         self.last_seen.move_to_end(symbol)
 
     def _forget(self, symbol):
