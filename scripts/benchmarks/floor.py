@@ -19,7 +19,7 @@ from client.model.config import TOWER_NAMES
 from scripts.benchmarks.harness import E2E_RATE, E2E_SYMBOLS
 from scripts.benchmarks.report import fmt
 from scripts.benchmarks.serving import (ServerProcess, ReferenceTracker, prefixed_names, prefixed_stream,
-                                        serve_stream, served_step_ms, session_numbers)
+                                        server_config, serve_stream, served_step_ms, session_numbers)
 
 PREFIX = "FLOOR_"
 RUNGS = ("echo", "runtime", "engine", "stand-in")
@@ -84,36 +84,27 @@ def step_ms_of(step_ms):
 
 async def echo_session(server: ServerProcess):
     """Play one session answering each request frame at once with zeros, in the loop that read it."""
-    zeros = np.zeros((E2E_SYMBOLS, len(TOWER_NAMES)), np.float32)
     async with await transport.connect(f"ws://127.0.0.1:{server.port}", open_timeout=30) as ws:
         await ws.send(ws.encode(protocol.register("floor-echo")))
         async for frame in ws:
             msg = ws.decode(frame)
             if msg["type"] == "inference_request":
                 ids, _, _ = protocol.parse_inference_request(msg)
-                if len(ids) > len(zeros):
-                    zeros = np.zeros((len(ids), len(TOWER_NAMES)), np.float32)
-                await ws.send(ws.encode(protocol.inference_response(ids, zeros[:len(ids)], time.time())))
+                zeros = np.zeros((len(ids), len(TOWER_NAMES)), np.float32)
+                await ws.send(ws.encode(protocol.inference_response(ids, zeros, time.time())))
             elif msg["type"] == "end":
                 break
     await server.wait_done()
 
 
 def serve_echo(bench, stream) -> dict:
-    config = _config(bench, stream)
+    config = server_config(stream, E2E_RATE, bench.args.preset, bench.args.seed)
     server = ServerProcess(config, stream, np.zeros((len(stream), len(TOWER_NAMES)), np.float32))
     try:
         event_loop.run(echo_session(server))
         return _numbers(server.summary())
     finally:
         server.close()
-
-
-def _config(bench, stream):
-    from server.app import ServerConfig
-
-    return ServerConfig(host="127.0.0.1", port=0, preset=bench.args.preset, seed=bench.args.seed,
-                        symbols=len(np.unique(stream.symbols)), requests=len(stream), rate=E2E_RATE, once=True)
 
 
 def _numbers(summary) -> dict:

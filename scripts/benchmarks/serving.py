@@ -146,6 +146,14 @@ class ServerProcess:
             self._process.kill()
 
 
+def server_config(stream, rate, preset, seed, ws_compression=False):
+    """The scoring server's settings for playing `stream` once at `rate` on loopback, on a free port."""
+    from server.app import ServerConfig
+
+    return ServerConfig(host="127.0.0.1", port=0, preset=preset, seed=seed, symbols=len(np.unique(stream.symbols)),
+                        requests=len(stream), rate=rate, once=True, ws_compression=ws_compression)
+
+
 async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False,
                        max_requests_per_symbol=None, team_client=None, during=None, form_late=True,
                        stacks_dir=None, ws_compression=False, step_log=False, late_after_s=None,
@@ -163,12 +171,9 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     (client/step_clock.py LATE_WAKE_S), and the latest any ended; "joins": the runtime's joins taken and missed."""
     from client.runtime import StreamingClient
     from client.stalls import StallProbe
-    from server.app import ServerConfig
     from team.example_model import ExampleModel
 
-    config = ServerConfig(host="127.0.0.1", port=0, preset=preset, seed=seed,
-                          symbols=len(np.unique(stream.symbols)), requests=len(stream), rate=rate, once=True,
-                          ws_compression=ws_compression)
+    config = server_config(stream, rate, preset, seed, ws_compression)
     stacks = {side: None if stacks_dir is None else os.path.join(stacks_dir, f"{side}_stacks.txt")
               for side in ("server", "client")}
     if stacks_dir is not None:
