@@ -464,14 +464,14 @@ class FastEngine(Engine):
         staging's outs."""
         for taken in staging.taken_views:
             taken[:] = -1
+        streams = self.step_streams  # current on their devices (_current): named, not asked for (~10 us each)
         if staging.started is not None:  # before slots_for: a step's time includes its waits for copies
-            for shard, started in zip(self.shards, staging.started):
-                with torch.cuda.device(shard.device):
-                    started.record(torch.cuda.current_stream(shard.device))
-        staging.inputs.fill(self.table.slots_for(sequences.symbols), sequences.lengths, grouped)
+            for started, stream in zip(staging.started, streams):
+                started.record(stream)
+        staging.inputs.fill(self.table.slots_for(sequences.symbols, streams), sequences.lengths, grouped)
         total = len(grouped)
-        for shard, host_out, done in zip(self.shards, staging.outs, staging.done):
-            with torch.cuda.device(shard.device):
+        for shard, host_out, done, stream in zip(self.shards, staging.outs, staging.done, streams):
+            with _on_device(shard.device):
                 if shard.graphed is not None:
                     shard.graphed.replay_staged(index, shape, total)  # copies in, step, predictions out
                 else:
@@ -480,7 +480,7 @@ class FastEngine(Engine):
                                     plan.seq_starts.to(shard.device, non_blocking=True), plan.max_rows)
                     rows_in = staging.inputs.features[:shape.rows].to(shard.device, non_blocking=True)
                     host_out[:total].copy_(shard.runner(plan, rows_in)[:total], non_blocking=True)
-                done.record(torch.cuda.current_stream(shard.device))
+                done.record(stream)
 
     def _step_now(self, sequences: Sequences, grouped):
         """A step run at once (no CUDA): the grouped rows' predictions [R, 4]."""
@@ -501,19 +501,28 @@ def _restore(order):
 @contextlib.contextmanager
 def _current(streams):
     """Each stream current on its device for the block. One stream on the current device (one GPU) is set and put
-    back directly: torch.cuda.stream()'s device checks cost ~25 us, on a step's launch path."""
+    back by its id: torch.cuda.stream() and current_stream() build Stream objects under device guards, ~55 us on a
+    step's launch path (bench/LOG.md section 58)."""
     if len(streams) == 1 and streams[0].device_index == torch.cuda.current_device():
-        previous = torch.cuda.current_stream()
-        torch.cuda.set_stream(streams[0])
+        stream = streams[0]
+        previous = torch._C._cuda_getCurrentStream(stream.device_index)  # (stream id, device index, device type)
+        torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
+                                 device_type=stream.device_type)
         try:
             yield
         finally:
-            torch.cuda.set_stream(previous)
+            torch._C._cuda_setStream(stream_id=previous[0], device_index=previous[1], device_type=previous[2])
         return
     with contextlib.ExitStack() as on_streams:
         for stream in streams:
             on_streams.enter_context(torch.cuda.stream(stream))
         yield
+
+
+def _on_device(device):
+    """torch.cuda.device(device), or nothing where it is the current device already (one GPU)."""
+    current = device.index in (None, torch.cuda.current_device())
+    return contextlib.nullcontext() if current else torch.cuda.device(device)
 
 
 def _check_devices(devices):

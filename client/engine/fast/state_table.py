@@ -422,12 +422,13 @@ class DeviceSlots:
             return None
         return completion
 
-    def wait(self, completion):
-        """Make the step side wait for a copy: the device's current stream on a GPU, the caller on the CPU."""
+    def wait(self, completion, stream=None):
+        """Make the step side wait for a copy: `stream` (default the device's current stream) on a GPU, the
+        caller on the CPU."""
         if isinstance(completion, Future):
             completion.result()
         else:
-            torch.cuda.current_stream(self.device).wait_event(completion)
+            (stream or torch.cuda.current_stream(self.device)).wait_event(completion)
 
     def transfer_seconds(self):
         """[(direction, bytes, seconds)] of the timed transfers that are done."""
@@ -600,10 +601,11 @@ class StateTable:
         with self._lock:
             return self._unplaceable(symbols)
 
-    def slots_for(self, symbols) -> list[int]:
+    def slots_for(self, symbols, streams=None) -> list[int]:
         """The GPU slot of each symbol of one step (distinct symbols), placing the ones not resident: a new
-        symbol gets a slot holding the initial state, an offloaded one its own state back. The device's current
-        stream (the CPU: the caller) then waits for these slots' copies still under way, and for no other."""
+        symbol gets a slot holding the initial state, an offloaded one its own state back. The stream the step
+        runs on (streams: one per part; default each device's current stream; the CPU: the caller) then waits for
+        these slots' copies still under way, and for no other."""
         symbols = list(symbols)
         with self._lock:
             rejected = self._unplaceable(symbols)
@@ -613,9 +615,9 @@ class StateTable:
             batch = set(symbols)
             self._expire(now, exclude=batch)
             self._in_step = batch
-            for part in self.parts:
-                if part.step_stream is not None:
-                    part.step_stream = torch.cuda.current_stream(part.device)
+            for k, part in enumerate(self.parts):
+                if part.step_stream is not None:  # a stream the caller names costs no Stream object (~20 us)
+                    part.step_stream = streams[k] if streams else torch.cuda.current_stream(part.device)
             for symbol in symbols:
                 self._place(symbol, exclude=batch)
                 self._touch(symbol, now)
@@ -626,7 +628,7 @@ class StateTable:
             self.stats["step_waits"] += len({id(copy) for _, copy in waits})
             self._keep_reserve(exclude=batch)
         for part, copy in waits:  # outside the lock: a wait on the CPU blocks until the copy is done
-            part.wait(copy)
+            part.wait(copy, part.step_stream)
         return slots
 
     def prefetch(self, symbols) -> None:
