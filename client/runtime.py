@@ -61,7 +61,8 @@ PIPELINE_DEPTH = 2
 # formed as soon as the previous was submitted: 1 gave p50 4.0 ms against 5.0 at 400 req/s.
 PIPELINE_MIN_BATCH = 1
 # While every waiting symbol's state is still on its way to the GPU (the team client's ready() is False), the
-# model thread looks again this often (or at the next arrival).
+# model thread looks again this often (or at the next arrival); so does the submitter while the pipeline is full
+# and such states may still join its queued step.
 READY_POLL_S = 0.0005
 
 
@@ -642,6 +643,7 @@ class StreamingClient:
                                            "rows": len(batch), "symbols": symbols, "waiting": len(self._scheduler)})
                     self._clock.submitted(formed_at, submitted_at)
                     self._steps.append((batch, pending, submitted_at, size, []))
+                    self._join_waiting()  # what arrived while it was being submitted
                     self._steps_ready.notify()
         finally:
             with self._steps_ready:
@@ -656,6 +658,10 @@ class StreamingClient:
             while True:
                 while not self._worker_stopping and (delay := due_in()) != 0:
                     self._wake_at = self._arrivals_wake_at(delay)
+                    if delay is None and len(self._scheduler) and self._states_may_join():
+                        self._work_ready.wait(READY_POLL_S)  # look again soon: a state that lands may join
+                        self._join_waiting()
+                        continue
                     due = None if delay is None else time.monotonic() + delay
                     if not self._work_ready.wait(delay) and due is not None:  # timed out: how late it woke
                         self._clock.woke(time.monotonic() - due)
@@ -673,10 +679,13 @@ class StreamingClient:
         """From how many waiting symbols an arrival wakes the submitter about to wait `delay` (due_in's answer;
         called holding the lock): any arrival while it waits for work, none while the pipeline is full (a step's
         end wakes it), and while it waits to form the next step late, only one that could fill that step
-        (Scheduler.fills needs max_batch symbols waiting). Each wake-up costs the submitter and the event loop
+        (Scheduler.fills needs max_batch symbols waiting); with a full pipeline whose queued step a state on its
+        way may still join, any arrival. Each wake-up costs the submitter and the event loop
         the GIL's handoff: at 12,000 requests a second the loop's frames would wake it ~7,000 times a second."""
         if delay is None:
-            return 0 if len(self._steps) < PIPELINE_DEPTH else None
+            if len(self._steps) < PIPELINE_DEPTH:
+                return 0
+            return 1 if self._states_may_join() else None  # _take_batch then looks for states that landed
         return self._full_step
 
     def _next_batch(self):
@@ -686,9 +695,9 @@ class StreamingClient:
         return self._scheduler.next_batch(self.max_batch, self.max_per_symbol, ready, self._clock.rows_to_take)
 
     def _join(self, request) -> bool:
-        """Join an arriving request to the step queued on the GPU behind the one in flight, if the team client's
-        pending step takes it and nothing of its symbol waits before it (called holding the lock): it is then
-        answered with that step instead of the one after."""
+        """Join a request to the step queued on the GPU behind the one in flight, if the team client's pending step
+        takes it and nothing of its symbol waits before it (called holding the lock): it is then answered with that
+        step instead of the one after. `request` is an arrival, or one taken from the front of its queue."""
         if not self.join_queued or len(self._steps) < PIPELINE_DEPTH or self._scheduler.has(request.symbol) \
                 or request.symbol in self._joining:
             return False
@@ -702,12 +711,38 @@ class StreamingClient:
         except Exception:  # a failing team client must not lose the request: it waits for a step as usual
             log.exception("team client's join of unique_id %d failed; queued instead", request.unique_id)
             return False
-        self._scheduler.stamp(request)
+        if request.seq < 0:  # an arrival: numbered in the arrival order (a queued one keeps its number)
+            self._scheduler.stamp(request)
         joined.append(request)
         self._joining[request.symbol] = (request, pending, joined)
         self._mark("batched", [request.unique_id])
         self._mark("submitted", [request.unique_id])
         return True
+
+    def _states_may_join(self) -> bool:
+        """Whether the pipeline is full, its queued step takes joins and the team client's states move: a state on
+        its way to the GPU may land before that step starts, and its request then join it (called holding the
+        lock)."""
+        return (self.join_queued and callable(self._ready) and len(self._steps) >= PIPELINE_DEPTH
+                and getattr(self._steps[-1][1], "join", None) is not None)
+
+    def _join_waiting(self):
+        """Join queued requests to the step queued behind the one in flight, oldest first, while it takes them
+        (called holding the lock): those that arrived while the submitter was submitting that step (they found no
+        step to join, then a full pipeline: in the swap section 74 of the 80 slowest hot requests, waiting a step
+        more than the rest, bench/LOG.md section 59), and those whose state has reached the GPU since they arrived.
+        A symbol with more than one request queued is left to the next step (its later requests must follow)."""
+        if not self.join_queued or len(self._steps) < PIPELINE_DEPTH or not len(self._scheduler) \
+                or getattr(self._steps[-1][1], "join", None) is None:
+            return
+        ready = self._is_ready if callable(self._ready) or self._joining else None
+
+        def alone_and_ready(symbol):
+            return self._scheduler.queued(symbol) == 1 and (ready is None or ready(symbol))
+        while batch := self._scheduler.next_batch(1, 1, alone_and_ready):
+            if not self._join(batch[0]):
+                self._scheduler.requeue(batch[0])
+                break  # the step took no more (no room left, or it has started)
 
     def _settle_joins(self, done=None, answered=()):
         """Settle each join whose step has read its inputs, and every join of the step `done`, which made it if its

@@ -49,6 +49,10 @@ class Scheduler:
         """Whether the symbol has a queued request."""
         return bool(self._queues.get(symbol))
 
+    def queued(self, symbol) -> int:
+        """How many requests of the symbol are queued."""
+        return len(self._queues.get(symbol, ()))
+
     def stamp(self, request: Request) -> None:
         """Number a request that goes to a step without being queued (a join) in the arrival order."""
         request.seq = next(self._arrivals)

@@ -683,9 +683,11 @@ def test_a_client_with_only_process_batch_runs_the_single_worker(model):
 class _DeviceStep(PendingStep):
     """One step of JoiningDevice: it reads its rows (the formed ones and those joined so far) when it starts."""
 
-    def __init__(self, rows, room, miss, fate_fails=lambda uid: False):
+    def __init__(self, rows, room, miss, fate_fails=lambda uid: False, ready=lambda symbol: True):
         super().__init__(self._answer)
         self.rows, self.room, self.miss = rows, room, miss  # miss(uid): a join the device reads too late
+        self.ready = ready  # ready(symbol): False while its state is on its way (a join of it is refused)
+        self.submitted_at = None  # when submit_batch returned it
         self.fate_fails = fate_fails  # fate_fails(uid): fate() raises for this join once the step has read it
         self.joins, self.taken = [], None  # taken: the joins read when it started
         self.finished = threading.Event()
@@ -694,7 +696,8 @@ class _DeviceStep(PendingStep):
     def join(self, unique_id, symbol, features):
         with self.lock:
             if self.taken is not None or len(self.joins) >= self.room or symbol in {s for s, _, _ in
-                                                                                     self.rows + self.joins}:
+                                                                                     self.rows + self.joins} \
+                    or not self.ready(symbol):
                 return False
             self.joins.append((symbol, unique_id, features))
             return True
@@ -720,14 +723,18 @@ class _DeviceStep(PendingStep):
 class JoiningDevice:
     """A team client whose steps run one after another on a fake device, each step_s long; a step reads its
     inputs when it starts, so a request joined to it before then is stepped with it (FastEngine's JoinableStep,
-    in time). miss(unique_id): joins the device reads as too late, as when one lands just after the step began."""
+    in time). miss(unique_id): joins the device reads as too late, as when one lands just after the step began.
+    submit_s: the host's time in submit_batch, the step queued on the device at its end. lands_at {symbol: time}:
+    states on their way to the device until time.monotonic() passes that (ready() False, joins refused)."""
 
     requests_per_symbol = MANY
 
     def __init__(self, model, step_s, room=2, miss=lambda uid: False, fail_first_join=False,
-                 fate_fails=lambda uid: False):
+                 fate_fails=lambda uid: False, submit_s=0.0, lands_at=None):
         self.engine, self.step_s, self.room, self.miss = ReferenceEngine(model), step_s, room, miss
-        self.fate_fails = fate_fails
+        self.fate_fails, self.submit_s, self.lands_at = fate_fails, submit_s, lands_at or {}
+        self.submitted = []  # every step, in submission order
+        self.step_of = {}  # unique_id -> the index of the step that stepped it
         self.failed = None if fail_first_join else []  # the unique ids of the step made to fail
         self.stepped = []  # (symbol, unique_id) in the order the device stepped them
         self.steps = deque()
@@ -738,11 +745,21 @@ class JoiningDevice:
 
     def submit_batch(self, requests_by_symbol):
         rows = [(symbol, *request) for symbol, value in requests_by_symbol.items() for request in queued(value)]
-        step = _DeviceStep(rows, self.room, self.miss, self.fate_fails)
+        time.sleep(self.submit_s)
+        step = _DeviceStep(rows, self.room, self.miss, self.fate_fails, self.ready)
         with self.cond:
             self.steps.append(step)
+            self.submitted.append(step)
             self.cond.notify_all()
+        step.submitted_at = time.monotonic()
         return step
+
+    def ready(self, symbol):
+        return time.monotonic() >= self.lands_at.get(symbol, 0.0)
+
+    @property
+    def moves_states(self):
+        return bool(self.lands_at)
 
     def process_batch(self, requests_by_symbol):
         raise AssertionError("the runtime must use submit_batch")
@@ -755,8 +772,10 @@ class JoiningDevice:
                     return
                 step = self.steps.popleft()
             rows = step.start()
+            assert all(self.ready(s) for s, _, _ in rows), "a step started with a state still on its way"
             predictions = self.engine.step([s for s, _, _ in rows], np.stack([f for _, _, f in rows]))
             self.stepped.extend((s, uid) for s, uid, _ in rows)
+            self.step_of.update((uid, self.submitted.index(step)) for _, uid, _ in rows)
             time.sleep(self.step_s)
             step.answer = {"unique_ids": [uid for _, uid, _ in rows], "predictions": predictions}
             if self.failed is None and step.taken:
@@ -818,6 +837,73 @@ def test_no_joins_when_switched_off(model):
     assert recorder.answered() == set(range(n))
     assert client.joins == {"taken": 0, "missed": 0}
     _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
+
+
+def test_requests_that_arrive_while_a_step_is_submitted_join_it_once_it_is(model):
+    """A submit takes the host a while (the engine's ~0.3 ms); a request arriving meanwhile finds no queued step to
+    join and then a full pipeline. It joins the step that was being submitted as soon as that is queued, instead of
+    waiting for the step after it. Answers right, in order, each request stepped once."""
+    n = 45
+    symbols, features = _stream(n, seed=15)
+    recorder = Recorder()
+    sent = {}
+
+    async def handler(ws):
+        await ws.recv()
+        for i in range(n):
+            sent[i] = time.monotonic()
+            await ws.send(_request([i], symbols, features))
+            await asyncio.sleep(0.012)
+        await recorder.pump(ws, lambda: len(recorder.answered()) >= n)
+        await ws.close(1000)
+
+    team_client = JoiningDevice(model, step_s=0.04, submit_s=0.015)
+    client, summary = _play_pipelined(team_client, handler, pipeline_min_batch=1)
+    expected = _expected(model, symbols, features, range(n))
+    assert sorted(uid for uid, _ in recorder.responses) == list(range(n))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+    _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
+    assert sorted(uid for _, uid in team_client.stepped) == list(range(n))
+    joined_during_submit = [uid for step in team_client.submitted for _, uid, _ in step.taken or ()
+                            if sent[uid] < step.submitted_at - 0.004]
+    assert joined_during_submit  # sent well before its step was submitted, and joined to it
+
+
+@pytest.mark.parametrize("queued_behind", [0, 1])
+def test_a_state_that_lands_while_the_pipeline_is_full_joins_the_queued_step(model, queued_behind):
+    """Steps A and B on the device (B queued), then a request of a symbol whose state is still on its way: when
+    the state lands before B starts, the request joins B rather than waiting for the step after. With a second
+    request of that symbol queued behind it, neither joins (the later one must follow it): both go to a later
+    step, in order."""
+    a, b, x = SYMBOLS[:3]
+    symbols = [a, b, x] + [x] * queued_behind
+    features = np.random.default_rng(16).standard_normal((len(symbols), 79)).astype(np.float32)
+    recorder = Recorder()
+    team_client = JoiningDevice(model, step_s=0.08, lands_at={x: time.monotonic() + 3600})
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request([0], symbols, features))
+        await asyncio.sleep(0.02)
+        await ws.send(_request([1], symbols, features))  # B queued behind A
+        await asyncio.sleep(0.01)
+        team_client.lands_at[x] = time.monotonic() + 0.02  # x's state lands ~50 ms before B starts
+        await ws.send(_request(list(range(2, len(symbols))), symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) >= len(symbols))
+        await ws.close(1000)
+
+    client, _ = _play_pipelined(team_client, handler, pipeline_min_batch=1)
+    expected = _expected(model, symbols, features, range(len(symbols)))
+    assert recorder.answered() == set(range(len(symbols)))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+    step_of = team_client.step_of
+    assert step_of[0] == 0 and step_of[1] == 1
+    if queued_behind:
+        assert step_of[2] > 1 and [uid for s, uid in team_client.stepped if s == x] == [2, 3]
+    else:
+        assert step_of[2] == 1 and client.joins["taken"] == 1
 
 
 def test_a_failing_step_answers_its_joins_with_client_error_and_the_rest_normally(model):

@@ -202,3 +202,13 @@ def test_a_requeued_request_goes_first_and_keeps_its_symbols_order():
 def test_requeue_refuses_a_request_never_numbered():
     with pytest.raises(ValueError, match="pushed or stamped"):
         Scheduler().requeue(Request(0, "A", np.zeros(79, np.float32)))
+
+
+def test_queued_counts_a_symbols_waiting_requests():
+    scheduler = Scheduler()
+    assert scheduler.queued("A") == 0
+    for uid, symbol in enumerate("AAB"):
+        scheduler.push(Request(uid, symbol, np.zeros(79, np.float32)))
+    assert (scheduler.queued("A"), scheduler.queued("B"), scheduler.queued("C")) == (2, 1, 0)
+    scheduler.next_batch(1, 1)
+    assert scheduler.queued("A") == 1
