@@ -254,6 +254,7 @@ class StreamingClient:
         self._steps: deque = deque()
         # symbol -> (its request joined to a step, that step's pending, its joined list) until the fate is settled
         self._joining: dict[str, tuple] = {}
+        self._refused: tuple = (None, set())  # (a queued step's pending, the symbols it refused to join)
         self._fate_failed: set[int] = set()  # joins whose fate() raised: their step's answer settles them
         # when to form the next pipelined step (under the lock), its step sizes at the team client's step rows
         # (formed late behind steps of late_after_s or more, or of punctual_late_after_s while the host wakes the
@@ -657,11 +658,11 @@ class StreamingClient:
         with self._work_ready:
             while True:
                 while not self._worker_stopping and (delay := due_in()) != 0:
-                    self._wake_at = self._arrivals_wake_at(delay)
-                    if delay is None and len(self._scheduler) and self._states_may_join():
-                        self._work_ready.wait(READY_POLL_S)  # look again soon: a state that lands may join
-                        self._join_waiting()
+                    if delay is None and self._join_waiting():
+                        self._wake_at = None  # it looks again soon anyway: a state on its way may land and join
+                        self._work_ready.wait(READY_POLL_S)
                         continue
+                    self._wake_at = self._arrivals_wake_at(delay)
                     due = None if delay is None else time.monotonic() + delay
                     if not self._work_ready.wait(delay) and due is not None:  # timed out: how late it woke
                         self._clock.woke(time.monotonic() - due)
@@ -685,7 +686,7 @@ class StreamingClient:
         if delay is None:
             if len(self._steps) < PIPELINE_DEPTH:
                 return 0
-            return 1 if self._states_may_join() else None  # _take_batch then looks for states that landed
+            return 1 if self._states_may_join() else None  # its state may be on its way: _take_batch looks
         return self._full_step
 
     def _next_batch(self):
@@ -719,30 +720,48 @@ class StreamingClient:
         self._mark("submitted", [request.unique_id])
         return True
 
-    def _states_may_join(self) -> bool:
-        """Whether the pipeline is full, its queued step takes joins and the team client's states move: a state on
-        its way to the GPU may land before that step starts, and its request then join it (called holding the
-        lock)."""
-        return (self.join_queued and callable(self._ready) and len(self._steps) >= PIPELINE_DEPTH
+    def _queued_step_joinable(self) -> bool:
+        """Whether the pipeline is full and its queued step takes joins (called holding the lock)."""
+        return (self.join_queued and len(self._steps) >= PIPELINE_DEPTH
                 and getattr(self._steps[-1][1], "join", None) is not None)
 
-    def _join_waiting(self):
-        """Join queued requests to the step queued behind the one in flight, oldest first, while it takes them
-        (called holding the lock): those that arrived while the submitter was submitting that step (they found no
-        step to join, then a full pipeline: in the swap section 74 of the 80 slowest hot requests, waiting a step
-        more than the rest, bench/LOG.md section 59), and those whose state has reached the GPU since they arrived.
-        A symbol with more than one request queued is left to the next step (its later requests must follow)."""
-        if not self.join_queued or len(self._steps) < PIPELINE_DEPTH or not len(self._scheduler) \
-                or getattr(self._steps[-1][1], "join", None) is None:
-            return
+    def _states_may_join(self) -> bool:
+        """Whether, besides, the team client's states move: a state on its way to the GPU may land before the queued
+        step starts, and its request then join it (called holding the lock)."""
+        return callable(self._ready) and self._queued_step_joinable()
+
+    def _join_waiting(self) -> bool:
+        """Join queued requests to the step queued behind the one in flight, oldest first (called holding the lock):
+        those that arrived while the submitter was submitting that step (they found no step to join, then a full
+        pipeline: in the swap section 74 of the 80 slowest hot requests, waiting a step more than the rest,
+        bench/LOG.md section 59), and those whose state has reached the GPU since they arrived. Only a symbol's one
+        queued request (its later ones must follow it), of a symbol not in that step already; a symbol the step
+        refused is not offered to it again. True while such a request waits for a state still on its way: only its
+        landing (no notify) can let it join, so the submitter looks again every READY_POLL_S."""
+        if not self._queued_step_joinable():
+            return False
+        batch, pending, _, _, joined = self._steps[-1]
+        if self._refused[0] is not pending:
+            self._refused = (pending, set())
+        skip = self._refused[1] | {r.symbol for r in batch} | {r.symbol for r in joined}
         ready = self._is_ready if callable(self._ready) or self._joining else None
+        awaiting = False
 
         def alone_and_ready(symbol):
-            return self._scheduler.queued(symbol) == 1 and (ready is None or ready(symbol))
-        while batch := self._scheduler.next_batch(1, 1, alone_and_ready):
-            if not self._join(batch[0]):
-                self._scheduler.requeue(batch[0])
-                break  # the step took no more (no room left, or it has started)
+            nonlocal awaiting
+            if symbol in skip or self._scheduler.queued(symbol) != 1:
+                return False
+            if ready is None or ready(symbol):
+                return True
+            awaiting = awaiting or symbol not in self._joining
+            return False
+        while taken := self._scheduler.next_batch(1, 1, alone_and_ready):
+            request = taken[0]
+            if not self._join(request):  # no room left, the step started, or the state not on the GPU yet
+                self._scheduler.requeue(request)
+                skip.add(request.symbol)
+                self._refused[1].add(request.symbol)
+        return awaiting
 
     def _settle_joins(self, done=None, answered=()):
         """Settle each join whose step has read its inputs, and every join of the step `done`, which made it if its

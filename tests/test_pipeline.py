@@ -251,6 +251,19 @@ def test_fast_engine_joins_requests_to_a_step_queued_behind_another_on_gpu():
     np.testing.assert_allclose(engine.step(symbols, last), plain.step(symbols, last), rtol=1e-5, atol=1e-5)
 
 
+@cuda
+def test_fast_engine_submit_leaves_the_callers_stream_current():
+    """A submit sets the engine's step stream for its launch and puts the caller's stream back (by its id)."""
+    model, _ = load_model("small", seed=0, device="cuda")
+    engine = FastEngine(model, device="cuda", max_batch=4, capacity=8, host_symbols=0, progress=False)
+    rows = np.random.default_rng(6).standard_normal((2, 79)).astype(np.float32)
+    for current in (torch.cuda.current_stream(), torch.cuda.Stream()):
+        with torch.cuda.stream(current):
+            engine.submit(["S0", "S1"], rows).result()
+            assert torch.cuda.current_stream() == current != engine.step_streams[0]
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
 # ---- team client ---------------------------------------------------------------------------------------
 def test_submit_batch_resolves_to_process_batch_answer(model):
     features = np.random.default_rng(0).standard_normal((2, 79)).astype(np.float32)
@@ -683,10 +696,11 @@ def test_a_client_with_only_process_batch_runs_the_single_worker(model):
 class _DeviceStep(PendingStep):
     """One step of JoiningDevice: it reads its rows (the formed ones and those joined so far) when it starts."""
 
-    def __init__(self, rows, room, miss, fate_fails=lambda uid: False, ready=lambda symbol: True):
+    def __init__(self, rows, room, miss, fate_fails=lambda uid: False, ready=lambda symbol: True, refuse=()):
         super().__init__(self._answer)
         self.rows, self.room, self.miss = rows, room, miss  # miss(uid): a join the device reads too late
         self.ready = ready  # ready(symbol): False while its state is on its way (a join of it is refused)
+        self.refuse = refuse  # symbols whose joins it refuses (as the engine one with no slot on the GPU yet)
         self.submitted_at = None  # when submit_batch returned it
         self.fate_fails = fate_fails  # fate_fails(uid): fate() raises for this join once the step has read it
         self.joins, self.taken = [], None  # taken: the joins read when it started
@@ -697,7 +711,7 @@ class _DeviceStep(PendingStep):
         with self.lock:
             if self.taken is not None or len(self.joins) >= self.room or symbol in {s for s, _, _ in
                                                                                      self.rows + self.joins} \
-                    or not self.ready(symbol):
+                    or not self.ready(symbol) or symbol in self.refuse:
                 return False
             self.joins.append((symbol, unique_id, features))
             return True
@@ -725,13 +739,15 @@ class JoiningDevice:
     inputs when it starts, so a request joined to it before then is stepped with it (FastEngine's JoinableStep,
     in time). miss(unique_id): joins the device reads as too late, as when one lands just after the step began.
     submit_s: the host's time in submit_batch, the step queued on the device at its end. lands_at {symbol: time}:
-    states on their way to the device until time.monotonic() passes that (ready() False, joins refused)."""
+    states on their way to the device until time.monotonic() passes that (ready() False, joins refused). refuse:
+    symbols whose joins every step refuses."""
 
     requests_per_symbol = MANY
 
     def __init__(self, model, step_s, room=2, miss=lambda uid: False, fail_first_join=False,
-                 fate_fails=lambda uid: False, submit_s=0.0, lands_at=None):
+                 fate_fails=lambda uid: False, submit_s=0.0, lands_at=None, refuse=()):
         self.engine, self.step_s, self.room, self.miss = ReferenceEngine(model), step_s, room, miss
+        self.refuse = refuse
         self.fate_fails, self.submit_s, self.lands_at = fate_fails, submit_s, lands_at or {}
         self.submitted = []  # every step, in submission order
         self.step_of = {}  # unique_id -> the index of the step that stepped it
@@ -746,7 +762,7 @@ class JoiningDevice:
     def submit_batch(self, requests_by_symbol):
         rows = [(symbol, *request) for symbol, value in requests_by_symbol.items() for request in queued(value)]
         time.sleep(self.submit_s)
-        step = _DeviceStep(rows, self.room, self.miss, self.fate_fails, self.ready)
+        step = _DeviceStep(rows, self.room, self.miss, self.fate_fails, self.ready, self.refuse)
         with self.cond:
             self.steps.append(step)
             self.submitted.append(step)
@@ -846,19 +862,17 @@ def test_requests_that_arrive_while_a_step_is_submitted_join_it_once_it_is(model
     n = 45
     symbols, features = _stream(n, seed=15)
     recorder = Recorder()
-    sent = {}
 
     async def handler(ws):
         await ws.recv()
         for i in range(n):
-            sent[i] = time.monotonic()
             await ws.send(_request([i], symbols, features))
             await asyncio.sleep(0.012)
         await recorder.pump(ws, lambda: len(recorder.answered()) >= n)
         await ws.close(1000)
 
     team_client = JoiningDevice(model, step_s=0.04, submit_s=0.015)
-    client, summary = _play_pipelined(team_client, handler, pipeline_min_batch=1)
+    client, summary = _play_pipelined(team_client, handler, pipeline_min_batch=1, timeline=True)
     expected = _expected(model, symbols, features, range(n))
     assert sorted(uid for uid, _ in recorder.responses) == list(range(n))
     for uid, prediction in recorder.responses:
@@ -866,8 +880,8 @@ def test_requests_that_arrive_while_a_step_is_submitted_join_it_once_it_is(model
     _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
     assert sorted(uid for _, uid in team_client.stepped) == list(range(n))
     joined_during_submit = [uid for step in team_client.submitted for _, uid, _ in step.taken or ()
-                            if sent[uid] < step.submitted_at - 0.004]
-    assert joined_during_submit  # sent well before its step was submitted, and joined to it
+                            if client.timeline[uid]["received"] < step.submitted_at]
+    assert joined_during_submit  # received before its step was submitted, and joined to it
 
 
 @pytest.mark.parametrize("queued_behind", [0, 1])
@@ -880,7 +894,7 @@ def test_a_state_that_lands_while_the_pipeline_is_full_joins_the_queued_step(mod
     symbols = [a, b, x] + [x] * queued_behind
     features = np.random.default_rng(16).standard_normal((len(symbols), 79)).astype(np.float32)
     recorder = Recorder()
-    team_client = JoiningDevice(model, step_s=0.08, lands_at={x: time.monotonic() + 3600})
+    team_client = JoiningDevice(model, step_s=0.25, lands_at={x: time.monotonic() + 3600})
 
     async def handler(ws):
         await ws.recv()
@@ -888,7 +902,7 @@ def test_a_state_that_lands_while_the_pipeline_is_full_joins_the_queued_step(mod
         await asyncio.sleep(0.02)
         await ws.send(_request([1], symbols, features))  # B queued behind A
         await asyncio.sleep(0.01)
-        team_client.lands_at[x] = time.monotonic() + 0.02  # x's state lands ~50 ms before B starts
+        team_client.lands_at[x] = time.monotonic() + 0.02  # x's state lands ~200 ms before B starts
         await ws.send(_request(list(range(2, len(symbols))), symbols, features))
         await recorder.pump(ws, lambda: len(recorder.answered()) >= len(symbols))
         await ws.close(1000)
@@ -904,6 +918,34 @@ def test_a_state_that_lands_while_the_pipeline_is_full_joins_the_queued_step(mod
         assert step_of[2] > 1 and [uid for s, uid in team_client.stepped if s == x] == [2, 3]
     else:
         assert step_of[2] == 1 and client.joins["taken"] == 1
+
+
+def test_a_symbol_the_queued_step_refuses_does_not_keep_later_ones_from_joining_it(model):
+    """Two requests arrive while step B is being submitted behind A; B refuses the older one's symbol (as the engine
+    does one with no slot on the GPU yet): the younger one still joins B, the older one steps after it."""
+    a, b, x = SYMBOLS[:3]
+    symbols = [a, b, x, a]
+    features = np.random.default_rng(17).standard_normal((len(symbols), 79)).astype(np.float32)
+    recorder = Recorder()
+    team_client = JoiningDevice(model, step_s=0.3, submit_s=0.06, refuse={x})
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request([0], symbols, features))
+        await asyncio.sleep(0.08)  # A on the device
+        await ws.send(_request([1], symbols, features))  # B being submitted for 60 ms from now
+        await asyncio.sleep(0.015)
+        await ws.send(_request([2, 3], symbols, features))  # both queued while B is submitted
+        await recorder.pump(ws, lambda: len(recorder.answered()) >= len(symbols))
+        await ws.close(1000)
+
+    _play_pipelined(team_client, handler, pipeline_min_batch=1)
+    assert recorder.answered() == set(range(len(symbols)))
+    expected = _expected(model, symbols, features, range(len(symbols)))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+    assert team_client.step_of[0] == 0 and team_client.step_of[1] == 1
+    assert team_client.step_of[3] == 1 and team_client.step_of[2] == 2
 
 
 def test_a_failing_step_answers_its_joins_with_client_error_and_the_rest_normally(model):

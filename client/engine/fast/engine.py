@@ -498,12 +498,17 @@ def _restore(order):
     return restore
 
 
+# The calls under torch.cuda.set_stream and current_stream, by stream id (torch's private API: where a build lacks
+# them, _current takes torch.cuda.stream() instead)
+_STREAM_BY_ID = hasattr(torch._C, "_cuda_getCurrentStream") and hasattr(torch._C, "_cuda_setStream")
+
+
 @contextlib.contextmanager
 def _current(streams):
     """Each stream current on its device for the block. One stream on the current device (one GPU) is set and put
     back by its id: torch.cuda.stream() and current_stream() build Stream objects under device guards, ~55 us on a
     step's launch path (bench/LOG.md section 58)."""
-    if len(streams) == 1 and streams[0].device_index == torch.cuda.current_device():
+    if _STREAM_BY_ID and len(streams) == 1 and streams[0].device_index == torch.cuda.current_device():
         stream = streams[0]
         previous = torch._C._cuda_getCurrentStream(stream.device_index)  # (stream id, device index, device type)
         torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
