@@ -76,9 +76,29 @@ def analyze(timeline: dict, slowest: int = 12, near_s: float = 0.02) -> dict:
                 for e in events[kind] if r["sent"] - near_s <= e[0] <= r["end"]]
         worst.append({"unique_id": r["unique_id"], "latency_ms": r["latency_ms"],
                       "segments_ms": [1e3 * (r[b] - r[a]) for _, a, b in SEGMENTS], "stalls_near": near})
-    return {"answers": len(rows), "p50_ms": float(np.median(latencies)), "p99_ms": p99,
-            "segments_all": stats(rows), "segments_slowest_1pct": stats(tail), "stalls": stalls, "slowest": worst,
-            "episodes": episodes(rows, start, max(2 * float(np.median(latencies)), 5.0))}
+    result = {"answers": len(rows), "p50_ms": float(np.median(latencies)), "p99_ms": p99,
+              "segments_all": stats(rows), "segments_slowest_1pct": stats(tail), "stalls": stalls, "slowest": worst,
+              "episodes": episodes(rows, start, max(2 * float(np.median(latencies)), 5.0))}
+    if timeline.get("steps"):
+        steps = timeline["steps"]
+        result["arrivals"] = {"all": arrivals(rows, steps), "slowest_1pct": arrivals(tail, steps)}
+    return result
+
+
+def arrivals(rows, steps) -> dict:
+    """What each answer's request found on arrival (its "received"), from the runtime's step log: a step being
+    submitted (formed, not yet submitted: nothing to join yet, bench/LOG.md section 59), or two steps in flight
+    (submitted, not yet ended: the pipeline full). Counts of `rows`."""
+    formed = np.array([step["formed"] for step in steps])
+    submitted = np.array([step["submitted"] for step in steps])
+    ended = np.sort([step["ended"] for step in steps if step["ended"] is not None])
+    received = np.array([r["received"] for r in rows])
+    last = np.searchsorted(formed, received, side="right") - 1
+    during_submit = (last >= 0) & (received < submitted[np.maximum(last, 0)])
+    in_flight = (np.searchsorted(np.sort(submitted), received, side="right")
+                 - np.searchsorted(ended, received, side="right"))
+    return {"answers": len(rows), "during_a_submit": int(during_submit.sum()),
+            "pipeline_full": int((in_flight >= 2).sum())}
 
 
 def episodes(rows, start, slow_ms, join_s=0.03) -> list[dict]:
@@ -112,6 +132,10 @@ def format_report(result: dict) -> str:
     for process, kinds in result["stalls"].items():
         parts = [f"{kind.replace('_', ' ')} {v['count']} (max {v['max_ms']:.1f} ms)" for kind, v in kinds.items()]
         lines.append(f"{process} stalls: " + ", ".join(parts))
+    if "arrivals" in result:
+        lines.append("on arrival (all / slowest 1%): " + ", ".join(
+            f"{what.replace('_', ' ')} {result['arrivals']['all'][what]} / {result['arrivals']['slowest_1pct'][what]}"
+            for what in ("during_a_submit", "pipeline_full")))
     slow = result["episodes"]
     lines.append(f"slow answers in {len(slow)} episodes (at s: answers, span ms, max ms, the longest segment):")
     lines.extend(f"  {e['at_s']:7.3f}: {e['answers']:3d}, {e['span_ms']:6.1f}, {e['max_latency_ms']:6.1f}, "

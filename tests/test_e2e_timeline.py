@@ -64,6 +64,26 @@ def test_analyze_joins_the_stages_and_finds_the_stall_behind_the_slowest_answer(
     assert episode["at_s"] == pytest.approx(0.0025 * 17) and episode["segment"] == "submitted -> step done"
 
 
+def test_arrivals_say_which_requests_came_during_a_submit_or_to_a_full_pipeline():
+    """Steps formed at 0, 10 and 20 ms, each submitted 1 ms after forming and ending 15 ms after it: a request
+    received at 0.5 ms came during the first submit, at 12 ms to two steps in flight, at 18 ms to one (the first
+    ended at 15), at 40 ms to none."""
+    timeline = _timeline(n=6, slow_id=4)
+    del timeline["client"][4], timeline["client"][5]
+    t0 = 200.0
+    for uid, at in enumerate((0.0005, 0.012, 0.018, 0.040)):
+        timeline["client"][uid] = {stage: t0 + at + k * 1e-4 for k, stage in
+                                   enumerate(("received", "batched", "submitted", "done", "answered"))}
+        timeline["sent"][uid], timeline["latency_ms"][uid] = t0 + at - 1e-4, 1.0 + uid
+    timeline["steps"] = [{"formed": t0 + f, "submitted": t0 + f + 0.001, "ended": t0 + f + 0.015}
+                         for f in (0.0, 0.010, 0.020)]
+    result = _load().analyze(timeline, slowest=1)
+    assert result["arrivals"]["all"] == {"answers": 4, "during_a_submit": 1, "pipeline_full": 1}
+    assert result["arrivals"]["slowest_1pct"] == {"answers": 1, "during_a_submit": 0, "pipeline_full": 0}
+    assert "during a submit 1 / 0, pipeline full 1 / 0" in _load().format_report(result)
+    assert "arrivals" not in _load().analyze(_timeline(), slowest=1)  # no step log: not asked
+
+
 def test_slow_answers_close_in_time_are_one_episode():
     rows = [{"unique_id": i, "sent": sent, "end": sent + latency / 1e3, "latency_ms": latency,
              "received": sent, "batched": sent, "submitted": sent, "done": sent + latency / 1e3,
