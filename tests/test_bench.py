@@ -81,6 +81,7 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     # every cold request brought a state back from host memory, started when the request arrived
     assert swap["restored"] >= swap["requests"] * swap["cold_rate"] / (swap["cold_rate"] + swap["hot_rate"]) - 1
     assert swap["restored_ahead"] == swap["restored"] and swap["swaps_per_s"] > 0
+    assert all(swap["arrivals"][side]["all"]["answers"] > 0 for side in ("hot", "cold"))
     assert all(_finite(swap[key]) for key in ("step_ms_max_b20", "submit_ms_max"))
     assert all(_finite(swap[side][key]) for side in ("hot", "cold") for key in ("p50_ms", "p99_ms", "max_ms"))
     for direction in ("to_gpu", "to_host"):

@@ -144,6 +144,7 @@ def measure_swap(bench, run=0):
               "submit_ms_max": float(submits[:, 1].max()),
               "segments_ms": {kind: {"all": r["segments_all"], "slowest_1pct": r["segments_slowest_1pct"]}
                               for kind, r in stages.items()},
+              "arrivals": {kind: r.get("arrivals") for kind, r in stages.items()},
               **moved, "swaps_per_s": moved["restored"] / seconds,
               "transfer_gb_per_s": {k: None if v is None else v / 1e9 for k, v in transfers.items()},
               "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},
