@@ -699,15 +699,11 @@ class StreamingClient:
         """Join a request to the step queued on the GPU behind the one in flight, if the team client's pending step
         takes it and nothing of its symbol waits before it (called holding the lock): it is then answered with that
         step instead of the one after. `request` is an arrival, or one taken from the front of its queue."""
-        if not self.join_queued or len(self._steps) < PIPELINE_DEPTH or self._scheduler.has(request.symbol) \
-                or request.symbol in self._joining:
+        if not self._queued_step_joinable() or self._scheduler.has(request.symbol) or request.symbol in self._joining:
             return False
         _, pending, _, _, joined = self._steps[-1]
-        join = getattr(pending, "join", None)
-        if join is None:
-            return False
         try:
-            if not join(request.unique_id, request.symbol, request.features):
+            if not pending.join(request.unique_id, request.symbol, request.features):
                 return False
         except Exception:  # a failing team client must not lose the request: it waits for a step as usual
             log.exception("team client's join of unique_id %d failed; queued instead", request.unique_id)
