@@ -644,7 +644,6 @@ class StreamingClient:
                                            "rows": len(batch), "symbols": symbols, "waiting": len(self._scheduler)})
                     self._clock.submitted(formed_at, submitted_at)
                     self._steps.append((batch, pending, submitted_at, size, []))
-                    self._join_waiting()  # what arrived while it was being submitted
                     self._steps_ready.notify()
         finally:
             with self._steps_ready:
@@ -658,6 +657,7 @@ class StreamingClient:
         with self._work_ready:
             while True:
                 while not self._worker_stopping and (delay := due_in()) != 0:
+                    # with the pipeline full (as right after a submit): join what arrived meanwhile, or landed
                     if delay is None and self._join_waiting():
                         self._wake_at = None  # it looks again soon anyway: a state on its way may land and join
                         self._work_ready.wait(READY_POLL_S)
