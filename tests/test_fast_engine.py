@@ -282,6 +282,40 @@ def test_padding_rows_never_touch_live_state_on_gpu():
 
 
 @cuda
+def test_a_tower_on_the_launching_stream_holds_back_no_other_tower_on_gpu():
+    """torch hands out streams from a pool, in turn, so a step may be launched (or captured) on one of the towers'
+    own streams: the towers after that one still start with the step, not after its whole chain."""
+    from client.engine.fast.runner import padding_plan, step_shapes
+    model, _ = load_model("tiny", seed=0, device="cuda")
+    runner = FastEngine(model, device="cuda", graphs=False, capacity=4, host_symbols=0, progress=False).runner
+    slow_done, later_started = torch.cuda.Event(), torch.cuda.Event()
+
+    class Wrapped:
+        def __init__(self, tower, before, after=None):
+            self.tower, self.before, self.after = tower, before, after
+
+        def __getattr__(self, name):
+            return getattr(self.tower, name)
+
+        def __call__(self, *args):
+            self.before()
+            out = self.tower(*args)
+            if self.after:
+                self.after()
+            return out
+
+    towers = runner.towers
+    runner.towers = [towers[0], Wrapped(towers[1], lambda: torch.cuda._sleep(400_000_000), slow_done.record),
+                     Wrapped(towers[2], later_started.record), towers[3]]
+    shape = step_shapes(1, 1)[0]
+    with torch.cuda.stream(runner.streams[1]):  # launched on the slow tower's own stream
+        runner(padding_plan(shape, runner.device), torch.zeros(shape.rows, 79, device="cuda"))
+    later_started.synchronize()
+    assert not slow_done.query()  # the tower after it started while the slow one still ran
+    torch.cuda.synchronize()
+
+
+@cuda
 def test_precompile_threads_touch_only_the_padding_slot_on_gpu():
     """The startup's kernel compile (one eager step a bucket, buckets in threads) leaves every symbol's state as
     it was, and the engine's steps after it are those of an engine stepped alone."""

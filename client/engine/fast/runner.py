@@ -177,9 +177,15 @@ class StepRunner:
                            for tower, chunk, states in zip(self.towers, chunks, self.tower_states)]
         else:
             main = torch.cuda.current_stream(self.device)
+            # Every tower waits for the step's start, not for what `main` holds when its turn comes: torch hands
+            # out its streams from a pool of 32 a priority, in turn, so the stream a step is launched or captured
+            # on may be a tower's own, and that tower's kernels then go on it, ahead of the towers after it.
+            # Waiting on `main` put RetNet and Hawk behind Mamba2's whole chain (bench/LOG.md section 60).
+            start = torch.cuda.Event()
+            start.record(main)
             predictions = []
             for tower, chunk, states, stream in zip(self.towers, chunks, self.tower_states, self.streams):
-                stream.wait_stream(main)
+                stream.wait_event(start)
                 with torch.cuda.stream(stream):
                     predictions.append(torch.mv(tower(chunk, states, plan, hand_fused), self.output_w))
             for stream in self.streams:
