@@ -264,3 +264,11 @@ def test_floor_stand_in_steps_queue_one_at_a_time_at_the_step_tables_pace():
     assert time.perf_counter() - begin >= 0.060
     assert answer["unique_ids"] == [4] and answer["predictions"].shape == (1, 4)
     assert first.result()["unique_ids"] == [1, 2, 3]
+
+
+def test_the_committed_results_read_back_in_the_summary_table():
+    """bench.py --merge keeps what bench/h100.json holds and prints every section's summary of it: a record kept
+    from a probe (the swap's of session 14 lacks step_waits) must not end the run in a traceback."""
+    data = json.loads((REPO / "bench" / "h100.json").read_text())
+    table = _load_bench().summary_table(data)
+    assert "swap: 20 hot symbols" in table and "steps that waited for a copy not recorded" in table

@@ -184,12 +184,12 @@ def _hot_tail(result):
 def summary(data) -> list[str]:
     if "swap" not in data:
         return []
-    s = data["swap"]
+    s = data["swap"]  # a record kept from a probe may lack step_waits (bench/h100.json's of session 14)
     share = s["bandwidth_share"]
     return [f"swap: {s['hot_symbols']} hot symbols at {s['hot_rate']:g} req/s, {s['cold_symbols']} cold ones through "
             f"the host tier at {s['cold_rate']:g}/s: hot p99 {fmt(s['hot']['p99_ms'])} ms (target <= "
             f"{HOT_P99_LIMIT_MS:g}), cold p50/max {fmt(s['cold']['p50_ms'])}/{fmt(s['cold']['max_ms'])} ms (<= "
             f"{COLD_LIMIT_MS:g}), missed {s['hot']['missed'] + s['cold']['missed']}; longest step of B <= "
             f"{s['hot_symbols']} {fmt(s['step_ms_max_b20'])} ms (<= {STEP_LIMIT_MS:g}), steps that waited for a copy "
-            f"{s['step_waits']}; {s['swaps_per_s']:.1f} swaps/s; transfers at {fmt(share['to_gpu'])}/"
+            f"{s.get('step_waits', 'not recorded')}; {s['swaps_per_s']:.1f} swaps/s; transfers at {fmt(share['to_gpu'])}/"
             f"{fmt(share['to_host'])} of the pinned bandwidth to GPU/to host (>= {BANDWIDTH_SHARE:g})"]
