@@ -1,5 +1,6 @@
-"""Where the fast engine's step time goes, on a GPU: startup, step time per batch size, the eager step's top
-kernels, and a short accuracy check against the fp32 reference.
+"""Where the fast engine's step time goes, on a GPU: startup, step time per batch size, whether the four towers'
+chains run side by side in the step's graph (each tower's state kernels, first and last, in profiled replays), the
+eager step's top kernels, and a short accuracy check against the fp32 reference.
 
     python scripts/profile_step.py --preset full --batches 1,20,64 --out-dir prof/
 
@@ -8,6 +9,7 @@ It times CUDA graphs and kernels with CUDA events, so it needs a CUDA GPU: witho
 """
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -61,6 +63,64 @@ def tower_graph_times(runner, slots):
                 tower(chunk, states, StepPlan.one_row_each(slots[:B]))
             out[f"B{B}_{tower.name}"] = round(time_cuda(graph.replay, iters=30)[0], 3)
     return out
+
+
+# A kernel only one tower launches, once a block: where its first and last fall tells when the tower's chain ran
+TOWER_KERNELS = {"xlstm": "_slstm_step_kernel", "mamba2": "_mamba2_state_update_kernel",
+                 "retnet": "_retention_prepare_kernel", "hawk": "_rglru_step_kernel"}
+REPLAY_GAP_US = 200.0  # idle time that separates two profiled replays
+
+
+def tower_spans(kernels):
+    """kernels: [(name, start_us, end_us)] of step replays profiled one after another with the GPU idle between
+    them. Per replay: its span and each tower's (first start, last end) of its TOWER_KERNELS kernel, from the
+    replay's first kernel (None where the tower has none); and `late`: the towers whose first such kernel started
+    after another tower's last one ended, which ran behind that chain rather than beside it (bench/LOG.md
+    section 60: RetNet and Hawk behind Mamba2)."""
+    replays, current, end = [], [], -math.inf
+    for name, start, stop in sorted(kernels, key=lambda k: k[1]):
+        if current and start > end + REPLAY_GAP_US:
+            replays.append(current)
+            current = []
+        current.append((name, start, stop))
+        end = max(end, stop)
+    if current:
+        replays.append(current)
+    out = []
+    for replay in replays:
+        t0 = replay[0][1]
+        row = {"span_us": max(stop for _, _, stop in replay) - t0, "towers": {}}
+        for tower, marker in TOWER_KERNELS.items():
+            marks = [(start - t0, stop - t0) for name, start, stop in replay if marker in name]
+            row["towers"][tower] = (min(m[0] for m in marks), max(m[1] for m in marks)) if marks else None
+        ran = {t: span for t, span in row["towers"].items() if span is not None}
+        row["late"] = sorted(t for t, (first, _) in ran.items() if any(last < first for _, last in ran.values()))
+        out.append(row)
+    return out
+
+
+def tower_timeline(engine, slots, batches, replays=12):
+    """Each step graph's towers side by side or not: tower_spans of `replays` replays of the step at each batch
+    size, profiled with the GPU idle before each (the first two left out: the profiler's start)."""
+    result = {}
+    for B in batches:
+        feats = torch.randn(B, 79, device="cuda")
+        engine.step_slots(slots[:B], feats)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays + 2):
+                torch.cuda.synchronize()
+                time.sleep(0.002)
+                engine.step_slots(slots[:B], feats)
+            torch.cuda.synchronize()
+        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        rows = tower_spans(kernels)[2:]
+        result[B] = {"span_us": float(np.median([r["span_us"] for r in rows])),
+                     "towers": {t: None if rows[0]["towers"][t] is None else
+                                tuple(float(np.median([r["towers"][t][i] for r in rows])) for i in (0, 1))
+                                for t in TOWER_KERNELS},
+                     "late": sorted({t for r in rows for t in r["late"]})}
+    return result
 
 
 def fp32_gemm_times():
@@ -232,6 +292,11 @@ def main(argv=None) -> int:
             result[f"eager_tower_ms_B{B}_{tower.name}"] = time_cuda(
                 lambda: tower(chunk, states, StepPlan.one_row_each(slots[:B])), iters=10)[0]
         result[f"eager_step_ms_B{B}"] = time_cuda(lambda: runner(StepPlan.one_row_each(slots[:B]), feats), iters=10)[0]
+    result["tower_timeline"] = tower_timeline(engine, slots, batches)
+    for B, row in result["tower_timeline"].items():
+        spans = ", ".join(f"{t} {a:.0f}-{b:.0f}" for t, (a, b) in ((t, v) for t, v in row["towers"].items() if v))
+        log(f"B={B}: towers' state kernels from the step's first kernel (us): {spans}; span {row['span_us']:.0f}"
+            + (f"; BEHIND ANOTHER TOWER'S CHAIN: {', '.join(row['late'])}" if row["late"] else ""))
     result["tower_graph_ms"] = tower_graph_times(runner, slots)
     log(f"towers alone as graphs: {result['tower_graph_ms']}")
     result["fp32_gemm_us"] = fp32_gemm_times()

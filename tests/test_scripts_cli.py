@@ -110,3 +110,19 @@ def test_matmul_error_measures_each_rows_error_against_its_largest_exact_value()
     assert largest == pytest.approx(1e-3, rel=1e-3)  # row 0: 0.004 / 4; row 1: 1e-6 / 1e-3
     assert mean == pytest.approx(2e-3 / 6, rel=1e-2)
     assert errors(y, exact, rows=1) == pytest.approx((0.0, 0.0), abs=1e-7)  # only the first column: exact in fp32
+
+
+def test_profile_step_tells_towers_that_ran_behind_another_towers_chain():
+    """profile_step's tower timeline: profiled replays split at their idle gaps, each tower's state kernels' first
+    and last from the replay's start, and the towers that started only after another tower's chain ended."""
+    from scripts.profile_step import TOWER_KERNELS, tower_spans
+
+    def chain(tower, start, blocks, every=80.0):  # a tower's state kernel once a block, 10 us each
+        return [(TOWER_KERNELS[tower] + " ", start + i * every, start + i * every + 10.0) for i in range(blocks)]
+    side_by_side = [("input_up", 0.0, 5.0)] + [k for i, t in enumerate(TOWER_KERNELS) for k in chain(t, 20 + i, 12)]
+    behind = ([("input_up", 5000.0, 5005.0)] + chain("xlstm", 5020, 12) + chain("mamba2", 5030, 12)
+              + chain("retnet", 6000, 12) + chain("hawk", 6010, 12))
+    first, second = tower_spans(side_by_side + behind)
+    assert first["late"] == [] and first["towers"]["mamba2"] == (21.0, 21.0 + 11 * 80 + 10)
+    assert second["late"] == ["hawk", "retnet"]  # both started after Mamba2's last state kernel ended
+    assert second["span_us"] == 6010 + 11 * 80 + 10 - 5000
