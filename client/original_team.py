@@ -83,7 +83,7 @@ class OriginalStyleClient:
     def _submit_batch(self, requests_by_symbol) -> PendingStep:
         batch = pending_requests(requests_by_symbol)
         pending = self.team_client.submit_batch(batch)
-        return PendingStep(lambda: runtime_answer(batch, pending.result()))
+        return PendingStep(lambda: runtime_answer(batch, pending.result()), poll=getattr(pending, "done", None))
 
 
 def pending_requests(requests_by_symbol) -> Dict[str, List[PendingRequest]]:

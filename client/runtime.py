@@ -6,8 +6,9 @@ so that its state table's lock and copies never hold receiving up); a worker thr
 client's format, client/team_api.py) and runs the model step, so receiving never stalls.
 A team client with submit_batch is pipelined instead: a submitter thread forms and submits the next
 batch while the previous step still runs (behind a long step, just before it ends: client/step_clock.py), and a
-completer thread collects the steps in submission order, so the host's per-step work overlaps the GPU's. Each
-step's predictions are sent as soon as they are ready. Per-symbol states live in the engine, so they survive
+completer thread collects the steps in submission order, so the host's per-step work overlaps the GPU's; with
+inline_steps the event loop does both itself, polling the steps in flight (no thread hand-off on a request's way).
+Each step's predictions are sent as soon as they are ready. Per-symbol states live in the engine, so they survive
 reconnects; a bounded cache answers ids that the server resends after a reconnect without stepping the model
 twice. The server's protocol (websocket or the original event's tcp-json) is the transport's business
 (client/transport.py).
@@ -175,7 +176,8 @@ class StreamingClient:
                  form_late: bool = True, late_after_s: float | None = None, form_margin_s: float | None = None,
                  punctual_late_after_s: float | None = None, join_queued: bool = True, timeline: bool = False,
                  give_up_repeats: int = GIVE_UP_REPEATS,
-                 server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False):
+                 server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False,
+                 inline_steps: bool = False):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -219,6 +221,14 @@ class StreamingClient:
         # (bench/LOG.md section 56); False: never (to measure the two against each other)
         self.join_queued = join_queued
         self.joins = {"taken": 0, "missed": 0}  # joins that made it into their step, and those put back
+        # The event loop forms, submits and answers the pipelined steps itself (_pump), polling the steps in flight
+        # on each of its turns, instead of handing each request to a submitter thread and each answer back from a
+        # completer: no thread waits to be woken on a request's way (a host that stalls its CPUs makes each such
+        # wake-up a chance of milliseconds, bench/LOG.md sections 49-61); it spins one CPU while a step is in flight.
+        # A team client with process_batch alone keeps its worker thread.
+        self.inline_steps = inline_steps and callable(getattr(team_client, "submit_batch", None))
+        self._pump_handle: asyncio.Handle | None = None
+        self._loop_thread: int | None = None
         for name, value in (("late_after_s", late_after_s), ("form_margin_s", form_margin_s),
                             ("punctual_late_after_s", punctual_late_after_s)):
             if value is not None and not value >= 0:
@@ -287,10 +297,13 @@ class StreamingClient:
         # middle of play (bench/LOG.md section 22). Frozen, they are out of the collector's reach.
         gc.collect()
         gc.freeze()
-        if callable(getattr(self.team_client, "submit_batch", None)):
-            targets = {"model-submit": self._submit_steps, "model-complete": self._complete_steps}
-        else:
+        self._loop_thread = threading.get_ident()
+        if not callable(getattr(self.team_client, "submit_batch", None)):
             targets = {"model-step": self._work}
+        elif self.inline_steps:
+            targets = {}
+        else:
+            targets = {"model-submit": self._submit_steps, "model-complete": self._complete_steps}
         if callable(self._prefetch):
             targets["prefetch"] = self._prefetch_arrivals
         threads = [threading.Thread(target=target, name=name, daemon=True) for name, target in targets.items()]
@@ -305,6 +318,8 @@ class StreamingClient:
             self._prefetches.put(None)
             for thread in threads:  # the completer still answers every step already submitted
                 await asyncio.to_thread(thread.join)
+            while self._steps:  # inline steps: _pump still answers every step already submitted
+                await asyncio.sleep(READY_POLL_S)
             if self._send_tasks:
                 await asyncio.gather(*self._send_tasks, return_exceptions=True)
             gc.unfreeze()
@@ -579,6 +594,8 @@ class StreamingClient:
             # step they join may start; a joined symbol is on the GPU already
             if queued and callable(self._prefetch):
                 self._prefetches.put(queued)
+            if self.inline_steps:
+                self._pump()
         if cached_ids:
             self.stats.resent_from_cache += len(cached_ids)
             predictions = np.stack([self._cache[uid] for uid in cached_ids])
@@ -628,27 +645,62 @@ class StreamingClient:
     def _submit_steps(self):
         try:
             while (batch := self._take_batch(self._submit_in)) is not None:
-                formed_at = time.monotonic()
-                try:
-                    pending = self.team_client.submit_batch(team_api.batch_for(self.team_client, batch))
-                except Exception as exc:  # a failing team client must not kill the runtime
-                    self._fail(batch, exc, "submit_batch")
-                    continue
-                submitted_at = time.monotonic()
-                self._mark("submitted", (r.unique_id for r in batch))
-                symbols = len({r.symbol for r in batch})
-                size = self._clock.size(len(batch), symbols)
-                with self._steps_ready:
-                    if self.steps is not None:
-                        self.steps.append({"formed": formed_at, "submitted": submitted_at, "ended": None,
-                                           "rows": len(batch), "symbols": symbols, "waiting": len(self._scheduler)})
-                    self._clock.submitted(formed_at, submitted_at)
-                    self._steps.append((batch, pending, submitted_at, size, []))
-                    self._steps_ready.notify()
+                self._submit(batch)
         finally:
             with self._steps_ready:
                 self._submitter_done = True
                 self._steps_ready.notify()
+
+    def _submit(self, batch):
+        """Submit one step of `batch` (formed now) to the team client and queue it for its answer."""
+        formed_at = time.monotonic()
+        try:
+            pending = self.team_client.submit_batch(team_api.batch_for(self.team_client, batch))
+        except Exception as exc:  # a failing team client must not kill the runtime
+            self._fail(batch, exc, "submit_batch")
+            return
+        submitted_at = time.monotonic()
+        self._mark("submitted", (r.unique_id for r in batch))
+        symbols = len({r.symbol for r in batch})
+        size = self._clock.size(len(batch), symbols)
+        with self._steps_ready:
+            if self.steps is not None:
+                self.steps.append({"formed": formed_at, "submitted": submitted_at, "ended": None,
+                                   "rows": len(batch), "symbols": symbols, "waiting": len(self._scheduler)})
+            self._clock.submitted(formed_at, submitted_at)
+            self._steps.append((batch, pending, submitted_at, size, []))
+            self._steps_ready.notify()
+
+    # ---- inline steps (the event loop thread) ------------------------------------------------------
+    def _pump(self):
+        """With inline_steps, the submitter's and the completer's work on the event loop: answer the steps in flight
+        that have ended, oldest first, then submit the next step if it is due and the pipeline has room (one a turn:
+        the frames that came during a submit are read before the next step is formed); then look again: on the
+        loop's next turn while a step is in flight (nothing wakes the loop when it ends), after the delay the step
+        clock asks to form the next step, or every READY_POLL_S while the waiting symbols' states are on their way.
+        A step whose pending has no done() counts as ended: its result() then waits on the loop."""
+        if self._pump_handle is not None:
+            self._pump_handle.cancel()
+            self._pump_handle = None
+        while self._steps and _ended(self._steps[0][1]):
+            self._retire()
+        again = None
+        if not self._worker_stopping:
+            with self._work_ready:
+                if (delay := self._submit_in()) != 0:
+                    if delay is None and len(self._scheduler):
+                        self._join_waiting()  # a state that landed joins the step queued behind the one in flight
+                    batch, again = None, delay
+                elif not (batch := self._next_batch()):  # every waiting symbol's state is still on its way
+                    again = READY_POLL_S
+            if batch:
+                self._mark("batched", (r.unique_id for r in batch))
+                self._submit(batch)
+                again = 0.0  # what waits goes in the next step, even where this one's submit failed
+        if self._steps:
+            self._pump_handle = self._loop.call_soon(self._pump)
+        elif again is not None:
+            self._pump_handle = self._loop.call_later(again, self._pump)
 
     def _take_batch(self, due_in):
         """The next step's requests, marked batched, once due_in() (called under the lock: seconds until the step
@@ -819,41 +871,46 @@ class StreamingClient:
                 self._steps_ready.wait_for(lambda: self._steps or self._submitter_done)
                 if not self._steps:
                     return  # the submitter has stopped and every step it submitted is answered
-                batch, pending, submitted_at, size, joined = self._steps[0]
-            try:
-                answer = pending.result()
-                ended_at = time.monotonic()
-            except Exception as exc:  # a failing team client must not kill the runtime
-                answer, ended_at = exc, None  # a failed step's time says nothing of the next ones
-            named = None if ended_at is None else _named(answer)
-            with self._work_ready:
-                if named is None:  # a failed or malformed answer: its joins fail with the step, whatever their fate
-                    for request in joined:
-                        self._fate_failed.discard(request.unique_id)
-                        if self._joining.get(request.symbol, (None,))[0] is request:
-                            del self._joining[request.symbol]
-                else:
-                    self._settle_joins(done=pending, answered=named)
-                requests = batch + joined  # the joins that made it
-            if ended_at is None:
-                self._fail(requests, answer, "submit_batch's result()")
+            self._retire()
+
+    def _retire(self):
+        """Wait for the oldest step in flight, answer it and its joins that made it, and take it off the pipeline."""
+        with self._steps_ready:
+            batch, pending, submitted_at, size, joined = self._steps[0]
+        try:
+            answer = pending.result()
+            ended_at = time.monotonic()
+        except Exception as exc:  # a failing team client must not kill the runtime
+            answer, ended_at = exc, None  # a failed step's time says nothing of the next ones
+        named = None if ended_at is None else _named(answer)
+        with self._work_ready:
+            if named is None:  # a failed or malformed answer: its joins fail with the step, whatever their fate
+                for request in joined:
+                    self._fate_failed.discard(request.unique_id)
+                    if self._joining.get(request.symbol, (None,))[0] is request:
+                        del self._joining[request.symbol]
             else:
-                try:
-                    ids, predictions, errors = check_answer(answer, [r.unique_id for r in requests])
-                except Exception as exc:  # a failing team client must not kill the runtime
-                    self._fail(requests, exc, "submit_batch's result()")
-                    ended_at = None
-                else:
-                    self._answer(ids, predictions, errors)
-            with self._work_ready:
-                self._steps.popleft()  # only now: a step counts as in flight until it is answered
-                if self.steps is not None:
-                    self.steps[self._steps_ended]["joined"] = len(joined)
-                    self.steps[self._steps_ended]["ended"] = ended_at
-                    self._steps_ended += 1
-                if ended_at is not None:
-                    self._clock.ended(size, submitted_at, ended_at)
-                self._work_ready.notify()
+                self._settle_joins(done=pending, answered=named)
+            requests = batch + joined  # the joins that made it
+        if ended_at is None:
+            self._fail(requests, answer, "submit_batch's result()")
+        else:
+            try:
+                ids, predictions, errors = check_answer(answer, [r.unique_id for r in requests])
+            except Exception as exc:  # a failing team client must not kill the runtime
+                self._fail(requests, exc, "submit_batch's result()")
+                ended_at = None
+            else:
+                self._answer(ids, predictions, errors)
+        with self._work_ready:
+            self._steps.popleft()  # only now: a step counts as in flight until it is answered
+            if self.steps is not None:
+                self.steps[self._steps_ended]["joined"] = len(joined)
+                self.steps[self._steps_ended]["ended"] = ended_at
+                self._steps_ended += 1
+            if ended_at is not None:
+                self._clock.ended(size, submitted_at, ended_at)
+            self._work_ready.notify()
 
     def _mark(self, stage, ids):
         if self.timeline is not None:
@@ -864,15 +921,21 @@ class StreamingClient:
     def _answer(self, ids, predictions, errors):
         self._mark("done", ids)
         if ids:
-            self._loop.call_soon_threadsafe(self._on_batch_done, ids, predictions)
+            self._on_loop(self._on_batch_done, ids, predictions)
         for uid, why in errors.items():
             log.warning("unique_id %d not answered: %s", uid, why)
-            self._loop.call_soon_threadsafe(self._on_requests_failed, [uid], why)
+            self._on_loop(self._on_requests_failed, [uid], why)
 
     def _fail(self, batch, exc, what):
         log.error("%s failed for unique_ids %s", what, [r.unique_id for r in batch], exc_info=exc)
-        self._loop.call_soon_threadsafe(self._on_requests_failed, [r.unique_id for r in batch],
-                                        f"{type(exc).__name__}: {exc}")
+        self._on_loop(self._on_requests_failed, [r.unique_id for r in batch], f"{type(exc).__name__}: {exc}")
+
+    def _on_loop(self, callback, *args):
+        """Run callback(*args) on the event loop: now where this is its thread (inline steps), else handed to it."""
+        if threading.get_ident() == self._loop_thread:
+            callback(*args)
+        else:
+            self._loop.call_soon_threadsafe(callback, *args)
 
     # ---- sending (event loop thread) -------------------------------------------------------------
     def _on_batch_done(self, ids, predictions):
@@ -909,6 +972,12 @@ class StreamingClient:
             await ws.send(frame)
         except transport.ConnectionClosed:
             pass  # the server resends unanswered requests after the reconnect
+
+
+def _ended(pending) -> bool:
+    """Whether a pending step has ended (its done(), where it has one: without, result() is left to wait)."""
+    done = getattr(pending, "done", None)
+    return done is None or bool(done())
 
 
 def _named(answer) -> set | None:

@@ -116,8 +116,9 @@ class ExampleModel:
         if hasattr(step, "join"):
             return _JoinableAnswer(step, unique_ids, errors)
         if not hasattr(step, "parts"):
-            return PendingStep(lambda: {"unique_ids": unique_ids, "predictions": step.result(), "errors": errors})
-        return PendingStep(lambda: _answer_parts(step, unique_ids, errors))
+            return PendingStep(lambda: {"unique_ids": unique_ids, "predictions": step.result(), "errors": errors},
+                               poll=step.done)
+        return PendingStep(lambda: _answer_parts(step, unique_ids, errors), poll=getattr(step, "done", None))
 
 
 class _JoinableAnswer(PendingStep):
@@ -127,7 +128,7 @@ class _JoinableAnswer(PendingStep):
     that made it."""
 
     def __init__(self, step, unique_ids, errors):
-        super().__init__(self._answer)
+        super().__init__(self._answer, poll=step.done)
         self.step, self.unique_ids, self.errors = step, unique_ids, errors
         self.joined = {}  # unique_id -> its index among the step's joins
 
@@ -219,6 +220,10 @@ def parse_args(argv=None):
     parser.add_argument("--server-idle-s", type=cli.positive_float, default=SERVER_IDLE_S, metavar="S",
                         help=f"leave (exit 6) when the server sends nothing, not even a heartbeat, for S seconds "
                              f"(default {SERVER_IDLE_S:g}: three of its heartbeats)")
+    parser.add_argument("--inline-steps", action="store_true",
+                        help="the event loop submits the steps and polls their ends itself, with no thread handing "
+                             "a request or an answer on (it keeps a CPU busy while a step runs; for hosts that are "
+                             "slow to wake threads; the fast engine on a GPU only)")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     if args.host is not None and args.port is None:
@@ -236,6 +241,10 @@ def parse_args(argv=None):
     if args.cluster is None:  # with --cluster ray the shards' device and engine follow the cluster's GPUs
         args.device = args.device or args.local_device
         args.engine = args.engine or ("fast" if cuda else "reference")
+    if args.inline_steps and (args.engine != "fast" or not str(args.device).startswith("cuda")):
+        # the fast engine's submit returns while the GPU steps; a step computed in submit would hold the loop
+        parser.error("--inline-steps needs --engine fast on a CUDA device: other engines compute a step in "
+                     "submit, which would hold the event loop that receives")
     if args.preset is None:
         args.preset = "full" if cuda else "tiny"
         print(f"--preset not given: using {args.preset} ({'CUDA present' if cuda else 'no CUDA'})", file=sys.stderr)
@@ -338,7 +347,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
         client = StreamingClient(team_client, url, args.team, args.token, preset=args.preset,
                                  weights_fingerprint=fingerprint, allow_weights_mismatch=args.allow_weights_mismatch,
                                  leave_at_end=True, max_requests_per_symbol=args.max_requests_per_symbol,
-                                 server_idle_s=args.server_idle_s,
+                                 server_idle_s=args.server_idle_s, inline_steps=args.inline_steps,
                                  on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome, engine_text),
                                                                   file=sys.stderr))
         # A lost shard is said in the summary and to the server (its leaderboard), not only on stderr.

@@ -264,6 +264,20 @@ def test_floor_stand_in_steps_queue_one_at_a_time_at_the_step_tables_pace():
     assert time.perf_counter() - begin >= 0.060
     assert answer["unique_ids"] == [4] and answer["predictions"].shape == (1, 4)
     assert first.result()["unique_ids"] == [1, 2, 3]
+    third = team.submit_batch({"B": [(5, None)]})
+    assert not third.done()  # polled by the runtime's inline steps: ends at its time, not before
+    third.result()
+    assert third.done()
+
+
+def test_inline_steps_are_given_to_the_served_runs_in_turn():
+    bench = _load_bench()
+    args = bench.parse_args(["--preset", "tiny", "--device", "cpu", "--inline-steps", "on,off"])
+    from scripts.benchmarks.harness import Bench
+    harness = Bench(args, None, print)
+    assert harness.forming(0) == {"inline_steps": True} and harness.forming(1) == {"inline_steps": False}
+    assert "inline_steps" not in Bench(bench.parse_args(["--preset", "tiny", "--device", "cpu"]), None,
+                                       print).forming(0)
 
 
 def test_the_committed_results_read_back_in_the_summary_table():

@@ -48,6 +48,16 @@ def test_pending_step_fetches_once_and_returns_the_same_object():
     assert done.result() == "value" and done.result() == "value"
 
 
+def test_pending_step_says_whether_it_has_ended_without_waiting():
+    landed = threading.Event()
+    pending = PendingStep(lambda: "answer", poll=landed.is_set)
+    assert not pending.done()
+    landed.set()
+    assert pending.done() and pending.result() == "answer" and pending.done()
+    assert PendingStep(lambda: "answer").done()  # cannot tell: result() waits
+    assert PendingStep.completed("value").done()
+
+
 def test_base_submit_steps_at_once_and_raises_on_bad_input(model):
     engine, plain = ReferenceEngine(model), ReferenceEngine(model)
     features = np.random.default_rng(0).standard_normal((2, 79)).astype(np.float32)
@@ -158,6 +168,9 @@ class _HostStaging:
 
     def read_back(self, batch, step_times=None):
         return self.outs[:batch].copy()
+
+    def ended(self):
+        return all(done.query() for done in self.done)
 
     def set_taken(self):
         """What the staged graph's copy of the sequence slots leaves in `taken` when the step starts."""
@@ -293,6 +306,9 @@ class FakePending:
         self.ready = threading.Event()
         self.on_result = None
 
+    def done(self):
+        return self.ready.is_set()
+
     def result(self):
         assert self.ready.wait(30), "never released"
         self.on_result()
@@ -390,14 +406,16 @@ def _no_model_threads_left():
     return not [t for t in threading.enumerate() if t.name.startswith("model-")]
 
 
-def test_pipelined_answers_are_correct_in_order_and_at_most_depth_in_flight(model):
+@pytest.mark.parametrize("inline_steps", [False, True])
+def test_pipelined_answers_are_correct_in_order_and_at_most_depth_in_flight(model, inline_steps):
     n = 60
     symbols, features = _stream(n, seed=3)
     recorder = Recorder()
 
     handler = _bursts(n, 20, symbols, features, recorder)  # several requests per symbol queued at once
     team_client = PipelinedClient(model, hold_s=0.01)  # a slow device: the runtime could queue more steps
-    client, summary = _play_pipelined(team_client, handler, pipeline_min_batch=1, timeline=True)  # early
+    client, summary = _play_pipelined(team_client, handler, pipeline_min_batch=1, timeline=True,  # early
+                                      inline_steps=inline_steps)
 
     assert sorted(uid for uid, _ in recorder.responses) == list(range(n))
     expected = _expected(model, symbols, features, range(n))
@@ -605,7 +623,8 @@ def test_light_load_waits_for_the_gpu_instead_of_submitting_early(model):
     assert team_client.max_in_flight == 1 and summary["responses_sent"] == n
 
 
-def test_failing_result_answers_that_batch_with_client_error_and_later_ones_normally(model):
+@pytest.mark.parametrize("inline_steps", [False, True])
+def test_failing_result_answers_that_batch_with_client_error_and_later_ones_normally(model, inline_steps):
     n = 30
     symbols, features = _stream(n, seed=4)
     recorder = Recorder()
@@ -613,7 +632,7 @@ def test_failing_result_answers_that_batch_with_client_error_and_later_ones_norm
     handler = _bursts(n, 15, symbols, features, recorder,
                       done=lambda: recorder.errors and len(recorder.answered()) + 3 >= n)
     team_client = PipelinedClient(model, fail_on_id=7)
-    _play_pipelined(team_client, handler, max_batch=3)
+    _play_pipelined(team_client, handler, max_batch=3, inline_steps=inline_steps)
 
     failed = team_client.failed_ids
     assert 7 in failed and len(failed) == 3
@@ -626,7 +645,8 @@ def test_failing_result_answers_that_batch_with_client_error_and_later_ones_norm
     _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
 
 
-def test_failing_submit_batch_answers_that_batch_with_client_error(model):
+@pytest.mark.parametrize("inline_steps", [False, True])
+def test_failing_submit_batch_answers_that_batch_with_client_error(model, inline_steps):
     symbols, features = _stream(6)
     recorder = Recorder()
 
@@ -642,12 +662,13 @@ def test_failing_submit_batch_answers_that_batch_with_client_error(model):
         await recorder.pump(ws, lambda: recorder.errors and len(recorder.answered()) >= 5)
         await ws.close(1000)
 
-    _play_pipelined(FailingSubmit(model), handler, max_batch=1)
+    _play_pipelined(FailingSubmit(model), handler, max_batch=1, inline_steps=inline_steps)
     assert recorder.answered() == {0, 2, 3, 4, 5}
     assert "unique_ids [1] not answered: ValueError: bad batch" in recorder.errors[0]
 
 
-def test_stopping_keeps_every_submitted_step(model):
+@pytest.mark.parametrize("inline_steps", [False, True])
+def test_stopping_keeps_every_submitted_step(model, inline_steps):
     n = 30
     symbols, features = _stream(n, seed=5)
     recorder = Recorder()
@@ -655,7 +676,7 @@ def test_stopping_keeps_every_submitted_step(model):
     handler = _bursts(n, n, symbols, features, recorder, done=recorder.answered)  # closes with steps in flight
 
     team_client = PipelinedClient(model, hold_s=0.02)
-    client, _ = _play_pipelined(team_client, handler, max_batch=1)
+    client, _ = _play_pipelined(team_client, handler, max_batch=1, inline_steps=inline_steps)
 
     submitted = [uid for _, uid in team_client.stepped]
     assert submitted == list(range(len(submitted))) and len(submitted) < n  # it stopped mid-stream...
@@ -664,7 +685,56 @@ def test_stopping_keeps_every_submitted_step(model):
     assert _no_model_threads_left()
 
 
-def test_a_client_with_only_process_batch_runs_the_single_worker(model):
+def test_inline_steps_run_on_the_event_loop_with_no_model_thread(model):
+    """With inline_steps the event loop submits each step, sees it end by polling, and sends its answer: no
+    submitter or completer thread runs, and the answers are those of the threads' way, in order."""
+    n = 30
+    symbols, features = _stream(n, seed=21)
+    recorder = Recorder()
+    seen_threads = set()
+
+    class Watched(JoiningDevice):
+        def submit_batch(self, requests_by_symbol):
+            seen_threads.update(t.name for t in threading.enumerate() if t.name.startswith("model-"))
+            seen_threads.add(threading.current_thread().name)
+            return super().submit_batch(requests_by_symbol)
+
+    team_client = Watched(model, step_s=0.02)
+    client, summary = _play_pipelined(team_client, _paced(n, 0.008, symbols, features, recorder),
+                                      pipeline_min_batch=1, inline_steps=True, timeline=True)
+    assert seen_threads == {"MainThread"}  # every submit from the event loop's thread, no model thread beside it
+    expected = _expected(model, symbols, features, range(n))
+    assert sorted(uid for uid, _ in recorder.responses) == list(range(n))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+    _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
+    assert summary["responses_sent"] == n
+    for stages in client.timeline.values():
+        order = [stages[s] for s in ("received", "batched", "submitted", "done", "answered")]
+        assert order == sorted(order)
+
+
+def test_inline_steps_wait_on_the_loop_for_a_step_that_cannot_say_it_ended(model):
+    """A team client's pending step without done(): the loop takes it as ended and its result() waits there; every
+    request is still answered, in order."""
+    n = 12
+    symbols, features = _stream(n, seed=22)
+    recorder = Recorder()
+
+    class NoDone(PipelinedClient):
+        def submit_batch(self, requests_by_symbol):
+            pending = super().submit_batch(requests_by_symbol)
+            return SimpleNamespace(result=pending.result)  # no done()
+
+    team_client = NoDone(model)
+    _play_pipelined(team_client, _bursts(n, 4, symbols, features, recorder), pipeline_min_batch=1,
+                    inline_steps=True)
+    assert recorder.answered() == set(range(n))
+    _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
+
+
+@pytest.mark.parametrize("inline_steps", [False, True])  # inline steps need submit_batch: the worker stays
+def test_a_client_with_only_process_batch_runs_the_single_worker(model, inline_steps):
     n = 12
     symbols, features = _stream(n, seed=6)
     recorder = Recorder()
@@ -684,7 +754,7 @@ def test_a_client_with_only_process_batch_runs_the_single_worker(model):
         await recorder.pump(ws, lambda: len(recorder.answered()) >= n)
         await ws.close(1000)
 
-    asyncio.run(_play(handler, ProcessOnly()))
+    asyncio.run(_play(handler, ProcessOnly(), inline_steps=inline_steps))
     expected = _expected(model, symbols, features, range(n))
     assert recorder.answered() == set(range(n))
     for uid, prediction in recorder.responses:
@@ -697,7 +767,7 @@ class _DeviceStep(PendingStep):
     """One step of JoiningDevice: it reads its rows (the formed ones and those joined so far) when it starts."""
 
     def __init__(self, rows, room, miss, fate_fails=lambda uid: False, ready=lambda symbol: True, refuse=()):
-        super().__init__(self._answer)
+        super().__init__(self._answer, poll=lambda: self.finished.is_set())
         self.rows, self.room, self.miss = rows, room, miss  # miss(uid): a join the device reads too late
         self.ready = ready  # ready(symbol): False while its state is on its way (a join of it is refused)
         self.refuse = refuse  # symbols whose joins it refuses (as the engine one with no slot on the GPU yet)
@@ -884,8 +954,8 @@ def test_requests_that_arrive_while_a_step_is_submitted_join_it_once_it_is(model
     assert joined_during_submit  # received before its step was submitted, and joined to it
 
 
-@pytest.mark.parametrize("queued_behind", [0, 1])
-def test_a_state_that_lands_while_the_pipeline_is_full_joins_the_queued_step(model, queued_behind):
+@pytest.mark.parametrize("queued_behind, inline_steps", [(0, False), (1, False), (0, True), (1, True)])
+def test_a_state_that_lands_while_the_pipeline_is_full_joins_the_queued_step(model, queued_behind, inline_steps):
     """Steps A and B on the device (B queued), then a request of a symbol whose state is still on its way: when
     the state lands before B starts, the request joins B rather than waiting for the step after. With a second
     request of that symbol queued behind it, neither joins (the later one must follow it): both go to a later
@@ -907,7 +977,7 @@ def test_a_state_that_lands_while_the_pipeline_is_full_joins_the_queued_step(mod
         await recorder.pump(ws, lambda: len(recorder.answered()) >= len(symbols))
         await ws.close(1000)
 
-    client, _ = _play_pipelined(team_client, handler, pipeline_min_batch=1)
+    client, _ = _play_pipelined(team_client, handler, pipeline_min_batch=1, inline_steps=inline_steps)
     expected = _expected(model, symbols, features, range(len(symbols)))
     assert recorder.answered() == set(range(len(symbols)))
     for uid, prediction in recorder.responses:

@@ -78,15 +78,21 @@ class Sequences:
 
 class PendingStep:
     """A submitted step's outcome: result() blocks until it is ready and returns it, the same object on
-    every call and from any thread (the lock makes the first caller the only one that fetches it)."""
+    every call and from any thread (the lock makes the first caller the only one that fetches it).
 
-    def __init__(self, fetch=None, *, value=None):
-        self._fetch, self._value = fetch, value
+    done() says, without waiting, whether result() would return at once: `poll` (a callable) is asked while the
+    step is on its way; a step without one cannot tell and says True (its result() then waits)."""
+
+    def __init__(self, fetch=None, *, value=None, poll=None):
+        self._fetch, self._value, self._poll = fetch, value, poll
         self._lock = threading.Lock()
 
     @classmethod
     def completed(cls, value) -> "PendingStep":
         return cls(value=value)
+
+    def done(self) -> bool:
+        return self._fetch is None or self._poll is None or bool(self._poll())
 
     def result(self):
         with self._lock:

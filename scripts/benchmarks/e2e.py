@@ -14,6 +14,7 @@ def line(numbers) -> str:
             f"accuracy {fmt(numbers['accuracy'], 4)}, {fmt(numbers['responses_per_s'], 1)} responses/s"
             + (f", joins {joins['taken']} ({joins['missed']} missed)" if (joins := numbers.get("joins")) else "")
             + ("" if numbers.get("join_queued", True) else ", joins off")
+            + (", inline steps" if numbers.get("inline_steps") else "")
             + (", CPUs kept awake" if numbers.get("awake_cpus") else "")
             + (", frames compressed" if numbers.get("ws_compression") else ""))
 

@@ -229,15 +229,16 @@ class Bench:
     def forming_ms(self, run=0) -> dict:
         """The step clock's settings given for a served section's run `run`, in milliseconds ({late_after_ms,
         form_margin_ms, punctual_late_after_ms}, each of --late-after-ms, --form-margin-ms and
-        --punctual-late-after-ms in turn), and join_queued (--join in turn); those not given are left out: the
-        runtime's defaults."""
+        --punctual-late-after-ms in turn), join_queued (--join in turn) and inline_steps (--inline-steps in turn);
+        those not given are left out: the runtime's defaults."""
         given = {"late_after_ms": self.args.late_after_ms, "form_margin_ms": self.args.form_margin_ms,
-                 "punctual_late_after_ms": self.args.punctual_late_after_ms, "join_queued": self.args.join}
+                 "punctual_late_after_ms": self.args.punctual_late_after_ms, "join_queued": self.args.join,
+                 "inline_steps": self.args.inline_steps}
         return {key: values[run % len(values)] for key, values in given.items() if values}
 
     def forming(self, run=0) -> dict:
         """forming_ms as serve_stream's keyword arguments (late_after_s, form_margin_s, punctual_late_after_s in
-        seconds; join_queued)."""
+        seconds; join_queued, inline_steps)."""
         given = {}
         for key, value in self.forming_ms(run).items():
             if key.endswith("_ms"):

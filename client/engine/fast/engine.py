@@ -69,6 +69,10 @@ class Staging:
         self.columns = [shard.columns for shard in shards]
         self.step: PendingStep | None = None  # the last step that used these buffers
 
+    def ended(self) -> bool:
+        """Whether every GPU has ended the step and its read-back (without waiting)."""
+        return all(done.query() for done in self.done)
+
     def read_back(self, batch, step_times=None):
         out = np.empty((batch, NUM_TOWERS), dtype=np.float32)  # a copy: the buffers are reused by a later step
         for done, host, columns in zip(self.done, self.outs, self.columns):
@@ -88,7 +92,7 @@ class JoinableStep(PendingStep):
     join order; a join that did not make it has a row of NaN (and its symbol's state is untouched)."""
 
     def __init__(self, engine, staging, symbols, restore, capacity, ahead):
-        super().__init__(self._read)
+        super().__init__(self._read, poll=staging.ended)
         self.engine, self.staging, self.restore, self.capacity = engine, staging, restore, capacity
         self.formed, self.ahead = len(restore), ahead  # ahead: the staging of the step it queues behind
         self.symbols = set(symbols)
@@ -404,7 +408,7 @@ class FastEngine(Engine):
             for rows, step in pending:
                 out[rows] = step.result()
             return out
-        return PendingStep(gather)
+        return PendingStep(gather, poll=lambda: all(step.done() for _, step in pending))
 
     def _split(self, sequences: Sequences):
         """[(Sequences of a part, its rows of the step)]: parts of at most max_batch symbols and
@@ -449,7 +453,7 @@ class FastEngine(Engine):
             self._launch(sequences, grouped, staging, index, shape)
         restore = _restore(sequences.order)  # after the launch: only the answer needs it
         if room is None:
-            staging.step = PendingStep(lambda: staging.read_back(total, self.step_times)[restore])
+            staging.step = PendingStep(lambda: staging.read_back(total, self.step_times)[restore], poll=staging.ended)
         else:
             staging.step = JoinableStep(self, staging, sequences.symbols, restore, shape.sequences, ahead)
         return staging.step
