@@ -225,9 +225,10 @@ class StreamingClient:
         # on each of its turns, instead of handing each request to a submitter thread and each answer back from a
         # completer: no thread waits to be woken on a request's way (a host that stalls its CPUs makes each such
         # wake-up a chance of milliseconds, bench/LOG.md sections 49-61); it spins one CPU while a step is in flight.
-        # A team client with process_batch alone keeps its worker thread.
+        # A team client with process_batch alone keeps its worker thread. No timed wait: late_wakes stays 0.
         self.inline_steps = inline_steps and callable(getattr(team_client, "submit_batch", None))
         self._pump_handle: asyncio.Handle | None = None
+        self._look_for_joins_at = 0.0  # when _pump next looks for landed states to join (time.monotonic())
         self._loop_thread: int | None = None
         for name, value in (("late_after_s", late_after_s), ("form_margin_s", form_margin_s),
                             ("punctual_late_after_s", punctual_late_after_s)):
@@ -318,7 +319,7 @@ class StreamingClient:
             self._prefetches.put(None)
             for thread in threads:  # the completer still answers every step already submitted
                 await asyncio.to_thread(thread.join)
-            while self._steps:  # inline steps: _pump still answers every step already submitted
+            while self.inline_steps and self._steps:  # _pump still answers every step already submitted
                 await asyncio.sleep(READY_POLL_S)
             if self._send_tasks:
                 await asyncio.gather(*self._send_tasks, return_exceptions=True)
@@ -688,8 +689,11 @@ class StreamingClient:
         if not self._worker_stopping:
             with self._work_ready:
                 if (delay := self._submit_in()) != 0:
-                    if delay is None and len(self._scheduler):
-                        self._join_waiting()  # a state that landed joins the step queued behind the one in flight
+                    if delay is None and len(self._scheduler) and time.monotonic() >= self._look_for_joins_at:
+                        # a state that landed joins the step queued behind the one in flight (looked for every
+                        # READY_POLL_S, not on every turn: it asks the team client whether each waiting state is ready)
+                        self._look_for_joins_at = time.monotonic() + READY_POLL_S
+                        self._join_waiting()
                     batch, again = None, delay
                 elif not (batch := self._next_batch()):  # every waiting symbol's state is still on its way
                     again = READY_POLL_S
@@ -931,11 +935,15 @@ class StreamingClient:
         self._on_loop(self._on_requests_failed, [r.unique_id for r in batch], f"{type(exc).__name__}: {exc}")
 
     def _on_loop(self, callback, *args):
-        """Run callback(*args) on the event loop: now where this is its thread (inline steps), else handed to it."""
-        if threading.get_ident() == self._loop_thread:
-            callback(*args)
-        else:
+        """Run callback(*args) on the event loop: now where this is its thread (inline steps), else handed to it;
+        either way an exception it raises is logged and goes no further, as the loop does with its callbacks."""
+        if threading.get_ident() != self._loop_thread:
             self._loop.call_soon_threadsafe(callback, *args)
+            return
+        try:
+            callback(*args)
+        except Exception:
+            log.exception("answering unique ids failed")
 
     # ---- sending (event loop thread) -------------------------------------------------------------
     def _on_batch_done(self, ids, predictions):
@@ -975,9 +983,14 @@ class StreamingClient:
 
 
 def _ended(pending) -> bool:
-    """Whether a pending step has ended (its done(), where it has one: without, result() is left to wait)."""
+    """Whether a pending step has ended (its done(), where it has one: without, or where it fails, result() is
+    left to wait or to say what failed)."""
     done = getattr(pending, "done", None)
-    return done is None or bool(done())
+    try:
+        return done is None or bool(done())
+    except Exception:  # a failing team client must not stop the loop's steps: result() answers for the step
+        log.exception("team client's done() failed; taking the step's result")
+        return True
 
 
 def _named(answer) -> set | None:

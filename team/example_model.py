@@ -117,7 +117,7 @@ class ExampleModel:
             return _JoinableAnswer(step, unique_ids, errors)
         if not hasattr(step, "parts"):
             return PendingStep(lambda: {"unique_ids": unique_ids, "predictions": step.result(), "errors": errors},
-                               poll=step.done)
+                               poll=getattr(step, "done", None))
         return PendingStep(lambda: _answer_parts(step, unique_ids, errors), poll=getattr(step, "done", None))
 
 
@@ -128,7 +128,7 @@ class _JoinableAnswer(PendingStep):
     that made it."""
 
     def __init__(self, step, unique_ids, errors):
-        super().__init__(self._answer, poll=step.done)
+        super().__init__(self._answer, poll=getattr(step, "done", None))
         self.step, self.unique_ids, self.errors = step, unique_ids, errors
         self.joined = {}  # unique_id -> its index among the step's joins
 
@@ -241,10 +241,12 @@ def parse_args(argv=None):
     if args.cluster is None:  # with --cluster ray the shards' device and engine follow the cluster's GPUs
         args.device = args.device or args.local_device
         args.engine = args.engine or ("fast" if cuda else "reference")
-    if args.inline_steps and (args.engine != "fast" or not str(args.device).startswith("cuda")):
-        # the fast engine's submit returns while the GPU steps; a step computed in submit would hold the loop
-        parser.error("--inline-steps needs --engine fast on a CUDA device: other engines compute a step in "
-                     "submit, which would hold the event loop that receives")
+    if args.inline_steps and (args.engine != "fast" or not str(args.device).startswith("cuda") or args.gpus > 1
+                              or args.cluster):
+        # the fast engine's submit returns while its GPU steps, and its step says when it has ended; a step
+        # computed in submit, or a sharded one (which cannot say), would hold the loop
+        parser.error("--inline-steps needs --engine fast on one CUDA device: other engines compute a step in "
+                     "submit or wait for it, which would hold the event loop that receives")
     if args.preset is None:
         args.preset = "full" if cuda else "tiny"
         print(f"--preset not given: using {args.preset} ({'CUDA present' if cuda else 'no CUDA'})", file=sys.stderr)

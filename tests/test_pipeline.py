@@ -733,6 +733,26 @@ def test_inline_steps_wait_on_the_loop_for_a_step_that_cannot_say_it_ended(model
     _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
 
 
+def test_inline_steps_go_on_past_a_done_that_raises(model, caplog):
+    """A team client's done() that raises is logged and the step taken as ended: its result() answers it, and the
+    loop goes on stepping the rest."""
+    n = 12
+    symbols, features = _stream(n, seed=23)
+    recorder = Recorder()
+
+    class FailingDone(PipelinedClient):
+        def submit_batch(self, requests_by_symbol):
+            pending = super().submit_batch(requests_by_symbol)
+            pending.done = lambda: 1 / 0
+            return pending
+
+    team_client = FailingDone(model)
+    _play_pipelined(team_client, _bursts(n, 4, symbols, features, recorder), pipeline_min_batch=1,
+                    inline_steps=True)
+    assert recorder.answered() == set(range(n))
+    assert "team client's done() failed" in caplog.text
+
+
 @pytest.mark.parametrize("inline_steps", [False, True])  # inline steps need submit_batch: the worker stays
 def test_a_client_with_only_process_batch_runs_the_single_worker(model, inline_steps):
     n = 12
