@@ -167,9 +167,9 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     "steps" is the runtime's step log (StreamingClient.steps). late_after_s: the runtime's step clock forms the next
     step late behind steps this long (punctual_late_after_s: while the host wakes its submitter on time), form_margin_s
     before its learned times say (None: its defaults); join_queued, inline_steps: the runtime's (None: its
-    defaults). The summary's
-    "late_wakes" and "latest_wake_ms": how many of the runtime's waits to form a step late ended late
-    (client/step_clock.py LATE_WAKE_S), and the latest any ended; "joins": the runtime's joins taken and missed."""
+    defaults). The summary's "late_wakes" and "latest_wake_ms": how many of the runtime's waits to form a step late
+    ended late (client/step_clock.py LATE_WAKE_S), and the latest any ended; "joins": the runtime's joins taken and
+    missed."""
     from client.runtime import StreamingClient
     from client.stalls import StallProbe
     from team.example_model import ExampleModel
