@@ -102,8 +102,10 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     assert isinstance(e2e["late_wakes"], int) and e2e["late_wakes"] >= 0 and e2e["latest_wake_ms"] >= 0
     # the floor's four clients served the same stream in turn, each answering every request
     (floor_round,) = data["floor"]["rounds"]
-    assert list(floor_round) == ["echo", "runtime", "engine", "stand-in"]
-    for rung in floor_round.values():
+    assert list(floor_round) == ["echo", "runtime", "engine", "stand-in", "options"]
+    options = floor_round["options"]  # the run's runtime options, as given (and as the e2e section's run took them)
+    assert options["late_after_ms"] == 6.0 and options == {key: e2e[key] for key in options}
+    for rung in (floor_round[name] for name in ("echo", "runtime", "engine", "stand-in")):
         assert rung["missed"] == 0 and rung["responses"] == rung["requests"]
         assert 0 < rung["p50_ms"] <= rung["p99_ms"] <= rung["max_ms"]
     # the stand-in took the engine's served times: its answers come no sooner than its submit and shortest step

@@ -144,10 +144,11 @@ def run(bench):
             sessions["engine"] = {**session_numbers(served), **taken}
             stand_in = StandInTeam(step_ms_of(taken["step_ms"]), taken["submit_ms"], max_batch=engine.max_batch)
             sessions["stand-in"] = _numbers(serve_runtime(bench, stream, stand_in, i))
-            rounds.append({**sessions, **bench.forming_ms(i)})  # the run's runtime options, where given
+            options = bench.forming_ms(i)  # the run's runtime options, where given
+            rounds.append({**sessions, "options": options} if options else sessions)
             bench.report.update(floor={"rounds": rounds})
             bench.progress(f"floor round {i + 1}/{bench.counts.e2e_runs}"
-                           + (" (inline steps)" if bench.forming_ms(i).get("inline_steps") else "") + ": " + "; ".join(
+                           + (" (inline steps)" if options.get("inline_steps") else "") + ": " + "; ".join(
                 f"{rung} p50 {fmt(s['p50_ms'])} p99 {fmt(s['p99_ms'])} ms" for rung, s in sessions.items())
                 + f"; the engine's submit {fmt(taken['submit_ms'])} ms, steps by symbols (served ms) "
                 + ", ".join(f"{b}: {fmt(ms)}" for b, ms in taken["step_ms"].items()))
@@ -166,5 +167,5 @@ def summary(data) -> list[str]:
         lines.append(f"  round {i + 1}: " + ", ".join(
             f"{fmt(sessions[rung]['p50_ms'])} / {fmt(sessions[rung]['p99_ms'])}" for rung in RUNGS)
             + f"; {fmt(engine['submit_ms'])}, {fmt(engine['step_ms'].get('1'))}"
-            + (", inline steps" if sessions.get("inline_steps") else ""))
+            + (", inline steps" if sessions.get("options", {}).get("inline_steps") else ""))
     return lines
