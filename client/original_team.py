@@ -72,6 +72,11 @@ class OriginalStyleClient:
             self.submit_batch = self._submit_batch  # the runtime pipelines a client that has it
 
     @property
+    def steps_in_background(self) -> bool:
+        """Only where the team code says so itself (client/team_api.py): its submit_batch may compute the step."""
+        return getattr(self.team_client, "steps_in_background", False) is True
+
+    @property
     def engine(self):
         """The team code's engine (the evaluator closes it and reports a sharded engine's losses)."""
         return getattr(self.team_client, "engine", None)

@@ -43,6 +43,14 @@ def moves_states(team_client) -> bool:
     return getattr(team_client, "moves_states", True) is not False
 
 
+def steps_in_background(team_client) -> bool:
+    """Whether the team client's submit_batch returns while its step runs (the fast engine on one GPU) and the
+    pending step's done() says when it has ended (its `steps_in_background`, False when it does not say): the
+    runtime then submits and polls from its event loop by default (inline steps, runtime.py)."""
+    return callable(getattr(team_client, "submit_batch", None)) and getattr(team_client, "steps_in_background",
+                                                                            False) is True
+
+
 def step_symbols(team_client) -> int | None:
     """Symbols one step of the team client holds (its `max_batch`, e.g. the example's engine's), None when it
     does not say: the runtime forms a step at once when it is already full (runtime.py, _submit_in)."""

@@ -159,7 +159,8 @@ def parse_args(argv=None):
     parser.add_argument("--inline-steps", type=_list_of(_on_off), metavar="on|off[,...]",
                         help="served sections: the runtime's event loop submits the steps and polls their ends "
                              "itself, no thread handing requests and answers on (the runtime's inline_steps; "
-                             "default off); several: in turn, as --late-after-ms")
+                             "default: the runtime's, on where the engine steps in the background, the fast engine "
+                             "on one GPU); several: in turn, as --late-after-ms")
     parser.add_argument("--max-requests-per-symbol", type=cli.positive_int, default=DEFAULT_REQUESTS_PER_SYMBOL,
                         metavar="K", help="requests of one symbol a step may carry (default "
                                           f"{DEFAULT_REQUESTS_PER_SYMBOL}); maxrate and backlog also run K = 1")

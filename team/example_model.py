@@ -63,6 +63,11 @@ class ExampleModel:
         return getattr(self.engine, "max_batch", None)
 
     @property
+    def steps_in_background(self) -> bool:
+        """Whether the engine's steps run while submit_batch returns and say when they end (client/team_api.py)."""
+        return getattr(self.engine, "steps_in_background", False) is True
+
+    @property
     def step_rows(self) -> tuple[int, ...]:
         """Rows the engine's steps of several requests a symbol run at, for the runtime's step clock."""
         return getattr(self.engine, "step_rows", ())
@@ -166,6 +171,8 @@ def _answer_parts(step, unique_ids, errors) -> dict:
 
 
 PROG = "team/example_model.py"
+# --inline-steps as the runtime takes it: auto leaves it to the team client (client/team_api.py steps_in_background)
+INLINE_STEPS = {"auto": None, "on": True, "off": False}
 # What the user can do about each way a session can end badly (the runtime's outcome says what happened).
 OUTCOME_HINTS = {
     "unreachable": "is the server running there? check --host and --port",
@@ -220,10 +227,10 @@ def parse_args(argv=None):
     parser.add_argument("--server-idle-s", type=cli.positive_float, default=SERVER_IDLE_S, metavar="S",
                         help=f"leave (exit 6) when the server sends nothing, not even a heartbeat, for S seconds "
                              f"(default {SERVER_IDLE_S:g}: three of its heartbeats)")
-    parser.add_argument("--inline-steps", action="store_true",
+    parser.add_argument("--inline-steps", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                         help="the event loop submits the steps and polls their ends itself, with no thread handing "
-                             "a request or an answer on (it keeps a CPU busy while a step runs; for hosts that are "
-                             "slow to wake threads; the fast engine on a GPU only)")
+                             "a request or an answer on (it keeps a CPU busy while a step runs); on needs the fast "
+                             "engine on one GPU; auto (default): on there, off elsewhere")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     if args.host is not None and args.port is None:
@@ -241,7 +248,7 @@ def parse_args(argv=None):
     if args.cluster is None:  # with --cluster ray the shards' device and engine follow the cluster's GPUs
         args.device = args.device or args.local_device
         args.engine = args.engine or ("fast" if cuda else "reference")
-    if args.inline_steps and (args.engine != "fast" or not str(args.device).startswith("cuda") or args.gpus > 1
+    if args.inline_steps == "on" and (args.engine != "fast" or not str(args.device).startswith("cuda") or args.gpus > 1
                               or args.cluster):
         # the fast engine's submit returns while its GPU steps, and its step says when it has ended; a step
         # computed in submit, or a sharded one (which cannot say), would hold the loop
@@ -349,7 +356,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
         client = StreamingClient(team_client, url, args.team, args.token, preset=args.preset,
                                  weights_fingerprint=fingerprint, allow_weights_mismatch=args.allow_weights_mismatch,
                                  leave_at_end=True, max_requests_per_symbol=args.max_requests_per_symbol,
-                                 server_idle_s=args.server_idle_s, inline_steps=args.inline_steps,
+                                 server_idle_s=args.server_idle_s, inline_steps=INLINE_STEPS[args.inline_steps],
                                  on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome, engine_text),
                                                                   file=sys.stderr))
         # A lost shard is said in the summary and to the server (its leaderboard), not only on stderr.

@@ -265,6 +265,32 @@ def test_fast_engine_joins_requests_to_a_step_queued_behind_another_on_gpu():
 
 
 @cuda
+def test_the_example_on_one_gpu_runs_its_steps_inline_by_default_with_the_references_answers(model):
+    """On one GPU the fast engine's steps run in the background: the runtime, left to its default, submits each
+    step from its event loop (no model thread beside it) and polls its end; every answer is the reference's."""
+    engine = FastEngine(load_model("tiny", seed=1, device="cuda")[0], device="cuda", max_batch=8, capacity=8,
+                        host_symbols=0, progress=False)
+    n = 40
+    symbols, features = _stream(n, seed=31)
+    recorder = Recorder()
+    seen_threads = set()
+
+    class Watched(ExampleModel):
+        def submit_batch(self, requests_by_symbol):
+            seen_threads.update(t.name for t in threading.enumerate() if t.name.startswith("model-"))
+            seen_threads.add(threading.current_thread().name)
+            return super().submit_batch(requests_by_symbol)
+
+    client, summary = asyncio.run(_play(_paced(n, 0.003, symbols, features, recorder), Watched(engine),
+                                        pipeline_min_batch=1))
+    assert client.inline_steps and seen_threads == {"MainThread"}
+    assert sorted(uid for uid, _ in recorder.responses) == list(range(n)) and summary["responses_sent"] == n
+    expected = _expected(model, symbols, features, range(n))  # the same seed's weights, fp32 on the CPU
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=0, atol=2e-3)
+
+
+@cuda
 def test_fast_engine_submit_leaves_the_callers_stream_current():
     """A submit sets the engine's step stream for its launch and puts the caller's stream back (by its id)."""
     model, _ = load_model("small", seed=0, device="cuda")
@@ -712,6 +738,35 @@ def test_inline_steps_run_on_the_event_loop_with_no_model_thread(model):
     for stages in client.timeline.values():
         order = [stages[s] for s in ("received", "batched", "submitted", "done", "answered")]
         assert order == sorted(order)
+
+
+@pytest.mark.parametrize("declared, inline_steps, expected", [
+    (True, None, True), (None, None, False), (1, None, False), (True, False, False), (None, True, True)])
+def test_inline_steps_by_default_exactly_where_the_team_client_says_its_steps_run_in_the_background(
+        model, declared, inline_steps, expected):
+    """Left to the runtime (inline_steps None), the event loop runs the steps itself where the team client's
+    steps_in_background is True (nothing else counts), and threads run them otherwise; given, the runtime does as
+    told. Either way every request is answered, in order."""
+    n = 12
+    symbols, features = _stream(n, seed=24)
+    recorder = Recorder()
+    submitted_on = set()
+
+    class Declaring(JoiningDevice):
+        def submit_batch(self, requests_by_symbol):
+            submitted_on.add(threading.current_thread().name)
+            return super().submit_batch(requests_by_symbol)
+
+    team_client = Declaring(model, step_s=0.01)
+    if declared is not None:
+        team_client.steps_in_background = declared
+    options = {} if inline_steps is None else {"inline_steps": inline_steps}
+    client, _ = _play_pipelined(team_client, _bursts(n, 4, symbols, features, recorder), pipeline_min_batch=1,
+                                **options)
+    assert client.inline_steps is expected
+    assert (submitted_on == {"MainThread"}) is expected
+    assert recorder.answered() == set(range(n))
+    _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
 
 
 def test_inline_steps_wait_on_the_loop_for_a_step_that_cannot_say_it_ended(model):

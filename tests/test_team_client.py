@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -43,6 +44,24 @@ def test_the_example_says_how_many_symbols_its_engines_step_holds():
     assert team_api.step_symbols(ExampleModel(fast)) == 6
     assert team_api.step_symbols(ExampleModel(ReferenceEngine(model))) is None  # no bound: never "full"
     assert team_api.step_symbols(object()) is None
+
+
+def test_the_example_runs_its_steps_inline_only_where_the_engine_steps_in_the_background():
+    """The runtime's default mode follows the engine: on the CPU the fast engine's submit computes the step, so the
+    runtime keeps its threads; the reference engine, an object or a client without submit_batch never say
+    otherwise (a GPU test checks the fast engine on CUDA)."""
+    from client import team_api
+    from client.engine.fast import FastEngine
+    from client.runtime import StreamingClient
+
+    model = load_model("tiny", seed=2)[0]
+    on_cpu = ExampleModel(FastEngine(model, device="cpu", capacity=4, progress=False))
+    assert on_cpu.engine.steps_in_background is False and not team_api.steps_in_background(on_cpu)
+    assert not StreamingClient(on_cpu, "ws://x", "team").inline_steps
+    assert not team_api.steps_in_background(ExampleModel(ReferenceEngine(model)))
+    assert not team_api.steps_in_background(SimpleNamespace(steps_in_background=True))  # no submit_batch
+    assert not team_api.steps_in_background(SimpleNamespace(submit_batch=print, steps_in_background="yes"))
+    assert team_api.steps_in_background(SimpleNamespace(submit_batch=print, steps_in_background=True))
 
 
 def test_the_example_offers_prefetch_and_ready_only_where_states_move():
@@ -98,6 +117,17 @@ def test_preset_default_is_announced(capsys):
     args = parse_args([])
     assert args.preset in ("full", "tiny")
     assert f"--preset not given: using {args.preset}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, mode", [([], None), (["--inline-steps", "auto"], None),
+                                         (["--inline-steps", "off"], False), (["--inline-steps", "off", "--device",
+                                                                               "cpu"], False)])
+def test_inline_steps_default_to_the_engines_word_and_can_be_turned_off(argv, mode):
+    """auto (the default) leaves inline steps to the runtime, which asks the engine (client/team_api.py); off keeps
+    the runtime's threads anywhere; on is refused off the fast engine on a GPU (the one-line mistakes below)."""
+    from team.example_model import INLINE_STEPS
+
+    assert INLINE_STEPS[parse_args(argv).inline_steps] is mode
 
 
 def last_line(stderr) -> str:
@@ -257,7 +287,7 @@ def test_server_stopping_mid_stream_cuts_the_client_short(tmp_path, targets_cach
     (["--team", "x" * 65], "argument --team: a team name is 1..64 printable characters, got "),
     (["--host", "127.0.0.1", "--port", "-1"], "argument --port: must be a port number in 1..65535, got '-1'"),
     (["--json", "/no/such/folder/summary.json"], "argument --json: no such folder: /no/such/folder"),
-    (["--inline-steps", "--device", "cpu"], "--inline-steps needs --engine fast on one CUDA device: other engines "
+    (["--inline-steps", "on", "--device", "cpu"], "--inline-steps needs --engine fast on one CUDA device: other engines "
                                             "compute a step in submit or wait for it, which would hold the event "
                                             "loop that receives"),
 ])

@@ -187,6 +187,9 @@ class FastEngine(Engine):
         _check_devices(devices)
         start = time.perf_counter()
         self.device, self.devices, self.max_batch = devices[0], devices, max_batch
+        # On one GPU submit returns while the step runs, and the step's done() queries its events: the runtime may
+        # submit and poll from its event loop (client/team_api.py steps_in_background); on the CPU submit computes.
+        self.steps_in_background = len(devices) == 1 and devices[0].type == "cuda"
         self.state_storage = state_storage
         self.compile_s = None  # seconds of compiling: torch.compile's probe, then every graph the step needs
         if compile:
