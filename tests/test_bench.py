@@ -34,7 +34,7 @@ def _load_bench():
 
 
 CPU_SECTIONS = ["copy", "step", "baseline", "accuracy", "precisions", "state_dtypes", "e2e", "floor", "maxrate",
-                "churn", "capacity", "swap", "gpus", "shards"]  # compile: tests/test_compile.py
+                "churn", "capacity", "backlog", "swap", "gpus", "shards"]  # compile: tests/test_compile.py
 
 
 def test_quick_cpu_run_writes_every_key(tmp_path):
@@ -100,11 +100,20 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     assert e2e["responses"] == e2e["requests"] and e2e["accuracy"] >= 0.9
     assert e2e["late_after_ms"] == 6.0 and e2e["form_margin_ms"] == 0.5 and e2e["punctual_late_after_ms"] == 0.0
     assert isinstance(e2e["late_wakes"], int) and e2e["late_wakes"] >= 0 and e2e["latest_wake_ms"] >= 0
+    # the CPU engine computes its step in submit: the runtime keeps its threads (inline steps only where steps run
+    # in the background), and every served record says so
+    assert e2e["inline_steps"] is False and all(run["inline_steps"] is False for run in data["swap_runs"])
+    assert all(run["inline_steps"] is False for run in data["max_rate_runs"])
+    # the requests the server sent before the resume, every one answered after it, in order
+    for k, numbers in data["backlog"].items():
+        assert numbers["missed"] == 0 and numbers["backlog"] == numbers["answered"] > 0, (k, numbers)
+        assert numbers["drain_ms"] >= 0 and numbers["backlog_p99_ms"] > 0
     # the floor's four clients served the same stream in turn, each answering every request
     (floor_round,) = data["floor"]["rounds"]
     assert list(floor_round) == ["echo", "runtime", "engine", "stand-in", "options"]
     options = floor_round["options"]  # the run's runtime options, as given (and as the e2e section's run took them)
     assert options["late_after_ms"] == 6.0 and options == {key: e2e[key] for key in options}
+    assert all(floor_round[name]["inline_steps"] is False for name in ("runtime", "engine", "stand-in"))
     for rung in (floor_round[name] for name in ("echo", "runtime", "engine", "stand-in")):
         assert rung["missed"] == 0 and rung["responses"] == rung["requests"]
         assert 0 < rung["p50_ms"] <= rung["p99_ms"] <= rung["max_ms"]

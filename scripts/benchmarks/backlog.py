@@ -1,6 +1,6 @@
 """Section backlog: the client stalls (its steps held back) for PAUSE_S while the server streams 400 requests/s
-over 20 symbols, then resumes: the time from the resume until every request that arrived before it is answered,
-and the p99 of those requests' latencies, with several requests of a symbol per step (the run's
+over 20 symbols, then resumes: the time from the resume until the server has the answer to every request it sent
+before it, and the p99 of those requests' latencies, with several requests of a symbol per step (the run's
 --max-requests-per-symbol) and with one."""
 import asyncio
 import threading
@@ -22,7 +22,8 @@ def _pausable(engine):
     from team.example_model import ExampleModel
 
     class PausableClient(ExampleModel):
-        """The example client whose steps wait while `running` is clear: a stalled client process."""
+        """The example client whose steps wait while `running` is clear: a stalled client process (with inline
+        steps its event loop waits too, receiving nothing meanwhile, as a stalled process would)."""
 
         def __init__(self):
             super().__init__(engine)
@@ -52,23 +53,29 @@ def measure_backlog(bench, per_symbol, prefix) -> dict:
         await asyncio.sleep(PAUSE_AT_S)
         team_client.running.clear()
         marks["paused"] = time.monotonic()
-        await asyncio.sleep(PAUSE_S)
-        marks["resumed"] = time.monotonic()
-        team_client.running.set()
+
+        def resume():
+            marks["resumed"] = time.monotonic()
+            team_client.running.set()
+        # resumed from a thread: with inline steps the held submit holds this event loop itself
+        resumer = threading.Timer(PAUSE_S, resume)
+        resumer.start()
+        await asyncio.to_thread(resumer.join)
 
     summary = event_loop.run(serve_stream(engine, stream, targets, E2E_RATE, args.preset, args.seed,
                                           args.pipeline_min_batch, timeline=True, max_requests_per_symbol=per_symbol,
                                           team_client=team_client, during=pause, stacks_dir=args.stacks,
                                           **bench.forming()))
     engine.release(np.unique(stream.symbols).tolist())
-    stages = summary["timeline"]["client"]
-    backlog = [s for s in stages.values()
-               if s["received"] < marks["resumed"] and s.get("answered", np.inf) > marks["paused"]]
-    answered = [s["answered"] for s in backlog if "answered" in s]
-    latencies = [1000 * (s["answered"] - s["received"]) for s in backlog if "answered" in s]
-    return {"requests_per_symbol": per_symbol, "backlog": len(backlog), "answered": len(answered),
-            "drain_ms": 1000 * (max(answered) - marks["resumed"]) if answered else None,
-            "backlog_p99_ms": float(np.percentile(latencies, 99)) if latencies else None,
+    # The server's times (the same monotonic clock): a client whose event loop was held during the pause read the
+    # requests sent meanwhile only after the resume, so its own receive times would leave them out.
+    sent, latency_ms = (np.asarray(summary["timeline"][key], dtype=np.float64) for key in ("sent", "latency_ms"))
+    ends = sent + latency_ms / 1000.0  # NaN: not answered in time
+    backlog = (sent < marks["resumed"]) & ~(ends <= marks["paused"])
+    answered = backlog & np.isfinite(ends)
+    return {"requests_per_symbol": per_symbol, "backlog": int(backlog.sum()), "answered": int(answered.sum()),
+            "drain_ms": 1000 * (ends[answered].max() - marks["resumed"]) if answered.any() else None,
+            "backlog_p99_ms": float(np.percentile(latency_ms[answered], 99)) if answered.any() else None,
             "session_p99_ms": summary["latency_ms"]["p99"], "accuracy": summary["accuracy"],
             "missed": summary["missed"]}
 

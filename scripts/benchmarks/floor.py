@@ -39,12 +39,14 @@ def _until(moment, hold_gil=False):
 class StandInTeam:
     """A team client of the runtime's submit/result kind with no device: submit_batch takes submit_ms, each step
     step_ms(symbols) from when it is submitted or the one ahead of it ends, whichever is later (as steps queue on a
-    device), and answers zeros."""
+    device), and answers zeros. steps_in_background: as the engine it stands in for says (the runtime's default
+    mode, client/team_api.py)."""
 
     requests_per_symbol = "many"
 
-    def __init__(self, step_ms, submit_ms=0.0, max_batch=None):
+    def __init__(self, step_ms, submit_ms=0.0, max_batch=None, steps_in_background=False):
         self.step_ms, self.submit_ms, self.max_batch = step_ms, submit_ms, max_batch
+        self.steps_in_background = steps_in_background
         self._free_at = 0.0  # when the stand-in device ends its last step (perf_counter)
 
     def submit_batch(self, batch) -> "StandInStep":
@@ -114,7 +116,8 @@ def _numbers(summary) -> dict:
     """A session's latency (its answers are zeros: no accuracy)."""
     latency = summary["latency_ms"]
     return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "max_ms": latency["max"],
-            "responses": summary["responses"], "requests": summary["total_requests"], "missed": summary["missed"]}
+            "responses": summary["responses"], "requests": summary["total_requests"], "missed": summary["missed"],
+            **({"inline_steps": summary["inline_steps"]} if "inline_steps" in summary else {})}
 
 
 def serve_runtime(bench, stream, team_client, run, engine=None, targets=None, step_log=False) -> dict:
@@ -132,28 +135,36 @@ def run(bench):
     names = prefixed_names(PREFIX, E2E_SYMBOLS)
     tracker = ReferenceTracker(bench.model, names, bench.device)
     engine, rounds = bench.engine, []
+    background = getattr(engine, "steps_in_background", False)
     try:
         for i in range(bench.counts.e2e_runs):
             stream = prefixed_stream(PREFIX, E2E_SYMBOLS, bench.counts.e2e_requests,
                                      bench.args.seed + 1 + 100 * i, E2E_RATE)
             targets = tracker.targets(stream)
-            sessions = {"echo": serve_echo(bench, stream), "runtime": _numbers(serve_runtime(
-                bench, stream, StandInTeam(lambda symbols: 0.0, max_batch=engine.max_batch), i))}
+            at_once = StandInTeam(lambda symbols: 0.0, max_batch=engine.max_batch, steps_in_background=background)
+            sessions = {"echo": serve_echo(bench, stream),
+                        "runtime": _numbers(serve_runtime(bench, stream, at_once, i))}
             served = serve_runtime(bench, stream, None, i, engine=engine, targets=targets, step_log=True)
             taken = served_times(served["steps"])
             sessions["engine"] = {**session_numbers(served), **taken}
-            stand_in = StandInTeam(step_ms_of(taken["step_ms"]), taken["submit_ms"], max_batch=engine.max_batch)
+            stand_in = StandInTeam(step_ms_of(taken["step_ms"]), taken["submit_ms"], max_batch=engine.max_batch,
+                                   steps_in_background=background)
             sessions["stand-in"] = _numbers(serve_runtime(bench, stream, stand_in, i))
             options = bench.forming_ms(i)  # the run's runtime options, where given
             rounds.append({**sessions, "options": options} if options else sessions)
             bench.report.update(floor={"rounds": rounds})
             bench.progress(f"floor round {i + 1}/{bench.counts.e2e_runs}"
-                           + (" (inline steps)" if options.get("inline_steps") else "") + ": " + "; ".join(
+                           + (" (inline steps)" if sessions["engine"]["inline_steps"] else "") + ": " + "; ".join(
                 f"{rung} p50 {fmt(s['p50_ms'])} p99 {fmt(s['p99_ms'])} ms" for rung, s in sessions.items())
                 + f"; the engine's submit {fmt(taken['submit_ms'])} ms, steps by symbols (served ms) "
                 + ", ".join(f"{b}: {fmt(ms)}" for b, ms in taken["step_ms"].items()))
     finally:
         engine.release(names)
+
+
+def _inline(sessions) -> bool:
+    """Whether a round's engine ran inline steps (a round recorded before the engine's session said: its options)."""
+    return bool(sessions["engine"].get("inline_steps", sessions.get("options", {}).get("inline_steps")))
 
 
 def summary(data) -> list[str]:
@@ -167,5 +178,5 @@ def summary(data) -> list[str]:
         lines.append(f"  round {i + 1}: " + ", ".join(
             f"{fmt(sessions[rung]['p50_ms'])} / {fmt(sessions[rung]['p99_ms'])}" for rung in RUNGS)
             + f"; {fmt(engine['submit_ms'])}, {fmt(engine['step_ms'].get('1'))}"
-            + (", inline steps" if sessions.get("options", {}).get("inline_steps") else ""))
+            + (", inline steps" if _inline(sessions) else ""))
     return lines

@@ -18,6 +18,7 @@ def run(bench):
 def _lines(runs):
     return [f"rate {run['rate']:>8g} req/s: p50 {fmt(run['p50_ms']):>7} ms, p99 {fmt(run['p99_ms']):>7} ms, "
             f"accuracy {fmt(run['accuracy'], 4)}, missed {run['missed']}  {'pass' if run['passed'] else 'FAIL'}"
+            + (" (inline steps)" if run.get("inline_steps") else "")
             for run in runs]
 
 

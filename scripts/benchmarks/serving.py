@@ -169,7 +169,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     before its learned times say (None: its defaults); join_queued, inline_steps: the runtime's (None: its
     defaults). The summary's "late_wakes" and "latest_wake_ms": how many of the runtime's waits to form a step late
     ended late (client/step_clock.py LATE_WAKE_S), and the latest any ended; "joins": the runtime's joins taken and
-    missed."""
+    missed; "inline_steps": whether the runtime ran its steps from its event loop."""
     from client.runtime import StreamingClient
     from client.stalls import StallProbe
     from team.example_model import ExampleModel
@@ -206,7 +206,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
             await beside
         summary = await asyncio.to_thread(server.summary)
         summary.update(late_wakes=client.late_wakes, latest_wake_ms=client.latest_wake_s * 1000.0,
-                       joins=dict(client.joins))
+                       joins=dict(client.joins), inline_steps=client.inline_steps)
         if timeline:
             summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps)
         if step_log:
@@ -256,14 +256,15 @@ def session_numbers(summary) -> dict:
             "responses_per_s": summary["responses_per_s"], "requests": summary["total_requests"],
             "responses": summary["responses"], "missed": summary["missed"], "joins": summary.get("joins"),
             "late_wakes": summary["late_wakes"],
-            "latest_wake_ms": summary["latest_wake_ms"]}
+            "latest_wake_ms": summary["latest_wake_ms"], "inline_steps": summary["inline_steps"]}
 
 
 def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=False, step_log=False,
           run=0) -> dict:
     """session_numbers of `stream` served at `rate` to `engine` with the run's settings (per_symbol: requests of
     a symbol a step may carry, the run's --max-requests-per-symbol by default; run: the section's run, for
-    Bench.forming); with step_log, also its steps by rows (steps_by_rows)."""
+    Bench.forming, whose options given are recorded beside the numbers); with step_log, also its steps by rows
+    (steps_by_rows)."""
     args = bench.args
     summary = event_loop.run(serve_stream(
         engine, stream, targets, rate, args.preset, args.seed, args.pipeline_min_batch,
@@ -272,7 +273,7 @@ def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=
     numbers = session_numbers(summary)
     if step_log:
         numbers["steps_by_rows"] = steps_by_rows(summary["steps"], getattr(engine, "step_rows", ()))
-    return numbers
+    return {**numbers, **bench.forming_ms(run)}
 
 
 def measure_e2e(engine, bench, prefix="E2E_", run=0, ws_compression=False):
@@ -285,7 +286,7 @@ def measure_e2e(engine, bench, prefix="E2E_", run=0, ws_compression=False):
     bench.progress(f"e2e: targets ready; serving {len(stream)} requests at {E2E_RATE:.0f} req/s")
     numbers = serve(bench, engine, stream, targets, E2E_RATE, ws_compression=ws_compression, run=run)
     engine.release(np.unique(stream.symbols).tolist())
-    return {**numbers, **bench.forming_ms(run)}
+    return numbers
 
 
 def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", key="max_rate", rates=None,

@@ -150,7 +150,7 @@ def measure_swap(bench, run=0):
               "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},
               "bandwidth_share": {k: None if transfers[k] is None else transfers[k] / pinned[k] for k in pinned},
               "late_wakes": session["late_wakes"], "latest_wake_ms": session["latest_wake_ms"],
-              "joins": session["joins"]}
+              "joins": session["joins"], "inline_steps": session["inline_steps"]}
     result.update(bench.forming_ms(run))
     engine.release(hot + cold)
     return result
@@ -173,7 +173,7 @@ def run(bench):
 def _rules(args) -> int:
     """How many runs it takes the forming settings given to come round again."""
     return math.lcm(len(args.late_after_ms or [0]), len(args.form_margin_ms or [0]),
-                    len(args.punctual_late_after_ms or [0]), len(args.join or [0]))
+                    len(args.punctual_late_after_ms or [0]), len(args.join or [0]), len(args.inline_steps or [0]))
 
 
 def _hot_tail(result):
