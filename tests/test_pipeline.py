@@ -274,14 +274,8 @@ def test_the_example_on_one_gpu_runs_its_steps_inline_by_default_with_the_refere
     symbols, features = _stream(n, seed=31)
     recorder = Recorder()
     seen_threads = set()
-
-    class Watched(ExampleModel):
-        def submit_batch(self, requests_by_symbol):
-            seen_threads.update(t.name for t in threading.enumerate() if t.name.startswith("model-"))
-            seen_threads.add(threading.current_thread().name)
-            return super().submit_batch(requests_by_symbol)
-
-    client, summary = asyncio.run(_play(_paced(n, 0.003, symbols, features, recorder), Watched(engine),
+    client, summary = asyncio.run(_play(_paced(n, 0.003, symbols, features, recorder),
+                                        _watching_threads(ExampleModel, seen_threads)(engine),
                                         pipeline_min_batch=1))
     assert client.inline_steps and seen_threads == {"MainThread"}
     assert sorted(uid for uid, _ in recorder.responses) == list(range(n)) and summary["responses_sent"] == n
@@ -429,7 +423,20 @@ def _assert_stepped_in_arrival_order(stepped, symbols, n):
 
 
 def _no_model_threads_left():
-    return not [t for t in threading.enumerate() if t.name.startswith("model-")]
+    return not _model_threads()
+
+
+def _model_threads() -> set:
+    return {t.name for t in threading.enumerate() if t.name.startswith("model-")}
+
+
+def _watching_threads(team_class, seen_threads):
+    """team_class whose submit_batch adds to seen_threads the thread it runs on and every model thread alive."""
+    class Watched(team_class):
+        def submit_batch(self, requests_by_symbol):
+            seen_threads.update(_model_threads() | {threading.current_thread().name})
+            return super().submit_batch(requests_by_symbol)
+    return Watched
 
 
 @pytest.mark.parametrize("inline_steps", [False, True])
@@ -718,14 +725,7 @@ def test_inline_steps_run_on_the_event_loop_with_no_model_thread(model):
     symbols, features = _stream(n, seed=21)
     recorder = Recorder()
     seen_threads = set()
-
-    class Watched(JoiningDevice):
-        def submit_batch(self, requests_by_symbol):
-            seen_threads.update(t.name for t in threading.enumerate() if t.name.startswith("model-"))
-            seen_threads.add(threading.current_thread().name)
-            return super().submit_batch(requests_by_symbol)
-
-    team_client = Watched(model, step_s=0.02)
+    team_client = _watching_threads(JoiningDevice, seen_threads)(model, step_s=0.02)
     client, summary = _play_pipelined(team_client, _paced(n, 0.008, symbols, features, recorder),
                                       pipeline_min_batch=1, inline_steps=True, timeline=True)
     assert seen_threads == {"MainThread"}  # every submit from the event loop's thread, no model thread beside it
