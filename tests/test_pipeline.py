@@ -751,13 +751,7 @@ def test_inline_steps_by_default_exactly_where_the_team_client_says_its_steps_ru
     symbols, features = _stream(n, seed=24)
     recorder = Recorder()
     submitted_on = set()
-
-    class Declaring(JoiningDevice):
-        def submit_batch(self, requests_by_symbol):
-            submitted_on.add(threading.current_thread().name)
-            return super().submit_batch(requests_by_symbol)
-
-    team_client = Declaring(model, step_s=0.01)
+    team_client = _watching_threads(JoiningDevice, submitted_on)(model, step_s=0.01)
     if declared is not None:
         team_client.steps_in_background = declared
     options = {} if inline_steps is None else {"inline_steps": inline_steps}
