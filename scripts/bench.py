@@ -24,6 +24,7 @@ import torch
 from client import cli
 from scripts.benchmarks.awake_cpus import AwakeCpus
 from scripts.benchmarks.gpu_clocks import GpuClocks, describe as describe_clocks
+from scripts.benchmarks import gpu_sharing
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.engine.options import add_cluster_arguments
 from client.engine.precision import FP32_STATE, add_precision_argument, precision_argument, state_storage_argument
@@ -234,6 +235,8 @@ def run_sections(bench) -> list[str]:
 
 def summary_table(data) -> str:
     lines = [f"device: {data.get('device')}   preset: {data.get('preset')}"]
+    if (data.get("gpu_at_start") or {}).get("shared"):
+        lines.append(f"GPU NOT THE RUN'S ALONE: {data['gpu_at_start']['why']}")
     for section in SECTIONS.values():
         lines.extend(section.summary(data))
     if "section_s" in data:
@@ -267,6 +270,12 @@ def main(argv=None) -> int:
                   max_requests_per_symbol=args.max_requests_per_symbol,
                   promote_partials=args.promote_partials == "on")
     progress(f"bench on {report.data['device']}: preset {args.preset}, sections {','.join(args.sections)}")
+    if args.device.type == "cuda":
+        shared = gpu_sharing.snapshot(args.device.index or 0)
+        report.update(gpu_at_start=shared)
+        if shared["shared"]:
+            progress(f"WARNING: this GPU is not the run's alone ({shared['why']}): fewer state slots and slower "
+                     f"steps than on a GPU of its own")
     with (promoted_partials(args.promote_partials == "on"),
           AwakeCpus() if args.awake_cpus == "on" else contextlib.nullcontext()):
         failed = run_sections(Bench(args, report, progress))

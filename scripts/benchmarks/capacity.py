@@ -53,6 +53,7 @@ def measure_capacity(bench):
               "host_symbols": table.host_capacity, "state_memory": STATE_MEMORY, "reserve": table.reserve,
               "state_bytes_per_symbol": engine.state_bytes, "host_bytes": table.host_bytes,
               "host_pin_s": table.pin_s, "host_total_bytes": host_total, "host_available_bytes": host_available,
+              "gpu_free_bytes": bench.gpu_free_before_tiers,
               "engine_startup_s": engine.startup_s, "new_symbols": counts.new_symbols, "rate": counts.arrival_rate,
               **numbers,
               "steps": len(steps),

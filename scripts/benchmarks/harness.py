@@ -225,6 +225,7 @@ class Bench:
         self.timer = Timer(self.device)
         self._model = self._engine = self._suite = self._bandwidth = self._tiered = None
         self.host_memory_before_tiers = None  # (total, available) host bytes when the tiered engine was built
+        self.gpu_free_before_tiers = None  # free GPU bytes when the tiered engine was built (None on the CPU)
 
     def forming_ms(self, run=0) -> dict:
         """The step clock's settings given for a served section's run `run`, in milliseconds ({late_after_ms,
@@ -331,6 +332,7 @@ class Bench:
             self.close_engine()  # the budgets are shares of the memory free now
             cuda = self.device.type == "cuda"
             self.host_memory_before_tiers = host_memory()
+            self.gpu_free_before_tiers = torch.cuda.mem_get_info(self.device)[0] if cuda else None
             self._tiered = self.build_engine(capacity=None if cuda else self.counts.new_symbols + RESERVE,
                                              host_symbols=None if cuda else self.counts.cpu_host_symbols,
                                              time_copies=True)

@@ -136,7 +136,8 @@ def measure_swap(bench, run=0):
     pinned = pinned_bandwidth(bench.device, table.parts[0].slot_bytes, bench.timer)
     result = {"hot_symbols": len(hot), "cold_symbols": len(cold), "hot_rate": counts.swap_hot_rate,
               "cold_rate": counts.swap_cold_rate, "seconds": seconds, "requests": len(stream),
-              "gpu_slots": table.capacity, "host_symbols": table.host_capacity, "reserve": table.reserve,
+              "gpu_slots": table.capacity, "gpu_free_bytes": bench.gpu_free_before_tiers,
+              "host_symbols": table.host_capacity, "reserve": table.reserve,
               "hot": _latencies(latency[~is_cold]), "cold": _latencies(latency[is_cold]),
               "step_ms_max_b20": float(small.max()) if small.size else None,
               "step_ms_p99_b20": float(np.percentile(small, 99)) if small.size else None,
