@@ -68,7 +68,10 @@ def tower_graph_times(runner, slots):
 # A kernel only one tower launches, once a block: where its first and last fall tells when the tower's chain ran
 TOWER_KERNELS = {"xlstm": "_slstm_step_kernel", "mamba2": "_mamba2_state_update_kernel",
                  "retnet": "_retention_prepare_kernel", "hawk": "_rglru_step_kernel"}
-REPLAY_GAP_US = 200.0  # idle time that separates two profiled replays
+# idle time that separates two profiled replays (the GPU idles REPLAY_SLEEP_S between them): under the profiler a
+# replay itself has idle gaps of more than 200 us (an H200, session 19), which split replays into pieces
+REPLAY_GAP_US = 10_000.0
+REPLAY_SLEEP_S = 0.03
 
 
 def tower_spans(kernels):
@@ -109,7 +112,7 @@ def tower_timeline(engine, slots, batches, replays=12):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(replays + 2):
                 torch.cuda.synchronize()
-                time.sleep(0.002)
+                time.sleep(REPLAY_SLEEP_S)
                 engine.step_slots(slots[:B], feats)
             torch.cuda.synchronize()
         kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()

@@ -120,9 +120,9 @@ def test_profile_step_tells_towers_that_ran_behind_another_towers_chain():
     def chain(tower, start, blocks, every=80.0):  # a tower's state kernel once a block, 10 us each
         return [(TOWER_KERNELS[tower] + " ", start + i * every, start + i * every + 10.0) for i in range(blocks)]
     side_by_side = [("input_up", 0.0, 5.0)] + [k for i, t in enumerate(TOWER_KERNELS) for k in chain(t, 20 + i, 12)]
-    behind = ([("input_up", 5000.0, 5005.0)] + chain("xlstm", 5020, 12) + chain("mamba2", 5030, 12)
-              + chain("retnet", 6000, 12) + chain("hawk", 6010, 12))
+    behind = ([("input_up", 50000.0, 50005.0)] + chain("xlstm", 50020, 12) + chain("mamba2", 50030, 12)
+              + chain("retnet", 51000, 12) + chain("hawk", 51010, 12))
     first, second = tower_spans(side_by_side + behind)
     assert first["late"] == [] and first["towers"]["mamba2"] == (21.0, 21.0 + 11 * 80 + 10)
     assert second["late"] == ["hawk", "retnet"]  # both started after Mamba2's last state kernel ended
-    assert second["span_us"] == 6010 + 11 * 80 + 10 - 5000
+    assert second["span_us"] == 51010 + 11 * 80 + 10 - 50000
