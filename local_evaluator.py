@@ -96,7 +96,11 @@ def setup(stream, preset: str, engine: str = "reference", weights: str | None = 
                               progress=progress and sys.stderr.isatty())
     from client.engine.sharded import ModelSpec
 
-    built = make_engine(engine, model, device=device if on_cluster else local_device,
+    # handed over (the engine's loader returns it, and nothing here keeps it): the fast engine drops it once its
+    # weights are converted, so that its state table is sized without the fp32 model in memory
+    handed = [model]
+    del model
+    built = make_engine(engine, handed.pop, device=device if on_cluster else local_device,
                         spec=ModelSpec(preset, weights, seed), **(engine_options or {}))
     shards_fingerprint = getattr(built, "fingerprint", weights_fingerprint)
     if shards_fingerprint != weights_fingerprint:  # e.g. another checkpoint at the same path on a worker host

@@ -22,7 +22,9 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
     "ray" shards the symbols over Ray actors instead (client/engine/shard_ray.py: ray_address, shards, device
     cuda/cpu or None for the cluster's choice, name None for fast on GPUs and reference on CPUs); on_shard_loss
     ("error" or "reset") is what a sharded engine does when a shard is lost. `model` is not used by sharded
-    engines (each shard loads its own). No option is ignored: one that does not apply is refused in one line."""
+    engines (each shard loads its own); it may be a callable without arguments that loads it, called only by an engine
+    that needs it (the fast engine holds the model only while it converts its weights, so that its state table is
+    sized without it). No option is ignored: one that does not apply is refused in one line."""
     options = {k: v for k, v in table_options.items() if v is not None}
     sharded = cluster == "ray" or (gpus > 1 and split == "symbols")
     if cluster not in (None, "ray"):
@@ -52,8 +54,11 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
     if gpus > 1 and (name != "fast" or str(device or "cuda").startswith("cpu")):
         raise ValueError("--gpus applies to the fast engine on CUDA GPUs")
     if name == "reference":
+        import torch
+
         from client.engine.reference import ReferenceEngine
 
+        model = model if isinstance(model, torch.nn.Module) else model()  # the reference engine steps the model
         return ReferenceEngine(model, device=device, progress=progress,
                                **{k: v for k, v in options.items() if k in TABLE_OPTIONS})
     if name == "fast":

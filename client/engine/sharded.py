@@ -61,10 +61,15 @@ def build_shard_engine(spec: ModelSpec, device: str, engine: str, options: dict)
     from client.engine import make_engine
     from client.model import load_model
 
-    model, fingerprint = load_model(spec.preset, weights=spec.weights, seed=spec.seed, device=device)
+    loaded = {}
+
+    def load():  # called by the engine, which keeps the model no longer than it needs it
+        model, loaded["fingerprint"] = load_model(spec.preset, weights=spec.weights, seed=spec.seed, device=device)
+        return model
+
     options = {**options, "progress": False}  # a shard's startup is reported by the engine that owns it
-    built = make_engine(engine, model, device=device, **options)
-    return built, {**built.describe(), "engine": engine, "fingerprint": fingerprint}
+    built = make_engine(engine, load, device=device, **options)
+    return built, {**built.describe(), "engine": engine, "fingerprint": loaded["fingerprint"]}
 
 
 def describe_ready(shard) -> str:

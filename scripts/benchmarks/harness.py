@@ -1,5 +1,6 @@
 """What the benchmark's sections share: how much each measures (Counts), the timer, the step-time measurement,
 and the Bench that builds the reference model, the accuracy suite and the engine once, when first needed."""
+import gc
 import platform
 import time
 from dataclasses import dataclass
@@ -284,16 +285,17 @@ class Bench:
         self.report.update(**{key: result})
         self.progress(f"{key}: {result}")
 
-    def build_engine(self, **options):
+    def build_engine(self, model=None, **options):
         """A fast engine of the run's settings, `options` on top (capacity: symbols it holds on the GPU; no host
-        tier unless host_symbols says: a host tier is pinned at start)."""
+        tier unless host_symbols says: a host tier is pinned at start); from the reference model, or `model` (a
+        loader: FastEngine's)."""
         from client.engine.fast import FastEngine
 
         settings = {"max_batch": MAX_BATCH, "max_rows_per_symbol": self.args.max_requests_per_symbol,
                     "precision": self.args.precision, "state_storage": self.args.state_dtype,
                     "capacity": MAX_BATCH, "host_symbols": 0, "progress": False, **options}
         begin = time.monotonic()
-        engine = FastEngine(self.model, self.device, **settings)
+        engine = FastEngine(self.model if model is None else model, self.device, **settings)
         self.progress(f"engine built in {time.monotonic() - begin:.1f} s: {engine.describe()}")
         return engine
 
@@ -324,16 +326,26 @@ class Bench:
         with the default tiers (the GPU's share of the memory free now, the host tier's rule, the reserve; its host
         tier pinned before it is returned), on the CPU with small ones (room for new_symbols beside the reserve,
         cpu_host_symbols in the host tier); transfers timed. Its steps are not: the sections read them from the
-        runtime's step log, as served, with no timing event on the step's stream (bench/LOG.md section 48)."""
+        runtime's step log, as served, with no timing event on the step's stream (bench/LOG.md section 48). As in the
+        team client, the engine loads the model itself and drops it once its weights are converted, and the
+        reference model is let go meanwhile (loaded again when a later section needs it): the tiers' shares of the
+        free memory leave out both."""
         if self._tiered is None:
             from client.engine.fast import RESERVE
             from client.engine.fast.state_table import host_memory
+            from client.model import load_model
 
             self.close_engine()  # the budgets are shares of the memory free now
+            self._model = None
+            gc.collect()
             cuda = self.device.type == "cuda"
+            if cuda:
+                torch.cuda.empty_cache()
             self.host_memory_before_tiers = host_memory()
             self.gpu_free_before_tiers = torch.cuda.mem_get_info(self.device)[0] if cuda else None
-            self._tiered = self.build_engine(capacity=None if cuda else self.counts.new_symbols + RESERVE,
+            self._tiered = self.build_engine(lambda: load_model(self.args.preset, seed=self.args.seed,
+                                                                device=self.device)[0],
+                                             capacity=None if cuda else self.counts.new_symbols + RESERVE,
                                              host_symbols=None if cuda else self.counts.cpu_host_symbols,
                                              time_copies=True)
             # The engine serves while its host tier pins; these sections measure the whole tier.

@@ -1,5 +1,6 @@
 """FastEngine: the state table, the step runner and its CUDA graphs put together behind the Engine interface."""
 import contextlib
+import gc
 import platform
 import sys
 import threading
@@ -159,7 +160,9 @@ class FastEngine(Engine):
                  graphs=None, precision=DEFAULT_PRECISION, capacity=None, state_memory=None, host_symbols=None,
                  host_memory=None, idle_timeout_s=None, reserve=None, state_storage=FP32_STATE, devices=None,
                  time_steps=False, compile=False, progress=True, time_copies=False):
-        """max_batch: symbols a captured step holds; max_rows_per_symbol: requests of one symbol it carries
+        """model: the fp32 reference model (client.model.Ensemble), or a callable without arguments that loads it
+        (the engine then holds the model only while it converts its weights: the tiers are sized without it);
+        max_batch: symbols a captured step holds; max_rows_per_symbol: requests of one symbol it carries
         (a step with more runs as several, in order). device, or devices (several: the towers placed over them);
         capacity (symbols on the GPU) or
         state_memory (the share of free GPU memory the state table takes, STATE_MEMORY by default);
@@ -197,6 +200,13 @@ class FastEngine(Engine):
             for device in devices:
                 check_compile(device)  # before the weights are converted: where it cannot run, fail at once
             self.compile_s = time.perf_counter() - start
+        # A loader instead of a model: the fp32 model lives only while its weights are converted, so that the tiers'
+        # shares of the free GPU and host memory below leave it out (7.9 GB of the full preset, ~35 slots)
+        loaded = not isinstance(model, torch.nn.Module)
+        if loaded:
+            model = model()
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(f"a model loader must return the model (a torch.nn.Module), got {type(model).__name__}")
         placement = place_towers(model, precision, len(devices))
         self.shards = []
         for device, towers in zip(devices, placement):
@@ -205,6 +215,11 @@ class FastEngine(Engine):
             runner = StepRunner(model, device, precision, towers=towers, state_storage=state_storage,
                                 compile=compile)
             self.shards.append(DeviceTowers(runner, [TOWER_NAMES.index(name) for name in towers]))
+        if loaded:
+            del model
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         parts = [(shard.runner.layout, shard.device) for shard in self.shards]
         if capacity is None:
             capacity = self._capacity_for_memory(parts, STATE_MEMORY if state_memory is None else state_memory)
