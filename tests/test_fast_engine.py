@@ -114,6 +114,8 @@ def test_an_engine_from_a_loader_steps_alike_and_keeps_no_model():
         assert np.abs(got - reference.step(chosen, feats)).max() < 1e-3
     with pytest.raises(TypeError, match="must return the model"):
         FastEngine(lambda: ("not", "a model"), device="cpu", capacity=2, progress=False)
+    with pytest.raises(TypeError, match="the model or a loader returning it, got NoneType"):
+        FastEngine(None, device="cpu", capacity=2, progress=False)
 
 
 SLOTS_BESIDE_MODEL = """

@@ -204,6 +204,8 @@ class FastEngine(Engine):
         # shares of the free GPU and host memory below leave it out (7.9 GB of the full preset, ~35 slots)
         loaded = not isinstance(model, torch.nn.Module)
         if loaded:
+            if not callable(model):
+                raise TypeError(f"FastEngine takes the model or a loader returning it, got {type(model).__name__}")
             model = model()
             if not isinstance(model, torch.nn.Module):
                 raise TypeError(f"a model loader must return the model (a torch.nn.Module), got {type(model).__name__}")
