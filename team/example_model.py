@@ -305,7 +305,7 @@ def build_engine(args) -> tuple[Engine, str, str]:
     """(the engine args ask for, the weights fingerprint, the engine in words). With --cluster ray the model is
     loaded by each shard, not here: the shards say the fingerprint."""
     from client.engine.sharded import ModelSpec
-    from client.model import load_model
+    from client.model import ModelLoader
 
     spec = ModelSpec(args.preset, args.weights, args.seed)
     weights = args.weights or f"seed {args.seed}"
@@ -322,16 +322,12 @@ def build_engine(args) -> tuple[Engine, str, str]:
         # steps gain nothing from a second thread, and with it the client answered 143 of 1,000 requests in time
         # (the README's first command), with one thread all 1,000.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
-    loaded = {}
-
-    def load():  # called by the engine that needs the model: the fast engine drops it once its weights are converted
-        print(f"loading preset {args.preset} ({weights}) on {args.device}, engine {args.engine}", file=sys.stderr)
-        model, loaded["fingerprint"] = load_model(args.preset, weights=args.weights, seed=args.seed, device=args.device)
-        return model
-
+    # loaded by the engine that needs it (the fast engine drops it once its weights are converted)
+    load = ModelLoader(args.preset, args.weights, args.seed, args.device,
+                       say=f"loading preset {args.preset} ({weights}) on {args.device}, engine {args.engine}")
     engine = make_engine(args.engine, load, device=args.device, spec=spec, **engine_options(args))
     # a sharded engine's shards load their own model and say its fingerprint
-    fingerprint = loaded["fingerprint"] if loaded else engine.fingerprint
+    fingerprint = load.fingerprint or engine.fingerprint
     return engine, fingerprint, f"engine {args.engine}, device {args.device}"
 
 

@@ -15,7 +15,7 @@ import torch
 from client.engine.fast import PAD_SLOT, CapacityError, FastEngine
 from client.engine.precision import DEFAULT_PRECISION, FP32_PRECISION, StateStorage
 from client.engine.reference import ReferenceEngine
-from client.model import load_model
+from client.model import ModelLoader, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -105,9 +105,12 @@ def test_an_engine_from_a_loader_steps_alike_and_keeps_no_model():
     loaded = FastEngine(load, device="cpu", capacity=6, host_symbols=0, progress=False)
     gc.collect()
     assert len(calls) == 1 and refs[0]() is None
-    model, _ = load_model("tiny", seed=4)
+    model, fingerprint = load_model("tiny", seed=4)
     held = FastEngine(model, device="cpu", capacity=6, host_symbols=0, progress=False)
-    reference = make_engine("reference", load, device="cpu", progress=False)
+    loader = ModelLoader("tiny", seed=4)
+    assert loader.fingerprint is None  # until it loads
+    reference = make_engine("reference", loader, device="cpu", progress=False)
+    assert loader.fingerprint == fingerprint
     for chosen, feats in random_steps(7, 20, [f"S{i}" for i in range(6)]):
         got = loaded.step(chosen, feats)
         assert np.array_equal(got, held.step(chosen, feats))

@@ -59,17 +59,12 @@ class ShardStartError(ShardError, ValueError):
 def build_shard_engine(spec: ModelSpec, device: str, engine: str, options: dict):
     """What a shard runs: (its engine, the info it reports when ready), the model loaded from `spec` on `device`."""
     from client.engine import make_engine
-    from client.model import load_model
+    from client.model import ModelLoader
 
-    loaded = {}
-
-    def load():  # called by the engine, which keeps the model no longer than it needs it
-        model, loaded["fingerprint"] = load_model(spec.preset, weights=spec.weights, seed=spec.seed, device=device)
-        return model
-
+    load = ModelLoader(spec.preset, spec.weights, spec.seed, device)  # the engine keeps the model no longer than it needs
     options = {**options, "progress": False}  # a shard's startup is reported by the engine that owns it
     built = make_engine(engine, load, device=device, **options)
-    return built, {**built.describe(), "engine": engine, "fingerprint": loaded["fingerprint"]}
+    return built, {**built.describe(), "engine": engine, "fingerprint": load.fingerprint}
 
 
 def describe_ready(shard) -> str:

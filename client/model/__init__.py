@@ -6,7 +6,7 @@ from .ensemble import Ensemble
 from .state import select_rows, split_state, stack_states
 
 __all__ = ["Ensemble", "ModelConfig", "PRESETS", "TOWER_NAMES", "NUM_FEATURES", "get_preset", "manifest",
-           "manifest_for", "load_model", "stack_states", "split_state", "select_rows"]
+           "manifest_for", "load_model", "ModelLoader", "stack_states", "split_state", "select_rows"]
 
 
 def manifest_for(cfg: ModelConfig):
@@ -34,3 +34,22 @@ def load_model(preset: str, weights=None, seed: int = 0, device="cpu", progress=
         model = Ensemble(cfg)
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
     return model.eval().requires_grad_(False), fp
+
+
+class ModelLoader:
+    """load_model's arguments, loaded when called: what make_engine and FastEngine take instead of the model, so
+    that an engine holds the fp32 model only while it needs it. After the call, `fingerprint` is the weights'
+    (None until then: an engine that loads its own, a sharded one, never calls it). `say`: a line written to stderr
+    as it loads."""
+
+    def __init__(self, preset: str, weights=None, seed: int = 0, device="cpu", say: str | None = None):
+        self.preset, self.weights, self.seed, self.device, self.say = preset, weights, seed, device, say
+        self.fingerprint = None
+
+    def __call__(self):
+        if self.say:
+            import sys
+
+            print(self.say, file=sys.stderr)
+        model, self.fingerprint = load_model(self.preset, weights=self.weights, seed=self.seed, device=self.device)
+        return model

@@ -333,7 +333,7 @@ class Bench:
         if self._tiered is None:
             from client.engine.fast import RESERVE
             from client.engine.fast.state_table import host_memory
-            from client.model import load_model
+            from client.model import ModelLoader
 
             self.close_engine()  # the budgets are shares of the memory free now
             self._model = None
@@ -343,8 +343,7 @@ class Bench:
                 torch.cuda.empty_cache()
             self.host_memory_before_tiers = host_memory()
             self.gpu_free_before_tiers = torch.cuda.mem_get_info(self.device)[0] if cuda else None
-            self._tiered = self.build_engine(lambda: load_model(self.args.preset, seed=self.args.seed,
-                                                                device=self.device)[0],
+            self._tiered = self.build_engine(ModelLoader(self.args.preset, seed=self.args.seed, device=self.device),
                                              capacity=None if cuda else self.counts.new_symbols + RESERVE,
                                              host_symbols=None if cuda else self.counts.cpu_host_symbols,
                                              time_copies=True)
