@@ -47,7 +47,8 @@ def decode_line(line: bytes) -> dict:
     """The JSON object of one line, with a known message_type; raises ProtocolError saying what is wrong."""
     try:
         obj = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as exc:
+    # RecursionError: a line nested deeper than the interpreter's stack (a few kB of brackets) is a bad line too
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ProtocolError(f"line is not JSON: {exc}; send one JSON object per line") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"line must hold a JSON object, got {type(obj).__name__}")

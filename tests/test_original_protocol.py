@@ -96,7 +96,8 @@ async def garbage_connection(port, lines):
 def test_an_original_client_plays_the_server_to_the_end():
     stream, targets = stand_in()
     garbage = [b'{"message_type": "heartbeat", "timestamp": 1.0}\n', b"{not json\n",
-               b'{"message_type": "launch"}\n', b'{"message_type": "register", "x": "' + b"y" * 5000 + b'"}\n',
+               b'{"message_type": "launch"}\n', b'{"x": ' + b"[" * 1500 + b"]" * 1500 + b"}\n",
+               b'{"message_type": "register", "x": "' + b"y" * 5000 + b'"}\n',
                b'{"message_type": "register", "x": "' + b"y" * 9000 + b'"}\n']
 
     async def main():
@@ -120,10 +121,11 @@ def test_an_original_client_plays_the_server_to_the_end():
     summary = summaries[0]
     assert summary["responses"] == REQUESTS and summary["missed"] == summary["errors"] == 0
     assert summary["accuracy"] == 1.0 and summary["weights_match"] is None and summary["complete"]
-    assert scores["teams"][0]["team"] == "tcp-json:127.0.0.1" and scores["unregistered_errors"] == 5
+    assert scores["teams"][0]["team"] == "tcp-json:127.0.0.1" and scores["unregistered_errors"] == 6
     expected = [("not_registered", "send register first, not heartbeat"),
                 ("protocol_error", "line is not JSON: Expecting property name"),
                 ("protocol_error", "unknown message_type 'launch'; expected one of register, "),
+                ("protocol_error", "line is not JSON: maximum recursion depth exceeded"),  # nested too deep
                 ("protocol_error", "line of 5038 bytes exceeds the limit of 4096 bytes"),  # as a websocket frame's
                 ("protocol_error", "line exceeds twice the limit of 4096 bytes; closing the connection")]
     assert [r["error"] for r in replies] == [code for code, _ in expected]
@@ -275,6 +277,7 @@ def test_each_project_message_crosses_the_original_wire_and_back():
 @pytest.mark.parametrize("line, message", [
     (b"{nope\n", "line is not JSON"),
     (b"[1, 2]\n", "line must hold a JSON object, got list"),
+    (b"[" * 100_000 + b"]" * 100_000 + b"\n", "line is not JSON: maximum recursion depth exceeded"),
     (b'{"type": "heartbeat"}\n', "unknown message_type None"),
     (b'{"message_type": "inference_response", "unique_ids": [1], "predictions": [[1, 2, 3]]}\n',
      "each row of 'predictions' must be a list of 4 numbers"),
