@@ -77,8 +77,22 @@ def _list_of(check):
     return lambda value: isinstance(value, list) and all(check(v) for v in value)
 
 
+def _is_text(value) -> bool:
+    """A string that UTF-8 can carry: JSON's \\u escapes can spell a lone surrogate, which a msgpack string cannot
+    hold and which breaks whatever later encodes it (the leaderboard page showing a client's notice)."""
+    if not isinstance(value, str):
+        return False
+    if value.isascii():
+        return True
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 _ints = _list_of(lambda v: isinstance(v, int) and not isinstance(v, bool))
-_strs = _list_of(lambda v: isinstance(v, str))
+_strs = _list_of(_is_text)
 _numbers = _list_of(_is_number)
 
 
@@ -99,7 +113,7 @@ def from_original(obj: dict, team: str = "") -> dict:
         return protocol.register(team)
     if kind == "inference_request":
         ids = _field(obj, "unique_ids", _ints, "a list of integers")
-        symbols = _field(obj, "symbols", _strs, "a list of strings")
+        symbols = _field(obj, "symbols", _strs, "a list of strings of Unicode text (no lone surrogate)")
         features = _rows(obj, "features", NUM_FEATURES)
         timestamp = _field(obj, "timestamp", _is_number, "a number")
         if not len(ids) == len(symbols) == len(features):
@@ -130,9 +144,9 @@ def from_original(obj: dict, team: str = "") -> dict:
         timestamp = _field(obj, "timestamp", lambda v: _is_number(v) and math.isfinite(v), "a finite number")
         return protocol.heartbeat(timestamp)
     if kind == "error":
-        error = _field(obj, "error", lambda v: isinstance(v, str), "a string")
-        details = _field(obj, "details", lambda v: v is None or isinstance(v, str), "a string or null",
-                         required=False)
+        error = _field(obj, "error", _is_text, "a string of Unicode text (no lone surrogate)")
+        details = _field(obj, "details", lambda v: v is None or _is_text(v),
+                         "a string or null, of Unicode text (no lone surrogate)", required=False)
         return protocol.error(error, details or "")
     # stats_update
     if _field(obj, "complete", lambda v: isinstance(v, bool), "a boolean", default=False, required=False):

@@ -1,6 +1,7 @@
 """The original event's protocol (newline-delimited JSON over TCP) on the project's server and in its runtime."""
 import asyncio
 import json
+import re
 import time
 
 import numpy as np
@@ -286,9 +287,14 @@ def test_each_project_message_crosses_the_original_wire_and_back():
     (b'{"message_type": "inference_request", "unique_ids": [1], "symbols": ["A"], "timestamp": 1}\n',
      "inference_request: missing field 'features'"),
     (b'{"message_type": "heartbeat", "timestamp": "now"}\n', "field 'timestamp' must be a finite number, got str"),
+    # JSON's \\u escapes can spell a lone surrogate, which no UTF-8 text (nor a msgpack string) holds
+    (b'{"message_type": "error", "error": "state_reset", "details": "\\ud800"}\n',
+     "field 'details' must be a string or null, of Unicode text (no lone surrogate), got str"),
+    (b'{"message_type": "inference_request", "unique_ids": [1], "symbols": ["\\udfff"], "features": [[0]], '
+     b'"timestamp": 1}\n', "field 'symbols' must be a list of strings of Unicode text (no lone surrogate), got list"),
     (b'{"message_type": "score_update", "unique_ids": [1], "trade_pnls": [1], "accuracies": [2], '
      b'"latencies_ms": [1]}\n', "accuracies must be fractions"),
 ])
 def test_a_bad_line_says_what_is_wrong(line, message):
-    with pytest.raises(ProtocolError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(ProtocolError, match=re.escape(message)):
         original.from_original(original.decode_line(line))
