@@ -81,14 +81,17 @@ class OriginalStyleClient:
         """The team code's engine (the evaluator closes it and reports a sharded engine's losses)."""
         return getattr(self.team_client, "engine", None)
 
+    # The ids a batch holds are taken before the team code gets it: it may consume the lists it is handed.
     def process_batch(self, requests_by_symbol) -> dict:
         batch = pending_requests(requests_by_symbol)
-        return runtime_answer(batch, self.team_client.process_batch(batch))
+        given = request_ids(batch)
+        return runtime_answer(given, self.team_client.process_batch(batch))
 
     def _submit_batch(self, requests_by_symbol) -> PendingStep:
         batch = pending_requests(requests_by_symbol)
+        given = request_ids(batch)
         pending = self.team_client.submit_batch(batch)
-        return PendingStep(lambda: runtime_answer(batch, pending.result()), poll=getattr(pending, "done", None))
+        return PendingStep(lambda: runtime_answer(given, pending.result()), poll=getattr(pending, "done", None))
 
 
 def pending_requests(requests_by_symbol) -> Dict[str, List[PendingRequest]]:
@@ -98,17 +101,20 @@ def pending_requests(requests_by_symbol) -> Dict[str, List[PendingRequest]]:
             for symbol, queue in requests_by_symbol.items()}
 
 
-def runtime_answer(batch: Dict[str, List[PendingRequest]], response) -> dict:
-    """The runtime's {"unique_ids", "predictions" float32 [n, 4], "errors"} of an InferenceResponse to `batch`: a
-    request it left out is an error (the others are answered); an id it was not given, or gave twice, is the team
-    code's mistake."""
+def request_ids(batch: Dict[str, List[PendingRequest]]) -> List[int]:
+    return [request.unique_id for requests in batch.values() for request in requests]
+
+
+def runtime_answer(given: List[int], response) -> dict:
+    """The runtime's {"unique_ids", "predictions" float32 [n, 4], "errors"} of an InferenceResponse to the requests
+    `given`: a request it left out is an error (the others are answered); an id it was not given, or gave twice,
+    is the team code's mistake."""
     try:
         ids = [int(uid) for uid in response.unique_ids]
         predictions = np.asarray(response.predictions, dtype=np.float32).reshape(len(ids), NUM_TOWERS)
     except (AttributeError, TypeError, ValueError) as exc:
         raise ValueError(f"process_batch must return InferenceResponse(unique_ids, predictions [n][{NUM_TOWERS}]), "
                          f"got {type(response).__name__}: {exc}") from None
-    given = [request.unique_id for requests in batch.values() for request in requests]
     unknown = sorted(set(ids) - set(given))
     repeated = sorted({uid for uid in ids if ids.count(uid) > 1}) if len(set(ids)) != len(ids) else []
     if unknown or repeated:

@@ -88,6 +88,29 @@ def test_a_request_left_out_is_an_error_of_its_own():
     assert scripted.given == {"A": [PendingRequest(1, "A", [1.0] * 79)], "B": [PendingRequest(2, "B", [0.0] * 79)]}
 
 
+def test_a_team_that_drains_its_queues_is_answered():
+    """Team code may consume the lists it is handed (pop each symbol's queue, as a queue is consumed): what it was
+    given is what the adapter handed it, not what is left."""
+    class Draining(BaseInferenceClient):
+        def process_batch(self, requests_by_symbol):
+            ids = []
+            for queue in requests_by_symbol.values():
+                while queue:
+                    ids.append(queue.pop(0).unique_id)
+            requests_by_symbol.clear()
+            return InferenceResponse(ids, [[float(uid)] * 4 for uid in ids])
+
+        def submit_batch(self, requests_by_symbol):
+            response = self.process_batch(requests_by_symbol)
+            return PendingStep(lambda: response)
+
+    batch = {"A": [(1, np.zeros(79, np.float32)), (3, np.zeros(79, np.float32))], "B": [(2, np.zeros(79, np.float32))]}
+    client = OriginalStyleClient(Draining())
+    for answer in (client.process_batch(batch), client.submit_batch(batch).result()):
+        assert answer["unique_ids"] == [1, 3, 2] and answer["errors"] == {}
+        assert answer["predictions"][:, 0].tolist() == [1.0, 3.0, 2.0]
+
+
 def test_a_team_with_submit_batch_stays_pipelined():
     class Pipelined(Scripted):
         def submit_batch(self, requests_by_symbol):
