@@ -59,7 +59,17 @@ def decode_line(line: bytes) -> dict:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A number a float holds: JSON's integers have no bound, and one past float's range (a 400-digit literal)
+    would raise OverflowError wherever it is used as one."""
+    if isinstance(value, float):
+        return True
+    if not isinstance(value, int) or isinstance(value, bool):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _field(obj, name, check, expected, default=None, required=True):

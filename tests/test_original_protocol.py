@@ -98,6 +98,7 @@ def test_an_original_client_plays_the_server_to_the_end():
     stream, targets = stand_in()
     garbage = [b'{"message_type": "heartbeat", "timestamp": 1.0}\n', b"{not json\n",
                b'{"message_type": "launch"}\n', b'{"x": ' + b"[" * 1500 + b"]" * 1500 + b"}\n",
+               b'{"message_type": "heartbeat", "timestamp": 1' + b"0" * 400 + b"}\n",
                b'{"message_type": "register", "x": "' + b"y" * 5000 + b'"}\n',
                b'{"message_type": "register", "x": "' + b"y" * 9000 + b'"}\n']
 
@@ -122,11 +123,12 @@ def test_an_original_client_plays_the_server_to_the_end():
     summary = summaries[0]
     assert summary["responses"] == REQUESTS and summary["missed"] == summary["errors"] == 0
     assert summary["accuracy"] == 1.0 and summary["weights_match"] is None and summary["complete"]
-    assert scores["teams"][0]["team"] == "tcp-json:127.0.0.1" and scores["unregistered_errors"] == 6
+    assert scores["teams"][0]["team"] == "tcp-json:127.0.0.1" and scores["unregistered_errors"] == 7
     expected = [("not_registered", "send register first, not heartbeat"),
                 ("protocol_error", "line is not JSON: Expecting property name"),
                 ("protocol_error", "unknown message_type 'launch'; expected one of register, "),
                 ("protocol_error", "line is not JSON: maximum recursion depth exceeded"),  # nested too deep
+                ("protocol_error", "heartbeat: field 'timestamp' must be a finite number, got int"),  # 401 digits
                 ("protocol_error", "line of 5038 bytes exceeds the limit of 4096 bytes"),  # as a websocket frame's
                 ("protocol_error", "line exceeds twice the limit of 4096 bytes; closing the connection")]
     assert [r["error"] for r in replies] == [code for code, _ in expected]
@@ -287,6 +289,11 @@ def test_each_project_message_crosses_the_original_wire_and_back():
     (b'{"message_type": "inference_request", "unique_ids": [1], "symbols": ["A"], "timestamp": 1}\n',
      "inference_request: missing field 'features'"),
     (b'{"message_type": "heartbeat", "timestamp": "now"}\n', "field 'timestamp' must be a finite number, got str"),
+    # a JSON integer has no bound: one past float's range is no number here (msgpack's stop at 64 bits)
+    (b'{"message_type": "inference_response", "unique_ids": [1], "predictions": [[1' + b"0" * 400 + b', 0, 0, 0]]}\n',
+     "each row of 'predictions' must be a list of 4 numbers"),
+    (b'{"message_type": "score_update", "unique_ids": [1], "trade_pnls": [1' + b"0" * 400 + b'], "accuracies": [1], '
+     b'"latencies_ms": [1]}\n', "field 'trade_pnls' must be a list of numbers, got list"),
     # JSON's \\u escapes can spell a lone surrogate, which no UTF-8 text (nor a msgpack string) holds
     (b'{"message_type": "error", "error": "state_reset", "details": "\\ud800"}\n',
      "field 'details' must be a string or null, of Unicode text (no lone surrogate), got str"),
