@@ -175,6 +175,32 @@ def test_symbol_beyond_every_tier_fails_alone():
     assert not np.array_equal(first, fast.step(["A"], ones))
 
 
+@pytest.mark.parametrize("parts, rows", [({"max_batch": 1}, ["A", "C"]), ({"max_rows_per_symbol": 1}, ["A", "A", "C"])])
+def test_a_step_run_as_parts_refuses_a_symbol_beyond_every_tier_before_any_part_runs(parts, rows):
+    model, _ = load_model("tiny", seed=0)
+    ones = np.ones((len(rows), 79), np.float32)
+    fast, fresh = (FastEngine(model, device="cpu", capacity=2, progress=False, **parts) for _ in range(2))
+    for engine in (fast, fresh):
+        engine.step(["A", "B"], ones[:2])
+    with pytest.raises(CapacityError, match=r"\(C\)"):
+        fast.step(rows, ones)
+    assert np.array_equal(fast.step(["A"], ones[:1]), fresh.step(["A"], ones[:1]))  # A lost nothing
+
+
+def test_a_step_of_more_symbols_than_gpu_slots_runs_through_the_host_tier():
+    """The GPU holds 2 states, the host 4 more: a step of 4 symbols runs as parts that fit the GPU, and none of its
+    symbols is refused (the team client answers errors for those unplaceable names)."""
+    model, _ = load_model("tiny", seed=0)
+    tight = FastEngine(model, device="cpu", precision=FP32_PRECISION, capacity=2, host_symbols=4, progress=False)
+    alone = FastEngine(model, device="cpu", precision=FP32_PRECISION, capacity=6, progress=False)
+    rows = ["A", "B", "A", "C", "D", "B"]
+    assert tight.unplaceable(rows) == {}
+    for seed in range(2):
+        features = np.random.default_rng(seed).standard_normal((len(rows), 79)).astype(np.float32)
+        np.testing.assert_allclose(tight.step(rows, features), one_at_a_time(alone, rows, features), atol=1e-5)
+    assert list(tight.unplaceable(["E", "F", "G"])) == ["G"]  # 6 symbols in all: room for two more
+
+
 def test_default_precision_within_atol_over_a_long_stream():
     model, _ = load_model("small", seed=2)
     fast = FastEngine(model, device="cpu", progress=False)

@@ -215,5 +215,18 @@ def test_a_symbol_several_times_in_a_step_takes_one_place(model):
     bounded, unbounded = ReferenceEngine(model, capacity=1, host_symbols=1), ReferenceEngine(model, capacity=4)
     np.testing.assert_array_equal(bounded.step(["A", "A", "A"], x[:3]), unbounded.step(["A", "A", "A"], x[:3]))
     np.testing.assert_array_equal(bounded.step(["B", "B"], x[:2]), unbounded.step(["B", "B"], x[:2]))  # A to host
-    assert list(bounded.unplaceable(["A", "B", "A"])) == ["B"]  # two symbols, one place on the device
     np.testing.assert_array_equal(bounded.step(["A"], x[3:]), unbounded.step(["A"], x[3:]))  # A back, as it was
+
+
+def test_a_step_of_more_symbols_than_device_places_runs_through_the_host_tier(model):
+    """One place on the device, three in host memory: a step of three symbols runs them in turn, none refused (the
+    team client answers errors for those unplaceable names, and a refused request is lost to its symbol's state)."""
+    rng = np.random.default_rng(9)
+    bounded, unbounded = ReferenceEngine(model, capacity=1, host_symbols=3), ReferenceEngine(model, capacity=4)
+    rows = ["A", "B", "A", "C", "B"]
+    assert bounded.unplaceable(rows) == {}
+    for _ in range(2):
+        x = _features(rng, len(rows))
+        np.testing.assert_allclose(bounded.step(rows, x), unbounded.step(rows, x), rtol=1e-5, atol=1e-6)
+    assert list(bounded.unplaceable(["D", "E"])) == ["E"]  # four symbols in all: room for one more
+    assert bounded._states.on_host == 2

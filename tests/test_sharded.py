@@ -104,6 +104,33 @@ def test_a_shard_without_room_fails_its_part_alone(sharded):
     sharded.release(filled + ["NEW", "OTHER"])
 
 
+def test_a_symbol_without_room_fails_alone_on_its_shard(sharded):
+    """A full shard refuses only the new symbol's rows: its known symbols' rows in the same part are answered, as a
+    single engine's are (a refused request is lost to its symbol's state, so none may be refused for another's)."""
+    model, _ = load_model("tiny", seed=3)
+    single = FastEngine(model, "cpu", capacity=8, progress=False)
+    features = np.random.default_rng(2).standard_normal((4, 79)).astype(np.float32)
+    held = sum(shard == 0 for shard in sharded.shard_of.values())
+    filled = [f"K{i}" for i in range(CAPACITY - held)]
+    for symbol in filled:  # fill shard 0
+        _put(sharded, symbol, 0)
+    sharded.step(filled, np.zeros((len(filled), 79), np.float32))
+    single.step(filled[:1], np.zeros((1, 79), np.float32))
+    _put(sharded, "LATE", 0)
+    _put(sharded, "ELSEWHERE", 1)
+    pending = sharded.submit([filled[0], "LATE", filled[0], "ELSEWHERE"], features)
+    outcomes = {int(row): (outcome if isinstance(outcome, Exception) else outcome[i])
+                for rows, outcome in pending.parts() for i, row in enumerate(rows)}
+    assert isinstance(outcomes[1], ShardError) and "no room for the state of 1 symbol(s) (LATE)" in str(outcomes[1])
+    assert not isinstance(outcomes[0], Exception) and not isinstance(outcomes[2], Exception), outcomes[0]
+    expected = single.step([filled[0], filled[0]], features[[0, 2]])
+    np.testing.assert_allclose(np.stack([outcomes[0], outcomes[2]]), expected, rtol=0, atol=1e-4)
+    assert outcomes[3].shape == (4,)
+    with pytest.raises(ShardError, match="no room"):
+        pending.result()
+    sharded.release(filled + ["LATE", "ELSEWHERE"])
+
+
 def test_release_frees_a_symbol_everywhere(sharded):
     sharded.step(["R0"], np.zeros((1, 79), np.float32))
     sharded.release(["R0", "never-seen"])

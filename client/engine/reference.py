@@ -63,7 +63,7 @@ class ReferenceEngine(Engine):
 
     def unplaceable(self, symbols) -> dict[str, str]:
         """{symbol: why} for the symbols of a step that the state table cannot hold (no side effects)."""
-        rejected = self._states.unplaceable(symbols)
+        rejected = self._states.unplaceable(symbols, at_once=False)
         return dict.fromkeys(rejected, str(self._states.capacity_error(rejected))) if rejected else {}
 
     def describe(self) -> dict:
@@ -74,8 +74,21 @@ class ReferenceEngine(Engine):
     def step(self, symbols, features):
         symbols = list(symbols)
         features = check_step_inputs(symbols, features)
-        if not symbols:
-            return np.zeros((0, NUM_TOWERS), dtype=np.float32)
+        rejected = self._states.unplaceable(symbols, at_once=False)
+        if rejected:
+            raise self._states.capacity_error(rejected)
+        out = np.empty((len(symbols), NUM_TOWERS), dtype=np.float32)
+        # More symbols than the device holds run in groups that fit it, each placed in turn (the host tier takes
+        # the others' states meanwhile)
+        distinct = list(dict.fromkeys(symbols))
+        for first in range(0, len(distinct), self._states.capacity):
+            group = set(distinct[first:first + self._states.capacity])
+            rows = np.flatnonzero([symbol in group for symbol in symbols])
+            out[rows] = self._step_group([symbols[i] for i in rows], features[rows])
+        return out
+
+    def _step_group(self, symbols, features):
+        """step's predictions for the rows of at most `capacity` symbols."""
         self._states.place(symbols)  # every symbol resident, with room for the new ones (or CapacityError)
         states = {}  # the states as the step advances them, stored only after every round succeeded
         out = np.empty((len(symbols), NUM_TOWERS), dtype=np.float32)

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
-                                   wait_started)
+                                   submit_placeable, wait_started)
 
 
 def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, requests, replies):
@@ -46,7 +46,7 @@ def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, 
         if message[0] == "step":
             _, seq, symbols, features = message
             try:
-                submitted.put((seq, engine.submit(symbols, features)))
+                submitted.put((seq, submit_placeable(engine, symbols, features)))
             except Exception as exc:  # bad input or no room: this part alone fails
                 submitted.put((seq, exc))
         elif message[0] == "release":

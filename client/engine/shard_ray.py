@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
-                                   wait_started)
+                                   submit_placeable, wait_started)
 
 LOCAL = "local"           # --ray-address local: start a Ray instance on this machine
 PROBE_TIMEOUT_S = 5.0     # how long a cluster's address may take to accept a connection
@@ -64,7 +64,7 @@ class ShardActor:
 
     async def step(self, seq: int, symbols, features):
         features = np.require(features, requirements="W")  # Ray hands arrays over read-only; engines take tensors of them
-        pending = await self._in_turn(seq, lambda: self.engine.submit(symbols, features))
+        pending = await self._in_turn(seq, lambda: submit_placeable(self.engine, symbols, features))
         return await asyncio.get_running_loop().run_in_executor(self.collector, pending.result)
 
     async def release(self, seq: int, symbols):

@@ -67,6 +67,22 @@ def build_shard_engine(spec: ModelSpec, device: str, engine: str, options: dict)
     return built, {**built.describe(), "engine": engine, "fingerprint": load.fingerprint}
 
 
+def submit_placeable(engine, symbols, features) -> PendingStep:
+    """What a shard runs for a part: its engine's submit, or, where some of the part's symbols have no room, the
+    others' rows alone. result(): the predictions, or (predictions with NaN rows for the refused, {row: why})."""
+    refused = engine.unplaceable(symbols)
+    if not refused:
+        return engine.submit(symbols, features)
+    kept = [row for row, symbol in enumerate(symbols) if symbol not in refused]
+    pending = engine.submit([symbols[row] for row in kept], np.asarray(features)[kept])
+
+    def answer():
+        out = np.full((len(symbols), NUM_TOWERS), np.nan, dtype=np.float32)
+        out[kept] = pending.result()
+        return out, {row: refused[symbol] for row, symbol in enumerate(symbols) if symbol in refused}
+    return PendingStep(answer, poll=pending.done)
+
+
 def describe_ready(shard) -> str:
     """The line a transport prints when a shard is ready."""
     capacity = shard.info.get("capacity")
@@ -123,8 +139,9 @@ class _Part:
         self.rows, self.symbols, self.features, self.arrivals = rows, symbols, features, arrivals
         self.moved = False
 
-    def finish(self, outcome):
-        self.arrivals.put((self.rows, outcome))
+    def finish(self, outcome, rows=None):
+        """The outcome of the part's rows, or of `rows` (positions in the part) alone."""
+        self.arrivals.put((self.rows if rows is None else self.rows[rows], outcome))
 
 
 class _InFlight:
@@ -242,7 +259,20 @@ class _Runner:
                 if entry.part.moved:  # the shard was lost meanwhile, and the part went with the others
                     return
                 self.in_flight.popleft()
-            entry.part.finish(outcome)
+            if not isinstance(outcome, tuple):
+                entry.part.finish(outcome)
+                continue
+            # rows of symbols the shard had no room for fail alone (submit_placeable): a part's other rows were
+            # stepped, and are answered
+            predictions, refused = outcome
+            kept = np.setdiff1d(np.arange(len(predictions)), list(refused))
+            if len(kept):
+                entry.part.finish(predictions[kept], kept)
+            by_why = {}
+            for row, why in refused.items():
+                by_why.setdefault(why, []).append(row)
+            for why, rows in by_why.items():
+                entry.part.finish(ShardError(f"shard {self.index}: CapacityError: {why}"), np.asarray(rows))
 
     def stop(self, timeout_s):
         with self.work_ready:

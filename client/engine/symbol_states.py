@@ -63,10 +63,11 @@ class SymbolStates(MutableMapping):
         return len(self._on_host)
 
     # ---- placing a step's symbols -------------------------------------------------------------------
-    def unplaceable(self, symbols) -> list[str]:
-        """The symbols of one step that fit in no tier (no side effects; idle symbols count as gone)."""
+    def unplaceable(self, symbols, at_once=True) -> list[str]:
+        """The symbols of one step that fit in no tier (no side effects; idle symbols count as gone). at_once=False:
+        a step placed in groups of at most `capacity` symbols, which needs room in the tiers only."""
         batch = list(dict.fromkeys(symbols))
-        if len(batch) > self.capacity:
+        if at_once and len(batch) > self.capacity:
             return batch[self.capacity:]
         new = [s for s in batch if s not in self._states]
         room = self.capacity + self.host_capacity - len(self._states)

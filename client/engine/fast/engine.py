@@ -349,8 +349,9 @@ class FastEngine(Engine):
                 "startup_s": getattr(self, "startup_s", None)}
 
     def unplaceable(self, symbols) -> dict[str, str]:
-        """{symbol: why} for the symbols of a step that the state table cannot hold (no side effects)."""
-        rejected = self.table.unplaceable(symbols)
+        """{symbol: why} for the symbols of a step that the state table cannot hold (no side effects). A step runs
+        as parts of at most max_batch (<= capacity) symbols: only the room in the tiers limits it."""
+        rejected = self.table.unplaceable(symbols, at_once=False)
         return dict.fromkeys(rejected, str(self.table.capacity_error(rejected))) if rejected else {}
 
     def release(self, symbols) -> None:
@@ -421,6 +422,11 @@ class FastEngine(Engine):
         parts = self._split(Sequences(symbols))
         if len(parts) == 1:
             return self._submit_part(*parts[0], features, joinable)
+        # Each part's placement checks only its own symbols: a later part's refusal would come after the earlier
+        # parts had advanced their states, so the whole step's room is checked before any part runs
+        rejected = self.table.unplaceable(symbols, at_once=False)
+        if rejected:
+            raise self.table.capacity_error(rejected)
         pending = [(rows, self._submit_part(part, rows, features)) for part, rows in parts]
 
         def gather():

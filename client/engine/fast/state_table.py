@@ -596,10 +596,12 @@ class StateTable:
                     part.copy_times.clear()
 
     # ---- placing symbols --------------------------------------------------------------------------
-    def unplaceable(self, symbols) -> list[str]:
-        """The symbols of one step that fit in no tier (no side effects; idle symbols count as gone)."""
+    def unplaceable(self, symbols, at_once=True) -> list[str]:
+        """The symbols of one step that fit in no tier (no side effects; idle symbols count as gone). at_once=False:
+        a step that runs as parts of at most `capacity` symbols, which need room in the tiers only, not all on the
+        GPU together."""
         with self._lock:
-            return self._unplaceable(symbols)
+            return self._unplaceable(symbols, at_once)
 
     def slots_for(self, symbols, streams=None) -> list[int]:
         """The GPU slot of each symbol of one step (distinct symbols), placing the ones not resident: a new
@@ -690,9 +692,9 @@ class StateTable:
                     self.stats["released"] += 1
 
     # ---- internals (holding the lock) ---------------------------------------------------------------
-    def _unplaceable(self, symbols):
+    def _unplaceable(self, symbols, at_once=True):
         batch = list(dict.fromkeys(symbols))
-        if len(batch) > self.capacity:
+        if at_once and len(batch) > self.capacity:
             return batch[self.capacity:]
         new = [s for s in batch if s not in self.resident and s not in self.offloaded]
         room = self.capacity + self.host_capacity - len(self.resident) - len(self.offloaded)
