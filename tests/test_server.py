@@ -17,6 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from client import protocol
 from client.streams import generate_stream
 from server import ScoringServer, ServerConfig
+from server.leaderboard import format_table
 from server.limits import Limits
 from server.session import TeamSession, send_offsets
 
@@ -802,3 +803,29 @@ def test_an_original_protocol_team_is_its_host_and_only_that_host_takes_it_over(
     assert first_msg["message_type"] == again_msg["message_type"] == "inference_request"
     assert impostor[0]["error"] == "team_taken"
     assert [(s["team"], s["connections"]) for s in summaries] == [("tcp-json:127.0.0.6", 2)]
+
+
+def test_a_notice_that_no_page_or_terminal_can_show_is_shown_with_replacement_characters():
+    """A notice is free text from the team: a lone surrogate (JSON's \\ud800, which no UTF-8 page can hold) or a
+    terminal escape (which would drive the operator's terminal at the summary table) is shown as U+FFFD."""
+    async def main():
+        async with Server(rate=20.0) as s:
+            reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+            writer.write(b'{"message_type": "register"}\n'
+                         b'{"message_type": "error", "error": "state_reset", '
+                         b'"details": "lost \\ud800 \\u001b]0;owned\\u0007\\u001b[2J"}\n')
+            await writer.drain()
+            while not s.server.summaries() or not s.server.summaries()[0]["notices"]:
+                await asyncio.sleep(0.01)
+
+            def get(path):
+                with urllib.request.urlopen(f"http://127.0.0.1:{s.port}{path}", timeout=5) as response:
+                    return response.read().decode()
+            page = await asyncio.to_thread(get, "/")
+            writer.close()
+            return page, s.server.summaries()
+    page, summaries = run(main())
+    text = "lost \ufffd \ufffd]0;owned\ufffd\ufffd[2J"
+    assert summaries[0]["notices"] == [{"code": "state_reset", "text": text}]
+    assert f"states reset: {text}" in page
+    assert format_table(summaries).endswith(f"tcp-json:127.0.0.1: states reset: {text}")
