@@ -13,7 +13,7 @@ from websockets.exceptions import ConnectionClosed
 
 from client import protocol
 from server.identity import Identity
-from server.original import OriginalConnection, sniffing_connections
+from server.original import TEAM_PREFIX, OriginalConnection, sniffing_connections
 from server.leaderboard import leaderboard_row, mark_far_below, render_page
 from client.constants import ATOL, TARGET_SOURCES
 from server.limits import AddressLimits, Limits, field_problem
@@ -322,7 +322,7 @@ class ScoringServer:
                 await self._send_error(ws, "not_registered", f"send register first, not {msg['type']}")
                 continue
             # the last check, _team_problem, and _attach's new session come with no await between them
-            problem = (self._addresses.register(address) or self._register_problem(msg)
+            problem = (self._addresses.register(address) or self._register_problem(msg, ws)
                        or self._team_problem(msg, ws))
             if problem is not None:
                 self.unregistered_errors += 1
@@ -330,7 +330,7 @@ class ScoringServer:
                 return None
             return await self._attach(msg, ws)
 
-    def _register_problem(self, msg):
+    def _register_problem(self, msg, ws):
         problem = field_problem(msg, self.config.limits)
         if problem is not None:
             return problem
@@ -341,6 +341,10 @@ class ScoringServer:
         problem = protocol.team_name_problem(team)
         if problem is not None:
             return ("bad_team", problem)
+        if team.startswith(TEAM_PREFIX) and not isinstance(ws, OriginalConnection):
+            # its host's name (server/original.py): whoever registered it first would hold its session key
+            return ("bad_team", f"a name beginning {TEAM_PREFIX!r} is the team of an original-protocol client, "
+                                f"named after its host: choose another --team")
         problem = self._identity.token_problem(team, msg.get("token"))
         if problem is not None:
             return problem

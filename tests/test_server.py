@@ -801,7 +801,7 @@ def test_an_original_protocol_team_is_its_host_and_only_that_host_takes_it_over(
             return first_msg, impostor, again_msg, s.server.summaries()
     first_msg, impostor, again_msg, summaries = run(main())
     assert first_msg["message_type"] == again_msg["message_type"] == "inference_request"
-    assert impostor[0]["error"] == "team_taken"
+    assert impostor[0]["error"] == "bad_team"
     assert [(s["team"], s["connections"]) for s in summaries] == [("tcp-json:127.0.0.6", 2)]
 
 
@@ -829,3 +829,16 @@ def test_a_notice_that_no_page_or_terminal_can_show_is_shown_with_replacement_ch
     assert summaries[0]["notices"] == [{"code": "state_reset", "text": text}]
     assert f"states reset: {text}" in page
     assert format_table(summaries).endswith(f"tcp-json:127.0.0.1: states reset: {text}")
+
+
+def test_the_name_of_an_original_protocol_team_is_refused_to_a_websocket_client_before_its_host_comes():
+    """A stranger that registers `tcp-json:<host>` first would hold the team's session key, and so take the team
+    back from its host whenever it liked: that name is only ever its host's."""
+    async def main():
+        async with Server(rate=20.0) as s:
+            squatter = await refused(s.url, protocol.register("tcp-json:127.0.0.6"), source="127.0.0.7")
+            return squatter, s.server.summaries()
+    (reply, close_code), summaries = run(main())
+    assert reply["error"] == "bad_team" and close_code == 1008 and summaries == []
+    assert reply["details"] == ("a name beginning 'tcp-json:' is the team of an original-protocol client, named "
+                                "after its host: choose another --team")
