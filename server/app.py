@@ -16,7 +16,7 @@ from server.identity import Identity
 from server.original import TEAM_PREFIX, OriginalConnection, sniffing_connections
 from server.leaderboard import leaderboard_row, mark_far_below, render_page
 from client.constants import ATOL, TARGET_SOURCES
-from server.limits import AddressLimits, Limits, field_problem
+from server.limits import AddressLimits, Limits, field_problem, register_frame_problem
 from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
 from server.session import TeamSession, send_offsets, summarize
 from server.snapshot import LeaderboardSnapshot
@@ -311,19 +311,23 @@ class ScoringServer:
                                        f"no register within {self.config.register_timeout_s} s of connecting")
                 await ws.close(1008, "register first")
                 return None
-            try:
-                msg = self._decode(ws, frame)
-            except protocol.ProtocolError as exc:
-                self.unregistered_errors += 1
-                await self._send_error(ws, "protocol_error", str(exc))
-                continue
-            if msg["type"] != "register":
-                self.unregistered_errors += 1
-                await self._send_error(ws, "not_registered", f"send register first, not {msg['type']}")
-                continue
-            # the last check, _team_problem, and _attach's new session come with no await between them
-            problem = (self._addresses.register(address) or self._register_problem(msg, ws)
-                       or self._team_problem(msg, ws))
+            problem = register_frame_problem(len(frame), self.config.limits)
+            if problem is not None:  # counted as a register, as it likely is one
+                problem = self._addresses.register(address) or problem
+            else:
+                try:
+                    msg = self._decode(ws, frame)
+                except protocol.ProtocolError as exc:
+                    self.unregistered_errors += 1
+                    await self._send_error(ws, "protocol_error", str(exc))
+                    continue
+                if msg["type"] != "register":
+                    self.unregistered_errors += 1
+                    await self._send_error(ws, "not_registered", f"send register first, not {msg['type']}")
+                    continue
+                # the last check, _team_problem, and _attach's new session come with no await between them
+                problem = (self._addresses.register(address) or self._register_problem(msg, ws)
+                           or self._team_problem(msg, ws))
             if problem is not None:
                 self.unregistered_errors += 1
                 await self._refuse(ws, *problem)

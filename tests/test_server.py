@@ -192,7 +192,7 @@ def test_garbage_connection_gets_errors_and_never_touches_others():
         msgpack.packb({"type": "launch"}),
         msgpack.packb({"type": "register", "team": 7, "protocol": 1}),
         protocol.encode(protocol.heartbeat(1.0)),  # well-formed, but not a register
-        protocol.encode(protocol.error("x", "y" * (protocol.MAX_FRAME_BYTES + 10))),  # oversized
+        protocol.encode(protocol.error("x", "y" * (protocol.MAX_FRAME_BYTES + 10))),  # oversized: refused, closed
     ]
 
     async def main():
@@ -212,8 +212,8 @@ def test_garbage_connection_gets_errors_and_never_touches_others():
     s, replies, errors = run(main())
     assert [r["type"] for r in replies] == ["error"] * len(garbage)
     codes = [r["error"] for r in replies]
-    assert codes == ["protocol_error"] * 5 + ["not_registered", "protocol_error"]
-    assert "text frame" in replies[0]["details"] and "exceeds the limit" in replies[-1]["details"]
+    assert codes == ["protocol_error"] * 5 + ["not_registered", "field_too_long"]
+    assert "text frame" in replies[0]["details"] and "bytes before register" in replies[-1]["details"]
     assert s.server.unregistered_errors == len(garbage)
     summary = s.summary("alpha")
     assert not errors and summary["responses"] == REQUESTS and summary["errors"] == 0
@@ -623,12 +623,12 @@ def test_pnl_grows_with_correct_towers_and_halves_per_half_life():
 
 # ------------------------------------------------------------------ strangers (issue 21): identity and limits
 
-async def refused(url, register, source="127.0.0.1"):
-    """Register on a new connection from `source` (any 127.x address reaches the server); returns (error,
-    close code) of the server's refusal."""
+async def refused(url, register, source="127.0.0.1", frame=None):
+    """Register (or send `frame`) on a new connection from `source` (any 127.x address reaches the server);
+    returns (error, close code) of the server's refusal."""
     ws = await connect(url, local_addr=(source, 0))
-    if register is not None:
-        await ws.send(protocol.encode(register))
+    if register is not None or frame is not None:
+        await ws.send(frame or protocol.encode(register))
     reply = await recv(ws)
     with pytest.raises(ConnectionClosed):
         await asyncio.wait_for(ws.recv(), 5)
@@ -842,3 +842,23 @@ def test_the_name_of_an_original_protocol_team_is_refused_to_a_websocket_client_
     assert reply["error"] == "bad_team" and close_code == 1008 and summaries == []
     assert reply["details"] == ("a name beginning 'tcp-json:' is the team of an original-protocol client, named "
                                 "after its host: choose another --team")
+
+
+def test_a_frame_before_register_longer_than_any_register_is_refused_undecoded():
+    """Decoding a frame of many small values holds the event loop, every team's, about a microsecond a byte: a
+    stranger's 4 MB frame before register is refused as it comes, while the longest register the field limits allow
+    still plays."""
+    widest = "\U0001F600"  # 4 bytes in UTF-8
+    junk = protocol.encode({"type": "heartbeat", "timestamp": 0.0, "junk": [[]] * 4_000_000})
+
+    async def main():
+        async with Server(token=widest * 256) as s:
+            big = await refused(s.url, None, source="127.0.0.8", frame=junk)
+            ws = await registered(s.url, widest * 64, token=widest * 256, preset=widest * 256,
+                                  weights_fingerprint=widest * 256, session_key=widest * 256)
+            await ws.close()
+            return big
+    (reply, close_code) = run(main())
+    assert reply["error"] == "field_too_long" and close_code == 1008
+    assert reply["details"] == (f"a frame of {len(junk):,} bytes before register; a register within this server's "
+                                f"limits takes at most 5,376 bytes (--max-field-chars)")
