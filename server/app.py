@@ -222,7 +222,9 @@ class ScoringServer:
             return None
         path = request.path.split("?", 1)[0]
         if path not in ("/", "/scores.json"):
-            return connection.respond(404, f"not found: {path[:100]}; try / or /scores.json\n")
+            response = connection.respond(404, f"not found: {path[:100]}; try / or /scores.json\n")
+            response.headers.update(PAGE_HEADERS)  # it repeats the stranger's path: never sniffed as a page
+            return response
         page, data = await self._leaderboard.get()
         response = connection.respond(200, page if path == "/" else data)
         del response.headers["Content-Type"]

@@ -484,8 +484,9 @@ def test_leaderboard_over_http_on_the_same_port():
             headers = []
             page = await asyncio.to_thread(get, "/")
             scores = await asyncio.to_thread(get, "/scores.json")
-            with pytest.raises(urllib.error.HTTPError, match="404"):
-                await asyncio.to_thread(get, "/nope")
+            with pytest.raises(urllib.error.HTTPError, match="404") as not_found:  # says the path, as sent
+                await asyncio.to_thread(get, "/%3Cscript%3E")
+            headers.append(not_found.value.headers)
             await ws.close()
             await player
             return page, scores, headers
