@@ -13,10 +13,10 @@ from websockets.exceptions import ConnectionClosed
 
 from client import protocol
 from server.identity import Identity
-from server.original import OriginalConnection, sniffing_connections
+from server.original import TEAM_PREFIX, OriginalConnection, sniffing_connections
 from server.leaderboard import leaderboard_row, mark_far_below, render_page
 from client.constants import ATOL, TARGET_SOURCES
-from server.limits import AddressLimits, Limits, field_problem
+from server.limits import AddressLimits, Limits, field_problem, register_frame_problem
 from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
 from server.session import TeamSession, send_offsets, summarize
 from server.snapshot import LeaderboardSnapshot
@@ -222,7 +222,9 @@ class ScoringServer:
             return None
         path = request.path.split("?", 1)[0]
         if path not in ("/", "/scores.json"):
-            return connection.respond(404, f"not found: {path[:100]}; try / or /scores.json\n")
+            response = connection.respond(404, f"not found: {path[:100]}; try / or /scores.json\n")
+            response.headers.update(PAGE_HEADERS)  # it repeats the stranger's path: never sniffed as a page
+            return response
         page, data = await self._leaderboard.get()
         response = connection.respond(200, page if path == "/" else data)
         del response.headers["Content-Type"]
@@ -311,26 +313,30 @@ class ScoringServer:
                                        f"no register within {self.config.register_timeout_s} s of connecting")
                 await ws.close(1008, "register first")
                 return None
-            try:
-                msg = self._decode(ws, frame)
-            except protocol.ProtocolError as exc:
-                self.unregistered_errors += 1
-                await self._send_error(ws, "protocol_error", str(exc))
-                continue
-            if msg["type"] != "register":
-                self.unregistered_errors += 1
-                await self._send_error(ws, "not_registered", f"send register first, not {msg['type']}")
-                continue
-            # the last check, _team_problem, and _attach's new session come with no await between them
-            problem = (self._addresses.register(address) or self._register_problem(msg)
-                       or self._team_problem(msg, ws))
+            problem = register_frame_problem(len(frame), self.config.limits)
+            if problem is not None:  # counted as a register, as it likely is one
+                problem = self._addresses.register(address) or problem
+            else:
+                try:
+                    msg = self._decode(ws, frame)
+                except protocol.ProtocolError as exc:
+                    self.unregistered_errors += 1
+                    await self._send_error(ws, "protocol_error", str(exc))
+                    continue
+                if msg["type"] != "register":
+                    self.unregistered_errors += 1
+                    await self._send_error(ws, "not_registered", f"send register first, not {msg['type']}")
+                    continue
+                # the last check, _team_problem, and _attach's new session come with no await between them
+                problem = (self._addresses.register(address) or self._register_problem(msg, ws)
+                           or self._team_problem(msg, ws))
             if problem is not None:
                 self.unregistered_errors += 1
                 await self._refuse(ws, *problem)
                 return None
             return await self._attach(msg, ws)
 
-    def _register_problem(self, msg):
+    def _register_problem(self, msg, ws):
         problem = field_problem(msg, self.config.limits)
         if problem is not None:
             return problem
@@ -341,6 +347,10 @@ class ScoringServer:
         problem = protocol.team_name_problem(team)
         if problem is not None:
             return ("bad_team", problem)
+        if team.startswith(TEAM_PREFIX) and not isinstance(ws, OriginalConnection):
+            # its host's name (server/original.py): whoever registered it first would hold its session key
+            return ("bad_team", f"a name beginning {TEAM_PREFIX!r} is the team of an original-protocol client, "
+                                f"named after its host: choose another --team")
         problem = self._identity.token_problem(team, msg.get("token"))
         if problem is not None:
             return problem

@@ -2,10 +2,13 @@
 
 Per address (the connecting IP): open websocket connections, and registrations per second (a token bucket:
 `registration_burst` at once, then `registrations_per_s`); every register counts, refused or not, so that
-guessing tokens is as slow as registering. Per server: teams. Per register: the length of its strings.
+guessing tokens is as slow as registering. Per server: teams. Per register: the length of its strings, and of
+the frame that holds it.
 """
 import time
 from dataclasses import dataclass
+
+from client import protocol
 
 # Register fields limited by Limits.max_field_chars (the team name has the protocol's own limit).
 LIMITED_FIELDS = ("token", "preset", "weights_fingerprint", "session_key")
@@ -37,6 +40,17 @@ def field_problem(msg: dict, limits: Limits) -> tuple[str, str] | None:
         if isinstance(value, str) and len(value) > limits.max_field_chars:
             return ("field_too_long", f"register field {field!r} holds {len(value):,} characters; this server "
                                       f"takes at most {limits.max_field_chars} (--max-field-chars)")
+    return None
+
+
+def register_frame_problem(frame_bytes: int, limits: Limits) -> tuple[str, str] | None:
+    """("field_too_long", details) for a frame before register longer than any register within the field limits
+    (its strings at 4 bytes a character, 1 kB for the rest), else None. Such a frame is refused undecoded:
+    decoding a frame of many small values holds the event loop, every team's, about a microsecond a byte."""
+    most = 4 * (len(LIMITED_FIELDS) * limits.max_field_chars + protocol.MAX_TEAM_NAME) + 1024
+    if frame_bytes > most:
+        return ("field_too_long", f"a frame of {frame_bytes:,} bytes before register; a register within this "
+                                  f"server's limits takes at most {most:,} bytes (--max-field-chars)")
     return None
 
 

@@ -21,6 +21,7 @@ from client import original
 from client.protocol import ProtocolError
 
 log = logging.getLogger("server")
+TEAM_PREFIX = "tcp-json:"  # of an original client's team, which only that client's host may register
 # Whitespace a client may send before its first byte that tells the protocol (then it is handed to websockets,
 # which answers a bad request).
 _MAX_LEADING_WHITESPACE = 1024
@@ -30,7 +31,7 @@ def team_name(address) -> str:
     """The team of an original client, which registers with no name: its host, so that a client of that host that
     connects again resumes its session (the runtime relies on it; the original client never reconnects)."""
     host = address[0] if isinstance(address, (tuple, list)) and address else "unknown"
-    return f"tcp-json:{host}"
+    return f"{TEAM_PREFIX}{host}"
 
 
 def sniffing_connections(on_original, first_bytes_timeout_s: float):

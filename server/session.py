@@ -235,7 +235,10 @@ class TeamSession:
         """A notice from the client (its states reset, a shard lost): kept for the leaderboard and summary."""
         self.notices_total += 1
         if len(self.notices) < MAX_NOTICES:
-            self.notices.append({"code": code, "text": text[:NOTICE_CHARS]})
+            # shown on the page and in the operator's terminal: no escape sequences, no lone surrogate (a JSON
+            # line's \ud800, which no UTF-8 page can hold: every page load would fail)
+            text = "".join(c if c.isprintable() else "\ufffd" for c in text[:NOTICE_CHARS])
+            self.notices.append({"code": code, "text": text})
 
     # reporting ---------------------------------------------------------------------------------
     def _forget_before(self, oldest):

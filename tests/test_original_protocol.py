@@ -301,6 +301,12 @@ def test_each_project_message_crosses_the_original_wire_and_back():
      b'"timestamp": 1}\n', "field 'symbols' must be a list of strings of Unicode text (no lone surrogate), got list"),
     (b'{"message_type": "score_update", "unique_ids": [1], "trade_pnls": [1], "accuracies": [2], '
      b'"latencies_ms": [1]}\n', "accuracies must be fractions"),
+    # JSON nests without bound (Python's decoder raised RecursionError) and its integers have none (OverflowError
+    # when made floats): each dropped the connection without a word
+    pytest.param(b'{"message_type": "heartbeat", "timestamp": 1, "x": ' + b"[" * 100_000 + b"}\n",
+                 "line nests values deeper than Python's JSON decoder goes", id="nested-100000-deep"),
+    pytest.param(b'{"message_type": "inference_response", "unique_ids": [1], "predictions": [[1' + b"0" * 400 +
+                 b', 2, 3, 4]]}\n', "each row of 'predictions' must be a list of 4 numbers", id="1e400-as-integer"),
 ])
 def test_a_bad_line_says_what_is_wrong(line, message):
     with pytest.raises(ProtocolError, match=re.escape(message)):

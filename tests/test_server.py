@@ -17,6 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from client import protocol
 from client.streams import generate_stream
 from server import ScoringServer, ServerConfig
+from server.leaderboard import format_table
 from server.limits import Limits
 from server.session import TeamSession, send_offsets
 
@@ -191,7 +192,7 @@ def test_garbage_connection_gets_errors_and_never_touches_others():
         msgpack.packb({"type": "launch"}),
         msgpack.packb({"type": "register", "team": 7, "protocol": 1}),
         protocol.encode(protocol.heartbeat(1.0)),  # well-formed, but not a register
-        protocol.encode(protocol.error("x", "y" * (protocol.MAX_FRAME_BYTES + 10))),  # oversized
+        protocol.encode(protocol.error("x", "y" * (protocol.MAX_FRAME_BYTES + 10))),  # oversized: refused, closed
     ]
 
     async def main():
@@ -211,8 +212,8 @@ def test_garbage_connection_gets_errors_and_never_touches_others():
     s, replies, errors = run(main())
     assert [r["type"] for r in replies] == ["error"] * len(garbage)
     codes = [r["error"] for r in replies]
-    assert codes == ["protocol_error"] * 5 + ["not_registered", "protocol_error"]
-    assert "text frame" in replies[0]["details"] and "exceeds the limit" in replies[-1]["details"]
+    assert codes == ["protocol_error"] * 5 + ["not_registered", "field_too_long"]
+    assert "text frame" in replies[0]["details"] and "bytes before register" in replies[-1]["details"]
     assert s.server.unregistered_errors == len(garbage)
     summary = s.summary("alpha")
     assert not errors and summary["responses"] == REQUESTS and summary["errors"] == 0
@@ -483,8 +484,9 @@ def test_leaderboard_over_http_on_the_same_port():
             headers = []
             page = await asyncio.to_thread(get, "/")
             scores = await asyncio.to_thread(get, "/scores.json")
-            with pytest.raises(urllib.error.HTTPError, match="404"):
-                await asyncio.to_thread(get, "/nope")
+            with pytest.raises(urllib.error.HTTPError, match="404") as not_found:  # says the path, as sent
+                await asyncio.to_thread(get, "/%3Cscript%3E")
+            headers.append(not_found.value.headers)
             await ws.close()
             await player
             return page, scores, headers
@@ -622,12 +624,12 @@ def test_pnl_grows_with_correct_towers_and_halves_per_half_life():
 
 # ------------------------------------------------------------------ strangers (issue 21): identity and limits
 
-async def refused(url, register, source="127.0.0.1"):
-    """Register on a new connection from `source` (any 127.x address reaches the server); returns (error,
-    close code) of the server's refusal."""
+async def refused(url, register, source="127.0.0.1", frame=None):
+    """Register (or send `frame`) on a new connection from `source` (any 127.x address reaches the server);
+    returns (error, close code) of the server's refusal."""
     ws = await connect(url, local_addr=(source, 0))
-    if register is not None:
-        await ws.send(protocol.encode(register))
+    if register is not None or frame is not None:
+        await ws.send(frame or protocol.encode(register))
     reply = await recv(ws)
     with pytest.raises(ConnectionClosed):
         await asyncio.wait_for(ws.recv(), 5)
@@ -800,5 +802,64 @@ def test_an_original_protocol_team_is_its_host_and_only_that_host_takes_it_over(
             return first_msg, impostor, again_msg, s.server.summaries()
     first_msg, impostor, again_msg, summaries = run(main())
     assert first_msg["message_type"] == again_msg["message_type"] == "inference_request"
-    assert impostor[0]["error"] == "team_taken"
+    assert impostor[0]["error"] == "bad_team"
     assert [(s["team"], s["connections"]) for s in summaries] == [("tcp-json:127.0.0.6", 2)]
+
+
+def test_a_notice_that_no_page_or_terminal_can_show_is_shown_with_replacement_characters():
+    """A notice is free text from the team: a lone surrogate (JSON's \\ud800, which no UTF-8 page can hold) or a
+    terminal escape (which would drive the operator's terminal at the summary table) is shown as U+FFFD."""
+    async def main():
+        async with Server(rate=20.0) as s:
+            reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+            writer.write(b'{"message_type": "register"}\n'
+                         b'{"message_type": "error", "error": "state_reset", '
+                         b'"details": "lost \\ud800 \\u001b]0;owned\\u0007\\u001b[2J"}\n')
+            await writer.drain()
+            while not s.server.summaries() or not s.server.summaries()[0]["notices"]:
+                await asyncio.sleep(0.01)
+
+            def get(path):
+                with urllib.request.urlopen(f"http://127.0.0.1:{s.port}{path}", timeout=5) as response:
+                    return response.read().decode()
+            page = await asyncio.to_thread(get, "/")
+            writer.close()
+            return page, s.server.summaries()
+    page, summaries = run(main())
+    text = "lost \ufffd \ufffd]0;owned\ufffd\ufffd[2J"
+    assert summaries[0]["notices"] == [{"code": "state_reset", "text": text}]
+    assert f"states reset: {text}" in page
+    assert format_table(summaries).endswith(f"tcp-json:127.0.0.1: states reset: {text}")
+
+
+def test_the_name_of_an_original_protocol_team_is_refused_to_a_websocket_client_before_its_host_comes():
+    """A stranger that registers `tcp-json:<host>` first would hold the team's session key, and so take the team
+    back from its host whenever it liked: that name is only ever its host's."""
+    async def main():
+        async with Server(rate=20.0) as s:
+            squatter = await refused(s.url, protocol.register("tcp-json:127.0.0.6"), source="127.0.0.7")
+            return squatter, s.server.summaries()
+    (reply, close_code), summaries = run(main())
+    assert reply["error"] == "bad_team" and close_code == 1008 and summaries == []
+    assert reply["details"] == ("a name beginning 'tcp-json:' is the team of an original-protocol client, named "
+                                "after its host: choose another --team")
+
+
+def test_a_frame_before_register_longer_than_any_register_is_refused_undecoded():
+    """Decoding a frame of many small values holds the event loop, every team's, about a microsecond a byte: a
+    stranger's 4 MB frame before register is refused as it comes, while the longest register the field limits allow
+    still plays."""
+    widest = "\U0001F600"  # 4 bytes in UTF-8
+    junk = protocol.encode({"type": "heartbeat", "timestamp": 0.0, "junk": [[]] * 4_000_000})
+
+    async def main():
+        async with Server(token=widest * 256) as s:
+            big = await refused(s.url, None, source="127.0.0.8", frame=junk)
+            ws = await registered(s.url, widest * 64, token=widest * 256, preset=widest * 256,
+                                  weights_fingerprint=widest * 256, session_key=widest * 256)
+            await ws.close()
+            return big
+    (reply, close_code) = run(main())
+    assert reply["error"] == "field_too_long" and close_code == 1008
+    assert reply["details"] == (f"a frame of {len(junk):,} bytes before register; a register within this server's "
+                                f"limits takes at most 5,376 bytes (--max-field-chars)")
