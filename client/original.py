@@ -24,7 +24,6 @@ Imports no torch and no websockets.
 """
 import json
 import math
-import sys
 
 import numpy as np
 
@@ -48,10 +47,9 @@ def decode_line(line: bytes) -> dict:
     """The JSON object of one line, with a known message_type; raises ProtocolError saying what is wrong."""
     try:
         obj = json.loads(line)
-    # RecursionError: a line nested deeper than the interpreter's stack (a few kB of brackets) is a bad line too
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"line is not JSON: {exc}; send one JSON object per line") from None
-    except RecursionError:
+    except RecursionError:  # a line nested deeper than the interpreter's stack (a few kB of brackets)
         raise ProtocolError("line nests values deeper than Python's JSON decoder goes") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"line must hold a JSON object, got {type(obj).__name__}")
@@ -73,11 +71,6 @@ def _is_number(value) -> bool:
     except OverflowError:
         return False
     return True
-
-
-def _is_float(value) -> bool:
-    """A number a float holds: JSON's integers have no bound (1 and 400 zeros made an OverflowError)."""
-    return isinstance(value, float) or (_is_number(value) and abs(value) <= sys.float_info.max)
 
 
 def _field(obj, name, check, expected, default=None, required=True):
@@ -117,7 +110,7 @@ _numbers = _list_of(_is_number)
 def _rows(obj, name, width) -> list:
     rows = _field(obj, name, lambda v: isinstance(v, list), "a list of lists of numbers")
     for row in rows:
-        if not (isinstance(row, list) and len(row) == width and all(_is_float(v) for v in row)):
+        if not (isinstance(row, list) and len(row) == width and all(_is_number(v) for v in row)):
             raise ProtocolError(f"{obj['message_type']}: each row of {name!r} must be a list of {width} numbers")
     return rows
 

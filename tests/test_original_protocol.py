@@ -127,7 +127,7 @@ def test_an_original_client_plays_the_server_to_the_end():
     expected = [("not_registered", "send register first, not heartbeat"),
                 ("protocol_error", "line is not JSON: Expecting property name"),
                 ("protocol_error", "unknown message_type 'launch'; expected one of register, "),
-                ("protocol_error", "line is not JSON: maximum recursion depth exceeded"),  # nested too deep
+                ("protocol_error", "line nests values deeper than Python's JSON decoder goes"),
                 ("protocol_error", "heartbeat: field 'timestamp' must be a finite number, got int"),  # 401 digits
                 ("protocol_error", "line of 5038 bytes exceeds the limit of 4096 bytes"),  # as a websocket frame's
                 ("protocol_error", "line exceeds twice the limit of 4096 bytes; closing the connection")]
@@ -280,7 +280,7 @@ def test_each_project_message_crosses_the_original_wire_and_back():
 @pytest.mark.parametrize("line, message", [
     (b"{nope\n", "line is not JSON"),
     (b"[1, 2]\n", "line must hold a JSON object, got list"),
-    (b"[" * 100_000 + b"]" * 100_000 + b"\n", "line is not JSON: maximum recursion depth exceeded"),
+    (b"[" * 100_000 + b"]" * 100_000 + b"\n", "line nests values deeper than Python's JSON decoder goes"),
     (b'{"type": "heartbeat"}\n', "unknown message_type None"),
     (b'{"message_type": "inference_response", "unique_ids": [1], "predictions": [[1, 2, 3]]}\n',
      "each row of 'predictions' must be a list of 4 numbers"),
@@ -301,12 +301,6 @@ def test_each_project_message_crosses_the_original_wire_and_back():
      b'"timestamp": 1}\n', "field 'symbols' must be a list of strings of Unicode text (no lone surrogate), got list"),
     (b'{"message_type": "score_update", "unique_ids": [1], "trade_pnls": [1], "accuracies": [2], '
      b'"latencies_ms": [1]}\n', "accuracies must be fractions"),
-    # JSON nests without bound (Python's decoder raised RecursionError) and its integers have none (OverflowError
-    # when made floats): each dropped the connection without a word
-    pytest.param(b'{"message_type": "heartbeat", "timestamp": 1, "x": ' + b"[" * 100_000 + b"}\n",
-                 "line nests values deeper than Python's JSON decoder goes", id="nested-100000-deep"),
-    pytest.param(b'{"message_type": "inference_response", "unique_ids": [1], "predictions": [[1' + b"0" * 400 +
-                 b', 2, 3, 4]]}\n', "each row of 'predictions' must be a list of 4 numbers", id="1e400-as-integer"),
 ])
 def test_a_bad_line_says_what_is_wrong(line, message):
     with pytest.raises(ProtocolError, match=re.escape(message)):

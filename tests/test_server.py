@@ -807,14 +807,15 @@ def test_an_original_protocol_team_is_its_host_and_only_that_host_takes_it_over(
 
 
 def test_a_notice_that_no_page_or_terminal_can_show_is_shown_with_replacement_characters():
-    """A notice is free text from the team: a lone surrogate (JSON's \\ud800, which no UTF-8 page can hold) or a
-    terminal escape (which would drive the operator's terminal at the summary table) is shown as U+FFFD."""
+    """A notice is free text from the team: a terminal escape (which would drive the operator's terminal at the
+    summary table) is shown as U+FFFD, as anything unprintable would be (a lone surrogate, which no UTF-8 page can
+    hold, is refused before: tests/test_original_protocol.py)."""
     async def main():
         async with Server(rate=20.0) as s:
             reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
             writer.write(b'{"message_type": "register"}\n'
                          b'{"message_type": "error", "error": "state_reset", '
-                         b'"details": "lost \\ud800 \\u001b]0;owned\\u0007\\u001b[2J"}\n')
+                         b'"details": "lost \\u001b]0;owned\\u0007\\u001b[2J"}\n')
             await writer.drain()
             while not s.server.summaries() or not s.server.summaries()[0]["notices"]:
                 await asyncio.sleep(0.01)
@@ -826,7 +827,7 @@ def test_a_notice_that_no_page_or_terminal_can_show_is_shown_with_replacement_ch
             writer.close()
             return page, s.server.summaries()
     page, summaries = run(main())
-    text = "lost \ufffd \ufffd]0;owned\ufffd\ufffd[2J"
+    text = "lost \ufffd]0;owned\ufffd\ufffd[2J"
     assert summaries[0]["notices"] == [{"code": "state_reset", "text": text}]
     assert f"states reset: {text}" in page
     assert format_table(summaries).endswith(f"tcp-json:127.0.0.1: states reset: {text}")
