@@ -124,7 +124,8 @@ def self_check(candidate: Path, timeout_s: float = 600.0) -> str | None:
         return f"{candidate} has no example_model.py"
     with tempfile.TemporaryDirectory() as tmp:
         summary_path = Path(tmp) / "check.json"
-        command = [sys.executable, str(EVALUATOR), "--team-dir", str(candidate), *CHECK_ARGS,
+        # resolved: the evaluator runs in REPO_ROOT, where a path relative to the caller's folder means another
+        command = [sys.executable, str(EVALUATOR), "--team-dir", str(candidate.resolve()), *CHECK_ARGS,
                    "--json", str(summary_path)]
         print(f"self-check: a short tiny-preset evaluation of {candidate} ...", file=sys.stderr, flush=True)
         try:

@@ -113,6 +113,13 @@ def test_a_copy_of_the_real_team_client_passes_through_the_cli(dirs):
     assert len(roll.list_snapshots(backups)) == 1
 
 
+def test_a_relative_candidate_is_checked_where_it_is(dirs, monkeypatch):
+    _, candidate, _ = dirs
+    shutil.copy(REPO_ROOT / "team" / "example_model.py", candidate / "example_model.py")
+    monkeypatch.chdir(candidate.parent)
+    assert roll.self_check(Path(candidate.name)) is None
+
+
 def test_candidate_without_example_model_fails_the_check(tmp_path):
     assert "has no example_model.py" in roll.self_check(tmp_path)
 
