@@ -48,7 +48,7 @@ def save(state: dict, out: Path) -> None:
 def main(argv=None) -> int:
     parser = cli.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=cli.seed, default=0)
     parser.add_argument("--out", required=True, type=Path, help="output .pt file")
     args = parser.parse_args(argv)
     start = time.perf_counter()

@@ -200,7 +200,7 @@ def parse_args(argv=None):
     p.add_argument("--team-dir", type=Path, default=DEFAULT_TEAM_DIR, help="default: team/ at the repo root")
     p.add_argument("--backups-dir", type=Path, default=DEFAULT_BACKUPS_DIR,
                    help="default: backups/ at the repo root")
-    p.add_argument("--check-timeout", type=float, default=600.0, help="self-check time limit, seconds")
+    p.add_argument("--check-timeout", type=cli.positive_float, default=600.0, help="self-check time limit, seconds")
     args = p.parse_args(argv)
     if args.force and args.candidate is None:
         p.error("--force applies to rolling in a candidate only")

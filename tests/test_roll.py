@@ -170,6 +170,9 @@ def test_cli_errors(dirs, capsys):
     assert "--force applies to rolling in a candidate only" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         roll.main([])
+    with pytest.raises(SystemExit):
+        roll.main([str(candidate), "--check-timeout", "-1"])
+    assert "argument --check-timeout: must be a positive number, got '-1'" in capsys.readouterr().err
 
 
 def test_a_refused_candidate_is_one_line_through_the_cli(dirs):
