@@ -377,14 +377,14 @@ def parse_args(argv=None):
     src.add_argument("--stream", type=cli.existing_file, help="replay this .npz or original .parquet stream")
     src.add_argument("--symbols", type=cli.positive_int, default=6)
     src.add_argument("--requests", type=cli.positive_int, default=300)
-    src.add_argument("--stream-seed", type=int, default=0)
+    src.add_argument("--stream-seed", type=cli.seed, default=0)
     src.add_argument("--rate", type=float, default=None,
                      help="mean arrival rate, requests/s (default: the generator's)")
     mdl = p.add_argument_group("model and client")
     mdl.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
     weights = mdl.add_mutually_exclusive_group()
     weights.add_argument("--weights", type=cli.existing_file, help="checkpoint to load instead of seeded weights")
-    weights.add_argument("--seed", type=int, default=0, help="weights seed")
+    weights.add_argument("--seed", type=cli.seed, default=0, help="weights seed")
     mdl.add_argument("--device", default=None, help="torch device (default cuda when present, else cpu)")
     mdl.add_argument("--engine", default="reference", choices=ENGINES, help="engine (default reference)")
     mdl.add_argument("--team-dir", default=str(DEFAULT_TEAM_DIR),
@@ -400,11 +400,11 @@ def parse_args(argv=None):
                     help="score against the chosen weights' fp32 model (default) or the stream file's own targets; "
                          "a file with targets is compared with the model either way")
     out = p.add_argument_group("output")
-    out.add_argument("--json", help="write the summary here")
+    out.add_argument("--json", type=cli.output_file, help="write the summary here")
     out.add_argument("--profile", metavar="DIR", help="torch.profiler trace of a few steps into DIR; print top kernels")
     out.add_argument("--profile-steps", type=cli.positive_int, default=DEFAULT_PROFILE_STEPS,
                      help=f"steps the profile records, after the first (default {DEFAULT_PROFILE_STEPS})")
-    out.add_argument("--plot", metavar="PNG", help="latency distribution and per-tower error (matplotlib)")
+    out.add_argument("--plot", metavar="PNG", type=cli.output_file, help="latency distribution and per-tower error (matplotlib)")
     args = p.parse_args(argv)
     if not args.atol > 0:
         p.error(f"--atol must be positive, got {args.atol}")

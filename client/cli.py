@@ -146,6 +146,18 @@ def positive_float(text: str) -> float:
     return value
 
 
+def seed(text: str) -> int:
+    """argparse type: a random seed, an integer of at least 0 (numpy's generators refuse a negative one, in words
+    that name no option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
 def port_number(text: str, lowest: int = 1) -> int:
     """argparse type: a TCP port, lowest..65535 (a server passes lowest=0: any free port)."""
     try:
@@ -194,12 +206,17 @@ def existing_file(text: str) -> str:
 
 
 def check_device(device: str | None) -> None:
-    """Refuse a CUDA device on a torch without CUDA before anything is built on it."""
-    if device is None or not str(device).startswith("cuda"):
+    """Refuse a device torch does not know, or a CUDA device on a torch without CUDA, before anything is built on
+    it (torch's own refusal is a RuntimeError, which would read as a bug)."""
+    if device is None:
         return
     import torch
 
-    if not torch.cuda.is_available():
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise CliError(f"--device {device}: not a torch device; use cpu, cuda or cuda:N") from None
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise CliError(f"--device {device}, but this torch ({torch.__version__}) sees no CUDA GPU; "
                        f"use --device cpu (and --engine reference)")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,9 +162,12 @@ def save_stream(stream: Stream, path) -> None:
     suffix = _format_of(path)
     meta = dict(stream.meta, stream_fingerprint=stream_fingerprint(stream))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # A fresh name opened exclusively, not mkstemp: its file is private (0600), and a stream is made to be read by
+    # a server or a team that may run as another user, so it gets the mode the umask gives
+    tmp_name = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    out = open(tmp_name, "xb")
     try:
-        with os.fdopen(fd, "wb") as out:
+        with out:
             if suffix == ".npz":
                 arrays = {"symbols": stream.symbols, "features": stream.features,
                           "delay_ms": stream.delay_ms, "meta": np.asarray(json.dumps(meta))}

@@ -22,13 +22,13 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--symbols", type=int, required=True, help="number of symbols (SYM_000, ...)")
     parser.add_argument("--requests", type=int, required=True, help="number of requests")
-    parser.add_argument("--seed", type=int, required=True, help="seed of the stream")
+    parser.add_argument("--seed", type=cli.seed, required=True, help="seed of the stream")
     parser.add_argument("--rate", type=float, help="requests per second (default: 12 ms mean gap)")
     parser.add_argument("--targets", action="store_true", help="store the reference model's predictions")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (needed with --targets)")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--weights", help="checkpoint (.pt state dict or safetensors) for --targets")
-    weights.add_argument("--weights-seed", type=int, help="seed of the synthetic weights for --targets (default 0)")
+    weights.add_argument("--weights-seed", type=cli.seed, help="seed of the synthetic weights for --targets (default 0)")
     parser.add_argument("--device", help="device for --targets (default: cuda when available)")
     parser.add_argument("--cache-dir", help="targets cache (default: $FASTENS_CACHE/targets or "
                                             "~/.cache/fastens/targets)")
@@ -55,6 +55,7 @@ def make_stream(args) -> Stream:
 
     weights_seed = 0 if args.weights_seed is None else args.weights_seed
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cli.check_device(device)
     model, weights_fingerprint = load_model(args.preset, weights=args.weights, seed=weights_seed, device=device)
     targets = compute_targets(model, stream, weights_fingerprint, device=device, cache_dir=args.cache_dir)
     meta = dict(stream.meta, preset=args.preset, weights_fingerprint=weights_fingerprint,

@@ -48,9 +48,13 @@ def save(state: dict, out: Path) -> None:
 def main(argv=None) -> int:
     parser = cli.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=cli.seed, default=0)
     parser.add_argument("--out", required=True, type=Path, help="output .pt file")
     args = parser.parse_args(argv)
+    # checked before the generation (minutes for the full preset), not when saving at its end
+    if args.out.is_dir():
+        parser.error(f"--out {args.out} is a folder; give a file path")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     generating = None
 
@@ -60,7 +64,6 @@ def main(argv=None) -> int:
         generating.update(done)
     state = make_weights(get_preset(args.preset), args.seed, progress=generated)
     generating.close()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     save(state, args.out)
     print("fingerprinting ...", file=sys.stderr, flush=True)
     count = sum(t.numel() for t in state.values())

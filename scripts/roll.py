@@ -124,7 +124,8 @@ def self_check(candidate: Path, timeout_s: float = 600.0) -> str | None:
         return f"{candidate} has no example_model.py"
     with tempfile.TemporaryDirectory() as tmp:
         summary_path = Path(tmp) / "check.json"
-        command = [sys.executable, str(EVALUATOR), "--team-dir", str(candidate), *CHECK_ARGS,
+        # resolved: the evaluator runs in REPO_ROOT, where a path relative to the caller's folder means another
+        command = [sys.executable, str(EVALUATOR), "--team-dir", str(candidate.resolve()), *CHECK_ARGS,
                    "--json", str(summary_path)]
         print(f"self-check: a short tiny-preset evaluation of {candidate} ...", file=sys.stderr, flush=True)
         try:
@@ -199,7 +200,7 @@ def parse_args(argv=None):
     p.add_argument("--team-dir", type=Path, default=DEFAULT_TEAM_DIR, help="default: team/ at the repo root")
     p.add_argument("--backups-dir", type=Path, default=DEFAULT_BACKUPS_DIR,
                    help="default: backups/ at the repo root")
-    p.add_argument("--check-timeout", type=float, default=600.0, help="self-check time limit, seconds")
+    p.add_argument("--check-timeout", type=cli.positive_float, default=600.0, help="self-check time limit, seconds")
     args = p.parse_args(argv)
     if args.force and args.candidate is None:
         p.error("--force applies to rolling in a candidate only")

@@ -211,7 +211,7 @@ def parse_args(argv=None):
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--weights", type=cli.existing_file,
                          help="checkpoint path (default: synthetic weights from --seed)")
-    weights.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
+    weights.add_argument("--seed", type=cli.seed, default=0, help="seed of the synthetic weights (default 0)")
     parser.add_argument("--allow-weights-mismatch", action="store_true",
                         help="play even when the server's weights differ from the client's")
     parser.add_argument("--device", help="cuda or cpu (default cuda when present; with --cluster ray the shards' "

@@ -81,6 +81,18 @@ def test_existing_file(tmp_path):
         cli.existing_file(str(tmp_path / "nope.pt"))
 
 
+def test_seed():
+    assert cli.seed("0") == 0 and cli.seed("7") == 7
+    for text in ("-1", "x"):
+        with pytest.raises(Exception, match=f"must be a non-negative integer, got '{text}'"):
+            cli.seed(text)
+
+
+def test_a_device_torch_does_not_know_is_an_ordinary_error():
+    with pytest.raises(cli.CliError, match="--device bogus: not a torch device; use cpu, cuda or cuda:N"):
+        cli.check_device("bogus")
+
+
 def test_cuda_device_without_cuda_is_an_ordinary_error():
     import torch
     if torch.cuda.is_available():

@@ -285,6 +285,9 @@ def test_broken_team_client(tmp_path, capsys, source, message):
     (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     (["--engine", "warp"], "argument --engine: invalid choice: 'warp'"),
     (["--profile-steps", "0"], "--profile-steps: must be a positive integer"),
+    (["--seed", "-1"], "argument --seed: must be a non-negative integer, got '-1'"),
+    # checked before the run, not when writing its results
+    (["--json", "/no/such/folder/summary.json"], "argument --json: no such folder: /no/such/folder"),
 ])
 def test_bad_options_exit_with_usage(usage_error, argv, message):
     assert message in usage_error(le.main, argv)
@@ -327,6 +330,7 @@ def test_profile_on_cuda_ranks_by_device_time(tmp_path, team_dir, capsys):
     (["--stream", "missing.npz"], "argument --stream: no such file: missing.npz (see --help)"),
     (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     (["--team-dir", "nowhere"], "no team client at nowhere/example_model.py"),
+    (["--device", "bogus"], "--device bogus: not a torch device"),
 ])
 def test_ordinary_mistakes_are_one_line_in_a_real_process(argv, message):
     import subprocess

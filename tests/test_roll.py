@@ -113,6 +113,13 @@ def test_a_copy_of_the_real_team_client_passes_through_the_cli(dirs):
     assert len(roll.list_snapshots(backups)) == 1
 
 
+def test_a_relative_candidate_is_checked_where_it_is(dirs, monkeypatch):
+    _, candidate, _ = dirs
+    shutil.copy(REPO_ROOT / "team" / "example_model.py", candidate / "example_model.py")
+    monkeypatch.chdir(candidate.parent)
+    assert roll.self_check(Path(candidate.name)) is None
+
+
 def test_candidate_without_example_model_fails_the_check(tmp_path):
     assert "has no example_model.py" in roll.self_check(tmp_path)
 
@@ -163,6 +170,9 @@ def test_cli_errors(dirs, capsys):
     assert "--force applies to rolling in a candidate only" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         roll.main([])
+    with pytest.raises(SystemExit):
+        roll.main([str(candidate), "--check-timeout", "-1"])
+    assert "argument --check-timeout: must be a positive number, got '-1'" in capsys.readouterr().err
 
 
 def test_a_refused_candidate_is_one_line_through_the_cli(dirs):

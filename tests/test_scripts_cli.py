@@ -40,6 +40,13 @@ def test_script_mistakes_are_one_line(tmp_path):
         ("make_stream.py", ["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "tiny",
                             "--weights", tmp_path / "missing.pt", "--out", tmp_path / "s.npz"],
          f"make_stream: weights file not found: {tmp_path / 'missing.pt'}"),
+        ("make_weights.py", ["--preset", "tiny", "--out", tmp_path],
+         f"scripts/make_weights.py: error: --out {tmp_path} is a folder; give a file path"),
+        ("make_weights.py", ["--preset", "tiny", "--seed", "-1", "--out", tmp_path / "w.pt"],
+         "scripts/make_weights.py: error: argument --seed: must be a non-negative integer, got '-1'"),
+        ("make_stream.py", ["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "tiny",
+                            "--device", "bogus", "--out", tmp_path / "s.npz"],
+         "make_stream: error: --device bogus: not a torch device"),
         ("host_hiccups.py", ["--seconds", "0"], "scripts/host_hiccups.py: error: argument --seconds: "),
         ("kernel_times.py", ["--batches", "64x4,8x0"],
          "scripts/kernel_times.py: error: argument --batches: a step shape is B or GxK with positive integers, got "

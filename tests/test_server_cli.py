@@ -104,6 +104,7 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
     (["--port", "-1"], "argument --port: must be a port number in 0..65535, got '-1'"),
     (["--json", "/no/such/folder/out.json"], "argument --json: no such folder: /no/such/folder"),
     (["--max-teams", "0"], "argument --max-teams: must be a positive integer, got '0'"),
+    (["--stream-seed", "-1"], "argument --stream-seed: must be a non-negative integer, got '-1'"),
     (["--token", "a", "--tokens", "README.md"], "not allowed with argument"),
     (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
     (["--requests", "many"], "invalid int value"),

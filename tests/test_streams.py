@@ -208,6 +208,14 @@ def test_load_detects_a_stream_edited_after_saving(tmp_path):
         load_stream(path)
 
 
+def test_a_saved_stream_gets_the_mode_any_new_file_gets(tmp_path):
+    """Not mkstemp's private 0600: a server or team run as another user reads the stream."""
+    save_stream(small_stream(), tmp_path / "stream.npz")
+    (tmp_path / "plain").write_bytes(b"")
+    assert (tmp_path / "stream.npz").stat().st_mode == (tmp_path / "plain").stat().st_mode
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
 # --- parquet ----------------------------------------------------------------------------------
 
 def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):

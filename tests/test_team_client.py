@@ -287,6 +287,8 @@ def test_server_stopping_mid_stream_cuts_the_client_short(tmp_path, targets_cach
     (["--team", "x" * 65], "argument --team: a team name is 1..64 printable characters, got "),
     (["--host", "127.0.0.1", "--port", "-1"], "argument --port: must be a port number in 1..65535, got '-1'"),
     (["--json", "/no/such/folder/summary.json"], "argument --json: no such folder: /no/such/folder"),
+    (["--seed", "-1"], "argument --seed: must be a non-negative integer, got '-1'"),
+    (["--preset", "tiny", "--device", "bogus"], "--device bogus: not a torch device; use cpu, cuda or cuda:N"),
     *[(argv, "--inline-steps needs --engine fast on one CUDA device: other engines compute a step in submit or "
              "wait for it, which would hold the event loop that receives")
       for argv in (["--inline-steps", "on", "--device", "cpu"], ["--inline-steps", "--device", "cpu"])],

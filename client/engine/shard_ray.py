@@ -8,7 +8,8 @@ Whatever order an (async) actor's calls start in, each carries its sequence numb
 strictly in that order (submit now, collect the result on one thread), so a symbol's requests can never be
 reordered. A call whose actor or node died raises RayActorError: the shard is lost.
 
-Ray is optional (`pip install "fastens[ray]"`); this module imports it only when a cluster is asked for.
+Ray is optional (the `ray` extra: `pip install ".[ray]"` in a checkout); this module imports it only when a
+cluster is asked for.
 """
 import asyncio
 import logging
@@ -31,7 +32,7 @@ def import_ray():
     try:
         import ray
     except ImportError as exc:
-        raise ImportError('--cluster ray needs Ray: pip install "fastens[ray]" (or pip install ray)') from exc
+        raise ImportError('--cluster ray needs Ray: pip install "ray>=2.9"') from exc
     return ray
 
 
