@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -16,3 +18,10 @@ def usage_error(capsys):
         assert exit_info.value.code == 2
         return capsys.readouterr().err
     return refused
+
+
+def checkout_env(root, **extra):
+    """os.environ for a subprocess that runs this checkout's packages (root first on PYTHONPATH), not an installed
+    copy, keeping the paths already set there (a folder of wheels on a GPU host)."""
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, **extra, "PYTHONPATH": path}

@@ -1,7 +1,6 @@
 """The accuracy suite (client/families.py, client/accuracy.py): the input families, the gate, and the fast engine
 holding the gate on every family on the CPU (through the kernels' references, and through the Triton interpreter)."""
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from client.accuracy import GATE_WITHIN, Suite, format_table, gate, worst_of
 from client.engine.fast import FastEngine
 from client.families import FAMILIES, LONG_FAMILY, family_features
 from client.model import TOWER_NAMES, load_model
+from conftest import checkout_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,6 @@ def test_fast_engine_holds_the_gate_through_the_triton_interpreter():
             "result = suite.measure(FastEngine(m, device='cpu', capacity=5, progress=False))\n"
             "print(format_table(result))\n"
             "assert result['gate']['passed']\n")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = checkout_env(REPO, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

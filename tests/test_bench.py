@@ -3,7 +3,6 @@ JSON; bad options are refused."""
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from client.families import FAMILIES, LONG_FAMILY
+from conftest import checkout_env
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
                            "--stacks", str(tmp_path / "stacks"), "--swap-runs", "2", "--late-after-ms", "6,0",
                            "--form-margin-ms", "0.5", "--punctual-late-after-ms", "0", "--join", "on,off"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})  # this checkout's packages, not an installed one
+                          env=checkout_env(REPO))  # this checkout's packages, not an installed one
     assert done.returncode == 0, done.stderr[-4000:]
     data = json.loads(out.read_text())
     assert "errors" not in data

@@ -1,17 +1,18 @@
 """scripts/engine_starts.py: the engine started in fresh processes, each start timed and a failed one reported with
 its last error line (a CPU smoke run: tiny preset, no kernels to compile)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import checkout_env
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "scripts.engine_starts", *args], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=300, cwd=REPO, env=checkout_env(REPO))
 
 
 def test_each_start_is_timed(tmp_path):

@@ -1,7 +1,6 @@
 """The fast engine against the fp32 reference: same code path on the CPU (kernels' PyTorch references, or the
 Triton kernels through the interpreter), CUDA graphs and padding on a GPU."""
 import gc
-import os
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from client.engine.fast import PAD_SLOT, CapacityError, FastEngine
 from client.engine.precision import DEFAULT_PRECISION, FP32_PRECISION, StateStorage
 from client.engine.reference import ReferenceEngine
 from client.model import ModelLoader, load_model
+from conftest import checkout_env
 
 REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -303,8 +303,7 @@ def test_triton_kernels_through_the_interpreter_match_reference():
         "    worst = max(worst, float(np.abs(fast.step(syms, f) - ref.step(syms, f)).max()))\n"
         "print('WORST', worst)\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = checkout_env(REPO, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,9 +1,10 @@
 """scripts/forming_ab.py: the runtime's two step-forming rules served in turn by one engine (a CPU smoke run)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import checkout_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "forming_ab.py"
@@ -11,7 +12,7 @@ SCRIPT = REPO / "scripts" / "forming_ab.py"
 
 def run(*args):
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=checkout_env(REPO))
 
 
 def test_each_pair_serves_both_rules_on_the_same_stream(tmp_path):

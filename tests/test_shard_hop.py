@@ -1,12 +1,13 @@
 """scripts/shard_hop.py: the same engine in this process, behind a process pipe and behind a Ray actor, timed in
 turn (a CPU smoke run on the tiny preset)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import checkout_env
 
 pytest.importorskip("ray", reason="the Ray tests need the extra: pip install -e '.[test]'")
 
@@ -17,7 +18,7 @@ def test_smoke_run_times_every_transport(tmp_path):
     out = tmp_path / "hop.json"
     done = subprocess.run([sys.executable, "scripts/shard_hop.py", "--presets", "tiny", "--batches", "1,2",
                            "--rounds", "2", "--steps", "3", "--warmup", "1", "--json", str(out)],
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          cwd=REPO, env=checkout_env(REPO), capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())["presets"]["tiny"]

@@ -5,7 +5,6 @@ message (or, with reset, starting them again from a fresh state), and the comman
 
 One cluster serves the whole module (a Ray node costs seconds and memory; CI has 2 cores)."""
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from client.engine.shard_ray import ray_shards, shard_count  # noqa: E402
 from client.engine.sharded import ModelSpec, ShardedEngine, ShardLost  # noqa: E402
 from client.model import load_model  # noqa: E402
 from team.example_model import ExampleModel  # noqa: E402
+from conftest import checkout_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = ModelSpec("tiny", seed=3)
@@ -204,7 +204,7 @@ def _free_port():
 
 
 def _run(args, timeout=300):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = checkout_env(REPO)
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -222,7 +222,7 @@ def test_team_client_on_the_cluster_says_a_reset_in_its_summary_and_on_the_leade
     symbols start again, the stream is played to the end, and the loss is in the client's summary and the
     server's (the leaderboard's) notices."""
     out = tmp_path / "summary.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = checkout_env(REPO)
     client = subprocess.Popen([sys.executable, "team/example_model.py", "--cluster", "ray", "--ray-address",
                                cluster.address, "--on-shard-loss", "reset", "--preset", "tiny", "--seed", "3",
                                "--symbols", "4", "--requests", "400", "--rate", "50", "--json", str(out)],

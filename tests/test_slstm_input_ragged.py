@@ -9,7 +9,7 @@ import kernels
 from client.model.modules import FP32_EPS
 from kernels._common import INTERPRET
 from ragged_checks import (RaggedOp, assert_close, check_against_reference, check_cuda_graph, check_row_at_a_time,
-                           layout, live_rows)
+                           layout)
 from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()

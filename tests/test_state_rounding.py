@@ -2,7 +2,6 @@
 the two 16-bit neighbours of every value, torch's own cast), stochastic rounding's mean, its seeding, and the
 Triton device functions against the PyTorch references bit for bit (on a CPU through the interpreter, in a
 child process)."""
-import numpy as np
 import pytest
 import torch
 import triton

@@ -4,7 +4,6 @@ returns started ahead of their step (prefetch, ready), a slow copy delaying only
 real CUDA streams where there is a GPU."""
 import mmap
 import multiprocessing
-import os
 import random
 import subprocess
 import sys
@@ -15,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.engine.fast import state_table
 from client.engine.fast.state_table import (ALIGN, PAD_SLOT, CapacityError, StateTable, host_memory,
                                             host_symbols_for, host_tier_budget, slot_layout)
+from conftest import checkout_env
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -387,7 +386,7 @@ def test_a_process_ending_while_states_move_exits_cleanly():
     repo = Path(__file__).resolve().parents[1]
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONPATH": str(repo)})
+                              env=checkout_env(repo))
         assert done.returncode == 0 and "terminate" not in done.stderr, done.stderr[-2000:]
 
 
