@@ -428,6 +428,11 @@ class ScoringServer:
             pass
 
     async def _on_message(self, session, ws, frame, received):
+        over = session.inbound.take(len(frame), session.sent - session.resolved)
+        if over is not None:
+            session.errors += 1
+            await self._send_error(ws, *over)
+            return
         try:
             msg = self._decode(ws, frame)
             kind = msg["type"]

@@ -3,7 +3,7 @@
 Per address (the connecting IP): open websocket connections, and registrations per second (a token bucket:
 `registration_burst` at once, then `registrations_per_s`); every register counts, refused or not, so that
 guessing tokens is as slow as registering. Per server: teams. Per register: the length of its strings, and of
-the frame that holds it.
+the frame that holds it. Per team: the bytes it sends (InboundBudget).
 """
 import time
 from dataclasses import dataclass
@@ -116,4 +116,35 @@ class AddressLimits:
                                     f"{self.limits.registration_burst} (--registrations-per-s, "
                                     f"--registration-burst); try again in {wait_s:.1f} s")
         entry.tokens -= 1.0
+        return None
+
+
+class InboundBudget:
+    """The bytes a registered team may send, a token bucket checked before a frame is decoded: decoding holds the
+    event loop, every team's, up to ~0.4 us a byte (a frame of many small values), and four teams sending 4 MB
+    frames held it for seconds. Each request sent grants `per_request` bytes (its answer takes ~25 in msgpack,
+    ~200 as an original-protocol line of its own); `allowance` bytes more (heartbeats, notices) refill at
+    `allowance_per_s`; what the bucket holds never exceeds the allowance plus the grants of the open requests, so
+    a team that leaves its requests unanswered saves nothing up."""
+
+    def __init__(self, per_request=512, allowance=64 * 1024, allowance_per_s=16 * 1024, clock=time.monotonic):
+        self.per_request, self.allowance, self.allowance_per_s, self.clock = (per_request, allowance,
+                                                                               allowance_per_s, clock)
+        self.level, self._refilled_at = float(allowance), clock()
+
+    def grant(self, requests: int) -> None:
+        self.level += self.per_request * requests
+
+    def take(self, frame_bytes: int, open_requests: int) -> tuple[str, str] | None:
+        """Draw a frame's bytes; ("too_much_data", details) when the bucket lacks them (then nothing is drawn)."""
+        now = self.clock()
+        self.level = min(self.level + (now - self._refilled_at) * self.allowance_per_s,
+                         self.allowance + self.per_request * open_requests)
+        self._refilled_at = now
+        if frame_bytes > self.level:
+            return ("too_much_data", f"a frame of {frame_bytes:,} bytes, with {int(self.level):,} left to this team "
+                                     f"now: {self.per_request} bytes a request sent and not yet answered, "
+                                     f"{self.allowance:,} more refilled at {self.allowance_per_s:,} a second; "
+                                     f"the frame was not read")
+        self.level -= frame_bytes
         return None

@@ -12,6 +12,7 @@ from collections import deque
 import numpy as np
 
 from client import protocol
+from server.limits import InboundBudget
 from server.scoring import score_responses
 
 PENDING, ANSWERED, MISSED, LATE = 0, 1, 2, 3  # LATE: missed, then answered after the timeout
@@ -60,6 +61,7 @@ class TeamSession:
         self.correct_towers = 0
         self.pnl = 0.0
         self._recent = deque()  # (receive time, pnl of one response message)
+        self.inbound = InboundBudget(clock=clock)
         self.connection = None
         self.connections = 0
         self.weights_fingerprint = None  # the client's, as its latest register said (None: not said)
@@ -141,6 +143,7 @@ class TeamSession:
 
     async def _send_requests(self, connection, ids, send_time) -> bool:
         timestamp = self._wall_offset + send_time
+        self.inbound.grant(len(ids))
         for begin in range(0, len(ids), self._chunk):
             part = ids[begin:begin + self._chunk]
             msg = protocol.inference_request(part, self._symbols[part], self._features[part], timestamp)

@@ -18,7 +18,7 @@ from client import protocol
 from client.streams import generate_stream
 from server import ScoringServer, ServerConfig
 from server.leaderboard import format_table
-from server.limits import Limits
+from server.limits import InboundBudget, Limits
 from server.session import TeamSession, send_offsets
 
 REQUESTS = 60
@@ -844,6 +844,50 @@ def test_the_name_of_an_original_protocol_team_is_refused_to_a_websocket_client_
     assert reply["error"] == "bad_team" and close_code == 1008 and summaries == []
     assert reply["details"] == ("a name beginning 'tcp-json:' is the team of an original-protocol client, named "
                                 "after its host: choose another --team")
+
+
+def test_a_teams_inbound_bytes_are_granted_by_its_open_requests_and_refilled_slowly():
+    now = [0.0]
+    budget = InboundBudget(per_request=100, allowance=1000, allowance_per_s=500, clock=lambda: now[0])
+    assert budget.take(1000, open_requests=0) is None  # the allowance at once
+    code, details = budget.take(1, open_requests=0)
+    assert code == "too_much_data" and details.startswith("a frame of 1 bytes, with 0 left to this team now")
+    budget.grant(30)  # 3,000 bytes for 30 requests sent
+    assert budget.take(2500, open_requests=30) is None and budget.take(600, open_requests=30) is not None
+    now[0] = 1.0  # half the allowance back; what is left of the grants stays
+    assert budget.take(1000, open_requests=30) is None and budget.level == 0
+    budget.grant(1000)  # sent, then missed unanswered: a team saves nothing up by leaving its requests open
+    now[0] = 100.0
+    assert budget.take(1001, open_requests=0) is not None and budget.take(1000, open_requests=0) is None
+
+
+def test_a_registered_team_that_floods_frames_is_refused_them_undecoded_and_plays_on():
+    """Decoding 4 MB of empty lists held the event loop 1.7 s: four registered teams sending such frames froze the
+    server for every team. A team's frames beyond what its open requests' answers take, plus an allowance, are
+    refused unread; its next honest answer is scored, and another team plays untouched."""
+    junk = protocol.encode({"type": "heartbeat", "timestamp": 0.0, "junk": [[]] * 1_000_000})
+
+    async def main():
+        async with Server(rate=None, speed=1e6, requests=8) as s:
+            flooder, honest = await registered(s.url, "flooder"), await registered(s.url, "honest")
+            ids, _, _ = protocol.parse_inference_request(await recv(flooder))
+            await flooder.send(junk)
+            started = asyncio.get_running_loop().time()
+            refusal = await recv(flooder)
+            refused_s = asyncio.get_running_loop().time() - started
+            await flooder.send(protocol.encode(protocol.inference_response(ids, s.targets[ids], 0)))
+            update = await recv(flooder)
+            await play(honest, s.targets, stop_after=8)
+            while s.summary("honest")["responses"] < 8:
+                await asyncio.sleep(0.01)
+            await flooder.close()
+            return refusal, refused_s, update, s.summary("flooder"), s.summary("honest")
+    refusal, refused_s, update, flooder, honest = run(main())
+    assert refusal["error"] == "too_much_data" and refusal["details"].startswith(f"a frame of {len(junk):,} bytes")
+    assert refused_s < 0.3  # decoding it would take about a second
+    assert update["type"] == "score_update" and update["unique_ids"] == list(range(8))
+    assert flooder["errors"] == 1 and flooder["responses"] == 8
+    assert honest["responses"] == 8 and honest["errors"] == 0
 
 
 def test_a_frame_before_register_longer_than_any_register_is_refused_undecoded():
