@@ -16,13 +16,14 @@ from server.identity import Identity
 from server.original import TEAM_PREFIX, OriginalConnection, sniffing_connections
 from server.leaderboard import leaderboard_row, mark_far_below, render_page
 from client.constants import ATOL, TARGET_SOURCES
-from server.limits import AddressLimits, Limits, field_problem, register_frame_problem
+from server.limits import AddressLimits, Limits, OpenSockets, field_problem, register_frame_problem
 from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
 from server.session import TeamSession, send_offsets, summarize
 from server.snapshot import LeaderboardSnapshot
 
 log = logging.getLogger("server")
 MAX_ERROR_DETAILS = 500
+SOCKETS_PER_CONNECTION = 4  # open sockets an address may hold, per websocket connection it may register
 # The leaderboard's responses: a page that runs no script, loads nothing and cannot be framed.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; "
                                            "form-action 'none'; frame-ancestors 'none'",
@@ -108,6 +109,8 @@ class ScoringServer:
         self._server = None
         self._identity = Identity(config.token, config.tokens)
         self._addresses = AddressLimits(config.limits)
+        # a team's connections and page loads fit; thousands of idle sockets from one address do not
+        self._sockets = OpenSockets(SOCKETS_PER_CONNECTION * config.limits.max_connections_per_address)
         self._leaderboard = LeaderboardSnapshot(self._collect_scores, _build_leaderboard)
 
     # lifecycle ---------------------------------------------------------------------------------
@@ -165,7 +168,8 @@ class ScoringServer:
                                        compression="deflate" if self.config.ws_compression else None,
                                        process_request=self._http, max_size=2 * self.config.max_frame_bytes,
                                        create_connection=sniffing_connections(self._accept_original,
-                                                                              self.config.register_timeout_s))
+                                                                              self.config.register_timeout_s,
+                                                                              self._sockets))
         except OSError as exc:
             raise OSError(f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}; "
                           f"is another server there? stop it or choose another port") from exc

@@ -2,7 +2,8 @@
 
 Per address (the connecting IP): open websocket connections, and registrations per second (a token bucket:
 `registration_burst` at once, then `registrations_per_s`); every register counts, refused or not, so that
-guessing tokens is as slow as registering. Per server: teams. Per register: the length of its strings, and of
+guessing tokens is as slow as registering; open sockets of any kind, from accept to close (OpenSockets). Per
+server: teams. Per register: the length of its strings, and of
 the frame that holds it. Per team: the bytes it sends (InboundBudget).
 """
 import time
@@ -117,6 +118,29 @@ class AddressLimits:
                                     f"--registration-burst); try again in {wait_s:.1f} s")
         entry.tokens -= 1.0
         return None
+
+
+class OpenSockets:
+    """Sockets open per address, counted from accept to close whatever they turn out to be (a websocket, an
+    original-protocol client, a page load, or nothing yet): each idle one is held until a timeout, and one address
+    holding thousands would use up the server's file descriptors, so that no team could connect."""
+
+    def __init__(self, per_address: int):
+        self.per_address = per_address
+        self._open: dict[str, int] = {}
+
+    def open(self, address) -> bool:
+        """Count a new socket of address; False (not counted) when the address holds its limit already."""
+        count = self._open.get(address, 0)
+        if count >= self.per_address:
+            return False
+        self._open[address] = count + 1
+        return True
+
+    def close(self, address) -> None:
+        count = self._open.pop(address) - 1
+        if count:
+            self._open[address] = count
 
 
 class InboundBudget:

@@ -34,42 +34,67 @@ def team_name(address) -> str:
     return f"{TEAM_PREFIX}{host}"
 
 
-def sniffing_connections(on_original, first_bytes_timeout_s: float):
+def sniffing_connections(on_original, first_bytes_timeout_s: float, sockets):
     """websockets' create_connection: each connection first goes through a ProtocolSniffer. on_original(transport)
-    -> the asyncio protocol that takes an original-protocol connection over."""
+    -> the asyncio protocol that takes an original-protocol connection over; sockets (limits.OpenSockets) counts
+    each connection's address from accept to close."""
 
     def create_connection(*args, **kwargs):
-        return ProtocolSniffer(lambda: ServerConnection(*args, **kwargs), on_original, first_bytes_timeout_s)
+        return ProtocolSniffer(lambda: ServerConnection(*args, **kwargs), on_original, first_bytes_timeout_s,
+                               sockets)
 
     return create_connection
 
 
 class ProtocolSniffer(asyncio.Protocol):
-    """Holds a new connection's first bytes until they tell its protocol, then hands the connection over."""
+    """Holds a new connection's first bytes until they tell its protocol, then hands the connection over. A
+    connection from an address that holds its limit of open sockets is aborted at once."""
 
-    def __init__(self, make_websocket_connection, on_original, timeout_s):
+    def __init__(self, make_websocket_connection, on_original, timeout_s, sockets):
         self._make_websocket_connection = make_websocket_connection
         self._on_original = on_original
         self._timeout_s = timeout_s
+        self._sockets = sockets
+        self._address = None  # counted in sockets until the connection closes
         self._buffer = bytearray()
         self._transport = None
         self._timer = None
 
     def connection_made(self, transport):
         self._transport = transport
+        peer = transport.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, (tuple, list)) and peer else "unknown"
+        if not self._sockets.open(address):
+            transport.abort()
+            return
+        self._address = address
         # a connection that says nothing is closed, as websockets' open_timeout would
         self._timer = asyncio.get_running_loop().call_later(self._timeout_s, transport.abort)
 
     def data_received(self, data):
+        if self._address is None:  # aborted in connection_made
+            return
         self._buffer += data
         head = self._buffer.lstrip()
         if not head and len(self._buffer) <= _MAX_LEADING_WHITESPACE:
             return
         self._timer.cancel()
         protocol = (self._on_original(self._transport) if head[:1] == b"{" else self._make_websocket_connection())
+        self._count_until_lost(protocol)
         self._transport.set_protocol(protocol)
         protocol.connection_made(self._transport)
         protocol.data_received(bytes(self._buffer))
+
+    def _count_until_lost(self, protocol):
+        """The socket stays counted until the protocol it is handed to loses it."""
+        address, sockets, lost = self._address, self._sockets, protocol.connection_lost
+        self._address = None
+
+        def connection_lost(exc):
+            sockets.close(address)
+            lost(exc)
+
+        protocol.connection_lost = connection_lost
 
     def eof_received(self):
         return False  # closed before it said anything: nothing to hand over
@@ -77,6 +102,9 @@ class ProtocolSniffer(asyncio.Protocol):
     def connection_lost(self, exc):
         if self._timer is not None:
             self._timer.cancel()
+        if self._address is not None:
+            self._sockets.close(self._address)
+            self._address = None
 
 
 class OriginalConnection:

@@ -846,6 +846,31 @@ def test_the_name_of_an_original_protocol_team_is_refused_to_a_websocket_client_
                                 "after its host: choose another --team")
 
 
+def test_an_address_holds_at_most_its_limit_of_open_sockets_and_others_connect():
+    """Sockets that say nothing are held until the register timeout: one address opening thousands would use up
+    the server's file descriptors. Past 4 per websocket connection it may register, an address's new sockets are
+    closed at once, unread; another address connects meanwhile, and a socket closed makes room again."""
+    async def handshake(s, source):
+        ws = await connect(s.url, local_addr=(source, 0))
+        await ws.close()
+        return ws.state.name
+
+    async def main():
+        async with Server(limits=Limits(max_connections_per_address=2)) as s:
+            idle = [await asyncio.open_connection("127.0.0.1", s.port, local_addr=("127.0.0.9", 0))
+                    for _ in range(9)]
+            cut = await asyncio.wait_for(idle[-1][0].read(), 5)
+            other = await handshake(s, "127.0.0.10")
+            idle[0][1].close()
+            await idle[0][1].wait_closed()
+            await asyncio.sleep(0.1)
+            again = await handshake(s, "127.0.0.9")
+            for _, writer in idle[1:]:
+                writer.close()
+            return cut, other, again
+    assert run(main()) == (b"", "CLOSED", "CLOSED")
+
+
 def test_a_teams_inbound_bytes_are_granted_by_its_open_requests_and_refilled_slowly():
     now = [0.0]
     budget = InboundBudget(per_request=100, allowance=1000, allowance_per_s=500, clock=lambda: now[0])
