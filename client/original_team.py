@@ -4,7 +4,8 @@ A team file in the event's style subclasses BaseInferenceClient and answers
 
     process_batch(requests_by_symbol: Dict[str, List[PendingRequest]]) -> InferenceResponse
 
-with each symbol's queued requests in arrival order (several a symbol), answering them in any order. The team
+with each symbol's queued requests in arrival order (several a symbol), answering them in any order; what it leaves
+out is handed to it again (OriginalStyleClient._until_answered). The team
 client (`--team-dir`) and the local evaluator construct its ExampleModel with the engine, as they do the project's
 own (it is `self.engine`), and present it to the runtime through OriginalStyleClient: a client that takes
 lists of requests a symbol (``requests_per_symbol = "many"``: the runtime's batches, {symbol: [(unique_id,
@@ -81,17 +82,34 @@ class OriginalStyleClient:
         """The team code's engine (the evaluator closes it and reports a sharded engine's losses)."""
         return getattr(self.team_client, "engine", None)
 
-    # The ids a batch holds are taken before the team code gets it: it may consume the lists it is handed.
     def process_batch(self, requests_by_symbol) -> dict:
         batch = pending_requests(requests_by_symbol)
-        given = request_ids(batch)
-        return runtime_answer(given, self.team_client.process_batch(batch))
+        return self._until_answered(batch, self.team_client.process_batch(_copy(batch)))
 
     def _submit_batch(self, requests_by_symbol) -> PendingStep:
         batch = pending_requests(requests_by_symbol)
-        given = request_ids(batch)
-        pending = self.team_client.submit_batch(batch)
-        return PendingStep(lambda: runtime_answer(given, pending.result()), poll=getattr(pending, "done", None))
+        pending = self.team_client.submit_batch(_copy(batch))
+        return PendingStep(lambda: self._until_answered(batch, pending.result()), poll=getattr(pending, "done", None))
+
+    def _until_answered(self, batch, response) -> dict:
+        """The runtime's {"unique_ids", "predictions" float32 [n, 4], "errors"} for `batch`, from the team code's
+        response and from process_batch called again with what it left out, each symbol's requests in order: the
+        event's client called process_batch while requests stayed queued, and team code that answers one request a
+        symbol a call (as its best-known solutions stepped) answers the rest in the calls that follow. A call that
+        answers nothing ends it: what is left is an error."""
+        ids, predictions = [], []
+        while True:
+            answered, rows = checked_response(batch, response)
+            ids += answered
+            predictions.append(rows)
+            answered = set(answered)
+            batch = {symbol: left for symbol, requests in batch.items()
+                     if (left := [r for r in requests if r.unique_id not in answered])}
+            if not batch or not answered:
+                break
+            response = self.team_client.process_batch(_copy(batch))
+        errors = {r.unique_id: "process_batch did not answer it" for requests in batch.values() for r in requests}
+        return {"unique_ids": ids, "predictions": np.concatenate(predictions), "errors": errors}
 
 
 def pending_requests(requests_by_symbol) -> Dict[str, List[PendingRequest]]:
@@ -101,25 +119,24 @@ def pending_requests(requests_by_symbol) -> Dict[str, List[PendingRequest]]:
             for symbol, queue in requests_by_symbol.items()}
 
 
-def request_ids(batch: Dict[str, List[PendingRequest]]) -> List[int]:
-    return [request.unique_id for requests in batch.values() for request in requests]
+def _copy(batch):
+    """The lists the team code gets, its own: it may consume them (pop what it steps)."""
+    return {symbol: list(requests) for symbol, requests in batch.items()}
 
 
-def runtime_answer(given: List[int], response) -> dict:
-    """The runtime's {"unique_ids", "predictions" float32 [n, 4], "errors"} of an InferenceResponse to the requests
-    `given`: a request it left out is an error (the others are answered); an id it was not given, or gave twice,
-    is the team code's mistake."""
+def checked_response(batch: Dict[str, List[PendingRequest]], response) -> tuple[List[int], np.ndarray]:
+    """(unique_ids, predictions float32 [n, 4]) of an InferenceResponse to `batch`; an id it was not given, or gave
+    twice, is the team code's mistake."""
     try:
         ids = [int(uid) for uid in response.unique_ids]
         predictions = np.asarray(response.predictions, dtype=np.float32).reshape(len(ids), NUM_TOWERS)
     except (AttributeError, TypeError, ValueError) as exc:
         raise ValueError(f"process_batch must return InferenceResponse(unique_ids, predictions [n][{NUM_TOWERS}]), "
                          f"got {type(response).__name__}: {exc}") from None
-    unknown = sorted(set(ids) - set(given))
+    given = {request.unique_id for requests in batch.values() for request in requests}
+    unknown = sorted(set(ids) - given)
     repeated = sorted({uid for uid in ids if ids.count(uid) > 1}) if len(set(ids)) != len(ids) else []
     if unknown or repeated:
         raise ValueError(f"process_batch answered ids it was not given {unknown[:5]} or answered twice "
                          f"{repeated[:5]}")
-    answered = set(ids)
-    errors = {uid: "process_batch did not answer it" for uid in given if uid not in answered}
-    return {"unique_ids": ids, "predictions": predictions, "errors": errors}
+    return ids, predictions

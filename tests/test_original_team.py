@@ -80,12 +80,51 @@ def test_a_response_that_breaks_the_contract_says_how(response, message):
         OriginalStyleClient(Scripted(response)).process_batch({"A": [(1, np.zeros(79, np.float32))]})
 
 
-def test_a_request_left_out_is_an_error_of_its_own():
-    scripted = Scripted(InferenceResponse([2], [[1.0, 2.0, 3.0, 4.0]]))
-    answer = OriginalStyleClient(scripted).process_batch({"A": [(1, np.ones(79, np.float32))],
-                                                         "B": [(2, np.zeros(79, np.float32))]})
+def test_a_request_left_out_is_asked_again_and_an_error_once_a_call_answers_nothing():
+    class Twice(BaseInferenceClient):
+        def __init__(self):
+            super().__init__()
+            self.given = []
+
+        def process_batch(self, requests_by_symbol):
+            self.given.append(requests_by_symbol)
+            return (InferenceResponse([2], [[1.0, 2.0, 3.0, 4.0]]) if len(self.given) == 1
+                    else InferenceResponse([], []))
+
+    team = Twice()
+    answer = OriginalStyleClient(team).process_batch({"A": [(1, np.ones(79, np.float32))],
+                                                     "B": [(2, np.zeros(79, np.float32))]})
     assert answer["unique_ids"] == [2] and answer["errors"] == {1: "process_batch did not answer it"}
-    assert scripted.given == {"A": [PendingRequest(1, "A", [1.0] * 79)], "B": [PendingRequest(2, "B", [0.0] * 79)]}
+    assert team.given == [{"A": [PendingRequest(1, "A", [1.0] * 79)], "B": [PendingRequest(2, "B", [0.0] * 79)]},
+                          {"A": [PendingRequest(1, "A", [1.0] * 79)]}]
+
+
+def test_team_code_that_steps_one_request_a_symbol_a_call_answers_every_request_in_order():
+    """The event's client called process_batch while requests stayed queued, and its best-known solutions stepped
+    one request a symbol a call: the rest of each symbol's requests come in the calls that follow, in order."""
+    class OneASymbol(BaseInferenceClient):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def process_batch(self, requests_by_symbol):
+            firsts = [queue.pop(0) for queue in requests_by_symbol.values()]
+            self.calls.append([r.unique_id for r in firsts])
+            return InferenceResponse([r.unique_id for r in firsts], [[float(r.unique_id)] * 4 for r in firsts])
+
+        def submit_batch(self, requests_by_symbol):
+            response = self.process_batch(requests_by_symbol)
+            return PendingStep(lambda: response)
+
+    batch = {"A": [(1, np.zeros(79, np.float32)), (3, np.zeros(79, np.float32)), (4, np.zeros(79, np.float32))],
+             "B": [(2, np.zeros(79, np.float32))]}
+    for step in ("process_batch", "submit_batch"):
+        team = OneASymbol()
+        answer = getattr(OriginalStyleClient(team), step)(batch)
+        answer = answer.result() if step == "submit_batch" else answer
+        assert team.calls == [[1, 2], [3], [4]]
+        assert answer["unique_ids"] == [1, 2, 3, 4] and answer["errors"] == {}
+        assert answer["predictions"][:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_a_team_that_drains_its_queues_is_answered():
