@@ -337,12 +337,12 @@ async def play(args) -> tuple[dict, list[dict] | None]:
     from client.runtime import StreamingClient
     from client.transport import server_url
 
-    engine, fingerprint, engine_text = build_engine(args)
     team_class = ExampleModel
-    if args.team_dir is not None:
+    if args.team_dir is not None:  # before the model loads: a wrong folder is said at once
         from local_evaluator import load_team_class
 
         team_class = load_team_class(args.team_dir)
+    engine, fingerprint, engine_text = build_engine(args)
     team_client = as_runtime_client(team_class(engine))
     server = None
     try:

@@ -289,6 +289,7 @@ def test_server_stopping_mid_stream_cuts_the_client_short(tmp_path, targets_cach
     (["--json", "/no/such/folder/summary.json"], "argument --json: no such folder: /no/such/folder"),
     (["--seed", "-1"], "argument --seed: must be a non-negative integer, got '-1'"),
     (["--preset", "tiny", "--device", "bogus"], "--device bogus: not a torch device; use cpu, cuda or cuda:N"),
+    (["--preset", "tiny", "--team-dir", "/no/such/team"], "no team client at /no/such/team/example_model.py"),
     *[(argv, "--inline-steps needs --engine fast on one CUDA device: other engines compute a step in submit or "
              "wait for it, which would hold the event loop that receives")
       for argv in (["--inline-steps", "on", "--device", "cpu"], ["--inline-steps", "--device", "cpu"])],
