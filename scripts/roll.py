@@ -30,6 +30,9 @@ from client import cli
 
 DEFAULT_TEAM_DIR = REPO_ROOT / "team"
 DEFAULT_BACKUPS_DIR = REPO_ROOT / "backups"
+# Installed (pip install .), the defaults would be the package's own team/ in site-packages, which `fastens-team`
+# runs, and backups beside it that pip uninstall leaves behind: there, both folders must be named.
+INSTALLED = not (REPO_ROOT / "pyproject.toml").is_file()
 EVALUATOR = REPO_ROOT / "local_evaluator.py"
 MANIFEST = "manifest.json"
 TOWERS = ("xlstm", "mamba2", "retnet", "hawk")
@@ -204,6 +207,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.force and args.candidate is None:
         p.error("--force applies to rolling in a candidate only")
+    if INSTALLED and (args.backups_dir == DEFAULT_BACKUPS_DIR or (args.team_dir == DEFAULT_TEAM_DIR and not args.list)):
+        p.error(f"the installed package's team/ ({DEFAULT_TEAM_DIR}) is not rolled: run this in a checkout, or name "
+                f"the folders with --team-dir and --backups-dir")
     return args
 
 

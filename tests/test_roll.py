@@ -187,3 +187,14 @@ def test_a_refused_candidate_is_one_line_through_the_cli(dirs):
     assert error.startswith(f"scripts/roll.py: error: candidate {candidate} refused, {team} untouched: the "
                             f"self-check evaluation failed (exit 2): local_evaluator.py: error: importing ")
     assert "SyntaxError" in error and error.endswith("(--force rolls it in anyway)")
+
+
+def test_installed_the_package_team_folder_is_rolled_only_when_named(monkeypatch, usage_error, tmp_path):
+    """pip-installed, the default team/ is the package's own in site-packages (what fastens-team runs), with backups
+    beside it that pip uninstall leaves: each must be named."""
+    monkeypatch.setattr(roll, "INSTALLED", True)
+    for argv in (["cand"], ["--revert"], ["--list"], ["cand", "--team-dir", str(tmp_path / "team")]):
+        assert "the installed package's team/" in usage_error(roll.parse_args, argv)
+    named = ["--team-dir", str(tmp_path / "team"), "--backups-dir", str(tmp_path / "backups")]
+    assert roll.parse_args(["cand", *named]).candidate == "cand"
+    assert roll.parse_args(["--list", "--backups-dir", str(tmp_path / "backups")]).list
