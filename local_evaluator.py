@@ -32,7 +32,7 @@ from client.scheduler import Request, Scheduler
 
 REPO_ROOT = Path(__file__).resolve().parent
 
-PROG = "local_evaluator.py"
+PROG = cli.prog_name("local_evaluator.py")
 DEFAULT_TEAM_DIR = REPO_ROOT / "team"
 ERROR_FLOOR = 1e-12
 # Steps the profiler records: a bounded window after the first (cold) step, so that the trace stays small

@@ -91,6 +91,13 @@ def one_line(exc: BaseException | str, limit: int | None = MAX_MESSAGE_CHARS) ->
     return text
 
 
+def prog_name(default: str) -> str:
+    """The name a tool's messages start with: the console script's where it was started as one (fastens-team),
+    else `default` (how the README runs it from a checkout)."""
+    invoked = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return invoked if invoked.startswith("fastens-") else default
+
+
 def run_cli(main, prog: str | None = None, argv: list[str] | None = None) -> int:
     """Run main(argv) and return its exit code, reporting what it raises in one line on stderr.
 

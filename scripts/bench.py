@@ -37,6 +37,8 @@ from scripts.benchmarks import SECTIONS
 from scripts.benchmarks.harness import FULL, MAX_BATCH, QUICK, Bench, Counts, device_name
 from scripts.benchmarks.report import Progress, Report
 
+PROG = cli.prog_name("scripts/bench.py")
+
 
 def _sections(text):
     names = [name.strip() for name in text.split(",") if name.strip()]
@@ -85,11 +87,12 @@ def _on_off(text):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Benchmark the fast engine (see the module docstring).")
+    parser = cli.ArgumentParser(prog=PROG, description="Benchmark the fast engine (see the module docstring).")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, features and streams")
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke run")
-    parser.add_argument("--json", metavar="PATH", help="write the results here (rewritten after each section)")
+    parser.add_argument("--json", metavar="PATH", type=cli.output_file,
+                        help="write the results here (rewritten after each section)")
     parser.add_argument("--sections", type=_sections, default=list(SECTIONS),
                         help=f"comma list of {','.join(SECTIONS)} (default: all)")
     parser.add_argument("--family-symbols", type=cli.positive_int, help="accuracy suite: symbols per input family "
@@ -284,5 +287,10 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+def run() -> int:
+    """The console script's entry point (pyproject.toml): main with one-line errors and exit codes."""
+    return cli.run_cli(main, PROG)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

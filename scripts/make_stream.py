@@ -18,7 +18,7 @@ from client.streams import Stream, generate_stream, save_stream, stream_fingerpr
 
 
 def parse_args(argv):
-    parser = cli.ArgumentParser(prog="make_stream", description=__doc__,
+    parser = cli.ArgumentParser(prog=cli.prog_name("make_stream"), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--symbols", type=int, required=True, help="number of symbols (SYM_000, ...)")
     parser.add_argument("--requests", type=int, required=True, help="number of requests")

@@ -14,7 +14,7 @@ from client import cli
 from client.model import PRESETS, get_preset
 from client.weights import fingerprint, make_weights
 
-PROG = "scripts/make_weights.py"
+PROG = cli.prog_name("scripts/make_weights.py")
 
 
 class CountingWriter:

@@ -35,6 +35,7 @@ DEFAULT_BACKUPS_DIR = REPO_ROOT / "backups"
 INSTALLED = not (REPO_ROOT / "pyproject.toml").is_file()
 EVALUATOR = REPO_ROOT / "local_evaluator.py"
 MANIFEST = "manifest.json"
+PROG = cli.prog_name("scripts/roll.py")
 TOWERS = ("xlstm", "mamba2", "retnet", "hawk")
 # Byte-code caches are rebuilt on import; copying them would only make manifests differ.
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -191,7 +192,7 @@ def revert(team_dir: Path = DEFAULT_TEAM_DIR, backups_dir: Path = DEFAULT_BACKUP
 
 
 def parse_args(argv=None):
-    p = cli.ArgumentParser(prog="scripts/roll.py", description=__doc__.split("\n\n")[0],
+    p = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     action = p.add_mutually_exclusive_group(required=True)
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
 
 def run() -> int:
     """The console script's entry point (pyproject.toml): main with one-line errors and exit codes."""
-    return cli.run_cli(main, "scripts/roll.py")
+    return cli.run_cli(main, PROG)
 
 
 if __name__ == "__main__":

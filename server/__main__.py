@@ -34,7 +34,7 @@ from server.limits import Limits  # noqa: E402
 from client.constants import ATOL, TARGET_SOURCES  # noqa: E402
 from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S  # noqa: E402
 
-PROG = "python -m server"
+PROG = cli.prog_name("python -m server")
 
 
 def parse_args(argv=None) -> ServerConfig:

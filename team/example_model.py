@@ -170,7 +170,7 @@ def _answer_parts(step, unique_ids, errors) -> dict:
             "predictions": predictions[answered], "errors": errors}
 
 
-PROG = "team/example_model.py"
+PROG = cli.prog_name("team/example_model.py")
 # --inline-steps as the runtime takes it: auto leaves it to the team client (client/team_api.py steps_in_background)
 INLINE_STEPS = {"auto": None, "on": True, "off": False}
 # What the user can do about each way a session can end badly (the runtime's outcome says what happened).

@@ -180,6 +180,7 @@ def test_reference_tracker_continues_states_across_streams():
     (["--device", "meta"], "--device must be cuda or cpu"),
     (["--device", "nonsense"], "bad --device"),
     (["--preset", "huge"], "invalid choice"),
+    (["--json", "/no/such/folder/bench.json"], "argument --json: no such folder: /no/such/folder"),  # before the run
 ])
 def test_bad_options_are_refused(argv, message, usage_error):
     assert message in usage_error(_load_bench().parse_args, ["--device", "cpu", *argv])
@@ -297,3 +298,15 @@ def test_the_committed_results_read_back_in_the_summary_table():
     data = json.loads((REPO / "bench" / "h100.json").read_text())
     table = _load_bench().summary_table(data)
     assert "swap: 20 hot symbols" in table and "steps that waited for a copy not recorded" in table
+
+
+def test_a_failure_is_one_line_with_the_tools_name(tmp_path):
+    """As the other tools: what main raises is one line and an exit code, the traceback behind --debug."""
+    (tmp_path / "old.json").write_text("{not json")
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--device", "cpu", "--preset", "tiny",
+                           "--quick", "--sections", "step", "--merge", "--json", "old.json"],
+                          cwd=tmp_path, env=checkout_env(REPO), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("scripts/bench.py: error: --merge: old.json holds no JSON "
+                                                           "report (Expecting property name")
+    assert (tmp_path / "old.json").read_text() == "{not json"

@@ -1,6 +1,7 @@
 """client/cli.py: what every command line shares."""
 import errno
 import io
+import sys
 
 import pytest
 
@@ -125,3 +126,12 @@ def test_progress_writes_a_line_every_few_seconds_off_a_terminal(monkeypatch):
 def test_format_bytes():
     assert [cli.format_bytes(n) for n in (512, 1_500, 757_000_000, 7.9e9)] == ["512 B", "1.5 kB", "757.0 MB",
                                                                                "7.9 GB"]
+
+
+def test_a_console_script_names_itself_in_its_messages(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/fastens-team", "--port", "x"])
+    assert cli.prog_name("team/example_model.py") == "fastens-team"
+    monkeypatch.setattr(sys, "argv", ["team/example_model.py", "--port", "x"])
+    assert cli.prog_name("team/example_model.py") == "team/example_model.py"
+    monkeypatch.setattr(sys, "argv", ["-c"])
+    assert cli.prog_name("python -m server") == "python -m server"

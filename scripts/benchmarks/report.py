@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 
+from client import cli
+
 
 class Progress:
     """Timestamped progress lines on stderr, also appended to a log file when --log-dir is given."""
@@ -48,8 +50,14 @@ class Report:
     def load(self):
         """Start from what the report's file already holds (--merge)."""
         if self.path and os.path.exists(self.path):
-            with open(self.path) as existing:
-                self.data = json.load(existing)
+            try:
+                with open(self.path) as existing:
+                    self.data = json.load(existing)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise cli.CliError(f"--merge: {self.path} holds no JSON report ({exc}); name another --json") from None
+            if not isinstance(self.data, dict):
+                raise cli.CliError(f"--merge: {self.path} holds no JSON report (a {type(self.data).__name__}); "
+                                   f"name another --json")
 
     def update(self, **fields):
         self.data.update(finite_or_none(fields))
