@@ -248,6 +248,14 @@ def test_nan_in_stream(tmp_path, team_dir, capsys):
     assert rc == 2 and "NaN" in err and "row 1" in err
 
 
+def test_stream_without_requests(tmp_path, team_dir, capsys):
+    path = tmp_path / "empty.npz"
+    np.savez(path, symbols=np.array([], dtype=str), features=np.zeros((0, 79), np.float32),
+             delay_ms=np.zeros(0, np.float32))
+    rc, _, err = run_main(capsys, "--stream", path, "--team-dir", team_dir, "--cache-dir", tmp_path / "cache")
+    assert rc == 2 and err.endswith(f"error: stream {path}: the stream has no requests\n"), err
+
+
 def test_stream_file_replays(tmp_path, team_dir, capsys):
     path = tmp_path / "s.npz"
     save_stream(generate_stream(2, 6, seed=1), path)
