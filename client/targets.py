@@ -68,10 +68,12 @@ class _Progress:
 def _load_cached(path: Path, num_requests: int) -> np.ndarray | None:
     """The cached targets, or None when absent or unusable (then they are recomputed and rewritten)."""
     try:
-        targets = np.load(path, allow_pickle=False)
+        with open(path, "rb") as file:  # .npy only: np.load would open an .npz there too, or fail with EOFError
+            targets = np.lib.format.read_array(file, allow_pickle=False)
     except (OSError, ValueError):
         return None
-    if targets.shape != (num_requests, NUM_TOWERS) or targets.dtype != np.float32:
+    # computed targets are finite (_run_reference), so a NaN or inf here is damage
+    if targets.shape != (num_requests, NUM_TOWERS) or targets.dtype != np.float32 or not np.isfinite(targets).all():
         return None
     return targets
 
@@ -111,7 +113,10 @@ def compute_targets(model, stream: Stream, weights_fingerprint: str, device=None
     if cached is not None:
         return cached
     targets = _run_reference(model, stream, _choose_device(model, device), progress)
-    _save_atomically(cache_path, targets)
+    try:
+        _save_atomically(cache_path, targets)
+    except OSError as error:  # the cache only saves time: targets computed (minutes for a large preset) are kept
+        print(f"warning: the targets are not cached: {error}", file=sys.stderr, flush=True)
     return targets
 
 

@@ -1,3 +1,5 @@
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -107,6 +109,36 @@ def test_a_corrupt_cache_entry_is_recomputed(model_and_fingerprint, tmp_path):
     np.testing.assert_array_equal(compute_targets(model, stream, fingerprint, cache_dir=tmp_path,
                                                   progress=False), expected)
     assert np.load(path).shape == (6, 4)
+
+
+def npz_of(**arrays):
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("damage", [
+    lambda path: path.write_bytes(b""),  # a rename that reached the disk before the data did
+    lambda path: path.write_bytes(npz_of(targets=np.zeros((6, 4), np.float32))),
+    lambda path: np.save(path, np.full((6, 4), np.nan, np.float32)),
+])
+def test_an_empty_foreign_or_non_finite_cache_entry_is_recomputed(model_and_fingerprint, tmp_path, damage):
+    model, fingerprint = model_and_fingerprint
+    stream = generate_stream(2, 6, seed=1)
+    expected = compute_targets(model, stream, fingerprint, cache_dir=tmp_path, progress=False)
+    damage(targets_cache_path(tmp_path, fingerprint, stream_fingerprint(stream)))
+    np.testing.assert_array_equal(compute_targets(model, stream, fingerprint, cache_dir=tmp_path,
+                                                  progress=False), expected)
+
+
+def test_targets_that_cannot_be_cached_are_still_returned(model_and_fingerprint, tmp_path, capsys):
+    model, fingerprint = model_and_fingerprint
+    stream = generate_stream(2, 6, seed=1)
+    expected = compute_targets(model, stream, fingerprint, cache_dir=tmp_path / "cache", progress=False)
+    (tmp_path / "file").write_text("a file where the cache folder should be")
+    np.testing.assert_array_equal(compute_targets(model, stream, fingerprint, cache_dir=tmp_path / "file",
+                                                  progress=False), expected)
+    assert capsys.readouterr().err.startswith("warning: the targets are not cached: ")
 
 
 def test_cache_dir_defaults_to_fastens_cache(monkeypatch, tmp_path, model_and_fingerprint):
