@@ -275,6 +275,9 @@ def test_plot_without_matplotlib(tmp_path, team_dir, capsys, monkeypatch):
     ("", "no team client at"),
     ("raise RuntimeError('boom')", "importing .* failed: RuntimeError: boom"),
     ("class ExampleModel:\n    pass\n", "no class ExampleModel with a process_batch"),
+    ("class ExampleModel:\n    def __init__(self, engine):\n        raise RuntimeError('boom')\n"
+     "    def process_batch(self, batch):\n        return {}\n",
+     r"example_model.py: ExampleModel\(engine\) failed: RuntimeError: boom"),
 ])
 def test_broken_team_client(tmp_path, capsys, source, message):
     folder = tmp_path / "candidate"
@@ -299,6 +302,11 @@ def test_broken_team_client(tmp_path, capsys, source, message):
 ])
 def test_bad_options_exit_with_usage(usage_error, argv, message):
     assert message in usage_error(le.main, argv)
+
+
+def test_a_profile_folder_that_is_a_file_is_refused_before_the_run(tmp_path, usage_error):
+    (tmp_path / "trace").write_text("")
+    assert f"--profile {tmp_path / 'trace'} is a file" in usage_error(le.main, ["--profile", str(tmp_path / "trace")])
 
 
 @pytest.mark.parametrize("argv, message", [
