@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from client.model import load_model
+from client import targets as targets_module
 from client.streams import Stream, generate_stream, stream_fingerprint
 from client.targets import compute_targets, default_cache_dir, targets_cache_path
 
@@ -72,6 +73,26 @@ def test_targets_equal_each_symbol_run_alone(model_and_fingerprint, tmp_path):
     targets = compute_targets(model, stream, fingerprint, device="cpu", cache_dir=tmp_path, progress=False)
     assert targets.dtype == np.float32 and targets.shape == (len(stream), 4)
     np.testing.assert_allclose(targets, run_each_symbol_alone(model, stream), rtol=1e-5, atol=1e-6)
+
+
+def test_symbols_run_in_groups_whose_state_fits_the_budget(model_and_fingerprint, tmp_path, monkeypatch, capsys):
+    model, fingerprint = model_and_fingerprint
+    per_symbol = sum(t.numel() * t.element_size() for t in model.init_state(1).values())
+    monkeypatch.setattr(targets_module, "STATE_BUDGET_BYTES", 2 * per_symbol)
+    stacked = []
+
+    class RecordingModel(CountingModel):
+        def init_state(self, batch, device=None):
+            stacked.append(batch)
+            return super().init_state(batch, device)
+
+    stream = uneven_stream()  # 6 symbols: three groups of two
+    targets = compute_targets(RecordingModel(model), stream, fingerprint, device="cpu", cache_dir=tmp_path)
+    np.testing.assert_allclose(targets, run_each_symbol_alone(model, stream), rtol=1e-5, atol=1e-6)
+    assert [batch for batch in stacked if batch > 1] == [2, 2, 2]
+    _, counts = np.unique(stream.symbols, return_counts=True)
+    steps = sum(counts[g:g + 2].max() for g in range(0, 6, 2))
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"targets: {steps}/{steps} steps")
 
 
 def test_second_call_hits_the_cache(model_and_fingerprint, tmp_path):
