@@ -109,7 +109,13 @@ def setup(stream, preset: str, engine: str = "reference", weights: str | None = 
                               f"the targets would not be theirs")
     from client.original_team import as_runtime_client
 
-    return as_runtime_client(team_class(built)), targets, weights_fingerprint
+    try:
+        team = team_class(built)
+    except Exception as exc:  # the candidate's code, like its import (load_team_class): not this program's bug
+        built.close()
+        raise EvaluationError(f"{Path(team_dir) / 'example_model.py'}: ExampleModel(engine) failed: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    return as_runtime_client(team), targets, weights_fingerprint
 
 
 def load_or_generate_stream(path: str | None = None, symbols: int = 6, requests: int = 300,
@@ -408,6 +414,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.atol > 0:
         p.error(f"--atol must be positive, got {args.atol}")
+    if args.profile is not None and Path(args.profile).exists() and not Path(args.profile).is_dir():
+        p.error(f"--profile {args.profile} is a file; give a folder for the trace")  # else found after the setup
     return args
 
 

@@ -45,6 +45,15 @@ def _first_bad_row(bad_rows: np.ndarray) -> int:
     return int(np.flatnonzero(bad_rows)[0])
 
 
+def _numbers(name: str, array) -> np.ndarray:
+    """`array` when it holds real numbers: casting complex numbers, text or durations to float32 would drop an
+    imaginary part, parse text, or read another time unit as milliseconds."""
+    array = np.asarray(array)
+    if array.dtype.kind not in "biuf":
+        raise ValueError(f"{name} must be real numbers, got dtype {array.dtype}")
+    return array
+
+
 def _validated(symbols, features, delay_ms, targets):
     """Coerce to the stream's dtypes and reject anything that would give a silently wrong answer."""
     symbols = np.asarray(symbols)
@@ -55,8 +64,10 @@ def _validated(symbols, features, delay_ms, targets):
         raise ValueError(f"symbols must be strings, got dtype {symbols.dtype}")
     symbols = symbols.astype(str)
     num_requests = len(symbols)
+    if num_requests == 0:
+        raise ValueError("the stream has no requests")
 
-    features = np.asarray(features)
+    features = _numbers("features", features)
     if features.ndim != 2 or features.shape[1] != NUM_FEATURES:
         raise ValueError(f"features must have shape [M, {NUM_FEATURES}], got {features.shape} "
                          f"(wrong feature count)")
@@ -66,7 +77,7 @@ def _validated(symbols, features, delay_ms, targets):
         row = _first_bad_row(bad)
         raise ValueError(f"features contain NaN or inf at row {row} ({int(bad.sum())} bad rows)")
 
-    delay_ms = np.asarray(delay_ms)
+    delay_ms = _numbers("delay_ms", delay_ms)
     if delay_ms.ndim != 1:
         raise ValueError(f"delay_ms must be one-dimensional, got shape {delay_ms.shape}")
     delay_ms = np.ascontiguousarray(delay_ms, dtype=np.float32)
@@ -79,7 +90,7 @@ def _validated(symbols, features, delay_ms, targets):
         raise ValueError(f"delay_ms is negative at row {row} ({delay_ms[row]})")
 
     if targets is not None:
-        targets = np.asarray(targets)
+        targets = _numbers("targets", targets)
         if targets.ndim != 2 or targets.shape[1] != NUM_TOWERS:
             raise ValueError(f"targets must have shape [M, {NUM_TOWERS}], got {targets.shape}")
         targets = np.ascontiguousarray(targets, dtype=np.float32)
@@ -246,8 +257,8 @@ def _read_parquet(path: Path) -> Stream:
     features = np.stack([column(name) for name in FEATURE_COLUMNS], axis=1)
     targets = np.stack([column(name) for name in TARGET_COLUMNS], axis=1) if present_targets else None
     stored_meta = (table.schema.metadata or {}).get(_PARQUET_META_KEY)
-    meta = json.loads(stored_meta) if stored_meta else {}
     try:
+        meta = json.loads(stored_meta) if stored_meta else {}
         return Stream(np.asarray(column("symbol").tolist(), dtype=object), features,
                       column("delay_ms"), targets, meta)
     except ValueError as error:

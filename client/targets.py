@@ -45,6 +45,10 @@ def _choose_device(model, device) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else model_device)
 
 
+# The stacked state of the symbols run at once (_run_reference); each step holds it about twice (old and new).
+STATE_BUDGET_BYTES = 8 << 30
+
+
 class _Progress:
     """Progress on stderr, steps done/total and steps per second: on a terminal one line rewritten in place, in a
     log one line every 5 s (no carriage returns), and always the last."""
@@ -54,8 +58,10 @@ class _Progress:
         self.live = enabled and sys.stderr.isatty()
         self.every_s = 0.2 if self.live else 5.0
         self.start = self.last_draw = time.monotonic()
+        self.done = 0
 
     def update(self, done: int):
+        self.done = done
         now = time.monotonic()
         if self.enabled and (now - self.last_draw >= self.every_s or done == self.total):
             self.last_draw = now
@@ -68,10 +74,12 @@ class _Progress:
 def _load_cached(path: Path, num_requests: int) -> np.ndarray | None:
     """The cached targets, or None when absent or unusable (then they are recomputed and rewritten)."""
     try:
-        targets = np.load(path, allow_pickle=False)
+        with open(path, "rb") as file:  # .npy only: np.load would open an .npz there too, or fail with EOFError
+            targets = np.lib.format.read_array(file, allow_pickle=False)
     except (OSError, ValueError):
         return None
-    if targets.shape != (num_requests, NUM_TOWERS) or targets.dtype != np.float32:
+    # computed targets are finite (_run_reference), so a NaN or inf here is damage
+    if targets.shape != (num_requests, NUM_TOWERS) or targets.dtype != np.float32 or not np.isfinite(targets).all():
         return None
     return targets
 
@@ -111,7 +119,10 @@ def compute_targets(model, stream: Stream, weights_fingerprint: str, device=None
     if cached is not None:
         return cached
     targets = _run_reference(model, stream, _choose_device(model, device), progress)
-    _save_atomically(cache_path, targets)
+    try:
+        _save_atomically(cache_path, targets)
+    except OSError as error:  # the cache only saves time: targets computed (minutes for a large preset) are kept
+        print(f"warning: the targets are not cached: {error}", file=sys.stderr, flush=True)
     return targets
 
 
@@ -119,6 +130,27 @@ def compute_targets(model, stream: Stream, weights_fingerprint: str, device=None
 def _run_reference(model, stream: Stream, device: torch.device, progress: bool) -> np.ndarray:
     model.to(device)
     _, symbol_ids, counts = np.unique(stream.symbols, return_inverse=True, return_counts=True)
+    # Symbols are independent, so they run in groups whose stacked state fits STATE_BUDGET_BYTES: all at once, a
+    # stream of a thousand symbols of the full preset (146 MiB of state each) would not fit on any device.
+    per_symbol = sum(t.numel() * t.element_size() for t in model.init_state(1, device=torch.device("meta")).values())
+    group = max(1, STATE_BUDGET_BYTES // max(per_symbol, 1))
+    groups = [np.flatnonzero(symbol_ids // group == g) for g in range(-(-len(counts) // group))]
+    bar = _Progress(sum(int(counts[g * group:(g + 1) * group].max()) for g in range(len(groups))), "targets",
+                    progress)
+    targets = np.empty((len(stream), NUM_TOWERS), dtype=np.float32)
+    for g, rows in enumerate(groups):
+        targets[rows] = _run_symbols(model, stream.features[rows], symbol_ids[rows] - g * group, device, bar)
+    bad = ~np.isfinite(targets).all(axis=1)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"the reference model gave a NaN or inf prediction at request row {row} "
+                         f"(symbol {stream.symbols[row]}); {int(bad.sum())} bad rows in all")
+    return targets
+
+
+def _run_symbols(model, features: np.ndarray, symbol_ids: np.ndarray, device: torch.device, bar) -> np.ndarray:
+    """Predictions [M, 4] for requests of the symbols 0..S-1 (symbol_ids [M]), all symbols' states stacked."""
+    counts = np.bincount(symbol_ids)
     # Order symbols by request count, longest first: the symbols with a k-th request are then a
     # prefix of that order, and since that prefix only shrinks with k, the stacked state is sliced,
     # never gathered or scattered.
@@ -130,33 +162,27 @@ def _run_reference(model, stream: Stream, device: torch.device, progress: bool) 
     by_symbol = np.argsort(request_rank, kind="stable")
     sorted_counts = counts[symbol_order]
     group_starts = np.repeat(np.cumsum(sorted_counts) - sorted_counts, sorted_counts)
-    step_of_request = np.empty(len(stream), dtype=np.int64)
-    step_of_request[by_symbol] = np.arange(len(stream)) - group_starts
+    step_of_request = np.empty(len(features), dtype=np.int64)
+    step_of_request[by_symbol] = np.arange(len(features)) - group_starts
     # Requests ordered by (step, symbol rank): step k is the contiguous block of active_k rows.
     execution_order = np.lexsort((request_rank, step_of_request))
     num_steps = int(sorted_counts[0])
     active_per_step = np.bincount(step_of_request, minlength=num_steps)
 
-    features = torch.from_numpy(stream.features[execution_order]).to(device)
-    predictions = torch.empty(len(stream), NUM_TOWERS, dtype=torch.float32, device=device)
+    ordered = torch.from_numpy(features[execution_order]).to(device)
+    predictions = torch.empty(len(features), NUM_TOWERS, dtype=torch.float32, device=device)
     state = model.init_state(len(counts), device=device)
-    bar = _Progress(num_steps, "targets", progress)
     start = 0
-    for step, active in enumerate(active_per_step.tolist()):
+    for active in active_per_step.tolist():
         state = {name: tensor[:active] for name, tensor in state.items()}
-        step_predictions, state = model(features[start:start + active], state)
+        step_predictions, state = model(ordered[start:start + active], state)
         predictions[start:start + active] = step_predictions
         start += active
-        bar.update(step + 1)
+        bar.update(bar.done + 1)
 
-    targets = np.empty((len(stream), NUM_TOWERS), dtype=np.float32)
-    targets[execution_order] = predictions.cpu().numpy()
-    bad = ~np.isfinite(targets).all(axis=1)
-    if bad.any():
-        row = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"the reference model gave a NaN or inf prediction at request row {row} "
-                         f"(symbol {stream.symbols[row]}); {int(bad.sum())} bad rows in all")
-    return targets
+    result = np.empty((len(features), NUM_TOWERS), dtype=np.float32)
+    result[execution_order] = predictions.cpu().numpy()
+    return result
 
 
 # --------------------------------------------------------------------------- a stream file's own targets

@@ -22,6 +22,7 @@ import hashlib
 import math
 import os
 import re
+import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -184,20 +185,41 @@ def check_state_dict(state_dict, expected):
 def read_checkpoint(path):
     """A state dict from a .pt/.pth torch file or a .safetensors file (CPU tensors)."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"weights {path} is a folder; give the checkpoint file")
     if not path.is_file():
         raise FileNotFoundError(f"weights file not found: {path}")
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise ImportError("reading .safetensors needs the safetensors package: pip install safetensors") from None
-        return load_file(str(path))
+    if path.stat().st_size == 0:
+        raise ValueError(f"checkpoint {path} is empty")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file
+        if path.suffix == ".safetensors":
+            state = _load_safetensors(path)
+        else:
+            # mmap needs torch's zip format: a file of torch.save's older format is read whole
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except ImportError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch and safetensors raise many types for a bad file
         raise ValueError(f"cannot read checkpoint {path}: {e}") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if not isinstance(state, dict):
         raise ValueError(f"{path} is not a state dict of tensors")
+    for name, value in state.items():
+        # what check_state_dict and load_state_dict cannot take: they would fail with a TypeError or RuntimeError
+        if not isinstance(name, str):
+            raise ValueError(f"{path} is not a state dict of tensors: key {name!r} is not a tensor name")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{path} is not a state dict of tensors: {name} is a {type(value).__name__}")
+        if value.layout != torch.strided or value.is_meta:
+            raise ValueError(f"{path}: tensor {name} is {'meta' if value.is_meta else value.layout}, not a dense "
+                             f"tensor with values")
     return state
+
+
+def _load_safetensors(path):
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise ImportError("reading .safetensors needs the safetensors package: pip install safetensors") from None
+    return load_file(str(path))

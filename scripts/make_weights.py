@@ -54,6 +54,10 @@ def main(argv=None) -> int:
     # checked before the generation (minutes for the full preset), not when saving at its end
     if args.out.is_dir():
         parser.error(f"--out {args.out} is a folder; give a file path")
+    if args.out.parent.exists() and not args.out.parent.is_dir():
+        parser.error(f"--out {args.out}: {args.out.parent} is a file, not a folder")
+    if args.out.suffix == ".safetensors":  # the loaders read a .safetensors file as safetensors, not torch's format
+        parser.error(f"--out {args.out}: this writes torch's format; name the file .pt")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     generating = None

@@ -13,14 +13,25 @@ import secrets
 from client import protocol
 
 
+def _unique_teams(pairs):
+    seen = set()
+    for team, _ in pairs:
+        if team in seen:  # json keeps the last silently: the team's other token would be refused
+            raise ValueError(f"team {team!r} is given more than once")
+        seen.add(team)
+    return dict(pairs)
+
+
 def load_tokens(path: str) -> dict[str, str]:
     """{team: token} from a JSON file holding one object of strings; ValueError in one line otherwise."""
     try:
         with open(path, encoding="utf-8") as f:
-            tokens = json.load(f)
+            tokens = json.load(f, object_pairs_hook=_unique_teams)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--tokens {path}: not JSON ({exc.msg} at line {exc.lineno}); write one object "
                          f'{{"team": "token", ...}}') from None
+    except ValueError as exc:  # a repeated team, or a file that is not UTF-8
+        raise ValueError(f"--tokens {path}: {exc}") from None
     if not isinstance(tokens, dict) or not tokens:
         raise ValueError(f'--tokens {path}: expected one non-empty JSON object {{"team": "token", ...}}')
     for team, token in tokens.items():
@@ -29,6 +40,12 @@ def load_tokens(path: str) -> dict[str, str]:
             raise ValueError(f"--tokens {path}: {problem}")
         if not isinstance(token, str) or not token:
             raise ValueError(f"--tokens {path}: the token of team {team!r} must be a non-empty string")
+    teams_of = {}
+    for team, token in tokens.items():
+        # a token proves its team here: teams sharing one could each play as, and take over, the other
+        if token in teams_of:
+            raise ValueError(f"--tokens {path}: teams {teams_of[token]!r} and {team!r} have the same token")
+        teams_of[token] = team
     return tokens
 
 

@@ -248,6 +248,14 @@ def test_nan_in_stream(tmp_path, team_dir, capsys):
     assert rc == 2 and "NaN" in err and "row 1" in err
 
 
+def test_stream_without_requests(tmp_path, team_dir, capsys):
+    path = tmp_path / "empty.npz"
+    np.savez(path, symbols=np.array([], dtype=str), features=np.zeros((0, 79), np.float32),
+             delay_ms=np.zeros(0, np.float32))
+    rc, _, err = run_main(capsys, "--stream", path, "--team-dir", team_dir, "--cache-dir", tmp_path / "cache")
+    assert rc == 2 and err.endswith(f"error: stream {path}: the stream has no requests\n"), err
+
+
 def test_stream_file_replays(tmp_path, team_dir, capsys):
     path = tmp_path / "s.npz"
     save_stream(generate_stream(2, 6, seed=1), path)
@@ -267,6 +275,9 @@ def test_plot_without_matplotlib(tmp_path, team_dir, capsys, monkeypatch):
     ("", "no team client at"),
     ("raise RuntimeError('boom')", "importing .* failed: RuntimeError: boom"),
     ("class ExampleModel:\n    pass\n", "no class ExampleModel with a process_batch"),
+    ("class ExampleModel:\n    def __init__(self, engine):\n        raise RuntimeError('boom')\n"
+     "    def process_batch(self, batch):\n        return {}\n",
+     r"example_model.py: ExampleModel\(engine\) failed: RuntimeError: boom"),
 ])
 def test_broken_team_client(tmp_path, capsys, source, message):
     folder = tmp_path / "candidate"
@@ -291,6 +302,11 @@ def test_broken_team_client(tmp_path, capsys, source, message):
 ])
 def test_bad_options_exit_with_usage(usage_error, argv, message):
     assert message in usage_error(le.main, argv)
+
+
+def test_a_profile_folder_that_is_a_file_is_refused_before_the_run(tmp_path, usage_error):
+    (tmp_path / "trace").write_text("")
+    assert f"--profile {tmp_path / 'trace'} is a file" in usage_error(le.main, ["--profile", str(tmp_path / "trace")])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -42,6 +42,13 @@ def test_script_mistakes_are_one_line(tmp_path):
          f"make_stream: weights file not found: {tmp_path / 'missing.pt'}"),
         ("make_weights.py", ["--preset", "tiny", "--out", tmp_path],
          f"scripts/make_weights.py: error: --out {tmp_path} is a folder; give a file path"),
+        # read_checkpoint would read it as safetensors, and fail
+        ("make_weights.py", ["--preset", "tiny", "--out", tmp_path / "w.safetensors"],
+         f"scripts/make_weights.py: error: --out {tmp_path / 'w.safetensors'}: this writes torch's format; name the "
+         f"file .pt"),
+        ("make_weights.py", ["--preset", "tiny", "--out", tmp_path / "a_file" / "w.pt"],
+         f"scripts/make_weights.py: error: --out {tmp_path / 'a_file' / 'w.pt'}: {tmp_path / 'a_file'} is a file, "
+         f"not a folder"),
         ("make_weights.py", ["--preset", "tiny", "--seed", "-1", "--out", tmp_path / "w.pt"],
          "scripts/make_weights.py: error: argument --seed: must be a non-negative integer, got '-1'"),
         ("make_stream.py", ["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "tiny",
@@ -54,6 +61,7 @@ def test_script_mistakes_are_one_line(tmp_path):
         ("matmul_error.py", ["--rows", "64,0"],
          "scripts/matmul_error.py: error: argument --rows: must be a positive integer, got '0'"),
     ]
+    (tmp_path / "a_file").write_text("")
     for script, args, message in cases:
         done = run(script, *args)
         assert done.returncode == 2

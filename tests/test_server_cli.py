@@ -209,6 +209,8 @@ def test_a_server_other_machines_reach_without_tokens_is_warned(tmp_path):
     ("[]", 'expected one non-empty JSON object {"team": "token", ...}'),
     ('{"alpha": ""}', "the token of team 'alpha' must be a non-empty string"),
     ('{"a\\nb": "t"}', "a team name is 1..64 printable characters"),
+    ('{"alpha": "t1", "beta": "t2", "alpha": "t3"}', "team 'alpha' is given more than once"),
+    ('{"alpha": "t1", "beta": "t1"}', "teams 'alpha' and 'beta' have the same token"),
 ])
 def test_a_bad_tokens_file_is_one_line(tmp_path, content, message, capsys):
     path = tmp_path / "tokens.json"
@@ -216,3 +218,11 @@ def test_a_bad_tokens_file_is_one_line(tmp_path, content, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--tokens", str(path)])
     assert f"--tokens {path}: {message}" in capsys.readouterr().err
+
+
+def test_a_tokens_file_that_is_not_utf8_is_one_line_naming_it(tmp_path, capsys):
+    path = tmp_path / "tokens.json"
+    path.write_bytes('{"équipe": "t"}'.encode("latin-1"))
+    with pytest.raises(SystemExit):
+        parse_args(["--tokens", str(path)])
+    assert f"--tokens {path}: 'utf-8' codec can't decode" in capsys.readouterr().err

@@ -110,6 +110,13 @@ def nan_at(row, array, value=np.nan):
     (lambda s: with_changes(symbols=np.arange(6)), "symbols must be strings"),
     (lambda s: with_changes(symbols=np.array(["A", None] * 3, dtype=object)), "symbols must be strings"),
     (lambda s: with_changes(meta="preset=tiny"), "meta must be a dict"),
+    (lambda s: with_changes(symbols=s.symbols[:0], features=s.features[:0], delay_ms=s.delay_ms[:0],
+                            targets=s.targets[:0]), "the stream has no requests"),
+    # cast to float32, these would lose an imaginary part, parse text, or read seconds as milliseconds
+    (lambda s: with_changes(features=s.features + 1j), "features must be real numbers, got dtype complex"),
+    (lambda s: with_changes(delay_ms=s.delay_ms.astype(str)), "delay_ms must be real numbers"),
+    (lambda s: with_changes(delay_ms=s.delay_ms.astype("timedelta64[s]")), "delay_ms must be real numbers"),
+    (lambda s: with_changes(targets=s.targets.astype(object)), "targets must be real numbers"),
 ])
 def test_bad_streams_are_rejected_naming_the_problem(make_fields, message):
     with pytest.raises(ValueError, match=message):
@@ -267,6 +274,17 @@ def test_parquet_missing_columns(tmp_path, dropped, message):
     table = pq.read_table(path)
     pq.write_table(table.drop_columns(dropped), path)
     with pytest.raises(ValueError, match=message):
+        load_stream(path)
+
+
+def test_parquet_bad_meta_names_the_file(tmp_path):
+    pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    path = tmp_path / "stream.parquet"
+    save_stream(small_stream(), path)
+    table = pq.read_table(path)
+    pq.write_table(table.replace_schema_metadata({b"fastens_meta": b"{not json"}), path)
+    with pytest.raises(ValueError, match=f"stream {path}: Expecting property name"):
         load_stream(path)
 
 

@@ -1,9 +1,12 @@
+import io
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from client.model import load_model
+from client import targets as targets_module
 from client.streams import Stream, generate_stream, stream_fingerprint
 from client.targets import compute_targets, default_cache_dir, targets_cache_path
 
@@ -72,6 +75,26 @@ def test_targets_equal_each_symbol_run_alone(model_and_fingerprint, tmp_path):
     np.testing.assert_allclose(targets, run_each_symbol_alone(model, stream), rtol=1e-5, atol=1e-6)
 
 
+def test_symbols_run_in_groups_whose_state_fits_the_budget(model_and_fingerprint, tmp_path, monkeypatch, capsys):
+    model, fingerprint = model_and_fingerprint
+    per_symbol = sum(t.numel() * t.element_size() for t in model.init_state(1).values())
+    monkeypatch.setattr(targets_module, "STATE_BUDGET_BYTES", 2 * per_symbol)
+    stacked = []
+
+    class RecordingModel(CountingModel):
+        def init_state(self, batch, device=None):
+            stacked.append(batch)
+            return super().init_state(batch, device)
+
+    stream = uneven_stream()  # 6 symbols: three groups of two
+    targets = compute_targets(RecordingModel(model), stream, fingerprint, device="cpu", cache_dir=tmp_path)
+    np.testing.assert_allclose(targets, run_each_symbol_alone(model, stream), rtol=1e-5, atol=1e-6)
+    assert [batch for batch in stacked if batch > 1] == [2, 2, 2]
+    _, counts = np.unique(stream.symbols, return_counts=True)
+    steps = sum(counts[g:g + 2].max() for g in range(0, 6, 2))
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"targets: {steps}/{steps} steps")
+
+
 def test_second_call_hits_the_cache(model_and_fingerprint, tmp_path):
     model, fingerprint = model_and_fingerprint
     stream = generate_stream(3, 12, seed=1)
@@ -107,6 +130,36 @@ def test_a_corrupt_cache_entry_is_recomputed(model_and_fingerprint, tmp_path):
     np.testing.assert_array_equal(compute_targets(model, stream, fingerprint, cache_dir=tmp_path,
                                                   progress=False), expected)
     assert np.load(path).shape == (6, 4)
+
+
+def npz_of(**arrays):
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("damage", [
+    lambda path: path.write_bytes(b""),  # a rename that reached the disk before the data did
+    lambda path: path.write_bytes(npz_of(targets=np.zeros((6, 4), np.float32))),
+    lambda path: np.save(path, np.full((6, 4), np.nan, np.float32)),
+])
+def test_an_empty_foreign_or_non_finite_cache_entry_is_recomputed(model_and_fingerprint, tmp_path, damage):
+    model, fingerprint = model_and_fingerprint
+    stream = generate_stream(2, 6, seed=1)
+    expected = compute_targets(model, stream, fingerprint, cache_dir=tmp_path, progress=False)
+    damage(targets_cache_path(tmp_path, fingerprint, stream_fingerprint(stream)))
+    np.testing.assert_array_equal(compute_targets(model, stream, fingerprint, cache_dir=tmp_path,
+                                                  progress=False), expected)
+
+
+def test_targets_that_cannot_be_cached_are_still_returned(model_and_fingerprint, tmp_path, capsys):
+    model, fingerprint = model_and_fingerprint
+    stream = generate_stream(2, 6, seed=1)
+    expected = compute_targets(model, stream, fingerprint, cache_dir=tmp_path / "cache", progress=False)
+    (tmp_path / "file").write_text("a file where the cache folder should be")
+    np.testing.assert_array_equal(compute_targets(model, stream, fingerprint, cache_dir=tmp_path / "file",
+                                                  progress=False), expected)
+    assert capsys.readouterr().err.startswith("warning: the targets are not cached: ")
 
 
 def test_cache_dir_defaults_to_fastens_cache(monkeypatch, tmp_path, model_and_fingerprint):

@@ -84,3 +84,49 @@ def test_unreadable_and_missing_files_are_clear_errors(tmp_path):
     torch.save([1, 2], tmp_path / "list.pt")
     with pytest.raises(ValueError, match="not a state dict"):
         read_checkpoint(tmp_path / "list.pt")
+
+
+def test_a_checkpoint_in_torch_saves_older_format_is_read(tmp_path):
+    state = make_weights(get_preset("tiny"), 0)
+    path = tmp_path / "legacy.pt"
+    torch.save(state, path, _use_new_zipfile_serialization=False)
+    assert fingerprint(read_checkpoint(path)) == TINY_SEED0_FINGERPRINT
+
+
+@pytest.mark.parametrize("entry, problem", [
+    ({0: torch.zeros(1)}, "key 0 is not a tensor name"),
+    ({"model": {"w": torch.zeros(1)}}, "model is a dict"),
+    ({"w": torch.zeros(3).to_sparse()}, "tensor w is torch.sparse_coo"),
+    ({"w": torch.empty(3, device="meta")}, "tensor w is meta"),
+])
+def test_a_state_dict_of_other_things_is_a_clear_error(tmp_path, entry, problem):
+    path = tmp_path / "odd.pt"
+    torch.save({**make_weights(get_preset("tiny"), 0), **entry}, path)
+    with pytest.raises(ValueError, match=f"{path}.*{problem}"):
+        load_model("tiny", weights=str(path))
+
+
+def test_empty_folder_and_pickled_code_are_clear_errors(tmp_path):
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.pt is empty"):
+        read_checkpoint(tmp_path / "empty.pt")
+    (tmp_path / "dir.pt").mkdir()
+    with pytest.raises(ValueError, match="dir.pt is a folder"):
+        read_checkpoint(tmp_path / "dir.pt")
+    import pickle
+    (tmp_path / "code.pt").write_bytes(pickle.dumps(print))  # weights_only refuses any callable
+    with pytest.raises(ValueError, match="cannot read checkpoint .*code.pt"):
+        read_checkpoint(tmp_path / "code.pt")
+
+
+def test_a_broken_safetensors_file_is_a_clear_error(tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    good = tmp_path / "w.safetensors"
+    save_file(make_weights(get_preset("tiny"), 0), good)
+    assert fingerprint(read_checkpoint(good)) == TINY_SEED0_FINGERPRINT
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="cannot read checkpoint .*truncated.safetensors"):
+        read_checkpoint(truncated)
