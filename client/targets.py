@@ -45,7 +45,8 @@ def _choose_device(model, device) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else model_device)
 
 
-# The stacked state of the symbols run at once (_run_reference); each step holds it about twice (old and new).
+# The stacked state of the symbols run at once (_run_reference), at least: each step holds it about twice (old and
+# new), so a GPU with more free memory takes a third of it (fewer groups, each a pass over its symbols' requests).
 STATE_BUDGET_BYTES = 8 << 30
 
 
@@ -130,10 +131,13 @@ def compute_targets(model, stream: Stream, weights_fingerprint: str, device=None
 def _run_reference(model, stream: Stream, device: torch.device, progress: bool) -> np.ndarray:
     model.to(device)
     _, symbol_ids, counts = np.unique(stream.symbols, return_inverse=True, return_counts=True)
-    # Symbols are independent, so they run in groups whose stacked state fits STATE_BUDGET_BYTES: all at once, a
+    # Symbols are independent, so they run in groups whose stacked state fits the budget: all at once, a
     # stream of a thousand symbols of the full preset (146 MiB of state each) would not fit on any device.
     per_symbol = sum(t.numel() * t.element_size() for t in model.init_state(1, device=torch.device("meta")).values())
-    group = max(1, STATE_BUDGET_BYTES // max(per_symbol, 1))
+    budget = STATE_BUDGET_BYTES
+    if device.type == "cuda":
+        budget = max(budget, torch.cuda.mem_get_info(device)[0] // 3)
+    group = max(1, budget // max(per_symbol, 1))
     groups = [np.flatnonzero(symbol_ids // group == g) for g in range(-(-len(counts) // group))]
     bar = _Progress(sum(int(counts[g * group:(g + 1) * group].max()) for g in range(len(groups))), "targets",
                     progress)
