@@ -16,6 +16,7 @@ twice. The server's protocol (websocket or the original event's tcp-json) is the
 import asyncio
 import gc
 import logging
+import math
 import queue
 import sys
 import threading
@@ -83,24 +84,31 @@ class ClientStats:
         self.correct_towers = 0
         self.pnl = 0.0
         self.latencies_ms: list[float] = []
-        self._scored_ids: set[int] = set()
+        # ids received and not yet scored: a score for any other id (scored already, or never this client's
+        # request) is not counted, so that a server's scores cannot push responses past requests
+        self._unscored: set[int] = set()
         self._first_request_at: float | None = None
         self._last_score_at: float | None = None
 
-    def note_request(self):
+    def note_request(self, uid: int):
         if self._first_request_at is None:
             self._first_request_at = time.perf_counter()
         self.requests += 1
+        self._unscored.add(uid)
 
     def add_scores(self, msg: dict) -> None:
         ids, pnls, correct, latencies = (msg["unique_ids"], msg["pnls"], msg["correct"], msg["latencies_ms"])
         if not len(ids) == len(pnls) == len(correct) == len(latencies):
             raise protocol.ProtocolError(f"score_update: lengths differ: {len(ids)} ids, {len(pnls)} pnls, "
                                          f"{len(correct)} correct, {len(latencies)} latencies")
+        if not all(0 <= towers <= NUM_TOWERS for towers in correct):
+            raise protocol.ProtocolError(f"score_update: correct must count towers, 0..{NUM_TOWERS}")
+        if not all(math.isfinite(v) for v in (*pnls, *latencies)):
+            raise protocol.ProtocolError("score_update: pnls and latencies_ms must be finite")
         for uid, pnl, towers, latency in zip(ids, pnls, correct, latencies):
-            if uid in self._scored_ids:
+            if uid not in self._unscored:
                 continue
-            self._scored_ids.add(uid)
+            self._unscored.remove(uid)
             self.pnl += pnl
             if latency <= self.timeout_ms:
                 self.scored += 1
@@ -577,14 +585,14 @@ class StreamingClient:
                 reason = "features contain NaN or inf" if not finite else "rejected earlier"
                 if uid not in self._rejected_ids:
                     self._rejected_ids.add(uid)
-                    self.stats.note_request()
+                    self.stats.note_request(uid)
                     self.stats.rejected += 1
                 log.warning("request %d (%s): %s; not fed to the model", uid, symbol, reason)
                 self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): {reason}; "
                                                              f"not fed to the model"))
             else:
                 self._in_flight.add(uid)
-                self.stats.note_request()
+                self.stats.note_request(uid)
                 new_requests.append(Request(uid, symbol, row, received_at))
         self._mark("received", (r.unique_id for r in new_requests))
         if new_requests:

@@ -555,8 +555,8 @@ def test_bad_url():
 
 def test_stats_from_score_updates():
     stats = ClientStats(timeout_s=1.0)
-    for _ in range(5):
-        stats.note_request()
+    for uid in range(1, 6):
+        stats.note_request(uid)
     stats.add_scores(protocol.score_update([1, 2, 3], [0.5, 1.0, 0.0], [2, 4, 0], [10.0, 30.0, 20.0]))
     stats.add_scores(protocol.score_update([3], [0.0], [0], [20.0]))  # a repeat is counted once
     stats.add_scores(protocol.score_update([4], [0.0], [4], [1500.0]))  # late: scored, but missed
@@ -717,3 +717,17 @@ def test_a_server_that_falls_silent_without_end_cuts_the_session_short(model):
     assert summary["detail"].startswith("the server sent nothing for 0.5 s (not even a heartbeat) and never said "
                                         "the stream was over, after 0 of 10 requests answered (the limit: "
                                         "--server-idle-s 0.5)")
+
+
+def test_scores_of_ids_never_received_or_beyond_the_towers_are_not_counted():
+    stats = ClientStats(timeout_s=1.0)
+    for uid in range(3):
+        stats.note_request(uid)
+    stats.add_scores(protocol.score_update([0, 1, 7, 8], [1.0, 1.0, 5.0, 5.0], [4, 2, 4, 4], [10.0] * 4))
+    summary = stats.summary()
+    assert summary["responses"] == 2 and summary["missed"] == 1  # 7 and 8 were never this client's requests
+    assert summary["accuracy"] == pytest.approx(6 / 8) and summary["pnl"] == pytest.approx(2.0)
+    for correct, pnl in ((5, 0.0), (-1, 0.0), (4, math.nan)):
+        with pytest.raises(protocol.ProtocolError):
+            stats.add_scores(protocol.score_update([2], [pnl], [correct], [10.0]))
+    assert stats.summary()["responses"] == 2
