@@ -294,6 +294,9 @@ class StreamingClient:
         self._in_flight: set[int] = set()   # queued or being computed
         self._rejected_ids: set[int] = set()
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        # ids whose answers left the cache: a resend is refused, since stepping it again would advance its
+        # symbol's state twice (a few tens of bytes an id, as the stats' ids)
+        self._evicted: set[int] = set()
         self._ws = None
         self._send_tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -581,6 +584,12 @@ class StreamingClient:
                 cached_ids.append(uid)
             elif uid in self._in_flight:
                 continue  # resent while still queued or computing: answered when its step is done
+            elif uid in self._evicted:
+                log.warning("request %d (%s) was answered earlier and its answer left the cache; not fed to the "
+                            "model again", uid, symbol)
+                self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): answered earlier, "
+                                                             f"its answer no longer cached (the last {self.cache_size} "
+                                                             f"are); not fed to the model again"))
             elif not finite or uid in self._rejected_ids:
                 reason = "features contain NaN or inf" if not finite else "rejected earlier"
                 if uid not in self._rejected_ids:
@@ -964,7 +973,7 @@ class StreamingClient:
             self._in_flight.discard(uid)
             self._cache[uid] = row
         while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+            self._evicted.add(self._cache.popitem(last=False)[0])
         self.stats.responses_sent += len(ids)
         # When disconnected the answers wait in the cache for the server's resend.
         self._send(self._ws, protocol.inference_response(ids, predictions, time.time()))

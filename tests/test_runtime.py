@@ -719,6 +719,29 @@ def test_a_server_that_falls_silent_without_end_cuts_the_session_short(model):
                                         "--server-idle-s 0.5)")
 
 
+def test_a_resent_id_whose_answer_left_the_cache_is_refused_never_stepped_twice(model):
+    symbols, features = _stream(7)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request(list(range(6)), symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= set(range(6)))
+        await ws.send(_request([0, 1, 6], symbols, features))  # 0 and 1 answered long ago (left the cache of 2)
+        await recorder.pump(ws, lambda: 6 in recorder.answered() and len(recorder.errors) >= 2)
+        await ws.close(1000)
+
+    team_client = CountingClient(ReferenceEngine(model))
+    _, summary = asyncio.run(_play(handler, team_client, cache_size=2))
+    assert sum(team_client.stepped.values()) == 7  # 0 and 1 never advanced their symbols' states again
+    assert sorted(uid for uid, _ in recorder.responses) == list(range(7))
+    for uid in (0, 1):
+        assert any(f"unique_id {uid} " in e and "answered earlier" in e for e in recorder.errors), recorder.errors
+    expected = _expected(model, symbols, features, range(7))
+    np.testing.assert_allclose(dict(recorder.responses)[6], expected[6], rtol=1e-5, atol=1e-6)
+    assert summary["requests"] == 7
+
+
 def test_scores_of_ids_never_received_or_beyond_the_towers_are_not_counted():
     stats = ClientStats(timeout_s=1.0)
     for uid in range(3):
