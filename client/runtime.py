@@ -169,7 +169,8 @@ class StreamingClient:
     - when the server speaks the other protocol (the detail names the flag to pass);
     - when give_up_repeats connections in a row end the same way (the same close, or the same refusal of a
       limit that passes) with no new request between them;
-    - when the server sends nothing, not even a heartbeat, for server_idle_s;
+    - when the server sends nothing, not even a heartbeat, for server_idle_s, or nothing but heartbeats before it
+      answers the register;
     - at stop().
     The summary's "outcome" says which (one of OUTCOMES) and "detail" says it in words.
     """
@@ -481,7 +482,9 @@ class StreamingClient:
         return True
 
     async def _watch_idle(self, ws):
-        """Cut the session short when the server sends nothing, not even a heartbeat, for server_idle_s."""
+        """Cut the session short when the server sends nothing, not even a heartbeat, for server_idle_s, or nothing
+        that answers the register (heartbeats only) as long."""
+        connected = time.monotonic()
         while True:
             frames, since = self._frames, time.monotonic()
             while self._frames == frames:
@@ -493,6 +496,13 @@ class StreamingClient:
                     ws.abort()  # a server this quiet would not answer a close either
                     return
                 await asyncio.sleep(min(self.server_idle_s - idle, max(self.server_idle_s / 10, 0.05)))
+            unanswered = time.monotonic() - connected
+            if not self._welcomed and self._refusal is None and unanswered >= self.server_idle_s:
+                self._finish(CUT_SHORT, f"the server never answered the register (no welcome, no refusal, no "
+                                        f"request) in {unanswered:.1f} s, after {self._played()} requests answered "
+                                        f"(the limit: --server-idle-s {self.server_idle_s:g})")
+                ws.abort()
+                return
 
     def _played(self) -> str:
         """How many requests were answered in time, of how many (when the server said)."""

@@ -754,3 +754,18 @@ def test_scores_of_ids_never_received_or_beyond_the_towers_are_not_counted():
         with pytest.raises(protocol.ProtocolError):
             stats.add_scores(protocol.score_update([2], [pnl], [correct], [10.0]))
     assert stats.summary()["responses"] == 2
+
+
+def test_a_server_that_heartbeats_but_never_answers_the_register_is_left_after_the_idle_limit(model):
+    async def handler(ws):
+        await ws.recv()
+        while True:  # no welcome, no refusal: heartbeats only
+            await ws.send(protocol.encode(protocol.heartbeat(time.time())))
+            await asyncio.sleep(0.05)
+
+    started = time.monotonic()
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model)), server_idle_s=0.5))
+    assert time.monotonic() - started < 10
+    assert summary["outcome"] == runtime.CUT_SHORT and summary["connections"] == 1
+    assert "never answered the register" in summary["detail"], summary["detail"]
+
