@@ -523,6 +523,7 @@ class StreamingClient:
             msg = ws.decode(frame)
             kind = msg["type"]
             if kind == "inference_request":
+                self._welcomed = True  # the register was accepted, whatever became of the welcome (a malformed one)
                 self._on_request(ws, msg)
             elif kind == "score_update":
                 self.stats.add_scores(msg)

@@ -769,3 +769,25 @@ def test_a_server_that_heartbeats_but_never_answers_the_register_is_left_after_t
     assert summary["outcome"] == runtime.CUT_SHORT and summary["connections"] == 1
     assert "never answered the register" in summary["detail"], summary["detail"]
 
+
+
+def test_a_server_error_after_its_requests_is_no_refusal_even_where_its_welcome_was_malformed(model):
+    symbols, features = _stream(4)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        odd = protocol.welcome("tiny", None, 4, 3, None)
+        odd["session_key"] = 5  # not a string: the welcome is a bad message
+        await ws.send(protocol.encode(odd))
+        await ws.send(_request([0, 1], symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= {0, 1})
+        await ws.send(protocol.encode(protocol.error("late_response", "unique_id 0 answered late")))
+        await ws.send(_request([2, 3], symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= {0, 1, 2, 3})
+        await ws.send(protocol.encode(protocol.end(4)))
+        await ws.wait_closed()
+
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model)), leave_at_end=True))
+    assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
+    assert any("session_key" in e for e in recorder.errors)
