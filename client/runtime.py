@@ -26,7 +26,7 @@ from collections import OrderedDict, deque
 import numpy as np
 from client import protocol, transport
 from client.answers import check_answer
-from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, NUM_TOWERS
+from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, NUM_FEATURES, NUM_TOWERS
 from client import team_api
 from client.scheduler import Request, Scheduler
 from client.step_clock import StepClock
@@ -588,9 +588,10 @@ class StreamingClient:
             self.stats.rejected += len(ids)
             raise protocol.ProtocolError(f"{exc}; unique_ids {ids} not answered") from None
         finite_rows = np.isfinite(features).all(axis=1)
+        unreadable = set(msg.get("unreadable_rows", ()))
         cached_ids, new_requests = [], []
         received_at = time.perf_counter()
-        for uid, symbol, row, finite in zip(ids, symbols, features, finite_rows):
+        for index, (uid, symbol, row, finite) in enumerate(zip(ids, symbols, features, finite_rows)):
             if uid in self._cache:
                 cached_ids.append(uid)
             elif uid in self._in_flight:
@@ -602,7 +603,8 @@ class StreamingClient:
                                                              f"its answer no longer cached (the last {self.cache_size} "
                                                              f"are); not fed to the model again"))
             elif not finite or uid in self._rejected_ids:
-                reason = "features contain NaN or inf" if not finite else "rejected earlier"
+                reason = ("rejected earlier" if finite else f"features are not {NUM_FEATURES} numbers"
+                          if index in unreadable else "features contain NaN or inf")
                 if uid not in self._rejected_ids:
                     self._rejected_ids.add(uid)
                     self.stats.note_request(uid)
