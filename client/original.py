@@ -5,7 +5,8 @@ with a ``message_type`` field naming its kind (docs/facts.md, "The original prot
 
 - ``register`` (client to server, first): no other field. The project's server names such a team by its address.
 - ``inference_request`` (server to client): unique_ids [int], symbols [str], features [[float]] (79 a request),
-  timestamp (server send time, s).
+  timestamp (server send time, s). A row that is not 79 numbers is translated as NaN, its index in the project
+  message's ``unreadable_rows``: the runtime refuses that request alone.
 - ``inference_response`` (client to server): unique_ids [int], predictions [[float]] (4 a request, tower order),
   client_timestamp.
 - ``score_update`` (server to client): unique_ids, trade_pnls, accuracies (fraction of towers correct),
@@ -36,6 +37,7 @@ ORIGINAL_KINDS = ("register", "inference_request", "inference_response", "score_
                   "stats_update")
 # A line from a server may hold a whole burst of requests in JSON's decimal text (about 1.6 kB a request).
 MAX_LINE_BYTES = 64 * 1024 * 1024
+_NAN_ROW = [math.nan] * NUM_FEATURES
 
 
 def encode_line(obj: dict) -> bytes:
@@ -125,13 +127,24 @@ def from_original(obj: dict, team: str = "") -> dict:
     if kind == "inference_request":
         ids = _field(obj, "unique_ids", _ints, "a list of integers")
         symbols = _field(obj, "symbols", _strs, "a list of strings of Unicode text (no lone surrogate)")
-        features = _rows(obj, "features", NUM_FEATURES)
+        features = _field(obj, "features", lambda v: isinstance(v, list), "a list of lists of numbers")
         timestamp = _field(obj, "timestamp", _is_number, "a number")
         if not len(ids) == len(symbols) == len(features):
             raise ProtocolError(f"inference_request: {len(ids)} unique_ids, {len(symbols)} symbols and "
                                 f"{len(features)} feature rows")
+        # A row that is not 79 numbers is sent on as NaN and named, for the runtime to refuse that request alone:
+        # refusing the line would drop the other symbols' requests with it, and desynchronise their states.
+        unreadable = [i for i, row in enumerate(features)
+                      if not (isinstance(row, list) and len(row) == NUM_FEATURES and all(_is_number(v) for v in row))]
+        if unreadable:
+            features = list(features)
+            for i in unreadable:
+                features[i] = _NAN_ROW
         rows = np.array(features, dtype=np.float32).reshape(len(ids), NUM_FEATURES)
-        return protocol.inference_request(ids, symbols, rows, timestamp)
+        msg = protocol.inference_request(ids, symbols, rows, timestamp)
+        if unreadable:
+            msg["unreadable_rows"] = unreadable
+        return msg
     if kind == "inference_response":
         ids = _field(obj, "unique_ids", _ints, "a list of integers")
         predictions = _rows(obj, "predictions", NUM_TOWERS)

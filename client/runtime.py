@@ -16,6 +16,7 @@ twice. The server's protocol (websocket or the original event's tcp-json) is the
 import asyncio
 import gc
 import logging
+import math
 import queue
 import sys
 import threading
@@ -25,7 +26,7 @@ from collections import OrderedDict, deque
 import numpy as np
 from client import protocol, transport
 from client.answers import check_answer
-from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, NUM_TOWERS
+from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, NUM_FEATURES, NUM_TOWERS
 from client import team_api
 from client.scheduler import Request, Scheduler
 from client.step_clock import StepClock
@@ -83,24 +84,31 @@ class ClientStats:
         self.correct_towers = 0
         self.pnl = 0.0
         self.latencies_ms: list[float] = []
-        self._scored_ids: set[int] = set()
+        # ids received and not yet scored: a score for any other id (scored already, or never this client's
+        # request) is not counted, so that a server's scores cannot push responses past requests
+        self._unscored: set[int] = set()
         self._first_request_at: float | None = None
         self._last_score_at: float | None = None
 
-    def note_request(self):
+    def note_request(self, uid: int):
         if self._first_request_at is None:
             self._first_request_at = time.perf_counter()
         self.requests += 1
+        self._unscored.add(uid)
 
     def add_scores(self, msg: dict) -> None:
         ids, pnls, correct, latencies = (msg["unique_ids"], msg["pnls"], msg["correct"], msg["latencies_ms"])
         if not len(ids) == len(pnls) == len(correct) == len(latencies):
             raise protocol.ProtocolError(f"score_update: lengths differ: {len(ids)} ids, {len(pnls)} pnls, "
                                          f"{len(correct)} correct, {len(latencies)} latencies")
+        if not all(0 <= towers <= NUM_TOWERS for towers in correct):
+            raise protocol.ProtocolError(f"score_update: correct must count towers, 0..{NUM_TOWERS}")
+        if not all(math.isfinite(v) for v in (*pnls, *latencies)):
+            raise protocol.ProtocolError("score_update: pnls and latencies_ms must be finite")
         for uid, pnl, towers, latency in zip(ids, pnls, correct, latencies):
-            if uid in self._scored_ids:
+            if uid not in self._unscored:
                 continue
-            self._scored_ids.add(uid)
+            self._unscored.remove(uid)
             self.pnl += pnl
             if latency <= self.timeout_ms:
                 self.scored += 1
@@ -161,7 +169,8 @@ class StreamingClient:
     - when the server speaks the other protocol (the detail names the flag to pass);
     - when give_up_repeats connections in a row end the same way (the same close, or the same refusal of a
       limit that passes) with no new request between them;
-    - when the server sends nothing, not even a heartbeat, for server_idle_s;
+    - when the server sends nothing, not even a heartbeat, for server_idle_s, or nothing but heartbeats before it
+      answers the register;
     - at stop().
     The summary's "outcome" says which (one of OUTCOMES) and "detail" says it in words.
     """
@@ -286,6 +295,9 @@ class StreamingClient:
         self._in_flight: set[int] = set()   # queued or being computed
         self._rejected_ids: set[int] = set()
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        # ids whose answers left the cache: a resend is refused, since stepping it again would advance its
+        # symbol's state twice (a few tens of bytes an id, as the stats' ids)
+        self._evicted: set[int] = set()
         self._ws = None
         self._send_tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -470,7 +482,9 @@ class StreamingClient:
         return True
 
     async def _watch_idle(self, ws):
-        """Cut the session short when the server sends nothing, not even a heartbeat, for server_idle_s."""
+        """Cut the session short when the server sends nothing, not even a heartbeat, for server_idle_s, or nothing
+        that answers the register (heartbeats only) as long."""
+        connected = time.monotonic()
         while True:
             frames, since = self._frames, time.monotonic()
             while self._frames == frames:
@@ -482,6 +496,13 @@ class StreamingClient:
                     ws.abort()  # a server this quiet would not answer a close either
                     return
                 await asyncio.sleep(min(self.server_idle_s - idle, max(self.server_idle_s / 10, 0.05)))
+            unanswered = time.monotonic() - connected
+            if not self._welcomed and self._refusal is None and unanswered >= self.server_idle_s:
+                self._finish(CUT_SHORT, f"the server never answered the register (no welcome, no refusal, no "
+                                        f"request) in {unanswered:.1f} s, after {self._played()} requests answered "
+                                        f"(the limit: --server-idle-s {self.server_idle_s:g})")
+                ws.abort()
+                return
 
     def _played(self) -> str:
         """How many requests were answered in time, of how many (when the server said)."""
@@ -502,6 +523,7 @@ class StreamingClient:
             msg = ws.decode(frame)
             kind = msg["type"]
             if kind == "inference_request":
+                self._welcomed = True  # the register was accepted, whatever became of the welcome (a malformed one)
                 self._on_request(ws, msg)
             elif kind == "score_update":
                 self.stats.add_scores(msg)
@@ -566,25 +588,33 @@ class StreamingClient:
             self.stats.rejected += len(ids)
             raise protocol.ProtocolError(f"{exc}; unique_ids {ids} not answered") from None
         finite_rows = np.isfinite(features).all(axis=1)
+        unreadable = set(msg.get("unreadable_rows", ()))
         cached_ids, new_requests = [], []
         received_at = time.perf_counter()
-        for uid, symbol, row, finite in zip(ids, symbols, features, finite_rows):
+        for index, (uid, symbol, row, finite) in enumerate(zip(ids, symbols, features, finite_rows)):
             if uid in self._cache:
                 cached_ids.append(uid)
             elif uid in self._in_flight:
                 continue  # resent while still queued or computing: answered when its step is done
+            elif uid in self._evicted:
+                log.warning("request %d (%s) was answered earlier and its answer left the cache; not fed to the "
+                            "model again", uid, symbol)
+                self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): answered earlier, "
+                                                             f"its answer no longer cached (the last {self.cache_size} "
+                                                             f"are); not fed to the model again"))
             elif not finite or uid in self._rejected_ids:
-                reason = "features contain NaN or inf" if not finite else "rejected earlier"
+                reason = ("rejected earlier" if finite else f"features are not {NUM_FEATURES} numbers"
+                          if index in unreadable else "features contain NaN or inf")
                 if uid not in self._rejected_ids:
                     self._rejected_ids.add(uid)
-                    self.stats.note_request()
+                    self.stats.note_request(uid)
                     self.stats.rejected += 1
                 log.warning("request %d (%s): %s; not fed to the model", uid, symbol, reason)
                 self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): {reason}; "
                                                              f"not fed to the model"))
             else:
                 self._in_flight.add(uid)
-                self.stats.note_request()
+                self.stats.note_request(uid)
                 new_requests.append(Request(uid, symbol, row, received_at))
         self._mark("received", (r.unique_id for r in new_requests))
         if new_requests:
@@ -956,7 +986,7 @@ class StreamingClient:
             self._in_flight.discard(uid)
             self._cache[uid] = row
         while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+            self._evicted.add(self._cache.popitem(last=False)[0])
         self.stats.responses_sent += len(ids)
         # When disconnected the answers wait in the cache for the server's resend.
         self._send(self._ws, protocol.inference_response(ids, predictions, time.time()))

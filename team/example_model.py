@@ -225,8 +225,9 @@ def parse_args(argv=None):
     parser.add_argument("--rate", type=float, help="embedded server: requests/s (default: the stream's gaps)")
     parser.add_argument("--json", metavar="PATH", type=cli.output_file, help="write this client's summary as JSON")
     parser.add_argument("--server-idle-s", type=cli.positive_float, default=SERVER_IDLE_S, metavar="S",
-                        help=f"leave (exit 6) when the server sends nothing, not even a heartbeat, for S seconds "
-                             f"(default {SERVER_IDLE_S:g}: three of its heartbeats)")
+                        help=f"leave (exit 6) when the server sends nothing, not even a heartbeat (or only heartbeats "
+                             f"before answering the register), for S seconds (default {SERVER_IDLE_S:g}: three of "
+                             f"its heartbeats)")
     parser.add_argument("--inline-steps", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                         help="the event loop submits the steps and polls their ends itself, with no thread handing "
                              "a request or an answer on (it keeps a CPU busy while a step runs); on needs the fast "

@@ -305,3 +305,52 @@ def test_each_project_message_crosses_the_original_wire_and_back():
 def test_a_bad_line_says_what_is_wrong(line, message):
     with pytest.raises(ProtocolError, match=re.escape(message)):
         original.from_original(original.decode_line(line))
+
+
+def test_a_row_that_is_not_79_numbers_is_refused_alone_and_the_rest_of_its_line_played():
+    from client.engine.reference import ReferenceEngine
+    from client.model import load_model
+    from team.example_model import ExampleModel
+
+    features = np.random.default_rng(4).standard_normal((6, 79)).astype(np.float32)
+    rows = features.tolist()
+    rows[1][5] = "x"            # a string
+    rows[2] = rows[2][:50]      # too short
+    rows[4][0] = 10 ** 400      # an integer past float's range
+    ids, symbols = [10, 11, 12, 13, 14, 15], ["A", "B", "C", "A", "D", "C"]
+    lines = []
+
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        writer.write(original.encode_line({"message_type": "inference_request", "unique_ids": ids,
+                                           "symbols": symbols, "features": rows, "timestamp": 1.0}))
+        while not (sum(1 for o in lines if o["message_type"] == "error") >= 3
+                   and sum(len(o["unique_ids"]) for o in lines if o["message_type"] == "inference_response") >= 3):
+            lines.append(json.loads(await reader.readline()))
+        writer.write(original.encode_line({"message_type": "stats_update", "complete": True, "requests": 6}))
+        await reader.read()
+
+    class Counting(ExampleModel):
+        stepped = []
+
+        def process_batch(self, requests_by_symbol):
+            self.stepped += [uid for queued in requests_by_symbol.values() for uid, _ in queued]
+            return super().process_batch(requests_by_symbol)
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        team_client = Counting(ReferenceEngine(load_model("tiny", seed=2)[0]))
+        summary = await StreamingClient(team_client, f"tcp://127.0.0.1:{port}", "t", leave_at_end=True).run()
+        server.close()
+        return summary, team_client.stepped
+
+    summary, stepped = run(main())
+    assert summary["outcome"] == runtime.COMPLETE
+    assert sorted(stepped) == [10, 13, 15]  # A's two in order, C's one: the bad rows never reach the model
+    answered = [uid for o in lines if o["message_type"] == "inference_response" for uid in o["unique_ids"]]
+    assert sorted(answered) == [10, 13, 15]
+    errors = [o["details"] for o in lines if o["message_type"] == "error"]
+    for uid in (11, 12, 14):
+        assert any(f"unique_id {uid} " in e and "79 numbers" in e for e in errors), errors
+    assert summary["requests"] == 6 and summary["errors"] == 3

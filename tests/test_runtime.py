@@ -555,8 +555,8 @@ def test_bad_url():
 
 def test_stats_from_score_updates():
     stats = ClientStats(timeout_s=1.0)
-    for _ in range(5):
-        stats.note_request()
+    for uid in range(1, 6):
+        stats.note_request(uid)
     stats.add_scores(protocol.score_update([1, 2, 3], [0.5, 1.0, 0.0], [2, 4, 0], [10.0, 30.0, 20.0]))
     stats.add_scores(protocol.score_update([3], [0.0], [0], [20.0]))  # a repeat is counted once
     stats.add_scores(protocol.score_update([4], [0.0], [4], [1500.0]))  # late: scored, but missed
@@ -717,3 +717,77 @@ def test_a_server_that_falls_silent_without_end_cuts_the_session_short(model):
     assert summary["detail"].startswith("the server sent nothing for 0.5 s (not even a heartbeat) and never said "
                                         "the stream was over, after 0 of 10 requests answered (the limit: "
                                         "--server-idle-s 0.5)")
+
+
+def test_a_resent_id_whose_answer_left_the_cache_is_refused_never_stepped_twice(model):
+    symbols, features = _stream(7)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request(list(range(6)), symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= set(range(6)))
+        await ws.send(_request([0, 1, 6], symbols, features))  # 0 and 1 answered long ago (left the cache of 2)
+        await recorder.pump(ws, lambda: 6 in recorder.answered() and len(recorder.errors) >= 2)
+        await ws.close(1000)
+
+    team_client = CountingClient(ReferenceEngine(model))
+    _, summary = asyncio.run(_play(handler, team_client, cache_size=2))
+    assert sum(team_client.stepped.values()) == 7  # 0 and 1 never advanced their symbols' states again
+    assert sorted(uid for uid, _ in recorder.responses) == list(range(7))
+    for uid in (0, 1):
+        assert any(f"unique_id {uid} " in e and "answered earlier" in e for e in recorder.errors), recorder.errors
+    expected = _expected(model, symbols, features, range(7))
+    np.testing.assert_allclose(dict(recorder.responses)[6], expected[6], rtol=1e-5, atol=1e-6)
+    assert summary["requests"] == 7
+
+
+def test_scores_of_ids_never_received_or_beyond_the_towers_are_not_counted():
+    stats = ClientStats(timeout_s=1.0)
+    for uid in range(3):
+        stats.note_request(uid)
+    stats.add_scores(protocol.score_update([0, 1, 7, 8], [1.0, 1.0, 5.0, 5.0], [4, 2, 4, 4], [10.0] * 4))
+    summary = stats.summary()
+    assert summary["responses"] == 2 and summary["missed"] == 1  # 7 and 8 were never this client's requests
+    assert summary["accuracy"] == pytest.approx(6 / 8) and summary["pnl"] == pytest.approx(2.0)
+    for correct, pnl in ((5, 0.0), (-1, 0.0), (4, math.nan)):
+        with pytest.raises(protocol.ProtocolError):
+            stats.add_scores(protocol.score_update([2], [pnl], [correct], [10.0]))
+    assert stats.summary()["responses"] == 2
+
+
+def test_a_server_that_heartbeats_but_never_answers_the_register_is_left_after_the_idle_limit(model):
+    async def handler(ws):
+        await ws.recv()
+        while True:  # no welcome, no refusal: heartbeats only
+            await ws.send(protocol.encode(protocol.heartbeat(time.time())))
+            await asyncio.sleep(0.05)
+
+    started = time.monotonic()
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model)), server_idle_s=0.5))
+    assert time.monotonic() - started < 10
+    assert summary["outcome"] == runtime.CUT_SHORT and summary["connections"] == 1
+    assert "never answered the register" in summary["detail"], summary["detail"]
+
+
+
+def test_a_server_error_after_its_requests_is_no_refusal_even_where_its_welcome_was_malformed(model):
+    symbols, features = _stream(4)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        odd = protocol.welcome("tiny", None, 4, 3, None)
+        odd["session_key"] = 5  # not a string: the welcome is a bad message
+        await ws.send(protocol.encode(odd))
+        await ws.send(_request([0, 1], symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= {0, 1})
+        await ws.send(protocol.encode(protocol.error("late_response", "unique_id 0 answered late")))
+        await ws.send(_request([2, 3], symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= {0, 1, 2, 3})
+        await ws.send(protocol.encode(protocol.end(4)))
+        await ws.wait_closed()
+
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model)), leave_at_end=True))
+    assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
+    assert any("session_key" in e for e in recorder.errors)
