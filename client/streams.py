@@ -54,6 +54,10 @@ def _numbers(name: str, array) -> np.ndarray:
     return array
 
 
+# A gap longer than this is a timestamp read as a gap (epoch milliseconds would make a replay wait for decades).
+MAX_DELAY_MS = 86_400_000.0
+
+
 def _validated(symbols, features, delay_ms, targets):
     """Coerce to the stream's dtypes and reject anything that would give a silently wrong answer."""
     symbols = np.asarray(symbols)
@@ -88,6 +92,11 @@ def _validated(symbols, features, delay_ms, targets):
     if bad.any():
         row = _first_bad_row(bad)
         raise ValueError(f"delay_ms is negative at row {row} ({delay_ms[row]})")
+    bad = delay_ms > MAX_DELAY_MS
+    if bad.any():
+        row = _first_bad_row(bad)
+        raise ValueError(f"delay_ms at row {row} is {delay_ms[row]:.4g} ms, over a day: it holds the gap before each "
+                         f"request, not a timestamp")
 
     if targets is not None:
         targets = _numbers("targets", targets)

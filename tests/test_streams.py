@@ -102,6 +102,7 @@ def nan_at(row, array, value=np.nan):
     (lambda s: with_changes(features=nan_at(4, s.features)), "NaN or inf at row 4"),
     (lambda s: with_changes(features=nan_at(2, s.features, np.inf)), "NaN or inf at row 2"),
     (lambda s: with_changes(delay_ms=nan_at(3, s.delay_ms, -1.0)), "negative at row 3"),
+    (lambda s: with_changes(delay_ms=nan_at(3, s.delay_ms, 1.7e12)), r"delay_ms at row 3 is 1.7e\+12 ms, over a day"),
     (lambda s: with_changes(delay_ms=nan_at(1, s.delay_ms)), "delay_ms is NaN or inf at row 1"),
     (lambda s: with_changes(delay_ms=s.delay_ms[:5]), "differ in length.*delay_ms 5"),
     (lambda s: with_changes(symbols=s.symbols[:4]), "differ in length.*symbols 4"),
