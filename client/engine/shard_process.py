@@ -5,6 +5,7 @@ as it arrives and answers it when it is done (a second thread collects results i
 submitting never waits for the GPU). Its exit reads as end-of-file on the replies pipe: the shard is lost.
 """
 import queue
+import signal
 import threading
 import time
 
@@ -20,9 +21,14 @@ def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, 
     predictions) or ("error", seq, message), in order; ("release", symbols) and ("stop",) have no answer."""
     try:
         engine, info = build_shard_engine(spec, device, engine_name, options)
+    except KeyboardInterrupt:  # Ctrl-C while the client starts: it exits at once, and so does this
+        return
     except Exception as exc:  # the parent reports it on one line
         replies.send(("failed", f"{device}: {type(exc).__name__}: {exc}"))
         return
+    # Serving, Ctrl-C at the terminal reaches this process too; the parent decides when it stops (close() says
+    # "stop"), so that a clean stop does not read as a lost shard.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies.send(("ready", info))
     submitted = queue.Queue()  # (seq, PendingStep or the exception its submit raised)
 
@@ -42,7 +48,10 @@ def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, 
     collector = threading.Thread(target=collect, daemon=True)
     collector.start()
     while True:
-        message = requests.recv()
+        try:
+            message = requests.recv()
+        except EOFError:  # the parent is gone without a "stop" (killed, or a second Ctrl-C): nothing to answer
+            return
         if message[0] == "step":
             _, seq, symbols, features = message
             try:
