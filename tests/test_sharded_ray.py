@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -215,6 +216,36 @@ def test_no_cluster_at_the_address_is_one_line(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"team/example_model.py: error: no Ray cluster at --ray-address 127.0.0.1:{port}: "
                            f"Connection refused; start its head with `ray start --head --port {port}`")
+
+
+@pytest.mark.parametrize("answer", [None, b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"],
+                         ids=["silent", "http"])
+def test_a_port_that_is_not_a_ray_head_is_one_line(answer):
+    """Something listens at the address, but not a Ray head's GCS (a dashboard's port, another service): one line
+    within seconds, where ray.init waited about ten minutes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    held = []
+
+    def serve():
+        with listener:
+            conn, _ = listener.accept()
+            held.append(conn)
+            if answer is not None:
+                conn.recv(1024)
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        done = _run(["team/example_model.py", "--cluster", "ray", "--ray-address", f"127.0.0.1:{port}"],
+                    timeout=120)
+    finally:
+        for conn in held:
+            conn.close()
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"team/example_model.py: error: no Ray cluster at --ray-address 127.0.0.1:{port}: "
+                           f"something else answers there; give the head's GCS port")
 
 
 def test_team_client_on_the_cluster_says_a_reset_in_its_summary_and_on_the_leaderboard(cluster, tmp_path):

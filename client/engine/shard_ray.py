@@ -24,8 +24,10 @@ from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, Shar
                                    submit_placeable, wait_started)
 
 LOCAL = "local"           # --ray-address local: start a Ray instance on this machine
-PROBE_TIMEOUT_S = 5.0     # how long a cluster's address may take to accept a connection
+PROBE_TIMEOUT_S = 5.0     # how long a cluster's address may take to accept a connection, and to answer
 REASON_CHARS = 200
+# A client's HTTP/2 connection preface with an empty SETTINGS frame: a gRPC server answers with its SETTINGS.
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 
 
 def import_ray():
@@ -173,11 +175,33 @@ def _probe(address: str):
         raise ValueError(f"--ray-address {address}: expected HOST:PORT (the head's GCS port, 6379 by default), "
                          f"ray://HOST:PORT, auto or local")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S)
     except OSError as exc:
         why = exc.strerror or type(exc).__name__
         raise ConnectionError(f"no Ray cluster at --ray-address {address}: {why}; start its head with "
                               f"`ray start --head --port {port}`, or use --ray-address local") from None
+    with sock:
+        grpc = _speaks_grpc(sock)
+    if not grpc:  # ray.init would wait for a GCS there for about ten minutes, logging every half minute
+        raise ConnectionError(f"no Ray cluster at --ray-address {address}: something else answers there; give the "
+                              f"head's GCS port (6379 by default; the dashboard's 8265 is another), or "
+                              f"ray://HOST:10001 for Ray Client")
+
+
+def _speaks_grpc(sock) -> bool:
+    """Whether the server answers as an HTTP/2 (gRPC) one does, with a SETTINGS frame: a Ray head's GCS and Ray
+    Client's server do; a dashboard (HTTP/1.1), another service or a silent port does not."""
+    header = b""
+    try:
+        sock.sendall(HTTP2_PREFACE)
+        while len(header) < 9:  # a frame's header: length (3 bytes), type (1), flags (1), stream (4)
+            chunk = sock.recv(9 - len(header))
+            if not chunk:
+                break
+            header += chunk
+    except OSError:  # no answer within PROBE_TIMEOUT_S, or the connection reset
+        return False
+    return len(header) == 9 and header[3] == 0x4
 
 
 def _cpu_nodes(ray):
