@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -199,6 +200,30 @@ def test_a_lost_shard_fails_its_symbols_alone(capsys):
         assert engine.shard_of["NEW"] == 0  # new symbols go to the live shard
     finally:
         engine.close()
+
+
+def test_a_lost_shard_says_its_exit_code_whichever_thread_sees_the_exit():
+    """The engine's submitter and collector may see a shard's exit at once (a broken pipe, the end of its
+    replies): each says its exit code. (Eight threads here, so that they race to reap it.)"""
+    (shard,) = process_shards(SPEC, ["cpu"], engine="reference", progress=False)
+    try:
+        os.kill(shard.process.pid, signal.SIGKILL)
+        time.sleep(0.5)  # exited, not yet reaped
+        together = threading.Barrier(8)
+        said = []
+
+        def notice():
+            together.wait()
+            said.append(str(shard._gone()))
+
+        threads = [threading.Thread(target=notice) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert said == ["its process exited (exit code -9)"] * 8
+    finally:
+        shard.stop()
 
 
 def test_ctrl_c_at_the_terminal_leaves_the_shards_serving():

@@ -81,6 +81,7 @@ class ProcessShard(Shard):
         child_replies.close()
         self.info = None
         self._next_seq = 0
+        self._reaping = threading.Lock()
 
     def wait_ready(self, timeout_s):
         if not self.replies.poll(timeout_s):
@@ -95,8 +96,11 @@ class ProcessShard(Shard):
         self.info = payload
 
     def _exit_code(self):
-        self.process.join(timeout=5)
-        return self.process.exitcode
+        # one thread at a time: the submitter and the collector may both see the exit, and the one whose waitpid
+        # lost the race to reap it would read no exit code
+        with self._reaping:
+            self.process.join(timeout=5)
+            return self.process.exitcode
 
     def _gone(self) -> ShardLost:
         return ShardLost(f"its process exited (exit code {self._exit_code()})")
