@@ -4,6 +4,7 @@ symbol's order kept with many steps in flight, a node killed mid-stream failing 
 message (or, with reset, starting them again from a fresh state), and the command lines on the cluster.
 
 One cluster serves the whole module (a Ray node costs seconds and memory; CI has 2 cores)."""
+import asyncio
 import json
 import socket
 import subprocess
@@ -186,6 +187,26 @@ def test_reset_starts_a_lost_nodes_symbols_again_from_a_fresh_state(cluster, mod
         engine.close()
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
+
+
+def test_gpu_shards_of_a_node_share_its_host_memory(cluster, monkeypatch):
+    """An actor per GPU: the fast engines of a node's GPUs split its host tier's budget between them (as shard
+    processes on one machine do), where each counted all of the node's memory as its own and pinned it. Run here
+    in-process, on a node said to have 4 GPUs, with the engine's build stubbed."""
+    import client.engine.fast.state_table as state_table
+    from client.engine import shard_ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    nodes = [{**node, "Resources": {**node["Resources"], "GPU": 4.0}} if node["NodeID"] == node_id else node
+             for node in ray.nodes()]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(state_table, "host_tier_budget", lambda: 8 * 2**30)
+    built = []
+    monkeypatch.setattr(shard_ray, "build_shard_engine",
+                        lambda spec, device, engine, options: (built.append(options), ({}, {}))[1])
+    for options in ({"capacity": 16}, {"host_symbols": 100}):
+        asyncio.run(shard_ray.ShardActor().start(SPEC, "cuda", "fast", options))
+    assert built == [{"capacity": 16, "host_memory": 2 * 2**30}, {"host_symbols": 100}]  # a size given is kept
 
 
 def test_shard_counts_and_what_a_cluster_cannot_hold():

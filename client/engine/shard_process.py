@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
-                                   submit_placeable, wait_started)
+                                   share_host_tier, submit_placeable, wait_started)
 
 
 def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, requests, replies):
@@ -153,12 +153,7 @@ def process_shards(spec: ModelSpec, devices, *, engine="fast", options=None, pro
         missing = [str(d) for d in devices if (d.index or 0) >= present]
         if missing:
             raise ValueError(f"{', '.join(missing)} asked for, but this machine has {present} GPU(s)")
-    options = dict(options or {})
-    if engine == "fast" and devices[0].type == "cuda" and options.get("host_symbols") is None:
-        # Each shard's host tier is pinned at its start: the processes share this host's memory between them
-        # rather than each counting all of it as available.
-        from client.engine.fast.state_table import host_tier_budget
-        options["host_memory"] = host_tier_budget() // len(devices)
+    options = share_host_tier(dict(options or {}), engine, devices[0], len(devices))
     ctx = mp.get_context("spawn")
     shards = [ProcessShard(i, spec, d, engine, options, ctx) for i, d in enumerate(devices)]
     deadline = time.monotonic() + start_timeout_s

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
-                                   submit_placeable, wait_started)
+                                   share_host_tier, submit_placeable, wait_started)
 
 LOCAL = "local"           # --ray-address local: start a Ray instance on this machine
 PROBE_TIMEOUT_S = 5.0     # how long a cluster's address may take to accept a connection, and to answer
@@ -47,11 +47,14 @@ class ShardActor:
         import ray
         import torch
 
+        context = ray.get_runtime_context()
+        if device == "cuda":  # an actor per GPU: the node's GPU shards share its host memory
+            node = next(node for node in ray.nodes() if node["NodeID"] == context.get_node_id())
+            options = share_host_tier(options, engine, device, max(int(node["Resources"].get("GPU", 1)), 1))
         self.engine, info = build_shard_engine(spec, device, engine, options)
         self.collector = ThreadPoolExecutor(1, thread_name_prefix="shard-collect")  # results in submission order
         self.next_seq = 0
         self.turn = asyncio.Condition()
-        context = ray.get_runtime_context()
         gpus = ray.get_gpu_ids()
         return {**info, "node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "gpus": [str(g) for g in gpus], "threads": torch.get_num_threads()}
