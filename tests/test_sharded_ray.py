@@ -23,7 +23,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from client.engine.fast import FastEngine  # noqa: E402
 from client.engine.reference import ReferenceEngine  # noqa: E402
 from client.engine.shard_ray import ray_shards, shard_count  # noqa: E402
-from client.engine.sharded import ModelSpec, ShardedEngine, ShardLost  # noqa: E402
+from client.engine.sharded import ModelSpec, ShardedEngine, ShardError, ShardLost  # noqa: E402
 from client.model import load_model  # noqa: E402
 from team.example_model import ExampleModel  # noqa: E402
 from conftest import checkout_env  # noqa: E402
@@ -103,6 +103,24 @@ class TestOneEngineOnTwoNodes:
         for row, symbol in enumerate(symbols):
             np.testing.assert_allclose(predictions[row], one_at_a_time.step([symbol], features[row:row + 1])[0],
                                        rtol=0, atol=1e-4)
+
+
+    def test_a_part_that_cannot_be_sent_fails_alone_and_its_shard_keeps_serving(self, fast_shards):
+        """A part whose call Ray cannot make (an argument it cannot serialize) fails alone; the shard's next
+        calls are still taken (each is taken in its sequence number's turn, and that one never came)."""
+        class Unsendable(str):
+            def __reduce_ex__(self, protocol):
+                raise TypeError("not serializable")
+
+        features = np.zeros((1, 79), np.float32)
+        with pytest.raises(ShardError, match="not serializable"):
+            fast_shards.step([Unsendable("U0")], features)
+        after = fast_shards.submit(["U0"], features)  # on the same shard
+        waiting = threading.Thread(target=after.result, daemon=True)
+        waiting.start()
+        waiting.join(timeout=60)
+        assert not waiting.is_alive(), "the shard took no call after the one that was not sent"
+        assert after.result().shape == (1, 4)
 
 
 def _kill_worker_node(cluster, engine):

@@ -103,12 +103,16 @@ class RayShard(Shard):
         device = f"GPU {','.join(info['gpus'])}" if info["gpus"] else f"cpu, {info['threads']} thread(s)"
         self.where = f"Ray actor on node {info['node_id'][:8]} at {info['ip']}, {device}"
 
-    def _seq(self):
-        seq, self._next_seq = self._next_seq, self._next_seq + 1
-        return seq
+    def _call(self, method, *args):
+        """method.remote with the next sequence number, taken only once the call is made: the actor waits for each
+        number's turn, so one skipped (a call Ray could not make, e.g. an argument it cannot serialize) would hold
+        every later call of this shard for ever."""
+        handle = method.remote(self._next_seq, *args)
+        self._next_seq += 1
+        return handle
 
     def submit(self, symbols, features):
-        return self.actor.step.remote(self._seq(), symbols, features)
+        return self._call(self.actor.step, symbols, features)
 
     def result(self, handle):
         ray = self.connection.ray
@@ -121,7 +125,7 @@ class RayShard(Shard):
             raise ShardError(f"shard {self.index}: {type(cause).__name__}: {cause}") from None
 
     def release(self, symbols):
-        self.actor.release.remote(self._seq(), symbols)
+        self._call(self.actor.release, symbols)
 
     def stop(self):
         if self._stopped:
