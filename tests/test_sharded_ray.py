@@ -207,6 +207,24 @@ def test_reset_starts_a_lost_nodes_symbols_again_from_a_fresh_state(cluster, mod
         cluster.wait_for_nodes()
 
 
+def test_a_relative_checkpoint_path_is_the_clients_folders(cluster, tmp_path, monkeypatch):
+    """--weights PATH relative to the folder the client runs in: the shards load that path (the same on each
+    host), not PATH in their workers' folder (where their node's Ray was started)."""
+    import torch
+
+    from client.model import get_preset
+    from client.weights import make_weights
+
+    torch.save(make_weights(get_preset("tiny"), seed=3), tmp_path / "w.pt")
+    monkeypatch.chdir(tmp_path)  # not where this cluster's nodes were started
+    engine = ShardedEngine(ray_shards(ModelSpec("tiny", "w.pt"), cluster.address, 1, device="cpu",
+                                      engine="reference", progress=False), progress=False)
+    try:
+        assert engine.fingerprint == load_model("tiny", seed=3)[1]
+    finally:
+        engine.close()
+
+
 def test_gpu_shards_of_a_node_share_its_host_memory(cluster, monkeypatch):
     """An actor per GPU: the fast engines of a node's GPUs split its host tier's budget between them (as shard
     processes on one machine do), where each counted all of the node's memory as its own and pinned it. Run here

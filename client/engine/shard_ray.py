@@ -12,7 +12,9 @@ Ray is optional (the `ray` extra: `pip install ".[ray]"` in a checkout); this mo
 cluster is asked for.
 """
 import asyncio
+import dataclasses
 import logging
+import os
 import socket
 import sys
 import time
@@ -221,6 +223,8 @@ def ray_shards(spec: ModelSpec, address: str = LOCAL, count: int | None = None, 
     cluster), "cpu" (CPU actors, `count` defaulting to one per node, placed round-robin over the nodes), or None:
     cuda when the cluster has GPUs, else cpu. engine: "fast" or "reference" (None: fast on GPUs, reference on
     CPUs); options: make_engine's."""
+    if spec.weights is not None:  # a relative path is this folder's, not an actor's (its node's Ray's)
+        spec = dataclasses.replace(spec, weights=os.path.abspath(spec.weights))
     connection = connect(address)
     ray = connection.ray
     try:
