@@ -4,6 +4,11 @@ a lost shard's symbols alone get errors. (Starting them again from a fresh state
 transport-agnostic engine's: tests/test_sharded_ray.py.)"""
 import os
 import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +18,7 @@ from client.engine.fast import FastEngine
 from client.engine.shard_process import process_shards
 from client.engine.sharded import ModelSpec, ShardedEngine, ShardError, ShardLost, ShardStartError
 from client.model import load_model
+from conftest import checkout_env
 
 SPEC = ModelSpec("tiny", seed=3)
 CAPACITY = 8  # symbols per shard, no host tier
@@ -194,6 +200,74 @@ def test_a_lost_shard_fails_its_symbols_alone(capsys):
         assert engine.shard_of["NEW"] == 0  # new symbols go to the live shard
     finally:
         engine.close()
+
+
+def test_a_lost_shard_says_its_exit_code_whichever_thread_sees_the_exit():
+    """The engine's submitter and collector may see a shard's exit at once (a broken pipe, the end of its
+    replies): each says its exit code. (Eight threads here, so that they race to reap it.)"""
+    (shard,) = process_shards(SPEC, ["cpu"], engine="reference", progress=False)
+    try:
+        os.kill(shard.process.pid, signal.SIGKILL)
+        time.sleep(0.5)  # exited, not yet reaped
+        together = threading.Barrier(8)
+        said = []
+
+        def notice():
+            together.wait()
+            said.append(str(shard._gone()))
+
+        threads = [threading.Thread(target=notice) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert said == ["its process exited (exit code -9)"] * 8
+    finally:
+        shard.stop()
+
+
+def test_ctrl_c_at_the_terminal_leaves_the_shards_serving():
+    """Ctrl-C reaches the whole foreground process group, shards included: the client stops cleanly on it (the
+    summary so far printed, close() ending the shards), so a shard must not die of it first (its symbols would
+    be reported lost, to the server too)."""
+    engine = start(["cpu"])
+    try:
+        features = np.zeros((1, 79), np.float32)
+        engine.step(["C0"], features)
+        os.kill(engine.shards[0].process.pid, signal.SIGINT)
+        engine.shards[0].process.join(timeout=2)  # returns at once where the shard dies of it
+        assert engine.step(["C0"], features).shape == (1, 4) and not engine.losses
+    finally:
+        engine.close()
+    assert engine.shards[0].process.exitcode == 0  # and close() still ends it
+
+
+def test_a_shard_whose_parent_is_gone_exits_quietly():
+    """A client killed (or interrupted twice: it exits at once) sends no "stop": its shards see the end of their
+    pipe, and end without a traceback."""
+    parent = ("import os, numpy as np\n"
+              "from client.engine.shard_process import process_shards\n"
+              "from client.engine.sharded import ModelSpec\n"
+              "(shard,) = process_shards(ModelSpec('tiny', seed=3), ['cpu'], engine='reference', progress=False)\n"
+              "print(shard.process.pid, flush=True)\n"
+              "os._exit(130)\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", parent], cwd=root, env=checkout_env(root), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
+    pid = int(done.stdout)
+    deadline = time.monotonic() + 10
+    while _running(pid):
+        assert time.monotonic() < deadline, f"shard process {pid} outlived its parent"
+        time.sleep(0.1)
+
+
+def _running(pid):
+    """Whether the process runs (an exited one may stay a zombie until whoever adopted it reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.parametrize("options, match", [

@@ -4,10 +4,12 @@ symbol's order kept with many steps in flight, a node killed mid-stream failing 
 message (or, with reset, starting them again from a fresh state), and the command lines on the cluster.
 
 One cluster serves the whole module (a Ray node costs seconds and memory; CI has 2 cores)."""
+import asyncio
 import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from client.engine.fast import FastEngine  # noqa: E402
 from client.engine.reference import ReferenceEngine  # noqa: E402
 from client.engine.shard_ray import ray_shards, shard_count  # noqa: E402
-from client.engine.sharded import ModelSpec, ShardedEngine, ShardLost  # noqa: E402
+from client.engine.sharded import ModelSpec, ShardedEngine, ShardError, ShardLost  # noqa: E402
 from client.model import load_model  # noqa: E402
 from team.example_model import ExampleModel  # noqa: E402
 from conftest import checkout_env  # noqa: E402
@@ -101,6 +103,24 @@ class TestOneEngineOnTwoNodes:
         for row, symbol in enumerate(symbols):
             np.testing.assert_allclose(predictions[row], one_at_a_time.step([symbol], features[row:row + 1])[0],
                                        rtol=0, atol=1e-4)
+
+
+    def test_a_part_that_cannot_be_sent_fails_alone_and_its_shard_keeps_serving(self, fast_shards):
+        """A part whose call Ray cannot make (an argument it cannot serialize) fails alone; the shard's next
+        calls are still taken (each is taken in its sequence number's turn, and that one never came)."""
+        class Unsendable(str):
+            def __reduce_ex__(self, protocol):
+                raise TypeError("not serializable")
+
+        features = np.zeros((1, 79), np.float32)
+        with pytest.raises(ShardError, match="not serializable"):
+            fast_shards.step([Unsendable("U0")], features)
+        after = fast_shards.submit(["U0"], features)  # on the same shard
+        waiting = threading.Thread(target=after.result, daemon=True)
+        waiting.start()
+        waiting.join(timeout=60)
+        assert not waiting.is_alive(), "the shard took no call after the one that was not sent"
+        assert after.result().shape == (1, 4)
 
 
 def _kill_worker_node(cluster, engine):
@@ -187,6 +207,44 @@ def test_reset_starts_a_lost_nodes_symbols_again_from_a_fresh_state(cluster, mod
         cluster.wait_for_nodes()
 
 
+def test_a_relative_checkpoint_path_is_the_clients_folders(cluster, tmp_path, monkeypatch):
+    """--weights PATH relative to the folder the client runs in: the shards load that path (the same on each
+    host), not PATH in their workers' folder (where their node's Ray was started)."""
+    import torch
+
+    from client.model import get_preset
+    from client.weights import make_weights
+
+    torch.save(make_weights(get_preset("tiny"), seed=3), tmp_path / "w.pt")
+    monkeypatch.chdir(tmp_path)  # not where this cluster's nodes were started
+    engine = ShardedEngine(ray_shards(ModelSpec("tiny", "w.pt"), cluster.address, 1, device="cpu",
+                                      engine="reference", progress=False), progress=False)
+    try:
+        assert engine.fingerprint == load_model("tiny", seed=3)[1]
+    finally:
+        engine.close()
+
+
+def test_gpu_shards_of_a_node_share_its_host_memory(cluster, monkeypatch):
+    """An actor per GPU: the fast engines of a node's GPUs split its host tier's budget between them (as shard
+    processes on one machine do), where each counted all of the node's memory as its own and pinned it. Run here
+    in-process, on a node said to have 4 GPUs, with the engine's build stubbed."""
+    import client.engine.fast.state_table as state_table
+    from client.engine import shard_ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    nodes = [{**node, "Resources": {**node["Resources"], "GPU": 4.0}} if node["NodeID"] == node_id else node
+             for node in ray.nodes()]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(state_table, "host_tier_budget", lambda: 8 * 2**30)
+    built = []
+    monkeypatch.setattr(shard_ray, "build_shard_engine",
+                        lambda spec, device, engine, options: (built.append(options), ({}, {}))[1])
+    for options in ({"capacity": 16}, {"host_symbols": 100}):
+        asyncio.run(shard_ray.ShardActor().start(SPEC, "cuda", "fast", options))
+    assert built == [{"capacity": 16, "host_memory": 2 * 2**30}, {"host_symbols": 100}]  # a size given is kept
+
+
 def test_shard_counts_and_what_a_cluster_cannot_hold():
     assert shard_count("cuda", None, 4, 2, "head:6379") == 4  # every GPU by default
     assert shard_count("cpu", None, 0, 3, "head:6379") == 3   # one per node without GPUs
@@ -215,6 +273,36 @@ def test_no_cluster_at_the_address_is_one_line(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"team/example_model.py: error: no Ray cluster at --ray-address 127.0.0.1:{port}: "
                            f"Connection refused; start its head with `ray start --head --port {port}`")
+
+
+@pytest.mark.parametrize("answer", [None, b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"],
+                         ids=["silent", "http"])
+def test_a_port_that_is_not_a_ray_head_is_one_line(answer):
+    """Something listens at the address, but not a Ray head's GCS (a dashboard's port, another service): one line
+    within seconds, where ray.init waited about ten minutes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    held = []
+
+    def serve():
+        with listener:
+            conn, _ = listener.accept()
+            held.append(conn)
+            if answer is not None:
+                conn.recv(1024)
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        done = _run(["team/example_model.py", "--cluster", "ray", "--ray-address", f"127.0.0.1:{port}"],
+                    timeout=120)
+    finally:
+        for conn in held:
+            conn.close()
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"team/example_model.py: error: no Ray cluster at --ray-address 127.0.0.1:{port}: "
+                           f"something else answers there; give the head's GCS port")
 
 
 def test_team_client_on_the_cluster_says_a_reset_in_its_summary_and_on_the_leaderboard(cluster, tmp_path):

@@ -5,6 +5,7 @@ as it arrives and answers it when it is done (a second thread collects results i
 submitting never waits for the GPU). Its exit reads as end-of-file on the replies pipe: the shard is lost.
 """
 import queue
+import signal
 import threading
 import time
 
@@ -12,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
-                                   submit_placeable, wait_started)
+                                   share_host_tier, submit_placeable, wait_started)
 
 
 def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, requests, replies):
@@ -20,9 +21,14 @@ def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, 
     predictions) or ("error", seq, message), in order; ("release", symbols) and ("stop",) have no answer."""
     try:
         engine, info = build_shard_engine(spec, device, engine_name, options)
+    except KeyboardInterrupt:  # Ctrl-C while the client starts: it exits at once, and so does this
+        return
     except Exception as exc:  # the parent reports it on one line
         replies.send(("failed", f"{device}: {type(exc).__name__}: {exc}"))
         return
+    # Serving, Ctrl-C at the terminal reaches this process too; the parent decides when it stops (close() says
+    # "stop"), so that a clean stop does not read as a lost shard.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies.send(("ready", info))
     submitted = queue.Queue()  # (seq, PendingStep or the exception its submit raised)
 
@@ -42,7 +48,10 @@ def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, 
     collector = threading.Thread(target=collect, daemon=True)
     collector.start()
     while True:
-        message = requests.recv()
+        try:
+            message = requests.recv()
+        except EOFError:  # the parent is gone without a "stop" (killed, or a second Ctrl-C): nothing to answer
+            return
         if message[0] == "step":
             _, seq, symbols, features = message
             try:
@@ -72,6 +81,7 @@ class ProcessShard(Shard):
         child_replies.close()
         self.info = None
         self._next_seq = 0
+        self._reaping = threading.Lock()
 
     def wait_ready(self, timeout_s):
         if not self.replies.poll(timeout_s):
@@ -86,8 +96,11 @@ class ProcessShard(Shard):
         self.info = payload
 
     def _exit_code(self):
-        self.process.join(timeout=5)
-        return self.process.exitcode
+        # one thread at a time: the submitter and the collector may both see the exit, and the one whose waitpid
+        # lost the race to reap it would read no exit code
+        with self._reaping:
+            self.process.join(timeout=5)
+            return self.process.exitcode
 
     def _gone(self) -> ShardLost:
         return ShardLost(f"its process exited (exit code {self._exit_code()})")
@@ -140,12 +153,7 @@ def process_shards(spec: ModelSpec, devices, *, engine="fast", options=None, pro
         missing = [str(d) for d in devices if (d.index or 0) >= present]
         if missing:
             raise ValueError(f"{', '.join(missing)} asked for, but this machine has {present} GPU(s)")
-    options = dict(options or {})
-    if engine == "fast" and devices[0].type == "cuda" and options.get("host_symbols") is None:
-        # Each shard's host tier is pinned at its start: the processes share this host's memory between them
-        # rather than each counting all of it as available.
-        from client.engine.fast.state_table import host_tier_budget
-        options["host_memory"] = host_tier_budget() // len(devices)
+    options = share_host_tier(dict(options or {}), engine, devices[0], len(devices))
     ctx = mp.get_context("spawn")
     shards = [ProcessShard(i, spec, d, engine, options, ctx) for i, d in enumerate(devices)]
     deadline = time.monotonic() + start_timeout_s

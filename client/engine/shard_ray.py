@@ -12,7 +12,9 @@ Ray is optional (the `ray` extra: `pip install ".[ray]"` in a checkout); this mo
 cluster is asked for.
 """
 import asyncio
+import dataclasses
 import logging
+import os
 import socket
 import sys
 import time
@@ -21,11 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
-                                   submit_placeable, wait_started)
+                                   share_host_tier, submit_placeable, wait_started)
 
 LOCAL = "local"           # --ray-address local: start a Ray instance on this machine
-PROBE_TIMEOUT_S = 5.0     # how long a cluster's address may take to accept a connection
+PROBE_TIMEOUT_S = 5.0     # how long a cluster's address may take to accept a connection, and to answer
 REASON_CHARS = 200
+# A client's HTTP/2 connection preface with an empty SETTINGS frame: a gRPC server answers with its SETTINGS.
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 
 
 def import_ray():
@@ -45,11 +49,14 @@ class ShardActor:
         import ray
         import torch
 
+        context = ray.get_runtime_context()
+        if device == "cuda":  # an actor per GPU: the node's GPU shards share its host memory
+            node = next(node for node in ray.nodes() if node["NodeID"] == context.get_node_id())
+            options = share_host_tier(options, engine, device, max(int(node["Resources"].get("GPU", 1)), 1))
         self.engine, info = build_shard_engine(spec, device, engine, options)
         self.collector = ThreadPoolExecutor(1, thread_name_prefix="shard-collect")  # results in submission order
         self.next_seq = 0
         self.turn = asyncio.Condition()
-        context = ray.get_runtime_context()
         gpus = ray.get_gpu_ids()
         return {**info, "node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "gpus": [str(g) for g in gpus], "threads": torch.get_num_threads()}
@@ -98,12 +105,16 @@ class RayShard(Shard):
         device = f"GPU {','.join(info['gpus'])}" if info["gpus"] else f"cpu, {info['threads']} thread(s)"
         self.where = f"Ray actor on node {info['node_id'][:8]} at {info['ip']}, {device}"
 
-    def _seq(self):
-        seq, self._next_seq = self._next_seq, self._next_seq + 1
-        return seq
+    def _call(self, method, *args):
+        """method.remote with the next sequence number, taken only once the call is made: the actor waits for each
+        number's turn, so one skipped (a call Ray could not make, e.g. an argument it cannot serialize) would hold
+        every later call of this shard for ever."""
+        handle = method.remote(self._next_seq, *args)
+        self._next_seq += 1
+        return handle
 
     def submit(self, symbols, features):
-        return self.actor.step.remote(self._seq(), symbols, features)
+        return self._call(self.actor.step, symbols, features)
 
     def result(self, handle):
         ray = self.connection.ray
@@ -116,7 +127,7 @@ class RayShard(Shard):
             raise ShardError(f"shard {self.index}: {type(cause).__name__}: {cause}") from None
 
     def release(self, symbols):
-        self.actor.release.remote(self._seq(), symbols)
+        self._call(self.actor.release, symbols)
 
     def stop(self):
         if self._stopped:
@@ -173,11 +184,33 @@ def _probe(address: str):
         raise ValueError(f"--ray-address {address}: expected HOST:PORT (the head's GCS port, 6379 by default), "
                          f"ray://HOST:PORT, auto or local")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S)
     except OSError as exc:
         why = exc.strerror or type(exc).__name__
         raise ConnectionError(f"no Ray cluster at --ray-address {address}: {why}; start its head with "
                               f"`ray start --head --port {port}`, or use --ray-address local") from None
+    with sock:
+        grpc = _speaks_grpc(sock)
+    if not grpc:  # ray.init would wait for a GCS there for about ten minutes, logging every half minute
+        raise ConnectionError(f"no Ray cluster at --ray-address {address}: something else answers there; give the "
+                              f"head's GCS port (6379 by default; the dashboard's 8265 is another), or "
+                              f"ray://HOST:10001 for Ray Client")
+
+
+def _speaks_grpc(sock) -> bool:
+    """Whether the server answers as an HTTP/2 (gRPC) one does, with a SETTINGS frame: a Ray head's GCS and Ray
+    Client's server do; a dashboard (HTTP/1.1), another service or a silent port does not."""
+    header = b""
+    try:
+        sock.sendall(HTTP2_PREFACE)
+        while len(header) < 9:  # a frame's header: length (3 bytes), type (1), flags (1), stream (4)
+            chunk = sock.recv(9 - len(header))
+            if not chunk:
+                break
+            header += chunk
+    except OSError:  # no answer within PROBE_TIMEOUT_S, or the connection reset
+        return False
+    return len(header) == 9 and header[3] == 0x4
 
 
 def _cpu_nodes(ray):
@@ -190,6 +223,8 @@ def ray_shards(spec: ModelSpec, address: str = LOCAL, count: int | None = None, 
     cluster), "cpu" (CPU actors, `count` defaulting to one per node, placed round-robin over the nodes), or None:
     cuda when the cluster has GPUs, else cpu. engine: "fast" or "reference" (None: fast on GPUs, reference on
     CPUs); options: make_engine's."""
+    if spec.weights is not None:  # a relative path is this folder's, not an actor's (its node's Ray's)
+        spec = dataclasses.replace(spec, weights=os.path.abspath(spec.weights))
     connection = connect(address)
     ray = connection.ray
     try:

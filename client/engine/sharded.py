@@ -67,6 +67,15 @@ def build_shard_engine(spec: ModelSpec, device: str, engine: str, options: dict)
     return built, {**built.describe(), "engine": engine, "fingerprint": load.fingerprint}
 
 
+def share_host_tier(options: dict, engine: str, device, shards_on_host: int) -> dict:
+    """make_engine's options for one of the fast-engine shards on a host's GPUs: their host tiers share the host's
+    memory (the default budget split between them) rather than each counting all of it as available."""
+    if engine != "fast" or not str(device).startswith("cuda") or options.get("host_symbols") is not None:
+        return options
+    from client.engine.fast.state_table import host_tier_budget
+    return {**options, "host_memory": host_tier_budget() // shards_on_host}
+
+
 def submit_placeable(engine, symbols, features) -> PendingStep:
     """What a shard runs for a part: its engine's submit, or, where some of the part's symbols have no room, the
     others' rows alone. result(): the predictions, or (predictions with NaN rows for the refused, {row: why})."""
