@@ -25,3 +25,58 @@ def checkout_env(root, **extra):
     copy, keeping the paths already set there (a folder of wheels on a GPU host)."""
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     return {**os.environ, **extra, "PYTHONPATH": path}
+
+
+_INTERPRETER_RUN = pytest.StashKey()  # the child running the Triton cases under the interpreter, if any
+
+
+def _runs_triton_here() -> bool:
+    """Whether this process runs the Triton kernels itself (under the interpreter, or on a GPU)."""
+    from kernels._common import INTERPRET
+    return INTERPRET or torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(items):
+    """Each file's check of its interpreter cases runs last, when the child running them has had the longest."""
+    from triton_interpreter import CHECK_NAME
+    items.sort(key=lambda item: item.name == CHECK_NAME)  # stable: the order is kept within each part
+
+
+def pytest_collection_finish(session):
+    """Start the child that runs the collected files' Triton cases under the interpreter (triton_interpreter.py)."""
+    from triton_interpreter import CHECK_NAME, InterpreterRun
+    if _runs_triton_here():
+        return
+    cases = {item.module.__file__: item.module.INTERPRETER_CASES for item in session.items
+             if item.name == CHECK_NAME and hasattr(item.module, "INTERPRETER_CASES")}
+    if cases:
+        session.config.stash[_INTERPRETER_RUN] = InterpreterRun(cases)
+
+
+def pytest_sessionfinish(session):
+    run = session.config.stash.get(_INTERPRETER_RUN, None)
+    if run is not None:
+        run.stop()
+
+
+@pytest.fixture
+def interpreter_cases(request):
+    """The child running the Triton cases under the interpreter; check(__file__) fails unless this file's passed."""
+    run = request.config.stash.get(_INTERPRETER_RUN, None)
+    assert run is not None, "no interpreter run: this process runs the Triton kernels itself"
+    return run
+
+
+def run_side_by_side(commands, at_once=4, timeout=300, **popen):
+    """[(exit code, stderr)] of each command, run `at_once` at a time: short runs that are mostly Python's and
+    torch's imports take less time side by side, even on two cores."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(command):
+        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              timeout=timeout, **popen)
+        return done.returncode, done.stderr
+
+    with ThreadPoolExecutor(at_once) as pool:
+        return list(pool.map(one, commands))

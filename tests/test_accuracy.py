@@ -1,20 +1,18 @@
 """The accuracy suite (client/families.py, client/accuracy.py): the input families, the gate, and the fast engine
 holding the gate on every family on the CPU (through the kernels' references, and through the Triton interpreter)."""
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from client.accuracy import GATE_WITHIN, Suite, format_table, gate, worst_of
 from client.engine.fast import FastEngine
 from client.families import FAMILIES, LONG_FAMILY, family_features
 from client.model import TOWER_NAMES, load_model
-from conftest import checkout_env
+from kernels._common import INTERPRET
 
-REPO = Path(__file__).resolve().parents[1]
+RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 
 
 def test_families_are_what_their_names_say():
@@ -108,19 +106,19 @@ def test_the_suite_runs_the_families_once_per_seed():
     assert set(result["families"]) == {"normal", "stuck", LONG_FAMILY} and result["gate"]["passed"]
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with CUDA the kernels run natively")
+# run on a CPU through the interpreter (tests/triton_interpreter.py); with CUDA the kernels run natively
+INTERPRETER_CASES = "through_the_triton_interpreter"
+
+
+@pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton kernels directly")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the CPU's Triton kernels run under the interpreter (INTERPRETER_CASES)")
 def test_fast_engine_holds_the_gate_through_the_triton_interpreter():
-    code = ("import torch\ntorch.set_num_threads(1)\n"
-            "import kernels._common as c; assert c.INTERPRET\n"
-            "from client.accuracy import Suite, format_table\n"
-            "from client.engine.fast import FastEngine\n"
-            "from client.model import load_model\n"
-            "m, _ = load_model('tiny', seed=0)\n"
-            "suite = Suite(m, 'cpu', families=('normal', 'scale_1e2', 'stuck', 'zeros', 'feed_mix'), "
-            "symbols_per_family=1, steps=6, long_symbols=0)\n"
-            "result = suite.measure(FastEngine(m, device='cpu', capacity=5, progress=False))\n"
-            "print(format_table(result))\n"
-            "assert result['gate']['passed']\n")
-    env = checkout_env(REPO, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    model, _ = load_model("tiny", seed=0)
+    suite = Suite(model, "cpu", families=("normal", "scale_1e2", "stuck", "zeros", "feed_mix"), symbols_per_family=1,
+                  steps=6, long_symbols=0)
+    result = suite.measure(FastEngine(model, device="cpu", capacity=5, progress=False))
+    assert result["gate"]["passed"], format_table(result)

@@ -6,7 +6,6 @@ import torch
 
 from kernels._common import INTERPRET
 from kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
-from triton_interpreter import run_under_interpreter
 
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -69,6 +68,9 @@ def test_bad_inputs_are_clear_errors():
         add_rms_norm(x.double(), torch.zeros(2, 8), None, torch.ones(8), 1e-6)
 
 
+INTERPRETER_CASES = "triton_matches"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)

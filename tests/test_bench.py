@@ -198,7 +198,7 @@ def test_sections_run_in_a_fixed_order():
                                      "--rates", "300,100,100", "--k1-rates", "60,40"])
     assert args.sections == ["copy", "maxrate"]
     assert args.counts.rates == [100.0, 300.0] and args.counts.k1_rates == [40.0, 60.0]
-    assert args.counts.family_steps == 40  # --quick counts, where not overridden
+    assert args.counts.family_steps == 20  # --quick counts, where not overridden
 
 
 def test_failing_section_is_recorded_and_others_still_run(tmp_path, monkeypatch, capsys):

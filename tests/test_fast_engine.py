@@ -15,10 +15,11 @@ from client.engine.fast import PAD_SLOT, CapacityError, FastEngine
 from client.engine.precision import DEFAULT_PRECISION, FP32_PRECISION, StateStorage
 from client.engine.reference import ReferenceEngine
 from client.model import ModelLoader, load_model
-from conftest import checkout_env
+from kernels._common import INTERPRET
 
 REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 
 
 def random_steps(seed, steps, symbols, max_batch=None):
@@ -280,34 +281,29 @@ def test_a_step_of_several_requests_touches_only_its_symbols_slots():
                 assert torch.equal(t[slot], before[name][slot]), (name, slot)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the Triton kernels run natively in the GPU tests")
-def test_triton_kernels_through_the_interpreter_match_reference():
-    """The engine with the real Triton kernels (TRITON_INTERPRET=1 is read at import, so a child process)."""
-    code = (
-        "import numpy as np, torch\n"
-        "torch.set_num_threads(1)\n"
-        "from client.engine.fast import FastEngine\n"
-        "from client.engine.reference import ReferenceEngine\n"
-        "from client.model import load_model\n"
-        "import kernels._common as c; assert c.INTERPRET\n"
-        "m, _ = load_model('tiny', seed=5)\n"
-        "fast = FastEngine(m, device='cpu', max_rows_per_symbol=3, progress=False)\n"
-        "ref = ReferenceEngine(m, device='cpu')\n"
-        "import client.engine.fast.layers as layers\n"
-        "layers.skinny_pays = lambda M, N: True  # the tiny preset's products are all narrow\n"
-        "fast.runner.set_skinny((torch.float32, torch.float16))  # every product through the skinny kernel\n"
-        "rng = np.random.default_rng(0)\n"
-        "worst = 0.0\n"
-        "for syms in (['A', 'B'], ['B'], ['A', 'C', 'B'], ['C', 'A', 'C', 'C', 'B', 'A']):\n"
-        "    f = rng.standard_normal((len(syms), 79)).astype(np.float32)\n"
-        "    worst = max(worst, float(np.abs(fast.step(syms, f) - ref.step(syms, f)).max()))\n"
-        "print('WORST', worst)\n"
-    )
-    env = checkout_env(REPO, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert float(out.stdout.split("WORST")[1]) < 1e-3
+# run on a CPU through the interpreter (tests/triton_interpreter.py); with CUDA the GPU tests run the kernels natively
+INTERPRETER_CASES = "through_the_interpreter"
+
+
+@pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton kernels directly")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the CPU's Triton kernels run under the interpreter (INTERPRETER_CASES)")
+def test_triton_kernels_through_the_interpreter_match_reference(monkeypatch):
+    """The engine with the real Triton kernels, every product through the skinny kernel."""
+    import client.engine.fast.layers as layers
+
+    model, _ = load_model("tiny", seed=5)
+    fast = FastEngine(model, device="cpu", max_rows_per_symbol=3, progress=False)
+    ref = ReferenceEngine(model, device="cpu")
+    monkeypatch.setattr(layers, "skinny_pays", lambda M, N: True)  # the tiny preset's products are all narrow
+    fast.runner.set_skinny((torch.float32, torch.float16))
+    rng = np.random.default_rng(0)
+    for symbols in (["A", "B"], ["B"], ["A", "C", "B"], ["C", "A", "C", "C", "B", "A"]):
+        features = rng.standard_normal((len(symbols), 79)).astype(np.float32)
+        assert np.abs(fast.step(symbols, features) - ref.step(symbols, features)).max() < 1e-3, symbols
 
 
 @cuda

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from client.model.modules import RMSNorm
 from kernels._common import INTERPRET
 from kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_ref
-from triton_interpreter import run_under_interpreter
 
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -37,9 +36,12 @@ def test_triton_matches_reference(rows, width, out_dtype):
                                atol=1e-5)
 
 
+INTERPRETER_CASES = "triton_matches"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 def test_bad_inputs_are_clear_errors():

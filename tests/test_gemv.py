@@ -9,7 +9,6 @@ import torch
 from kernels._common import INTERPRET
 from kernels.gemv import MIN_PROGRAMS, TILE_BYTES, config, gemv, gemv_ref, supports
 from kernels.skinny_matmul import LO_SCALE, split_fp16
-from triton_interpreter import run_under_interpreter
 
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -184,6 +183,9 @@ def test_pdl_chain_in_a_graph_keeps_its_order():
         assert torch.equal(out, expect)
 
 
+INTERPRETER_CASES = "triton_matches or epilogue or route_through or only_when_live"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches or epilogue or route_through or only_when_live")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)

@@ -15,7 +15,6 @@ import torch
 
 import kernels
 from kernels._common import INTERPRET, plan
-from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -193,9 +192,12 @@ TRITON_DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
 runs_triton = pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
 
 
+INTERPRETER_CASES = "triton_small"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton kernels directly")
-def test_triton_kernels_under_interpreter():
-    run_under_interpreter(__file__, "triton_small")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 CASES = [(op_name, dims) for op_name, dim_list in SMALL_DIMS.items() for dims in dim_list]

@@ -343,16 +343,26 @@ def test_profile_on_cuda_ranks_by_device_time(tmp_path, team_dir, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--stream", "missing.npz"], "argument --stream: no such file: missing.npz (see --help)"),
     (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     (["--team-dir", "nowhere"], "no team client at nowhere/example_model.py"),
     (["--device", "bogus"], "--device bogus: not a torch device"),
 ])
-def test_ordinary_mistakes_are_one_line_in_a_real_process(argv, message):
-    import subprocess
-    result = subprocess.run([sys.executable, str(le.REPO_ROOT / "local_evaluator.py"), *argv], cwd=le.REPO_ROOT,
-                            capture_output=True, text=True, timeout=120)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert lines[-1].startswith(f"local_evaluator.py: error: {message}"), result.stderr
+def test_ordinary_mistakes_are_one_line(argv, message, capsys):
+    """In this process, as the console script runs main (a real process's stderr: the next test)."""
+    try:
+        code = cli.run_cli(le.main, le.PROG, argv)
+    except SystemExit as exc:  # argparse's refusal
+        code = exc.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert lines[-1].startswith(f"local_evaluator.py: error: {message}"), lines
     assert all(line.startswith("local_evaluator.py: ") for line in lines[:-1])
+
+
+def test_a_mistake_is_one_line_from_a_real_process():
+    import subprocess
+    result = subprocess.run([sys.executable, str(le.REPO_ROOT / "local_evaluator.py"), "--stream", "missing.npz"],
+                            cwd=le.REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == ["local_evaluator.py: error: argument --stream: no such file: missing.npz "
+                                          "(see --help)"]

@@ -15,7 +15,6 @@ from ragged_checks import (PADDING_SLOT, SLOTS, RaggedOp, assert_close, assert_s
                            check_cuda_graph, check_kept, check_row_at_a_time, layout, live_rows, poison,
                            written_slots)
 from test_state_storage import assert_within_one_ulp
-from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 RUNS_TRITON = INTERPRET or HAS_CUDA
@@ -49,9 +48,12 @@ def several_rows_tiling(dims):
     return dict(block_p=next_pow2(dims["head_dim"]), num_warps=SEVERAL_ROWS_WARPS)
 
 
+INTERPRETER_CASES = "triton and not interpreter"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton kernels directly")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton and not interpreter")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 @runs_triton

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from client.model.xlstm import MLSTMBlock
 from kernels._common import INTERPRET, plan
 from kernels.mlstm_input import CHUNK, mlstm_input, mlstm_input_ref, num_parts, pack_qkv_weight
-from triton_interpreter import run_under_interpreter
 
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -86,9 +85,12 @@ def test_triton_matches_reference(rows, inner, heads, padding_rows):
     torch.testing.assert_close(args["conv_state"], ref_state, rtol=0, atol=0, equal_nan=True)
 
 
+INTERPRETER_CASES = "triton_matches"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 @pytest.mark.parametrize("name,make_bad,match", [

@@ -9,7 +9,6 @@ import kernels
 from kernels._common import INTERPRET
 from kernels.mlstm_input import CHUNK
 from ragged_checks import RaggedOp, assert_close, check_against_reference, check_cuda_graph, check_row_at_a_time, layout
-from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 RUNS_TRITON = INTERPRET or HAS_CUDA
@@ -32,9 +31,12 @@ def spec(inner, gates):
                     lambda out, args: [out[0], out[1], out[2].transpose(0, 1)])
 
 
+INTERPRETER_CASES = "triton and not interpreter"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton kernels directly")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton and not interpreter")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 @runs_triton

@@ -13,7 +13,6 @@ from kernels._common import INTERPRET
 from sequence_checks import Layout, check_against_reference, check_against_row_at_a_time, check_half_state, poison
 from test_kernels import FULL_DIMS, assert_close, make_args
 from test_state_storage import assert_alike, assert_within_one_ulp
-from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 RUNS_TRITON = INTERPRET or HAS_CUDA
@@ -90,9 +89,12 @@ def test_reference_half_state_rounds_once_per_sequence(dtype, stochastic):
 # ---------------------------------------------------------------------------------------------------------
 # Triton
 
+INTERPRETER_CASES = "triton_small"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton kernels directly")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_small")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 def _tiles(monkeypatch, chunks):

@@ -292,11 +292,12 @@ def test_state_stack_split_round_trip():
 
 
 def test_prediction_scale_and_long_stream_stability():
-    """Each tower's predictions have a sensible spread and one symbol stays finite and bounded for 10,000 steps."""
+    """Each tower's predictions have a sensible spread and one symbol stays finite and bounded over a long stream
+    (4,000 steps here; the accuracy suite's long family and the bench run 10,000 on the fast engine)."""
     model, _ = load_model("tiny", seed=0)
     g = torch.Generator().manual_seed(0)
     state = model.init_state(1)
-    preds = torch.empty(10_000, 4)
+    preds = torch.empty(4_000, 4)
     with torch.no_grad():
         for t in range(preds.shape[0]):
             preds[t], state = model(torch.randn(1, 79, generator=g), state)

@@ -14,7 +14,6 @@ from sequence_checks import (Layout, assert_same_bits, check_against_reference, 
                              check_half_state, poison)
 from test_kernels import assert_close
 from test_state_storage import assert_alike, assert_within_one_ulp
-from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 RUNS_TRITON = INTERPRET or HAS_CUDA
@@ -104,9 +103,12 @@ def test_bad_input_is_rejected(make_bad, match):
 # ---------------------------------------------------------------------------------------------------------
 # Triton
 
+INTERPRETER_CASES = "triton_small"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton kernels directly")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_small")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 @runs_triton

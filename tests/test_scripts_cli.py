@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from client.model import load_model
+from conftest import run_side_by_side
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,11 +63,12 @@ def test_script_mistakes_are_one_line(tmp_path):
          "scripts/matmul_error.py: error: argument --rows: must be a positive integer, got '0'"),
     ]
     (tmp_path / "a_file").write_text("")
-    for script, args, message in cases:
-        done = run(script, *args)
-        assert done.returncode == 2
-        assert "Traceback" not in done.stderr
-        assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(message)
+    runs = run_side_by_side([[sys.executable, str(REPO / "scripts" / script), *map(str, args)]
+                             for script, args, _ in cases], cwd=REPO)
+    for (code, stderr), (script, _, message) in zip(runs, cases):
+        assert code == 2, (script, stderr)
+        assert "Traceback" not in stderr
+        assert stderr.strip().splitlines() == [stderr.strip()] and stderr.startswith(message)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -16,6 +16,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from client import protocol
+from conftest import run_side_by_side
 from server.__main__ import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,14 +142,14 @@ def test_ordinary_mistakes_are_one_line_errors(tmp_path):
             (["--weights", str(garbage), "--port", "0"], f"cannot read checkpoint {garbage}"),
             (["--weights", str(partial), "--port", "0"], "checkpoint does not match the model: missing ("),
         ]
-        for args, message in cases:
-            result = subprocess.run([sys.executable, "-m", "server", *args], cwd=ROOT, env=ONE_THREAD,
-                                    capture_output=True, text=True, timeout=120)
-            lines = result.stderr.strip().splitlines()
-            assert result.returncode == 2, result.stderr
-            assert "Traceback" not in result.stderr
-            assert lines[-1].startswith(f"python -m server: error: {message}"), result.stderr
-            assert all(line.startswith("loading preset") for line in lines[:-1]), result.stderr
+        runs = run_side_by_side([[sys.executable, "-m", "server", *args] for args, _ in cases], cwd=ROOT,
+                                env=ONE_THREAD, timeout=120)
+        for (code, stderr), (args, message) in zip(runs, cases):
+            lines = stderr.strip().splitlines()
+            assert code == 2, stderr
+            assert "Traceback" not in stderr
+            assert lines[-1].startswith(f"python -m server: error: {message}"), stderr
+            assert all(line.startswith("loading preset") for line in lines[:-1]), stderr
 
 
 # ------------------------------------------------------------------ issue 21: Ctrl-C, exposure, tokens file

@@ -9,7 +9,6 @@ import torch
 from kernels._common import INTERPRET
 from kernels.skinny_matmul import (MIN_PROGRAMS, MIN_SPLIT_PROGRAMS, default_config, row_scales, skinny_matmul,
                                    skinny_matmul_ref, split_fp16, split_rows, supports)
-from triton_interpreter import run_under_interpreter
 
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -277,7 +276,10 @@ def test_model_shapes_on_gpu(M, kind, N, K):
         assert torch.isfinite(y).all() and row_errors(y, exact).max() < bound * K**0.5
 
 
+# run on a CPU through the interpreter (tests/triton_interpreter.py)
+INTERPRETER_CASES = "triton_matches or epilogue or explicit_config or split_rows or row_tiles or split_k or promoted"
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches or epilogue or explicit_config or split_rows or row_tiles "
-                                   "or split_k or promoted")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)

@@ -10,7 +10,6 @@ from client.model.modules import FP32_EPS, RMSNorm
 from client.model.xlstm import SLSTMBlock
 from kernels._common import INTERPRET, plan
 from kernels.slstm_input import slstm_input, slstm_input_ref
-from triton_interpreter import run_under_interpreter
 
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -81,9 +80,12 @@ def test_triton_matches_reference(rows, width, padding_rows, with_bias):
     torch.testing.assert_close(args["conv_state"][rows:], ref["conv_state"][rows:], rtol=0, atol=0, equal_nan=True)
 
 
+INTERPRETER_CASES = "triton_matches"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernel in this process")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 @pytest.mark.parametrize("name,make_bad,match", [

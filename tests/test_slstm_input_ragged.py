@@ -10,7 +10,6 @@ from client.model.modules import FP32_EPS
 from kernels._common import INTERPRET
 from ragged_checks import (RaggedOp, assert_close, check_against_reference, check_cuda_graph, check_row_at_a_time,
                            layout)
-from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 RUNS_TRITON = INTERPRET or HAS_CUDA
@@ -33,9 +32,12 @@ def spec(width, with_bias=True):
                     lambda out, args: [*out, args["x"]])  # x: the residual, updated in place
 
 
+INTERPRETER_CASES = "triton and not interpreter"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton kernels directly")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton and not interpreter")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 @runs_triton

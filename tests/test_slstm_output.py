@@ -9,7 +9,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from kernels._common import INTERPRET, plan
 from kernels.slstm_output import slstm_output, slstm_output_ref, store_last_rows
 from sequence_checks import Layout, assert_same_bits, poison
-from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 RUNS_TRITON = INTERPRET or HAS_CUDA
@@ -81,9 +80,12 @@ def test_state_and_sequences_go_together():
         slstm_output(y, xin, *weights, GROUPS, torch.float32, y_state, layout.seq_slots, layout.seq_starts[:-1])
 
 
+INTERPRETER_CASES = "triton_small"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton kernels directly")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_small")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 @runs_triton

@@ -16,7 +16,6 @@ from kernels.slstm_step import pack_weights
 from sequence_checks import (Layout, assert_same_bits, assert_within_ulps, check_against_reference,
                              check_against_row_at_a_time, poison)
 from test_kernels import FULL_DIMS, assert_close, make_args
-from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 RUNS_TRITON = INTERPRET or HAS_CUDA
@@ -198,9 +197,12 @@ def test_reference_split_input_maps_near_float64(max_rows):
 # ---------------------------------------------------------------------------------------------------------
 # Triton
 
+INTERPRETER_CASES = "triton_small"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton kernels directly")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_small")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 @runs_triton

@@ -10,7 +10,6 @@ import triton.language as tl
 from kernels._common import INTERPRET
 from kernels.state_rounding import (StochasticRounding, check_rounding, hash32_ref, round_ref, row_seed,
                                     row_seed_ref, stochastic_bits_ref, store_state, to_fp32)
-from triton_interpreter import run_under_interpreter
 
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -202,9 +201,12 @@ def _widen_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, to_fp32(tl.load(src_ptr + i, mask=i < n)), mask=i < n)
 
 
+INTERPRETER_CASES = "triton_matches"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton functions directly")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 @pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")

@@ -14,7 +14,6 @@ import kernels
 from kernels._common import INTERPRET
 from kernels.state_rounding import StochasticRounding, round_ref, stochastic_bits_ref
 from test_kernels import FULL_DIMS, SMALL_DIMS, STATE_OPS, assert_close, make_args, slot_args
-from triton_interpreter import run_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 RUNS_TRITON = INTERPRET or HAS_CUDA
@@ -233,9 +232,12 @@ def test_triton_small_distinct_slot_strides(op_name):
     check_distinct_slot_strides(op_name, 0, DEVICE)
 
 
+INTERPRETER_CASES = "triton_small"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="this process runs the Triton kernels directly")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_small")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
 
 
 @pytest.mark.parametrize("op_name", list(OPS))

@@ -294,12 +294,27 @@ def test_server_stopping_mid_stream_cuts_the_client_short(tmp_path, targets_cach
              "wait for it, which would hold the event loop that receives")
       for argv in (["--inline-steps", "on", "--device", "cpu"], ["--inline-steps", "--device", "cpu"])],
 ])
-def test_ordinary_mistakes_are_one_line(args, message):
-    result = subprocess.run([*CLIENT, *args], cwd=REPO, env=ONE_THREAD, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.strip() == f"team/example_model.py: error: {message}" + result.stderr.strip().split(
-        message, 1)[1]
-    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+def test_ordinary_mistakes_are_one_line(args, message, capsys):
+    """In this process, as the console script runs main (a real process's stderr: the next test)."""
+    from client import cli
+    from team import example_model
+
+    try:
+        code = cli.run_cli(example_model.main, example_model.PROG, args)
+    except SystemExit as exc:  # argparse's refusal
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip() == f"team/example_model.py: error: {message}" + err.strip().split(message, 1)[1]
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_mistake_is_one_line_from_a_real_process():
+    result = subprocess.run([*CLIENT, "--preset", "tiny", "--seed", "-1"], cwd=REPO, env=ONE_THREAD,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == ["team/example_model.py: error: argument --seed: must be a non-negative "
+                                          "integer, got '-1' (see --help)"]
 
 
 def test_ctrl_c_while_starting_is_one_line():

@@ -9,7 +9,6 @@ from kernels._common import INTERPRET
 from kernels.mlstm_output import mlstm_output, mlstm_output_ref
 from kernels.slstm_output import slstm_output, slstm_output_ref
 from kernels.xlstm_residual import xlstm_residual, xlstm_residual_ref
-from triton_interpreter import run_under_interpreter
 
 RUNS_TRITON = INTERPRET or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -157,6 +156,9 @@ def test_xlstm_residual_bad_inputs_are_clear_errors():
         xlstm_residual(x, x, x, w, w, 1e-6, "float16")
 
 
+INTERPRETER_CASES = "triton_matches"  # run on a CPU through the interpreter (tests/triton_interpreter.py)
+
+
 @pytest.mark.skipif(RUNS_TRITON, reason="already running the Triton kernels in this process")
-def test_triton_under_interpreter():
-    run_under_interpreter(__file__, "triton_matches")
+def test_triton_under_interpreter(interpreter_cases):
+    interpreter_cases.check(__file__)
