@@ -292,9 +292,10 @@ class StreamingClient:
         self._submitter_done = False
         self._wake_at: int | None = 0  # waiting symbols from which an arrival notifies the submitter (under the lock)
         # The fields below are touched only on the event loop thread.
-        self._in_flight: set[int] = set()   # queued or being computed
+        # uid -> what the request held (_request_print): a resent id must hold the same request
+        self._in_flight: dict[int, int] = {}  # queued or being computed
         self._rejected_ids: set[int] = set()
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()  # uid -> (answer, request print)
         # ids whose answers left the cache: a resend is refused, since stepping it again would advance its
         # symbol's state twice (a few tens of bytes an id, as the stats' ids)
         self._evicted: set[int] = set()
@@ -592,7 +593,13 @@ class StreamingClient:
         cached_ids, new_requests = [], []
         received_at = time.perf_counter()
         for index, (uid, symbol, row, finite) in enumerate(zip(ids, symbols, features, finite_rows)):
-            if uid in self._cache:
+            known = self._cache[uid][1] if uid in self._cache else self._in_flight.get(uid)
+            if known is not None and known != _request_print(symbol, row):
+                log.warning("request %d (%s) reuses the unique_id of another request; not answered", uid, symbol)
+                self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): received before "
+                                                             f"for another symbol or other features; a resend must "
+                                                             f"repeat its request; not fed to the model"))
+            elif uid in self._cache:
                 cached_ids.append(uid)
             elif uid in self._in_flight:
                 continue  # resent while still queued or computing: answered when its step is done
@@ -613,7 +620,7 @@ class StreamingClient:
                 self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): {reason}; "
                                                              f"not fed to the model"))
             else:
-                self._in_flight.add(uid)
+                self._in_flight[uid] = _request_print(symbol, row)
                 self.stats.note_request(uid)
                 new_requests.append(Request(uid, symbol, row, received_at))
         self._mark("received", (r.unique_id for r in new_requests))
@@ -634,7 +641,7 @@ class StreamingClient:
                 self._pump()
         if cached_ids:
             self.stats.resent_from_cache += len(cached_ids)
-            predictions = np.stack([self._cache[uid] for uid in cached_ids])
+            predictions = np.stack([self._cache[uid][0] for uid in cached_ids])
             self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()))
 
     # ---- prefetch (its own thread) --------------------------------------------------------------
@@ -983,8 +990,7 @@ class StreamingClient:
     # ---- sending (event loop thread) -------------------------------------------------------------
     def _on_batch_done(self, ids, predictions):
         for uid, row in zip(ids, predictions):
-            self._in_flight.discard(uid)
-            self._cache[uid] = row
+            self._cache[uid] = row, self._in_flight.pop(uid, None)
         while len(self._cache) > self.cache_size:
             self._evicted.add(self._cache.popitem(last=False)[0])
         self.stats.responses_sent += len(ids)
@@ -993,7 +999,8 @@ class StreamingClient:
         self._mark("answered", ids)
 
     def _on_requests_failed(self, ids, why):
-        self._in_flight.difference_update(ids)
+        for uid in ids:
+            self._in_flight.pop(uid, None)
         self._rejected_ids.update(ids)
         self.stats.rejected += len(ids)
         self._send(self._ws, protocol.error("client_error", f"unique_ids {ids} not answered: {why}"))
@@ -1015,6 +1022,11 @@ class StreamingClient:
             await ws.send(frame)
         except transport.ConnectionClosed:
             pass  # the server resends unanswered requests after the reconnect
+
+
+def _request_print(symbol, features) -> int:
+    """What a request held, in one number: a resend of its unique_id must hold the same (a few hundred ns)."""
+    return hash((symbol, features.tobytes()))
 
 
 def _ended(pending) -> bool:

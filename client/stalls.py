@@ -2,10 +2,15 @@
 
 Each is noted as (start on time.monotonic(), duration s[, detail]), so that a slow answer can be matched with
 what happened around it in the client's and the server's process (scripts/e2e_timeline.py). With a stacks file,
-an event loop held up longer than stacks_after_s has every thread's stack written there while it is held up: each
-tick re-arms a real-time timer (setitimer, ~1 us; faulthandler.dump_traceback_later starts a thread each time,
-0.29 ms on a 2-core CPU box) whose SIGALRM faulthandler's C handler answers with the dump, needing no GIL, so what
-held the loop shows even when a C call kept the GIL. The process's SIGALRM is the probe's while it watches.
+an event loop held up longer than stacks_after_s has its stack written there while it is held up: each tick
+re-arms a real-time timer (setitimer, ~1 us; faulthandler.dump_traceback_later starts a thread each time, 0.29 ms
+on a 2-core CPU box) whose SIGALRM faulthandler's C handler answers with the dump, needing no GIL, so what held the
+loop shows even when a C call kept the GIL. The process's SIGALRM is the probe's while it watches.
+
+The loop must run in the main thread: Linux hands a process's signal to its main thread unless that thread blocks
+it, and the handler writes the stack of the thread it runs on. Not every thread's: reading other threads' frames
+while they run, as a signal handler must, can crash the process (a bench run died of a segfault in the middle of
+such a dump; bench/LOG.md section 65).
 """
 import asyncio
 import faulthandler
@@ -68,8 +73,11 @@ class StallProbe:
     async def watch_loop(self):
         """Run as a task on the event loop to watch; cancel it to stop."""
         if self.stacks_path is not None:
+            if threading.current_thread() is not threading.main_thread():
+                raise RuntimeError("a stall probe's stacks need its event loop in the main thread, where the "
+                                   "timer's signal is handled")
             self._stacks_file = open(self.stacks_path, "a")
-            faulthandler.register(signal.SIGALRM, file=self._stacks_file, all_threads=True)
+            faulthandler.register(signal.SIGALRM, file=self._stacks_file, all_threads=False)
         while True:
             if self._stacks_file is not None:  # re-armed each tick: it fires only if the loop misses the next ones
                 signal.setitimer(signal.ITIMER_REAL, self.stacks_after_s)

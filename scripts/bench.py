@@ -126,7 +126,7 @@ def parse_args(argv=None):
                              "every section; alternate, in every second e2e run (default off)")
     parser.add_argument("--stacks", metavar="DIR",
                         help="served sections: whenever the client's or the server's event loop misses its ticks for "
-                             "12 ms, every thread's stack of that process, appended to DIR/client_stacks.txt or "
+                             "12 ms, its stack (the main thread's), appended to DIR/client_stacks.txt or "
                              "DIR/server_stacks.txt under a line per session (client/stalls.py)")
     parser.add_argument("--ws-compression", choices=("off", "alternate"), default="off",
                         help="e2e section: permessage-deflate on both ends of the websocket in every second run, as "

@@ -179,7 +179,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--sessions", type=int, default=2, help="sessions in a row on one engine")
     ap.add_argument("--slowest", type=int, default=12, help="slowest answers to list")
     ap.add_argument("--json", type=Path, help="write the results here")
-    ap.add_argument("--stacks", type=Path, help="a folder: every thread's stacks, in both processes, whenever an "
+    ap.add_argument("--stacks", type=Path, help="a folder: the event loop's stack, in both processes, whenever an "
                                                 "event loop is held up over 12 ms (server_stacks.txt, "
                                                 "client_stacks.txt, appended session after session)")
     args = ap.parse_args(argv)

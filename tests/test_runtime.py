@@ -742,6 +742,33 @@ def test_a_resent_id_whose_answer_left_the_cache_is_refused_never_stepped_twice(
     assert summary["requests"] == 7
 
 
+def test_a_resent_id_that_holds_another_request_is_refused_and_its_answer_stands(model):
+    symbols, features = _stream(4)
+    other_symbol = next(s for s in SYMBOLS if s != symbols[2])
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request([0, 1, 2], symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() >= {0, 1, 2})
+        await ws.send(protocol.encode(protocol.inference_request([1], [symbols[1]], features[1:2] + 1.0, 0.0)))
+        await ws.send(protocol.encode(protocol.inference_request([2], [other_symbol], features[2:3], 0.0)))
+        await ws.send(_request([0, 3], symbols, features))  # a true resend, and a new request
+        await recorder.pump(ws, lambda: 3 in recorder.answered() and len(recorder.errors) >= 2)
+        await ws.close(1000)
+
+    team_client = CountingClient(ReferenceEngine(model))
+    asyncio.run(_play(handler, team_client))
+    assert sum(team_client.stepped.values()) == 4  # the other requests were fed to no model
+    assert sorted(uid for uid, _ in recorder.responses) == [0, 0, 1, 2, 3]
+    for uid in (1, 2):
+        assert any(f"unique_id {uid} " in e and "received before for another symbol or other features" in e
+                   for e in recorder.errors), recorder.errors
+    expected = _expected(model, symbols, features, range(4))
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+
+
 def test_scores_of_ids_never_received_or_beyond_the_towers_are_not_counted():
     stats = ClientStats(timeout_s=1.0)
     for uid in range(3):

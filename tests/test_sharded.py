@@ -202,6 +202,41 @@ def test_a_lost_shard_fails_its_symbols_alone(capsys):
         engine.close()
 
 
+def test_a_hung_shard_is_stopped_after_the_answer_timeout_and_fails_its_symbols_alone(capsys):
+    """A shard alive but answering nothing (here: its process stopped) would hold every step that has a part on
+    it, and with them every symbol: after the timeout it is killed and lost, and the others keep playing."""
+    engine = ShardedEngine(process_shards(SPEC, ["cpu", "cpu"], options={"capacity": CAPACITY}, progress=False),
+                           progress=True, on_shard_loss="error", answer_timeout_s=1.0)
+    try:
+        symbols = ["H0", "H1", "H2", "H3"]  # placed alternately on the two shards
+        features = np.random.default_rng(5).standard_normal((4, 79)).astype(np.float32)
+        engine.step(symbols, features)
+        hung = [s for s in symbols if engine.shard_of[s] == 1]
+        process = engine.shards[1].process
+        os.kill(process.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        for rows, outcome in engine.submit(symbols, features).parts():
+            if engine.shard_of[symbols[rows[0]]] == 1:
+                assert isinstance(outcome, ShardLost), outcome
+                assert str(outcome) == ("shard 1 (process on cpu) lost: it answered no step for 1 s "
+                                        "(--shard-timeout-s); stopped")
+            else:
+                assert np.isfinite(outcome).all()
+        assert 1.0 < time.monotonic() - started < 10
+        process.join(timeout=10)
+        assert process.exitcode == -signal.SIGKILL
+        assert f"its 2 symbol(s) {', '.join(hung)} get errors" in capsys.readouterr().err
+        kept = [s for s in symbols if s not in hung]
+        assert np.isfinite(engine.step(kept, features[:2])).all()
+    finally:
+        engine.close()
+
+
+def test_the_answer_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="--shard-timeout-s must be positive, got 0"):
+        ShardedEngine([object()], answer_timeout_s=0)
+
+
 def test_a_lost_shard_says_its_exit_code_whichever_thread_sees_the_exit():
     """The engine's submitter and collector may see a shard's exit at once (a broken pipe, the end of its
     replies): each says its exit code. (Eight threads here, so that they race to reap it.)"""
@@ -272,6 +307,7 @@ def _running(pid):
 
 @pytest.mark.parametrize("options, match", [
     ({"on_shard_loss": "reset"}, "--on-shard-loss applies to sharded engines"),
+    ({"shard_timeout_s": 5.0}, "--shard-timeout-s applies to sharded engines"),
     ({"shards": 2}, "--ray-address and --shards apply with --cluster ray"),
     ({"ray_address": "head:6379"}, "--ray-address and --shards apply with --cluster ray"),
     ({"cluster": "ray", "gpus": 2, "spec": SPEC}, "--gpus is for one machine"),

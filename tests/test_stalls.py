@@ -3,6 +3,7 @@ import asyncio
 import gc
 import signal
 import sys
+import threading
 import time
 
 from client.stalls import StallProbe
@@ -55,7 +56,7 @@ def _block_the_loop_for(seconds):
     time.sleep(seconds)
 
 
-def test_a_long_stall_writes_every_threads_stack_while_it_lasts(tmp_path):
+def test_a_long_stall_writes_the_loops_stack_while_it_lasts(tmp_path):
     path = tmp_path / "stacks.txt"
     probe = StallProbe(tick_s=0.001, stacks_path=str(path), stacks_after_s=0.2)
 
@@ -72,3 +73,23 @@ def test_a_long_stall_writes_every_threads_stack_while_it_lasts(tmp_path):
     stacks = path.read_text()
     assert "_block_the_loop_for" in stacks and "watch_loop" not in stacks  # taken while the loop was held
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_stacks_need_the_loop_in_the_main_thread(tmp_path):
+    """The timer's signal is handled on the main thread, whose stack the handler writes: a loop elsewhere would
+    get another thread's stack."""
+    probe = StallProbe(stacks_path=str(tmp_path / "stacks.txt"))
+    raised = []
+
+    def elsewhere():
+        try:
+            asyncio.run(probe.watch_loop())
+        except RuntimeError as exc:
+            raised.append(str(exc))
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert raised == ["a stall probe's stacks need its event loop in the main thread, where the timer's signal is "
+                      "handled"]
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)

@@ -7,7 +7,7 @@ rest of the suite on the core the suite leaves idle (subprocesses it waits for, 
 the CPU to it otherwise. Each file's `test_triton_under_interpreter` is moved to the end of the run (conftest.py)
 and reads its own cases' results there, so a failure is reported by the file it belongs to.
 """
-import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,10 +21,6 @@ CHECK_NAME = "test_triton_under_interpreter"
 TIMEOUT_S = 1800  # the whole child, on a slow 2-core CPU: ~8 minutes of interpreted kernels
 
 
-def _lowest_priority():
-    os.nice(19)
-
-
 class InterpreterRun:
     """The child pytest running `cases` ({test file: its -k expression}) under the interpreter."""
 
@@ -36,10 +32,11 @@ class InterpreterRun:
         self._xml = Path(self._dir.name) / "cases.xml"
         self._log = open(Path(self._dir.name) / "child.log", "w+")
         selected = " or ".join(f"({path.name} and ({keyword}))" for path, keyword in self.cases.items())
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", str(self._xml),
-                   *map(str, self.cases), "-k", f"not {CHECK_NAME} and ({selected})"]
+        lowest_priority = ["nice", "-n", "19"] if shutil.which("nice") else []
+        command = [*lowest_priority, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                   "--junitxml", str(self._xml), *map(str, self.cases), "-k", f"not {CHECK_NAME} and ({selected})"]
         self._process = subprocess.Popen(command, cwd=REPO, env=checkout_env(REPO, TRITON_INTERPRET="1"),
-                                         stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_lowest_priority)
+                                         stdout=self._log, stderr=subprocess.STDOUT)
         self._outcomes = None
 
     def check(self, test_file):

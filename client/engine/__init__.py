@@ -10,7 +10,7 @@ TABLE_OPTIONS = ("capacity", "state_memory", "host_symbols", "idle_timeout_s")
 
 
 def make_engine(name: str | None, model, device=None, *, precision=None, compile=False, gpus=1, split=None,
-                spec=None, cluster=None, ray_address=None, shards=None, on_shard_loss=None,
+                spec=None, cluster=None, ray_address=None, shards=None, on_shard_loss=None, shard_timeout_s=None,
                 max_rows_per_symbol=None, progress=True, **table_options) -> Engine:
     """table_options: the state table's capacity or state_memory, host_symbols and idle_timeout_s (both engines),
     and the fast engine's state_storage (a StateStorage: client/engine/precision.py); None means the engine's
@@ -21,7 +21,8 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
     engine's captured steps carry (more run as several steps); the reference engine steps any number. cluster
     "ray" shards the symbols over Ray actors instead (client/engine/shard_ray.py: ray_address, shards, device
     cuda/cpu or None for the cluster's choice, name None for fast on GPUs and reference on CPUs); on_shard_loss
-    ("error" or "reset") is what a sharded engine does when a shard is lost. `model` is not used by sharded
+    ("error" or "reset") is what a sharded engine does when a shard is lost, and shard_timeout_s how long a shard may
+    answer no step before it is taken as hung (stopped and lost). `model` is not used by sharded
     engines (each shard loads its own); it may be a callable without arguments that loads it, called only by an engine
     that needs it (the fast engine holds the model only while it converts its weights, so that its state table is
     sized without it). No option is ignored: one that does not apply is refused in one line."""
@@ -33,6 +34,10 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
         raise ValueError("--ray-address and --shards apply with --cluster ray")
     if on_shard_loss is not None and not sharded:
         raise ValueError("--on-shard-loss applies to sharded engines: --cluster ray, or --gpus N --split symbols")
+    if shard_timeout_s is not None and not sharded:
+        raise ValueError("--shard-timeout-s applies to sharded engines: --cluster ray, or --gpus N --split symbols")
+    losses = {"on_shard_loss": on_shard_loss or "error",
+              **({} if shard_timeout_s is None else {"answer_timeout_s": shard_timeout_s})}
     if sharded and spec is None:
         raise ValueError("a sharded engine needs the model's spec (preset and weights) for its shards")
     if split is not None and gpus == 1:
@@ -50,7 +55,7 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
                                                                   "max_rows_per_symbol": max_rows_per_symbol})
         started = ray_shards(spec, ray_address or LOCAL, shards, device=device, engine=name, options=shard_options,
                              progress=progress)
-        return ShardedEngine(started, on_shard_loss=on_shard_loss or "error", progress=progress, transport="ray")
+        return ShardedEngine(started, progress=progress, transport="ray", **losses)
     if gpus > 1 and (name != "fast" or str(device or "cuda").startswith("cpu")):
         raise ValueError("--gpus applies to the fast engine on CUDA GPUs")
     if name == "reference":
@@ -77,8 +82,7 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
 
             started = process_shards(spec, [f"cuda:{i}" for i in range(gpus)], engine="fast", progress=progress,
                                      options=_shard_options(name, precision, compile, options))
-            return ShardedEngine(started, on_shard_loss=on_shard_loss or "error", progress=progress,
-                                 transport="process")
+            return ShardedEngine(started, progress=progress, transport="process", **losses)
         from client.engine.precision import DEFAULT_PRECISION
 
         devices = [f"cuda:{i}" for i in range(gpus)] if gpus > 1 else None

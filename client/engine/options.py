@@ -12,16 +12,17 @@
     --cluster ray           the symbols sharded over the GPUs (or CPU nodes) of a Ray cluster: --ray-address ADDRESS
                             (`local` starts Ray here), --shards N (default: every GPU; one per node without GPUs)
     --on-shard-loss POLICY  a lost shard's symbols get errors (error) or start again from a fresh state (reset)
+    --shard-timeout-s S     a shard that answers no step for S seconds is hung: stopped, and lost (default 60)
 
 An option the chosen engine cannot honour is refused in one line by make_engine (client/engine/__init__.py).
 """
 import argparse
 import math
 
-from client.cli import positive_int
+from client.cli import positive_float, positive_int
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.engine.precision import FP32_STATE, ROUNDINGS, add_precision_argument, state_storage_argument
-from client.engine.sharded import ON_SHARD_LOSS
+from client.engine.sharded import ANSWER_TIMEOUT_S, ON_SHARD_LOSS
 
 
 def _share(text):
@@ -84,7 +85,8 @@ def add_engine_arguments(parser):
 
 
 def add_cluster_arguments(parser, cluster_help):
-    """--cluster, --ray-address, --shards and --on-shard-loss, in a group of their own (also scripts/bench.py's)."""
+    """--cluster, --ray-address, --shards, --on-shard-loss and --shard-timeout-s, in a group of their own (also
+    scripts/bench.py's)."""
     cluster = parser.add_argument_group("symbols over several hosts (client/engine/shard_ray.py)")
     cluster.add_argument("--cluster", choices=("ray",), help=cluster_help)
     cluster.add_argument("--ray-address", metavar="ADDRESS",
@@ -96,6 +98,9 @@ def add_cluster_arguments(parser, cluster_help):
                          help="when a shard is lost (its process, actor or node gone): its symbols get errors "
                               "(error, the default) or start again from a fresh state on the other shards (reset, "
                               "said in the summary and to the server); every other symbol keeps playing")
+    cluster.add_argument("--shard-timeout-s", type=positive_float, metavar="S",
+                         help=f"a shard that answers no step for S seconds is taken as hung: stopped, and lost as "
+                              f"above (default {ANSWER_TIMEOUT_S:g}; one hung shard would hold every symbol's step)")
     return cluster
 
 
@@ -106,4 +111,5 @@ def engine_options(args) -> dict:
             "capacity": args.state_slots, "host_symbols": args.host_symbols, "idle_timeout_s": args.idle_timeout,
             "state_storage": storage, "gpus": args.gpus, "split": args.split,
             "max_rows_per_symbol": args.max_requests_per_symbol, "cluster": args.cluster,
-            "ray_address": args.ray_address, "shards": args.shards, "on_shard_loss": args.on_shard_loss}
+            "ray_address": args.ray_address, "shards": args.shards, "on_shard_loss": args.on_shard_loss,
+            "shard_timeout_s": args.shard_timeout_s}

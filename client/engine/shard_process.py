@@ -130,6 +130,11 @@ class ProcessShard(Shard):
         except (BrokenPipeError, OSError):
             raise self._gone() from None
 
+    def kill(self):
+        self.process.kill()  # SIGKILL ends a stopped or hung process too
+        with self._reaping:
+            self.process.join(timeout=5)
+
     def stop(self):
         try:
             self.requests.send(("stop",))

@@ -8,7 +8,8 @@ collector thread per shard takes the answers in the same order, so a step's part
 (`ShardedPendingStep.parts()`). A part a shard fails (no room, bad input) fails alone; its step's other parts are
 answered.
 
-A shard that is lost (its process exits, its Ray actor or node dies) is reported once, in one line naming the
+A shard that is lost (its process exits, its Ray actor or node dies, or it answers no step for
+`answer_timeout_s`: hung, it is stopped) is reported once, in one line naming the
 shard and its symbols. Its unanswered parts, and every later request of its symbols, then follow
 `on_shard_loss`: "error" answers them with the loss (`unplaceable` names those symbols, so a caller can skip
 them), "reset" places its symbols again on the live shards, where they start from a fresh state, and runs their
@@ -32,6 +33,9 @@ from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_input
 ON_SHARD_LOSS = ("error", "reset")
 SHOWN_SYMBOLS = 32  # a loss line names this many of the shard's symbols, then says how many in all
 CLOSE_TIMEOUT_S = 30
+# A shard that answers no step for this long is taken as hung and lost: a step takes milliseconds on a GPU, and
+# every symbol's step waits for the step's slowest part, so one hung shard would hold every symbol for ever.
+ANSWER_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,10 @@ class Shard(ABC):
     def stop(self) -> None:
         """Stop the shard (end its process or actor); never raises."""
 
+    def kill(self) -> None:
+        """End a shard that answers nothing, without waiting for it to finish its work; never raises."""
+        self.stop()
+
 
 class _Part:
     """One shard's part of a step: its rows of the step, their symbols and features; its outcome goes to the
@@ -154,10 +162,11 @@ class _Part:
 
 
 class _InFlight:
-    __slots__ = ("part", "handle")
+    __slots__ = ("part", "handle", "sent_at")
 
     def __init__(self, part):
         self.part, self.handle = part, None
+        self.sent_at = time.monotonic()  # when it was taken to be sent: its answer is due within the timeout
 
 
 class ShardedPendingStep(PendingStep):
@@ -297,11 +306,15 @@ class _Runner:
 class ShardedEngine(Engine):
     name = "sharded"
 
-    def __init__(self, shards: list[Shard], *, on_shard_loss="error", progress=True, transport=None):
+    def __init__(self, shards: list[Shard], *, on_shard_loss="error", progress=True, transport=None,
+                 answer_timeout_s=ANSWER_TIMEOUT_S):
         """shards: started shards of one transport (client.engine.shard_process.process_shards,
-        client.engine.shard_ray.ray_shards), which this engine now owns (close() stops them)."""
+        client.engine.shard_ray.ray_shards), which this engine now owns (close() stops them). A shard that
+        answers no step for answer_timeout_s seconds is stopped and lost."""
         if on_shard_loss not in ON_SHARD_LOSS:
             raise ValueError(f"--on-shard-loss {on_shard_loss!r}: choose one of {', '.join(ON_SHARD_LOSS)}")
+        if not answer_timeout_s > 0:
+            raise ValueError(f"--shard-timeout-s must be positive, got {answer_timeout_s!r}")
         if not shards:
             raise ValueError("a sharded engine needs at least one shard")
         fingerprints = {shard.info.get("fingerprint") for shard in shards}
@@ -318,7 +331,10 @@ class ShardedEngine(Engine):
         self._losses: list[dict] = []
         self._loss_listeners: list = []  # called with each loss's record, outside the engine's lock
         self._closing = False
+        self.answer_timeout_s = float(answer_timeout_s)
         self._runners = [_Runner(self, shard) for shard in shards]
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch_answers, name="shard-answers-due", daemon=True).start()
 
     @property
     def shards(self) -> list[Shard]:
@@ -462,9 +478,24 @@ class ShardedEngine(Engine):
         for listener in list(self._loss_listeners):
             listener(record)
 
+    def _watch_answers(self):
+        """Stop and lose each shard whose oldest step in flight has waited answer_timeout_s for its answer."""
+        timeout = self.answer_timeout_s
+        while not self._closed.wait(min(1.0, timeout / 4)):
+            now = time.monotonic()
+            with self._lock:
+                if self._closing:
+                    return
+                hung = [runner for runner in self._runners if runner.lost is None and runner.in_flight
+                        and now - runner.in_flight[0].sent_at > timeout]
+            for runner in hung:
+                self._lose(runner, ShardLost(f"it answered no step for {timeout:g} s (--shard-timeout-s); stopped"))
+                runner.shard.kill()
+
     def close(self):
         with self._lock:
             self._closing = True
+        self._closed.set()
         for runner in self._runners:
             runner.stop(CLOSE_TIMEOUT_S)
 

@@ -160,8 +160,8 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
                        form_margin_s=None, punctual_late_after_s=None, join_queued=None, inline_steps=None) -> dict:
     """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
     the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
-    processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir every thread's stack in each event
-    loop's long stalls (server_stacks.txt, client_stacks.txt there; client/stalls.py). ws_compression: both ends
+    processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir the event loop's stack in each of its
+    long stalls (server_stacks.txt, client_stacks.txt there; client/stalls.py). ws_compression: both ends
     take permessage-deflate, as before bench/LOG.md section 50 (to measure against). `during(client)`, a coroutine
     function, runs beside the session (the backlog section pauses the client with it). step_log: the summary's
     "steps" is the runtime's step log (StreamingClient.steps). late_after_s: the runtime's step clock forms the next

@@ -21,7 +21,8 @@ def run(bench):
         begin = time.perf_counter()
         shards = start_shards(bench, ModelSpec(args.preset, seed=args.seed), count)
         engine = ShardedEngine(shards, on_shard_loss=args.on_shard_loss or "error", progress=False,
-                               transport=args.cluster or "process")
+                               transport=args.cluster or "process",
+                               **({} if args.shard_timeout_s is None else {"answer_timeout_s": args.shard_timeout_s}))
         startup_s = time.perf_counter() - begin
         count = len(shards)
         # one GPU passes 2,000 req/s and more over 128 symbols: start the search at 2,000 per GPU
