@@ -38,7 +38,7 @@ def measure_capacity(bench):
     tracker = ReferenceTracker(bench.model, np.unique(stream.symbols).tolist(), bench.device)
     targets = tracker.targets(stream)
     del tracker
-    bench.drop(None)
+    bench.free_gpu()
     engine = bench.tiered_engine()
     host_total, host_available = bench.host_memory_before_tiers
     table = engine.table

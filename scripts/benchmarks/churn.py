@@ -37,8 +37,8 @@ def measure_churn(bench):
               "bit_equal": equal, "max_abs_diff": worst, **tight.table.stats,
               "step_ms_p50": float(np.median(step_ms)), "step_ms_p99": float(np.percentile(step_ms, 99)),
               "step_ms_max": float(np.max(step_ms))}
-    bench.drop(tight)
-    bench.drop(roomy)
+    del tight, roomy
+    bench.free_gpu()
     return result
 
 

@@ -42,7 +42,8 @@ def run(bench):
                "e2e_400rps_20sym": measure_e2e(engine, bench, prefix=f"G{gpus}_")}
         results[str(gpus)] = row
         bench.report.update(gpus=results)
-        bench.drop(engine)
+        del engine
+        bench.free_gpu()
     return results
 
 

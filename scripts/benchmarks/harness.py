@@ -299,10 +299,17 @@ class Bench:
         self.progress(f"engine built in {time.monotonic() - begin:.1f} s: {engine.describe()}")
         return engine
 
-    def drop(self, engine):
-        del engine
+    def free_gpu(self):
+        """Give the GPU memory of the engines let go back (the caller has dropped its references): collected (an
+        engine's threads and closures hold cycles), then, once the bench holds no engine whose CUDA graphs may have
+        one baked in, the cuBLAS workspaces (one per handle and stream, from the caching allocator, kept for the
+        process's life: 2.15 GiB after a full-preset engine on an H200, bench/LOG.md section 65)."""
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if self._engine is None and self._tiered is None and clear is not None:
+                clear()
             torch.cuda.empty_cache()
 
     @property
@@ -318,8 +325,8 @@ class Bench:
 
     def close_engine(self):
         if self._engine is not None:
-            engine, self._engine = self._engine, None
-            self.drop(engine)
+            self._engine = None
+            self.free_gpu()
 
     def tiered_engine(self):
         """The engine of the capacity and swap sections, built once (its host tier takes a while to pin): on a GPU
@@ -335,12 +342,9 @@ class Bench:
             from client.engine.fast.state_table import host_memory
             from client.model import ModelLoader
 
-            self.close_engine()  # the budgets are shares of the memory free now
-            self._model = None
-            gc.collect()
+            self._engine = self._model = None  # the budgets are shares of the memory free now
+            self.free_gpu()
             cuda = self.device.type == "cuda"
-            if cuda:
-                torch.cuda.empty_cache()
             self.host_memory_before_tiers = host_memory()
             self.gpu_free_before_tiers = torch.cuda.mem_get_info(self.device)[0] if cuda else None
             self._tiered = self.build_engine(ModelLoader(self.args.preset, seed=self.args.seed, device=self.device),
@@ -355,8 +359,8 @@ class Bench:
 
     def close_tiered_engine(self):
         if self._tiered is not None:
-            engine, self._tiered = self._tiered, None
-            self.drop(engine)
+            self._tiered = None
+            self.free_gpu()
 
     def symbols_at_budget(self, engine, share) -> int:
         """Symbols the engine's state table would hold at `share` of the memory free without it."""

@@ -17,7 +17,8 @@ def run(bench):
         results[name] = row
         bench.report.update(precisions=results)
         bench.progress(f"precision {name}:\n" + format_table(row["accuracy"]))
-        bench.drop(engine)
+        del engine
+        bench.free_gpu()
     return results
 
 

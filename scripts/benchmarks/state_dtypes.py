@@ -22,7 +22,8 @@ def run(bench):
         bench.report.update(state_dtypes=results)
         bench.progress(f"state {name}: {row['symbols_at_budget']} symbols at {STATE_MEMORY:.0%} of free "
                        f"memory\n" + format_table(row["accuracy"]))
-        bench.drop(engine)
+        del engine
+        bench.free_gpu()
     return results
 
 

@@ -22,7 +22,8 @@ def run(bench):
             best, runs = search_max_rate(engine, bench, prefix=f"ST{tag}_", key=f"state_{tag}_rate", rates=rates)
             results[name] = {"state_bytes_per_symbol": engine.state_bytes, "max_rate_p99_50ms": best, "runs": runs}
             bench.report.update(state_rates=results)
-        bench.drop(engine)
+        del engine
+        bench.free_gpu()
     return results
 
 
