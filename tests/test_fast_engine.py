@@ -3,6 +3,7 @@ Triton kernels through the interpreter), CUDA graphs and padding on a GPU."""
 import gc
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -186,6 +187,38 @@ def test_a_step_run_as_parts_refuses_a_symbol_beyond_every_tier_before_any_part_
     with pytest.raises(CapacityError, match=r"\(C\)"):
         fast.step(rows, ones)
     assert np.array_equal(fast.step(["A"], ones[:1]), fresh.step(["A"], ones[:1]))  # A lost nothing
+
+
+def test_a_prefetch_between_the_parts_of_a_step_takes_none_of_its_room():
+    """Room for 3 more symbols in all (3 GPU slots, 1 host slot, X held): a step of A, B, C runs as two parts of at
+    most 2 symbols, and a request for a new symbol D arrives between them. D's prefetch must not take C's room (X
+    to the host, D into its slot): C would be refused after A and B had advanced. D's own step is refused instead,
+    naming the limits."""
+    model, _ = load_model("tiny", seed=0)
+    fast = FastEngine(model, device="cpu", precision=FP32_PRECISION, capacity=3, host_symbols=1, max_batch=2,
+                      progress=False)
+    alone = FastEngine(model, device="cpu", precision=FP32_PRECISION, capacity=6, progress=False)
+    ones = np.ones((3, 79), np.float32)
+    for engine in (fast, alone):
+        engine.step(["X"], ones[:1])
+    submit_part = fast._submit_part
+    parts = []
+
+    def part_then_arrival(*args, **kwargs):
+        parts.append(submit_part(*args, **kwargs))
+        if len(parts) == 1:
+            threading.Thread(target=fast.prefetch, args=(["D"],)).run()  # the receiving thread's prefetch, here
+        return parts[-1]
+
+    fast._submit_part = part_then_arrival
+    features = np.random.default_rng(3).standard_normal((3, 79)).astype(np.float32)
+    np.testing.assert_allclose(fast.step(["A", "B", "C"], features), alone.step(["A", "B", "C"], features),
+                               atol=1e-5)
+    assert len(parts) == 2 and "D" not in fast.table.symbols()
+    with pytest.raises(CapacityError, match=r"\(D\)"):
+        fast.step(["D"], ones[:1])
+    fast.prefetch(["E"])  # the step's room is let go once its last part is submitted: nothing left for E either
+    assert sorted(fast.table.symbols()) == ["A", "B", "C", "X"]
 
 
 def test_a_step_of_more_symbols_than_gpu_slots_runs_through_the_host_tier():

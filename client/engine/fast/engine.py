@@ -423,11 +423,14 @@ class FastEngine(Engine):
         if len(parts) == 1:
             return self._submit_part(*parts[0], features, joinable)
         # Each part's placement checks only its own symbols: a later part's refusal would come after the earlier
-        # parts had advanced their states, so the whole step's room is checked before any part runs
-        rejected = self.table.unplaceable(symbols, at_once=False)
+        # parts had advanced their states, so the whole step's room is checked, and held, before any part runs
+        rejected = self.table.hold_room(symbols)
         if rejected:
             raise self.table.capacity_error(rejected)
-        pending = [(rows, self._submit_part(part, rows, features)) for part, rows in parts]
+        try:
+            pending = [(rows, self._submit_part(part, rows, features)) for part, rows in parts]
+        finally:
+            self.table.release_room()
 
         def gather():
             out = np.empty((len(symbols), NUM_TOWERS), dtype=np.float32)

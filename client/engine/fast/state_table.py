@@ -480,6 +480,7 @@ class StateTable:
         self._lock = threading.Lock()
         self._host_slot_pinned = threading.Condition(self._lock)
         self._in_step: set[str] = set()  # the last slots_for's symbols: their step may still be being enqueued
+        self._held: set[str] = set()  # a step that runs as parts: its symbols, their room kept until its last part
         # Symbols prefetched and not stepped since: moved out only when nothing else can be (else a tight table could
         # send a returning state back out before its step, again and again).
         self._awaiting: dict[str, None] = {}
@@ -603,6 +604,21 @@ class StateTable:
         with self._lock:
             return self._unplaceable(symbols, at_once)
 
+    def hold_room(self, symbols) -> list[str]:
+        """For a step that runs as parts: its symbols that fit in no tier (as unplaceable(at_once=False)); if none,
+        the room of its symbols is held until release_room(), so that a prefetch from another thread between its
+        parts takes none of it, nor forgets one of them (a later part's refusal would come after the earlier parts
+        had advanced their states)."""
+        with self._lock:
+            rejected = self._unplaceable(symbols, at_once=False)
+            if not rejected:
+                self._held = set(symbols)
+            return rejected
+
+    def release_room(self) -> None:
+        with self._lock:
+            self._held = set()
+
     def slots_for(self, symbols, streams=None) -> list[int]:
         """The GPU slot of each symbol of one step (distinct symbols), placing the ones not resident: a new
         symbol gets a slot holding the initial state, an offloaded one its own state back. The stream the step
@@ -615,7 +631,7 @@ class StateTable:
                 raise self.capacity_error(rejected)
             now = self.clock()
             batch = set(symbols)
-            self._expire(now, exclude=batch)
+            self._expire(now, exclude=batch | self._held)
             self._in_step = batch
             for k, part in enumerate(self.parts):
                 if part.step_stream is not None:  # a stream the caller names costs no Stream object (~20 us)
@@ -640,7 +656,7 @@ class StateTable:
         with self._lock:
             now = self.clock()
             wanted = list(dict.fromkeys(symbols))
-            keep = self._in_step | set(wanted)
+            keep = self._in_step | self._held | set(wanted)
             self._expire(now, exclude=keep)
             for symbol in wanted:
                 if symbol not in self.resident:
@@ -697,9 +713,10 @@ class StateTable:
         if at_once and len(batch) > self.capacity:
             return batch[self.capacity:]
         new = [s for s in batch if s not in self.resident and s not in self.offloaded]
-        room = self.capacity + self.host_capacity - len(self.resident) - len(self.offloaded)
+        held = {s for s in self._held if s not in self.resident and s not in self.offloaded}.difference(batch)
+        room = self.capacity + self.host_capacity - len(self.resident) - len(self.offloaded) - len(held)
         if len(new) > room:
-            room += len(self._expired(self.clock(), exclude=set(batch)))
+            room += len(self._expired(self.clock(), exclude=set(batch) | self._held))
         return new[max(room, 0):]
 
     def _expired(self, now, exclude):
