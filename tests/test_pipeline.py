@@ -1125,3 +1125,18 @@ def test_a_failing_fate_is_settled_by_its_steps_answer(model, caplog):
     assert sorted(uid for _, uid in team_client.stepped) == list(range(n))
     assert client.joins["taken"] > 0 and summary["responses_sent"] == n and _no_model_threads_left()
     assert "settled by its step's answer" in caplog.text  # the path under test was taken
+
+
+@pytest.mark.parametrize("row_sizes, known, rows, expected", [
+    ((384,), {256: 0.0172, 384: 0.0198}, 270, 256),  # below 384 comes 256 (192 was weighed: 270 were taken)
+    ((384, 768), {512: 0.030, 768: 0.050}, 600, 512),  # below 768 comes 512 (384's time unknown: all 600)
+    ((256, 384, 512), {256: 0.0172, 384: 0.0198}, 270, 256)])
+def test_the_next_size_down_is_the_largest_size_below_a_row_size_too(row_sizes, known, rows, expected):
+    """rows_to_take weighs the next smaller size a step runs at: below a row size that is no power of two that is
+    the power of two (or row size) under it, not half of it."""
+    clock = StepClock(smoothing=1.0, margin_s=0.0, late_after_s=0.0, clock=lambda: 0.0, row_sizes=row_sizes)
+    start = 0.0
+    for size_rows, seconds in known.items():
+        clock.ended(clock.size(size_rows, 64), submitted_at=start, ended_at=start + seconds)
+        start += seconds
+    assert clock.rows_to_take(rows, 64) == expected
