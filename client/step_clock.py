@@ -125,9 +125,11 @@ class StepClock:
         one request a symbol: the engine pads those to its own buckets of symbols, whose state traffic sets their
         time, not to these sizes."""
         whole = self.size(rows, symbols)
-        smaller = max([whole[0] // 2, *(r for r in self.row_sizes if r < whole[0])])  # the next size down
         if rows <= symbols or rows == whole[0]:
             return rows
+        # the next size down: the largest power of two or row size below this one (whole[0] // 2 only where this
+        # one is a power of two: below a row size of 384 it is 256, not 192)
+        smaller = max([1 << ((whole[0] - 1).bit_length() - 1), *(r for r in self.row_sizes if r < whole[0])])
         whole_s, smaller_s = self._step_s.get(whole), self._step_s.get(self.size(smaller, min(symbols, smaller)))
         if whole_s is None or smaller_s is None or smaller / smaller_s <= rows / whole_s:
             return rows

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from test_runtime import SYMBOLS, Recorder, _expected, _play, _request, _stream
+from client import protocol
 
 from client.engine.base import PendingStep
 from client.engine.fast import PAD_SLOT, RING, FastEngine
@@ -1125,3 +1126,135 @@ def test_a_failing_fate_is_settled_by_its_steps_answer(model, caplog):
     assert sorted(uid for _, uid in team_client.stepped) == list(range(n))
     assert client.joins["taken"] > 0 and summary["responses_sent"] == n and _no_model_threads_left()
     assert "settled by its step's answer" in caplog.text  # the path under test was taken
+
+
+# ---- randomized arrivals: the runtime's rules over many patterns ------------------------------------------
+def _random_arrivals(seed, n=40):
+    """A deterministic random stream: bursts of one symbol or many, several symbols, repeats, occasional NaN rows,
+    sent as messages with short random gaps. Returns (symbols, features, messages: [(ids, gap_s)])."""
+    rng = np.random.default_rng(seed)
+    pool = [f"R{seed}_{i}" for i in range(int(rng.integers(1, 9)))]
+    symbols = []
+    while len(symbols) < n:
+        if rng.random() < 0.3:  # a run of one symbol
+            symbols += [str(rng.choice(pool))] * int(rng.integers(2, 7))
+        else:
+            symbols.append(str(rng.choice(pool)))
+    symbols = symbols[:n]
+    features = rng.standard_normal((n, 79)).astype(np.float32)
+    for i in np.flatnonzero(rng.random(n) < 0.07):
+        features[i, int(rng.integers(79))] = np.nan
+    messages, start = [], 0
+    while start < n:
+        size = int(rng.choice([1, 1, 2, 3, 8, 16]))
+        gap = float(rng.choice([0.0, 0.0, 0.001, 0.004, 0.012]))
+        messages.append((list(range(start, min(start + size, n))), gap))
+        start += size
+    return symbols, features, messages
+
+
+def _random_client(kind, model):
+    """(team client, steps(): each step's [(symbol, unique_id)] as the model stepped it) for a kind of client."""
+    if kind == "process":
+        class ProcessOnly:
+            requests_per_symbol = MANY
+
+            def __init__(self):
+                self.example, self.steps = ExampleModel(ReferenceEngine(model)), []
+
+            def process_batch(self, requests_by_symbol):
+                self.steps.append([(s, uid) for s, value in requests_by_symbol.items() for uid, _ in queued(value)])
+                return self.example.process_batch(requests_by_symbol)
+
+            def close(self):
+                pass
+        client = ProcessOnly()
+        return client, lambda: client.steps
+    if kind == "serial":
+        client = SerialDeviceOfMany(model, 0.003)
+        client.close = lambda: None
+        return client, lambda: [[(None, uid) for uid in ids] for ids in client.batches]
+    if kind == "one":
+        client = PipelinedClient(model)
+        return client, lambda: [[(s, uid)] for s, uid in client.stepped]
+    options = {"miss": lambda uid: uid % 4 == 1}
+    if kind == "landing":  # states on their way, joins that come while a step is submitted, fates that fail
+        options.update(submit_s=0.002, lands_at={"": 0.0}, fate_fails=lambda uid: uid % 3 == 0)
+    client = JoiningDevice(model, step_s=0.004, **options)
+    if kind == "landing":
+        landing = client.ready
+
+        def ready(symbol, _seen=set()):
+            if symbol not in _seen:  # each symbol's state lands 5 ms after it is first asked for
+                _seen.add(symbol)
+                client.lands_at[symbol] = time.monotonic() + 0.005
+            return landing(symbol)
+        client.ready = ready
+    return client, lambda: [[(s, uid) for s, uid, _ in step.rows + (step.taken or [])] for step in client.submitted]
+
+
+@pytest.mark.parametrize("seed, kind, per_symbol, inline_steps", [
+    (0, "process", 1, None), (1, "process", 4, None), (2, "serial", 2, False), (3, "one", 4, False),
+    (4, "joining", 1, False), (5, "joining", 2, True), (6, "landing", 4, False), (7, "landing", 4, True)])
+def test_random_arrivals_keep_every_rule(model, seed, kind, per_symbol, inline_steps):
+    """Random arrivals (bursts, many symbols, repeated symbols, NaN rows) through the real runtime: each valid
+    request is stepped once and answered once, NaN rows get an error alone, each symbol's requests step in arrival
+    order, a step carries at most K requests of a symbol, and every answer equals stepping each symbol's requests
+    one at a time."""
+    symbols, features, messages = _random_arrivals(seed)
+    n = len(symbols)
+    nan_ids = {i for i in range(n) if not np.isfinite(features[i]).all()}
+    valid = [i for i in range(n) if i not in nan_ids]
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        for ids, gap in messages:
+            await ws.send(protocol.encode(protocol.inference_request(ids, [symbols[i] for i in ids], features[ids],
+                                                                     0.0)))
+            if gap:
+                await asyncio.sleep(gap)
+        await recorder.pump(ws, lambda: recorder.answered() >= set(valid) and len(recorder.errors) >= len(nan_ids),
+                            timeout_s=30)
+        await ws.close(1000)
+
+    team_client, steps = _random_client(kind, model)
+    options = {} if inline_steps is None else {"inline_steps": inline_steps}
+    try:
+        client, summary = asyncio.run(_play(handler, team_client, max_requests_per_symbol=per_symbol,
+                                            pipeline_min_batch=1, **options))
+    finally:
+        team_client.close()
+    answered = [uid for uid, _ in recorder.responses]
+    assert sorted(answered) == valid  # each valid request answered once
+    assert summary["responses_sent"] == len(valid) and summary["errors"] == len(nan_ids)
+    for uid in nan_ids:
+        assert sum(f"unique_id {uid} " in e for e in recorder.errors) == 1, recorder.errors
+    stepped = [uid for step in steps() for _, uid in step]
+    assert sorted(stepped) == valid  # each stepped once, NaN rows never
+    for step in steps():
+        per = {}
+        for _, uid in step:
+            per[symbols[uid]] = per.get(symbols[uid], 0) + 1
+        assert max(per.values()) <= per_symbol, step
+    for symbol in set(symbols):
+        assert [uid for uid in stepped if symbols[uid] == symbol] == [i for i in valid if symbols[i] == symbol]
+    references = {s: ReferenceEngine(model) for s in set(symbols)}
+    expected = {i: references[symbols[i]].step([symbols[i]], features[i:i + 1])[0] for i in valid}
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("row_sizes, known, rows, expected", [
+    ((384,), {256: 0.0172, 384: 0.0198}, 270, 256),  # below 384 comes 256 (192 was weighed: 270 were taken)
+    ((384, 768), {512: 0.030, 768: 0.050}, 600, 512),  # below 768 comes 512 (384's time unknown: all 600)
+    ((256, 384, 512), {256: 0.0172, 384: 0.0198}, 270, 256)])
+def test_the_next_size_down_is_the_largest_size_below_a_row_size_too(row_sizes, known, rows, expected):
+    """rows_to_take weighs the next smaller size a step runs at: below a row size that is no power of two that is
+    the power of two (or row size) under it, not half of it."""
+    clock = StepClock(smoothing=1.0, margin_s=0.0, late_after_s=0.0, clock=lambda: 0.0, row_sizes=row_sizes)
+    start = 0.0
+    for size_rows, seconds in known.items():
+        clock.ended(clock.size(size_rows, 64), submitted_at=start, ended_at=start + seconds)
+        start += seconds
+    assert clock.rows_to_take(rows, 64) == expected

@@ -212,3 +212,64 @@ def test_queued_counts_a_symbols_waiting_requests():
     assert (scheduler.queued("A"), scheduler.queued("B"), scheduler.queued("C")) == (2, 1, 0)
     scheduler.next_batch(1, 1)
     assert scheduler.queued("A") == 1
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_batches_with_holds_trims_and_joins_keep_every_rule(seed):
+    """Random arrivals, batches of random caps and K in {1, 2, 4}, symbols held back (ready), batches trimmed to
+    their oldest rows (rows_for), and joins as the runtime makes them (a request of a symbol with nothing queued
+    and no join unsettled, stamped, then either stepped or put back at the front of its queue): each batch takes
+    each served symbol's oldest queued requests, up to K, its symbols' heads the oldest of the ready ones; nothing
+    is lost or stepped twice; each symbol steps in arrival order."""
+    rng = random.Random(seed)
+    symbols = [f"S{i}" for i in range(rng.randint(1, 10))]
+    scheduler = Scheduler()
+    arrived, stepped = [], []  # every request in arrival order; every request stepped, in step order
+    joining = {}  # symbol -> its request joined to a step, fate not settled
+    queued = {s: [] for s in symbols}  # the model of each symbol's queue
+    for _ in range(rng.randint(5, 60)):
+        for _ in range(rng.randint(0, 8)):
+            request = _request(len(arrived), rng.choice(symbols))
+            arrived.append(request)
+            if request.symbol not in joining and not scheduler.has(request.symbol) and rng.random() < 0.3:
+                scheduler.stamp(request)
+                joining[request.symbol] = request
+            else:
+                scheduler.push(request)
+                queued[request.symbol].append(request)
+        for symbol, request in list(joining.items()):  # settle some joins
+            if rng.random() < 0.5:
+                del joining[symbol]
+                if rng.random() < 0.5:
+                    stepped.append(request)
+                else:
+                    scheduler.requeue(request)
+                    queued[symbol].insert(0, request)
+        cap, k = rng.choice([None, 1, 2, 5]), rng.choice([1, 2, 4])
+        held = {s for s in symbols if rng.random() < 0.3} | set(joining)
+        keep = rng.choice([None, 1, 2, 3, 100])
+        batch = scheduler.next_batch(cap, k, ready=lambda s: s not in held,
+                                     rows_for=None if keep is None else lambda rows, n: keep)
+        # the candidates: the ready symbols with work, by their oldest queued request, up to cap of them
+        heads = sorted((q[0].seq, s) for s, q in queued.items() if q and s not in held)
+        chosen = [s for _, s in heads[:cap]]
+        candidates = [r for s in chosen for r in queued[s][:k]]
+        take = len(candidates) if keep is None else min(max(keep, 1), len(candidates))
+        oldest = sorted(candidates, key=lambda r: r.seq)[:take]
+        assert sorted(r.unique_id for r in batch) == sorted(r.unique_id for r in oldest)
+        order = list(dict.fromkeys(r.symbol for r in batch))
+        assert [r.symbol for r in batch] == [s for s in order for r in batch if r.symbol == s]  # grouped
+        for symbol in order:
+            theirs = [r for r in batch if r.symbol == symbol]
+            assert theirs == queued[symbol][:len(theirs)] and len(theirs) <= k  # a prefix of its queue
+            del queued[symbol][:len(theirs)]
+        stepped.extend(batch)
+        assert len(scheduler) == sum(map(len, queued.values()))
+    for request in joining.values():
+        stepped.append(request)
+    while len(scheduler):
+        stepped.extend(scheduler.next_batch(None, 4))
+    assert sorted(r.unique_id for r in stepped) == list(range(len(arrived)))
+    for symbol in symbols:
+        assert [r.unique_id for r in stepped if r.symbol == symbol] == \
+               [r.unique_id for r in arrived if r.symbol == symbol]
