@@ -20,6 +20,21 @@ def usage_error(capsys):
     return refused
 
 
+@pytest.fixture
+def cli_here(capsys):
+    """cli_here(main, prog, argv): (exit code, stderr) of a console script run in this process as its entry point
+    runs it (client.cli.run_cli: one-line errors), argparse's refusals (SystemExit) included."""
+    from client import cli
+
+    def run(main, prog, argv):
+        try:
+            code = cli.run_cli(main, prog, argv)
+        except SystemExit as exc:
+            code = exc.code
+        return code, capsys.readouterr().err
+    return run
+
+
 def checkout_env(root, **extra):
     """os.environ for a subprocess that runs this checkout's packages (root first on PYTHONPATH), not an installed
     copy, keeping the paths already set there (a folder of wheels on a GPU host)."""

@@ -347,13 +347,10 @@ def test_profile_on_cuda_ranks_by_device_time(tmp_path, team_dir, capsys):
     (["--team-dir", "nowhere"], "no team client at nowhere/example_model.py"),
     (["--device", "bogus"], "--device bogus: not a torch device"),
 ])
-def test_ordinary_mistakes_are_one_line(argv, message, capsys):
+def test_ordinary_mistakes_are_one_line(argv, message, cli_here):
     """In this process, as the console script runs main (a real process's stderr: the next test)."""
-    try:
-        code = cli.run_cli(le.main, le.PROG, argv)
-    except SystemExit as exc:  # argparse's refusal
-        code = exc.code
-    lines = capsys.readouterr().err.strip().splitlines()
+    code, err = cli_here(le.main, le.PROG, argv)
+    lines = err.strip().splitlines()
     assert code == 2
     assert lines[-1].startswith(f"local_evaluator.py: error: {message}"), lines
     assert all(line.startswith("local_evaluator.py: ") for line in lines[:-1])

@@ -294,16 +294,11 @@ def test_server_stopping_mid_stream_cuts_the_client_short(tmp_path, targets_cach
              "wait for it, which would hold the event loop that receives")
       for argv in (["--inline-steps", "on", "--device", "cpu"], ["--inline-steps", "--device", "cpu"])],
 ])
-def test_ordinary_mistakes_are_one_line(args, message, capsys):
+def test_ordinary_mistakes_are_one_line(args, message, cli_here):
     """In this process, as the console script runs main (a real process's stderr: the next test)."""
-    from client import cli
     from team import example_model
 
-    try:
-        code = cli.run_cli(example_model.main, example_model.PROG, args)
-    except SystemExit as exc:  # argparse's refusal
-        code = exc.code
-    err = capsys.readouterr().err
+    code, err = cli_here(example_model.main, example_model.PROG, args)
     assert code == 2
     assert err.strip() == f"team/example_model.py: error: {message}" + err.strip().split(message, 1)[1]
     assert len(err.strip().splitlines()) == 1
