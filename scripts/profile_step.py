@@ -165,27 +165,32 @@ def priority_times(engine, slots, batches, specs, rounds=3):
     return {spec: {B: float(np.median(v)) for B, v in by_batch.items()} for spec, by_batch in times.items()}
 
 
-# name -> (a step's one row through kernels/gemv.py, launched with PDL, gemv's TILE_BYTES)
-LAUNCHES = {"cublas": (False, False, None), "gemv": (True, False, None), "gemv+pdl": (True, True, None),
-            "gemv 32k": (True, False, 32 * 1024)}
+# name -> (a step's one row through kernels/gemv.py, gemv launched with PDL, gemv's TILE_BYTES, every other step
+# kernel launched with PDL, a one-row step's norms triggering the product behind them early: kernels/_pdl.py)
+LAUNCHES = {"cublas": (False, False, None, False, False), "gemv": (True, False, None, False, False),
+            "gemv+pdl": (True, True, None, False, False), "gemv 32k": (True, False, 32 * 1024, False, False),
+            "pdl every kernel": (True, True, None, True, False),
+            "pdl + early triggers": (True, True, None, True, True)}
 
 
-def launch_times(engine, slots, batches, rounds=3):
-    """Step medians (ms) per LAUNCHES entry: a step's one row through cuBLAS / skinny_matmul as before
+def launch_times(engine, slots, batches, rounds=3, names=tuple(LAUNCHES)):
+    """Step medians (ms) per LAUNCHES entry named: a step's one row through cuBLAS / skinny_matmul as before
     kernels/gemv.py ("cublas"), through gemv launched plainly, with programmatic dependent launch, with larger
-    slices of W a program; each captured and timed in turn, `rounds` times, and each tower alone at B = 1. The
-    engine's own setting restored after."""
+    slices of W a program, every step kernel with PDL; each captured and timed in turn, `rounds` times, and each
+    tower alone at B = 1. The engine's own setting restored after."""
     import importlib
 
     import kernels._pdl as pdl
     gemv_kernel = importlib.import_module("kernels.gemv")  # the module (the package's `gemv` is its function)
-    times = {name: {B: [] for B in batches} for name in LAUNCHES}
-    towers = {name: {} for name in LAUNCHES}
-    pdl_before, tile_before = pdl.PDL, gemv_kernel.TILE_BYTES
+    times = {name: {B: [] for B in batches} for name in names}
+    towers = {name: {} for name in names}
+    before = pdl.PDL, pdl.EVERY_KERNEL, pdl.EARLY_TRIGGER, gemv_kernel.TILE_BYTES
     try:
         for round_ in range(rounds):
-            for name, (gemv, on, tile_bytes) in LAUNCHES.items():
-                pdl.PDL, gemv_kernel.TILE_BYTES = on, tile_bytes or tile_before
+            for name in names:
+                gemv, on, tile_bytes, every, early = LAUNCHES[name]
+                pdl.PDL, pdl.EVERY_KERNEL, pdl.EARLY_TRIGGER = on, every, early
+                gemv_kernel.TILE_BYTES = tile_bytes or before[-1]
                 engine.runner.set_gemv(gemv)
                 engine.graphed.capture()
                 for B in batches:
@@ -195,7 +200,7 @@ def launch_times(engine, slots, batches, rounds=3):
                     towers[name] = {k: v for k, v in tower_graph_times(engine.runner, slots).items()
                                     if k.startswith("B1_")}
     finally:
-        pdl.PDL, gemv_kernel.TILE_BYTES = pdl_before, tile_before
+        pdl.PDL, pdl.EVERY_KERNEL, pdl.EARLY_TRIGGER, gemv_kernel.TILE_BYTES = before
         engine.runner.set_gemv(True)
         engine.graphed.capture()
     return ({name: {B: {"median": float(np.median(v)), "rounds": v} for B, v in by_batch.items()}
@@ -240,9 +245,15 @@ def main(argv=None) -> int:
                          "xlstm=-1,mamba2=-1 or none (all 0); repeat to compare (bench/LOG.md section 23)")
     ap.add_argument("--launch-ab", type=int, default=0, metavar="ROUNDS",
                     help="also time the step with a step's one row through cuBLAS and through kernels/gemv.py "
-                         "(plain, with programmatic dependent launch, with larger slices of W), in turn, ROUNDS "
-                         "times (bench/LOG.md section 57)")
+                         "(plain, with programmatic dependent launch, with larger slices of W) and with every step "
+                         "kernel launched with PDL, in turn, ROUNDS times (bench/LOG.md sections 57, 66)")
+    ap.add_argument("--launches", default=",".join(LAUNCHES),
+                    help=f"the --launch-ab variants to time, comma-separated (default all: {', '.join(LAUNCHES)})")
     args = ap.parse_args(argv)
+    launches = [name.strip() for name in args.launches.split(",") if name.strip()]
+    unknown = [name for name in launches if name not in LAUNCHES]
+    if unknown or not launches:
+        ap.error(f"--launches {args.launches!r}: choose from {', '.join(LAUNCHES)}")
     if not torch.cuda.is_available():
         raise cli.CliError(f"needs a CUDA GPU (it times the fast engine's CUDA graphs and kernels), and this torch "
                            f"({torch.__version__}) sees none; on a CPU, local_evaluator.py --profile DIR profiles a "
@@ -265,10 +276,11 @@ def main(argv=None) -> int:
     log(f"reference step {result['reference_step_ms_B1']:.1f} ms (B=1), {result['reference_step_ms_B20']:.1f} ms (B=20)")
 
     t = time.perf_counter()
-    engine = FastEngine(model, device="cuda", max_batch=64, capacity=64, host_symbols=0)
+    batches = [int(b) for b in args.batches.split(",")]
+    capacity = max(batches) + args.accuracy_symbols  # the timed steps' symbols, then the accuracy check's
+    engine = FastEngine(model, device="cuda", max_batch=64, capacity=capacity, host_symbols=0)
     result["fast_startup_s"] = time.perf_counter() - t
     result["describe"] = engine.describe()
-    batches = [int(b) for b in args.batches.split(",")]
     slots = engine.slots_for([f"P{i}" for i in range(max(batches))])
     result["step_ms"] = {}
     for B in batches:
@@ -282,7 +294,8 @@ def main(argv=None) -> int:
         for spec, times in result["priority_step_ms"].items():
             log(f"priorities {spec}: " + ", ".join(f"B={B} {t:.3f} ms" for B, t in times.items()))
     if args.launch_ab:
-        result["launch_step_ms"], result["launch_tower_ms"] = launch_times(engine, slots, batches, args.launch_ab)
+        result["launch_step_ms"], result["launch_tower_ms"] = launch_times(engine, slots, batches, args.launch_ab,
+                                                                           launches)
         for name, times in result["launch_step_ms"].items():
             log(f"launch {name}: " + ", ".join(f"B={B} {t['median']:.3f} ms" for B, t in times.items())
                 + f"; towers alone {result['launch_tower_ms'][name]}")
@@ -314,7 +327,7 @@ def main(argv=None) -> int:
     for spec in args.variant:
         overrides = [kv for kv in spec.split(",") if not kv.startswith("skinny=")]
         skinny = next((kv.partition("=")[2] for kv in spec.split(",") if kv.startswith("skinny=")), None)
-        variant = FastEngine(model, device="cuda", max_batch=64, capacity=64, host_symbols=0, progress=False,
+        variant = FastEngine(model, device="cuda", max_batch=64, capacity=capacity, host_symbols=0, progress=False,
                              precision=Precision.parse(",".join(["auto", *overrides])))
         if skinny is not None:  # e.g. skinny=float32+float16, or skinny=none for cuBLAS throughout
             variant.runner.set_skinny([getattr(torch, d) for d in skinny.split("+") if d != "none"])
