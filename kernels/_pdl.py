@@ -7,22 +7,15 @@ without waiting for the launch behind a finished kernel. Kernels do not trigger 
 the start of the kernel ahead held their SMs while they waited and slowed the other towers' kernels beside them
 (bench/LOG.md section 57).
 
-Every other kernel of a step launches with it too (`options`) and waits first thing, before any load, store or
-return: what it saves is the launch behind the kernel ahead (its programs are placed while that kernel's stores
-drain), on each of the ~160 kernels of a tower's chain at one row.
-
 The chain stays ordered: a kernel launched with PDL waits before its first dependent load and any store, and ends
-only after its wait returned (so the kernel behind it, waiting for its end, also waits for the ones ahead of it).
-Kernels launched without it wait for the whole kernel ahead, as always. Stream capture records the relation in a
-CUDA graph.
+only after its wait returned. Kernels launched without it wait for the whole kernel ahead, as always. Stream
+capture records the relation in a CUDA graph.
 """
 import torch
 
 from kernels._common import INTERPRET
 
 PDL = True  # kernels/gemv.py launches with PDL where the device and Triton take it (switch for A/B measurements)
-EVERY_KERNEL = True  # the step's other kernels too (switch for A/B measurements)
-EARLY_TRIGGER = True  # a one-row step's norms let the product behind them load its weights meanwhile (A/B switch)
 _SUPPORTED = {}
 
 
@@ -43,14 +36,3 @@ def launch_pdl(device: torch.device) -> bool:
     if index not in _SUPPORTED:
         _SUPPORTED[index] = torch.cuda.get_device_capability(index)[0] >= 9 and _triton_launches_pdl()
     return _SUPPORTED[index]
-
-
-def options(device: torch.device, trigger=None) -> dict:
-    """A step kernel's launch arguments: its PDL constexpr (wait for the kernel ahead first thing), and Triton's
-    launch_pdl where it is on. trigger (a kernel with a TRIGGER constexpr): whether it lets the kernel behind it
-    launch as soon as its own wait returns (EARLY_TRIGGER and PDL on)."""
-    on = EVERY_KERNEL and launch_pdl(device)
-    args = {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
-    if trigger is not None:
-        args["TRIGGER"] = bool(on and trigger and EARLY_TRIGGER)
-    return args

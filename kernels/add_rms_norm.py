@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import check_input, next_pow2, use_triton
 
 
@@ -36,11 +35,7 @@ def add_rms_norm_ref(x, delta, bias, weight, eps, out_dtype=torch.float32):
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, delta_ptr, bias_ptr, weight_ptr, y_ptr, width, stride_x, stride_delta, stride_y,
-                         eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr):
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
-    if TRIGGER:  # the product behind (kernels/gemv.py) may load its weights while this runs
-        tl.extra.cuda.gdc_launch_dependents()
+                         eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     col = tl.arange(0, BLOCK)
     mask = col < width
@@ -66,6 +61,5 @@ def add_rms_norm(x, delta, bias, weight, eps, out_dtype=torch.float32):
         block = next_pow2(width)
         _add_rms_norm_kernel[(rows,)](x, delta, bias if bias is not None else weight, weight, y, width,
                                       x.stride(0), delta.stride(0), y.stride(0), eps, HAS_BIAS=bias is not None,
-                                      BLOCK=block, num_warps=max(1, min(16, block // 256)),
-                                      **pdl.options(x.device, trigger=rows <= 2))
+                                      BLOCK=block, num_warps=max(1, min(16, block // 256)))
     return y

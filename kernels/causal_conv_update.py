@@ -11,7 +11,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import check_input, check_plan, check_state, row_positions, use_triton
 from kernels._math import sigmoid
 
@@ -56,10 +55,7 @@ def _causal_conv_update_kernel(
     x_ptr, state_ptr, weight_ptr, bias_ptr, seq_slots_ptr, seq_starts_ptr, out_ptr,
     channels, stride_x_row, stride_state_slot, stride_out_row,
     SILU: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     start = tl.load(seq_starts_ptr + seq)
@@ -107,6 +103,6 @@ def causal_conv_update(x, conv_state, weight, bias, seq_slots, seq_starts, activ
     _causal_conv_update_kernel[(sequences, triton.cdiv(channels, BLOCK_C))](
         x, conv_state, weight, bias, seq_slots, seq_starts, out,
         channels, x.stride(0), conv_state.stride(0), out.stride(0),
-        SILU=activation == "silu", BLOCK_C=BLOCK_C, num_warps=4, **pdl.options(x.device),
+        SILU=activation == "silu", BLOCK_C=BLOCK_C, num_warps=4,
     )
     return out

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import FLOAT_DTYPES, check_input, next_pow2, use_triton
 from kernels._math import sigmoid
 
@@ -34,11 +33,7 @@ def gated_rms_norm_ref(y, z, weight, eps, out_dtype=torch.float32):
 
 @triton.jit
 def _gated_rms_norm_kernel(y_ptr, z_ptr, weight_ptr, out_ptr, width, stride_y, stride_z, stride_out, eps,
-                           BLOCK: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr):
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
-    if TRIGGER:  # the product behind (kernels/gemv.py) may load its weights while this runs
-        tl.extra.cuda.gdc_launch_dependents()
+                           BLOCK: tl.constexpr):
     row = tl.program_id(0)
     col = tl.arange(0, BLOCK)
     mask = col < width
@@ -59,6 +54,5 @@ def gated_rms_norm(y, z, weight, eps, out_dtype=torch.float32):
     if rows:
         block = next_pow2(width)
         _gated_rms_norm_kernel[(rows,)](y, z, weight, out, width, y.stride(0), z.stride(0), out.stride(0), eps,
-                                        BLOCK=block, num_warps=max(1, min(16, block // 256)),
-                                        **pdl.options(y.device, trigger=rows <= 2))
+                                        BLOCK=block, num_warps=max(1, min(16, block // 256)))
     return out

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import check_input, check_plan, check_state, row_positions, split_block, use_triton
 from kernels._math import softplus
 from kernels.state_rounding import (STATE_DTYPES, check_rounding, kernel_args, row_seed, store_ref, store_state,
@@ -85,10 +84,7 @@ def _mamba2_state_update_kernel(
     stride_y_row, stride_y_head,
     HEAD_DIM: tl.constexpr, STATE_DIM: tl.constexpr, HIDDEN: tl.constexpr,
     STOCHASTIC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     start = tl.load(seq_starts_ptr + seq)
@@ -166,6 +162,6 @@ def mamba2_state_update(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_
         h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, seq_starts, y, counter, salt, h.stride(0), stride_counter,
         x.stride(0), x.stride(1), t.stride(0), dt_weight.stride(0), b.stride(0), c.stride(0), y.stride(0), y.stride(1),
         HEAD_DIM=head_dim, STATE_DIM=state_dim, HIDDEN=t.shape[1], STOCHASTIC=stochastic, BLOCK_P=block_p,
-        BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(t.shape[1]), num_warps=num_warps, **pdl.options(h.device),
+        BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(t.shape[1]), num_warps=num_warps,
     )
     return y

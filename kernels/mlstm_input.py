@@ -20,7 +20,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import check_input, check_plan, check_state, next_pow2, use_triton
 from kernels._math import sigmoid
 from kernels.causal_conv_update import causal_conv_update_ref
@@ -92,10 +91,7 @@ def _mlstm_input_kernel(
     xm_ptr, state_ptr, conv_w_ptr, conv_b_ptr, qkv_w_ptr, gate_w_ptr, gate_b_ptr, seq_slots_ptr, seq_starts_ptr,
     xc_ptr, qkv_ptr, parts_ptr, rows, stride_xm, stride_state, stride_xc, stride_qkv,
     INNER: tl.constexpr, GATES: tl.constexpr, CHUNK: tl.constexpr, GATES_BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     chunk = tl.program_id(1)
     GROUPS: tl.constexpr = CHUNK // 4
@@ -193,6 +189,6 @@ def mlstm_input(xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight,
     _mlstm_input_kernel[(sequences, num_parts(inner))](
         xm, conv_state, conv_weight, conv_bias, qkv_weight, gate_weight, gate_bias, seq_slots, seq_starts, xc, qkv,
         parts, rows, xm.stride(0), conv_state.stride(0), xc.stride(0), qkv.stride(0), INNER=inner, GATES=gates,
-        CHUNK=CHUNK, GATES_BLOCK=next_pow2(gates), num_warps=4, **pdl.options(xm.device),
+        CHUNK=CHUNK, GATES_BLOCK=next_pow2(gates), num_warps=4,
     )
     return xc, qkv, parts

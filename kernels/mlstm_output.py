@@ -10,7 +10,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import check_input, use_triton
 from kernels._math import sigmoid
 from kernels.slstm_output import NORM_EPS, check_groups, check_out_dtype, group_normalize, group_tile, row_tile
@@ -38,12 +37,7 @@ def mlstm_output_ref(h, xc, xg, skip, gn_weight, gn_bias, groups, out_dtype=torc
 @triton.jit
 def _mlstm_output_kernel(h_ptr, xc_ptr, xg_ptr, skip_ptr, gn_weight_ptr, gn_bias_ptr, out_ptr, group_size,
                          stride_h, stride_xc, stride_xg, stride_out, eps, GROUPS: tl.constexpr,
-                         GROUPS_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr, PDL: tl.constexpr,
-                         TRIGGER: tl.constexpr):
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
-    if TRIGGER:  # the product behind (kernels/gemv.py) may load its weights while this runs
-        tl.extra.cuda.gdc_launch_dependents()
+                         GROUPS_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr):
     row = tl.program_id(0)
     col, mask = row_tile(GROUPS, GROUPS_BLOCK, GROUP_BLOCK, group_size)
     # every load first: at one row the kernel is a chain of memory round trips, and a load placed after a
@@ -69,5 +63,5 @@ def mlstm_output(h, xc, xg, skip, gn_weight, gn_bias, groups, out_dtype=torch.fl
     if rows:
         _mlstm_output_kernel[(rows,)](h, xc, xg, skip, gn_weight, gn_bias, out, width // groups, h.stride(0),
                                       xc.stride(0), xg.stride(0), out.stride(0), NORM_EPS,
-                                      **group_tile(groups, width), **pdl.options(h.device, trigger=rows <= 2))
+                                      **group_tile(groups, width))
     return out

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels.outer_product_update import launch as launch_outer_product, outer_product_update_ref
 from kernels._common import check_input, check_plan, check_state, next_pow2, row_positions, use_triton
 from kernels._math import logsigmoid
@@ -84,13 +83,10 @@ def _mlstm_prepare_kernel(
     stride_n_slot, stride_m_slot,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_ip_part, stride_ip_row, stride_fp_part,
     stride_fp_row, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Per (sequence, head): gates, m and n (owned by this program alone, held on chip through the sequence's
     rows) and each row's readout denominator, leaving (f', i' k, den) per row in temporaries for the C kernel,
     which never reads m or n."""
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_E)
@@ -157,6 +153,6 @@ def mlstm_step(C, n, m, q, k, v, ip, fp, seq_slots, seq_starts, rounding=None):
         heads, head_dim, ip.shape[0], math.sqrt(head_dim), DEN_EPS,
         n.stride(0), m.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), ip.stride(0), ip.stride(1), fp.stride(0),
-        fp.stride(1), BLOCK_E=next_pow2(head_dim), BLOCK_P=next_pow2(ip.shape[0]), num_warps=4, **pdl.options(q.device),
+        fp.stride(1), BLOCK_E=next_pow2(head_dim), BLOCK_P=next_pow2(ip.shape[0]), num_warps=4,
     )
     return launch_outer_product(C, q, k_in, v, f_gate, den, seq_slots, seq_starts, rounding, h, max_tile=MAX_TILE)

@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import check_input, check_plan, check_state, next_pow2, row_positions, split_block, use_triton
 from kernels.state_rounding import (STATE_DTYPES, check_rounding, kernel_args, row_seed, store_ref, store_state,
                                     to_fp32)
@@ -82,12 +81,9 @@ def _outer_product_kernel(
     stride_a_row, stride_a_head, stride_den_row, stride_den_head, stride_o_row, stride_o_head,
     STOCHASTIC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, ONE_CHUNK: tl.constexpr,
     ROW_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """One program per (sequence, head, tile of value columns e): streams M[:, e-tile] once, in d chunks, each
     through all of the sequence's rows."""
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     e = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -160,7 +156,7 @@ def launch(M, q, k, v, a, den, seq_slots, seq_starts, rounding, out, max_tile=No
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), den.stride(0), den.stride(1), out.stride(0), out.stride(1),
         STOCHASTIC=stochastic, BLOCK_D=block_d, BLOCK_E=block_e, ONE_CHUNK=block_d >= d_size, ROW_STAGES=row_stages,
-        num_warps=num_warps, **pdl.options(M.device),
+        num_warps=num_warps,
     )
     return out
 

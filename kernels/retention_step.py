@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels.outer_product_update import launch as launch_outer_product, outer_product_update_ref
 from kernels._common import INTERPRET, check_input, check_plan, check_state, next_pow2, row_positions, use_triton
 from kernels.state_rounding import STATE_DTYPES, check_rounding
@@ -84,13 +83,10 @@ def _retention_prepare_kernel(
     heads, head_dim, k_scale,
     stride_scale_slot, stride_offset_slot, stride_q_row, stride_q_head, stride_k_row, stride_k_head,
     PRECISE_TRIG: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Per sequence, all heads at once: scale and offset held on chip through its rows; per row rotary q~, k~
     and sqrt(scale) into temporaries. One program owns a sequence's scalars, so nothing reads them after they
     change; the state kernel runs after this one and only reads the temporaries."""
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     hd = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -166,7 +162,6 @@ def retention_step(S, scale, offset, q, k, v, decay, angle, seq_slots, seq_start
         heads, head_dim, head_dim**-0.5,
         scale.stride(0), offset.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         PRECISE_TRIG=not INTERPRET, BLOCK_H=next_pow2(heads), BLOCK_D=next_pow2(head_dim), num_warps=4,
-        **pdl.options(q.device),
     )
     # S keeps the one-row step's chunks at every size: the only backlog accuracy run with the larger chunks of a
     # full grid (K = 8) put RetNet on feed_mix at 99.78% within 1e-3, under the gate, where these passed (bench/LOG.md

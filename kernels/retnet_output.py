@@ -4,7 +4,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import check_input, next_pow2, use_triton
 
 RMS_EPS = 1e-6
@@ -33,12 +32,7 @@ def _retnet_output_kernel(
     o_ptr, g_ptr, out_ptr, heads, head_dim,
     stride_o_row, stride_o_head, stride_g_row, stride_out_row,
     eps, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
-    if TRIGGER:  # the product behind (kernels/gemv.py) may load its weights while this runs
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -63,6 +57,6 @@ def retnet_output(o, g):
     _retnet_output_kernel[(rows, heads)](
         o, g, out, heads, head_dim,
         o.stride(0), o.stride(1), g.stride(0), out.stride(0),
-        RMS_EPS, BLOCK_D=next_pow2(head_dim), num_warps=2, **pdl.options(o.device, trigger=rows <= 2),
+        RMS_EPS, BLOCK_D=next_pow2(head_dim), num_warps=2,
     )
     return out

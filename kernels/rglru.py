@@ -10,7 +10,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import check_input, check_plan, check_state, row_positions, use_triton
 from kernels._math import sigmoid
 
@@ -55,10 +54,7 @@ def _rglru_step_kernel(
     gate_ptr, u_ptr, i_ptr, r_ptr, a_ptr, h_ptr, seq_slots_ptr, seq_starts_ptr, out_ptr,
     width, stride_gate_row, stride_u_row, stride_i_row, stride_r_row, stride_h_slot, stride_out_row,
     c, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     start = tl.load(seq_starts_ptr + seq)
@@ -99,6 +95,6 @@ def rglru_step(gate_pre, u, i_pre, r_pre, a, h, seq_slots, seq_starts, c=8.0):
     _rglru_step_kernel[(sequences, triton.cdiv(width, BLOCK))](
         gate_pre, u, i_pre, r_pre, a, h, seq_slots, seq_starts, out,
         width, gate_pre.stride(0), u.stride(0), i_pre.stride(0), r_pre.stride(0), h.stride(0), out.stride(0),
-        float(c), BLOCK=BLOCK, num_warps=4, **pdl.options(u.device),
+        float(c), BLOCK=BLOCK, num_warps=4,
     )
     return out

@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import check_input, next_pow2, use_triton
 
 ONE_TILE_ROWS = 64  # up to this many rows one program holds them all (the launch of a step's few rows)
@@ -174,11 +173,9 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, s
                           HAS_BIAS: tl.constexpr, RELU: tl.constexpr, SPLIT: tl.constexpr,
                           LO_SCALE: tl.constexpr, ROW_TILES: tl.constexpr, SPLIT_K: tl.constexpr,
                           GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr):
     """With SPLIT_K > 1, program (., k) sums the k-th of SPLIT_K equal slices of K and stores its fp32 partial
     product at y_ptr + k * stride_yk, bias and ReLU left to _sum_parts_kernel."""
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
     if ROW_TILES:
         # groups of GROUP_M row tiles; inside a group the row tiles of one column block are consecutive programs,
         # so they run together and share each W tile through L2
@@ -221,10 +218,8 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, w_lo_ptr, b_ptr, y_ptr, M, N, N_LO, K, s
 
 @triton.jit
 def _sum_parts_kernel(parts_ptr, b_ptr, y_ptr, M, N, stride_part, stride_ym, HAS_BIAS: tl.constexpr,
-                      RELU: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                      RELU: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """y = sum over k of parts[k] (in order: the same bits every run) + bias, then ReLU, in y's dtype."""
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < M * N
     m, n = offsets // N, offsets % N
@@ -311,10 +306,9 @@ def skinny_matmul(x, weight, bias=None, relu=False, out_dtype=torch.float32, wei
         weight_lo.shape[0] if split else 0, K, x.stride(0), parts.stride(-2), parts.stride(0),
         HAS_BIAS=bias is not None, RELU=relu, SPLIT=split, LO_SCALE=LO_SCALE, ROW_TILES=row_tiles > 1,
         SPLIT_K=split_k, GROUP_M=GROUP_M, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PROMOTE=split and (PROMOTE_PARTIALS if promote is None else promote), num_stages=stages, num_warps=warps,
-        **pdl.options(x.device))
+        PROMOTE=split and (PROMOTE_PARTIALS if promote is None else promote), num_stages=stages, num_warps=warps)
     if split_k > 1:
         _sum_parts_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
             parts, bias if bias is not None else parts, y, M, N, parts.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, RELU=relu, SPLIT_K=split_k, BLOCK=SUM_BLOCK, **pdl.options(x.device))
+            HAS_BIAS=bias is not None, RELU=relu, SPLIT_K=split_k, BLOCK=SUM_BLOCK)
     return y

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import check_input, next_pow2, use_triton
 from kernels._math import sigmoid
 from kernels.add_rms_norm import _check as _check_add, add_rms_norm_ref
@@ -46,10 +45,7 @@ def slstm_input_ref(x, delta, bias, norm_weight, rms_eps, ln_weight, conv_state,
 @triton.jit
 def _slstm_input_kernel(x_ptr, delta_ptr, bias_ptr, norm_w_ptr, ln_w_ptr, state_ptr, conv_w_ptr, conv_b_ptr,
                         seq_slots_ptr, seq_starts_ptr, xin_ptr, xn_ptr, xc_ptr, width, stride_x, stride_delta,
-                        stride_state, stride_out, rms_eps, ln_eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
+                        stride_state, stride_out, rms_eps, ln_eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     seq = tl.program_id(0)
     col = tl.arange(0, BLOCK)
     mask = col < width
@@ -118,5 +114,5 @@ def slstm_input(x, delta, bias, norm_weight, rms_eps, ln_weight, conv_state, con
                                           conv_state, conv_weight, conv_bias, seq_slots, seq_starts, xin, xn, xc,
                                           width, x.stride(0), delta.stride(0), conv_state.stride(0), xin.stride(0),
                                           rms_eps, NORM_EPS, HAS_BIAS=bias is not None, BLOCK=block,
-                                          num_warps=max(1, min(32, block // 64)), **pdl.options(x.device))
+                                          num_warps=max(1, min(32, block // 64)))
     return xin, xn, xc

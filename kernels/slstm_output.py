@@ -14,7 +14,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import FLOAT_DTYPES, check_input, check_plan, check_state, next_pow2, use_triton
 
 NORM_EPS = 1e-5  # F.group_norm / F.layer_norm defaults, as in the model
@@ -107,13 +106,8 @@ def slstm_output_ref(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype=to
 def _slstm_output_kernel(y_ptr, xin_ptr, gn_weight_ptr, gn_bias_ptr, ln_weight_ptr, s_out_ptr, xn_ptr,
                          y_state_ptr, seq_slot_ptr, seq_start_ptr, rows, sequences, width, group_size, stride_y,
                          stride_xin, stride_s_out, stride_xn, stride_y_state, eps, STORE_Y: tl.constexpr,
-                         GROUPS: tl.constexpr, GROUPS_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr,
-                         PDL: tl.constexpr, TRIGGER: tl.constexpr):
+                         GROUPS: tl.constexpr, GROUPS_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr):
     """Row `pid` (if a row) and the store of sequence `pid`'s last y (if a sequence and not empty)."""
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
-    if TRIGGER:  # the product behind (kernels/gemv.py) may load its weights while this runs
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     col, mask = row_tile(GROUPS, GROUPS_BLOCK, GROUP_BLOCK, group_size)
     row_mask = tl.where(pid < rows, mask, False)  # (not mask & (pid < rows): the interpreter makes that int32)
@@ -161,6 +155,5 @@ def slstm_output(y, xin, gn_weight, gn_bias, ln_weight, groups, out_dtype=torch.
             y, xin, gn_weight, gn_bias, ln_weight, s_out, xn,
             y_state if store_y else y, seq_slots if store_y else y, seq_starts if store_y else y, rows, sequences,
             width, width // groups, y.stride(0), xin.stride(0), s_out.stride(0), xn.stride(0),
-            y_state.stride(0) if store_y else 0, NORM_EPS, STORE_Y=store_y, **group_tile(groups, width),
-            **pdl.options(y.device, trigger=rows <= 2))
+            y_state.stride(0) if store_y else 0, NORM_EPS, STORE_Y=store_y, **group_tile(groups, width))
     return s_out, xn

@@ -41,7 +41,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import check_input, check_plan, check_state, next_pow2, row_positions, use_triton
 from kernels._math import logsigmoid, sigmoid, tanh
 from kernels.skinny_matmul import LO_SCALE, split_fp16, tile_products
@@ -223,14 +222,11 @@ def _slstm_step_kernel(
     stride_m, stride_y, stride_out, y_eps,
     FIRST: tl.constexpr, PRE: tl.constexpr, SPLIT: tl.constexpr, LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Row `position` of a tile of sequences (those that long): its y_prev the state y (FIRST, position 0) or
     the previous row's output. PRE: the input maps' part of the gates (with the bias) is read from pre_ptr
     ([B, 4, H], _slstm_input_gates_kernel), else computed here. SPLIT: the input maps' low halves at w_lo_ptr
     ([4, NB, s, s], laid out as w_ptr's first four maps)."""
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
     block = tl.program_id(0) // tiles_per_block
     j = (tl.program_id(0) % tiles_per_block) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns in the block
     s = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -284,14 +280,11 @@ def _slstm_input_gates_kernel(
     stride_xc, stride_xn, stride_pre,
     SPLIT: tl.constexpr, LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """One gate's input map with its bias, x W_in + b, for a tile of BLOCK_M of a step's rows (padding rows, from
     seq_starts[G] on, skipped) over BLOCK_N columns of one head block: pre [B, 4, H]. The products are the skinny
     kernel's (kernels/skinny_matmul.py), in the order _gate_products sums them. The row tiles of a column tile are
     consecutive programs (axis 0), so they read its weights from memory once."""
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
     live = tl.load(seq_start_ptr + sequences)
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     if tl.program_id(0) * BLOCK_M >= live:
@@ -367,7 +360,7 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows
         _slstm_input_gates_kernel[(triton.cdiv(rows, block_m), GATES * tiles_per_map)](
             xc, xn, weight, w_lo, bias, seq_starts, pre, sequences, width, size, tiles_per_map, xc.stride(0),
             xn.stride(0), pre.stride(0), SPLIT=split, LO_SCALE=LO_SCALE, BLOCK_M=block_m, BLOCK_N=input_n,
-            BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl.options(c.device),
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
     for position in range(max_rows):
         _slstm_step_kernel[(blocks * tiles, triton.cdiv(sequences, block_m))](
@@ -375,6 +368,6 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows
             sequences, position, width, size, tiles, xc.stride(0), xn.stride(0), pre.stride(0), c.stride(0),
             n.stride(0), m.stride(0), y.stride(0), out.stride(0), Y_EPS,
             FIRST=position == 0, PRE=hoist, SPLIT=split, LO_SCALE=LO_SCALE, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-            BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl.options(c.device),
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
     return out

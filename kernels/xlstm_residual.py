@@ -10,7 +10,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _pdl as pdl
 from kernels._common import check_input, next_pow2, use_triton
 from kernels.slstm_output import NORM_EPS, check_out_dtype
 
@@ -37,12 +36,7 @@ def xlstm_residual_ref(x, m, s_out, ln_weight, rms_weight, rms_eps, out_dtype=to
 
 @triton.jit
 def _xlstm_residual_kernel(x_ptr, m_ptr, s_out_ptr, ln_weight_ptr, rms_weight_ptr, t2_ptr, width, stride_x,
-                           stride_m, stride_s_out, stride_t2, ln_eps, rms_eps, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                           TRIGGER: tl.constexpr):
-    if PDL:  # kernels/_pdl.py: before any load, store or return
-        tl.extra.cuda.gdc_wait()
-    if TRIGGER:  # the product behind (kernels/gemv.py) may load its weights while this runs
-        tl.extra.cuda.gdc_launch_dependents()
+                           stride_m, stride_s_out, stride_t2, ln_eps, rms_eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     col = tl.arange(0, BLOCK)
     mask = col < width
@@ -72,6 +66,5 @@ def xlstm_residual(x, m, s_out, ln_weight, rms_weight, rms_eps, out_dtype=torch.
         block = next_pow2(width)
         _xlstm_residual_kernel[(rows,)](x, m, s_out, ln_weight, rms_weight, t2, width, x.stride(0), m.stride(0),
                                         s_out.stride(0), t2.stride(0), NORM_EPS, rms_eps, BLOCK=block,
-                                        num_warps=max(1, min(16, block // 256)),
-                                        **pdl.options(x.device, trigger=rows <= 2))
+                                        num_warps=max(1, min(16, block // 256)))
     return t2

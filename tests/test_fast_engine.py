@@ -381,32 +381,6 @@ def test_several_requests_per_symbol_through_the_graphs_on_gpu():
 
 
 @cuda
-def test_every_kernel_launched_with_pdl_gives_the_same_bits_on_gpu():
-    """Every step kernel launched with programmatic dependent launch (kernels/_pdl.py: each waits for the kernel
-    ahead first thing) inside the captured graphs: the same predictions, bit for bit, as the graphs of
-    kernels launched plainly, over steps of one and of several requests a symbol, through the host tier."""
-    import kernels._pdl as pdl
-    model, _ = load_model("small", seed=2, device="cuda")
-    engines, before = {}, pdl.EVERY_KERNEL
-    try:
-        for every in (False, True):  # read when each engine compiles and captures its steps
-            pdl.EVERY_KERNEL = every
-            engines[every] = FastEngine(model, device="cuda", max_batch=4, max_rows_per_symbol=4, capacity=5,
-                                        host_symbols=8, progress=False)
-    finally:
-        pdl.EVERY_KERNEL = before
-    symbols = [f"S{i}" for i in range(7)]
-    for step, (rows, feats) in enumerate(backlog_steps(3, 40, symbols, max_requests=4)):
-        if step % 3 == 0:
-            rows, feats = rows[:1], feats[:1]  # the one-row graph too
-        plain, chained = engines[False].step(rows, feats), engines[True].step(rows, feats)
-        assert np.isfinite(chained).all() and np.array_equal(plain, chained), step
-    last = np.ones((len(symbols), 79), np.float32)  # every symbol's state, read through one more step
-    assert np.array_equal(engines[False].step(symbols, last), engines[True].step(symbols, last))
-    assert engines[True].table.stats["restored"] > 0
-
-
-@cuda
 def test_padding_rows_never_touch_live_state_on_gpu():
     model, _ = load_model("small", seed=0, device="cuda")
     fast = FastEngine(model, device="cuda", max_batch=8, capacity=10, host_symbols=0, progress=False)
