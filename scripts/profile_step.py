@@ -165,32 +165,29 @@ def priority_times(engine, slots, batches, specs, rounds=3):
     return {spec: {B: float(np.median(v)) for B, v in by_batch.items()} for spec, by_batch in times.items()}
 
 
-# name -> (a step's one row through kernels/gemv.py, gemv launched with PDL, gemv's TILE_BYTES, every other step
-# kernel launched with PDL, a one-row step's norms triggering the product behind them early: kernels/_pdl.py)
-LAUNCHES = {"cublas": (False, False, None, False, False), "gemv": (True, False, None, False, False),
-            "gemv+pdl": (True, True, None, False, False), "gemv 32k": (True, False, 32 * 1024, False, False),
-            "pdl every kernel": (True, True, None, True, False),
-            "pdl + early triggers": (True, True, None, True, True)}
+# name -> (a step's one row through kernels/gemv.py, launched with PDL, gemv's TILE_BYTES). Every other step kernel
+# launched with PDL too was tried and left (bench/LOG.md section 66: commit d00c813)
+LAUNCHES = {"cublas": (False, False, None), "gemv": (True, False, None), "gemv+pdl": (True, True, None),
+            "gemv 32k": (True, False, 32 * 1024)}
 
 
 def launch_times(engine, slots, batches, rounds=3, names=tuple(LAUNCHES)):
     """Step medians (ms) per LAUNCHES entry named: a step's one row through cuBLAS / skinny_matmul as before
     kernels/gemv.py ("cublas"), through gemv launched plainly, with programmatic dependent launch, with larger
-    slices of W a program, every step kernel with PDL; each captured and timed in turn, `rounds` times, and each
-    tower alone at B = 1. The engine's own setting restored after."""
+    slices of W a program; each captured and timed in turn, `rounds` times, and each tower alone at B = 1. The
+    engine's own setting restored after."""
     import importlib
 
     import kernels._pdl as pdl
     gemv_kernel = importlib.import_module("kernels.gemv")  # the module (the package's `gemv` is its function)
     times = {name: {B: [] for B in batches} for name in names}
     towers = {name: {} for name in names}
-    before = pdl.PDL, pdl.EVERY_KERNEL, pdl.EARLY_TRIGGER, gemv_kernel.TILE_BYTES
+    before = pdl.PDL, gemv_kernel.TILE_BYTES
     try:
         for round_ in range(rounds):
             for name in names:
-                gemv, on, tile_bytes, every, early = LAUNCHES[name]
-                pdl.PDL, pdl.EVERY_KERNEL, pdl.EARLY_TRIGGER = on, every, early
-                gemv_kernel.TILE_BYTES = tile_bytes or before[-1]
+                gemv, on, tile_bytes = LAUNCHES[name]
+                pdl.PDL, gemv_kernel.TILE_BYTES = on, tile_bytes or before[-1]
                 engine.runner.set_gemv(gemv)
                 engine.graphed.capture()
                 for B in batches:
@@ -200,7 +197,7 @@ def launch_times(engine, slots, batches, rounds=3, names=tuple(LAUNCHES)):
                     towers[name] = {k: v for k, v in tower_graph_times(engine.runner, slots).items()
                                     if k.startswith("B1_")}
     finally:
-        pdl.PDL, pdl.EVERY_KERNEL, pdl.EARLY_TRIGGER, gemv_kernel.TILE_BYTES = before
+        pdl.PDL, gemv_kernel.TILE_BYTES = before
         engine.runner.set_gemv(True)
         engine.graphed.capture()
     return ({name: {B: {"median": float(np.median(v)), "rounds": v} for B, v in by_batch.items()}
@@ -245,8 +242,8 @@ def main(argv=None) -> int:
                          "xlstm=-1,mamba2=-1 or none (all 0); repeat to compare (bench/LOG.md section 23)")
     ap.add_argument("--launch-ab", type=int, default=0, metavar="ROUNDS",
                     help="also time the step with a step's one row through cuBLAS and through kernels/gemv.py "
-                         "(plain, with programmatic dependent launch, with larger slices of W) and with every step "
-                         "kernel launched with PDL, in turn, ROUNDS times (bench/LOG.md sections 57, 66)")
+                         "(plain, with programmatic dependent launch, with larger slices of W), in turn, ROUNDS "
+                         "times (bench/LOG.md section 57)")
     ap.add_argument("--launches", default=",".join(LAUNCHES),
                     help=f"the --launch-ab variants to time, comma-separated (default all: {', '.join(LAUNCHES)})")
     args = ap.parse_args(argv)
