@@ -230,6 +230,24 @@ def test_the_server_stopping_mid_stream_cuts_an_original_session_short():
     assert summary["detail"].startswith("the server closed the session (1000 server stopped) before the end")
 
 
+def test_a_server_that_closes_without_a_word_is_said_so_and_given_up():
+    """As the event's server may: the connection closed with no closing error, so no close code to name."""
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(None, url, "x", backoff_s=0.01, give_up_repeats=2).run()
+        server.close()
+        return summary
+
+    summary = run(main())
+    assert summary["outcome"] == runtime.GAVE_UP
+    assert "between them: the connection ended without a close code; giving up" in summary["detail"]
+
+
 def test_a_client_of_either_protocol_says_which_flag_a_server_of_the_other_wants():
     async def websocket_server():
         async def handler(ws):
