@@ -1059,4 +1059,6 @@ def _how_it_ended(ws, refusal) -> tuple[tuple, str]:
             return ("client", code), f"it sent {ws.too_big} ({code}: {reason})"
         return ("client", code), f"this client closed the connection ({code} {reason})"
     code, reason = ws.close_code, ws.close_reason
+    if code is None:  # a plain close, as an original-protocol server's (it has no closing message)
+        return ("server", code, reason), "the connection ended without a close code"
     return ("server", code, reason), f"the connection ended ({code}{' ' + reason if reason else ''})"

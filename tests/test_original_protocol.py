@@ -108,7 +108,8 @@ def default_recursion_limit():
 def test_an_original_client_plays_the_server_to_the_end(default_recursion_limit):
     stream, targets = stand_in()
     garbage = [b'{"message_type": "heartbeat", "timestamp": 1.0}\n', b"{not json\n",
-               b'{"message_type": "launch"}\n', b'{"x": ' + b"[" * 1500 + b"]" * 1500 + b"}\n",
+               b'{"message_type": "launch"}\n', b'{"message_type": "stats_update", "complete": true, "requests": 1}\n',
+               b'{"x": ' + b"[" * 1500 + b"]" * 1500 + b"}\n",
                b'{"message_type": "heartbeat", "timestamp": 1' + b"0" * 400 + b"}\n",
                b'{"message_type": "register", "x": "' + b"y" * 5000 + b'"}\n',
                b'{"message_type": "register", "x": "' + b"y" * 9000 + b'"}\n']
@@ -134,10 +135,11 @@ def test_an_original_client_plays_the_server_to_the_end(default_recursion_limit)
     summary = summaries[0]
     assert summary["responses"] == REQUESTS and summary["missed"] == summary["errors"] == 0
     assert summary["accuracy"] == 1.0 and summary["weights_match"] is None and summary["complete"]
-    assert scores["teams"][0]["team"] == "tcp-json:127.0.0.1" and scores["unregistered_errors"] == 7
+    assert scores["teams"][0]["team"] == "tcp-json:127.0.0.1" and scores["unregistered_errors"] == 8
     expected = [("not_registered", "send register first, not heartbeat"),
                 ("protocol_error", "line is not JSON: Expecting property name"),
                 ("protocol_error", "unknown message_type 'launch'; expected one of register, "),
+                ("protocol_error", "a client does not send stats_update messages"),  # not "end", the project's
                 ("protocol_error", "line nests values deeper than Python's JSON decoder goes"),
                 ("protocol_error", "heartbeat: field 'timestamp' must be a finite number, got int"),  # 401 digits
                 ("protocol_error", "line of 5038 bytes exceeds the limit of 4096 bytes"),  # as a websocket frame's
@@ -226,6 +228,24 @@ def test_the_server_stopping_mid_stream_cuts_an_original_session_short():
     summary = run(main())
     assert summary["outcome"] == runtime.CUT_SHORT
     assert summary["detail"].startswith("the server closed the session (1000 server stopped) before the end")
+
+
+def test_a_server_that_closes_without_a_word_is_said_so_and_given_up():
+    """As the event's server may: the connection closed with no closing error, so no close code to name."""
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(None, url, "x", backoff_s=0.01, give_up_repeats=2).run()
+        server.close()
+        return summary
+
+    summary = run(main())
+    assert summary["outcome"] == runtime.GAVE_UP
+    assert "between them: the connection ended without a close code; giving up" in summary["detail"]
 
 
 def test_a_client_of_either_protocol_says_which_flag_a_server_of_the_other_wants():
