@@ -45,7 +45,9 @@ CUT_SHORT = "cut_short"                # connected, then the server went away, s
 GAVE_UP = "gave_up"                    # the server failed the same way on GIVE_UP_REPEATS connections in a row
 INTERRUPTED = "interrupted"            # stop() before the end (Ctrl-C in the team client)
 WRONG_PROTOCOL = "wrong_protocol"      # the server speaks the other protocol (websocket, tcp-json)
-OUTCOMES = (COMPLETE, UNREACHABLE, REFUSED, WEIGHTS_MISMATCH, CUT_SHORT, GAVE_UP, INTERRUPTED, WRONG_PROTOCOL)
+NEW_STREAM = "new_stream"              # after a reconnect the server began another stream (its ids started over)
+OUTCOMES = (COMPLETE, UNREACHABLE, REFUSED, WEIGHTS_MISMATCH, CUT_SHORT, GAVE_UP, INTERRUPTED, WRONG_PROTOCOL,
+            NEW_STREAM)
 
 # Connections in a row that may end the same way, with no new request in between, before the client gives up
 # (with the backoff between them, about 3 s): a server that breaks every connection is not retried forever.
@@ -299,6 +301,7 @@ class StreamingClient:
         # ids whose answers left the cache: a resend is refused, since stepping it again would advance its
         # symbol's state twice (a few tens of bytes an id, as the stats' ids)
         self._evicted: set[int] = set()
+        self._fed_on_connection = False  # a request new to this client came on the current connection
         self._ws = None
         self._send_tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -431,6 +434,7 @@ class StreamingClient:
         """Serve one connection; True when the session is over, False to reconnect."""
         self.stats.connections += 1
         self._welcomed, self._refusal = False, None
+        self._fed_on_connection = False
         self._ws = ws
         requests_before = self.stats.requests
         heartbeat = asyncio.create_task(self._heartbeat(ws))
@@ -548,6 +552,21 @@ class StreamingClient:
             log.warning("bad message from server: %s", exc)
             self._send(ws, protocol.error("bad_message", str(exc)))
 
+    def _new_stream(self, ws, uid, symbol):
+        """After a reconnect, before any request new to this client, the server sent a unique_id that held another
+        request before, or one answered so long ago that its answer left the cache (a resume resends what was
+        unanswered when the connection broke): it began another stream (restarted, or a new round), whose ids
+        start over. Over the original protocol nothing else can tell (no session, no welcome). The states here are
+        the old stream's: the session ends, rather than answer the new stream from them or refuse its every
+        reused id."""
+        log.warning("request %d (%s) after the reconnect reuses the unique_id of an earlier request: the server "
+                    "began another stream", uid, symbol)
+        self._finish(NEW_STREAM, f"after the reconnect the server sent unique_id {uid} ({symbol}), which held another "
+                                 f"request before or was answered long ago: it began another stream (restarted, or a new round), and this "
+                                 f"client's states are the old one's; {self._played()} requests of the old stream "
+                                 f"answered in time")
+        self._spawn(ws.close())
+
     def _on_refusal(self, ws, msg):
         """The server refused register: said at once, unless it is a limit that passes (rate, connections, room),
         which the connect loop tries again (and gives up on when it keeps coming)."""
@@ -595,6 +614,9 @@ class StreamingClient:
         for index, (uid, symbol, row, finite) in enumerate(zip(ids, symbols, features, finite_rows)):
             known = self._cache[uid][1] if uid in self._cache else self._in_flight.get(uid)
             if known is not None and known != _request_print(symbol, row):
+                if self.stats.connections > 1 and not self._fed_on_connection:
+                    self._new_stream(ws, uid, symbol)
+                    return
                 log.warning("request %d (%s) reuses the unique_id of another request; not answered", uid, symbol)
                 self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): received before "
                                                              f"for another symbol or other features; a resend must "
@@ -604,6 +626,9 @@ class StreamingClient:
             elif uid in self._in_flight:
                 continue  # resent while still queued or computing: answered when its step is done
             elif uid in self._evicted:
+                if self.stats.connections > 1 and not self._fed_on_connection:  # no resume resends that far back
+                    self._new_stream(ws, uid, symbol)
+                    return
                 log.warning("request %d (%s) was answered earlier and its answer left the cache; not fed to the "
                             "model again", uid, symbol)
                 self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): answered earlier, "
@@ -623,6 +648,7 @@ class StreamingClient:
                 self._in_flight[uid] = _request_print(symbol, row)
                 self.stats.note_request(uid)
                 new_requests.append(Request(uid, symbol, row, received_at))
+                self._fed_on_connection = True
         self._mark("received", (r.unique_id for r in new_requests))
         if new_requests:
             queued = []

@@ -181,6 +181,8 @@ OUTCOME_HINTS = {
                         "or pass --allow-weights-mismatch to play anyway",
     "cut_short": "the summary above covers what was played",
     "gave_up": "the summary above covers what was played; ask the server's organisers about it",
+    "new_stream": "the summary above covers the old stream; start the client again to play the new one from fresh "
+                  "states",
 }
 
 

@@ -248,6 +248,89 @@ def test_a_server_that_closes_without_a_word_is_said_so_and_given_up():
     assert "between them: the connection ended without a close code; giving up" in summary["detail"]
 
 
+class RoundServer:
+    """An event-style server over the original protocol (no welcome, no session): on connection n, after the
+    register, the requests rounds[n] ([(unique_id, symbol, features)]) one at a time, each answer awaited, then a
+    plain close (at once past the last round); what the client sent on each connection is kept."""
+
+    def __init__(self, rounds):
+        self.rounds, self.sent_back = rounds, []
+
+    async def handler(self, reader, writer):
+        answers = []
+        self.sent_back.append(answers)
+        await reader.readline()  # register
+        n = len(self.sent_back) - 1
+        for uid, symbol, row in self.rounds[n] if n < len(self.rounds) else []:
+            writer.write(json.dumps({"message_type": "inference_request", "unique_ids": [uid], "symbols": [symbol],
+                                     "features": [row.tolist()], "timestamp": time.time()}).encode() + b"\n")
+            while True:  # until this request's answer or the client's error about it
+                line = await reader.readline()
+                if not line:
+                    return
+                answers.append(json.loads(line))
+                if answers[-1]["message_type"] in ("inference_response", "error"):
+                    break
+        writer.close()
+
+    async def play(self, **client_options):
+        server = await asyncio.start_server(self.handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(Echo(), url, "x", backoff_s=0.01, give_up_repeats=2, **client_options).run()
+        server.close()
+        return summary
+
+
+class Echo:
+    """A team client that answers each request with its first four features (states are not the point here)."""
+
+    def process_batch(self, requests_by_symbol):
+        return {"unique_ids": [uid for uid, _ in requests_by_symbol.values()],
+                "predictions": np.stack([features[:4] for _, features in requests_by_symbol.values()])}
+
+
+def requests(*pairs, seed):
+    rows = np.random.default_rng(seed).standard_normal((len(pairs), 79))
+    return [(uid, symbol, row) for (uid, symbol), row in zip(pairs, rows)]
+
+
+def answered(messages):
+    return [uid for m in messages if m["message_type"] == "inference_response" for uid in m["unique_ids"]]
+
+
+def test_a_server_that_begins_another_stream_after_a_reconnect_ends_the_session():
+    """An event server restarted (or a new round): after the reconnect its ids start over, holding other requests.
+    The client's states are the old stream's: it says so and ends, answering none of the new stream from them
+    (where it refused every reused id and stayed)."""
+    server = RoundServer([requests((0, "SYM_000"), (1, "SYM_001"), (2, "SYM_000"), seed=0),
+                          requests((0, "SYM_001"), (1, "SYM_000"), seed=1)])
+    summary = run(server.play())
+    assert summary["outcome"] == runtime.NEW_STREAM
+    assert "unique_id 0 (SYM_001), which held another request before or was answered long ago" in summary["detail"]
+    assert [answered(sent) for sent in server.sent_back] == [[0, 1, 2], []]
+
+
+def test_a_stream_resumed_after_a_reconnect_goes_on():
+    """The same stream after the reconnect: its requests resent as they were (answered from the cache), then new
+    ones; an id that holds another request once new ones came is refused alone, as in any stream."""
+    first = requests((0, "SYM_000"), (1, "SYM_001"), seed=0)
+    server = RoundServer([first, first + requests((2, "SYM_000"), (0, "SYM_002"), (3, "SYM_001"), seed=1)])
+    summary = run(server.play())
+    assert summary["outcome"] == runtime.GAVE_UP  # closed with nothing new, twice in a row: not a new stream
+    assert [answered(sent) for sent in server.sent_back] == [[0, 1], [0, 1, 2, 3], [], []]
+    assert any(m["message_type"] == "error" and "unique_id 0 (symbol SYM_002): received before" in m["details"]
+               for m in server.sent_back[1])
+
+
+def test_an_id_answered_long_ago_first_after_a_reconnect_is_another_stream():
+    """An id whose answer left the cache (older than a resume would resend), first after a reconnect: the server's
+    ids started over, even where the request is alike."""
+    first = requests(*((i, "SYM_000") for i in range(4)), seed=0)
+    server = RoundServer([first, first[:1]])
+    summary = run(server.play(cache_size=2))
+    assert summary["outcome"] == runtime.NEW_STREAM and [answered(sent) for sent in server.sent_back] == [[0, 1, 2, 3], []]
+
+
 def test_a_client_of_either_protocol_says_which_flag_a_server_of_the_other_wants():
     async def websocket_server():
         async def handler(ws):
