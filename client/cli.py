@@ -44,8 +44,8 @@ EXIT_CODES = {  # code -> meaning, for --help epilogs and the README
     EXIT_UNREACHABLE: "server unreachable",
     EXIT_REFUSED: "refused by the server (token, protocol, team name)",
     EXIT_WEIGHTS_MISMATCH: "weights differ from the server's",
-    EXIT_CUT_SHORT: "cut short (the server went away, stopped, fell silent, failed the same way on every "
-                    "connection or began another stream before the end of the stream)",
+    EXIT_CUT_SHORT: "cut short (the server went away, stopped, fell silent or failed the same way on every "
+                    "connection before the end of the stream)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
 
@@ -53,7 +53,7 @@ EXIT_CODES = {  # code -> meaning, for --help epilogs and the README
 EXIT_BY_OUTCOME = {"complete": EXIT_OK, "unreachable": EXIT_UNREACHABLE, "refused": EXIT_REFUSED,
                    "weights_mismatch": EXIT_WEIGHTS_MISMATCH, "cut_short": EXIT_CUT_SHORT,
                    "gave_up": EXIT_CUT_SHORT, "interrupted": EXIT_INTERRUPTED, "wrong_protocol": EXIT_USAGE,
-                   "new_stream": EXIT_CUT_SHORT}
+                   "new_stream": EXIT_CUT_SHORT}  # the team client plays a new stream on (team/example_model.py)
 
 ORDINARY_ERRORS = (ValueError, OSError, ImportError)
 MAX_MESSAGE_CHARS = 400

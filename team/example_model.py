@@ -181,8 +181,6 @@ OUTCOME_HINTS = {
                         "or pass --allow-weights-mismatch to play anyway",
     "cut_short": "the summary above covers what was played",
     "gave_up": "the summary above covers what was played; ask the server's organisers about it",
-    "new_stream": "the summary above covers the old stream; start the client again to play the new one from fresh "
-                  "states",
 }
 
 
@@ -337,7 +335,7 @@ def build_engine(args) -> tuple[Engine, str, str]:
 async def play(args) -> tuple[dict, list[dict] | None]:
     """Play the server given by args (or an embedded one); return (client summary, server summaries)."""
     from client.original_team import as_runtime_client
-    from client.runtime import StreamingClient
+    from client.runtime import NEW_STREAM, StreamingClient
     from client.transport import server_url
 
     team_class = ExampleModel
@@ -346,7 +344,6 @@ async def play(args) -> tuple[dict, list[dict] | None]:
 
         team_class = load_team_class(args.team_dir)
     engine, fingerprint, engine_text = build_engine(args)
-    team_client = as_runtime_client(team_class(engine))
     server = None
     try:
         if args.host is None:
@@ -359,24 +356,33 @@ async def play(args) -> tuple[dict, list[dict] | None]:
             url = server_url(args.protocol, "127.0.0.1", await server.start())
         else:
             url = server_url(args.protocol, args.host, args.port)
-        client = StreamingClient(team_client, url, args.team, args.token, preset=args.preset,
-                                 weights_fingerprint=fingerprint, allow_weights_mismatch=args.allow_weights_mismatch,
-                                 leave_at_end=True, max_requests_per_symbol=args.max_requests_per_symbol,
-                                 server_idle_s=args.server_idle_s, inline_steps=INLINE_STEPS[args.inline_steps],
-                                 on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome, engine_text),
-                                                                  file=sys.stderr))
+        playing = [None]  # the client of the stream being played
         # A lost shard is said in the summary and to the server (its leaderboard), not only on stderr.
-        if engine is not None:
-            engine.on_loss(lambda loss: client.notice(
-                "state_reset" if loss["policy"] == "reset" else "shard_lost", loss["line"]))
-        progress = asyncio.create_task(_print_progress(client))
-        ctrl_c = _stop_on_ctrl_c(client)
-        try:
-            summary = await client.run()
-        finally:
-            progress.cancel()
-            if ctrl_c:
-                asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+        engine.on_loss(lambda loss: playing[0].notice(
+            "state_reset" if loss["policy"] == "reset" else "shard_lost", loss["line"]))
+        while True:
+            client = StreamingClient(as_runtime_client(team_class(engine)), url, args.team, args.token,
+                                     preset=args.preset, weights_fingerprint=fingerprint,
+                                     allow_weights_mismatch=args.allow_weights_mismatch, leave_at_end=True,
+                                     max_requests_per_symbol=args.max_requests_per_symbol,
+                                     server_idle_s=args.server_idle_s, inline_steps=INLINE_STEPS[args.inline_steps],
+                                     on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome,
+                                                                                        engine_text), file=sys.stderr))
+            playing[0] = client
+            progress = asyncio.create_task(_print_progress(client))
+            ctrl_c = _stop_on_ctrl_c(client)
+            try:
+                summary = await client.run()
+            finally:
+                progress.cancel()
+                if ctrl_c:
+                    asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+            if summary["outcome"] != NEW_STREAM:
+                break
+            # Its run has ended every step: the states are the engine's alone to drop, and a fresh team client
+            # (a team file's own states too) plays the new stream from the start.
+            print(f"{PROG}: {summary['detail']}; states reset, playing the new stream", file=sys.stderr)
+            engine.release(engine.symbols)
     finally:
         if server is not None:
             await server.stop()

@@ -344,3 +344,50 @@ def test_a_symbol_beyond_the_state_table_is_answered_with_an_error_alone():
     result = client.process_batch({"A": (3, row), "C": (4, row)})
     assert result["unique_ids"] == [3] and result["predictions"].shape == (1, 4)
     assert list(result["errors"]) == [4] and "no room for the state" in result["errors"][4]
+
+
+def test_a_new_stream_after_a_reconnect_is_played_from_fresh_states(cli_here):
+    """An event-style server (the original protocol) restarted: after the reconnect its ids start over. The team
+    client drops every state and plays the new stream from the start, its answers those of a fresh model."""
+    import socketserver
+    import threading
+
+    from team.example_model import main
+
+    rng = np.random.default_rng(0)
+    old = [(0, "SYM_000", rng.standard_normal(79)), (1, "SYM_001", rng.standard_normal(79))]
+    new = [(0, "SYM_001", rng.standard_normal(79)), (1, "SYM_000", rng.standard_normal(79))]
+    rounds, sent_back = [old, new[:1], new], []
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self):
+            answers = []
+            sent_back.append(answers)
+            self.rfile.readline()  # register
+            for uid, symbol, row in rounds[min(len(sent_back), len(rounds)) - 1]:
+                self.wfile.write(json.dumps({"message_type": "inference_request", "unique_ids": [uid],
+                                             "symbols": [symbol], "features": [row.tolist()],
+                                             "timestamp": time.time()}).encode() + b"\n")
+                while (line := self.rfile.readline()) and json.loads(line)["message_type"] != "inference_response":
+                    pass
+                if not line:
+                    return  # the client left
+                answers.append(json.loads(line))
+            if len(sent_back) == len(rounds):  # the new stream is over
+                self.wfile.write(b'{"message_type": "stats_update", "complete": true, "requests": 2}\n')
+                self.rfile.read()
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        code, err = cli_here(main, "team/example_model.py",
+                             ["--host", "127.0.0.1", "--port", str(server.server_address[1]), "--protocol",
+                              "tcp-json", "--preset", "tiny", "--engine", "reference", "--device", "cpu"])
+        server.shutdown()
+    assert code == 0, err[-2000:]
+    assert "which held another request before or was answered long ago: it began another stream" in err
+    assert "states reset, playing the new stream" in err
+    fresh = ReferenceEngine(load_model("tiny", seed=0)[0])
+    want = {uid: fresh.step([symbol], row[None].astype(np.float32))[0] for uid, symbol, row in new}
+    got = {m["unique_ids"][0]: np.array(m["predictions"][0]) for m in sent_back[2]}
+    assert sorted(got) == [0, 1] and all(np.allclose(got[uid], want[uid], atol=1e-6) for uid in want)
+    assert [len(answers) for answers in sent_back] == [2, 0, 2]
