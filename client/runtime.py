@@ -54,6 +54,8 @@ OUTCOMES = (COMPLETE, UNREACHABLE, REFUSED, WEIGHTS_MISMATCH, CUT_SHORT, GAVE_UP
 GIVE_UP_REPEATS = 5
 # Seconds without any frame from the server (it sends a heartbeat every 5 s) before the session is cut short.
 SERVER_IDLE_S = 15.0
+# Seconds the first connection is retried: a wrong address fails fast.
+CONNECT_TIMEOUT_S = 3.0
 
 SWITCH_INTERVAL_S = 0.0002
 # Pipelined steps in flight: one running on the GPU and the next queued behind it. More would only add
@@ -182,7 +184,7 @@ class StreamingClient:
                  allow_weights_mismatch: bool = False, leave_at_end: bool = False, on_welcome=None,
                  max_batch: int | None = None, max_requests_per_symbol: int = DEFAULT_REQUESTS_PER_SYMBOL,
                  heartbeat_s: float = 5.0, backoff_s: float = 0.1,
-                 backoff_max_s: float = 5.0, connect_timeout_s: float = 3.0, give_up_after_s: float = 10.0,
+                 backoff_max_s: float = 5.0, connect_timeout_s: float = CONNECT_TIMEOUT_S, give_up_after_s: float = 10.0,
                  cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
                  form_late: bool = True, late_after_s: float | None = None, form_margin_s: float | None = None,
                  punctual_late_after_s: float | None = None, join_queued: bool = True, timeline: bool = False,

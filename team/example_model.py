@@ -40,7 +40,7 @@ from client.engine import ENGINES, Engine, make_engine  # noqa: E402
 from client.engine.options import add_engine_arguments, engine_options  # noqa: E402
 from client.engine.base import NUM_TOWERS, PendingStep  # noqa: E402
 from client.model.config import PRESETS  # noqa: E402
-from client.runtime import SERVER_IDLE_S  # noqa: E402
+from client.runtime import CONNECT_TIMEOUT_S, SERVER_IDLE_S  # noqa: E402
 from client.transport import PROTOCOLS  # noqa: E402
 
 
@@ -228,6 +228,10 @@ def parse_args(argv=None):
                         help=f"leave (exit 6) when the server sends nothing, not even a heartbeat (or only heartbeats "
                              f"before answering the register), for S seconds (default {SERVER_IDLE_S:g}: three of "
                              f"its heartbeats)")
+    parser.add_argument("--connect-timeout-s", type=cli.positive_float, default=CONNECT_TIMEOUT_S, metavar="S",
+                        help=f"wait up to S seconds for the server at the first connection, retrying (default "
+                             f"{CONNECT_TIMEOUT_S:g}: a wrong address fails fast; more for a client started before "
+                             f"its server), then exit 3")
     parser.add_argument("--inline-steps", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                         help="the event loop submits the steps and polls their ends itself, with no thread handing "
                              "a request or an answer on (it keeps a CPU busy while a step runs); on needs the fast "
@@ -365,7 +369,8 @@ async def play(args) -> tuple[dict, list[dict] | None]:
                                      preset=args.preset, weights_fingerprint=fingerprint,
                                      allow_weights_mismatch=args.allow_weights_mismatch, leave_at_end=True,
                                      max_requests_per_symbol=args.max_requests_per_symbol,
-                                     server_idle_s=args.server_idle_s, inline_steps=INLINE_STEPS[args.inline_steps],
+                                     server_idle_s=args.server_idle_s, connect_timeout_s=args.connect_timeout_s,
+                                     inline_steps=INLINE_STEPS[args.inline_steps],
                                      on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome,
                                                                                         engine_text), file=sys.stderr))
             playing[0] = client

@@ -207,6 +207,45 @@ def test_other_weights_are_refused_naming_both_fingerprints_unless_allowed(serve
     assert "OTHER than this client's (played anyway: --allow-weights-mismatch)" in allowed.stderr
 
 
+def test_a_client_started_before_its_server_waits_for_it_with_connect_timeout(cli_here):
+    """--connect-timeout-s: the first connection retried until an event-style server (the original protocol)
+    comes up 2 s later, which plays one request to the end."""
+    import socketserver
+    import threading
+
+    from team.example_model import main
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self):
+            self.rfile.readline()  # register
+            self.wfile.write(json.dumps({"message_type": "inference_request", "unique_ids": [7],
+                                         "symbols": ["SYM_000"], "features": [[0.5] * 79],
+                                         "timestamp": time.time()}).encode() + b"\n")
+            while (line := self.rfile.readline()) and json.loads(line)["message_type"] != "inference_response":
+                pass
+            self.wfile.write(b'{"message_type": "stats_update", "complete": true, "requests": 1}\n')
+            self.rfile.read()
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there yet
+    servers = []
+
+    def start_later():
+        time.sleep(2.0)
+        servers.append(socketserver.ThreadingTCPServer(("127.0.0.1", port), Handler))
+        servers[0].serve_forever()
+
+    threading.Thread(target=start_later, daemon=True).start()
+    code, err = cli_here(main, "team/example_model.py",
+                         ["--host", "127.0.0.1", "--port", str(port), "--protocol", "tcp-json", "--preset", "tiny",
+                          "--engine", "reference", "--device", "cpu", "--connect-timeout-s", "30"])
+    servers[0].shutdown()
+    servers[0].server_close()
+    assert code == 0, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("team/example_model.py: complete: the stream was played")
+
+
 def test_unreachable_server_fails_fast_in_one_line():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
