@@ -16,9 +16,11 @@ from client import cli
 from client.model.config import PRESETS
 from client.streams import Stream, generate_stream, save_stream, stream_fingerprint
 
+PROG = cli.prog_name("make_stream")
+
 
 def parse_args(argv):
-    parser = cli.ArgumentParser(prog=cli.prog_name("make_stream"), description=__doc__,
+    parser = cli.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--symbols", type=int, required=True, help="number of symbols (SYM_000, ...)")
     parser.add_argument("--requests", type=int, required=True, help="number of requests")
@@ -71,14 +73,14 @@ def main(argv=None):
     except cli.ORDINARY_ERRORS as error:
         if args.debug:
             raise  # run_cli prints the traceback
-        sys.exit(f"make_stream: {cli.one_line(error)}")
+        sys.exit(f"{PROG}: {cli.one_line(error)}")
     print(f"wrote {args.out}: {len(stream)} requests over {len(set(stream.symbols.tolist()))} symbols"
           f"{', with targets' if args.targets else ''}; stream fingerprint {stream_fingerprint(stream)[:16]}")
 
 
 def run() -> int:
     """The console script's entry point (pyproject.toml): main with one-line errors and exit codes."""
-    return cli.run_cli(main, "make_stream")
+    return cli.run_cli(main, PROG)
 
 
 if __name__ == "__main__":

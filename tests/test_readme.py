@@ -4,6 +4,7 @@ import ast
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,10 @@ def test_every_test_the_fault_table_names_exists():
             tree = ast.parse((ROOT / "tests" / file).read_text())
             defined[file] = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
         assert test in defined[file], f"the README's fault table names {file}::{test}, which does not exist"
+
+
+def test_every_console_script_is_in_the_readme():
+    # what a stranger who installed the wheel, with no checkout to run scripts from, has to know the tools by
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    missing = sorted(name for name in scripts if not re.search(rf"`{name}`", README))
+    assert not missing, f"the README does not name the console scripts {', '.join(missing)}"

@@ -1,6 +1,9 @@
 import importlib.util
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +12,7 @@ from client.engine import ENGINES, make_engine
 from client.engine.precision import FP32_STATE, StateStorage
 from client.engine.reference import ReferenceEngine
 from client.model import load_model
+from conftest import checkout_env
 
 SYMBOLS = ["SYM_000", "SYM_001", "SYM_002"]
 
@@ -230,3 +234,17 @@ def test_a_step_of_more_symbols_than_device_places_runs_through_the_host_tier(mo
         np.testing.assert_allclose(bounded.step(rows, x), unbounded.step(rows, x), rtol=1e-5, atol=1e-6)
     assert list(bounded.unplaceable(["D", "E"])) == ["E"]  # four symbols in all: room for one more
     assert bounded._states.on_host == 2
+
+
+def test_the_reference_engine_starts_without_triton():
+    # pip installs Triton on Linux alone (pyproject.toml): elsewhere every CPU tool plays the reference engine
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys; sys.modules['triton'] = None  # import triton now raises ImportError\n"
+            "import numpy as np\n"
+            "from client.engine import make_engine\n"
+            "from client.model import load_model\n"
+            "engine = make_engine('reference', load_model('tiny', seed=0)[0], device='cpu')\n"
+            "print(engine.step(['SYM_000'], np.zeros((1, 79), np.float32)).shape)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=checkout_env(root), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "(1, 4)\n", done.stderr

@@ -71,6 +71,15 @@ def test_script_mistakes_are_one_line(tmp_path):
         assert stderr.strip().splitlines() == [stderr.strip()] and stderr.startswith(message)
 
 
+def test_make_stream_as_a_console_script_names_itself_in_every_error(tmp_path):
+    entry_point = ("import sys; sys.argv[0] = '/venv/bin/fastens-make-stream'; "
+                   "from scripts.make_stream import run; sys.exit(run())")
+    done = subprocess.run([sys.executable, "-c", entry_point, "--symbols", "2", "--requests", "5", "--seed", "1",
+                           "--targets", "--preset", "tiny", "--weights", tmp_path / "missing.pt"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.startswith("fastens-make-stream: weights file not found"), done.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("script, args", [("profile_step.py", ["--preset", "tiny"]),
                                           ("kernel_times.py", ["--batches", "64x1,64x4"]),

@@ -43,8 +43,7 @@ class ReferenceEngine(Engine):
     def _capacity_for_memory(self, share) -> int:
         """Symbols that `share` of the device's memory holds, as the fast engine counts them (its memory rules are
         stated once, there)."""
-        from client.engine.fast.engine import CPU_CAPACITY, STATE_MEMORY
-        from client.engine.fast.state_table import capacity_for_memory, host_memory
+        from client.engine.fast.state_table import CPU_CAPACITY, STATE_MEMORY, capacity_for_memory, host_memory
 
         share = STATE_MEMORY if share is None else share
         if self.device.type == "cuda":

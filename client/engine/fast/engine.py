@@ -17,20 +17,17 @@ from client.model.config import TOWER_NAMES
 from .placement import place_towers
 from .layers import StepPlan
 from .runner import GraphedStep, StepInputs, StepRunner, precompile, shape_for, step_shapes
-from .state_table import StateTable, capacity_for_memory, host_memory, host_symbols_for, host_tier_budget, slot_layout
+from .state_table import (CPU_CAPACITY, STATE_MEMORY, StateTable, capacity_for_memory, host_memory, host_symbols_for,
+                          host_tier_budget, slot_layout)
 
 # Pinned staging buffers for submitted steps, each with its own set of graphs: one more than the runtime keeps
 # in flight (2), so that reusing one never has to wait for its previous step.
 RING = 3
-# The state table's default share of free GPU memory; the host tier's default is the available host memory less a
-# headroom (state_table.host_tier_budget). README "Symbols at scale" states the rule and what it gives.
-STATE_MEMORY = 0.8
 # Free GPU slots kept ready by moving least recently used states to the host ahead of need (at most an eighth of
 # the table): a burst of up to 8 symbols arriving together, new or returning, takes slots whose evictions are
 # done, so their returns start at once. Refilling a slot costs one state's copy to the host (146 MiB: ~5 ms at
 # PCIe speed, on the stream that carries no returns), and no capacity: the host tier holds the states moved out.
 RESERVE = 8
-CPU_CAPACITY = 1024  # without a GPU the table lives in host memory: a modest default
 # A step of one request a symbol queued behind another on the GPU is launched at a shape with room for this many
 # more (JoinableStep). At the event's pace (a request every 2.5 ms, steps of 2.4-2.7 ms) at most one arrives before
 # it starts, and room costs: on two H100s a step of one symbol took 0.03 / 0.09 ms more at 2 rows than at 1, and

@@ -50,6 +50,10 @@ import torch
 from client.engine.base import CapacityError
 
 PAD_SLOT = 0
+# The state table's default share of free GPU memory; the host tier's default is the available host memory less a
+# headroom (host_tier_budget). README "Symbols at scale" states the rule and what it gives.
+STATE_MEMORY = 0.8
+CPU_CAPACITY = 1024  # without a GPU the table lives in host memory: a modest default
 ALIGN = 256  # bytes: every component starts at a multiple of this within a slot (vector loads, any dtype)
 # The default host tier takes the available host memory less this headroom, left to the process's own growth, a
 # scoring server on the same machine and the system: the larger of a fixed amount and a share of the host's memory.
