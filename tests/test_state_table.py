@@ -4,6 +4,7 @@ returns started ahead of their step (prefetch, ready), a slow copy delaying only
 real CUDA streams where there is a GPU."""
 import mmap
 import multiprocessing
+import os
 import random
 import subprocess
 import sys
@@ -250,6 +251,30 @@ def test_a_host_tier_beyond_the_hosts_memory_is_refused_in_one_line():
     size = slot_layout(LAYOUT)[1]
     assert host_symbols_for(10 * mmap.PAGESIZE, [size]) == 9  # a page a slot here, one kept spare
     assert host_symbols_for(0, [size]) == 0
+
+
+def test_host_memory_where_the_system_says_less(monkeypatch):
+    """No /proc/meminfo and no count of available pages (macOS): the total stands for it; nothing said at all
+    (Windows: no sysconf): zeros, and the reference engine's CPU table takes its default size."""
+    from client.engine.fast import state_table
+    from client.engine.reference import ReferenceEngine
+    from client.model import load_model
+
+    monkeypatch.setattr(state_table, "_read", lambda path: None)
+    real = os.sysconf
+
+    def macos(name):
+        if name == "SC_AVPHYS_PAGES":
+            raise ValueError("unrecognized configuration name")
+        return real(name)
+
+    monkeypatch.setattr(os, "sysconf", macos)
+    total, available = host_memory()
+    assert available == total == real("SC_PHYS_PAGES") * real("SC_PAGE_SIZE") > 0
+    monkeypatch.delattr(os, "sysconf")
+    assert host_memory() == (0, 0)
+    engine = ReferenceEngine(load_model("tiny", seed=0)[0], progress=False)
+    assert engine.describe()["capacity"] == state_table.CPU_CAPACITY
 
 
 def test_prefetch_starts_a_return_ahead_of_its_step_and_the_step_then_waits_for_nothing():

@@ -50,7 +50,10 @@ class ReferenceEngine(Engine):
             return capacity_for_memory(self.state_bytes, share, self.device)
         if not 0 < share <= 0.95:
             raise ValueError(f"--state-memory must be a share in (0, 0.95], got {share}")
-        return max(1, min(CPU_CAPACITY, int(share * host_memory()[1]) // self.state_bytes))
+        available = host_memory()[1]
+        if not available:  # a host that says nothing of its memory (no /proc, no sysconf)
+            return CPU_CAPACITY
+        return max(1, min(CPU_CAPACITY, int(share * available) // self.state_bytes))
 
     @property
     def symbols(self) -> list[str]:

@@ -68,7 +68,10 @@ HOST_HEADROOM_SHARE = 0.15
 # predictions out) queue behind at most one piece on a copy engine, not behind a whole state (~3 ms).
 PIECE_BYTES = 8 << 20
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in at once (Python's mmap module names it from 3.13 only)
-_LIBC = ctypes.CDLL(None, use_errno=True)  # a CDLL's calls release the GIL
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)  # a CDLL's calls release the GIL
+except OSError:  # no C library to open by name (Windows): host slots are faulted in page by page instead
+    _LIBC = None
 if hasattr(_LIBC, "madvise"):
     _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -127,6 +130,14 @@ def _cgroup_memory() -> tuple[int, int] | None:
     return None
 
 
+def _sysconf_bytes(pages_name) -> int:
+    """sysconf's count of pages `pages_name` in bytes; 0 where the system does not say it."""
+    try:
+        return os.sysconf(pages_name) * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or not that name (macOS's available)
+        return 0
+
+
 def host_memory() -> tuple[int, int]:
     """(total, available) bytes of host memory for this process: /proc/meminfo's MemTotal and MemAvailable
     (sysconf where there is none), within the memory cgroup's limit."""
@@ -136,9 +147,9 @@ def host_memory() -> tuple[int, int]:
         fields = value.split()
         if len(fields) == 2 and fields[1] == "kB":
             info[key] = int(fields[0]) * 1024
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = info.get("MemTotal") or os.sysconf("SC_PHYS_PAGES") * page
-    available = info.get("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * page
+    total = info.get("MemTotal") or _sysconf_bytes("SC_PHYS_PAGES")
+    # macOS says no available pages: its total then (a CPU table is capped at CPU_CAPACITY anyway)
+    available = info.get("MemAvailable") or _sysconf_bytes("SC_AVPHYS_PAGES") or total
     cgroup = _cgroup_memory()
     if cgroup is not None:
         total, available = min(total, cgroup[0]), min(available, cgroup[1])
