@@ -184,6 +184,12 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.cluster is None and (args.ray_address or args.shards):
         parser.error("--ray-address and --shards apply with --cluster ray")
+    if args.cluster == "ray":  # said now, not as a traceback in the shards section's log, the run exiting 0
+        from client.engine.shard_ray import import_ray
+        try:
+            import_ray()
+        except ImportError as exc:
+            parser.error(str(exc))
     late_after_ms = args.late_after_ms or [LATE_AFTER_S * 1000.0]
     if args.punctual_late_after_ms and max(args.punctual_late_after_ms) > min(late_after_ms):
         parser.error(f"--punctual-late-after-ms must not exceed --late-after-ms ({min(late_after_ms):g})")

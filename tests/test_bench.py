@@ -188,6 +188,12 @@ def test_bad_options_are_refused(argv, message, usage_error):
     assert message in usage_error(_load_bench().parse_args, ["--device", "cpu", *argv])
 
 
+def test_the_cluster_without_ray_is_refused_before_the_run(usage_error, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    message = usage_error(_load_bench().parse_args, ["--device", "cpu", "--cluster", "ray", "--sections", "shards"])
+    assert '--cluster ray needs Ray: pip install "ray>=2.9"' in message
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_device_without_cuda_is_refused(usage_error):
     assert "CUDA is not available" in usage_error(_load_bench().parse_args, ["--device", "cuda"])
