@@ -222,7 +222,8 @@ class ScoringServer:
                 "scoring": {"atol": cfg.atol, "half_life_ms": cfg.half_life_ms, "timeout_s": cfg.timeout_s}}
 
     async def _http(self, connection, request):
-        if request.headers.get("Upgrade", "").lower() == "websocket":
+        # get_all: get raises on a header sent twice (websockets answers such an upgrade itself)
+        if any(value.lower() == "websocket" for value in request.headers.get_all("Upgrade")):
             return None
         path = request.path.split("?", 1)[0]
         if path not in ("/", "/scores.json"):

@@ -506,6 +506,20 @@ def test_leaderboard_over_http_on_the_same_port():
     assert "PnL: each request answered within 2 s earns" in page and f"{REQUESTS}/{REQUESTS}</td>" in page
 
 
+def test_a_request_with_two_upgrade_headers_is_answered_without_a_traceback(caplog):
+    """headers.get raises on a header sent twice: the page's handler failed, websockets answered 500 and logged the
+    traceback at ERROR, which the server's terminal prints, for every such request a stranger sends."""
+    async def main():
+        async with Server() as s:
+            reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nUpgrade: h2c\r\n\r\n")
+            reply = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return reply
+    reply = run(main())
+    assert reply.startswith(b"HTTP/1.1 4") and not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 @pytest.mark.parametrize("client_fingerprint, allow, match", [
     ("5e4e4f0f", False, True),  # the server's weights
     ("0badc0ffee", True, False),  # other weights, played anyway when the client asks to
