@@ -277,6 +277,9 @@ class ScoringServer:
                 return
             async for frame in ws:
                 await self._on_message(session, ws, frame, time.monotonic())
+                # neither taking a buffered message nor sending an answer waits: without this, a team sending many
+                # small messages held the event loop, every team's, until it had answered them all
+                await asyncio.sleep(0)
         except ConnectionClosed:
             pass
         finally:

@@ -820,6 +820,44 @@ def test_an_original_protocol_team_is_its_host_and_only_that_host_takes_it_over(
     assert [(s["team"], s["connections"]) for s in summaries] == [("tcp-json:127.0.0.6", 2)]
 
 
+def test_a_team_flooding_small_messages_shares_the_event_loop_with_the_others():
+    """A connection's handler took its next message without yielding while one was buffered, and answered each at
+    once: a registered original-protocol client's burst of 30,000 empty objects (90 kB, each answered with an error)
+    held the event loop, every team's, for about two seconds."""
+    lines = 30_000
+
+    def flood(port, registered, answered):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b'{"message_type": "register"}\n')
+            registered.wait(10)
+            sock.sendall(b"{}\n" * lines)
+            sock.settimeout(0.05)
+            while not answered.is_set():  # reads the errors, as a client that floods and reads would
+                try:
+                    sock.recv(1 << 20)
+                except TimeoutError:
+                    pass
+
+    async def main():
+        async with Server(rate=20.0) as s:
+            registered, answered, loop = threading.Event(), threading.Event(), asyncio.get_running_loop()
+            flooder = loop.run_in_executor(None, flood, s.port, registered, answered)
+            while not s.server.summaries():
+                await asyncio.sleep(0.01)
+            registered.set()
+            lags = []
+            while s.server.summaries()[0]["errors"] < lines and len(lags) < 2000:
+                started = loop.time()
+                await asyncio.sleep(0.005)
+                lags.append(loop.time() - started - 0.005)
+            answered.set()
+            await flooder
+            return max(lags), s.server.summaries()[0]
+    most, flooder = run(main())
+    assert flooder["errors"] == lines
+    assert most < 0.1
+
+
 def test_a_notice_that_no_page_or_terminal_can_show_is_shown_with_replacement_characters():
     """A notice is free text from the team: a terminal escape (which would drive the operator's terminal at the
     summary table) is shown as U+FFFD, as anything unprintable would be (a lone surrogate, which no UTF-8 page can
