@@ -25,6 +25,7 @@ TEAM_PREFIX = "tcp-json:"  # of an original client's team, which only that clien
 # Whitespace a client may send before its first byte that tells the protocol (then it is handed to websockets,
 # which answers a bad request).
 _MAX_LEADING_WHITESPACE = 1024
+SLICE_BYTES = 1024  # of a websocket connection's bytes handed to websockets at a time (SlicedReading)
 
 
 def team_name(address) -> str:
@@ -79,7 +80,8 @@ class ProtocolSniffer(asyncio.Protocol):
         if not head and len(self._buffer) <= _MAX_LEADING_WHITESPACE:
             return
         self._timer.cancel()
-        protocol = (self._on_original(self._transport) if head[:1] == b"{" else self._make_websocket_connection())
+        protocol = (self._on_original(self._transport) if head[:1] == b"{" else
+                    SlicedReading(self._make_websocket_connection()))
         self._count_until_lost(protocol)
         self._transport.set_protocol(protocol)
         protocol.connection_made(self._transport)
@@ -105,6 +107,85 @@ class ProtocolSniffer(asyncio.Protocol):
         if self._address is not None:
             self._sockets.close(self._address)
             self._address = None
+
+
+class SlicedReading(asyncio.Protocol):
+    """Hands a websocket connection's bytes to websockets SLICE_BYTES at a time, each slice in a turn of the event
+    loop of its own, the socket not read meanwhile. websockets parses all that one read brings (up to 256 kB) in one
+    go: 256 kB of 7-byte frames held the loop, every team's, 0.3 s, and as pings (each answered with a pong written
+    at once) 1.5 s. The connection sees a transport whose reading it pauses and resumes as before."""
+
+    def __init__(self, connection):
+        self.connection = connection
+        self._pending = bytearray()
+        self._next_slice = None  # the turn scheduled to hand the next slice
+        self._paused_by_connection = False
+        self._reading_paused = False
+
+    def connection_made(self, transport):
+        self._transport = transport
+        self.connection.connection_made(_PacedTransport(self, transport))
+
+    def data_received(self, data):
+        self._pending += data
+        if self._next_slice is None and not self._paused_by_connection:
+            self._hand_slice()
+        self._pause_while_pending()
+
+    def _hand_slice(self):
+        self._next_slice = None
+        piece = bytes(self._pending[:SLICE_BYTES])
+        del self._pending[:SLICE_BYTES]
+        self.connection.data_received(piece)
+        if self._pending and not self._paused_by_connection and not self._transport.is_closing():
+            self._next_slice = asyncio.get_running_loop().call_soon(self._hand_slice)
+        self._pause_while_pending()
+
+    def _pause_while_pending(self):
+        paused = bool(self._pending) or self._paused_by_connection
+        if paused != self._reading_paused and not self._transport.is_closing():
+            self._reading_paused = paused
+            (self._transport.pause_reading if paused else self._transport.resume_reading)()
+
+    def pause_reading(self):
+        self._paused_by_connection = True
+        self._pause_while_pending()
+
+    def resume_reading(self):
+        self._paused_by_connection = False
+        if self._pending and self._next_slice is None:
+            self._next_slice = asyncio.get_running_loop().call_soon(self._hand_slice)
+        self._pause_while_pending()
+
+    def eof_received(self):  # reading is paused while bytes are pending: none are left now
+        return self.connection.eof_received()
+
+    def pause_writing(self):
+        self.connection.pause_writing()
+
+    def resume_writing(self):
+        self.connection.resume_writing()
+
+    def connection_lost(self, exc):
+        if self._next_slice is not None:
+            self._next_slice.cancel()
+        self.connection.connection_lost(exc)
+
+
+class _PacedTransport:
+    """The transport as SlicedReading's connection sees it: its own pauses of reading go through SlicedReading."""
+
+    def __init__(self, reading, transport):
+        self._reading, self._transport = reading, transport
+
+    def pause_reading(self):
+        self._reading.pause_reading()
+
+    def resume_reading(self):
+        self._reading.resume_reading()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
 
 
 class OriginalConnection:

@@ -470,6 +470,40 @@ def test_real_client_that_never_reads_is_cut_off():
     assert summary["requests"] == summary["missed"] == requests and summary["responses"] == 0
 
 
+def test_a_burst_of_pings_shares_the_event_loop_with_the_others():
+    """websockets parses all that one read of a socket brings (up to 256 kB) in one go, and answers each ping with a
+    pong written at once: a stranger's 140 kB of pings, before any register, held the event loop, every team's,
+    about a second. The server hands it a connection's bytes a kilobyte at a time, a turn of the loop each."""
+    pings = 20_000
+    ping = bytes([0x89, 0x80 | 1]) + bytes(4) + b"x"  # a masked ping frame of one byte (the zero mask)
+
+    def flood(port):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            key = base64.b64encode(os.urandom(16)).decode()
+            sock.sendall(f"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+            reply = b""
+            while b"\r\n\r\n" not in reply:
+                reply += sock.recv(4096)
+            sock.sendall(ping * pings)
+            pongs = len(reply.partition(b"\r\n\r\n")[2])
+            while pongs < 3 * pings:  # each pong 3 bytes
+                pongs += len(sock.recv(1 << 20))
+
+    async def main():
+        async with Server(rate=20.0) as s:
+            loop = asyncio.get_running_loop()
+            flooder = loop.run_in_executor(None, flood, s.port)
+            lags = []
+            while not flooder.done() and len(lags) < 2000:
+                started = loop.time()
+                await asyncio.sleep(0.005)
+                lags.append(loop.time() - started - 0.005)
+            await flooder
+            return max(lags)
+    assert run(main()) < 0.1  # (0.25-0.45 s before; 0.02-0.04 s since)
+
+
 def test_leaderboard_over_http_on_the_same_port():
     async def main():
         async with Server() as s:
