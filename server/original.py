@@ -12,9 +12,11 @@ decode() turns into the project's messages (a register names the team by the cli
 """
 import asyncio
 import logging
+import time
 
 import msgpack
 from websockets.asyncio.server import ServerConnection
+from websockets.frames import Opcode
 from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK
 
 from client import original
@@ -26,6 +28,7 @@ TEAM_PREFIX = "tcp-json:"  # of an original client's team, which only that clien
 # which answers a bad request).
 _MAX_LEADING_WHITESPACE = 1024
 SLICE_BYTES = 1024  # of a websocket connection's bytes handed to websockets at a time (SlicedReading)
+PING_BURST, PINGS_PER_S = 10, 1.0  # a websocket connection's pings (websockets' keepalive sends one every 20 s)
 
 
 def team_name(address) -> str:
@@ -41,7 +44,7 @@ def sniffing_connections(on_original, first_bytes_timeout_s: float, sockets):
     each connection's address from accept to close."""
 
     def create_connection(*args, **kwargs):
-        return ProtocolSniffer(lambda: ServerConnection(*args, **kwargs), on_original, first_bytes_timeout_s,
+        return ProtocolSniffer(lambda: PingLimitedConnection(*args, **kwargs), on_original, first_bytes_timeout_s,
                                sockets)
 
     return create_connection
@@ -107,6 +110,26 @@ class ProtocolSniffer(asyncio.Protocol):
         if self._address is not None:
             self._sockets.close(self._address)
             self._address = None
+
+
+class PingLimitedConnection(ServerConnection):
+    """websockets answers each ping with a pong written at once, before the server's own code sees a frame, so no
+    budget of the server's counted them: a stranger's pings from every socket it may open kept the event loop busy
+    answering them. PING_BURST pings at once, then PINGS_PER_S; the connection that pings beyond is cut off."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pings, self._pings_counted_at = float(PING_BURST), time.monotonic()
+
+    def process_event(self, event):
+        if getattr(event, "opcode", None) is Opcode.PING:  # (the handshake's request is an event too)
+            now = time.monotonic()
+            self._pings = min(PING_BURST, self._pings + (now - self._pings_counted_at) * PINGS_PER_S) - 1
+            self._pings_counted_at = now
+            if self._pings < 0:
+                self.transport.abort()
+                return
+        super().process_event(event)
 
 
 class SlicedReading(asyncio.Protocol):
