@@ -85,6 +85,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.token is not None and self.tokens is not None:
             raise ValueError("give one token for every team (--token) or a token per team (--tokens), not both")
+        if self.token == "":  # would admit every register that sends an empty token, and silence the warning
+            raise ValueError("--token must not be empty")
 
 
 class ScoringServer:

@@ -107,6 +107,7 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
     (["--max-teams", "0"], "argument --max-teams: must be a positive integer, got '0'"),
     (["--stream-seed", "-1"], "argument --stream-seed: must be a non-negative integer, got '-1'"),
     (["--token", "a", "--tokens", "README.md"], "not allowed with argument"),
+    (["--token", ""], "--token must not be empty"),  # it admitted every register with an empty token, unwarned
     (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
     (["--requests", "many"], "invalid int value"),
 ])
