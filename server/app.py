@@ -23,6 +23,7 @@ from server.snapshot import LeaderboardSnapshot
 
 log = logging.getLogger("server")
 MAX_ERROR_DETAILS = 500
+REFUSAL_PAUSE_S = 1.0  # a team's connection is read again this long after a frame past its budget
 SOCKETS_PER_CONNECTION = 4  # open sockets an address may hold, per websocket connection it may register
 # The leaderboard's responses: a page that runs no script, loads nothing and cannot be framed.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; "
@@ -442,6 +443,9 @@ class ScoringServer:
         if over is not None:
             session.errors += 1
             await self._send_error(ws, *over)
+            # refusing costs the server what reading cost the team: read on at once, it answered a stream of small
+            # frames refusal after refusal as fast as it went
+            await asyncio.sleep(REFUSAL_PAUSE_S)
             return
         try:
             msg = self._decode(ws, frame)

@@ -920,9 +920,9 @@ def test_an_original_protocol_team_is_its_host_and_only_that_host_takes_it_over(
 
 def test_a_team_flooding_small_messages_shares_the_event_loop_with_the_others():
     """A connection's handler took its next message without yielding while one was buffered, and answered each at
-    once: a registered original-protocol client's burst of 30,000 empty objects (90 kB, each answered with an error)
-    held the event loop, every team's, for about two seconds."""
-    lines = 30_000
+    once: a registered original-protocol client's burst of 20,000 empty objects (60 kB, within its allowance, each
+    answered with an error) held the event loop, every team's, for about a second."""
+    lines = 20_000
 
     def flood(port, registered, answered):
         with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -1063,6 +1063,30 @@ def test_a_registered_team_that_floods_frames_is_refused_them_undecoded_and_play
     assert update["type"] == "score_update" and update["unique_ids"] == list(range(8))
     assert flooder["errors"] == 1 and flooder["responses"] == 8
     assert honest["responses"] == 8 and honest["errors"] == 0
+
+
+def test_a_team_past_its_budget_is_read_again_only_a_second_after_each_refusal():
+    """Each frame past a team's budget was refused, but the next one read at once: a team's stream of small frames
+    past its budget was answered refusal after refusal as fast as the server went (a registered original-protocol
+    client's 16 MB of empty lines, buffered, kept it busy for minutes after the client stopped). After a refusal the
+    server reads the team's connection again a second later."""
+    heartbeats = 20_000  # 860 kB: 1,500 of them within the allowance, the rest past it
+
+    async def main():
+        async with Server(rate=20.0) as s:
+            reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+            writer.write(b'{"message_type": "register"}\n')
+            while not s.server.summaries():
+                await asyncio.sleep(0.01)
+            writer.write(b'{"message_type": "heartbeat", "timestamp": 1}\n' * heartbeats)
+            reading = asyncio.create_task(reader.read())  # the errors, read as they come
+            await asyncio.sleep(1.5)
+            flooder = s.summary("tcp-json:127.0.0.1")
+            writer.close()
+            reading.cancel()
+            return flooder
+    flooder = run(main())
+    assert 1 <= flooder["errors"] <= 2  # (18,500 before)
 
 
 def test_a_frame_before_register_longer_than_any_register_is_refused_undecoded():
