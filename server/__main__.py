@@ -23,6 +23,7 @@ if __name__ == "__main__":
 import asyncio  # noqa: E402
 import ipaddress  # noqa: E402
 import json  # noqa: E402
+import resource  # noqa: E402
 import socket  # noqa: E402
 
 from client import cli, event_loop  # noqa: E402
@@ -125,6 +126,17 @@ def exposure_warning(config: ServerConfig) -> str | None:
             f"machines can reach")
 
 
+def raise_open_files_limit() -> None:
+    """Every socket a stranger holds open (64 an address, until its timeout) is a file descriptor: under the usual
+    soft limit of 1,024, 16 addresses took them all, and the server accepted no team. Up to the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # a hard limit the kernel does not take as a soft one (unlimited)
+            pass
+
+
 def check_port_free(host: str, port: int) -> None:
     """Fail before the (long) preparation of targets when the port is taken; the server binds it later."""
     if port == 0:
@@ -184,6 +196,7 @@ def main(argv=None) -> int:
         print(f"{PROG}: {warning}", file=sys.stderr, flush=True)
     cli.check_device(config.device)
     check_port_free(config.host, config.port)
+    raise_open_files_limit()
     server = ScoringServer(config)
     # Here, not in a thread of the event loop, so that Ctrl-C stops the (long) preparation of the targets at
     # once; once serving, it stops the server with the table so far (serve).

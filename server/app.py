@@ -23,6 +23,7 @@ from server.snapshot import LeaderboardSnapshot
 
 log = logging.getLogger("server")
 MAX_ERROR_DETAILS = 500
+REFUSAL_PAUSE_S = 1.0  # a team's connection is read again this long after a frame past its budget
 SOCKETS_PER_CONNECTION = 4  # open sockets an address may hold, per websocket connection it may register
 # The leaderboard's responses: a page that runs no script, loads nothing and cannot be framed.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; "
@@ -85,6 +86,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.token is not None and self.tokens is not None:
             raise ValueError("give one token for every team (--token) or a token per team (--tokens), not both")
+        if self.token == "":  # would admit every register that sends an empty token, and silence the warning
+            raise ValueError("--token must not be empty")
 
 
 class ScoringServer:
@@ -222,7 +225,8 @@ class ScoringServer:
                 "scoring": {"atol": cfg.atol, "half_life_ms": cfg.half_life_ms, "timeout_s": cfg.timeout_s}}
 
     async def _http(self, connection, request):
-        if request.headers.get("Upgrade", "").lower() == "websocket":
+        # get_all: get raises on a header sent twice (websockets answers such an upgrade itself)
+        if any(value.lower() == "websocket" for value in request.headers.get_all("Upgrade")):
             return None
         path = request.path.split("?", 1)[0]
         if path not in ("/", "/scores.json"):
@@ -276,6 +280,9 @@ class ScoringServer:
                 return
             async for frame in ws:
                 await self._on_message(session, ws, frame, time.monotonic())
+                # neither taking a buffered message nor sending an answer waits: without this, a team sending many
+                # small messages held the event loop, every team's, until it had answered them all
+                await asyncio.sleep(0)
         except ConnectionClosed:
             pass
         finally:
@@ -436,6 +443,9 @@ class ScoringServer:
         if over is not None:
             session.errors += 1
             await self._send_error(ws, *over)
+            # refusing costs the server what reading cost the team: read on at once, it answered a stream of small
+            # frames refusal after refusal as fast as it went
+            await asyncio.sleep(REFUSAL_PAUSE_S)
             return
         try:
             msg = self._decode(ws, frame)

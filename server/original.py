@@ -12,12 +12,15 @@ decode() turns into the project's messages (a register names the team by the cli
 """
 import asyncio
 import logging
+import time
 
 import msgpack
 from websockets.asyncio.server import ServerConnection
+from websockets.frames import Opcode
 from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK
 
 from client import original
+from client.constants import NUM_FEATURES
 from client.protocol import ProtocolError
 
 log = logging.getLogger("server")
@@ -25,6 +28,9 @@ TEAM_PREFIX = "tcp-json:"  # of an original client's team, which only that clien
 # Whitespace a client may send before its first byte that tells the protocol (then it is handed to websockets,
 # which answers a bad request).
 _MAX_LEADING_WHITESPACE = 1024
+SLICE_BYTES = 1024  # of a websocket connection's bytes handed to websockets at a time (SlicedReading)
+REQUESTS_PER_LINE = 64  # of an original-protocol client's request lines (OriginalConnection.send)
+PING_BURST, PINGS_PER_S = 10, 1.0  # a websocket connection's pings (websockets' keepalive sends one every 20 s)
 
 
 def team_name(address) -> str:
@@ -40,7 +46,7 @@ def sniffing_connections(on_original, first_bytes_timeout_s: float, sockets):
     each connection's address from accept to close."""
 
     def create_connection(*args, **kwargs):
-        return ProtocolSniffer(lambda: ServerConnection(*args, **kwargs), on_original, first_bytes_timeout_s,
+        return ProtocolSniffer(lambda: PingLimitedConnection(*args, **kwargs), on_original, first_bytes_timeout_s,
                                sockets)
 
     return create_connection
@@ -79,7 +85,8 @@ class ProtocolSniffer(asyncio.Protocol):
         if not head and len(self._buffer) <= _MAX_LEADING_WHITESPACE:
             return
         self._timer.cancel()
-        protocol = (self._on_original(self._transport) if head[:1] == b"{" else self._make_websocket_connection())
+        protocol = (self._on_original(self._transport) if head[:1] == b"{" else
+                    SlicedReading(self._make_websocket_connection()))
         self._count_until_lost(protocol)
         self._transport.set_protocol(protocol)
         protocol.connection_made(self._transport)
@@ -105,6 +112,105 @@ class ProtocolSniffer(asyncio.Protocol):
         if self._address is not None:
             self._sockets.close(self._address)
             self._address = None
+
+
+class PingLimitedConnection(ServerConnection):
+    """websockets answers each ping with a pong written at once, before the server's own code sees a frame, so no
+    budget of the server's counted them: a stranger's pings from every socket it may open kept the event loop busy
+    answering them. PING_BURST pings at once, then PINGS_PER_S; the connection that pings beyond is cut off."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pings, self._pings_counted_at = float(PING_BURST), time.monotonic()
+
+    def process_event(self, event):
+        if getattr(event, "opcode", None) is Opcode.PING:  # (the handshake's request is an event too)
+            now = time.monotonic()
+            self._pings = min(PING_BURST, self._pings + (now - self._pings_counted_at) * PINGS_PER_S) - 1
+            self._pings_counted_at = now
+            if self._pings < 0:
+                self.transport.abort()
+                return
+        super().process_event(event)
+
+
+class SlicedReading(asyncio.Protocol):
+    """Hands a websocket connection's bytes to websockets SLICE_BYTES at a time, each slice in a turn of the event
+    loop of its own, the socket not read meanwhile. websockets parses all that one read brings (up to 256 kB) in one
+    go: 256 kB of 7-byte frames held the loop, every team's, 0.3 s, and as pings (each answered with a pong written
+    at once) 1.5 s. The connection sees a transport whose reading it pauses and resumes as before."""
+
+    def __init__(self, connection):
+        self.connection = connection
+        self._pending = bytearray()
+        self._next_slice = None  # the turn scheduled to hand the next slice
+        self._paused_by_connection = False
+        self._reading_paused = False
+
+    def connection_made(self, transport):
+        self._transport = transport
+        self.connection.connection_made(_PacedTransport(self, transport))
+
+    def data_received(self, data):
+        self._pending += data
+        if self._next_slice is None and not self._paused_by_connection:
+            self._hand_slice()
+        self._pause_while_pending()
+
+    def _hand_slice(self):
+        self._next_slice = None
+        piece = bytes(self._pending[:SLICE_BYTES])
+        del self._pending[:SLICE_BYTES]
+        self.connection.data_received(piece)
+        if self._pending and not self._paused_by_connection and not self._transport.is_closing():
+            self._next_slice = asyncio.get_running_loop().call_soon(self._hand_slice)
+        self._pause_while_pending()
+
+    def _pause_while_pending(self):
+        paused = bool(self._pending) or self._paused_by_connection
+        if paused != self._reading_paused and not self._transport.is_closing():
+            self._reading_paused = paused
+            (self._transport.pause_reading if paused else self._transport.resume_reading)()
+
+    def pause_reading(self):
+        self._paused_by_connection = True
+        self._pause_while_pending()
+
+    def resume_reading(self):
+        self._paused_by_connection = False
+        if self._pending and self._next_slice is None:
+            self._next_slice = asyncio.get_running_loop().call_soon(self._hand_slice)
+        self._pause_while_pending()
+
+    def eof_received(self):  # reading is paused while bytes are pending: none are left now
+        return self.connection.eof_received()
+
+    def pause_writing(self):
+        self.connection.pause_writing()
+
+    def resume_writing(self):
+        self.connection.resume_writing()
+
+    def connection_lost(self, exc):
+        if self._next_slice is not None:
+            self._next_slice.cancel()
+        self.connection.connection_lost(exc)
+
+
+class _PacedTransport:
+    """The transport as SlicedReading's connection sees it: its own pauses of reading go through SlicedReading."""
+
+    def __init__(self, reading, transport):
+        self._reading, self._transport = reading, transport
+
+    def pause_reading(self):
+        self._reading.pause_reading()
+
+    def resume_reading(self):
+        self._reading.resume_reading()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
 
 
 class OriginalConnection:
@@ -162,10 +268,22 @@ class OriginalConnection:
     # sending -----------------------------------------------------------------------------------
     async def send(self, frame: bytes) -> None:
         """Write the original line of a project frame (nothing for a message the original protocol has no kind
-        for); ConnectionClosed when the connection is closed."""
-        obj = original.to_original(msgpack.unpackb(frame, raw=False))
-        if obj is not None:
-            await self._write(original.encode_line(obj))
+        for), requests REQUESTS_PER_LINE a line; ConnectionClosed when the connection is closed."""
+        msg = msgpack.unpackb(frame, raw=False)
+        if msg["type"] != "inference_request":
+            obj = original.to_original(msg)
+            if obj is not None:
+                await self._write(original.encode_line(obj))
+            return
+        # JSON's decimal floats take ~90 us a request to write: 4,096 requests due at once (a reconnect's backlog) in
+        # one line held the event loop, every team's, 0.4 s
+        row_bytes = 4 * NUM_FEATURES
+        for begin in range(0, len(msg["unique_ids"]), REQUESTS_PER_LINE):
+            end = begin + REQUESTS_PER_LINE
+            part = {**msg, "unique_ids": msg["unique_ids"][begin:end], "symbols": msg["symbols"][begin:end],
+                    "features": msg["features"][begin * row_bytes:end * row_bytes]}
+            await self._write(original.encode_line(original.to_original(part)))
+            await asyncio.sleep(0)  # the other teams' work between lines (a write that fits the buffer never waits)
 
     async def _write(self, line: bytes):
         if self._writer.is_closing():

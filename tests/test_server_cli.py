@@ -3,6 +3,7 @@ import asyncio
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -27,11 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def start_server(args, log_path):
+def start_server(args, log_path, **popen):
     """Start `python -m server` on a free port; returns (process, port) once it listens."""
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", *args], cwd=ROOT, env=ONE_THREAD,
-                            stdout=subprocess.PIPE, stderr=log, text=True)
+                            stdout=subprocess.PIPE, stderr=log, text=True, **popen)
     line = proc.stdout.readline()  # targets are computed before the server listens
     match = re.search(r"ws://127\.0\.0\.1:(\d+)", line)
     if not match:
@@ -107,6 +108,7 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
     (["--max-teams", "0"], "argument --max-teams: must be a positive integer, got '0'"),
     (["--stream-seed", "-1"], "argument --stream-seed: must be a non-negative integer, got '-1'"),
     (["--token", "a", "--tokens", "README.md"], "not allowed with argument"),
+    (["--token", ""], "--token must not be empty"),  # it admitted every register with an empty token, unwarned
     (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
     (["--requests", "many"], "invalid int value"),
 ])
@@ -189,6 +191,31 @@ def test_ctrl_c_stops_a_serving_server_with_the_table_so_far(tmp_path):
     assert proc.returncode == 130 and close_code == 1000
     assert re.search(r"^partial\s+\d+\s+0\s+", table, re.M), table
     assert [s["team"] for s in json.loads(out_json.read_text())] == ["partial"]
+
+
+def test_strangers_idle_sockets_leave_a_team_room_under_a_low_soft_limit_of_open_files(tmp_path):
+    """Every socket a stranger holds (64 an address, until its timeout) is a file descriptor: under a soft limit of
+    1,024, the usual one, 16 addresses took them all, the server accepted nothing more (an error a second in its
+    log) and no team could connect. The server raises its soft limit to the hard one. Here: a soft limit of 160,
+    192 idle sockets from three addresses, then a team."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    proc, port = start_server(["--symbols", "2", "--requests", "40", "--cache-dir", str(tmp_path / "cache")],
+                              tmp_path / "server.log",
+                              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (160, hard)))
+    idle = [socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{20 + i // 64}", 0))
+            for i in range(192)]
+
+    async def register():
+        async with connect(f"ws://127.0.0.1:{port}", open_timeout=5) as ws:
+            await ws.send(protocol.encode(protocol.register("beside-idle-sockets")))
+            return protocol.decode(await asyncio.wait_for(ws.recv(), 5))["type"]
+    try:
+        assert asyncio.run(register()) == "welcome"
+    finally:
+        for sock in idle:
+            sock.close()
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def test_a_server_other_machines_reach_without_tokens_is_warned(tmp_path):
