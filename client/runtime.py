@@ -877,11 +877,11 @@ class StreamingClient:
                 return True
             awaiting = awaiting or symbol not in self._joining
             return False
-        while taken := self._scheduler.next_batch(1, 1, alone_and_ready):
-            request = taken[0]
+        # every such request at once, oldest first: taken one at a time, each take held back every symbol before it
+        # again (a step that refused 4,000 waiting symbols held the lock 5.3 s)
+        for request in self._scheduler.next_batch(None, 1, alone_and_ready):
             if not self._join(request):  # no room left, the step started, or the state not on the GPU yet
                 self._scheduler.requeue(request)
-                skip.add(request.symbol)
                 self._refused[1].add(request.symbol)
         return awaiting
 
