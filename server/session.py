@@ -53,6 +53,10 @@ class TeamSession:
         self._send_time = np.full(total, np.nan)
         self._state = np.zeros(total, dtype=np.int8)
         self._latency_ms = np.full(total, np.nan)
+        # the same latencies in the order answered, the first `responses` of it: a snapshot hands the leaderboard's
+        # thread that prefix, which no later answer changes, instead of gathering them on the event loop (64 teams'
+        # streams of 1M requests: 242-291 ms a page rebuild). np.empty: the memory is touched only as answers come
+        self._answered_latency_ms = np.empty(total)
         self._reap_cursor = 0
         self.resolved = 0
         self.responses = self.missed = self.late = self.errors = self.duplicates = self.client_errors = 0
@@ -221,6 +225,7 @@ class TeamSession:
         answered = accepted[on_time]
         self._state[answered] = ANSWERED
         self._latency_ms[answered] = latency_ms[on_time]
+        self._answered_latency_ms[self.responses:self.responses + len(answered)] = latency_ms[on_time]
         self.responses += len(answered)
         self.correct_towers += int(correct[on_time].sum())
         self.missed += int((was_pending & ~on_time).sum())
@@ -257,8 +262,9 @@ class TeamSession:
         return summarize(self.snapshot(now))
 
     def snapshot(self, now=None) -> dict:
-        """The summary's raw material, copied (cheap: the event loop calls it); summarize() finishes it anywhere,
-        so that the percentiles of a leaderboard with many teams are computed off the event loop."""
+        """The summary's raw material, copied (cheap: the event loop calls it; the latencies a view of answers no
+        later one changes); summarize() finishes it anywhere, so that the percentiles of a leaderboard with many
+        teams are computed off the event loop."""
         now = self._clock() if now is None else now
         self._forget_before(now - RECENT_WINDOW_S)
         window = min(RECENT_WINDOW_S, max(now - self.start, 1e-9))
@@ -273,7 +279,7 @@ class TeamSession:
             "client_errors": self.client_errors,
             "duplicates": self.duplicates,
             "correct_towers": self.correct_towers,
-            "latencies_ms": self._latency_ms[self._state == ANSWERED],
+            "latencies_ms": self._answered_latency_ms[:self.responses],
             "elapsed_s": max((self.finished_at or now) - self.start, 1e-9),
             "pnl": self.pnl,
             "recent_pnl_per_s": sum(p for _, p in self._recent) / window,
