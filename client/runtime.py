@@ -112,23 +112,25 @@ class ClientStats:
             raise protocol.ProtocolError(f"score_update: correct must count towers, 0..{NUM_TOWERS}")
         if not all(math.isfinite(v) for v in (*pnls, *latencies)):
             raise protocol.ProtocolError("score_update: pnls and latencies_ms must be finite")
-        in_time = []
+        in_time, in_time_towers = [], 0
         for uid, pnl, towers, latency in zip(ids, pnls, correct, latencies):
             if uid not in self._unscored:
                 continue
             self._unscored.remove(uid)
             self.pnl += pnl
             if latency <= self.timeout_ms:
-                self.correct_towers += towers
                 in_time.append(latency)
+                in_time_towers += towers
         while self.scored + len(in_time) > len(self._latencies_ms):
             self._latencies_ms = np.concatenate([self._latencies_ms, np.empty(len(self._latencies_ms))])
         self._latencies_ms[self.scored:self.scored + len(in_time)] = in_time  # before the count: a reader's prefix
         self.scored += len(in_time)
+        self.correct_towers += in_time_towers
         self._last_score_at = time.perf_counter()
 
     def summary(self) -> dict:
-        scored = self.scored  # read first: every latency before it is written
+        # the counts first, together: the percentiles let the event loop score on meanwhile (the progress thread)
+        scored, correct_towers = self.scored, self.correct_towers
         latencies = self._latencies_ms[:scored]
         p50, p90, p99 = np.percentile(latencies, [50, 90, 99]).tolist() if scored else (None, None, None)
         elapsed = ((self._last_score_at - self._first_request_at)
@@ -138,7 +140,7 @@ class ClientStats:
             "responses": scored,
             "missed": self.requests - scored,
             "errors": self.rejected,
-            "accuracy": self.correct_towers / (NUM_TOWERS * scored) if scored else None,
+            "accuracy": correct_towers / (NUM_TOWERS * scored) if scored else None,
             "latency_ms": {"p50": p50, "p90": p90, "p99": p99,
                            "mean": float(latencies.mean()) if latencies.size else None,
                            "max": float(latencies.max()) if latencies.size else None},
