@@ -304,10 +304,8 @@ class TeamSession:
 def summarize(snapshot: dict) -> dict:
     """A team's summary from its snapshot (TeamSession.snapshot)."""
     latencies, responses = snapshot["latencies_ms"], snapshot["responses"]
-
-    def percentile(q):
-        return float(np.percentile(latencies, q)) if len(latencies) else None
-
+    # in one call: a partition each took 64 teams of 500,000 answers 1.2 s a leaderboard rebuild
+    p50, p90, p99 = np.percentile(latencies, [50, 90, 99]).tolist() if len(latencies) else (None, None, None)
     counts = ("team", "requests", "total_requests", "responses", "missed", "late", "errors", "client_errors",
               "duplicates")
     status = ("connected", "connections", "complete", "state", "weights_fingerprint", "weights_match", "notices",
@@ -315,7 +313,7 @@ def summarize(snapshot: dict) -> dict:
     return {
         **{key: snapshot[key] for key in counts},
         "accuracy": snapshot["correct_towers"] / (4 * responses) if responses else 0.0,
-        "latency_ms": {"p50": percentile(50), "p90": percentile(90), "p99": percentile(99),
+        "latency_ms": {"p50": p50, "p90": p90, "p99": p99,
                        "mean": float(latencies.mean()) if len(latencies) else None,
                        "max": float(latencies.max()) if len(latencies) else None},
         "responses_per_s": responses / snapshot["elapsed_s"],
