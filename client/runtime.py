@@ -87,7 +87,10 @@ class ClientStats:
         self.scored = 0            # requests the server scored as answered in time
         self.correct_towers = 0
         self.pnl = 0.0
-        self.latencies_ms: list[float] = []
+        # the latencies scored in time, the first `scored` of a buffer that doubles as it fills: summary() reads them
+        # as they stand, also from the team client's progress thread (a list made an array for each progress line,
+        # and three percentiles, held the event loop 73 ms at 1M requests scored, 224 ms at 3M)
+        self._latencies_ms = np.empty(1024)
         # ids received and not yet scored: a score for any other id (scored already, or never this client's
         # request) is not counted, so that a server's scores cannot push responses past requests
         self._unscored: set[int] = set()
@@ -109,35 +112,39 @@ class ClientStats:
             raise protocol.ProtocolError(f"score_update: correct must count towers, 0..{NUM_TOWERS}")
         if not all(math.isfinite(v) for v in (*pnls, *latencies)):
             raise protocol.ProtocolError("score_update: pnls and latencies_ms must be finite")
+        in_time, in_time_towers = [], 0
         for uid, pnl, towers, latency in zip(ids, pnls, correct, latencies):
             if uid not in self._unscored:
                 continue
             self._unscored.remove(uid)
             self.pnl += pnl
             if latency <= self.timeout_ms:
-                self.scored += 1
-                self.correct_towers += towers
-                self.latencies_ms.append(latency)
+                in_time.append(latency)
+                in_time_towers += towers
+        while self.scored + len(in_time) > len(self._latencies_ms):
+            self._latencies_ms = np.concatenate([self._latencies_ms, np.empty(len(self._latencies_ms))])
+        self._latencies_ms[self.scored:self.scored + len(in_time)] = in_time  # before the count: a reader's prefix
+        self.scored += len(in_time)
+        self.correct_towers += in_time_towers
         self._last_score_at = time.perf_counter()
 
     def summary(self) -> dict:
-        latencies = np.asarray(self.latencies_ms, dtype=np.float64)
+        # the counts first, together: the percentiles let the event loop score on meanwhile (the progress thread)
+        scored, correct_towers = self.scored, self.correct_towers
+        latencies = self._latencies_ms[:scored]
+        p50, p90, p99 = np.percentile(latencies, [50, 90, 99]).tolist() if scored else (None, None, None)
         elapsed = ((self._last_score_at - self._first_request_at)
                    if self._first_request_at is not None and self._last_score_at is not None else 0.0)
-
-        def pct(q):
-            return float(np.percentile(latencies, q)) if latencies.size else None
-
         return {
             "requests": self.requests,
-            "responses": self.scored,
-            "missed": self.requests - self.scored,
+            "responses": scored,
+            "missed": self.requests - scored,
             "errors": self.rejected,
-            "accuracy": self.correct_towers / (NUM_TOWERS * self.scored) if self.scored else None,
-            "latency_ms": {"p50": pct(50), "p90": pct(90), "p99": pct(99),
+            "accuracy": correct_towers / (NUM_TOWERS * scored) if scored else None,
+            "latency_ms": {"p50": p50, "p90": p90, "p99": p99,
                            "mean": float(latencies.mean()) if latencies.size else None,
                            "max": float(latencies.max()) if latencies.size else None},
-            "responses_per_s": self.scored / elapsed if elapsed > 0 else None,
+            "responses_per_s": scored / elapsed if elapsed > 0 else None,
             "pnl": self.pnl,
             "responses_sent": self.responses_sent,
             "resent_from_cache": self.resent_from_cache,
@@ -877,11 +884,11 @@ class StreamingClient:
                 return True
             awaiting = awaiting or symbol not in self._joining
             return False
-        while taken := self._scheduler.next_batch(1, 1, alone_and_ready):
-            request = taken[0]
+        # every such request at once, oldest first: taken one at a time, each take held back every symbol before it
+        # again (a step that refused 4,000 waiting symbols held the lock 5.3 s)
+        for request in self._scheduler.next_batch(None, 1, alone_and_ready):
             if not self._join(request):  # no room left, the step started, or the state not on the GPU yet
                 self._scheduler.requeue(request)
-                skip.add(request.symbol)
                 self._refused[1].add(request.symbol)
         return awaiting
 

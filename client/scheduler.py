@@ -9,7 +9,7 @@ Not thread-safe: the runtime guards it with its own lock.
 """
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +29,9 @@ class Scheduler:
         self._queues: dict[str, deque[Request]] = {}
         # (seq of the queue's head, symbol) for every non-empty queue: the oldest heads pop first.
         self._heads: list[tuple[int, str]] = []
+        # how many symbols have each queue length (none at 0), so that fills() counts the full queues without looking
+        # at every waiting symbol: it did so at each arrival while a step formed late, 4.2 ms at 20,000 symbols
+        self._lengths: Counter[int] = Counter()
         self._arrivals = itertools.count()
         self._pending = 0
 
@@ -42,6 +45,7 @@ class Scheduler:
         queue = self._queues.setdefault(request.symbol, deque())
         if not queue:
             heapq.heappush(self._heads, (request.seq, request.symbol))
+        self._resized(len(queue), len(queue) + 1)
         queue.append(request)
         self._pending += 1
 
@@ -66,6 +70,7 @@ class Scheduler:
         if queue:
             self._heads.remove((queue[0].seq, request.symbol))
             heapq.heapify(self._heads)
+        self._resized(len(queue), len(queue) + 1)
         queue.appendleft(request)
         heapq.heappush(self._heads, (request.seq, request.symbol))
         self._pending += 1
@@ -79,12 +84,7 @@ class Scheduler:
         waiting (never without a max_batch). Nothing that arrives later could join it."""
         if max_batch is None or len(self._heads) < max_batch:
             return False
-        full = 0
-        for _, symbol in self._heads:  # the symbols with work
-            full += len(self._queues[symbol]) >= max_per_symbol
-            if full >= max_batch:
-                return True
-        return False
+        return sum(symbols for length, symbols in self._lengths.items() if length >= max_per_symbol) >= max_batch
 
     def next_batch(self, max_batch: int | None = None, max_per_symbol: int = 1, ready=None,
                    rows_for=None) -> list[Request]:
@@ -106,20 +106,30 @@ class Scheduler:
                 held.append(head)
                 continue
             queue = self._queues[symbol]
+            served.append((symbol, len(queue)))
             for _ in range(min(max_per_symbol, len(queue))):
                 batch.append(queue.popleft())
-            served.append(symbol)
         if rows_for is not None and batch:
             batch = self._keep_oldest(batch, rows_for(len(batch), len(served)))
         # Re-enter the symbols' next heads only now, so that no symbol appears twice in one batch.
-        for symbol in served:
+        for symbol, length in served:
             queue = self._queues[symbol]
+            self._resized(length, len(queue))
             if queue:
                 heapq.heappush(self._heads, (queue[0].seq, symbol))
         for head in held:
             heapq.heappush(self._heads, head)
         self._pending -= len(batch)
         return batch
+
+    def _resized(self, old: int, new: int) -> None:
+        """A queue's length went from `old` to `new`."""
+        if old:
+            self._lengths[old] -= 1
+            if not self._lengths[old]:
+                del self._lengths[old]
+        if new:
+            self._lengths[new] += 1
 
     def _keep_oldest(self, batch, keep):
         """The `keep` oldest requests of `batch` (its grouping kept); the others go back to the front of their

@@ -53,6 +53,10 @@ class TeamSession:
         self._send_time = np.full(total, np.nan)
         self._state = np.zeros(total, dtype=np.int8)
         self._latency_ms = np.full(total, np.nan)
+        # the same latencies in the order answered, the first `responses` of it: a snapshot hands the leaderboard's
+        # thread that prefix, which no later answer changes, instead of gathering them on the event loop (64 teams'
+        # streams of 1M requests: 242-291 ms a page rebuild). np.empty: the memory is touched only as answers come
+        self._answered_latency_ms = np.empty(total)
         self._reap_cursor = 0
         self.resolved = 0
         self.responses = self.missed = self.late = self.errors = self.duplicates = self.client_errors = 0
@@ -219,8 +223,9 @@ class TeamSession:
         on_time = was_pending & (latency_ms <= self._timeout_s * 1000.0)
         pnl = np.where(on_time, pnl, 0.0)
         answered = accepted[on_time]
-        self._latency_ms[answered] = latency_ms[on_time]  # first: a leaderboard thread reading meanwhile counts an
-        self._state[answered] = ANSWERED                   # answered request with its latency (snapshot)
+        self._state[answered] = ANSWERED
+        self._latency_ms[answered] = latency_ms[on_time]
+        self._answered_latency_ms[self.responses:self.responses + len(answered)] = latency_ms[on_time]
         self.responses += len(answered)
         self.correct_towers += int(correct[on_time].sum())
         self.missed += int((was_pending & ~on_time).sum())
@@ -257,10 +262,9 @@ class TeamSession:
         return summarize(self.snapshot(now))
 
     def snapshot(self, now=None) -> dict:
-        """The summary's raw material, copied (cheap: the event loop calls it); summarize() finishes it anywhere,
-        so that the percentiles of a leaderboard with many teams are computed off the event loop. The per-request
-        arrays are not copied (that took ~9 ms a team a rebuild for a stream of a million requests): a request's
-        latency is written before its state says answered, and neither changes after."""
+        """The summary's raw material, copied (cheap: the event loop calls it; the latencies a view of answers no
+        later one changes); summarize() finishes it anywhere, so that the percentiles of a leaderboard with many
+        teams are computed off the event loop."""
         now = self._clock() if now is None else now
         self._forget_before(now - RECENT_WINDOW_S)
         window = min(RECENT_WINDOW_S, max(now - self.start, 1e-9))
@@ -275,8 +279,7 @@ class TeamSession:
             "client_errors": self.client_errors,
             "duplicates": self.duplicates,
             "correct_towers": self.correct_towers,
-            "request_latencies_ms": self._latency_ms,
-            "request_states": self._state,
+            "latencies_ms": self._answered_latency_ms[:self.responses],
             "elapsed_s": max((self.finished_at or now) - self.start, 1e-9),
             "pnl": self.pnl,
             "recent_pnl_per_s": sum(p for _, p in self._recent) / window,
@@ -300,12 +303,9 @@ class TeamSession:
 
 def summarize(snapshot: dict) -> dict:
     """A team's summary from its snapshot (TeamSession.snapshot)."""
-    latencies = snapshot["request_latencies_ms"][snapshot["request_states"] == ANSWERED]
-    responses = snapshot["responses"]
-
-    def percentile(q):
-        return float(np.percentile(latencies, q)) if len(latencies) else None
-
+    latencies, responses = snapshot["latencies_ms"], snapshot["responses"]
+    # in one call: a partition each took 64 teams of 500,000 answers 1.2 s a leaderboard rebuild
+    p50, p90, p99 = np.percentile(latencies, [50, 90, 99]).tolist() if len(latencies) else (None, None, None)
     counts = ("team", "requests", "total_requests", "responses", "missed", "late", "errors", "client_errors",
               "duplicates")
     status = ("connected", "connections", "complete", "state", "weights_fingerprint", "weights_match", "notices",
@@ -313,7 +313,7 @@ def summarize(snapshot: dict) -> dict:
     return {
         **{key: snapshot[key] for key in counts},
         "accuracy": snapshot["correct_towers"] / (4 * responses) if responses else 0.0,
-        "latency_ms": {"p50": percentile(50), "p90": percentile(90), "p99": percentile(99),
+        "latency_ms": {"p50": p50, "p90": p90, "p99": p99,
                        "mean": float(latencies.mean()) if len(latencies) else None,
                        "max": float(latencies.max()) if len(latencies) else None},
         "responses_per_s": responses / snapshot["elapsed_s"],

@@ -270,9 +270,9 @@ async def _print_progress(client):
     live = sys.stderr.isatty()
     while True:
         await asyncio.sleep(0.5 if live else 5.0)
-        if client.welcome is not None:
-            print(("\r" if live else "") + client.progress_line(), end="" if live else "\n", file=sys.stderr,
-                  flush=True)
+        if client.welcome is not None:  # its percentiles in a thread: over a long stream they take milliseconds
+            line = await asyncio.to_thread(client.progress_line)
+            print(("\r" if live else "") + line, end="" if live else "\n", file=sys.stderr, flush=True)
 
 
 def _stop_on_ctrl_c(client) -> bool:

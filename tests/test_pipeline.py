@@ -19,6 +19,7 @@ from client.engine.fast.runner import StepInputs, StepShape
 from client.engine.reference import ReferenceEngine
 from client.model import load_model
 from client.runtime import PIPELINE_DEPTH, StreamingClient
+from client.scheduler import Request
 from client.step_clock import StepClock
 from client.team_api import MANY, queued
 from team.example_model import ExampleModel
@@ -1090,6 +1091,34 @@ def test_a_symbol_the_queued_step_refuses_does_not_keep_later_ones_from_joining_
         np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
     assert team_client.step_of[0] == 0 and team_client.step_of[1] == 1
     assert team_client.step_of[3] == 1 and team_client.step_of[2] == 2
+
+
+def test_joining_waiting_requests_looks_at_each_waiting_symbol_once():
+    """A queued step that refuses every join (full, or started) is offered each waiting symbol's request, and each
+    waiting symbol is looked at once: taken one at a time, each take looked again at every symbol held back before
+    it (n + n(n-1)/2 looks; 4,000 waiting symbols held the lock 5.3 s). Every request stays queued."""
+    class Team:
+        requests_per_symbol = MANY
+
+        def submit_batch(self, requests_by_symbol):
+            raise AssertionError("no step is formed here")
+
+    client = StreamingClient(Team(), "ws://127.0.0.1:1", "testers", inline_steps=False)
+    for _ in range(PIPELINE_DEPTH):  # a full pipeline whose queued step has no room
+        client._steps.append(([], _DeviceStep([], room=0, miss=lambda uid: False), 0.0, (1, 1), []))
+    n = 300
+    for uid in range(n):
+        client._scheduler.push(Request(uid, f"S{uid:03d}", np.zeros(79, np.float32)))
+    looks, next_batch = [], client._scheduler.next_batch
+
+    def counting_looks(max_batch=None, max_per_symbol=1, ready=None, rows_for=None):
+        return next_batch(max_batch, max_per_symbol, lambda symbol: looks.append(symbol) or ready(symbol), rows_for)
+    client._scheduler.next_batch = counting_looks
+    with client._work_ready:
+        client._join_waiting()
+    assert len(looks) == n and client._refused[1] == {f"S{uid:03d}" for uid in range(n)}
+    assert len(client._scheduler) == n and client._scheduler.waiting_symbols() == n
+    assert [r.unique_id for r in next_batch()] == list(range(n))
 
 
 def test_a_failing_step_answers_its_joins_with_client_error_and_the_rest_normally(model):

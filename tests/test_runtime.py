@@ -572,6 +572,28 @@ def test_stats_from_score_updates():
     assert math.isfinite(summary["latency_ms"]["mean"])
 
 
+def test_stats_keep_every_latency_in_time_and_an_earlier_summarys_view_stands():
+    """The latencies live in a buffer that doubles as it fills (the team client's progress line reads them from a
+    thread): every one in time is kept across its growth, the late ones are not, and latencies read earlier are not
+    changed by later scores."""
+    stats = ClientStats(timeout_s=1.0)
+    latencies = np.random.default_rng(3).uniform(1.0, 1200.0, 5000)
+    for uid in range(len(latencies)):
+        stats.note_request(uid)
+    stats.add_scores(protocol.score_update(range(100), [0.0] * 100, [4] * 100, latencies[:100]))
+    early = stats._latencies_ms[:stats.scored]
+    early_copy = early.copy()
+    for begin in range(100, len(latencies), 700):
+        ids = range(begin, min(begin + 700, len(latencies)))
+        stats.add_scores(protocol.score_update(ids, [0.0] * len(ids), [4] * len(ids), latencies[ids.start:ids.stop]))
+    in_time = latencies[latencies <= 1000.0]
+    summary = stats.summary()
+    assert summary["responses"] == len(in_time) and summary["missed"] == len(latencies) - len(in_time)
+    assert [summary["latency_ms"][f"p{q}"] for q in (50, 90, 99)] == pytest.approx(np.percentile(in_time, [50, 90, 99]))
+    assert summary["latency_ms"]["max"] == in_time.max()
+    np.testing.assert_array_equal(early, early_copy)
+
+
 def test_requests_a_client_cannot_place_get_an_error_and_the_rest_are_answered():
     """A symbol the engine has no room for: its request alone gets an error, the batch's others are answered."""
     from client.answers import check_answer

@@ -174,6 +174,23 @@ def test_fills_says_when_a_batch_formed_now_would_already_be_full():
     assert not scheduler.fills(1, 1)  # nothing waits
 
 
+def test_fills_counts_the_full_queues_without_looking_at_each_waiting_symbol():
+    """fills() is asked at each arrival while a step is formed late: it looked at every waiting symbol's queue,
+    4.2 ms at 20,000 symbols."""
+    class CountingLookups(dict):
+        lookups = 0
+
+        def __getitem__(self, symbol):
+            CountingLookups.lookups += 1
+            return super().__getitem__(symbol)
+    scheduler = Scheduler()
+    scheduler._queues = CountingLookups()
+    for uid in range(3000):
+        scheduler.push(_request(uid, f"S{uid % 1000}"))  # 3 requests of each of 1,000 symbols
+    assert not scheduler.fills(64, 8) and scheduler.fills(64, 3) and scheduler.fills(1000, 3)
+    assert CountingLookups.lookups == 0
+
+
 def test_bad_max_per_symbol_is_rejected():
     scheduler = Scheduler()
     scheduler.push(_request(0, "A"))
@@ -265,6 +282,8 @@ def test_random_batches_with_holds_trims_and_joins_keep_every_rule(seed):
             del queued[symbol][:len(theirs)]
         stepped.extend(batch)
         assert len(scheduler) == sum(map(len, queued.values()))
+        for max_batch, k in ((1, 1), (2, 2), (3, 4)):
+            assert scheduler.fills(max_batch, k) == (sum(len(q) >= k for q in queued.values()) >= max_batch)
     for request in joining.values():
         stepped.append(request)
     while len(scheduler):

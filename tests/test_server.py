@@ -872,6 +872,28 @@ def test_the_leaderboard_copies_nothing_per_request_on_the_event_loop():
     assert took < 0.001  # (6-7 ms before)
 
 
+def test_a_snapshot_hands_over_the_answered_latencies_without_gathering_them_from_the_stream():
+    """The leaderboard's snapshot runs on the event loop for every team: it takes the latencies answered so far as
+    they stand (gathering them from the whole stream took 64 teams of 1M requests 242-291 ms a page rebuild). Later
+    answers leave an earlier snapshot as it was, and the latencies are those of the answers in time."""
+    stream, targets = make_stream(40)
+    offsets = send_offsets(40, stream.delay_ms, rate=200.0)
+    session = TeamSession("team", stream.symbols, stream.features, targets, offsets, atol=1e-3, half_life_ms=100.0,
+                          timeout_s=0.5, send_stall_s=0.5, max_requests_per_message=16)
+    session.sent = 40
+    session._send_time[:] = session.start
+    session.handle_response([3, 1, 2], targets[[3, 1, 2]], session.start + 0.010)
+    first = session.snapshot()
+    session.handle_response([5, 1, 9], targets[[5, 1, 9]], session.start + 0.020)  # 1 again: a duplicate
+    session.handle_response([7], targets[[7]], session.start + 0.9)  # late: no latency
+    second = session.snapshot()
+    np.testing.assert_allclose(first["latencies_ms"], [10.0] * 3)
+    np.testing.assert_allclose(second["latencies_ms"], [10.0] * 3 + [20.0] * 2)
+    assert np.shares_memory(first["latencies_ms"], second["latencies_ms"])  # no copy, no gather
+    latencies = session.request_times()["latency_ms"]
+    assert sorted(second["latencies_ms"]) == sorted(latencies[~np.isnan(latencies)])
+
+
 def test_a_disconnected_team_costs_the_server_a_few_wakes_a_second():
     class CountingSession(TeamSession):
         wakes = 0

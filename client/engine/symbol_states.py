@@ -9,7 +9,9 @@ the host tier is the same memory: it only adds room.
 The step reads and writes states through the mapping interface (`symbol in states`, `states.get(symbol)`,
 `states.update(...)`) after `place(symbols)` has made every symbol of the step resident.
 """
+import heapq
 import time
+from collections import OrderedDict
 from collections.abc import MutableMapping
 
 from client.engine.base import CapacityError
@@ -25,7 +27,7 @@ class SymbolStates(MutableMapping):
         self.idle_timeout_s, self.clock = idle_timeout_s, clock
         self._states: dict[str, dict] = {}  # symbol -> its state, in order of first sight
         self._on_host: set[str] = set()      # symbols whose state waits in host memory
-        self._last_seen: dict[str, float] = {}
+        self._last_seen: OrderedDict[str, float] = OrderedDict()  # in order of last use: the idle ones first
         self.stats = {"offloaded": 0, "restored": 0, "expired": 0, "released": 0}
 
     # ---- the mapping the step reads and writes ------------------------------------------------------
@@ -39,7 +41,10 @@ class SymbolStates(MutableMapping):
 
     def __setitem__(self, symbol, state) -> None:
         self._states[symbol] = state
-        self._last_seen[symbol] = self.clock()
+        # never before the latest (a clock that steps back), so that _expired reads _last_seen in time order
+        now = self.clock()
+        self._last_seen[symbol] = max(now, next(reversed(self._last_seen.values()), now))
+        self._last_seen.move_to_end(symbol)
 
     def __delitem__(self, symbol) -> None:
         if symbol not in self._states:
@@ -88,9 +93,12 @@ class SymbolStates(MutableMapping):
         back = [s for s in dict.fromkeys(symbols) if s in self._on_host]
         new = sum(1 for s in batch if s not in self._states)
         resident = len(self._states) - len(self._on_host)
-        for _ in range(resident + len(back) + new - self.capacity):
-            self._offload(min((s for s in self._states if s not in self._on_host and s not in batch),
-                              key=self._last_seen.__getitem__))
+        # the least recently used residents, taken in one scan of the table (one scan for each took a step of 64 new
+        # symbols 79 ms with 20,000 symbols in host memory)
+        for symbol in heapq.nsmallest(resident + len(back) + new - self.capacity,
+                                      (s for s in self._states if s not in self._on_host and s not in batch),
+                                      key=self._last_seen.__getitem__):
+            self._offload(symbol)
         for symbol in back:
             self._states[symbol] = {name: t.to(self.device) for name, t in self._states[symbol].items()}
             self._on_host.discard(symbol)
@@ -103,9 +111,17 @@ class SymbolStates(MutableMapping):
 
     # ---- internals ----------------------------------------------------------------------------------
     def _expired(self, now, exclude) -> list[str]:
+        """The symbols idle past the timeout, outside `exclude`: the front of _last_seen, read up to the first one
+        seen since (a whole scan, three a step, took 4 ms a step with 20,000 symbols in host memory)."""
         if self.idle_timeout_s is None:
             return []
-        return [s for s, seen in self._last_seen.items() if now - seen > self.idle_timeout_s and s not in exclude]
+        expired = []
+        for symbol, seen in self._last_seen.items():
+            if now - seen <= self.idle_timeout_s:
+                break
+            if symbol not in exclude:
+                expired.append(symbol)
+        return expired
 
     def _offload(self, symbol) -> None:
         self._states[symbol] = {name: t.to("cpu") for name, t in self._states[symbol].items()}
