@@ -190,8 +190,8 @@ class StreamingClient:
                  preset: str | None = None, weights_fingerprint: str | None = None,
                  allow_weights_mismatch: bool = False, leave_at_end: bool = False, on_welcome=None,
                  max_batch: int | None = None, max_requests_per_symbol: int = DEFAULT_REQUESTS_PER_SYMBOL,
-                 heartbeat_s: float = 5.0, backoff_s: float = 0.1,
-                 backoff_max_s: float = 5.0, connect_timeout_s: float = CONNECT_TIMEOUT_S, give_up_after_s: float = 10.0,
+                 heartbeat_s: float = 5.0, backoff_s: float = 0.1, backoff_max_s: float = 5.0,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S, give_up_after_s: float = 10.0,
                  cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
                  form_late: bool = True, late_after_s: float | None = None, form_margin_s: float | None = None,
                  punctual_late_after_s: float | None = None, join_queued: bool = True, timeline: bool = False,
@@ -571,9 +571,9 @@ class StreamingClient:
         log.warning("request %d (%s) after the reconnect reuses the unique_id of an earlier request: the server "
                     "began another stream", uid, symbol)
         self._finish(NEW_STREAM, f"after the reconnect the server sent unique_id {uid} ({symbol}), which held another "
-                                 f"request before or was answered long ago: it began another stream (restarted, or a new round), and this "
-                                 f"client's states are the old one's; {self._played()} requests of the old stream "
-                                 f"answered in time")
+                                 f"request before or was answered long ago: it began another stream (restarted, or a "
+                                 f"new round), and this client's states are the old one's; {self._played()} requests "
+                                 f"of the old stream answered in time")
         self._spawn(ws.close())
 
     def _on_refusal(self, ws, msg):
