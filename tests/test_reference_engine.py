@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from client.engine import ENGINES, make_engine
+from client.engine.base import idle_symbols
 from client.engine.precision import FP32_STATE, StateStorage
 from client.engine.reference import ReferenceEngine
 from client.engine.symbol_states import SymbolStates
@@ -210,7 +211,8 @@ def test_placing_a_step_reads_the_table_once_and_expiry_only_its_idle_front():
     states._on_host.update(f"S{i:04d}" for i in range(100, 1000))
     now[0] = 999.5  # S0000..S0949 idle
     CountingReads.reads = 0
-    assert states._expired(now[0], exclude={"S0001"}) == [f"S{i:04d}" for i in range(950) if i != 1]
+    assert (idle_symbols(states._last_seen, now[0], states.idle_timeout_s, {"S0001"})
+            == [f"S{i:04d}" for i in range(950) if i != 1])
     assert CountingReads.reads == 951  # the idle ones and the first one that is not (a whole scan: 1,000)
     states.idle_timeout_s = None
     CountingReads.reads = 0

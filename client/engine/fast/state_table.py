@@ -47,7 +47,7 @@ from concurrent.futures import Future
 
 import torch
 
-from client.engine.base import CapacityError
+from client.engine.base import CapacityError, idle_symbols
 
 PAD_SLOT = 0
 # The state table's default share of free GPU memory; the host tier's default is the available host memory less a
@@ -731,31 +731,18 @@ class StateTable:
         held = {s for s in self._held if s not in self.resident and s not in self.offloaded}.difference(batch)
         room = self.capacity + self.host_capacity - len(self.resident) - len(self.offloaded) - len(held)
         if len(new) > room:
-            room += len(self._expired(self.clock(), exclude=set(batch) | self._held))
+            room += len(idle_symbols(self.last_seen, self.clock(), self.idle_timeout_s, set(batch) | self._held))
         return new[max(room, 0):]
 
-    def _expired(self, now, exclude):
-        """The symbols idle past the timeout, outside `exclude`: the front of last_seen, read up to the first one
-        seen since (a step's placement is on its latency path; with 1,000 symbols a whole scan took ~0.1 ms)."""
-        if self.idle_timeout_s is None:
-            return []
-        expired = []
-        for symbol, seen in self.last_seen.items():
-            if now - seen <= self.idle_timeout_s:
-                break
-            if symbol not in exclude:
-                expired.append(symbol)
-        return expired
-
     def _expire(self, now, exclude):
-        for symbol in self._expired(now, exclude):
+        for symbol in idle_symbols(self.last_seen, now, self.idle_timeout_s, exclude):
             self._forget(symbol)
             self.stats["expired"] += 1
 
     def _touch(self, symbol, now):
         self.resident.move_to_end(symbol)
         # never earlier than the newest: a caller's `now` may predate a touch made while _place waited (the lock
-        # released), and _expired reads last_seen in time order
+        # released), and idle_symbols reads last_seen in time order
         self.last_seen[symbol] = max(now, next(reversed(self.last_seen.values()), now))
         self.last_seen.move_to_end(symbol)
 
