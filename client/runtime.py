@@ -27,6 +27,7 @@ import numpy as np
 from client import protocol, transport
 from client.answers import check_answer
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, NUM_FEATURES, NUM_TOWERS
+from client.id_ranges import IdRanges
 from client import team_api
 from client.scheduler import Request, Scheduler
 from client.step_clock import StepClock
@@ -308,8 +309,8 @@ class StreamingClient:
         self._rejected_ids: set[int] = set()
         self._cache: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()  # uid -> (answer, request print)
         # ids whose answers left the cache: a resend is refused, since stepping it again would advance its
-        # symbol's state twice (a few tens of bytes an id, as the stats' ids)
-        self._evicted: set[int] = set()
+        # symbol's state twice (ranges: ids in order take a few bytes each)
+        self._evicted = IdRanges()
         self._fed_on_connection = False  # a request new to this client came on the current connection
         self._ws = None
         self._send_tasks: set[asyncio.Task] = set()
