@@ -873,24 +873,21 @@ class StreamingClient:
         batch, pending, _, _, joined = self._steps[-1]
         if self._refused[0] is not pending:
             self._refused = (pending, set())
-        skip = self._refused[1] | {r.symbol for r in batch} | {r.symbol for r in joined}
         ready = self._is_ready if callable(self._ready) or self._joining else None
+        singles = self._scheduler.singles()
+        # every such request at once, oldest first, looking only at the symbols with one queued request that were
+        # not offered yet (a set difference): popping every waiting head took 0.5 ms a look at 1,000 waiting symbols
+        offered = singles.keys() - self._refused[1]
+        offered.difference_update([r.symbol for r in batch], [r.symbol for r in joined])
         awaiting = False
-
-        def alone_and_ready(symbol):
-            nonlocal awaiting
-            if symbol in skip or self._scheduler.queued(symbol) != 1:
-                return False
-            if ready is None or ready(symbol):
-                return True
-            awaiting = awaiting or symbol not in self._joining
-            return False
-        # every such request at once, oldest first: taken one at a time, each take held back every symbol before it
-        # again (a step that refused 4,000 waiting symbols held the lock 5.3 s)
-        for request in self._scheduler.next_batch(None, 1, alone_and_ready):
+        for symbol in sorted(offered, key=singles.__getitem__):
+            if ready is not None and not ready(symbol):
+                awaiting = awaiting or symbol not in self._joining
+                continue
+            request = self._scheduler.take_front(symbol)
             if not self._join(request):  # no room left, the step started, or the state not on the GPU yet
                 self._scheduler.requeue(request)
-                self._refused[1].add(request.symbol)
+                self._refused[1].add(symbol)
         return awaiting
 
     def _settle_joins(self, done=None, answered=()):

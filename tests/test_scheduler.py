@@ -235,7 +235,8 @@ def test_queued_counts_a_symbols_waiting_requests():
 def test_random_batches_with_holds_trims_and_joins_keep_every_rule(seed):
     """Random arrivals, batches of random caps and K in {1, 2, 4}, symbols held back (ready), batches trimmed to
     their oldest rows (rows_for), and joins as the runtime makes them (a request of a symbol with nothing queued
-    and no join unsettled, stamped, then either stepped or put back at the front of its queue): each batch takes
+    and no join unsettled, stamped, or a symbol's one queued request taken from the front of its queue; then either
+    stepped or put back at the front of its queue): each batch takes
     each served symbol's oldest queued requests, up to K, its symbols' heads the oldest of the ready ones; nothing
     is lost or stepped twice; each symbol steps in arrival order."""
     rng = random.Random(seed)
@@ -254,6 +255,11 @@ def test_random_batches_with_holds_trims_and_joins_keep_every_rule(seed):
             else:
                 scheduler.push(request)
                 queued[request.symbol].append(request)
+        assert scheduler.singles() == {s: q[0].seq for s, q in queued.items() if len(q) == 1}
+        for symbol in sorted(scheduler.singles()):  # join some waiting symbols' one queued request
+            if symbol not in joining and rng.random() < 0.3:
+                joining[symbol] = scheduler.take_front(symbol)
+                assert joining[symbol] is queued[symbol].pop(0)
         for symbol, request in list(joining.items()):  # settle some joins
             if rng.random() < 0.5:
                 del joining[symbol]
@@ -282,6 +288,7 @@ def test_random_batches_with_holds_trims_and_joins_keep_every_rule(seed):
             del queued[symbol][:len(theirs)]
         stepped.extend(batch)
         assert len(scheduler) == sum(map(len, queued.values()))
+        assert scheduler.waiting_symbols() == sum(1 for q in queued.values() if q)
         for max_batch, k in ((1, 1), (2, 2), (3, 4)):
             assert scheduler.fills(max_batch, k) == (sum(len(q) >= k for q in queued.values()) >= max_batch)
     for request in joining.values():
@@ -292,3 +299,17 @@ def test_random_batches_with_holds_trims_and_joins_keep_every_rule(seed):
     for symbol in symbols:
         assert [r.unique_id for r in stepped if r.symbol == symbol] == \
                [r.unique_id for r in arrived if r.symbol == symbol]
+
+
+def test_take_front_dequeues_one_request_and_refuses_an_empty_queue():
+    scheduler = Scheduler()
+    for uid, symbol in enumerate("ABA"):
+        scheduler.push(Request(uid, symbol, np.zeros(79, np.float32)))
+    assert scheduler.singles() == {"B": 1}
+    assert scheduler.take_front("A").unique_id == 0
+    assert scheduler.singles() == {"A": 2, "B": 1} and len(scheduler) == 2
+    assert scheduler.take_front("B").unique_id == 1
+    assert scheduler.singles() == {"A": 2} and scheduler.waiting_symbols() == 1
+    with pytest.raises(IndexError, match="'B'"):
+        scheduler.take_front("B")
+    assert [r.unique_id for r in scheduler.next_batch()] == [2] and not len(scheduler)
