@@ -16,7 +16,8 @@ from server.identity import Identity
 from server.original import TEAM_PREFIX, OriginalConnection, sniffing_connections
 from server.leaderboard import leaderboard_row, mark_far_below, render_page
 from client.constants import ATOL, TARGET_SOURCES
-from server.limits import AddressLimits, Limits, OpenSockets, field_problem, register_frame_problem
+from server.limits import (AddressLimits, Limits, OpenSockets, field_problem, longest_register,
+                           register_frame_problem)
 from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
 from server.session import TeamSession, send_offsets, summarize
 from server.snapshot import LeaderboardSnapshot
@@ -275,9 +276,11 @@ class ScoringServer:
         session = None
         heartbeats = asyncio.create_task(self._heartbeats(ws))
         try:
+            ws.limit_messages(min(longest_register(self.config.limits), self.config.max_frame_bytes))
             session = await self._register(ws, address)
             if session is None:
                 return
+            ws.limit_messages(self.config.max_frame_bytes)
             async for frame in ws:
                 await self._on_message(session, ws, frame, time.monotonic())
                 # neither taking a buffered message nor sending an answer waits: without this, a team sending many

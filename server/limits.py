@@ -44,11 +44,17 @@ def field_problem(msg: dict, limits: Limits) -> tuple[str, str] | None:
     return None
 
 
+def longest_register(limits: Limits) -> int:
+    """The bytes of the longest register within the field limits (its strings at 4 bytes a character, 1 kB for the
+    rest)."""
+    return 4 * (len(LIMITED_FIELDS) * limits.max_field_chars + protocol.MAX_TEAM_NAME) + 1024
+
+
 def register_frame_problem(frame_bytes: int, limits: Limits) -> tuple[str, str] | None:
-    """("field_too_long", details) for a frame before register longer than any register within the field limits
-    (its strings at 4 bytes a character, 1 kB for the rest), else None. Such a frame is refused undecoded:
-    decoding a frame of many small values holds the event loop, every team's, about a microsecond a byte."""
-    most = 4 * (len(LIMITED_FIELDS) * limits.max_field_chars + protocol.MAX_TEAM_NAME) + 1024
+    """("field_too_long", details) for a frame before register longer than any register within the field limits,
+    else None. Such a frame is refused undecoded: decoding a frame of many small values holds the event loop, every
+    team's, about a microsecond a byte."""
+    most = longest_register(limits)
     if frame_bytes > most:
         return ("field_too_long", f"a frame of {frame_bytes:,} bytes before register; a register within this "
                                   f"server's limits takes at most {most:,} bytes (--max-field-chars)")

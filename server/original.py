@@ -123,6 +123,14 @@ class PingLimitedConnection(ServerConnection):
         super().__init__(*args, **kwargs)
         self._pings, self._pings_counted_at = float(PING_BURST), time.monotonic()
 
+    def limit_messages(self, max_bytes: int) -> None:
+        """From now on read messages up to twice max_bytes, to be answered with an error over max_bytes, and close
+        the connection (1009) at the header of a longer one, as serve()'s max_size does: a message is read whole
+        before the server sees it, so before register a stranger's sockets each held up to 8 MB."""
+        # websockets keeps the limit on its protocol object: max_message_size since 16, max_size before
+        name = "max_message_size" if hasattr(self.protocol, "max_message_size") else "max_size"
+        setattr(self.protocol, name, 2 * max_bytes)
+
     def process_event(self, event):
         if getattr(event, "opcode", None) is Opcode.PING:  # (the handshake's request is an event too)
             now = time.monotonic()
@@ -228,6 +236,12 @@ class OriginalConnection:
         self.remote_address = transport.get_extra_info("peername")
         self.team = team_name(self.remote_address)
         self._overrun = False
+
+    def limit_messages(self, max_bytes: int) -> None:
+        """From now on answer a line over max_bytes with an error, and close the connection at one over twice that
+        (PingLimitedConnection.limit_messages)."""
+        self.max_line_bytes = max_bytes
+        self._reader._limit = 2 * max_bytes  # asyncio's StreamReader reads its limit there at each readline
 
     # receiving ---------------------------------------------------------------------------------
     async def recv(self) -> bytes:

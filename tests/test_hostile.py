@@ -85,8 +85,16 @@ async def attempt(port, register, source, answers):
                     await ws.send(protocol.encode(register))
                 except ConnectionClosed:
                     pass  # refused before it could say anything: the refusal still waits to be read
-            msg = protocol.decode(await asyncio.wait_for(ws.recv(), 30))
+            try:
+                msg = protocol.decode(await asyncio.wait_for(ws.recv(), 30))
+            except ConnectionClosed as exc:  # 1009: a frame over the server's limit, closed at its header
+                answers["message_too_big" if exc.rcvd is not None and exc.rcvd.code == 1009 else "closed"] += 1
+                return
             answers[msg["type"] if msg["type"] == "welcome" else msg["error"]] += 1
+    except AttributeError:
+        # Python 3.11's socket transport, closed once a long write drained, leaves its loop unset without counting
+        # itself lost, and websockets' abort on leaving then fails; the server's answer is already counted
+        pass
     except InvalidHandshake:  # closed unread: the address holds its limit of open sockets
         answers["cut"] += 1
     except (ConnectionClosed, OSError, TimeoutError) as exc:
@@ -156,9 +164,9 @@ def test_oversized_register_fields_are_refused_and_the_page_stays_small(server, 
         page = response.read()
     page_s = time.monotonic() - started
     good.finish()
-    # the fields are read once a connection and a registration are granted: 16 connections, 10 registrations at once
-    refusals = answers["field_too_long"] + answers["rate_limited"] + answers["too_many_connections"]
-    assert answers["field_too_long"] >= 1 and refusals == 20, answers
+    # a frame before register over twice the longest register is not read: closed at its header (1009)
+    refusals = answers["message_too_big"] + answers["rate_limited"] + answers["too_many_connections"]
+    assert answers["message_too_big"] >= 1 and refusals == 20, answers
     assert len(page) < 100_000 and page_s < 2.5 and b"f" * 1000 not in page
 
 

@@ -502,3 +502,21 @@ def test_a_burst_of_requests_reaches_an_original_client_in_short_lines_the_event
     most, lines = run(main())
     assert [i for line in lines for i in line["unique_ids"]] == list(range(requests))
     assert most < 0.1 and max(len(line["unique_ids"]) for line in lines) <= 64
+
+
+def test_an_original_line_before_register_is_read_up_to_twice_the_longest_register():
+    """A stranger's line is read whole before the server sees it: before register, up to twice the longest
+    register (the connection closed past that), not twice the line limit of a team (8 MB a socket)."""
+    garbage = [b'{"message_type": "register", "x": "' + b"y" * 20_000]  # no newline yet: the server must not wait
+
+    async def main():
+        stream, targets = stand_in()
+        server = ScoringServer(ServerConfig(rate=400.0), stream=stream, targets=targets)
+        port = await server.start()
+        replies = await garbage_connection(port, garbage)
+        await server.stop()
+        return replies
+
+    replies = run(main())
+    assert [(r["error"], r["details"]) for r in replies] == [
+        ("protocol_error", "line exceeds twice the limit of 5376 bytes; closing the connection")]

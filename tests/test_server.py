@@ -193,7 +193,7 @@ def test_garbage_connection_gets_errors_and_never_touches_others():
         msgpack.packb({"type": "launch"}),
         msgpack.packb({"type": "register", "team": 7, "protocol": 1}),
         protocol.encode(protocol.heartbeat(1.0)),  # well-formed, but not a register
-        protocol.encode(protocol.error("x", "y" * (protocol.MAX_FRAME_BYTES + 10))),  # oversized: refused, closed
+        protocol.encode(protocol.error("x", "y" * 6_000)),  # longer than any register: refused, closed
     ]
 
     async def main():
@@ -1113,19 +1113,32 @@ def test_a_team_past_its_budget_is_read_again_only_a_second_after_each_refusal()
 
 def test_a_frame_before_register_longer_than_any_register_is_refused_undecoded():
     """Decoding a frame of many small values holds the event loop, every team's, about a microsecond a byte: a
-    stranger's 4 MB frame before register is refused as it comes, while the longest register the field limits allow
-    still plays."""
+    stranger's frame before register longer than any register is refused as it comes, and one over twice that is
+    not even read (each of a stranger's sockets made the server buffer up to 8 MB), while the longest register the
+    field limits allow still plays, and the registered team's frames may be as long as before."""
     widest = "\U0001F600"  # 4 bytes in UTF-8
-    junk = protocol.encode({"type": "heartbeat", "timestamp": 0.0, "junk": [[]] * 4_000_000})
+    junk = protocol.encode({"type": "heartbeat", "timestamp": 0.0, "junk": [[]] * 6_000})
+    huge = protocol.encode({"type": "heartbeat", "timestamp": 0.0, "junk": [[]] * 4_000_000})
+    long_answer = protocol.encode(protocol.error("x", "y" * (protocol.MAX_FRAME_BYTES // 2)))
 
     async def main():
         async with Server(token=widest * 256) as s:
-            big = await refused(s.url, None, source="127.0.0.8", frame=junk)
+            long = await refused(s.url, None, source="127.0.0.8", frame=junk)
+            stranger = await connect(s.url, local_addr=("127.0.0.9", 0))
+            await stranger.send(huge)
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(stranger.recv(), 5)
             ws = await registered(s.url, widest * 64, token=widest * 256, preset=widest * 256,
                                   weights_fingerprint=widest * 256, session_key=widest * 256)
+            await ws.send(long_answer)  # read, and answered with an error, as any frame a team sends
+            answer = await recv(ws)
+            while answer["type"] != "error":
+                answer = await recv(ws)
             await ws.close()
-            return big
-    (reply, close_code) = run(main())
+            return long, (stranger.close_code, stranger.close_reason), answer
+    (reply, close_code), huge_closed, answer = run(main())
     assert reply["error"] == "field_too_long" and close_code == 1008
     assert reply["details"] == (f"a frame of {len(junk):,} bytes before register; a register within this server's "
                                 f"limits takes at most 5,376 bytes (--max-field-chars)")
+    assert huge_closed[0] == 1009 and "10752" in huge_closed[1]  # the limit: twice the longest register
+    assert answer["error"] != "field_too_long"
