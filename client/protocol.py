@@ -16,8 +16,9 @@ Each message is one binary websocket frame holding one msgpack map with a ``type
 - ``end`` {requests: int}: server to client, once every request of the team's stream is scored (after the
   last ``score_update``): nothing more will come, and the client may leave.
 - ``inference_request`` {unique_ids: [int], symbols: [str], features: bytes, timestamp: float}:
-  features as little-endian float32, 79 per request, row-major. unreadable_rows?: [int], only from the original
-  protocol's translation (client/original.py): the rows of its line that were no 79 numbers, sent as NaN.
+  features as little-endian float32, 79 per request, row-major; timestamp: the server's send time (of the first
+  request, in a reconnect's resend). unreadable_rows?: [int], only from the original protocol's translation
+  (client/original.py): the rows of its line that were no 79 numbers, sent as NaN.
 - ``inference_response`` {unique_ids: [int], predictions: bytes | [[float]], client_timestamp: float}:
   little-endian float32, 4 per request in tower order xLSTM, Mamba2, RetNet, Hawk.
 - ``score_update`` {unique_ids, pnls, correct, latencies_ms}.

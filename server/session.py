@@ -1,8 +1,8 @@
 """One team's run through the stream: its schedule, what was sent and answered, its score.
 
 A session outlives connections: it keeps its clock while the team is disconnected (requests that
-fall due then count as sent and time out as usual), and on reconnect resends, in order and with
-their original timestamps, every request not yet answered before it continues the stream.
+fall due then count as sent and time out as usual), and on reconnect resends, in order, every request not
+yet answered before it continues the stream; a resent frame carries its first request's send time.
 """
 import asyncio
 import math
@@ -135,13 +135,12 @@ class TeamSession:
         self.ended.set()
 
     async def _send_backlog(self, connection):
-        """Resend, in order, every sent request not yet answered, grouped as first sent."""
+        """Resend, in order, every sent request not yet answered, up to max_requests_per_message a frame, each
+        frame with its first request's send time. (Grouped as first sent, the requests that fell due while the
+        team was away went one a frame: a backlog of 50,000 took 2.7 s to resend.)"""
         backlog = np.flatnonzero((self._state[:self.sent] == PENDING) | (self._state[:self.sent] == MISSED))
-        if not len(backlog):
-            return
-        times = self._send_time[backlog]
-        starts = np.flatnonzero(np.r_[True, times[1:] != times[:-1]])
-        for group in np.split(backlog, starts[1:]):
+        for begin in range(0, len(backlog), self._chunk):
+            group = backlog[begin:begin + self._chunk]
             if not await self._send_requests(connection, group, self._send_time[group[0]]):
                 return
 

@@ -315,6 +315,35 @@ def test_bad_register_is_refused_and_closed_at_once(register, code):
                                     "at most 256 (--max-field-chars)")
 
 
+def test_a_reconnect_resends_a_backlog_in_full_frames_with_their_first_send_time():
+    """What fell due while the team was away went one request a frame (50,000: 2.7 s to resend): now the backlog
+    comes max_requests_per_message a frame, in order, each frame with its first request's send time."""
+    requests, chunk = 2_000, 512
+
+    async def main():
+        async with Server(requests=requests, rate=2_000.0, timeout_s=30.0, max_requests_per_message=chunk) as s:
+            ws = await registered(s.url, "alpha")
+            first = await recv(ws)
+            while first["type"] != "inference_request":
+                first = await recv(ws)
+            await ws.close()
+            await asyncio.sleep(1.2)  # the rest of the stream falls due meanwhile
+            ws = await registered(s.url, "alpha", session_key=ws.session_key)
+            frames = []
+            while sum(len(f["unique_ids"]) for f in frames) < requests:
+                msg = await recv(ws)
+                if msg["type"] == "inference_request":
+                    frames.append(msg)
+            await ws.close()
+            session = s.server.first_session
+            return first, frames, session._send_time + session._wall_offset
+    first, frames, send_times = run(main())
+    assert [uid for f in frames for uid in f["unique_ids"]] == list(range(requests))  # the unanswered, in order
+    assert [len(f["unique_ids"]) for f in frames] == [chunk] * 3 + [requests - 3 * chunk]
+    assert frames[0]["timestamp"] == first["timestamp"]
+    assert [f["timestamp"] for f in frames] == [send_times[f["unique_ids"][0]] for f in frames]
+
+
 def test_reconnect_resends_unanswered_in_order_and_counts_what_was_missed():
     timeout_s = 0.6  # wide, so that a loaded machine answers the first requests in time
 
