@@ -5,6 +5,7 @@ The contract: {"unique_ids": [...], "predictions": float32 [n, 4] in the order o
 {unique_id: why} (optional)}; every request of the batch is either answered once or named under errors with
 the reason it was not (e.g. a symbol the engine has no room for).
 """
+from collections import Counter
 from typing import NamedTuple
 
 import numpy as np
@@ -37,7 +38,7 @@ def check_answer(result, batch_ids) -> Answer:
     if sorted(given) != sorted(batch_ids):
         missing = sorted(set(batch_ids) - set(given))
         unexpected = sorted(set(given) - set(batch_ids))
-        repeated = sorted({uid for uid in given if given.count(uid) > 1})
+        repeated = sorted(uid for uid, times in Counter(given).items() if times > 1)
         raise ValueError(f"process_batch must answer each request of the batch once (or name it under errors): "
                          f"missing ids {missing[:5]}, unexpected ids {unexpected[:5]}, repeated ids {repeated[:5]}")
     if predictions.shape != (len(ids), NUM_TOWERS):
