@@ -274,6 +274,24 @@ def test_a_step_of_more_symbols_than_device_places_runs_through_the_host_tier(mo
     assert bounded._states.on_host == 2
 
 
+def test_a_step_run_in_groups_forgets_none_of_its_own_symbols_as_idle(model):
+    """An idle symbol with a request in the step keeps its state, however many groups the step runs as: the first
+    group's placement forgot C, idle since before it, so C's request in the second group started from a fresh
+    state (0.067 off)."""
+    rng = np.random.default_rng(10)
+    first, x = _features(rng, 1), _features(rng, 3)
+    now = [0.0]
+    grouped = ReferenceEngine(model, capacity=2, host_symbols=4, idle_timeout_s=5.0)  # [A, B], then [C]
+    at_once = ReferenceEngine(model, capacity=3, idle_timeout_s=5.0)
+    for engine in (grouped, at_once):
+        engine._states.clock = lambda: now[0]
+        engine.step(["C"], first)
+    now[0] = 10.0  # C idle past the timeout, and requested again
+    np.testing.assert_allclose(grouped.step(["A", "B", "C"], x), at_once.step(["A", "B", "C"], x), rtol=1e-5,
+                               atol=1e-6)
+    assert grouped._states.stats["expired"] == 0
+
+
 def test_the_reference_engine_starts_without_triton():
     # pip installs Triton on Linux alone (pyproject.toml): elsewhere every CPU tool plays the reference engine
     root = Path(__file__).resolve().parent.parent

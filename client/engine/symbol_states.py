@@ -79,15 +79,16 @@ class SymbolStates(MutableMapping):
         room += len(idle_symbols(self._last_seen, self.clock(), self.idle_timeout_s, set(batch)))
         return new[max(room, 0):]
 
-    def place(self, symbols) -> None:
+    def place(self, symbols, keep=()) -> None:
         """Make every symbol of a step resident on the device, with room for the new ones: forget idle symbols,
         move least recently used ones to host memory, bring this step's back. CapacityError (changing nothing)
-        when some fit in no tier."""
+        when some fit in no tier. keep: the symbols of the step's other groups (a step placed in groups), which
+        are not forgotten as idle meanwhile: their requests are in the step."""
         rejected = self.unplaceable(symbols)
         if rejected:
             raise self.capacity_error(rejected)
         batch = set(symbols)
-        for symbol in idle_symbols(self._last_seen, self.clock(), self.idle_timeout_s, batch):
+        for symbol in idle_symbols(self._last_seen, self.clock(), self.idle_timeout_s, batch | set(keep)):
             self._forget(symbol)
             self.stats["expired"] += 1
         back = [s for s in dict.fromkeys(symbols) if s in self._on_host]
