@@ -137,6 +137,29 @@ def test_a_symbol_without_room_fails_alone_on_its_shard(sharded):
     sharded.release(filled + ["LATE", "ELSEWHERE"])
 
 
+def test_a_symbol_refused_for_want_of_room_is_placed_afresh_at_its_next_request(sharded):
+    """A new symbol that a full shard refused stayed bound to that shard (and among the engine's symbols, holding
+    no state): refused for as long as that shard was full, however much room another had. Now its next request
+    is placed as a new symbol's."""
+    filled = []
+    for shard in (0, 1):
+        held = sum(index == shard for index in sharded.shard_of.values())
+        filled += [f"W{shard}_{i}" for i in range(CAPACITY - held)]
+        for symbol in filled[-(CAPACITY - held):]:
+            _put(sharded, symbol, shard)
+    sharded.step(filled, np.zeros((len(filled), 79), np.float32))
+    full = min((0, 1), key=sharded._load.__getitem__)  # where a new symbol goes while both are full
+    zeros = np.zeros((1, 79), np.float32)
+    with pytest.raises(ShardError, match=rf"shard {full}: CapacityError: no room for the state of 1 symbol\(s\) "
+                                         r"\(LONE\)"):
+        sharded.step(["LONE"], zeros)
+    assert "LONE" not in sharded.symbols
+    sharded.release([next(s for s, index in sharded.shard_of.items() if index != full)])  # room on the other
+    assert sharded.step(["LONE"], zeros).shape == (1, 4)
+    assert sharded.shard_of["LONE"] != full
+    sharded.release(filled + ["LONE"])
+
+
 def test_release_frees_a_symbol_everywhere(sharded):
     sharded.step(["R0"], np.zeros((1, 79), np.float32))
     sharded.release(["R0", "never-seen"])

@@ -283,6 +283,7 @@ class _Runner:
             # rows of symbols the shard had no room for fail alone (submit_placeable): a part's other rows were
             # stepped, and are answered
             predictions, refused = outcome
+            self.engine._unplace(self, {entry.part.symbols[row] for row in refused})  # before the caller hears
             kept = np.setdiff1d(np.arange(len(predictions)), list(refused))
             if len(kept):
                 entry.part.finish(predictions[kept], kept)
@@ -381,6 +382,18 @@ class ShardedEngine(Engine):
                 elif index is None and not live:
                     out[symbol] = "every shard of the sharded engine is lost"
             return out
+
+    def _unplace(self, runner: _Runner, refused):
+        """Symbols that runner's shard refused for want of room hold no state there: placed afresh at their next
+        request (another shard may have room; bound to this one, they were refused for as long as it was full),
+        unless a later part of theirs is on its way to this shard already."""
+        with self._lock:
+            queued = {s for kind, item in runner.work if kind == "step" for s in item.symbols}
+            queued.update(s for entry in runner.in_flight for s in entry.part.symbols)
+            for symbol in refused - queued:
+                if self.shard_of.get(symbol) == runner.index:
+                    del self.shard_of[symbol]
+                    self._load[runner.index] -= 1
 
     def release(self, symbols):
         with self._lock:
