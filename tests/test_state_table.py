@@ -120,7 +120,7 @@ def test_symbol_beyond_every_tier_is_refused_and_nothing_changes():
     write(t, 1, 9)
     before = (dict(t.resident), list(t.offloaded), state_of(t, 1))
     assert t.unplaceable(["A", "D"]) == ["D"] and t.unplaceable(["D", "E"]) == ["D", "E"]
-    with pytest.raises(CapacityError, match=r"2 on the GPU and 1 in host memory") as error:
+    with pytest.raises(CapacityError, match=r"2 on the CPU and 1 in host memory") as error:
         t.slots_for(["A", "D"])
     assert error.value.symbols == ["D"]
     assert (dict(t.resident), list(t.offloaded)) == before[:2]
@@ -550,7 +550,7 @@ def test_a_host_tier_that_fails_to_pin_keeps_what_it_pinned_and_refuses_the_rest
     write(t, t.slots_for(["A"])[0], 3)
     saved = state_of(t, t.slot_of["A"])
     t.slots_for(["B"])  # A into the host tier's one slot
-    with pytest.raises(CapacityError, match="1 on the GPU and 1 in host memory"):
+    with pytest.raises(CapacityError, match="1 on the CPU and 1 in host memory"):
         t.slots_for(["C"])
     assert same_state(t, t.slots_for(["A"])[0], saved)
 

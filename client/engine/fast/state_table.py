@@ -711,7 +711,8 @@ class StateTable:
 
     def capacity_error(self, rejected) -> CapacityError:
         """The error that names the limits for symbols that fit in no tier."""
-        return CapacityError.no_room(rejected, f"{self.capacity} on the GPU and {self.host_capacity} in host memory",
+        device = "the GPU" if self.parts[0].device.type == "cuda" else "the CPU"  # without CUDA the table is in RAM
+        return CapacityError.no_room(rejected, f"{self.capacity} on {device} and {self.host_capacity} in host memory",
                                      "--state-memory")
 
     def release(self, symbols) -> None:
