@@ -258,9 +258,41 @@ def test_a_hung_shard_is_stopped_after_the_answer_timeout_and_fails_its_symbols_
         engine.close()
 
 
-def test_the_answer_timeout_must_be_positive():
-    with pytest.raises(ValueError, match="--shard-timeout-s must be positive, got 0"):
-        ShardedEngine([object()], answer_timeout_s=0)
+class _StoppableShard:
+    info = {}
+    stopped = False
+
+    def stop(self):
+        self.stopped = True
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"answer_timeout_s": 0}, "--shard-timeout-s must be a positive number of seconds, got 0"),
+    ({"answer_timeout_s": "5"}, "--shard-timeout-s must be a positive number of seconds, got '5'"),
+    ({"on_shard_loss": "retry"}, "--on-shard-loss 'retry': choose one of error, reset"),
+])
+def test_bad_loss_options_are_one_line_and_stop_the_shards_given(options, match):
+    shard = _StoppableShard()  # the engine owns the shards it is given: a refusal left them running
+    with pytest.raises(ValueError, match=match):
+        ShardedEngine([shard], progress=False, **options)
+    assert shard.stopped
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"on_shard_loss": "retry"}, "--on-shard-loss 'retry': choose one of error, reset"),
+    ({"shard_timeout_s": -1.0}, "--shard-timeout-s must be a positive number of seconds, got -1.0"),
+])
+def test_bad_loss_options_are_refused_before_any_shard_starts(monkeypatch, options, match):
+    """They were refused once every shard had started (minutes on GPUs), and the shards (and a local Ray) were left
+    running."""
+    import client.engine.shard_ray
+    from client.engine import make_engine
+
+    def start_shards(*args, **kwargs):
+        raise AssertionError("shards started for options that are refused")
+    monkeypatch.setattr(client.engine.shard_ray, "ray_shards", start_shards)
+    with pytest.raises(ValueError, match=match):
+        make_engine("reference", None, "cpu", cluster="ray", spec=SPEC, **options)
 
 
 def test_a_lost_shard_says_its_exit_code_whichever_thread_sees_the_exit():
