@@ -244,6 +244,21 @@ def test_engine_options_the_reference_engine_cannot_honour_are_refused(model, op
         make_engine("reference", model, "cpu", **options)
 
 
+@pytest.mark.parametrize("engine, options, message", [
+    ("reference", {"capacity": 2.5}, "need whole numbers capacity >= 1 and host_capacity >= 0, got 2.5 and 0"),
+    ("reference", {"host_symbols": 1.5}, "need whole numbers capacity >= 1 and host_capacity >= 0, got 1024 and 1.5"),
+    ("fast", {"capacity": 2.5}, "capacity must be a positive whole number of symbols, got 2.5"),
+    ("fast", {"host_symbols": -1}, "host_symbols must be a whole number of symbols >= 0, got -1"),
+    ("fast", {"max_rows_per_symbol": 2.0}, "max_batch and max_rows_per_symbol must be positive whole numbers"),
+    ("reference", {"gpus": 0}, "--gpus must be a whole number of at least 1, got 0"),
+])
+def test_counts_that_are_not_whole_numbers_are_refused_in_one_line(model, engine, options, message):
+    """A float capacity was taken: the reference engine then failed every step ("slice indices must be integers"),
+    the fast engine its start ("empty() takes 1 positional argument"); --gpus 0 ran on one device."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_engine(engine, model, "cpu", progress=False, **options)
+
+
 def test_table_options_reach_the_reference_engine(model):
     engine = make_engine("reference", model, "cpu", capacity=3, host_symbols=2, idle_timeout_s=7.0,
                          state_storage=FP32_STATE)

@@ -195,7 +195,7 @@ def test_table_over_several_devices_gives_a_symbol_one_slot_everywhere():
 
 
 @pytest.mark.parametrize("kwargs", [{"capacity": 0}, {"host_capacity": -1}, {"reserve": -2},
-                                    {"idle_timeout_s": 0}])
+                                    {"idle_timeout_s": 0}, {"capacity": 2.5}, {"host_capacity": 1.5}])
 def test_bad_limits_are_rejected(kwargs):
     with pytest.raises(ValueError):
         table(**{"capacity": 2, **kwargs})

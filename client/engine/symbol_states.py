@@ -14,13 +14,14 @@ import time
 from collections import OrderedDict
 from collections.abc import MutableMapping
 
-from client.engine.base import CapacityError, idle_symbols
+from client.engine.base import CapacityError, idle_symbols, is_count
 
 
 class SymbolStates(MutableMapping):
     def __init__(self, device, capacity: int, host_capacity: int = 0, idle_timeout_s=None, clock=time.monotonic):
-        if capacity < 1 or host_capacity < 0:
-            raise ValueError(f"need capacity >= 1 and host_capacity >= 0, got {capacity} and {host_capacity}")
+        if not (is_count(capacity, 1) and is_count(host_capacity, 0)):
+            raise ValueError(f"need whole numbers capacity >= 1 and host_capacity >= 0, got {capacity!r} and "
+                             f"{host_capacity!r}")
         if idle_timeout_s is not None and not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be positive (or None: never), got {idle_timeout_s}")
         self.device, self.capacity, self.host_capacity = device, capacity, host_capacity
