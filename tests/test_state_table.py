@@ -2,6 +2,7 @@
 byte for byte, idle expiry, the capacity error, a table spanning several devices; the host tier allocated once,
 returns started ahead of their step (prefetch, ready), a slow copy delaying only its own symbol. The same on
 real CUDA streams where there is a GPU."""
+import argparse
 import mmap
 import multiprocessing
 import os
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.engine.fast.state_table import (ALIGN, PAD_SLOT, CapacityError, StateTable, host_memory,
-                                            host_symbols_for, host_tier_budget, slot_layout)
+from client.engine.fast.state_table import (ALIGN, HOST_HEADROOM_BYTES, HOST_HEADROOM_SHARE, PAD_SLOT, CapacityError,
+                                            StateTable, host_memory, host_symbols_for, host_tier_budget, slot_layout)
+from client.engine.options import add_engine_arguments
 from conftest import checkout_env
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -192,6 +194,14 @@ def test_table_over_several_devices_gives_a_symbol_one_slot_everywhere():
     assert (t.parts[1].tensors["S"][1] == 1.0).all()  # reset for B
     t.slots_for(["A"])
     assert (t.parts[1].tensors["S"][1] == 4.0).all()  # A's part on the second device came back too
+
+
+def test_the_host_symbols_help_states_the_headroom_the_host_tier_leaves():
+    """--help said the default host tier left max(4 GiB, 5%) of the host's memory: it leaves 15% since bench/LOG.md
+    section 48."""
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert f"max({HOST_HEADROOM_BYTES >> 30} GiB, {HOST_HEADROOM_SHARE:.0%})" in " ".join(parser.format_help().split())
 
 
 @pytest.mark.parametrize("kwargs", [{"capacity": 0}, {"host_capacity": -1}, {"reserve": -2},
