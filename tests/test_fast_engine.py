@@ -169,7 +169,7 @@ def test_symbol_beyond_every_tier_fails_alone():
     first = fast.step(["A"], ones)
     fast.step(["B"], ones)
     assert list(fast.unplaceable(["C"])) == ["C"] and fast.unplaceable(["A"]) == {}
-    with pytest.raises(CapacityError, match="1 on the GPU and 1 in host memory"):
+    with pytest.raises(CapacityError, match="1 on the CPU and 1 in host memory"):
         fast.step(["C"], ones)
     fresh = FastEngine(model, device="cpu", capacity=2, progress=False)
     fresh.step(["A"], ones)

@@ -244,6 +244,21 @@ def test_engine_options_the_reference_engine_cannot_honour_are_refused(model, op
         make_engine("reference", model, "cpu", **options)
 
 
+@pytest.mark.parametrize("engine, options, message", [
+    ("reference", {"capacity": 2.5}, "need whole numbers capacity >= 1 and host_capacity >= 0, got 2.5 and 0"),
+    ("reference", {"host_symbols": 1.5}, "need whole numbers capacity >= 1 and host_capacity >= 0, got 1024 and 1.5"),
+    ("fast", {"capacity": 2.5}, "capacity must be a positive whole number of symbols, got 2.5"),
+    ("fast", {"host_symbols": -1}, "host_symbols must be a whole number of symbols >= 0, got -1"),
+    ("fast", {"max_rows_per_symbol": 2.0}, "max_batch and max_rows_per_symbol must be positive whole numbers"),
+    ("reference", {"gpus": 0}, "--gpus must be a whole number of at least 1, got 0"),
+])
+def test_counts_that_are_not_whole_numbers_are_refused_in_one_line(model, engine, options, message):
+    """A float capacity was taken: the reference engine then failed every step ("slice indices must be integers"),
+    the fast engine its start ("empty() takes 1 positional argument"); --gpus 0 ran on one device."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_engine(engine, model, "cpu", progress=False, **options)
+
+
 def test_table_options_reach_the_reference_engine(model):
     engine = make_engine("reference", model, "cpu", capacity=3, host_symbols=2, idle_timeout_s=7.0,
                          state_storage=FP32_STATE)
@@ -272,6 +287,24 @@ def test_a_step_of_more_symbols_than_device_places_runs_through_the_host_tier(mo
         np.testing.assert_allclose(bounded.step(rows, x), unbounded.step(rows, x), rtol=1e-5, atol=1e-6)
     assert list(bounded.unplaceable(["D", "E"])) == ["E"]  # four symbols in all: room for one more
     assert bounded._states.on_host == 2
+
+
+def test_a_step_run_in_groups_forgets_none_of_its_own_symbols_as_idle(model):
+    """An idle symbol with a request in the step keeps its state, however many groups the step runs as: the first
+    group's placement forgot C, idle since before it, so C's request in the second group started from a fresh
+    state (0.067 off)."""
+    rng = np.random.default_rng(10)
+    first, x = _features(rng, 1), _features(rng, 3)
+    now = [0.0]
+    grouped = ReferenceEngine(model, capacity=2, host_symbols=4, idle_timeout_s=5.0)  # [A, B], then [C]
+    at_once = ReferenceEngine(model, capacity=3, idle_timeout_s=5.0)
+    for engine in (grouped, at_once):
+        engine._states.clock = lambda: now[0]
+        engine.step(["C"], first)
+    now[0] = 10.0  # C idle past the timeout, and requested again
+    np.testing.assert_allclose(grouped.step(["A", "B", "C"], x), at_once.step(["A", "B", "C"], x), rtol=1e-5,
+                               atol=1e-6)
+    assert grouped._states.stats["expired"] == 0
 
 
 def test_the_reference_engine_starts_without_triton():

@@ -137,6 +137,29 @@ def test_a_symbol_without_room_fails_alone_on_its_shard(sharded):
     sharded.release(filled + ["LATE", "ELSEWHERE"])
 
 
+def test_a_symbol_refused_for_want_of_room_is_placed_afresh_at_its_next_request(sharded):
+    """A new symbol that a full shard refused stayed bound to that shard (and among the engine's symbols, holding
+    no state): refused for as long as that shard was full, however much room another had. Now its next request
+    is placed as a new symbol's."""
+    filled = []
+    for shard in (0, 1):
+        held = sum(index == shard for index in sharded.shard_of.values())
+        filled += [f"W{shard}_{i}" for i in range(CAPACITY - held)]
+        for symbol in filled[-(CAPACITY - held):]:
+            _put(sharded, symbol, shard)
+    sharded.step(filled, np.zeros((len(filled), 79), np.float32))
+    full = min((0, 1), key=sharded._load.__getitem__)  # where a new symbol goes while both are full
+    zeros = np.zeros((1, 79), np.float32)
+    with pytest.raises(ShardError, match=rf"shard {full}: CapacityError: no room for the state of 1 symbol\(s\) "
+                                         r"\(LONE\)"):
+        sharded.step(["LONE"], zeros)
+    assert "LONE" not in sharded.symbols
+    sharded.release([next(s for s, index in sharded.shard_of.items() if index != full)])  # room on the other
+    assert sharded.step(["LONE"], zeros).shape == (1, 4)
+    assert sharded.shard_of["LONE"] != full
+    sharded.release(filled + ["LONE"])
+
+
 def test_release_frees_a_symbol_everywhere(sharded):
     sharded.step(["R0"], np.zeros((1, 79), np.float32))
     sharded.release(["R0", "never-seen"])
@@ -235,9 +258,41 @@ def test_a_hung_shard_is_stopped_after_the_answer_timeout_and_fails_its_symbols_
         engine.close()
 
 
-def test_the_answer_timeout_must_be_positive():
-    with pytest.raises(ValueError, match="--shard-timeout-s must be positive, got 0"):
-        ShardedEngine([object()], answer_timeout_s=0)
+class _StoppableShard:
+    info = {}
+    stopped = False
+
+    def stop(self):
+        self.stopped = True
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"answer_timeout_s": 0}, "--shard-timeout-s must be a positive number of seconds, got 0"),
+    ({"answer_timeout_s": "5"}, "--shard-timeout-s must be a positive number of seconds, got '5'"),
+    ({"on_shard_loss": "retry"}, "--on-shard-loss 'retry': choose one of error, reset"),
+])
+def test_bad_loss_options_are_one_line_and_stop_the_shards_given(options, match):
+    shard = _StoppableShard()  # the engine owns the shards it is given: a refusal left them running
+    with pytest.raises(ValueError, match=match):
+        ShardedEngine([shard], progress=False, **options)
+    assert shard.stopped
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"on_shard_loss": "retry"}, "--on-shard-loss 'retry': choose one of error, reset"),
+    ({"shard_timeout_s": -1.0}, "--shard-timeout-s must be a positive number of seconds, got -1.0"),
+])
+def test_bad_loss_options_are_refused_before_any_shard_starts(monkeypatch, options, match):
+    """They were refused once every shard had started (minutes on GPUs), and the shards (and a local Ray) were left
+    running."""
+    import client.engine.shard_ray
+    from client.engine import make_engine
+
+    def start_shards(*args, **kwargs):
+        raise AssertionError("shards started for options that are refused")
+    monkeypatch.setattr(client.engine.shard_ray, "ray_shards", start_shards)
+    with pytest.raises(ValueError, match=match):
+        make_engine("reference", None, "cpu", cluster="ray", spec=SPEC, **options)
 
 
 def test_a_lost_shard_says_its_exit_code_whichever_thread_sees_the_exit():

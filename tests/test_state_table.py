@@ -2,6 +2,7 @@
 byte for byte, idle expiry, the capacity error, a table spanning several devices; the host tier allocated once,
 returns started ahead of their step (prefetch, ready), a slow copy delaying only its own symbol. The same on
 real CUDA streams where there is a GPU."""
+import argparse
 import mmap
 import multiprocessing
 import os
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.engine.fast.state_table import (ALIGN, PAD_SLOT, CapacityError, StateTable, host_memory,
-                                            host_symbols_for, host_tier_budget, slot_layout)
+from client.engine.fast.state_table import (ALIGN, HOST_HEADROOM_BYTES, HOST_HEADROOM_SHARE, PAD_SLOT, CapacityError,
+                                            StateTable, host_memory, host_symbols_for, host_tier_budget, slot_layout)
+from client.engine.options import add_engine_arguments
 from conftest import checkout_env
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -120,7 +122,7 @@ def test_symbol_beyond_every_tier_is_refused_and_nothing_changes():
     write(t, 1, 9)
     before = (dict(t.resident), list(t.offloaded), state_of(t, 1))
     assert t.unplaceable(["A", "D"]) == ["D"] and t.unplaceable(["D", "E"]) == ["D", "E"]
-    with pytest.raises(CapacityError, match=r"2 on the GPU and 1 in host memory") as error:
+    with pytest.raises(CapacityError, match=r"2 on the CPU and 1 in host memory") as error:
         t.slots_for(["A", "D"])
     assert error.value.symbols == ["D"]
     assert (dict(t.resident), list(t.offloaded)) == before[:2]
@@ -194,8 +196,16 @@ def test_table_over_several_devices_gives_a_symbol_one_slot_everywhere():
     assert (t.parts[1].tensors["S"][1] == 4.0).all()  # A's part on the second device came back too
 
 
+def test_the_host_symbols_help_states_the_headroom_the_host_tier_leaves():
+    """--help said the default host tier left max(4 GiB, 5%) of the host's memory: it leaves 15% since bench/LOG.md
+    section 48."""
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert f"max({HOST_HEADROOM_BYTES >> 30} GiB, {HOST_HEADROOM_SHARE:.0%})" in " ".join(parser.format_help().split())
+
+
 @pytest.mark.parametrize("kwargs", [{"capacity": 0}, {"host_capacity": -1}, {"reserve": -2},
-                                    {"idle_timeout_s": 0}])
+                                    {"idle_timeout_s": 0}, {"capacity": 2.5}, {"host_capacity": 1.5}])
 def test_bad_limits_are_rejected(kwargs):
     with pytest.raises(ValueError):
         table(**{"capacity": 2, **kwargs})
@@ -550,7 +560,7 @@ def test_a_host_tier_that_fails_to_pin_keeps_what_it_pinned_and_refuses_the_rest
     write(t, t.slots_for(["A"])[0], 3)
     saved = state_of(t, t.slot_of["A"])
     t.slots_for(["B"])  # A into the host tier's one slot
-    with pytest.raises(CapacityError, match="1 on the GPU and 1 in host memory"):
+    with pytest.raises(CapacityError, match="1 on the CPU and 1 in host memory"):
         t.slots_for(["C"])
     assert same_state(t, t.slots_for(["A"])[0], saved)
 

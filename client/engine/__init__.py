@@ -1,5 +1,5 @@
 """Engines chosen by --engine: `reference` (fp32, one batched step per micro-batch) and `fast`."""
-from client.engine.base import Engine, check_step_inputs
+from client.engine.base import Engine, check_step_inputs, is_count
 
 ENGINES = ("reference", "fast")
 
@@ -38,8 +38,14 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
         raise ValueError("--shard-timeout-s applies to sharded engines: --cluster ray, or --gpus N --split symbols")
     losses = {"on_shard_loss": on_shard_loss or "error",
               **({} if shard_timeout_s is None else {"answer_timeout_s": shard_timeout_s})}
+    if sharded:
+        from client.engine.sharded import ANSWER_TIMEOUT_S, check_loss_options
+
+        check_loss_options(losses["on_shard_loss"], losses.get("answer_timeout_s", ANSWER_TIMEOUT_S))
     if sharded and spec is None:
         raise ValueError("a sharded engine needs the model's spec (preset and weights) for its shards")
+    if not is_count(gpus, 1):
+        raise ValueError(f"--gpus must be a whole number of at least 1, got {gpus!r}")
     if split is not None and gpus == 1:
         raise ValueError(f"--split {split} applies with --gpus 2 or more")
     if name == "reference":

@@ -2,6 +2,7 @@
 
 A step's rows are requests: a symbol may appear several times, in arrival order, and row i of the result is the
 prediction after request i (the symbol's state advanced through its earlier rows of the step first)."""
+import numbers
 import threading
 from abc import ABC, abstractmethod
 
@@ -29,6 +30,12 @@ def check_step_inputs(symbols, features) -> np.ndarray:
         raise ValueError(f"non-finite features in rows {bad_rows.tolist()[:8]} (symbols "
                          f"{[symbols[i] for i in bad_rows[:8]]})")
     return features
+
+
+def is_count(value, minimum) -> bool:
+    """Whether value is a whole number (not a bool) of at least minimum, as the engines' counts of symbols must be
+    (a float such as 2.5 was taken, and failed later in a step or an allocation with an error naming neither)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
 
 
 def idle_symbols(last_seen, now, idle_timeout_s, exclude) -> list[str]:

@@ -86,12 +86,13 @@ class ReferenceEngine(Engine):
         for first in range(0, len(distinct), self._states.capacity):
             group = set(distinct[first:first + self._states.capacity])
             rows = np.flatnonzero([symbol in group for symbol in symbols])
-            out[rows] = self._step_group([symbols[i] for i in rows], features[rows])
+            out[rows] = self._step_group([symbols[i] for i in rows], features[rows], keep=distinct)
         return out
 
-    def _step_group(self, symbols, features):
-        """step's predictions for the rows of at most `capacity` symbols."""
-        self._states.place(symbols)  # every symbol resident, with room for the new ones (or CapacityError)
+    def _step_group(self, symbols, features, keep):
+        """step's predictions for the rows of at most `capacity` symbols; keep: the step's symbols, none of which
+        an earlier group's placement may forget as idle (the later groups' would then start from a fresh state)."""
+        self._states.place(symbols, keep)  # every symbol resident, with room for the new ones (or CapacityError)
         states = {}  # the states as the step advances them, stored only after every round succeeded
         out = np.empty((len(symbols), NUM_TOWERS), dtype=np.float32)
         for rows in Sequences(symbols).rounds():

@@ -60,6 +60,15 @@ class ShardStartError(ShardError, ValueError):
     mistake, reported in one line."""
 
 
+def check_loss_options(on_shard_loss, answer_timeout_s) -> None:
+    """Refuse, in one line, what a sharded engine cannot do when a shard is lost (make_engine asks before it starts
+    any shard: they take minutes on GPUs)."""
+    if on_shard_loss not in ON_SHARD_LOSS:
+        raise ValueError(f"--on-shard-loss {on_shard_loss!r}: choose one of {', '.join(ON_SHARD_LOSS)}")
+    if not (isinstance(answer_timeout_s, (int, float)) and answer_timeout_s > 0):
+        raise ValueError(f"--shard-timeout-s must be a positive number of seconds, got {answer_timeout_s!r}")
+
+
 def build_shard_engine(spec: ModelSpec, device: str, engine: str, options: dict):
     """What a shard runs: (its engine, the info it reports when ready), the model loaded from `spec` on `device`."""
     from client.engine import make_engine
@@ -283,6 +292,7 @@ class _Runner:
             # rows of symbols the shard had no room for fail alone (submit_placeable): a part's other rows were
             # stepped, and are answered
             predictions, refused = outcome
+            self.engine._unplace(self, {entry.part.symbols[row] for row in refused})  # before the caller hears
             kept = np.setdiff1d(np.arange(len(predictions)), list(refused))
             if len(kept):
                 entry.part.finish(predictions[kept], kept)
@@ -311,12 +321,14 @@ class ShardedEngine(Engine):
         """shards: started shards of one transport (client.engine.shard_process.process_shards,
         client.engine.shard_ray.ray_shards), which this engine now owns (close() stops them). A shard that
         answers no step for answer_timeout_s seconds is stopped and lost."""
-        if on_shard_loss not in ON_SHARD_LOSS:
-            raise ValueError(f"--on-shard-loss {on_shard_loss!r}: choose one of {', '.join(ON_SHARD_LOSS)}")
-        if not answer_timeout_s > 0:
-            raise ValueError(f"--shard-timeout-s must be positive, got {answer_timeout_s!r}")
         if not shards:
             raise ValueError("a sharded engine needs at least one shard")
+        try:
+            check_loss_options(on_shard_loss, answer_timeout_s)
+        except ValueError:
+            for shard in shards:  # this engine owns them: a refusal stops them
+                shard.stop()
+            raise
         fingerprints = {shard.info.get("fingerprint") for shard in shards}
         if len(fingerprints) > 1:
             for shard in shards:
@@ -381,6 +393,18 @@ class ShardedEngine(Engine):
                 elif index is None and not live:
                     out[symbol] = "every shard of the sharded engine is lost"
             return out
+
+    def _unplace(self, runner: _Runner, refused):
+        """Symbols that runner's shard refused for want of room hold no state there: placed afresh at their next
+        request (another shard may have room; bound to this one, they were refused for as long as it was full),
+        unless a later part of theirs is on its way to this shard already."""
+        with self._lock:
+            queued = {s for kind, item in runner.work if kind == "step" for s in item.symbols}
+            queued.update(s for entry in runner.in_flight for s in entry.part.symbols)
+            for symbol in refused - queued:
+                if self.shard_of.get(symbol) == runner.index:
+                    del self.shard_of[symbol]
+                    self._load[runner.index] -= 1
 
     def release(self, symbols):
         with self._lock:

@@ -14,13 +14,14 @@ import time
 from collections import OrderedDict
 from collections.abc import MutableMapping
 
-from client.engine.base import CapacityError, idle_symbols
+from client.engine.base import CapacityError, idle_symbols, is_count
 
 
 class SymbolStates(MutableMapping):
     def __init__(self, device, capacity: int, host_capacity: int = 0, idle_timeout_s=None, clock=time.monotonic):
-        if capacity < 1 or host_capacity < 0:
-            raise ValueError(f"need capacity >= 1 and host_capacity >= 0, got {capacity} and {host_capacity}")
+        if not (is_count(capacity, 1) and is_count(host_capacity, 0)):
+            raise ValueError(f"need whole numbers capacity >= 1 and host_capacity >= 0, got {capacity!r} and "
+                             f"{host_capacity!r}")
         if idle_timeout_s is not None and not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be positive (or None: never), got {idle_timeout_s}")
         self.device, self.capacity, self.host_capacity = device, capacity, host_capacity
@@ -79,15 +80,16 @@ class SymbolStates(MutableMapping):
         room += len(idle_symbols(self._last_seen, self.clock(), self.idle_timeout_s, set(batch)))
         return new[max(room, 0):]
 
-    def place(self, symbols) -> None:
+    def place(self, symbols, keep=()) -> None:
         """Make every symbol of a step resident on the device, with room for the new ones: forget idle symbols,
         move least recently used ones to host memory, bring this step's back. CapacityError (changing nothing)
-        when some fit in no tier."""
+        when some fit in no tier. keep: the symbols of the step's other groups (a step placed in groups), which
+        are not forgotten as idle meanwhile: their requests are in the step."""
         rejected = self.unplaceable(symbols)
         if rejected:
             raise self.capacity_error(rejected)
         batch = set(symbols)
-        for symbol in idle_symbols(self._last_seen, self.clock(), self.idle_timeout_s, batch):
+        for symbol in idle_symbols(self._last_seen, self.clock(), self.idle_timeout_s, batch | set(keep)):
             self._forget(symbol)
             self.stats["expired"] += 1
         back = [s for s in dict.fromkeys(symbols) if s in self._on_host]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
-from client.engine.base import NUM_TOWERS, Engine, PendingStep, Sequences, check_step_inputs
+from client.engine.base import NUM_TOWERS, Engine, PendingStep, Sequences, check_step_inputs, is_count
 from client.engine.precision import DEFAULT_PRECISION, FP32_STATE, Precision, StateStorage
 from client.model.config import TOWER_NAMES
 
@@ -179,11 +179,13 @@ class FastEngine(Engine):
         devices = [torch.device(d) for d in (devices or [device or ("cuda" if torch.cuda.is_available() else "cpu")])]
         if capacity is not None and state_memory is not None:
             raise ValueError("give the state table's capacity or its memory share, not both")
-        if capacity is not None and capacity < 1:
-            raise ValueError(f"capacity must be a positive number of symbols, got {capacity}")
-        if max_rows_per_symbol < 1 or max_batch < 1:
-            raise ValueError(f"max_batch and max_rows_per_symbol must be positive, got {max_batch}, "
-                             f"{max_rows_per_symbol}")
+        if capacity is not None and not is_count(capacity, 1):
+            raise ValueError(f"capacity must be a positive whole number of symbols, got {capacity!r}")
+        if host_symbols is not None and not is_count(host_symbols, 0):  # here, not once the weights are converted
+            raise ValueError(f"host_symbols must be a whole number of symbols >= 0, got {host_symbols!r}")
+        if not (is_count(max_rows_per_symbol, 1) and is_count(max_batch, 1)):
+            raise ValueError(f"max_batch and max_rows_per_symbol must be positive whole numbers, got {max_batch!r}, "
+                             f"{max_rows_per_symbol!r}")
         _check_devices(devices)
         start = time.perf_counter()
         self.device, self.devices, self.max_batch = devices[0], devices, max_batch

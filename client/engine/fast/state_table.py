@@ -47,7 +47,7 @@ from concurrent.futures import Future
 
 import torch
 
-from client.engine.base import CapacityError, idle_symbols
+from client.engine.base import CapacityError, idle_symbols, is_count
 
 PAD_SLOT = 0
 # The state table's default share of free GPU memory; the host tier's default is the available host memory less a
@@ -470,9 +470,9 @@ class StateTable:
         The host tier is pinned in a background thread from now on: pause_pinning() around a CUDA graph capture."""
         if isinstance(parts, tuple) and len(parts) == 2 and isinstance(parts[0], dict):
             parts = [parts]
-        if capacity < 1 or host_capacity < 0 or reserve < 0:
-            raise ValueError(f"need capacity >= 1, host_capacity >= 0 and reserve >= 0, got {capacity}, "
-                             f"{host_capacity}, {reserve}")
+        if not (is_count(capacity, 1) and is_count(host_capacity, 0) and is_count(reserve, 0)):
+            raise ValueError(f"need whole numbers capacity >= 1, host_capacity >= 0 and reserve >= 0, got "
+                             f"{capacity!r}, {host_capacity!r}, {reserve!r}")
         if idle_timeout_s is not None and not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be positive (or None: never), got {idle_timeout_s}")
         # One host slot more than the tier holds: a swap moves a state out before the returning one frees its slot.
@@ -711,7 +711,8 @@ class StateTable:
 
     def capacity_error(self, rejected) -> CapacityError:
         """The error that names the limits for symbols that fit in no tier."""
-        return CapacityError.no_room(rejected, f"{self.capacity} on the GPU and {self.host_capacity} in host memory",
+        device = "the GPU" if self.parts[0].device.type == "cuda" else "the CPU"  # without CUDA the table is in RAM
+        return CapacityError.no_room(rejected, f"{self.capacity} on {device} and {self.host_capacity} in host memory",
                                      "--state-memory")
 
     def release(self, symbols) -> None:
