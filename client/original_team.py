@@ -127,12 +127,17 @@ def _copy(batch):
 def checked_response(batch: Dict[str, List[PendingRequest]], response) -> tuple[List[int], np.ndarray]:
     """(unique_ids, predictions float32 [n, 4]) of an InferenceResponse to `batch`; an id it was not given, or gave
     twice, is the team code's mistake."""
+    expected = f"process_batch must return InferenceResponse(unique_ids, predictions [n][{NUM_TOWERS}])"
     try:
         ids = [int(uid) for uid in response.unique_ids]
-        predictions = np.asarray(response.predictions, dtype=np.float32).reshape(len(ids), NUM_TOWERS)
+        predictions = np.asarray(response.predictions, dtype=np.float32)
     except (AttributeError, TypeError, ValueError) as exc:
-        raise ValueError(f"process_batch must return InferenceResponse(unique_ids, predictions [n][{NUM_TOWERS}]), "
-                         f"got {type(response).__name__}: {exc}") from None
+        raise ValueError(f"{expected}, got {type(response).__name__}: {exc}") from None
+    if not ids and predictions.size == 0:
+        predictions = predictions.reshape(0, NUM_TOWERS)  # [] for no answer
+    # The shape itself, not a reshape: tower-major predictions [4][n] would reshape to [n][4] scrambled.
+    if predictions.shape != (len(ids), NUM_TOWERS):
+        raise ValueError(f"{expected}, got predictions of shape {list(predictions.shape)} for {len(ids)} unique_ids")
     given = {request.unique_id for requests in batch.values() for request in requests}
     unknown = sorted(set(ids) - given)
     repeated = sorted({uid for uid in ids if ids.count(uid) > 1}) if len(set(ids)) != len(ids) else []

@@ -80,6 +80,19 @@ def test_a_response_that_breaks_the_contract_says_how(response, message):
         OriginalStyleClient(Scripted(response)).process_batch({"A": [(1, np.zeros(79, np.float32))]})
 
 
+def test_predictions_one_row_a_tower_are_refused_not_reshaped_into_scrambled_answers():
+    """Team code that runs each tower on its own may stack its predictions [4][n], one row a tower: the same number
+    of values as [n][4], which a reshape took, answering each request with other requests' and towers' values."""
+    tower_major = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
+    client = OriginalStyleClient(Scripted(InferenceResponse([1, 2], tower_major)))
+    with pytest.raises(ValueError, match=r"predictions \[n\]\[4\]\), got predictions of shape \[4, 2\] for 2 "
+                                         r"unique_ids"):
+        client.process_batch({"A": [(1, np.zeros(79, np.float32))], "B": [(2, np.zeros(79, np.float32))]})
+    answer = OriginalStyleClient(Scripted(InferenceResponse([1, 2], tower_major.T))).process_batch(
+        {"A": [(1, np.zeros(79, np.float32))], "B": [(2, np.zeros(79, np.float32))]})
+    assert answer["predictions"].tolist() == [[1.0, 3.0, 5.0, 7.0], [2.0, 4.0, 6.0, 8.0]]
+
+
 def test_a_request_left_out_is_asked_again_and_an_error_once_a_call_answers_nothing():
     class Twice(BaseInferenceClient):
         def __init__(self):
