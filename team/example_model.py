@@ -336,9 +336,22 @@ def build_engine(args) -> tuple[Engine, str, str]:
     return engine, fingerprint, f"engine {args.engine}, device {args.device}"
 
 
+def _team_client(team_class, engine, team_dir):
+    """The runtime's client of a team class built with the engine; a --team-dir file's class that fails to build
+    (e.g. an __init__ that takes no engine) is that file's mistake, said in one line as the evaluator says it."""
+    from client.original_team import as_runtime_client
+
+    try:
+        return as_runtime_client(team_class(engine))
+    except Exception as exc:
+        if team_dir is None:
+            raise
+        raise cli.CliError(f"{os.path.join(team_dir, 'example_model.py')}: ExampleModel(engine) failed: "
+                           f"{type(exc).__name__}: {exc}") from exc
+
+
 async def play(args) -> tuple[dict, list[dict] | None]:
     """Play the server given by args (or an embedded one); return (client summary, server summaries)."""
-    from client.original_team import as_runtime_client
     from client.runtime import NEW_STREAM, StreamingClient
     from client.transport import server_url
 
@@ -350,6 +363,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
     engine, fingerprint, engine_text = build_engine(args)
     server = None
     try:
+        team_client = _team_client(team_class, engine, args.team_dir)  # before an embedded server computes targets
         if args.host is None:
             from server.app import ScoringServer, ServerConfig
 
@@ -365,7 +379,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
         engine.on_loss(lambda loss: playing[0].notice(
             "state_reset" if loss["policy"] == "reset" else "shard_lost", loss["line"]))
         while True:
-            client = StreamingClient(as_runtime_client(team_class(engine)), url, args.team, args.token,
+            client = StreamingClient(team_client, url, args.team, args.token,
                                      preset=args.preset, weights_fingerprint=fingerprint,
                                      allow_weights_mismatch=args.allow_weights_mismatch, leave_at_end=True,
                                      max_requests_per_symbol=args.max_requests_per_symbol,
@@ -388,6 +402,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
             # (a team file's own states too) plays the new stream from the start.
             print(f"{PROG}: {summary['detail']}; states reset, playing the new stream", file=sys.stderr)
             engine.release(engine.symbols)
+            team_client = _team_client(team_class, engine, args.team_dir)
     finally:
         if server is not None:
             await server.stop()

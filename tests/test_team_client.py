@@ -343,6 +343,22 @@ def test_ordinary_mistakes_are_one_line(args, message, cli_here):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_team_dir_whose_example_model_takes_no_engine_is_one_line(tmp_path, cli_here):
+    """A team file whose ExampleModel cannot be built with the engine (its __init__ takes none) is that file's
+    mistake, as the evaluator says it: one line naming it, exit 2 (was an 'unexpected error', exit 1)."""
+    from team import example_model
+
+    (tmp_path / "example_model.py").write_text(
+        "from client import BaseInferenceClient\n\n\nclass ExampleModel(BaseInferenceClient):\n"
+        "    def __init__(self):\n        super().__init__()\n\n"
+        "    def process_batch(self, requests_by_symbol):\n        pass\n")
+    code, err = cli_here(example_model.main, example_model.PROG, ["--preset", "tiny", "--team-dir", str(tmp_path)])
+    assert code == 2, err
+    assert err.strip().splitlines()[-1] == (
+        f"team/example_model.py: error: {tmp_path / 'example_model.py'}: ExampleModel(engine) failed: TypeError: "
+        f"ExampleModel.__init__() takes 1 positional argument but 2 were given")
+
+
 def test_a_mistake_is_one_line_from_a_real_process():
     result = subprocess.run([*CLIENT, "--preset", "tiny", "--seed", "-1"], cwd=REPO, env=ONE_THREAD,
                             capture_output=True, text=True, timeout=120)
