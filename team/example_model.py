@@ -199,7 +199,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="exit codes:\n" + "\n".join(f"  {code:>3}  {meaning}"
                                                                     for code, meaning in cli.EXIT_CODES.items()))
-    parser.add_argument("--host", help="server host; without it, start the project's server in-process")
+    parser.add_argument("--host", type=cli.host_name,
+                        help="server host; without it, start the project's server in-process")
     parser.add_argument("--port", type=cli.port_number, help="server port (required with --host)")
     parser.add_argument("--protocol", choices=PROTOCOLS, default="websocket",
                         help="the server's protocol: the project's websocket (default) or the original event's "

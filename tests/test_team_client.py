@@ -102,6 +102,13 @@ def test_the_example_says_the_rows_its_engines_steps_run_at():
 @pytest.mark.parametrize("argv, match", [
     (["--host", "127.0.0.1"], "--host needs --port"),
     (["--port", "9000"], "--port without --host"),
+    # said before the model loads: later they were "Invalid IPv6 URL" and "... does not appear to be an IPv4 or IPv6
+    # address", naming no option
+    (["--host", "ws://127.0.0.1", "--port", "8765"], "argument --host: takes a host name or address, not a url, got "
+                                                     "'ws://127.0.0.1': give the url's port with --port"),
+    (["--host", "127.0.0.1:8765", "--port", "8765"], "argument --host: must be a host name or address, got "
+                                                     "'127.0.0.1:8765': give the port with --port"),
+    (["--host", "", "--port", "8765"], "argument --host: must be a host name or address, got ''"),
     (["--symbols", "0"], "must be positive"),
     (["--rate", "-5"], "--rate must be positive"),
     (["--engine", "slow"], "invalid choice"),
@@ -111,6 +118,11 @@ def test_the_example_says_the_rows_its_engines_steps_run_at():
 ])
 def test_bad_options_exit_with_a_message(argv, match, usage_error):
     assert match in usage_error(parse_args, argv)
+
+
+def test_an_ipv6_host_is_taken_with_or_without_its_brackets():
+    assert parse_args(["--host", "[::1]", "--port", "9"]).host == parse_args(["--host", "::1", "--port", "9"]).host
+    assert parse_args(["--host", "::1", "--port", "9"]).host == "::1"
 
 
 def test_preset_default_is_announced(capsys):
