@@ -115,9 +115,19 @@ def test_the_example_says_the_rows_its_engines_steps_run_at():
     (["--preset", "huge"], "invalid choice"),
     (["--protocol", "udp"], "invalid choice"),
     (["--protocol", "tcp-json", "--token", "t"], "the original protocol (tcp-json) has no field to carry it"),
+    # options that were ignored without a word: a server at --host plays its own stream; tcp-json registers no name
+    (["--host", "h", "--port", "9", "--requests", "200"], "--requests: for the embedded server (no --host)"),
+    (["--host", "h", "--port", "9", "--symbols", "4", "--rate", "50"], "--symbols, --rate: for the embedded server"),
+    (["--protocol", "tcp-json", "--team", "mine"], "--team: the original protocol (tcp-json) registers no name"),
 ])
 def test_bad_options_exit_with_a_message(argv, match, usage_error):
     assert match in usage_error(parse_args, argv)
+
+
+def test_the_team_name_and_the_embedded_stream_have_their_defaults():
+    args = parse_args(["--protocol", "tcp-json"])
+    assert (args.team, args.symbols, args.requests, args.rate) == ("example", 20, 1000, None)
+    assert parse_args(["--host", "h", "--port", "9", "--team", "mine"]).team == "mine"
 
 
 def test_an_ipv6_host_is_taken_with_or_without_its_brackets():
