@@ -174,6 +174,21 @@ def test_a_team_with_submit_batch_stays_pipelined():
     assert pending.result()["unique_ids"] == [1]
 
 
+def test_a_team_file_imports_a_module_of_its_own_beside_it(tmp_path, monkeypatch):
+    """As running the file would: a team folder of several files (ModuleNotFoundError before)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folder the load adds, gone after the test
+    (tmp_path / "helpers_beside_the_team_file.py").write_text("ANSWER = [0.5] * 4\n")
+    (tmp_path / "example_model.py").write_text(
+        "from client import BaseInferenceClient, InferenceResponse\n"
+        "from helpers_beside_the_team_file import ANSWER\n\n\n"
+        "class ExampleModel(BaseInferenceClient):\n"
+        "    def process_batch(self, requests_by_symbol):\n"
+        "        ids = [r.unique_id for queue in requests_by_symbol.values() for r in queue]\n"
+        "        return InferenceResponse(ids, [ANSWER for _ in ids])\n")
+    answer = as_runtime_client(le.load_team_class(tmp_path)(None)).process_batch({"A": [(1, np.zeros(79))]})
+    assert answer["unique_ids"] == [1] and answer["predictions"].tolist() == [[0.5] * 4]
+
+
 def run_main(capsys, *argv):
     rc = cli.run_cli(le.main, le.PROG, list(map(str, argv)))
     out, err = capsys.readouterr()
