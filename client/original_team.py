@@ -96,10 +96,11 @@ class OriginalStyleClient:
         response and from process_batch called again with what it left out, each symbol's requests in order: the
         event's client called process_batch while requests stayed queued, and team code that answers one request a
         symbol a call (as its best-known solutions stepped) answers the rest in the calls that follow. A call that
-        answers nothing ends it: what is left is an error."""
-        ids, predictions = [], []
+        answers nothing ends it: what is left is an error, as it is when a call after the first raises or breaks the
+        contract (the answers before it stand)."""
+        answered, rows = checked_response(batch, response)
+        ids, predictions, why = [], [], "process_batch did not answer it"
         while True:
-            answered, rows = checked_response(batch, response)
             ids += answered
             predictions.append(rows)
             answered = set(answered)
@@ -107,8 +108,12 @@ class OriginalStyleClient:
                      if (left := [r for r in requests if r.unique_id not in answered])}
             if not batch or not answered:
                 break
-            response = self.team_client.process_batch(_copy(batch))
-        errors = {r.unique_id: "process_batch did not answer it" for requests in batch.values() for r in requests}
+            try:
+                answered, rows = checked_response(batch, self.team_client.process_batch(_copy(batch)))
+            except Exception as exc:  # not the whole batch failed: the requests answered have advanced their states
+                why = f"process_batch failed: {type(exc).__name__}: {exc}"
+                break
+        errors = {r.unique_id: why for requests in batch.values() for r in requests}
         return {"unique_ids": ids, "predictions": np.concatenate(predictions), "errors": errors}
 
 

@@ -140,6 +140,33 @@ def test_team_code_that_steps_one_request_a_symbol_a_call_answers_every_request_
         assert answer["predictions"][:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
+def test_a_call_after_the_first_that_fails_leaves_the_answers_before_it_standing():
+    """Team code stepping one request a symbol a call that raises (or answers wrongly) on a later call: the requests
+    it answered have advanced their states and stay answered; the rest are errors naming why (the whole batch
+    failed before, the answers computed thrown away)."""
+    class FailsLater(BaseInferenceClient):
+        def __init__(self, failure):
+            super().__init__()
+            self.failure, self.calls = failure, 0
+
+        def process_batch(self, requests_by_symbol):
+            self.calls += 1
+            firsts = [queue[0] for queue in requests_by_symbol.values()]
+            if self.calls > 1:
+                if self.failure == "raises":
+                    raise RuntimeError("symbol A broke")
+                return InferenceResponse([9], [[0.0] * 4])
+            return InferenceResponse([r.unique_id for r in firsts], [[float(r.unique_id)] * 4 for r in firsts])
+
+    batch = {"A": [(1, np.zeros(79, np.float32)), (3, np.zeros(79, np.float32))], "B": [(2, np.zeros(79, np.float32))]}
+    for failure, why in (("raises", "process_batch failed: RuntimeError: symbol A broke"),
+                         ("answers wrongly", "process_batch failed: ValueError: process_batch answered ids it was "
+                                             "not given [9] or answered twice []")):
+        answer = OriginalStyleClient(FailsLater(failure)).process_batch(batch)
+        assert answer["unique_ids"] == [1, 2] and answer["predictions"][:, 0].tolist() == [1.0, 2.0]
+        assert answer["errors"] == {3: why}
+
+
 def test_a_team_that_drains_its_queues_is_answered():
     """Team code may consume the lists it is handed (pop each symbol's queue, as a queue is consumed): what it was
     given is what the adapter handed it, not what is left."""
