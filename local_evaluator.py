@@ -52,6 +52,12 @@ def load_team_class(team_dir: str | Path = DEFAULT_TEAM_DIR):
     path = Path(team_dir) / "example_model.py"
     if not path.is_file():
         raise EvaluationError(f"no team client at {path}")
+    # Its folder on the import path, as running the file would put it: a team file that imports a module of its
+    # own beside it (from helpers import ...) failed with ModuleNotFoundError. Last, so that a folder holding the
+    # event's own server.py or client.py does not shadow the project's; kept, for imports made later.
+    folder = str(path.parent.resolve())
+    if folder not in sys.path:
+        sys.path.append(folder)
     spec = importlib.util.spec_from_file_location(f"_evaluated_team_{abs(hash(str(path)))}", path)
     module = importlib.util.module_from_spec(spec)
     try:

@@ -21,6 +21,7 @@ is a bug and exits 1. Tracebacks are printed only with --debug.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import os
 import sys
@@ -175,6 +176,24 @@ def port_number(text: str, lowest: int = 1) -> int:
     if not lowest <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number in {lowest}..65535, got {text!r}")
     return value
+
+
+def host_name(text: str) -> str:
+    """argparse type: a server's host name or address (an IPv6 one with or without its brackets). A url or
+    host:port is refused here: in a url it failed only once the model had loaded, in words naming no option."""
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if "://" in text:
+        raise argparse.ArgumentTypeError(f"takes a host name or address, not a url, got {text!r}: give the url's "
+                                         f"port with --port (and --protocol tcp-json for tcp://)")
+    if not host or any(c.isspace() or c in "/?#@[]" for c in host):
+        raise argparse.ArgumentTypeError(f"must be a host name or address, got {text!r}")
+    if ":" in host:  # only an IPv6 address has one
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a host name or address, got {text!r}: give the port with "
+                                             f"--port") from None
+    return host
 
 
 def listen_port(text: str) -> int:

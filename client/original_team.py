@@ -96,10 +96,11 @@ class OriginalStyleClient:
         response and from process_batch called again with what it left out, each symbol's requests in order: the
         event's client called process_batch while requests stayed queued, and team code that answers one request a
         symbol a call (as its best-known solutions stepped) answers the rest in the calls that follow. A call that
-        answers nothing ends it: what is left is an error."""
-        ids, predictions = [], []
+        answers nothing ends it: what is left is an error, as it is when a call after the first raises or breaks the
+        contract (the answers before it stand)."""
+        answered, rows = checked_response(batch, response)
+        ids, predictions, why = [], [], "process_batch did not answer it"
         while True:
-            answered, rows = checked_response(batch, response)
             ids += answered
             predictions.append(rows)
             answered = set(answered)
@@ -107,8 +108,12 @@ class OriginalStyleClient:
                      if (left := [r for r in requests if r.unique_id not in answered])}
             if not batch or not answered:
                 break
-            response = self.team_client.process_batch(_copy(batch))
-        errors = {r.unique_id: "process_batch did not answer it" for requests in batch.values() for r in requests}
+            try:
+                answered, rows = checked_response(batch, self.team_client.process_batch(_copy(batch)))
+            except Exception as exc:  # not the whole batch failed: the requests answered have advanced their states
+                why = f"process_batch failed: {type(exc).__name__}: {exc}"
+                break
+        errors = {r.unique_id: why for requests in batch.values() for r in requests}
         return {"unique_ids": ids, "predictions": np.concatenate(predictions), "errors": errors}
 
 
@@ -127,12 +132,17 @@ def _copy(batch):
 def checked_response(batch: Dict[str, List[PendingRequest]], response) -> tuple[List[int], np.ndarray]:
     """(unique_ids, predictions float32 [n, 4]) of an InferenceResponse to `batch`; an id it was not given, or gave
     twice, is the team code's mistake."""
+    expected = f"process_batch must return InferenceResponse(unique_ids, predictions [n][{NUM_TOWERS}])"
     try:
         ids = [int(uid) for uid in response.unique_ids]
-        predictions = np.asarray(response.predictions, dtype=np.float32).reshape(len(ids), NUM_TOWERS)
+        predictions = np.asarray(response.predictions, dtype=np.float32)
     except (AttributeError, TypeError, ValueError) as exc:
-        raise ValueError(f"process_batch must return InferenceResponse(unique_ids, predictions [n][{NUM_TOWERS}]), "
-                         f"got {type(response).__name__}: {exc}") from None
+        raise ValueError(f"{expected}, got {type(response).__name__}: {exc}") from None
+    if not ids and predictions.size == 0:
+        predictions = predictions.reshape(0, NUM_TOWERS)  # [] for no answer
+    # The shape itself, not a reshape: tower-major predictions [4][n] would reshape to [n][4] scrambled.
+    if predictions.shape != (len(ids), NUM_TOWERS):
+        raise ValueError(f"{expected}, got predictions of shape {list(predictions.shape)} for {len(ids)} unique_ids")
     given = {request.unique_id for requests in batch.values() for request in requests}
     unknown = sorted(set(ids) - given)
     repeated = sorted({uid for uid in ids if ids.count(uid) > 1}) if len(set(ids)) != len(ids) else []

@@ -171,6 +171,8 @@ def _answer_parts(step, unique_ids, errors) -> dict:
 
 
 PROG = cli.prog_name("team/example_model.py")
+DEFAULT_TEAM = "example"
+EMBEDDED_STREAM = {"symbols": 20, "requests": 1000}  # the embedded server's stream unless --symbols, --requests
 # --inline-steps as the runtime takes it: auto leaves it to the team client (client/team_api.py steps_in_background)
 INLINE_STEPS = {"auto": None, "on": True, "off": False}
 # What the user can do about each way a session can end badly (the runtime's outcome says what happened).
@@ -199,7 +201,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="exit codes:\n" + "\n".join(f"  {code:>3}  {meaning}"
                                                                     for code, meaning in cli.EXIT_CODES.items()))
-    parser.add_argument("--host", help="server host; without it, start the project's server in-process")
+    parser.add_argument("--host", type=cli.host_name,
+                        help="server host; without it, start the project's server in-process")
     parser.add_argument("--port", type=cli.port_number, help="server port (required with --host)")
     parser.add_argument("--protocol", choices=PROTOCOLS, default="websocket",
                         help="the server's protocol: the project's websocket (default) or the original event's "
@@ -217,11 +220,14 @@ def parse_args(argv=None):
     parser.add_argument("--device", help="cuda or cpu (default cuda when present; with --cluster ray the shards' "
                                          "device, default GPUs where the cluster has any)")
     parser.add_argument("--engine", choices=ENGINES, help="default fast on CUDA, else reference")
-    parser.add_argument("--team", type=_team_name, default="example",
-                        help=f"the team's name: 1..{protocol.MAX_TEAM_NAME} printable characters")
+    parser.add_argument("--team", type=_team_name,
+                        help=f"the team's name: 1..{protocol.MAX_TEAM_NAME} printable characters (default "
+                             f"{DEFAULT_TEAM}; websocket only: the original protocol registers no name)")
     parser.add_argument("--token", help="registration token, if the server wants one")
-    parser.add_argument("--symbols", type=int, default=20, help="embedded server: number of symbols")
-    parser.add_argument("--requests", type=int, default=1000, help="embedded server: number of requests")
+    parser.add_argument("--symbols", type=int, help=f"embedded server: number of symbols (default "
+                                                     f"{EMBEDDED_STREAM['symbols']})")
+    parser.add_argument("--requests", type=int, help=f"embedded server: number of requests (default "
+                                                      f"{EMBEDDED_STREAM['requests']})")
     parser.add_argument("--rate", type=float, help="embedded server: requests/s (default: the stream's gaps)")
     parser.add_argument("--json", metavar="PATH", type=cli.output_file, help="write this client's summary as JSON")
     parser.add_argument("--server-idle-s", type=cli.positive_float, default=SERVER_IDLE_S, metavar="S",
@@ -242,6 +248,14 @@ def parse_args(argv=None):
         parser.error("--host needs --port")
     if args.host is None and args.port is not None:
         parser.error("--port without --host: give --host too, or neither to start the embedded server")
+    # Given with --host they were ignored without a word: that server plays its own stream.
+    embedded_only = [f"--{name}" for name in ("symbols", "requests", "rate") if getattr(args, name) is not None]
+    if args.host is not None and embedded_only:
+        parser.error(f"{', '.join(embedded_only)}: for the embedded server (no --host); the server at --host plays "
+                     f"its own stream")
+    for name, default in EMBEDDED_STREAM.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.symbols < 1 or args.requests < 1:
         parser.error("--symbols and --requests must be positive")
     if args.rate is not None and args.rate <= 0:
@@ -249,6 +263,10 @@ def parse_args(argv=None):
     if args.protocol == "tcp-json" and args.token is not None:
         parser.error("--token: the original protocol (tcp-json) has no field to carry it; a server that wants a "
                      "token needs --protocol websocket")
+    if args.protocol == "tcp-json" and args.team is not None:  # was dropped without a word
+        parser.error("--team: the original protocol (tcp-json) registers no name (the server names the team after "
+                     "its host); to play under a name of your own use --protocol websocket")
+    args.team = args.team or DEFAULT_TEAM
     args.local_device = "cuda" if cuda else "cpu"
     if args.cluster is None:  # with --cluster ray the shards' device and engine follow the cluster's GPUs
         args.device = args.device or args.local_device
@@ -336,9 +354,22 @@ def build_engine(args) -> tuple[Engine, str, str]:
     return engine, fingerprint, f"engine {args.engine}, device {args.device}"
 
 
+def _team_client(team_class, engine, team_dir):
+    """The runtime's client of a team class built with the engine; a --team-dir file's class that fails to build
+    (e.g. an __init__ that takes no engine) is that file's mistake, said in one line as the evaluator says it."""
+    from client.original_team import as_runtime_client
+
+    try:
+        return as_runtime_client(team_class(engine))
+    except Exception as exc:
+        if team_dir is None:
+            raise
+        raise cli.CliError(f"{os.path.join(team_dir, 'example_model.py')}: ExampleModel(engine) failed: "
+                           f"{type(exc).__name__}: {exc}") from exc
+
+
 async def play(args) -> tuple[dict, list[dict] | None]:
     """Play the server given by args (or an embedded one); return (client summary, server summaries)."""
-    from client.original_team import as_runtime_client
     from client.runtime import NEW_STREAM, StreamingClient
     from client.transport import server_url
 
@@ -350,6 +381,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
     engine, fingerprint, engine_text = build_engine(args)
     server = None
     try:
+        team_client = _team_client(team_class, engine, args.team_dir)  # before an embedded server computes targets
         if args.host is None:
             from server.app import ScoringServer, ServerConfig
 
@@ -365,7 +397,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
         engine.on_loss(lambda loss: playing[0].notice(
             "state_reset" if loss["policy"] == "reset" else "shard_lost", loss["line"]))
         while True:
-            client = StreamingClient(as_runtime_client(team_class(engine)), url, args.team, args.token,
+            client = StreamingClient(team_client, url, args.team, args.token,
                                      preset=args.preset, weights_fingerprint=fingerprint,
                                      allow_weights_mismatch=args.allow_weights_mismatch, leave_at_end=True,
                                      max_requests_per_symbol=args.max_requests_per_symbol,
@@ -388,6 +420,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
             # (a team file's own states too) plays the new stream from the start.
             print(f"{PROG}: {summary['detail']}; states reset, playing the new stream", file=sys.stderr)
             engine.release(engine.symbols)
+            team_client = _team_client(team_class, engine, args.team_dir)
     finally:
         if server is not None:
             await server.stop()

@@ -80,6 +80,19 @@ def test_a_response_that_breaks_the_contract_says_how(response, message):
         OriginalStyleClient(Scripted(response)).process_batch({"A": [(1, np.zeros(79, np.float32))]})
 
 
+def test_predictions_one_row_a_tower_are_refused_not_reshaped_into_scrambled_answers():
+    """Team code that runs each tower on its own may stack its predictions [4][n], one row a tower: the same number
+    of values as [n][4], which a reshape took, answering each request with other requests' and towers' values."""
+    tower_major = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
+    client = OriginalStyleClient(Scripted(InferenceResponse([1, 2], tower_major)))
+    with pytest.raises(ValueError, match=r"predictions \[n\]\[4\]\), got predictions of shape \[4, 2\] for 2 "
+                                         r"unique_ids"):
+        client.process_batch({"A": [(1, np.zeros(79, np.float32))], "B": [(2, np.zeros(79, np.float32))]})
+    answer = OriginalStyleClient(Scripted(InferenceResponse([1, 2], tower_major.T))).process_batch(
+        {"A": [(1, np.zeros(79, np.float32))], "B": [(2, np.zeros(79, np.float32))]})
+    assert answer["predictions"].tolist() == [[1.0, 3.0, 5.0, 7.0], [2.0, 4.0, 6.0, 8.0]]
+
+
 def test_a_request_left_out_is_asked_again_and_an_error_once_a_call_answers_nothing():
     class Twice(BaseInferenceClient):
         def __init__(self):
@@ -127,6 +140,33 @@ def test_team_code_that_steps_one_request_a_symbol_a_call_answers_every_request_
         assert answer["predictions"][:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
+def test_a_call_after_the_first_that_fails_leaves_the_answers_before_it_standing():
+    """Team code stepping one request a symbol a call that raises (or answers wrongly) on a later call: the requests
+    it answered have advanced their states and stay answered; the rest are errors naming why (the whole batch
+    failed before, the answers computed thrown away)."""
+    class FailsLater(BaseInferenceClient):
+        def __init__(self, failure):
+            super().__init__()
+            self.failure, self.calls = failure, 0
+
+        def process_batch(self, requests_by_symbol):
+            self.calls += 1
+            firsts = [queue[0] for queue in requests_by_symbol.values()]
+            if self.calls > 1:
+                if self.failure == "raises":
+                    raise RuntimeError("symbol A broke")
+                return InferenceResponse([9], [[0.0] * 4])
+            return InferenceResponse([r.unique_id for r in firsts], [[float(r.unique_id)] * 4 for r in firsts])
+
+    batch = {"A": [(1, np.zeros(79, np.float32)), (3, np.zeros(79, np.float32))], "B": [(2, np.zeros(79, np.float32))]}
+    for failure, why in (("raises", "process_batch failed: RuntimeError: symbol A broke"),
+                         ("answers wrongly", "process_batch failed: ValueError: process_batch answered ids it was "
+                                             "not given [9] or answered twice []")):
+        answer = OriginalStyleClient(FailsLater(failure)).process_batch(batch)
+        assert answer["unique_ids"] == [1, 2] and answer["predictions"][:, 0].tolist() == [1.0, 2.0]
+        assert answer["errors"] == {3: why}
+
+
 def test_a_team_that_drains_its_queues_is_answered():
     """Team code may consume the lists it is handed (pop each symbol's queue, as a queue is consumed): what it was
     given is what the adapter handed it, not what is left."""
@@ -159,6 +199,21 @@ def test_a_team_with_submit_batch_stays_pipelined():
     pending = OriginalStyleClient(Pipelined(InferenceResponse([1], [[1.0] * 4]))).submit_batch(
         {"A": [(1, np.zeros(79, np.float32))]})
     assert pending.result()["unique_ids"] == [1]
+
+
+def test_a_team_file_imports_a_module_of_its_own_beside_it(tmp_path, monkeypatch):
+    """As running the file would: a team folder of several files (ModuleNotFoundError before)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folder the load adds, gone after the test
+    (tmp_path / "helpers_beside_the_team_file.py").write_text("ANSWER = [0.5] * 4\n")
+    (tmp_path / "example_model.py").write_text(
+        "from client import BaseInferenceClient, InferenceResponse\n"
+        "from helpers_beside_the_team_file import ANSWER\n\n\n"
+        "class ExampleModel(BaseInferenceClient):\n"
+        "    def process_batch(self, requests_by_symbol):\n"
+        "        ids = [r.unique_id for queue in requests_by_symbol.values() for r in queue]\n"
+        "        return InferenceResponse(ids, [ANSWER for _ in ids])\n")
+    answer = as_runtime_client(le.load_team_class(tmp_path)(None)).process_batch({"A": [(1, np.zeros(79))]})
+    assert answer["unique_ids"] == [1] and answer["predictions"].tolist() == [[0.5] * 4]
 
 
 def run_main(capsys, *argv):

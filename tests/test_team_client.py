@@ -102,15 +102,37 @@ def test_the_example_says_the_rows_its_engines_steps_run_at():
 @pytest.mark.parametrize("argv, match", [
     (["--host", "127.0.0.1"], "--host needs --port"),
     (["--port", "9000"], "--port without --host"),
+    # said before the model loads: later they were "Invalid IPv6 URL" and "... does not appear to be an IPv4 or IPv6
+    # address", naming no option
+    (["--host", "ws://127.0.0.1", "--port", "8765"], "argument --host: takes a host name or address, not a url, got "
+                                                     "'ws://127.0.0.1': give the url's port with --port"),
+    (["--host", "127.0.0.1:8765", "--port", "8765"], "argument --host: must be a host name or address, got "
+                                                     "'127.0.0.1:8765': give the port with --port"),
+    (["--host", "", "--port", "8765"], "argument --host: must be a host name or address, got ''"),
     (["--symbols", "0"], "must be positive"),
     (["--rate", "-5"], "--rate must be positive"),
     (["--engine", "slow"], "invalid choice"),
     (["--preset", "huge"], "invalid choice"),
     (["--protocol", "udp"], "invalid choice"),
     (["--protocol", "tcp-json", "--token", "t"], "the original protocol (tcp-json) has no field to carry it"),
+    # options that were ignored without a word: a server at --host plays its own stream; tcp-json registers no name
+    (["--host", "h", "--port", "9", "--requests", "200"], "--requests: for the embedded server (no --host)"),
+    (["--host", "h", "--port", "9", "--symbols", "4", "--rate", "50"], "--symbols, --rate: for the embedded server"),
+    (["--protocol", "tcp-json", "--team", "mine"], "--team: the original protocol (tcp-json) registers no name"),
 ])
 def test_bad_options_exit_with_a_message(argv, match, usage_error):
     assert match in usage_error(parse_args, argv)
+
+
+def test_the_team_name_and_the_embedded_stream_have_their_defaults():
+    args = parse_args(["--protocol", "tcp-json"])
+    assert (args.team, args.symbols, args.requests, args.rate) == ("example", 20, 1000, None)
+    assert parse_args(["--host", "h", "--port", "9", "--team", "mine"]).team == "mine"
+
+
+def test_an_ipv6_host_is_taken_with_or_without_its_brackets():
+    assert parse_args(["--host", "[::1]", "--port", "9"]).host == parse_args(["--host", "::1", "--port", "9"]).host
+    assert parse_args(["--host", "::1", "--port", "9"]).host == "::1"
 
 
 def test_preset_default_is_announced(capsys):
@@ -341,6 +363,22 @@ def test_ordinary_mistakes_are_one_line(args, message, cli_here):
     assert code == 2
     assert err.strip() == f"team/example_model.py: error: {message}" + err.strip().split(message, 1)[1]
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_team_dir_whose_example_model_takes_no_engine_is_one_line(tmp_path, cli_here):
+    """A team file whose ExampleModel cannot be built with the engine (its __init__ takes none) is that file's
+    mistake, as the evaluator says it: one line naming it, exit 2 (was an 'unexpected error', exit 1)."""
+    from team import example_model
+
+    (tmp_path / "example_model.py").write_text(
+        "from client import BaseInferenceClient\n\n\nclass ExampleModel(BaseInferenceClient):\n"
+        "    def __init__(self):\n        super().__init__()\n\n"
+        "    def process_batch(self, requests_by_symbol):\n        pass\n")
+    code, err = cli_here(example_model.main, example_model.PROG, ["--preset", "tiny", "--team-dir", str(tmp_path)])
+    assert code == 2, err
+    assert err.strip().splitlines()[-1] == (
+        f"team/example_model.py: error: {tmp_path / 'example_model.py'}: ExampleModel(engine) failed: TypeError: "
+        f"ExampleModel.__init__() takes 1 positional argument but 2 were given")
 
 
 def test_a_mistake_is_one_line_from_a_real_process():
