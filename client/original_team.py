@@ -17,6 +17,7 @@ Imports no torch: `from client import BaseInferenceClient, PendingRequest, Infer
 """
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List
 
@@ -145,7 +146,7 @@ def checked_response(batch: Dict[str, List[PendingRequest]], response) -> tuple[
         raise ValueError(f"{expected}, got predictions of shape {list(predictions.shape)} for {len(ids)} unique_ids")
     given = {request.unique_id for requests in batch.values() for request in requests}
     unknown = sorted(set(ids) - given)
-    repeated = sorted({uid for uid in ids if ids.count(uid) > 1}) if len(set(ids)) != len(ids) else []
+    repeated = sorted(uid for uid, times in Counter(ids).items() if times > 1)
     if unknown or repeated:
         raise ValueError(f"process_batch answered ids it was not given {unknown[:5]} or answered twice "
                          f"{repeated[:5]}")

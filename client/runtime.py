@@ -71,6 +71,7 @@ PIPELINE_MIN_BATCH = 1
 # model thread looks again this often (or at the next arrival); so does the submitter while the pipeline is full
 # and such states may still join its queued step.
 READY_POLL_S = 0.0005
+MAX_FAILURES_LOGGED = 100  # distinct failures of the team's steps logged with their traceback
 
 
 class ClientStats:
@@ -293,6 +294,7 @@ class StreamingClient:
         self._joining: dict[str, tuple] = {}
         self._refused: tuple = (None, set())  # (a queued step's pending, the symbols it refused to join)
         self._fate_failed: set[int] = set()  # joins whose fate() raised: their step's answer settles them
+        self._failures_logged: set[str] = set()  # the steps' failures whose traceback was logged, by their message
         # when to form the next pipelined step (under the lock), its step sizes at the team client's step rows
         # (formed late behind steps of late_after_s or more, or of punctual_late_after_s while the host wakes the
         # submitter on time, form_margin_s before the host's time says: StepClock's defaults unless given)
@@ -1006,8 +1008,15 @@ class StreamingClient:
             self._on_loop(self._on_requests_failed, [uid], why)
 
     def _fail(self, batch, exc, what):
-        log.error("%s failed for unique_ids %s", what, [r.unique_id for r in batch], exc_info=exc)
-        self._on_loop(self._on_requests_failed, [r.unique_id for r in batch], f"{type(exc).__name__}: {exc}")
+        why = f"{type(exc).__name__}: {exc}"
+        # a team's code that fails the same way at every step printed its traceback at every step (555 lines for
+        # 60 requests): the first time in full, then one line
+        first = why not in self._failures_logged and len(self._failures_logged) < MAX_FAILURES_LOGGED
+        if first:
+            self._failures_logged.add(why)
+        log.error("%s failed for unique_ids %s%s", what, [r.unique_id for r in batch],
+                  "" if first else f": {why} (its traceback logged before)", exc_info=exc if first else None)
+        self._on_loop(self._on_requests_failed, [r.unique_id for r in batch], why)
 
     def _on_loop(self, callback, *args):
         """Run callback(*args) on the event loop: now where this is its thread (inline steps), else handed to it;

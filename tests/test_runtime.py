@@ -1,6 +1,7 @@
 """The runtime against a real in-test websocket server playing scripted request streams."""
 import asyncio
 import gc
+import logging
 import math
 import socket
 import threading
@@ -341,6 +342,31 @@ def test_failing_process_batch_sends_an_error_and_keeps_going(model):
     asyncio.run(_play(handler, CountingClient(ReferenceEngine(model), fail_on_id=1), max_batch=1))
     assert 1 not in recorder.answered()
     assert "unique_ids [1] not answered" in recorder.errors[0] and "team client bug" in recorder.errors[0]
+
+
+def test_a_step_that_fails_the_same_way_again_logs_its_traceback_once(model, caplog):
+    """A team's code that raised at every step printed its traceback at every step: the first time in full, then
+    one line naming the failure; each request is answered with its error all the same."""
+    symbols, features = _stream(6)
+    recorder = Recorder()
+
+    class AlwaysFailing(ExampleModel):
+        def process_batch(self, requests_by_symbol):
+            raise RuntimeError("team client bug")
+
+    async def handler(ws):
+        await ws.recv()
+        for uid in range(6):
+            await ws.send(_request([uid], symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.errors) > uid)
+        await ws.close(1000)
+
+    with caplog.at_level(logging.ERROR, logger="client.runtime"):
+        asyncio.run(_play(handler, AlwaysFailing(ReferenceEngine(model)), max_batch=1))
+    failures = [r for r in caplog.records if "failed for unique_ids" in r.getMessage()]
+    assert len(recorder.errors) == 6 and all("team client bug" in error for error in recorder.errors)
+    assert len(failures) == 6 and [r.exc_info is not None for r in failures] == [True] + [False] * 5
+    assert all("RuntimeError: team client bug (its traceback logged before)" in r.getMessage() for r in failures[1:])
 
 
 def test_objects_alive_at_start_are_frozen_out_of_the_collector_during_play(model):
