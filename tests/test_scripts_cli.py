@@ -1,5 +1,5 @@
-"""scripts/make_weights.py, scripts/make_stream.py, scripts/profile_step.py, scripts/kernel_times.py and
-scripts/host_hiccups.py as a user runs them: progress, one-line errors."""
+"""scripts/make_weights.py, scripts/make_stream.py, scripts/profile_step.py, scripts/kernel_times.py,
+scripts/host_hiccups.py and scripts/long_stream.py as a user runs them: progress, one-line errors."""
 import json
 import os
 import subprocess
@@ -61,6 +61,12 @@ def test_script_mistakes_are_one_line(tmp_path):
          "'8x0'"),
         ("matmul_error.py", ["--rows", "64,0"],
          "scripts/matmul_error.py: error: argument --rows: must be a positive integer, got '0'"),
+        ("long_stream.py", ["--steps", "0"], "scripts/long_stream.py: error: argument --steps: must be a positive "
+                                             "integer, got '0'"),
+        ("long_stream.py", ["--seed", "-1"], "scripts/long_stream.py: error: argument --seed: must be a non-negative"),
+        # refused before the run, not after it
+        ("long_stream.py", ["--json", tmp_path / "nowhere" / "r.json"],
+         f"scripts/long_stream.py: error: argument --json: no such folder: {tmp_path / 'nowhere'}"),
     ]
     (tmp_path / "a_file").write_text("")
     runs = run_side_by_side([[sys.executable, str(REPO / "scripts" / script), *map(str, args)]
@@ -69,6 +75,26 @@ def test_script_mistakes_are_one_line(tmp_path):
         assert code == 2, (script, stderr)
         assert "Traceback" not in stderr
         assert stderr.strip().splitlines() == [stderr.strip()] and stderr.startswith(message)
+
+
+def test_long_stream_of_one_step_writes_valid_json_with_its_progress(tmp_path):
+    out = tmp_path / "with space" / "long.json"
+    out.parent.mkdir()
+    done = run("long_stream.py", "--preset", "tiny", "--steps", "1", "--device", "cpu", "--json", out)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.startswith("steps: 1/1 (100%)")
+    report = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert report["finite"] and report["steps"] == 1
+    for tower in report["towers"].values():  # one step has no spread: null, not NaN
+        assert tower["std"] is None and tower["std_last_1000"] is None and tower["max_abs"] > 0
+    assert json.loads(done.stdout) == report
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_long_stream_on_cuda_without_cuda_is_one_line():
+    done = run("long_stream.py", "--device", "cuda", "--steps", "2")
+    assert done.returncode == 2 and done.stderr.startswith("scripts/long_stream.py: error: --device cuda, but this ")
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
 
 
 def test_make_stream_as_a_console_script_names_itself_in_every_error(tmp_path):
