@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from client.engine.precision import Precision
 from client.model import load_model
 from conftest import run_side_by_side
 
@@ -162,6 +163,30 @@ def test_matmul_error_measures_each_rows_error_against_its_largest_exact_value()
     assert largest == pytest.approx(1e-3, rel=1e-3)  # row 0: 0.004 / 4; row 1: 1e-6 / 1e-3
     assert mean == pytest.approx(2e-3 / 6, rel=1e-2)
     assert errors(y, exact, rows=1) == pytest.approx((0.0, 0.0), abs=1e-7)  # only the first column: exact in fp32
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batches", "1,0"], "argument --batches: must be a positive integer, got '0'"),
+    (["--batches", "20,100"], "argument --batches: batch sizes go up to 64, got '20,100'"),
+    (["--variant", "retnet.mlp=float17"], "argument --variant: 'retnet.mlp=float17': unknown precision 'float17'"),
+    (["--variant", "skinny=float33"], "argument --variant: 'skinny=float33': skinny= takes torch dtypes"),
+    (["--priorities", "xlstm=high"], "argument --priorities: 'xlstm=high': expected none or tower=priority"),
+    (["--priorities", "lstm=-1"], "argument --priorities: 'lstm=-1': expected none or tower=priority"),
+])
+def test_profile_step_refuses_a_bad_option_before_any_timing(args, message, usage_error):
+    """Each was found only when reached, minutes into a run on a GPU (a variant's after all the timing)."""
+    from scripts.profile_step import main
+    assert usage_error(main, ["--preset", "tiny", *args]).startswith(f"scripts/profile_step.py: error: {message}")
+
+
+def test_profile_step_parses_its_variants_and_priorities():
+    from scripts.profile_step import priorities_argument, variant_argument
+    assert priorities_argument("none") == ("none", {})
+    assert priorities_argument("xlstm=-1,mamba2=-1") == ("xlstm=-1,mamba2=-1", {"xlstm": -1, "mamba2": -1})
+    spec, precision, skinny = variant_argument("retnet.mlp=float16,skinny=float32+float16")
+    assert spec == "retnet.mlp=float16,skinny=float32+float16" and skinny == [torch.float32, torch.float16]
+    assert precision.spec == Precision.parse("auto,retnet.mlp=float16").spec
+    assert variant_argument("skinny=none")[2] == [] and variant_argument("hawk=bf16")[2] is None
 
 
 def test_profile_step_tells_towers_that_ran_behind_another_towers_chain():
