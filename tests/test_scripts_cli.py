@@ -98,6 +98,14 @@ def test_long_stream_on_cuda_without_cuda_is_one_line():
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
 
 
+def test_make_stream_to_parquet_without_pyarrow_is_refused_before_the_targets(monkeypatch, usage_error, tmp_path):
+    from scripts.make_stream import parse_args
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # what `import pyarrow` sees where it is not installed
+    argv = ["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "tiny",
+            "--out", str(tmp_path / "s.parquet")]
+    assert "parquet needs the optional package pyarrow: pip install pyarrow" in usage_error(parse_args, argv)
+
+
 def test_make_stream_as_a_console_script_names_itself_in_every_error(tmp_path):
     entry_point = ("import sys; sys.argv[0] = '/venv/bin/fastens-make-stream'; "
                    "from scripts.make_stream import run; sys.exit(run())")
