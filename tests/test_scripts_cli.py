@@ -35,6 +35,19 @@ def test_make_weights_reports_generating_saving_and_fingerprinting(tmp_path):
     assert not out.with_suffix(".pt.tmp").exists()
 
 
+def test_make_weights_leaves_no_partial_file_when_saving_fails(tmp_path, monkeypatch):
+    from scripts import make_weights
+
+    def save_half(state, writer):
+        writer.write(b"x" * 1000)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(make_weights.torch, "save", save_half)
+    out = tmp_path / "w.pt"
+    with pytest.raises(OSError, match="No space left"):
+        make_weights.save({"w": torch.zeros(4)}, out)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_script_mistakes_are_one_line(tmp_path):
     cases = [
         ("make_weights.py", ["--preset", "huge", "--out", tmp_path / "w.pt"],
