@@ -283,10 +283,19 @@ def _profiling(profile_dir, steps: int, top_kernels: int):
     out = Path(profile_dir)
     out.mkdir(parents=True, exist_ok=True)
     print(f"profile: recording steps 2 to {steps + 1} of the replay (--profile-steps {steps})", file=sys.stderr)
+    taken = 0
+
+    def step_done():
+        nonlocal taken
+        taken += 1
+        prof.step()
     with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
-        yield prof.step
+        yield step_done
         if on_cuda:
             torch.cuda.synchronize()
+    if taken <= steps:  # the replay ended inside the window: say so, or a short replay's trace looks like a fault
+        held = f"only steps 2 to {taken}" if taken > 1 else "none of its steps (the first, cold one is left out)"
+        print(f"profile: the replay took {taken} step(s), so the trace holds {held}", file=sys.stderr)
     trace = out / "trace.json"
     print(f"profile: writing {trace} ...", file=sys.stderr, flush=True)
     prof.export_chrome_trace(str(trace))

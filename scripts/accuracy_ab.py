@@ -15,8 +15,6 @@ import json
 import sys
 import time
 
-import torch
-
 from client import cli
 from client.accuracy import Suite, tower_errors, worst_of
 from client.constants import TOWER_NAMES
@@ -28,6 +26,15 @@ from scripts.precision_cost import specs_argument
 
 
 PROMOTES = {"off": (False,), "on": (True,), "both": (False, True)}
+PROG = "scripts/accuracy_ab.py"
+
+
+def seeds_argument(text: str) -> list[int]:
+    """argparse type: input seeds, comma-separated, at least one."""
+    seeds = [cli.seed(part.strip()) for part in text.split(",") if part.strip()]
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"needs at least one seed, got {text!r}")
+    return seeds
 
 
 def measure(precisions, families, preset="full", device="cuda", seeds=(0, 1, 2), symbols=4, steps=1000,
@@ -78,12 +85,13 @@ def table(result) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("precisions", type=specs_argument, help="precision specs separated by ';'")
     parser.add_argument("--families", default="feed_mix", help="families, comma-separated (default feed_mix)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--seeds", default="0,1,2", help="input seeds, comma-separated (default 0,1,2)")
+    parser.add_argument("--seeds", type=seeds_argument, default="0,1,2",
+                        help="input seeds, comma-separated (default 0,1,2)")
     parser.add_argument("--symbols", type=cli.positive_int, default=4, help="symbols per family (default 4)")
     parser.add_argument("--steps", type=cli.positive_int, default=1000, help="requests per symbol (default 1000)")
     parser.add_argument("--per-symbol", type=cli.positive_int, default=1,
@@ -93,15 +101,15 @@ def main(argv=None):
                         help="the skinny kernel's partial sums of fp32 weights promoted to fp32 adds "
                              "(kernels/skinny_matmul.py PROMOTE_PARTIALS): on, off, or both in turn for each spec "
                              "(default on)")
-    parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--json", type=cli.output_file, help="write the result here")
     args = parser.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = [f for f in families if f not in FAMILIES]
     if unknown or not families:
         parser.error(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    cli.check_device(args.device)
     begin = time.monotonic()
-    result = measure(args.precisions, families, args.preset, args.device, seeds, args.symbols, args.steps,
+    result = measure(args.precisions, families, args.preset, args.device, args.seeds, args.symbols, args.steps,
                      args.per_symbol, not args.no_fp64,
                      lambda m: sys.stderr.write(f"[{time.monotonic() - begin:6.1f} s] {m}\n"),
                      PROMOTES[args.promote_partials])
@@ -112,4 +120,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_cli(main, PROG))

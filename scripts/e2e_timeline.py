@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from client import event_loop
+from client import cli, event_loop
+from client.model.config import PRESETS
 from scripts.benchmarks.harness import E2E_RATE, E2E_SYMBOLS, device_name
 from scripts.benchmarks.serving import ReferenceTracker, prefixed_names, prefixed_stream, serve_stream
 
@@ -30,6 +31,7 @@ SEGMENTS = (("server send -> client receive", "sent", "received"),
             ("step done -> answer queued", "done", "answered"),
             ("answer queued -> server receive", "answered", "end"))
 STALL_KINDS = ("collections", "late_wakeups", "loop_lags")
+PROG = "e2e_timeline.py"
 
 
 def analyze(timeline: dict, slowest: int = 12, near_s: float = 0.02) -> dict:
@@ -169,22 +171,23 @@ def host_memory_problem(preset, symbols, available=None) -> str | None:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="full")
+    ap = cli.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="full", choices=sorted(PRESETS))
     ap.add_argument("--device", default=None, help="cuda (default where available) or cpu")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=cli.seed, default=0)
     ap.add_argument("--rate", type=float, default=E2E_RATE, help="requests per second")
     ap.add_argument("--symbols", type=int, default=E2E_SYMBOLS)
     ap.add_argument("--requests", type=int, default=4000, help="requests per session")
     ap.add_argument("--sessions", type=int, default=2, help="sessions in a row on one engine")
     ap.add_argument("--slowest", type=int, default=12, help="slowest answers to list")
-    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--json", type=cli.output_file, help="write the results here")
     ap.add_argument("--stacks", type=Path, help="a folder: the event loop's stack, in both processes, whenever an "
                                                 "event loop is held up over 12 ms (server_stacks.txt, "
                                                 "client_stacks.txt, appended session after session)")
     args = ap.parse_args(argv)
     if args.rate <= 0 or args.symbols < 1 or args.requests < args.symbols or args.sessions < 1:
         ap.error("need --rate > 0, --symbols >= 1, --requests >= --symbols and --sessions >= 1")
+    cli.check_device(args.device)
 
     from client.engine.fast import FastEngine
     from client.model import load_model
@@ -193,7 +196,7 @@ def main(argv=None) -> list[dict]:
     if device.type == "cpu":
         problem = host_memory_problem(args.preset, args.symbols)
         if problem:
-            sys.exit(f"e2e_timeline.py: {problem}")
+            raise cli.CliError(problem)
     model, _ = load_model(args.preset, seed=args.seed, device=device)
     # The state table holds the timeline's symbols and no more: the reference targets need the memory beside it.
     engine = FastEngine(model, device=device, max_batch=64, capacity=args.symbols, host_symbols=0,
@@ -211,10 +214,18 @@ def main(argv=None) -> list[dict]:
         print(f"== session {session}: " + format_report(result), flush=True)
         results.append(result)
     if args.json:
-        args.json.write_text(json.dumps({"device": device_name(device), "preset": args.preset,
+        Path(args.json).write_text(json.dumps({"device": device_name(device), "preset": args.preset,
                                          "sessions": results}, indent=1))
     return results
 
 
+def run() -> int:
+    """main with one-line errors and exit codes."""
+    def played(argv) -> int:
+        main(argv)  # its sessions' results, for a caller in Python
+        return cli.EXIT_OK
+    return cli.run_cli(played, PROG)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(run())

@@ -5,6 +5,7 @@ bounded, and the spread of its predictions (the weights' scale check).
 """
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -12,17 +13,26 @@ from pathlib import Path
 
 import torch
 
+from client import cli
 from client.model import PRESETS, TOWER_NAMES, load_model
 
+PROG = "scripts/long_stream.py"
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def finite_or_none(value: float) -> float | None:
+    """A number for the report, None where it is NaN or inf (which JSON cannot hold)."""
+    return value if math.isfinite(value) else None
+
+
+def main(argv=None) -> int:
+    ap = cli.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    ap.add_argument("--seed", type=int, default=0, help="weights seed")
-    ap.add_argument("--steps", type=int, default=10_000)
+    ap.add_argument("--seed", type=cli.seed, default=0, help="weights seed")
+    ap.add_argument("--steps", type=cli.positive_int, default=10_000)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=cli.output_file, help="write the report here too")
     args = ap.parse_args(argv)
+    cli.check_device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
     model, fp = load_model(args.preset, seed=args.seed, device=args.device)
     gen = torch.Generator(device="cpu").manual_seed(1)
@@ -31,6 +41,7 @@ def main(argv=None):
     state = model.init_state(1)
     step_in = features[0].clone()
     start = time.perf_counter()
+    progress = cli.Progress(args.steps, "steps")  # on a GPU, the steps launched
     with torch.no_grad():
         if args.device.startswith("cuda"):
             # the reference is launch-bound one row at a time: replay its step as a graph, state copied back
@@ -48,22 +59,29 @@ def main(argv=None):
                 preds[t] = out[0]
                 for name, value in new_state.items():
                     state[name].copy_(value)
+                progress.update(t + 1)
         else:
             for t in range(args.steps):
                 preds[t], state = model(features[t], state)
+                progress.update(t + 1)
         preds = preds.cpu()
+    progress.close()
     elapsed = time.perf_counter() - start
     finite = bool(torch.isfinite(preds).all())
     report = {"preset": args.preset, "weights_fingerprint": fp, "steps": args.steps, "finite": finite,
               "seconds": round(elapsed, 1),
-              "towers": {name: {"max_abs": float(preds[:, i].abs().max()), "std": float(preds[:, i].std()),
-                                "std_last_1000": float(preds[-1000:, i].std())}
+              # a spread needs two steps; a tower gone NaN or inf has its values as null
+              "towers": {name: {"max_abs": finite_or_none(float(preds[:, i].abs().max())),
+                                "std": finite_or_none(float(preds[:, i].std())) if args.steps > 1 else None,
+                                "std_last_1000": (finite_or_none(float(preds[-1000:, i].std()))
+                                                  if args.steps > 1 else None)}
                          for i, name in enumerate(TOWER_NAMES)}}
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1, allow_nan=False)
+    print(text)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        Path(args.json).write_text(text)
     return 0 if finite else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_cli(main, PROG))

@@ -8,6 +8,7 @@
 --seed seeds the stream; the weights come from --weights PATH or the generator's --weights-seed.
 """
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -44,6 +45,12 @@ def parse_args(argv):
         args.out = f"stream_{args.symbols}x{args.requests}_{args.seed}.npz"
     if Path(args.out).suffix.lower() not in (".npz", ".parquet"):
         parser.error(f"--out must end in .npz or .parquet, got {args.out}")
+    if Path(args.out).suffix.lower() == ".parquet":  # told now, not after the targets are computed
+        try:
+            importlib.import_module("pyarrow")
+        except ImportError:
+            parser.error(f"--out {args.out}: parquet needs the optional package pyarrow: pip install pyarrow "
+                         f"(or write .npz)")
     return args
 
 

@@ -38,8 +38,12 @@ def save(state: dict, out: Path) -> None:
     total = sum(t.numel() * t.element_size() for t in state.values())
     progress = cli.Progress(total, f"saving {out}", formatter=cli.format_bytes)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    with open(tmp, "wb") as file:
-        torch.save(state, CountingWriter(file, progress))
+    try:
+        with open(tmp, "wb") as file:
+            torch.save(state, CountingWriter(file, progress))
+    except BaseException:  # a full disk, Ctrl-C: no partial file left behind (the full preset's is 7.9 GB)
+        tmp.unlink(missing_ok=True)
+        raise
     progress.update(total)  # the archive's own records make the file a little larger than the tensors
     progress.close()
     tmp.replace(out)

@@ -22,7 +22,9 @@ from client import cli
 from client.engine.fast import FastEngine
 from client.engine.fast.layers import StepPlan
 from client.engine.precision import Precision
-from client.model import load_model
+from client.model import TOWER_NAMES, load_model
+
+MAX_BATCH = 64  # the engines here are built with max_batch=64
 
 
 def log(msg):
@@ -141,18 +143,12 @@ def fp32_gemm_times():
     return out
 
 
-def priority_times(engine, slots, batches, specs, rounds=3):
-    """Step medians (ms) per CUDA stream priority assignment, e.g. "xlstm=-1,mamba2=-1" ("none": all 0): each
+def priority_times(engine, slots, batches, assignments, rounds=3):
+    """Step medians (ms) per CUDA stream priority assignment {spec: {tower: priority}} (priorities_argument's): each
     assignment's graphs captured and timed in turn, `rounds` times; the engine's own streams restored after."""
     names = [tower.name for tower in engine.runner.towers]
-    assignments = {}
-    for spec in specs:
-        pairs = [] if spec == "none" else [kv.split("=") for kv in spec.split(",")]
-        if any(len(kv) != 2 or kv[0] not in names for kv in pairs):
-            raise SystemExit(f"--priorities {spec!r}: expected none or tower=priority[,...] with towers {names}")
-        assignments[spec] = {name: int(value) for name, value in pairs}
     own = engine.runner.streams
-    times = {spec: {B: [] for B in batches} for spec in specs}
+    times = {spec: {B: [] for B in batches} for spec in assignments}
     for _ in range(rounds):
         for spec, priorities in assignments.items():
             engine.runner.streams = [torch.cuda.Stream(engine.device, priority=priorities.get(name, 0)) for name in names]
@@ -226,18 +222,57 @@ def accuracy(model, engines, n_symbols, steps):
 PROG = "scripts/profile_step.py"
 
 
+# The options' types: a mistake in one is told before the minutes of timing, not when it is reached.
+def batches_argument(text: str) -> list[int]:
+    """Batch sizes, comma-separated, 1 to MAX_BATCH."""
+    batches = [cli.positive_int(part.strip()) for part in text.split(",")]
+    if max(batches) > MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"batch sizes go up to {MAX_BATCH}, got {text!r}")
+    return batches
+
+
+def variant_argument(spec: str) -> tuple[str, Precision, list[torch.dtype] | None]:
+    """(spec, its precision over auto, the skinny kernel's weight dtypes or None) from e.g.
+    "retnet.mlp=float16,skinny=float32+float16" (skinny=none: cuBLAS throughout)."""
+    overrides = [kv for kv in spec.split(",") if not kv.startswith("skinny=")]
+    skinny = next((kv.partition("=")[2] for kv in spec.split(",") if kv.startswith("skinny=")), None)
+    try:
+        precision = Precision.parse(",".join(["auto", *overrides]))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{spec!r}: {exc}") from None
+    if skinny is None:
+        return spec, precision, None
+    dtypes = [getattr(torch, name, None) for name in skinny.split("+") if name != "none"]
+    if not all(isinstance(dtype, torch.dtype) for dtype in dtypes):
+        raise argparse.ArgumentTypeError(f"{spec!r}: skinny= takes torch dtypes joined by + (float32+float16) "
+                                         f"or none")
+    return spec, precision, dtypes
+
+
+def priorities_argument(spec: str) -> tuple[str, dict[str, int]]:
+    """(spec, {tower: CUDA stream priority}) from "none" (all 0) or e.g. "xlstm=-1,mamba2=-1"."""
+    pairs = [] if spec == "none" else [kv.split("=") for kv in spec.split(",")]
+    try:
+        if any(len(kv) != 2 or kv[0] not in TOWER_NAMES for kv in pairs):
+            raise ValueError
+        return spec, {name: int(value) for name, value in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected none or tower=priority[,...] (an integer) with "
+                                         f"towers {', '.join(TOWER_NAMES)}") from None
+
+
 def main(argv=None) -> int:
     ap = cli.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batches", default="1,20,64")
+    ap.add_argument("--batches", type=batches_argument, default="1,20,64")
     ap.add_argument("--accuracy-symbols", type=int, default=20)
     ap.add_argument("--accuracy-steps", type=int, default=100)
     ap.add_argument("--out-dir", type=Path, default=Path("prof"))
-    ap.add_argument("--variant", action="append", default=[],
+    ap.add_argument("--variant", action="append", type=variant_argument, default=[],
                     help="also time and check an engine with precision overrides, e.g. retnet.mlp=float16,hawk=bfloat16, "
                          "or with other weight dtypes on the skinny kernel, e.g. skinny=none or skinny=float32+float16")
-    ap.add_argument("--priorities", action="append", default=[],
+    ap.add_argument("--priorities", action="append", type=priorities_argument, default=[],
                     help="also time the step under these CUDA stream priorities per tower, e.g. xlstm=-1 or "
                          "xlstm=-1,mamba2=-1 or none (all 0); repeat to compare (bench/LOG.md section 23)")
     ap.add_argument("--launch-ab", type=int, default=0, metavar="ROUNDS",
@@ -273,9 +308,9 @@ def main(argv=None) -> int:
     log(f"reference step {result['reference_step_ms_B1']:.1f} ms (B=1), {result['reference_step_ms_B20']:.1f} ms (B=20)")
 
     t = time.perf_counter()
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     capacity = max(batches) + args.accuracy_symbols  # the timed steps' symbols, then the accuracy check's
-    engine = FastEngine(model, device="cuda", max_batch=64, capacity=capacity, host_symbols=0)
+    engine = FastEngine(model, device="cuda", max_batch=MAX_BATCH, capacity=capacity, host_symbols=0)
     result["fast_startup_s"] = time.perf_counter() - t
     result["describe"] = engine.describe()
     slots = engine.slots_for([f"P{i}" for i in range(max(batches))])
@@ -287,7 +322,7 @@ def main(argv=None) -> int:
         result["step_ms"][B] = {"median": med, "p99": p99, "floor": floor}
         log(f"B={B}: {med:.3f} ms (p99 {p99:.3f}), floor {floor:.3f} ms")
     if args.priorities:
-        result["priority_step_ms"] = priority_times(engine, slots, batches, args.priorities)
+        result["priority_step_ms"] = priority_times(engine, slots, batches, dict(args.priorities))
         for spec, times in result["priority_step_ms"].items():
             log(f"priorities {spec}: " + ", ".join(f"B={B} {t:.3f} ms" for B, t in times.items()))
     if args.launch_ab:
@@ -321,13 +356,11 @@ def main(argv=None) -> int:
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
     (args.out_dir / "top_kernels_B20.txt").write_text(table)
     engines = {"default": engine}
-    for spec in args.variant:
-        overrides = [kv for kv in spec.split(",") if not kv.startswith("skinny=")]
-        skinny = next((kv.partition("=")[2] for kv in spec.split(",") if kv.startswith("skinny=")), None)
-        variant = FastEngine(model, device="cuda", max_batch=64, capacity=capacity, host_symbols=0, progress=False,
-                             precision=Precision.parse(",".join(["auto", *overrides])))
-        if skinny is not None:  # e.g. skinny=float32+float16, or skinny=none for cuBLAS throughout
-            variant.runner.set_skinny([getattr(torch, d) for d in skinny.split("+") if d != "none"])
+    for spec, precision, skinny in args.variant:
+        variant = FastEngine(model, device="cuda", max_batch=MAX_BATCH, capacity=capacity, host_symbols=0,
+                             progress=False, precision=precision)
+        if skinny is not None:
+            variant.runner.set_skinny(skinny)
             variant.graphed.capture()
         vslots = variant.slots_for([f"P{i}" for i in range(max(batches))])
         times = {}

@@ -148,6 +148,12 @@ def self_check(candidate: Path, timeout_s: float = 600.0) -> str | None:
     return None
 
 
+def _check_backups_folder(team_dir: Path, backups_dir: Path) -> None:
+    if backups_dir.resolve().is_relative_to(team_dir.resolve()):
+        raise RollError(f"the backups folder {backups_dir} is inside the team folder {team_dir}: a snapshot would "
+                        f"copy itself, and replacing the team folder would delete it; keep the backups outside")
+
+
 def _check_candidate_folder(candidate: Path, team_dir: Path) -> None:
     if not candidate.is_dir():
         raise RollError(f"candidate {candidate} is not a folder")
@@ -161,6 +167,7 @@ def roll(candidate: Path, team_dir: Path = DEFAULT_TEAM_DIR, backups_dir: Path =
     Returns the snapshot folder (None when there was no team_dir to snapshot)."""
     candidate, team_dir, backups_dir = Path(candidate), Path(team_dir), Path(backups_dir)
     _check_candidate_folder(candidate, team_dir)
+    _check_backups_folder(team_dir, backups_dir)
     failure = check(candidate)
     if failure is not None:
         if not force:
@@ -177,6 +184,7 @@ def revert(team_dir: Path = DEFAULT_TEAM_DIR, backups_dir: Path = DEFAULT_BACKUP
     """Restore snapshot `name` (newest when None) into team_dir, snapshotting team_dir first.
     Returns (restored name, snapshot of what team_dir held before)."""
     team_dir, backups_dir = Path(team_dir), Path(backups_dir)
+    _check_backups_folder(team_dir, backups_dir)
     snapshots = [m["name"] for m in list_snapshots(backups_dir)]
     if not snapshots:
         raise RollError(f"no snapshots in {backups_dir}")

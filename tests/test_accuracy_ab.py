@@ -4,6 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "accuracy_ab.py"
 
 
@@ -30,6 +33,25 @@ def test_an_unknown_family_is_a_one_line_error():
     done = run("auto", "--preset", "tiny", "--device", "cpu", "--families", "feed_mix,nope")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "unknown families ['nope']" in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seeds", "0,x"], "argument --seeds: must be a non-negative integer, got 'x'"),
+    (["--seeds", ","], "argument --seeds: needs at least one seed, got ','"),
+    (["--seeds", "-1"], "argument --seeds: must be a non-negative integer, got '-1'"),
+    (["--json", "/nonexistent-folder/ab.json"], "argument --json: no such folder: /nonexistent-folder"),
+])
+def test_bad_options_are_one_line_before_the_run(args, message):
+    done = run("auto", "--preset", "tiny", "--device", "cpu", "--steps", "2", *args)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith(f"scripts/accuracy_ab.py: error: {message}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_the_default_cuda_device_without_cuda_is_one_line():
+    done = run("auto", "--preset", "tiny", "--steps", "2")
+    assert done.returncode == 2 and done.stderr.startswith("scripts/accuracy_ab.py: error: --device cuda, but ")
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
 
 
 def test_promoted_partials_run_beside_each_spec(tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "e2e_timeline.py"
@@ -125,6 +126,28 @@ def test_bad_options_are_refused(capsys):
     assert "--requests >= --symbols" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (["--seed", "-1"], "argument --seed: must be a non-negative integer, got '-1'"),
+    # refused before the sessions, not after them
+    (["--json", "/nonexistent-folder/t.json"], "argument --json: no such folder: /nonexistent-folder"),
+])
+def test_ordinary_mistakes_are_one_line_before_the_run(args, message):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--device", "cpu", "--symbols", "2",
+                           "--requests", "4", "--sessions", "1", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith(f"e2e_timeline.py: error: {message}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_without_cuda_is_one_line():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--device", "cuda"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.startswith("e2e_timeline.py: error: --device cuda, but ")
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+
+
 def test_a_cpu_run_that_cannot_fit_in_host_memory_says_what_it_needs():
     module = _load()
     assert module.host_memory_problem("tiny", 20, available=2**30 + 10**8) is None
@@ -132,6 +155,6 @@ def test_a_cpu_run_that_cannot_fit_in_host_memory_says_what_it_needs():
     assert "needs about 26.2 GB of host memory" in problem and "24.0 GB is available" in problem
     out = subprocess.run([sys.executable, str(SCRIPT), "--preset", "full", "--device", "cpu", "--symbols", "100000",
                           "--requests", "100000"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and out.stderr.strip().startswith("e2e_timeline.py: the full preset with 100000 "
-                                                                 "symbols needs about")
+    assert out.returncode == 2 and out.stderr.strip().startswith("e2e_timeline.py: error: the full preset with "
+                                                                 "100000 symbols needs about")
     assert "Traceback" not in out.stderr

@@ -220,6 +220,16 @@ def test_profile_records_a_bounded_window_and_says_its_size(tmp_path, team_dir, 
     assert 0 < profile(2) < 0.6 * profile(8)
 
 
+@pytest.mark.parametrize("requests, held", [(1, "none of its steps"), (3, "only steps 2 to 3")])
+def test_a_replay_shorter_than_the_profile_window_says_what_the_trace_holds(tmp_path, team_dir, capsys, requests,
+                                                                              held):
+    # groups of one request: one step each
+    rc, _, err = run_main(capsys, "--symbols", 1, "--requests", requests, "--batch-size", 1, "--team-dir", team_dir,
+                          "--cache-dir", tmp_path / "cache", "--profile", tmp_path / "prof", "--device", "cpu")
+    assert rc == 0, err
+    assert f"profile: the replay took {requests} step(s), so the trace holds {held}" in err
+
+
 # ------------------------------------------------------------------------------------ bad input
 
 def test_missing_stream_file(tmp_path, capsys):

@@ -132,6 +132,18 @@ def test_bad_candidate_folder(dirs, which, message):
         roll.roll(target, team, backups, check=passes)
 
 
+def test_backups_inside_the_team_folder_are_refused(dirs):
+    """A snapshot of team/ into team/backups copied itself into itself until the path was too long."""
+    team, candidate, _ = dirs
+    before = roll.file_hashes(team)
+    for backups in (team / "backups", team):
+        with pytest.raises(roll.RollError, match="is inside the team folder"):
+            roll.roll(candidate, team, backups, check=passes)
+        with pytest.raises(roll.RollError, match="is inside the team folder"):
+            roll.revert(team, backups)
+    assert roll.file_hashes(team) == before and not (team / "backups").exists()
+
+
 def test_revert_without_snapshots_or_with_an_unknown_name(dirs):
     team, candidate, backups = dirs
     with pytest.raises(roll.RollError, match="no snapshots"):

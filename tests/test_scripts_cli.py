@@ -1,5 +1,5 @@
-"""scripts/make_weights.py, scripts/make_stream.py, scripts/profile_step.py, scripts/kernel_times.py and
-scripts/host_hiccups.py as a user runs them: progress, one-line errors."""
+"""scripts/make_weights.py, scripts/make_stream.py, scripts/profile_step.py, scripts/kernel_times.py,
+scripts/host_hiccups.py and scripts/long_stream.py as a user runs them: progress, one-line errors."""
 import json
 import os
 import subprocess
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from client.engine.precision import Precision
 from client.model import load_model
 from conftest import run_side_by_side
 
@@ -32,6 +33,19 @@ def test_make_weights_reports_generating_saving_and_fingerprinting(tmp_path):
     assert f"fingerprint {fingerprint}" in done.stdout
     assert load_model("tiny", weights=str(out))[1] == fingerprint  # saved through the counting writer: the same
     assert not out.with_suffix(".pt.tmp").exists()
+
+
+def test_make_weights_leaves_no_partial_file_when_saving_fails(tmp_path, monkeypatch):
+    from scripts import make_weights
+
+    def save_half(state, writer):
+        writer.write(b"x" * 1000)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(make_weights.torch, "save", save_half)
+    out = tmp_path / "w.pt"
+    with pytest.raises(OSError, match="No space left"):
+        make_weights.save({"w": torch.zeros(4)}, out)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_script_mistakes_are_one_line(tmp_path):
@@ -61,6 +75,12 @@ def test_script_mistakes_are_one_line(tmp_path):
          "'8x0'"),
         ("matmul_error.py", ["--rows", "64,0"],
          "scripts/matmul_error.py: error: argument --rows: must be a positive integer, got '0'"),
+        ("long_stream.py", ["--steps", "0"], "scripts/long_stream.py: error: argument --steps: must be a positive "
+                                             "integer, got '0'"),
+        ("long_stream.py", ["--seed", "-1"], "scripts/long_stream.py: error: argument --seed: must be a non-negative"),
+        # refused before the run, not after it
+        ("long_stream.py", ["--json", tmp_path / "nowhere" / "r.json"],
+         f"scripts/long_stream.py: error: argument --json: no such folder: {tmp_path / 'nowhere'}"),
     ]
     (tmp_path / "a_file").write_text("")
     runs = run_side_by_side([[sys.executable, str(REPO / "scripts" / script), *map(str, args)]
@@ -69,6 +89,34 @@ def test_script_mistakes_are_one_line(tmp_path):
         assert code == 2, (script, stderr)
         assert "Traceback" not in stderr
         assert stderr.strip().splitlines() == [stderr.strip()] and stderr.startswith(message)
+
+
+def test_long_stream_of_one_step_writes_valid_json_with_its_progress(tmp_path):
+    out = tmp_path / "with space" / "long.json"
+    out.parent.mkdir()
+    done = run("long_stream.py", "--preset", "tiny", "--steps", "1", "--device", "cpu", "--json", out)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.startswith("steps: 1/1 (100%)")
+    report = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert report["finite"] and report["steps"] == 1
+    for tower in report["towers"].values():  # one step has no spread: null, not NaN
+        assert tower["std"] is None and tower["std_last_1000"] is None and tower["max_abs"] > 0
+    assert json.loads(done.stdout) == report
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_long_stream_on_cuda_without_cuda_is_one_line():
+    done = run("long_stream.py", "--device", "cuda", "--steps", "2")
+    assert done.returncode == 2 and done.stderr.startswith("scripts/long_stream.py: error: --device cuda, but this ")
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+
+
+def test_make_stream_to_parquet_without_pyarrow_is_refused_before_the_targets(monkeypatch, usage_error, tmp_path):
+    from scripts.make_stream import parse_args
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # what `import pyarrow` sees where it is not installed
+    argv = ["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "tiny",
+            "--out", str(tmp_path / "s.parquet")]
+    assert "parquet needs the optional package pyarrow: pip install pyarrow" in usage_error(parse_args, argv)
 
 
 def test_make_stream_as_a_console_script_names_itself_in_every_error(tmp_path):
@@ -136,6 +184,30 @@ def test_matmul_error_measures_each_rows_error_against_its_largest_exact_value()
     assert largest == pytest.approx(1e-3, rel=1e-3)  # row 0: 0.004 / 4; row 1: 1e-6 / 1e-3
     assert mean == pytest.approx(2e-3 / 6, rel=1e-2)
     assert errors(y, exact, rows=1) == pytest.approx((0.0, 0.0), abs=1e-7)  # only the first column: exact in fp32
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batches", "1,0"], "argument --batches: must be a positive integer, got '0'"),
+    (["--batches", "20,100"], "argument --batches: batch sizes go up to 64, got '20,100'"),
+    (["--variant", "retnet.mlp=float17"], "argument --variant: 'retnet.mlp=float17': unknown precision 'float17'"),
+    (["--variant", "skinny=float33"], "argument --variant: 'skinny=float33': skinny= takes torch dtypes"),
+    (["--priorities", "xlstm=high"], "argument --priorities: 'xlstm=high': expected none or tower=priority"),
+    (["--priorities", "lstm=-1"], "argument --priorities: 'lstm=-1': expected none or tower=priority"),
+])
+def test_profile_step_refuses_a_bad_option_before_any_timing(args, message, usage_error):
+    """Each was found only when reached, minutes into a run on a GPU (a variant's after all the timing)."""
+    from scripts.profile_step import main
+    assert usage_error(main, ["--preset", "tiny", *args]).startswith(f"scripts/profile_step.py: error: {message}")
+
+
+def test_profile_step_parses_its_variants_and_priorities():
+    from scripts.profile_step import priorities_argument, variant_argument
+    assert priorities_argument("none") == ("none", {})
+    assert priorities_argument("xlstm=-1,mamba2=-1") == ("xlstm=-1,mamba2=-1", {"xlstm": -1, "mamba2": -1})
+    spec, precision, skinny = variant_argument("retnet.mlp=float16,skinny=float32+float16")
+    assert spec == "retnet.mlp=float16,skinny=float32+float16" and skinny == [torch.float32, torch.float16]
+    assert precision.spec == Precision.parse("auto,retnet.mlp=float16").spec
+    assert variant_argument("skinny=none")[2] == [] and variant_argument("hawk=bf16")[2] is None
 
 
 def test_profile_step_tells_towers_that_ran_behind_another_towers_chain():
