@@ -426,6 +426,51 @@ def test_a_process_ending_while_states_move_exits_cleanly():
 
 
 @cuda
+def test_a_process_ending_while_the_host_tier_pins_exits_cleanly():
+    """Pinning stops at exit between two registrations: the interpreter stopping its thread as a registration
+    returned aborted the process ("terminate called without an active exception"), a team client's run ended
+    before its host tier was pinned too."""
+    code = ("import torch\n"
+            "from client.engine.fast.state_table import StateTable\n"
+            "t = StateTable(({'h': ((16 << 20,), torch.float32, 0.0)}, 'cuda'), 2, host_capacity=64)\n"
+            "assert t.pinning\n")
+    repo = Path(__file__).resolve().parents[1]
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120,
+                              env=checkout_env(repo))
+        assert done.returncode == 0 and "terminate" not in done.stderr, done.stderr[-2000:]
+
+
+def test_stopping_the_pinning_keeps_what_is_pinned_and_pins_no_more():
+    """stop_pinning (at exit) returns once the piece under way is registered; nothing more is, and the tier holds
+    what was pinned, one slot spare. On the CPU, through the pool's registration."""
+    t = table(capacity=2, host_capacity=6)
+    pool = t.parts[0].host
+    registered, go_on = [], threading.Event()
+
+    def pin_piece(offset, nbytes):
+        registered.append(offset)
+        if len(registered) == 2:
+            go_on.wait()  # the second piece is under way while the stop comes
+
+    pool.pin_piece = pin_piece
+    t.free_host.clear()  # as a GPU table starts: every host slot joins the tier once pinned
+    pool.pinned = 0
+    t._pinning = threading.Thread(target=t._pin, daemon=True)
+    t._pinning.start()
+    while len(registered) < 2:
+        time.sleep(0.001)
+    stopping = threading.Thread(target=t.stop_pinning)
+    stopping.start()
+    time.sleep(0.05)
+    assert stopping.is_alive()  # waits for the registration under way
+    go_on.set()
+    stopping.join(5)
+    assert not stopping.is_alive() and len(registered) == 2 and not t.pinning
+    assert pool.pinned == 2 and t.host_capacity == 1  # the pinned slots, one spare for swaps
+
+
+@cuda
 def test_the_host_tier_is_pinned_at_start_on_gpu():
     t = StateTable((LAYOUT, "cuda"), 3, host_capacity=5)
     reports = []

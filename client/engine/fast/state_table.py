@@ -67,6 +67,8 @@ HOST_HEADROOM_SHARE = 0.15
 # ~50 ms a launch, ~0.5 s with 8 threads queued; bench/LOG.md section 46), and a step's own small copies (inputs in,
 # predictions out) queue behind at most one piece on a copy engine, not behind a whole state (~3 ms).
 PIECE_BYTES = 8 << 20
+# Stopping the pinning at exit waits this long at most for the piece under way (it takes milliseconds)
+PIN_STOP_TIMEOUT_S = 10.0
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in at once (Python's mmap module names it from 3.13 only)
 try:
     _LIBC = ctypes.CDLL(None, use_errno=True)  # a CDLL's calls release the GIL
@@ -202,6 +204,18 @@ def _finish_copy_threads():
         tasks.put(None)
     for _, thread in threads:
         thread.join()
+
+
+_PINNING: "weakref.WeakSet[StateTable]" = weakref.WeakSet()  # the tables whose host tier pins in a thread
+
+
+@atexit.register
+def _stop_pinning():
+    """At exit, each table's pinning stops between two registrations: a daemon thread stopped by the interpreter's
+    shutdown as a registration returns (cudaHostRegister, the GIL released) aborts the process ("terminate called
+    without an active exception"), as a run that ended before its host tier was pinned did."""
+    for table in list(_PINNING):
+        table.stop_pinning()
 
 
 class _CopyQueue:
@@ -504,9 +518,11 @@ class StateTable:
         self._pin_go = threading.Event()  # cleared: pinning paused (a CUDA graph capture is under way)
         self._pin_go.set()
         self._pin_lock = threading.Lock()  # held while a piece registers
+        self._pin_stopped = False  # stop_pinning(): no piece registers after the one under way
         self._pinning = None
         if self.parts[0].host.pin:
             self._pinning = threading.Thread(target=self._pin, name="pin-host-tier", daemon=True)
+            _PINNING.add(self)
             self._pinning.start()
 
     def _pin(self):
@@ -517,7 +533,8 @@ class StateTable:
             for index in range(self._host_slots):
                 for part in self.parts:
                     for offset, nbytes in part.host.pieces(index):
-                        self._pin_piece(part.host, offset, nbytes)
+                        if not self._pin_piece(part.host, offset, nbytes):
+                            return
                     part.host.pinned += 1
                 with self._lock:
                     self.free_host.append(index)
@@ -526,21 +543,25 @@ class StateTable:
             self._pin_error = exc
         finally:
             with self._lock:
-                if self._pin_error is not None:  # one pinned slot stays spare for swaps
+                if self._pin_error is not None or self._pin_stopped:  # one pinned slot stays spare for swaps
                     self.host_capacity = max(min(self.host_capacity, len(self.free_host) + len(self.offloaded) - 1),
                                              0)
+                if self._pin_error is not None:
                     sys.stderr.write(f"[state table] the host tier holds {self.host_capacity} symbols, not more: "
                                      f"{self._pin_error}; lower --host-symbols\n")
                 self.pin_s = time.perf_counter() - begin
                 self._host_slot_pinned.notify_all()
 
-    def _pin_piece(self, pool, offset, nbytes):
+    def _pin_piece(self, pool, offset, nbytes) -> bool:
+        """Register a piece once pinning is not paused; False, registering nothing, once it is stopped."""
         while True:
             self._pin_go.wait()
             with self._pin_lock:
+                if self._pin_stopped:
+                    return False
                 if self._pin_go.is_set():  # not paused between the wait and the lock
                     pool.pin_piece(offset, nbytes)
-                    return
+                    return True
 
     def pause_pinning(self):
         """Stop registering host memory until resume_pinning(), returning once no registration is under way (a
@@ -551,6 +572,14 @@ class StateTable:
 
     def resume_pinning(self):
         self._pin_go.set()
+
+    def stop_pinning(self, timeout_s=PIN_STOP_TIMEOUT_S):
+        """Pin no more of the host tier: return once the registration under way has ended (the tier keeps the
+        slots pinned so far)."""
+        self._pin_stopped = True
+        self._pin_go.set()  # a paused thread wakes to see the stop (it registers nothing more)
+        if self._pinning is not None:
+            self._pinning.join(timeout_s)
 
     @property
     def pinning(self) -> bool:
