@@ -244,7 +244,7 @@ def check_device(device: str | None) -> None:
     except RuntimeError:
         raise CliError(f"--device {device}: not a torch device; use cpu, cuda or cuda:N") from None
     if str(device).startswith("cuda") and not torch.cuda.is_available():
-        # (every command that takes --device runs on the CPU; not all of them have an --engine to choose)
+        # (not every command that takes --device has an --engine to choose)
         raise CliError(f"--device {device}, but this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
 
 
