@@ -111,7 +111,8 @@ def check_input(name: str, t: torch.Tensor, shape, device: torch.device) -> torc
 
 def check_plan(seq_slots: torch.Tensor, seq_starts: torch.Tensor, device: torch.device) -> int:
     """seq_slots int32 [G] and seq_starts int32 [G + 1] on `device`; returns G. Values (slots in range, starts
-    non-decreasing and within the rows) are the caller's contract: checking them would need a device->host sync."""
+    non-decreasing and within the rows) are the caller's contract: checking them would need a device->host sync
+    (the references check them: sequences_of)."""
     for name, t in (("seq_slots", seq_slots), ("seq_starts", seq_starts)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -143,18 +144,29 @@ def plan(slots, lengths, sequences=None, device="cpu") -> tuple[torch.Tensor, to
             torch.tensor(starts, dtype=torch.int32, device=device))
 
 
-def sequences_of(seq_slots: torch.Tensor, seq_starts: torch.Tensor):
-    """[(slot, first row, end row)] of the non-empty sequences, on the host: for the PyTorch references."""
-    starts = seq_starts.tolist()
-    return [(slot, begin, end) for slot, begin, end in zip(seq_slots.tolist(), starts[:-1], starts[1:]) if end > begin]
+def sequences_of(seq_slots: torch.Tensor, seq_starts: torch.Tensor, rows: int, table_slots: int):
+    """[(slot, first row, end row)] of the non-empty sequences, on the host: for the PyTorch references. The plan's
+    values are checked here, where they are on the host anyway (the kernels take them on trust): else a negative
+    slot indexes the table from its end, a slot named twice keeps one sequence's update, and starts that decrease
+    overlap rows, each without an error."""
+    starts, slots = seq_starts.tolist(), seq_slots.tolist()
+    if starts[0] < 0 or starts[-1] > rows or any(end < begin for begin, end in zip(starts[:-1], starts[1:])):
+        raise ValueError(f"seq_starts must be non-negative, non-decreasing and at most the {rows} rows, got {starts}")
+    seqs = [(slot, begin, end) for slot, begin, end in zip(slots, starts[:-1], starts[1:]) if end > begin]
+    live = [slot for slot, _, _ in seqs]
+    if any(not 0 <= slot < table_slots for slot in slots) or len(set(live)) < len(live):
+        raise ValueError(f"seq_slots must lie in [0, {table_slots}) and differ between non-empty sequences, got "
+                         f"{slots} for seq_starts {starts}")
+    return seqs
 
 
-def row_positions(seq_slots: torch.Tensor, seq_starts: torch.Tensor):
+def row_positions(seq_slots: torch.Tensor, seq_starts: torch.Tensor, rows: int, table_slots: int):
     """The non-empty sequences by row position, on the host: for the PyTorch references, which apply the one-row
-    math to row position j of every sequence longer than j at once. Returns (slots, positions): slots int64 [L]
+    math to row position j of every sequence longer than j at once; the plan checked against a step of `rows` rows
+    and a table of `table_slots` slots (sequences_of). Returns (slots, positions): slots int64 [L]
     the state slots of the L non-empty sequences; positions a list over j of (which, rows), int64 tensors: which
     of the L sequences are longer than j, and their j-th rows. All on seq_starts' device."""
-    seqs = sequences_of(seq_slots, seq_starts)
+    seqs = sequences_of(seq_slots, seq_starts, rows, table_slots)
     slots, begins, ends = torch.tensor(seqs, dtype=torch.int64, device=seq_starts.device).view(-1, 3).unbind(1)
     lengths = ends - begins
     positions = []

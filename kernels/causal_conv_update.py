@@ -39,7 +39,7 @@ def _check(x, conv_state, weight, bias, seq_slots, seq_starts, activation):
 def causal_conv_update_ref(x, conv_state, weight, bias, seq_slots, seq_starts, activation=None):
     """PyTorch reference of causal_conv_update, same signature and in-place semantics (padding rows: zeros)."""
     x, weight, bias = _check(x, conv_state, weight, bias, seq_slots, seq_starts, activation)
-    slots, positions = row_positions(seq_slots, seq_starts)
+    slots, positions = row_positions(seq_slots, seq_starts, x.shape[0], conv_state.shape[0])
     taps = conv_state[slots]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for active, rows in positions:

@@ -66,7 +66,7 @@ def mamba2_state_update_ref(h, x, t, dt_weight, dt_bias, a, b, c, d, seq_slots, 
     dt = F.softplus(t.float() @ dt_weight.float().t() + dt_bias.float())
     decay = torch.exp(a.float() * dt)
     drive = dt[:, :, None, None] * x[:, :, :, None] * b[:, None, None, :]
-    slots, positions = row_positions(seq_slots, seq_starts)
+    slots, positions = row_positions(seq_slots, seq_starts, x.shape[0], h.shape[0])
     state = h[slots].float()  # fp32 through the sequences' rows, rounded once at the store
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for active, rows in positions:

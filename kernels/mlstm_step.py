@@ -60,7 +60,7 @@ def mlstm_step_ref(C, n, m, q, k, v, ip, fp, seq_slots, seq_starts, rounding=Non
     f_gates = torch.zeros(rows, heads, device=q.device)
     dens = torch.ones(rows, heads, device=q.device)
     k_in = torch.zeros_like(k)  # i' k
-    slots, positions = row_positions(seq_slots, seq_starts)
+    slots, positions = row_positions(seq_slots, seq_starts, rows, C.shape[0])
     m_seq, n_seq = m[slots], n[slots]
     for which, rs in positions:  # row position j of every sequence longer than j
         m_old = m_seq[which]

@@ -60,7 +60,7 @@ def outer_product_update_ref(M, q, k, v, a, den, seq_slots, seq_starts, rounding
     """PyTorch reference of outer_product_update, same signature and in-place semantics; padding rows read 0."""
     q, k, v, a, den, rounding = _check(M, q, k, v, a, den, seq_slots, seq_starts, rounding)
     out = torch.zeros(*v.shape, device=v.device, dtype=torch.float32)
-    slots, positions = row_positions(seq_slots, seq_starts)
+    slots, positions = row_positions(seq_slots, seq_starts, q.shape[0], M.shape[0])
     if not positions:
         return out
     state = M[slots].float()

@@ -61,7 +61,7 @@ def retention_step_ref(S, scale, offset, q, k, v, decay, angle, seq_slots, seq_s
     q, k = q.float(), k.float() * head_dim**-0.5
     q_rot, k_rot = torch.zeros_like(q), torch.zeros_like(k)
     norm = torch.ones(rows, heads, device=q.device)
-    slots, positions = row_positions(seq_slots, seq_starts)
+    slots, positions = row_positions(seq_slots, seq_starts, rows, S.shape[0])
     scale_seq, offset_seq = scale[slots], offset[slots]
     for which, rs in positions:  # row position j of every sequence longer than j
         theta = offset_seq[which].float()[:, None, None] * angle[None, None, :]

@@ -39,7 +39,7 @@ def rglru_step_ref(gate_pre, u, i_pre, r_pre, a, h, seq_slots, seq_starts, c=8.0
     # the per-row terms of the update, which do not depend on the state
     alpha = torch.exp(c * torch.sigmoid(r_pre) * torch.log(a))
     drive = torch.sqrt(1 - alpha * alpha) * (torch.sigmoid(i_pre) * u)
-    slots, positions = row_positions(seq_slots, seq_starts)
+    slots, positions = row_positions(seq_slots, seq_starts, u.shape[0], h.shape[0])
     state = h[slots]
     out = torch.zeros(u.shape, dtype=torch.float32, device=u.device)
     for active, rows in positions:

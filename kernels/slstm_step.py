@@ -111,7 +111,7 @@ def slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_
     rows, width = xc.shape
     blocks, size = weight.shape[2], weight.shape[3]
     out = torch.zeros(rows, width, device=xc.device, dtype=torch.float32)
-    slots, positions = row_positions(seq_slots, seq_starts)
+    slots, positions = row_positions(seq_slots, seq_starts, rows, c.shape[0])
     if len(positions) > max_rows:
         raise ValueError(f"a sequence has {len(positions)} rows, more than max_rows={max_rows}")
 

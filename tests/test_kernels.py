@@ -538,6 +538,26 @@ def test_bad_plans_are_rejected(op_name, name, make_bad, match):
         STATE_OPS[op_name][0](**args, **plan_args)
 
 
+@pytest.mark.parametrize("slots,starts,match", [
+    ([-1, 2], [0, 1, 2], r"seq_slots must lie in \[0, 3\)"),  # would index the table from its end
+    ([1, 3], [0, 1, 2], r"seq_slots must lie in \[0, 3\)"),
+    ([1, 1], [0, 1, 2], "differ between non-empty sequences"),  # one sequence's update would be lost
+    ([1, 2], [0, 2, 1], "non-decreasing"),  # overlapping rows
+    ([1, 2], [0, 1, 3], "at most the 2 rows"),
+], ids=["negative-slot", "slot-past-table", "slot-twice", "decreasing", "past-rows"])
+@pytest.mark.parametrize("op_name", list(STATE_OPS))
+def test_references_reject_bad_plan_values(op_name, slots, starts, match):
+    """The references (the ops without a GPU) read the plan on the host, so they check its values before writing."""
+    _, ref, state_names = STATE_OPS[op_name]
+    args = make_args(op_name, 2, 3, SMALL_DIMS[op_name][0])
+    before = {name: args[name].clone() for name in state_names}
+    seq_slots, seq_starts = (torch.tensor(t, dtype=torch.int32) for t in (slots, starts))
+    with pytest.raises(ValueError, match=match):
+        ref(**args, seq_slots=seq_slots, seq_starts=seq_starts)
+    for name in state_names:
+        assert torch.equal(args[name], before[name]), name
+
+
 @pytest.mark.parametrize("o_shape,g_shape,match", [
     ((2, 3, 4), (2, 11), r"g must have shape \[2, 12\]"),
     ((2, 12), (2, 12), r"o must be a \[B, Hh, D\] tensor"),
