@@ -1,5 +1,5 @@
 """The README keeps up with the code: every option of the server and of the team client is in its section, every
-default it states is the option's, and every test its fault table names exists."""
+default it states is the option's, every file it cites is there, and every test its fault table names exists."""
 import ast
 import importlib
 import re
@@ -93,6 +93,14 @@ def test_every_test_the_fault_table_names_exists():
             tree = ast.parse((ROOT / "tests" / file).read_text())
             defined[file] = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
         assert test in defined[file], f"the README's fault table names {file}::{test}, which does not exist"
+
+
+def test_every_file_the_readme_cites_exists():
+    cited = set(re.findall(r"(?<![\w/.-])((?:\.ci|bench|client|docs|kernels|scripts|server|team|tests)/[\w./-]*\w/?)",
+                           README))
+    assert len(cited) >= 50
+    missing = sorted(path for path in cited if not (ROOT / path).exists())
+    assert not missing, f"the README cites {', '.join(missing)}, which the checkout does not hold"
 
 
 def test_every_console_script_is_in_the_readme():
