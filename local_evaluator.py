@@ -3,8 +3,9 @@
 
 Measures per-request latency and each tower's error against the fp32 reference, optionally under
 torch.profiler, and can plot both. The scheduling mirrors the live runtime: a FIFO queue per symbol,
-micro-batches of at most one request per symbol (oldest first) among the requests that have arrived,
-so every symbol's requests reach the model strictly in stream order.
+micro-batches of each symbol's oldest requests among those that have arrived, up to max_requests_per_symbol of a
+symbol (one for a team client that takes one request a symbol), so every symbol's requests reach the model strictly
+in stream order.
 
 Importable: `evaluate(client, stream, targets, ...) -> dict` is the core; `load_or_generate_stream(...)`
 and `setup(stream, preset, ...)` build its inputs; `main(argv)` is the command line.
