@@ -157,6 +157,12 @@ class Engine(ABC):
     def release(self, symbols) -> None:
         """Forget these symbols' states (they left); unknown symbols are ignored."""
 
+    def expired(self) -> list[str]:
+        """The symbols this engine forgot as idle (its idle timeout) since the last call and holds no state of now
+        (a sharded engine's shards report them with each step's answer). The first call starts keeping them: an
+        engine never asked keeps none. None by default (an engine that never forgets a symbol)."""
+        return []
+
     # Whether prefetch and ready have anything to do (a state may be away from where steps run): an engine that
     # overrides them says so.
     moves_states = False

@@ -63,6 +63,9 @@ class ReferenceEngine(Engine):
         for symbol in symbols:
             self._states.pop(symbol, None)
 
+    def expired(self) -> list[str]:
+        return self._states.take_expired()
+
     def unplaceable(self, symbols) -> dict[str, str]:
         """{symbol: why} for the symbols of a step that the state table cannot hold (no side effects)."""
         rejected = self._states.unplaceable(symbols, at_once=False)

@@ -8,6 +8,12 @@ collector thread per shard takes the answers in the same order, so a step's part
 (`ShardedPendingStep.parts()`). A part a shard fails (no room, bad input) fails alone; its step's other parts are
 answered.
 
+A shard's engine forgets a symbol idle past its idle timeout by its own clock, when a later placement there finds
+it idle (its last use: when that shard stepped it, not when the step was submitted here), so the times steps are
+submitted here cannot tell which symbols it still holds. Instead each answer carries the symbols the shard forgot
+and holds no state of as of that part; the engine forgets them too (its placement table and per-shard counts follow
+what each shard holds) unless a later part of theirs is on its way to that shard, which starts them afresh there.
+
 A shard that is lost (its process exits, its Ray actor or node dies, or it answers no step for
 `answer_timeout_s`: hung, it is stopped) is reported once, in one line naming the
 shard and its symbols. Its unanswered parts, and every later request of its symbols, then follow
@@ -77,6 +83,7 @@ def build_shard_engine(spec: ModelSpec, device: str, engine: str, options: dict)
     load = ModelLoader(spec.preset, spec.weights, spec.seed, device)  # the engine keeps the model no longer than it needs
     options = {**options, "progress": False}  # a shard's startup is reported by the engine that owns it
     built = make_engine(engine, load, device=device, **options)
+    built.expired()  # from now on it keeps the symbols it forgets as idle, for submit_placeable to report
     return built, {**built.describe(), "engine": engine, "fingerprint": load.fingerprint}
 
 
@@ -91,17 +98,21 @@ def share_host_tier(options: dict, engine: str, device, shards_on_host: int) -> 
 
 def submit_placeable(engine, symbols, features) -> PendingStep:
     """What a shard runs for a part: its engine's submit, or, where some of the part's symbols have no room, the
-    others' rows alone. result(): the predictions, or (predictions with NaN rows for the refused, {row: why})."""
+    others' rows alone. result(): (the predictions, NaN rows for the refused; {row: why} for those; the symbols the
+    engine forgot as idle and holds no state of once this part is placed: taken right after its submit, so that they
+    say what the shard holds between this part and its next)."""
     refused = engine.unplaceable(symbols)
-    if not refused:
-        return engine.submit(symbols, features)
     kept = [row for row, symbol in enumerate(symbols) if symbol not in refused]
-    pending = engine.submit([symbols[row] for row in kept], np.asarray(features)[kept])
+    pending = (engine.submit([symbols[row] for row in kept], np.asarray(features)[kept]) if refused
+               else engine.submit(symbols, features))
+    expired = engine.expired()
 
     def answer():
+        if not refused:
+            return pending.result(), {}, expired
         out = np.full((len(symbols), NUM_TOWERS), np.nan, dtype=np.float32)
         out[kept] = pending.result()
-        return out, {row: refused[symbol] for row, symbol in enumerate(symbols) if symbol in refused}
+        return out, {row: refused[symbol] for row, symbol in enumerate(symbols) if symbol in refused}, expired
     return PendingStep(answer, poll=pending.done)
 
 
@@ -289,10 +300,15 @@ class _Runner:
             if not isinstance(outcome, tuple):
                 entry.part.finish(outcome)
                 continue
+            predictions, refused, expired = outcome
+            gone = {entry.part.symbols[row] for row in refused}.union(expired)
+            if gone:  # they hold no state there: forgotten here before the caller hears
+                self.engine._unplace(self, gone)
+            if not refused:
+                entry.part.finish(predictions)
+                continue
             # rows of symbols the shard had no room for fail alone (submit_placeable): a part's other rows were
             # stepped, and are answered
-            predictions, refused = outcome
-            self.engine._unplace(self, {entry.part.symbols[row] for row in refused})  # before the caller hears
             kept = np.setdiff1d(np.arange(len(predictions)), list(refused))
             if len(kept):
                 entry.part.finish(predictions[kept], kept)
@@ -394,14 +410,15 @@ class ShardedEngine(Engine):
                     out[symbol] = "every shard of the sharded engine is lost"
             return out
 
-    def _unplace(self, runner: _Runner, refused):
-        """Symbols that runner's shard refused for want of room hold no state there: placed afresh at their next
-        request (another shard may have room; bound to this one, they were refused for as long as it was full),
-        unless a later part of theirs is on its way to this shard already."""
+    def _unplace(self, runner: _Runner, gone):
+        """Symbols that hold no state on runner's shard as of the part just answered (refused for want of room, or
+        forgotten as idle) are placed afresh at their next request (another shard may have room; bound to this
+        one, a refused symbol was refused for as long as it was full, and a forgotten one counted on it for ever),
+        unless a later part of theirs is on its way to this shard already: it starts their fresh state there."""
         with self._lock:
             queued = {s for kind, item in runner.work if kind == "step" for s in item.symbols}
             queued.update(s for entry in runner.in_flight for s in entry.part.symbols)
-            for symbol in refused - queued:
+            for symbol in gone - queued:
                 if self.shard_of.get(symbol) == runner.index:
                     del self.shard_of[symbol]
                     self._load[runner.index] -= 1

@@ -30,6 +30,7 @@ class SymbolStates(MutableMapping):
         self._on_host: set[str] = set()      # symbols whose state waits in host memory
         self._last_seen: OrderedDict[str, float] = OrderedDict()  # in order of last use: the idle ones first
         self.stats = {"offloaded": 0, "restored": 0, "expired": 0, "released": 0}
+        self._expired: dict[str, None] | None = None  # forgotten as idle since take_expired (None: not asked)
 
     # ---- the mapping the step reads and writes ------------------------------------------------------
     def __contains__(self, symbol) -> bool:
@@ -92,6 +93,8 @@ class SymbolStates(MutableMapping):
         for symbol in idle_symbols(self._last_seen, self.clock(), self.idle_timeout_s, batch | set(keep)):
             self._forget(symbol)
             self.stats["expired"] += 1
+            if self._expired is not None:
+                self._expired[symbol] = None
         back = [s for s in dict.fromkeys(symbols) if s in self._on_host]
         new = sum(1 for s in batch if s not in self._states)
         resident = len(self._states) - len(self._on_host)
@@ -105,6 +108,13 @@ class SymbolStates(MutableMapping):
             self._states[symbol] = {name: t.to(self.device) for name, t in self._states[symbol].items()}
             self._on_host.discard(symbol)
             self.stats["restored"] += 1
+
+    def take_expired(self) -> list[str]:
+        """The symbols forgotten as idle since the last call that hold no state now; the first call starts keeping
+        them."""
+        expired = [symbol for symbol in self._expired or () if symbol not in self._states]
+        self._expired = {}
+        return expired
 
     def capacity_error(self, rejected) -> CapacityError:
         """The error that names the limits for symbols that fit in no tier."""

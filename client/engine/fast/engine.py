@@ -357,6 +357,9 @@ class FastEngine(Engine):
         """Forget these symbols' states (they left); their slots go to other symbols."""
         self.table.release(symbols)
 
+    def expired(self) -> list[str]:
+        return self.table.take_expired()
+
     @property
     def moves_states(self) -> bool:
         """Whether a state may leave the GPU (a host tier behind the state table): prefetch and ready have nothing to

@@ -513,6 +513,7 @@ class StateTable:
         # Symbols prefetched and not stepped since: moved out only when nothing else can be (else a tight table could
         # send a returning state back out before its step, again and again).
         self._awaiting: dict[str, None] = {}
+        self._expired: dict[str, None] | None = None  # forgotten as idle since take_expired (None: not asked)
         self.pin_s = None  # seconds the host tier took to pin, once it is
         self._pin_error = None
         self._pin_go = threading.Event()  # cleared: pinning paused (a CUDA graph capture is under way)
@@ -738,6 +739,14 @@ class StateTable:
             self._in_step.add(symbol)
             return slot
 
+    def take_expired(self) -> list[str]:
+        """The symbols forgotten as idle since the last call that hold no state now; the first call starts keeping
+        them."""
+        with self._lock:
+            expired = [s for s in self._expired or () if s not in self.resident and s not in self.offloaded]
+            self._expired = {}
+            return expired
+
     def capacity_error(self, rejected) -> CapacityError:
         """The error that names the limits for symbols that fit in no tier."""
         device = "the GPU" if self.parts[0].device.type == "cuda" else "the CPU"  # without CUDA the table is in RAM
@@ -768,6 +777,8 @@ class StateTable:
         for symbol in idle_symbols(self.last_seen, now, self.idle_timeout_s, exclude):
             self._forget(symbol)
             self.stats["expired"] += 1
+            if self._expired is not None:
+                self._expired[symbol] = None
 
     def _touch(self, symbol, now):
         self.resident.move_to_end(symbol)
