@@ -166,6 +166,81 @@ def test_release_frees_a_symbol_everywhere(sharded):
     assert "R0" not in sharded.symbols
 
 
+IDLE_S = 1.0  # the idle timeout of the expiry tests: a symbol stepped again within it on a busy CPU is not idle
+
+
+def _idle_engines():
+    """Two shards forgetting symbols idle IDLE_S, and a single engine per shard, alike, to step the same parts."""
+    engine = start(["cpu", "cpu"], capacity=CAPACITY, host_symbols=0, idle_timeout_s=IDLE_S)
+    model, _ = load_model("tiny", seed=3)
+    singles = [FastEngine(model, "cpu", capacity=CAPACITY, host_symbols=0, idle_timeout_s=IDLE_S, progress=False)
+               for _ in range(2)]
+    return engine, singles
+
+
+def _assert_parts_equal(engine, singles, symbols, features, predictions):
+    """Each shard's rows equal, bit for bit, its single engine's step of the same part."""
+    for shard, single in enumerate(singles):
+        rows = [row for row, symbol in enumerate(symbols) if engine.shard_of[symbol] == shard]
+        if rows:
+            np.testing.assert_array_equal(predictions[rows], single.step([symbols[r] for r in rows], features[rows]))
+
+
+def test_symbols_a_shard_forgets_as_idle_leave_the_engine_and_its_placement():
+    """A shard forgot its symbols idle past the timeout, but the engine kept listing them, counting them on their
+    shard (a shard whose symbols had all gone looked full to the placement) and holding them for ever. Now each
+    answer says what its shard forgot: as on a single engine, they are no longer listed, their next request starts a
+    fresh state, and new symbols are placed by what each shard holds."""
+    engine, singles = _idle_engines()
+    try:
+        rng = np.random.default_rng(11)
+        symbols = ["A0", "A1", "A2", "A3"]  # placed alternately on the two shards
+        features = rng.standard_normal((4, 79)).astype(np.float32)
+        _assert_parts_equal(engine, singles, symbols, features, engine.step(symbols, features))
+        assert engine._load == [2, 2]
+        time.sleep(1.5 * IDLE_S)
+        features = rng.standard_normal((1, 79)).astype(np.float32)
+        _assert_parts_equal(engine, singles, ["B0"], features, engine.step(["B0"], features))  # shard 0 forgets 2
+        assert engine.shard_of == {"A1": 1, "A3": 1, "B0": 0} and engine._load == [1, 2]
+        assert sorted(engine.symbols) == sorted(singles[0].symbols + singles[1].symbols)  # shard 1 has not stepped
+        engine.step(["C0"], features)
+        assert engine.shard_of["C0"] == 0  # where fewer symbols are held
+        singles[0].step(["C0"], features)
+        again = rng.standard_normal((1, 79)).astype(np.float32)
+        predictions = engine.step(["A0"], again)
+        assert engine.shard_of["A0"] == 0
+        _assert_parts_equal(engine, singles, ["A0"], again, predictions)  # from a fresh state, as the single's
+    finally:
+        engine.close()
+
+
+def test_a_request_queued_while_its_shard_forgets_the_symbol_starts_it_afresh_there_in_order():
+    """A symbol's next request already on its way to its shard when that shard forgets it (the answer saying so
+    comes after): it stays placed there and counted, and its requests start a fresh state there, in order, as on a
+    single engine; a symbol forgotten with no request on its way leaves the engine."""
+    engine, singles = _idle_engines()
+    try:
+        rng = np.random.default_rng(12)
+        first = ["Q0", "Q1"]  # Q0 on shard 0, Q1 on shard 1
+        features = rng.standard_normal((2, 79)).astype(np.float32)
+        _assert_parts_equal(engine, singles, first, features, engine.step(first, features))
+        time.sleep(1.5 * IDLE_S)
+        process = engine.shards[0].process
+        os.kill(process.pid, signal.SIGSTOP)  # shard 0 answers nothing until both steps are on their way
+        try:
+            steps = [(["Q2", "Q3"], rng.standard_normal((2, 79)).astype(np.float32)),  # forget Q0 and Q1
+                     (["Q0", "Q2", "Q0", "Q3"], rng.standard_normal((4, 79)).astype(np.float32))]
+            pending = [engine.submit(symbols, step_features) for symbols, step_features in steps]
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        for (symbols, step_features), step in zip(steps, pending):
+            _assert_parts_equal(engine, singles, symbols, step_features, step.result())
+        assert engine.shard_of == {"Q0": 0, "Q2": 0, "Q3": 1} and engine._load == [2, 1]
+        assert sorted(engine.symbols) == sorted(singles[0].symbols + singles[1].symbols)
+    finally:
+        engine.close()
+
+
 def test_missing_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match=r"asked for, but this machine has \d+ GPU"):
         process_shards(SPEC, ["cuda:7"], progress=False)
