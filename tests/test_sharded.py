@@ -1,7 +1,7 @@
 """Symbols sharded over engine processes (CPU processes here; one per GPU in use): the same predictions as one
-engine, symbols placed by load and kept, parts answered as they complete, a failing shard's part alone fails,
-a lost shard's symbols alone get errors. (Starting them again from a fresh state, --on-shard-loss reset, is the
-transport-agnostic engine's: tests/test_sharded_ray.py.)"""
+engine, symbols placed by load and kept (until their shard forgets them as idle), parts answered as they complete,
+a failing shard's part alone fails, a lost shard's symbols alone get errors. (Starting them again from a fresh
+state, --on-shard-loss reset, is the transport-agnostic engine's: tests/test_sharded_ray.py.)"""
 import os
 import signal
 import subprocess
