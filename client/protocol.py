@@ -272,7 +272,11 @@ def parse_inference_response(msg) -> tuple[list[int], np.ndarray]:
         raise ProtocolError(f"inference_response: each prediction must be a list of {NUM_TOWERS} numbers")
     if len(raw) != n:
         raise ProtocolError(f"inference_response: {n} unique_ids but {len(raw)} predictions")
-    return list(ids), np.array(raw, dtype=np.float32).reshape(n, NUM_TOWERS)
+    values = np.array(raw, dtype=np.float64).reshape(n, NUM_TOWERS)
+    # a finite number past float32's range stays finite, a wrong tower: cast, it became inf and the server refused the
+    # whole answer as non-finite, the request's right towers with it
+    limit = np.finfo(np.float32).max
+    return list(ids), np.where(np.isfinite(values), values.clip(-limit, limit), values).astype(np.float32)
 
 
 def score_update(unique_ids, pnls, correct, latencies_ms) -> dict:

@@ -842,6 +842,24 @@ def test_a_wrong_token_is_answered_late():
     assert reply["error"] == "bad_token" and took >= 0.4
 
 
+def test_a_finite_prediction_past_float32s_range_is_a_wrong_tower_not_a_refused_answer():
+    """Nested-list predictions (the original protocol's JSON, a msgpack client's float64) were cast to float32: 1e39
+    became inf, and the whole answer was refused as non-finite, its three right towers with it."""
+    async def main():
+        async with Server(rate=None, speed=1e6, requests=8) as s:
+            ws = await registered(s.url, "alpha")
+            await recv(ws)
+            row = [1e39, *s.targets[0, 1:].tolist()]
+            await ws.send(protocol.encode({"type": "inference_response", "unique_ids": [0], "predictions": [row],
+                                           "client_timestamp": 0.0}))
+            reply = await recv(ws)
+            await ws.close()
+            return reply
+    reply = run(main())
+    assert reply["type"] == "score_update" and reply["unique_ids"] == [0]
+    assert reply["correct"] == [3] and reply["pnls"][0] > 0
+
+
 def test_ids_beyond_int64_are_named_as_sent():
     async def main():
         async with Server(rate=None, speed=1e6, requests=8) as s:
