@@ -647,7 +647,8 @@ def test_welcome_names_the_model_and_the_match_shows_on_the_leaderboard(client_f
             return welcome, first, s.server.scores()
     welcome, first, scores = run(main())
     assert len(welcome["session_key"]) >= 32  # the team's own: what lets its reconnects take it over
-    assert welcome == protocol.welcome("tiny", "5e4e4f0f", REQUESTS, 4, match, session_key=welcome["session_key"])
+    assert welcome == protocol.welcome("tiny", "5e4e4f0f", REQUESTS, 4, match, session_key=welcome["session_key"],
+                                       timeout_s=2.0)
     assert first["type"] == "inference_request"
     assert scores["model"] == {"preset": "tiny", "weights_fingerprint": "5e4e4f0f"}
     team = scores["teams"][0]
