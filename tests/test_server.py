@@ -693,6 +693,25 @@ def test_end_reaches_a_team_whose_last_requests_were_missed():
     assert set(kinds) == {"inference_request", "end"} and summary["missed"] == 8
 
 
+def test_a_team_that_never_answered_in_time_has_no_accuracy_rather_than_zero():
+    """Its summary, table and page said accuracy 0.0 (every answer wrong) where the client's summary says none."""
+    from server.app import _scores
+    from server.leaderboard import render_page
+
+    async def main():
+        async with Server(requests=4, timeout_s=0.2) as s:
+            ws = await registered(s.url, "alpha")
+            while (await recv(ws))["type"] != "end":  # never answers
+                pass
+            await ws.close()
+            return s.summary("alpha"), s.server._collect_scores()
+    summary, raw = run(main())
+    assert summary["missed"] == 4 and summary["accuracy"] is None and summary["pnl_per_response"] is None
+    assert format_table([summary]).splitlines()[1].split()[6] == "-"
+    row = next(line for line in render_page(_scores(raw)).splitlines() if line.startswith('<tr class="team'))
+    assert "<td>0.0000</td>" not in row and row.count("<td>-</td>") == 3  # accuracy, p50, p99
+
+
 def test_a_port_in_use_is_refused_in_words():
     async def main():
         async with Server() as s:
