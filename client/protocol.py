@@ -10,9 +10,11 @@ Each message is one binary websocket frame holding one msgpack map with a ``type
   Every refusal of a register is an ``error`` followed by a close: 1008 when trying again cannot help,
   1013 (try again later) for a limit that passes (REFUSALS_THAT_PASS).
 - ``welcome`` {preset: str | None, weights_fingerprint: str | None, requests: int, symbols: int,
-  weights_match: bool | None, session_key?: str}: server to client, the answer to a register it accepts:
-  the model whose predictions are the targets, the team's stream, whether the client's weights are the
-  same (None: one side did not say), and the key that lets this client's reconnects take the team over.
+  weights_match: bool | None, session_key?: str, timeout_s?: float}: server to client, the answer to a register it
+  accepts: the model whose predictions are the targets, the team's stream, whether the client's weights are the
+  same (None: one side did not say), the key that lets this client's reconnects take the team over, and the
+  server's timeout (an answer later than it scores nothing), by which the client's summary tells its answers in
+  time as the server does.
 - ``end`` {requests: int}: server to client, once every request of the team's stream is scored (after the
   last ``score_update``): nothing more will come, and the client may leave.
 - ``inference_request`` {unique_ids: [int], symbols: [str], features: bytes, timestamp: float}:
@@ -98,6 +100,7 @@ _SCHEMAS = {
         "symbols": (_is_int, "an integer", True),
         "weights_match": (lambda v: v is None or isinstance(v, bool), "a boolean or nil", False),
         "session_key": (lambda v: isinstance(v, str), "a string", False),
+        "timeout_s": (lambda v: _is_number(v) and v > 0, "a positive number", False),
     },
     "end": {
         "requests": (_is_int, "an integer", True),
@@ -207,11 +210,13 @@ def register(team: str, token: str | None = None, *, preset: str | None = None,
 
 
 def welcome(preset: str | None, weights_fingerprint: str | None, requests: int, symbols: int,
-            weights_match: bool | None, session_key: str | None = None) -> dict:
+            weights_match: bool | None, session_key: str | None = None, timeout_s: float | None = None) -> dict:
     msg = {"type": "welcome", "preset": preset, "weights_fingerprint": weights_fingerprint,
            "requests": int(requests), "symbols": int(symbols), "weights_match": weights_match}
     if session_key is not None:
         msg["session_key"] = session_key
+    if timeout_s is not None:
+        msg["timeout_s"] = float(timeout_s)
     return msg
 
 
@@ -272,7 +277,11 @@ def parse_inference_response(msg) -> tuple[list[int], np.ndarray]:
         raise ProtocolError(f"inference_response: each prediction must be a list of {NUM_TOWERS} numbers")
     if len(raw) != n:
         raise ProtocolError(f"inference_response: {n} unique_ids but {len(raw)} predictions")
-    return list(ids), np.array(raw, dtype=np.float32).reshape(n, NUM_TOWERS)
+    values = np.array(raw, dtype=np.float64).reshape(n, NUM_TOWERS)
+    # a finite number past float32's range stays finite, a wrong tower: cast, it became inf and the server refused the
+    # whole answer as non-finite, the request's right towers with it
+    limit = np.finfo(np.float32).max
+    return list(ids), np.where(np.isfinite(values), values.clip(-limit, limit), values).astype(np.float32)
 
 
 def score_update(unique_ids, pnls, correct, latencies_ms) -> dict:

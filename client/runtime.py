@@ -78,7 +78,8 @@ class ClientStats:
     """What this client received and sent, and the server's score updates (progress line and summary)."""
 
     def __init__(self, timeout_s: float = 2.0):
-        self.timeout_ms = timeout_s * 1000.0  # the server's: a later answer is scored but counts as missed
+        # the server's (its welcome says it; this until then): a later answer is scored but counts as missed
+        self.timeout_ms = timeout_s * 1000.0
         self.requests = 0          # distinct request ids received
         self.rejected = 0          # request rows answered with an error (NaN/inf features, bad message)
         self.responses_sent = 0    # ids answered from a model step
@@ -597,6 +598,8 @@ class StreamingClient:
         first = self.welcome is None
         self._session_key = msg.get("session_key", self._session_key)
         self.welcome, self._welcomed = msg, True
+        if "timeout_s" in msg:  # the server's own (its --timeout-s): else answers it scored in time count as missed
+            self.stats.timeout_ms = msg["timeout_s"] * 1000.0
         if first and self.on_welcome is not None:
             self.on_welcome(msg)
         self._send_notices()

@@ -410,7 +410,8 @@ class ScoringServer:
             log.info("team %r registered", team)
         # first, so that the client hears which model it plays before any request
         welcome = protocol.welcome(self.config.preset, self.weights_fingerprint, len(self._symbols),
-                                   self._num_symbols, weights_match, session_key=self._identity.key_of(team))
+                                   self._num_symbols, weights_match, session_key=self._identity.key_of(team),
+                                   timeout_s=self.config.timeout_s)
         try:
             await ws.send(protocol.encode(welcome))
         except ConnectionClosed:

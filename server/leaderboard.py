@@ -141,7 +141,7 @@ def format_table(summaries: list[dict]) -> str:
         lat = s["latency_ms"]
         weights = {True: "match", False: "differ", None: "-"}[s["weights_match"]]
         lines.append((s["team"], str(s["requests"]), str(s["responses"]), str(s["missed"]), str(s["errors"]),
-                      str(s["duplicates"]), f"{s['accuracy']:.4f}", _cell("{:.1f}", lat["p50"]),
+                      str(s["duplicates"]), _cell("{:.4f}", s["accuracy"]), _cell("{:.1f}", lat["p50"]),
                       _cell("{:.1f}", lat["p99"]), f"{s['responses_per_s']:.1f}", f"{s['pnl']:.3f}",
                       s["state"], weights))
     if len(lines) == 1:

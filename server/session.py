@@ -311,13 +311,14 @@ def summarize(snapshot: dict) -> dict:
               "notices_total")
     return {
         **{key: snapshot[key] for key in counts},
-        "accuracy": snapshot["correct_towers"] / (4 * responses) if responses else 0.0,
+        # none without an answer in time, as the client's summary says: 0.0 read as every answer wrong
+        "accuracy": snapshot["correct_towers"] / (4 * responses) if responses else None,
         "latency_ms": {"p50": p50, "p90": p90, "p99": p99,
                        "mean": float(latencies.mean()) if len(latencies) else None,
                        "max": float(latencies.max()) if len(latencies) else None},
         "responses_per_s": responses / snapshot["elapsed_s"],
         "pnl": snapshot["pnl"],
-        "pnl_per_response": snapshot["pnl"] / responses if responses else 0.0,
+        "pnl_per_response": snapshot["pnl"] / responses if responses else None,
         "recent_pnl_per_s": snapshot["recent_pnl_per_s"],
         **{key: snapshot[key] for key in status},
     }

@@ -451,6 +451,27 @@ def test_end_of_the_stream_completes_the_session(model, leave_at_end):
     assert summary["server_weights_fingerprint"] == "f00d" and summary["accuracy"] == 1.0
 
 
+def test_answers_are_in_time_by_the_timeout_the_servers_welcome_says(model):
+    """A server with another timeout than the client's 2 s (python -m server --timeout-s 5): the client judged its
+    answers in time by its own, so that one the server scored in time after 3 s was missed in the client's summary."""
+    symbols, features = _stream(3)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(protocol.encode(protocol.welcome("tiny", None, 3, len(SYMBOLS), None, timeout_s=5.0)))
+        await ws.send(_request([0, 1, 2], symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) == 3)
+        await ws.send(protocol.encode(protocol.score_update([0, 1, 2], [0.1, 0.1, 0.0], [4, 4, 4],
+                                                            [3000.0, 4000.0, 6000.0])))
+        await ws.send(protocol.encode(protocol.end(3)))
+        await ws.wait_closed()
+
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model)), leave_at_end=True))
+    assert summary["responses"] == 2 and summary["missed"] == 1  # 6 s is past the server's 5
+    assert summary["latency_ms"]["max"] == 4000.0 and summary["accuracy"] == 1.0
+
+
 @pytest.mark.parametrize("error, outcome, detail", [
     (protocol.error("bad_token", "register token missing or wrong"), runtime.REFUSED,
      "the server refused this client (bad_token: register token missing or wrong)"),

@@ -647,7 +647,8 @@ def test_welcome_names_the_model_and_the_match_shows_on_the_leaderboard(client_f
             return welcome, first, s.server.scores()
     welcome, first, scores = run(main())
     assert len(welcome["session_key"]) >= 32  # the team's own: what lets its reconnects take it over
-    assert welcome == protocol.welcome("tiny", "5e4e4f0f", REQUESTS, 4, match, session_key=welcome["session_key"])
+    assert welcome == protocol.welcome("tiny", "5e4e4f0f", REQUESTS, 4, match, session_key=welcome["session_key"],
+                                       timeout_s=2.0)
     assert first["type"] == "inference_request"
     assert scores["model"] == {"preset": "tiny", "weights_fingerprint": "5e4e4f0f"}
     team = scores["teams"][0]
@@ -690,6 +691,25 @@ def test_end_reaches_a_team_whose_last_requests_were_missed():
             return kinds, s.summary("alpha")
     kinds, summary = run(main())
     assert set(kinds) == {"inference_request", "end"} and summary["missed"] == 8
+
+
+def test_a_team_that_never_answered_in_time_has_no_accuracy_rather_than_zero():
+    """Its summary, table and page said accuracy 0.0 (every answer wrong) where the client's summary says none."""
+    from server.app import _scores
+    from server.leaderboard import render_page
+
+    async def main():
+        async with Server(requests=4, timeout_s=0.2) as s:
+            ws = await registered(s.url, "alpha")
+            while (await recv(ws))["type"] != "end":  # never answers
+                pass
+            await ws.close()
+            return s.summary("alpha"), s.server._collect_scores()
+    summary, raw = run(main())
+    assert summary["missed"] == 4 and summary["accuracy"] is None and summary["pnl_per_response"] is None
+    assert format_table([summary]).splitlines()[1].split()[6] == "-"
+    row = next(line for line in render_page(_scores(raw)).splitlines() if line.startswith('<tr class="team'))
+    assert "<td>0.0000</td>" not in row and row.count("<td>-</td>") == 3  # accuracy, p50, p99
 
 
 def test_a_port_in_use_is_refused_in_words():
@@ -840,6 +860,24 @@ def test_a_wrong_token_is_answered_late():
             return reply, asyncio.get_running_loop().time() - started
     reply, took = run(main())
     assert reply["error"] == "bad_token" and took >= 0.4
+
+
+def test_a_finite_prediction_past_float32s_range_is_a_wrong_tower_not_a_refused_answer():
+    """Nested-list predictions (the original protocol's JSON, a msgpack client's float64) were cast to float32: 1e39
+    became inf, and the whole answer was refused as non-finite, its three right towers with it."""
+    async def main():
+        async with Server(rate=None, speed=1e6, requests=8) as s:
+            ws = await registered(s.url, "alpha")
+            await recv(ws)
+            row = [1e39, *s.targets[0, 1:].tolist()]
+            await ws.send(protocol.encode({"type": "inference_response", "unique_ids": [0], "predictions": [row],
+                                           "client_timestamp": 0.0}))
+            reply = await recv(ws)
+            await ws.close()
+            return reply
+    reply = run(main())
+    assert reply["type"] == "score_update" and reply["unique_ids"] == [0]
+    assert reply["correct"] == [3] and reply["pnls"][0] > 0
 
 
 def test_ids_beyond_int64_are_named_as_sent():
