@@ -21,6 +21,7 @@ from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.model.config import PRESETS
 from client.streams import Stream
 from scripts.benchmarks.harness import E2E_RATE, E2E_SYMBOLS, MAXRATE_SYMBOLS
+from scripts.benchmarks.report import fmt
 
 RULES = {"late": True, "early": False}  # name -> StreamingClient's form_late
 
@@ -86,8 +87,9 @@ def measure(args, progress) -> list[dict]:
                 max_requests_per_symbol=args.max_requests_per_symbol, form_late=RULES[rule])))
             engine.release(np.unique(served.symbols).tolist())
             sessions.append({"kind": kind, "pair": pair, "rate": rate, "rule": rule, **numbers})
-            progress(f"{kind} pair {pair}, {rate:g} req/s, {rule:<5}: p50 {numbers['p50_ms']:.2f} ms, "
-                     f"p99 {numbers['p99_ms']:.2f} ms, accuracy {numbers['accuracy']:.4f}, missed {numbers['missed']}")
+            progress(f"{kind} pair {pair}, {rate:g} req/s, {rule:<5}: p50 {fmt(numbers['p50_ms'])} ms, "
+                     f"p99 {fmt(numbers['p99_ms'])} ms, accuracy {fmt(numbers['accuracy'], 4)}, "
+                     f"missed {numbers['missed']}")  # (none of them where no answer came in time)
     return sessions
 
 
