@@ -164,8 +164,9 @@ class CheckpointMismatch(ValueError):
     pass
 
 
-def check_state_dict(state_dict, expected):
-    """Raise CheckpointMismatch listing missing, unexpected and misshapen tensors. `expected`: manifest list."""
+def check_state_dict(state_dict, expected, source="checkpoint", preset=None):
+    """Raise CheckpointMismatch listing missing, unexpected and misshapen tensors. `expected`: manifest list;
+    `source` (the file) and `preset` name them in the first line, which also says the likely cause."""
     want = {t["name"]: t for t in expected}
     missing = sorted(set(want) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(want))
@@ -179,7 +180,31 @@ def check_state_dict(state_dict, expected):
             shown = "\n  ".join(items[:20]) + (f"\n  ... and {len(items) - 20} more" if len(items) > 20 else "")
             return f"{title} ({len(items)}):\n  {shown}" if items else ""
         parts = [block("missing", missing), block("unexpected", unexpected), block("misshapen", misshapen)]
-        raise CheckpointMismatch("checkpoint does not match the model:\n" + "\n".join(p for p in parts if p))
+        model = f"the {preset} preset's model" if preset else "the model"
+        # the CLIs print one line, cut at about 260 characters: the cause first, the lists after it
+        raise CheckpointMismatch(f"{source} does not match {model}: "
+                                 f"{_mismatch_cause(state_dict, want, missing, unexpected, misshapen)}\n"
+                                 + "\n".join(p for p in parts if p))
+
+
+def _mismatch_cause(state_dict, want, missing, unexpected, misshapen):
+    """What a user can do about a mismatch: another preset's weights, another dtype, a wrapper's name prefix."""
+    from client.model import manifest_for  # local import: client.model imports this module
+
+    shapes = {n: list(t.shape) for n, t in state_dict.items()}
+    if shapes == {n: t["shape"] for n, t in want.items()}:
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state_dict.values()})
+        return (f"its tensors are {', '.join(dtypes)}; the reference model loads float32 only "
+                f"(save them converted with .float())")
+    for name, cfg in PRESETS.items():
+        if shapes == {t["name"]: t["shape"] for t in manifest_for(cfg)}:
+            return f"it holds the {name} preset's tensors (pass --preset {name})"
+    first = next(iter(want))
+    prefix = next((n.removesuffix(first) for n in state_dict if n.endswith("." + first)), None)
+    if prefix and all(n.startswith(prefix) for n in state_dict):
+        return f"every tensor name starts with {prefix!r} (save the inner model's state_dict())"
+    return (f"{len(missing)} missing, {len(unexpected)} unexpected and {len(misshapen)} misshapen tensors "
+            f"(first: {(missing + unexpected + misshapen)[0]})")
 
 
 def read_checkpoint(path):

@@ -67,11 +67,21 @@ def test_mismatched_checkpoint_lists_offending_names(tmp_path):
     assert "output_proj.weight: [1, 32]" in msg and "towers.0.input_up.bias" in msg and "float64" in msg
 
 
-def test_checkpoint_of_another_preset_is_refused(tmp_path):
-    path = tmp_path / "small.pt"
-    torch.save(make_weights(get_preset("small"), 0), path)
-    with pytest.raises(CheckpointMismatch, match="misshapen"):
+@pytest.mark.parametrize("change, cause", [
+    (lambda state: make_weights(get_preset("small"), 0), "it holds the small preset's tensors (pass --preset small)"),
+    (lambda state: {k: v.bfloat16() for k, v in state.items()}, "its tensors are bfloat16; the reference model loads "
+                                                                 "float32 only"),
+    (lambda state: {"module." + k: v for k, v in state.items()}, "every tensor name starts with 'module.'"),
+])
+def test_a_mismatch_says_its_file_and_cause_first(tmp_path, change, cause):
+    # the CLIs show one line of about 260 characters: its start must say what is wrong, not a list of names
+    path = tmp_path / "w.pt"
+    torch.save(change(make_weights(get_preset("tiny"), 0)), path)
+    with pytest.raises(CheckpointMismatch) as err:
         load_model("tiny", weights=str(path))
+    first = str(err.value).splitlines()[0]
+    assert first.startswith(f"checkpoint {path} does not match the tiny preset's model: {cause}")
+    assert len(first) - len(str(path)) < 200
 
 
 def test_unreadable_and_missing_files_are_clear_errors(tmp_path):

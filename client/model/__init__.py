@@ -28,7 +28,7 @@ def load_model(preset: str, weights=None, seed: int = 0, device="cpu", progress=
 
     cfg = get_preset(preset)
     state = read_checkpoint(weights) if weights is not None else make_weights(cfg, seed, progress=progress)
-    check_state_dict(state, manifest_for(cfg))
+    check_state_dict(state, manifest_for(cfg), source=f"checkpoint {weights}", preset=preset)
     fp = fingerprint(state)
     with torch.device("meta"):
         model = Ensemble(cfg)
