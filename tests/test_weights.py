@@ -89,11 +89,33 @@ def test_unreadable_and_missing_files_are_clear_errors(tmp_path):
         read_checkpoint(tmp_path / "nope.pt")
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="cannot read checkpoint"):
+    with pytest.raises(ValueError, match=r"junk.pt: not a torch.save file \(it starts with b'not a c"):
         read_checkpoint(junk)
     torch.save([1, 2], tmp_path / "list.pt")
     with pytest.raises(ValueError, match="not a state dict"):
         read_checkpoint(tmp_path / "list.pt")
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_file_cut_short_is_a_clear_error(tmp_path, legacy):
+    path = tmp_path / "w.pt"
+    torch.save(make_weights(get_preset("tiny"), 0), path, _use_new_zipfile_serialization=not legacy)
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"cannot read checkpoint {path}: (the file ends early|unexpected EOF)"):
+        read_checkpoint(path)
+
+
+def test_a_training_checkpoint_gives_its_state_dict_or_a_clear_error(tmp_path):
+    import argparse
+
+    state = make_weights(get_preset("tiny"), 0)
+    torch.save({"model": state, "step": 3}, tmp_path / "model.pt")
+    assert fingerprint(read_checkpoint(tmp_path / "model.pt")) == TINY_SEED0_FINGERPRINT
+    # torch's own message advises weights_only=False, which would run the file's code
+    torch.save({"model": state, "args": argparse.Namespace(lr=1)}, tmp_path / "args.pt")
+    with pytest.raises(ValueError, match=r"args.pt: it holds Python objects besides tensors, .*\(Unsupported global: "
+                                         r"GLOBAL argparse.Namespace\): save the state dict alone"):
+        read_checkpoint(tmp_path / "args.pt")
 
 
 def test_a_checkpoint_in_torch_saves_older_format_is_read(tmp_path):
@@ -140,3 +162,10 @@ def test_a_broken_safetensors_file_is_a_clear_error(tmp_path):
     truncated.write_bytes(good.read_bytes()[:1000])
     with pytest.raises(ValueError, match="cannot read checkpoint .*truncated.safetensors"):
         read_checkpoint(truncated)
+    # a file of the other format: its name says how it is read
+    (tmp_path / "st.pt").write_bytes(good.read_bytes())
+    with pytest.raises(ValueError, match="st.pt: it looks like a safetensors file: name it .safetensors"):
+        read_checkpoint(tmp_path / "st.pt")
+    torch.save(make_weights(get_preset("tiny"), 0), tmp_path / "pt.safetensors")
+    with pytest.raises(ValueError, match="pt.safetensors: it is a torch.save file: name it .pt"):
+        read_checkpoint(tmp_path / "pt.safetensors")
