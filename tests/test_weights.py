@@ -51,6 +51,17 @@ def test_checkpoint_round_trip(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), generated.state_dict().values()))
 
 
+def test_a_checkpoint_of_other_memory_layouts_gives_the_same_model(tmp_path):
+    state = make_weights(get_preset("tiny"), 0)
+    transposed = {k: v.t().contiguous().t() if v.ndim == 2 else v for k, v in state.items()}  # equal values
+    torch.save(transposed, tmp_path / "t.pt")
+    model, fp = load_model("tiny", weights=str(tmp_path / "t.pt"))
+    seeded, fp_seeded = load_model("tiny", seed=0)
+    assert fp == fp_seeded and all(p.is_contiguous() for p in model.state_dict().values())
+    features = torch.randn(3, 79, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model(features, model.init_state(3))[0], seeded(features, seeded.init_state(3))[0])
+
+
 def test_mismatched_checkpoint_lists_offending_names(tmp_path):
     state = make_weights(get_preset("tiny"), 0)
     del state["towers.1.blocks.0.layer.a"]
