@@ -227,6 +227,8 @@ def argument_type(parse):
 
 def existing_file(text: str) -> str:
     """argparse type: a path that is a file (else the option's error says which)."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file")
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"no such file: {text}")
     return text

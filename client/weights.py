@@ -21,6 +21,7 @@ tensor (INIT_RULES, first match wins):
 import hashlib
 import math
 import os
+import pickle
 import re
 import zipfile
 import zlib
@@ -164,8 +165,9 @@ class CheckpointMismatch(ValueError):
     pass
 
 
-def check_state_dict(state_dict, expected):
-    """Raise CheckpointMismatch listing missing, unexpected and misshapen tensors. `expected`: manifest list."""
+def check_state_dict(state_dict, expected, source="checkpoint", preset=None):
+    """Raise CheckpointMismatch listing missing, unexpected and misshapen tensors. `expected`: manifest list;
+    `source` (the file) and `preset` name them in the first line, which also says the likely cause."""
     want = {t["name"]: t for t in expected}
     missing = sorted(set(want) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(want))
@@ -179,7 +181,31 @@ def check_state_dict(state_dict, expected):
             shown = "\n  ".join(items[:20]) + (f"\n  ... and {len(items) - 20} more" if len(items) > 20 else "")
             return f"{title} ({len(items)}):\n  {shown}" if items else ""
         parts = [block("missing", missing), block("unexpected", unexpected), block("misshapen", misshapen)]
-        raise CheckpointMismatch("checkpoint does not match the model:\n" + "\n".join(p for p in parts if p))
+        model = f"the {preset} preset's model" if preset else "the model"
+        # the CLIs print one line, cut at about 260 characters: the cause first, the lists after it
+        raise CheckpointMismatch(f"{source} does not match {model}: "
+                                 f"{_mismatch_cause(state_dict, want, missing, unexpected, misshapen)}\n"
+                                 + "\n".join(p for p in parts if p))
+
+
+def _mismatch_cause(state_dict, want, missing, unexpected, misshapen):
+    """What a user can do about a mismatch: another preset's weights, another dtype, a wrapper's name prefix."""
+    from client.model import manifest_for  # local import: client.model imports this module
+
+    shapes = {n: list(t.shape) for n, t in state_dict.items()}
+    if shapes == {n: t["shape"] for n, t in want.items()}:
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state_dict.values()})
+        return (f"its tensors are {', '.join(dtypes)}; the reference model loads float32 only "
+                f"(save them converted with .float())")
+    for name, cfg in PRESETS.items():
+        if shapes == {t["name"]: t["shape"] for t in manifest_for(cfg)}:
+            return f"it holds the {name} preset's tensors (pass --preset {name})"
+    first = next(iter(want))
+    prefix = next((n.removesuffix(first) for n in state_dict if n.endswith("." + first)), None)
+    if prefix and all(n.startswith(prefix) for n in state_dict):
+        return f"every tensor name starts with {prefix!r} (save the inner model's state_dict())"
+    return (f"{len(missing)} missing, {len(unexpected)} unexpected and {len(misshapen)} misshapen tensors "
+            f"(first: {(missing + unexpected + misshapen)[0]})")
 
 
 def read_checkpoint(path):
@@ -200,9 +226,10 @@ def read_checkpoint(path):
     except ImportError:
         raise
     except Exception as e:  # noqa: BLE001 - torch and safetensors raise many types for a bad file
-        raise ValueError(f"cannot read checkpoint {path}: {e}") from None
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
+        raise ValueError(f"cannot read checkpoint {path}: {_why_unreadable(path, e)}") from None
+    # a training checkpoint: the state dict under one of these keys, beside the step, the optimizer's state, ...
+    if isinstance(state, dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
+        state = next((state[k] for k in ("state_dict", "model") if isinstance(state.get(k), dict)), state)
     if not isinstance(state, dict):
         raise ValueError(f"{path} is not a state dict of tensors")
     for name, value in state.items():
@@ -215,6 +242,27 @@ def read_checkpoint(path):
             raise ValueError(f"{path}: tensor {name} is {'meta' if value.is_meta else value.layout}, not a dense "
                              f"tensor with values")
     return state
+
+
+def _why_unreadable(path, error):
+    """torch.load's error in words: its own is a number for a file that is no pickle, nothing for one cut short, and
+    for a pickle of other objects advice to pass weights_only=False, which would run the file's code."""
+    with open(path, "rb") as file:
+        head = file.read(9)
+    zipped = head.startswith(b"PK\x03\x04")  # torch.save's format; its older one is a pickle, starting b"\x80"
+    if path.suffix == ".safetensors":
+        return "it is a torch.save file: name it .pt" if zipped else str(error)
+    if (zipped and not zipfile.is_zipfile(path)) or isinstance(error, EOFError):
+        return "the file ends early (cut short, or damaged): copy it again"
+    if head[8:9] == b"{":  # safetensors: an 8-byte header length, then the JSON header
+        return "it looks like a safetensors file: name it .safetensors"
+    if not zipped and not head.startswith(b"\x80"):
+        return f"not a torch.save file (it starts with {head[:8]!r})"
+    if isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in str(error):
+        found = re.search(r"Unsupported [^\n]*?(?=\.? was not|\n|$)", str(error))
+        return (f"it holds Python objects besides tensors, which are not loaded since that would run the file's code "
+                f"({found.group(0) if found else 'WeightsUnpickler error'}): save the state dict alone")
+    return str(error) or type(error).__name__
 
 
 def _load_safetensors(path):

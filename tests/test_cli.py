@@ -83,6 +83,8 @@ def test_existing_file(tmp_path):
     assert cli.existing_file(str(tmp_path / "w.pt")) == str(tmp_path / "w.pt")
     with pytest.raises(Exception, match="no such file: .*nope.pt"):
         cli.existing_file(str(tmp_path / "nope.pt"))
+    with pytest.raises(Exception, match="is a folder; give a file"):  # it said "no such file"
+        cli.existing_file(str(tmp_path))
 
 
 def test_seed():

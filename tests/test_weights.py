@@ -51,6 +51,17 @@ def test_checkpoint_round_trip(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), generated.state_dict().values()))
 
 
+def test_a_checkpoint_of_other_memory_layouts_gives_the_same_model(tmp_path):
+    state = make_weights(get_preset("tiny"), 0)
+    transposed = {k: v.t().contiguous().t() if v.ndim == 2 else v for k, v in state.items()}  # equal values
+    torch.save(transposed, tmp_path / "t.pt")
+    model, fp = load_model("tiny", weights=str(tmp_path / "t.pt"))
+    seeded, fp_seeded = load_model("tiny", seed=0)
+    assert fp == fp_seeded and all(p.is_contiguous() for p in model.state_dict().values())
+    features = torch.randn(3, 79, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model(features, model.init_state(3))[0], seeded(features, seeded.init_state(3))[0])
+
+
 def test_mismatched_checkpoint_lists_offending_names(tmp_path):
     state = make_weights(get_preset("tiny"), 0)
     del state["towers.1.blocks.0.layer.a"]
@@ -67,11 +78,21 @@ def test_mismatched_checkpoint_lists_offending_names(tmp_path):
     assert "output_proj.weight: [1, 32]" in msg and "towers.0.input_up.bias" in msg and "float64" in msg
 
 
-def test_checkpoint_of_another_preset_is_refused(tmp_path):
-    path = tmp_path / "small.pt"
-    torch.save(make_weights(get_preset("small"), 0), path)
-    with pytest.raises(CheckpointMismatch, match="misshapen"):
+@pytest.mark.parametrize("change, cause", [
+    (lambda state: make_weights(get_preset("small"), 0), "it holds the small preset's tensors (pass --preset small)"),
+    (lambda state: {k: v.bfloat16() for k, v in state.items()}, "its tensors are bfloat16; the reference model loads "
+                                                                 "float32 only"),
+    (lambda state: {"module." + k: v for k, v in state.items()}, "every tensor name starts with 'module.'"),
+])
+def test_a_mismatch_says_its_file_and_cause_first(tmp_path, change, cause):
+    # the CLIs show one line of about 260 characters: its start must say what is wrong, not a list of names
+    path = tmp_path / "w.pt"
+    torch.save(change(make_weights(get_preset("tiny"), 0)), path)
+    with pytest.raises(CheckpointMismatch) as err:
         load_model("tiny", weights=str(path))
+    first = str(err.value).splitlines()[0]
+    assert first.startswith(f"checkpoint {path} does not match the tiny preset's model: {cause}")
+    assert len(first) - len(str(path)) < 200
 
 
 def test_unreadable_and_missing_files_are_clear_errors(tmp_path):
@@ -79,11 +100,33 @@ def test_unreadable_and_missing_files_are_clear_errors(tmp_path):
         read_checkpoint(tmp_path / "nope.pt")
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="cannot read checkpoint"):
+    with pytest.raises(ValueError, match=r"junk.pt: not a torch.save file \(it starts with b'not a c"):
         read_checkpoint(junk)
     torch.save([1, 2], tmp_path / "list.pt")
     with pytest.raises(ValueError, match="not a state dict"):
         read_checkpoint(tmp_path / "list.pt")
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_file_cut_short_is_a_clear_error(tmp_path, legacy):
+    path = tmp_path / "w.pt"
+    torch.save(make_weights(get_preset("tiny"), 0), path, _use_new_zipfile_serialization=not legacy)
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"cannot read checkpoint {path}: (the file ends early|unexpected EOF)"):
+        read_checkpoint(path)
+
+
+def test_a_training_checkpoint_gives_its_state_dict_or_a_clear_error(tmp_path):
+    import argparse
+
+    state = make_weights(get_preset("tiny"), 0)
+    torch.save({"model": state, "step": 3}, tmp_path / "model.pt")
+    assert fingerprint(read_checkpoint(tmp_path / "model.pt")) == TINY_SEED0_FINGERPRINT
+    # torch's own message advises weights_only=False, which would run the file's code
+    torch.save({"model": state, "args": argparse.Namespace(lr=1)}, tmp_path / "args.pt")
+    with pytest.raises(ValueError, match=r"args.pt: it holds Python objects besides tensors, .*\(Unsupported global: "
+                                         r"GLOBAL argparse.Namespace\): save the state dict alone"):
+        read_checkpoint(tmp_path / "args.pt")
 
 
 def test_a_checkpoint_in_torch_saves_older_format_is_read(tmp_path):
@@ -130,3 +173,10 @@ def test_a_broken_safetensors_file_is_a_clear_error(tmp_path):
     truncated.write_bytes(good.read_bytes()[:1000])
     with pytest.raises(ValueError, match="cannot read checkpoint .*truncated.safetensors"):
         read_checkpoint(truncated)
+    # a file of the other format: its name says how it is read
+    (tmp_path / "st.pt").write_bytes(good.read_bytes())
+    with pytest.raises(ValueError, match="st.pt: it looks like a safetensors file: name it .safetensors"):
+        read_checkpoint(tmp_path / "st.pt")
+    torch.save(make_weights(get_preset("tiny"), 0), tmp_path / "pt.safetensors")
+    with pytest.raises(ValueError, match="pt.safetensors: it is a torch.save file: name it .pt"):
+        read_checkpoint(tmp_path / "pt.safetensors")

@@ -28,11 +28,13 @@ def load_model(preset: str, weights=None, seed: int = 0, device="cpu", progress=
 
     cfg = get_preset(preset)
     state = read_checkpoint(weights) if weights is not None else make_weights(cfg, seed, progress=progress)
-    check_state_dict(state, manifest_for(cfg))
+    check_state_dict(state, manifest_for(cfg), source=f"checkpoint {weights}", preset=preset)
     fp = fingerprint(state)
     with torch.device("meta"):
         model = Ensemble(cfg)
-    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
+    # assign keeps a tensor's layout: a checkpoint's transposed (non-contiguous) tensor, equal values and fingerprint,
+    # would take other matmul kernels and change the reference's last bits
+    model.load_state_dict({k: v.contiguous().to(device) for k, v in state.items()}, strict=True, assign=True)
     return model.eval().requires_grad_(False), fp
 
 
