@@ -418,8 +418,13 @@ def test_a_process_ending_while_states_move_exits_cleanly():
             "t = StateTable(({'h': ((16 << 20,), torch.float32, 0.0)}, 'cpu'), 2, host_capacity=8, reserve=1)\n"
             "for s in 'ABCDEFGH':\n"
             "    t.prefetch([s])\n")
+    _exits_cleanly(code, runs=2)
+
+
+def _exits_cleanly(code, runs):
+    """Run `code` in fresh interpreters from the checkout: each exits 0, with no abort on the way out."""
     repo = Path(__file__).resolve().parents[1]
-    for _ in range(2):
+    for _ in range(runs):
         done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120,
                               env=checkout_env(repo))
         assert done.returncode == 0 and "terminate" not in done.stderr, done.stderr[-2000:]
@@ -428,17 +433,13 @@ def test_a_process_ending_while_states_move_exits_cleanly():
 @cuda
 def test_a_process_ending_while_the_host_tier_pins_exits_cleanly():
     """Pinning stops at exit between two registrations: the interpreter stopping its thread as a registration
-    returned aborted the process ("terminate called without an active exception"), a team client's run ended
-    before its host tier was pinned too."""
+    returns would abort the process ("terminate called without an active exception"), as a run that ends before
+    its host tier is pinned does."""
     code = ("import torch\n"
             "from client.engine.fast.state_table import StateTable\n"
             "t = StateTable(({'h': ((16 << 20,), torch.float32, 0.0)}, 'cuda'), 2, host_capacity=64)\n"
             "assert t.pinning\n")
-    repo = Path(__file__).resolve().parents[1]
-    for _ in range(3):
-        done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120,
-                              env=checkout_env(repo))
-        assert done.returncode == 0 and "terminate" not in done.stderr, done.stderr[-2000:]
+    _exits_cleanly(code, runs=3)
 
 
 def test_stopping_the_pinning_keeps_what_is_pinned_and_pins_no_more():
