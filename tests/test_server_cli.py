@@ -142,7 +142,8 @@ def test_ordinary_mistakes_are_one_line_errors(tmp_path):
             (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}: Address already in use; is another "
                                     f"server there? stop it or choose another --port"),
             (["--weights", str(garbage), "--port", "0"], f"cannot read checkpoint {garbage}"),
-            (["--weights", str(partial), "--port", "0"], "checkpoint does not match the model: missing ("),
+            (["--weights", str(partial), "--port", "0"],
+             f"checkpoint {partial} does not match the tiny preset's model: "),
         ]
         runs = run_side_by_side([[sys.executable, "-m", "server", *args] for args, _ in cases], cwd=ROOT,
                                 env=ONE_THREAD, timeout=120)

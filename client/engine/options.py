@@ -28,8 +28,8 @@ from client.engine.sharded import ANSWER_TIMEOUT_S, ON_SHARD_LOSS
 def _share(text):
     value = float(text)
     if not (math.isfinite(value) and 0 < value <= 0.95):
-        raise argparse.ArgumentTypeError(f"--state-memory is a share of free memory (the GPU's, or the host's on a CPU) "
-                                         f"in (0, 0.95], got {text}")
+        raise argparse.ArgumentTypeError(f"--state-memory is a share of free memory (the GPU's, or the host's on a "
+                                         f"CPU) in (0, 0.95], got {text}")
     return value
 
 
