@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.accuracy import GATE_WITHIN, Suite, format_table, gate, worst_of
+from client.accuracy import GATE_WITHIN, Suite, format_table, gate, percent_down, worst_of
 from client.engine.fast import FastEngine
 from client.families import FAMILIES, LONG_FAMILY, family_features
 from client.model import TOWER_NAMES, load_model
@@ -54,6 +54,18 @@ def test_the_gate_needs_every_tower_of_every_family_and_no_nan():
     for towers in ({**_stats(), "mamba2": no_rows}, {"mamba2": no_rows, "hawk": _stats()["hawk"]}):  # after a 1.0, first
         nan_share = gate({"a": towers})
         assert not nan_share["passed"] and nan_share["worst"][1] == "mamba2"
+
+
+def test_the_table_never_shows_a_failing_share_as_reaching_the_gate():
+    from scripts.benchmarks.report import gate_line
+
+    stats = {"a": {**_stats(), "hawk": {**_stats()["hawk"], "within_atol": 0.99899}}}
+    result = {"families": stats, "gate": gate(stats)}
+    table = format_table(result)
+    assert not result["gate"]["passed"] and "99.90%" not in table and "99.89%" in table, table
+    assert "99.89%" in gate_line(result)
+    assert [percent_down(share) for share in (0.999, 1.0, 0.0, 999 / 1000)] == [99.9, 100.0, 0.0, 99.9]
+    assert math.isnan(percent_down(math.nan))
 
 
 def test_fast_engine_holds_the_gate_on_every_family_on_cpu():

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from client import cli
+from client.accuracy import percent_down
 
 
 class Progress:
@@ -78,7 +79,7 @@ def gate_line(accuracy) -> str:
     """An accuracy result's gate in a few words: passed or FAILED, and its worst family and tower."""
     gate = accuracy["gate"]
     worst = gate["worst"]
-    return f"gate {'passed' if gate['passed'] else 'FAILED'} (worst {worst[0]} {worst[1]} {100 * worst[2]:.2f}%)"
+    return f"gate {'passed' if gate['passed'] else 'FAILED'} (worst {worst[0]} {worst[1]} {percent_down(worst[2]):.2f}%)"
 
 
 def step_cells(step_ms) -> str:
