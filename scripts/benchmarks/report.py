@@ -79,7 +79,8 @@ def gate_line(accuracy) -> str:
     """An accuracy result's gate in a few words: passed or FAILED, and its worst family and tower."""
     gate = accuracy["gate"]
     worst = gate["worst"]
-    return f"gate {'passed' if gate['passed'] else 'FAILED'} (worst {worst[0]} {worst[1]} {percent_down(worst[2]):.2f}%)"
+    verdict = "passed" if gate["passed"] else "FAILED"
+    return f"gate {verdict} (worst {worst[0]} {worst[1]} {percent_down(worst[2]):.2f}%)"
 
 
 def step_cells(step_ms) -> str:
