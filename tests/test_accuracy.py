@@ -51,7 +51,7 @@ def test_the_gate_needs_every_tower_of_every_family_and_no_nan():
     assert not failed["passed"] and failed["worst"] == ["b", "retnet", 0.998]
     assert not gate({"a": _stats(nan=1)})["passed"]
     no_rows = {**_stats()["mamba2"], "within_atol": math.nan}  # a tower with no rows: no share at all
-    for towers in ({**_stats(), "mamba2": no_rows}, {"mamba2": no_rows, "hawk": _stats()["hawk"]}):  # after a 1.0, first
+    for towers in ({**_stats(), "mamba2": no_rows}, {"mamba2": no_rows, "hawk": _stats()["hawk"]}):  # 2nd, 1st
         nan_share = gate({"a": towers})
         assert not nan_share["passed"] and nan_share["worst"][1] == "mamba2"
 
