@@ -54,6 +54,18 @@ def _numbers(name: str, array) -> np.ndarray:
     return array
 
 
+def _float32(name: str, array: np.ndarray) -> np.ndarray:
+    """`array` (finite) as contiguous float32: a float64 beyond float32's range would become inf, and be told as a
+    NaN or inf the file does not hold."""
+    if array.dtype.itemsize > 4 and array.size:
+        big = np.abs(array.reshape(len(array), -1)).max(axis=1) > np.finfo(np.float32).max
+        if big.any():
+            row = _first_bad_row(big)
+            raise ValueError(f"{name} at row {row} exceed float32's range (max |value| "
+                             f"{np.abs(array[row]).max():.4g})")
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
 # A gap longer than this is a timestamp read as a gap (epoch milliseconds would make a replay wait for decades).
 MAX_DELAY_MS = 86_400_000.0
 
@@ -75,16 +87,15 @@ def _validated(symbols, features, delay_ms, targets):
     if features.ndim != 2 or features.shape[1] != NUM_FEATURES:
         raise ValueError(f"features must have shape [M, {NUM_FEATURES}], got {features.shape} "
                          f"(wrong feature count)")
-    features = np.ascontiguousarray(features, dtype=np.float32)
     bad = ~np.isfinite(features).all(axis=1)
     if bad.any():
         row = _first_bad_row(bad)
         raise ValueError(f"features contain NaN or inf at row {row} ({int(bad.sum())} bad rows)")
+    features = _float32("features", features)
 
     delay_ms = _numbers("delay_ms", delay_ms)
     if delay_ms.ndim != 1:
         raise ValueError(f"delay_ms must be one-dimensional, got shape {delay_ms.shape}")
-    delay_ms = np.ascontiguousarray(delay_ms, dtype=np.float32)
     bad = ~np.isfinite(delay_ms)
     if bad.any():
         raise ValueError(f"delay_ms is NaN or inf at row {_first_bad_row(bad)}")
@@ -97,15 +108,16 @@ def _validated(symbols, features, delay_ms, targets):
         row = _first_bad_row(bad)
         raise ValueError(f"delay_ms at row {row} is {delay_ms[row]:.4g} ms, over a day: it holds the gap before each "
                          f"request, not a timestamp")
+    delay_ms = np.ascontiguousarray(delay_ms, dtype=np.float32)  # checked first: a float64 past float32 is inf
 
     if targets is not None:
         targets = _numbers("targets", targets)
         if targets.ndim != 2 or targets.shape[1] != NUM_TOWERS:
             raise ValueError(f"targets must have shape [M, {NUM_TOWERS}], got {targets.shape}")
-        targets = np.ascontiguousarray(targets, dtype=np.float32)
         bad = ~np.isfinite(targets).all(axis=1)
         if bad.any():
             raise ValueError(f"targets contain NaN or inf at row {_first_bad_row(bad)}")
+        targets = _float32("targets", targets)
 
     lengths = {"symbols": num_requests, "features": len(features), "delay_ms": len(delay_ms)}
     if targets is not None:

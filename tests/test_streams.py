@@ -118,6 +118,11 @@ def nan_at(row, array, value=np.nan):
     (lambda s: with_changes(delay_ms=s.delay_ms.astype(str)), "delay_ms must be real numbers"),
     (lambda s: with_changes(delay_ms=s.delay_ms.astype("timedelta64[s]")), "delay_ms must be real numbers"),
     (lambda s: with_changes(targets=s.targets.astype(object)), "targets must be real numbers"),
+    # float64 values past float32's range are finite in the file: told as such, not as the inf a cast would make
+    (lambda s: with_changes(features=nan_at(2, s.features.astype(np.float64), 1e300)),
+     r"features at row 2 exceed float32's range \(max \|value\| 1e\+300\)"),
+    (lambda s: with_changes(targets=nan_at(4, s.targets.astype(np.float64), -1e39)),
+     "targets at row 4 exceed float32's range"),
 ])
 def test_bad_streams_are_rejected_naming_the_problem(make_fields, message):
     with pytest.raises(ValueError, match=message):
