@@ -241,6 +241,15 @@ def load_stream(path) -> Stream:
     return stream
 
 
+def _meta(stored) -> dict:
+    """The meta stored as JSON text, str or UTF-8 bytes (an .npz written by another tool may hold bytes, whose str()
+    is "b'...'"); a ValueError that names it."""
+    try:
+        return json.loads(stored.decode() if isinstance(stored, bytes) else str(stored))
+    except ValueError as error:
+        raise ValueError(f"its meta is not JSON text: {error}") from error
+
+
 def _read_npz(path: Path) -> Stream:
     try:
         with np.load(path, allow_pickle=False) as archive:
@@ -251,7 +260,7 @@ def _read_npz(path: Path) -> Stream:
     if missing:
         raise ValueError(f"stream {path} lacks the arrays {', '.join(missing)}")
     try:
-        meta = json.loads(str(arrays["meta"])) if "meta" in arrays else {}
+        meta = _meta(arrays["meta"][()]) if "meta" in arrays else {}
         return Stream(arrays["symbols"], arrays["features"], arrays["delay_ms"], arrays.get("targets"), meta)
     except ValueError as error:
         raise ValueError(f"stream {path}: {error}") from error
@@ -279,7 +288,7 @@ def _read_parquet(path: Path) -> Stream:
     targets = np.stack([column(name) for name in TARGET_COLUMNS], axis=1) if present_targets else None
     stored_meta = (table.schema.metadata or {}).get(_PARQUET_META_KEY)
     try:
-        meta = json.loads(stored_meta) if stored_meta else {}
+        meta = _meta(stored_meta) if stored_meta else {}
         return Stream(np.asarray(column("symbol").tolist(), dtype=object), features,
                       column("delay_ms"), targets, meta)
     except ValueError as error:

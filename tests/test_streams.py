@@ -290,8 +290,22 @@ def test_parquet_bad_meta_names_the_file(tmp_path):
     save_stream(small_stream(), path)
     table = pq.read_table(path)
     pq.write_table(table.replace_schema_metadata({b"fastens_meta": b"{not json"}), path)
-    with pytest.raises(ValueError, match=f"stream {path}: Expecting property name"):
+    with pytest.raises(ValueError, match=f"stream {path}: its meta is not JSON text: Expecting property name"):
         load_stream(path)
+
+
+@pytest.mark.parametrize("meta, message", [
+    (np.array(b'{"preset": "tiny"}'), None),  # bytes, as another tool may write it: str() of it is "b'...'"
+    (np.array("{not json"), "meta is not JSON text: Expecting property name"),
+])
+def test_npz_meta_is_read_from_text_or_bytes(tmp_path, meta, message):
+    path = tmp_path / "stream.npz"
+    np.savez(path, symbols=np.array(["A"]), features=np.zeros((1, 79), np.float32), delay_ms=np.ones(1), meta=meta)
+    if message is None:
+        assert load_stream(path).meta == {"preset": "tiny"}
+    else:
+        with pytest.raises(ValueError, match=f"stream {path}: its {message}"):
+            load_stream(path)
 
 
 # --- scripts/make_stream.py -----------------------------------------------------------------
