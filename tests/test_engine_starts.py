@@ -29,3 +29,16 @@ def test_a_failed_start_is_reported_with_its_error():
     assert result.returncode == 1
     assert "start 1: FAILED" in result.stdout and "unknown preset 'no_such_preset'" in result.stdout
     assert "1 starts, 1 failed, 0 recovered" in result.stdout
+
+
+def test_starts_run_side_by_side_with_a_host_tier():
+    result = run("--starts", "2", "--parallel", "2", "--host-symbols", "2", "--preset", "tiny", "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "start 1: ok" in result.stdout and "start 2: ok" in result.stdout
+    assert "2 starts, 0 failed, 0 recovered" in result.stdout
+
+
+def test_bad_counts_are_one_line_errors():
+    for args in (("--starts", "0"), ("--parallel", "0"), ("--host-symbols", "-1")):
+        result = run(*args)
+        assert result.returncode == 2 and "error: --" in result.stderr.splitlines()[-1], args

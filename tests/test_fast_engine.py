@@ -550,8 +550,8 @@ def test_settings_are_values_parsed_where_they_come_in():
 
 @cuda
 def test_precompile_runs_a_shape_that_failed_in_the_threads_again_alone(monkeypatch, capsys):
-    """A step shape that raises once in precompile's threads (as a kernel's first launch did once on an H100,
-    bench/LOG.md section 45) is run again alone and the engine starts; one that keeps raising raises."""
+    """A step shape that raises once in precompile's threads compiles in its launch after them and the engine
+    starts; one that keeps raising raises."""
     from client.engine.fast import runner as runner_module
 
     model, _ = load_model("tiny", seed=0, device="cuda")
@@ -565,7 +565,7 @@ def test_precompile_runs_a_shape_that_failed_in_the_threads_again_alone(monkeypa
         if features.shape[0] == target.rows and plan.seq_slots.shape[0] == target.sequences and (
                 always or not raised):
             raised.append(target)
-            raise TypeError("injected first-launch failure")
+            raise TypeError("injected compile failure")
         return step(self, plan, features, hand_fused)
 
     monkeypatch.setattr(type(runner), "__call__", flaky)
@@ -575,6 +575,66 @@ def test_precompile_runs_a_shape_that_failed_in_the_threads_again_alone(monkeypa
     always = True
     with pytest.raises(TypeError, match="injected"):
         runner_module.precompile(runner, engine.shapes)
+
+
+@cuda
+def test_precompile_launches_every_kernel_it_compiled_one_at_a_time_after_the_threads():
+    """compile_only compiles a kernel call and launches nothing; after precompile every compiled kernel of the
+    step was launched (its binary loaded), and running the shapes again compiles nothing new."""
+    from client.engine.fast.runner import padding_plan
+    from kernels._jit import compile_only, compiled_count, forget_compiled, jit_kernels, unlaunched
+    from kernels.add_rms_norm import add_rms_norm
+
+    x, delta, weight = torch.ones(3, 40, device="cuda"), torch.ones(3, 40, device="cuda"), torch.ones(40, device="cuda")
+    with compile_only(jit_kernels()):
+        add_rms_norm(x, delta, None, weight, 1e-6)  # x += delta in place, had it been launched
+        torch.cuda.synchronize()
+        assert torch.equal(x, torch.ones_like(x))
+    add_rms_norm(x, delta, None, weight, 1e-6)
+    assert torch.equal(x, torch.full_like(x, 2.0))
+
+    forget_compiled(jit_kernels())  # this engine's compiles alone, as in a fresh process
+    model, _ = load_model("tiny", seed=0, device="cuda")
+    engine = FastEngine(model, device="cuda", graphs=False, capacity=4, host_symbols=0, progress=False)
+    kernels = jit_kernels()
+    assert compiled_count(kernels) > 0 and unlaunched(kernels) == []
+    compiled, runner = compiled_count(kernels), engine.shards[0].runner
+    features = torch.zeros(max(s.rows for s in engine.shapes), 79, device="cuda")
+    for shape in engine.shapes:
+        runner(padding_plan(shape, runner.device), features[:shape.rows], hand_fused=True)
+    torch.cuda.synchronize()
+    assert compiled_count(kernels) == compiled
+
+
+@cuda
+def test_precompile_recovers_a_kernel_that_kept_a_wrong_launcher(capsys):
+    """The failure seen on Triton 3.6 (bench/LOG.md sections 45, 67): a compiled kernel whose launcher takes other
+    arguments than its own, kept for the process. precompile's launches drop Triton's compiled kernels and run
+    the shape again, and the engine's steps are then those of an engine that never failed."""
+    from client.engine.fast import runner as runner_module
+    from kernels._jit import jit_kernels
+
+    slstm_module = sys.modules["kernels.slstm_step"]  # the package's slstm_step is the function
+    model, _ = load_model("tiny", seed=0, device="cuda")
+    engine = FastEngine(model, device="cuda", graphs=False, capacity=4, host_symbols=0, progress=False)
+    runner = engine.shards[0].runner
+
+    def wrong_launcher(*args, **kwargs):
+        raise TypeError("only integer tensors of a single element can be converted to an index")
+
+    poisoned = [compiled for caches in slstm_module._slstm_step_kernel.device_caches.values()
+                for compiled in caches[0].values()]
+    assert poisoned
+    for compiled in poisoned:  # the launcher as Triton keeps it: `_run` behind a property, or `run` itself
+        setattr(compiled, "_run" if "_run" in vars(compiled) else "run", wrong_launcher)
+    runner_module.precompile(runner, engine.shapes)
+    err = capsys.readouterr().err
+    assert err.count("the first launches of step shape") == 1 and "only integer tensors" in err
+    assert all(compiled not in caches[0].values() for kernel in jit_kernels()
+               for caches in kernel.device_caches.values() for compiled in poisoned)
+    alone = FastEngine(model, device="cuda", graphs=False, capacity=4, host_symbols=0, progress=False)
+    features = np.random.default_rng(0).standard_normal((2, 79)).astype(np.float32)
+    np.testing.assert_array_equal(engine.step(["A", "B"], features), alone.step(["A", "B"], features))
 
 
 def test_step_shapes_hold_every_step():
@@ -597,3 +657,28 @@ def test_step_shapes_hold_every_step():
     assert not [s for s in step_shapes(64, 2) if s.rows == 96]  # two requests a symbol: no midpoint
     with pytest.raises(ValueError, match="exceeds every captured shape"):
         shape_for(step_shapes(64, 4), 10, 2, 5)
+
+
+def test_a_steps_live_row_count_is_its_own_threads():
+    """live_rows() is per thread: a step running beside another (precompile's threads, shards stepping eagerly)
+    never reads the other's count, nor none where it set one."""
+    from client.engine.fast import layers
+
+    mine, theirs = torch.tensor([1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    inside, may_leave, seen = threading.Event(), threading.Event(), []
+
+    def other():
+        with layers.live_rows(theirs):
+            inside.set()
+            may_leave.wait(10)
+            seen.append(layers._live_rows())
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    inside.wait(10)
+    assert layers._live_rows() is None
+    with layers.live_rows(mine):
+        may_leave.set()
+        thread.join(10)
+        assert layers._live_rows() is mine
+    assert seen == [theirs] and layers._live_rows() is None

@@ -20,6 +20,7 @@ import torch
 from client.engine.precision import DEFAULT_PRECISION, FP32_STATE, fp32_products
 from client.model.config import TOWER_NAMES
 
+from kernels._jit import compile_only, forget_compiled, jit_kernels
 from kernels.state_rounding import StochasticRounding
 
 from .layers import BLOCKS, Linear, StepPlan, live_rows
@@ -241,21 +242,24 @@ def padding_plan(shape, device) -> StepPlan:
 
 def precompile(runner, shapes) -> None:
     """Compile the step's Triton kernels for every step shape before anything is captured or timed: one eager
-    step of each shape on the padding slot, the shapes side by side in threads. A kernel compiles at its first
-    call with new constexprs (a shape's BLOCK_M) or specialised sizes; the LLVM and ptxas stages, most of a
-    compile, release the GIL, so the threads' compiles overlap where, one after another, they took most of a cold
-    start (bench/LOG.md section 35). The hand-fused blocks run even where torch.compile will run the step: its
-    custom ops launch the same state kernels and products (its glue kernels, traced as their PyTorch
-    references, are compiled here for nothing). Nothing to compile without CUDA.
+    step of each shape on the padding slot, the shapes side by side in threads, under kernels/_jit.compile_only
+    (each kernel call compiles what it would launch and launches nothing). A kernel compiles at its first call
+    with new constexprs (a shape's BLOCK_M) or specialised sizes; the LLVM and ptxas stages, most of a compile,
+    release the GIL, so the threads' compiles overlap where, one after another, they took most of a cold start
+    (bench/LOG.md section 35). The hand-fused blocks run even where torch.compile will run the step: its custom
+    ops launch the same state kernels and products (its glue kernels, traced as their PyTorch references, are
+    compiled here for nothing). Nothing to compile without CUDA.
+
+    Then every shape's step runs again, one at a time: the kernels' first launches (each builds its launcher and
+    loads its binary) happen here, in one thread. Launched side by side, a first launch failed twice in hundreds
+    of warm starts on Triton 3.6 with a launcher of other arguments than its kernel's, kept for the process
+    (bench/LOG.md sections 45, 67). A shape that still fails there is run once more after every compiled kernel
+    was dropped from Triton's in-process caches (kernels/_jit.forget_compiled), and says so on stderr with its
+    traceback; an error that is the step's own raises again in that run.
 
     The threads share the towers' streams, so one step's intermediate buffers may be reused by another thread's
     kernels while still in use: harmless here, where every sequence is the padding slot's and every output is
-    dropped, and the reason this is no way to run live rows.
-
-    A shape whose step raised in the threads runs again alone, after them: an engine started on an H100 with a
-    warm Triton cache (Triton 3.6) failed once at a kernel's first launch in these threads ("TypeError: function
-    takes exactly 33 arguments (41 given)", bench/LOG.md section 45), which points at Triton's runtime, not at
-    the step. An error that is the step's own raises again in that second run."""
+    dropped, and the reason this is no way to run live rows."""
     if runner.device.type != "cuda" or runner.tower_states is None:
         return
     device = runner.device
@@ -269,22 +273,25 @@ def precompile(runner, shapes) -> None:
             runner(padding_plan(shape, device), features[:shape.rows], hand_fused=True)
         return stream
 
-    with ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
-        futures = [(shape, pool.submit(step, shape)) for shape in shapes]
-    streams, failed = [], []
-    for shape, future in futures:
+    kernels = jit_kernels()
+    with compile_only(kernels), ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
+        futures = [pool.submit(step, shape) for shape in shapes]
+    raised = [future.exception() for future in futures if future.exception() is not None]
+    if raised:  # each such shape compiles, or raises, in its launch below
+        sys.stderr.write(f"[fast engine] {len(raised)} step shape(s) failed to compile side by side; their launches "
+                         f"compile them one at a time. The first failure: {raised[0]!r}\n")
+    for future in futures:
         if future.exception() is None:
-            streams.append(future.result())
-        else:
-            failed.append(shape)
-    if failed:  # said before anything else touches the device, with the first failure's whole traceback
-        first = next(f.exception() for _, f in futures if f.exception() is not None)
-        sys.stderr.write(f"[fast engine] {len(failed)} step shape(s) failed to compile side by side; compiling "
-                         f"them one at a time. The first failure:\n{''.join(traceback.format_exception(first))}")
-    for stream in streams:
-        start.wait_stream(stream)
-    for shape in failed:
-        start.wait_stream(step(shape))
+            start.wait_stream(future.result())
+    for shape in shapes:
+        try:
+            start.wait_stream(step(shape))
+        except Exception as error:
+            sys.stderr.write(f"[fast engine] the first launches of step shape {tuple(shape)} failed; running it again "
+                             f"with Triton's compiled kernels loaded afresh. The failure:\n"
+                             f"{''.join(traceback.format_exception(error))}")
+            forget_compiled(kernels)
+            start.wait_stream(step(shape))
     torch.cuda.synchronize(device)
 
 
