@@ -249,3 +249,40 @@ def test_an_fp64_input_path_rounds_once_and_leaves_the_other_towers_as_they_were
         if tower != retnet:
             assert inputs[tower].dtype == torch.float32 and torch.equal(inputs[tower], inputs32[tower])
     assert inputs32[retnet].dtype == torch.float32 and auto.weight_bytes > fp32.weight_bytes
+
+
+def test_fp32_products_hold_until_the_last_thread_leaves():
+    """Threads entering and leaving fp32_products interleaved (runner.precompile's, shards', a reference beside an
+    engine): the settings stay fp32 while any is inside, and the process's own come back after the last."""
+    import threading
+
+    from client.engine.precision import fp32_products
+
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+
+    def flags():
+        return matmul.allow_tf32, cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction
+
+    before = flags()
+    matmul.allow_tf32 = cudnn.allow_tf32 = matmul.allow_fp16_reduced_precision_reduction = True
+    try:
+        first_in, first_may_leave, first_left = threading.Event(), threading.Event(), threading.Event()
+        seen = []
+
+        def first():
+            with fp32_products():
+                first_in.set()
+                first_may_leave.wait(10)
+            first_left.set()
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        first_in.wait(10)
+        with fp32_products():  # entered after the first, left after it
+            first_may_leave.set()
+            first_left.wait(10)
+            seen.append(flags())
+        thread.join(10)
+        assert seen == [(False, False, False)] and flags() == (True, True, True)
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = before

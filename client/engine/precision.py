@@ -16,6 +16,7 @@ For the CLIs: add_precision_argument(parser) adds --precision, state_storage_arg
 describe() of either is the one line to print.
 """
 import contextlib
+import threading
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -268,15 +269,29 @@ FP32_STATE = StateStorage.parse("fp32")
 state_storage_argument = cli.argument_type(StateStorage.parse)  # argparse type of a state storage spec
 
 
+_fp32_lock = threading.Lock()
+_fp32_holders = 0  # how many blocks, over all threads, are inside fp32_products now
+_fp32_saved = None  # the process's settings from before the first of them
+
+
 @contextlib.contextmanager
 def fp32_products():
     """fp32 products stay fp32 while this is open: no TF32, no reduced-precision fp16 reductions in cuBLAS. The
     engine's fp32 parts (RetNet, input_down, the mLSTM's q/k/v inputs) and the reference need it; CUDA graphs keep
-    the kernels chosen at capture. The process's own settings come back after, whatever they were."""
+    the kernels chosen at capture. The settings are the process's, not a thread's: they stay fp32 until the last
+    block open in any thread closes (steps run side by side in threads: runner.precompile, shards, a reference
+    beside an engine), and the process's own come back then, whatever they were."""
+    global _fp32_holders, _fp32_saved
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = matmul.allow_tf32, cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction
-    matmul.allow_tf32 = cudnn.allow_tf32 = matmul.allow_fp16_reduced_precision_reduction = False
+    with _fp32_lock:
+        if _fp32_holders == 0:
+            _fp32_saved = matmul.allow_tf32, cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction
+            matmul.allow_tf32 = cudnn.allow_tf32 = matmul.allow_fp16_reduced_precision_reduction = False
+        _fp32_holders += 1
     try:
         yield
     finally:
-        matmul.allow_tf32, cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = saved
+        with _fp32_lock:
+            _fp32_holders -= 1
+            if _fp32_holders == 0:
+                matmul.allow_tf32, cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = _fp32_saved

@@ -13,6 +13,7 @@ next add; the sLSTM's eight block-diagonal gate maps with its cell (slstm_step);
 and cast.
 """
 import contextlib
+import threading
 from typing import NamedTuple
 
 import torch
@@ -53,20 +54,25 @@ class StepPlan(NamedTuple):
         return cls(slot_ids, torch.arange(rows + 1, dtype=torch.int32, device=slot_ids.device), 1)
 
 
-_LIVE_ROWS = None  # while a step runs (live_rows()): its count of rows that requests took, int32 [1] on the device
+# while a step runs (live_rows()): its count of rows that requests took, int32 [1] on the device. A thread's own:
+# steps may run side by side in threads (runner.precompile, shards stepping eagerly)
+_LIVE = threading.local()
+
+
+def _live_rows():
+    return getattr(_LIVE, "rows", None)
 
 
 @contextlib.contextmanager
 def live_rows(count):
-    """Inside the block a step's two-row products read, when they run, how many of its rows are live (count, int32
-    [1] on the device: its plan's last sequence start): a step of one symbol launched with a row of room for a join
-    (engine.JOIN_ROOM) that no request took multiplies one row (kernels/gemv.py)."""
-    global _LIVE_ROWS
-    before, _LIVE_ROWS = _LIVE_ROWS, count
+    """Inside the block (in this thread) a step's two-row products read, when they run, how many of its rows are
+    live (count, int32 [1] on the device: its plan's last sequence start): a step of one symbol launched with a row
+    of room for a join (engine.JOIN_ROOM) that no request took multiplies one row (kernels/gemv.py)."""
+    before, _LIVE.rows = _live_rows(), count
     try:
         yield
     finally:
-        _LIVE_ROWS = before
+        _LIVE.rows = before
 
 
 def _fp32_out_supported(device, dtype):
@@ -198,10 +204,10 @@ class Linear:
         return self.weight.numel() * self.weight.element_size() + lo + (0 if self.bias is None else self.bias.numel() * 4)
 
     def _use_gemv(self, x):
-        return self.gemv is not None and (x.shape[0] == 1 or (x.shape[0] == 2 and _LIVE_ROWS is not None))
+        return self.gemv is not None and (x.shape[0] == 1 or (x.shape[0] == 2 and _live_rows() is not None))
 
     def _gemv(self, x, **kwargs):
-        return gemv(x, **self.gemv, **kwargs, live_rows=_LIVE_ROWS if x.shape[0] == 2 else None)
+        return gemv(x, **self.gemv, **kwargs, live_rows=_live_rows() if x.shape[0] == 2 else None)
 
     def _use_skinny(self, x):
         if self.skinny is None:
