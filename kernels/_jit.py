@@ -10,6 +10,7 @@ retry specialises, loads and launches afresh.
 """
 import contextlib
 import sys
+import threading
 
 _FORGOTTEN = []  # compiled kernels dropped from the caches, kept alive: a captured CUDA graph may launch them
 
@@ -25,21 +26,39 @@ def jit_kernels() -> list:
     return list(found.values())
 
 
-def _compile_only_run(kernel, *args, grid, warmup, **kwargs):
-    return type(kernel).run(kernel, *args, grid=grid, warmup=True, **kwargs)
+_thread = threading.local()  # compile_only: whether this thread's calls compile only
+_lock = threading.Lock()
+_holders = 0  # compile_only blocks open, over all threads
+_wrapped = {}  # id -> kernel whose run compile_only wraps while any block is open
+
+
+def _run(kernel, *args, grid, warmup, **kwargs):
+    warmup = warmup or getattr(_thread, "compile_only", False)
+    return type(kernel).run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
 
 
 @contextlib.contextmanager
 def compile_only(kernels):
-    """Within it, a call of any of `kernels` compiles what it would launch (specialised on the arguments as a
-    launch is) and launches nothing: Triton's own warm-up. Nothing else may launch them meanwhile."""
-    for kernel in kernels:
-        kernel.run = _compile_only_run.__get__(kernel)  # `kernel[grid](...)` calls the instance's run
+    """Within it, a call of any of `kernels` from this thread compiles what it would launch (specialised on the
+    arguments as a launch is) and launches nothing: Triton's own warm-up. Other threads' calls launch as always
+    (an engine may serve while another starts)."""
+    global _holders
+    with _lock:
+        for kernel in kernels:
+            kernel.run = _run.__get__(kernel)  # `kernel[grid](...)` calls the instance's run
+            _wrapped[id(kernel)] = kernel
+        _holders += 1
+    before, _thread.compile_only = getattr(_thread, "compile_only", False), True
     try:
         yield
     finally:
-        for kernel in kernels:
-            vars(kernel).pop("run", None)
+        _thread.compile_only = before
+        with _lock:
+            _holders -= 1
+            if _holders == 0:
+                for kernel in _wrapped.values():
+                    vars(kernel).pop("run", None)
+                _wrapped.clear()
 
 
 def compiled_count(kernels) -> int:

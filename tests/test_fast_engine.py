@@ -579,17 +579,22 @@ def test_precompile_runs_a_shape_that_failed_in_the_threads_again_alone(monkeypa
 
 @cuda
 def test_precompile_launches_every_kernel_it_compiled_one_at_a_time_after_the_threads():
-    """compile_only compiles a kernel call and launches nothing; after precompile every compiled kernel of the
-    step was launched (its binary loaded), and running the shapes again compiles nothing new."""
+    """compile_only compiles a kernel call of its thread and launches nothing (another thread's launches); after
+    precompile every compiled kernel of the step was launched (its binary loaded), and running the shapes again
+    compiles nothing new."""
     from client.engine.fast.runner import padding_plan
     from kernels._jit import compile_only, compiled_count, forget_compiled, jit_kernels, unlaunched
     from kernels.add_rms_norm import add_rms_norm
 
     x, delta, weight = torch.ones(3, 40, device="cuda"), torch.ones(3, 40, device="cuda"), torch.ones(40, device="cuda")
+    other = torch.ones(3, 40, device="cuda")
     with compile_only(jit_kernels()):
         add_rms_norm(x, delta, None, weight, 1e-6)  # x += delta in place, had it been launched
+        beside = threading.Thread(target=add_rms_norm, args=(other, delta, None, weight, 1e-6))
+        beside.start()
+        beside.join()
         torch.cuda.synchronize()
-        assert torch.equal(x, torch.ones_like(x))
+        assert torch.equal(x, torch.ones_like(x)) and torch.equal(other, torch.full_like(other, 2.0))
     add_rms_norm(x, delta, None, weight, 1e-6)
     assert torch.equal(x, torch.full_like(x, 2.0))
 

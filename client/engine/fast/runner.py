@@ -242,8 +242,8 @@ def padding_plan(shape, device) -> StepPlan:
 
 def precompile(runner, shapes) -> None:
     """Compile the step's Triton kernels for every step shape before anything is captured or timed: one eager
-    step of each shape on the padding slot, the shapes side by side in threads, under kernels/_jit.compile_only
-    (each kernel call compiles what it would launch and launches nothing). A kernel compiles at its first call
+    step of each shape on the padding slot, the shapes side by side in threads, each under kernels/_jit.compile_only
+    (its kernel calls compile what they would launch and launch nothing). A kernel compiles at its first call
     with new constexprs (a shape's BLOCK_M) or specialised sizes; the LLVM and ptxas stages, most of a compile,
     release the GIL, so the threads' compiles overlap where, one after another, they took most of a cold start
     (bench/LOG.md section 35). The hand-fused blocks run even where torch.compile will run the step: its custom
@@ -274,8 +274,13 @@ def precompile(runner, shapes) -> None:
         return stream
 
     kernels = jit_kernels()
-    with compile_only(kernels), ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
-        futures = [pool.submit(step, shape) for shape in shapes]
+
+    def compile_step(shape):
+        with compile_only(kernels):
+            return step(shape)
+
+    with ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
+        futures = [pool.submit(compile_step, shape) for shape in shapes]
     raised = [future.exception() for future in futures if future.exception() is not None]
     if raised:  # each such shape compiles, or raises, in its launch below
         sys.stderr.write(f"[fast engine] {len(raised)} step shape(s) failed to compile side by side; their launches "
