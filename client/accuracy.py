@@ -150,7 +150,7 @@ def _worse(a: dict, b: dict) -> dict:
     def worse(key):
         if key == "nan_or_inf":
             return a[key] + b[key]
-        values = [v for v in (a[key], b[key]) if v is not None]  # None: a constant target (no relative error)
+        values = [v for v in (a[key], b[key]) if v is not None]  # None: a target too flat to scale errors by
         if not values:
             return None
         if any(math.isnan(v) for v in values):  # no finite prediction at all: no error can stand for it
@@ -162,8 +162,8 @@ def _worse(a: dict, b: dict) -> dict:
 def tower_errors(predictions, targets, atol: float = ATOL) -> dict:
     """Per tower, of predictions against targets [n, towers]: the fraction within atol (a NaN or inf prediction is
     wrong), the max and mean absolute error and the rmse over the finite predictions (NaN where there are none),
-    the rmse relative to the targets' std (None for a constant target, which has no scale), and the count of NaN
-    or inf predictions. In float64, so that the statistics add no rounding of their own."""
+    the rmse relative to the targets' std (None where the std is within atol: too small a spread to measure errors
+    by), and the count of NaN or inf predictions. In float64, so that the statistics add no rounding of their own."""
     predictions = np.asarray(predictions, dtype=np.float64)
     targets = np.asarray(targets, dtype=np.float64)
     if predictions.shape != targets.shape or predictions.ndim != 2 or predictions.shape[1] != len(TOWER_NAMES):
@@ -175,11 +175,15 @@ def tower_errors(predictions, targets, atol: float = ATOL) -> dict:
         error = np.abs(predictions[finite, column] - targets[finite, column])
         rmse = float(np.sqrt(np.mean(error ** 2))) if error.size else math.nan
         std = float(np.std(targets[:, column]))
+        # A std within atol is no scale to measure errors by: the targets' mean alone is then within atol in rms, and
+        # a constant target's std is float rounding (1e-17 for 0.1 three times) or a few ulps of settling (RetNet's
+        # on the zeros family, 4e-8), against which errors within atol read as 1e4 or more. Above atol, an rmse
+        # within atol reads under 1, the rel_rmse of predicting the mean.
         result[name] = {"within_atol": float((error <= atol).sum() / rows) if rows else math.nan,
                         "max_abs_err": float(error.max()) if error.size else math.nan,
                         "mean_abs_err": float(error.mean()) if error.size else math.nan,
                         "rmse": rmse,
-                        "rel_rmse": rmse / std if std > 0 else None,
+                        "rel_rmse": rmse / std if std > atol else None,
                         "nan_or_inf": int((~finite).sum())}
     return result
 

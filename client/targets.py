@@ -5,6 +5,7 @@ its own requests in order and the result equals running each symbol alone.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -25,8 +26,25 @@ def default_cache_dir() -> Path:
     return Path(root) / "targets"
 
 
+def source_digest(root: Path) -> str:
+    """sha256 over the .py files under root: each one's path relative to root and its contents, not mtimes or where
+    root lies, so that equal sources give the same digest in every process and on every machine."""
+    digest = hashlib.sha256(b"fastens-model-source-v1")
+    for name in sorted(path.relative_to(root).as_posix() for path in root.rglob("*.py")):
+        data = (root / name).read_bytes().replace(b"\r\n", b"\n")  # a Windows checkout's line endings: same code
+        digest.update(f"{name}\0{len(data)}\0".encode() + data)  # the length: no file's end reads as the next's start
+    return digest.hexdigest()
+
+
+@functools.cache
+def model_code_version() -> str:
+    """The reference model's code (client/model/) as source_digest, read once a process."""
+    return source_digest(Path(__file__).resolve().parent / "model")
+
+
 def targets_cache_path(cache_dir, weights_fingerprint: str, stream_fp: str) -> Path:
-    key = hashlib.sha256(f"{weights_fingerprint}\0{stream_fp}".encode()).hexdigest()
+    # the model's code is part of the key: targets an older reference computed would otherwise outlive a fix to it
+    key = hashlib.sha256(f"{model_code_version()}\0{weights_fingerprint}\0{stream_fp}".encode()).hexdigest()
     return Path(cache_dir) / f"{key}.npy"
 
 
@@ -103,7 +121,7 @@ def compute_targets(model, stream: Stream, weights_fingerprint: str, device=None
     """Reference predictions float32 [M, 4] for every request of `stream`, in stream order.
 
     Targets stored in the stream are returned only when its meta names the same weights
-    fingerprint. Otherwise the on-disk cache (keyed by the weights and stream fingerprints) is
+    fingerprint. Otherwise the on-disk cache (keyed by the model's code and the weights and stream fingerprints) is
     used, or the model is run and the cache filled. device=None runs on the model's GPU, else on
     CUDA when available, else on the CPU; the model is moved there in place.
     """

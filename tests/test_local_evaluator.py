@@ -163,6 +163,21 @@ def test_tower_errors_values():
     assert errors["hawk"]["max_abs_err"] == 0.0
 
 
+
+def test_rel_rmse_of_a_constant_or_nearly_constant_target_is_undefined():
+    from client.accuracy import tower_errors
+
+    targets = np.zeros((3, 4))
+    targets[:, 0] = 0.1  # constant: its float64 std is 1.4e-17, not 0
+    targets[:, 1] = 0.035 + np.array([0, 4e-8, -4e-8])  # an output settled to a few ulps (RetNet on zeros input)
+    targets[:, 2] = [0.0, 2e-3, 4e-3]  # std 1.6e-3: past atol, a scale
+    targets[:, 3] = [0.0, 1e-3, 2e-3]  # std 8.2e-4: within atol
+    errors = tower_errors(targets + 5e-4, targets, atol=1e-3)
+    assert errors["xlstm"]["rel_rmse"] is None and errors["mamba2"]["rel_rmse"] is None
+    assert errors["hawk"]["rel_rmse"] is None
+    assert errors["retnet"]["rel_rmse"] == pytest.approx(5e-4 / np.std([0.0, 2e-3, 4e-3]))  # errors within atol: < 1
+    assert all(row["within_atol"] == 1.0 for row in errors.values())
+
 # ----------------------------------------------------------------------------- CLI, real model
 
 @pytest.fixture

@@ -1,4 +1,9 @@
 import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,7 +13,10 @@ from torch import nn
 from client.model import load_model
 from client import targets as targets_module
 from client.streams import Stream, generate_stream, stream_fingerprint
-from client.targets import compute_targets, default_cache_dir, targets_cache_path
+from client.targets import compute_targets, default_cache_dir, model_code_version, source_digest, targets_cache_path
+from conftest import checkout_env
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class CountingModel(nn.Module):
@@ -119,6 +127,35 @@ def test_cache_misses_when_weights_or_stream_change(model_and_fingerprint, tmp_p
         compute_targets(counting, changed_stream, weights, cache_dir=tmp_path, progress=False)
         assert counting.steps > 0
     assert len(list(tmp_path.glob("*.npy"))) == 3
+
+
+def test_cache_misses_when_the_model_code_changes(model_and_fingerprint, tmp_path, monkeypatch):
+    model, fingerprint = model_and_fingerprint
+    counting = CountingModel(model)
+    stream = generate_stream(3, 12, seed=1)
+    key = targets_cache_path(tmp_path, fingerprint, stream_fingerprint(stream))
+    assert targets_cache_path(tmp_path, fingerprint, stream_fingerprint(stream)) == key
+    compute_targets(counting, stream, fingerprint, cache_dir=tmp_path, progress=False)
+    monkeypatch.setattr(targets_module, "model_code_version", lambda: "another version of client/model/")
+    assert targets_cache_path(tmp_path, fingerprint, stream_fingerprint(stream)) != key
+    counting.steps = 0
+    compute_targets(counting, stream, fingerprint, cache_dir=tmp_path, progress=False)
+    assert counting.steps > 0 and len(list(tmp_path.glob("*.npy"))) == 2
+
+
+def test_the_model_code_version_is_of_the_sources_contents_alone(tmp_path):
+    copy = shutil.copytree(ROOT / "client" / "model", tmp_path / "elsewhere" / "model",
+                           ignore=shutil.ignore_patterns("__pycache__"))
+    for path in copy.iterdir():
+        os.utime(path, (0, 0))
+    assert source_digest(copy) == model_code_version()  # another folder, other mtimes: the same version
+    child = subprocess.run([sys.executable, "-c", "from client.targets import model_code_version as v; print(v())"],
+                           capture_output=True, text=True, cwd=tmp_path, env=checkout_env(ROOT, PYTHONHASHSEED="1"),
+                           timeout=120)
+    assert child.stdout.strip() == model_code_version(), child.stderr  # and in another process
+    with open(copy / "hawk.py", "a") as file:
+        file.write("\n")
+    assert source_digest(copy) != model_code_version()
 
 
 def test_a_corrupt_cache_entry_is_recomputed(model_and_fingerprint, tmp_path):
