@@ -82,7 +82,7 @@ class ClientStats:
         # welcome): a later answer is scored but counts as missed
         self.timeout_ms = timeout_s * 1000.0
         self.requests = 0          # distinct request ids received
-        self.rejected = 0          # request rows answered with an error (NaN/inf features, bad message)
+        self.rejected = 0          # of those, the ones answered with an error (NaN/inf features, a malformed frame)
         self.responses_sent = 0    # ids answered from a model step
         self.resent_from_cache = 0
         self.bad_messages = 0
@@ -624,9 +624,15 @@ class StreamingClient:
         try:
             ids, symbols, features = protocol.parse_inference_request(msg)
         except protocol.ProtocolError as exc:
-            ids = msg.get("unique_ids", [])
-            self.stats.rejected += len(ids)
-            raise protocol.ProtocolError(f"{exc}; unique_ids {ids} not answered") from None
+            # Its rows new to this client are requests received and answered with an error, as a NaN row is (a resend
+            # of one is refused too, rather than stepped after its symbol's later requests): errors never outnumber
+            # requests
+            refused = [uid for uid in dict.fromkeys(msg["unique_ids"]) if self._unseen(uid)]
+            for uid in refused:
+                self._rejected_ids.add(uid)
+                self.stats.note_request(uid)
+            self.stats.rejected += len(refused)
+            raise protocol.ProtocolError(f"{exc}; unique_ids {refused} not answered") from None
         finite_rows = np.isfinite(features).all(axis=1)
         unreadable = set(msg.get("unreadable_rows", ()))
         cached_ids, new_requests = [], []
@@ -689,6 +695,10 @@ class StreamingClient:
             self.stats.resent_from_cache += len(cached_ids)
             predictions = np.stack([self._cache[uid][0] for uid in cached_ids])
             self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()))
+
+    def _unseen(self, uid) -> bool:
+        """Whether unique_id `uid` is new to this client: not queued, computing, answered or refused."""
+        return not (uid in self._in_flight or uid in self._cache or uid in self._evicted or uid in self._rejected_ids)
 
     # ---- prefetch (its own thread) --------------------------------------------------------------
     def _prefetch_arrivals(self):
