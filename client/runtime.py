@@ -26,7 +26,7 @@ from collections import OrderedDict, deque
 import numpy as np
 from client import protocol, transport
 from client.answers import check_answer
-from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, NUM_FEATURES, NUM_TOWERS
+from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, DEFAULT_TIMEOUT_S, NUM_FEATURES, NUM_TOWERS
 from client.id_ranges import IdRanges
 from client import team_api
 from client.scheduler import Request, Scheduler
@@ -77,11 +77,12 @@ MAX_FAILURES_LOGGED = 100  # distinct failures of the team's steps logged with t
 class ClientStats:
     """What this client received and sent, and the server's score updates (progress line and summary)."""
 
-    def __init__(self, timeout_s: float = 2.0):
-        # the server's (its welcome says it; this until then): a later answer is scored but counts as missed
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
+        # the server's (its welcome says it; this until then, and for good over the original protocol, which has no
+        # welcome): a later answer is scored but counts as missed
         self.timeout_ms = timeout_s * 1000.0
         self.requests = 0          # distinct request ids received
-        self.rejected = 0          # request rows answered with an error (NaN/inf features, bad message)
+        self.rejected = 0          # of those, the ones answered with an error (NaN/inf features, a malformed frame)
         self.responses_sent = 0    # ids answered from a model step
         self.resent_from_cache = 0
         self.bad_messages = 0
@@ -152,6 +153,7 @@ class ClientStats:
             "responses_sent": self.responses_sent,
             "resent_from_cache": self.resent_from_cache,
             "connections": self.connections,
+            "timeout_s": self.timeout_ms / 1000.0,  # the timeout by which responses and missed were counted
         }
 
     def progress_line(self, total: int | None = None) -> str:
@@ -174,7 +176,9 @@ class StreamingClient:
     (client/team_api.py), else one.
 
     Register names the client's model (preset, weights_fingerprint): a server with other weights refuses it
-    unless allow_weights_mismatch; the server's `welcome` names its own (summary's weights_match). The session ends
+    unless allow_weights_mismatch; the server's `welcome` names its own (summary's weights_match), and its answer
+    timeout, by which the summary counts answers in time (timeout_s until then, and throughout over the original
+    protocol, which has no welcome: the summary's timeout_s says which it counted by). The session ends
     - at the server's `end` (every request scored) when leave_at_end, else when the server then closes; a
       harness that ends the session itself (stop()) after reading the server's summary leaves it False;
     - when the server refuses the client or closes with code 1000 (server stopped);
@@ -195,7 +199,8 @@ class StreamingClient:
                  max_batch: int | None = None, max_requests_per_symbol: int = DEFAULT_REQUESTS_PER_SYMBOL,
                  heartbeat_s: float = 5.0, backoff_s: float = 0.1, backoff_max_s: float = 5.0,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S, give_up_after_s: float = 10.0,
-                 cache_size: int = 200_000, timeout_s: float = 2.0, pipeline_min_batch: int = PIPELINE_MIN_BATCH,
+                 cache_size: int = 200_000, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 pipeline_min_batch: int = PIPELINE_MIN_BATCH,
                  form_late: bool = True, late_after_s: float | None = None, form_margin_s: float | None = None,
                  punctual_late_after_s: float | None = None, join_queued: bool = True, timeline: bool = False,
                  give_up_repeats: int = GIVE_UP_REPEATS,
@@ -619,9 +624,15 @@ class StreamingClient:
         try:
             ids, symbols, features = protocol.parse_inference_request(msg)
         except protocol.ProtocolError as exc:
-            ids = msg.get("unique_ids", [])
-            self.stats.rejected += len(ids)
-            raise protocol.ProtocolError(f"{exc}; unique_ids {ids} not answered") from None
+            # Its rows new to this client are requests received and answered with an error, as a NaN row is (a resend
+            # of one is refused too, rather than stepped after its symbol's later requests): errors never outnumber
+            # requests
+            refused = [uid for uid in dict.fromkeys(msg["unique_ids"]) if self._unseen(uid)]
+            for uid in refused:
+                self._rejected_ids.add(uid)
+                self.stats.note_request(uid)
+            self.stats.rejected += len(refused)
+            raise protocol.ProtocolError(f"{exc}; unique_ids {refused} not answered") from None
         finite_rows = np.isfinite(features).all(axis=1)
         unreadable = set(msg.get("unreadable_rows", ()))
         cached_ids, new_requests = [], []
@@ -684,6 +695,10 @@ class StreamingClient:
             self.stats.resent_from_cache += len(cached_ids)
             predictions = np.stack([self._cache[uid][0] for uid in cached_ids])
             self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()))
+
+    def _unseen(self, uid) -> bool:
+        """Whether unique_id `uid` is new to this client: not queued, computing, answered or refused."""
+        return not (uid in self._in_flight or uid in self._cache or uid in self._evicted or uid in self._rejected_ids)
 
     # ---- prefetch (its own thread) --------------------------------------------------------------
     def _prefetch_arrivals(self):

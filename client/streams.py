@@ -72,12 +72,19 @@ MAX_DELAY_MS = 86_400_000.0
 
 def _validated(symbols, features, delay_ms, targets):
     """Coerce to the stream's dtypes and reject anything that would give a silently wrong answer."""
-    symbols = np.asarray(symbols)
+    # a list's strings as they are: numpy's str dtype drops trailing NULs before they could be seen (below)
+    symbols = symbols if isinstance(symbols, np.ndarray) else np.array(symbols, dtype=object)
     if symbols.ndim != 1:
         raise ValueError(f"symbols must be one-dimensional, got shape {symbols.shape}")
     if symbols.dtype.kind != "U" and not (
             symbols.dtype.kind == "O" and all(isinstance(s, str) for s in symbols.tolist())):
         raise ValueError(f"symbols must be strings, got dtype {symbols.dtype}")
+    if symbols.dtype.kind == "O":
+        # held as numpy str (what an .npz stores without pickles), "AB\x00" would become "AB": one state, two symbols
+        row = next((row for row, symbol in enumerate(symbols.tolist()) if symbol.endswith("\x00")), None)
+        if row is not None:
+            raise ValueError(f"symbol {symbols[row]!r} at row {row} ends in a NUL character, which a numpy string "
+                             f"array drops: it would be played as {symbols[row].rstrip(chr(0))!r}")
     symbols = symbols.astype(str)
     num_requests = len(symbols)
     if num_requests == 0:

@@ -9,15 +9,15 @@ fell due while its team was disconnected counts as sent then, and a resend keeps
 
 A request not answered within timeout_s (2 s) of its send time is missed: pnl 0, and a later
 answer still gets pnl 0. Targets are the fp32 reference model's predictions. Accuracy is the
-fraction of tower predictions judged correct over answered requests. Defaults are below.
+fraction of tower predictions judged correct over answered requests. Defaults are below (the timeout's in
+client/constants.py, which the client shares).
 """
 import numpy as np
 
-from client.constants import ATOL
+from client.constants import ATOL, DEFAULT_TIMEOUT_S  # noqa: F401  (DEFAULT_TIMEOUT_S: the server's default)
 
 
 DEFAULT_HALF_LIFE_MS = 100.0
-DEFAULT_TIMEOUT_S = 2.0
 
 
 def score_responses(predictions: np.ndarray, targets: np.ndarray, latencies_ms: np.ndarray,

@@ -36,6 +36,7 @@ import logging  # noqa: E402
 import numpy as np  # noqa: E402
 
 from client import cli, event_loop, protocol, team_api  # noqa: E402
+from client.constants import DEFAULT_TIMEOUT_S  # noqa: E402
 from client.engine import ENGINES, Engine, make_engine  # noqa: E402
 from client.engine.options import add_engine_arguments, engine_options  # noqa: E402
 from client.engine.base import NUM_TOWERS, PendingStep  # noqa: E402
@@ -238,6 +239,12 @@ def parse_args(argv=None):
                         help=f"wait up to S seconds for the server at the first connection, retrying (default "
                              f"{CONNECT_TIMEOUT_S:g}: a wrong address fails fast; more for a client started before "
                              f"its server), then exit 3")
+    parser.add_argument("--timeout-s", type=cli.positive_float, metavar="S",
+                        help=f"the server's answer timeout, by which the summary counts an answer in time (a later one "
+                             f"scores nothing), where the server does not say it: the original protocol (tcp-json) "
+                             f"never does, a websocket server's welcome does (and wins); also the embedded server's "
+                             f"(default {DEFAULT_TIMEOUT_S:g}, the project's server's: the original event's was never "
+                             f"made public)")
     parser.add_argument("--inline-steps", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                         help="the event loop submits the steps and polls their ends itself, with no thread handing "
                              "a request or an answer on (it keeps a CPU busy while a step runs); on needs the fast "
@@ -316,12 +323,33 @@ def _stop_on_ctrl_c(client) -> bool:
 def _describe_welcome(url, args, welcome, engine_text) -> str:
     if args.protocol == "tcp-json":  # the original protocol has no welcome: the runtime made one up
         return (f"playing {url} in the original protocol, as the team the server names (it registers no name); "
-                f"the server's model is not said, weights not compared; {engine_text}")
+                f"the server's model is not said, weights not compared; {_describe_timeout(args, welcome)}; "
+                f"{engine_text}")
     match = {True: "the same as this client's", None: "not compared",
              False: "OTHER than this client's (played anyway: --allow-weights-mismatch)"}[welcome["weights_match"]]
     return (f"playing {url} as team {args.team!r}: {welcome['requests']} requests over {welcome['symbols']} "
             f"symbols; the server's model is preset {welcome['preset']}, weights {welcome['weights_fingerprint']} "
-            f"({match}); {engine_text}")
+            f"({match}); {_describe_timeout(args, welcome)}; {engine_text}")
+
+
+def _describe_timeout(args, welcome) -> str:
+    """The answer timeout by which the summary counts answers in time, and whose it is."""
+    if "timeout_s" in welcome:
+        said = f"answers count in time within the server's timeout, {welcome['timeout_s']:g} s"
+        return said + (f" (--timeout-s {args.timeout_s:g} not used)"
+                       if args.timeout_s not in (None, welcome["timeout_s"]) else "")
+    if args.host is None:
+        return f"answers count in time within the embedded server's timeout, {_timeout_s(args):g} s"
+    unsaid = ("the original protocol does not say the server's timeout" if args.protocol == "tcp-json"
+              else "the server's welcome does not say its timeout")
+    if args.timeout_s is not None:
+        return f"answers count in time within {args.timeout_s:g} s (--timeout-s: {unsaid})"
+    return (f"answers count in time within {DEFAULT_TIMEOUT_S:g} s, the project's server's timeout ({unsaid}; "
+            f"--timeout-s S to state it)")
+
+
+def _timeout_s(args) -> float:
+    return DEFAULT_TIMEOUT_S if args.timeout_s is None else args.timeout_s
 
 
 def build_engine(args) -> tuple[Engine, str, str]:
@@ -387,7 +415,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
 
             server = ScoringServer(ServerConfig(host="127.0.0.1", port=0, preset=args.preset, weights=args.weights,
                                                 seed=args.seed, symbols=args.symbols, requests=args.requests,
-                                                rate=args.rate,
+                                                rate=args.rate, timeout_s=_timeout_s(args),
                                                 device=args.local_device if args.cluster else args.device))
             url = server_url(args.protocol, "127.0.0.1", await server.start())
         else:
@@ -402,6 +430,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
                                      allow_weights_mismatch=args.allow_weights_mismatch, leave_at_end=True,
                                      max_requests_per_symbol=args.max_requests_per_symbol,
                                      server_idle_s=args.server_idle_s, connect_timeout_s=args.connect_timeout_s,
+                                     timeout_s=_timeout_s(args),
                                      inline_steps=INLINE_STEPS[args.inline_steps],
                                      on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome,
                                                                                         engine_text), file=sys.stderr))

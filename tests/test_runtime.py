@@ -134,7 +134,32 @@ def test_bad_messages_and_rows_are_answered_with_errors_and_the_rest_goes_on(mod
     assert f"unique_id {nan_id} " in errors and f"unique_id {inf_id} " in errors and "NaN or inf" in errors
     assert "[11, 12]" in errors and "bytes" in errors
     assert sum(team_client.stepped.values()) == len(valid)
-    assert summary["requests"] == 13 and summary["errors"] == 4 and summary["connections"] == 1
+    assert summary["requests"] == 15 and summary["errors"] == 4 and summary["connections"] == 1
+
+
+def test_a_malformed_frames_new_rows_count_as_requests_received_and_answered_with_errors(model):
+    """A request frame whose rows do not agree (3 ids, 2 symbols): its ids new to the client are requests received
+    and refused, once each, so that errors never outnumber requests; an id of it answered before is neither."""
+    symbols, features = _stream(5)
+    recorder = Recorder()
+
+    async def handler(ws):
+        assert protocol.decode(await ws.recv())["type"] == "register"
+        await ws.send(_request([0, 1], symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() == {0, 1})
+        bad = protocol.inference_request([1, 2, 3], [symbols[i] for i in (1, 2, 3)], features[[1, 2, 3]], 0.0)
+        bad["symbols"] = bad["symbols"][:2]
+        await ws.send(protocol.encode(bad))
+        await ws.send(_request([2], symbols, features))  # a resend of a refused row: refused, not counted again
+        await ws.send(_request([4], symbols, features))
+        await recorder.pump(ws, lambda: 4 in recorder.answered() and len(recorder.errors) >= 2)
+        await ws.close(1000)
+
+    client, summary = asyncio.run(_play(handler, ExampleModel(ReferenceEngine(model))))
+    assert "3 unique_ids but 2 symbols; unique_ids [2, 3] not answered" in recorder.errors[0]
+    assert "unique_id 2 " in recorder.errors[1] and "rejected earlier" in recorder.errors[1]
+    assert sorted(recorder.answered()) == [0, 1, 4]
+    assert (summary["requests"], summary["errors"], summary["responses_sent"]) == (5, 2, 3)
 
 
 class RecordingBatches(ExampleModel):

@@ -110,6 +110,10 @@ def nan_at(row, array, value=np.nan):
     (lambda s: with_changes(targets=nan_at(5, s.targets)), "targets contain NaN or inf at row 5"),
     (lambda s: with_changes(symbols=np.arange(6)), "symbols must be strings"),
     (lambda s: with_changes(symbols=np.array(["A", None] * 3, dtype=object)), "symbols must be strings"),
+    # held as numpy str, "B\x00" would be played as "B": one state for two symbols (a parquet column, or a list)
+    (lambda s: with_changes(symbols=np.array(["A", "B", "B\x00"] * 2, dtype=object)),
+     r"symbol 'B\\x00' at row 2 ends in a NUL character, which a numpy string array drops: it would be played as 'B'"),
+    (lambda s: with_changes(symbols=["A", "B", "C", "D", "E", "F\x00\x00"]), "row 5 ends in a NUL character"),
     (lambda s: with_changes(meta="preset=tiny"), "meta must be a dict"),
     (lambda s: with_changes(symbols=s.symbols[:0], features=s.features[:0], delay_ms=s.delay_ms[:0],
                             targets=s.targets[:0]), "the stream has no requests"),
@@ -127,6 +131,11 @@ def nan_at(row, array, value=np.nan):
 def test_bad_streams_are_rejected_naming_the_problem(make_fields, message):
     with pytest.raises(ValueError, match=message):
         Stream(**make_fields(small_stream(targets=True)))
+
+
+def test_a_nul_inside_a_symbol_is_kept_and_its_symbol_is_its_own():
+    stream = Stream(["A\x00B", "AB", "A\x00B"], np.zeros((3, 79)), [1, 1, 1])
+    assert stream.symbols.tolist() == ["A\x00B", "AB", "A\x00B"]
 
 
 def test_stream_coerces_to_float32():

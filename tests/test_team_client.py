@@ -468,3 +468,69 @@ def test_a_new_stream_after_a_reconnect_is_played_from_fresh_states(cli_here):
     got = {m["unique_ids"][0]: np.array(m["predictions"][0]) for m in sent_back[2]}
     assert sorted(got) == [0, 1] and all(np.allclose(got[uid], want[uid], atol=1e-6) for uid in want)
     assert [len(answers) for answers in sent_back] == [2, 0, 2]
+
+
+@pytest.mark.parametrize("argv, timeout_s, said", [
+    ([], 2.0, "answers count in time within 2 s, the project's server's timeout (the original protocol does not say "
+              "the server's timeout; --timeout-s S to state it)"),
+    (["--timeout-s", "5"], 5.0, "answers count in time within 5 s (--timeout-s: the original protocol does not say "
+                                "the server's timeout)"),
+])
+def test_over_the_original_protocol_the_client_says_the_timeout_it_counts_answers_in_time_by(argv, timeout_s, said,
+                                                                                              cli_here, tmp_path):
+    """The original protocol has no welcome to say the server's timeout: the client counts an answer scored 3 s
+    after its request in time only by a --timeout-s past it, and says which timeout it counts by."""
+    import socketserver
+    import threading
+
+    from team.example_model import main
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self):
+            self.rfile.readline()  # register
+            self.wfile.write(json.dumps({"message_type": "inference_request", "unique_ids": [0], "symbols": ["SYM_000"],
+                                         "features": [[0.0] * 79], "timestamp": time.time()}).encode() + b"\n")
+            while (line := self.rfile.readline()) and json.loads(line)["message_type"] != "inference_response":
+                pass
+            self.wfile.write(b'{"message_type": "score_update", "unique_ids": [0], "trade_pnls": [0.5], '
+                             b'"accuracies": [1.0], "latencies_ms": [3000.0]}\n'
+                             b'{"message_type": "stats_update", "complete": true, "requests": 1}\n')
+            self.rfile.read()
+
+    out = tmp_path / "summary.json"
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        code, err = cli_here(main, "team/example_model.py",
+                             ["--host", "127.0.0.1", "--port", str(server.server_address[1]), "--protocol", "tcp-json",
+                              "--preset", "tiny", "--engine", "reference", "--device", "cpu", "--json", str(out),
+                              *argv])
+        server.shutdown()
+    assert code == 0, err[-2000:]
+    assert said in err
+    summary = json.loads(out.read_text())
+    in_time = timeout_s > 3.0
+    assert summary["timeout_s"] == timeout_s and summary["requests"] == 1
+    assert (summary["responses"], summary["missed"]) == ((1, 0) if in_time else (0, 1))
+
+
+def test_the_embedded_server_plays_with_the_timeout_the_client_counts_by(cli_here, tmp_path, monkeypatch):
+    from team.example_model import main
+
+    monkeypatch.setenv("FASTENS_CACHE", str(tmp_path))
+    out = tmp_path / "summary.json"
+    code, err = cli_here(main, "team/example_model.py", ["--preset", "tiny", "--engine", "reference", "--device", "cpu",
+                                                         "--symbols", "2", "--requests", "4", "--timeout-s", "30",
+                                                         "--json", str(out)])
+    assert code == 0, err[-2000:]
+    assert "answers count in time within the server's timeout, 30 s;" in err  # its welcome says the one it was given
+    assert json.loads(out.read_text())["timeout_s"] == 30.0
+
+
+def test_a_websocket_servers_own_timeout_wins_over_timeout_s():
+    from team.example_model import _describe_timeout
+
+    args = parse_args(["--host", "h", "--port", "9", "--timeout-s", "5"])
+    assert _describe_timeout(args, {"timeout_s": 2.0}) == ("answers count in time within the server's timeout, 2 s "
+                                                           "(--timeout-s 5 not used)")
+    assert _describe_timeout(args, {}) == ("answers count in time within 5 s (--timeout-s: the server's welcome does "
+                                           "not say its timeout)")
