@@ -82,7 +82,8 @@ def test_fast_engine_holds_the_gate_on_every_family_on_cpu():
 
 
 def test_the_suite_measures_any_engine_through_its_public_step():
-    """The reference engine is the model the targets come from: every prediction equal, none wrong."""
+    """The reference engine is the model the targets come from: every prediction equal up to fp32 rounding, none
+    wrong."""
     from client.engine.reference import ReferenceEngine
 
     model, _ = load_model("tiny", seed=0)
@@ -91,8 +92,11 @@ def test_the_suite_measures_any_engine_through_its_public_step():
     engine = ReferenceEngine(model, device="cpu")
     result = suite.measure(engine, prefix="R/")
     assert result["gate"]["passed"] and engine.symbols == []
+    # Not exactly 0: the engine's steps and the suite's stepper may round differently, and over a long stream their
+    # predictions (of order 0.1) drift apart by a few 1e-7 (4e-7 after 2,000 steps); a wrong one (a state lost, a
+    # request stepped twice, rows swapped, weights rounded to TF32) is off by 1e-4 and more.
     for towers in result["families"].values():
-        assert all(row["max_abs_err"] == 0.0 and row["within_atol"] == 1.0 for row in towers.values())
+        assert all(row["max_abs_err"] <= 1e-6 and row["within_atol"] == 1.0 for row in towers.values())
 
 
 def test_a_family_is_judged_by_its_worst_seed():

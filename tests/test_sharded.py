@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from client.engine.base import PendingStep
 from client.engine.fast import FastEngine
 from client.engine.shard_process import process_shards
-from client.engine.sharded import ModelSpec, ShardedEngine, ShardError, ShardLost, ShardStartError
+from client.engine.sharded import (ModelSpec, Shard, ShardedEngine, ShardError, ShardLost, ShardStartError,
+                                   submit_placeable)
 from client.model import load_model
 from conftest import checkout_env
 
@@ -237,6 +239,57 @@ def test_a_request_queued_while_its_shard_forgets_the_symbol_starts_it_afresh_th
             _assert_parts_equal(engine, singles, symbols, step_features, step.result())
         assert engine.shard_of == {"Q0": 0, "Q2": 0, "Q3": 1} and engine._load == [2, 1]
         assert sorted(engine.symbols) == sorted(singles[0].symbols + singles[1].symbols)
+    finally:
+        engine.close()
+
+
+class _ShardHere(Shard):
+    """A shard in this process, run as the transports run theirs (submit_placeable on its engine), so that a test
+    can make its engine's step fail."""
+    index, where, info = 0, "this process", {}
+
+    def __init__(self, engine):
+        self.engine = engine
+        engine.expired()  # as build_shard_engine: from now on it keeps the symbols it forgets as idle
+
+    def submit(self, symbols, features):
+        return submit_placeable(self.engine, symbols, features)
+
+    def result(self, handle):
+        return handle.result()
+
+    def release(self, symbols):
+        self.engine.release(symbols)
+
+    def stop(self):
+        pass
+
+
+def test_symbols_forgotten_by_a_step_that_fails_after_it_was_sent_leave_the_engine(monkeypatch):
+    """A step whose placement forgot idle symbols, then failed after it was sent (a GPU's read-back raising): the
+    list of those symbols was lost with its answer, and the engine listed them, and counted them on their shard,
+    until they were released. The failed part's answer still carries them."""
+    model, _ = load_model("tiny", seed=3)
+    now = [0.0]
+    single = FastEngine(model, "cpu", capacity=CAPACITY, host_symbols=0, idle_timeout_s=IDLE_S, progress=False)
+    single.table.clock = lambda: now[0]
+    engine = ShardedEngine([_ShardHere(single)], progress=False)
+    try:
+        features = np.random.default_rng(13).standard_normal((2, 79)).astype(np.float32)
+        engine.step(["F0", "F1"], features)
+        now[0] = 2 * IDLE_S  # F0 and F1 idle: the next step's placement forgets them
+        submit = single.submit
+
+        def submit_then_fail(symbols, step_features):
+            submit(symbols, step_features)  # sent: the step ran, its placement forgot F0 and F1
+
+            def read_back():
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return PendingStep(read_back)
+        monkeypatch.setattr(single, "submit", submit_then_fail)
+        with pytest.raises(ShardError, match="shard 0: RuntimeError: CUDA error: an illegal memory access"):
+            engine.step(["F2"], features[:1])
+        assert engine.symbols == single.symbols == ["F2"] and engine._load == [1]
     finally:
         engine.close()
 

@@ -98,21 +98,27 @@ def share_host_tier(options: dict, engine: str, device, shards_on_host: int) -> 
 
 def submit_placeable(engine, symbols, features) -> PendingStep:
     """What a shard runs for a part: its engine's submit, or, where some of the part's symbols have no room, the
-    others' rows alone. result(): (the predictions, NaN rows for the refused; {row: why} for those; the symbols the
-    engine forgot as idle and holds no state of once this part is placed: taken right after its submit, so that they
-    say what the shard holds between this part and its next)."""
+    others' rows alone. result(): (the predictions, NaN rows for the refused, or a ShardError saying why the step
+    failed after it was sent; {row: why} for the refused; the symbols the engine forgot as idle and holds no state
+    of once this part is placed: taken right after its submit, so that they say what the shard holds between this
+    part and its next)."""
     refused = engine.unplaceable(symbols)
     kept = [row for row, symbol in enumerate(symbols) if symbol not in refused]
     pending = (engine.submit([symbols[row] for row in kept], np.asarray(features)[kept]) if refused
                else engine.submit(symbols, features))
     expired = engine.expired()
+    refused_rows = {row: refused[symbol] for row, symbol in enumerate(symbols) if symbol in refused}
 
     def answer():
+        try:
+            predictions = pending.result()
+        except Exception as exc:  # failed after it was sent (a GPU's read-back): `expired` are forgotten all the same
+            return ShardError(f"{type(exc).__name__}: {exc}"), refused_rows, expired
         if not refused:
-            return pending.result(), {}, expired
+            return predictions, {}, expired
         out = np.full((len(symbols), NUM_TOWERS), np.nan, dtype=np.float32)
-        out[kept] = pending.result()
-        return out, {row: refused[symbol] for row, symbol in enumerate(symbols) if symbol in refused}, expired
+        out[kept] = predictions
+        return out, refused_rows, expired
     return PendingStep(answer, poll=pending.done)
 
 
@@ -304,6 +310,9 @@ class _Runner:
             gone = {entry.part.symbols[row] for row in refused}.union(expired)
             if gone:  # they hold no state there: forgotten here before the caller hears
                 self.engine._unplace(self, gone)
+            if isinstance(predictions, ShardError):  # the step failed after it was sent: the whole part with it
+                entry.part.finish(ShardError(f"shard {self.index}: {predictions}"))
+                continue
             if not refused:
                 entry.part.finish(predictions)
                 continue
