@@ -172,8 +172,18 @@ IDLE_S = 1.0  # the idle timeout of the expiry tests: a symbol stepped again wit
 
 
 def _idle_engines():
-    """Two shards forgetting symbols idle IDLE_S, and a single engine per shard, alike, to step the same parts."""
-    engine = start(["cpu", "cpu"], capacity=CAPACITY, host_symbols=0, idle_timeout_s=IDLE_S)
+    """Two shards forgetting symbols idle IDLE_S, and a single engine per shard, alike, to step the same parts. The
+    shards' processes take this one's thread count (conftest: 1): a CPU product split over other threads may round
+    otherwise (2.7e-7 apart with 16 threads on a 16-core host)."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # read by each spawned shard's torch at start
+    try:
+        engine = start(["cpu", "cpu"], capacity=CAPACITY, host_symbols=0, idle_timeout_s=IDLE_S)
+    finally:
+        if threads is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
     model, _ = load_model("tiny", seed=3)
     singles = [FastEngine(model, "cpu", capacity=CAPACITY, host_symbols=0, idle_timeout_s=IDLE_S, progress=False)
                for _ in range(2)]
