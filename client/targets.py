@@ -120,16 +120,19 @@ def compute_targets(model, stream: Stream, weights_fingerprint: str, device=None
                     progress: bool = True) -> np.ndarray:
     """Reference predictions float32 [M, 4] for every request of `stream`, in stream order.
 
-    Targets stored in the stream are returned only when its meta names the same weights
-    fingerprint. Otherwise the on-disk cache (keyed by the model's code and the weights and stream fingerprints) is
-    used, or the model is run and the cache filled. device=None runs on the model's GPU, else on
-    CUDA when available, else on the CPU; the model is moved there in place.
+    Targets stored in the stream are returned only when its meta names the same weights fingerprint and
+    model_code_version (as make_stream stores them). Otherwise the on-disk cache (keyed by the model's code and
+    the weights and stream fingerprints) is used, or the model is run and the cache filled. device=None runs on
+    the model's GPU, else on CUDA when available, else on the CPU; the model is moved there in place.
     """
     if not isinstance(stream, Stream):
         raise TypeError(f"stream must be a client.streams.Stream, got {type(stream).__name__}")
     if not isinstance(weights_fingerprint, str) or not weights_fingerprint:
         raise ValueError(f"weights_fingerprint must be a non-empty string, got {weights_fingerprint!r}")
-    if stream.targets is not None and stream.meta.get("weights_fingerprint") == weights_fingerprint:
+    # a stream's own targets stand for the model's only where the same weights and model code made them (make_stream
+    # stores both): else a fix to client/model/ would leave a file's older targets scored as the model's
+    if (stream.targets is not None and stream.meta.get("weights_fingerprint") == weights_fingerprint
+            and stream.meta.get("model_code_version") == model_code_version()):
         return stream.targets.copy()
 
     cache_path = targets_cache_path(cache_dir or default_cache_dir(), weights_fingerprint,

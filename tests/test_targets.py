@@ -211,13 +211,28 @@ def test_stored_targets_are_used_only_with_their_weights(model_and_fingerprint, 
     model, fingerprint = model_and_fingerprint
     base = generate_stream(2, 6, seed=0)
     stored = np.full((6, 4), 0.5, dtype=np.float32)
-    stream = Stream(base.symbols, base.features, base.delay_ms, stored, {"weights_fingerprint": fingerprint})
+    stream = Stream(base.symbols, base.features, base.delay_ms, stored,
+                    {"weights_fingerprint": fingerprint, "model_code_version": model_code_version()})
     counting = CountingModel(model)
     np.testing.assert_array_equal(compute_targets(counting, stream, fingerprint, cache_dir=tmp_path,
                                                   progress=False), stored)
     assert counting.steps == 0
     other = compute_targets(counting, stream, "other-weights", cache_dir=tmp_path, progress=False)
     assert counting.steps > 0 and not np.array_equal(other, stored)
+
+
+@pytest.mark.parametrize("meta", [{"model_code_version": "an older client/model/"}, {}],
+                         ids=["older model code", "model code not said"])
+def test_stored_targets_of_other_model_code_are_recomputed(meta, model_and_fingerprint, tmp_path):
+    """A stream file whose targets the same weights made under other model code (or one that does not say which
+    code) is scored against the model's targets of this code, as the cache's are, not its own."""
+    model, fingerprint = model_and_fingerprint
+    base = generate_stream(2, 6, seed=0)
+    stored = np.full((6, 4), 0.5, dtype=np.float32)
+    stream = Stream(base.symbols, base.features, base.delay_ms, stored, {"weights_fingerprint": fingerprint, **meta})
+    counting = CountingModel(model)
+    targets = compute_targets(counting, stream, fingerprint, cache_dir=tmp_path, progress=False)
+    assert counting.steps > 0 and not np.array_equal(targets, stored)
 
 
 def test_progress_bar_reports_steps(model_and_fingerprint, tmp_path, capsys):
@@ -282,6 +297,7 @@ def test_make_stream_stores_targets_with_their_weights(model_and_fingerprint, tm
                       "--targets", "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
     stream = load_stream(out)
     assert stream.meta["weights_fingerprint"] == fingerprint and stream.meta["preset"] == "tiny"
+    assert stream.meta["model_code_version"] == model_code_version()
     np.testing.assert_allclose(stream.targets, run_each_symbol_alone(model, stream), rtol=1e-5, atol=1e-6)
     with pytest.raises(SystemExit, match="make_stream: .*missing.pt"):
         make_stream.main(["--preset", "tiny", "--weights", str(tmp_path / "missing.pt"), "--symbols", "3",
