@@ -293,7 +293,8 @@ def precompile(runner, shapes) -> None:
             start.wait_stream(step(shape))
         except Exception as error:
             sys.stderr.write(f"[fast engine] the first launches of step shape {tuple(shape)} failed; running it again "
-                             f"with Triton's compiled kernels loaded afresh. The failure:\n"
+                             f"with Triton's compiled kernels loaded afresh (an error of the step's own raises there "
+                             f"again). The failure:\n"
                              f"{''.join(traceback.format_exception(error))}")
             forget_compiled(kernels)
             start.wait_stream(step(shape))
