@@ -111,6 +111,18 @@ def test_long_stream_on_cuda_without_cuda_is_one_line():
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_benchmarks_on_a_machine_without_cuda_are_one_line():
+    # each ran until a child's traceback, or failed every start alike
+    cases = [("compile_bench.py", "scripts/compile_bench.py: error: --device cuda, but this torch"),
+             ("engine_starts.py", "scripts/engine_starts.py: error: --device cuda, but this torch"),
+             ("bench_matmul.py", "scripts/bench_matmul.py: error: needs a CUDA GPU")]
+    runs = run_side_by_side([[sys.executable, str(REPO / "scripts" / script)] for script, _ in cases], cwd=REPO)
+    for (code, stderr), (script, message) in zip(runs, cases):
+        assert code == 2 and stderr.startswith(message), (script, stderr)
+        assert stderr.strip().splitlines() == [stderr.strip()]
+
+
 def test_make_stream_to_parquet_without_pyarrow_is_refused_before_the_targets(monkeypatch, usage_error, tmp_path):
     from scripts.make_stream import parse_args
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # what `import pyarrow` sees where it is not installed
