@@ -28,7 +28,7 @@ import socket  # noqa: E402
 
 from client import cli, event_loop  # noqa: E402
 from client.model.config import PRESETS  # noqa: E402
-from server.app import ScoringServer, ServerConfig  # noqa: E402
+from server.app import ScoringServer, ServerConfig, listen_error  # noqa: E402
 from server.identity import load_tokens  # noqa: E402
 from server.leaderboard import format_table  # noqa: E402
 from server.limits import Limits  # noqa: E402
@@ -138,9 +138,8 @@ def raise_open_files_limit() -> None:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Fail before the (long) preparation of targets when the port is taken; the server binds it later."""
-    if port == 0:
-        return
+    """Fail before the (long) preparation of targets when the port is taken or the host is not this machine's; the
+    server binds it later."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -151,8 +150,7 @@ def check_port_free(host: str, port: int) -> None:
         try:
             probe.bind(address)
         except OSError as exc:
-            raise cli.CliError(f"cannot listen on {host}:{port}: {exc.strerror}; is another server there? "
-                               f"stop it or choose another --port") from None
+            raise cli.CliError(listen_error(host, port, exc)) from None
 
 
 async def serve(server: ScoringServer) -> int:

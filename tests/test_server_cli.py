@@ -233,6 +233,16 @@ def test_a_server_other_machines_reach_without_tokens_is_warned(tmp_path):
     assert last.startswith(f"python -m server: error: cannot listen on 0.0.0.0:{port}") and result.returncode == 2
 
 
+def test_a_host_not_of_this_machine_is_refused_before_the_targets_naming_the_host():
+    # with --port 0 it was found only after the targets, and either way blamed "another server" on the port
+    result = subprocess.run([sys.executable, "-m", "server", "--host", "203.0.113.7", "--port", "0"], cwd=ROOT,
+                            env=ONE_THREAD, capture_output=True, text=True, timeout=120)
+    warning, error = result.stderr.strip().splitlines()
+    assert warning.startswith("python -m server: warning: listening on 203.0.113.7") and result.returncode == 2
+    assert error == ("python -m server: error: cannot listen on 203.0.113.7:0: Cannot assign requested address; "
+                     "--host must be an address of this machine (0.0.0.0: all of them)")
+
+
 @pytest.mark.parametrize("content, message", [
     ("{not json", "not JSON (Expecting property name enclosed in double quotes at line 1)"),
     ("[]", 'expected one non-empty JSON object {"team": "token", ...}'),
