@@ -49,14 +49,15 @@ def parse_args(argv=None) -> ServerConfig:
     weights.add_argument("--seed", type=cli.seed, default=0, help="seed of deterministic weights")
     parser.add_argument("--stream", type=cli.existing_file,
                         help="saved stream (.npz or parquet); else one is generated")
-    parser.add_argument("--symbols", type=int, default=20)
-    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--symbols", type=cli.positive_int, default=20)
+    parser.add_argument("--requests", type=cli.positive_int, default=1000)
     parser.add_argument("--stream-seed", type=cli.seed, default=1)
-    parser.add_argument("--rate", type=float, help="requests/s; default: the stream's own gaps")
-    parser.add_argument("--speed", type=float, default=1.0, help="scale the stream's own gaps (not used with --rate)")
-    parser.add_argument("--atol", type=float, default=ATOL)
-    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
-    parser.add_argument("--half-life-ms", type=float, default=DEFAULT_HALF_LIFE_MS)
+    parser.add_argument("--rate", type=cli.positive_float, help="requests/s; default: the stream's own gaps")
+    parser.add_argument("--speed", type=cli.positive_float, default=1.0,
+                        help="scale the stream's own gaps (not used with --rate)")
+    parser.add_argument("--atol", type=cli.non_negative_float, default=ATOL)
+    parser.add_argument("--timeout-s", type=cli.positive_float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument("--half-life-ms", type=cli.positive_float, default=DEFAULT_HALF_LIFE_MS)
     tokens = parser.add_mutually_exclusive_group()
     tokens.add_argument("--token", help="require this token at register, of every team")
     tokens.add_argument("--tokens", type=cli.existing_file, metavar="FILE",
@@ -107,7 +108,8 @@ def add_limit_arguments(parser):
     group.add_argument("--max-field-chars", type=cli.positive_int, default=defaults.max_field_chars, metavar="N",
                        help=f"characters of a register's token, preset, weights fingerprint or session key "
                             f"(default {defaults.max_field_chars}; a team name is 1..64)")
-    group.add_argument("--bad-token-delay-s", type=float, default=defaults.bad_token_delay_s, metavar="S",
+    group.add_argument("--bad-token-delay-s", type=cli.non_negative_float, default=defaults.bad_token_delay_s,
+                       metavar="S",
                        help=f"seconds before a wrong token is answered (default {defaults.bad_token_delay_s:g})")
 
 

@@ -100,8 +100,10 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--rate", "0"], "rate must be positive"),
-    (["--timeout-s", "-1"], "timeout_s must be positive"),
+    (["--rate", "0"], "argument --rate: must be a positive number, got '0'"),
+    (["--timeout-s", "-1"], "argument --timeout-s: must be a positive number, got '-1'"),  # not as timeout_s
+    (["--symbols", "-2"], "argument --symbols: must be a positive integer, got '-2'"),
+    (["--bad-token-delay-s", "-1"], "argument --bad-token-delay-s: must be a number of at least 0, got '-1'"),
     (["--port", "99999"], "argument --port: must be a port number in 0..65535, got '99999'"),
     (["--port", "-1"], "argument --port: must be a port number in 0..65535, got '-1'"),
     (["--json", "/no/such/folder/out.json"], "argument --json: no such folder: /no/such/folder"),
@@ -110,7 +112,7 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
     (["--token", "a", "--tokens", "README.md"], "not allowed with argument"),
     (["--token", ""], "--token must not be empty"),  # it admitted every register with an empty token, unwarned
     (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
-    (["--requests", "many"], "invalid int value"),
+    (["--requests", "many"], "argument --requests: must be a positive integer, got 'many'"),
 ])
 def test_cli_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
