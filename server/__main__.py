@@ -49,9 +49,9 @@ def parse_args(argv=None) -> ServerConfig:
     weights.add_argument("--seed", type=cli.seed, default=0, help="seed of deterministic weights")
     parser.add_argument("--stream", type=cli.existing_file,
                         help="saved stream (.npz or parquet); else one is generated")
-    parser.add_argument("--symbols", type=cli.positive_int, default=20)
-    parser.add_argument("--requests", type=cli.positive_int, default=1000)
-    parser.add_argument("--stream-seed", type=cli.seed, default=1)
+    parser.add_argument("--symbols", type=cli.positive_int, help=f"default {ServerConfig.symbols}")
+    parser.add_argument("--requests", type=cli.positive_int, help=f"default {ServerConfig.requests}")
+    parser.add_argument("--stream-seed", type=cli.seed, help=f"default {ServerConfig.stream_seed}")
     parser.add_argument("--rate", type=cli.positive_float, help="requests/s; default: the stream's own gaps")
     parser.add_argument("--speed", type=cli.positive_float, default=1.0,
                         help="scale the stream's own gaps (not used with --rate)")
@@ -73,14 +73,18 @@ def parse_args(argv=None) -> ServerConfig:
     args = parser.parse_args(argv)
     if args.targets == "file" and args.stream is None:
         parser.error("--targets file needs --stream, a file that carries targets")
+    generation = {name: getattr(args, name) for name in ("symbols", "requests", "stream_seed")
+                  if getattr(args, name) is not None}
+    if args.stream is not None and generation:  # else silently ignored: the file's requests played as they are
+        parser.error(f"{', '.join('--' + name.replace('_', '-') for name in generation)}: for a generated stream; "
+                     f"--stream plays the file's own requests")
     try:
         limits = Limits(max_teams=args.max_teams, max_connections_per_address=args.max_connections_per_address,
                         registrations_per_s=args.registrations_per_s, registration_burst=args.registration_burst,
                         max_field_chars=args.max_field_chars, bad_token_delay_s=args.bad_token_delay_s)
         return ServerConfig(host=args.host, port=args.port, preset=args.preset, weights=args.weights,
-                            seed=args.seed, stream=args.stream, symbols=args.symbols, requests=args.requests,
-                            stream_seed=args.stream_seed, rate=args.rate, speed=args.speed, atol=args.atol,
-                            timeout_s=args.timeout_s, half_life_ms=args.half_life_ms, token=args.token,
+                            seed=args.seed, stream=args.stream, **generation, rate=args.rate, speed=args.speed,
+                            atol=args.atol, timeout_s=args.timeout_s, half_life_ms=args.half_life_ms, token=args.token,
                             tokens=load_tokens(args.tokens) if args.tokens else None, limits=limits,
                             once=args.once, json=args.json, device=args.device, cache_dir=args.cache_dir,
                             targets=args.targets, progress=True)

@@ -113,6 +113,9 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
     (["--token", ""], "--token must not be empty"),  # it admitted every register with an empty token, unwarned
     (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
     (["--requests", "many"], "argument --requests: must be a positive integer, got 'many'"),
+    # not ignored: the file's requests were played, all of them
+    (["--stream", "README.md", "--requests", "100"],
+     "--requests: for a generated stream; --stream plays the file's own requests"),
 ])
 def test_cli_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -124,6 +127,7 @@ def test_cli_builds_config():
     config = parse_args(["--preset", "small", "--seed", "5", "--rate", "50", "--once", "--json", "x.json"])
     assert (config.preset, config.seed, config.rate, config.once, config.json) == ("small", 5, 50.0, True, "x.json")
     assert config.atol == 1e-3 and config.timeout_s == 2.0 and config.host == "127.0.0.1"
+    assert (config.symbols, config.requests, config.stream_seed) == (20, 1000, 1)
 
 
 def test_ordinary_mistakes_are_one_line_errors(tmp_path):
