@@ -200,6 +200,7 @@ def main(argv=None) -> int:
         print(f"{PROG}: {warning}", file=sys.stderr, flush=True)
     cli.check_device(config.device)
     check_port_free(config.host, config.port)
+    event_loop.loop_factory()  # a bad EVENT_LOOP said now, not after the targets
     raise_open_files_limit()
     server = ScoringServer(config)
     # Here, not in a thread of the event loop, so that Ctrl-C stops the (long) preparation of the targets at
