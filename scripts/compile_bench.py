@@ -150,7 +150,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--precision", type=precision_argument, default="auto",
                         help="a precision spec (client/engine/precision.py)")
-    parser.add_argument("--json", metavar="PATH", help="write the result here")
+    parser.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the result here")
     parser.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

@@ -1,5 +1,5 @@
-"""scripts/make_weights.py, scripts/make_stream.py, scripts/profile_step.py, scripts/kernel_times.py,
-scripts/host_hiccups.py and scripts/long_stream.py as a user runs them: progress, one-line errors."""
+"""The scripts (make_weights.py, make_stream.py, long_stream.py, the benchmarks' command lines) as a user runs them:
+progress, one-line errors."""
 import json
 import os
 import subprocess
@@ -81,6 +81,13 @@ def test_script_mistakes_are_one_line(tmp_path):
         # refused before the run, not after it
         ("long_stream.py", ["--json", tmp_path / "nowhere" / "r.json"],
          f"scripts/long_stream.py: error: argument --json: no such folder: {tmp_path / 'nowhere'}"),
+        *((script, [*args, "--json", tmp_path / "nowhere" / "r.json"],
+           f"{prog}: error: argument --json: no such folder: {tmp_path / 'nowhere'}")
+          for script, prog, args in [("shard_hop.py", "scripts/shard_hop.py", []),
+                                     ("host_hiccups.py", "scripts/host_hiccups.py", []),
+                                     ("engine_starts.py", "scripts/engine_starts.py", ["--device", "cpu"]),
+                                     ("compile_bench.py", "scripts/compile_bench.py", ["--device", "cpu"]),
+                                     ("precision_cost.py", "precision_cost.py", ["auto", "--device", "cpu"])]),
     ]
     (tmp_path / "a_file").write_text("")
     runs = run_side_by_side([[sys.executable, str(REPO / "scripts" / script), *map(str, args)]
