@@ -39,6 +39,7 @@ ERROR_FLOOR = 1e-12
 # Steps the profiler records: a bounded window after the first (cold) step, so that the trace stays small
 # (the whole replay of 2,000 requests made 757 MB in 180 s).
 DEFAULT_PROFILE_STEPS = 5
+GENERATION = ("symbols", "requests", "stream_seed", "rate")  # load_or_generate_stream's options of a generated stream
 
 
 class EvaluationError(cli.CliError):
@@ -397,11 +398,10 @@ def parse_args(argv=None):
                "clock; throughput = responses / (last answer - first arrival).")
     src = p.add_argument_group("stream (generated unless --stream)")
     src.add_argument("--stream", type=cli.existing_file, help="replay this .npz or original .parquet stream")
-    src.add_argument("--symbols", type=cli.positive_int, default=6)
-    src.add_argument("--requests", type=cli.positive_int, default=300)
-    src.add_argument("--stream-seed", type=cli.seed, default=0)
-    src.add_argument("--rate", type=float, default=None,
-                     help="mean arrival rate, requests/s (default: the generator's)")
+    src.add_argument("--symbols", type=cli.positive_int, help="default 6")
+    src.add_argument("--requests", type=cli.positive_int, help="default 300")
+    src.add_argument("--stream-seed", type=cli.seed, help="default 0")
+    src.add_argument("--rate", type=cli.positive_float, help="mean arrival rate, requests/s (default: the generator's)")
     mdl = p.add_argument_group("model and client")
     mdl.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
     weights = mdl.add_mutually_exclusive_group()
@@ -428,6 +428,9 @@ def parse_args(argv=None):
                      help=f"steps the profile records, after the first (default {DEFAULT_PROFILE_STEPS})")
     out.add_argument("--plot", metavar="PNG", type=cli.output_file, help="latency distribution and per-tower error (matplotlib)")
     args = p.parse_args(argv)
+    generating = [f"--{name.replace('_', '-')}" for name in GENERATION if getattr(args, name) is not None]
+    if args.stream is not None and generating:  # else silently ignored: the file's requests replayed as they are
+        p.error(f"{', '.join(generating)}: for a generated stream; --stream replays the file's own requests")
     if not args.atol > 0:
         p.error(f"--atol must be positive, got {args.atol}")
     if args.profile is not None and Path(args.profile).exists() and not Path(args.profile).is_dir():
@@ -441,7 +444,8 @@ def main(argv=None) -> int:
         cli.check_device(args.device)
     if args.plot:
         require_matplotlib()  # fail before the run, not after it
-    stream = load_or_generate_stream(args.stream, args.symbols, args.requests, args.stream_seed, args.rate)
+    stream = load_or_generate_stream(args.stream, **{name: getattr(args, name) for name in GENERATION
+                                                     if getattr(args, name) is not None})
     from client.targets import check_targets_source, choose_targets, describe_targets
 
     check_targets_source(stream, args.targets)

@@ -155,6 +155,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number of at least 0, or a one-line error."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of at least 0, got {text!r}")
+    return value
+
+
 def seed(text: str) -> int:
     """argparse type: a random seed, an integer of at least 0 (numpy's generators refuse a negative one, in words
     that name no option)."""

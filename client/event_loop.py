@@ -20,12 +20,17 @@ def loop_factory():
         import uvloop
     except ImportError:
         if choice == "uvloop":
-            raise RuntimeError("EVENT_LOOP=uvloop, but uvloop is not installed (pip install uvloop)") from None
+            raise ImportError("EVENT_LOOP=uvloop, but uvloop is not installed (pip install uvloop)") from None
         return asyncio.new_event_loop
     return uvloop.new_event_loop
 
 
 def run(main):
     """asyncio.run(main) on the selected event loop."""
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+    try:
+        factory = loop_factory()
+    except (ValueError, ImportError):
+        main.close()  # never to run: else a "never awaited" warning follows the error's one line
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import secrets
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -258,6 +259,11 @@ def _meta(stored) -> dict:
 
 
 def _read_npz(path: Path) -> Stream:
+    if not zipfile.is_zipfile(path):  # np.load would unpickle it, refuse, and advise allow_pickle, which runs its code
+        with open(path, "rb") as file:
+            head = file.read(8)
+        raise ValueError(f"cannot read stream {path} as .npz: not a whole zip archive, which an .npz is (it starts "
+                         f"with {head!r})")
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {name: archive[name] for name in archive.files}

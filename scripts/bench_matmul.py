@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from client import cli
 from client.engine.fast.layers import SKINNY_MAX_ROWS, skinny_pays
 from client.engine.fast.runner import StepRunner
 from client.model import load_model
@@ -34,6 +35,7 @@ SEARCH = {0: (16, 32, 64, 128), 1: (16, 32, 64, 128), 2: (32, 64, 128, 256), 3: 
           5: (1, 2, 4, 8)}
 SEARCH_PASSES = 2  # a second pass over the axes from the first one's best (tile sizes and split K interact)
 SMEM_PER_SM = 227 * 1024  # an H100's or H200's shared memory per block
+PROG = "scripts/bench_matmul.py"
 
 
 def log(msg):
@@ -101,13 +103,16 @@ def table(result, batches):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full")
     ap.add_argument("--batches", default="1,4,16,64,128,256,512")
     ap.add_argument("--search", default="none", help="kinds whose kernel configs are searched (comma list: "
                                                      "float32, fp32+fp16, float16; or none)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise cli.CliError(f"needs a CUDA GPU (it times cuBLAS and kernels/skinny_matmul.py on it), and this torch "
+                           f"({torch.__version__}) sees none")
     torch.backends.cuda.matmul.allow_tf32 = False
     model, _ = load_model(args.preset, device="cuda")
     runner = StepRunner(model, "cuda", streams=False, skinny=())
@@ -170,4 +175,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_cli(main, PROG))

@@ -30,11 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from client import cli
 from client.engine.precision import Precision, precision_argument
 from client.model import PRESETS
 from scripts.benchmarks.harness import Timer
 
 BATCHES = (1, 20, 64)
+PROG = "scripts/compile_bench.py"
 
 
 def log(msg):
@@ -139,7 +141,7 @@ def summary(result) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="torch.compile against the hand-fused step (module docstring).")
+    parser = cli.ArgumentParser(prog=PROG, description="torch.compile against the hand-fused step (module docstring).")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda")
@@ -148,7 +150,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--precision", type=precision_argument, default="auto",
                         help="a precision spec (client/engine/precision.py)")
-    parser.add_argument("--json", metavar="PATH", help="write the result here")
+    parser.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the result here")
     parser.add_argument("--child", metavar="OUT", help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -160,6 +162,7 @@ def main(argv=None) -> int:
         result = measure_in_child(json.loads(args.settings))
         Path(args.child).write_text(json.dumps(result))
         return 0
+    cli.check_device(args.device)  # here, not as each child's traceback
     batches = tuple(int(b) for b in args.batches.split(","))
     result = measure_compile(args.preset, args.seed, args.device, batches, args.iters, args.warmup,
                              args.precision.spec)
@@ -170,4 +173,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_cli(main, PROG))

@@ -9,13 +9,15 @@ process, for more starts a minute.
 
     python -m scripts.engine_starts --starts 8 --json starts.json
 """
-import argparse
 import json
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from client import cli
+
+PROG = "scripts/engine_starts.py"
 # precompile's notes when shapes were compiled again one at a time, or launched again from fresh caches
 RECOVERED = ("failed to compile side by side", "first launches of step shape")
 START = """
@@ -46,7 +48,7 @@ def start_once(preset, device, host_symbols, timeout_s):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--starts", type=int, default=8)
     parser.add_argument("--preset", default="full")
     parser.add_argument("--device", default="cuda")
@@ -54,12 +56,13 @@ def main(argv=None):
                         help="the host tier's symbols (default: the engine's default; 0: no host tier)")
     parser.add_argument("--parallel", type=int, default=1, help="starts at once, each its own process (default 1)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a start may take (default 300)")
-    parser.add_argument("--json", help="write every start here")
+    parser.add_argument("--json", type=cli.output_file, help="write every start here")
     args = parser.parse_args(argv)
     if args.starts < 1 or args.parallel < 1:
         parser.error("--starts and --parallel must be at least 1")
     if args.host_symbols is not None and args.host_symbols < 0:
         parser.error(f"--host-symbols must be >= 0, got {args.host_symbols}")
+    cli.check_device(args.device)  # not a start that fails alike again and again
     starts = []
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         runs = pool.map(lambda _: start_once(args.preset, args.device, args.host_symbols, args.timeout),
@@ -79,4 +82,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_cli(main, PROG))

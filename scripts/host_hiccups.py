@@ -88,7 +88,7 @@ def main(argv=None):
     parser = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=cli.positive_float, default=20.0)
     parser.add_argument("--gap-ms", type=cli.positive_float, default=0.5, help="gaps longer than this are counted")
-    parser.add_argument("--json", help="write the per-CPU results here")
+    parser.add_argument("--json", type=cli.output_file, help="write the per-CPU results here")
     args = parser.parse_args(argv)
     results, shared = measure(args.seconds, args.gap_ms)
     print(f"{'cpu':>4} {'gaps':>6} {'total ms':>9} {'longest ms':>10} {'steal ms':>9}")

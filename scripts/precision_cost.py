@@ -71,7 +71,7 @@ def main(argv=None):
                         help="comma list of batch sizes (default 1,20,64)")
     parser.add_argument("--rounds", type=cli.positive_int, default=6)
     parser.add_argument("--iters", type=cli.positive_int, default=100, help="timed steps a round, engine and batch")
-    parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--json", type=cli.output_file, help="write the result here")
     args = parser.parse_args(argv)
     cli.check_device(args.device)
     result = measure(args.specs, args.preset, args.device, args.batches, args.rounds, args.iters)

@@ -28,7 +28,7 @@ import socket  # noqa: E402
 
 from client import cli, event_loop  # noqa: E402
 from client.model.config import PRESETS  # noqa: E402
-from server.app import ScoringServer, ServerConfig  # noqa: E402
+from server.app import ScoringServer, ServerConfig, listen_error  # noqa: E402
 from server.identity import load_tokens  # noqa: E402
 from server.leaderboard import format_table  # noqa: E402
 from server.limits import Limits  # noqa: E402
@@ -49,14 +49,15 @@ def parse_args(argv=None) -> ServerConfig:
     weights.add_argument("--seed", type=cli.seed, default=0, help="seed of deterministic weights")
     parser.add_argument("--stream", type=cli.existing_file,
                         help="saved stream (.npz or parquet); else one is generated")
-    parser.add_argument("--symbols", type=int, default=20)
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--stream-seed", type=cli.seed, default=1)
-    parser.add_argument("--rate", type=float, help="requests/s; default: the stream's own gaps")
-    parser.add_argument("--speed", type=float, default=1.0, help="scale the stream's own gaps (not used with --rate)")
-    parser.add_argument("--atol", type=float, default=ATOL)
-    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
-    parser.add_argument("--half-life-ms", type=float, default=DEFAULT_HALF_LIFE_MS)
+    parser.add_argument("--symbols", type=cli.positive_int, help=f"default {ServerConfig.symbols}")
+    parser.add_argument("--requests", type=cli.positive_int, help=f"default {ServerConfig.requests}")
+    parser.add_argument("--stream-seed", type=cli.seed, help=f"default {ServerConfig.stream_seed}")
+    parser.add_argument("--rate", type=cli.positive_float, help="requests/s; default: the stream's own gaps")
+    parser.add_argument("--speed", type=cli.positive_float, default=1.0,
+                        help="scale the stream's own gaps (not used with --rate)")
+    parser.add_argument("--atol", type=cli.non_negative_float, default=ATOL)
+    parser.add_argument("--timeout-s", type=cli.positive_float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument("--half-life-ms", type=cli.positive_float, default=DEFAULT_HALF_LIFE_MS)
     tokens = parser.add_mutually_exclusive_group()
     tokens.add_argument("--token", help="require this token at register, of every team")
     tokens.add_argument("--tokens", type=cli.existing_file, metavar="FILE",
@@ -72,14 +73,18 @@ def parse_args(argv=None) -> ServerConfig:
     args = parser.parse_args(argv)
     if args.targets == "file" and args.stream is None:
         parser.error("--targets file needs --stream, a file that carries targets")
+    generation = {name: getattr(args, name) for name in ("symbols", "requests", "stream_seed")
+                  if getattr(args, name) is not None}
+    if args.stream is not None and generation:  # else silently ignored: the file's requests played as they are
+        parser.error(f"{', '.join('--' + name.replace('_', '-') for name in generation)}: for a generated stream; "
+                     f"--stream plays the file's own requests")
     try:
         limits = Limits(max_teams=args.max_teams, max_connections_per_address=args.max_connections_per_address,
                         registrations_per_s=args.registrations_per_s, registration_burst=args.registration_burst,
                         max_field_chars=args.max_field_chars, bad_token_delay_s=args.bad_token_delay_s)
         return ServerConfig(host=args.host, port=args.port, preset=args.preset, weights=args.weights,
-                            seed=args.seed, stream=args.stream, symbols=args.symbols, requests=args.requests,
-                            stream_seed=args.stream_seed, rate=args.rate, speed=args.speed, atol=args.atol,
-                            timeout_s=args.timeout_s, half_life_ms=args.half_life_ms, token=args.token,
+                            seed=args.seed, stream=args.stream, **generation, rate=args.rate, speed=args.speed,
+                            atol=args.atol, timeout_s=args.timeout_s, half_life_ms=args.half_life_ms, token=args.token,
                             tokens=load_tokens(args.tokens) if args.tokens else None, limits=limits,
                             once=args.once, json=args.json, device=args.device, cache_dir=args.cache_dir,
                             targets=args.targets, progress=True)
@@ -107,7 +112,8 @@ def add_limit_arguments(parser):
     group.add_argument("--max-field-chars", type=cli.positive_int, default=defaults.max_field_chars, metavar="N",
                        help=f"characters of a register's token, preset, weights fingerprint or session key "
                             f"(default {defaults.max_field_chars}; a team name is 1..64)")
-    group.add_argument("--bad-token-delay-s", type=float, default=defaults.bad_token_delay_s, metavar="S",
+    group.add_argument("--bad-token-delay-s", type=cli.non_negative_float, default=defaults.bad_token_delay_s,
+                       metavar="S",
                        help=f"seconds before a wrong token is answered (default {defaults.bad_token_delay_s:g})")
 
 
@@ -138,9 +144,8 @@ def raise_open_files_limit() -> None:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Fail before the (long) preparation of targets when the port is taken; the server binds it later."""
-    if port == 0:
-        return
+    """Fail before the (long) preparation of targets when the port is taken or the host is not this machine's; the
+    server binds it later."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -151,8 +156,7 @@ def check_port_free(host: str, port: int) -> None:
         try:
             probe.bind(address)
         except OSError as exc:
-            raise cli.CliError(f"cannot listen on {host}:{port}: {exc.strerror}; is another server there? "
-                               f"stop it or choose another --port") from None
+            raise cli.CliError(listen_error(host, port, exc)) from None
 
 
 async def serve(server: ScoringServer) -> int:
@@ -196,6 +200,7 @@ def main(argv=None) -> int:
         print(f"{PROG}: {warning}", file=sys.stderr, flush=True)
     cli.check_device(config.device)
     check_port_free(config.host, config.port)
+    event_loop.loop_factory()  # a bad EVENT_LOOP said now, not after the targets
     raise_open_files_limit()
     server = ScoringServer(config)
     # Here, not in a thread of the event loop, so that Ctrl-C stops the (long) preparation of the targets at

@@ -1,6 +1,7 @@
 """The scoring server: sessions per team, in the websocket protocol or the original event's (newline-delimited JSON
 over TCP, server/original.py), plus a leaderboard over plain HTTP, one port."""
 import asyncio
+import errno
 import json
 import logging
 import sys
@@ -30,6 +31,17 @@ SOCKETS_PER_CONNECTION = 4  # open sockets an address may hold, per websocket co
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; "
                                            "form-action 'none'; frame-ancestors 'none'",
                 "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
+
+
+def listen_error(host: str, port: int, exc: OSError) -> str:
+    """Why the server cannot listen on host:port, and what to do: another port only where this one is taken."""
+    if exc.errno == errno.EADDRINUSE:
+        hint = "; is another server there? stop it or choose another --port"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        hint = "; --host must be an address of this machine (0.0.0.0: all of them)"
+    else:
+        hint = ""
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}"
 
 
 @dataclass
@@ -175,8 +187,7 @@ class ScoringServer:
                                                                               self.config.register_timeout_s,
                                                                               self._sockets))
         except OSError as exc:
-            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}; "
-                          f"is another server there? stop it or choose another port") from exc
+            raise OSError(listen_error(self.config.host, self.config.port, exc)) from exc
         return self.port
 
     @property

@@ -1,15 +1,19 @@
 """client/event_loop.py: EVENT_LOOP picks the loop that the client, the server and bench.py run on."""
 import asyncio
 import importlib.util
+import os
 import re
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from client import event_loop
+from conftest import run_side_by_side
 
 HAS_UVLOOP = importlib.util.find_spec("uvloop") is not None
+ROOT = Path(__file__).resolve().parent.parent
 
 
 async def _loop_class():
@@ -30,8 +34,20 @@ def test_default_is_uvloop_where_installed(monkeypatch):
 @pytest.mark.skipif(HAS_UVLOOP, reason="uvloop is installed here")
 def test_uvloop_required_but_missing_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("EVENT_LOOP", "uvloop")
-    with pytest.raises(RuntimeError, match="uvloop is not installed"):
+    with pytest.raises(ImportError, match="uvloop is not installed"):  # an ordinary mistake (exit 2), not a bug
         event_loop.loop_factory()
+
+
+@pytest.mark.skipif(HAS_UVLOOP, reason="uvloop is installed here")
+def test_a_command_line_on_a_missing_uvloop_says_so_in_one_line():
+    # it was an "unexpected error" (exit 1), then two lines of Python's warning that its coroutine never ran; the
+    # server said it only after its targets
+    commands = [[sys.executable, "team/example_model.py", "--requests", "4"], [sys.executable, "-m", "server"]]
+    runs = run_side_by_side(commands, cwd=ROOT, env={**os.environ, "EVENT_LOOP": "uvloop"}, timeout=120)
+    for (code, stderr), prog in zip(runs, ("team/example_model.py", "python -m server")):
+        assert code == 2 and stderr.splitlines()[-1] == (
+            f"{prog}: error: EVENT_LOOP=uvloop, but uvloop is not installed (pip install uvloop)"), stderr
+        assert "loading preset" not in stderr
 
 
 def test_unknown_choice_is_a_clear_error(monkeypatch):

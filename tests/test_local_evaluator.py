@@ -324,6 +324,10 @@ def test_broken_team_client(tmp_path, capsys, source, message):
     (["--seed", "-1"], "argument --seed: must be a non-negative integer, got '-1'"),
     # checked before the run, not when writing its results
     (["--json", "/no/such/folder/summary.json"], "argument --json: no such folder: /no/such/folder"),
+    (["--rate", "-5"], "argument --rate: must be a positive number, got '-5'"),
+    # not ignored: the file's requests were replayed, all of them
+    (["--stream", __file__, "--requests", "100", "--rate", "50"],
+     "--requests, --rate: for a generated stream; --stream replays the file's own requests"),
 ])
 def test_bad_options_exit_with_usage(usage_error, argv, message):
     assert message in usage_error(le.main, argv)
@@ -332,15 +336,6 @@ def test_bad_options_exit_with_usage(usage_error, argv, message):
 def test_a_profile_folder_that_is_a_file_is_refused_before_the_run(tmp_path, usage_error):
     (tmp_path / "trace").write_text("")
     assert f"--profile {tmp_path / 'trace'} is a file" in usage_error(le.main, ["--profile", str(tmp_path / "trace")])
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--rate", "-5"], "rate must be a positive number"),
-])
-def test_bad_values_give_clear_errors(tmp_path, team_dir, capsys, argv, message):
-    rc, _, err = run_main(capsys, "--team-dir", team_dir, "--symbols", 1, "--requests", 1,
-                          "--cache-dir", tmp_path / "cache", "--device", "cpu", *argv)
-    assert rc == 2 and message in err, err
 
 
 def test_plot_has_a_title_and_marks_p50_and_p99(tmp_path):

@@ -1,5 +1,5 @@
-"""scripts/make_weights.py, scripts/make_stream.py, scripts/profile_step.py, scripts/kernel_times.py,
-scripts/host_hiccups.py and scripts/long_stream.py as a user runs them: progress, one-line errors."""
+"""The scripts (make_weights.py, make_stream.py, long_stream.py, the benchmarks' command lines) as a user runs them:
+progress, one-line errors."""
 import json
 import os
 import subprocess
@@ -81,6 +81,13 @@ def test_script_mistakes_are_one_line(tmp_path):
         # refused before the run, not after it
         ("long_stream.py", ["--json", tmp_path / "nowhere" / "r.json"],
          f"scripts/long_stream.py: error: argument --json: no such folder: {tmp_path / 'nowhere'}"),
+        *((script, [*args, "--json", tmp_path / "nowhere" / "r.json"],
+           f"{prog}: error: argument --json: no such folder: {tmp_path / 'nowhere'}")
+          for script, prog, args in [("shard_hop.py", "scripts/shard_hop.py", []),
+                                     ("host_hiccups.py", "scripts/host_hiccups.py", []),
+                                     ("engine_starts.py", "scripts/engine_starts.py", ["--device", "cpu"]),
+                                     ("compile_bench.py", "scripts/compile_bench.py", ["--device", "cpu"]),
+                                     ("precision_cost.py", "precision_cost.py", ["auto", "--device", "cpu"])]),
     ]
     (tmp_path / "a_file").write_text("")
     runs = run_side_by_side([[sys.executable, str(REPO / "scripts" / script), *map(str, args)]
@@ -109,6 +116,18 @@ def test_long_stream_on_cuda_without_cuda_is_one_line():
     done = run("long_stream.py", "--device", "cuda", "--steps", "2")
     assert done.returncode == 2 and done.stderr.startswith("scripts/long_stream.py: error: --device cuda, but this ")
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_benchmarks_on_a_machine_without_cuda_are_one_line():
+    # each ran until a child's traceback, or failed every start alike
+    cases = [("compile_bench.py", "scripts/compile_bench.py: error: --device cuda, but this torch"),
+             ("engine_starts.py", "scripts/engine_starts.py: error: --device cuda, but this torch"),
+             ("bench_matmul.py", "scripts/bench_matmul.py: error: needs a CUDA GPU")]
+    runs = run_side_by_side([[sys.executable, str(REPO / "scripts" / script)] for script, _ in cases], cwd=REPO)
+    for (code, stderr), (script, message) in zip(runs, cases):
+        assert code == 2 and stderr.startswith(message), (script, stderr)
+        assert stderr.strip().splitlines() == [stderr.strip()]
 
 
 def test_make_stream_to_parquet_without_pyarrow_is_refused_before_the_targets(monkeypatch, usage_error, tmp_path):

@@ -715,7 +715,7 @@ def test_a_team_that_never_answered_in_time_has_no_accuracy_rather_than_zero():
 def test_a_port_in_use_is_refused_in_words():
     async def main():
         async with Server() as s:
-            with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{s.port}: .*choose another port"):
+            with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{s.port}: .*choose another --port"):
                 async with Server(port=s.port):
                     pass
     run(main())

@@ -100,8 +100,10 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--rate", "0"], "rate must be positive"),
-    (["--timeout-s", "-1"], "timeout_s must be positive"),
+    (["--rate", "0"], "argument --rate: must be a positive number, got '0'"),
+    (["--timeout-s", "-1"], "argument --timeout-s: must be a positive number, got '-1'"),  # not as timeout_s
+    (["--symbols", "-2"], "argument --symbols: must be a positive integer, got '-2'"),
+    (["--bad-token-delay-s", "-1"], "argument --bad-token-delay-s: must be a number of at least 0, got '-1'"),
     (["--port", "99999"], "argument --port: must be a port number in 0..65535, got '99999'"),
     (["--port", "-1"], "argument --port: must be a port number in 0..65535, got '-1'"),
     (["--json", "/no/such/folder/out.json"], "argument --json: no such folder: /no/such/folder"),
@@ -110,7 +112,10 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
     (["--token", "a", "--tokens", "README.md"], "not allowed with argument"),
     (["--token", ""], "--token must not be empty"),  # it admitted every register with an empty token, unwarned
     (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
-    (["--requests", "many"], "invalid int value"),
+    (["--requests", "many"], "argument --requests: must be a positive integer, got 'many'"),
+    # not ignored: the file's requests were played, all of them
+    (["--stream", "README.md", "--requests", "100"],
+     "--requests: for a generated stream; --stream plays the file's own requests"),
 ])
 def test_cli_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -122,6 +127,7 @@ def test_cli_builds_config():
     config = parse_args(["--preset", "small", "--seed", "5", "--rate", "50", "--once", "--json", "x.json"])
     assert (config.preset, config.seed, config.rate, config.once, config.json) == ("small", 5, 50.0, True, "x.json")
     assert config.atol == 1e-3 and config.timeout_s == 2.0 and config.host == "127.0.0.1"
+    assert (config.symbols, config.requests, config.stream_seed) == (20, 1000, 1)
 
 
 def test_ordinary_mistakes_are_one_line_errors(tmp_path):
@@ -231,6 +237,16 @@ def test_a_server_other_machines_reach_without_tokens_is_warned(tmp_path):
                      f"port {port} may register a team; give --tokens FILE (a token per team) to a server other "
                      f"machines can reach")
     assert last.startswith(f"python -m server: error: cannot listen on 0.0.0.0:{port}") and result.returncode == 2
+
+
+def test_a_host_not_of_this_machine_is_refused_before_the_targets_naming_the_host():
+    # with --port 0 it was found only after the targets, and either way blamed "another server" on the port
+    result = subprocess.run([sys.executable, "-m", "server", "--host", "203.0.113.7", "--port", "0"], cwd=ROOT,
+                            env=ONE_THREAD, capture_output=True, text=True, timeout=120)
+    warning, error = result.stderr.strip().splitlines()
+    assert warning.startswith("python -m server: warning: listening on 203.0.113.7") and result.returncode == 2
+    assert error == ("python -m server: error: cannot listen on 203.0.113.7:0: Cannot assign requested address; "
+                     "--host must be an address of this machine (0.0.0.0: all of them)")
 
 
 @pytest.mark.parametrize("content, message", [
