@@ -261,6 +261,16 @@ def check_device(device: str | None) -> None:
         raise CliError(f"--device {device}, but this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
 
 
+def preset_for(preset: str | None, device) -> str:
+    """The preset a command runs: the one given, else full on a CUDA device and tiny on the CPU (the full preset's
+    weights alone take 8 GB of host memory, and a CPU step of it seconds), said on stderr."""
+    if preset is not None:
+        return preset
+    preset = "full" if str(device).startswith("cuda") else "tiny"
+    print(f"--preset not given: using {preset} on {device}", file=sys.stderr)
+    return preset
+
+
 def format_bytes(size: float) -> str:
     if size < 1000:
         return f"{size:.0f} B"

@@ -88,7 +88,7 @@ def _on_off(text):
 
 def parse_args(argv=None):
     parser = cli.ArgumentParser(prog=PROG, description="Benchmark the fast engine (see the module docstring).")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: full on CUDA, else tiny)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, features and streams")
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke run")
     parser.add_argument("--json", metavar="PATH", type=cli.output_file,
@@ -213,6 +213,7 @@ def parse_args(argv=None):
         parser.error("--gpu-clocks samples a CUDA GPU with nvidia-smi: it needs --device cuda and nvidia-smi on PATH")
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but CUDA is not available; use --device cpu (with --quick) for a smoke run")
+    args.preset = cli.preset_for(args.preset, args.device)
     return args
 
 

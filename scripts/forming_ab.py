@@ -35,7 +35,7 @@ def _comma_list(kind):
 def parse_args(argv=None):
     parser = cli.ArgumentParser(prog="forming_ab.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: full on CUDA, else tiny)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and streams")
     parser.add_argument("--pairs", type=cli.positive_int, default=3, help="pairs at the event's load (default 3)")
@@ -50,6 +50,7 @@ def parse_args(argv=None):
     parser.add_argument("--json", type=cli.output_file, help="write every session's numbers here")
     args = parser.parse_args(argv)
     cli.check_device(args.device)
+    args.preset = cli.preset_for(args.preset, args.device)
     return args
 
 

@@ -65,7 +65,7 @@ def main(argv=None):
     parser = cli.ArgumentParser(prog="precision_cost.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("specs", type=specs_argument, help="precision specs separated by ';' (the first is the base)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: full on CUDA, else tiny)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batches", type=lambda t: [cli.positive_int(b) for b in t.split(",")], default=[1, 20, 64],
                         help="comma list of batch sizes (default 1,20,64)")
@@ -74,6 +74,7 @@ def main(argv=None):
     parser.add_argument("--json", type=cli.output_file, help="write the result here")
     args = parser.parse_args(argv)
     cli.check_device(args.device)
+    args.preset = cli.preset_for(args.preset, args.device)
     result = measure(args.specs, args.preset, args.device, args.batches, args.rounds, args.iters)
     base = result["median_ms"][args.specs[0].spec]
     for spec, row in result["median_ms"].items():

@@ -140,3 +140,16 @@ def test_a_console_script_names_itself_in_its_messages(monkeypatch):
     assert cli.prog_name("team/example_model.py") == "team/example_model.py"
     monkeypatch.setattr(sys, "argv", ["-c"])
     assert cli.prog_name("python -m server") == "python -m server"
+
+
+def test_a_command_without_preset_runs_full_on_cuda_and_tiny_on_the_cpu(capsys):
+    """The scripts that default to a preset take the full one only on a CUDA device: on the CPU its 8 GB of
+    weights were killed for memory with no message (precision_cost.py on a 24 GB machine)."""
+    from client.cli import preset_for
+    from scripts import bench, forming_ab
+
+    assert preset_for("small", "cpu") == "small" and capsys.readouterr().err == ""
+    assert preset_for(None, "cuda:1") == "full" and preset_for(None, "cpu") == "tiny"
+    assert "--preset not given: using tiny on cpu" in capsys.readouterr().err
+    assert forming_ab.parse_args(["--device", "cpu"]).preset == "tiny"
+    assert bench.parse_args(["--device", "cpu", "--quick"]).preset == "tiny"
