@@ -12,7 +12,6 @@ scripts/benchmarks/; this file is the command line and the runner.
 import argparse
 import contextlib
 import logging
-import math
 import os
 import shutil
 import sys
@@ -68,16 +67,6 @@ def _rates(text):
     if not rates:
         raise argparse.ArgumentTypeError("--rates needs at least one rate")
     return sorted(set(rates))
-
-
-def _non_negative_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
 
 
 def _on_off(text):
@@ -137,20 +126,20 @@ def parse_args(argv=None):
     parser.add_argument("--k1-rates", type=_rates, help="the max-rate search's rates with one request of a symbol a "
                                                         "step (default 3000,4000,...,8000)")
     parser.add_argument("--rate-seconds", type=cli.positive_float, help="length of each max-rate run (default 1.5)")
-    parser.add_argument("--swap-cold-rate", type=_non_negative_float, metavar="PER_S",
+    parser.add_argument("--swap-cold-rate", type=cli.non_negative_float, metavar="PER_S",
                         help="swap section: cold symbols a second through the host tier (default 50; 0: the hot "
                              "symbols alone, the section's baseline)")
     parser.add_argument("--swap-runs", type=cli.positive_int, default=1,
                         help="swap section: sessions in a row on one engine, each recorded (default 1)")
-    parser.add_argument("--late-after-ms", type=_list_of(_non_negative_float), metavar="MS[,MS...]",
+    parser.add_argument("--late-after-ms", type=_list_of(cli.non_negative_float), metavar="MS[,MS...]",
                         help="served sections: the runtime forms its next step late (just before the one in flight "
                              "ends) behind steps of at least MS (default: client/step_clock.py's LATE_AFTER_S); "
                              "several: the e2e and swap runs take them in turn, the other sections the first")
-    parser.add_argument("--form-margin-ms", type=_list_of(_non_negative_float), metavar="MS[,MS...]",
+    parser.add_argument("--form-margin-ms", type=_list_of(cli.non_negative_float), metavar="MS[,MS...]",
                         help="served sections: the next step formed late is formed MS earlier than the runtime's "
                              "learned times say (default: client/step_clock.py's MARGIN_S); several: in turn, as "
                              "--late-after-ms")
-    parser.add_argument("--punctual-late-after-ms", type=_list_of(_non_negative_float), metavar="MS[,MS...]",
+    parser.add_argument("--punctual-late-after-ms", type=_list_of(cli.non_negative_float), metavar="MS[,MS...]",
                         help="served sections: behind steps of at least MS (<= --late-after-ms) the next step is "
                              "formed late while the host wakes the runtime's submitter on time (no wait ended over "
                              f"{LATE_WAKE_S * 1000:g} ms late in the last {PUNCTUAL_HOLD_S:g} s: "
