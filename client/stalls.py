@@ -1,7 +1,10 @@
 """What stalls a process: the garbage collector's runs, a sleeping thread woken late, an event loop held up.
 
 Each is noted as (start on time.monotonic(), duration s[, detail]), so that a slow answer can be matched with
-what happened around it in the client's and the server's process (scripts/e2e_timeline.py). With a stacks file,
+what happened around it in the client's and the server's process (scripts/e2e_timeline.py). On Linux a late
+wake-up's or a loop lag's detail says how the late thread spent the interval (the kernel's schedstat of that
+thread): on a CPU (the loop busy), runnable but waiting for a CPU (the host's CPUs taken), or neither (blocked:
+the GIL, a lock, a page fault). With a stacks file,
 an event loop held up longer than stacks_after_s has its stack written there while it is held up: each tick
 re-arms a real-time timer (setitimer, ~1 us; faulthandler.dump_traceback_later starts a thread each time, 0.29 ms
 on a 2-core CPU box) whose SIGALRM faulthandler's C handler answers with the dump, needing no GIL, so what held the
@@ -15,6 +18,7 @@ such a dump; bench/LOG.md section 65).
 import asyncio
 import faulthandler
 import gc
+import os
 import signal
 import threading
 import time
@@ -63,12 +67,17 @@ class StallProbe:
             self.collections.append((self._gc_start, time.monotonic() - self._gc_start, info["generation"]))
 
     def _watch(self):
-        while not self._stop.is_set():
-            asleep = time.monotonic()
-            time.sleep(self.tick_s)
-            beyond = time.monotonic() - asleep - self.tick_s
-            if beyond > self.late_s:
-                self.late_wakeups.append((asleep, beyond))
+        clock = ThreadClock()
+        try:
+            while not self._stop.is_set():
+                start = clock.read()
+                asleep = time.monotonic()
+                time.sleep(self.tick_s)
+                beyond = time.monotonic() - asleep - self.tick_s
+                if beyond > self.late_s:
+                    self.late_wakeups.append(_event(asleep, beyond, clock.spent_since(start, self.tick_s + beyond)))
+        finally:
+            clock.close()
 
     async def watch_loop(self):
         """Run as a task on the event loop to watch; cancel it to stop."""
@@ -78,15 +87,56 @@ class StallProbe:
                                    "timer's signal is handled")
             self._stacks_file = open(self.stacks_path, "a")
             faulthandler.register(signal.SIGALRM, file=self._stacks_file, all_threads=False)
-        while True:
-            if self._stacks_file is not None:  # re-armed each tick: it fires only if the loop misses the next ones
-                signal.setitimer(signal.ITIMER_REAL, self.stacks_after_s)
-            asleep = time.monotonic()
-            await asyncio.sleep(self.tick_s)
-            beyond = time.monotonic() - asleep - self.tick_s
-            if beyond > self.lag_s:
-                self.loop_lags.append((asleep, beyond))
+        clock = ThreadClock()
+        try:
+            while True:
+                if self._stacks_file is not None:  # re-armed each tick: it fires only if the loop misses the next ones
+                    signal.setitimer(signal.ITIMER_REAL, self.stacks_after_s)
+                start = clock.read()
+                asleep = time.monotonic()
+                await asyncio.sleep(self.tick_s)
+                beyond = time.monotonic() - asleep - self.tick_s
+                if beyond > self.lag_s:
+                    self.loop_lags.append(_event(asleep, beyond, clock.spent_since(start, self.tick_s + beyond)))
+        finally:
+            clock.close()
 
     def events(self) -> dict:
         return {"collections": list(self.collections), "late_wakeups": list(self.late_wakeups),
                 "loop_lags": list(self.loop_lags)}
+
+
+class ThreadClock:
+    """The calling thread's time on a CPU and waiting for one (runnable, not running), from Linux's
+    /proc/thread-self/schedstat (nanoseconds since the thread started); read() is None where there is none."""
+
+    def __init__(self):
+        try:
+            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> tuple[int, int] | None:
+        if self._fd is None:
+            return None
+        on_cpu, runnable, _ = os.pread(self._fd, 128, 0).split()  # ~3 us: cheap enough for every tick
+        return int(on_cpu), int(runnable)
+
+    def spent_since(self, start, interval_s) -> dict | None:
+        """How the thread spent the interval_s since `start` (a read()): milliseconds on a CPU, waiting for a
+        CPU, and blocked (neither)."""
+        now = self.read()
+        if start is None or now is None:
+            return None
+        on_cpu, runnable = ((b - a) / 1e6 for a, b in zip(start, now))
+        return {"on_cpu_ms": on_cpu, "runnable_ms": runnable,
+                "blocked_ms": max(1e3 * interval_s - on_cpu - runnable, 0.0)}
+
+    def close(self):
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _event(start, seconds, detail):
+    return (start, seconds) if detail is None else (start, seconds, detail)

@@ -68,12 +68,15 @@ def analyze(timeline: dict, slowest: int = 12, near_s: float = 0.02) -> dict:
             inside = [e for e in events[kind] if start <= e[0] <= end]
             stalls[process][kind] = {"count": len(inside), "max_ms": 1e3 * max((e[1] for e in inside), default=0.0),
                                      "total_ms": 1e3 * sum(e[1] for e in inside)}
+            spent = [e[2] for e in inside if kind != "collections" and len(e) > 2]
+            if spent:  # how the late thread spent those intervals (client/stalls.py, Linux only)
+                stalls[process][kind]["spent_ms"] = {how: sum(s[how] for s in spent) for how in spent[0]}
         full = [e for e in events["collections"] if start <= e[0] <= end and e[2] == 2]
         stalls[process]["full_collections"] = {"count": len(full), "max_ms": 1e3 * max((e[1] for e in full),
                                                                                         default=0.0)}
     worst = []
     for r in sorted(rows, key=lambda r: -r["latency_ms"])[:slowest]:
-        near = [f"{process} {kind} {1e3 * e[1]:.1f} ms at {1e3 * (e[0] - r['sent']):+.1f}"
+        near = [f"{process} {kind} {1e3 * e[1]:.1f} ms at {1e3 * (e[0] - r['sent']):+.1f}{_spent(kind, e)}"
                 for process, events in processes.items() for kind in STALL_KINDS
                 for e in events[kind] if r["sent"] - near_s <= e[0] <= r["end"]]
         worst.append({"unique_id": r["unique_id"], "latency_ms": r["latency_ms"],
@@ -124,6 +127,13 @@ def episodes(rows, start, slow_ms, join_s=0.03) -> list[dict]:
     return out
 
 
+def _spent(kind, event) -> str:
+    """How the late thread spent a late wake-up's or a loop lag's interval, where the probe could tell."""
+    if kind == "collections" or len(event) < 3:
+        return ""
+    return " (" + ", ".join(f"{how[:-3].replace('_', ' ')} {ms:.1f}" for how, ms in event[2].items()) + ")"
+
+
 def format_report(result: dict) -> str:
     lines = [f"{result['answers']} answers: p50 {result['p50_ms']:.2f} ms, p99 {result['p99_ms']:.2f} ms",
              f"{'segment (ms)':34} {'all: p50 / p90 / max':>26} {'slowest 1%: p50 / p90 / max':>32}"]
@@ -132,7 +142,9 @@ def format_report(result: dict) -> str:
         lines.append(f"{name:34} {a['p50']:8.2f} {a['p90']:8.2f} {a['max']:8.2f} "
                      f"{t['p50']:10.2f} {t['p90']:10.2f} {t['max']:10.2f}")
     for process, kinds in result["stalls"].items():
-        parts = [f"{kind.replace('_', ' ')} {v['count']} (max {v['max_ms']:.1f} ms)" for kind, v in kinds.items()]
+        parts = [f"{kind.replace('_', ' ')} {v['count']} (max {v['max_ms']:.1f} ms"
+                 + ("".join(f", {how[:-3].replace('_', ' ')} {ms:.1f}" for how, ms in v["spent_ms"].items())
+                    + " ms in all" if "spent_ms" in v else "") + ")" for kind, v in kinds.items()]
         lines.append(f"{process} stalls: " + ", ".join(parts))
     if "arrivals" in result:
         lines.append("on arrival (all / slowest 1%): " + ", ".join(

@@ -85,6 +85,21 @@ def test_arrivals_say_which_requests_came_during_a_submit_or_to_a_full_pipeline(
     assert "arrivals" not in _load().analyze(_timeline(), slowest=1)  # no step log: not asked
 
 
+def test_a_loop_lag_near_a_slow_answer_says_how_the_loop_spent_it():
+    timeline = _timeline()
+    spent = {"on_cpu_ms": 1.5, "runnable_ms": 12.0, "blocked_ms": 1.5}
+    timeline["client_stalls"]["loop_lags"] = [(timeline["sent"][17] + 0.002, 0.010, spent),
+                                              (timeline["sent"][90], 0.004, spent)]
+    result = _load().analyze(timeline, slowest=1)
+    assert result["slowest"][0]["stalls_near"] == [
+        "server collections 15.0 ms at +1.0",
+        "client loop_lags 10.0 ms at +2.0 (on cpu 1.5, runnable 12.0, blocked 1.5)"]
+    lags = result["stalls"]["client"]["loop_lags"]
+    assert lags["spent_ms"] == {"on_cpu_ms": 3.0, "runnable_ms": 24.0, "blocked_ms": 3.0}
+    report = _load().format_report(result)
+    assert "loop lags 2 (max 10.0 ms, on cpu 3.0, runnable 24.0, blocked 3.0 ms in all)" in report
+
+
 def test_slow_answers_close_in_time_are_one_episode():
     rows = [{"unique_id": i, "sent": sent, "end": sent + latency / 1e3, "latency_ms": latency,
              "received": sent, "batched": sent, "submitted": sent, "done": sent + latency / 1e3,

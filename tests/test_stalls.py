@@ -1,12 +1,15 @@
 """client.stalls.StallProbe: collector runs, late wake-ups and event-loop lag are noted with their times."""
 import asyncio
 import gc
+import os
 import signal
 import sys
 import threading
 import time
 
-from client.stalls import StallProbe
+import pytest
+
+from client.stalls import StallProbe, ThreadClock
 
 
 def test_collections_are_noted_with_their_generation_and_stop_detaches():
@@ -34,7 +37,7 @@ def test_a_thread_kept_from_the_interpreter_wakes_late():
     finally:
         sys.setswitchinterval(interval)
         probe.stop()
-    assert probe.late_wakeups and max(late for _, late in probe.late_wakeups) > 0.01
+    assert probe.late_wakeups and max(event[1] for event in probe.late_wakeups) > 0.01
 
 
 def test_a_blocked_event_loop_is_noted_as_lag():
@@ -50,6 +53,39 @@ def test_a_blocked_event_loop_is_noted_as_lag():
     asyncio.run(main())
     assert len(probe.loop_lags) == 1 and probe.loop_lags[0][1] >= 0.04
     assert set(probe.events()) == {"collections", "late_wakeups", "loop_lags"}
+
+
+@pytest.mark.skipif(ThreadClock().read() is None, reason="no /proc/thread-self/schedstat (not Linux)")
+def test_a_loop_lag_says_whether_the_loop_was_busy_or_blocked():
+    """The loop computing shows as time on a CPU (or waiting for one, on a busy host), the loop blocked in a call
+    that sleeps as neither."""
+    probe = StallProbe(tick_s=0.001, lag_s=0.03)
+
+    async def main():
+        watch = asyncio.create_task(probe.watch_loop())
+        await asyncio.sleep(0.01)
+        end = time.monotonic() + 0.1
+        while time.monotonic() < end:  # busy
+            pass
+        await asyncio.sleep(0.01)
+        time.sleep(0.1)  # blocked
+        await asyncio.sleep(0.01)
+        watch.cancel()
+
+    asyncio.run(main())
+    busy, blocked = (event[2] for event in probe.loop_lags)
+    assert busy["on_cpu_ms"] + busy["runnable_ms"] > 80 and busy["blocked_ms"] < 20
+    assert blocked["blocked_ms"] > 80 and blocked["on_cpu_ms"] < 20
+
+
+def test_a_thread_clock_without_schedstat_reads_nothing(monkeypatch):
+    def no_file(*args):
+        raise FileNotFoundError("/proc/thread-self/schedstat")
+
+    monkeypatch.setattr(os, "open", no_file)
+    clock = ThreadClock()
+    assert clock.read() is None and clock.spent_since(None, 0.01) is None
+    clock.close()
 
 
 def _block_the_loop_for(seconds):
