@@ -567,8 +567,11 @@ class StreamingClient:
                 raise protocol.ProtocolError(f"unexpected {kind} message: a server does not send those")
         except protocol.ProtocolError as exc:
             self.stats.bad_messages += 1
-            log.warning("bad message from server: %s", exc)
-            self._send(ws, protocol.error("bad_message", str(exc)))
+            why = str(exc)
+            if exc.unique_ids is not None:  # a malformed request, in either protocol
+                why += f"; unique_ids {self._refuse_malformed(exc.unique_ids)} not answered"
+            log.warning("bad message from server: %s", why)
+            self._send(ws, protocol.error("bad_message", why))
 
     def _new_stream(self, ws, uid, symbol):
         """After a reconnect, before any request new to this client, the server sent a unique_id that held another
@@ -620,19 +623,19 @@ class StreamingClient:
             self._send(self._ws, protocol.error(notice["code"], notice["text"]))
         self._notices_sent = len(self.notices)
 
+    def _refuse_malformed(self, ids) -> list[int]:
+        """Count the ids of a malformed request new to this client as requests received and answered with an error,
+        as a NaN row is (a resend of one is refused too, rather than stepped after its symbol's later requests):
+        errors never outnumber requests. Returns those ids."""
+        refused = [uid for uid in dict.fromkeys(ids) if self._unseen(uid)]
+        for uid in refused:
+            self._rejected_ids.add(uid)
+            self.stats.note_request(uid)
+        self.stats.rejected += len(refused)
+        return refused
+
     def _on_request(self, ws, msg):
-        try:
-            ids, symbols, features = protocol.parse_inference_request(msg)
-        except protocol.ProtocolError as exc:
-            # Its rows new to this client are requests received and answered with an error, as a NaN row is (a resend
-            # of one is refused too, rather than stepped after its symbol's later requests): errors never outnumber
-            # requests
-            refused = [uid for uid in dict.fromkeys(msg["unique_ids"]) if self._unseen(uid)]
-            for uid in refused:
-                self._rejected_ids.add(uid)
-                self.stats.note_request(uid)
-            self.stats.rejected += len(refused)
-            raise protocol.ProtocolError(f"{exc}; unique_ids {refused} not answered") from None
+        ids, symbols, features = protocol.parse_inference_request(msg)  # a ProtocolError names its ids (_on_frame)
         finite_rows = np.isfinite(features).all(axis=1)
         unreadable = set(msg.get("unreadable_rows", ()))
         cached_ids, new_requests = [], []

@@ -520,3 +520,47 @@ def test_an_original_line_before_register_is_read_up_to_twice_the_longest_regist
     replies = run(main())
     assert [(r["error"], r["details"]) for r in replies] == [
         ("protocol_error", "line exceeds twice the limit of 5376 bytes; closing the connection")]
+
+
+def test_a_line_whose_lists_disagree_counts_its_new_ids_as_requests_refused_as_a_frame_does():
+    """An inference_request line of 3 unique_ids and 2 symbols: its ids new to the client are requests received and
+    refused, once each, as over the websocket protocol (it counted as neither); a resend of one is refused as
+    rejected earlier. Ids that are no list of integers: the integers among them count, the error says the rest."""
+    rows = np.random.default_rng(5).standard_normal((4, 79)).tolist()
+    lines = []
+
+    def request(ids, symbols, features):
+        return original.encode_line({"message_type": "inference_request", "unique_ids": ids, "symbols": symbols,
+                                     "features": features, "timestamp": 1.0})
+
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        writer.write(request([0], ["A"], rows[:1]))
+        writer.write(request([0, 1, 2], ["A", "B"], rows[:3]))       # 0 answered already: 1 and 2 refused
+        writer.write(request([2], ["C"], rows[2:3]))                 # a resend of a refused id
+        writer.write(request([5, "x", 6.0], ["A", "B", "C"], rows[:3]))  # ids that are not all integers: 5 refused
+        writer.write(request([3], ["A"], rows[3:4]))
+        while not (sum(1 for o in lines if o["message_type"] == "error") >= 3
+                   and sum(len(o["unique_ids"]) for o in lines if o["message_type"] == "inference_response") >= 2):
+            if not (line := await reader.readline()):
+                return
+            lines.append(json.loads(line))
+        writer.write(original.encode_line({"message_type": "stats_update", "complete": True, "requests": 5}))
+        await reader.read()
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        summary = await StreamingClient(Echo(), f"tcp://127.0.0.1:{port}", "t", leave_at_end=True).run()
+        server.close()
+        return summary
+
+    summary = run(main())
+    assert summary["outcome"] == runtime.COMPLETE
+    assert answered(lines) == [0, 3]
+    errors = [o["details"] for o in lines if o["message_type"] == "error"]
+    assert "3 unique_ids, 2 symbols and 3 feature rows; unique_ids [1, 2] not answered" in errors[0]
+    assert "unique_id 2 " in errors[1] and "rejected earlier" in errors[1]
+    assert ("field 'unique_ids' must be a list of integers, got list (2 of its 3 unique_ids are no integers: "
+            "only the integers count as requests); unique_ids [5] not answered") in errors[2]
+    assert (summary["requests"], summary["errors"], summary["responses_sent"]) == (5, 3, 2)
