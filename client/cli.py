@@ -33,7 +33,7 @@ import traceback
 EXIT_OK = 0                  # done: for the team client, the stream was played to the end
 EXIT_BUG = 1                 # an unexpected error (rerun with --debug for the traceback)
 EXIT_USAGE = 2               # an ordinary mistake: bad option, missing file, unknown preset, port in use, the
-                             # server speaks the other --protocol
+                             # server speaks the other --protocol, or neither (a web server)
 EXIT_UNREACHABLE = 3         # the team client never reached the server
 EXIT_REFUSED = 4             # the server refused the team client (token, protocol version, team name)
 EXIT_WEIGHTS_MISMATCH = 5    # the server's model has other weights than the team client's

@@ -45,7 +45,7 @@ WEIGHTS_MISMATCH = "weights_mismatch"  # the server's model has other weights th
 CUT_SHORT = "cut_short"                # connected, then the server went away, stopped or fell silent before the end
 GAVE_UP = "gave_up"                    # the server failed the same way on GIVE_UP_REPEATS connections in a row
 INTERRUPTED = "interrupted"            # stop() before the end (Ctrl-C in the team client)
-WRONG_PROTOCOL = "wrong_protocol"      # the server speaks the other protocol (websocket, tcp-json)
+WRONG_PROTOCOL = "wrong_protocol"      # the server speaks the other protocol (websocket, tcp-json), or neither
 NEW_STREAM = "new_stream"              # after a reconnect the server began another stream (its ids started over)
 OUTCOMES = (COMPLETE, UNREACHABLE, REFUSED, WEIGHTS_MISMATCH, CUT_SHORT, GAVE_UP, INTERRUPTED, WRONG_PROTOCOL,
             NEW_STREAM)
@@ -184,7 +184,7 @@ class StreamingClient:
     - when the server refuses the client or closes with code 1000 (server stopped);
     - when the first connection fails for `connect_timeout_s` (a wrong host or port fails fast), or a lost
       connection cannot be made again for `give_up_after_s` (reconnects back off exponentially);
-    - when the server speaks the other protocol (the detail names the flag to pass);
+    - when the server speaks the other protocol (the detail names the flag to pass), or neither (a web server);
     - when give_up_repeats connections in a row end the same way (the same close, or the same refusal of a
       limit that passes) with no new request between them;
     - when the server sends nothing, not even a heartbeat, for server_idle_s, or nothing but heartbeats before it

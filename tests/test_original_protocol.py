@@ -1,9 +1,11 @@
 """The original event's protocol (newline-delimited JSON over TCP) on the project's server and in its runtime."""
 import asyncio
+import http.server
 import json
 import re
 import socket
 import sys
+import threading
 import time
 
 import numpy as np
@@ -364,6 +366,90 @@ def test_a_client_of_either_protocol_says_which_flag_a_server_of_the_other_wants
         assert summary["outcome"] == runtime.WRONG_PROTOCOL
         assert summary["detail"].startswith(f"the server at {url} answers in {speaks}")
         assert summary["detail"].endswith(f"; pass --protocol {flag}")
+
+
+class QuietPages(http.server.SimpleHTTPRequestHandler):
+    """`python -m http.server`'s handler, without its log lines: a bad request line is answered with a page alone
+    (HTTP/0.9, no status line)."""
+
+    def log_message(self, *args):
+        pass
+
+
+class StatusLinePages(QuietPages):
+    default_request_version = "HTTP/1.0"  # a bad request line answered with a status line first, as nginx does
+
+
+@pytest.mark.parametrize("handler", [QuietPages, StatusLinePages])
+@pytest.mark.parametrize("scheme", ["tcp", "ws"])
+def test_a_web_server_is_said_to_be_no_scoring_server_at_once(handler, scheme):
+    """A plain HTTP server at the address: over tcp-json its page (or status line) was a bad line, answered and
+    skipped, and the client reconnected until it gave up; over the websocket protocol it was unreachable for 3 s.
+    Now one line at the first answer, exit 2, naming what it answered."""
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    url = f"{scheme}://127.0.0.1:{web.server_address[1]}"
+    try:
+        summary = run(StreamingClient(None, url, "x", connect_timeout_s=5.0).run())
+    finally:
+        web.shutdown()
+        web.server_close()
+    assert summary["outcome"] == runtime.WRONG_PROTOCOL and summary["connections"] <= 1
+    assert summary["detail"].startswith(f"the server at {url} is no scoring server: it answered ")
+    assert "a websocket handshake with 'HTTP/1.0 200 OK' (a web server?); check --host and --port" in summary["detail"]
+    if scheme == "tcp":
+        first = "'<!DOCTYPE HTML>'" if handler is QuietPages else "'HTTP/1.0 400 Bad request syntax"
+        assert f"it answered the register with {first}" in summary["detail"]
+
+
+def test_a_first_line_of_no_json_from_a_server_of_no_http_is_said_at_once():
+    async def handler(reader, writer):
+        await reader.readline()
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n")
+        await reader.read()
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(None, url, "x").run()
+        server.close()
+        return url, summary
+
+    url, summary = run(main())
+    assert summary["outcome"] == runtime.WRONG_PROTOCOL
+    assert summary["detail"] == (f"the server at {url} does not speak the original protocol: it answered the register "
+                                 f"with 'SSH-2.0-OpenSSH_9.6', which is no JSON; check --host and --port")
+
+
+def test_a_bad_line_later_in_a_session_is_answered_and_skipped_as_the_original_client_did():
+    """Only the first line decides that a server speaks no JSON: later, an HTTP status line or a page is a bad line,
+    answered with an error, and the session plays on."""
+    lines = []
+
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        writer.write(original.encode_line({"message_type": "heartbeat", "timestamp": 1.0}))
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n<!DOCTYPE HTML>\n")
+        rows = np.random.default_rng(6).standard_normal((1, 79)).tolist()
+        writer.write(original.encode_line({"message_type": "inference_request", "unique_ids": [0],
+                                           "symbols": ["A"], "features": rows, "timestamp": 1.0}))
+        while not answered(lines):
+            lines.append(json.loads(await reader.readline()))
+        writer.write(original.encode_line({"message_type": "stats_update", "complete": True, "requests": 1}))
+        await reader.read()
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(Echo(), url, "x", leave_at_end=True).run()
+        server.close()
+        return summary
+
+    summary = run(main())
+    assert summary["outcome"] == runtime.COMPLETE and summary["connections"] == 1
+    errors = [o["details"] for o in lines if o["message_type"] == "error"]
+    assert len(errors) == 2 and all(e.startswith("line is not JSON") for e in errors), errors
+    assert answered(lines) == [0]
 
 
 # ---------------------------------------------------------------------------------- the wire format
