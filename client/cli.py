@@ -16,7 +16,8 @@ it raises into one line on stderr and the exit code below:
 
 Ordinary mistakes are CliError (with its own exit code), ValueError, OSError and ImportError: the
 libraries here raise those with messages that say what is wrong; so is sys.exit("message"). Anything else
-is a bug and exits 1. Tracebacks are printed only with --debug.
+is a bug and exits 1. Tracebacks are printed only with --debug. A reader of the output that leaves early
+(`| head`) ends the command quietly, exit 141.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import argparse
 import ipaddress
 import math
 import os
+import select
 import sys
 import time
 import traceback
@@ -31,12 +33,13 @@ import traceback
 EXIT_OK = 0                  # done: for the team client, the stream was played to the end
 EXIT_BUG = 1                 # an unexpected error (rerun with --debug for the traceback)
 EXIT_USAGE = 2               # an ordinary mistake: bad option, missing file, unknown preset, port in use, the
-                             # server speaks the other --protocol
+                             # server speaks the other --protocol, or neither (a web server)
 EXIT_UNREACHABLE = 3         # the team client never reached the server
 EXIT_REFUSED = 4             # the server refused the team client (token, protocol version, team name)
 EXIT_WEIGHTS_MISMATCH = 5    # the server's model has other weights than the team client's
 EXIT_CUT_SHORT = 6           # connected, but the stream ended early (server gone, stopped, silent or failing)
 EXIT_INTERRUPTED = 130       # Ctrl-C (128 + SIGINT, as shells report it)
+EXIT_OUTPUT_CLOSED = 141      # the reader of the output left, `| head` (128 + SIGPIPE, as shells report it)
 
 EXIT_CODES = {  # code -> meaning, for --help epilogs and the README
     EXIT_OK: "played to the end (or done)",
@@ -48,6 +51,7 @@ EXIT_CODES = {  # code -> meaning, for --help epilogs and the README
     EXIT_CUT_SHORT: "cut short (the server went away, stopped, fell silent or failed the same way on every "
                     "connection before the end of the stream)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+    EXIT_OUTPUT_CLOSED: "the reader of the output left (| head)",
 }
 
 # The team client's exit code for each outcome of client.runtime's StreamingClient.
@@ -110,6 +114,7 @@ def run_cli(main, prog: str | None = None, argv: list[str] | None = None) -> int
     limit = None if debug else MAX_MESSAGE_CHARS
     try:
         code = main(argv)
+        sys.stdout.flush()  # what is still buffered: a reader that left breaks the pipe here, not at the exit
         return EXIT_OK if code is None else int(code)
     except SystemExit as exc:
         if not isinstance(exc.code, str):  # argparse's exit, or main's own code
@@ -122,6 +127,8 @@ def run_cli(main, prog: str | None = None, argv: list[str] | None = None) -> int
     except CliError as exc:
         failure, code, message = exc, exc.exit_code, f"{prog}: error: {one_line(exc, limit)}"
     except ORDINARY_ERRORS as exc:
+        if isinstance(exc, BrokenPipeError) and readers_left():
+            return EXIT_OUTPUT_CLOSED
         failure, code, message = exc, EXIT_USAGE, f"{prog}: error: {one_line(exc, limit)}"
     except Exception as exc:  # a bug: still one line, with the way to its traceback
         failure, code = exc, EXIT_BUG
@@ -131,6 +138,25 @@ def run_cli(main, prog: str | None = None, argv: list[str] | None = None) -> int
         traceback.print_exception(failure)
     print(message, file=sys.stderr, flush=True)
     return code
+
+
+def readers_left() -> bool:
+    """Whether the reader of stdout or stderr has closed its pipe (`| head`): each such stream is pointed at
+    /dev/null, so that nothing written later, nor the interpreter's flush at the exit, raises BrokenPipeError."""
+    left = False
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            poller = select.poll()
+            poller.register(stream.fileno(), select.POLLOUT)
+            closed = any(events & select.POLLERR for _, events in poller.poll(0))  # a pipe's writer without reader
+        except (AttributeError, ValueError, OSError):  # no poll (Windows), no file descriptor (a test's capture)
+            continue
+        if closed:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+            left = True
+    return left
 
 
 def positive_int(text: str) -> int:

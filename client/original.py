@@ -117,6 +117,29 @@ def _rows(obj, name, width) -> list:
     return rows
 
 
+def _inference_request(obj: dict) -> dict:
+    ids = _field(obj, "unique_ids", _ints, "a list of integers")
+    symbols = _field(obj, "symbols", _strs, "a list of strings of Unicode text (no lone surrogate)")
+    features = _field(obj, "features", lambda v: isinstance(v, list), "a list of lists of numbers")
+    timestamp = _field(obj, "timestamp", _is_number, "a number")
+    if not len(ids) == len(symbols) == len(features):
+        raise ProtocolError(f"inference_request: {len(ids)} unique_ids, {len(symbols)} symbols and "
+                            f"{len(features)} feature rows")
+    # A row that is not 79 numbers is sent on as NaN and named, for the runtime to refuse that request alone:
+    # refusing the line would drop the other symbols' requests with it, and desynchronise their states.
+    unreadable = [i for i, row in enumerate(features)
+                  if not (isinstance(row, list) and len(row) == NUM_FEATURES and all(_is_number(v) for v in row))]
+    if unreadable:
+        features = list(features)
+        for i in unreadable:
+            features[i] = _NAN_ROW
+    rows = np.array(features, dtype=np.float32).reshape(len(ids), NUM_FEATURES)
+    msg = protocol.inference_request(ids, symbols, rows, timestamp)
+    if unreadable:
+        msg["unreadable_rows"] = unreadable
+    return msg
+
+
 def from_original(obj: dict, team: str = "") -> dict:
     """The project's message for an original object (decoded by decode_line); `team` names a register's team.
 
@@ -125,26 +148,10 @@ def from_original(obj: dict, team: str = "") -> dict:
     if kind == "register":
         return protocol.register(team)
     if kind == "inference_request":
-        ids = _field(obj, "unique_ids", _ints, "a list of integers")
-        symbols = _field(obj, "symbols", _strs, "a list of strings of Unicode text (no lone surrogate)")
-        features = _field(obj, "features", lambda v: isinstance(v, list), "a list of lists of numbers")
-        timestamp = _field(obj, "timestamp", _is_number, "a number")
-        if not len(ids) == len(symbols) == len(features):
-            raise ProtocolError(f"inference_request: {len(ids)} unique_ids, {len(symbols)} symbols and "
-                                f"{len(features)} feature rows")
-        # A row that is not 79 numbers is sent on as NaN and named, for the runtime to refuse that request alone:
-        # refusing the line would drop the other symbols' requests with it, and desynchronise their states.
-        unreadable = [i for i, row in enumerate(features)
-                      if not (isinstance(row, list) and len(row) == NUM_FEATURES and all(_is_number(v) for v in row))]
-        if unreadable:
-            features = list(features)
-            for i in unreadable:
-                features[i] = _NAN_ROW
-        rows = np.array(features, dtype=np.float32).reshape(len(ids), NUM_FEATURES)
-        msg = protocol.inference_request(ids, symbols, rows, timestamp)
-        if unreadable:
-            msg["unreadable_rows"] = unreadable
-        return msg
+        try:
+            return _inference_request(obj)
+        except ProtocolError as exc:  # naming its ids, as a malformed frame's: the runtime counts and refuses them
+            raise protocol.request_error(str(exc), obj.get("unique_ids")) from None
     if kind == "inference_response":
         ids = _field(obj, "unique_ids", _ints, "a list of integers")
         predictions = _rows(obj, "predictions", NUM_TOWERS)

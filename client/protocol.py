@@ -51,7 +51,25 @@ _FEATURE_DTYPE = np.dtype("<f4")
 
 
 class ProtocolError(ValueError):
-    """A frame or message that breaks the protocol; the message says exactly what is wrong."""
+    """A frame or message that breaks the protocol; the message says exactly what is wrong.
+
+    That of a malformed inference_request names the integers among its unique_ids (``unique_ids``; None for another
+    kind, or ids that are no list): requests the runtime counts as received and refuses, in either protocol."""
+
+    def __init__(self, message: str, unique_ids: list[int] | None = None):
+        super().__init__(message)
+        self.unique_ids = unique_ids
+
+
+def request_error(message: str, unique_ids) -> ProtocolError:
+    """The ProtocolError of a malformed inference_request whose unique_ids field holds `unique_ids` (anything)."""
+    if not isinstance(unique_ids, list):
+        return ProtocolError(message)
+    integers = [v for v in unique_ids if _is_int(v)]
+    if len(integers) < len(unique_ids):
+        message += (f" ({len(unique_ids) - len(integers)} of its {len(unique_ids)} unique_ids are no integers: only "
+                    f"the integers count as requests)")
+    return ProtocolError(message, integers)
 
 
 def _is_int(value):
@@ -144,13 +162,18 @@ def validate(msg) -> dict:
     schema = _SCHEMAS.get(kind) if isinstance(kind, str) else None
     if schema is None:
         raise ProtocolError(f"unknown message type {kind!r}; expected one of {', '.join(MESSAGE_TYPES)}")
-    for field, (check, expected, required) in schema.items():
-        if field not in msg:
-            if required:
-                raise ProtocolError(f"{kind}: missing field {field!r}")
-            continue
-        if not check(msg[field]):
-            raise ProtocolError(f"{kind}: field {field!r} must be {expected}, got {type(msg[field]).__name__}")
+    try:
+        for field, (check, expected, required) in schema.items():
+            if field not in msg:
+                if required:
+                    raise ProtocolError(f"{kind}: missing field {field!r}")
+                continue
+            if not check(msg[field]):
+                raise ProtocolError(f"{kind}: field {field!r} must be {expected}, got {type(msg[field]).__name__}")
+    except ProtocolError as exc:
+        if kind != "inference_request":
+            raise
+        raise request_error(str(exc), msg.get("unique_ids")) from None
     return msg
 
 
@@ -243,10 +266,10 @@ def parse_inference_request(msg) -> tuple[list[int], list[str], np.ndarray]:
     ids, symbols, raw = msg["unique_ids"], msg["symbols"], msg["features"]
     n = len(ids)
     if len(symbols) != n:
-        raise ProtocolError(f"inference_request: {n} unique_ids but {len(symbols)} symbols")
+        raise request_error(f"inference_request: {n} unique_ids but {len(symbols)} symbols", ids)
     if len(raw) != n * NUM_FEATURES * 4:
-        raise ProtocolError(f"inference_request: features hold {len(raw)} bytes, expected "
-                            f"{n * NUM_FEATURES * 4} ({n} requests x {NUM_FEATURES} float32)")
+        raise request_error(f"inference_request: features hold {len(raw)} bytes, expected "
+                            f"{n * NUM_FEATURES * 4} ({n} requests x {NUM_FEATURES} float32)", ids)
     features = np.frombuffer(raw, dtype=_FEATURE_DTYPE).astype(np.float32).reshape(n, NUM_FEATURES)
     return list(ids), list(symbols), features
 

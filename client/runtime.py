@@ -45,7 +45,7 @@ WEIGHTS_MISMATCH = "weights_mismatch"  # the server's model has other weights th
 CUT_SHORT = "cut_short"                # connected, then the server went away, stopped or fell silent before the end
 GAVE_UP = "gave_up"                    # the server failed the same way on GIVE_UP_REPEATS connections in a row
 INTERRUPTED = "interrupted"            # stop() before the end (Ctrl-C in the team client)
-WRONG_PROTOCOL = "wrong_protocol"      # the server speaks the other protocol (websocket, tcp-json)
+WRONG_PROTOCOL = "wrong_protocol"      # the server speaks the other protocol (websocket, tcp-json), or neither
 NEW_STREAM = "new_stream"              # after a reconnect the server began another stream (its ids started over)
 OUTCOMES = (COMPLETE, UNREACHABLE, REFUSED, WEIGHTS_MISMATCH, CUT_SHORT, GAVE_UP, INTERRUPTED, WRONG_PROTOCOL,
             NEW_STREAM)
@@ -184,7 +184,7 @@ class StreamingClient:
     - when the server refuses the client or closes with code 1000 (server stopped);
     - when the first connection fails for `connect_timeout_s` (a wrong host or port fails fast), or a lost
       connection cannot be made again for `give_up_after_s` (reconnects back off exponentially);
-    - when the server speaks the other protocol (the detail names the flag to pass);
+    - when the server speaks the other protocol (the detail names the flag to pass), or neither (a web server);
     - when give_up_repeats connections in a row end the same way (the same close, or the same refusal of a
       limit that passes) with no new request between them;
     - when the server sends nothing, not even a heartbeat, for server_idle_s, or nothing but heartbeats before it
@@ -567,8 +567,11 @@ class StreamingClient:
                 raise protocol.ProtocolError(f"unexpected {kind} message: a server does not send those")
         except protocol.ProtocolError as exc:
             self.stats.bad_messages += 1
-            log.warning("bad message from server: %s", exc)
-            self._send(ws, protocol.error("bad_message", str(exc)))
+            why = str(exc)
+            if exc.unique_ids is not None:  # a malformed request, in either protocol
+                why += f"; unique_ids {self._refuse_malformed(exc.unique_ids)} not answered"
+            log.warning("bad message from server: %s", why)
+            self._send(ws, protocol.error("bad_message", why))
 
     def _new_stream(self, ws, uid, symbol):
         """After a reconnect, before any request new to this client, the server sent a unique_id that held another
@@ -620,19 +623,19 @@ class StreamingClient:
             self._send(self._ws, protocol.error(notice["code"], notice["text"]))
         self._notices_sent = len(self.notices)
 
+    def _refuse_malformed(self, ids) -> list[int]:
+        """Count the ids of a malformed request new to this client as requests received and answered with an error,
+        as a NaN row is (a resend of one is refused too, rather than stepped after its symbol's later requests):
+        errors never outnumber requests. Returns those ids."""
+        refused = [uid for uid in dict.fromkeys(ids) if self._unseen(uid)]
+        for uid in refused:
+            self._rejected_ids.add(uid)
+            self.stats.note_request(uid)
+        self.stats.rejected += len(refused)
+        return refused
+
     def _on_request(self, ws, msg):
-        try:
-            ids, symbols, features = protocol.parse_inference_request(msg)
-        except protocol.ProtocolError as exc:
-            # Its rows new to this client are requests received and answered with an error, as a NaN row is (a resend
-            # of one is refused too, rather than stepped after its symbol's later requests): errors never outnumber
-            # requests
-            refused = [uid for uid in dict.fromkeys(msg["unique_ids"]) if self._unseen(uid)]
-            for uid in refused:
-                self._rejected_ids.add(uid)
-                self.stats.note_request(uid)
-            self.stats.rejected += len(refused)
-            raise protocol.ProtocolError(f"{exc}; unique_ids {refused} not answered") from None
+        ids, symbols, features = protocol.parse_inference_request(msg)  # a ProtocolError names its ids (_on_frame)
         finite_rows = np.isfinite(features).all(axis=1)
         unreadable = set(msg.get("unreadable_rows", ()))
         cached_ids, new_requests = [], []

@@ -10,9 +10,11 @@ Two protocols, chosen by the server url's scheme:
 A Connection's frames go through ``decode(frame) -> message`` (a ProtocolError says what is wrong) and
 ``encode(message) -> frame`` (None: the protocol has no such message, nothing to send). Iterating a connection gives
 the server's frames until it closes; ``close_code`` and ``close_reason`` then say why, as a websocket close frame
-does. A server that speaks the other protocol raises ProtocolMismatch, whose message names the flag to pass.
+does. A server that speaks the other protocol raises ProtocolMismatch, whose message names the flag to pass; so
+does one that speaks neither (a web server), whose message says so.
 """
 import asyncio
+import json
 from abc import ABC, abstractmethod
 from urllib.parse import urlsplit
 
@@ -23,7 +25,12 @@ PROTOCOLS = ("websocket", "tcp-json")
 _SCHEME_OF = {"websocket": "ws", "tcp-json": "tcp"}
 _PROTOCOL_OF = {"ws": "websocket", "wss": "websocket", "tcp": "tcp-json"}
 PROBE_TIMEOUT_S = 1.0
-_HTTP_PROBE = b"GET / HTTP/1.1\r\nHost: probe\r\n\r\n"
+# A websocket handshake, as a probe: a websocket server accepts it (101), another HTTP server answers it otherwise, and
+# an original-protocol server answers its lines with error lines.
+_HANDSHAKE_PROBE = (b"GET / HTTP/1.1\r\nHost: probe\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                    b"Sec-WebSocket-Key: cHJvYmVwcm9iZXByb2JlIQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+# HTTP statuses that a websocket server may answer a handshake with for a while (busy, shutting down): no verdict
+_PASSING_STATUSES = {408, 429, 500, 502, 503, 504}
 
 
 class ConnectError(Exception):
@@ -35,7 +42,7 @@ class ConnectionClosed(Exception):
 
 
 class ProtocolMismatch(Exception):
-    """The server speaks the other protocol; the message says which and the flag to pass."""
+    """The server speaks the other protocol, or neither (a web server); the message says which and what to do."""
 
 
 def server_url(protocol_name: str, host: str, port: int) -> str:
@@ -53,11 +60,15 @@ def protocol_of(url: str) -> str:
     return _PROTOCOL_OF[scheme]
 
 
-def mismatch(url: str, speaks: str) -> ProtocolMismatch:
-    flag = "tcp-json" if speaks == "tcp-json" else "websocket"
+def mismatch(url: str, speaks: str, answered: str = "") -> ProtocolMismatch:
+    """The error for a server at url that speaks `speaks` (as speaks_what says); for "http", `answered` says what it
+    answered to what."""
+    if speaks == "http":
+        return ProtocolMismatch(f"the server at {url} is no scoring server: it answered {answered} (a web server?); "
+                                f"check --host and --port")
     described = {"tcp-json": "the original protocol (newline-delimited JSON over TCP)",
                  "websocket": "HTTP (the websocket protocol)"}[speaks]
-    return ProtocolMismatch(f"the server at {url} answers in {described}; pass --protocol {flag}")
+    return ProtocolMismatch(f"the server at {url} answers in {described}; pass --protocol {speaks}")
 
 
 class Connection(ABC):
@@ -126,12 +137,35 @@ async def first_bytes(host: str, port: int, send: bytes, timeout_s: float = PROB
         writer.close()
 
 
-def answers_http(answer: bytes) -> bool:
-    return answer.startswith(b"HTTP/")
+def first_line(answer: bytes, limit: int = 80) -> str:
+    """The first line of a server's answer, quoted, for a message (cut to about `limit` characters)."""
+    text = next((line for line in answer.splitlines() if line.strip()), b"").decode("utf-8", "replace")
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def answers_json_lines(answer: bytes) -> bool:
-    return answer.lstrip().startswith(b"{")
+async def speaks_what(host: str, port: int) -> tuple[str | None, bytes]:
+    """(what the server at host:port speaks, by its answer to a websocket handshake; that answer): "websocket" (it
+    accepts one), "tcp-json" (JSON lines: it takes the handshake's lines for bad ones), "http" (another HTTP answer:
+    no scoring server), or None (no answer in time, a busy or stopping server's, or anything else)."""
+    answer = await first_bytes(host, port, _HANDSHAKE_PROBE)
+    if answer.lstrip().startswith(b"{"):
+        return "tcp-json", answer
+    status = answer.split(b" ", 2)[1:2] if answer.startswith(b"HTTP/") else []
+    if not status or not status[0].isdigit():
+        return None, answer
+    if int(status[0]) == 101:
+        return "websocket", answer
+    return (None if int(status[0]) in _PASSING_STATUSES else "http"), answer
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    except RecursionError:  # deep, but JSON: the decoder says what is wrong with it
+        pass
+    return True
 
 
 class TcpJsonConnection(Connection):
@@ -194,14 +228,19 @@ class TcpJsonConnection(Connection):
             if not line.endswith(b"\n"):  # the end of the connection (a last line cut short is lost with it)
                 # A websocket server closes at once, without a word, on a line that is no HTTP request: ask it
                 # one to tell it from a server that went away.
-                if not self._lines_read and answers_http(await first_bytes(self.host, self.port, _HTTP_PROBE)):
-                    raise mismatch(self.url, "websocket")
+                if not self._lines_read:
+                    speaks, answer = await speaks_what(self.host, self.port)
+                    if speaks in ("websocket", "http"):
+                        raise mismatch(self.url, speaks, f"the register by closing the connection, and a websocket "
+                                                         f"handshake with {first_line(answer)}")
                 return
-            if answers_http(line) and not self._lines_read:
-                raise mismatch(self.url, "websocket")
-            self._lines_read += 1
             if not line.strip():
                 continue
+            # A first line that is no JSON (an HTTP status line, a page) is no server of this protocol: said at once,
+            # where a later bad line is answered with an error and the session goes on, as the original client did.
+            if not self._lines_read and not _is_json(line):
+                raise await self._not_original(line)
+            self._lines_read += 1
             try:
                 obj = original.decode_line(line)
                 msg = original.from_original(obj)
@@ -218,6 +257,15 @@ class TcpJsonConnection(Connection):
                 yield {"type": "welcome", "preset": None, "weights_fingerprint": None, "requests": None,
                        "symbols": None, "weights_match": None}
             yield msg
+
+    async def _not_original(self, line: bytes) -> ProtocolMismatch:
+        """The error for a server whose first line is no JSON: what it speaks, where a handshake tells."""
+        speaks, answer = await speaks_what(self.host, self.port)
+        if speaks is None:
+            return ProtocolMismatch(f"the server at {self.url} does not speak the original protocol: it answered the "
+                                    f"register with {first_line(line)}, which is no JSON; check --host and --port")
+        return mismatch(self.url, speaks, f"the register with {first_line(line)}, and a websocket handshake with "
+                                          f"{first_line(answer)}")
 
     async def close(self) -> None:
         if not self._writer.is_closing():

@@ -6,8 +6,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client import protocol
-from client.transport import (ConnectError, Connection, ConnectionClosed as TransportClosed, answers_json_lines,
-                              first_bytes, mismatch)
+from client.transport import (ConnectError, Connection, ConnectionClosed as TransportClosed, first_line, mismatch,
+                              speaks_what)
 
 
 async def connect_websocket(url: str, open_timeout: float, compression: bool = False) -> "WebSocketConnection":
@@ -21,10 +21,12 @@ async def connect_websocket(url: str, open_timeout: float, compression: bool = F
         raise ValueError(f"bad server url {url!r}: {exc}") from None
     except (InvalidHandshake, TimeoutError) as exc:
         # A server of the original protocol takes the handshake's lines for bad JSON and answers each with an
-        # error line, which is no HTTP response: ask it again to tell it from a server that is only slow.
+        # error line, which is no HTTP response, and a web server answers it with a page: ask it again to tell them
+        # from a server that is only slow or busy.
         parts = urlsplit(url)
-        if answers_json_lines(await first_bytes(parts.hostname, parts.port or 80, b"GET / HTTP/1.1\r\n")):
-            raise mismatch(url, "tcp-json") from None
+        speaks, answer = await speaks_what(parts.hostname, parts.port or 80)
+        if speaks in ("tcp-json", "http"):
+            raise mismatch(url, speaks, f"a websocket handshake with {first_line(answer)}") from None
         raise ConnectError(_reason(exc)) from None
     except OSError as exc:
         raise ConnectError(_reason(exc)) from None

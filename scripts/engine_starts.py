@@ -1,7 +1,11 @@
 """Start the fast engine again and again, each time in a fresh process: the first start may compile every kernel
 (a cold Triton cache), the others load them from the cache. Reports each start's seconds, whether it succeeded,
-and the engine's own warnings; a start that succeeded only because precompile compiled some shapes again one at a
-time (client/engine/fast/runner.py) counts as recovered, and the exit code is 1 if any start failed or recovered.
+and the engine's own warnings. Precompile (client/engine/fast/runner.py) compiles the step shapes side by side
+(launching nothing), then runs every shape's step once more, one shape at a time, which makes the kernels' first
+launches; a start counts as recovered where it succeeded only by one of its fallbacks, which say so on stderr: shapes
+that failed to compile side by side, compiled by those one-at-a-time runs instead, or a shape whose run failed, run
+again after Triton's compiled kernels were dropped (forget_compiled). The exit code is 1 if any start failed or
+recovered.
 Graphs are not captured: a start here is the imports, the model's weights made on the device, the state table and
 the kernels. `--host-symbols` sizes the host tier, which pins in the background while the kernels compile (the
 engine's default tier where not given; 0: none); `--parallel` runs that many starts at once, each in its own
@@ -18,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from client import cli
 
 PROG = "scripts/engine_starts.py"
-# precompile's notes when shapes were compiled again one at a time, or launched again from fresh caches
+# precompile's notes of its fallbacks: shapes that failed to compile side by side (their one-at-a-time launches
+# compiled them), a shape whose launch failed and was run again after forget_compiled
 RECOVERED = ("failed to compile side by side", "first launches of step shape")
 START = """
 import sys, time
@@ -77,7 +82,8 @@ def main(argv=None):
     failed = sum(start["exit_code"] != 0 for start in starts)
     recovered = sum(start["exit_code"] == 0 and any(mark in note for note in start["notes"] for mark in RECOVERED)
                     for start in starts)
-    print(f"{len(starts)} starts, {failed} failed, {recovered} recovered (shapes compiled or launched once more)")
+    print(f"{len(starts)} starts, {failed} failed, {recovered} recovered (shapes compiled one at a time, or run "
+          f"again from fresh kernel caches)")
     return 1 if failed or recovered else 0
 
 

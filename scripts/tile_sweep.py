@@ -13,7 +13,6 @@ changes the tiling its launchers choose (kernels/outer_product_update.tiling). b
 by the version before, which timed 10 back-to-back launches between two events: below ~60 us a launch, its times are
 the launches' (bench/LOG.md section 44). On a CPU, with TRITON_INTERPRET=1, a smoke run (--preset tiny).
 """
-import argparse
 import itertools
 import json
 import re
@@ -21,11 +20,13 @@ import statistics
 import sys
 import time
 
+from client import cli
 from client.model.config import get_preset
 from client.model.mamba2 import HEAD_SIZE, STATE_SIZE
 from kernels._common import next_pow2
 from scripts.kernel_times import shapes as parse_shapes
 
+PROG = "scripts/tile_sweep.py"
 L2_FLUSH_BYTES = 256 << 20  # written before each timed launch: five times an H100's L2
 
 
@@ -183,7 +184,7 @@ def sweep_slstm(cfg, g, k, reps, torch, dev, wanted):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="full")
     parser.add_argument("--shapes", default="1x1,1x4,20x1,20x4,64x1,64x4,64x8",
                         help="step shapes GxK: G sequences of K rows (default %(default)s)")
@@ -235,4 +236,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_cli(main, PROG))

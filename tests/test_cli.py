@@ -1,7 +1,9 @@
 """client/cli.py: what every command line shares."""
 import errno
 import io
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +63,29 @@ def test_every_session_outcome_has_an_exit_code():
     others = [code for outcome, code in cli.EXIT_BY_OUTCOME.items() if outcome not in (runtime.GAVE_UP,
                                                                                           runtime.NEW_STREAM)]
     assert len(set(others)) == len(others)
+
+
+def run_for_a_reader_that_left(*args, env=None):
+    """Run a command whose stdout's reader has gone before it writes (`| head`): (exit code, stderr)."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=Path(__file__).resolve().parent.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    return proc.wait(timeout=120), err
+
+
+def test_a_reader_of_the_output_that_leaves_ends_the_command_quietly():
+    """`tool | head`: the output still buffered when main returns, or a write of main's own, finds the pipe closed:
+    exit 141 with nothing on stderr (was "tool: error: Broken pipe", exit 2, or a BrokenPipeError traceback)."""
+    for prints in ("print('x' * 100)", "print('x' * 1_000_000)"):
+        code, err = run_for_a_reader_that_left(
+            "-c", f"import sys; from client import cli; sys.exit(cli.run_cli(lambda argv: {prints}, 'tool'))")
+        assert (code, err) == (cli.EXIT_OUTPUT_CLOSED, "")
+
+
+def test_a_broken_pipe_not_of_the_output_is_an_ordinary_error(capsys):
+    assert cli.run_cli(raising(BrokenPipeError(errno.EPIPE, "Broken pipe")), "tool", []) == 2
+    assert capsys.readouterr().err == "tool: error: Broken pipe\n"
 
 
 def test_main_returns_its_exit_code():

@@ -1,9 +1,11 @@
 """The original event's protocol (newline-delimited JSON over TCP) on the project's server and in its runtime."""
 import asyncio
+import http.server
 import json
 import re
 import socket
 import sys
+import threading
 import time
 
 import numpy as np
@@ -366,6 +368,90 @@ def test_a_client_of_either_protocol_says_which_flag_a_server_of_the_other_wants
         assert summary["detail"].endswith(f"; pass --protocol {flag}")
 
 
+class QuietPages(http.server.SimpleHTTPRequestHandler):
+    """`python -m http.server`'s handler, without its log lines: a bad request line is answered with a page alone
+    (HTTP/0.9, no status line)."""
+
+    def log_message(self, *args):
+        pass
+
+
+class StatusLinePages(QuietPages):
+    default_request_version = "HTTP/1.0"  # a bad request line answered with a status line first, as nginx does
+
+
+@pytest.mark.parametrize("handler", [QuietPages, StatusLinePages])
+@pytest.mark.parametrize("scheme", ["tcp", "ws"])
+def test_a_web_server_is_said_to_be_no_scoring_server_at_once(handler, scheme):
+    """A plain HTTP server at the address: over tcp-json its page (or status line) was a bad line, answered and
+    skipped, and the client reconnected until it gave up; over the websocket protocol it was unreachable for 3 s.
+    Now one line at the first answer, exit 2, naming what it answered."""
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    url = f"{scheme}://127.0.0.1:{web.server_address[1]}"
+    try:
+        summary = run(StreamingClient(None, url, "x", connect_timeout_s=5.0).run())
+    finally:
+        web.shutdown()
+        web.server_close()
+    assert summary["outcome"] == runtime.WRONG_PROTOCOL and summary["connections"] <= 1
+    assert summary["detail"].startswith(f"the server at {url} is no scoring server: it answered ")
+    assert "a websocket handshake with 'HTTP/1.0 200 OK' (a web server?); check --host and --port" in summary["detail"]
+    if scheme == "tcp":
+        first = "'<!DOCTYPE HTML>'" if handler is QuietPages else "'HTTP/1.0 400 Bad request syntax"
+        assert f"it answered the register with {first}" in summary["detail"]
+
+
+def test_a_first_line_of_no_json_from_a_server_of_no_http_is_said_at_once():
+    async def handler(reader, writer):
+        await reader.readline()
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n")
+        await reader.read()
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(None, url, "x").run()
+        server.close()
+        return url, summary
+
+    url, summary = run(main())
+    assert summary["outcome"] == runtime.WRONG_PROTOCOL
+    assert summary["detail"] == (f"the server at {url} does not speak the original protocol: it answered the register "
+                                 f"with 'SSH-2.0-OpenSSH_9.6', which is no JSON; check --host and --port")
+
+
+def test_a_bad_line_later_in_a_session_is_answered_and_skipped_as_the_original_client_did():
+    """Only the first line decides that a server speaks no JSON: later, an HTTP status line or a page is a bad line,
+    answered with an error, and the session plays on."""
+    lines = []
+
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        writer.write(original.encode_line({"message_type": "heartbeat", "timestamp": 1.0}))
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n<!DOCTYPE HTML>\n")
+        rows = np.random.default_rng(6).standard_normal((1, 79)).tolist()
+        writer.write(original.encode_line({"message_type": "inference_request", "unique_ids": [0],
+                                           "symbols": ["A"], "features": rows, "timestamp": 1.0}))
+        while not answered(lines):
+            lines.append(json.loads(await reader.readline()))
+        writer.write(original.encode_line({"message_type": "stats_update", "complete": True, "requests": 1}))
+        await reader.read()
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(Echo(), url, "x", leave_at_end=True).run()
+        server.close()
+        return summary
+
+    summary = run(main())
+    assert summary["outcome"] == runtime.COMPLETE and summary["connections"] == 1
+    errors = [o["details"] for o in lines if o["message_type"] == "error"]
+    assert len(errors) == 2 and all(e.startswith("line is not JSON") for e in errors), errors
+    assert answered(lines) == [0]
+
+
 # ---------------------------------------------------------------------------------- the wire format
 
 def line_of(msg):
@@ -520,3 +606,47 @@ def test_an_original_line_before_register_is_read_up_to_twice_the_longest_regist
     replies = run(main())
     assert [(r["error"], r["details"]) for r in replies] == [
         ("protocol_error", "line exceeds twice the limit of 5376 bytes; closing the connection")]
+
+
+def test_a_line_whose_lists_disagree_counts_its_new_ids_as_requests_refused_as_a_frame_does():
+    """An inference_request line of 3 unique_ids and 2 symbols: its ids new to the client are requests received and
+    refused, once each, as over the websocket protocol (it counted as neither); a resend of one is refused as
+    rejected earlier. Ids that are no list of integers: the integers among them count, the error says the rest."""
+    rows = np.random.default_rng(5).standard_normal((4, 79)).tolist()
+    lines = []
+
+    def request(ids, symbols, features):
+        return original.encode_line({"message_type": "inference_request", "unique_ids": ids, "symbols": symbols,
+                                     "features": features, "timestamp": 1.0})
+
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        writer.write(request([0], ["A"], rows[:1]))
+        writer.write(request([0, 1, 2], ["A", "B"], rows[:3]))       # 0 answered already: 1 and 2 refused
+        writer.write(request([2], ["C"], rows[2:3]))                 # a resend of a refused id
+        writer.write(request([5, "x", 6.0], ["A", "B", "C"], rows[:3]))  # ids that are not all integers: 5 refused
+        writer.write(request([3], ["A"], rows[3:4]))
+        while not (sum(1 for o in lines if o["message_type"] == "error") >= 3
+                   and sum(len(o["unique_ids"]) for o in lines if o["message_type"] == "inference_response") >= 2):
+            if not (line := await reader.readline()):
+                return
+            lines.append(json.loads(line))
+        writer.write(original.encode_line({"message_type": "stats_update", "complete": True, "requests": 5}))
+        await reader.read()
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        summary = await StreamingClient(Echo(), f"tcp://127.0.0.1:{port}", "t", leave_at_end=True).run()
+        server.close()
+        return summary
+
+    summary = run(main())
+    assert summary["outcome"] == runtime.COMPLETE
+    assert answered(lines) == [0, 3]
+    errors = [o["details"] for o in lines if o["message_type"] == "error"]
+    assert "3 unique_ids, 2 symbols and 3 feature rows; unique_ids [1, 2] not answered" in errors[0]
+    assert "unique_id 2 " in errors[1] and "rejected earlier" in errors[1]
+    assert ("field 'unique_ids' must be a list of integers, got list (2 of its 3 unique_ids are no integers: "
+            "only the integers count as requests); unique_ids [5] not answered") in errors[2]
+    assert (summary["requests"], summary["errors"], summary["responses_sent"]) == (5, 3, 2)

@@ -139,7 +139,8 @@ def test_bad_messages_and_rows_are_answered_with_errors_and_the_rest_goes_on(mod
 
 def test_a_malformed_frames_new_rows_count_as_requests_received_and_answered_with_errors(model):
     """A request frame whose rows do not agree (3 ids, 2 symbols): its ids new to the client are requests received
-    and refused, once each, so that errors never outnumber requests; an id of it answered before is neither."""
+    and refused, once each, so that errors never outnumber requests; an id of it answered before is neither. Ids
+    that are no list of integers: the integers among them count so."""
     symbols, features = _stream(5)
     recorder = Recorder()
 
@@ -151,15 +152,20 @@ def test_a_malformed_frames_new_rows_count_as_requests_received_and_answered_wit
         bad["symbols"] = bad["symbols"][:2]
         await ws.send(protocol.encode(bad))
         await ws.send(_request([2], symbols, features))  # a resend of a refused row: refused, not counted again
+        odd_ids = protocol.inference_request([5, 6], symbols[:2], features[:2], 0.0)
+        odd_ids["unique_ids"][1] = "6"
+        await ws.send(protocol.encode(odd_ids))
         await ws.send(_request([4], symbols, features))
-        await recorder.pump(ws, lambda: 4 in recorder.answered() and len(recorder.errors) >= 2)
+        await recorder.pump(ws, lambda: 4 in recorder.answered() and len(recorder.errors) >= 3)
         await ws.close(1000)
 
     client, summary = asyncio.run(_play(handler, ExampleModel(ReferenceEngine(model))))
     assert "3 unique_ids but 2 symbols; unique_ids [2, 3] not answered" in recorder.errors[0]
     assert "unique_id 2 " in recorder.errors[1] and "rejected earlier" in recorder.errors[1]
+    assert ("field 'unique_ids' must be a list of integers, got list (1 of its 2 unique_ids are no integers: only the "
+            "integers count as requests); unique_ids [5] not answered") in recorder.errors[2]
     assert sorted(recorder.answered()) == [0, 1, 4]
-    assert (summary["requests"], summary["errors"], summary["responses_sent"]) == (5, 2, 3)
+    assert (summary["requests"], summary["errors"], summary["responses_sent"]) == (6, 3, 3)
 
 
 class RecordingBatches(ExampleModel):

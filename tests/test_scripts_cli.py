@@ -172,6 +172,21 @@ def test_host_hiccups_spins_once_on_every_cpu_it_may_use(tmp_path):
     assert f"{len(cpus)} CPUs over 0.3 s:" in done.stdout and "the hypervisor's steal" in done.stdout
 
 
+@pytest.mark.parametrize("args", [["-m", "client.model", "--manifest"],
+                                  ["scripts/host_hiccups.py", "--seconds", "0.05"],
+                                  # a smoke run in Triton's interpreter, timing nothing (no tiling matches)
+                                  ["-m", "scripts.tile_sweep", "--preset", "tiny", "--shapes", "1x1", "--ops", "mamba2",
+                                   "--reps", "1", "--match", "no tiling"]])
+def test_a_tool_whose_reader_leaves_ends_quietly(args):
+    """`python -m client.model --manifest | head` ended in a BrokenPipeError traceback; these ran without run_cli."""
+    from test_cli import run_for_a_reader_that_left
+
+    if "scripts.tile_sweep" in args:
+        pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+    assert run_for_a_reader_that_left(*args, env=env) == (141, "")
+
+
 def test_host_hiccups_reads_each_cpus_steal_from_proc_stat(monkeypatch, tmp_path):
     import builtins
 

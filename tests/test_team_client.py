@@ -282,6 +282,36 @@ def test_unreachable_server_fails_fast_in_one_line():
     assert line.endswith("is the server running there? check --host and --port")
 
 
+@pytest.mark.parametrize("protocol, scheme", [("tcp-json", "tcp"), ("websocket", "ws")])
+def test_a_web_server_is_said_to_be_no_scoring_server_in_one_line(protocol, scheme, cli_here):
+    """`python -m http.server` at --host/--port: over tcp-json the client gave up after 5 connections of bad lines,
+    over the websocket protocol it said the server was unreachable; both after seconds and a wrong hint."""
+    import http.server
+    import threading
+
+    from team.example_model import main
+
+    class Pages(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    port = web.server_address[1]
+    try:
+        code, err = cli_here(main, "team/example_model.py", ["--host", "127.0.0.1", "--port", str(port), "--protocol",
+                                                             protocol, "--preset", "tiny", "--engine", "reference"])
+    finally:
+        web.shutdown()
+        web.server_close()
+    assert code == 2, err[-2000:]
+    assert "bad message" not in err and "connection lost" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"team/example_model.py: wrong protocol: the server at {scheme}://127.0.0.1:{port} is no "
+                           f"scoring server: it answered ")
+    assert line.endswith("'HTTP/1.0 200 OK' (a web server?); check --host and --port")
+
+
 @pytest.fixture(scope="module")
 def targets_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("targets")

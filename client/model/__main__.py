@@ -1,13 +1,16 @@
 """python -m client.model --preset NAME --manifest: print the preset's state-dict manifest as JSON."""
-import argparse
 import json
 import sys
 
+from client import cli
+
 from . import PRESETS, manifest
+
+PROG = "python -m client.model"
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m client.model", description=__doc__)
+    parser = cli.ArgumentParser(prog=PROG, description=__doc__)
     parser.add_argument("--preset", default="full", choices=sorted(PRESETS))
     parser.add_argument("--manifest", action="store_true", help="print the state-dict manifest (no weights allocated)")
     args = parser.parse_args(argv)
@@ -15,7 +18,8 @@ def main(argv=None):
         parser.error("nothing to do: pass --manifest")
     json.dump({"tensors": manifest(args.preset)}, sys.stdout, indent=1)
     sys.stdout.write("\n")
+    return cli.EXIT_OK
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_cli(main, PROG))
