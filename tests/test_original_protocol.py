@@ -409,12 +409,16 @@ def test_each_project_message_crosses_the_original_wire_and_back():
     (b'{"message_type": "inference_response", "unique_ids": [1], "predictions": [[1' + b"0" * 400 + b', 0, 0, 0]]}\n',
      "each row of 'predictions' must be a list of 4 numbers"),
     (b'{"message_type": "score_update", "unique_ids": [1], "trade_pnls": [1' + b"0" * 400 + b'], "accuracies": [1], '
-     b'"latencies_ms": [1]}\n', "field 'trade_pnls' must be a list of numbers, got list"),
+     b'"latencies_ms": [1]}\n', "field 'trade_pnls' must be a list of numbers, got a list whose item 0 is int 100000"),
+    # the item named, not "got list": ids that went through a float array
+    (b'{"message_type": "inference_response", "unique_ids": [4, 5.0], "predictions": [[1, 2, 3, 4], [1, 2, 3, 4]], '
+     b'"client_timestamp": 1}\n', "field 'unique_ids' must be a list of integers, got a list whose item 1 is float 5.0"),
     # JSON's \\u escapes can spell a lone surrogate, which no UTF-8 text (nor a msgpack string) holds
     (b'{"message_type": "error", "error": "state_reset", "details": "\\ud800"}\n',
      "field 'details' must be a string or null, of Unicode text (no lone surrogate), got str"),
     (b'{"message_type": "inference_request", "unique_ids": [1], "symbols": ["\\udfff"], "features": [[0]], '
-     b'"timestamp": 1}\n', "field 'symbols' must be a list of strings of Unicode text (no lone surrogate), got list"),
+     b'"timestamp": 1}\n', "field 'symbols' must be a list of strings of Unicode text (no lone surrogate), got a list "
+                           "whose item 0 is str '\\udfff'"),
     (b'{"message_type": "score_update", "unique_ids": [1], "trade_pnls": [1], "accuracies": [2], '
      b'"latencies_ms": [1]}\n', "accuracies must be fractions"),
 ])
