@@ -249,6 +249,29 @@ def test_a_server_that_closes_without_a_word_is_said_so_and_given_up():
     assert "between them: the connection ended without a close code; giving up" in summary["detail"]
 
 
+def test_a_server_error_without_details_is_said_without_an_empty_colon(caplog):
+    """The original protocol's error has details null where there is nothing to add ("server error x: " before)."""
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        writer.write(b'{"message_type": "heartbeat", "timestamp": 1}\n'
+                     b'{"message_type": "error", "error": "round two starts soon", "details": null}\n'
+                     b'{"message_type": "error", "error": "noted", "details": "twice"}\n'
+                     b'{"message_type": "stats_update", "complete": true, "requests": 0}\n')
+        await reader.read()  # until the client leaves
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(None, url, "x", leave_at_end=True).run()
+        server.close()
+        return summary
+
+    with caplog.at_level("WARNING", logger="client.runtime"):
+        assert run(main())["outcome"] == runtime.COMPLETE
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("server error")]
+    assert said == ["server error round two starts soon", "server error noted: twice"]
+
+
 class RoundServer:
     """An event-style server over the original protocol (no welcome, no session): on connection n, after the
     register, the requests rounds[n] ([(unique_id, symbol, features)]) one at a time, each answer awaited, then a
