@@ -82,12 +82,24 @@ def _field(obj, name, check, expected, default=None, required=True):
         return default
     value = obj[name]
     if not check(value):
-        raise ProtocolError(f"{obj['message_type']}: field {name!r} must be {expected}, got {type(value).__name__}")
+        item = getattr(check, "item", None)
+        if item is not None and isinstance(value, list):  # "got list" alone would not say which item is wrong
+            index = next(i for i, v in enumerate(value) if not item(v))
+            shown = repr(value[index])
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            got = f"a list whose item {index} is {type(value[index]).__name__} {shown}"
+        else:
+            got = type(value).__name__
+        raise ProtocolError(f"{obj['message_type']}: field {name!r} must be {expected}, got {got}")
     return value
 
 
 def _list_of(check):
-    return lambda value: isinstance(value, list) and all(check(v) for v in value)
+    def check_list(value):
+        return isinstance(value, list) and all(check(v) for v in value)
+
+    check_list.item = check
+    return check_list
 
 
 def _is_text(value) -> bool:

@@ -554,8 +554,8 @@ class StreamingClient:
                 self.stats.server_errors += 1
                 if not self._welcomed:  # the answer to register: a refusal
                     self._on_refusal(ws, msg)
-                else:
-                    log.warning("server error %s: %s", msg["error"], msg["details"])
+                else:  # the original protocol's details may be null: no empty ": " then
+                    log.warning("server error %s", msg["error"] + (f": {msg['details']}" if msg["details"] else ""))
             elif kind == "welcome":
                 self._on_welcome(msg)
             elif kind == "end":

@@ -77,8 +77,13 @@ def _validated(symbols, features, delay_ms, targets):
     symbols = symbols if isinstance(symbols, np.ndarray) else np.array(symbols, dtype=object)
     if symbols.ndim != 1:
         raise ValueError(f"symbols must be one-dimensional, got shape {symbols.shape}")
-    if symbols.dtype.kind != "U" and not (
-            symbols.dtype.kind == "O" and all(isinstance(s, str) for s in symbols.tolist())):
+    if symbols.dtype.kind == "O":
+        # a list's or a parquet column's values: "dtype object" would not say which (a null, a number) nor where
+        row = next((row for row, symbol in enumerate(symbols.tolist()) if not isinstance(symbol, str)), None)
+        if row is not None:
+            raise ValueError(f"symbols must be strings; row {row} holds {symbols[row]!r} "
+                             f"({type(symbols[row]).__name__})")
+    elif symbols.dtype.kind != "U":
         raise ValueError(f"symbols must be strings, got dtype {symbols.dtype}")
     if symbols.dtype.kind == "O":
         # held as numpy str (what an .npz stores without pickles), "AB\x00" would become "AB": one state, two symbols

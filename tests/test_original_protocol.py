@@ -251,6 +251,29 @@ def test_a_server_that_closes_without_a_word_is_said_so_and_given_up():
     assert "between them: the connection ended without a close code; giving up" in summary["detail"]
 
 
+def test_a_server_error_without_details_is_said_without_an_empty_colon(caplog):
+    """The original protocol's error has details null where there is nothing to add ("server error x: " before)."""
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        writer.write(b'{"message_type": "heartbeat", "timestamp": 1}\n'
+                     b'{"message_type": "error", "error": "round two starts soon", "details": null}\n'
+                     b'{"message_type": "error", "error": "noted", "details": "twice"}\n'
+                     b'{"message_type": "stats_update", "complete": true, "requests": 0}\n')
+        await reader.read()  # until the client leaves
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(None, url, "x", leave_at_end=True).run()
+        server.close()
+        return summary
+
+    with caplog.at_level("WARNING", logger="client.runtime"):
+        assert run(main())["outcome"] == runtime.COMPLETE
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("server error")]
+    assert said == ["server error round two starts soon", "server error noted: twice"]
+
+
 class RoundServer:
     """An event-style server over the original protocol (no welcome, no session): on connection n, after the
     register, the requests rounds[n] ([(unique_id, symbol, features)]) one at a time, each answer awaited, then a
@@ -495,12 +518,16 @@ def test_each_project_message_crosses_the_original_wire_and_back():
     (b'{"message_type": "inference_response", "unique_ids": [1], "predictions": [[1' + b"0" * 400 + b', 0, 0, 0]]}\n',
      "each row of 'predictions' must be a list of 4 numbers"),
     (b'{"message_type": "score_update", "unique_ids": [1], "trade_pnls": [1' + b"0" * 400 + b'], "accuracies": [1], '
-     b'"latencies_ms": [1]}\n', "field 'trade_pnls' must be a list of numbers, got list"),
+     b'"latencies_ms": [1]}\n', "field 'trade_pnls' must be a list of numbers, got a list whose item 0 is int 100000"),
+    # the item named, not "got list": ids that went through a float array
+    (b'{"message_type": "inference_response", "unique_ids": [4, 5.0], "predictions": [[1, 2, 3, 4], [1, 2, 3, 4]], '
+     b'"client_timestamp": 1}\n', "field 'unique_ids' must be a list of integers, got a list whose item 1 is float 5.0"),
     # JSON's \\u escapes can spell a lone surrogate, which no UTF-8 text (nor a msgpack string) holds
     (b'{"message_type": "error", "error": "state_reset", "details": "\\ud800"}\n',
      "field 'details' must be a string or null, of Unicode text (no lone surrogate), got str"),
     (b'{"message_type": "inference_request", "unique_ids": [1], "symbols": ["\\udfff"], "features": [[0]], '
-     b'"timestamp": 1}\n', "field 'symbols' must be a list of strings of Unicode text (no lone surrogate), got list"),
+     b'"timestamp": 1}\n', "field 'symbols' must be a list of strings of Unicode text (no lone surrogate), got a list "
+                           "whose item 0 is str '\\udfff'"),
     (b'{"message_type": "score_update", "unique_ids": [1], "trade_pnls": [1], "accuracies": [2], '
      b'"latencies_ms": [1]}\n', "accuracies must be fractions"),
 ])

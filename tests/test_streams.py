@@ -109,7 +109,11 @@ def nan_at(row, array, value=np.nan):
     (lambda s: with_changes(targets=s.targets[:, :3]), r"targets must have shape \[M, 4\]"),
     (lambda s: with_changes(targets=nan_at(5, s.targets)), "targets contain NaN or inf at row 5"),
     (lambda s: with_changes(symbols=np.arange(6)), "symbols must be strings"),
-    (lambda s: with_changes(symbols=np.array(["A", None] * 3, dtype=object)), "symbols must be strings"),
+    # as a parquet column's values come: the null, or the number, and its row named ("got dtype object" before)
+    (lambda s: with_changes(symbols=np.array(["A", None] * 3, dtype=object)),
+     r"symbols must be strings; row 1 holds None \(NoneType\)"),
+    (lambda s: with_changes(symbols=np.array(["A", "B", "C", 7, "E", "F"], dtype=object)),
+     r"symbols must be strings; row 3 holds 7 \(int\)"),
     # held as numpy str, "B\x00" would be played as "B": one state for two symbols (a parquet column, or a list)
     (lambda s: with_changes(symbols=np.array(["A", "B", "B\x00"] * 2, dtype=object)),
      r"symbol 'B\\x00' at row 2 ends in a NUL character, which a numpy string array drops: it would be played as 'B'"),
