@@ -3,8 +3,8 @@
 Each is noted as (start on time.monotonic(), duration s[, detail]), so that a slow answer can be matched with
 what happened around it in the client's and the server's process (scripts/e2e_timeline.py). On Linux a late
 wake-up's or a loop lag's detail says how the late thread spent the interval (the kernel's schedstat of that
-thread): on a CPU (the loop busy), runnable but waiting for a CPU (the host's CPUs taken), or neither (blocked:
-the GIL, a lock, a page fault). With a stacks file,
+thread): on a CPU (the loop busy), runnable but waiting for a CPU (the host's CPUs taken), or blocked beyond its
+sleep (the GIL, a lock, a page fault, or a CPU the hypervisor took: bench/LOG.md section 69). With a stacks file,
 an event loop held up longer than stacks_after_s has its stack written there while it is held up: each tick
 re-arms a real-time timer (setitimer, ~1 us; faulthandler.dump_traceback_later starts a thread each time, 0.29 ms
 on a 2-core CPU box) whose SIGALRM faulthandler's C handler answers with the dump, needing no GIL, so what held the
@@ -75,7 +75,8 @@ class StallProbe:
                 time.sleep(self.tick_s)
                 beyond = time.monotonic() - asleep - self.tick_s
                 if beyond > self.late_s:
-                    self.late_wakeups.append(_event(asleep, beyond, clock.spent_since(start, self.tick_s + beyond)))
+                    spent = clock.spent_since(start, self.tick_s + beyond, self.tick_s)
+                    self.late_wakeups.append(_event(asleep, beyond, spent))
         finally:
             clock.close()
 
@@ -97,7 +98,8 @@ class StallProbe:
                 await asyncio.sleep(self.tick_s)
                 beyond = time.monotonic() - asleep - self.tick_s
                 if beyond > self.lag_s:
-                    self.loop_lags.append(_event(asleep, beyond, clock.spent_since(start, self.tick_s + beyond)))
+                    spent = clock.spent_since(start, self.tick_s + beyond, self.tick_s)
+                    self.loop_lags.append(_event(asleep, beyond, spent))
         finally:
             clock.close()
 
@@ -122,20 +124,32 @@ class ThreadClock:
         on_cpu, runnable, _ = os.pread(self._fd, 128, 0).split()  # ~3 us: cheap enough for every tick
         return int(on_cpu), int(runnable)
 
-    def spent_since(self, start, interval_s) -> dict | None:
-        """How the thread spent the interval_s since `start` (a read()): milliseconds on a CPU, waiting for a
-        CPU, and blocked (neither)."""
+    def spent_since(self, start, interval_s, asleep_s) -> dict | None:
+        """How the thread spent the interval_s since `start` (a read()), in which it meant to sleep asleep_s:
+        milliseconds on a CPU, waiting for a CPU, and blocked beyond its sleep (neither: the GIL, a lock, a page
+        fault, or its CPU taken by the hypervisor, which a guest's kernel counts as no time of the thread's)."""
         now = self.read()
         if start is None or now is None:
             return None
         on_cpu, runnable = ((b - a) / 1e6 for a, b in zip(start, now))
         return {"on_cpu_ms": on_cpu, "runnable_ms": runnable,
-                "blocked_ms": max(1e3 * interval_s - on_cpu - runnable, 0.0)}
+                "blocked_ms": max(1e3 * (interval_s - asleep_s) - on_cpu - runnable, 0.0)}
 
     def close(self):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def host_steal_s() -> float | None:
+    """CPU seconds the hypervisor has taken from this host's CPUs since boot, all CPUs together (/proc/stat's
+    steal); None where there is none to read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()  # cpu user nice system idle iowait irq softirq steal ...
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _event(start, seconds, detail):

@@ -3,6 +3,7 @@ JSON; bad options are refused."""
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -100,6 +101,10 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     assert e2e["responses"] == e2e["requests"] and e2e["accuracy"] >= 0.9
     assert e2e["late_after_ms"] == 6.0 and e2e["form_margin_ms"] == 0.5 and e2e["punctual_late_after_ms"] == 0.0
     assert isinstance(e2e["late_wakes"], int) and e2e["late_wakes"] >= 0 and e2e["latest_wake_ms"] >= 0
+    # the hypervisor's share of the host's CPUs during each session, where the host says (Linux: /proc/stat)
+    for record in (e2e, swap):
+        assert (record["host_steal_ms_per_s"] >= 0) if os.path.exists("/proc/stat") else \
+            record["host_steal_ms_per_s"] is None
     # the CPU engine computes its step in submit: the runtime keeps its threads (inline steps only where steps run
     # in the background), and every served record says so
     assert e2e["inline_steps"] is False and all(run["inline_steps"] is False for run in data["swap_runs"])

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from client.stalls import StallProbe, ThreadClock
+from client.stalls import StallProbe, ThreadClock, host_steal_s
 
 
 def test_collections_are_noted_with_their_generation_and_stop_detaches():
@@ -84,7 +84,7 @@ def test_a_thread_clock_without_schedstat_reads_nothing(monkeypatch):
 
     monkeypatch.setattr(os, "open", no_file)
     clock = ThreadClock()
-    assert clock.read() is None and clock.spent_since(None, 0.01) is None
+    assert clock.read() is None and clock.spent_since(None, 0.01, 0.005) is None
     clock.close()
 
 
@@ -129,3 +129,15 @@ def test_stacks_need_the_loop_in_the_main_thread(tmp_path):
     assert raised == ["a stall probe's stacks need its event loop in the main thread, where the timer's signal is "
                       "handled"]
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_host_steal_is_the_hypervisors_cpu_time_or_none(monkeypatch):
+    first = host_steal_s()
+    if os.path.exists("/proc/stat"):
+        assert first is not None and 0 <= first <= host_steal_s()
+
+    def no_file(*args, **kwargs):
+        raise FileNotFoundError("/proc/stat")
+
+    monkeypatch.setattr("builtins.open", no_file)
+    assert host_steal_s() is None

@@ -16,7 +16,9 @@ def line(numbers) -> str:
             + ("" if numbers.get("join_queued", True) else ", joins off")
             + (", inline steps" if numbers.get("inline_steps") else "")
             + (", CPUs kept awake" if numbers.get("awake_cpus") else "")
-            + (", frames compressed" if numbers.get("ws_compression") else ""))
+            + (", frames compressed" if numbers.get("ws_compression") else "")
+            + (f", host CPU taken by its hypervisor {fmt(steal)} ms/s"
+               if (steal := numbers.get("host_steal_ms_per_s")) is not None else ""))
 
 
 def run(bench):

@@ -169,9 +169,11 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     before its learned times say (None: its defaults); join_queued, inline_steps: the runtime's (None: its
     defaults). The summary's "late_wakes" and "latest_wake_ms": how many of the runtime's waits to form a step late
     ended late (client/step_clock.py LATE_WAKE_S), and the latest any ended; "joins": the runtime's joins taken and
-    missed; "inline_steps": whether the runtime ran its steps from its event loop."""
+    missed; "inline_steps": whether the runtime ran its steps from its event loop; "host_steal_ms_per_s": the CPU
+    time the hypervisor took from the host's CPUs during the session, all CPUs together, per second (None where the
+    host does not say)."""
     from client.runtime import StreamingClient
-    from client.stalls import StallProbe
+    from client.stalls import StallProbe, host_steal_s
     from team.example_model import ExampleModel
 
     config = server_config(stream, rate, preset, seed, ws_compression)
@@ -185,6 +187,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
             with open(path, "a") as f:
                 f.write(header)
     server = await asyncio.to_thread(ServerProcess, config, stream, targets, timeline, stacks["server"])
+    steal_before, started = host_steal_s(), time.monotonic()
     probe = StallProbe(stacks_path=stacks["client"]).start() if timeline or stacks_dir else None
     watch = asyncio.create_task(probe.watch_loop()) if probe else None
     try:
@@ -205,8 +208,11 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
         if beside is not None:
             await beside
         summary = await asyncio.to_thread(server.summary)
+        steal_after = host_steal_s()
         summary.update(late_wakes=client.late_wakes, latest_wake_ms=client.latest_wake_s * 1000.0,
-                       joins=dict(client.joins), inline_steps=client.inline_steps)
+                       joins=dict(client.joins), inline_steps=client.inline_steps,
+                       host_steal_ms_per_s=None if steal_before is None or steal_after is None else
+                       1e3 * (steal_after - steal_before) / (time.monotonic() - started))
         if timeline:
             summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps)
         if step_log:
@@ -256,7 +262,8 @@ def session_numbers(summary) -> dict:
             "responses_per_s": summary["responses_per_s"], "requests": summary["total_requests"],
             "responses": summary["responses"], "missed": summary["missed"], "joins": summary.get("joins"),
             "late_wakes": summary["late_wakes"],
-            "latest_wake_ms": summary["latest_wake_ms"], "inline_steps": summary["inline_steps"]}
+            "latest_wake_ms": summary["latest_wake_ms"], "inline_steps": summary["inline_steps"],
+            "host_steal_ms_per_s": summary["host_steal_ms_per_s"]}
 
 
 def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=False, step_log=False,

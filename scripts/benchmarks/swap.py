@@ -151,7 +151,8 @@ def measure_swap(bench, run=0):
               "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},
               "bandwidth_share": {k: None if transfers[k] is None else transfers[k] / pinned[k] for k in pinned},
               "late_wakes": session["late_wakes"], "latest_wake_ms": session["latest_wake_ms"],
-              "joins": session["joins"], "inline_steps": session["inline_steps"]}
+              "joins": session["joins"], "inline_steps": session["inline_steps"],
+              "host_steal_ms_per_s": session["host_steal_ms_per_s"]}
     result.update(bench.forming_ms(run))
     engine.release(hot + cold)
     return result
@@ -193,4 +194,5 @@ def summary(data) -> list[str]:
             f"{COLD_LIMIT_MS:g}), missed {s['hot']['missed'] + s['cold']['missed']}; longest step of B <= "
             f"{s['hot_symbols']} {fmt(s['step_ms_max_b20'])} ms (<= {STEP_LIMIT_MS:g}), steps that waited for a copy "
             f"{s.get('step_waits', 'not recorded')}; {s['swaps_per_s']:.1f} swaps/s; transfers at {fmt(share['to_gpu'])}/"
-            f"{fmt(share['to_host'])} of the pinned bandwidth to GPU/to host (>= {BANDWIDTH_SHARE:g})"]
+            f"{fmt(share['to_host'])} of the pinned bandwidth to GPU/to host (>= {BANDWIDTH_SHARE:g}); the host's CPU "
+            f"time taken by its hypervisor {fmt(s.get('host_steal_ms_per_s'))} ms/s"]
