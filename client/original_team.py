@@ -15,6 +15,7 @@ object whose result() is the InferenceResponse) is pipelined as the project's ex
 
 Imports no torch: `from client import BaseInferenceClient, PendingRequest, InferenceResponse` stays light.
 """
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -70,6 +71,9 @@ class OriginalStyleClient:
 
     def __init__(self, team_client: BaseInferenceClient):
         self.team_client = team_client
+        # Team code in the event's style was written for one thread; pipelined, the leftovers of one step are asked
+        # of process_batch on the runtime's completing thread while its submitting thread calls submit_batch.
+        self._team_code = threading.RLock()
         self._uncollected = []  # _submit_batch's steps whose answers nobody has taken yet, oldest first
         if callable(getattr(team_client, "submit_batch", None)):
             self.submit_batch = self._submit_batch  # the runtime pipelines a client that has it
@@ -86,7 +90,11 @@ class OriginalStyleClient:
 
     def process_batch(self, requests_by_symbol) -> dict:
         batch = pending_requests(requests_by_symbol)
-        return self._until_answered(batch, self.team_client.process_batch(_copy(batch)))
+        return self._until_answered(batch, self._process_batch(batch))
+
+    def _process_batch(self, batch):
+        with self._team_code:
+            return self.team_client.process_batch(_copy(batch))
 
     def _submit_batch(self, requests_by_symbol) -> PendingStep:
         batch = pending_requests(requests_by_symbol)
@@ -100,7 +108,8 @@ class OriginalStyleClient:
                 except Exception:  # the runtime hears of it when it takes that step's answer
                     pass
         self._uncollected = [step for step in self._uncollected if not step.collected]
-        pending = self.team_client.submit_batch(_copy(batch))
+        with self._team_code:
+            pending = self.team_client.submit_batch(_copy(batch))
         step = _AdapterStep(lambda: self._until_answered(batch, pending.result()), getattr(pending, "done", None),
                             batch)
         self._uncollected.append(step)
@@ -124,7 +133,7 @@ class OriginalStyleClient:
             if not batch or not answered:
                 break
             try:
-                answered, rows = checked_response(batch, self.team_client.process_batch(_copy(batch)))
+                answered, rows = checked_response(batch, self._process_batch(batch))
             except Exception as exc:  # not the whole batch failed: the requests answered have advanced their states
                 why = f"process_batch failed: {type(exc).__name__}: {exc}"
                 break

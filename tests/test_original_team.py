@@ -4,6 +4,8 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +170,43 @@ def test_a_pipelined_step_of_a_symbol_is_submitted_after_the_leftovers_of_the_st
     assert team.calls == [[1, 2], [4], [3], [5]]
     assert first.result()["unique_ids"] == [1, 2, 3] and second.result()["unique_ids"] == [5]
     assert other.result()["unique_ids"] == [4, 6] and team.calls[-1] == [6]
+
+
+def test_team_code_is_never_called_from_two_threads_at_once():
+    """Pipelined, a step's leftovers are asked of process_batch on the runtime's completing thread while its
+    submitting thread submits a step of other symbols: the team code, written for one thread, gets one call at a
+    time."""
+    class Slow(BaseInferenceClient):
+        def __init__(self):
+            super().__init__()
+            self.inside, self.overlaps = 0, 0
+
+        def _enter(self):
+            self.inside += 1
+            self.overlaps += self.inside > 1
+            time.sleep(0.05)
+            self.inside -= 1
+
+        def process_batch(self, requests_by_symbol):
+            self._enter()
+            firsts = [queue[0] for queue in requests_by_symbol.values()]
+            return InferenceResponse([r.unique_id for r in firsts], [[0.0] * 4 for _ in firsts])
+
+        def submit_batch(self, requests_by_symbol):
+            response = self.process_batch(requests_by_symbol)
+            return PendingStep(lambda: response)
+
+    zeros = np.zeros(79, np.float32)
+    team = Slow()
+    client = OriginalStyleClient(team)
+    first = client.submit_batch({"A": [(1, zeros), (2, zeros), (3, zeros)]})
+    completer = threading.Thread(target=first.result)  # two leftovers: two calls of 50 ms
+    completer.start()
+    time.sleep(0.02)
+    others = [client.submit_batch({"B": [(10 + i, zeros)]}) for i in range(3)]
+    completer.join()
+    assert first.result()["unique_ids"] == [1, 2, 3]
+    assert [o.result()["unique_ids"] for o in others] == [[10], [11], [12]] and team.overlaps == 0
 
 
 def test_a_call_after_the_first_that_fails_leaves_the_answers_before_it_standing():
