@@ -245,6 +245,28 @@ def test_gpu_shards_of_a_node_share_its_host_memory(cluster, monkeypatch):
     assert built == [{"capacity": 16, "host_memory": 2 * 2**30}, {"host_symbols": 100}]  # a size given is kept
 
 
+def test_killing_a_lost_shard_leaves_ray_up_for_the_others_and_its_stop():
+    """The engine kills a shard at its loss: Ray, started by this client, stays up until the last shard stops."""
+    from client.engine.shard_ray import RayShard, _Connection
+
+    calls = []
+
+    class FakeRay:
+        def kill(self, actor, no_restart):
+            calls.append(("kill", actor))
+
+        def shutdown(self):
+            calls.append(("shutdown",))
+
+    connection = _Connection(FakeRay(), owned=True)
+    connection.open_shards = 1
+    shard = RayShard(0, "actor", connection)
+    shard.kill()
+    assert calls == [("kill", "actor")]
+    shard.stop()
+    assert calls[-1] == ("shutdown",)
+
+
 def test_shard_counts_and_what_a_cluster_cannot_hold():
     assert shard_count("cuda", None, 4, 2, "head:6379") == 4  # every GPU by default
     assert shard_count("cpu", None, 0, 3, "head:6379") == 3   # one per node without GPUs

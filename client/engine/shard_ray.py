@@ -129,14 +129,18 @@ class RayShard(Shard):
     def release(self, symbols):
         self._call(self.actor.release, symbols)
 
-    def stop(self):
-        if self._stopped:
-            return
-        self._stopped = True
+    def kill(self):
+        # the connection stays up for the other shards, and for close(): Ray is shut down only by the last stop
         try:
             self.connection.ray.kill(self.actor, no_restart=True)
         except Exception:  # already gone with its node
             pass
+
+    def stop(self):
+        if self._stopped:
+            return
+        self._stopped = True
+        self.kill()
         self.connection.shard_stopped()
 
 

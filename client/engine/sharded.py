@@ -520,6 +520,9 @@ class ShardedEngine(Engine):
                 self._losses.append(record)
         for part, error in failed:
             part.finish(error)
+        # ended, not left as it is: a shard lost for being unreachable, hung, or out of order may live on, holding
+        # its GPU (and Ray's resources) until the client exits, for symbols it will never be sent again
+        runner.shard.kill()
         if closing:
             return
         if self.progress:
@@ -540,7 +543,6 @@ class ShardedEngine(Engine):
                         and now - runner.in_flight[0].sent_at > timeout]
             for runner in hung:
                 self._lose(runner, ShardLost(f"it answered no step for {timeout:g} s (--shard-timeout-s); stopped"))
-                runner.shard.kill()
 
     def close(self):
         with self._lock:
