@@ -245,6 +245,18 @@ def test_gpu_shards_of_a_node_share_its_host_memory(cluster, monkeypatch):
     assert built == [{"capacity": 16, "host_memory": 2 * 2**30}, {"host_symbols": 100}]  # a size given is kept
 
 
+def test_an_actor_unreachable_when_its_node_dies_is_said_in_a_few_words():
+    """A node killed under its actor mostly reads as unreachable: Ray's message was cut mid-word and called the
+    actor temporarily unavailable, where the shard is lost for good."""
+    from client.engine.shard_ray import _reason
+
+    exc = ray.exceptions.ActorUnavailableError("The actor is temporarily unavailable: RpcError: RPC error: "
+                                               "recvmsg:Connection reset by peer rpc_code: 14", b"\x8d" * 16)
+    assert _reason(exc) == ("ActorUnavailableError: the actor could not be reached (RpcError: RPC error: "
+                            "recvmsg:Connection reset by peer rpc_code: 14), and whether its last steps ran is not "
+                            "known")
+
+
 def test_killing_a_lost_shard_leaves_ray_up_for_the_others_and_its_stop():
     """The engine kills a shard at its loss: Ray, started by this client, stays up until the last shard stops."""
     from client.engine.shard_ray import RayShard, _Connection

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -151,6 +152,13 @@ def _reason(exc) -> str:
     if because >= 0:  # "... because its node has died." / "its worker process has died." / "it was killed ..."
         clause = text[because + len("The actor is dead because "):].split(". ")[0].rstrip(".")
         return f"{type(exc).__name__}: the actor died, {clause}"
+    # Ray's "The actor ID is unavailable: The actor is temporarily unavailable: RpcError: ... . The task may or
+    # may not have been executed on the actor.", cut mid-word at REASON_CHARS, read as if the shard would come back
+    unreachable = re.search(r"is unavailable: (?:The actor is temporarily unavailable: )?(.*?)\.? The task may or "
+                            r"may not have been executed", text)
+    if unreachable:
+        return (f"{type(exc).__name__}: the actor could not be reached ({unreachable.group(1)[:REASON_CHARS]}), and "
+                f"whether its last steps ran is not known")
     first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
     first = first[:1].lower() + first[1:]  # "The actor died unexpectedly before finishing this task"
     return f"{type(exc).__name__}: {first[:REASON_CHARS]}"
