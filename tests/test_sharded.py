@@ -344,6 +344,25 @@ def test_a_lost_shard_is_ended_at_its_loss():
         engine.close()
 
 
+def test_a_lost_shards_requests_fail_in_the_same_words_before_and_after_its_loss_is_known():
+    """The team client answers a lost shard's requests with its failed part's error, and once the loss is known
+    with unplaceable's reason: they said it in other words ("ShardLost: " or not), which the runtime logged as two
+    reasons."""
+    from team.example_model import ExampleModel
+
+    model, _ = load_model("tiny", seed=3)
+    engine = ShardedEngine([_ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False)),
+                            _UnreachableShard()], progress=False)
+    try:
+        team, features = ExampleModel(engine), np.zeros(79, np.float32)
+        first = team.process_batch({"A": (1, features), "B": (2, features)})
+        again = team.process_batch({"A": (3, features), "B": (4, features)})
+        assert first["errors"] == {2: "ShardLost: shard 1 (elsewhere) lost: unreachable"}
+        assert again["errors"] == {4: first["errors"][2]}
+    finally:
+        engine.close()
+
+
 def test_missing_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match=r"asked for, but this machine has \d+ GPU"):
         process_shards(SPEC, ["cuda:7"], progress=False)

@@ -408,15 +408,17 @@ class ShardedEngine(Engine):
         return index
 
     def unplaceable(self, symbols) -> dict[str, str]:
+        # in the words a caller gives a failed part (its exception's type, then its message), so that a loss
+        # answered both ways reads as one reason
         with self._lock:
             out = {}
             live = any(r.lost is None for r in self._runners)
             for symbol in symbols:
                 index = self.shard_of.get(symbol)
                 if index is not None and self._runners[index].lost is not None:
-                    out[symbol] = str(self._runners[index].lost)
+                    out[symbol] = f"ShardLost: {self._runners[index].lost}"
                 elif index is None and not live:
-                    out[symbol] = "every shard of the sharded engine is lost"
+                    out[symbol] = "ShardLost: every shard of the sharded engine is lost"
             return out
 
     def _unplace(self, runner: _Runner, gone):
