@@ -300,6 +300,20 @@ def _run(args, timeout=300):
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def test_local_starts_ray_here_where_this_machine_has_joined_a_cluster():
+    """--ray-address local (the default) joined the cluster of RAY_ADDRESS, or the last one `ray start` joined
+    here (the head, where the README runs the client), where it is to start a Ray instance of its own."""
+    elsewhere = f"127.0.0.1:{_free_port()}"
+    script = ("from client.engine.shard_ray import connect\n"
+              "connection = connect('local')\n"
+              "print(connection.ray.get_runtime_context().gcs_address)\n"
+              "connection.ray.shutdown()\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**checkout_env(REPO), "RAY_ADDRESS": elsewhere})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] != elsewhere
+
+
 def test_no_cluster_at_the_address_is_one_line(tmp_path):
     port = _free_port()
     done = _run(["team/example_model.py", "--cluster", "ray", "--ray-address", f"127.0.0.1:{port}"], timeout=120)

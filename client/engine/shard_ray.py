@@ -177,7 +177,8 @@ def connect(address: str):
         return _Connection(ray, owned=False)
     quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
     if address == LOCAL:
-        ray.init(include_dashboard=False, **quiet)
+        # Ray's own "local": without an address ray.init joins RAY_ADDRESS's cluster, or the last one started here
+        ray.init(address=LOCAL, include_dashboard=False, **quiet)
         return _Connection(ray, owned=True)
     if address != "auto":
         _probe(address)
