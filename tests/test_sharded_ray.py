@@ -323,6 +323,41 @@ def test_no_cluster_at_the_address_is_one_line(tmp_path):
                            f"Connection refused; start its head with `ray start --head --port {port}`")
 
 
+TOKEN_CLUSTER = """
+from ray.cluster_utils import Cluster
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+print(cluster.address, flush=True)
+input()  # until the test is done
+cluster.shutdown()
+"""
+
+
+@pytest.mark.parametrize("client_env, said", [
+    ({}, "it wants the cluster's token: run the client with RAY_AUTH_MODE=token, and the head's ~/.ray/auth_token"),
+    ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "b" * 32}, "this client's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH "
+                                                            "or ~/.ray/auth_token) is not the cluster's"),
+    ({"RAY_AUTH_MODE": "token", "HOME": "/nonexistent"}, "RAY_AUTH_MODE=token, but no token is here"),
+], ids=["no-token", "wrong-token", "token-mode-without-one"])
+def test_a_head_that_refuses_the_clients_token_is_one_line(client_env, said):
+    """A head started with RAY_AUTH_MODE=token (the README's) and a client without its token: ray.init retried for
+    20 s, logging each try, then said that no cluster was there (and without any token, aborted the process)."""
+    env = {k: v for k, v in checkout_env(REPO).items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    head = subprocess.Popen([sys.executable, "-c", TOKEN_CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "a" * 32})
+    try:
+        address = head.stdout.readline().strip()
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "team/example_model.py", "--cluster", "ray", "--ray-address", address],
+                              cwd=REPO, capture_output=True, text=True, timeout=120, env={**env, **client_env})
+        took = time.monotonic() - started
+    finally:
+        head.communicate("\n", timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"team/example_model.py: error: the Ray cluster at --ray-address {address} refused this client: {said}")
+    assert took < 15
+
+
 @pytest.mark.parametrize("answer", [None, b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"],
                          ids=["silent", "http"])
 def test_a_port_that_is_not_a_ray_head_is_one_line(answer):

@@ -182,6 +182,8 @@ def connect(address: str):
         return _Connection(ray, owned=True)
     if address != "auto":
         _probe(address)
+        if "://" not in address:  # a head's GCS, not Ray Client's server
+            _check_token(ray, address)
     try:
         ray.init(address=address, **quiet)
     except ConnectionError as exc:
@@ -208,6 +210,34 @@ def _probe(address: str):
         raise ConnectionError(f"no Ray cluster at --ray-address {address}: something else answers there; give the "
                               f"head's GCS port (6379 by default; the dashboard's 8265 is another), or "
                               f"ray://HOST:10001 for Ray Client")
+
+
+def _check_token(ray, address: str):
+    """Fail in one line, and fast, where the head refuses this process's token: ray.init retried for 20 s, logging
+    each try, then said that no cluster was there."""
+    refused = getattr(ray.exceptions, "AuthenticationError", None)
+    if refused is None:  # a Ray without token authentication (before 2.52)
+        return
+    token_mode = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    found = False
+    try:
+        from ray._raylet import AuthenticationTokenLoader, GcsClient
+
+        if token_mode:  # raises where there is none: GcsClient would abort the process
+            found = AuthenticationTokenLoader.instance().has_token()
+        GcsClient(address=address)  # asks the GCS its cluster id, with this process's token as ray.init would
+    except refused:
+        if not token_mode:
+            why = ("it wants the cluster's token: run the client with RAY_AUTH_MODE=token, and the head's "
+                   "~/.ray/auth_token here")
+        elif found:
+            why = ("this client's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) is not the "
+                   "cluster's: copy the head's ~/.ray/auth_token here")
+        else:
+            why = "RAY_AUTH_MODE=token, but no token is here: copy the head's ~/.ray/auth_token here"
+        raise ConnectionError(f"the Ray cluster at --ray-address {address} refused this client: {why}") from None
+    except Exception:  # anything else is ray.init's to say
+        return
 
 
 def _speaks_grpc(sock) -> bool:
