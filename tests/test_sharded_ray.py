@@ -6,6 +6,7 @@ message (or, with reset, starting them again from a fresh state), and the comman
 One cluster serves the whole module (a Ray node costs seconds and memory; CI has 2 cores)."""
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from client.engine.fast import FastEngine  # noqa: E402
 from client.engine.reference import ReferenceEngine  # noqa: E402
 from client.engine.shard_ray import ray_shards, shard_count  # noqa: E402
-from client.engine.sharded import ModelSpec, ShardedEngine, ShardError, ShardLost  # noqa: E402
+from client.engine.sharded import ModelSpec, ShardedEngine, ShardError, ShardLost, ShardStartError  # noqa: E402
 from client.model import load_model  # noqa: E402
 from team.example_model import ExampleModel  # noqa: E402
 from conftest import checkout_env  # noqa: E402
@@ -205,6 +206,24 @@ def test_reset_starts_a_lost_nodes_symbols_again_from_a_fresh_state(cluster, mod
         engine.close()
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
+
+
+def test_shards_a_busy_cluster_cannot_hold_are_refused_in_one_line(cluster, monkeypatch):
+    """Another client's shards hold every node's CPUs: a second client's actors waited, unsaid, for the start
+    timeout (ten minutes by default) where the cluster can be seen to lack them."""
+    from client.engine import shard_ray
+
+    monkeypatch.setattr(shard_ray, "FREE_WAIT_S", 1.0)
+    first = start(cluster, "reference")
+    try:
+        started = time.monotonic()
+        with pytest.raises(ShardStartError, match=re.escape(
+                f"the Ray cluster at {cluster.address} cannot hold 2 shard(s) now: 0 of 2 CPU(s) free, 2 needed "
+                f"(another client's shards hold theirs until it exits")):
+            ray_shards(SPEC, cluster.address, device="cpu", engine="reference", progress=False, start_timeout_s=60)
+        assert time.monotonic() - started < 30
+    finally:
+        first.close()
 
 
 def test_a_relative_checkpoint_path_is_the_clients_folders(cluster, tmp_path, monkeypatch):

@@ -28,6 +28,7 @@ from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, Shar
 
 LOCAL = "local"           # --ray-address local: start a Ray instance on this machine
 PROBE_TIMEOUT_S = 5.0     # how long a cluster's address may take to accept a connection, and to answer
+FREE_WAIT_S = 10.0        # how long the shards may wait for the cluster's CPUs or GPUs to be free
 REASON_CHARS = 200
 # A client's HTTP/2 connection preface with an empty SETTINGS frame: a gRPC server answers with its SETTINGS.
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -294,6 +295,27 @@ def shard_count(device: str, count: int | None, gpus: int, nodes: int, address: 
     return count or nodes
 
 
+def _wait_free(ray, placements, address):
+    """Refuse in one line, within FREE_WAIT_S, shards the cluster has not the free CPUs or GPUs for (another
+    client's shards hold them): their actors waited, unsaid, for the start timeout (ten minutes by default)."""
+    need = {name: sum(placement.get(key, 0) for placement in placements)
+            for name, key in (("CPU", "num_cpus"), ("GPU", "num_gpus"))}
+    deadline = time.monotonic() + FREE_WAIT_S  # what a client that has just stopped held is freed in a moment
+    while True:
+        free = ray.available_resources()
+        short = [name for name, count in need.items() if count and free.get(name, 0) < count - 1e-6]
+        if not short:
+            return
+        if time.monotonic() >= deadline:
+            total = ray.cluster_resources()
+            held = ", ".join(f"{free.get(name, 0):g} of {total.get(name, 0):g} {name}(s) free, {need[name]:g} "
+                             f"needed" for name in short)
+            raise ShardStartError(f"the Ray cluster at {address} cannot hold {len(placements)} shard(s) now: {held} "
+                                  f"(another client's shards hold theirs until it exits; `ray status` shows what is "
+                                  f"used)")
+        time.sleep(0.25)
+
+
 def _start(connection, spec, address, count, device, engine, options, progress, start_timeout_s):
     ray = connection.ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -323,6 +345,7 @@ def _start(connection, spec, address, count, device, engine, options, progress, 
                                "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)})
         actor_device = "cpu"
     engine = engine or ("fast" if actor_device == "cuda" else "reference")
+    _wait_free(ray, placements, address)
     actor_class = ray.remote(ShardActor)
     shards = []
     for index, placement in enumerate(placements):
