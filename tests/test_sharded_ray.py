@@ -333,13 +333,26 @@ def test_local_starts_ray_here_where_this_machine_has_joined_a_cluster():
     assert done.stdout.split()[-1] != elsewhere
 
 
-def test_no_cluster_at_the_address_is_one_line(tmp_path):
+@pytest.mark.parametrize("scheme, start", [("", "--port"), ("ray://", "--ray-client-server-port")],
+                         ids=["gcs", "ray-client"])
+def test_no_cluster_at_the_address_is_one_line(scheme, start):
+    """Ray Client's port is the head's --ray-client-server-port: --port there would have moved the GCS to it."""
     port = _free_port()
-    done = _run(["team/example_model.py", "--cluster", "ray", "--ray-address", f"127.0.0.1:{port}"], timeout=120)
+    address = f"{scheme}127.0.0.1:{port}"
+    done = _run(["team/example_model.py", "--cluster", "ray", "--ray-address", address], timeout=120)
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"team/example_model.py: error: no Ray cluster at --ray-address 127.0.0.1:{port}: "
-                           f"Connection refused; start its head with `ray start --head --port {port}`")
+    assert last.startswith(f"team/example_model.py: error: no Ray cluster at --ray-address {address}: "
+                           f"Connection refused; start its head with `ray start --head {start} {port}`")
+
+
+def test_an_address_of_another_scheme_is_one_line():
+    """http://HOST:PORT (the dashboard's form) reached ray.init, whose error blamed a RAY_ADDRESS never set."""
+    done = _run(["team/example_model.py", "--cluster", "ray", "--ray-address", "http://127.0.0.1:8265"], timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "team/example_model.py: error: --ray-address http://127.0.0.1:8265: expected HOST:PORT (the head's GCS port, "
+        "6379 by default), ray://HOST:PORT, auto or local")
 
 
 TOKEN_CLUSTER = """

@@ -194,17 +194,19 @@ def connect(address: str):
 
 def _probe(address: str):
     """Fail in one line, and fast, where nothing listens at the address (ray.init would retry for minutes)."""
-    host_port = address.split("://", 1)[-1]
+    scheme, _, host_port = address.rpartition("://")
     host, _, port = host_port.rpartition(":")
-    if not host or not port.isdigit():
+    if scheme not in ("", "ray") or not host or not port.isdigit():  # http://: Ray's error blamed RAY_ADDRESS
         raise ValueError(f"--ray-address {address}: expected HOST:PORT (the head's GCS port, 6379 by default), "
                          f"ray://HOST:PORT, auto or local")
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S)
     except OSError as exc:
         why = exc.strerror or type(exc).__name__
+        # Ray Client's server is the head's too, on a port of its own (--port would move the GCS there)
+        start = f"--ray-client-server-port {port}" if scheme else f"--port {port}"
         raise ConnectionError(f"no Ray cluster at --ray-address {address}: {why}; start its head with "
-                              f"`ray start --head --port {port}`, or use --ray-address local") from None
+                              f"`ray start --head {start}`, or use --ray-address local") from None
     with sock:
         grpc = _speaks_grpc(sock)
     if not grpc:  # ray.init would wait for a GCS there for about ten minutes, logging every half minute
