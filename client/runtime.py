@@ -72,6 +72,7 @@ PIPELINE_MIN_BATCH = 1
 # and such states may still join its queued step.
 READY_POLL_S = 0.0005
 MAX_FAILURES_LOGGED = 100  # distinct failures of the team's steps logged with their traceback
+MAX_ERRORS_LOGGED = 100  # distinct reasons for requests not answered, each logged once (the summary counts them all)
 
 
 class ClientStats:
@@ -301,6 +302,7 @@ class StreamingClient:
         self._refused: tuple = (None, set())  # (a queued step's pending, the symbols it refused to join)
         self._fate_failed: set[int] = set()  # joins whose fate() raised: their step's answer settles them
         self._failures_logged: set[str] = set()  # the steps' failures whose traceback was logged, by their message
+        self._errors_logged: set[str] = set()  # reasons for requests not answered that were logged
         # when to form the next pipelined step (under the lock), its step sizes at the team client's step rows
         # (formed late behind steps of late_after_s or more, or of punctual_late_after_s while the host wakes the
         # submitter on time, form_margin_s before the host's time says: StepClock's defaults unless given)
@@ -1025,7 +1027,12 @@ class StreamingClient:
         if ids:
             self._on_loop(self._on_batch_done, ids, predictions)
         for uid, why in errors.items():
-            log.warning("unique_id %d not answered: %s", uid, why)
+            # each of a lost shard's symbols' requests fails for one reason to the end of the stream: a line
+            # each was thousands a second on stderr
+            if why not in self._errors_logged and len(self._errors_logged) < MAX_ERRORS_LOGGED:
+                self._errors_logged.add(why)
+                log.warning("unique_id %d not answered: %s (later requests not answered for this reason are "
+                            "counted in the summary's errors, not logged)", uid, why)
             self._on_loop(self._on_requests_failed, [uid], why)
 
     def _fail(self, batch, exc, what):

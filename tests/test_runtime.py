@@ -400,6 +400,33 @@ def test_a_step_that_fails_the_same_way_again_logs_its_traceback_once(model, cap
     assert all("RuntimeError: team client bug (its traceback logged before)" in r.getMessage() for r in failures[1:])
 
 
+def test_requests_not_answered_for_one_reason_log_it_once(model, caplog):
+    """Every request of a lost shard's symbols fails for one reason to the end of the stream: that reason is
+    logged once, where it was a line a request; each request is still answered with its error, and counted."""
+    symbols, features = _stream(6)
+    recorder = Recorder()
+
+    class Lost(ExampleModel):
+        def process_batch(self, requests_by_symbol):
+            return {"unique_ids": [], "predictions": np.zeros((0, 4), np.float32),
+                    "errors": {uid: "ShardLost: shard 0 lost" if symbol != "SYM_000" else "no room"
+                               for symbol, queued in requests_by_symbol.items() for uid, _ in queued}}
+
+    async def handler(ws):
+        await ws.recv()
+        for uid in range(6):
+            await ws.send(_request([uid], symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.errors) > uid)
+        await ws.close(1000)
+
+    with caplog.at_level(logging.WARNING, logger="client.runtime"):
+        _, summary = asyncio.run(_play(handler, Lost(ReferenceEngine(model)), max_batch=1))
+    logged = [r.getMessage() for r in caplog.records if "not answered" in r.getMessage()]
+    assert len(recorder.errors) == 6 and summary["errors"] == 6
+    assert [line.split(" (later")[0] for line in logged] == ["unique_id 0 not answered: no room",
+                                                             "unique_id 1 not answered: ShardLost: shard 0 lost"]
+
+
 def test_objects_alive_at_start_are_frozen_out_of_the_collector_during_play(model):
     symbols, features = _stream(3)
     recorder = Recorder()

@@ -304,6 +304,65 @@ def test_symbols_forgotten_by_a_step_that_fails_after_it_was_sent_leave_the_engi
         engine.close()
 
 
+class _UnreachableShard(Shard):
+    """A shard whose calls all fail as unreachable, while its process or actor may live on."""
+    index, where, info = 1, "elsewhere", {}
+
+    def __init__(self):
+        self.killed = 0
+
+    def submit(self, symbols, features):
+        return symbols
+
+    def result(self, handle):
+        raise ShardLost("unreachable")
+
+    def release(self, symbols):
+        pass
+
+    def kill(self):
+        self.killed += 1
+
+    def stop(self):
+        pass
+
+
+def test_a_lost_shard_is_ended_at_its_loss():
+    """A shard lost while its process or actor lives on (a Ray actor unreachable for a moment, a process that
+    answered out of order) was left running until the client closed, holding its GPU for symbols it would never
+    be sent again."""
+    model, _ = load_model("tiny", seed=3)
+    unreachable = _UnreachableShard()
+    engine = ShardedEngine([_ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False)), unreachable],
+                           progress=False)
+    try:
+        features = np.zeros((2, 79), np.float32)
+        outcomes = [outcome for _, outcome in engine.submit(["A", "B"], features).parts()]
+        assert sum(isinstance(outcome, ShardLost) for outcome in outcomes) == 1
+        assert unreachable.killed == 1
+    finally:
+        engine.close()
+
+
+def test_a_lost_shards_requests_fail_in_the_same_words_before_and_after_its_loss_is_known():
+    """The team client answers a lost shard's requests with its failed part's error, and once the loss is known
+    with unplaceable's reason: they said it in other words ("ShardLost: " or not), which the runtime logged as two
+    reasons."""
+    from team.example_model import ExampleModel
+
+    model, _ = load_model("tiny", seed=3)
+    engine = ShardedEngine([_ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False)),
+                            _UnreachableShard()], progress=False)
+    try:
+        team, features = ExampleModel(engine), np.zeros(79, np.float32)
+        first = team.process_batch({"A": (1, features), "B": (2, features)})
+        again = team.process_batch({"A": (3, features), "B": (4, features)})
+        assert first["errors"] == {2: "ShardLost: shard 1 (elsewhere) lost: unreachable"}
+        assert again["errors"] == {4: first["errors"][2]}
+    finally:
+        engine.close()
+
+
 def test_missing_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match=r"asked for, but this machine has \d+ GPU"):
         process_shards(SPEC, ["cuda:7"], progress=False)

@@ -6,6 +6,7 @@ message (or, with reset, starting them again from a fresh state), and the comman
 One cluster serves the whole module (a Ray node costs seconds and memory; CI has 2 cores)."""
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from client.engine.fast import FastEngine  # noqa: E402
 from client.engine.reference import ReferenceEngine  # noqa: E402
 from client.engine.shard_ray import ray_shards, shard_count  # noqa: E402
-from client.engine.sharded import ModelSpec, ShardedEngine, ShardError, ShardLost  # noqa: E402
+from client.engine.sharded import ModelSpec, ShardedEngine, ShardError, ShardLost, ShardStartError  # noqa: E402
 from client.model import load_model  # noqa: E402
 from team.example_model import ExampleModel  # noqa: E402
 from conftest import checkout_env  # noqa: E402
@@ -207,6 +208,24 @@ def test_reset_starts_a_lost_nodes_symbols_again_from_a_fresh_state(cluster, mod
         cluster.wait_for_nodes()
 
 
+def test_shards_a_busy_cluster_cannot_hold_are_refused_in_one_line(cluster, monkeypatch):
+    """Another client's shards hold every node's CPUs: a second client's actors waited, unsaid, for the start
+    timeout (ten minutes by default) where the cluster can be seen to lack them."""
+    from client.engine import shard_ray
+
+    monkeypatch.setattr(shard_ray, "FREE_WAIT_S", 1.0)
+    first = start(cluster, "reference")
+    try:
+        started = time.monotonic()
+        with pytest.raises(ShardStartError, match=re.escape(
+                f"the Ray cluster at {cluster.address} cannot hold 2 shard(s) now: 0 of 2 CPU(s) free, 2 needed "
+                f"(another client's shards hold theirs until it exits")):
+            ray_shards(SPEC, cluster.address, device="cpu", engine="reference", progress=False, start_timeout_s=60)
+        assert time.monotonic() - started < 30
+    finally:
+        first.close()
+
+
 def test_a_relative_checkpoint_path_is_the_clients_folders(cluster, tmp_path, monkeypatch):
     """--weights PATH relative to the folder the client runs in: the shards load that path (the same on each
     host), not PATH in their workers' folder (where their node's Ray was started)."""
@@ -245,6 +264,40 @@ def test_gpu_shards_of_a_node_share_its_host_memory(cluster, monkeypatch):
     assert built == [{"capacity": 16, "host_memory": 2 * 2**30}, {"host_symbols": 100}]  # a size given is kept
 
 
+def test_an_actor_unreachable_when_its_node_dies_is_said_in_a_few_words():
+    """A node killed under its actor mostly reads as unreachable: Ray's message was cut mid-word and called the
+    actor temporarily unavailable, where the shard is lost for good."""
+    from client.engine.shard_ray import _reason
+
+    exc = ray.exceptions.ActorUnavailableError("The actor is temporarily unavailable: RpcError: RPC error: "
+                                               "recvmsg:Connection reset by peer rpc_code: 14", b"\x8d" * 16)
+    assert _reason(exc) == ("ActorUnavailableError: the actor could not be reached (RpcError: RPC error: "
+                            "recvmsg:Connection reset by peer rpc_code: 14), and whether its last steps ran is not "
+                            "known")
+
+
+def test_killing_a_lost_shard_leaves_ray_up_for_the_others_and_its_stop():
+    """The engine kills a shard at its loss: Ray, started by this client, stays up until the last shard stops."""
+    from client.engine.shard_ray import RayShard, _Connection
+
+    calls = []
+
+    class FakeRay:
+        def kill(self, actor, no_restart):
+            calls.append(("kill", actor))
+
+        def shutdown(self):
+            calls.append(("shutdown",))
+
+    connection = _Connection(FakeRay(), owned=True)
+    connection.open_shards = 1
+    shard = RayShard(0, "actor", connection)
+    shard.kill()
+    assert calls == [("kill", "actor")]
+    shard.stop()
+    assert calls[-1] == ("shutdown",)
+
+
 def test_shard_counts_and_what_a_cluster_cannot_hold():
     assert shard_count("cuda", None, 4, 2, "head:6379") == 4  # every GPU by default
     assert shard_count("cpu", None, 0, 3, "head:6379") == 3   # one per node without GPUs
@@ -266,13 +319,75 @@ def _run(args, timeout=300):
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_no_cluster_at_the_address_is_one_line(tmp_path):
+def test_local_starts_ray_here_where_this_machine_has_joined_a_cluster():
+    """--ray-address local (the default) joined the cluster of RAY_ADDRESS, or the last one `ray start` joined
+    here (the head, where the README runs the client), where it is to start a Ray instance of its own."""
+    elsewhere = f"127.0.0.1:{_free_port()}"
+    script = ("from client.engine.shard_ray import connect\n"
+              "connection = connect('local')\n"
+              "print(connection.ray.get_runtime_context().gcs_address)\n"
+              "connection.ray.shutdown()\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**checkout_env(REPO), "RAY_ADDRESS": elsewhere})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] != elsewhere
+
+
+@pytest.mark.parametrize("scheme, start", [("", "--port"), ("ray://", "--ray-client-server-port")],
+                         ids=["gcs", "ray-client"])
+def test_no_cluster_at_the_address_is_one_line(scheme, start):
+    """Ray Client's port is the head's --ray-client-server-port: --port there would have moved the GCS to it."""
     port = _free_port()
-    done = _run(["team/example_model.py", "--cluster", "ray", "--ray-address", f"127.0.0.1:{port}"], timeout=120)
+    address = f"{scheme}127.0.0.1:{port}"
+    done = _run(["team/example_model.py", "--cluster", "ray", "--ray-address", address], timeout=120)
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"team/example_model.py: error: no Ray cluster at --ray-address 127.0.0.1:{port}: "
-                           f"Connection refused; start its head with `ray start --head --port {port}`")
+    assert last.startswith(f"team/example_model.py: error: no Ray cluster at --ray-address {address}: "
+                           f"Connection refused; start its head with `ray start --head {start} {port}`")
+
+
+def test_an_address_of_another_scheme_is_one_line():
+    """http://HOST:PORT (the dashboard's form) reached ray.init, whose error blamed a RAY_ADDRESS never set."""
+    done = _run(["team/example_model.py", "--cluster", "ray", "--ray-address", "http://127.0.0.1:8265"], timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "team/example_model.py: error: --ray-address http://127.0.0.1:8265: expected HOST:PORT (the head's GCS port, "
+        "6379 by default), ray://HOST:PORT, auto or local")
+
+
+TOKEN_CLUSTER = """
+from ray.cluster_utils import Cluster
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+print(cluster.address, flush=True)
+input()  # until the test is done
+cluster.shutdown()
+"""
+
+
+@pytest.mark.parametrize("client_env, said", [
+    ({}, "it wants the cluster's token: run the client with RAY_AUTH_MODE=token, and the head's ~/.ray/auth_token"),
+    ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "b" * 32}, "this client's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH "
+                                                            "or ~/.ray/auth_token) is not the cluster's"),
+    ({"RAY_AUTH_MODE": "token", "HOME": "/nonexistent"}, "RAY_AUTH_MODE=token, but no token is here"),
+], ids=["no-token", "wrong-token", "token-mode-without-one"])
+def test_a_head_that_refuses_the_clients_token_is_one_line(client_env, said):
+    """A head started with RAY_AUTH_MODE=token (the README's) and a client without its token: ray.init retried for
+    20 s, logging each try, then said that no cluster was there (and without any token, aborted the process)."""
+    env = {k: v for k, v in checkout_env(REPO).items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    head = subprocess.Popen([sys.executable, "-c", TOKEN_CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "a" * 32})
+    try:
+        address = head.stdout.readline().strip()
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "team/example_model.py", "--cluster", "ray", "--ray-address", address],
+                              cwd=REPO, capture_output=True, text=True, timeout=120, env={**env, **client_env})
+        took = time.monotonic() - started
+    finally:
+        head.communicate("\n", timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"team/example_model.py: error: the Ray cluster at --ray-address {address} refused this client: {said}")
+    assert took < 15
 
 
 @pytest.mark.parametrize("answer", [None, b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"],

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -27,6 +28,7 @@ from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, Shar
 
 LOCAL = "local"           # --ray-address local: start a Ray instance on this machine
 PROBE_TIMEOUT_S = 5.0     # how long a cluster's address may take to accept a connection, and to answer
+FREE_WAIT_S = 10.0        # how long the shards may wait for the cluster's CPUs or GPUs to be free
 REASON_CHARS = 200
 # A client's HTTP/2 connection preface with an empty SETTINGS frame: a gRPC server answers with its SETTINGS.
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -129,14 +131,18 @@ class RayShard(Shard):
     def release(self, symbols):
         self._call(self.actor.release, symbols)
 
-    def stop(self):
-        if self._stopped:
-            return
-        self._stopped = True
+    def kill(self):
+        # the connection stays up for the other shards, and for close(): Ray is shut down only by the last stop
         try:
             self.connection.ray.kill(self.actor, no_restart=True)
         except Exception:  # already gone with its node
             pass
+
+    def stop(self):
+        if self._stopped:
+            return
+        self._stopped = True
+        self.kill()
         self.connection.shard_stopped()
 
 
@@ -147,6 +153,13 @@ def _reason(exc) -> str:
     if because >= 0:  # "... because its node has died." / "its worker process has died." / "it was killed ..."
         clause = text[because + len("The actor is dead because "):].split(". ")[0].rstrip(".")
         return f"{type(exc).__name__}: the actor died, {clause}"
+    # Ray's "The actor ID is unavailable: The actor is temporarily unavailable: RpcError: ... . The task may or
+    # may not have been executed on the actor.", cut mid-word at REASON_CHARS, read as if the shard would come back
+    unreachable = re.search(r"is unavailable: (?:The actor is temporarily unavailable: )?(.*?)\.? The task may or "
+                            r"may not have been executed", text)
+    if unreachable:
+        return (f"{type(exc).__name__}: the actor could not be reached ({unreachable.group(1)[:REASON_CHARS]}), and "
+                f"whether its last steps ran is not known")
     first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
     first = first[:1].lower() + first[1:]  # "The actor died unexpectedly before finishing this task"
     return f"{type(exc).__name__}: {first[:REASON_CHARS]}"
@@ -165,10 +178,13 @@ def connect(address: str):
         return _Connection(ray, owned=False)
     quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
     if address == LOCAL:
-        ray.init(include_dashboard=False, **quiet)
+        # Ray's own "local": without an address ray.init joins RAY_ADDRESS's cluster, or the last one started here
+        ray.init(address=LOCAL, include_dashboard=False, **quiet)
         return _Connection(ray, owned=True)
     if address != "auto":
         _probe(address)
+        if "://" not in address:  # a head's GCS, not Ray Client's server
+            _check_token(ray, address)
     try:
         ray.init(address=address, **quiet)
     except ConnectionError as exc:
@@ -178,23 +194,53 @@ def connect(address: str):
 
 def _probe(address: str):
     """Fail in one line, and fast, where nothing listens at the address (ray.init would retry for minutes)."""
-    host_port = address.split("://", 1)[-1]
+    scheme, _, host_port = address.rpartition("://")
     host, _, port = host_port.rpartition(":")
-    if not host or not port.isdigit():
+    if scheme not in ("", "ray") or not host or not port.isdigit():  # http://: Ray's error blamed RAY_ADDRESS
         raise ValueError(f"--ray-address {address}: expected HOST:PORT (the head's GCS port, 6379 by default), "
                          f"ray://HOST:PORT, auto or local")
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S)
     except OSError as exc:
         why = exc.strerror or type(exc).__name__
+        # Ray Client's server is the head's too, on a port of its own (--port would move the GCS there)
+        start = f"--ray-client-server-port {port}" if scheme else f"--port {port}"
         raise ConnectionError(f"no Ray cluster at --ray-address {address}: {why}; start its head with "
-                              f"`ray start --head --port {port}`, or use --ray-address local") from None
+                              f"`ray start --head {start}`, or use --ray-address local") from None
     with sock:
         grpc = _speaks_grpc(sock)
     if not grpc:  # ray.init would wait for a GCS there for about ten minutes, logging every half minute
         raise ConnectionError(f"no Ray cluster at --ray-address {address}: something else answers there; give the "
                               f"head's GCS port (6379 by default; the dashboard's 8265 is another), or "
                               f"ray://HOST:10001 for Ray Client")
+
+
+def _check_token(ray, address: str):
+    """Fail in one line, and fast, where the head refuses this process's token: ray.init retried for 20 s, logging
+    each try, then said that no cluster was there."""
+    refused = getattr(ray.exceptions, "AuthenticationError", None)
+    if refused is None:  # a Ray without token authentication (before 2.52)
+        return
+    token_mode = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    found = False
+    try:
+        from ray._raylet import AuthenticationTokenLoader, GcsClient
+
+        if token_mode:  # raises where there is none: GcsClient would abort the process
+            found = AuthenticationTokenLoader.instance().has_token()
+        GcsClient(address=address)  # asks the GCS its cluster id, with this process's token as ray.init would
+    except refused:
+        if not token_mode:
+            why = ("it wants the cluster's token: run the client with RAY_AUTH_MODE=token, and the head's "
+                   "~/.ray/auth_token here")
+        elif found:
+            why = ("this client's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) is not the "
+                   "cluster's: copy the head's ~/.ray/auth_token here")
+        else:
+            why = "RAY_AUTH_MODE=token, but no token is here: copy the head's ~/.ray/auth_token here"
+        raise ConnectionError(f"the Ray cluster at --ray-address {address} refused this client: {why}") from None
+    except Exception:  # anything else is ray.init's to say
+        return
 
 
 def _speaks_grpc(sock) -> bool:
@@ -251,6 +297,27 @@ def shard_count(device: str, count: int | None, gpus: int, nodes: int, address: 
     return count or nodes
 
 
+def _wait_free(ray, placements, address):
+    """Refuse in one line, within FREE_WAIT_S, shards the cluster has not the free CPUs or GPUs for (another
+    client's shards hold them): their actors waited, unsaid, for the start timeout (ten minutes by default)."""
+    need = {name: sum(placement.get(key, 0) for placement in placements)
+            for name, key in (("CPU", "num_cpus"), ("GPU", "num_gpus"))}
+    deadline = time.monotonic() + FREE_WAIT_S  # what a client that has just stopped held is freed in a moment
+    while True:
+        free = ray.available_resources()
+        short = [name for name, count in need.items() if count and free.get(name, 0) < count - 1e-6]
+        if not short:
+            return
+        if time.monotonic() >= deadline:
+            total = ray.cluster_resources()
+            held = ", ".join(f"{free.get(name, 0):g} of {total.get(name, 0):g} {name}(s) free, {need[name]:g} "
+                             f"needed" for name in short)
+            raise ShardStartError(f"the Ray cluster at {address} cannot hold {len(placements)} shard(s) now: {held} "
+                                  f"(another client's shards hold theirs until it exits; `ray status` shows what is "
+                                  f"used)")
+        time.sleep(0.25)
+
+
 def _start(connection, spec, address, count, device, engine, options, progress, start_timeout_s):
     ray = connection.ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -280,6 +347,7 @@ def _start(connection, spec, address, count, device, engine, options, progress, 
                                "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)})
         actor_device = "cpu"
     engine = engine or ("fast" if actor_device == "cuda" else "reference")
+    _wait_free(ray, placements, address)
     actor_class = ray.remote(ShardActor)
     shards = []
     for index, placement in enumerate(placements):

@@ -408,15 +408,17 @@ class ShardedEngine(Engine):
         return index
 
     def unplaceable(self, symbols) -> dict[str, str]:
+        # in the words a caller gives a failed part (its exception's type, then its message), so that a loss
+        # answered both ways reads as one reason
         with self._lock:
             out = {}
             live = any(r.lost is None for r in self._runners)
             for symbol in symbols:
                 index = self.shard_of.get(symbol)
                 if index is not None and self._runners[index].lost is not None:
-                    out[symbol] = str(self._runners[index].lost)
+                    out[symbol] = f"ShardLost: {self._runners[index].lost}"
                 elif index is None and not live:
-                    out[symbol] = "every shard of the sharded engine is lost"
+                    out[symbol] = "ShardLost: every shard of the sharded engine is lost"
             return out
 
     def _unplace(self, runner: _Runner, gone):
@@ -520,6 +522,9 @@ class ShardedEngine(Engine):
                 self._losses.append(record)
         for part, error in failed:
             part.finish(error)
+        # ended, not left as it is: a shard lost for being unreachable, hung, or out of order may live on, holding
+        # its GPU (and Ray's resources) until the client exits, for symbols it will never be sent again
+        runner.shard.kill()
         if closing:
             return
         if self.progress:
@@ -540,7 +545,6 @@ class ShardedEngine(Engine):
                         and now - runner.in_flight[0].sent_at > timeout]
             for runner in hung:
                 self._lose(runner, ShardLost(f"it answered no step for {timeout:g} s (--shard-timeout-s); stopped"))
-                runner.shard.kill()
 
     def close(self):
         with self._lock:
