@@ -674,6 +674,6 @@ def test_a_line_whose_lists_disagree_counts_its_new_ids_as_requests_refused_as_a
     errors = [o["details"] for o in lines if o["message_type"] == "error"]
     assert "3 unique_ids, 2 symbols and 3 feature rows; unique_ids [1, 2] not answered" in errors[0]
     assert "unique_id 2 " in errors[1] and "rejected earlier" in errors[1]
-    assert ("field 'unique_ids' must be a list of integers, got list (2 of its 3 unique_ids are no integers: "
-            "only the integers count as requests); unique_ids [5] not answered") in errors[2]
+    assert ("field 'unique_ids' must be a list of integers, got a list whose item 1 is str 'x' (2 of its 3 "
+            "unique_ids are no integers: only the integers count as requests); unique_ids [5] not answered") in errors[2]
     assert (summary["requests"], summary["errors"], summary["responses_sent"]) == (5, 3, 2)
