@@ -521,7 +521,8 @@ def test_each_project_message_crosses_the_original_wire_and_back():
      b'"latencies_ms": [1]}\n', "field 'trade_pnls' must be a list of numbers, got a list whose item 0 is int 100000"),
     # the item named, not "got list": ids that went through a float array
     (b'{"message_type": "inference_response", "unique_ids": [4, 5.0], "predictions": [[1, 2, 3, 4], [1, 2, 3, 4]], '
-     b'"client_timestamp": 1}\n', "field 'unique_ids' must be a list of integers, got a list whose item 1 is float 5.0"),
+     b'"client_timestamp": 1}\n',
+     "field 'unique_ids' must be a list of integers, got a list whose item 1 is float 5.0"),
     # JSON's \\u escapes can spell a lone surrogate, which no UTF-8 text (nor a msgpack string) holds
     (b'{"message_type": "error", "error": "state_reset", "details": "\\ud800"}\n',
      "field 'details' must be a string or null, of Unicode text (no lone surrogate), got str"),
@@ -675,5 +676,6 @@ def test_a_line_whose_lists_disagree_counts_its_new_ids_as_requests_refused_as_a
     assert "3 unique_ids, 2 symbols and 3 feature rows; unique_ids [1, 2] not answered" in errors[0]
     assert "unique_id 2 " in errors[1] and "rejected earlier" in errors[1]
     assert ("field 'unique_ids' must be a list of integers, got a list whose item 1 is str 'x' (2 of its 3 "
-            "unique_ids are no integers: only the integers count as requests); unique_ids [5] not answered") in errors[2]
+            "unique_ids are no integers: only the integers count as requests); unique_ids [5] not answered"
+            ) in errors[2]
     assert (summary["requests"], summary["errors"], summary["responses_sent"]) == (5, 3, 2)
