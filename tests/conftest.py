@@ -8,6 +8,17 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _threads_as_found():
+    """A test that runs a command line in this process leaves torch's thread count as it found it: the team client
+    sets it for a CPU engine (cores - 1), and the tests after it compared CPU products computed on 15 threads with
+    a shard process's on one (bench/LOG.md section 69)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def usage_error(capsys):
     """usage_error(parse, argv): what a command line's `parse` (argparse, or a main) writes to stderr as it

@@ -172,11 +172,12 @@ IDLE_S = 1.0  # the idle timeout of the expiry tests: a symbol stepped again wit
 
 
 def _idle_engines():
-    """Two shards forgetting symbols idle IDLE_S, and a single engine per shard, alike, to step the same parts. The
-    shards' processes take this one's thread count (conftest: 1): a CPU product split over other threads may round
-    otherwise (2.7e-7 apart with 16 threads on a 16-core host)."""
+    """Two shards forgetting symbols idle IDLE_S, and a single engine per shard, alike, to step the same parts. Both
+    sides step on one thread (this process: conftest's): a CPU product split over threads may round otherwise, 2.7e-7
+    apart with 16 threads in the shards and one here, and still 3e-8 with 15 on both sides (a 16-core host)."""
+    assert torch.get_num_threads() == 1
     threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # read by each spawned shard's torch at start
+    os.environ["OMP_NUM_THREADS"] = "1"  # read by each spawned shard's torch at start
     try:
         engine = start(["cpu", "cpu"], capacity=CAPACITY, host_symbols=0, idle_timeout_s=IDLE_S)
     finally:
