@@ -500,6 +500,39 @@ def test_real_client_that_never_reads_is_cut_off():
     assert summary["requests"] == summary["missed"] == requests and summary["responses"] == 0
 
 
+@pytest.mark.parametrize("kind", ["tcp-json", "websocket"])
+def test_a_stranger_that_sends_and_never_reads_is_cut_off_unregistered(kind):
+    """Each bad line or frame is answered with an error: a stranger that never read them filled the server's buffers,
+    and the handler, waiting for the send to drain, never came back to its register timeout: the connection was held
+    for ever (still open after 60 s). A send stuck send_stall_s now cuts the connection off, as a team's requests do."""
+    def flood(port):
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            if kind == "tcp-json":
+                junk = b'{"message_type": "junk"}\n' * 1000
+            else:
+                upgrade(sock)
+                junk = masked_frame(b"\xc1") * 1000
+            sock.setblocking(False)
+            started = stuck_since = time.monotonic()
+            while time.monotonic() - started < 30:
+                try:
+                    sock.send(junk)
+                    stuck_since = time.monotonic()
+                except BlockingIOError:  # the server reads no more: it waits for its errors to drain
+                    time.sleep(0.05)
+                except (ConnectionResetError, BrokenPipeError):
+                    return time.monotonic() - stuck_since
+            return None
+
+    async def main():
+        async with Server(register_timeout_s=60, send_stall_s=0.5) as s:
+            return await asyncio.to_thread(flood, s.port), s.server.unregistered_errors
+    cut_after, errors = asyncio.run(asyncio.wait_for(main(), 60))
+    assert errors > 1000 and cut_after is not None and cut_after < 5, (cut_after, errors)
+
+
 def upgrade(sock) -> bytes:
     """A websocket handshake on a plain socket; returns what came after the server's 101."""
     key = base64.b64encode(os.urandom(16)).decode()
