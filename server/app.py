@@ -294,6 +294,11 @@ class ScoringServer:
                 return
             ws.limit_messages(self.config.max_frame_bytes)
             async for frame in ws:
+                if session.connection is not ws:
+                    # no longer the team's connection (a newer one registered, and wins; or this one was cut off): what
+                    # it sent while its close completed (10 s for a peer that holds its close back) was scored, answers
+                    # to the requests resent to the newer one, whose own answers then counted as duplicates
+                    continue
                 await self._on_message(session, ws, frame, time.monotonic())
                 # neither taking a buffered message nor sending an answer waits: without this, a team sending many
                 # small messages held the event loop, every team's, until it had answered them all

@@ -409,6 +409,46 @@ def test_newer_connection_of_a_team_supersedes_the_older():
     assert first["type"] == "inference_request" and first["unique_ids"][0] == 0  # resent
 
 
+def test_a_superseded_connection_that_holds_its_close_back_answers_nothing():
+    """The newer connection of a team wins: the older one is told and closed, but one that held back its side of the
+    close had its answers scored for 10 s more (websockets' close timeout), answers to the requests resent to the newer
+    one, whose own answers then counted as duplicates."""
+    async def server_frame(reader):
+        head = await reader.readexactly(2)
+        size = head[1] & 0x7F
+        if size >= 126:
+            size = int.from_bytes(await reader.readexactly(2 if size == 126 else 8), "big")
+        return head[0] & 0x0F, await reader.readexactly(size)
+
+    async def main():
+        async with Server(rate=100.0, timeout_s=5.0) as s:
+            reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+            key = base64.b64encode(os.urandom(16)).decode()
+            writer.write(f"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+                         + masked_frame(protocol.encode(protocol.register("alpha"))))
+            await reader.readuntil(b"\r\n\r\n")
+            ids, session_key = [], None
+            while len(ids) < 10:
+                msg = protocol.decode((await server_frame(reader))[1])
+                session_key = msg.get("session_key", session_key)
+                ids += msg.get("unique_ids", []) if msg["type"] == "inference_request" else []
+            new = await registered(s.url, "alpha", session_key=session_key)
+            while (await server_frame(reader))[0] != 0x8:  # to the close frame, which it never answers
+                pass
+            writer.write(masked_frame(protocol.encode(protocol.inference_response(ids, s.targets[ids], 0.0))))
+            await asyncio.sleep(0.3)
+            old_scored = s.summary("alpha")["responses"]
+            seen, _, _ = await play(new, s.targets, stop_after=len(ids))
+            await asyncio.sleep(0.3)  # its answers scored
+            writer.close()
+            new.transport.abort()  # (it stopped reading: a close would wait for its timeout)
+            return old_scored, ids, all_ids(seen), s.summary("alpha")
+    old_scored, ids, resent, summary = run(main())
+    assert old_scored == 0 and resent[:len(ids)] == ids
+    assert summary["responses"] >= len(ids) and summary["duplicates"] == 0
+
+
 def test_slow_client_is_missed_while_a_fast_one_keeps_its_score():
     async def main():
         async with Server(rate=500.0, timeout_s=0.5) as s:
