@@ -274,6 +274,9 @@ class ScoringServer:
 
     async def _handle(self, ws):
         address = ws.remote_address[0] if ws.remote_address else "unknown"
+        # first: a connection refused here held back its side of the close and had frames of 8 MB read meanwhile (10 s,
+        # 16 queued: 150 MB a socket)
+        ws.limit_messages(min(longest_register(self.config.limits), self.config.max_frame_bytes))
         refusal = self._addresses.connect(address)
         if refusal is not None:
             self.unregistered_errors += 1
@@ -288,7 +291,6 @@ class ScoringServer:
         session = None
         heartbeats = asyncio.create_task(self._heartbeats(ws))
         try:
-            ws.limit_messages(min(longest_register(self.config.limits), self.config.max_frame_bytes))
             session = await self._register(ws, address)
             if session is None:
                 return

@@ -1183,6 +1183,35 @@ def test_an_address_holds_at_most_its_limit_of_open_sockets_and_others_connect()
     assert run(main()) == (b"", "CLOSED", "CLOSED")
 
 
+def test_a_connection_refused_at_once_reads_no_frame_longer_than_a_register():
+    """A websocket connection past its address's limit is refused (too_many_connections) before it registers, but the
+    limit of a frame before register came only after: one that held back its side of the close had frames of up to
+    8 MB read for 10 s (websockets' close timeout), 16 of them queued: 8 such sockets from one address took the server
+    from 0.2 to 1.4 GB. Now a frame over twice the longest register closes it at its header (1009), unread."""
+    def refused_then_big_frame(port):
+        with socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.9", 0)) as held, \
+                socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.9", 0)) as refused:
+            upgrade(held)
+            received = upgrade(refused)
+            while b"\x88" not in received:  # the refusal, then its close frame, which it never answers
+                received += refused.recv(4096)
+            payload = bytes(64 * 1024)
+            refused.sendall(bytes([0x82, 0x80 | 127]) + struct.pack("!Q", len(payload)) + bytes(4) + payload)
+            refused.settimeout(5)
+            started = time.monotonic()
+            try:
+                while refused.recv(4096):
+                    pass
+            except (TimeoutError, ConnectionResetError):
+                pass
+            return time.monotonic() - started
+
+    async def main():
+        async with Server(limits=Limits(max_connections_per_address=1)) as s:
+            return await asyncio.to_thread(refused_then_big_frame, s.port)
+    assert run(main()) < 2
+
+
 def test_a_teams_inbound_bytes_are_granted_by_its_open_requests_and_refilled_slowly():
     now = [0.0]
     budget = InboundBudget(per_request=100, allowance=1000, allowance_per_s=500, clock=lambda: now[0])
