@@ -485,7 +485,8 @@ class ScoringServer:
             session.errors += 1
             await self._send_error(ws, *over)
             # refusing costs the server what reading cost the team: read on at once, it answered a stream of small
-            # frames refusal after refusal as fast as it went
+            # frames refusal after refusal as fast as it went; and the socket is not read meanwhile either
+            ws.hold_reading(REFUSAL_PAUSE_S)
             await asyncio.sleep(REFUSAL_PAUSE_S)
             return
         try:

@@ -7,6 +7,7 @@ import socket
 import struct
 import threading
 import time
+import tracemalloc
 import urllib.request
 
 import msgpack
@@ -1278,6 +1279,44 @@ def test_a_team_past_its_budget_is_read_again_only_a_second_after_each_refusal()
             return flooder
     flooder = run(main())
     assert 1 <= flooder["errors"] <= 2  # (18,500 before)
+
+
+def test_a_team_past_its_budget_has_its_socket_read_no_further_until_the_pause_ends():
+    """While the server waited a second after refusing a team's frame past its budget, websockets read on: 16 frames
+    of up to 8 MB queued, 150 MB a connection (four teams: the server from 0.2 to 0.8 GB). Now the socket is not read
+    meanwhile either: what the server holds is about a frame."""
+    frame_bytes = 4 * 2**20 - 64
+    frame = bytes([0x82, 0x80 | 127]) + struct.pack("!Q", frame_bytes) + bytes(4) + bytes(frame_bytes)
+
+    def flood(port, stop):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            received = upgrade(sock)
+            sock.sendall(masked_frame(protocol.encode(protocol.register("flooder"))))
+            while b"welcome" not in received:  # (a frame before it is limited to a register's length)
+                received += sock.recv(4096)
+            sock.settimeout(0.5)
+            while not stop.is_set():
+                try:
+                    sock.sendall(frame)
+                except TimeoutError:  # the server reads no more for now
+                    pass
+
+    async def main():
+        async with Server(rate=1.0) as s:
+            stop = threading.Event()
+            tracemalloc.start()
+            try:
+                flooder = asyncio.get_running_loop().run_in_executor(None, flood, s.port, stop)
+                await asyncio.sleep(2.5)
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+                stop.set()
+            await flooder
+            return peak, s.summary("flooder")
+    peak, flooder = run(main())
+    assert flooder["errors"] >= 1  # refused
+    assert peak < 6 * frame_bytes, f"{peak / 2**20:.0f} MiB"  # (about 3 frames; 12 within these 2.5 s before)
 
 
 def test_a_frame_before_register_longer_than_any_register_is_refused_undecoded():
