@@ -32,6 +32,7 @@ Each message is one binary websocket frame holding one msgpack map with a ``type
 and byte lengths agree, so a caller never indexes past what was sent.
 """
 import math
+import reprlib
 
 import msgpack
 import numpy as np
@@ -161,7 +162,9 @@ def validate(msg) -> dict:
         raise ProtocolError("message has no 'type' field")
     schema = _SCHEMAS.get(kind) if isinstance(kind, str) else None
     if schema is None:
-        raise ProtocolError(f"unknown message type {kind!r}; expected one of {', '.join(MESSAGE_TYPES)}")
+        # reprlib: a kind of lists nested 1,000 deep (msgpack goes to 1,024) overflowed repr's recursion, and the
+        # RecursionError escaped the server's handler (1011, a traceback in its log for each such frame)
+        raise ProtocolError(f"unknown message type {reprlib.repr(kind)}; expected one of {', '.join(MESSAGE_TYPES)}")
     try:
         for field, (check, expected, required) in schema.items():
             if field not in msg:

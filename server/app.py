@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from websockets.asyncio.server import serve
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 
 from client import protocol
 from server.identity import Identity
@@ -123,6 +123,7 @@ class ScoringServer:
         self._original_connections: dict[OriginalConnection, asyncio.Task] = {}
         self.unregistered_errors = 0
         self._server = None
+        self._send_stall_s = config.send_stall_s or config.timeout_s
         self._identity = Identity(config.token, config.tokens)
         self._addresses = AddressLimits(config.limits)
         # a team's connections and page loads fit; thousands of idle sockets from one address do not
@@ -273,6 +274,9 @@ class ScoringServer:
 
     async def _handle(self, ws):
         address = ws.remote_address[0] if ws.remote_address else "unknown"
+        # first: a connection refused here held back its side of the close and had frames of 8 MB read meanwhile (10 s,
+        # 16 queued: 150 MB a socket)
+        ws.limit_messages(min(longest_register(self.config.limits), self.config.max_frame_bytes))
         refusal = self._addresses.connect(address)
         if refusal is not None:
             self.unregistered_errors += 1
@@ -287,12 +291,16 @@ class ScoringServer:
         session = None
         heartbeats = asyncio.create_task(self._heartbeats(ws))
         try:
-            ws.limit_messages(min(longest_register(self.config.limits), self.config.max_frame_bytes))
             session = await self._register(ws, address)
             if session is None:
                 return
             ws.limit_messages(self.config.max_frame_bytes)
             async for frame in ws:
+                if session.connection is not ws:
+                    # no longer the team's connection (a newer one registered, and wins; or this one was cut off): what
+                    # it sent while its close completed (10 s for a peer that holds its close back) was scored, answers
+                    # to the requests resent to the newer one, whose own answers then counted as duplicates
+                    continue
                 await self._on_message(session, ws, frame, time.monotonic())
                 # neither taking a buffered message nor sending an answer waits: without this, a team sending many
                 # small messages held the event loop, every team's, until it had answered them all
@@ -308,12 +316,30 @@ class ScoringServer:
         try:
             while True:
                 await asyncio.sleep(self.config.heartbeat_s)
-                await ws.send(protocol.encode(protocol.heartbeat(time.time())))
+                await self._send(ws, protocol.encode(protocol.heartbeat(time.time())))
         except ConnectionClosed:
             pass
 
+    async def _send(self, ws, frame):
+        """ws.send(frame); a send stuck send_stall_s aborts the connection (as TeamSession.send): a stranger that sent
+        lines or frames and never read the errors they earned held its connection for ever, registered or not (the
+        register timeout waits only for its next message). A timer, not a task a send: score updates go this way."""
+        aborted = []
+
+        def cut_off():
+            aborted.append(True)
+            ws.transport.abort()  # the websockets docs advise closing, not cancelling, a stuck send
+
+        stuck = asyncio.get_running_loop().call_later(self._send_stall_s, cut_off)
+        try:
+            await ws.send(frame)
+        finally:
+            stuck.cancel()
+        if aborted:  # (an original connection's send returns once its connection is aborted)
+            raise ConnectionClosedError(None, None)
+
     async def _send_error(self, ws, code, details):
-        await ws.send(protocol.encode(protocol.error(code, details[:MAX_ERROR_DETAILS])))
+        await self._send(ws, protocol.encode(protocol.error(code, details[:MAX_ERROR_DETAILS])))
 
     async def _refuse(self, ws, code, details):
         """Refuse a register (or a connection): the error, then a close saying whether trying again can help."""
@@ -413,7 +439,7 @@ class ScoringServer:
             cfg = self.config
             session = TeamSession(team, self._symbols, self._features, self._targets, self._offsets,
                                   atol=cfg.atol, half_life_ms=cfg.half_life_ms, timeout_s=cfg.timeout_s,
-                                  send_stall_s=cfg.send_stall_s or cfg.timeout_s,
+                                  send_stall_s=self._send_stall_s,
                                   max_requests_per_message=cfg.max_requests_per_message)
             self._sessions[team] = session
             self._identity.issue(team)
@@ -424,7 +450,7 @@ class ScoringServer:
                                    self._num_symbols, weights_match, session_key=self._identity.key_of(team),
                                    timeout_s=self.config.timeout_s)
         try:
-            await ws.send(protocol.encode(welcome))
+            await self._send(ws, protocol.encode(welcome))
         except ConnectionClosed:
             if session.connections == 0:  # gone before hearing its key: the name is free again
                 self._drop_team(team)
@@ -459,7 +485,8 @@ class ScoringServer:
             session.errors += 1
             await self._send_error(ws, *over)
             # refusing costs the server what reading cost the team: read on at once, it answered a stream of small
-            # frames refusal after refusal as fast as it went
+            # frames refusal after refusal as fast as it went; and the socket is not read meanwhile either
+            ws.hold_reading(REFUSAL_PAUSE_S)
             await asyncio.sleep(REFUSAL_PAUSE_S)
             return
         try:
@@ -469,7 +496,7 @@ class ScoringServer:
                 ids, predictions = protocol.parse_inference_response(msg)
                 update, problems = session.handle_response(ids, predictions, received)
                 if update is not None:
-                    await ws.send(protocol.encode(update))
+                    await self._send(ws, protocol.encode(update))
                 for code, details in problems:
                     await self._send_error(ws, code, details)
                 if session.finished_at is not None:

@@ -131,6 +131,10 @@ class PingLimitedConnection(ServerConnection):
         name = "max_message_size" if hasattr(self.protocol, "max_message_size") else "max_size"
         setattr(self.protocol, name, 2 * max_bytes)
 
+    def hold_reading(self, seconds: float) -> None:
+        """Read nothing more for `seconds` (SlicedReading.hold)."""
+        self.transport.hold(seconds)
+
     def process_event(self, event):
         if getattr(event, "opcode", None) is Opcode.PING:  # (the handshake's request is an event too)
             now = time.monotonic()
@@ -153,15 +157,20 @@ class SlicedReading(asyncio.Protocol):
         self._pending = bytearray()
         self._next_slice = None  # the turn scheduled to hand the next slice
         self._paused_by_connection = False
+        self._held = None  # hold()'s timer: nothing handed meanwhile
         self._reading_paused = False
 
     def connection_made(self, transport):
         self._transport = transport
         self.connection.connection_made(_PacedTransport(self, transport))
 
+    @property
+    def _stopped(self):
+        return self._paused_by_connection or self._held is not None
+
     def data_received(self, data):
         self._pending += data
-        if self._next_slice is None and not self._paused_by_connection:
+        if self._next_slice is None and not self._stopped:
             self._hand_slice()
         self._pause_while_pending()
 
@@ -170,12 +179,12 @@ class SlicedReading(asyncio.Protocol):
         piece = bytes(self._pending[:SLICE_BYTES])
         del self._pending[:SLICE_BYTES]
         self.connection.data_received(piece)
-        if self._pending and not self._paused_by_connection and not self._transport.is_closing():
+        if self._pending and not self._stopped and not self._transport.is_closing():
             self._next_slice = asyncio.get_running_loop().call_soon(self._hand_slice)
         self._pause_while_pending()
 
     def _pause_while_pending(self):
-        paused = bool(self._pending) or self._paused_by_connection
+        paused = bool(self._pending) or self._stopped
         if paused != self._reading_paused and not self._transport.is_closing():
             self._reading_paused = paused
             (self._transport.pause_reading if paused else self._transport.resume_reading)()
@@ -186,7 +195,25 @@ class SlicedReading(asyncio.Protocol):
 
     def resume_reading(self):
         self._paused_by_connection = False
-        if self._pending and self._next_slice is None:
+        self._hand_next()
+
+    def hold(self, seconds):
+        """Hand the connection nothing for `seconds`, the socket not read meanwhile. While the server waits out a
+        team's frame past its budget, websockets read on, 16 frames of up to 8 MB queued: 150 MB a connection."""
+        if self._next_slice is not None:
+            self._next_slice.cancel()
+            self._next_slice = None
+        if self._held is not None:
+            self._held.cancel()
+        self._held = asyncio.get_running_loop().call_later(seconds, self._release)
+        self._pause_while_pending()
+
+    def _release(self):
+        self._held = None
+        self._hand_next()
+
+    def _hand_next(self):
+        if self._pending and self._next_slice is None and not self._stopped:
             self._next_slice = asyncio.get_running_loop().call_soon(self._hand_slice)
         self._pause_while_pending()
 
@@ -200,8 +227,9 @@ class SlicedReading(asyncio.Protocol):
         self.connection.resume_writing()
 
     def connection_lost(self, exc):
-        if self._next_slice is not None:
-            self._next_slice.cancel()
+        for handle in (self._next_slice, self._held):
+            if handle is not None:
+                handle.cancel()
         self.connection.connection_lost(exc)
 
 
@@ -216,6 +244,9 @@ class _PacedTransport:
 
     def resume_reading(self):
         self._reading.resume_reading()
+
+    def hold(self, seconds):
+        self._reading.hold(seconds)
 
     def __getattr__(self, name):
         return getattr(self._transport, name)
@@ -242,6 +273,9 @@ class OriginalConnection:
         (PingLimitedConnection.limit_messages)."""
         self.max_line_bytes = max_bytes
         self._reader._limit = 2 * max_bytes  # asyncio's StreamReader reads its limit there at each readline
+
+    def hold_reading(self, seconds: float) -> None:
+        """Nothing to hold: its StreamReader reads at most 16 MB ahead (twice its limit), then pauses the socket."""
 
     # receiving ---------------------------------------------------------------------------------
     async def recv(self) -> bytes:

@@ -1,3 +1,5 @@
+import re
+
 import msgpack
 import numpy as np
 import pytest
@@ -68,6 +70,13 @@ def test_score_update_heartbeat_error_roundtrip():
     assert roundtrip(protocol.error("bad", "why")) == {"type": "error", "error": "bad", "details": "why"}
 
 
+def nested(depth):
+    value = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize("frame, match", [
     ("{}", "text frame"),
     (b"\xc1", "malformed msgpack: a byte that begins no msgpack value \\(FormatError\\)$"),  # said, never empty
@@ -78,6 +87,8 @@ def test_score_update_heartbeat_error_roundtrip():
     (msgpack.packb({"team": "x"}), "no 'type'"),
     (msgpack.packb({"type": "launch"}), "unknown message type 'launch'"),
     (msgpack.packb({"type": 3}), "unknown message type 3"),
+    # lists 1,000 deep (msgpack unpacks 1,024): their repr overflowed the recursion limit, the server's handler failed
+    (msgpack.packb({"type": nested(1000)}), re.escape("unknown message type [[[[[[[...]]]]]]]; expected")),
     (msgpack.packb({"type": "register", "team": "x"}), "missing field 'protocol'"),
     (msgpack.packb({"type": "register", "team": 5, "protocol": 1}), "'team' must be a string"),
     (msgpack.packb({"type": "register", "team": "x", "protocol": True}), "'protocol' must be an integer"),

@@ -7,6 +7,7 @@ import socket
 import struct
 import threading
 import time
+import tracemalloc
 import urllib.request
 
 import msgpack
@@ -409,6 +410,46 @@ def test_newer_connection_of_a_team_supersedes_the_older():
     assert first["type"] == "inference_request" and first["unique_ids"][0] == 0  # resent
 
 
+def test_a_superseded_connection_that_holds_its_close_back_answers_nothing():
+    """The newer connection of a team wins: the older one is told and closed, but one that held back its side of the
+    close had its answers scored for 10 s more (websockets' close timeout), answers to the requests resent to the newer
+    one, whose own answers then counted as duplicates."""
+    async def server_frame(reader):
+        head = await reader.readexactly(2)
+        size = head[1] & 0x7F
+        if size >= 126:
+            size = int.from_bytes(await reader.readexactly(2 if size == 126 else 8), "big")
+        return head[0] & 0x0F, await reader.readexactly(size)
+
+    async def main():
+        async with Server(rate=100.0, timeout_s=5.0) as s:
+            reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+            key = base64.b64encode(os.urandom(16)).decode()
+            writer.write(f"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+                         + masked_frame(protocol.encode(protocol.register("alpha"))))
+            await reader.readuntil(b"\r\n\r\n")
+            ids, session_key = [], None
+            while len(ids) < 10:
+                msg = protocol.decode((await server_frame(reader))[1])
+                session_key = msg.get("session_key", session_key)
+                ids += msg.get("unique_ids", []) if msg["type"] == "inference_request" else []
+            new = await registered(s.url, "alpha", session_key=session_key)
+            while (await server_frame(reader))[0] != 0x8:  # to the close frame, which it never answers
+                pass
+            writer.write(masked_frame(protocol.encode(protocol.inference_response(ids, s.targets[ids], 0.0))))
+            await asyncio.sleep(0.3)
+            old_scored = s.summary("alpha")["responses"]
+            seen, _, _ = await play(new, s.targets, stop_after=len(ids))
+            await asyncio.sleep(0.3)  # its answers scored
+            writer.close()
+            new.transport.abort()  # (it stopped reading: a close would wait for its timeout)
+            return old_scored, ids, all_ids(seen), s.summary("alpha")
+    old_scored, ids, resent, summary = run(main())
+    assert old_scored == 0 and resent[:len(ids)] == ids
+    assert summary["responses"] >= len(ids) and summary["duplicates"] == 0
+
+
 def test_slow_client_is_missed_while_a_fast_one_keeps_its_score():
     async def main():
         async with Server(rate=500.0, timeout_s=0.5) as s:
@@ -498,6 +539,39 @@ def test_real_client_that_never_reads_is_cut_off():
     summary = run(main())
     assert not summary["connected"]
     assert summary["requests"] == summary["missed"] == requests and summary["responses"] == 0
+
+
+@pytest.mark.parametrize("kind", ["tcp-json", "websocket"])
+def test_a_stranger_that_sends_and_never_reads_is_cut_off_unregistered(kind):
+    """Each bad line or frame is answered with an error: a stranger that never read them filled the server's buffers,
+    and the handler, waiting for the send to drain, never came back to its register timeout: the connection was held
+    for ever (still open after 60 s). A send stuck send_stall_s now cuts the connection off, as a team's requests do."""
+    def flood(port):
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            if kind == "tcp-json":
+                junk = b'{"message_type": "junk"}\n' * 1000
+            else:
+                upgrade(sock)
+                junk = masked_frame(b"\xc1") * 1000
+            sock.setblocking(False)
+            started = stuck_since = time.monotonic()
+            while time.monotonic() - started < 30:
+                try:
+                    sock.send(junk)
+                    stuck_since = time.monotonic()
+                except BlockingIOError:  # the server reads no more: it waits for its errors to drain
+                    time.sleep(0.05)
+                except (ConnectionResetError, BrokenPipeError):
+                    return time.monotonic() - stuck_since
+            return None
+
+    async def main():
+        async with Server(register_timeout_s=60, send_stall_s=0.5) as s:
+            return await asyncio.to_thread(flood, s.port), s.server.unregistered_errors
+    cut_after, errors = asyncio.run(asyncio.wait_for(main(), 60))
+    assert errors > 1000 and cut_after is not None and cut_after < 5, (cut_after, errors)
 
 
 def upgrade(sock) -> bytes:
@@ -1110,6 +1184,35 @@ def test_an_address_holds_at_most_its_limit_of_open_sockets_and_others_connect()
     assert run(main()) == (b"", "CLOSED", "CLOSED")
 
 
+def test_a_connection_refused_at_once_reads_no_frame_longer_than_a_register():
+    """A websocket connection past its address's limit is refused (too_many_connections) before it registers, but the
+    limit of a frame before register came only after: one that held back its side of the close had frames of up to
+    8 MB read for 10 s (websockets' close timeout), 16 of them queued: 8 such sockets from one address took the server
+    from 0.2 to 1.4 GB. Now a frame over twice the longest register closes it at its header (1009), unread."""
+    def refused_then_big_frame(port):
+        with socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.9", 0)) as held, \
+                socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.9", 0)) as refused:
+            upgrade(held)
+            received = upgrade(refused)
+            while b"\x88" not in received:  # the refusal, then its close frame, which it never answers
+                received += refused.recv(4096)
+            payload = bytes(64 * 1024)
+            refused.sendall(bytes([0x82, 0x80 | 127]) + struct.pack("!Q", len(payload)) + bytes(4) + payload)
+            refused.settimeout(5)
+            started = time.monotonic()
+            try:
+                while refused.recv(4096):
+                    pass
+            except (TimeoutError, ConnectionResetError):
+                pass
+            return time.monotonic() - started
+
+    async def main():
+        async with Server(limits=Limits(max_connections_per_address=1)) as s:
+            return await asyncio.to_thread(refused_then_big_frame, s.port)
+    assert run(main()) < 2
+
+
 def test_a_teams_inbound_bytes_are_granted_by_its_open_requests_and_refilled_slowly():
     now = [0.0]
     budget = InboundBudget(per_request=100, allowance=1000, allowance_per_s=500, clock=lambda: now[0])
@@ -1176,6 +1279,44 @@ def test_a_team_past_its_budget_is_read_again_only_a_second_after_each_refusal()
             return flooder
     flooder = run(main())
     assert 1 <= flooder["errors"] <= 2  # (18,500 before)
+
+
+def test_a_team_past_its_budget_has_its_socket_read_no_further_until_the_pause_ends():
+    """While the server waited a second after refusing a team's frame past its budget, websockets read on: 16 frames
+    of up to 8 MB queued, 150 MB a connection (four teams: the server from 0.2 to 0.8 GB). Now the socket is not read
+    meanwhile either: what the server holds is about a frame."""
+    frame_bytes = 4 * 2**20 - 64
+    frame = bytes([0x82, 0x80 | 127]) + struct.pack("!Q", frame_bytes) + bytes(4) + bytes(frame_bytes)
+
+    def flood(port, stop):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            received = upgrade(sock)
+            sock.sendall(masked_frame(protocol.encode(protocol.register("flooder"))))
+            while b"welcome" not in received:  # (a frame before it is limited to a register's length)
+                received += sock.recv(4096)
+            sock.settimeout(0.5)
+            while not stop.is_set():
+                try:
+                    sock.sendall(frame)
+                except TimeoutError:  # the server reads no more for now
+                    pass
+
+    async def main():
+        async with Server(rate=1.0) as s:
+            stop = threading.Event()
+            tracemalloc.start()
+            try:
+                flooder = asyncio.get_running_loop().run_in_executor(None, flood, s.port, stop)
+                await asyncio.sleep(2.5)
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+                stop.set()
+            await flooder
+            return peak, s.summary("flooder")
+    peak, flooder = run(main())
+    assert flooder["errors"] >= 1  # refused
+    assert peak < 6 * frame_bytes, f"{peak / 2**20:.0f} MiB"  # (about 3 frames; 12 within these 2.5 s before)
 
 
 def test_a_frame_before_register_longer_than_any_register_is_refused_undecoded():
