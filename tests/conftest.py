@@ -106,3 +106,22 @@ def run_side_by_side(commands, at_once=4, timeout=300, **popen):
 
     with ThreadPoolExecutor(at_once) as pool:
         return list(pool.map(one, commands))
+
+
+def pytest_sessionfinish(session):
+    """Name the threads still alive as the tests end, with where each is: a daemon thread inside a C++ call when the
+    interpreter exits aborts the process ("terminate called without an active exception", bench/LOG.md sections 67
+    and 69), after every test passed."""
+    import sys
+    import threading
+    import traceback
+
+    frames = sys._current_frames()
+    alive = [t for t in threading.enumerate() if t is not threading.main_thread() and t.ident in frames]
+    if alive:
+        lines = [f"\nthreads alive at the end of the tests: {len(alive)}"]
+        for thread in alive:
+            where = traceback.format_stack(frames[thread.ident])[-2:]
+            lines.append(f"  {thread.name} (daemon {thread.daemon}): " + " | ".join(
+                " ".join(w.split()) for w in where))
+        sys.stderr.write("\n".join(lines) + "\n")
