@@ -83,6 +83,7 @@ def pytest_sessionfinish(session):
     run = session.config.stash.get(_INTERPRETER_RUN, None)
     if run is not None:
         run.stop()
+    _name_threads_alive()
 
 
 @pytest.fixture
@@ -108,7 +109,7 @@ def run_side_by_side(commands, at_once=4, timeout=300, **popen):
         return list(pool.map(one, commands))
 
 
-def pytest_sessionfinish(session):
+def _name_threads_alive():
     """Name the threads still alive as the tests end, with where each is: a daemon thread inside a C++ call when the
     interpreter exits aborts the process ("terminate called without an active exception", bench/LOG.md sections 67
     and 69), after every test passed."""
