@@ -70,13 +70,9 @@ class StallProbe:
         clock = ThreadClock()
         try:
             while not self._stop.is_set():
-                start = clock.read()
-                asleep = time.monotonic()
+                start, asleep = clock.read(), time.monotonic()
                 time.sleep(self.tick_s)
-                beyond = time.monotonic() - asleep - self.tick_s
-                if beyond > self.late_s:
-                    spent = clock.spent_since(start, self.tick_s + beyond, self.tick_s)
-                    self.late_wakeups.append(_event(asleep, beyond, spent))
+                self._note_late(self.late_wakeups, self.late_s, clock, start, asleep)
         finally:
             clock.close()
 
@@ -93,15 +89,17 @@ class StallProbe:
             while True:
                 if self._stacks_file is not None:  # re-armed each tick: it fires only if the loop misses the next ones
                     signal.setitimer(signal.ITIMER_REAL, self.stacks_after_s)
-                start = clock.read()
-                asleep = time.monotonic()
+                start, asleep = clock.read(), time.monotonic()
                 await asyncio.sleep(self.tick_s)
-                beyond = time.monotonic() - asleep - self.tick_s
-                if beyond > self.lag_s:
-                    spent = clock.spent_since(start, self.tick_s + beyond, self.tick_s)
-                    self.loop_lags.append(_event(asleep, beyond, spent))
+                self._note_late(self.loop_lags, self.lag_s, clock, start, asleep)
         finally:
             clock.close()
+
+    def _note_late(self, events, limit_s, clock, start, asleep):
+        """Note a sleep of tick_s begun at `asleep` (the clock read at `start`) that ended over limit_s late."""
+        beyond = time.monotonic() - asleep - self.tick_s
+        if beyond > limit_s:
+            events.append(_event(asleep, beyond, clock.spent_since(start, self.tick_s + beyond, self.tick_s)))
 
     def events(self) -> dict:
         return {"collections": list(self.collections), "late_wakeups": list(self.late_wakeups),

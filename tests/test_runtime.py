@@ -385,12 +385,7 @@ def test_a_step_that_fails_the_same_way_again_logs_its_traceback_once(model, cap
         def process_batch(self, requests_by_symbol):
             raise RuntimeError("team client bug")
 
-    async def handler(ws):
-        await ws.recv()
-        for uid in range(6):
-            await ws.send(_request([uid], symbols, features))
-            await recorder.pump(ws, lambda: len(recorder.errors) > uid)
-        await ws.close(1000)
+    handler = _each_after_the_last_error(recorder, symbols, features, 6)
 
     with caplog.at_level(logging.ERROR, logger="client.runtime"):
         asyncio.run(_play(handler, AlwaysFailing(ReferenceEngine(model)), max_batch=1))
@@ -398,6 +393,17 @@ def test_a_step_that_fails_the_same_way_again_logs_its_traceback_once(model, cap
     assert len(recorder.errors) == 6 and all("team client bug" in error for error in recorder.errors)
     assert len(failures) == 6 and [r.exc_info is not None for r in failures] == [True] + [False] * 5
     assert all("RuntimeError: team client bug (its traceback logged before)" in r.getMessage() for r in failures[1:])
+
+
+def _each_after_the_last_error(recorder, symbols, features, n):
+    """A server that sends n requests one at a time, each once the one before was answered with an error."""
+    async def handler(ws):
+        await ws.recv()
+        for uid in range(n):
+            await ws.send(_request([uid], symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.errors) > uid)
+        await ws.close(1000)
+    return handler
 
 
 def test_requests_not_answered_for_one_reason_log_it_once(model, caplog):
@@ -412,12 +418,7 @@ def test_requests_not_answered_for_one_reason_log_it_once(model, caplog):
                     "errors": {uid: "ShardLost: shard 0 lost" if symbol != "SYM_000" else "no room"
                                for symbol, queued in requests_by_symbol.items() for uid, _ in queued}}
 
-    async def handler(ws):
-        await ws.recv()
-        for uid in range(6):
-            await ws.send(_request([uid], symbols, features))
-            await recorder.pump(ws, lambda: len(recorder.errors) > uid)
-        await ws.close(1000)
+    handler = _each_after_the_last_error(recorder, symbols, features, 6)
 
     with caplog.at_level(logging.WARNING, logger="client.runtime"):
         _, summary = asyncio.run(_play(handler, Lost(ReferenceEngine(model)), max_batch=1))
