@@ -1295,9 +1295,10 @@ def test_a_team_past_its_budget_has_its_socket_read_no_further_until_the_pause_e
             while b"welcome" not in received:  # (a frame before it is limited to a register's length)
                 received += sock.recv(4096)
             sock.settimeout(0.5)
+            view, sent = memoryview(frame), 0
             while not stop.is_set():
-                try:
-                    sock.sendall(frame)
+                try:  # frame after frame, each whole: a sendall cut by the timeout left half a frame
+                    sent = (sent + sock.send(view[sent:])) % len(frame)
                 except TimeoutError:  # the server reads no more for now
                     pass
 
