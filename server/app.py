@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from websockets.asyncio.server import serve
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 
 from client import protocol
 from server.identity import Identity
@@ -20,7 +20,7 @@ from client.constants import ATOL, TARGET_SOURCES
 from server.limits import (AddressLimits, Limits, OpenSockets, field_problem, longest_register,
                            register_frame_problem)
 from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
-from server.session import TeamSession, send_offsets, send_or_cut_off, summarize
+from server.session import TeamSession, send_offsets, summarize
 from server.snapshot import LeaderboardSnapshot
 
 log = logging.getLogger("server")
@@ -321,10 +321,22 @@ class ScoringServer:
             pass
 
     async def _send(self, ws, frame):
-        """A frame before or beside the team's session (welcome, errors, heartbeats, score updates), cut off as the
-        session's are: a stranger that sent lines or frames and never read the errors they earned held its
-        connection for ever, registered or not (the register timeout waits only for its next message)."""
-        await send_or_cut_off(ws, frame, self._send_stall_s)
+        """ws.send(frame); a send stuck send_stall_s aborts the connection (as TeamSession.send): a stranger that sent
+        lines or frames and never read the errors they earned held its connection for ever, registered or not (the
+        register timeout waits only for its next message). A timer, not a task a send: score updates go this way."""
+        aborted = []
+
+        def cut_off():
+            aborted.append(True)
+            ws.transport.abort()  # the websockets docs advise closing, not cancelling, a stuck send
+
+        stuck = asyncio.get_running_loop().call_later(self._send_stall_s, cut_off)
+        try:
+            await ws.send(frame)
+        finally:
+            stuck.cancel()
+        if aborted:  # (an original connection's send returns once its connection is aborted)
+            raise ConnectionClosedError(None, None)
 
     async def _send_error(self, ws, code, details):
         await self._send(ws, protocol.encode(protocol.error(code, details[:MAX_ERROR_DETAILS])))

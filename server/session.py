@@ -10,7 +10,6 @@ import time
 from collections import deque
 
 import numpy as np
-from websockets.exceptions import ConnectionClosedError
 
 from client import protocol
 from server.limits import InboundBudget
@@ -30,21 +29,6 @@ def send_offsets(num_requests, delay_ms, rate=None, speed=1.0) -> np.ndarray:
         return np.arange(num_requests, dtype=np.float64) / rate
     # delay_ms is the gap before each request
     return np.cumsum(np.asarray(delay_ms, dtype=np.float64)) / 1000.0 / speed
-
-
-async def send_or_cut_off(connection, frame, stall_s) -> None:
-    """connection.send(frame), a websocket's or an original connection's; a send stuck stall_s aborts the
-    connection and raises ConnectionClosedError, as a closed connection's send does, so that a peer that stops
-    reading holds at most one frame of the server's."""
-    task = asyncio.ensure_future(connection.send(frame))
-    # (should the caller be cancelled meanwhile, the send still ends whole, and its end is of no interest)
-    task.add_done_callback(lambda done: done.cancelled() or done.exception())
-    done, _ = await asyncio.wait({task}, timeout=stall_s)
-    if not done:
-        connection.transport.abort()  # the websockets docs advise closing, not cancelling, a stuck send
-        await task  # a websocket's send raises now; an original connection's returns
-        raise ConnectionClosedError(None, None)
-    task.result()
 
 
 class TeamSession:
@@ -173,8 +157,14 @@ class TeamSession:
     async def send(self, connection, frame) -> bool:
         """Send one frame; a client that stops reading is cut off after send_stall_s so that the
         server keeps its pace and buffers at most one frame for it."""
+        task = asyncio.ensure_future(connection.send(frame))
+        # (should the session be cancelled meanwhile, the send's own end is of no interest: not an unseen error)
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        done, _ = await asyncio.wait({task}, timeout=self._send_stall_s)
+        if not done:
+            connection.transport.abort()  # the websockets docs advise closing, not cancelling, a stuck send
         try:
-            await send_or_cut_off(connection, frame, self._send_stall_s)
+            await task
             return True
         except Exception:  # closed or aborted: the team is disconnected until it registers again
             self.detach(connection)
