@@ -24,8 +24,9 @@ class Answer(NamedTuple):
         return self.predictions[[row_of[uid] for uid in batch_ids]]
 
 
-def check_answer(result, batch_ids) -> Answer:
-    """`result` parsed and checked against the unique ids of its batch; ValueError saying what is wrong."""
+def check_answer(result, batch_ids, partial=False) -> Answer:
+    """`result` parsed and checked against the unique ids of its batch; ValueError saying what is wrong. A partial
+    answer (a step answered in parts, some not yet come) may leave requests out."""
     try:
         ids = [int(uid) for uid in result["unique_ids"]]
         predictions = np.asarray(result["predictions"], dtype=np.float32)
@@ -35,8 +36,9 @@ def check_answer(result, batch_ids) -> Answer:
                          f"{{unique_id: why}} (optional)}}, got {type(result).__name__}: {exc}") from None
     batch_ids = [int(uid) for uid in batch_ids]
     given = ids + list(errors)
-    if sorted(given) != sorted(batch_ids):
-        missing = sorted(set(batch_ids) - set(given))
+    whole = sorted(given) == sorted(batch_ids)
+    if not (whole or partial and len(set(given)) == len(given) and set(given) <= set(batch_ids)):
+        missing = [] if partial else sorted(set(batch_ids) - set(given))
         unexpected = sorted(set(given) - set(batch_ids))
         repeated = sorted(uid for uid, times in Counter(given).items() if times > 1)
         raise ValueError(f"process_batch must answer each request of the batch once (or name it under errors): "

@@ -71,6 +71,12 @@ PIPELINE_MIN_BATCH = 1
 # model thread looks again this often (or at the next arrival); so does the submitter while the pipeline is full
 # and such states may still join its queued step.
 READY_POLL_S = 0.0005
+# A step answered in parts (a sharded engine's, client/team_api.py) whose last parts have not come this long after
+# it was submitted is answered for those that have, and the pipeline goes on without it: the symbols of its missing
+# parts wait alone (a hung shard held every symbol until --shard-timeout-s, 60 s). A step takes milliseconds.
+LATE_PARTS_S = 0.5
+# While such a step waits for its late parts, the runtime looks this often whether they have come.
+LATE_POLL_S = 0.005
 MAX_FAILURES_LOGGED = 100  # distinct failures of the team's steps logged with their traceback
 MAX_ERRORS_LOGGED = 100  # distinct reasons for requests not answered, each logged once (the summary counts them all)
 
@@ -174,7 +180,9 @@ class StreamingClient:
     The team client needs process_batch(requests_by_symbol) -> {"unique_ids", "predictions"}; if it also
     has submit_batch(requests_by_symbol) -> an object whose result() gives that dict, steps are pipelined. A
     step carries up to max_requests_per_symbol queued requests of a symbol when the team client takes lists
-    (client/team_api.py), else one.
+    (client/team_api.py), else one. A pipelined step answered in parts (a sharded engine's) whose last parts have
+    not come late_parts_s after it was submitted is answered for those that have, and the next steps form without
+    it: the symbols of its missing parts (a hung shard's) wait for them alone.
 
     Register names the client's model (preset, weights_fingerprint): a server with other weights refuses it
     unless allow_weights_mismatch; the server's `welcome` names its own (summary's weights_match), and its answer
@@ -206,7 +214,7 @@ class StreamingClient:
                  punctual_late_after_s: float | None = None, join_queued: bool = True, timeline: bool = False,
                  give_up_repeats: int = GIVE_UP_REPEATS,
                  server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False,
-                 inline_steps: bool | None = None):
+                 inline_steps: bool | None = None, late_parts_s: float = LATE_PARTS_S):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -265,10 +273,11 @@ class StreamingClient:
         self._look_for_joins_at = 0.0  # when _pump next looks for landed states to join (time.monotonic())
         self._loop_thread: int | None = None
         for name, value in (("late_after_s", late_after_s), ("form_margin_s", form_margin_s),
-                            ("punctual_late_after_s", punctual_late_after_s)):
+                            ("punctual_late_after_s", punctual_late_after_s), ("late_parts_s", late_parts_s)):
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
         self.give_up_after_s = give_up_after_s
+        self.late_parts_s = late_parts_s
         self.cache_size = cache_size
         self.stats = ClientStats(timeout_s)
         # What the team client said of its play beyond its answers ({code, text}: a lost shard, states reset),
@@ -294,9 +303,11 @@ class StreamingClient:
         self._work_ready = threading.Condition(lock)
         self._steps_ready = threading.Condition(lock)
         self._worker_stopping = False
-        # (batch, pending, submitted at, step_size, joined) not yet answered, oldest first; joined: the requests
-        # joined to that step
+        # the steps in flight (_Step), oldest first; and those taken off it for late parts (LATE_PARTS_S), with the
+        # number of them holding back each symbol (the symbols of their missing parts)
         self._steps: deque = deque()
+        self._late: list = []
+        self._held: dict[str, int] = {}
         # symbol -> (its request joined to a step, that step's pending, its joined list) until the fate is settled
         self._joining: dict[str, tuple] = {}
         self._refused: tuple = (None, set())  # (a queued step's pending, the symbols it refused to join)
@@ -310,7 +321,6 @@ class StreamingClient:
                          "punctual_late_after_s": punctual_late_after_s}
         self._clock = StepClock(row_sizes=team_api.step_rows(team_client),
                                 **{k: v for k, v in clock_options.items() if v is not None})
-        self._steps_ended = 0  # steps answered (or failed), the index of the next one in self.steps
         self._submitter_done = False
         self._wake_at: int | None = 0  # waiting symbols from which an arrival notifies the submitter (under the lock)
         # The fields below are touched only on the event loop thread.
@@ -360,7 +370,7 @@ class StreamingClient:
             self._prefetches.put(None)
             for thread in threads:  # the completer still answers every step already submitted
                 await asyncio.to_thread(thread.join)
-            while self.inline_steps and self._steps:  # _pump still answers every step already submitted
+            while self.inline_steps and (self._steps or self._late):  # _pump answers every step submitted
                 await asyncio.sleep(READY_POLL_S)
             if self._send_tasks:
                 await asyncio.gather(*self._send_tasks, return_exceptions=True)
@@ -768,11 +778,13 @@ class StreamingClient:
         symbols = len({r.symbol for r in batch})
         size = self._clock.size(len(batch), symbols)
         with self._steps_ready:
+            record = None
             if self.steps is not None:
-                self.steps.append({"formed": formed_at, "submitted": submitted_at, "ended": None,
-                                   "rows": len(batch), "symbols": symbols, "waiting": len(self._scheduler)})
+                record = {"formed": formed_at, "submitted": submitted_at, "ended": None,
+                          "rows": len(batch), "symbols": symbols, "waiting": len(self._scheduler)}
+                self.steps.append(record)
             self._clock.submitted(formed_at, submitted_at)
-            self._steps.append((batch, pending, submitted_at, size, []))
+            self._steps.append(_Step(batch, pending, submitted_at, size, record))
             self._steps_ready.notify()
 
     # ---- inline steps (the event loop thread) ------------------------------------------------------
@@ -782,12 +794,16 @@ class StreamingClient:
         the frames that came during a submit are read before the next step is formed); then look again: on the
         loop's next turn while a step is in flight (nothing wakes the loop when it ends), after the delay the step
         clock asks to form the next step, or every READY_POLL_S while the waiting symbols' states are on their way.
-        A step whose pending has no done() counts as ended: its result() then waits on the loop."""
+        A step whose pending has no done() counts as ended: its result() then waits on the loop. A step answered in
+        parts whose last parts are late leaves the pipeline (_go_on_without), and is looked at every LATE_POLL_S."""
         if self._pump_handle is not None:
             self._pump_handle.cancel()
             self._pump_handle = None
-        while self._steps and _ended(self._steps[0][1]):
-            self._retire()
+        while self._steps and _ended(self._steps[0].pending):
+            self._retire(self._steps[0])
+        if self._steps and self._parts_late(self._steps[0]):
+            self._go_on_without(self._steps[0])
+        self._look_at_late_steps()
         again = None
         if not self._worker_stopping:
             with self._work_ready:
@@ -804,6 +820,8 @@ class StreamingClient:
                 self._mark("batched", (r.unique_id for r in batch))
                 self._submit(batch)
                 again = 0.0  # what waits goes in the next step, even where this one's submit failed
+        if self._late:
+            again = LATE_POLL_S if again is None else min(again, LATE_POLL_S)
         if self._steps:
             self._pump_handle = self._loop.call_soon(self._pump)
         elif again is not None:
@@ -851,8 +869,8 @@ class StreamingClient:
     def _next_batch(self):
         """The next step's requests (called holding the lock)."""
         self._settle_joins()
-        ready = self._is_ready if callable(self._ready) or self._joining else None
-        return self._scheduler.next_batch(self.max_batch, self.max_per_symbol, ready, self._clock.rows_to_take)
+        return self._scheduler.next_batch(self.max_batch, self.max_per_symbol, self._readiness(),
+                                          self._clock.rows_to_take)
 
     def _join(self, request) -> bool:
         """Join a request to the step queued on the GPU behind the one in flight, if the team client's pending step
@@ -860,7 +878,7 @@ class StreamingClient:
         step instead of the one after. `request` is an arrival, or one taken from the front of its queue."""
         if not self._queued_step_joinable() or self._scheduler.has(request.symbol) or request.symbol in self._joining:
             return False
-        _, pending, _, _, joined = self._steps[-1]
+        pending, joined = self._steps[-1].pending, self._steps[-1].joined
         try:
             if not pending.join(request.unique_id, request.symbol, request.features):
                 return False
@@ -878,7 +896,7 @@ class StreamingClient:
     def _queued_step_joinable(self) -> bool:
         """Whether the pipeline is full and its queued step takes joins (called holding the lock)."""
         return (self.join_queued and len(self._steps) >= PIPELINE_DEPTH
-                and getattr(self._steps[-1][1], "join", None) is not None)
+                and getattr(self._steps[-1].pending, "join", None) is not None)
 
     def _states_may_join(self) -> bool:
         """Whether, besides, the team client's states move: a state on its way to the GPU may land before the queued
@@ -895,10 +913,10 @@ class StreamingClient:
         landing (no notify) can let it join, so the submitter looks again every READY_POLL_S."""
         if not self._queued_step_joinable():
             return False
-        batch, pending, _, _, joined = self._steps[-1]
+        batch, pending, joined = self._steps[-1].batch, self._steps[-1].pending, self._steps[-1].joined
         if self._refused[0] is not pending:
             self._refused = (pending, set())
-        ready = self._is_ready if callable(self._ready) or self._joining else None
+        ready = self._readiness()
         singles = self._scheduler.singles()
         # every such request at once, oldest first, looking only at the symbols with one queued request that were
         # not offered yet (a set difference): popping every waiting head took 0.5 ms a look at 1,000 waiting symbols
@@ -943,9 +961,16 @@ class StreamingClient:
                 self._scheduler.requeue(request)
                 self._work_ready.notify()
 
+    def _readiness(self):
+        """The scheduler's test of whether a waiting symbol may step (None: every one may); called holding the
+        lock."""
+        return self._is_ready if callable(self._ready) or self._joining or self._held else None
+
     def _is_ready(self, symbol) -> bool:
         if symbol in self._joining:
             return False  # its joined request's fate decides what goes first
+        if symbol in self._held:
+            return False  # its request in a step with late parts goes first
         if not callable(self._ready):
             return True
         try:
@@ -966,54 +991,127 @@ class StreamingClient:
             return None
         if not self.form_late or self._scheduler.fills(self._full_step, self.max_per_symbol):
             return 0.0  # a step already full gains nothing by waiting for the one in flight to end
-        _, _, submitted_at, size, _ = self._steps[0]
-        return self._clock.form_in(size, submitted_at)
+        return self._clock.form_in(self._steps[0].size, self._steps[0].submitted_at)
 
     def _complete_steps(self):
         while True:
             with self._steps_ready:
-                self._steps_ready.wait_for(lambda: self._steps or self._submitter_done)
-                if not self._steps:
+                self._steps_ready.wait_for(lambda: self._steps or self._late or self._submitter_done)
+                if not self._steps and not self._late:
                     return  # the submitter has stopped and every step it submitted is answered
-            self._retire()
+                step = self._steps[0] if self._steps else None
+            self._look_at_late_steps()
+            if step is None:
+                with self._steps_ready:
+                    self._steps_ready.wait(LATE_POLL_S)  # for a late step's parts, or a new step
+            elif not _in_parts(step.pending):
+                self._retire(step)
+            else:  # waited for up to when its parts are late (then looked at with the late ones)
+                wait_s = step.submitted_at + self.late_parts_s - time.monotonic()
+                if step.pending.wait(max(0.0, min(wait_s, LATE_POLL_S) if self._late else wait_s)):
+                    self._retire(step)
+                elif self._parts_late(step):
+                    self._go_on_without(step)
 
-    def _retire(self):
-        """Wait for the oldest step in flight, answer it and its joins that made it, and take it off the pipeline."""
-        with self._steps_ready:
-            batch, pending, submitted_at, size, joined = self._steps[0]
+    def _parts_late(self, step) -> bool:
+        """Whether `step` answers in parts and its last ones are late (LATE_PARTS_S after it was submitted)."""
+        return _in_parts(step.pending) and time.monotonic() - step.submitted_at > self.late_parts_s
+
+    def _go_on_without(self, step):
+        """Take `step` (the pipeline's oldest, its last parts late: a hung shard) off the pipeline, so that the next
+        steps form without waiting for it, and answer what has come of it; the symbols of its missing parts are held
+        back (their later requests follow them) until their parts come (_take_parts) or it ends (_retire)."""
+        with self._work_ready:
+            self._steps.popleft()
+            self._late.append(step)
+            self._hold(step, {r.symbol for r in step.batch})  # before the next step can form
+            self._work_ready.notify()  # the pipeline has room
+        self._take_parts(step)
+
+    def _look_at_late_steps(self):
+        """Answer the parts come of the steps with late parts, and those steps that have ended."""
+        for step in list(self._late):
+            if _ended(step.pending):
+                self._retire(step)
+            else:
+                self._take_parts(step)
+
+    def _take_parts(self, step):
+        """Answer what has come of a step with late parts and not been answered, and hold back the symbols of the
+        parts still missing, no others."""
         try:
-            answer = pending.result()
+            ids, predictions, errors = check_answer(step.pending.partial(), [r.unique_id for r in step.batch],
+                                                    partial=True)
+        except Exception:  # a failing team client must not kill the runtime: the step's result() answers it all
+            if not step.partial_failed:
+                log.exception("team client's partial() failed; its step is answered when it ends")
+            step.partial_failed = True
+            ids, predictions, errors = [], np.zeros((0, NUM_TOWERS), np.float32), {}
+        rows = [row for row, uid in enumerate(ids) if uid not in step.answered]
+        errors = {uid: why for uid, why in errors.items() if uid not in step.answered}
+        if rows or errors:
+            self._answer([ids[row] for row in rows], predictions[rows], errors)
+            step.answered.update([ids[row] for row in rows], errors)
+            with self._work_ready:
+                self._hold(step, {r.symbol for r in step.batch if r.unique_id not in step.answered})
+
+    def _hold(self, step, symbols):
+        """Make `symbols` the ones `step` holds back (each symbol held while any step holds it); called holding the
+        lock."""
+        for symbol in symbols - step.holding:
+            self._held[symbol] = self._held.get(symbol, 0) + 1
+        released = step.holding - symbols
+        for symbol in released:
+            self._held[symbol] -= 1
+            if not self._held[symbol]:
+                del self._held[symbol]
+        step.holding = symbols
+        if released:
+            self._work_ready.notify()
+
+    def _retire(self, step):
+        """Wait for `step` (the oldest in flight, or one with late parts), answer it and its joins that made it (what
+        was not answered before), and take it off the pipeline."""
+        try:
+            answer = step.pending.result()
             ended_at = time.monotonic()
         except Exception as exc:  # a failing team client must not kill the runtime
             answer, ended_at = exc, None  # a failed step's time says nothing of the next ones
         named = None if ended_at is None else _named(answer)
         with self._work_ready:
             if named is None:  # a failed or malformed answer: its joins fail with the step, whatever their fate
-                for request in joined:
+                for request in step.joined:
                     self._fate_failed.discard(request.unique_id)
                     if self._joining.get(request.symbol, (None,))[0] is request:
                         del self._joining[request.symbol]
             else:
-                self._settle_joins(done=pending, answered=named)
-            requests = batch + joined  # the joins that made it
+                self._settle_joins(done=step.pending, answered=named)
+            requests = step.batch + step.joined  # the joins that made it
         if ended_at is None:
-            self._fail(requests, answer, "submit_batch's result()")
+            self._fail([r for r in requests if r.unique_id not in step.answered], answer, "submit_batch's result()")
         else:
             try:
                 ids, predictions, errors = check_answer(answer, [r.unique_id for r in requests])
             except Exception as exc:  # a failing team client must not kill the runtime
-                self._fail(requests, exc, "submit_batch's result()")
+                self._fail([r for r in requests if r.unique_id not in step.answered], exc, "submit_batch's result()")
                 ended_at = None
             else:
+                if step.answered:  # answered from its parts before: the rest alone
+                    rows = [row for row, uid in enumerate(ids) if uid not in step.answered]
+                    ids, predictions = [ids[row] for row in rows], predictions[rows]
+                    errors = {uid: why for uid, why in errors.items() if uid not in step.answered}
                 self._answer(ids, predictions, errors)
         with self._work_ready:
-            self._steps.popleft()  # only now: a step counts as in flight until it is answered
-            if self.steps is not None:
-                self.steps[self._steps_ended]["joined"] = len(joined)
-                self.steps[self._steps_ended]["ended"] = ended_at
-                self._steps_ended += 1
-            if ended_at is not None:
-                self._clock.ended(size, submitted_at, ended_at)
+            if step in self._late:
+                self._hold(step, set())
+                self._late.remove(step)
+            else:
+                self._steps.popleft()  # only now: a step counts as in flight until it is answered
+                if ended_at is not None:  # (a step with late parts: its time says nothing of the next ones)
+                    self._clock.ended(step.size, step.submitted_at, ended_at)
+            if step.record is not None:
+                step.record["joined"] = len(step.joined)
+                step.record["ended"] = ended_at
             self._work_ready.notify()
 
     def _mark(self, stage, ids):
@@ -1097,6 +1195,27 @@ class StreamingClient:
 def _request_print(symbol, features) -> int:
     """What a request held, in one number: a resend of its unique_id must hold the same (a few hundred ns)."""
     return hash((symbol, features.tobytes()))
+
+
+class _Step:
+    """A step submitted to the team client, until it is answered: its requests, the team client's pending step,
+    when it was submitted, its size (for the step clock), the requests joined to it, its record in `steps` (or
+    None); for a step whose last parts came late, the unique ids answered from the parts that came before it
+    ended, the symbols it holds back (of its parts still missing), and whether its partial() failed."""
+    __slots__ = ("batch", "pending", "submitted_at", "size", "record", "joined", "answered", "holding",
+                 "partial_failed")
+
+    def __init__(self, batch, pending, submitted_at, size, record):
+        self.batch, self.pending, self.submitted_at, self.size, self.record = batch, pending, submitted_at, size, record
+        self.joined: list = []
+        self.answered: set[int] = set()
+        self.holding: set[str] = set()
+        self.partial_failed = False
+
+
+def _in_parts(pending) -> bool:
+    """Whether a team client's pending step answers in parts: partial() and wait(timeout) (client/team_api.py)."""
+    return callable(getattr(pending, "partial", None)) and callable(getattr(pending, "wait", None))
 
 
 def _ended(pending) -> bool:

@@ -14,6 +14,12 @@ fate(unique_id) -> True, False or None (not known yet) says whether the step too
 took as well. The runtime joins only a request whose symbol has nothing queued before it, and holds that symbol's
 later requests back until the fate is known; one the step did not take goes back to the front of its queue.
 
+A pending step may also answer in parts (team/example_model.py's does for a sharded engine, a part a shard):
+partial() -> the answer of the requests whose parts have come, never waiting, and wait(timeout) -> whether every
+part came within `timeout` seconds. A step whose last parts are late (client/runtime.py LATE_PARTS_S: a hung shard)
+is then answered for the parts that came and leaves the pipeline; the symbols of its missing parts wait for them
+(their later requests queued) while the other symbols' steps go on, and its result() answers the rest.
+
 A team client may also offer prefetch(symbols), called as requests arrive, and ready(symbol), asked while a step
 forms (team/example_model.py's do); one whose states never leave where its steps run says moves_states = False and
 the runtime uses neither.

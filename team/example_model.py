@@ -124,7 +124,7 @@ class ExampleModel:
         if not hasattr(step, "parts"):
             return PendingStep(lambda: {"unique_ids": unique_ids, "predictions": step.result(), "errors": errors},
                                poll=getattr(step, "done", None))
-        return PendingStep(lambda: _answer_parts(step, unique_ids, errors), poll=getattr(step, "done", None))
+        return _PartedAnswer(step, unique_ids, errors)
 
 
 class _JoinableAnswer(PendingStep):
@@ -155,20 +155,37 @@ class _JoinableAnswer(PendingStep):
                 "predictions": predictions[[*range(formed), *(row for _, row in taken)]], "errors": self.errors}
 
 
-def _answer_parts(step, unique_ids, errors) -> dict:
-    """A step answered in parts (a sharded engine's): a part that failed (its shard lost, or without room) is an
-    error for each of its requests; the other parts are answered."""
-    predictions = np.empty((len(unique_ids), NUM_TOWERS), np.float32)
-    answered = np.zeros(len(unique_ids), bool)
-    errors = dict(errors)
-    for rows, outcome in step.parts():
-        if isinstance(outcome, Exception):
-            errors.update({unique_ids[row]: f"{type(outcome).__name__}: {outcome}" for row in rows})
-        else:
-            predictions[rows] = outcome
-            answered[rows] = True
-    return {"unique_ids": [uid for uid, done in zip(unique_ids, answered) if done],
-            "predictions": predictions[answered], "errors": errors}
+class _PartedAnswer(PendingStep):
+    """submit_batch's answer for a step the engine answers in parts (a sharded engine's, one part a shard): a part
+    that failed (its shard lost, or without room) is an error for each of its requests; the others are answered.
+    partial() answers the parts arrived so far without waiting, and wait(timeout) waits for the rest, so that the
+    runtime can answer a step whose last part is late (a hung shard) without it (client/team_api.py)."""
+
+    def __init__(self, step, unique_ids, errors):
+        super().__init__(lambda: self._answer(step.parts()))
+        self.step, self.unique_ids, self.errors = step, unique_ids, errors
+
+    def done(self) -> bool:
+        return self.step.done()
+
+    def wait(self, timeout: float) -> bool:
+        return self.step.wait(timeout)
+
+    def partial(self) -> dict:
+        return self._answer(self.step.arrived())
+
+    def _answer(self, parts) -> dict:
+        predictions = np.empty((len(self.unique_ids), NUM_TOWERS), np.float32)
+        answered = np.zeros(len(self.unique_ids), bool)
+        errors = dict(self.errors)
+        for rows, outcome in parts:
+            if isinstance(outcome, Exception):
+                errors.update({self.unique_ids[row]: f"{type(outcome).__name__}: {outcome}" for row in rows})
+            else:
+                predictions[rows] = outcome
+                answered[rows] = True
+        return {"unique_ids": [uid for uid, done in zip(self.unique_ids, answered) if done],
+                "predictions": predictions[answered], "errors": errors}
 
 
 PROG = cli.prog_name("team/example_model.py")

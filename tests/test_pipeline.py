@@ -17,7 +17,9 @@ from client.engine.fast import PAD_SLOT, RING, FastEngine
 from client.engine.fast.engine import JOIN_ROOM, JoinableStep
 from client.engine.fast.runner import StepInputs, StepShape
 from client.engine.reference import ReferenceEngine
+from client.engine.sharded import LATE_ANSWER_S, Shard, ShardedEngine, submit_placeable
 from client.model import load_model
+from client import runtime
 from client.runtime import PIPELINE_DEPTH, StreamingClient
 from client.scheduler import Request
 from client.step_clock import StepClock
@@ -1106,7 +1108,7 @@ def test_joining_waiting_requests_offers_each_waiting_symbol_once():
 
     client = StreamingClient(Team(), "ws://127.0.0.1:1", "testers", inline_steps=False)
     for _ in range(PIPELINE_DEPTH):  # a full pipeline whose queued step has no room
-        client._steps.append(([], _DeviceStep([], room=0, miss=lambda uid: False), 0.0, (1, 1), []))
+        client._steps.append(runtime._Step([], _DeviceStep([], room=0, miss=lambda uid: False), 0.0, (1, 1), None))
     n = 300
     for uid in reversed(range(n)):  # the symbols' names in the opposite order to their arrival
         client._scheduler.push(Request(n - 1 - uid, f"S{uid:03d}", np.zeros(79, np.float32)))
@@ -1292,3 +1294,153 @@ def test_the_next_size_down_is_the_largest_size_below_a_row_size_too(row_sizes, 
         clock.ended(clock.size(size_rows, 64), submitted_at=start, ended_at=start + seconds)
         start += seconds
     assert clock.rows_to_take(rows, 64) == expected
+
+
+# ---- steps answered in parts: a hung shard ----------------------------------------------------------------
+class _GatedShard(Shard):
+    """A shard in this process (its own engine on the CPU, run as the transports run theirs) whose answers wait
+    while its gate is closed: a shard alive and answering nothing, as a stopped process or a stuck node's."""
+    where, info = "this process", {}
+
+    def __init__(self, index, model):
+        from client.engine.precision import FP32_PRECISION
+        self.index = index
+        self.engine = FastEngine(model, device="cpu", precision=FP32_PRECISION, capacity=8, host_symbols=0,
+                                 progress=False)
+        self.engine.expired()  # as build_shard_engine
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def submit(self, symbols, features):
+        return submit_placeable(self.engine, symbols, features)
+
+    def result(self, handle):
+        self.gate.wait(60)
+        return handle.result()
+
+    def release(self, symbols):
+        self.engine.release(symbols)
+
+    def stop(self):
+        self.gate.set()
+
+
+@pytest.mark.parametrize("inline_steps", [False, True])
+def test_a_hung_shard_holds_up_its_own_symbols_alone(model, inline_steps):
+    """A shard alive but answering nothing held every symbol until --shard-timeout-s (60 s): the runtime answered a
+    step whole, and two steps waiting on that shard filled its pipeline. Now a step whose last parts are late is
+    answered for the parts that came and the next steps form without it: the live shard's symbols are answered
+    while the hung shard's wait, then the hung shard's are answered in order once it answers, every answer the one
+    of stepping each symbol's requests one at a time."""
+    shards = [_GatedShard(0, model), _GatedShard(1, model)]
+    engine = ShardedEngine(shards, progress=False)
+    names = ["H0", "H1", "H2", "H3"]  # placed alternately: H0 and H2 on shard 0, H1 and H3 on shard 1
+    rounds = 8
+    n = 4 * (rounds + 1)
+    symbols = [names[i % 4] for i in range(n)]
+    features = np.random.default_rng(8).standard_normal((n, 79)).astype(np.float32)
+    live = {uid for uid in range(n) if symbols[uid] in ("H0", "H2")}
+    recorder, seen = Recorder(), {}
+
+    async def handler(ws):
+        await ws.recv()
+        try:
+            await ws.send(_request([0, 1, 2, 3], symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) == 4)
+            seen["placed"] = dict(engine.shard_of)
+            shards[1].gate.clear()
+            started = time.monotonic()
+            for r in range(1, rounds + 1):
+                await ws.send(_request(list(range(4 * r, 4 * r + 4)), symbols, features))
+                await asyncio.sleep(0.05)
+            await recorder.pump(ws, lambda: recorder.answered() >= live, timeout_s=10)
+            seen["held_up_s"], seen["answered"] = time.monotonic() - started, set(recorder.answered())
+            shards[1].gate.set()
+            await recorder.pump(ws, lambda: len(recorder.answered()) == n)
+        finally:
+            shards[1].gate.set()
+            await ws.close(1000)
+
+    try:
+        _, summary = asyncio.run(_play(handler, ExampleModel(engine), inline_steps=inline_steps, late_parts_s=0.2))
+    finally:
+        engine.close()
+    assert seen["placed"] == {"H0": 0, "H1": 1, "H2": 0, "H3": 1}
+    assert seen["answered"] == live | {1, 3} and seen["held_up_s"] < 5  # the hung shard's symbols alone waited
+    answered = [uid for uid, _ in recorder.responses]
+    assert sorted(answered) == list(range(n)) and summary["responses_sent"] == n
+    for name in names:
+        assert [uid for uid in answered if symbols[uid] == name] == [i for i in range(n) if symbols[i] == name]
+    references = {name: ReferenceEngine(model) for name in names}
+    expected = {i: references[symbols[i]].step([symbols[i]], features[i:i + 1])[0] for i in range(n)}
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-4, atol=2e-5)
+    assert _no_model_threads_left()
+
+
+def test_a_hung_shard_lost_at_its_timeout_moves_its_held_symbols_on_in_order(model):
+    """The hung shard is lost at its answer timeout (--on-shard-loss reset): its symbols, held back meanwhile while
+    the others were answered, start again from a fresh state on the live shard, their unanswered requests first,
+    in order; each answer is the one of stepping that symbol's requests one at a time from where it started."""
+    shards = [_GatedShard(0, model), _GatedShard(1, model)]
+    engine = ShardedEngine(shards, progress=False, on_shard_loss="reset", answer_timeout_s=1.0)
+    names = ["H0", "H1", "H2", "H3"]
+    n = 4 * 6
+    symbols = [names[i % 4] for i in range(n)]
+    features = np.random.default_rng(9).standard_normal((n, 79)).astype(np.float32)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        try:
+            await ws.send(_request([0, 1, 2, 3], symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) == 4)
+            shards[1].gate.clear()  # for good: only the loss moves its symbols on
+            for r in range(1, 6):
+                await ws.send(_request(list(range(4 * r, 4 * r + 4)), symbols, features))
+                await asyncio.sleep(0.05)
+            await recorder.pump(ws, lambda: len(recorder.answered()) == n)
+        finally:
+            await ws.close(1000)
+
+    try:
+        asyncio.run(_play(handler, ExampleModel(engine), late_parts_s=0.2))
+    finally:
+        engine.close()
+    assert [loss["symbols"] for loss in engine.losses] == [["H1", "H3"]]
+    answered = [uid for uid, _ in recorder.responses]
+    assert sorted(answered) == list(range(n))
+    for name in names:
+        assert [uid for uid in answered if symbols[uid] == name] == [i for i in range(n) if symbols[i] == name]
+    references = {name: ReferenceEngine(model) for name in names}
+    expected = {}
+    for i in range(n):
+        if i == 4 * 1 + 1 or i == 4 * 1 + 3:  # the first request on the live shard: a fresh state
+            references[symbols[i]] = ReferenceEngine(model)
+        expected[i] = references[symbols[i]].step([symbols[i]], features[i:i + 1])[0]
+    for uid, prediction in recorder.responses:
+        np.testing.assert_allclose(prediction, expected[uid], rtol=1e-4, atol=2e-5)
+
+
+def test_a_step_of_a_hung_shard_says_what_came_and_new_symbols_go_to_a_shard_that_answers(model):
+    """While a shard answers nothing: its step says which parts came (arrived, without waiting), and that it has not
+    ended (done, wait); a symbol seen for the first time goes to the shard answering on time, though the hung one
+    holds fewer (there it would wait with the hung shard's own); once it answers again, placement is by load."""
+    shards = [_GatedShard(0, model), _GatedShard(1, model)]
+    engine = ShardedEngine(shards, progress=False)
+    features = np.random.default_rng(10).standard_normal((3, 79)).astype(np.float32)
+    try:
+        engine.step(["A", "B", "C"], features)  # A and C on shard 0, B on shard 1
+        shards[1].gate.clear()
+        pending = engine.submit(["A", "B"], features[:2])
+        assert not pending.wait(LATE_ANSWER_S + 0.1) and not pending.done()
+        [(rows, outcome)] = pending.arrived()
+        assert rows.tolist() == [0] and np.isfinite(outcome).all()
+        engine.step(["NEW"], features[:1])
+        assert engine.shard_of["NEW"] == 0
+        shards[1].gate.set()
+        assert pending.wait(10) and pending.done() and [r.tolist() for r, _ in pending.arrived()] == [[0], [1]]
+        engine.step(["NEWER"], features[:1])
+        assert engine.shard_of["NEWER"] == 1
+    finally:
+        engine.close()

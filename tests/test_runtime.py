@@ -711,6 +711,21 @@ def test_requests_a_client_cannot_place_get_an_error_and_the_rest_are_answered()
         check_answer({"unique_ids": [1], "predictions": np.zeros((1, 4))}, [1, 2])
 
 
+@pytest.mark.parametrize("answer, match", [
+    ({"unique_ids": [1, 3], "predictions": np.zeros((2, 4))}, r"unexpected ids \[3\]"),
+    ({"unique_ids": [1], "predictions": np.zeros((1, 4)), "errors": {1: "lost"}}, r"repeated ids \[1\]"),
+    ({"unique_ids": [1], "predictions": np.zeros((2, 4))}, r"shape \(2, 4\) for 1 ids")])
+def test_a_partial_answer_may_leave_requests_out_but_names_none_outside_its_batch_or_twice(answer, match):
+    """A step answered in parts, some late (a hung shard), is answered for the parts that came: its answer may leave
+    the batch's other requests out, and is checked for everything else as a whole answer is."""
+    from client.answers import check_answer
+
+    assert check_answer({"unique_ids": [2], "predictions": np.ones((1, 4))}, [1, 2], partial=True).unique_ids == [2]
+    assert check_answer({"unique_ids": [], "predictions": np.zeros((0, 4))}, [1, 2], partial=True).unique_ids == []
+    with pytest.raises(ValueError, match=match):
+        check_answer(answer, [1, 2], partial=True)
+
+
 def test_a_notice_is_in_the_summary_and_on_the_servers_leaderboard(model):
     from client.streams import generate_stream
     from server import ScoringServer, ServerConfig

@@ -101,7 +101,7 @@ def add_cluster_arguments(parser, cluster_help):
                               "said in the summary and to the server); every other symbol keeps playing")
     cluster.add_argument("--shard-timeout-s", type=positive_float, metavar="S",
                          help=f"a shard that answers no step for S seconds is taken as hung: stopped, and lost as "
-                              f"above (default {ANSWER_TIMEOUT_S:g}; one hung shard would hold every symbol's step)")
+                              f"above (default {ANSWER_TIMEOUT_S:g}; until then its symbols wait, the others play on)")
     return cluster
 
 

@@ -1,12 +1,12 @@
 """Symbols sharded over engines elsewhere (processes on this machine's GPUs, or Ray actors on other hosts): each
 symbol's state on exactly one shard, whatever carries the messages.
 
-A symbol is placed on the live shard holding the fewest symbols when first seen and stays there. A step's rows
-are split by shard, each symbol's rows in the step's order; each part goes to its shard through that shard's one
-submitter thread (so a shard receives its steps, and each symbol its requests, in submission order), and one
-collector thread per shard takes the answers in the same order, so a step's parts arrive as each shard completes
-(`ShardedPendingStep.parts()`). A part a shard fails (no room, bad input) fails alone; its step's other parts are
-answered.
+A symbol is placed on the live shard holding the fewest symbols when first seen (of those with no answer overdue
+by LATE_ANSWER_S, where any is) and stays there. A step's rows are split by shard, each symbol's rows in the step's
+order; each part goes to its shard through that shard's one submitter thread (so a shard receives its steps, and
+each symbol its requests, in submission order), and one collector thread per shard takes the answers in the same
+order, so a step's parts arrive as each shard completes (`ShardedPendingStep.parts()`, `arrived()`). A part a shard
+fails (no room, bad input) fails alone; its step's other parts are answered.
 
 A shard's engine forgets a symbol idle past its idle timeout by its own clock, when a later placement there finds
 it idle (its last use: when that shard stepped it, not when the step was submitted here), so the times steps are
@@ -40,8 +40,11 @@ ON_SHARD_LOSS = ("error", "reset")
 SHOWN_SYMBOLS = 32  # a loss line names this many of the shard's symbols, then says how many in all
 CLOSE_TIMEOUT_S = 30
 # A shard that answers no step for this long is taken as hung and lost: a step takes milliseconds on a GPU, and
-# every symbol's step waits for the step's slowest part, so one hung shard would hold every symbol for ever.
+# until then its symbols wait (the runtime's other steps go on without its parts: client/runtime.py LATE_PARTS_S).
 ANSWER_TIMEOUT_S = 60.0
+# A shard whose oldest part has waited this long for its answer takes no new symbol while another shard has none
+# waiting so long: one hung until answer_timeout_s would hold the new symbols placed on it all that time.
+LATE_ANSWER_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,8 @@ class _InFlight:
 
 class ShardedPendingStep(PendingStep):
     """A sharded step: result() waits for every part; parts() yields (rows, predictions or the exception) as
-    each part arrives, so that a caller can answer them one by one."""
+    each part arrives, so that a caller can answer them one by one; arrived() gives those that have arrived without
+    waiting, wait(timeout) waits for the rest up to `timeout` seconds, done() says whether every part has arrived."""
 
     def __init__(self, arrivals, batch):
         super().__init__(self._assemble)
@@ -212,12 +216,39 @@ class ShardedPendingStep(PendingStep):
                 if index == len(self._arrived):
                     if self._rows_arrived == self._batch:
                         return
-                    rows, outcome = self._arrivals.get()
-                    self._arrived.append((rows, outcome))
-                    self._rows_arrived += len(rows)
+                    self._take(self._arrivals.get())
                 rows, outcome = self._arrived[index]
             index += 1
             yield rows, outcome
+
+    def arrived(self) -> list:
+        """[(rows, predictions or the exception)] of the parts arrived so far, in arrival order; never waits."""
+        with self._parts_lock:
+            while self._rows_arrived < self._batch:
+                try:
+                    self._take(self._arrivals.get_nowait())
+                except queue.Empty:
+                    break
+            return list(self._arrived)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for every part; whether they have all arrived."""
+        deadline = time.monotonic() + timeout
+        with self._parts_lock:
+            while self._rows_arrived < self._batch:
+                try:
+                    self._take(self._arrivals.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    return False
+            return True
+
+    def done(self) -> bool:
+        return self.wait(0.0)
+
+    def _take(self, arrival):
+        """Note one part's arrival (called holding the parts' lock)."""
+        self._arrived.append(arrival)
+        self._rows_arrived += len(arrival[0])
 
     def _assemble(self):
         out = np.empty((self._batch, NUM_TOWERS), dtype=np.float32)
@@ -327,6 +358,10 @@ class _Runner:
             for why, rows in by_why.items():
                 entry.part.finish(ShardError(f"shard {self.index}: CapacityError: {why}"), np.asarray(rows))
 
+    def answer_late(self, now) -> bool:
+        """Whether its oldest part has waited LATE_ANSWER_S for its answer (called holding the engine's lock)."""
+        return bool(self.in_flight) and now - self.in_flight[0].sent_at > LATE_ANSWER_S
+
     def stop(self, timeout_s):
         with self.work_ready:
             self.stopping = True
@@ -402,6 +437,9 @@ class ShardedEngine(Engine):
             live = [r.index for r in self._runners if r.lost is None]
             if not live:
                 return None
+            now = time.monotonic()
+            on_time = [i for i in live if not self._runners[i].answer_late(now)]
+            live = on_time or live
             index = min(live, key=self._load.__getitem__)
             self.shard_of[symbol] = index
             self._load[index] += 1
