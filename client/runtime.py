@@ -74,7 +74,7 @@ READY_POLL_S = 0.0005
 # A step answered in parts (a sharded engine's, client/team_api.py) whose last parts have not come this long after
 # it was submitted is answered for those that have, and the pipeline goes on without it: the symbols of its missing
 # parts wait alone (a hung shard held every symbol until --shard-timeout-s, 60 s). A step takes milliseconds.
-LATE_PARTS_S = 0.5
+LATE_PARTS_S = 0.2
 # While such a step waits for its late parts, the runtime looks this often whether they have come.
 LATE_POLL_S = 0.005
 MAX_FAILURES_LOGGED = 100  # distinct failures of the team's steps logged with their traceback
@@ -802,7 +802,7 @@ class StreamingClient:
         while self._steps and _ended(self._steps[0].pending):
             self._retire(self._steps[0])
         if self._steps and self._parts_late(self._steps[0]):
-            self._go_on_without(self._steps[0])
+            self._go_on_without()
         self._look_at_late_steps()
         again = None
         if not self._worker_stopping:
@@ -1011,22 +1011,28 @@ class StreamingClient:
                 if step.pending.wait(max(0.0, min(wait_s, LATE_POLL_S) if self._late else wait_s)):
                     self._retire(step)
                 elif self._parts_late(step):
-                    self._go_on_without(step)
+                    self._go_on_without()
 
     def _parts_late(self, step) -> bool:
         """Whether `step` answers in parts and its last ones are late (LATE_PARTS_S after it was submitted)."""
         return _in_parts(step.pending) and time.monotonic() - step.submitted_at > self.late_parts_s
 
-    def _go_on_without(self, step):
-        """Take `step` (the pipeline's oldest, its last parts late: a hung shard) off the pipeline, so that the next
-        steps form without waiting for it, and answer what has come of it; the symbols of its missing parts are held
-        back (their later requests follow them) until their parts come (_take_parts) or it ends (_retire)."""
+    def _go_on_without(self):
+        """The pipeline's oldest step has late parts (a hung shard): take it and the steps behind it that answer in
+        parts off the pipeline (theirs on that shard are as late; a part of theirs to come soon is answered within
+        LATE_POLL_S), so that the next steps form without waiting for them, and answer what has come of them; the
+        symbols of their missing parts are held back (their later requests follow them) until their parts come
+        (_take_parts) or their step ends (_retire)."""
         with self._work_ready:
-            self._steps.popleft()
-            self._late.append(step)
-            self._hold(step, {r.symbol for r in step.batch})  # before the next step can form
+            taken = []
+            while self._steps and _in_parts(self._steps[0].pending):
+                step = self._steps.popleft()
+                self._late.append(step)
+                self._hold(step, {r.symbol for r in step.batch})  # before the next step can form
+                taken.append(step)
             self._work_ready.notify()  # the pipeline has room
-        self._take_parts(step)
+        for step in taken:
+            self._take_parts(step)
 
     def _look_at_late_steps(self):
         """Answer the parts come of the steps with late parts, and those steps that have ended."""

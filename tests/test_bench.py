@@ -323,3 +323,22 @@ def test_a_failure_is_one_line_with_the_tools_name(tmp_path):
     assert done.stderr.strip().splitlines()[-1].startswith("scripts/bench.py: error: --merge: old.json holds no JSON "
                                                            "report (Expecting property name")
     assert (tmp_path / "old.json").read_text() == "{not json"
+
+
+def test_a_hung_shard_section_says_how_long_the_live_shards_symbols_waited_beside_the_hung_ones(tmp_path):
+    """Section hung on the CPU: one of two process shards stopped for 2 s mid-session, with the runtime's default
+    (steps whose parts are late go on without them) and with every step answered whole. The live shard's symbols
+    waited for the hung one only with whole steps; on a 2-core CPU the steps themselves take ~0.1 s."""
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, str(BENCH), "--preset", "tiny", "--device", "cpu", "--quick",
+                           "--sections", "hung", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=checkout_env(REPO))
+    assert done.returncode == 0, done.stderr[-4000:]
+    hung = json.loads(out.read_text())["hung_shard"]
+    assert hung["hung_s"] == 2.0 and len(hung["devices"]) == 2
+    parts, whole = hung["in_parts"], hung["whole"]
+    assert parts["late_parts_s"] is None and whole["late_parts_s"] >= 1e9
+    for run in (parts, whole):
+        assert run["live_requests"] > 0 and run["hung_requests"] > 0 and run["accuracy"] == 1.0
+    assert parts["live_missed"] <= whole["live_missed"] and parts["live_p50_ms"] < 0.5 * whole["live_p50_ms"]
+

@@ -44,7 +44,7 @@ CLOSE_TIMEOUT_S = 30
 ANSWER_TIMEOUT_S = 60.0
 # A shard whose oldest part has waited this long for its answer takes no new symbol while another shard has none
 # waiting so long: one hung until answer_timeout_s would hold the new symbols placed on it all that time.
-LATE_ANSWER_S = 0.5
+LATE_ANSWER_S = 0.2
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,8 @@ def server_config(stream, rate, preset, seed, ws_compression=False):
 async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False,
                        max_requests_per_symbol=None, team_client=None, during=None, form_late=True,
                        stacks_dir=None, ws_compression=False, step_log=False, late_after_s=None,
-                       form_margin_s=None, punctual_late_after_s=None, join_queued=None, inline_steps=None) -> dict:
+                       form_margin_s=None, punctual_late_after_s=None, join_queued=None, inline_steps=None,
+                       late_parts_s=None) -> dict:
     """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
     the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
     processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir the event loop's stack in each of its
@@ -166,8 +167,8 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     function, runs beside the session (the backlog section pauses the client with it). step_log: the summary's
     "steps" is the runtime's step log (StreamingClient.steps). late_after_s: the runtime's step clock forms the next
     step late behind steps this long (punctual_late_after_s: while the host wakes its submitter on time), form_margin_s
-    before its learned times say (None: its defaults); join_queued, inline_steps: the runtime's (None: its
-    defaults). The summary's "late_wakes" and "latest_wake_ms": how many of the runtime's waits to form a step late
+    before its learned times say (None: its defaults); join_queued, inline_steps, late_parts_s: the runtime's (None:
+    its defaults). The summary's "late_wakes" and "latest_wake_ms": how many of the runtime's waits to form a step late
     ended late (client/step_clock.py LATE_WAKE_S), and the latest any ended; "joins": the runtime's joins taken and
     missed; "inline_steps": whether the runtime ran its steps from its event loop; "host_steal_ms_per_s": the CPU
     time the hypervisor took from the host's CPUs during the session, all CPUs together, per second (None where the
@@ -194,7 +195,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
         options = {"pipeline_min_batch": pipeline_min_batch, "max_requests_per_symbol": max_requests_per_symbol,
                    "late_after_s": late_after_s, "form_margin_s": form_margin_s,
                    "punctual_late_after_s": punctual_late_after_s, "join_queued": join_queued,
-                   "inline_steps": inline_steps}
+                   "inline_steps": inline_steps, "late_parts_s": late_parts_s}
         client = StreamingClient(team_client or ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench",
                                  timeline=timeline, form_late=form_late, ws_compression=ws_compression,
                                  step_log=step_log, **{k: v for k, v in options.items() if v is not None})
