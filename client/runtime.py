@@ -292,11 +292,12 @@ class StreamingClient:
         self.steps: list[dict] | None = [] if timeline or step_log else None
         self._scheduler = Scheduler()
         # A team client with prefetch(symbols) starts moving states when their requests arrive, and its ready(symbol)
-        # holds back a symbol whose state is still on its way while the others step (unless its states never move).
+        # holds back a symbol whose state is still on its way while the others step (unless its states never move),
+        # or, one that holds back (a sharded engine's), the symbols of a shard late to answer.
         moves = team_api.moves_states(team_client)
         self._prefetch = getattr(team_client, "prefetch", None) if moves else None
         self._prefetches: queue.SimpleQueue = queue.SimpleQueue()  # symbols whose requests arrived; None: stop
-        self._ready = getattr(team_client, "ready", None) if moves else None
+        self._ready = getattr(team_client, "ready", None) if moves or team_api.holds_back(team_client) else None
         # One lock guards _scheduler, _steps and the two flags; the submitter (or the single worker)
         # waits on _work_ready, the completer on _steps_ready, so neither takes the other's wake-up.
         lock = threading.Lock()

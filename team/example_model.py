@@ -94,6 +94,12 @@ class ExampleModel:
         prefetches (a thread woken per request, beside its step's) nor asks ready while a step forms."""
         return getattr(self.engine, "moves_states", True)
 
+    @property
+    def holds_back(self) -> bool:
+        """Whether the engine's ready() may say False though its states never move (a sharded engine's, for a shard
+        late to answer)."""
+        return getattr(self.engine, "holds_back", False) is True
+
     def prefetch(self, symbols) -> None:
         """The runtime calls this when requests for these symbols arrive: the engine starts bringing their states
         to the GPU while other steps run."""

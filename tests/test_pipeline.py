@@ -23,6 +23,7 @@ from client import runtime
 from client.runtime import PIPELINE_DEPTH, StreamingClient
 from client.scheduler import Request
 from client.step_clock import StepClock
+from client import team_api
 from client.team_api import MANY, queued
 from team.example_model import ExampleModel
 
@@ -1422,10 +1423,11 @@ def test_a_hung_shard_lost_at_its_timeout_moves_its_held_symbols_on_in_order(mod
         np.testing.assert_allclose(prediction, expected[uid], rtol=1e-4, atol=2e-5)
 
 
-def test_a_step_of_a_hung_shard_says_what_came_and_new_symbols_go_to_a_shard_that_answers(model):
+def test_a_step_of_a_hung_shard_says_what_came_its_symbols_wait_and_new_ones_go_to_a_shard_that_answers(model):
     """While a shard answers nothing: its step says which parts came (arrived, without waiting), and that it has not
-    ended (done, wait); a symbol seen for the first time goes to the shard answering on time, though the hung one
-    holds fewer (there it would wait with the hung shard's own); once it answers again, placement is by load."""
+    ended (done, wait); its symbols are not ready (the runtime holds them back: a symbol of it with no request in the
+    late steps would put a part of every step formed meanwhile on it); a symbol seen for the first time goes to the
+    shard answering on time, though the hung one holds fewer; once it answers again, all is as before."""
     shards = [_GatedShard(0, model), _GatedShard(1, model)]
     engine = ShardedEngine(shards, progress=False)
     features = np.random.default_rng(10).standard_normal((3, 79)).astype(np.float32)
@@ -1436,10 +1438,14 @@ def test_a_step_of_a_hung_shard_says_what_came_and_new_symbols_go_to_a_shard_tha
         assert not pending.wait(LATE_ANSWER_S + 0.1) and not pending.done()
         [(rows, outcome)] = pending.arrived()
         assert rows.tolist() == [0] and np.isfinite(outcome).all()
+        # the runtime holds back the late shard's symbols, B with its later requests, the others step
+        assert team_api.holds_back(ExampleModel(engine))
+        assert not engine.ready("B") and engine.ready("A") and engine.ready("C") and engine.ready("UNSEEN")
         engine.step(["NEW"], features[:1])
         assert engine.shard_of["NEW"] == 0
         shards[1].gate.set()
         assert pending.wait(10) and pending.done() and [r.tolist() for r, _ in pending.arrived()] == [[0], [1]]
+        assert engine.ready("B")
         engine.step(["NEWER"], features[:1])
         assert engine.shard_of["NEWER"] == 1
     finally:

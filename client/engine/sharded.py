@@ -359,8 +359,11 @@ class _Runner:
                 entry.part.finish(ShardError(f"shard {self.index}: CapacityError: {why}"), np.asarray(rows))
 
     def answer_late(self, now) -> bool:
-        """Whether its oldest part has waited LATE_ANSWER_S for its answer (called holding the engine's lock)."""
-        return bool(self.in_flight) and now - self.in_flight[0].sent_at > LATE_ANSWER_S
+        """Whether its oldest part has waited LATE_ANSWER_S for its answer (exact holding the engine's lock)."""
+        try:
+            return now - self.in_flight[0].sent_at > LATE_ANSWER_S
+        except IndexError:  # nothing in flight
+            return False
 
     def stop(self, timeout_s):
         with self.work_ready:
@@ -444,6 +447,15 @@ class ShardedEngine(Engine):
             self.shard_of[symbol] = index
             self._load[index] += 1
         return index
+
+    holds_back = True  # ready() is False for the symbols of a shard late to answer
+
+    def ready(self, symbol) -> bool:
+        """False while the symbol's shard has an answer overdue by LATE_ANSWER_S (hung, or far behind): the runtime
+        then holds its requests back, so that its symbols wait alone and every other symbol's steps go on without a
+        part on that shard. Asked for each waiting symbol as a step forms: no lock (a stale read is as good)."""
+        index = self.shard_of.get(symbol)
+        return index is None or not self._runners[index].answer_late(time.monotonic())
 
     def unplaceable(self, symbols) -> dict[str, str]:
         # in the words a caller gives a failed part (its exception's type, then its message), so that a loss
