@@ -1009,9 +1009,20 @@ class StreamingClient:
             else:  # waited for up to when its parts are late (then looked at with the late ones)
                 wait_s = step.submitted_at + self.late_parts_s - time.monotonic()
                 if step.pending.wait(max(0.0, min(wait_s, LATE_POLL_S) if self._late else wait_s)):
-                    self._retire(step)
+                    if self._late and self._behind_late(step):
+                        self._go_on_without()  # its symbols' answers follow their late ones (_look_at_late_steps)
+                    else:
+                        self._retire(step)
                 elif self._parts_late(step):
                     self._go_on_without()
+
+    def _behind_late(self, step) -> bool:
+        """Whether a late step misses a part of a symbol of `step` once the late steps are looked at again: `step`
+        (ended) may have been formed as the one ahead went late, and a symbol's parts come in order (a shard's), so
+        its earlier one may have come with it since the last look, to be answered first."""
+        self._look_at_late_steps()
+        with self._work_ready:
+            return any(r.symbol in self._held for r in step.batch)
 
     def _parts_late(self, step) -> bool:
         """Whether `step` answers in parts and its last ones are late (LATE_PARTS_S after it was submitted)."""
@@ -1024,27 +1035,28 @@ class StreamingClient:
         symbols of their missing parts are held back (their later requests follow them) until their parts come
         (_take_parts) or their step ends (_retire)."""
         with self._work_ready:
-            taken = []
             while self._steps and _in_parts(self._steps[0].pending):
                 step = self._steps.popleft()
                 self._late.append(step)
                 self._hold(step, {r.symbol for r in step.batch})  # before the next step can form
-                taken.append(step)
             self._work_ready.notify()  # the pipeline has room
-        for step in taken:
-            self._take_parts(step)
+        self._look_at_late_steps()
 
     def _look_at_late_steps(self):
-        """Answer the parts come of the steps with late parts, and those steps that have ended."""
+        """Answer the parts come of the steps with late parts, and those steps that have ended, oldest first. A
+        symbol's request waits while an earlier late step misses one of that symbol's: the parts of both may come
+        between the looks at the two steps, and its answers must go in order."""
+        earlier = set()  # the symbols of the parts still missing in the late steps looked at so far
         for step in list(self._late):
-            if _ended(step.pending):
+            if not earlier & step.holding and _ended(step.pending):
                 self._retire(step)
             else:
-                self._take_parts(step)
+                self._take_parts(step, earlier)
+            earlier |= step.holding
 
-    def _take_parts(self, step):
-        """Answer what has come of a step with late parts and not been answered, and hold back the symbols of the
-        parts still missing, no others."""
+    def _take_parts(self, step, blocked=frozenset()):
+        """Answer what has come of a step with late parts and not been answered (but for the `blocked` symbols'),
+        and hold back the symbols of the parts still missing, no others."""
         try:
             ids, predictions, errors = check_answer(step.pending.partial(), [r.unique_id for r in step.batch],
                                                     partial=True)
@@ -1055,6 +1067,10 @@ class StreamingClient:
             ids, predictions, errors = [], np.zeros((0, NUM_TOWERS), np.float32), {}
         rows = [row for row, uid in enumerate(ids) if uid not in step.answered]
         errors = {uid: why for uid, why in errors.items() if uid not in step.answered}
+        if blocked and (rows or errors):
+            symbol_of = {r.unique_id: r.symbol for r in step.batch}
+            rows = [row for row in rows if symbol_of[ids[row]] not in blocked]
+            errors = {uid: why for uid, why in errors.items() if symbol_of[uid] not in blocked}
         if rows or errors:
             self._answer([ids[row] for row in rows], predictions[rows], errors)
             step.answered.update([ids[row] for row in rows], errors)

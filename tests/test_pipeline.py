@@ -1444,3 +1444,84 @@ def test_a_step_of_a_hung_shard_says_what_came_and_new_symbols_go_to_a_shard_tha
         assert engine.shard_of["NEWER"] == 1
     finally:
         engine.close()
+
+
+class _PartsTeam:
+    """A team client for the runtime's late steps alone (no step is formed here)."""
+
+    def process_batch(self, requests_by_symbol):
+        raise AssertionError("no step is formed here")
+
+    def submit_batch(self, requests_by_symbol):
+        raise AssertionError("no step is formed here")
+
+
+class _Parts:
+    """A pending step answered in parts (client/team_api.py): a request's part has come once `came` holds its id;
+    after_look() runs once a partial() has taken what had come (a part that comes while the runtime looks)."""
+
+    def __init__(self, ids, came, after_look=None, fails=False):
+        self.ids, self.came, self.after_look, self.fails = ids, came, after_look, fails
+
+    def partial(self):
+        ids = [uid for uid in self.ids if uid in self.came]
+        answer = {"unique_ids": ids, "predictions": np.full((len(ids), 4), 1.0, np.float32)}
+        if self.after_look is not None:
+            self.after_look, after_look = None, self.after_look
+            after_look()
+        return answer
+
+    def done(self):
+        return set(self.ids) <= self.came
+
+    def wait(self, timeout):
+        return self.done()
+
+    def result(self):
+        if self.fails:
+            raise RuntimeError("device fault")
+        return {"unique_ids": list(self.ids), "predictions": np.full((len(self.ids), 4), 1.0, np.float32)}
+
+
+def _late_client(**options):
+    """A runtime whose answers are recorded in `client.answered` (ids, then the failed ones' ids) in order."""
+    client = StreamingClient(_PartsTeam(), "ws://127.0.0.1:1", "testers", inline_steps=False, **options)
+    client.answered = []
+    client._answer = lambda ids, predictions, errors: client.answered.extend([*ids, *errors])
+    client._fail = lambda batch, exc, what: client.answered.extend(r.unique_id for r in batch)
+    return client
+
+
+def _late(client, batch, pending):
+    """`batch` (uid, symbol) submitted as `pending`, gone late (its parts all missing)."""
+    step = runtime._Step([Request(uid, symbol, np.zeros(79, np.float32)) for uid, symbol in batch], pending,
+                         time.monotonic(), (1, 1), None)
+    with client._work_ready:
+        client._late.append(step)
+        client._hold(step, {symbol for _, symbol in batch})
+    return step
+
+
+def test_late_steps_answer_a_symbols_requests_in_order_though_their_parts_come_while_looked_at():
+    """Y's request 0 is in a late step, its request 2 in the late step behind it (both on the hung shard). The shard
+    answers both parts just after the runtime looked at the first step, before it looks at the second: request 2
+    must still wait for request 0 (it was answered first, the second step having ended)."""
+    client, came = _late_client(), set()
+    _late(client, [(0, "Y"), (1, "X")], _Parts([0, 1], came, after_look=lambda: came.update({0, 1, 2})))
+    _late(client, [(2, "Y")], _Parts([2], came))
+    client._look_at_late_steps()
+    client._look_at_late_steps()
+    assert client.answered == [0, 1, 2] and not client._late and not client._held
+
+
+def test_a_step_ended_behind_a_late_one_answers_its_symbols_after_the_late_ones_parts():
+    """A step formed while the one ahead went late (the submitter formed it as the completer took that one off the
+    pipeline) carries Y's next request; its parts and the late step's come together, just after the completer
+    looked at the late step: Y's late request is answered first."""
+    client, came = _late_client(), set()
+    _late(client, [(0, "Y")], _Parts([0], came, after_look=lambda: came.update({0, 1})))
+    client._steps.append(runtime._Step([Request(1, "Y", np.zeros(79, np.float32))], _Parts([1], came),
+                                       time.monotonic(), (1, 1), None))
+    client._submitter_done = True
+    client._complete_steps()
+    assert client.answered == [0, 1] and not client._late and not client._held and not client._steps
