@@ -876,7 +876,8 @@ class StreamingClient:
         """Join a request to the step queued on the GPU behind the one in flight, if the team client's pending step
         takes it and nothing of its symbol waits before it (called holding the lock): it is then answered with that
         step instead of the one after. `request` is an arrival, or one taken from the front of its queue."""
-        if not self._queued_step_joinable() or self._scheduler.has(request.symbol) or request.symbol in self._joining:
+        if not self._queued_step_joinable() or self._scheduler.has(request.symbol) or request.symbol in self._joining \
+                or request.symbol in self._held:  # its request in a step with late parts is answered first
             return False
         pending, joined = self._steps[-1].pending, self._steps[-1].joined
         try:
@@ -921,7 +922,7 @@ class StreamingClient:
         # every such request at once, oldest first, looking only at the symbols with one queued request that were
         # not offered yet (a set difference): popping every waiting head took 0.5 ms a look at 1,000 waiting symbols
         offered = singles.keys() - self._refused[1]
-        offered.difference_update([r.symbol for r in batch], [r.symbol for r in joined])
+        offered.difference_update([r.symbol for r in batch], [r.symbol for r in joined], self._held)
         awaiting = False
         for symbol in sorted(offered, key=singles.__getitem__):
             if ready is not None and not ready(symbol):
@@ -1038,7 +1039,9 @@ class StreamingClient:
             while self._steps and _in_parts(self._steps[0].pending):
                 step = self._steps.popleft()
                 self._late.append(step)
-                self._hold(step, {r.symbol for r in step.batch})  # before the next step can form
+                # before the next step can form; a joined request's symbol too: once its join is settled as taken
+                # nothing else holds that symbol back while its request waits for its part
+                self._hold(step, {r.symbol for r in step.batch + step.joined})
             self._work_ready.notify()  # the pipeline has room
         self._look_at_late_steps()
 
@@ -1056,9 +1059,11 @@ class StreamingClient:
 
     def _take_parts(self, step, blocked=frozenset()):
         """Answer what has come of a step with late parts and not been answered (but for the `blocked` symbols'),
-        and hold back the symbols of the parts still missing, no others."""
+        its joins that made it with it, and hold back the symbols of the parts still missing, no others."""
+        with self._work_ready:  # a join settled meanwhile as missed has left step.joined (requeued)
+            requests = step.batch + step.joined
         try:
-            ids, predictions, errors = check_answer(step.pending.partial(), [r.unique_id for r in step.batch],
+            ids, predictions, errors = check_answer(step.pending.partial(), [r.unique_id for r in requests],
                                                     partial=True)
         except Exception:  # a failing team client must not kill the runtime: the step's result() answers it all
             if not step.partial_failed:
@@ -1068,14 +1073,14 @@ class StreamingClient:
         rows = [row for row, uid in enumerate(ids) if uid not in step.answered]
         errors = {uid: why for uid, why in errors.items() if uid not in step.answered}
         if blocked and (rows or errors):
-            symbol_of = {r.unique_id: r.symbol for r in step.batch}
+            symbol_of = {r.unique_id: r.symbol for r in requests}
             rows = [row for row in rows if symbol_of[ids[row]] not in blocked]
             errors = {uid: why for uid, why in errors.items() if symbol_of[uid] not in blocked}
         if rows or errors:
             self._answer([ids[row] for row in rows], predictions[rows], errors)
             step.answered.update([ids[row] for row in rows], errors)
-            with self._work_ready:
-                self._hold(step, {r.symbol for r in step.batch if r.unique_id not in step.answered})
+        with self._work_ready:
+            self._hold(step, {r.symbol for r in step.batch + step.joined if r.unique_id not in step.answered})
 
     def _hold(self, step, symbols):
         """Make `symbols` the ones `step` holds back (each symbol held while any step holds it); called holding the

@@ -1477,6 +1477,9 @@ class _Parts:
     def wait(self, timeout):
         return self.done()
 
+    def fate(self, unique_id):
+        return True  # a join: taken
+
     def result(self):
         if self.fails:
             raise RuntimeError("device fault")
@@ -1525,3 +1528,43 @@ def test_a_step_ended_behind_a_late_one_answers_its_symbols_after_the_late_ones_
     client._submitter_done = True
     client._complete_steps()
     assert client.answered == [0, 1] and not client._late and not client._held and not client._steps
+
+
+def test_a_held_symbols_request_does_not_join_the_queued_step():
+    """Y's request in a late step has not been answered (its part missing): Y's next request, arriving or queued,
+    must not join the step queued behind the one in flight (answered with it, before the late one)."""
+    client = _late_client()
+    for _ in range(PIPELINE_DEPTH):  # a full pipeline whose queued step takes joins
+        client._steps.append(runtime._Step([], _DeviceStep([], room=4, miss=lambda uid: False), 0.0, (1, 1), None))
+    _late(client, [(0, "Y")], _Parts([0], set()))
+    with client._work_ready:
+        assert not client._join(Request(1, "Y", np.zeros(79, np.float32)))
+        client._scheduler.push(Request(2, "Y", np.zeros(79, np.float32)))
+        client._scheduler.push(Request(3, "Z", np.zeros(79, np.float32)))
+        client._join_waiting()
+    assert [symbol for symbol, _, _ in client._steps[-1].pending.joins] == ["Z"]
+    assert client._scheduler.has("Y") and "Y" not in client._refused[1]
+
+
+def test_a_request_joined_to_a_step_that_goes_late_holds_its_symbol_until_answered_from_its_parts():
+    """W's request joined the queued step, which then went late: once its fate is known (taken) W must stay held
+    until that request is answered (else W's next request steps and is answered first), and its part, when it
+    comes, is answered (a partial answer may name the step's joined requests)."""
+    client, came = _late_client(), set()
+    pending = _Parts([0, 1], came)
+    step = runtime._Step([Request(0, "Y", np.zeros(79, np.float32))], pending, time.monotonic() - 1, (1, 1), None)
+    joined = Request(1, "W", np.zeros(79, np.float32))
+    client._scheduler.stamp(joined)
+    step.joined.append(joined)
+    client._joining["W"] = (joined, pending, step.joined)
+    client._steps.append(step)
+    client._go_on_without()
+    with client._work_ready:
+        client._settle_joins()  # taken
+        assert "W" not in client._joining and not client._is_ready("W")
+    came.add(1)
+    client._look_at_late_steps()
+    assert client.answered == [1] and set(client._held) == {"Y"} and not step.partial_failed
+    came.add(0)
+    client._look_at_late_steps()
+    assert client.answered == [1, 0] and not client._held and not client._late
