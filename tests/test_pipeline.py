@@ -1568,3 +1568,47 @@ def test_a_request_joined_to_a_step_that_goes_late_holds_its_symbol_until_answer
     came.add(0)
     client._look_at_late_steps()
     assert client.answered == [1, 0] and not client._held and not client._late
+
+
+@pytest.mark.parametrize("inline_steps", [False, True])
+def test_while_only_held_symbols_wait_no_step_is_formed_until_one_is_released(inline_steps):
+    """Y is held back (its request in a late step, its part missing: a hung shard, for up to --shard-timeout-s) and
+    only Y waits: the runtime looked for a step to form every READY_POLL_S (0.5 ms), each look over every waiting
+    symbol, on the event loop with inline steps, for as long as the shard hung. It forms one as soon as Y is
+    released."""
+    client = _late_client()
+    client.inline_steps = inline_steps
+    step = _late(client, [(0, "Y")], _Parts([0], set()))
+    client._scheduler.push(Request(1, "Y", np.zeros(79, np.float32)))
+    looks, next_batch = [], client._next_batch
+    client._next_batch = lambda: looks.append(1) or next_batch()
+    formed = []
+
+    def release():
+        with client._work_ready:
+            client._hold(step, set())
+            client._late.clear()
+
+    if inline_steps:
+        client._submit = lambda batch: formed.append([r.unique_id for r in batch])
+
+        async def play():
+            client._loop = asyncio.get_running_loop()
+            client._pump()
+            await asyncio.sleep(0.3)
+            held_looks = len(looks)
+            release()
+            await asyncio.sleep(0.05)
+            if client._pump_handle is not None:
+                client._pump_handle.cancel()
+            return held_looks
+        held_looks = asyncio.run(play())
+    else:
+        taker = threading.Thread(target=lambda: formed.append([r.unique_id for r in
+                                                               client._take_batch(client._submit_in)]))
+        taker.start()
+        time.sleep(0.3)
+        held_looks = len(looks)
+        release()
+        taker.join(1)
+    assert held_looks <= 0.3 / runtime.LATE_POLL_S + 5 and formed == [[1]]
