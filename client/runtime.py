@@ -1120,13 +1120,17 @@ class StreamingClient:
             else:
                 self._settle_joins(done=step.pending, answered=named)
             requests = step.batch + step.joined  # the joins that made it
+        # those not answered from its parts before (a late step's): where it is none, a failure has nothing to fail
+        rest = [r for r in requests if r.unique_id not in step.answered] if step.answered else requests
         if ended_at is None:
-            self._fail([r for r in requests if r.unique_id not in step.answered], answer, "submit_batch's result()")
+            if rest:
+                self._fail(rest, answer, "submit_batch's result()")
         else:
             try:
                 ids, predictions, errors = check_answer(answer, [r.unique_id for r in requests])
             except Exception as exc:  # a failing team client must not kill the runtime
-                self._fail([r for r in requests if r.unique_id not in step.answered], exc, "submit_batch's result()")
+                if rest:
+                    self._fail(rest, exc, "submit_batch's result()")
                 ended_at = None
             else:
                 if step.answered:  # answered from its parts before: the rest alone

@@ -1612,3 +1612,20 @@ def test_while_only_held_symbols_wait_no_step_is_formed_until_one_is_released(in
         release()
         taker.join(1)
     assert held_looks <= 0.3 / runtime.LATE_POLL_S + 5 and formed == [[1]]
+
+
+def test_a_late_step_whose_result_fails_after_its_parts_were_all_answered_fails_no_request():
+    """Every request of a late step was answered from its parts, then its result() raised (or gave a malformed
+    answer): there is nothing left to fail, and the server got a client_error naming no unique_id."""
+    for bad in ({"fails": True}, {}):
+        client, sent = _late_client(), []
+        del client._fail  # the runtime's own
+        client._on_loop = lambda callback, *args: callback(*args)
+        client._send = lambda ws, msg: sent.append(msg)
+        pending = _Parts([0, 1], {0, 1}, **bad)
+        if not bad:
+            pending.result = lambda: {"unique_ids": [0], "predictions": np.ones((1, 4), np.float32)}
+        step = _late(client, [(0, "Y"), (1, "X")], pending)
+        client._take_parts(step)
+        client._retire(step)
+        assert client.answered == [0, 1] and sent == [] and client.stats.rejected == 0 and not client._late
