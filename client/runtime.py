@@ -803,7 +803,8 @@ class StreamingClient:
             self._retire(self._steps[0])
         if self._steps and self._parts_late(self._steps[0]):
             self._go_on_without()
-        self._look_at_late_steps()
+        if self._late:  # not a call and a list at each of the loop's turns while a step is in flight
+            self._look_at_late_steps()
         again = None
         if not self._worker_stopping:
             with self._work_ready:
@@ -1011,7 +1012,7 @@ class StreamingClient:
             if step is None:
                 with self._steps_ready:
                     self._steps_ready.wait(LATE_POLL_S)  # for a late step's parts, or a new step
-            elif not _in_parts(step.pending):
+            elif not step.in_parts:
                 self._retire(step)
             else:  # waited for up to when its parts are late (then looked at with the late ones)
                 wait_s = step.submitted_at + self.late_parts_s - time.monotonic()
@@ -1033,7 +1034,7 @@ class StreamingClient:
 
     def _parts_late(self, step) -> bool:
         """Whether `step` answers in parts and its last ones are late (LATE_PARTS_S after it was submitted)."""
-        return _in_parts(step.pending) and time.monotonic() - step.submitted_at > self.late_parts_s
+        return step.in_parts and time.monotonic() - step.submitted_at > self.late_parts_s
 
     def _go_on_without(self):
         """The pipeline's oldest step has late parts (a hung shard): take it and the steps behind it that answer in
@@ -1042,7 +1043,7 @@ class StreamingClient:
         symbols of their missing parts are held back (their later requests follow them) until their parts come
         (_take_parts) or their step ends (_retire)."""
         with self._work_ready:
-            while self._steps and _in_parts(self._steps[0].pending):
+            while self._steps and self._steps[0].in_parts:
                 step = self._steps.popleft()
                 self._late.append(step)
                 # before the next step can form; a joined request's symbol too: once its join is settled as taken
@@ -1238,9 +1239,10 @@ class _Step:
     """A step submitted to the team client, until it is answered: its requests, the team client's pending step,
     when it was submitted, its size (for the step clock), the requests joined to it, its record in `steps` (or
     None); for a step whose last parts came late, the unique ids answered from the parts that came before it
-    ended, the symbols it holds back (of its parts still missing), and whether its partial() failed."""
+    ended, the symbols it holds back (of its parts still missing), and whether its partial() failed; whether it
+    answers in parts (asked once: the event loop asks at each of its turns while a step runs, with inline steps)."""
     __slots__ = ("batch", "pending", "submitted_at", "size", "record", "joined", "answered", "holding",
-                 "partial_failed")
+                 "partial_failed", "in_parts")
 
     def __init__(self, batch, pending, submitted_at, size, record):
         self.batch, self.pending, self.submitted_at, self.size, self.record = batch, pending, submitted_at, size, record
@@ -1248,6 +1250,7 @@ class _Step:
         self.answered: set[int] = set()
         self.holding: set[str] = set()
         self.partial_failed = False
+        self.in_parts = _in_parts(pending)
 
 
 def _in_parts(pending) -> bool:

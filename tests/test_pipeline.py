@@ -1629,3 +1629,27 @@ def test_a_late_step_whose_result_fails_after_its_parts_were_all_answered_fails_
         client._take_parts(step)
         client._retire(step)
         assert client.answered == [0, 1] and sent == [] and client.stats.rejected == 0 and not client._late
+
+
+def test_the_event_loop_asks_a_step_whether_it_answers_in_parts_once_not_at_each_turn():
+    """With inline steps the event loop looks at the step in flight at each of its turns (~2 us each): asking the
+    team client's pending step for partial() and wait() there, and looking at the (no) late steps, cost ~15% more."""
+    class Pending(PendingStep):
+        asked = 0
+
+        def __getattr__(self, name):  # only for the attributes it lacks
+            Pending.asked += 1
+            raise AttributeError(name)
+
+    client = StreamingClient(_PartsTeam(), "ws://127.0.0.1:1", "testers", inline_steps=True)
+    client._steps.append(runtime._Step([], Pending(lambda: None, poll=lambda: False), time.monotonic(), (1, 1), None))
+    looks = []
+    client._look_at_late_steps = lambda: looks.append(1)
+
+    async def turns():
+        client._loop = asyncio.get_running_loop()
+        for _ in range(100):
+            client._pump()
+        client._pump_handle.cancel()
+    asyncio.run(turns())
+    assert Pending.asked <= 2 and not looks
