@@ -1016,7 +1016,7 @@ class StreamingClient:
                 self._retire(step)
             else:  # waited for up to when its parts are late (then looked at with the late ones)
                 wait_s = step.submitted_at + self.late_parts_s - time.monotonic()
-                if step.pending.wait(max(0.0, min(wait_s, LATE_POLL_S) if self._late else wait_s)):
+                if _waited(step.pending, max(0.0, min(wait_s, LATE_POLL_S) if self._late else wait_s)):
                     if self._late and self._behind_late(step):
                         self._go_on_without()  # its symbols' answers follow their late ones (_look_at_late_steps)
                     else:
@@ -1266,6 +1266,15 @@ def _ended(pending) -> bool:
         return done is None or bool(done())
     except Exception:  # a failing team client must not stop the loop's steps: result() answers for the step
         log.exception("team client's done() failed; taking the step's result")
+        return True
+
+
+def _waited(pending, timeout) -> bool:
+    """A pending step's wait(timeout) (one answered in parts): where it fails, True (its result() says what)."""
+    try:
+        return bool(pending.wait(timeout))
+    except Exception:  # a failing team client must not kill the completer: no step would be answered again
+        log.exception("team client's wait() failed; taking the step's result")
         return True
 
 

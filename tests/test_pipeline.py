@@ -1653,3 +1653,19 @@ def test_the_event_loop_asks_a_step_whether_it_answers_in_parts_once_not_at_each
         client._pump_handle.cancel()
     asyncio.run(turns())
     assert Pending.asked <= 2 and not looks
+
+
+def test_a_team_clients_wait_that_fails_does_not_stop_the_completer():
+    """A pending step answered in parts whose wait() raised killed the completer thread: no step was answered again
+    (the pipeline full, the session stalled). Its result() answers it, as where done() fails."""
+    client = _late_client()
+    pending = _Parts([0], {0})
+
+    def broken(timeout):
+        raise RuntimeError("wait lost")
+    pending.wait = broken
+    client._steps.append(runtime._Step([Request(0, "Y", np.zeros(79, np.float32))], pending, time.monotonic(),
+                                       (1, 1), None))
+    client._submitter_done = True
+    client._complete_steps()
+    assert client.answered == [0] and not client._steps
