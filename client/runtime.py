@@ -804,7 +804,8 @@ class StreamingClient:
             self._retire(self._steps[0])
         if self._steps and self._parts_late(self._steps[0]):
             self._go_on_without()
-        self._look_at_late_steps()
+        if self._late:  # not a call and a list at each of the loop's turns while a step is in flight
+            self._look_at_late_steps()
         again = None
         if not self._worker_stopping:
             with self._work_ready:
@@ -816,7 +817,7 @@ class StreamingClient:
                         self._join_waiting()
                     batch, again = None, delay
                 elif not (batch := self._next_batch()):  # every waiting symbol's state is still on its way
-                    again = READY_POLL_S
+                    again = None if self._only_held_wait() else READY_POLL_S  # (held: looked at every LATE_POLL_S)
             if batch:
                 self._mark("batched", (r.unique_id for r in batch))
                 self._submit(batch)
@@ -850,7 +851,7 @@ class StreamingClient:
                 if batch:
                     break
                 self._wake_at = 0  # any arrival may be a symbol that is ready
-                self._work_ready.wait(READY_POLL_S)
+                self._work_ready.wait(None if self._only_held_wait() else READY_POLL_S)  # a release notifies
         self._mark("batched", (r.unique_id for r in batch))
         return batch
 
@@ -867,6 +868,12 @@ class StreamingClient:
             return 1 if self._states_may_join() else None  # its state may be on its way: _take_batch looks
         return self._full_step
 
+    def _only_held_wait(self) -> bool:
+        """Whether every waiting symbol is held back by a late step (called holding the lock): none can step until
+        one is released (_hold notifies), for as long as a hung shard hangs; looking every READY_POLL_S meanwhile
+        went over every waiting symbol ~2,000 times a second."""
+        return bool(self._held) and sum(map(self._scheduler.has, self._held)) >= self._scheduler.waiting_symbols()
+
     def _next_batch(self):
         """The next step's requests (called holding the lock)."""
         self._settle_joins()
@@ -877,7 +884,8 @@ class StreamingClient:
         """Join a request to the step queued on the GPU behind the one in flight, if the team client's pending step
         takes it and nothing of its symbol waits before it (called holding the lock): it is then answered with that
         step instead of the one after. `request` is an arrival, or one taken from the front of its queue."""
-        if not self._queued_step_joinable() or self._scheduler.has(request.symbol) or request.symbol in self._joining:
+        if not self._queued_step_joinable() or self._scheduler.has(request.symbol) or request.symbol in self._joining \
+                or request.symbol in self._held:  # its request in a step with late parts is answered first
             return False
         pending, joined = self._steps[-1].pending, self._steps[-1].joined
         try:
@@ -922,7 +930,7 @@ class StreamingClient:
         # every such request at once, oldest first, looking only at the symbols with one queued request that were
         # not offered yet (a set difference): popping every waiting head took 0.5 ms a look at 1,000 waiting symbols
         offered = singles.keys() - self._refused[1]
-        offered.difference_update([r.symbol for r in batch], [r.symbol for r in joined])
+        offered.difference_update([r.symbol for r in batch], [r.symbol for r in joined], self._held)
         awaiting = False
         for symbol in sorted(offered, key=singles.__getitem__):
             if ready is not None and not ready(symbol):
@@ -1005,18 +1013,29 @@ class StreamingClient:
             if step is None:
                 with self._steps_ready:
                     self._steps_ready.wait(LATE_POLL_S)  # for a late step's parts, or a new step
-            elif not _in_parts(step.pending):
+            elif not step.in_parts:
                 self._retire(step)
             else:  # waited for up to when its parts are late (then looked at with the late ones)
                 wait_s = step.submitted_at + self.late_parts_s - time.monotonic()
-                if step.pending.wait(max(0.0, min(wait_s, LATE_POLL_S) if self._late else wait_s)):
-                    self._retire(step)
+                if _waited(step.pending, max(0.0, min(wait_s, LATE_POLL_S) if self._late else wait_s)):
+                    if self._late and self._behind_late(step):
+                        self._go_on_without()  # its symbols' answers follow their late ones (_look_at_late_steps)
+                    else:
+                        self._retire(step)
                 elif self._parts_late(step):
                     self._go_on_without()
 
+    def _behind_late(self, step) -> bool:
+        """Whether a late step misses a part of a symbol of `step` once the late steps are looked at again: `step`
+        (ended) may have been formed as the one ahead went late, and a symbol's parts come in order (a shard's), so
+        its earlier one may have come with it since the last look, to be answered first."""
+        self._look_at_late_steps()
+        with self._work_ready:
+            return any(r.symbol in self._held for r in step.batch)
+
     def _parts_late(self, step) -> bool:
         """Whether `step` answers in parts and its last ones are late (LATE_PARTS_S after it was submitted)."""
-        return _in_parts(step.pending) and time.monotonic() - step.submitted_at > self.late_parts_s
+        return step.in_parts and time.monotonic() - step.submitted_at > self.late_parts_s
 
     def _go_on_without(self):
         """The pipeline's oldest step has late parts (a hung shard): take it and the steps behind it that answer in
@@ -1025,29 +1044,34 @@ class StreamingClient:
         symbols of their missing parts are held back (their later requests follow them) until their parts come
         (_take_parts) or their step ends (_retire)."""
         with self._work_ready:
-            taken = []
-            while self._steps and _in_parts(self._steps[0].pending):
+            while self._steps and self._steps[0].in_parts:
                 step = self._steps.popleft()
                 self._late.append(step)
-                self._hold(step, {r.symbol for r in step.batch})  # before the next step can form
-                taken.append(step)
+                # before the next step can form; a joined request's symbol too: once its join is settled as taken
+                # nothing else holds that symbol back while its request waits for its part
+                self._hold(step, {r.symbol for r in step.batch + step.joined})
             self._work_ready.notify()  # the pipeline has room
-        for step in taken:
-            self._take_parts(step)
+        self._look_at_late_steps()
 
     def _look_at_late_steps(self):
-        """Answer the parts come of the steps with late parts, and those steps that have ended."""
+        """Answer the parts come of the steps with late parts, and those steps that have ended, oldest first. A
+        symbol's request waits while an earlier late step misses one of that symbol's: the parts of both may come
+        between the looks at the two steps, and its answers must go in order."""
+        earlier = set()  # the symbols of the parts still missing in the late steps looked at so far
         for step in list(self._late):
-            if _ended(step.pending):
+            if not earlier & step.holding and _ended(step.pending):
                 self._retire(step)
             else:
-                self._take_parts(step)
+                self._take_parts(step, earlier)
+            earlier |= step.holding
 
-    def _take_parts(self, step):
-        """Answer what has come of a step with late parts and not been answered, and hold back the symbols of the
-        parts still missing, no others."""
+    def _take_parts(self, step, blocked=frozenset()):
+        """Answer what has come of a step with late parts and not been answered (but for the `blocked` symbols'),
+        its joins that made it with it, and hold back the symbols of the parts still missing, no others."""
+        with self._work_ready:  # a join settled meanwhile as missed has left step.joined (requeued)
+            requests = step.batch + step.joined
         try:
-            ids, predictions, errors = check_answer(step.pending.partial(), [r.unique_id for r in step.batch],
+            ids, predictions, errors = check_answer(step.pending.partial(), [r.unique_id for r in requests],
                                                     partial=True)
         except Exception:  # a failing team client must not kill the runtime: the step's result() answers it all
             if not step.partial_failed:
@@ -1056,11 +1080,15 @@ class StreamingClient:
             ids, predictions, errors = [], np.zeros((0, NUM_TOWERS), np.float32), {}
         rows = [row for row, uid in enumerate(ids) if uid not in step.answered]
         errors = {uid: why for uid, why in errors.items() if uid not in step.answered}
+        if blocked and (rows or errors):
+            symbol_of = {r.unique_id: r.symbol for r in requests}
+            rows = [row for row in rows if symbol_of[ids[row]] not in blocked]
+            errors = {uid: why for uid, why in errors.items() if symbol_of[uid] not in blocked}
         if rows or errors:
             self._answer([ids[row] for row in rows], predictions[rows], errors)
             step.answered.update([ids[row] for row in rows], errors)
-            with self._work_ready:
-                self._hold(step, {r.symbol for r in step.batch if r.unique_id not in step.answered})
+        with self._work_ready:
+            self._hold(step, {r.symbol for r in step.batch + step.joined if r.unique_id not in step.answered})
 
     def _hold(self, step, symbols):
         """Make `symbols` the ones `step` holds back (each symbol held while any step holds it); called holding the
@@ -1094,13 +1122,17 @@ class StreamingClient:
             else:
                 self._settle_joins(done=step.pending, answered=named)
             requests = step.batch + step.joined  # the joins that made it
+        # those not answered from its parts before (a late step's): where it is none, a failure has nothing to fail
+        rest = [r for r in requests if r.unique_id not in step.answered] if step.answered else requests
         if ended_at is None:
-            self._fail([r for r in requests if r.unique_id not in step.answered], answer, "submit_batch's result()")
+            if rest:
+                self._fail(rest, answer, "submit_batch's result()")
         else:
             try:
                 ids, predictions, errors = check_answer(answer, [r.unique_id for r in requests])
             except Exception as exc:  # a failing team client must not kill the runtime
-                self._fail([r for r in requests if r.unique_id not in step.answered], exc, "submit_batch's result()")
+                if rest:
+                    self._fail(rest, exc, "submit_batch's result()")
                 ended_at = None
             else:
                 if step.answered:  # answered from its parts before: the rest alone
@@ -1208,9 +1240,10 @@ class _Step:
     """A step submitted to the team client, until it is answered: its requests, the team client's pending step,
     when it was submitted, its size (for the step clock), the requests joined to it, its record in `steps` (or
     None); for a step whose last parts came late, the unique ids answered from the parts that came before it
-    ended, the symbols it holds back (of its parts still missing), and whether its partial() failed."""
+    ended, the symbols it holds back (of its parts still missing), and whether its partial() failed; whether it
+    answers in parts (asked once: the event loop asks at each of its turns while a step runs, with inline steps)."""
     __slots__ = ("batch", "pending", "submitted_at", "size", "record", "joined", "answered", "holding",
-                 "partial_failed")
+                 "partial_failed", "in_parts")
 
     def __init__(self, batch, pending, submitted_at, size, record):
         self.batch, self.pending, self.submitted_at, self.size, self.record = batch, pending, submitted_at, size, record
@@ -1218,6 +1251,7 @@ class _Step:
         self.answered: set[int] = set()
         self.holding: set[str] = set()
         self.partial_failed = False
+        self.in_parts = _in_parts(pending)
 
 
 def _in_parts(pending) -> bool:
@@ -1233,6 +1267,15 @@ def _ended(pending) -> bool:
         return done is None or bool(done())
     except Exception:  # a failing team client must not stop the loop's steps: result() answers for the step
         log.exception("team client's done() failed; taking the step's result")
+        return True
+
+
+def _waited(pending, timeout) -> bool:
+    """A pending step's wait(timeout) (one answered in parts): where it fails, True (its result() says what)."""
+    try:
+        return bool(pending.wait(timeout))
+    except Exception:  # a failing team client must not kill the completer: no step would be answered again
+        log.exception("team client's wait() failed; taking the step's result")
         return True
 
 

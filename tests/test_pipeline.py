@@ -1450,3 +1450,228 @@ def test_a_step_of_a_hung_shard_says_what_came_its_symbols_wait_and_new_ones_go_
         assert engine.shard_of["NEWER"] == 1
     finally:
         engine.close()
+
+
+class _PartsTeam:
+    """A team client for the runtime's late steps alone (no step is formed here)."""
+
+    def process_batch(self, requests_by_symbol):
+        raise AssertionError("no step is formed here")
+
+    def submit_batch(self, requests_by_symbol):
+        raise AssertionError("no step is formed here")
+
+
+class _Parts:
+    """A pending step answered in parts (client/team_api.py): a request's part has come once `came` holds its id;
+    after_look() runs once a partial() has taken what had come (a part that comes while the runtime looks)."""
+
+    def __init__(self, ids, came, after_look=None, fails=False):
+        self.ids, self.came, self.after_look, self.fails = ids, came, after_look, fails
+
+    def partial(self):
+        ids = [uid for uid in self.ids if uid in self.came]
+        answer = {"unique_ids": ids, "predictions": np.full((len(ids), 4), 1.0, np.float32)}
+        if self.after_look is not None:
+            self.after_look, after_look = None, self.after_look
+            after_look()
+        return answer
+
+    def done(self):
+        return set(self.ids) <= self.came
+
+    def wait(self, timeout):
+        return self.done()
+
+    def fate(self, unique_id):
+        return True  # a join: taken
+
+    def result(self):
+        if self.fails:
+            raise RuntimeError("device fault")
+        return {"unique_ids": list(self.ids), "predictions": np.full((len(self.ids), 4), 1.0, np.float32)}
+
+
+def _late_client(**options):
+    """A runtime whose answers are recorded in `client.answered` (ids, then the failed ones' ids) in order."""
+    client = StreamingClient(_PartsTeam(), "ws://127.0.0.1:1", "testers", inline_steps=False, **options)
+    client.answered = []
+    client._answer = lambda ids, predictions, errors: client.answered.extend([*ids, *errors])
+    client._fail = lambda batch, exc, what: client.answered.extend(r.unique_id for r in batch)
+    return client
+
+
+def _late(client, batch, pending):
+    """`batch` (uid, symbol) submitted as `pending`, gone late (its parts all missing)."""
+    step = runtime._Step([Request(uid, symbol, np.zeros(79, np.float32)) for uid, symbol in batch], pending,
+                         time.monotonic(), (1, 1), None)
+    with client._work_ready:
+        client._late.append(step)
+        client._hold(step, {symbol for _, symbol in batch})
+    return step
+
+
+def test_late_steps_answer_a_symbols_requests_in_order_though_their_parts_come_while_looked_at():
+    """Y's request 0 is in a late step, its request 2 in the late step behind it (both on the hung shard). The shard
+    answers both parts just after the runtime looked at the first step, before it looks at the second: request 2
+    must still wait for request 0 (it was answered first, the second step having ended)."""
+    client, came = _late_client(), set()
+    _late(client, [(0, "Y"), (1, "X")], _Parts([0, 1], came, after_look=lambda: came.update({0, 1, 2})))
+    _late(client, [(2, "Y")], _Parts([2], came))
+    client._look_at_late_steps()
+    client._look_at_late_steps()
+    assert client.answered == [0, 1, 2] and not client._late and not client._held
+
+
+def test_a_step_ended_behind_a_late_one_answers_its_symbols_after_the_late_ones_parts():
+    """A step formed while the one ahead went late (the submitter formed it as the completer took that one off the
+    pipeline) carries Y's next request; its parts and the late step's come together, just after the completer
+    looked at the late step: Y's late request is answered first."""
+    client, came = _late_client(), set()
+    _late(client, [(0, "Y")], _Parts([0], came, after_look=lambda: came.update({0, 1})))
+    client._steps.append(runtime._Step([Request(1, "Y", np.zeros(79, np.float32))], _Parts([1], came),
+                                       time.monotonic(), (1, 1), None))
+    client._submitter_done = True
+    client._complete_steps()
+    assert client.answered == [0, 1] and not client._late and not client._held and not client._steps
+
+
+def test_a_held_symbols_request_does_not_join_the_queued_step():
+    """Y's request in a late step has not been answered (its part missing): Y's next request, arriving or queued,
+    must not join the step queued behind the one in flight (answered with it, before the late one)."""
+    client = _late_client()
+    for _ in range(PIPELINE_DEPTH):  # a full pipeline whose queued step takes joins
+        client._steps.append(runtime._Step([], _DeviceStep([], room=4, miss=lambda uid: False), 0.0, (1, 1), None))
+    _late(client, [(0, "Y")], _Parts([0], set()))
+    with client._work_ready:
+        assert not client._join(Request(1, "Y", np.zeros(79, np.float32)))
+        client._scheduler.push(Request(2, "Y", np.zeros(79, np.float32)))
+        client._scheduler.push(Request(3, "Z", np.zeros(79, np.float32)))
+        client._join_waiting()
+    assert [symbol for symbol, _, _ in client._steps[-1].pending.joins] == ["Z"]
+    assert client._scheduler.has("Y") and "Y" not in client._refused[1]
+
+
+def test_a_request_joined_to_a_step_that_goes_late_holds_its_symbol_until_answered_from_its_parts():
+    """W's request joined the queued step, which then went late: once its fate is known (taken) W must stay held
+    until that request is answered (else W's next request steps and is answered first), and its part, when it
+    comes, is answered (a partial answer may name the step's joined requests)."""
+    client, came = _late_client(), set()
+    pending = _Parts([0, 1], came)
+    step = runtime._Step([Request(0, "Y", np.zeros(79, np.float32))], pending, time.monotonic() - 1, (1, 1), None)
+    joined = Request(1, "W", np.zeros(79, np.float32))
+    client._scheduler.stamp(joined)
+    step.joined.append(joined)
+    client._joining["W"] = (joined, pending, step.joined)
+    client._steps.append(step)
+    client._go_on_without()
+    with client._work_ready:
+        client._settle_joins()  # taken
+        assert "W" not in client._joining and not client._is_ready("W")
+    came.add(1)
+    client._look_at_late_steps()
+    assert client.answered == [1] and set(client._held) == {"Y"} and not step.partial_failed
+    came.add(0)
+    client._look_at_late_steps()
+    assert client.answered == [1, 0] and not client._held and not client._late
+
+
+@pytest.mark.parametrize("inline_steps", [False, True])
+def test_while_only_held_symbols_wait_no_step_is_formed_until_one_is_released(inline_steps):
+    """Y is held back (its request in a late step, its part missing: a hung shard, for up to --shard-timeout-s) and
+    only Y waits: the runtime looked for a step to form every READY_POLL_S (0.5 ms), each look over every waiting
+    symbol, on the event loop with inline steps, for as long as the shard hung. It forms one as soon as Y is
+    released."""
+    client = _late_client()
+    client.inline_steps = inline_steps
+    step = _late(client, [(0, "Y")], _Parts([0], set()))
+    client._scheduler.push(Request(1, "Y", np.zeros(79, np.float32)))
+    looks, next_batch = [], client._next_batch
+    client._next_batch = lambda: looks.append(1) or next_batch()
+    formed = []
+
+    def release():
+        with client._work_ready:
+            client._hold(step, set())
+            client._late.clear()
+
+    if inline_steps:
+        client._submit = lambda batch: formed.append([r.unique_id for r in batch])
+
+        async def play():
+            client._loop = asyncio.get_running_loop()
+            client._pump()
+            await asyncio.sleep(0.3)
+            held_looks = len(looks)
+            release()
+            await asyncio.sleep(0.05)
+            if client._pump_handle is not None:
+                client._pump_handle.cancel()
+            return held_looks
+        held_looks = asyncio.run(play())
+    else:
+        taker = threading.Thread(target=lambda: formed.append([r.unique_id for r in
+                                                               client._take_batch(client._submit_in)]))
+        taker.start()
+        time.sleep(0.3)
+        held_looks = len(looks)
+        release()
+        taker.join(1)
+    assert held_looks <= 0.3 / runtime.LATE_POLL_S + 5 and formed == [[1]]
+
+
+def test_a_late_step_whose_result_fails_after_its_parts_were_all_answered_fails_no_request():
+    """Every request of a late step was answered from its parts, then its result() raised (or gave a malformed
+    answer): there is nothing left to fail, and the server got a client_error naming no unique_id."""
+    for bad in ({"fails": True}, {}):
+        client, sent = _late_client(), []
+        del client._fail  # the runtime's own
+        client._on_loop = lambda callback, *args: callback(*args)
+        client._send = lambda ws, msg: sent.append(msg)
+        pending = _Parts([0, 1], {0, 1}, **bad)
+        if not bad:
+            pending.result = lambda: {"unique_ids": [0], "predictions": np.ones((1, 4), np.float32)}
+        step = _late(client, [(0, "Y"), (1, "X")], pending)
+        client._take_parts(step)
+        client._retire(step)
+        assert client.answered == [0, 1] and sent == [] and client.stats.rejected == 0 and not client._late
+
+
+def test_the_event_loop_asks_a_step_whether_it_answers_in_parts_once_not_at_each_turn():
+    """With inline steps the event loop looks at the step in flight at each of its turns (~2 us each): asking the
+    team client's pending step for partial() and wait() there, and looking at the (no) late steps, cost ~15% more."""
+    class Pending(PendingStep):
+        asked = 0
+
+        def __getattr__(self, name):  # only for the attributes it lacks
+            Pending.asked += 1
+            raise AttributeError(name)
+
+    client = StreamingClient(_PartsTeam(), "ws://127.0.0.1:1", "testers", inline_steps=True)
+    client._steps.append(runtime._Step([], Pending(lambda: None, poll=lambda: False), time.monotonic(), (1, 1), None))
+    looks = []
+    client._look_at_late_steps = lambda: looks.append(1)
+
+    async def turns():
+        client._loop = asyncio.get_running_loop()
+        for _ in range(100):
+            client._pump()
+        client._pump_handle.cancel()
+    asyncio.run(turns())
+    assert Pending.asked <= 2 and not looks
+
+
+def test_a_team_clients_wait_that_fails_does_not_stop_the_completer():
+    """A pending step answered in parts whose wait() raised killed the completer thread: no step was answered again
+    (the pipeline full, the session stalled). Its result() answers it, as where done() fails."""
+    client = _late_client()
+    pending = _Parts([0], {0})
+
+    def broken(timeout):
+        raise RuntimeError("wait lost")
+    pending.wait = broken
+    client._steps.append(runtime._Step([Request(0, "Y", np.zeros(79, np.float32))], pending, time.monotonic(),
+                                       (1, 1), None))
+    client._submitter_done = True
+    client._complete_steps()
+    assert client.answered == [0] and not client._steps
