@@ -81,7 +81,8 @@ def parse_args(argv=None) -> ServerConfig:
     try:
         limits = Limits(max_teams=args.max_teams, max_connections_per_address=args.max_connections_per_address,
                         registrations_per_s=args.registrations_per_s, registration_burst=args.registration_burst,
-                        max_field_chars=args.max_field_chars, bad_token_delay_s=args.bad_token_delay_s)
+                        max_field_chars=args.max_field_chars, bad_token_delay_s=args.bad_token_delay_s,
+                        max_unregistered_sockets=args.max_unregistered_sockets)
         return ServerConfig(host=args.host, port=args.port, preset=args.preset, weights=args.weights,
                             seed=args.seed, stream=args.stream, **generation, rate=args.rate, speed=args.speed,
                             atol=args.atol, timeout_s=args.timeout_s, half_life_ms=args.half_life_ms, token=args.token,
@@ -115,6 +116,11 @@ def add_limit_arguments(parser):
     group.add_argument("--bad-token-delay-s", type=cli.non_negative_float, default=defaults.bad_token_delay_s,
                        metavar="S",
                        help=f"seconds before a wrong token is answered (default {defaults.bad_token_delay_s:g})")
+    group.add_argument("--max-unregistered-sockets", type=cli.positive_int, metavar="N",
+                       default=defaults.max_unregistered_sockets,
+                       help=f"open sockets, across all addresses, not (yet) a registered team's connection: idle, "
+                            f"mid-handshake, page loads; a new one past them closes the oldest (default "
+                            f"{defaults.max_unregistered_sockets})")
 
 
 def exposure_warning(config: ServerConfig) -> str | None:

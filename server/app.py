@@ -126,8 +126,9 @@ class ScoringServer:
         self._send_stall_s = config.send_stall_s or config.timeout_s
         self._identity = Identity(config.token, config.tokens)
         self._addresses = AddressLimits(config.limits)
-        # a team's connections and page loads fit; thousands of idle sockets from one address do not
-        self._sockets = OpenSockets(SOCKETS_PER_CONNECTION * config.limits.max_connections_per_address)
+        # a team's connections and page loads fit; thousands of idle sockets from one address, or from many, do not
+        self._sockets = OpenSockets(SOCKETS_PER_CONNECTION * config.limits.max_connections_per_address,
+                                    config.limits.max_unregistered_sockets)
         self._leaderboard = LeaderboardSnapshot(self._collect_scores, _build_leaderboard)
 
     # lifecycle ---------------------------------------------------------------------------------
@@ -433,6 +434,7 @@ class ScoringServer:
         return theirs == self.weights_fingerprint
 
     async def _attach(self, msg, ws):
+        self._sockets.registered(ws.socket_transport)  # before any await: a flood's new sockets close others now
         team, weights_match = msg["team"], self._weights_match(msg)
         session = self._sessions.get(team)
         if session is None:  # before any await: a second register of the name now finds the team

@@ -3,14 +3,17 @@
 Per address (the connecting IP): open websocket connections, and registrations per second (a token bucket:
 `registration_burst` at once, then `registrations_per_s`); every register counts, refused or not, so that
 guessing tokens is as slow as registering; open sockets of any kind, from accept to close (OpenSockets). Per
-server: teams. Per register: the length of its strings, and of
-the frame that holds it. Per team: the bytes it sends (InboundBudget).
+server: teams; sockets not (yet) a registered team's, the oldest closed past the limit (OpenSockets). Per register:
+the length of its strings, and of the frame that holds it. Per team: the bytes it sends (InboundBudget).
 """
+import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from client import protocol
 
+log = logging.getLogger("server")
 # Register fields limited by Limits.max_field_chars (the team name has the protocol's own limit).
 LIMITED_FIELDS = ("token", "preset", "weights_fingerprint", "session_key")
 
@@ -23,10 +26,11 @@ class Limits:
     registration_burst: int = 10
     max_field_chars: int = 256
     bad_token_delay_s: float = 1.0  # a wrong token is answered this much later (the connection held meanwhile)
+    max_unregistered_sockets: int = 1024  # across all addresses; past it the oldest is closed (OpenSockets)
 
     def __post_init__(self):
         for name in ("max_teams", "max_connections_per_address", "registrations_per_s", "registration_burst",
-                     "max_field_chars"):
+                     "max_field_chars", "max_unregistered_sockets"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.bad_token_delay_s >= 0:
@@ -129,24 +133,55 @@ class AddressLimits:
 class OpenSockets:
     """Sockets open per address, counted from accept to close whatever they turn out to be (a websocket, an
     original-protocol client, a page load, or nothing yet): each idle one is held until a timeout, and one address
-    holding thousands would use up the server's file descriptors, so that no team could connect."""
+    holding thousands would use up the server's file descriptors, so that no team could connect.
 
-    def __init__(self, per_address: int):
-        self.per_address = per_address
+    Many addresses (an IPv6 /64, a botnet) multiply that limit, so the sockets not (yet) a registered team's are
+    also limited across addresses, to `max_unregistered`: a new one past it closes the oldest. Refusing the new
+    one instead would lock teams out for as long as the flood lasts; closing the oldest leaves room to a team that
+    registers within `max_unregistered` sockets of the flood's."""
+
+    QUIET_S = 60.0  # closing the oldest after this long without a close is a new flood, logged again
+
+    def __init__(self, per_address: int, max_unregistered: int, clock=time.monotonic):
+        self.per_address, self.max_unregistered, self.clock = per_address, max_unregistered, clock
         self._open: dict[str, int] = {}
+        self._unregistered: OrderedDict = OrderedDict()  # transport -> None, the oldest first
+        self._evicted_at = -float("inf")
 
-    def open(self, address) -> bool:
-        """Count a new socket of address; False (not counted) when the address holds its limit already."""
+    @property
+    def unregistered(self) -> int:
+        return len(self._unregistered)
+
+    def open(self, address, transport) -> bool:
+        """Count a new socket of address, unregistered, closing the oldest unregistered one when they are at their
+        limit; False (not counted) when the address holds its limit already."""
         count = self._open.get(address, 0)
         if count >= self.per_address:
             return False
         self._open[address] = count + 1
+        if len(self._unregistered) >= self.max_unregistered:
+            self._close_oldest()
+        self._unregistered[transport] = None
         return True
 
-    def close(self, address) -> None:
+    def _close_oldest(self):
+        oldest, _ = self._unregistered.popitem(last=False)
+        now = self.clock()
+        if now - self._evicted_at > self.QUIET_S:  # one line a flood, not one a socket
+            log.warning("%d sockets open that no team registered, this server's limit (--max-unregistered-sockets): "
+                        "closing the oldest for each new one (a flood from many addresses?)", self.max_unregistered)
+        self._evicted_at = now
+        oldest.abort()  # (its address's count drops at its connection_lost, a turn of the loop later)
+
+    def registered(self, transport) -> None:
+        """The socket is a registered team's connection now: never closed to make room."""
+        self._unregistered.pop(transport, None)
+
+    def close(self, address, transport) -> None:
         count = self._open.pop(address) - 1
         if count:
             self._open[address] = count
+        self._unregistered.pop(transport, None)
 
 
 class InboundBudget:

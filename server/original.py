@@ -43,7 +43,7 @@ def team_name(address) -> str:
 def sniffing_connections(on_original, first_bytes_timeout_s: float, sockets):
     """websockets' create_connection: each connection first goes through a ProtocolSniffer. on_original(transport)
     -> the asyncio protocol that takes an original-protocol connection over; sockets (limits.OpenSockets) counts
-    each connection's address from accept to close."""
+    each connection from accept to close, unregistered until the server says otherwise."""
 
     def create_connection(*args, **kwargs):
         return ProtocolSniffer(lambda: PingLimitedConnection(*args, **kwargs), on_original, first_bytes_timeout_s,
@@ -54,7 +54,8 @@ def sniffing_connections(on_original, first_bytes_timeout_s: float, sockets):
 
 class ProtocolSniffer(asyncio.Protocol):
     """Holds a new connection's first bytes until they tell its protocol, then hands the connection over. A
-    connection from an address that holds its limit of open sockets is aborted at once."""
+    connection from an address that holds its limit of open sockets is aborted at once; one past the limit of
+    unregistered sockets aborts the oldest (limits.OpenSockets)."""
 
     def __init__(self, make_websocket_connection, on_original, timeout_s, sockets):
         self._make_websocket_connection = make_websocket_connection
@@ -70,7 +71,7 @@ class ProtocolSniffer(asyncio.Protocol):
         self._transport = transport
         peer = transport.get_extra_info("peername")
         address = peer[0] if isinstance(peer, (tuple, list)) and peer else "unknown"
-        if not self._sockets.open(address):
+        if not self._sockets.open(address, transport):
             transport.abort()
             return
         self._address = address
@@ -94,11 +95,11 @@ class ProtocolSniffer(asyncio.Protocol):
 
     def _count_until_lost(self, protocol):
         """The socket stays counted until the protocol it is handed to loses it."""
-        address, sockets, lost = self._address, self._sockets, protocol.connection_lost
+        address, transport, sockets, lost = self._address, self._transport, self._sockets, protocol.connection_lost
         self._address = None
 
         def connection_lost(exc):
-            sockets.close(address)
+            sockets.close(address, transport)
             lost(exc)
 
         protocol.connection_lost = connection_lost
@@ -110,7 +111,7 @@ class ProtocolSniffer(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         if self._address is not None:
-            self._sockets.close(self._address)
+            self._sockets.close(self._address, self._transport)
             self._address = None
 
 
@@ -134,6 +135,11 @@ class PingLimitedConnection(ServerConnection):
     def hold_reading(self, seconds: float) -> None:
         """Read nothing more for `seconds` (SlicedReading.hold)."""
         self.transport.hold(seconds)
+
+    @property
+    def socket_transport(self):
+        """The transport of the accepted socket, as limits.OpenSockets counts it."""
+        return self.transport.socket_transport
 
     def process_event(self, event):
         if getattr(event, "opcode", None) is Opcode.PING:  # (the handshake's request is an event too)
@@ -237,7 +243,7 @@ class _PacedTransport:
     """The transport as SlicedReading's connection sees it: its own pauses of reading go through SlicedReading."""
 
     def __init__(self, reading, transport):
-        self._reading, self._transport = reading, transport
+        self._reading, self.socket_transport = reading, transport
 
     def pause_reading(self):
         self._reading.pause_reading()
@@ -249,7 +255,7 @@ class _PacedTransport:
         self._reading.hold(seconds)
 
     def __getattr__(self, name):
-        return getattr(self._transport, name)
+        return getattr(self.socket_transport, name)
 
 
 class OriginalConnection:
@@ -261,7 +267,7 @@ class OriginalConnection:
         self._reader = asyncio.StreamReader(limit=2 * max_line_bytes)
         # the asyncio protocol that takes the transport over from the sniffer
         self.protocol = asyncio.StreamReaderProtocol(self._reader)
-        self.transport = transport
+        self.transport = self.socket_transport = transport  # socket_transport: as limits.OpenSockets counts it
         self._writer = asyncio.StreamWriter(transport, self.protocol, self._reader, asyncio.get_running_loop())
         self.max_line_bytes = max_line_bytes
         self.remote_address = transport.get_extra_info("peername")

@@ -4,8 +4,11 @@ client. Each hostile client speaks from an address of its own (127.0.0.x), as a 
 so that the limits it runs into are its own; the team clients play from 127.0.0.1."""
 import asyncio
 import collections
+import concurrent.futures
 import json
+import socket
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -185,6 +188,60 @@ def test_guessing_the_token_is_slow(server, tmp_path):
     assert 1 <= answers["bad_token"] <= 10 + 2 * took + 1 and took >= 1.0, answers
     assert answers["bad_token"] + answers["rate_limited"] + answers["too_many_connections"] + answers["cut"] == 200, \
         answers
+
+
+def test_idle_sockets_from_many_addresses_close_the_oldest_and_the_team_plays_on(tmp_path):
+    """Idle sockets from 16 addresses, 200 a second from before the team connects to after it finished: past
+    --max-unregistered-sockets each new one closes the oldest that no team registered, never the team's."""
+    cap = 64
+    proc, port = start_server(["--preset", "tiny", "--seed", SERVER_WEIGHTS_SEED, "--symbols", "4", "--requests",
+                               str(REQUESTS), "--rate", "200", "--timeout-s", str(TIMEOUT_S), "--token", TOKEN,
+                               "--max-unregistered-sockets", str(cap), "--cache-dir", str(tmp_path / "cache")],
+                              tmp_path / "server.log")
+    stop, held = threading.Event(), collections.deque()
+
+    def flood():
+        opened = 0
+        while not stop.is_set():
+            held.append(socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{40 + opened % 16}",
+                                                                                        0)))
+            opened += 1
+            if len(held) > 2 * cap:  # long closed by the server: the test's own file descriptors
+                held.popleft().close()
+            time.sleep(0.005)
+        return opened
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            flooding = pool.submit(flood)
+            while len(held) < 2 * cap:
+                time.sleep(0.05)
+            good = TeamClient(port, "beside-a-botnet", tmp_path)
+            good.finish()
+            stop.set()
+            opened = flooding.result()
+        time.sleep(0.5)
+        still_open = []
+        for sock in held:
+            sock.setblocking(False)
+            try:
+                still_open.append(sock.recv(1) != b"")
+            except BlockingIOError:
+                still_open.append(True)
+            except ConnectionResetError:
+                still_open.append(False)
+    finally:
+        stop.set()
+        for sock in held:
+            sock.close()
+        proc.terminate()
+        proc.wait(timeout=60)
+    # the oldest closed, the newest open (fewer than the limit: the team's page loads counted too while open)
+    assert opened > 4 * cap and still_open == sorted(still_open) and cap // 2 <= sum(still_open) <= cap, still_open
+    warnings = [line for line in (tmp_path / "server.log").read_text().splitlines() if "unregistered" in line]
+    assert warnings == [f"{cap} sockets open that no team registered, this server's limit "
+                        f"(--max-unregistered-sockets): closing the oldest for each new one (a flood from many "
+                        f"addresses?)"]
 
 
 # ------------------------------------------------------------------ hostile servers, the real team client

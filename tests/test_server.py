@@ -20,7 +20,7 @@ from client import protocol
 from client.streams import generate_stream
 from server import ScoringServer, ServerConfig
 from server.leaderboard import format_table
-from server.limits import InboundBudget, Limits
+from server.limits import InboundBudget, Limits, OpenSockets
 from server.session import TeamSession, send_offsets, summarize
 
 REQUESTS = 60
@@ -820,6 +820,12 @@ def test_bad_config_is_refused(field, value, match):
         ServerConfig(**{field: value})
 
 
+@pytest.mark.parametrize("field, value", [("max_unregistered_sockets", 0), ("max_connections_per_address", -1)])
+def test_bad_limits_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be positive, got {value}$"):
+        Limits(**{field: value})
+
+
 def test_stream_and_targets_must_agree():
     stream, targets = make_stream()
 
@@ -1211,6 +1217,103 @@ def test_a_connection_refused_at_once_reads_no_frame_longer_than_a_register():
         async with Server(limits=Limits(max_connections_per_address=1)) as s:
             return await asyncio.to_thread(refused_then_big_frame, s.port)
     assert run(main()) < 2
+
+
+class FakeTransport:
+    def __init__(self):
+        self.aborted = False
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_past_the_limit_of_unregistered_sockets_the_oldest_is_closed_never_a_registered_one(caplog):
+    now = [0.0]
+    sockets = OpenSockets(per_address=64, max_unregistered=3, clock=lambda: now[0])
+    team, *idle = [FakeTransport() for _ in range(6)]
+    sockets.open("10.0.0.1", team)
+    sockets.registered(team)
+    for i, transport in enumerate(idle):
+        assert sockets.open(f"10.0.1.{i}", transport)  # another address each: only the limit across them holds
+    assert [t.aborted for t in (team, *idle)] == [False, True, True, False, False, False]
+    assert sockets.unregistered == 3
+    sockets.close("10.0.1.0", idle[0])  # the evicted socket's close, a turn later, counts nothing twice
+    assert sockets.unregistered == 3
+    now[0] += OpenSockets.QUIET_S / 2
+    sockets.open("10.0.2.0", FakeTransport())
+    now[0] += OpenSockets.QUIET_S + 1
+    sockets.open("10.0.2.1", FakeTransport())  # a flood again, after a quiet minute
+    warnings = [r.getMessage() for r in caplog.records if r.name == "server"]
+    assert warnings == 2 * ["3 sockets open that no team registered, this server's limit (--max-unregistered-sockets): "
+                            "closing the oldest for each new one (a flood from many addresses?)"]
+
+
+def test_a_flood_of_idle_sockets_from_many_addresses_closes_the_oldest_and_teams_of_both_protocols_play():
+    """Each address may hold 64 sockets, but many addresses (an IPv6 /64, a botnet) multiply that: their idle sockets
+    used up the server's file descriptors, so that no team could connect. Past --max-unregistered-sockets a new
+    socket closes the oldest that no team registered, whatever it became (a page load, a websocket or an original
+    connection before register, nothing yet): teams connect and register, and the flood never closes them."""
+    cap = 8
+
+    async def open_idle(port, source, head=b""):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+        writer.write(head)
+        if head.startswith(b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade"):
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        return reader, writer
+
+    async def closed(reader, timeout_s):
+        try:
+            await asyncio.wait_for(reader.read(), timeout_s)  # to its end: the server closed it
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            pass
+        return True
+
+    async def play_original(reader, writer, targets, first):
+        answered, msg = 0, first
+        while answered < REQUESTS:
+            if msg["message_type"] == "inference_request":
+                ids = msg["unique_ids"]
+                writer.write(json.dumps({"message_type": "inference_response", "unique_ids": ids,
+                                         "predictions": targets[ids].tolist()}).encode() + b"\n")
+                answered += len(ids)
+            msg = json.loads(await asyncio.wait_for(reader.readline(), 5))
+        writer.close()
+
+    async def main():
+        async with Server(limits=Limits(max_unregistered_sockets=cap), rate=40.0) as s:
+            key = base64.b64encode(os.urandom(16)).decode()
+            heads = [b"GET / HTTP/1.1\r\nHost: x\r\n",  # a page load, its request unfinished
+                     f"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode(),
+                     b'{"message_type": "regis']  # an original-protocol register, unfinished
+            flood = [await open_idle(s.port, f"127.0.0.{21 + i % 4}", heads[i] if i < len(heads) else b"")
+                     for i in range(cap + 4)]
+            oldest = await asyncio.gather(*(closed(reader, 5) for reader, _ in flood[:4]))
+            rest = await asyncio.gather(*(closed(reader, 0.3) for reader, _ in flood[4:]))
+            during_flood = s.server._sockets.unregistered
+            ws = await connect(s.url, local_addr=("127.0.0.26", 0))
+            await ws.send(protocol.encode(protocol.register("alpha")))
+            assert (await recv(ws))["type"] == "welcome"
+            reader, writer = await asyncio.open_connection("127.0.0.1", s.port, local_addr=("127.0.0.27", 0))
+            writer.write(b'{"message_type": "register"}\n')
+            first = json.loads(await asyncio.wait_for(reader.readline(), 5))
+            # the teams registered: twice the limit of new sockets close every other socket but theirs
+            flood += [await open_idle(s.port, f"127.0.0.{28 + i % 4}") for i in range(2 * cap)]
+            (seen, _, errors), _ = await asyncio.gather(play(ws, s.targets, stop_after=REQUESTS),
+                                                        play_original(reader, writer, s.targets, first))
+            await ws.close()
+            after_flood = s.server._sockets.unregistered
+            for _, idle in flood:
+                idle.close()
+            return oldest, rest, during_flood, after_flood, errors, s.server.summaries()
+    oldest, rest, during_flood, after_flood, errors, summaries = run(main())
+    assert oldest == 4 * [True] and rest == cap * [False]
+    assert during_flood == after_flood == cap and errors == []
+    played = [(row["team"], row["connections"], row["responses"], row["missed"], row["accuracy"]) for row in summaries]
+    assert played == [("alpha", 1, REQUESTS, 0, 1.0), ("tcp-json:127.0.0.27", 1, REQUESTS, 0, 1.0)]
 
 
 def test_a_teams_inbound_bytes_are_granted_by_its_open_requests_and_refilled_slowly():

@@ -108,6 +108,9 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
     (["--port", "-1"], "argument --port: must be a port number in 0..65535, got '-1'"),
     (["--json", "/no/such/folder/out.json"], "argument --json: no such folder: /no/such/folder"),
     (["--max-teams", "0"], "argument --max-teams: must be a positive integer, got '0'"),
+    (["--max-unregistered-sockets", "0"], "argument --max-unregistered-sockets: must be a positive integer, got '0'"),
+    (["--max-unregistered-sockets", "lots"],
+     "argument --max-unregistered-sockets: must be a positive integer, got 'lots'"),
     (["--stream-seed", "-1"], "argument --stream-seed: must be a non-negative integer, got '-1'"),
     (["--token", "a", "--tokens", "README.md"], "not allowed with argument"),
     (["--token", ""], "--token must not be empty"),  # it admitted every register with an empty token, unwarned
@@ -128,6 +131,8 @@ def test_cli_builds_config():
     assert (config.preset, config.seed, config.rate, config.once, config.json) == ("small", 5, 50.0, True, "x.json")
     assert config.atol == 1e-3 and config.timeout_s == 2.0 and config.host == "127.0.0.1"
     assert (config.symbols, config.requests, config.stream_seed) == (20, 1000, 1)
+    assert config.limits.max_unregistered_sockets == 1024
+    assert parse_args(["--max-unregistered-sockets", "64"]).limits.max_unregistered_sockets == 64
 
 
 def test_ordinary_mistakes_are_one_line_errors(tmp_path):
