@@ -817,7 +817,7 @@ class StreamingClient:
                         self._join_waiting()
                     batch, again = None, delay
                 elif not (batch := self._next_batch()):  # every waiting symbol's state is still on its way
-                    again = None if self._only_held_wait() else READY_POLL_S  # (held: looked at every LATE_POLL_S)
+                    again = None if self._only_held_wait() else self._ready_poll_s()  # (held: a release notifies)
             if batch:
                 self._mark("batched", (r.unique_id for r in batch))
                 self._submit(batch)
@@ -851,7 +851,7 @@ class StreamingClient:
                 if batch:
                     break
                 self._wake_at = 0  # any arrival may be a symbol that is ready
-                self._work_ready.wait(None if self._only_held_wait() else READY_POLL_S)  # a release notifies
+                self._work_ready.wait(None if self._only_held_wait() else self._ready_poll_s())  # a release notifies
         self._mark("batched", (r.unique_id for r in batch))
         return batch
 
@@ -873,6 +873,12 @@ class StreamingClient:
         one is released (_hold notifies), for as long as a hung shard hangs; looking every READY_POLL_S meanwhile
         went over every waiting symbol ~2,000 times a second."""
         return bool(self._held) and sum(map(self._scheduler.has, self._held)) >= self._scheduler.waiting_symbols()
+
+    def _ready_poll_s(self) -> float:
+        """How often to look again while no waiting symbol is ready (called holding the lock): READY_POLL_S for a
+        state on its way; LATE_POLL_S while a step has late parts, whose shard's symbols the team client holds back
+        until it answers (a sharded engine's ready()), for as long as it hangs."""
+        return LATE_POLL_S if self._late else READY_POLL_S
 
     def _next_batch(self):
         """The next step's requests (called holding the lock)."""
