@@ -292,12 +292,14 @@ class StreamingClient:
         self.steps: list[dict] | None = [] if timeline or step_log else None
         self._scheduler = Scheduler()
         # A team client with prefetch(symbols) starts moving states when their requests arrive, and its ready(symbol)
-        # holds back a symbol whose state is still on its way while the others step (unless its states never move),
-        # or, one that holds back (a sharded engine's), the symbols of a shard late to answer.
+        # holds back a symbol whose state is still on its way while the others step (unless its states never move).
+        # One that holds back (a sharded engine's: the symbols of a shard late to answer) is asked only while a step
+        # has late parts (_team_ready): a call per waiting symbol and step otherwise.
         moves = team_api.moves_states(team_client)
         self._prefetch = getattr(team_client, "prefetch", None) if moves else None
         self._prefetches: queue.SimpleQueue = queue.SimpleQueue()  # symbols whose requests arrived; None: stop
-        self._ready = getattr(team_client, "ready", None) if moves or team_api.holds_back(team_client) else None
+        self._ready = getattr(team_client, "ready", None) if moves else None
+        self._holds_back = getattr(team_client, "ready", None) if team_api.holds_back(team_client) else None
         # One lock guards _scheduler, _steps and the two flags; the submitter (or the single worker)
         # waits on _work_ready, the completer on _steps_ready, so neither takes the other's wake-up.
         lock = threading.Lock()
@@ -979,17 +981,25 @@ class StreamingClient:
     def _readiness(self):
         """The scheduler's test of whether a waiting symbol may step (None: every one may); called holding the
         lock."""
-        return self._is_ready if callable(self._ready) or self._joining or self._held else None
+        return self._is_ready if self._team_ready() or self._joining or self._held else None
+
+    def _team_ready(self):
+        """The team client's ready() to ask, or None (called holding the lock): always where its states move; where
+        it holds back, while a step has late parts."""
+        if callable(self._ready):
+            return self._ready
+        return self._holds_back if self._late and callable(self._holds_back) else None
 
     def _is_ready(self, symbol) -> bool:
         if symbol in self._joining:
             return False  # its joined request's fate decides what goes first
         if symbol in self._held:
             return False  # its request in a step with late parts goes first
-        if not callable(self._ready):
+        ready = self._team_ready()
+        if ready is None:
             return True
         try:
-            return bool(self._ready(symbol))
+            return bool(ready(symbol))
         except Exception:  # a failing team client must not hold a symbol back for good
             log.exception("team client's ready(%r) failed; stepping it", symbol)
             return True

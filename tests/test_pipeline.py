@@ -1326,6 +1326,18 @@ class _GatedShard(Shard):
         self.gate.set()
 
 
+class _AskedReady(ExampleModel):
+    """The example client, noting the symbols its ready() is asked about."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.asked = []
+
+    def ready(self, symbol):
+        self.asked.append(symbol)
+        return super().ready(symbol)
+
+
 @pytest.mark.parametrize("inline_steps", [False, True])
 def test_a_hung_shard_holds_up_its_own_symbols_alone(model, inline_steps):
     """A shard alive but answering nothing held every symbol until --shard-timeout-s (60 s): the runtime answered a
@@ -1348,7 +1360,7 @@ def test_a_hung_shard_holds_up_its_own_symbols_alone(model, inline_steps):
         try:
             await ws.send(_request([0, 1, 2, 3], symbols, features))
             await recorder.pump(ws, lambda: len(recorder.answered()) == 4)
-            seen["placed"] = dict(engine.shard_of)
+            seen["placed"], seen["asked_before"] = dict(engine.shard_of), len(team_client.asked)
             shards[1].gate.clear()
             started = time.monotonic()
             for r in range(1, rounds + 1):
@@ -1363,10 +1375,13 @@ def test_a_hung_shard_holds_up_its_own_symbols_alone(model, inline_steps):
             await ws.close(1000)
 
     try:
-        _, summary = asyncio.run(_play(handler, ExampleModel(engine), inline_steps=inline_steps, late_parts_s=0.2))
+        team_client = _AskedReady(engine)
+        _, summary = asyncio.run(_play(handler, team_client, inline_steps=inline_steps, late_parts_s=0.2))
     finally:
         engine.close()
     assert seen["placed"] == {"H0": 0, "H1": 1, "H2": 0, "H3": 1}
+    # the engine's ready() (its late shard's symbols held back) asked only while a step had late parts
+    assert seen["asked_before"] == 0 and team_client.asked
     assert seen["answered"] == live | {1, 3} and seen["held_up_s"] < 5  # the hung shard's symbols alone waited
     answered = [uid for uid, _ in recorder.responses]
     assert sorted(answered) == list(range(n)) and summary["responses_sent"] == n
@@ -1675,3 +1690,47 @@ def test_a_team_clients_wait_that_fails_does_not_stop_the_completer():
     client._submitter_done = True
     client._complete_steps()
     assert client.answered == [0] and not client._steps
+
+
+def test_a_late_shards_symbol_with_no_request_in_the_late_steps_is_held_back_too(model):
+    """Once a step has late parts, the runtime asks the sharded engine's ready(), False for every symbol of the shard
+    late to answer: a symbol of it whose requests were in no late step (so not held by them) would otherwise put a
+    part of the next step on the hung shard, and that step's other symbols would wait with it for another late
+    round. Here H3 (hung shard) arrives beside H0 (live) after the hang is known: H0 is answered at once."""
+    shards = [_GatedShard(0, model), _GatedShard(1, model)]
+    engine = ShardedEngine(shards, progress=False)
+    names = ["H0", "H1", "H2", "H3"]  # H0, H2 on shard 0; H1, H3 on shard 1
+    symbols = names + ["H0", "H1", "H0", "H3"]
+    features = np.random.default_rng(11).standard_normal((len(symbols), 79)).astype(np.float32)
+    recorder, seen = Recorder(), {}
+
+    async def handler(ws):
+        await ws.recv()
+        try:
+            await ws.send(_request([0, 1, 2, 3], symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) == 4)
+            shards[1].gate.clear()
+            await ws.send(_request([4, 5], symbols, features))  # H1's part hangs: its step goes late at 0.5 s
+            await recorder.pump(ws, lambda: 4 in recorder.answered(), timeout_s=10)
+            await asyncio.sleep(0.3)
+            sent = time.monotonic()
+            await ws.send(_request([6, 7], symbols, features))  # H0 beside H3, a symbol of no late step
+            await recorder.pump(ws, lambda: 6 in recorder.answered(), timeout_s=10)
+            seen["h0_s"] = time.monotonic() - sent
+            shards[1].gate.set()
+            await recorder.pump(ws, lambda: len(recorder.answered()) == len(symbols))
+        finally:
+            shards[1].gate.set()
+            await ws.close(1000)
+
+    try:
+        asyncio.run(_play(handler, ExampleModel(engine), late_parts_s=0.5))
+    finally:
+        engine.close()
+    assert seen["h0_s"] < 0.4  # a late round of its own would take 0.5 s
+    answered = [uid for uid, _ in recorder.responses]
+    assert sorted(answered) == list(range(len(symbols)))
+    references = {name: ReferenceEngine(model) for name in names}
+    for uid, prediction in sorted(recorder.responses):
+        expected = references[symbols[uid]].step([symbols[uid]], features[uid:uid + 1])[0]
+        np.testing.assert_allclose(prediction, expected, rtol=1e-4, atol=2e-5)
