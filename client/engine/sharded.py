@@ -378,6 +378,7 @@ class _Runner:
 
 class ShardedEngine(Engine):
     name = "sharded"
+    holds_back = True  # ready() is False for the symbols of a shard late to answer
 
     def __init__(self, shards: list[Shard], *, on_shard_loss="error", progress=True, transport=None,
                  answer_timeout_s=ANSWER_TIMEOUT_S):
@@ -448,12 +449,11 @@ class ShardedEngine(Engine):
             self._load[index] += 1
         return index
 
-    holds_back = True  # ready() is False for the symbols of a shard late to answer
-
     def ready(self, symbol) -> bool:
         """False while the symbol's shard has an answer overdue by LATE_ANSWER_S (hung, or far behind): the runtime
         then holds its requests back, so that its symbols wait alone and every other symbol's steps go on without a
-        part on that shard. Asked for each waiting symbol as a step forms: no lock (a stale read is as good)."""
+        part on that shard. Asked for each waiting symbol as a step forms while one has late parts: no lock (a stale
+        read is as good)."""
         index = self.shard_of.get(symbol)
         return index is None or not self._runners[index].answer_late(time.monotonic())
 
