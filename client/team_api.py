@@ -22,7 +22,8 @@ is then answered for the parts that came and leaves the pipeline; the symbols of
 
 A team client may also offer prefetch(symbols), called as requests arrive, and ready(symbol), asked while a step
 forms (team/example_model.py's do); one whose states never leave where its steps run says moves_states = False and
-the runtime uses neither, unless it says holds_back = True (ready alone then: a sharded engine's).
+the runtime uses neither, unless it says holds_back = True (ready alone then, asked while a step has late parts:
+a sharded engine's).
 """
 ONE, MANY = "one", "many"
 FORMATS = (ONE, MANY)
@@ -52,7 +53,8 @@ def moves_states(team_client) -> bool:
 def holds_back(team_client) -> bool:
     """Whether the team client's ready(symbol) may say False though its states never move (its `holds_back`, False
     when it does not say): a sharded engine's, for the symbols of a shard late to answer, so that they wait alone
-    instead of adding steps to those it does not answer. The runtime then asks ready while a step forms."""
+    instead of adding steps to those it does not answer. The runtime then asks ready as a step forms while one has
+    late parts."""
     return getattr(team_client, "holds_back", False) is True
 
 
