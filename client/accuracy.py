@@ -14,6 +14,7 @@ import torch
 
 from client.constants import ATOL, TOWER_NAMES
 from client.engine.base import Engine
+from client.engine.cuda_streams import own_stream
 from client.engine.precision import fp32_products
 from client.families import FAMILIES, LONG_FAMILY, family_features
 
@@ -36,13 +37,14 @@ class ReferenceStepper:
 
     @torch.no_grad()
     def _capture(self):
-        warm = torch.cuda.Stream(self.device)
+        warm = own_stream(self.device)
         warm.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(warm):  # cuBLAS picks its algorithms outside the capture
             self.model(self.features, {k: v.clone() for k, v in self.state.items()})
         torch.cuda.current_stream(self.device).wait_stream(warm)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        self._capture_stream = own_stream(self.device)  # its cuBLAS workspace is the graph's (cuda_streams.py)
+        with torch.cuda.graph(self.graph, stream=self._capture_stream):
             self.out, self.new_state = self.model(self.features, self.state)
 
     @torch.no_grad()

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from client import cli
+from client.engine.cuda_streams import own_stream
 from client.engine.fast import FastEngine
 from client.engine.fast.layers import StepPlan
 from client.engine.precision import Precision
@@ -151,7 +152,7 @@ def priority_times(engine, slots, batches, assignments, rounds=3):
     times = {spec: {B: [] for B in batches} for spec in assignments}
     for _ in range(rounds):
         for spec, priorities in assignments.items():
-            engine.runner.streams = [torch.cuda.Stream(engine.device, priority=priorities.get(name, 0)) for name in names]
+            engine.runner.streams = [own_stream(engine.device, priority=priorities.get(name, 0)) for name in names]
             engine.graphed.capture()
             for B in batches:
                 feats = torch.randn(B, 79, device="cuda")

@@ -11,6 +11,7 @@ import torch
 
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.engine.base import NUM_TOWERS, Engine, PendingStep, Sequences, check_step_inputs, is_count
+from client.engine.cuda_streams import own_stream
 from client.engine.precision import DEFAULT_PRECISION, FP32_STATE, Precision, StateStorage
 from client.model.config import TOWER_NAMES
 
@@ -237,7 +238,7 @@ class FastEngine(Engine):
         # Steps run on a stream of their own on each GPU, not on the default stream, which synchronises with every
         # blocking stream: with a timing event before each launch, 72 of 7,760 steps of the swap section waited for a
         # state's copy to the host against 126 on the default stream (bench/LOG.md section 48)
-        self.step_streams = ([torch.cuda.Stream(shard.device) for shard in self.shards]
+        self.step_streams = ([own_stream(shard.device) for shard in self.shards]
                              if self.device.type == "cuda" else [])
         self.max_batch = max_batch = min(max_batch, capacity)  # a step's symbols all hold GPU slots at once
         self.max_rows_per_symbol = max_rows_per_symbol

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from client.engine.cuda_streams import own_stream
 from client.engine.precision import DEFAULT_PRECISION, FP32_STATE, fp32_products
 from client.model.config import TOWER_NAMES
 
@@ -117,7 +118,7 @@ class StepRunner:
         self.tower_states = None  # per tower, per block, the views of the state table (attach)
         # Towers are independent: on CUDA each runs on its own stream so their small kernels overlap.
         use_streams = self.device.type == "cuda" if streams is None else streams
-        self.streams = [torch.cuda.Stream(self.device, priority=STREAM_PRIORITY.get(tower.name, 0))
+        self.streams = [own_stream(self.device, priority=STREAM_PRIORITY.get(tower.name, 0))
                         for tower in self.towers] if use_streams else None
         self.compiled = compile
         if compile:
@@ -178,10 +179,10 @@ class StepRunner:
                            for tower, chunk, states in zip(self.towers, chunks, self.tower_states)]
         else:
             main = torch.cuda.current_stream(self.device)
-            # Every tower waits for the step's start, not for what `main` holds when its turn comes: torch hands
-            # out its streams from a pool of 32 a priority, in turn, so the stream a step is launched or captured
-            # on may be a tower's own, and that tower's kernels then go on it, ahead of the towers after it.
-            # Waiting on `main` put RetNet and Hawk behind Mamba2's whole chain (bench/LOG.md section 60).
+            # Every tower waits for the step's start, not for what `main` holds when its turn comes: the stream a
+            # step is launched on may be a tower's own (as torch's pooled streams made it by chance before the
+            # towers' streams were their own), and that tower's kernels then go on it, ahead of the towers after
+            # it. Waiting on `main` put RetNet and Hawk behind Mamba2's whole chain (bench/LOG.md section 60).
             start = torch.cuda.Event()
             start.record(main)
             predictions = []
@@ -267,7 +268,7 @@ def precompile(runner, shapes) -> None:
     start = torch.cuda.current_stream(device)
 
     def step(shape):
-        stream = torch.cuda.Stream(device)
+        stream = own_stream(device)
         stream.wait_stream(start)
         with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():
             runner(padding_plan(shape, device), features[:shape.rows], hand_fused=True)
@@ -405,14 +406,18 @@ class GraphedStep:
                         for host, out, taken in staging]
         self.graphs, self.outputs, self.staged_graphs = {}, {}, {}
         self.progress = progress
-        self._taken_stream = torch.cuda.Stream(runner.device) if self.staging else None
+        self._taken_stream = own_stream(runner.device) if self.staging else None
+        # torch.cuda.graph's default capture stream is made once, on the device current then (a second GPU needs
+        # its own), and is torch's to share: a GEMM captured on it keeps that stream's cuBLAS workspace, so the
+        # stream lives as long as the graphs (client/engine/cuda_streams.py)
+        self._capture_stream = own_stream(runner.device)
 
     def capture(self):
         """Capture every shape (largest first, so smaller graphs reuse its memory pool), then the staged sets."""
         self.graphs.clear(), self.outputs.clear(), self.staged_graphs.clear()
         self.inputs.fill_padding()  # the warm-up runs below must touch no live slot
         pool = torch.cuda.graph_pool_handle()
-        warm = torch.cuda.Stream(self.runner.device)
+        warm = own_stream(self.runner.device)
         warm.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(warm):  # warm-up outside capture: Triton compiles, cuBLAS picks algorithms
             for shape in self.shapes:
@@ -420,12 +425,9 @@ class GraphedStep:
         torch.cuda.current_stream().wait_stream(warm)
         jobs = [(shape, index) for shape in sorted(self.shapes, key=lambda s: -s.rows)
                 for index in (None, *(range(len(self.staging)) if shape.max_rows == 1 else ()))]
-        # torch.cuda.graph's default capture stream is made once, on the device current then: on a second GPU the
-        # capture needs a stream of its own device
-        capture_stream = torch.cuda.Stream(self.runner.device)
         for done, (shape, index) in enumerate(jobs, 1):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+            with torch.cuda.graph(graph, pool=pool, stream=self._capture_stream):
                 plan, features = self.inputs.plan(shape), self.inputs.features[:shape.rows]
                 if index is None:
                     self.outputs[shape] = self.runner(plan, features)

@@ -48,6 +48,7 @@ from concurrent.futures import Future
 import torch
 
 from client.engine.base import CapacityError, idle_symbols, is_count
+from client.engine.cuda_streams import own_stream
 
 PAD_SLOT = 0
 # The state table's default share of free GPU memory; the host tier's default is the available host memory less a
@@ -224,7 +225,7 @@ class _CopyQueue:
 
     def __init__(self, device):
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = own_stream(device) if device.type == "cuda" else None
         self._tasks = None  # the CPU thread's queue, started on first use
 
     def enqueue(self, copies, waits, after=None):
