@@ -1,7 +1,7 @@
-"""Section backlog: the client stalls (its steps held back) for PAUSE_S while the server streams 400 requests/s
-over 20 symbols, then resumes: the time from the resume until the server has the answer to every request it sent
-before it, and the p99 of those requests' latencies, with several requests of a symbol per step (the run's
---max-requests-per-symbol) and with one."""
+"""Section backlog: the client stalls (its steps held back) for PAUSE_S while the server streams the event's load
+(400 requests/s; a --quick run 100, which a CPU serves) over 20 symbols, then resumes: the time from the resume
+until the server has the answer to every request it sent before it, and the p99 of those requests' latencies, with
+several requests of a symbol per step (the run's --max-requests-per-symbol) and with one."""
 import asyncio
 import threading
 import time
@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from client import event_loop
-from scripts.benchmarks.harness import E2E_RATE, E2E_SYMBOLS
+from scripts.benchmarks.harness import E2E_SYMBOLS
 from scripts.benchmarks.report import fmt
 from scripts.benchmarks.serving import ReferenceTracker, prefixed_names, prefixed_stream, serve_stream
 
@@ -38,10 +38,10 @@ def _pausable(engine):
 
 
 def measure_backlog(bench, per_symbol, prefix) -> dict:
-    engine, args = bench.engine, bench.args
-    requests = int(E2E_RATE * (PAUSE_AT_S + PAUSE_S + AFTER_S))
+    engine, args, rate = bench.engine, bench.args, bench.counts.arrival_rate
+    requests = int(rate * (PAUSE_AT_S + PAUSE_S + AFTER_S))
     tracker = ReferenceTracker(bench.model, prefixed_names(prefix, E2E_SYMBOLS), bench.device)
-    stream = prefixed_stream(prefix, E2E_SYMBOLS, requests, args.seed + 7, E2E_RATE)
+    stream = prefixed_stream(prefix, E2E_SYMBOLS, requests, args.seed + 7, rate)
     targets = tracker.targets(stream)
     del tracker
     team_client = _pausable(engine)
@@ -62,7 +62,7 @@ def measure_backlog(bench, per_symbol, prefix) -> dict:
         resumer.start()
         await asyncio.to_thread(resumer.join)
 
-    summary = event_loop.run(serve_stream(engine, stream, targets, E2E_RATE, args.preset, args.seed,
+    summary = event_loop.run(serve_stream(engine, stream, targets, rate, args.preset, args.seed,
                                           args.pipeline_min_batch, timeline=True, max_requests_per_symbol=per_symbol,
                                           team_client=team_client, during=pause, stacks_dir=args.stacks,
                                           **bench.forming()))
@@ -73,7 +73,8 @@ def measure_backlog(bench, per_symbol, prefix) -> dict:
     ends = sent + latency_ms / 1000.0  # NaN: not answered in time
     backlog = (sent < marks["resumed"]) & ~(ends <= marks["paused"])
     answered = backlog & np.isfinite(ends)
-    return {"requests_per_symbol": per_symbol, "backlog": int(backlog.sum()), "answered": int(answered.sum()),
+    return {"requests_per_symbol": per_symbol, "rate": rate, "backlog": int(backlog.sum()),
+            "answered": int(answered.sum()),
             "drain_ms": 1000 * (ends[answered].max() - marks["resumed"]) if answered.any() else None,
             "backlog_p99_ms": float(np.percentile(latency_ms[answered], 99)) if answered.any() else None,
             "session_p99_ms": summary["latency_ms"]["p99"], "accuracy": summary["accuracy"],

@@ -40,7 +40,7 @@ class Counts:
     rate_seconds: float
     new_symbols: int  # capacity section: symbols arriving mid-stream (on the CPU also its GPU tier's size)
     arrival_seconds: float
-    arrival_rate: float  # capacity section: requests/s (the event's load; a smoke run's CPU cannot serve it)
+    arrival_rate: float  # capacity and backlog: requests/s (the event's load; a smoke run's CPU cannot serve it)
     churn_symbols: int
     churn_capacity: int
     churn_steps: int
@@ -60,7 +60,7 @@ FULL = Counts(copy_bytes=1 << 30, copy_repeats=20, step_warmup=20, step_iters=20
               swap_hot_symbols=20, swap_hot_rate=400.0, swap_cold_rate=50.0, swap_seconds=20.0)
 QUICK = Counts(copy_bytes=64 << 20, copy_repeats=5, step_warmup=1, step_iters=4, baseline_warmup=2,
                baseline_iters=5, family_symbols=2, family_steps=20, family_seeds=1, long_symbols=2,
-               long_steps=120, e2e_requests=200, e2e_runs=1, rates=[50, 100], k1_rates=[50], rate_seconds=1.0,
+               long_steps=60, e2e_requests=200, e2e_runs=1, rates=[50, 100], k1_rates=[50], rate_seconds=1.0,
                new_symbols=12, arrival_seconds=2.0, arrival_rate=100.0,
                churn_symbols=6, churn_capacity=3, churn_steps=30, cpu_host_symbols=32, swap_hot_symbols=4,
                swap_hot_rate=100.0, swap_cold_rate=20.0, swap_seconds=2.0)
