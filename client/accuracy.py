@@ -37,7 +37,7 @@ class ReferenceStepper:
 
     @torch.no_grad()
     def _capture(self):
-        warm = own_stream(self.device)
+        warm = torch.cuda.Stream(self.device)
         warm.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(warm):  # cuBLAS picks its algorithms outside the capture
             self.model(self.features, {k: v.clone() for k, v in self.state.items()})

@@ -1,88 +1,78 @@
-"""CUDA streams that one owner uses alone.
+"""CUDA streams that one owner uses alone, for as long as the process runs.
 
 torch.cuda.Stream() hands out, in turn, one of a pool of 32 streams per device and priority, so once a process has
 drawn 32, two engines in it share streams. cuBLAS keeps one workspace per (handle, stream) and a CUDA graph keeps
 the workspace its capture used: graphs of two engines captured on one stream share that workspace, and when both run
 at once their GEMMs race on it. On an H200 two engines stepping side by side in one process gave wrong predictions
-(0.12 off) or a kernel that never ended (bench/LOG.md section 71). So an engine's streams are its own: created like
-torch's (non-blocking), each lent to one owner at a time and lent again once that owner has let go of it. They are
-never destroyed, as torch's are not: torch's allocator and cuBLAS keep what they tied to a stream for the process's
-life (destroying one aborted a later garbage collection).
+(0.12 off) or a kernel that never ended (bench/LOG.md section 71). So the streams an engine keeps (its step, tower,
+copy and capture streams) are its own: created like torch's (non-blocking), never handed to anyone else, never
+destroyed. Not destroyed, as torch's are not: torch's allocator and cuBLAS keep what they tied to a stream for the
+process's life (destroying one aborted a later garbage collection). Not lent again once their owner is collected
+either: a graph of that owner still queued on the GPU would share its workspace with the next holder. A process
+that builds many engines keeps 9 streams for each. Short-lived streams that run no captured work (warm-ups) stay
+torch's: no graph holds their workspaces, and eager cuBLAS calls in one thread on one stream run in order.
 """
 import ctypes
-import ctypes.util
+import re
 import sys
 
 import torch
 
 _NON_BLOCKING = 0x01  # cudaStreamNonBlocking: no implicit wait on the legacy default stream, as torch's streams
-_cudart = None  # the CUDA runtime torch loaded (ctypes), False where none could be found
-# (device index, priority) -> handles whose owner let go of them. No lock: setdefault, pop and append are each atomic
-# under the GIL, and a lock taken in __del__, which a garbage collection may run inside the lock's block, would
-# deadlock.
-_let_go: dict[tuple[int, int], list[int]] = {}
-
-
-class _OwnStream(torch.cuda.ExternalStream):
-    """A stream lent to its holder: its handle goes back to _let_go when the object is collected. __del__, not
-    weakref.finalize: finalizers registered per stream made the interpreter's exit crash in weakref's exit hook."""
-
-    def __del__(self, let_go=_let_go):  # bound now: module globals may be gone when the interpreter exits
-        let_go.setdefault(self.lent_as, []).append(self.cuda_stream)
+_CUDART_FILE = re.compile(r"libcudart(-[0-9a-f]+)?\.so")  # pip's and the toolkit's names, and auditwheel's hashed ones
+_cudart = None  # the CUDA runtime torch loaded (ctypes), False where it is not a library of its own
 
 
 def own_stream(device, priority: int = 0) -> torch.cuda.Stream:
-    """A stream on `device` that nobody else holds: none of torch's pooled ones, none another live owner holds.
-    Lower `priority` runs first, as with torch's. Lent again once the returned object is collected (work already
-    enqueued on it runs first). Where the CUDA runtime cannot be found, torch's pooled stream, with a warning."""
+    """A new stream on `device` that no other caller of torch.cuda.Stream() or of this function is ever handed.
+    Lower `priority` runs first, as with torch's. Where torch's CUDA runtime is not a library of its own (linked
+    statically), torch's pooled stream, with a warning."""
     device = torch.device(device)
     runtime = _runtime()
     if not runtime:
         return torch.cuda.Stream(device, priority=priority)
-    key = (torch.cuda.current_device() if device.index is None else device.index, priority)
-    try:
-        handle = _let_go.setdefault(key, []).pop()
-    except IndexError:
-        handle = None
-    if handle is None:
-        created = ctypes.c_void_p()
-        with torch.cuda.device(key[0]):
-            error = runtime.cudaStreamCreateWithPriority(ctypes.byref(created), _NON_BLOCKING, priority)
-        if error:
-            raise RuntimeError(f"cudaStreamCreateWithPriority on {device} failed: "
-                               f"{runtime.cudaGetErrorString(error).decode()}")
-        handle = created.value
-    stream = _OwnStream(handle, device=torch.device("cuda", key[0]))
-    stream.lent_as = key
-    return stream
+    index = torch.cuda.current_device() if device.index is None else device.index
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(index):
+        error = runtime.cudaStreamCreateWithPriority(ctypes.byref(handle), _NON_BLOCKING, priority)
+    if error:
+        runtime.cudaGetLastError()  # else torch's next launch check reports it against a kernel of its own
+        raise RuntimeError(f"cudaStreamCreateWithPriority on {device} failed: "
+                           f"{runtime.cudaGetErrorString(error).decode()}")
+    return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
 
 
 def _runtime():
-    """The CUDA runtime library torch uses (the one mapped into this process), or False."""
+    """The CUDA runtime library mapped into this process (torch's: another one would keep state of its own), or
+    False."""
     global _cudart
     if _cudart is None:
-        path = _mapped("libcudart.so") or ctypes.util.find_library("cudart")
-        try:
-            _cudart = ctypes.CDLL(path) if path else False
-        except OSError:
-            _cudart = False
-        if _cudart:
-            _cudart.cudaStreamCreateWithPriority.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint,
-                                                             ctypes.c_int]
-            _cudart.cudaGetErrorString.restype = ctypes.c_char_p
-        else:
-            sys.stderr.write("[cuda streams] the CUDA runtime library was not found: engines use torch's pooled "
-                             "streams, which two engines in one process may share (their steps must not overlap)\n")
+        path = _mapped(_CUDART_FILE)
+        runtime = False
+        if path:
+            try:
+                runtime = ctypes.CDLL(path)
+                runtime.cudaStreamCreateWithPriority.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint,
+                                                                 ctypes.c_int]
+                runtime.cudaGetErrorString.restype = ctypes.c_char_p
+            except (OSError, AttributeError):
+                runtime = False
+        if not runtime:
+            sys.stderr.write("[cuda streams] torch's CUDA runtime is not a library of its own here: engines use "
+                             "torch's pooled streams, which two engines in one process may share (their steps must "
+                             "not overlap)\n")
+        _cudart = runtime  # set once complete: another thread reads it without a lock
     return _cudart
 
 
-def _mapped(name):
-    """The path of the first library mapped into this process whose file name starts with `name`, or None."""
+def _mapped(file_name: re.Pattern):
+    """The path of the first file mapped into this process whose name `file_name` matches from its start, or
+    None."""
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.split()[-1]
-                if path.rsplit("/", 1)[-1].startswith(name):
+                if file_name.match(path.rsplit("/", 1)[-1]):
                     return path
     except OSError:
         pass

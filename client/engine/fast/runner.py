@@ -268,7 +268,7 @@ def precompile(runner, shapes) -> None:
     start = torch.cuda.current_stream(device)
 
     def step(shape):
-        stream = own_stream(device)
+        stream = torch.cuda.Stream(device)
         stream.wait_stream(start)
         with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():
             runner(padding_plan(shape, device), features[:shape.rows], hand_fused=True)
@@ -417,7 +417,7 @@ class GraphedStep:
         self.graphs.clear(), self.outputs.clear(), self.staged_graphs.clear()
         self.inputs.fill_padding()  # the warm-up runs below must touch no live slot
         pool = torch.cuda.graph_pool_handle()
-        warm = own_stream(self.runner.device)
+        warm = torch.cuda.Stream(self.runner.device)
         warm.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(warm):  # warm-up outside capture: Triton compiles, cuBLAS picks algorithms
             for shape in self.shapes:
