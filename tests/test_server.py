@@ -1011,12 +1011,14 @@ def test_the_leaderboard_copies_nothing_per_request_on_the_event_loop():
     session.sent = requests
     session._send_time[:] = session.start
     session.handle_response(list(range(requests)), np.zeros((requests, 4), np.float32), session.start + 0.005)
-    started = time.thread_time()
     snapshot = session.snapshot()
-    took = time.thread_time() - started
+    # nothing the size of the stream copied (a copy took the event loop 6-7 ms a snapshot before); not timed here:
+    # a timed assertion failed on a loaded 2-core CI box
+    copied = [key for key, value in snapshot.items()
+              if isinstance(value, np.ndarray) and value.base is None and value.nbytes > 4096]
+    assert copied == [] and np.shares_memory(snapshot["latencies_ms"], session._answered_latency_ms)
     summary = summarize(snapshot)
     assert summary["responses"] == requests and summary["latency_ms"]["p50"] == pytest.approx(5.0)
-    assert took < 0.001  # (6-7 ms before)
 
 
 def test_a_snapshot_hands_over_the_answered_latencies_without_gathering_them_from_the_stream():
