@@ -43,8 +43,8 @@ class ReferenceStepper:
             self.model(self.features, {k: v.clone() for k, v in self.state.items()})
         torch.cuda.current_stream(self.device).wait_stream(warm)
         self.graph = torch.cuda.CUDAGraph()
-        self._capture_stream = own_stream(self.device)  # its cuBLAS workspace is the graph's (cuda_streams.py)
-        with torch.cuda.graph(self.graph, stream=self._capture_stream):
+        # captured on a stream of its own: the graph keeps that stream's cuBLAS workspace (cuda_streams.py)
+        with torch.cuda.graph(self.graph, stream=own_stream(self.device)):
             self.out, self.new_state = self.model(self.features, self.state)
 
     @torch.no_grad()

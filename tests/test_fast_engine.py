@@ -399,8 +399,8 @@ def test_padding_rows_never_touch_live_state_on_gpu():
 
 @cuda
 def test_a_tower_on_the_launching_stream_holds_back_no_other_tower_on_gpu():
-    """A step launched on one of the towers' own streams (a caller's choice; torch's pooled streams made it by
-    chance before): the towers after that one still start with the step, not after its whole chain."""
+    """A step launched on one of the towers' own streams (a caller's choice): the towers after that one still
+    start with the step, not after its whole chain."""
     from client.engine.fast.runner import padding_plan, step_shapes
     model, _ = load_model("tiny", seed=0, device="cuda")
     runner = FastEngine(model, device="cuda", graphs=False, capacity=4, host_symbols=0, progress=False).runner

@@ -179,10 +179,9 @@ class StepRunner:
                            for tower, chunk, states in zip(self.towers, chunks, self.tower_states)]
         else:
             main = torch.cuda.current_stream(self.device)
-            # Every tower waits for the step's start, not for what `main` holds when its turn comes: the stream a
-            # step is launched on may be a tower's own (as torch's pooled streams made it by chance before the
-            # towers' streams were their own), and that tower's kernels then go on it, ahead of the towers after
-            # it. Waiting on `main` put RetNet and Hawk behind Mamba2's whole chain (bench/LOG.md section 60).
+            # Every tower waits for the step's start, not for what `main` holds when its turn comes: a caller may
+            # launch a step on a tower's own stream, and that tower's kernels then go on it, ahead of the towers
+            # after it. Waiting on `main` put RetNet and Hawk behind Mamba2's whole chain (bench/LOG.md section 60).
             start = torch.cuda.Event()
             start.record(main)
             predictions = []
@@ -407,9 +406,8 @@ class GraphedStep:
         self.graphs, self.outputs, self.staged_graphs = {}, {}, {}
         self.progress = progress
         self._taken_stream = own_stream(runner.device) if self.staging else None
-        # torch.cuda.graph's default capture stream is made once, on the device current then (a second GPU needs
-        # its own), and is torch's to share: a GEMM captured on it keeps that stream's cuBLAS workspace, so the
-        # stream lives as long as the graphs (client/engine/cuda_streams.py)
+        # The engine's own (a GEMM captured on a stream keeps that stream's cuBLAS workspace: cuda_streams.py), on
+        # the runner's device (torch.cuda.graph's default capture stream is made once, on the device current then)
         self._capture_stream = own_stream(runner.device)
 
     def capture(self):
