@@ -25,7 +25,7 @@ for part in "$@"; do
         tests/test_causal_conv_update_ragged.py tests/test_rglru_ragged.py tests/test_mamba2_ragged.py \
         tests/test_slstm_input_ragged.py tests/test_mlstm_input_ragged.py tests/test_skinny_matmul.py \
         tests/test_fast_engine.py tests/test_pipeline.py tests/test_state_storage.py tests/test_state_table.py \
-        tests/test_add_rms_norm.py tests/test_precision.py 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
+        tests/test_add_rms_norm.py tests/test_precision.py tests/test_cuda_streams.py 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
     bench:*) bench --sections "${part#bench:}" ;;
     matmul) python3 -m scripts.bench_matmul --json "$OUT/matmul.json" 2>&1 | tail -40 ;;
     *) echo "unknown part $part"; exit 2 ;;

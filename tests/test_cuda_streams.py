@@ -2,7 +2,9 @@
 one process shared (their graphs then shared cuBLAS workspaces: wrong predictions or a hung GPU)."""
 import ctypes
 import re
+import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,3 +79,37 @@ def test_two_fast_engines_in_one_process_keep_streams_of_their_own():
     first, second = map(streams, engines)
     assert len(set(first)) == len(first) == 9 and len(set(second)) == len(second) == 9
     assert not set(first) & set(second) and not (set(first) | set(second)) & _pooled()
+
+
+@cuda
+def test_two_fast_engines_stepping_at_once_from_two_threads_answer_as_each_alone():
+    """The case the shared streams broke (one process, two engines at once: in-process shards on one GPU, an engine
+    starting while another serves): each engine's answers equal, to the bit, its answers to the same steps alone."""
+    from client.engine.fast import FastEngine
+    from client.model import load_model
+
+    model = load_model("small", seed=0, device="cuda")[0]
+    engines = [FastEngine(model, device="cuda", max_batch=8, capacity=16, host_symbols=0, progress=False)
+               for _ in range(2)]
+    rng = np.random.default_rng(0)
+    steps = [[rng.standard_normal((8, 79)).astype(np.float32) for _ in range(40)] for _ in engines]
+
+    def run(engine, features, symbols, answers):
+        for step in features:
+            answers.append(engine.step(symbols, step))
+
+    alone = [[], []]
+    for i, engine in enumerate(engines):  # one engine at a time, on its first eight symbols
+        run(engine, steps[i], [f"A{k}" for k in range(8)], alone[i])
+    together = [[], []]
+    threads = [threading.Thread(target=run, args=(engine, steps[i], [f"B{k}" for k in range(8)], together[i]))
+               for i, engine in enumerate(engines)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a step never ended: the engines share a stream"
+    for i in range(2):
+        assert len(together[i]) == len(alone[i]) == 40
+        for got, want in zip(together[i], alone[i]):
+            np.testing.assert_array_equal(got, want)
