@@ -252,6 +252,31 @@ def test_the_host_tier_is_allocated_once_and_nothing_is_allocated_while_states_m
     assert calls == [] and pool.slots.data_ptr() == address
 
 
+def test_a_dropped_table_is_collected_and_its_copy_threads_end():
+    """The CPU's copy thread held its last copy's closure while it waited for the next, and with it the table's
+    slots (its tensors) and the queue whose collection ends the thread: every engine dropped on a CPU left its
+    states in memory."""
+    import gc
+    import weakref
+
+    from client.engine.fast import state_table
+
+    before = set(state_table._COPY_THREADS.values())
+    t = table(capacity=2, host_capacity=4)
+    for symbols in (["A"], ["B"], ["C"], ["A"]):  # A to the host and back: both copy threads have run
+        t.slots_for(symbols)
+    assert t.stats["offloaded"] == 2 and t.stats["restored"] == 1
+    threads = set(state_table._COPY_THREADS.values()) - before
+    assert len(threads) == 2
+    dropped = [weakref.ref(t), weakref.ref(t.parts[0])]
+    del t
+    gc.collect()
+    assert all(ref() is None for ref in dropped)
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
 def test_a_host_tier_beyond_the_hosts_memory_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"a host tier of \d+ symbols needs .* GiB .*lower --host-symbols") as error:
         table(capacity=2, host_capacity=10**12)

@@ -182,18 +182,24 @@ _COPY_THREADS: dict = {}  # the CPU's copy threads alive: their queue -> the thr
 
 
 def _run_copies(tasks):
-    """The CPU's copy thread: each task after the completions it waits for, in order, until None."""
+    """The CPU's copy thread: each task after the completions it waits for, in order, until None. It keeps nothing
+    of a finished task while it waits for the next: the last copy's closure holds its table's tensors, and the
+    queue's end comes when the table is collected."""
     while (task := tasks.get()) is not None:
-        copies, waits, done = task
-        try:
-            for completion in waits:
-                completion.result()
-            copies()
-        except BaseException as exc:  # noqa: BLE001 (handed to whoever waits for this copy)
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
+        _run_copy(*task)
+        del task
     _COPY_THREADS.pop(tasks, None)
+
+
+def _run_copy(copies, waits, done):
+    try:
+        for completion in waits:
+            completion.result()
+        copies()
+    except BaseException as exc:  # noqa: BLE001 (handed to whoever waits for this copy)
+        done.set_exception(exc)
+    else:
+        done.set_result(None)
 
 
 @atexit.register
