@@ -26,6 +26,8 @@ class Request:
 
 class Scheduler:
     def __init__(self):
+        # symbol -> its queued requests, for the symbols with any: an emptied queue goes, or every symbol ever seen
+        # would keep one for the session (~0.8 kB each; the engines forget symbols that leave, and so must this)
         self._queues: dict[str, deque[Request]] = {}
         # (seq of the queue's head, symbol) for every non-empty queue: the oldest heads pop first. An entry whose
         # request has left the front of its queue (taken by take_front, or a request requeued before it) is stale
@@ -86,6 +88,8 @@ class Scheduler:
         request = queue.popleft()  # its head entry is now stale
         if queue:
             heapq.heappush(self._heads, (queue[0].seq, symbol))
+        else:
+            del self._queues[symbol]
         self._resized(symbol, queue, len(queue) + 1)
         self._pending -= 1
         return request
@@ -122,7 +126,7 @@ class Scheduler:
         while self._heads and (max_batch is None or len(served) < max_batch):
             head = heapq.heappop(self._heads)
             seq, symbol = head
-            queue = self._queues[symbol]
+            queue = self._queues.get(symbol)
             if not queue or queue[0].seq != seq or symbol in seen:
                 continue  # stale (or, once its symbol was looked at, a stale one that a dequeue made look current)
             seen.add(symbol)
@@ -140,6 +144,8 @@ class Scheduler:
             self._resized(symbol, queue, length)
             if queue:
                 heapq.heappush(self._heads, (queue[0].seq, symbol))
+            else:
+                del self._queues[symbol]
         for head in held:
             heapq.heappush(self._heads, head)
         self._pending -= len(batch)

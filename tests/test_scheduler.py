@@ -313,3 +313,27 @@ def test_take_front_dequeues_one_request_and_refuses_an_empty_queue():
     with pytest.raises(IndexError, match="'B'"):
         scheduler.take_front("B")
     assert [r.unique_id for r in scheduler.next_batch()] == [2] and not len(scheduler)
+
+
+def test_a_symbol_with_nothing_queued_leaves_no_queue_behind():
+    """Each symbol ever seen kept its empty queue (~0.8 kB with its entry) for the rest of the session: over a long
+    session of symbols that come and go (the engines forget idle ones), the scheduler grew without bound. Every way
+    a queue empties (a batch, a batch trimmed by rows_for, a join taking its front) leaves nothing behind, and a
+    symbol that comes back queues as before."""
+    scheduler = Scheduler()
+    uid = 0
+    for symbol in (f"S{i}" for i in range(200)):
+        for _ in range(3):
+            scheduler.push(_request(uid, symbol))
+            uid += 1
+        scheduler.take_front(symbol)
+        assert len(scheduler.next_batch(max_per_symbol=2, rows_for=lambda rows, symbols: 1)) == 1  # one put back
+        assert len(scheduler.next_batch(max_per_symbol=4)) == 1
+    assert not scheduler._queues and not len(scheduler) and not scheduler.singles()
+    for symbol in "AB":  # requeued after its queue went: at the front again, in order
+        scheduler.push(_request(uid, symbol))
+        uid += 1
+    joined = scheduler.take_front("A")
+    scheduler.requeue(joined)
+    assert [r.unique_id for r in scheduler.next_batch()] == [joined.unique_id, uid - 1]
+    assert not scheduler._queues
