@@ -364,6 +364,31 @@ def test_a_lost_shards_requests_fail_in_the_same_words_before_and_after_its_loss
         engine.close()
 
 
+def test_a_lost_shards_failed_steps_are_not_kept_by_its_loss():
+    """Every part sent to a lost shard failed with one exception, the shard's loss: each step's result() raised it
+    again, adding that step's frames to its traceback, so that the loss kept every failed step (its features, the
+    other parts' predictions, and the caller's frames up to where it was caught) for the engine's life."""
+    import gc
+    import weakref
+
+    model, _ = load_model("tiny", seed=3)
+    engine = ShardedEngine([_ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False)),
+                            _UnreachableShard()], progress=False)
+    try:
+        list(engine.submit(["A", "B"], np.zeros((2, 79), np.float32)).parts())  # B's shard is lost
+        failed = []
+        for _ in range(3):
+            step = engine.submit(["A", "B"], np.ones((2, 79), np.float32))
+            failed.append(weakref.ref(step))
+            with pytest.raises(ShardLost, match="shard 1 .* lost"):
+                step.result()
+            del step
+        gc.collect()
+        assert [ref() for ref in failed] == [None] * 3
+    finally:
+        engine.close()
+
+
 def test_missing_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match=r"asked for, but this machine has \d+ GPU"):
         process_shards(SPEC, ["cuda:7"], progress=False)

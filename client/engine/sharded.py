@@ -358,6 +358,12 @@ class _Runner:
             for why, rows in by_why.items():
                 entry.part.finish(ShardError(f"shard {self.index}: CapacityError: {why}"), np.asarray(rows))
 
+    def loss(self) -> ShardLost:
+        """The loss, as one failed part's own exception: one shared by every part would gather, at each raise
+        (ShardedPendingStep.result()), that step's frames in its traceback, and keep every failed step (its features,
+        the other parts' predictions, the caller's frames) for the engine's life."""
+        return ShardLost(str(self.lost))
+
     def answer_late(self, now) -> bool:
         """Whether its oldest part has waited LATE_ANSWER_S for its answer (exact holding the engine's lock)."""
         try:
@@ -525,7 +531,7 @@ class ShardedEngine(Engine):
             elif index is None:
                 failed.append((part, ShardLost("every shard of the sharded engine is lost")))
             elif self._runners[index].lost is not None:
-                failed.append((part, self._runners[index].lost))
+                failed.append((part, self._runners[index].loss()))
             else:
                 runner = self._runners[index]
                 runner.work.append(("step", part))
@@ -551,7 +557,7 @@ class ShardedEngine(Engine):
             if closing:
                 failed = [(part, ShardError("the sharded engine was closed")) for part in pending]
             elif self.on_shard_loss == "error":
-                failed = [(part, runner.lost) for part in pending]
+                failed = [(part, runner.loss()) for part in pending]
             else:  # reset: place its symbols again (fresh state) and run their unanswered requests there, in order
                 for symbol in symbols:
                     del self.shard_of[symbol]
