@@ -114,6 +114,12 @@ class ClientStats:
         self.requests += 1
         self._unscored.add(uid)
 
+    def note_rejected(self, uids) -> None:
+        """Requests noted, then answered with an error: a server scores only answers, so they wait for no score
+        (kept, each failed request of a lost shard's symbols would hold an entry for the session)."""
+        self.rejected += len(uids)
+        self._unscored.difference_update(uids)
+
     def add_scores(self, msg: dict) -> None:
         ids, pnls, correct, latencies = (msg["unique_ids"], msg["pnls"], msg["correct"], msg["latencies_ms"])
         if not len(ids) == len(pnls) == len(correct) == len(latencies):
@@ -646,7 +652,7 @@ class StreamingClient:
         for uid in refused:
             self._rejected_ids.add(uid)
             self.stats.note_request(uid)
-        self.stats.rejected += len(refused)
+        self.stats.note_rejected(refused)
         return refused
 
     def _on_request(self, ws, msg):
@@ -684,7 +690,7 @@ class StreamingClient:
                 if uid not in self._rejected_ids:
                     self._rejected_ids.add(uid)
                     self.stats.note_request(uid)
-                    self.stats.rejected += 1
+                    self.stats.note_rejected([uid])
                 log.warning("request %d (%s): %s; not fed to the model", uid, symbol, reason)
                 self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): {reason}; "
                                                              f"not fed to the model"))
@@ -1225,7 +1231,7 @@ class StreamingClient:
         for uid in ids:
             self._in_flight.pop(uid, None)
         self._rejected_ids.update(ids)
-        self.stats.rejected += len(ids)
+        self.stats.note_rejected(ids)
         self._send(self._ws, protocol.error("client_error", f"unique_ids {ids} not answered: {why}"))
 
     def _send(self, ws, msg):

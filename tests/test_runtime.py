@@ -375,6 +375,34 @@ def test_failing_process_batch_sends_an_error_and_keeps_going(model):
     assert "unique_ids [1] not answered" in recorder.errors[0] and "team client bug" in recorder.errors[0]
 
 
+def test_requests_answered_with_an_error_are_not_kept_waiting_for_a_score(model):
+    """Every request received waits in the stats for its score, which a server gives only to an answer: each one the
+    client refused (NaN features, a malformed frame) or whose step failed (a lost shard's, for the rest of the
+    stream) waited for good, one entry a request for the session. Those go once they are answered with an error; a
+    server's score for one is not counted."""
+    symbols, features = _stream(9)
+    features[2, 0] = np.nan
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request([0, 1, 2, 3, 4], symbols, features))
+        malformed = protocol.inference_request([5, 6], [symbols[5], symbols[6]], features[[5, 6]], 0.0)
+        malformed["symbols"] = malformed["symbols"][:1]
+        await ws.send(protocol.encode(malformed))
+        await ws.send(_request([7, 8], symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) == 5 and len(recorder.errors) >= 3)
+        everything = list(range(9))
+        await ws.send(protocol.encode(protocol.score_update(everything, [0.0] * 9, [4] * 9, [1.0] * 9)))
+        await ws.close(1000)
+
+    client, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model), fail_on_id=4), max_batch=1,
+                                           max_requests_per_symbol=1))
+    assert recorder.answered() == {0, 1, 3, 7, 8}
+    assert summary["requests"] == 9 and summary["errors"] == 4 and summary["responses"] == 5
+    assert not client.stats._unscored
+
+
 def test_a_step_that_fails_the_same_way_again_logs_its_traceback_once(model, caplog):
     """A team's code that raised at every step printed its traceback at every step: the first time in full, then
     one line naming the failure; each request is answered with its error all the same."""
