@@ -49,16 +49,20 @@ class StallProbe:
         return self
 
     def stop(self):
-        if self._stacks_file is not None:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            faulthandler.unregister(signal.SIGALRM)
-            self._stacks_file.close()
-            self._stacks_file = None
+        self._stop_stacks()
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+    def _stop_stacks(self):
+        """Disarm the loop's timer (first: its signal unhandled would end the process), then close the stacks."""
+        if self._stacks_file is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            faulthandler.unregister(signal.SIGALRM)
+            self._stacks_file.close()
+            self._stacks_file = None
 
     def _on_gc(self, phase, info):
         if phase == "start":
@@ -93,6 +97,8 @@ class StallProbe:
                 await asyncio.sleep(self.tick_s)
                 self._note_late(self.loop_lags, self.lag_s, clock, start, asleep)
         finally:
+            # a watch cancelled leaves no timer armed: it would write the stack of a loop no longer watched
+            self._stop_stacks()
             clock.close()
 
     def _note_late(self, events, limit_s, clock, start, asleep):

@@ -111,6 +111,28 @@ def test_a_long_stall_writes_the_loops_stack_while_it_lasts(tmp_path):
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
+def test_a_watch_cancelled_leaves_no_timer_to_write_a_stack_afterwards(tmp_path):
+    """watch_loop stops when cancelled, but its timer, armed at its last tick, stayed armed (and the stacks file
+    open) until stop(): the loop, idle and never held up, had its stack written as a stall once the timer fired."""
+    path = tmp_path / "stacks.txt"
+    probe = StallProbe(tick_s=0.001, stacks_path=str(path), stacks_after_s=0.05)
+
+    async def main():
+        watch = asyncio.create_task(probe.watch_loop())
+        await asyncio.sleep(0.02)
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        await asyncio.sleep(0.2)  # past the timer's time, the loop idle
+
+    try:
+        asyncio.run(main())
+        assert path.read_text() == ""
+    finally:
+        probe.stop()
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+
+
 def test_stacks_need_the_loop_in_the_main_thread(tmp_path):
     """The timer's signal is handled on the main thread, whose stack the handler writes: a loop elsewhere would
     get another thread's stack."""
