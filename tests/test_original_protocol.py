@@ -324,6 +324,61 @@ def answered(messages):
     return [uid for m in messages if m["message_type"] == "inference_response" for uid in m["unique_ids"]]
 
 
+def test_a_server_that_reads_nothing_while_it_sends_on_is_left_and_played_again(monkeypatch, caplog):
+    """A server that sends requests and reads nothing (no keepalive over tcp-json notices): each answer waited for a
+    send that never ended, its frame buffered and a task waiting, for good (67,000 requests: 5,256 tasks and 0.9 MB
+    buffered, growing). A send stuck server_idle_s ends the connection, and the client connects again."""
+    connections, row = [], [0.5] * 79
+
+    async def handler(reader, writer):
+        connections.append(writer)
+        await reader.readline()  # register
+        if len(connections) > 1:  # the client came back: the stream is over
+            writer.write(original.encode_line({"message_type": "stats_update", "complete": True, "requests": 0}))
+            await reader.read()
+            return
+        uid = 0
+        while not reader.at_eof():  # requests, and never a read
+            writer.write(original.encode_line({"message_type": "inference_request", "unique_ids": [uid],
+                                               "symbols": [f"S{uid % 20}"], "features": [row], "timestamp": 0.0}))
+            uid += 1
+            try:
+                await writer.drain()
+            except OSError:
+                return
+            await asyncio.sleep(0)
+
+    open_connection = asyncio.open_connection
+
+    async def small_send_buffer(host, port, **options):  # the kernel's buffers fill after a few answers, not 50,000
+        sock = socket.create_connection((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.setblocking(False)
+        return await open_connection(sock=sock, **options)
+
+    monkeypatch.setattr(asyncio, "open_connection", small_send_buffer)
+
+    async def main():
+        listening = socket.create_server(("127.0.0.1", 0))
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the accepted sockets' too
+        server = await asyncio.start_server(handler, sock=listening)
+        url = f"tcp://127.0.0.1:{listening.getsockname()[1]}"
+        client = StreamingClient(Echo(), url, "x", backoff_s=0.01, server_idle_s=1.0, leave_at_end=True)
+        playing = asyncio.ensure_future(client.run())
+        if not (await asyncio.wait({playing}, timeout=30))[0]:  # still on the first connection: end it from here
+            connections[0].transport.abort()
+        summary = await playing
+        server.close()
+        return client, summary
+
+    with caplog.at_level("WARNING", logger="client.runtime"):
+        client, summary = run(main())
+    assert summary["outcome"] == runtime.COMPLETE and summary["connections"] == len(connections) == 2
+    said = [r.getMessage() for r in caplog.records if "read nothing" in r.getMessage()]
+    assert said == ["connection lost (the server read nothing for 1 s: an answer waited that long to be sent); "
+                    "reconnecting, states kept"]
+    assert not client._send_tasks
+
 def test_a_server_that_begins_another_stream_after_a_reconnect_ends_the_session():
     """An event server restarted (or a new round): after the reconnect its ids start over, holding other requests.
     The client's states are the old stream's: it says so and ends, answering none of the new stream from them
