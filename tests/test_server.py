@@ -20,7 +20,7 @@ from client import protocol
 from client.streams import generate_stream
 from server import ScoringServer, ServerConfig
 from server.leaderboard import format_table
-from server.limits import InboundBudget, Limits, OpenSockets
+from server.limits import AddressLimits, InboundBudget, Limits, OpenSockets
 from server.session import TeamSession, send_offsets, summarize
 
 REQUESTS = 60
@@ -1249,6 +1249,36 @@ def test_past_the_limit_of_unregistered_sockets_the_oldest_is_closed_never_a_reg
     assert warnings == 2 * ["3 sockets open that no team registered, this server's limit (--max-unregistered-sockets): "
                             "closing the oldest for each new one (a flood from many addresses?)"]
 
+
+def test_a_flood_of_new_addresses_costs_each_connection_the_same_whatever_the_table_holds():
+    """Past 1,024 addresses known, every new address went over the whole table for idle ones to forget: with as many
+    sockets open (the unregistered sockets' limit) or addresses that registered in the last half second (a flood of
+    new addresses), none to forget, so each new address cost the event loop the whole table again (0.5 ms an address
+    at 2,000 new addresses a second: a core's time). Each address's limits still hold."""
+    now = [0.0]
+    limits = AddressLimits(Limits(), clock=lambda: now[0])
+    visited = [0]
+    refill = limits._refill
+
+    def counted(entry):
+        visited[0] += 1
+        return refill(entry)
+
+    limits._refill = counted
+    for i in range(1100):  # sockets held open, each from an address of its own
+        assert limits.connect(f"10.0.{i // 256}.{i % 256}") is None
+    flood = 6000
+    for i in range(flood):  # 3,000 new addresses a second, each registering once and leaving
+        now[0] += 1 / 3000
+        address = f"11.0.{i // 256}.{i % 256}"
+        assert limits.connect(address) is None and limits.register(address) is None
+        limits.disconnect(address)
+    assert visited[0] <= 4 * flood  # its own refill, and its share of a look at the table (before: ~1,500 each)
+    assert len(limits._addresses) <= 2 * (1100 + 1500)  # the table stays within twice what it must hold
+    for _ in range(9):  # an address of the flood still has its burst less the register it made, no more
+        assert limits.register("11.0.23.111") is None
+    assert limits.register("11.0.23.111")[0] == "rate_limited"
+    assert limits.connect("10.0.0.0") is None  # the open sockets' addresses still count them
 
 def test_a_flood_of_idle_sockets_from_many_addresses_closes_the_oldest_and_teams_of_both_protocols_play():
     """Each address may hold 64 sockets, but many addresses (an IPv6 /64, a botnet) multiply that: their idle sockets
