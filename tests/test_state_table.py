@@ -470,6 +470,10 @@ def test_a_process_ending_while_the_host_tier_pins_exits_cleanly():
 def test_stopping_the_pinning_keeps_what_is_pinned_and_pins_no_more():
     """stop_pinning (at exit) returns once the piece under way is registered; nothing more is, and the tier holds
     what was pinned, one slot spare. On the CPU, through the pool's registration."""
+    import weakref
+
+    from client.engine.fast import state_table as module
+
     t = table(capacity=2, host_capacity=6)
     pool = t.parts[0].host
     registered, go_on = [], threading.Event()
@@ -482,7 +486,7 @@ def test_stopping_the_pinning_keeps_what_is_pinned_and_pins_no_more():
     pool.pin_piece = pin_piece
     t.free_host.clear()  # as a GPU table starts: every host slot joins the tier once pinned
     pool.pinned = 0
-    t._pinning = threading.Thread(target=t._pin, daemon=True)
+    t._pinning = threading.Thread(target=module._pin_host_tier, args=(weakref.ref(t),), daemon=True)
     t._pinning.start()
     while len(registered) < 2:
         time.sleep(0.001)
@@ -504,6 +508,26 @@ def test_the_host_tier_is_pinned_at_start_on_gpu():
     pool = t.parts[0].host
     assert pool.pinned == pool.count == 6 and reports[-1] == (6, 6) and pool.slots.is_pinned()
     assert t.pin_s is not None
+
+
+@cuda
+def test_a_gpu_table_dropped_while_its_tier_pins_is_collected_and_its_pinning_ends():
+    """Real registrations (8 GiB of host tier: seconds to pin): the table goes with its last reference, each piece
+    is unregistered as its pool is collected (possibly in the pinning thread), and the thread ends."""
+    import gc
+    import weakref
+
+    t = StateTable(({"s": ((2 << 20,), torch.float32, 0.0)}, "cuda"), 2, host_capacity=1024)
+    wait_until(lambda: t.parts[0].host.pinned >= 2)
+    thread, dropped = t._pinning, weakref.ref(t)
+    del t
+    gc.collect()
+    thread.join(timeout=30)
+    gc.collect()
+    assert dropped() is None and not thread.is_alive()
+    after = StateTable(({"s": ((2 << 20,), torch.float32, 0.0)}, "cuda"), 2, host_capacity=4)
+    after.wait_pinned()  # registrations still work after the unregistrations
+    assert after.parts[0].host.slots.is_pinned()
 
 
 @cuda
@@ -657,6 +681,31 @@ def test_pinning_pauses_with_no_registration_under_way(monkeypatch):
     t.resume_pinning()
     t.wait_pinned()
     assert len(registered) == 61 and len(t.free_host) == 61
+
+
+def test_a_table_dropped_while_its_tier_pins_is_collected_its_memory_unregistered_and_the_thread_ends(monkeypatch):
+    """The pinning thread held its table (a bound method) until the whole tier was pinned (a minute on a GPU for
+    ~100 GiB): an engine dropped meanwhile kept its GPU states and host tier that long."""
+    import gc
+    import weakref
+
+    from client.engine.fast import state_table as module
+
+    registered, unregistered = [], []
+
+    def register(address, nbytes):
+        time.sleep(0.002)
+        registered.append(address)
+    fake_registration(monkeypatch, register)
+    monkeypatch.setattr(module, "_unregister_host", unregistered.append)
+    t = table(capacity=2, host_capacity=200)
+    wait_until(lambda: len(registered) >= 3)
+    thread, dropped = t._pinning, weakref.ref(t)
+    del t
+    gc.collect()
+    thread.join(timeout=10)
+    assert dropped() is None and not thread.is_alive()
+    assert 3 <= len(registered) < 201 and sorted(unregistered) == sorted(registered)
 
 
 def test_copies_split_where_the_host_registrations_do(monkeypatch):

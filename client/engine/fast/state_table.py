@@ -225,6 +225,24 @@ def _stop_pinning():
         table.stop_pinning()
 
 
+def _pin_host_tier(table_ref):
+    """The pinning thread: the host tier slot by slot (registrations hold up the GPU's launches: one at a time,
+    short), paused while the table's _pin_go is clear. It holds its table only while a slot pins, so that a table
+    dropped before its tier is pinned (up to a minute) is collected, its host memory unregistered and unmapped, and
+    the thread ends."""
+    began, index = time.perf_counter(), 0
+    while (table := table_ref()) is not None:
+        try:
+            pinning_on = index < table._host_slots and table._pin_slot(index)
+        except Exception as exc:  # noqa: BLE001 (the tier keeps what was pinned; wait_pinned raises it)
+            table._pin_error, pinning_on = exc, False
+        if not pinning_on:
+            table._pinned(began)
+            return
+        del table
+        index += 1
+
+
 class _CopyQueue:
     """Copies run in order, each after the completions it waits for: a CUDA stream on a GPU (completions are
     events), a thread on the CPU (completions are futures)."""
@@ -529,36 +547,33 @@ class StateTable:
         self._pin_stopped = False  # stop_pinning(): no piece registers after the one under way
         self._pinning = None
         if self.parts[0].host.pin:
-            self._pinning = threading.Thread(target=self._pin, name="pin-host-tier", daemon=True)
+            self._pinning = threading.Thread(target=_pin_host_tier, args=(weakref.ref(self),), name="pin-host-tier",
+                                             daemon=True)
             _PINNING.add(self)
             self._pinning.start()
 
-    def _pin(self):
-        """Pin the host tier piece by piece in one thread (registrations hold up the GPU's launches: one at a
-        time, short), each slot joining the tier once pinned in every part; paused while _pin_go is clear."""
-        begin = time.perf_counter()
-        try:
-            for index in range(self._host_slots):
-                for part in self.parts:
-                    for offset, nbytes in part.host.pieces(index):
-                        if not self._pin_piece(part.host, offset, nbytes):
-                            return
-                    part.host.pinned += 1
-                with self._lock:
-                    self.free_host.append(index)
-                    self._host_slot_pinned.notify_all()
-        except Exception as exc:  # noqa: BLE001 (the tier keeps what was pinned; wait_pinned raises it)
-            self._pin_error = exc
-        finally:
-            with self._lock:
-                if self._pin_error is not None or self._pin_stopped:  # one pinned slot stays spare for swaps
-                    self.host_capacity = max(min(self.host_capacity, len(self.free_host) + len(self.offloaded) - 1),
-                                             0)
-                if self._pin_error is not None:
-                    sys.stderr.write(f"[state table] the host tier holds {self.host_capacity} symbols, not more: "
-                                     f"{self._pin_error}; lower --host-symbols\n")
-                self.pin_s = time.perf_counter() - begin
-                self._host_slot_pinned.notify_all()
+    def _pin_slot(self, index) -> bool:
+        """Pin host slot `index` in every part and let the tier have it; False, once pinning is stopped."""
+        for part in self.parts:
+            for offset, nbytes in part.host.pieces(index):
+                if not self._pin_piece(part.host, offset, nbytes):
+                    return False
+            part.host.pinned += 1
+        with self._lock:
+            self.free_host.append(index)
+            self._host_slot_pinned.notify_all()
+        return True
+
+    def _pinned(self, began):
+        """Pinning has ended (every slot, or stopped, or failed): the tier holds what was pinned."""
+        with self._lock:
+            if self._pin_error is not None or self._pin_stopped:  # one pinned slot stays spare for swaps
+                self.host_capacity = max(min(self.host_capacity, len(self.free_host) + len(self.offloaded) - 1), 0)
+            if self._pin_error is not None:
+                sys.stderr.write(f"[state table] the host tier holds {self.host_capacity} symbols, not more: "
+                                 f"{self._pin_error}; lower --host-symbols\n")
+            self.pin_s = time.perf_counter() - began
+            self._host_slot_pinned.notify_all()
 
     def _pin_piece(self, pool, offset, nbytes) -> bool:
         """Register a piece once pinning is not paused; False, registering nothing, once it is stopped."""
