@@ -518,7 +518,8 @@ def test_a_gpu_table_dropped_while_its_tier_pins_is_collected_and_its_pinning_en
     import weakref
 
     t = StateTable(({"s": ((2 << 20,), torch.float32, 0.0)}, "cuda"), 2, host_capacity=1024)
-    wait_until(lambda: t.parts[0].host.pinned >= 2)
+    while t.parts[0].host.pinned < 2:
+        time.sleep(0.01)
     thread, dropped = t._pinning, weakref.ref(t)
     del t
     gc.collect()
