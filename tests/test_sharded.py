@@ -389,6 +389,40 @@ def test_a_lost_shards_failed_steps_are_not_kept_by_its_loss():
         engine.close()
 
 
+def test_an_engine_dropped_unclosed_is_collected_and_stops_its_shards_and_a_with_block_closes_one():
+    """Its threads held the engine (bound methods): dropped without close(), it kept its threads, its shard
+    processes and their memory (a GPU each) for the process's life."""
+    import gc
+    import weakref
+
+    before = set(threading.enumerate())
+    engine = start(["cpu"], capacity=CAPACITY, host_symbols=0)
+    features = np.random.default_rng(5).standard_normal((3, 79)).astype(np.float32)
+    step = engine.submit(["A", "B", "A"], features)  # in flight as the engine goes: still answered
+    process, threads = engine.shards[0].process, set(threading.enumerate()) - before
+    assert len(threads) == 3  # its shard's submitter and collector, and the watch on late answers
+    dropped = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert dropped() is None
+    assert step.result().shape == (3, 4)
+    process.join(30)
+    assert process.exitcode == 0  # stopped (not killed)
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
+
+    model, _ = load_model("tiny", seed=3)
+    stopped = []
+    with ShardedEngine([_ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False))],
+                       progress=False) as engine:
+        engine.shards[0].stop = lambda: stopped.append(True)
+        assert engine.step(["A"], features[:1]).shape == (1, 4)
+    assert stopped == [True]
+    engine.close()  # a second close does nothing more
+    assert stopped == [True]
+
+
 def test_missing_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match=r"asked for, but this machine has \d+ GPU"):
         process_shards(SPEC, ["cuda:7"], progress=False)

@@ -197,3 +197,9 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Release what the engine holds beyond memory (processes, connections); a no-op by default."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()

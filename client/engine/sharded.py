@@ -28,6 +28,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
@@ -261,10 +262,11 @@ class ShardedPendingStep(PendingStep):
 
 class _Runner:
     """The engine's side of one shard: its queue of work, the one thread that submits it in order and the one
-    that collects the answers in order. Its deques are guarded by the engine's lock."""
+    that collects the answers in order. Its deques are guarded by the engine's lock. It holds its engine weakly,
+    so that an engine dropped without close() is collected, and its finalizer stops the shards."""
 
     def __init__(self, engine, shard: Shard):
-        self.engine, self.shard, self.index = engine, shard, shard.index
+        self.engine, self.shard, self.index = weakref.ref(engine), shard, shard.index
         self.work = deque()       # ("step", part) or ("release", symbols), in submission order
         self.in_flight = deque()  # _InFlight, submitted and not yet collected, oldest first
         self.lost = None          # the loss (ShardLost), once the shard is gone
@@ -294,7 +296,7 @@ class _Runner:
                     else:
                         handle = self.shard.submit(item.symbols, item.features)
                 except ShardLost as exc:
-                    self.engine._lose(self, exc)
+                    self._lose(exc)
                     return
                 except Exception as exc:  # not sent (e.g. not serializable): a step's part fails alone
                     if kind == "step":
@@ -324,7 +326,7 @@ class _Runner:
             try:
                 outcome = self.shard.result(entry.handle)
             except ShardLost as exc:
-                self.engine._lose(self, exc)
+                self._lose(exc)
                 return
             except ShardError as exc:
                 outcome = exc
@@ -339,8 +341,9 @@ class _Runner:
                 continue
             predictions, refused, expired = outcome
             gone = {entry.part.symbols[row] for row in refused}.union(expired)
-            if gone:  # they hold no state there: forgotten here before the caller hears
-                self.engine._unplace(self, gone)
+            if gone and (engine := self.engine()) is not None:  # they hold no state there: forgotten here first
+                engine._unplace(self, gone)
+                del engine
             if isinstance(predictions, ShardError):  # the step failed after it was sent: the whole part with it
                 entry.part.finish(ShardError(f"shard {self.index}: {predictions}"))
                 continue
@@ -357,6 +360,10 @@ class _Runner:
                 by_why.setdefault(why, []).append(row)
             for why, rows in by_why.items():
                 entry.part.finish(ShardError(f"shard {self.index}: CapacityError: {why}"), np.asarray(rows))
+
+    def _lose(self, cause: ShardLost):
+        if (engine := self.engine()) is not None:  # else the engine's finalizer is stopping the shard
+            engine._lose(self, cause)
 
     def loss(self) -> ShardLost:
         """The loss, as one failed part's own exception: one shared by every part would gather, at each raise
@@ -378,7 +385,8 @@ class _Runner:
             self.answer_due.notify_all()
         deadline = time.monotonic() + timeout_s
         for thread in self.threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread is not threading.current_thread():  # the engine's collection may come in one of them
+                thread.join(max(0.0, deadline - time.monotonic()))
         self.shard.stop()
 
 
@@ -389,7 +397,8 @@ class ShardedEngine(Engine):
     def __init__(self, shards: list[Shard], *, on_shard_loss="error", progress=True, transport=None,
                  answer_timeout_s=ANSWER_TIMEOUT_S):
         """shards: started shards of one transport (client.engine.shard_process.process_shards,
-        client.engine.shard_ray.ray_shards), which this engine now owns (close() stops them). A shard that
+        client.engine.shard_ray.ray_shards), which this engine now owns (close() stops them, as does the engine's
+        collection if it is dropped unclosed). A shard that
         answers no step for answer_timeout_s seconds is stopped and lost."""
         if not shards:
             raise ValueError("a sharded engine needs at least one shard")
@@ -416,7 +425,11 @@ class ShardedEngine(Engine):
         self.answer_timeout_s = float(answer_timeout_s)
         self._runners = [_Runner(self, shard) for shard in shards]
         self._closed = threading.Event()
-        threading.Thread(target=self._watch_answers, name="shard-answers-due", daemon=True).start()
+        # close(), or the engine's collection when dropped unclosed (its threads hold it weakly): once
+        self._stop_runners = weakref.finalize(self, _stop_runners, self._runners, self._closed)
+        self._stop_runners.atexit = False  # at exit the shards go with the process (as its daemon threads do)
+        threading.Thread(target=_watch_answers, args=(weakref.ref(self), self._closed, self.answer_timeout_s),
+                         name="shard-answers-due", daemon=True).start()
 
     @property
     def shards(self) -> list[Shard]:
@@ -589,25 +602,35 @@ class ShardedEngine(Engine):
         for listener in list(self._loss_listeners):
             listener(record)
 
-    def _watch_answers(self):
-        """Stop and lose each shard whose oldest step in flight has waited answer_timeout_s for its answer."""
-        timeout = self.answer_timeout_s
-        while not self._closed.wait(min(1.0, timeout / 4)):
-            now = time.monotonic()
-            with self._lock:
-                if self._closing:
-                    return
-                hung = [runner for runner in self._runners if runner.lost is None and runner.in_flight
-                        and now - runner.in_flight[0].sent_at > timeout]
-            for runner in hung:
-                self._lose(runner, ShardLost(f"it answered no step for {timeout:g} s (--shard-timeout-s); stopped"))
+    def _late(self, now, timeout) -> list[_Runner]:
+        """The live runners whose oldest step in flight has waited `timeout` seconds for its answer."""
+        with self._lock:
+            if self._closing:
+                return []
+            return [runner for runner in self._runners if runner.lost is None and runner.in_flight
+                    and now - runner.in_flight[0].sent_at > timeout]
 
     def close(self):
         with self._lock:
             self._closing = True
-        self._closed.set()
-        for runner in self._runners:
-            runner.stop(CLOSE_TIMEOUT_S)
+        self._stop_runners()
+
+
+def _stop_runners(runners, closed):
+    closed.set()
+    for runner in runners:
+        runner.stop(CLOSE_TIMEOUT_S)
+
+
+def _watch_answers(engine_ref, closed, timeout):
+    """Stop and lose each shard whose oldest step in flight has waited `timeout` seconds for its answer; holding
+    the engine only while it looks."""
+    while not closed.wait(min(1.0, timeout / 4)):
+        if (engine := engine_ref()) is None:
+            return
+        for runner in engine._late(time.monotonic(), timeout):
+            engine._lose(runner, ShardLost(f"it answered no step for {timeout:g} s (--shard-timeout-s); stopped"))
+        del engine
 
 
 def _loss_line(record) -> str:
