@@ -335,6 +335,10 @@ class StreamingClient:
         # The fields below are touched only on the event loop thread.
         # uid -> what the request held (_request_print): a resent id must hold the same request
         self._in_flight: dict[int, int] = {}  # queued or being computed
+        # ids in flight when the current connection began, and those of them answered on it: the server's resend of
+        # such an id (its backlog, formed before that answer reached it) crosses the answer and is not answered again
+        self._carried: set[int] = set()
+        self._crossing: set[int] = set()
         self._rejected_ids: set[int] = set()
         self._cache: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()  # uid -> (answer, request print)
         # ids whose answers left the cache: a resend is refused, since stepping it again would advance its
@@ -475,6 +479,7 @@ class StreamingClient:
         self.stats.connections += 1
         self._welcomed, self._refusal = False, None
         self._fed_on_connection = False
+        self._carried, self._crossing = set(self._in_flight), set()
         self._ws = ws
         requests_before = self.stats.requests
         heartbeat = asyncio.create_task(self._heartbeat(ws))
@@ -677,6 +682,9 @@ class StreamingClient:
                                                              f"for another symbol or other features; a resend must "
                                                              f"repeat its request; not fed to the model"))
             elif uid in self._cache:
+                if uid in self._crossing:  # answered on this connection already: the server has that answer
+                    self._crossing.discard(uid)
+                    continue
                 cached_ids.append(uid)
             elif uid in self._in_flight:
                 continue  # resent while still queued or computing: answered when its step is done
@@ -1228,6 +1236,10 @@ class StreamingClient:
         while len(self._cache) > self.cache_size:
             self._evicted.add(self._cache.popitem(last=False)[0])
         self.stats.responses_sent += len(ids)
+        if self._carried and self._ws is not None:
+            crossed = self._carried.intersection(ids)
+            self._carried -= crossed
+            self._crossing |= crossed
         # When disconnected the answers wait in the cache for the server's resend.
         self._send(self._ws, protocol.inference_response(ids, predictions, time.time()))
         self._mark("answered", ids)

@@ -358,6 +358,41 @@ def test_reconnect_keeps_state_and_answers_resent_ids_from_cache(model):
     _assert_in_order_per_symbol([r for r in recorder.responses if r[0] >= 12], symbols)
 
 
+def test_a_resend_that_crosses_its_answer_on_the_new_connection_is_not_answered_twice(model):
+    """A step in flight across a reconnect answers on the new connection; the server's resend of that request,
+    formed before the answer reached it, crosses the answer on the wire: it is not answered again from the cache
+    (the server counted the second answer a duplicate). A later resend on that connection still is."""
+    symbols, features = _stream(2, seed=6)
+    recorder = Recorder()
+    connections = []
+
+    class SlowFirst(CountingClient):
+        def process_batch(self, requests_by_symbol):
+            if any(uid == 0 for queued in requests_by_symbol.values() for uid, _ in queued):
+                time.sleep(0.5)  # still stepping when the connection drops and the client reconnects
+            return super().process_batch(requests_by_symbol)
+
+    async def handler(ws):
+        connections.append(ws)
+        assert protocol.decode(await ws.recv())["type"] == "register"
+        if len(connections) == 1:
+            await ws.send(_request([0], symbols, features))
+            await asyncio.sleep(0.1)
+            ws.transport.abort()
+            return
+        await recorder.pump(ws, lambda: 0 in recorder.answered())  # the step ended: answered here
+        await ws.send(_request([0, 1], symbols, features))  # the backlog, formed before that answer came
+        await recorder.pump(ws, lambda: 1 in recorder.answered())
+        await ws.send(_request([1], symbols, features))  # a resend after its answer came: answered
+        await recorder.pump(ws, lambda: len(recorder.responses) >= 3)
+        await ws.close(1000)
+
+    team_client = SlowFirst(ReferenceEngine(model))
+    _, summary = asyncio.run(_play(handler, team_client))
+    assert [uid for uid, _ in recorder.responses] == [0, 1, 1]
+    assert sum(team_client.stepped.values()) == 2 and summary["resent_from_cache"] == 1
+
+
 def test_failing_process_batch_sends_an_error_and_keeps_going(model):
     symbols, features = _stream(6)
     recorder = Recorder()
