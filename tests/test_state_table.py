@@ -164,6 +164,27 @@ def test_a_symbol_seen_again_is_not_expired_with_those_idle_since_before_it():
     assert t.stats["expired"] == 3 and sorted(t.symbols()) == ["D", "E"]
 
 
+def test_a_symbol_whose_request_came_is_not_idle_while_it_waits_for_a_slot():
+    """Idle time ends when a request arrives (prefetch), not at its step: a symbol in host memory that prefetch
+    could not bring back (no slot free) was forgotten by another symbol's step in between, and its request, which
+    came within the timeout, started from a fresh state."""
+    clock = Clock()
+    t = table(capacity=2, host_capacity=1, idle_timeout_s=10, clock=clock)
+    t.take_expired()  # keep them from now on
+    t.slots_for(["A", "B"])
+    clock.now = 1
+    t.slots_for(["B", "C"])  # A to the host tier, now full
+    clock.now = 9
+    t.prefetch(["A"])  # A's request came (idle 9 s); no slot for it while B and C's step is under way
+    assert "A" in t.offloaded
+    clock.now = 10.5
+    t.slots_for(["C"])  # A was last seen at its request's arrival, 1.5 s ago
+    assert t.take_expired() == [] and "A" in t.offloaded
+    clock.now = 19.5
+    t.slots_for(["C"])  # idle 10.5 s since that request: forgotten now (with B, idle 18.5 s)
+    assert sorted(t.take_expired()) == ["A", "B"]
+
+
 def test_idle_times_stay_in_time_order_when_a_touch_comes_late():
     """A step's placement reads the clock once and may wait (for a pinned host slot) while other threads touch
     symbols: its later touch must not put an older time behind a newer one, which expiry reads in order."""

@@ -728,6 +728,8 @@ class StateTable:
             for symbol in wanted:
                 if symbol not in self.resident:
                     if self._unplaceable([symbol]) or not self._can_take_slot(keep):
+                        if symbol in self.offloaded:  # its request came: not idle, though it waits for a slot
+                            self._seen(symbol, now)
                         continue
                     restoring = symbol in self.offloaded
                     self._place(symbol, exclude=keep)
@@ -804,6 +806,9 @@ class StateTable:
 
     def _touch(self, symbol, now):
         self.resident.move_to_end(symbol)
+        self._seen(symbol, now)
+
+    def _seen(self, symbol, now):
         # never earlier than the newest: a caller's `now` may predate a touch made while _place waited (the lock
         # released), and idle_symbols reads last_seen in time order
         self.last_seen[symbol] = max(now, next(reversed(self.last_seen.values()), now))
