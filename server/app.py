@@ -461,6 +461,9 @@ class ScoringServer:
             self._first = session
             self._first_registered.set()
         previous = session.attach(ws, msg.get("weights_fingerprint"), weights_match)
+        for frame in session.scores_to_resend(time.monotonic()):  # those a drop may have lost
+            if not await session.send(ws, frame):
+                break
         if session.ended.is_set():  # a team back after its stream ended: nothing more will come
             await session.send(ws, protocol.encode(protocol.end(session.total)))
         if previous is not None:  # a reconnect that beat the old connection's close: the new one wins
@@ -498,7 +501,9 @@ class ScoringServer:
                 ids, predictions = protocol.parse_inference_response(msg)
                 update, problems = session.handle_response(ids, predictions, received)
                 if update is not None:
-                    await self._send(ws, protocol.encode(update))
+                    frame = protocol.encode(update)
+                    session.note_scores_sent(frame, len(update["unique_ids"]), received)
+                    await self._send(ws, frame)
                 for code, details in problems:
                     await self._send_error(ws, code, details)
                 if session.finished_at is not None:

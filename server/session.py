@@ -21,6 +21,11 @@ MAX_NOTICES, NOTICE_CHARS = 10, 600  # a team's notices kept (the first ones), a
 # While nobody is connected a session marks what fell due (at its due time) and what was missed this often, not
 # at every request: 64 teams left disconnected at 200 requests/s took a third of the server's core.
 DISCONNECTED_TICK_S = 0.25
+# A score update sent just before a connection dropped may be lost with it, and the team's own count of what was
+# scored then falls short for good: each one sent in the last SCORES_KEPT_S seconds (at most SCORES_KEPT_IDS ids) is
+# sent again on the team's next connection (a client counts each id's score once).
+SCORES_KEPT_S = 30.0
+SCORES_KEPT_IDS = 8192
 
 
 def send_offsets(num_requests, delay_ms, rate=None, speed=1.0) -> np.ndarray:
@@ -65,6 +70,8 @@ class TeamSession:
         self.correct_towers = 0
         self.pnl = 0.0
         self._recent = deque()  # (receive time, pnl of one response message)
+        self._scores_sent = deque()  # (send time, ids, encoded score_update) of the last SCORES_KEPT_S seconds
+        self._scores_sent_ids = 0
         self.inbound = InboundBudget(clock=clock)
         self.connection = None
         self.connections = 0
@@ -237,6 +244,25 @@ class TeamSession:
         self._forget_before(received - RECENT_WINDOW_S)
         self._check_done(received)
         return protocol.score_update(accepted, pnl, correct, latency_ms), problems
+
+    def note_scores_sent(self, frame: bytes, ids: int, now: float) -> None:
+        self._scores_sent.append((now, ids, frame))
+        self._scores_sent_ids += ids
+        self._forget_scores_before(now - SCORES_KEPT_S)
+
+    def scores_to_resend(self, now: float) -> list[bytes]:
+        """The score updates sent on earlier connections that a drop may have lost (see SCORES_KEPT_S), oldest
+        first; kept no longer (each is sent again once)."""
+        self._forget_scores_before(now - SCORES_KEPT_S)
+        frames = [frame for _, _, frame in self._scores_sent]
+        self._scores_sent.clear()
+        self._scores_sent_ids = 0
+        return frames
+
+    def _forget_scores_before(self, oldest):
+        kept = self._scores_sent
+        while kept and (kept[0][0] < oldest or self._scores_sent_ids > SCORES_KEPT_IDS):
+            self._scores_sent_ids -= kept.popleft()[1]
 
     def add_notice(self, code: str, text: str):
         """A notice from the client (its states reset, a shard lost): kept for the leaderboard and summary."""
