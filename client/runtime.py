@@ -681,10 +681,9 @@ class StreamingClient:
                 self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): received before "
                                                              f"for another symbol or other features; a resend must "
                                                              f"repeat its request; not fed to the model"))
+            elif uid in self._crossing:  # answered on this connection already (its answer cached or not since)
+                self._crossing.discard(uid)
             elif uid in self._cache:
-                if uid in self._crossing:  # answered on this connection already: the server has that answer
-                    self._crossing.discard(uid)
-                    continue
                 cached_ids.append(uid)
             elif uid in self._in_flight:
                 continue  # resent while still queued or computing: answered when its step is done

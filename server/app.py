@@ -460,10 +460,12 @@ class ScoringServer:
         if self._first is None:  # the first team welcomed: the one wait_done() (--once) waits for
             self._first = session
             self._first_registered.set()
-        previous = session.attach(ws, msg.get("weights_fingerprint"), weights_match)
-        for frame in session.scores_to_resend(time.monotonic()):  # those a drop may have lost
+        # those a drop may have lost, before the connection is the team's: then nothing else (the end above all, should
+        # the stream end meanwhile) is sent on it before them
+        for frame in session.scores_to_resend(time.monotonic()):
             if not await session.send(ws, frame):
                 break
+        previous = session.attach(ws, msg.get("weights_fingerprint"), weights_match)
         if session.ended.is_set():  # a team back after its stream ended: nothing more will come
             await session.send(ws, protocol.encode(protocol.end(session.total)))
         if previous is not None:  # a reconnect that beat the old connection's close: the new one wins

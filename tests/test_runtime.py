@@ -393,6 +393,40 @@ def test_a_resend_that_crosses_its_answer_on_the_new_connection_is_not_answered_
     assert sum(team_client.stepped.values()) == 2 and summary["resent_from_cache"] == 1
 
 
+def test_a_resend_that_crosses_an_answer_gone_from_the_cache_does_not_end_the_session(model):
+    """The answers a reconnect's first steps send can push one that crossed its resend out of the cache before
+    that resend arrives: it was taken for an id answered long ago, the mark of a new stream, and the session
+    ended (new_stream) though the server had its answer."""
+    symbols, features = _stream(3, seed=7)
+    recorder = Recorder()
+    connections = []
+
+    class SlowFirst(CountingClient):
+        def process_batch(self, requests_by_symbol):
+            if any(uid == 0 for queued in requests_by_symbol.values() for uid, _ in queued):
+                time.sleep(0.5)  # still stepping when the connection drops and the client reconnects
+            return super().process_batch(requests_by_symbol)
+
+    async def handler(ws):
+        connections.append(ws)
+        assert protocol.decode(await ws.recv())["type"] == "register"
+        if len(connections) == 1:
+            await ws.send(_request([0, 1], symbols, features))
+            await asyncio.sleep(0.1)
+            ws.transport.abort()
+            return
+        await recorder.pump(ws, lambda: {0, 1} <= set(recorder.answered()))  # answered here; 0 left the cache
+        await ws.send(_request([0, 1], symbols, features))  # the backlog, formed before those answers came
+        await ws.send(_request([2], symbols, features))
+        await recorder.pump(ws, lambda: 2 in recorder.answered())
+        await ws.close(1000)
+
+    team_client = SlowFirst(ReferenceEngine(model))
+    client, summary = asyncio.run(_play(handler, team_client, cache_size=1))
+    assert client.outcome != "new_stream"
+    assert sorted(uid for uid, _ in recorder.responses) == [0, 1, 2]
+
+
 def test_failing_process_batch_sends_an_error_and_keeps_going(model):
     symbols, features = _stream(6)
     recorder = Recorder()

@@ -374,6 +374,47 @@ def test_a_reconnect_gets_again_the_score_updates_a_drop_may_have_lost_once():
     assert after["type"] == "inference_request"  # sent again once: the next connection gets the backlog alone
 
 
+def test_the_score_updates_sent_again_come_before_the_end():
+    """The stream ended (its last request missed) while the reconnect's score updates were being sent again: the
+    end went out between them, and a client that leaves at the end lost the updates after it."""
+    async def main():
+        async with Server(timeout_s=1.0) as s:
+            ws = await registered(s.url, "alpha")
+            last = REQUESTS - 1
+            answered = []
+            while len(answered) < last:  # every request but the last answered; the last one left to be missed
+                msg = await recv(ws)
+                if msg["type"] == "inference_request":
+                    ids = [i for i in msg["unique_ids"] if i != last]
+                    answered += ids
+                    await ws.send(protocol.encode(protocol.inference_response(ids, s.targets[ids], 0.0)))
+            while s.summary("alpha")["responses"] < last:
+                await asyncio.sleep(0.01)
+            ws.transport.abort()
+            session = s.server._sessions["alpha"]
+            send, held = session.send, []
+
+            async def slow_resend(connection, frame):  # the first update sent again waits for the stream's end
+                if not held and protocol.decode(frame)["type"] == "score_update":
+                    held.append(frame)
+                    while session.finished_at is None:
+                        await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.1)
+                return await send(connection, frame)
+            session.send = slow_resend
+            again = await registered(s.url, "alpha", session_key=ws.session_key)
+            kinds = []
+            try:
+                while True:  # to the end, then whatever follows it
+                    kinds.append((await recv(again, timeout=0.5 if "end" in kinds else 5.0))["type"])
+            except (TimeoutError, ConnectionClosed):
+                pass
+            await again.close()
+            return kinds
+    kinds = [kind for kind in run(main()) if kind not in ("heartbeat", "inference_request")]
+    assert kinds[0] == "score_update" and set(kinds[:-1]) == {"score_update"} and kinds[-1] == "end"
+
+
 def test_reconnect_resends_unanswered_in_order_and_counts_what_was_missed():
     timeout_s = 0.6  # wide, so that a loaded machine answers the first requests in time
 

@@ -423,6 +423,46 @@ def test_an_engine_dropped_unclosed_is_collected_and_stops_its_shards_and_a_with
     assert stopped == [True]
 
 
+class _AnswersUntilStopped(Shard):
+    """A shard whose steps wait for an answer that never comes: its stop() ends it, and every wait is lost."""
+    index, where, info = 0, "slow", {}
+
+    def __init__(self):
+        self.stopped = threading.Event()
+
+    def submit(self, symbols, features):
+        return len(symbols)
+
+    def result(self, handle):
+        self.stopped.wait()
+        raise ShardLost("stopped")
+
+    def release(self, symbols):
+        pass
+
+    def stop(self):
+        self.stopped.set()
+
+
+def test_the_steps_of_an_engine_dropped_unclosed_fail_when_its_collection_stops_a_slow_shard(monkeypatch):
+    """The collection stops a shard that has not answered in CLOSE_TIMEOUT_S, as close() does; the shard's loss
+    then found no engine to fail its steps, and their result() waited for ever (close() fails them)."""
+    import gc
+
+    import client.engine.sharded as sharded
+
+    monkeypatch.setattr(sharded, "CLOSE_TIMEOUT_S", 0.2)
+    engine = ShardedEngine([_AnswersUntilStopped()], progress=False)
+    features = np.zeros((1, 79), np.float32)
+    steps = [engine.submit(["A"], features) for _ in range(3)]
+    del engine
+    gc.collect()
+    for step in steps:
+        assert step.wait(5)
+        with pytest.raises(ShardError, match="closed"):
+            step.result()
+
+
 def test_missing_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match=r"asked for, but this machine has \d+ GPU"):
         process_shards(SPEC, ["cuda:7"], progress=False)

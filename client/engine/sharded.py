@@ -362,8 +362,24 @@ class _Runner:
                 entry.part.finish(ShardError(f"shard {self.index}: CapacityError: {why}"), np.asarray(rows))
 
     def _lose(self, cause: ShardLost):
-        if (engine := self.engine()) is not None:  # else the engine's finalizer is stopping the shard
+        if (engine := self.engine()) is not None:
             engine._lose(self, cause)
+            return
+        # the engine was collected and its finalizer stops the shard: its unanswered parts fail as close()'s do,
+        # else a step still held waits for them for ever
+        with self.work_ready:
+            if self.lost is not None:
+                return
+            self.lost = ShardLost(f"shard {self.index} ({self.shard.where}) lost: {cause}")
+            pending = [entry.part for entry in self.in_flight] + [item for kind, item in self.work if kind == "step"]
+            self.in_flight.clear()
+            self.work.clear()
+            for part in pending:
+                part.moved = True
+            self.work_ready.notify_all()
+            self.answer_due.notify_all()
+        for part in pending:
+            part.finish(ShardError("the sharded engine was closed"))
 
     def loss(self) -> ShardLost:
         """The loss, as one failed part's own exception: one shared by every part would gather, at each raise
