@@ -370,16 +370,22 @@ class _Runner:
         with self.work_ready:
             if self.lost is not None:
                 return
-            self.lost = ShardLost(f"shard {self.index} ({self.shard.where}) lost: {cause}")
-            pending = [entry.part for entry in self.in_flight] + [item for kind, item in self.work if kind == "step"]
-            self.in_flight.clear()
-            self.work.clear()
-            for part in pending:
-                part.moved = True
+            pending = self.take_unanswered(cause)
             self.work_ready.notify_all()
             self.answer_due.notify_all()
         for part in pending:
             part.finish(ShardError("the sharded engine was closed"))
+
+    def take_unanswered(self, cause) -> list[_Part]:
+        """Mark the shard lost and take its parts not yet answered (sent or queued), in order, each marked moved so
+        that no thread of this runner finishes it. Called holding the engine's lock."""
+        self.lost = ShardLost(f"shard {self.index} ({self.shard.where}) lost: {cause}")
+        pending = [entry.part for entry in self.in_flight] + [item for kind, item in self.work if kind == "step"]
+        self.in_flight.clear()
+        self.work.clear()
+        for part in pending:
+            part.moved = True
+        return pending
 
     def loss(self) -> ShardLost:
         """The loss, as one failed part's own exception: one shared by every part would gather, at each raise
@@ -414,8 +420,8 @@ class ShardedEngine(Engine):
                  answer_timeout_s=ANSWER_TIMEOUT_S):
         """shards: started shards of one transport (client.engine.shard_process.process_shards,
         client.engine.shard_ray.ray_shards), which this engine now owns (close() stops them, as does the engine's
-        collection if it is dropped unclosed). A shard that
-        answers no step for answer_timeout_s seconds is stopped and lost."""
+        collection if it is dropped unclosed). A shard that answers no step for answer_timeout_s seconds is stopped
+        and lost."""
         if not shards:
             raise ValueError("a sharded engine needs at least one shard")
         try:
@@ -573,13 +579,7 @@ class ShardedEngine(Engine):
             if runner.lost is not None:
                 return
             where = runner.shard.where
-            runner.lost = ShardLost(f"shard {runner.index} ({where}) lost: {cause}")
-            pending = [entry.part for entry in runner.in_flight] + [item for kind, item in runner.work
-                                                                     if kind == "step"]
-            runner.in_flight.clear()
-            runner.work.clear()
-            for part in pending:
-                part.moved = True
+            pending = runner.take_unanswered(cause)
             symbols = [s for s, index in self.shard_of.items() if index == runner.index]
             closing = self._closing
             record = None
