@@ -358,6 +358,20 @@ def test_reconnect_keeps_state_and_answers_resent_ids_from_cache(model):
     _assert_in_order_per_symbol([r for r in recorder.responses if r[0] >= 12], symbols)
 
 
+class SlowOnRequestZero(CountingClient):
+    def process_batch(self, requests_by_symbol):
+        if any(uid == 0 for queued in requests_by_symbol.values() for uid, _ in queued):
+            time.sleep(0.5)  # still stepping when the connection drops and the client reconnects
+        return super().process_batch(requests_by_symbol)
+
+
+async def _drop_after_sending(ws, ids, symbols, features):
+    """The first connection: requests `ids`, then dropped while their step runs."""
+    await ws.send(_request(ids, symbols, features))
+    await asyncio.sleep(0.1)
+    ws.transport.abort()
+
+
 def test_a_resend_that_crosses_its_answer_on_the_new_connection_is_not_answered_twice(model):
     """A step in flight across a reconnect answers on the new connection; the server's resend of that request,
     formed before the answer reached it, crosses the answer on the wire: it is not answered again from the cache
@@ -366,20 +380,11 @@ def test_a_resend_that_crosses_its_answer_on_the_new_connection_is_not_answered_
     recorder = Recorder()
     connections = []
 
-    class SlowFirst(CountingClient):
-        def process_batch(self, requests_by_symbol):
-            if any(uid == 0 for queued in requests_by_symbol.values() for uid, _ in queued):
-                time.sleep(0.5)  # still stepping when the connection drops and the client reconnects
-            return super().process_batch(requests_by_symbol)
-
     async def handler(ws):
         connections.append(ws)
         assert protocol.decode(await ws.recv())["type"] == "register"
         if len(connections) == 1:
-            await ws.send(_request([0], symbols, features))
-            await asyncio.sleep(0.1)
-            ws.transport.abort()
-            return
+            return await _drop_after_sending(ws, [0], symbols, features)
         await recorder.pump(ws, lambda: 0 in recorder.answered())  # the step ended: answered here
         await ws.send(_request([0, 1], symbols, features))  # the backlog, formed before that answer came
         await recorder.pump(ws, lambda: 1 in recorder.answered())
@@ -387,7 +392,7 @@ def test_a_resend_that_crosses_its_answer_on_the_new_connection_is_not_answered_
         await recorder.pump(ws, lambda: len(recorder.responses) >= 3)
         await ws.close(1000)
 
-    team_client = SlowFirst(ReferenceEngine(model))
+    team_client = SlowOnRequestZero(ReferenceEngine(model))
     _, summary = asyncio.run(_play(handler, team_client))
     assert [uid for uid, _ in recorder.responses] == [0, 1, 1]
     assert sum(team_client.stepped.values()) == 2 and summary["resent_from_cache"] == 1
@@ -401,27 +406,18 @@ def test_a_resend_that_crosses_an_answer_gone_from_the_cache_does_not_end_the_se
     recorder = Recorder()
     connections = []
 
-    class SlowFirst(CountingClient):
-        def process_batch(self, requests_by_symbol):
-            if any(uid == 0 for queued in requests_by_symbol.values() for uid, _ in queued):
-                time.sleep(0.5)  # still stepping when the connection drops and the client reconnects
-            return super().process_batch(requests_by_symbol)
-
     async def handler(ws):
         connections.append(ws)
         assert protocol.decode(await ws.recv())["type"] == "register"
         if len(connections) == 1:
-            await ws.send(_request([0, 1], symbols, features))
-            await asyncio.sleep(0.1)
-            ws.transport.abort()
-            return
+            return await _drop_after_sending(ws, [0, 1], symbols, features)
         await recorder.pump(ws, lambda: {0, 1} <= set(recorder.answered()))  # answered here; 0 left the cache
         await ws.send(_request([0, 1], symbols, features))  # the backlog, formed before those answers came
         await ws.send(_request([2], symbols, features))
         await recorder.pump(ws, lambda: 2 in recorder.answered())
         await ws.close(1000)
 
-    team_client = SlowFirst(ReferenceEngine(model))
+    team_client = SlowOnRequestZero(ReferenceEngine(model))
     client, summary = asyncio.run(_play(handler, team_client, cache_size=1))
     assert client.outcome != "new_stream"
     assert sorted(uid for uid, _ in recorder.responses) == [0, 1, 2]
