@@ -507,7 +507,7 @@ def test_stopping_the_pinning_keeps_what_is_pinned_and_pins_no_more():
     pool.pin_piece = pin_piece
     t.free_host.clear()  # as a GPU table starts: every host slot joins the tier once pinned
     pool.pinned = 0
-    t._pinning = threading.Thread(target=module._pin_host_tier, args=(weakref.ref(t),), daemon=True)
+    t._pinning = threading.Thread(target=module._pin_host_tier, args=(weakref.ref(t), t.parts[0].device), daemon=True)
     t._pinning.start()
     while len(registered) < 2:
         time.sleep(0.001)

@@ -19,6 +19,7 @@ from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, Shar
 def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, requests, replies):
     """A shard process: build the engine, then answer ("step", seq, symbols, features) with ("done", seq,
     predictions) or ("error", seq, message), in order; ("release", symbols) and ("stop",) have no answer."""
+    _on_own_gpu(device)
     try:
         engine, info = build_shard_engine(spec, device, engine_name, options)
     except KeyboardInterrupt:  # Ctrl-C while the client starts: it exits at once, and so does this
@@ -33,6 +34,7 @@ def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, 
     submitted = queue.Queue()  # (seq, PendingStep or the exception its submit raised)
 
     def collect():
+        _on_own_gpu(device)
         while True:
             item = submitted.get()
             if item is None:
@@ -64,6 +66,13 @@ def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, 
             submitted.put(None)
             collector.join()
             return
+
+
+def _on_own_gpu(device: str) -> None:
+    """This thread's CUDA calls on the shard's GPU. A thread starts on GPU 0, and a CUDA call there makes a context on
+    GPU 0: ~0.5 GiB of another shard's GPU, and ~0.1 s of the shard's first step (bench/LOG.md section 74)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
 
 
 class ProcessShard(Shard):

@@ -44,10 +44,10 @@ def run(bench):
 
 
 def warm(engine, seconds):
-    """Steps on every shard for `seconds` before a run: its targets are computed on the first GPU meanwhile, and a
-    GPU idle that long ran its first steps slowly enough to fail a run (p99 150-200 ms at 5,000 req/s on two
-    H200s: bench/LOG.md section 73). MAX_BATCH symbols of their own, the room start_shards leaves beside the run's,
-    released after."""
+    """Steps on every shard for `seconds` before a run, so that each run measures shards in their steady state. The
+    hold that made it (p99 150-200 ms at 5,000 req/s on two H200s, bench/LOG.md section 73) was each shard's first
+    step, which made a CUDA context on GPU 0 until section 74, not the idle time. MAX_BATCH symbols of their own, the
+    room start_shards leaves beside the run's, released after."""
     names = prefixed_names("WARM_", MAX_BATCH)
     features = np.random.default_rng(0).standard_normal((MAX_BATCH, NUM_FEATURES)).astype(np.float32)
     end = time.perf_counter() + seconds

@@ -1,5 +1,6 @@
 """FastEngine: the state table, the step runner and its CUDA graphs put together behind the Engine interface."""
 import contextlib
+import functools
 import gc
 import platform
 import sys
@@ -47,6 +48,24 @@ def _progress(label):
     return report
 
 
+def _on_device(device):
+    """torch.cuda.device(device) for a block, or nothing where it is the current device already (or the CPU). A
+    thread's CUDA calls go to its current device, GPU 0 until the thread sets another: one there from an engine on
+    another GPU makes a CUDA context on GPU 0 (~0.5 GiB of its memory, and ~0.1 s: bench/LOG.md section 74)."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _on_own_device(method):
+    """The engine's method run on its (first) device, from whichever thread calls it."""
+    @functools.wraps(method)
+    def on_device(self, *args, **kwargs):
+        with _on_device(self.device):
+            return method(self, *args, **kwargs)
+    return on_device
+
+
 class Staging:
     """One submitted step's pinned host buffers (inputs shared by every GPU, an output per GPU), and the events
     recorded after each GPU's read-back was enqueued."""
@@ -66,16 +85,26 @@ class Staging:
         # ended, ~3 ms, in 1-2% of the steps (bench/LOG.md section 48)
         self.started = [torch.cuda.Event(enable_timing=True) for _ in shards] if timed else None
         self.columns = [shard.columns for shard in shards]
+        self.devices = [shard.device for shard in shards]  # each GPU's event is waited for on that GPU
         self.step: PendingStep | None = None  # the last step that used these buffers
 
     def ended(self) -> bool:
         """Whether every GPU has ended the step and its read-back (without waiting)."""
-        return all(done.query() for done in self.done)
+        for done, device in zip(self.done, self.devices):
+            with _on_device(device):
+                if not done.query():
+                    return False
+        return True
+
+    def wait(self, gpu=0):
+        """Until GPU `gpu` has ended the step and its read-back (releases the GIL meanwhile)."""
+        with _on_device(self.devices[gpu]):
+            self.done[gpu].synchronize()
 
     def read_back(self, batch, step_times=None):
         out = np.empty((batch, NUM_TOWERS), dtype=np.float32)  # a copy: the buffers are reused by a later step
-        for done, host, columns in zip(self.done, self.outs, self.columns):
-            done.synchronize()  # releases the GIL while the GPU finishes
+        for gpu, (host, columns) in enumerate(zip(self.outs, self.columns)):
+            self.wait(gpu)
             out[:, columns] = host[:batch].numpy()
         if step_times is not None:
             step_times.append((batch, max(start.elapsed_time(done) for start, done in zip(self.started, self.done))))
@@ -126,7 +155,7 @@ class JoinableStep(PendingStep):
         return None if seen == -1 else seen == self.slots[j]
 
     def _read(self):
-        self.staging.done[0].synchronize()  # the step is over, so is the one ahead: nothing joins it any more
+        self.staging.wait()  # the step is over, so is the one ahead: nothing joins it any more
         with self._joins:  # the fates kept: a later step that reuses the staging resets `taken`
             self._fates = [self.fate(j) for j in range(len(self.slots))]
         out = self.staging.read_back(self.formed + len(self._fates), self.engine.step_times)
@@ -187,7 +216,7 @@ class FastEngine(Engine):
         if not (is_count(max_rows_per_symbol, 1) and is_count(max_batch, 1)):
             raise ValueError(f"max_batch and max_rows_per_symbol must be positive whole numbers, got {max_batch!r}, "
                              f"{max_rows_per_symbol!r}")
-        _check_devices(devices)
+        devices = _checked_devices(devices)
         start = time.perf_counter()
         self.device, self.devices, self.max_batch = devices[0], devices, max_batch
         # On one GPU submit returns while the step runs, and the step's done() queries its events: the runtime may
@@ -354,6 +383,7 @@ class FastEngine(Engine):
         rejected = self.table.unplaceable(symbols, at_once=False)
         return dict.fromkeys(rejected, str(self.table.capacity_error(rejected))) if rejected else {}
 
+    @_on_own_device
     def release(self, symbols) -> None:
         """Forget these symbols' states (they left); their slots go to other symbols."""
         self.table.release(symbols)
@@ -367,24 +397,29 @@ class FastEngine(Engine):
         do otherwise."""
         return self.table.host_capacity > 0
 
+    @_on_own_device
     def prefetch(self, symbols) -> None:
         """Requests for these symbols arrived: start their states' way to the GPU now (thread-safe; returns at
         once, the copies run on the table's copy streams)."""
         self.table.prefetch(symbols)
 
+    @_on_own_device
     def ready(self, symbol) -> bool:
         """False while the symbol's state is still on its way to the GPU (thread-safe)."""
         return self.table.ready(symbol)
 
+    @_on_own_device
     def slots_for(self, symbols) -> torch.Tensor:
         return torch.tensor(self.table.slots_for(symbols), dtype=torch.int32).to(self.device, non_blocking=True)
 
+    @_on_own_device
     @torch.no_grad()
     def step_slots(self, slot_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Predictions [B, 4] on the (first) device for one request of each slot (distinct); valid until the next
         call (graph outputs are reused)."""
         return self.step_plan(StepPlan.one_row_each(slot_ids), features)
 
+    @_on_own_device
     @torch.no_grad()
     def step_plan(self, plan: StepPlan, features: torch.Tensor) -> torch.Tensor:
         """Predictions [R, 4] on the (first) device for a step whose plan and features are on the device."""
@@ -405,6 +440,7 @@ class FastEngine(Engine):
     def step(self, symbols, features):
         return self.submit(symbols, features).result()
 
+    @_on_own_device
     @torch.no_grad()
     def submit(self, symbols, features, *, joinable=False) -> PendingStep:
         """Enqueue a step on each device's current CUDA stream and return at once; result() waits for its
@@ -490,6 +526,7 @@ class FastEngine(Engine):
             staging.step = JoinableStep(self, staging, sequences.symbols, restore, shape.sequences, ahead)
         return staging.step
 
+    @_on_own_device
     def queued(self, staging, ahead) -> bool:
         """Whether `staging`'s step is the last submitted and the one `ahead` of it still runs (so it has not
         started: the stream runs them in order)."""
@@ -560,23 +597,22 @@ def _current(streams):
         yield
 
 
-def _on_device(device):
-    """torch.cuda.device(device), or nothing where it is the current device already (one GPU)."""
-    current = device.index in (None, torch.cuda.current_device())
-    return contextlib.nullcontext() if current else torch.cuda.device(device)
-
-
-def _check_devices(devices):
+def _checked_devices(devices) -> list[torch.device]:
+    """The devices, each GPU with its index ("cuda" is the current one: every thread's CUDA calls are then made on
+    the engine's GPU, _on_device), or ValueError saying why they cannot serve."""
     kinds = {d.type for d in devices}
     if len(kinds) != 1 or not kinds <= {"cuda", "cpu"}:
         raise ValueError(f"devices must all be CUDA GPUs or all the CPU, got {', '.join(map(str, devices))}")
-    if "cuda" in kinds:
-        if not torch.cuda.is_available():
-            raise ValueError("a CUDA device was asked for but CUDA is not available; use --device cpu")
-        present = torch.cuda.device_count()
-        missing = [str(d) for d in devices if (d.index or 0) >= present]
-        if missing:
-            raise ValueError(f"{', '.join(missing)} asked for, but this machine has {present} GPU(s)")
-        indices = [d.index or 0 for d in devices]
-        if len(set(indices)) != len(indices):
-            raise ValueError(f"each GPU may appear once, got {', '.join(map(str, devices))}")
+    if "cuda" not in kinds:
+        return devices
+    if not torch.cuda.is_available():
+        raise ValueError("a CUDA device was asked for but CUDA is not available; use --device cpu")
+    devices = [torch.device("cuda", torch.cuda.current_device() if d.index is None else d.index) for d in devices]
+    present = torch.cuda.device_count()
+    missing = [str(d) for d in devices if d.index >= present]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} asked for, but this machine has {present} GPU(s)")
+    indices = [d.index for d in devices]
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"each GPU may appear once, got {', '.join(map(str, devices))}")
+    return devices

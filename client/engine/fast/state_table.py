@@ -225,11 +225,14 @@ def _stop_pinning():
         table.stop_pinning()
 
 
-def _pin_host_tier(table_ref):
+def _pin_host_tier(table_ref, device):
     """The pinning thread: the host tier slot by slot (registrations hold up the GPU's launches: one at a time,
     short), paused while the table's _pin_go is clear. It holds its table only while a slot pins, so that a table
     dropped before its tier is pinned (up to a minute) is collected, its host memory unregistered and unmapped, and
-    the thread ends."""
+    the thread ends. It registers on the table's GPU: a thread starts on GPU 0, where a registration would make a
+    CUDA context for a table on another GPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     began, index = time.perf_counter(), 0
     while (table := table_ref()) is not None:
         try:
@@ -547,8 +550,8 @@ class StateTable:
         self._pin_stopped = False  # stop_pinning(): no piece registers after the one under way
         self._pinning = None
         if self.parts[0].host.pin:
-            self._pinning = threading.Thread(target=_pin_host_tier, args=(weakref.ref(self),), name="pin-host-tier",
-                                             daemon=True)
+            self._pinning = threading.Thread(target=_pin_host_tier, args=(weakref.ref(self), self.parts[0].device),
+                                             name="pin-host-tier", daemon=True)
             _PINNING.add(self)
             self._pinning.start()
 
