@@ -71,7 +71,8 @@ def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, 
 def _on_own_gpu(device: str) -> None:
     """This thread's CUDA calls on the shard's GPU. A thread starts on GPU 0, and a CUDA call there makes a context on
     GPU 0: ~0.5 GiB of another shard's GPU, and ~0.1 s of the shard's first step (bench/LOG.md section 74)."""
-    if device.startswith("cuda"):
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:  # "cuda" is GPU 0 in every thread of a new process
         torch.cuda.set_device(device)
 
 

@@ -387,6 +387,8 @@ class DeviceSlots:
 
     def __init__(self, layout, device, slots, host_slots, separate=False):
         self.layout, self.device = dict(layout), torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # the current GPU, named for other threads
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.offsets, self.slot_bytes = slot_layout(self.layout)
         # chunks: (buffer [slots, bytes], first byte within the slot's block)
         if separate:
