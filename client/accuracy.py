@@ -33,7 +33,8 @@ class ReferenceStepper:
         self.features = torch.zeros(batch, model.cfg.features, device=self.device, dtype=dtype)
         self.graph = None
         if self.device.type == "cuda":
-            self._capture()
+            with torch.cuda.device(self.device):  # torch.cuda.graph synchronizes the current GPU: make it this one
+                self._capture()
 
     @torch.no_grad()
     def _capture(self):

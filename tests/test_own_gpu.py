@@ -52,6 +52,9 @@ in_thread(queued.result)
 in_thread(ahead.result)
 reference = make_engine("reference", load, device=gpu, capacity=4, host_symbols=0, progress=False)
 in_thread(lambda: reference.step(["A", "B"], rows(2)))
+from client.accuracy import ReferenceStepper  # the evaluator's and the bench's targets, as a CUDA graph
+stepper = ReferenceStepper(load(), 2, gpu)
+stepper.step(torch.zeros(2, 79, device=gpu))
 torch.cuda.synchronize(gpu)
 print(torch._C._cuda_hasPrimaryContext(0), torch._C._cuda_hasPrimaryContext(1))
 """
