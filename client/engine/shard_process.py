@@ -19,8 +19,8 @@ from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, Shar
 def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, requests, replies):
     """A shard process: build the engine, then answer ("step", seq, symbols, features) with ("done", seq,
     predictions) or ("error", seq, message), in order; ("release", symbols) and ("stop",) have no answer."""
-    _on_own_gpu(device)
     try:
+        _on_own_gpu(device)
         engine, info = build_shard_engine(spec, device, engine_name, options)
     except KeyboardInterrupt:  # Ctrl-C while the client starts: it exits at once, and so does this
         return
