@@ -177,6 +177,9 @@ class _HostStaging:
     def ended(self):
         return all(done.query() for done in self.done)
 
+    def wait(self, gpu=0):
+        self.done[gpu].synchronize()
+
     def set_taken(self):
         """What the staged graph's copy of the sequence slots leaves in `taken` when the step starts."""
         self.taken[0][:] = self.inputs.seq_slots
