@@ -44,10 +44,13 @@ while not in_thread(pending.done):
 in_thread(pending.result)
 in_thread(lambda: fast.ready("B"))
 in_thread(lambda: fast.release(["C"]))
+with torch.cuda.device(gpu), torch.cuda.stream(fast.step_streams[0]):
+    torch.cuda._sleep(100_000_000)  # ~50 ms: the next step queues behind one still running, so it takes joins
 ahead = fast.submit(["A"], rows(1))
-queued = fast.submit(["D"], rows(1), joinable=True)
-if hasattr(queued, "join"):
-    in_thread(lambda: queued.join("A", rows(1)[0]))
+queued = fast.submit(["D"], rows(1), joinable=True)  # D back from the host tier, A out to it
+assert hasattr(queued, "join")  # else the join below would test nothing
+fast.prefetch(["A"])  # A's way back on record in its slot: a join of A asks that copy's event
+in_thread(lambda: queued.join("A", rows(1)[0]))  # from a thread that made no CUDA call before
 in_thread(queued.result)
 in_thread(ahead.result)
 reference = make_engine("reference", load, device=gpu, capacity=4, host_symbols=0, progress=False)

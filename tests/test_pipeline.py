@@ -188,8 +188,8 @@ class _HostStaging:
 def test_joinable_step_keeps_each_joins_fate_and_leaves_a_missed_one_unanswered():
     slots = {"A": 3, "B": 4, "C": 5}
     running = {"ahead": True}
-    engine = SimpleNamespace(table=SimpleNamespace(resident_slot=slots.get), step_times=None,
-                             queued=lambda staging, ahead: running["ahead"])
+    engine = SimpleNamespace(device=torch.device("cpu"), table=SimpleNamespace(resident_slot=slots.get),
+                             step_times=None, queued=lambda staging, ahead: running["ahead"])
     staging = _HostStaging(79)
     staging.inputs.fill([slots["A"]], [1], np.zeros((1, 79), np.float32))
     step = JoinableStep(engine, staging, ["A"], np.arange(1), capacity=3, ahead=None)
@@ -211,14 +211,38 @@ def test_joinable_step_keeps_each_joins_fate_and_leaves_a_missed_one_unanswered(
     assert not step.join("C", row)  # read back: nothing joins it any more
 
 
+def test_a_join_looks_its_symbol_up_on_the_engines_gpu(monkeypatch):
+    """The table's resident_slot queries the slot's last copy's event, which has no device guard: a join from a
+    thread on GPU 0 made a CUDA context there for an engine on another GPU (bench/LOG.md section 74)."""
+    import contextlib
+
+    from client.engine.fast import engine as module
+
+    current, seen = [], []
+
+    @contextlib.contextmanager
+    def on_device(device):
+        current.append(device)
+        yield
+        current.pop()
+    monkeypatch.setattr(module, "_on_device", on_device)
+    gpu = torch.device("cuda", 1)
+    engine = SimpleNamespace(device=gpu, table=SimpleNamespace(resident_slot=lambda s: seen.append(current[-1:]) or 4),
+                             step_times=None, queued=lambda staging, ahead: True)
+    staging = _HostStaging(79)
+    staging.inputs.fill([3], [1], np.zeros((1, 79), np.float32))
+    step = JoinableStep(engine, staging, ["A"], np.arange(1), capacity=3, ahead=None)
+    assert step.join("B", np.ones(79, np.float32)) and seen == [[gpu]]
+
+
 def test_the_example_clients_answer_names_the_joins_that_made_it():
     """team/example_model.py's pending step over a JoinableStep: join and fate by unique id; its answer has the
     formed requests and the joins the step read, not the one that came too late."""
     from team.example_model import _JoinableAnswer
 
     slots = {"A": 3, "B": 4, "C": 5}
-    engine = SimpleNamespace(table=SimpleNamespace(resident_slot=slots.get), step_times=None,
-                             queued=lambda staging, ahead: True)
+    engine = SimpleNamespace(device=torch.device("cpu"), table=SimpleNamespace(resident_slot=slots.get),
+                             step_times=None, queued=lambda staging, ahead: True)
     staging = _HostStaging(79)
     staging.inputs.fill([slots["A"]], [1], np.zeros((1, 79), np.float32))
     answer = _JoinableAnswer(JoinableStep(engine, staging, ["A"], np.arange(1), capacity=3, ahead=None), [10], {})

@@ -134,7 +134,9 @@ class JoinableStep(PendingStep):
         resident on the GPU with its copies done. True says only that it may make it: see fate(). ValueError
         for features of the wrong shape or not finite, as submit's."""
         features = check_step_inputs([symbol], np.asarray(features).reshape(1, -1))[0]
-        with self._joins:
+        # on the engine's GPU: resident_slot queries the slot's last copy's event (no device guard), from the
+        # runtime's thread, which may be on GPU 0 (a CUDA call there makes a context on it)
+        with self._joins, _on_device(self.engine.device):
             sequence = self.formed + len(self.slots)
             if sequence >= self.capacity or symbol in self.symbols or self._fates is not None:
                 return False
