@@ -16,10 +16,11 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
 
 # In a fresh process: nothing before it has touched GPU 0.
 ENGINES_ON_GPU_1 = r"""
-import threading, time
+import gc, threading, time
 import numpy as np, torch
 from client.engine import make_engine
 from client.engine.fast import FastEngine
+from client.engine.fast.state_table import StateTable
 from client.model import load_model
 
 def in_thread(call):
@@ -53,6 +54,13 @@ fast.prefetch(["A"])  # A's way back on record in its slot: a join of A asks tha
 in_thread(lambda: queued.join("A", rows(1)[0]))  # from a thread that made no CUDA call before
 in_thread(queued.result)
 in_thread(ahead.result)
+def drop(held):
+    held.clear()
+    gc.collect()
+
+held = [StateTable(({"s": ((4,), torch.float32, 0.0)}, gpu), 2, host_capacity=2)]
+held[0].wait_pinned()
+in_thread(lambda: drop(held))  # its host tier unregistered from a thread that made no CUDA call before
 reference = make_engine("reference", load, device=gpu, capacity=4, host_symbols=0, progress=False)
 in_thread(lambda: reference.step(["A", "B"], rows(2)))
 from client.accuracy import ReferenceStepper  # the evaluator's and the bench's targets, as a CUDA graph

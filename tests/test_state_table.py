@@ -730,6 +730,28 @@ def test_a_table_dropped_while_its_tier_pins_is_collected_its_memory_unregistere
     assert 3 <= len(registered) < 201 and sorted(unregistered) == sorted(registered)
 
 
+def test_a_collected_tier_is_unregistered_on_its_gpu(monkeypatch):
+    """Whichever thread collects a table unregisters its host tier: one on GPU 0 made a CUDA context there for a
+    table on another GPU (bench/LOG.md section 74). Unregistered where the pinning thread registered it."""
+    import contextlib
+
+    from client.engine.fast import state_table as module
+
+    current, unregistered = [None], []
+
+    @contextlib.contextmanager
+    def on(device):
+        previous, current[0] = current[0], device
+        yield
+        current[0] = previous
+    monkeypatch.setattr(torch.cuda, "device", on)
+    gpu = torch.device("cuda", 1)
+    module._unregister([1, 2], None, lambda address: unregistered.append((address, current[0])), gpu)
+    assert unregistered == [(1, gpu), (2, gpu)] and current[0] is None
+    module._unregister([3], None, lambda address: unregistered.append((address, current[0])), torch.device("cpu"))
+    assert unregistered[-1] == (3, None)
+
+
 def test_copies_split_where_the_host_registrations_do(monkeypatch):
     from client.engine.fast import state_table as module
 

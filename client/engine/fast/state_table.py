@@ -34,6 +34,7 @@ slots_for (by then their step is enqueued, or done on the CPU), so a prefetch fr
 state that a step being enqueued uses.
 """
 import atexit
+import contextlib
 import ctypes
 import mmap
 import os
@@ -311,6 +312,7 @@ class _HostPool:
 
     def __init__(self, count, slot_bytes, pin: bool):
         self.stride = host_slot_bytes(slot_bytes)
+        self.device = None  # the GPU its table's pinning thread registers it on (set by the table): unregistered there
         self.count, self.pin = count, pin and count > 0
         self.pinned = 0 if self.pin else count  # slots pinned so far (every slot counts as pinned off a GPU)
         self._registered = None  # addresses of the pieces registered so far
@@ -337,7 +339,8 @@ class _HostPool:
         registered piece is unregistered when the pool is collected."""
         if self._registered is None:
             self._registered = []
-            finalizer = weakref.finalize(self, _unregister, self._registered, self._map, _unregister_host)
+            finalizer = weakref.finalize(self, _unregister, self._registered, self._map, _unregister_host,
+                                         self.device)
             finalizer.atexit = False  # at exit the system takes everything back
         address = self.slots.data_ptr() + offset
         _populate(address, nbytes)
@@ -372,9 +375,12 @@ def _unregister_host(address) -> None:
     torch.cuda.cudart().cudaHostUnregister(address)
 
 
-def _unregister(addresses, mapping, unregister):
-    for address in addresses:
-        unregister(address)
+def _unregister(addresses, mapping, unregister, device=None):
+    # on the pool's GPU: whichever thread collects the pool may be on GPU 0, where cudaHostUnregister would make a
+    # CUDA context for a pool of another GPU's table
+    with torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext():
+        for address in addresses:
+            unregister(address)
     del mapping  # unmapped once every view of it is gone, after the registrations
 
 
@@ -524,6 +530,8 @@ class StateTable:
         _check_host_tier(host_capacity, host_slots * sum(host_slot_bytes(slot_layout(layout)[1])
                                                          for layout, _ in parts))
         self.parts = [DeviceSlots(layout, device, capacity + 1, host_slots, separate) for layout, device in parts]
+        for part in self.parts:  # every part's tier is registered by the pinning thread, on the first part's GPU
+            part.host.device = self.parts[0].device
         self.host_capacity, self.idle_timeout_s, self.reserve, self.clock = host_capacity, idle_timeout_s, reserve, clock
         self.before_copy = before_copy
         for part in self.parts:
