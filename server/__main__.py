@@ -53,8 +53,8 @@ def parse_args(argv=None) -> ServerConfig:
     parser.add_argument("--requests", type=cli.positive_int, help=f"default {ServerConfig.requests}")
     parser.add_argument("--stream-seed", type=cli.seed, help=f"default {ServerConfig.stream_seed}")
     parser.add_argument("--rate", type=cli.positive_float, help="requests/s; default: the stream's own gaps")
-    parser.add_argument("--speed", type=cli.positive_float, default=1.0,
-                        help="scale the stream's own gaps (not used with --rate)")
+    parser.add_argument("--speed", type=cli.positive_float,
+                        help="scale the stream's own gaps (default 1; not with --rate)")
     parser.add_argument("--atol", type=cli.non_negative_float, default=ATOL)
     parser.add_argument("--timeout-s", type=cli.positive_float, default=DEFAULT_TIMEOUT_S)
     parser.add_argument("--half-life-ms", type=cli.positive_float, default=DEFAULT_HALF_LIFE_MS)
@@ -73,6 +73,8 @@ def parse_args(argv=None) -> ServerConfig:
     args = parser.parse_args(argv)
     if args.targets == "file" and args.stream is None:
         parser.error("--targets file needs --stream, a file that carries targets")
+    if args.rate is not None and args.speed is not None:  # else silently ignored: --rate sets every gap
+        parser.error("--speed scales the stream's own gaps; --rate replaces them: give one")
     generation = {name: getattr(args, name) for name in ("symbols", "requests", "stream_seed")
                   if getattr(args, name) is not None}
     if args.stream is not None and generation:  # else silently ignored: the file's requests played as they are
@@ -84,7 +86,7 @@ def parse_args(argv=None) -> ServerConfig:
                         max_field_chars=args.max_field_chars, bad_token_delay_s=args.bad_token_delay_s,
                         max_unregistered_sockets=args.max_unregistered_sockets)
         return ServerConfig(host=args.host, port=args.port, preset=args.preset, weights=args.weights,
-                            seed=args.seed, stream=args.stream, **generation, rate=args.rate, speed=args.speed,
+                            seed=args.seed, stream=args.stream, **generation, rate=args.rate, speed=args.speed or 1.0,
                             atol=args.atol, timeout_s=args.timeout_s, half_life_ms=args.half_life_ms, token=args.token,
                             tokens=load_tokens(args.tokens) if args.tokens else None, limits=limits,
                             once=args.once, json=args.json, device=args.device, cache_dir=args.cache_dir,

@@ -113,6 +113,7 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
      "argument --max-unregistered-sockets: must be a positive integer, got 'lots'"),
     (["--stream-seed", "-1"], "argument --stream-seed: must be a non-negative integer, got '-1'"),
     (["--token", "a", "--tokens", "README.md"], "not allowed with argument"),
+    (["--rate", "200", "--speed", "2"], "--speed scales the stream's own gaps; --rate replaces them"),  # was ignored
     (["--token", ""], "--token must not be empty"),  # it admitted every register with an empty token, unwarned
     (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
     (["--requests", "many"], "argument --requests: must be a positive integer, got 'many'"),
