@@ -167,13 +167,18 @@ def check_port_free(host: str, port: int) -> None:
             raise cli.CliError(listen_error(host, port, exc)) from None
 
 
+def listening_line(host: str, port: int) -> str:
+    """The line that says where the server listens, its urls as a browser and the team client take them."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in a url takes brackets
+    return (f"scoring server listening on ws://{where} (leaderboard http://{where}/; the original protocol, "
+            f"newline-delimited JSON over TCP, on the same port: tcp://{where})")
+
+
 async def serve(server: ScoringServer) -> int:
     """Serve until done (--once), Ctrl-C or SIGTERM; print the table; exit code 130 after Ctrl-C, else 0."""
     config = server.config
     port = await server.start()
-    print(f"scoring server listening on ws://{config.host}:{port} (leaderboard http://{config.host}:{port}/; the "
-          f"original protocol, newline-delimited JSON over TCP, on the same port: tcp://{config.host}:{port})",
-          flush=True)
+    print(listening_line(config.host, port), flush=True)
     main, loop = asyncio.current_task(), asyncio.get_running_loop()
     interrupted = []
 

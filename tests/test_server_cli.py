@@ -231,6 +231,25 @@ def test_strangers_idle_sockets_leave_a_team_room_under_a_low_soft_limit_of_open
         proc.wait(timeout=60)
 
 
+def test_the_listening_line_gives_urls_a_browser_takes_for_an_ipv6_host_too():
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--host", "::1", "--port", "0", "--symbols", "1",
+                             "--requests", "1"], cwd=ROOT, env=ONE_THREAD, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    # it said ws://::1:PORT and http://::1:PORT/, which no browser or url parser takes
+    port = re.search(r"ws://\[::1\]:(\d+) ", line).group(1)
+    assert f"(leaderboard http://[::1]:{port}/;" in line and line.rstrip().endswith(f"tcp://[::1]:{port})"), line
+
+
 def test_a_server_other_machines_reach_without_tokens_is_warned(tmp_path):
     with socket.socket() as taken:  # a port in use: the server stops right after its checks
         taken.bind(("0.0.0.0", 0))
