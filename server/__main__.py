@@ -20,6 +20,7 @@ def _ctrl_c_exits_until_serving():
 if __name__ == "__main__":
     _ctrl_c_exits_until_serving()  # first: the imports below take a second or two
 
+import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import ipaddress  # noqa: E402
 import json  # noqa: E402
@@ -40,7 +41,7 @@ PROG = cli.prog_name("python -m server")
 
 def parse_args(argv=None) -> ServerConfig:
     parser = cli.ArgumentParser(prog=PROG, description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", type=listen_host, default="127.0.0.1")
     parser.add_argument("--port", type=cli.listen_port, default=8765, help="0: any free port")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                         help="model preset of the reference targets")
@@ -93,6 +94,15 @@ def parse_args(argv=None) -> ServerConfig:
                             targets=args.targets, progress=True)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def listen_host(text: str) -> str:
+    """argparse type: an address (or name) of this machine, an IPv6 one with or without its brackets. A url, or
+    [::1], failed only after a warning that the server listened beyond loopback, as 'Name or service not known'."""
+    if "://" in text:
+        raise argparse.ArgumentTypeError(f"takes an address of this machine, not a url, got {text!r}; the port is "
+                                         f"--port")
+    return cli.host_name(text)
 
 
 def add_limit_arguments(parser):

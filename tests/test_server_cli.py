@@ -113,6 +113,8 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
      "argument --max-unregistered-sockets: must be a positive integer, got 'lots'"),
     (["--stream-seed", "-1"], "argument --stream-seed: must be a non-negative integer, got '-1'"),
     (["--token", "a", "--tokens", "README.md"], "not allowed with argument"),
+    (["--host", "ws://127.0.0.1"], "argument --host: takes an address of this machine, not a url"),  # was a lookup
+    (["--host", "127.0.0.1:80"], "argument --host: must be a host name or address"),
     (["--rate", "200", "--speed", "2"], "--speed scales the stream's own gaps; --rate replaces them"),  # was ignored
     (["--token", ""], "--token must not be empty"),  # it admitted every register with an empty token, unwarned
     (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
@@ -128,6 +130,7 @@ def test_cli_rejects_bad_options(argv, message, capsys):
 
 
 def test_cli_builds_config():
+    assert parse_args(["--host", "[::1]"]).host == "::1"  # was looked up as a name, after a warning that it was public
     config = parse_args(["--preset", "small", "--seed", "5", "--rate", "50", "--once", "--json", "x.json"])
     assert (config.preset, config.seed, config.rate, config.once, config.json) == ("small", 5, 50.0, True, "x.json")
     assert config.atol == 1e-3 and config.timeout_s == 2.0 and config.host == "127.0.0.1"
