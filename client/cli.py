@@ -320,6 +320,7 @@ class Progress:
         self.format_amount = formatter or (lambda n: f"{n:,.0f}")
         self.start = self.last = time.monotonic()
         self.done = 0.0
+        self.written = None  # the amount of the last line written
         self.closed = False
 
     def update(self, done: float) -> None:
@@ -342,11 +343,13 @@ class Progress:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._write(self.line())
+            if self.live or self.written != self.done:  # off a terminal, an update may have written this line
+                self._write(self.line())
             if self.live:
                 self.stream.write("\n")
                 self.stream.flush()
 
     def _write(self, text: str) -> None:
+        self.written = self.done
         self.stream.write(f"\r{text}\033[K" if self.live else text + "\n")
         self.stream.flush()

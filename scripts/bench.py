@@ -194,8 +194,8 @@ def parse_args(argv=None):
                      f"in batches of at most {MAX_BATCH}")
     try:
         args.device = torch.device(args.device)
-    except RuntimeError as exc:
-        parser.error(f"bad --device {args.device!r}: {exc}")
+    except RuntimeError:  # torch's message lists device types (ipu, mps, ...) that bench refuses below
+        parser.error(f"--device {args.device}: not a torch device; use cuda, cuda:N or cpu")
     if args.device.type not in ("cuda", "cpu"):
         parser.error(f"--device must be cuda or cpu, got {args.device}")
     if args.gpu_clocks and (args.device.type != "cuda" or shutil.which("nvidia-smi") is None):

@@ -20,6 +20,7 @@ def _ctrl_c_exits_until_serving():
 if __name__ == "__main__":
     _ctrl_c_exits_until_serving()  # first: the imports below take a second or two
 
+import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import ipaddress  # noqa: E402
 import json  # noqa: E402
@@ -40,7 +41,7 @@ PROG = cli.prog_name("python -m server")
 
 def parse_args(argv=None) -> ServerConfig:
     parser = cli.ArgumentParser(prog=PROG, description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", type=listen_host, default="127.0.0.1")
     parser.add_argument("--port", type=cli.listen_port, default=8765, help="0: any free port")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                         help="model preset of the reference targets")
@@ -53,8 +54,8 @@ def parse_args(argv=None) -> ServerConfig:
     parser.add_argument("--requests", type=cli.positive_int, help=f"default {ServerConfig.requests}")
     parser.add_argument("--stream-seed", type=cli.seed, help=f"default {ServerConfig.stream_seed}")
     parser.add_argument("--rate", type=cli.positive_float, help="requests/s; default: the stream's own gaps")
-    parser.add_argument("--speed", type=cli.positive_float, default=1.0,
-                        help="scale the stream's own gaps (not used with --rate)")
+    parser.add_argument("--speed", type=cli.positive_float,
+                        help="scale the stream's own gaps (default 1; not with --rate)")
     parser.add_argument("--atol", type=cli.non_negative_float, default=ATOL)
     parser.add_argument("--timeout-s", type=cli.positive_float, default=DEFAULT_TIMEOUT_S)
     parser.add_argument("--half-life-ms", type=cli.positive_float, default=DEFAULT_HALF_LIFE_MS)
@@ -73,6 +74,8 @@ def parse_args(argv=None) -> ServerConfig:
     args = parser.parse_args(argv)
     if args.targets == "file" and args.stream is None:
         parser.error("--targets file needs --stream, a file that carries targets")
+    if args.rate is not None and args.speed is not None:  # else silently ignored: --rate sets every gap
+        parser.error("--speed scales the stream's own gaps; --rate replaces them: give one")
     generation = {name: getattr(args, name) for name in ("symbols", "requests", "stream_seed")
                   if getattr(args, name) is not None}
     if args.stream is not None and generation:  # else silently ignored: the file's requests played as they are
@@ -84,13 +87,22 @@ def parse_args(argv=None) -> ServerConfig:
                         max_field_chars=args.max_field_chars, bad_token_delay_s=args.bad_token_delay_s,
                         max_unregistered_sockets=args.max_unregistered_sockets)
         return ServerConfig(host=args.host, port=args.port, preset=args.preset, weights=args.weights,
-                            seed=args.seed, stream=args.stream, **generation, rate=args.rate, speed=args.speed,
+                            seed=args.seed, stream=args.stream, **generation, rate=args.rate, speed=args.speed or 1.0,
                             atol=args.atol, timeout_s=args.timeout_s, half_life_ms=args.half_life_ms, token=args.token,
                             tokens=load_tokens(args.tokens) if args.tokens else None, limits=limits,
                             once=args.once, json=args.json, device=args.device, cache_dir=args.cache_dir,
                             targets=args.targets, progress=True)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def listen_host(text: str) -> str:
+    """argparse type: an address (or name) of this machine, an IPv6 one with or without its brackets. A url, or
+    [::1], failed only after a warning that the server listened beyond loopback, as 'Name or service not known'."""
+    if "://" in text:
+        raise argparse.ArgumentTypeError(f"takes an address of this machine, not a url, got {text!r}; the port is "
+                                         f"--port")
+    return cli.host_name(text)
 
 
 def add_limit_arguments(parser):
@@ -165,13 +177,18 @@ def check_port_free(host: str, port: int) -> None:
             raise cli.CliError(listen_error(host, port, exc)) from None
 
 
+def listening_line(host: str, port: int) -> str:
+    """The line that says where the server listens, its urls as a browser and the team client take them."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in a url takes brackets
+    return (f"scoring server listening on ws://{where} (leaderboard http://{where}/; the original protocol, "
+            f"newline-delimited JSON over TCP, on the same port: tcp://{where})")
+
+
 async def serve(server: ScoringServer) -> int:
     """Serve until done (--once), Ctrl-C or SIGTERM; print the table; exit code 130 after Ctrl-C, else 0."""
     config = server.config
     port = await server.start()
-    print(f"scoring server listening on ws://{config.host}:{port} (leaderboard http://{config.host}:{port}/; the "
-          f"original protocol, newline-delimited JSON over TCP, on the same port: tcp://{config.host}:{port})",
-          flush=True)
+    print(listening_line(config.host, port), flush=True)
     main, loop = asyncio.current_task(), asyncio.get_running_loop()
     interrupted = []
 

@@ -185,7 +185,7 @@ def test_reference_tracker_continues_states_across_streams():
     (["--punctual-late-after-ms", "7"], "must not exceed --late-after-ms (6)"),
     (["--late-after-ms", "6,3", "--punctual-late-after-ms", "0,4"], "must not exceed --late-after-ms (3)"),
     (["--device", "meta"], "--device must be cuda or cpu"),
-    (["--device", "nonsense"], "bad --device"),
+    (["--device", "nonsense"], "--device nonsense: not a torch device; use cuda, cuda:N or cpu (see --help)"),
     (["--preset", "huge"], "invalid choice"),
     (["--json", "/no/such/folder/bench.json"], "argument --json: no such folder: /no/such/folder"),  # before the run
 ])

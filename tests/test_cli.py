@@ -153,6 +153,17 @@ def test_progress_writes_a_line_every_few_seconds_off_a_terminal(monkeypatch):
     ]
 
 
+def test_progress_off_a_terminal_ends_with_its_last_line_once(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(cli.time, "monotonic", lambda: now[0])
+    out = io.StringIO()
+    progress = cli.Progress(300, "replay", unit=" requests", every_s=5.0, stream=out)
+    now[0] = 106.0
+    progress.update(300)  # the last update comes a line's interval after the previous one: written
+    progress.close()
+    assert out.getvalue().splitlines() == ["replay: 300/300 requests (100%), 6 s"]
+
+
 def test_format_bytes():
     assert [cli.format_bytes(n) for n in (512, 1_500, 757_000_000, 7.9e9)] == ["512 B", "1.5 kB", "757.0 MB",
                                                                                "7.9 GB"]

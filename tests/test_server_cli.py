@@ -113,6 +113,9 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
      "argument --max-unregistered-sockets: must be a positive integer, got 'lots'"),
     (["--stream-seed", "-1"], "argument --stream-seed: must be a non-negative integer, got '-1'"),
     (["--token", "a", "--tokens", "README.md"], "not allowed with argument"),
+    (["--host", "ws://127.0.0.1"], "argument --host: takes an address of this machine, not a url"),  # was a lookup
+    (["--host", "127.0.0.1:80"], "argument --host: must be a host name or address"),
+    (["--rate", "200", "--speed", "2"], "--speed scales the stream's own gaps; --rate replaces them"),  # was ignored
     (["--token", ""], "--token must not be empty"),  # it admitted every register with an empty token, unwarned
     (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
     (["--requests", "many"], "argument --requests: must be a positive integer, got 'many'"),
@@ -127,6 +130,7 @@ def test_cli_rejects_bad_options(argv, message, capsys):
 
 
 def test_cli_builds_config():
+    assert parse_args(["--host", "[::1]"]).host == "::1"  # was looked up as a name, after a warning that it was public
     config = parse_args(["--preset", "small", "--seed", "5", "--rate", "50", "--once", "--json", "x.json"])
     assert (config.preset, config.seed, config.rate, config.once, config.json) == ("small", 5, 50.0, True, "x.json")
     assert config.atol == 1e-3 and config.timeout_s == 2.0 and config.host == "127.0.0.1"
@@ -228,6 +232,25 @@ def test_strangers_idle_sockets_leave_a_team_room_under_a_low_soft_limit_of_open
             sock.close()
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_the_listening_line_gives_urls_a_browser_takes_for_an_ipv6_host_too():
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--host", "::1", "--port", "0", "--symbols", "1",
+                             "--requests", "1"], cwd=ROOT, env=ONE_THREAD, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    # it said ws://::1:PORT and http://::1:PORT/, which no browser or url parser takes
+    port = re.search(r"ws://\[::1\]:(\d+) ", line).group(1)
+    assert f"(leaderboard http://[::1]:{port}/;" in line and line.rstrip().endswith(f"tcp://[::1]:{port})"), line
 
 
 def test_a_server_other_machines_reach_without_tokens_is_warned(tmp_path):
