@@ -49,7 +49,6 @@ class Counts:
     swap_hot_rate: float
     swap_cold_rate: float
     swap_seconds: float
-    shards_warm_s: float  # shards section: steps on every shard just before each run (LOG section 73)
 
 
 FULL = Counts(copy_bytes=1 << 30, copy_repeats=20, step_warmup=20, step_iters=200, baseline_warmup=5,
@@ -58,13 +57,13 @@ FULL = Counts(copy_bytes=1 << 30, copy_repeats=20, step_warmup=20, step_iters=20
               rates=[2000, 5000, 8000, 11000, 14000, 15000, 16000, 17000, 20000, 23000, 26000, 30000],
               k1_rates=[3000, 4000, 5000, 6000, 7000, 8000], rate_seconds=1.5, new_symbols=200, arrival_seconds=10.0,
               arrival_rate=E2E_RATE, churn_symbols=24, churn_capacity=8, churn_steps=200, cpu_host_symbols=400,
-              swap_hot_symbols=20, swap_hot_rate=400.0, swap_cold_rate=50.0, swap_seconds=20.0, shards_warm_s=1.0)
+              swap_hot_symbols=20, swap_hot_rate=400.0, swap_cold_rate=50.0, swap_seconds=20.0)
 QUICK = Counts(copy_bytes=64 << 20, copy_repeats=5, step_warmup=1, step_iters=4, baseline_warmup=2,
                baseline_iters=5, family_symbols=2, family_steps=20, family_seeds=1, long_symbols=2,
                long_steps=60, e2e_requests=200, e2e_runs=1, rates=[50, 100], k1_rates=[50], rate_seconds=1.0,
                new_symbols=12, arrival_seconds=2.0, arrival_rate=100.0,
                churn_symbols=6, churn_capacity=3, churn_steps=30, cpu_host_symbols=32, swap_hot_symbols=4,
-               swap_hot_rate=100.0, swap_cold_rate=20.0, swap_seconds=2.0, shards_warm_s=0.1)
+               swap_hot_rate=100.0, swap_cold_rate=20.0, swap_seconds=2.0)
 
 
 class Timer:

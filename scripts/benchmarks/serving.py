@@ -298,12 +298,11 @@ def measure_e2e(engine, bench, prefix="E2E_", run=0, ws_compression=False):
 
 
 def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", key="max_rate", rates=None,
-                    per_symbol=None, warm=None):
+                    per_symbol=None):
     """Ascending rates over `num_symbols` symbols until the first whose p99 reaches the limit or that leaves a
     request unanswered (it may never have been stepped, so later runs could not continue its symbol's state).
     Records report[key + "_p99_50ms"] and report[key + "_runs"] as it goes. per_symbol: requests of a symbol a
-    step may carry (default: the run's --max-requests-per-symbol); warm: called just before each run (after its
-    targets are computed)."""
+    step may carry (default: the run's --max-requests-per-symbol)."""
     counts = bench.counts
     tracker = ReferenceTracker(bench.model, prefixed_names(prefix, num_symbols), bench.device)
     runs, best = [], None
@@ -312,8 +311,6 @@ def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", 
         stream = prefixed_stream(prefix, num_symbols, num_requests, bench.args.seed + 2 + attempt, rate)
         bench.progress(f"maxrate {rate:g} req/s: reference targets of {num_requests} requests")
         targets = tracker.targets(stream)
-        if warm is not None:
-            warm()
         numbers = serve(bench, engine, stream, targets, rate, per_symbol, step_log=True)
         passed = (numbers["responses"] == numbers["requests"] and numbers["p99_ms"] is not None
                   and numbers["p99_ms"] < P99_LIMIT_MS)

@@ -2,11 +2,8 @@
 actors of a cluster (--cluster ray)."""
 import time
 
-import numpy as np
-
-from client.constants import NUM_FEATURES
 from scripts.benchmarks.harness import MAX_BATCH
-from scripts.benchmarks.serving import prefixed_names, search_max_rate
+from scripts.benchmarks.serving import search_max_rate
 
 SHARD_SYMBOLS = 128
 SHARD_START_RATE = 2000  # req/s per GPU where the search starts (--rates at or above it)
@@ -32,8 +29,7 @@ def run(bench):
         rates = [rate for rate in bench.counts.rates if rate >= SHARD_START_RATE * count] or bench.counts.rates
         try:
             best, runs = search_max_rate(engine, bench, num_symbols=SHARD_SYMBOLS, prefix=f"SH{count}_",
-                                         key=f"shards_{count}_rate", rates=rates,
-                                         warm=lambda: warm(engine, bench.counts.shards_warm_s))
+                                         key=f"shards_{count}_rate", rates=rates)
         finally:
             engine.close()
         results[str(count)] = {"max_rate_p99_50ms": best, "runs": runs, "startup_s": startup_s,
@@ -41,19 +37,6 @@ def run(bench):
                                "losses": [loss["line"] for loss in engine.losses]}
         bench.report.update(shards=results)
     return results
-
-
-def warm(engine, seconds):
-    """Steps on every shard for `seconds` before a run, so that each run measures shards in their steady state. The
-    hold that made it (p99 150-200 ms at 5,000 req/s on two H200s, bench/LOG.md section 73) was each shard's first
-    step, which made a CUDA context on GPU 0 until section 74, not the idle time. MAX_BATCH symbols of their own, the
-    room start_shards leaves beside the run's, released after."""
-    names = prefixed_names("WARM_", MAX_BATCH)
-    features = np.random.default_rng(0).standard_normal((MAX_BATCH, NUM_FEATURES)).astype(np.float32)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        engine.step(names, features)
-    engine.release(names)
 
 
 def start_shards(bench, spec, count):
