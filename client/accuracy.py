@@ -14,7 +14,7 @@ import torch
 
 from client.constants import ATOL, TOWER_NAMES
 from client.engine.base import Engine
-from client.engine.cuda_streams import own_stream
+from client.engine.cuda_streams import own_stream, reset_graphs_when_dropped
 from client.engine.precision import fp32_products
 from client.families import FAMILIES, LONG_FAMILY, family_features
 
@@ -47,6 +47,7 @@ class ReferenceStepper:
         # captured on a stream of its own: the graph keeps that stream's cuBLAS workspace (cuda_streams.py)
         with torch.cuda.graph(self.graph, stream=own_stream(self.device)):
             self.out, self.new_state = self.model(self.features, self.state)
+        reset_graphs_when_dropped(self, self.device, [self.graph])
 
     @torch.no_grad()
     def step(self, features: torch.Tensor) -> torch.Tensor:

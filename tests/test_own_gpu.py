@@ -16,7 +16,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
 
 # In a fresh process: nothing before it has touched GPU 0.
 ENGINES_ON_GPU_1 = r"""
-import gc, threading, time
+import gc, threading, time, weakref
 import numpy as np, torch
 from client.engine import make_engine
 from client.engine.fast import FastEngine
@@ -67,6 +67,11 @@ from client.accuracy import ReferenceStepper  # the evaluator's and the bench's 
 stepper = ReferenceStepper(load(), 2, gpu)
 stepper.step(torch.zeros(2, 79, device=gpu))
 torch.cuda.synchronize(gpu)
+engines = [fast, reference, stepper]  # with their CUDA graphs, dropped in a thread that made no CUDA call before
+collected = [weakref.ref(engine) for engine in engines]
+del fast, reference, stepper, pending, queued, ahead
+in_thread(lambda: drop(engines))
+assert not any(ref() for ref in collected), "an engine outlived the drop: it tested nothing"
 print(torch._C._cuda_hasPrimaryContext(0), torch._C._cuda_hasPrimaryContext(1))
 """
 

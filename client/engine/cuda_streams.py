@@ -15,6 +15,7 @@ torch's: no graph holds their workspaces, and eager cuBLAS calls in one thread o
 import ctypes
 import re
 import sys
+import weakref
 
 import torch
 
@@ -40,6 +41,22 @@ def own_stream(device, priority: int = 0) -> torch.cuda.Stream:
         raise RuntimeError(f"cudaStreamCreateWithPriority on {device} failed: "
                            f"{runtime.cudaGetErrorString(error).decode()}")
     return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
+
+
+def reset_graphs_when_dropped(owner, device, *holders):
+    """When `owner` is collected, reset the CUDA graphs in `holders` (dicts or lists, as they stand then) with
+    `device` current. Torch destroys a graph on the thread's current device, and a thread that never set one (any
+    thread that drops the last reference) would make a CUDA context on GPU 0 for it: ~0.5 GiB of another GPU's
+    memory (bench/LOG.md sections 74, 75)."""
+    finalizer = weakref.finalize(owner, _reset_graphs, torch.device(device), holders)
+    finalizer.atexit = False  # at exit the process ends with its graphs, as torch leaves them
+
+
+def _reset_graphs(device, holders):
+    with torch.cuda.device(device):
+        for holder in holders:
+            for graph in holder.values() if isinstance(holder, dict) else holder:
+                graph.reset()
 
 
 def _runtime():

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from client.engine.cuda_streams import own_stream
+from client.engine.cuda_streams import own_stream, reset_graphs_when_dropped
 from client.engine.precision import DEFAULT_PRECISION, FP32_STATE, fp32_products
 from client.model.config import TOWER_NAMES
 
@@ -404,6 +404,7 @@ class GraphedStep:
         self.staging = [(StepInputs(host, self.max_sequences, self.max_rows, runner.num_features), out, taken)
                         for host, out, taken in staging]
         self.graphs, self.outputs, self.staged_graphs = {}, {}, {}
+        reset_graphs_when_dropped(self, runner.device, self.graphs, self.staged_graphs)
         self.progress = progress
         self._taken_stream = own_stream(runner.device) if self.staging else None
         # The engine's own (a GEMM captured on a stream keeps that stream's cuBLAS workspace: cuda_streams.py), on
