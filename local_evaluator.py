@@ -417,7 +417,8 @@ def parse_args(argv=None):
                     help="arrival groups of N requests, as the original evaluator")
     ev.add_argument("--atol", type=float, default=ATOL,
                     help="tolerance for within_atol (default 1e-3)")
-    ev.add_argument("--cache-dir", default=None, help="reference target cache (default: targets')")
+    ev.add_argument("--cache-dir", default=None, help="reference target cache (default: $FASTENS_CACHE/targets or "
+                                                      "~/.cache/fastens/targets)")
     ev.add_argument("--targets", choices=TARGET_SOURCES, default="model",
                     help="score against the chosen weights' fp32 model (default) or the stream file's own targets; "
                          "a file with targets is compared with the model either way")

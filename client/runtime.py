@@ -92,8 +92,6 @@ class ClientStats:
         self.rejected = 0          # of those, the ones answered with an error (NaN/inf features, a malformed frame)
         self.responses_sent = 0    # ids answered from a model step
         self.resent_from_cache = 0
-        self.bad_messages = 0
-        self.server_errors = 0
         self.connections = 0
         self.scored = 0            # requests the server scored as answered in time
         self.correct_towers = 0
@@ -582,7 +580,6 @@ class StreamingClient:
             elif kind == "score_update":
                 self.stats.add_scores(msg)
             elif kind == "error":
-                self.stats.server_errors += 1
                 if not self._welcomed:  # the answer to register: a refusal
                     self._on_refusal(ws, msg)
                 else:  # the original protocol's details may be null: no empty ": " then
@@ -597,7 +594,6 @@ class StreamingClient:
             elif kind != "heartbeat":
                 raise protocol.ProtocolError(f"unexpected {kind} message: a server does not send those")
         except protocol.ProtocolError as exc:
-            self.stats.bad_messages += 1
             why = str(exc)
             if exc.unique_ids is not None:  # a malformed request, in either protocol
                 why += f"; unique_ids {self._refuse_malformed(exc.unique_ids)} not answered"

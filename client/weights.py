@@ -2,7 +2,7 @@
 
 Every tensor is drawn from its own numpy PCG64 stream seeded by (seed, crc32(name)), so the values are the
 same on every machine and library version and do not depend on the order of generation. The init of each
-tensor (INIT_RULES, first match wins):
+tensor (_init, first match wins):
 
   linear weight [o, i], bias    uniform(+-1/sqrt(i)); output_proj.bias = 0
   residual writers              times a per-tower gain (tower_gain): input_down, fc2 (weight and bias), the

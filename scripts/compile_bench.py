@@ -43,14 +43,15 @@ def log(msg):
     sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
 
 
-def measure_compile(preset="full", seed=0, device="cuda", batches=BATCHES, iters=200, warmup=20, precision="auto",
-                    cache_dir=None) -> dict:
-    """The settings, and the results of the children "cold", "warm" and "hand_fused_cold" (measure_in_child).
-    precision: a spec (client/engine/precision.py), which each child parses. cache_dir: where the fresh cache directories go (default: a temporary directory, removed afterwards)."""
+def measure_compile(preset="full", seed=0, device="cuda", batches=BATCHES, iters=200, warmup=20,
+                    precision="auto") -> dict:
+    """The settings, and the results of the children "cold", "warm" and "hand_fused_cold" (measure_in_child), their
+    fresh cache directories in a temporary directory, removed afterwards. precision: a spec
+    (client/engine/precision.py), which each child parses."""
     settings = dict(preset=preset, seed=seed, device=str(device), batches=list(batches), iters=iters, warmup=warmup,
                     precision=precision)
     both = dict(engines=["compiled", "hand_fused"], time_steps=True)
-    with tempfile.TemporaryDirectory(prefix="compile-cache-", dir=cache_dir) as root:
+    with tempfile.TemporaryDirectory(prefix="compile-cache-") as root:
         result = {**settings, "cold": _child({**settings, **both}, os.path.join(root, "shared")),
                   "warm": _child({**settings, **both}, os.path.join(root, "shared")),
                   "hand_fused_cold": _child({**settings, "engines": ["hand_fused"], "time_steps": False},

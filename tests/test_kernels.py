@@ -4,7 +4,7 @@ Three layers:
 - each PyTorch reference against a plain float64 computation of docs/model/'s equations for one row;
 - each Triton kernel against its reference, on the CPU through the Triton interpreter. Triton fixes the
   interpreter choice when it is imported and @triton.jit decorates, so those cases run in a child pytest
-  process with TRITON_INTERPRET=1 (test_triton_kernels_under_interpreter) and are skipped here;
+  process with TRITON_INTERPRET=1 (test_triton_under_interpreter) and are skipped here;
 - the same comparisons at full model sizes on a GPU, plus CUDA graph capture (skipped without CUDA).
 """
 import importlib
@@ -28,9 +28,6 @@ STATE_OPS = {
     "slstm_step": (kernels.slstm_step, kernels.slstm_step_ref, ("c", "n", "m", "y")),
     "rglru_step": (kernels.rglru_step, kernels.rglru_step_ref, ("h",)),
 }
-# every state op takes a step's rows as sequences (seq_slots, seq_starts: kernels/_common.py)
-SEQUENCE_OPS = {*STATE_OPS, "mlstm_input", "slstm_input", "slstm_output"}
-
 # Small, deliberately non-power-of-two sizes for the interpreter; the model's sizes for the GPU.
 SMALL_DIMS = {
     "causal_conv_update": [dict(channels=37), dict(channels=300)],

@@ -195,7 +195,7 @@ def test_ctrl_c_stops_a_serving_server_with_the_table_so_far(tmp_path):
     async def play_a_little():
         async with connect(f"ws://127.0.0.1:{port}") as ws:
             await ws.send(protocol.encode(protocol.register("partial")))
-            while (msg := protocol.decode(await asyncio.wait_for(ws.recv(), 10)))["type"] != "inference_request":
+            while protocol.decode(await asyncio.wait_for(ws.recv(), 10))["type"] != "inference_request":
                 pass
             proc.send_signal(signal.SIGINT)  # while the team plays
             with pytest.raises(ConnectionClosed):

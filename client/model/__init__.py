@@ -21,13 +21,13 @@ def manifest(preset: str):
     return manifest_for(get_preset(preset))
 
 
-def load_model(preset: str, weights=None, seed: int = 0, device="cpu", progress=None):
+def load_model(preset: str, weights=None, seed: int = 0, device="cpu"):
     """(model in eval mode on `device`, weights fingerprint): a checkpoint when `weights` is a path, else the
     deterministic synthetic weights for `seed`. Loading is strict: a mismatch lists the offending names."""
     from client.weights import check_state_dict, fingerprint, make_weights, read_checkpoint
 
     cfg = get_preset(preset)
-    state = read_checkpoint(weights) if weights is not None else make_weights(cfg, seed, progress=progress)
+    state = read_checkpoint(weights) if weights is not None else make_weights(cfg, seed)
     check_state_dict(state, manifest_for(cfg), source=f"checkpoint {weights}", preset=preset)
     fp = fingerprint(state)
     with torch.device("meta"):
