@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from client.engine import ENGINES, make_engine
 from client.engine.base import idle_symbols
@@ -75,6 +76,19 @@ def test_bad_input_raises_without_touching_state(model, symbols, shape, poison, 
         engine.step(symbols, bad)
     np.testing.assert_array_equal(engine.step(["A", "B"], x), untouched.step(["A", "B"], x))
     assert engine.symbols == ["A", "B"]
+
+
+@pytest.mark.parametrize("as_tensor", [
+    lambda x: torch.from_numpy(x).requires_grad_(),
+    lambda x: torch.from_numpy(x).to(torch.bfloat16),
+    lambda x: torch.from_numpy(x).double().T.contiguous().T,  # float64, not contiguous
+], ids=["requires_grad", "bf16", "float64_strided"])
+def test_features_as_torch_tensors_step_as_their_values(model, as_tensor):
+    """A tensor that requires grad, or is bf16, steps as its float32 values (numpy reads neither: they failed
+    with torch's own RuntimeError or TypeError)."""
+    x = as_tensor(_features(np.random.default_rng(9), 2))
+    want = ReferenceEngine(model).step(["A", "B"], x.detach().float().numpy())
+    np.testing.assert_array_equal(ReferenceEngine(model).step(["A", "B"], x), want)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -3,6 +3,7 @@
 A step's rows are requests: a symbol may appear several times, in arrival order, and row i of the result is the
 prediction after request i (the symbol's state advanced through its earlier rows of the step first)."""
 import numbers
+import sys
 import threading
 from abc import ABC, abstractmethod
 
@@ -18,6 +19,10 @@ def check_step_inputs(symbols, features) -> np.ndarray:
     """
     if not all(isinstance(symbol, str) for symbol in symbols):
         raise ValueError("symbols must be strings")
+    torch = sys.modules.get("torch")  # loaded where a tensor is given: the client's names import without it
+    if torch is not None and isinstance(features, torch.Tensor):  # numpy reads none that requires grad or is bf16
+        features = features.detach().cpu()
+        features = features.float() if features.is_floating_point() else features
     features = np.asarray(features)
     if features.shape != (len(symbols), NUM_FEATURES):
         raise ValueError(f"features must have shape ({len(symbols)}, {NUM_FEATURES}) for "
