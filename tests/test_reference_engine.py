@@ -91,6 +91,19 @@ def test_features_as_torch_tensors_step_as_their_values(model, as_tensor):
     np.testing.assert_array_equal(ReferenceEngine(model).step(["A", "B"], x), want)
 
 
+@pytest.mark.parametrize("name", ENGINES)
+def test_a_lone_string_of_symbols_is_refused_touching_nothing(model, name):
+    """release("AB"), prefetch("AB") and step("AB", ...) are a mistake for ["AB"]: iterated, the string was a symbol
+    per character (release forgot A and B, and kept AB; the fast engine's prefetch gave A and B slots)."""
+    engine = make_engine(name, model, "cpu", progress=False)
+    x = _features(np.random.default_rng(4), 3)
+    engine.step(["A", "B", "AB"], x)
+    for call in (lambda: engine.release("AB"), lambda: engine.prefetch("XY"), lambda: engine.step("AB", x[:2])):
+        with pytest.raises(ValueError, match="symbols must be a list of strings, got the string"):
+            call()
+    assert engine.symbols == ["A", "B", "AB"]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_repeated_symbols_equal_one_request_at_a_time(model, seed):
     """A step carrying several requests of a symbol (in arrival order, interleaved with other symbols) gives

@@ -12,6 +12,14 @@ import numpy as np
 from client.constants import NUM_FEATURES, NUM_TOWERS  # noqa: F401  (NUM_TOWERS: for engines)
 
 
+def symbol_list(symbols) -> list:
+    """The symbols given to step, release or prefetch, as a list. A lone string is refused: iterated, it was one
+    symbol per character (release("AAPL") forgot A, P and L, and kept AAPL)."""
+    if isinstance(symbols, (str, bytes)):
+        raise ValueError(f"symbols must be a list of strings, got the string {symbols!r}")
+    return list(symbols)
+
+
 def check_step_inputs(symbols, features) -> np.ndarray:
     """Validate one step's inputs; return the features as C-contiguous float32 [B, 79].
 
@@ -175,7 +183,8 @@ class Engine(ABC):
     def prefetch(self, symbols) -> None:
         """Requests for these symbols arrived: an engine that keeps states in tiers starts moving theirs to where
         its steps run, without waiting. Thread-safe: the runtime calls it on receive while another thread steps.
-        A no-op by default."""
+        A no-op by default, which refuses a lone string as every engine does."""
+        symbol_list(symbols)
 
     def ready(self, symbol) -> bool:
         """False while the symbol's state is still on its way (after prefetch), so that the scheduler holds the
