@@ -92,6 +92,18 @@ def test_features_as_torch_tensors_step_as_their_values(model, as_tensor):
 
 
 @pytest.mark.parametrize("name", ENGINES)
+def test_a_step_of_no_rows_given_as_empty_lists_answers_no_rows(model, name):
+    """features as lists of lists: a step of no requests is [] (shape (0,), refused as not (0, 79))."""
+    engine = make_engine(name, model, "cpu", progress=False)
+    for features in ([], np.zeros((0, 79), np.float32)):
+        out = engine.step([], features)
+        assert out.shape == (0, 4) and out.dtype == np.float32
+    with pytest.raises(ValueError, match="shape"):
+        engine.step(["A"], [])
+    assert engine.symbols == []
+
+
+@pytest.mark.parametrize("name", ENGINES)
 def test_a_lone_string_of_symbols_is_refused_touching_nothing(model, name):
     """release("AB"), prefetch("AB") and step("AB", ...) are a mistake for ["AB"]: iterated, the string was a symbol
     per character (release forgot A and B, and kept AB; the fast engine's prefetch gave A and B slots)."""
