@@ -61,7 +61,8 @@ def test_state_advances_and_new_symbols_start_fresh(model):
     (["A", "B"], (3, 79), None, "shape"),
     (["A", "B"], (2, 79), np.nan, "non-finite"),
     (["A", "B"], (2, 79), np.inf, "non-finite"),
-    (["A", 7], (2, 79), None, "strings"),
+    (["A", 7], (2, 79), None, r"symbols must be strings; row 1 holds 7 \(int\)"),
+    ([b"A", "B"], (2, 79), None, r"symbols must be strings; row 0 holds b'A' \(bytes\)"),
 ])
 def test_bad_input_raises_without_touching_state(model, symbols, shape, poison, match):
     rng = np.random.default_rng(2)

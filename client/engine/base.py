@@ -25,8 +25,9 @@ def check_step_inputs(symbols, features) -> np.ndarray:
 
     Engines call this before touching any state, so a bad step leaves every symbol as it was.
     """
-    if not all(isinstance(symbol, str) for symbol in symbols):
-        raise ValueError("symbols must be strings")
+    for row, symbol in enumerate(symbols):
+        if not isinstance(symbol, str):  # the row named, as client/streams.py names it
+            raise ValueError(f"symbols must be strings; row {row} holds {symbol!r} ({type(symbol).__name__})")
     torch = sys.modules.get("torch")  # loaded where a tensor is given: the client's names import without it
     if torch is not None and isinstance(features, torch.Tensor):  # numpy reads none that requires grad or is bf16
         features = features.detach().cpu()
