@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from client.engine import ENGINES, make_engine
 from client.engine.base import idle_symbols
@@ -60,7 +61,8 @@ def test_state_advances_and_new_symbols_start_fresh(model):
     (["A", "B"], (3, 79), None, "shape"),
     (["A", "B"], (2, 79), np.nan, "non-finite"),
     (["A", "B"], (2, 79), np.inf, "non-finite"),
-    (["A", 7], (2, 79), None, "strings"),
+    (["A", 7], (2, 79), None, r"symbols must be strings; row 1 holds 7 \(int\)"),
+    ([b"A", "B"], (2, 79), None, r"symbols must be strings; row 0 holds b'A' \(bytes\)"),
 ])
 def test_bad_input_raises_without_touching_state(model, symbols, shape, poison, match):
     rng = np.random.default_rng(2)
@@ -75,6 +77,44 @@ def test_bad_input_raises_without_touching_state(model, symbols, shape, poison, 
         engine.step(symbols, bad)
     np.testing.assert_array_equal(engine.step(["A", "B"], x), untouched.step(["A", "B"], x))
     assert engine.symbols == ["A", "B"]
+
+
+@pytest.mark.parametrize("as_tensor", [
+    lambda x: torch.from_numpy(x).requires_grad_(),
+    lambda x: torch.from_numpy(x).to(torch.bfloat16),
+    lambda x: torch.from_numpy(x).double().T.contiguous().T,  # float64, not contiguous
+], ids=["requires_grad", "bf16", "float64_strided"])
+def test_features_as_torch_tensors_step_as_their_values(model, as_tensor):
+    """A tensor that requires grad, or is bf16, steps as its float32 values (numpy reads neither: they failed
+    with torch's own RuntimeError or TypeError)."""
+    x = as_tensor(_features(np.random.default_rng(9), 2))
+    want = ReferenceEngine(model).step(["A", "B"], x.detach().float().numpy())
+    np.testing.assert_array_equal(ReferenceEngine(model).step(["A", "B"], x), want)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_a_step_of_no_rows_given_as_empty_lists_answers_no_rows(model, name):
+    """features as lists of lists: a step of no requests is [] (shape (0,), refused as not (0, 79))."""
+    engine = make_engine(name, model, "cpu", progress=False)
+    for features in ([], np.zeros((0, 79), np.float32)):
+        out = engine.step([], features)
+        assert out.shape == (0, 4) and out.dtype == np.float32
+    with pytest.raises(ValueError, match="shape"):
+        engine.step(["A"], [])
+    assert engine.symbols == []
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_a_lone_string_of_symbols_is_refused_touching_nothing(model, name):
+    """release("AB"), prefetch("AB") and step("AB", ...) are a mistake for ["AB"]: iterated, the string was a symbol
+    per character (release forgot A and B, and kept AB; the fast engine's prefetch gave A and B slots)."""
+    engine = make_engine(name, model, "cpu", progress=False)
+    x = _features(np.random.default_rng(4), 3)
+    engine.step(["A", "B", "AB"], x)
+    for call in (lambda: engine.release("AB"), lambda: engine.prefetch("XY"), lambda: engine.step("AB", x[:2])):
+        with pytest.raises(ValueError, match="symbols must be a list of strings, got the string"):
+            call()
+    assert engine.symbols == ["A", "B", "AB"]
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -168,6 +168,15 @@ def test_release_frees_a_symbol_everywhere(sharded):
     assert "R0" not in sharded.symbols
 
 
+def test_a_lone_string_of_symbols_is_refused(sharded):
+    sharded.step(["S", "T", "ST"], np.zeros((3, 79), np.float32))
+    for call in (lambda: sharded.release("ST"), lambda: sharded.step("ST", np.zeros((2, 79), np.float32))):
+        with pytest.raises(ValueError, match="symbols must be a list of strings, got the string"):
+            call()
+    assert {"S", "T", "ST"} <= set(sharded.symbols)
+    sharded.release(["S", "T", "ST"])
+
+
 IDLE_S = 1.0  # the idle timeout of the expiry tests: a symbol stepped again within it on a busy CPU is not idle
 
 

@@ -3,6 +3,7 @@
 A step's rows are requests: a symbol may appear several times, in arrival order, and row i of the result is the
 prediction after request i (the symbol's state advanced through its earlier rows of the step first)."""
 import numbers
+import sys
 import threading
 from abc import ABC, abstractmethod
 
@@ -11,14 +12,29 @@ import numpy as np
 from client.constants import NUM_FEATURES, NUM_TOWERS  # noqa: F401  (NUM_TOWERS: for engines)
 
 
+def symbol_list(symbols) -> list:
+    """The symbols given to step, release or prefetch, as a list. A lone string is refused: iterated, it was one
+    symbol per character (release("AAPL") forgot A, P and L, and kept AAPL)."""
+    if isinstance(symbols, (str, bytes)):
+        raise ValueError(f"symbols must be a list of strings, got the string {symbols!r}")
+    return list(symbols)
+
+
 def check_step_inputs(symbols, features) -> np.ndarray:
     """Validate one step's inputs; return the features as C-contiguous float32 [B, 79].
 
     Engines call this before touching any state, so a bad step leaves every symbol as it was.
     """
-    if not all(isinstance(symbol, str) for symbol in symbols):
-        raise ValueError("symbols must be strings")
+    for row, symbol in enumerate(symbols):
+        if not isinstance(symbol, str):  # the row named, as client/streams.py names it
+            raise ValueError(f"symbols must be strings; row {row} holds {symbol!r} ({type(symbol).__name__})")
+    torch = sys.modules.get("torch")  # loaded where a tensor is given: the client's names import without it
+    if torch is not None and isinstance(features, torch.Tensor):  # numpy reads none that requires grad or is bf16
+        features = features.detach().cpu()
+        features = features.float() if features.is_floating_point() else features
     features = np.asarray(features)
+    if features.shape == (0,):  # no rows as an empty list ([]) has no width to read: it is the (0, 79) step
+        features = features.reshape(0, NUM_FEATURES)
     if features.shape != (len(symbols), NUM_FEATURES):
         raise ValueError(f"features must have shape ({len(symbols)}, {NUM_FEATURES}) for "
                          f"{len(symbols)} symbols, got {features.shape}")
@@ -170,7 +186,8 @@ class Engine(ABC):
     def prefetch(self, symbols) -> None:
         """Requests for these symbols arrived: an engine that keeps states in tiers starts moving theirs to where
         its steps run, without waiting. Thread-safe: the runtime calls it on receive while another thread steps.
-        A no-op by default."""
+        A no-op by default, which refuses a lone string as every engine does."""
+        symbol_list(symbols)
 
     def ready(self, symbol) -> bool:
         """False while the symbol's state is still on its way (after prefetch), so that the scheduler holds the

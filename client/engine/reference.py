@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import torch
 
-from client.engine.base import NUM_TOWERS, Engine, Sequences, check_step_inputs
+from client.engine.base import NUM_TOWERS, Engine, Sequences, check_step_inputs, symbol_list
 from client.engine.symbol_states import SymbolStates
 from client.model.state import split_state, stack_states
 
@@ -60,7 +60,7 @@ class ReferenceEngine(Engine):
         return list(self._states)
 
     def release(self, symbols) -> None:
-        for symbol in symbols:
+        for symbol in symbol_list(symbols):
             self._states.pop(symbol, None)
 
     def expired(self) -> list[str]:
@@ -77,7 +77,7 @@ class ReferenceEngine(Engine):
                 "host_symbols": self._states.host_capacity, "idle_timeout_s": self._states.idle_timeout_s}
 
     def step(self, symbols, features):
-        symbols = list(symbols)
+        symbols = symbol_list(symbols)
         features = check_step_inputs(symbols, features)
         rejected = self._states.unplaceable(symbols, at_once=False)
         if rejected:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_inputs
+from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_inputs, symbol_list
 
 ON_SHARD_LOSS = ("error", "reset")
 SHOWN_SYMBOLS = 32  # a loss line names this many of the shard's symbols, then says how many in all
@@ -528,7 +528,7 @@ class ShardedEngine(Engine):
     def release(self, symbols):
         with self._lock:
             by_shard = {}
-            for symbol in symbols:
+            for symbol in symbol_list(symbols):
                 if symbol in self.shard_of:
                     index = self.shard_of.pop(symbol)
                     self._load[index] -= 1
@@ -543,7 +543,7 @@ class ShardedEngine(Engine):
         return self.submit(symbols, features).result()
 
     def submit(self, symbols, features) -> ShardedPendingStep:
-        symbols = list(symbols)
+        symbols = symbol_list(symbols)
         features = check_step_inputs(symbols, features)
         arrivals = queue.SimpleQueue()
         with self._lock:

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
-from client.engine.base import NUM_TOWERS, Engine, PendingStep, Sequences, check_step_inputs, is_count
+from client.engine.base import (NUM_TOWERS, Engine, PendingStep, Sequences, check_step_inputs, is_count,
+                                symbol_list)
 from client.engine.cuda_streams import own_stream
 from client.engine.precision import DEFAULT_PRECISION, FP32_STATE, Precision, StateStorage
 from client.model.config import TOWER_NAMES
@@ -388,7 +389,7 @@ class FastEngine(Engine):
     @_on_own_device
     def release(self, symbols) -> None:
         """Forget these symbols' states (they left); their slots go to other symbols."""
-        self.table.release(symbols)
+        self.table.release(symbol_list(symbols))
 
     def expired(self) -> list[str]:
         return self.table.take_expired()
@@ -403,7 +404,7 @@ class FastEngine(Engine):
     def prefetch(self, symbols) -> None:
         """Requests for these symbols arrived: start their states' way to the GPU now (thread-safe; returns at
         once, the copies run on the table's copy streams)."""
-        self.table.prefetch(symbols)
+        self.table.prefetch(symbol_list(symbols))
 
     @_on_own_device
     def ready(self, symbol) -> bool:
@@ -456,7 +457,7 @@ class FastEngine(Engine):
         requests of a symbol runs as several, in order. Not thread-safe: submit (and step) from one thread;
         result() may be called from another.
         """
-        symbols = list(symbols)
+        symbols = symbol_list(symbols)
         features = check_step_inputs(symbols, features)
         if not symbols:
             return PendingStep.completed(np.zeros((0, NUM_TOWERS), dtype=np.float32))
