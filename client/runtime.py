@@ -79,6 +79,9 @@ LATE_PARTS_S = 0.2
 LATE_POLL_S = 0.005
 MAX_FAILURES_LOGGED = 100  # distinct failures of the team's steps logged with their traceback
 MAX_ERRORS_LOGGED = 100  # distinct reasons for requests not answered, each logged once (the summary counts them all)
+# Received ids a score may still count for: a score comes within the server's timeout (2 s), or on the next
+# connection (the server sends again those of its last 30 s); at 20,000 requests a second 50 s of them, ~85 MB.
+MAX_UNSCORED = 1_000_000
 
 
 class ClientStats:
@@ -102,9 +105,11 @@ class ClientStats:
         # as they stand, also from the team client's progress thread (a list made an array for each progress line,
         # and three percentiles, held the event loop 73 ms at 1M requests scored, 224 ms at 3M)
         self._latencies_ms = np.empty(1024)
-        # ids received and not yet scored: a score for any other id (scored already, or never this client's
-        # request) is not counted, so that a server's scores cannot push responses past requests
+        # ids received and not yet scored, of the last MAX_UNSCORED received: a score for any other id (scored
+        # already, never this client's request, or received that long ago) is not counted, so that a server's scores
+        # cannot push responses past requests; a server that scored none kept every id (~70 B a request) for good
         self._unscored: set[int] = set()
+        self._received: deque = deque()  # the ids of _unscored (and some scored since), oldest first
         self._first_request_at: float | None = None
         self._last_score_at: float | None = None
 
@@ -113,6 +118,9 @@ class ClientStats:
             self._first_request_at = time.perf_counter()
         self.requests += 1
         self._unscored.add(uid)
+        self._received.append(uid)
+        if len(self._received) > MAX_UNSCORED:
+            self._unscored.discard(self._received.popleft())
 
     def note_rejected(self, uids) -> None:
         """Requests noted, then answered with an error: a server scores only answers, so they wait for no score

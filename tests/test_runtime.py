@@ -1005,6 +1005,20 @@ def test_a_resent_id_that_holds_another_request_is_refused_and_its_answer_stands
         np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
 
 
+def test_ids_wait_for_a_score_only_among_the_latest_received(monkeypatch):
+    """A server that scores nothing (or only some ids) kept every id received waiting for its score, ~70 B a request
+    for the session: only the last MAX_UNSCORED received wait, and a score for an older one is not counted."""
+    monkeypatch.setattr(runtime, "MAX_UNSCORED", 100)
+    stats = ClientStats(timeout_s=1.0)
+    for uid in range(1000):
+        stats.note_request(uid)
+    assert len(stats._unscored) == 100 and len(stats._received) == 100
+    stats.add_scores(protocol.score_update([5, 950, 999], [1.0] * 3, [4] * 3, [10.0] * 3))
+    summary = stats.summary()
+    assert summary["requests"] == 1000 and summary["responses"] == 2 and summary["missed"] == 998
+    assert summary["pnl"] == pytest.approx(2.0)
+
+
 def test_scores_of_ids_never_received_or_beyond_the_towers_are_not_counted():
     stats = ClientStats(timeout_s=1.0)
     for uid in range(3):
