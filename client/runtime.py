@@ -349,8 +349,8 @@ class StreamingClient:
         self._crossing: set[int] = set()
         self._rejected_ids: set[int] = set()
         self._cache: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()  # uid -> (answer, request print)
-        # ids whose answers left the cache: a resend is refused, since stepping it again would advance its
-        # symbol's state twice (ranges: ids in order take a few bytes each)
+        # ids whose answers left the cache, and the refused ids between them: a resend is refused, since stepping it
+        # again would advance its symbol's state twice (ranges: ids in order take a few bytes each)
         self._evicted = IdRanges()
         self._fed_on_connection = False  # a request new to this client came on the current connection
         self._ws = None
@@ -668,9 +668,8 @@ class StreamingClient:
         errors never outnumber requests. Returns those ids."""
         refused = [uid for uid in dict.fromkeys(ids) if self._unseen(uid)]
         for uid in refused:
-            self._rejected_ids.add(uid)
             self.stats.note_request(uid)
-        self.stats.note_rejected(refused)
+        self._reject(refused)
         return refused
 
     def _on_request(self, ws, msg):
@@ -695,6 +694,8 @@ class StreamingClient:
                 cached_ids.append(uid)
             elif uid in self._in_flight:
                 continue  # resent while still queued or computing: answered when its step is done
+            elif uid in self._rejected_ids:  # (before _evicted, whose ranges take in refused ids too: _evict)
+                self._refuse_request(ws, uid, symbol, "rejected earlier")
             elif uid in self._evicted:
                 if self.stats.connections > 1 and not self._fed_on_connection:  # no resume resends that far back
                     self._new_stream(ws, uid, symbol)
@@ -704,16 +705,11 @@ class StreamingClient:
                 self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): answered earlier, "
                                                              f"its answer no longer cached (the last {self.cache_size} "
                                                              f"are); not fed to the model again"))
-            elif not finite or uid in self._rejected_ids:
-                reason = ("rejected earlier" if finite else f"features are not {NUM_FEATURES} numbers"
-                          if index in unreadable else "features contain NaN or inf")
-                if uid not in self._rejected_ids:
-                    self._rejected_ids.add(uid)
-                    self.stats.note_request(uid)
-                    self.stats.note_rejected([uid])
-                log.warning("request %d (%s): %s; not fed to the model", uid, symbol, reason)
-                self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): {reason}; "
-                                                             f"not fed to the model"))
+            elif not finite:
+                self.stats.note_request(uid)
+                self._reject([uid])
+                self._refuse_request(ws, uid, symbol, f"features are not {NUM_FEATURES} numbers"
+                                     if index in unreadable else "features contain NaN or inf")
             else:
                 self._in_flight[uid] = _request_print(symbol, row)
                 self.stats.note_request(uid)
@@ -739,6 +735,11 @@ class StreamingClient:
             self.stats.resent_from_cache += len(cached_ids)
             predictions = np.stack([self._cache[uid][0] for uid in cached_ids])
             self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()))
+
+    def _refuse_request(self, ws, uid, symbol, reason):
+        log.warning("request %d (%s): %s; not fed to the model", uid, symbol, reason)
+        self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): {reason}; "
+                                                     f"not fed to the model"))
 
     def _unseen(self, uid) -> bool:
         """Whether unique_id `uid` is new to this client: not queued, computing, answered or refused."""
@@ -1241,7 +1242,7 @@ class StreamingClient:
         for uid, row in zip(ids, predictions):
             self._cache[uid] = row, self._in_flight.pop(uid, None)
         while len(self._cache) > self.cache_size:
-            self._evicted.add(self._cache.popitem(last=False)[0])
+            self._evict(self._cache.popitem(last=False)[0])
         self.stats.responses_sent += len(ids)
         if self._carried and self._ws is not None:
             crossed = self._carried.intersection(ids)
@@ -1251,11 +1252,29 @@ class StreamingClient:
         self._send(self._ws, protocol.inference_response(ids, predictions, time.time()))
         self._mark("answered", ids)
 
+    def _reject(self, ids):
+        """Requests noted, then answered with an error: a resend of one is refused again."""
+        self._rejected_ids.update(ids)
+        for uid in ids:
+            if uid - 1 in self._evicted or uid + 1 in self._evicted:
+                self._evict(uid)
+        self.stats.note_rejected(ids)
+
+    def _evict(self, uid):
+        """Into _evicted: uid, whose answer has left the cache (or a refused id next to one there), with the refused
+        ids next to it (still told apart by _rejected_ids): each left a hole that split the ranges for good (~80 B
+        a request refused: a lost shard's symbols' requests for the rest of the stream)."""
+        self._evicted.add(uid)
+        for step in (1, -1):
+            other = uid + step
+            while other in self._rejected_ids and other not in self._evicted:
+                self._evicted.add(other)
+                other += step
+
     def _on_requests_failed(self, ids, why):
         for uid in ids:
             self._in_flight.pop(uid, None)
-        self._rejected_ids.update(ids)
-        self.stats.note_rejected(ids)
+        self._reject(ids)
         self._send(self._ws, protocol.error("client_error", f"unique_ids {ids} not answered: {why}"))
 
     def _send(self, ws, msg):

@@ -978,6 +978,43 @@ def test_a_resent_id_whose_answer_left_the_cache_is_refused_never_stepped_twice(
     assert summary["requests"] == 7
 
 
+class LostSymbol(CountingClient):
+    """Answers SYM_001's requests with an error, as a lost shard's symbols' for the rest of the stream."""
+
+    def process_batch(self, requests_by_symbol):
+        lost = requests_by_symbol.pop("SYM_001", [])
+        answer = super().process_batch(requests_by_symbol)
+        return {**answer, "errors": {uid: "shard lost" for uid, _ in lost}}
+
+
+def test_refused_ids_leave_no_holes_in_the_ranges_of_answers_gone_and_are_refused_again(model):
+    """Each request answered with an error (a lost shard's symbol's) left a hole in the ranges of the ids whose
+    answers left the cache, a range each for the session (~80 B a request refused); its resend, after a reconnect
+    too, is still refused as such, not taken for an id answered long ago (a new stream's)."""
+    symbols, features = _stream(31)
+    recorder = Recorder()
+    connections = []
+
+    async def handler(ws):
+        connections.append(ws)
+        assert protocol.decode(await ws.recv())["type"] == "register"
+        if len(connections) == 1:
+            await ws.send(_request(list(range(30)), symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) == 20 and len(recorder.errors) >= 10)
+            ws.transport.abort()
+            return
+        await ws.send(_request([1, 30, 0], symbols, features))  # the backlog first (1 was refused), then 30 new
+        await recorder.pump(ws, lambda: 30 in recorder.answered() and len(recorder.errors) >= 12)
+        await ws.close(1000)
+
+    client, summary = asyncio.run(_play(handler, LostSymbol(ReferenceEngine(model)), cache_size=2))
+    assert client.outcome != "new_stream" and len(connections) == 2
+    assert client._evicted.ranges() == 1 and len(client._evicted) == 29  # 0..28: 19 answers gone, 10 refused
+    assert any("unique_id 1 " in e and "rejected earlier" in e for e in recorder.errors), recorder.errors
+    assert any("unique_id 0 " in e and "answered earlier" in e for e in recorder.errors), recorder.errors
+    assert summary["requests"] == 31 and summary["errors"] == 10
+
+
 def test_a_resent_id_that_holds_another_request_is_refused_and_its_answer_stands(model):
     symbols, features = _stream(4)
     other_symbol = next(s for s in SYMBOLS if s != symbols[2])
