@@ -737,7 +737,12 @@ class StreamingClient:
             self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()))
 
     def _refuse_request(self, ws, uid, symbol, reason):
-        log.warning("request %d (%s): %s; not fed to the model", uid, symbol, reason)
+        # a feed's NaN rows, and each reconnect's resend of every request refused before (all of a lost shard's
+        # symbols' since), were a line each on stderr: each reason is logged once, the server told of every one
+        if reason not in self._errors_logged and len(self._errors_logged) < MAX_ERRORS_LOGGED:
+            self._errors_logged.add(reason)
+            log.warning("request %d (%s): %s; not fed to the model (later requests refused so are not logged)",
+                        uid, symbol, reason)
         self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): {reason}; "
                                                      f"not fed to the model"))
 

@@ -521,6 +521,28 @@ def test_requests_not_answered_for_one_reason_log_it_once(model, caplog):
                                                              "unique_id 1 not answered: ShardLost: shard 0 lost"]
 
 
+def test_requests_refused_on_arrival_for_one_reason_log_it_once(model, caplog):
+    """A feed's NaN rows, and a reconnect's resend of every request refused before (the server resends what it
+    missed), were a warning a request: each reason is logged once, every request still answered with its error."""
+    symbols, features = _stream(8)
+    features[:6, 0] = np.nan
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request(list(range(8)), symbols, features))
+        await ws.send(_request(list(range(6)), symbols, features))  # resent: refused earlier
+        await recorder.pump(ws, lambda: recorder.answered() == {6, 7} and len(recorder.errors) >= 12)
+        await ws.close(1000)
+
+    with caplog.at_level(logging.WARNING, logger="client.runtime"):
+        _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model))))
+    logged = [r.getMessage() for r in caplog.records if "not fed to the model" in r.getMessage()]
+    assert len(recorder.errors) == 12 and summary["errors"] == 6 and summary["requests"] == 8
+    assert [line.split(";")[0] for line in logged] == ["request 0 (SYM_000): features contain NaN or inf",
+                                                       "request 0 (SYM_000): rejected earlier"]
+
+
 def test_objects_alive_at_start_are_frozen_out_of_the_collector_during_play(model):
     symbols, features = _stream(3)
     recorder = Recorder()
