@@ -242,7 +242,9 @@ class StreamingClient:
         self.give_up_repeats, self.server_idle_s = give_up_repeats, server_idle_s
         self.ws_compression = ws_compression  # offer permessage-deflate (off: client/websocket_transport.py)
         self._session_key: str | None = None  # the server's, from its welcome: what a reconnect presents
-        self._failures: list[tuple] = []      # how the connections since the last new request ended
+        # how the last give_up_repeats connections since the last new request ended (all of them grew a tuple a
+        # reconnect for good where they ended in turns two ways)
+        self._failures: deque = deque(maxlen=give_up_repeats)
         self._frames = 0                      # frames received (the idle watch compares counts)
         self.team_client = team_client
         self.url, self.team, self.token = url, team, token
@@ -536,7 +538,7 @@ class StreamingClient:
         """Note how a connection ended; True (the session over, GAVE_UP) when the last give_up_repeats connections
         all ended that way with no new request in between."""
         self._failures.append(way)
-        if len(self._failures) < self.give_up_repeats or len(set(self._failures[-self.give_up_repeats:])) > 1:
+        if len(self._failures) < self.give_up_repeats or len(set(self._failures)) > 1:
             return False
         self._finish(GAVE_UP, f"the server failed the same way on {self.give_up_repeats} connections in a row, "
                               f"with no new request between them: {said}; giving up after {self._played()} "

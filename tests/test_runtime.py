@@ -962,6 +962,17 @@ def test_a_server_that_fails_the_same_way_on_every_connection_is_given_up(model,
                                  f"between them: {said}; giving up after {played} requests answered")
 
 
+def test_a_server_that_fails_in_turns_two_ways_is_retried_keeping_only_the_last_ways_it_failed():
+    """Connections that end in turns two ways (with no request between them) never give up: only the last
+    give_up_repeats ways are kept to compare, where each reconnect kept one for the session."""
+    client = StreamingClient(None, "ws://127.0.0.1:1", "testers", give_up_repeats=3)
+    for attempt in range(100):
+        assert not client._gave_up(("server", 1011 + attempt % 2, ""), "it broke")
+    assert len(client._failures) == 3
+    assert not client._gave_up(("server", 1012, ""), "it broke") and client._gave_up(("server", 1012, ""), "it broke")
+    assert client.outcome == runtime.GAVE_UP
+
+
 def test_a_server_that_falls_silent_without_end_cuts_the_session_short(model):
     async def handler(ws):
         await ws.recv()
