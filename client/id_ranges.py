@@ -1,10 +1,11 @@
 """A set of integer ids kept as sorted disjoint ranges: the runtime's ids whose answers left the cache.
 
 Servers number requests in order and answers leave the cache about in that order, so the ids collapse to a few
-ranges (one per id never answered: a rejected or failed request) instead of a set entry per request (~75 B,
-60 MB at 1M requests). Ids in no order cost what a set costs: an id that would make or merge ranges far from the
-end of the sorted lists goes to a plain set instead, since moving the ranges after it cost each add time in
-proportion to the ranges held (~0.1 ms an answer at 1M random ids, on the event loop).
+ranges (the runtime adds the rejected or failed requests' ids too, as their neighbours leave the cache, else each
+would split a range) instead of a set entry per request (~75 B, 60 MB at 1M requests). Ids in no order cost what a
+set costs: an id that would make or merge ranges far from the end of the sorted lists goes to a plain set instead,
+since moving the ranges after it cost each add time in proportion to the ranges held (~0.1 ms an answer at 1M
+random ids, on the event loop).
 """
 from bisect import bisect_right
 

@@ -79,6 +79,9 @@ LATE_PARTS_S = 0.2
 LATE_POLL_S = 0.005
 MAX_FAILURES_LOGGED = 100  # distinct failures of the team's steps logged with their traceback
 MAX_ERRORS_LOGGED = 100  # distinct reasons for requests not answered, each logged once (the summary counts them all)
+# Received ids a score may still count for: a score comes within the server's timeout (2 s), or on the next
+# connection (the server sends again those of its last 30 s); at 20,000 requests a second 50 s of them, ~85 MB.
+MAX_UNSCORED = 1_000_000
 
 
 class ClientStats:
@@ -100,9 +103,11 @@ class ClientStats:
         # as they stand, also from the team client's progress thread (a list made an array for each progress line,
         # and three percentiles, held the event loop 73 ms at 1M requests scored, 224 ms at 3M)
         self._latencies_ms = np.empty(1024)
-        # ids received and not yet scored: a score for any other id (scored already, or never this client's
-        # request) is not counted, so that a server's scores cannot push responses past requests
+        # ids received and not yet scored, of the last MAX_UNSCORED received: a score for any other id (scored
+        # already, never this client's request, or received that long ago) is not counted, so that a server's scores
+        # cannot push responses past requests; a server that scored none kept every id (~70 B a request) for good
         self._unscored: set[int] = set()
+        self._received: deque = deque()  # the ids of _unscored (and some scored since), oldest first
         self._first_request_at: float | None = None
         self._last_score_at: float | None = None
 
@@ -111,6 +116,9 @@ class ClientStats:
             self._first_request_at = time.perf_counter()
         self.requests += 1
         self._unscored.add(uid)
+        self._received.append(uid)
+        if len(self._received) > MAX_UNSCORED:
+            self._unscored.discard(self._received.popleft())
 
     def note_rejected(self, uids) -> None:
         """Requests noted, then answered with an error: a server scores only answers, so they wait for no score
@@ -232,7 +240,9 @@ class StreamingClient:
         self.give_up_repeats, self.server_idle_s = give_up_repeats, server_idle_s
         self.ws_compression = ws_compression  # offer permessage-deflate (off: client/websocket_transport.py)
         self._session_key: str | None = None  # the server's, from its welcome: what a reconnect presents
-        self._failures: list[tuple] = []      # how the connections since the last new request ended
+        # how the last give_up_repeats connections since the last new request ended (all of them grew a tuple a
+        # reconnect for good where they ended in turns two ways)
+        self._failures: deque = deque(maxlen=give_up_repeats)
         self._frames = 0                      # frames received (the idle watch compares counts)
         self.team_client = team_client
         self.url, self.team, self.token = url, team, token
@@ -339,8 +349,8 @@ class StreamingClient:
         self._crossing: set[int] = set()
         self._rejected_ids: set[int] = set()
         self._cache: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()  # uid -> (answer, request print)
-        # ids whose answers left the cache: a resend is refused, since stepping it again would advance its
-        # symbol's state twice (ranges: ids in order take a few bytes each)
+        # ids whose answers left the cache, and the refused ids between them: a resend is refused, since stepping it
+        # again would advance its symbol's state twice (ranges: ids in order take a few bytes each)
         self._evicted = IdRanges()
         self._fed_on_connection = False  # a request new to this client came on the current connection
         self._ws = None
@@ -526,7 +536,7 @@ class StreamingClient:
         """Note how a connection ended; True (the session over, GAVE_UP) when the last give_up_repeats connections
         all ended that way with no new request in between."""
         self._failures.append(way)
-        if len(self._failures) < self.give_up_repeats or len(set(self._failures[-self.give_up_repeats:])) > 1:
+        if len(self._failures) < self.give_up_repeats or len(set(self._failures)) > 1:
             return False
         self._finish(GAVE_UP, f"the server failed the same way on {self.give_up_repeats} connections in a row, "
                               f"with no new request between them: {said}; giving up after {self._played()} "
@@ -656,9 +666,8 @@ class StreamingClient:
         errors never outnumber requests. Returns those ids."""
         refused = [uid for uid in dict.fromkeys(ids) if self._unseen(uid)]
         for uid in refused:
-            self._rejected_ids.add(uid)
             self.stats.note_request(uid)
-        self.stats.note_rejected(refused)
+        self._reject(refused)
         return refused
 
     def _on_request(self, ws, msg):
@@ -683,6 +692,8 @@ class StreamingClient:
                 cached_ids.append(uid)
             elif uid in self._in_flight:
                 continue  # resent while still queued or computing: answered when its step is done
+            elif uid in self._rejected_ids:  # (before _evicted, whose ranges take in refused ids too: _evict)
+                self._refuse_request(ws, uid, symbol, "rejected earlier")
             elif uid in self._evicted:
                 if self.stats.connections > 1 and not self._fed_on_connection:  # no resume resends that far back
                     self._new_stream(ws, uid, symbol)
@@ -692,16 +703,11 @@ class StreamingClient:
                 self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): answered earlier, "
                                                              f"its answer no longer cached (the last {self.cache_size} "
                                                              f"are); not fed to the model again"))
-            elif not finite or uid in self._rejected_ids:
-                reason = ("rejected earlier" if finite else f"features are not {NUM_FEATURES} numbers"
-                          if index in unreadable else "features contain NaN or inf")
-                if uid not in self._rejected_ids:
-                    self._rejected_ids.add(uid)
-                    self.stats.note_request(uid)
-                    self.stats.note_rejected([uid])
-                log.warning("request %d (%s): %s; not fed to the model", uid, symbol, reason)
-                self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): {reason}; "
-                                                             f"not fed to the model"))
+            elif not finite:
+                self.stats.note_request(uid)
+                self._reject([uid])
+                self._refuse_request(ws, uid, symbol, f"features are not {NUM_FEATURES} numbers"
+                                     if index in unreadable else "features contain NaN or inf")
             else:
                 self._in_flight[uid] = _request_print(symbol, row)
                 self.stats.note_request(uid)
@@ -727,6 +733,16 @@ class StreamingClient:
             self.stats.resent_from_cache += len(cached_ids)
             predictions = np.stack([self._cache[uid][0] for uid in cached_ids])
             self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()))
+
+    def _refuse_request(self, ws, uid, symbol, reason):
+        # a feed's NaN rows, and each reconnect's resend of every request refused before (all of a lost shard's
+        # symbols' since), were a line each on stderr: each reason is logged once, the server told of every one
+        if reason not in self._errors_logged and len(self._errors_logged) < MAX_ERRORS_LOGGED:
+            self._errors_logged.add(reason)
+            log.warning("request %d (%s): %s; not fed to the model (later requests refused so are not logged)",
+                        uid, symbol, reason)
+        self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): {reason}; "
+                                                     f"not fed to the model"))
 
     def _unseen(self, uid) -> bool:
         """Whether unique_id `uid` is new to this client: not queued, computing, answered or refused."""
@@ -1229,7 +1245,7 @@ class StreamingClient:
         for uid, row in zip(ids, predictions):
             self._cache[uid] = row, self._in_flight.pop(uid, None)
         while len(self._cache) > self.cache_size:
-            self._evicted.add(self._cache.popitem(last=False)[0])
+            self._evict(self._cache.popitem(last=False)[0])
         self.stats.responses_sent += len(ids)
         if self._carried and self._ws is not None:
             crossed = self._carried.intersection(ids)
@@ -1239,11 +1255,29 @@ class StreamingClient:
         self._send(self._ws, protocol.inference_response(ids, predictions, time.time()))
         self._mark("answered", ids)
 
+    def _reject(self, ids):
+        """Requests noted, then answered with an error: a resend of one is refused again."""
+        self._rejected_ids.update(ids)
+        for uid in ids:
+            if uid - 1 in self._evicted or uid + 1 in self._evicted:
+                self._evict(uid)
+        self.stats.note_rejected(ids)
+
+    def _evict(self, uid):
+        """Into _evicted: uid, whose answer has left the cache (or a refused id next to one there), with the refused
+        ids next to it (still told apart by _rejected_ids): each left a hole that split the ranges for good (~80 B
+        a request refused: a lost shard's symbols' requests for the rest of the stream)."""
+        self._evicted.add(uid)
+        for step in (1, -1):
+            other = uid + step
+            while other in self._rejected_ids and other not in self._evicted:
+                self._evicted.add(other)
+                other += step
+
     def _on_requests_failed(self, ids, why):
         for uid in ids:
             self._in_flight.pop(uid, None)
-        self._rejected_ids.update(ids)
-        self.stats.note_rejected(ids)
+        self._reject(ids)
         self._send(self._ws, protocol.error("client_error", f"unique_ids {ids} not answered: {why}"))
 
     def _send(self, ws, msg):

@@ -521,6 +521,28 @@ def test_requests_not_answered_for_one_reason_log_it_once(model, caplog):
                                                              "unique_id 1 not answered: ShardLost: shard 0 lost"]
 
 
+def test_requests_refused_on_arrival_for_one_reason_log_it_once(model, caplog):
+    """A feed's NaN rows, and a reconnect's resend of every request refused before (the server resends what it
+    missed), were a warning a request: each reason is logged once, every request still answered with its error."""
+    symbols, features = _stream(8)
+    features[:6, 0] = np.nan
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_request(list(range(8)), symbols, features))
+        await ws.send(_request(list(range(6)), symbols, features))  # resent: refused earlier
+        await recorder.pump(ws, lambda: recorder.answered() == {6, 7} and len(recorder.errors) >= 12)
+        await ws.close(1000)
+
+    with caplog.at_level(logging.WARNING, logger="client.runtime"):
+        _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model))))
+    logged = [r.getMessage() for r in caplog.records if "not fed to the model" in r.getMessage()]
+    assert len(recorder.errors) == 12 and summary["errors"] == 6 and summary["requests"] == 8
+    assert [line.split(";")[0] for line in logged] == ["request 0 (SYM_000): features contain NaN or inf",
+                                                       "request 0 (SYM_000): rejected earlier"]
+
+
 def test_objects_alive_at_start_are_frozen_out_of_the_collector_during_play(model):
     symbols, features = _stream(3)
     recorder = Recorder()
@@ -940,6 +962,17 @@ def test_a_server_that_fails_the_same_way_on_every_connection_is_given_up(model,
                                  f"between them: {said}; giving up after {played} requests answered")
 
 
+def test_a_server_that_fails_in_turns_two_ways_is_retried_keeping_only_the_last_ways_it_failed():
+    """Connections that end in turns two ways (with no request between them) never give up: only the last
+    give_up_repeats ways are kept to compare, where each reconnect kept one for the session."""
+    client = StreamingClient(None, "ws://127.0.0.1:1", "testers", give_up_repeats=3)
+    for attempt in range(100):
+        assert not client._gave_up(("server", 1011 + attempt % 2, ""), "it broke")
+    assert len(client._failures) == 3
+    assert not client._gave_up(("server", 1012, ""), "it broke") and client._gave_up(("server", 1012, ""), "it broke")
+    assert client.outcome == runtime.GAVE_UP
+
+
 def test_a_server_that_falls_silent_without_end_cuts_the_session_short(model):
     async def handler(ws):
         await ws.recv()
@@ -978,6 +1011,43 @@ def test_a_resent_id_whose_answer_left_the_cache_is_refused_never_stepped_twice(
     assert summary["requests"] == 7
 
 
+class LostSymbol(CountingClient):
+    """Answers SYM_001's requests with an error, as a lost shard's symbols' for the rest of the stream."""
+
+    def process_batch(self, requests_by_symbol):
+        lost = requests_by_symbol.pop("SYM_001", [])
+        answer = super().process_batch(requests_by_symbol)
+        return {**answer, "errors": {uid: "shard lost" for uid, _ in lost}}
+
+
+def test_refused_ids_leave_no_holes_in_the_ranges_of_answers_gone_and_are_refused_again(model):
+    """Each request answered with an error (a lost shard's symbol's) left a hole in the ranges of the ids whose
+    answers left the cache, a range each for the session (~80 B a request refused); its resend, after a reconnect
+    too, is still refused as such, not taken for an id answered long ago (a new stream's)."""
+    symbols, features = _stream(31)
+    recorder = Recorder()
+    connections = []
+
+    async def handler(ws):
+        connections.append(ws)
+        assert protocol.decode(await ws.recv())["type"] == "register"
+        if len(connections) == 1:
+            await ws.send(_request(list(range(30)), symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) == 20 and len(recorder.errors) >= 10)
+            ws.transport.abort()
+            return
+        await ws.send(_request([1, 30, 0], symbols, features))  # the backlog first (1 was refused), then 30 new
+        await recorder.pump(ws, lambda: 30 in recorder.answered() and len(recorder.errors) >= 12)
+        await ws.close(1000)
+
+    client, summary = asyncio.run(_play(handler, LostSymbol(ReferenceEngine(model)), cache_size=2))
+    assert client.outcome != "new_stream" and len(connections) == 2
+    assert client._evicted.ranges() == 1 and len(client._evicted) == 29  # 0..28: 19 answers gone, 10 refused
+    assert any("unique_id 1 " in e and "rejected earlier" in e for e in recorder.errors), recorder.errors
+    assert any("unique_id 0 " in e and "answered earlier" in e for e in recorder.errors), recorder.errors
+    assert summary["requests"] == 31 and summary["errors"] == 10
+
+
 def test_a_resent_id_that_holds_another_request_is_refused_and_its_answer_stands(model):
     symbols, features = _stream(4)
     other_symbol = next(s for s in SYMBOLS if s != symbols[2])
@@ -1003,6 +1073,20 @@ def test_a_resent_id_that_holds_another_request_is_refused_and_its_answer_stands
     expected = _expected(model, symbols, features, range(4))
     for uid, prediction in recorder.responses:
         np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+
+
+def test_ids_wait_for_a_score_only_among_the_latest_received(monkeypatch):
+    """A server that scores nothing (or only some ids) kept every id received waiting for its score, ~70 B a request
+    for the session: only the last MAX_UNSCORED received wait, and a score for an older one is not counted."""
+    monkeypatch.setattr(runtime, "MAX_UNSCORED", 100)
+    stats = ClientStats(timeout_s=1.0)
+    for uid in range(1000):
+        stats.note_request(uid)
+    assert len(stats._unscored) == 100 and len(stats._received) == 100
+    stats.add_scores(protocol.score_update([5, 950, 999], [1.0] * 3, [4] * 3, [10.0] * 3))
+    summary = stats.summary()
+    assert summary["requests"] == 1000 and summary["responses"] == 2 and summary["missed"] == 998
+    assert summary["pnl"] == pytest.approx(2.0)
 
 
 def test_scores_of_ids_never_received_or_beyond_the_towers_are_not_counted():
