@@ -501,6 +501,13 @@ class StreamingClient:
                 self._on_frame(ws, frame)
         except transport.ConnectionClosed:
             pass
+        except transport.ProtocolMismatch:
+            # A tcp-json connection that ended before its first line, or began with no JSON, asks the server a
+            # websocket handshake to say which protocol it speaks. One that spoke this protocol earlier in the
+            # session only dropped this connection: this project's server speaks both on one port, and its answer
+            # to the handshake ended such sessions as wrong_protocol.
+            if not self._frames:
+                raise
         finally:
             heartbeat.cancel()
             idle_watch.cancel()

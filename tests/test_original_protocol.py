@@ -251,6 +251,45 @@ def test_a_server_that_closes_without_a_word_is_said_so_and_given_up():
     assert "between them: the connection ended without a close code; giving up" in summary["detail"]
 
 
+def test_a_server_of_both_protocols_that_drops_a_connection_before_its_first_line_is_played_on():
+    """A server that speaks both protocols on one port (as this project's does) answers the websocket handshake the
+    client asks to tell why a tcp-json connection ended before its first line. After lines on an earlier connection
+    that is a dropped connection, not the wrong protocol: the session goes on (it ended as wrong_protocol)."""
+    rounds = [requests((0, "SYM_000"), (1, "SYM_001"), seed=0), [],
+              requests((0, "SYM_000"), (1, "SYM_001"), (2, "SYM_000"), seed=0)]
+    sent_back = []
+
+    async def handler(reader, writer):
+        first = await reader.readline()
+        if first.startswith(b"GET "):  # the client's handshake probe: accepted, as a websocket server does
+            writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+            await writer.drain()
+            writer.close()
+            return
+        answers = []
+        sent_back.append(answers)
+        n = len(sent_back) - 1
+        for uid, symbol, row in rounds[n] if n < len(rounds) else []:  # round 1: closed before a line
+            writer.write(json.dumps({"message_type": "inference_request", "unique_ids": [uid], "symbols": [symbol],
+                                     "features": [row.tolist()], "timestamp": time.time()}).encode() + b"\n")
+            line = await reader.readline()
+            if not line:
+                return
+            answers.append(json.loads(line))
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(Echo(), url, "x", backoff_s=0.01, give_up_repeats=3).run()
+        server.close()
+        return summary
+
+    summary = run(main())
+    assert summary["outcome"] == runtime.GAVE_UP, summary["detail"]  # the end: three closes with nothing new
+    assert [answered(sent) for sent in sent_back[:3]] == [[0, 1], [], [0, 1, 2]]
+
+
 def test_a_server_error_without_details_is_said_without_an_empty_colon(caplog):
     """The original protocol's error has details null where there is nothing to add ("server error x: " before)."""
     async def handler(reader, writer):
