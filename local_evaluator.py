@@ -153,8 +153,8 @@ def replay(client, symbols, features, delay_ms, batch_size: int | None = None, a
     sum(delay_ms[:i+1]). With batch_size N, the stream is cut into groups of N consecutive requests,
     as the original evaluator did; a group arrives all at once when the previous group is answered,
     and delay_ms is ignored. A step carries up to max_requests_per_symbol queued requests of a symbol when the
-    team client takes lists (client/team_api.py), else one. Which requests share a step can depend on measured times (only in the
-    delay mode); what each symbol sees, and in which order, never does.
+    team client takes lists (client/team_api.py), else one. Which requests share a step can depend on measured
+    times (only in the delay mode); what each symbol sees, and in which order, never does.
     """
     m = len(symbols)
     if batch_size is not None and batch_size < 1:
@@ -427,7 +427,8 @@ def parse_args(argv=None):
     out.add_argument("--profile", metavar="DIR", help="torch.profiler trace of a few steps into DIR; print top kernels")
     out.add_argument("--profile-steps", type=cli.positive_int, default=DEFAULT_PROFILE_STEPS,
                      help=f"steps the profile records, after the first (default {DEFAULT_PROFILE_STEPS})")
-    out.add_argument("--plot", metavar="PNG", type=cli.output_file, help="latency distribution and per-tower error (matplotlib)")
+    out.add_argument("--plot", metavar="PNG", type=cli.output_file,
+                     help="latency distribution and per-tower error (matplotlib)")
     args = p.parse_args(argv)
     generating = [f"--{name.replace('_', '-')}" for name in GENERATION if getattr(args, name) is not None]
     if args.stream is not None and generating:  # else silently ignored: the file's requests replayed as they are

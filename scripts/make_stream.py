@@ -31,7 +31,8 @@ def parse_args(argv):
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (needed with --targets)")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--weights", help="checkpoint (.pt state dict or safetensors) for --targets")
-    weights.add_argument("--weights-seed", type=cli.seed, help="seed of the synthetic weights for --targets (default 0)")
+    weights.add_argument("--weights-seed", type=cli.seed,
+                         help="seed of the synthetic weights for --targets (default 0)")
     parser.add_argument("--device", help="device for --targets (default: cuda when available)")
     parser.add_argument("--cache-dir", help="targets cache (default: $FASTENS_CACHE/targets or "
                                             "~/.cache/fastens/targets)")

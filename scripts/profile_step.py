@@ -271,8 +271,9 @@ def main(argv=None) -> int:
     ap.add_argument("--accuracy-steps", type=int, default=100)
     ap.add_argument("--out-dir", type=Path, default=Path("prof"))
     ap.add_argument("--variant", action="append", type=variant_argument, default=[],
-                    help="also time and check an engine with precision overrides, e.g. retnet.mlp=float16,hawk=bfloat16, "
-                         "or with other weight dtypes on the skinny kernel, e.g. skinny=none or skinny=float32+float16")
+                    help="also time and check an engine with precision overrides, e.g. "
+                         "retnet.mlp=float16,hawk=bfloat16, or with other weight dtypes on the skinny kernel, e.g. "
+                         "skinny=none or skinny=float32+float16")
     ap.add_argument("--priorities", action="append", type=priorities_argument, default=[],
                     help="also time the step under these CUDA stream priorities per tower, e.g. xlstm=-1 or "
                          "xlstm=-1,mamba2=-1 or none (all 0); repeat to compare (bench/LOG.md section 23)")
@@ -306,7 +307,8 @@ def main(argv=None) -> int:
             state = model.init_state(B)
             feats = torch.randn(B, 79, device="cuda")
             result[f"reference_step_ms_B{B}"] = time_cuda(lambda: model(feats, state), iters=5, warmup=1)[0]
-    log(f"reference step {result['reference_step_ms_B1']:.1f} ms (B=1), {result['reference_step_ms_B20']:.1f} ms (B=20)")
+    log(f"reference step {result['reference_step_ms_B1']:.1f} ms (B=1), "
+        f"{result['reference_step_ms_B20']:.1f} ms (B=20)")
 
     t = time.perf_counter()
     batches = args.batches

@@ -111,7 +111,8 @@ def format_table(results) -> str:
             cells = []
             for transport in ("process", "ray"):
                 paired = np.subtract(result["rounds_ms"][transport][batch], result["rounds_ms"]["in_process"][batch])
-                cells.append(f"{result['step_ms'][transport][batch]:.2f} | {result['overhead_ms'][transport][batch]:+.2f} "
+                cells.append(f"{result['step_ms'][transport][batch]:.2f} | "
+                             f"{result['overhead_ms'][transport][batch]:+.2f} "
                              f"({paired.min():+.2f} to {paired.max():+.2f})")
             lines.append(f"| {preset} | {batch} | {base:.2f} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)

@@ -15,10 +15,10 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
     """table_options: the state table's capacity or state_memory, host_symbols and idle_timeout_s (both engines),
     and the fast engine's state_storage (a StateStorage: client/engine/precision.py); None means the engine's
     default. precision (a Precision, None for the default) and compile are the fast engine's; the reference engine
-    is the fp32 model run eagerly, and refuses any other precision, compile or 16-bit state. gpus > 1 spreads the fast engine
-    over that many GPUs: split "towers" (the default) in this process, "symbols" in a process per GPU that loads
-    the model from `spec` (client.engine.sharded.ModelSpec). max_rows_per_symbol: requests of one symbol the fast
-    engine's captured steps carry (more run as several steps); the reference engine steps any number. cluster
+    is the fp32 model run eagerly, and refuses any other precision, compile or 16-bit state. gpus > 1 spreads the
+    fast engine over that many GPUs: split "towers" (the default) in this process, "symbols" in a process per GPU
+    that loads the model from `spec` (client.engine.sharded.ModelSpec). max_rows_per_symbol: requests of one symbol
+    the fast engine's captured steps carry (more run as several steps); the reference engine steps any number. cluster
     "ray" shards the symbols over Ray actors instead (client/engine/shard_ray.py: ray_address, shards, device
     cuda/cpu or None for the cluster's choice, name None for fast on GPUs and reference on CPUs); on_shard_loss
     ("error" or "reset") is what a sharded engine does when a shard is lost, and shard_timeout_s how long a shard may

@@ -73,7 +73,8 @@ class ShardActor:
                 self.turn.notify_all()
 
     async def step(self, seq: int, symbols, features):
-        features = np.require(features, requirements="W")  # Ray hands arrays over read-only; engines take tensors of them
+        # Ray hands arrays over read-only; engines take tensors of them
+        features = np.require(features, requirements="W")
         pending = await self._in_turn(seq, lambda: submit_placeable(self.engine, symbols, features))
         return await asyncio.get_running_loop().run_in_executor(self.collector, pending.result)
 

@@ -84,7 +84,8 @@ def build_shard_engine(spec: ModelSpec, device: str, engine: str, options: dict)
     from client.engine import make_engine
     from client.model import ModelLoader
 
-    load = ModelLoader(spec.preset, spec.weights, spec.seed, device)  # the engine keeps the model no longer than it needs
+    # the engine keeps the model no longer than it needs
+    load = ModelLoader(spec.preset, spec.weights, spec.seed, device)
     options = {**options, "progress": False}  # a shard's startup is reported by the engine that owns it
     built = make_engine(engine, load, device=device, **options)
     built.expired()  # from now on it keeps the symbols it forgets as idle, for submit_placeable to report

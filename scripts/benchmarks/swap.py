@@ -193,6 +193,7 @@ def summary(data) -> list[str]:
             f"{HOT_P99_LIMIT_MS:g}), cold p50/max {fmt(s['cold']['p50_ms'])}/{fmt(s['cold']['max_ms'])} ms (<= "
             f"{COLD_LIMIT_MS:g}), missed {s['hot']['missed'] + s['cold']['missed']}; longest step of B <= "
             f"{s['hot_symbols']} {fmt(s['step_ms_max_b20'])} ms (<= {STEP_LIMIT_MS:g}), steps that waited for a copy "
-            f"{s.get('step_waits', 'not recorded')}; {s['swaps_per_s']:.1f} swaps/s; transfers at {fmt(share['to_gpu'])}/"
-            f"{fmt(share['to_host'])} of the pinned bandwidth to GPU/to host (>= {BANDWIDTH_SHARE:g}); the host's CPU "
-            f"time taken by its hypervisor {fmt(s.get('host_steal_ms_per_s'))} ms/s"]
+            f"{s.get('step_waits', 'not recorded')}; {s['swaps_per_s']:.1f} swaps/s; transfers at "
+            f"{fmt(share['to_gpu'])}/{fmt(share['to_host'])} of the pinned bandwidth to GPU/to host (>= "
+            f"{BANDWIDTH_SHARE:g}); the host's CPU time taken by its hypervisor "
+            f"{fmt(s.get('host_steal_ms_per_s'))} ms/s"]

@@ -201,7 +201,8 @@ class Linear:
     @property
     def nbytes(self):
         lo = 0 if self.weight_lo is None else self.weight_lo.numel() * 2
-        return self.weight.numel() * self.weight.element_size() + lo + (0 if self.bias is None else self.bias.numel() * 4)
+        bias = 0 if self.bias is None else self.bias.numel() * 4
+        return self.weight.numel() * self.weight.element_size() + lo + bias
 
     def _use_gemv(self, x):
         return self.gemv is not None and (x.shape[0] == 1 or (x.shape[0] == 2 and _live_rows() is not None))

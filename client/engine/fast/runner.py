@@ -111,7 +111,8 @@ class StepRunner:
         # 16-bit matrix state rounded stochastically needs fresh random bits every step: a step counter per slot,
         # part of the symbol's state (so a symbol's rounding does not depend on its slot or its neighbours)
         self.stochastic = (state_storage.rounding == "stochastic"
-                           and any(dtype != torch.float32 for _, dtype, _ in self.layout.values() if dtype.is_floating_point))
+                           and any(dtype != torch.float32 for _, dtype, _ in self.layout.values()
+                                   if dtype.is_floating_point))
         if self.stochastic:
             self.layout[STEP_COUNTER] = ((), torch.int32, 0)
         self.counter = None
@@ -349,9 +350,9 @@ class StepInputs:
         filled with `sequence` sequences and rows, while a device copy of this buffer may be under way.
 
         The slot is written last, after a fence: a staged graph copies the sequence slots before the rest
-        (GraphedStep._capture_staged), so a copy that read this slot also reads the row and the starts written before it,
-        and one that read the padding slot leaves the request out (its sequence then covers padding rows only, at
-        the padding slot). The later sequences stay empty from the row after it on."""
+        (GraphedStep._capture_staged), so a copy that read this slot also reads the row and the starts written
+        before it, and one that read the padding slot leaves the request out (its sequence then covers padding rows
+        only, at the padding slot). The later sequences stay empty from the row after it on."""
         seq_slots, seq_starts, host_features = self.host_views
         host_features[sequence] = features
         seq_starts[sequence + 1:] = sequence + 1

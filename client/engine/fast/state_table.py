@@ -532,7 +532,8 @@ class StateTable:
         self.parts = [DeviceSlots(layout, device, capacity + 1, host_slots, separate) for layout, device in parts]
         for part in self.parts:  # every part's tier is registered by the pinning thread, on the first part's GPU
             part.host.device = self.parts[0].device
-        self.host_capacity, self.idle_timeout_s, self.reserve, self.clock = host_capacity, idle_timeout_s, reserve, clock
+        self.host_capacity, self.idle_timeout_s = host_capacity, idle_timeout_s
+        self.reserve, self.clock = reserve, clock
         self.before_copy = before_copy
         for part in self.parts:
             part.copy_times = [] if time_copies else None
