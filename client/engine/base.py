@@ -33,7 +33,9 @@ def check_step_inputs(symbols, features) -> np.ndarray:
         features = features.detach().cpu()
         features = features.float() if features.is_floating_point() else features
     features = np.asarray(features)
-    if features.shape == (0,):  # no rows as an empty list ([]) has no width to read: it is the (0, 79) step
+    # no rows as an empty list ([]) has no width to read: it is the (0, 79) step; with symbols, the error below names
+    # the shape given, (0,), not (0, 79)
+    if features.shape == (0,) and len(symbols) == 0:
         features = features.reshape(0, NUM_FEATURES)
     if features.shape != (len(symbols), NUM_FEATURES):
         raise ValueError(f"features must have shape ({len(symbols)}, {NUM_FEATURES}) for "
