@@ -235,6 +235,21 @@ def test_a_join_looks_its_symbol_up_on_the_engines_gpu(monkeypatch):
     assert step.join("B", np.ones(79, np.float32)) and seen == [[gpu]]
 
 
+@pytest.mark.parametrize("as_tensor", [lambda x: torch.from_numpy(x).requires_grad_(),
+                                       lambda x: torch.from_numpy(x).to(torch.bfloat16)], ids=["requires_grad", "bf16"])
+def test_a_join_takes_features_as_torch_tensors_as_submit_does(as_tensor):
+    """A join's row as a tensor that requires grad, or is bf16, joins as its float32 values, as submit's rows do
+    (numpy read the row first: torch's RuntimeError or TypeError)."""
+    engine = SimpleNamespace(device=torch.device("cpu"), table=SimpleNamespace(resident_slot={"B": 4}.get),
+                             step_times=None, queued=lambda staging, ahead: True)
+    staging = _HostStaging(79)
+    staging.inputs.fill([3], [1], np.zeros((1, 79), np.float32))
+    step = JoinableStep(engine, staging, ["A"], np.arange(1), capacity=3, ahead=None)
+    row = as_tensor(np.linspace(-1, 1, 79, dtype=np.float32))
+    assert step.join("B", row)
+    np.testing.assert_array_equal(staging.inputs.features[1].numpy(), row.detach().float().numpy())
+
+
 def test_the_example_clients_answer_names_the_joins_that_made_it():
     """team/example_model.py's pending step over a JoinableStep: join and fate by unique id; its answer has the
     formed requests and the joins the step read, not the one that came too late."""

@@ -134,7 +134,9 @@ class JoinableStep(PendingStep):
         left, the step may have started (the one ahead of it is done), its symbol already in the step or not
         resident on the GPU with its copies done. True says only that it may make it: see fate(). ValueError
         for features of the wrong shape or not finite, as submit's."""
-        features = check_step_inputs([symbol], np.asarray(features).reshape(1, -1))[0]
+        # a tensor reshaped as it is: check_step_inputs reads those numpy cannot (requiring grad, bf16), as submit's
+        row = features.reshape(1, -1) if isinstance(features, torch.Tensor) else np.asarray(features).reshape(1, -1)
+        features = check_step_inputs([symbol], row)[0]
         # on the engine's GPU: resident_slot queries the slot's last copy's event (no device guard), from the
         # runtime's thread, which may be on GPU 0 (a CUDA call there makes a context on it)
         with self._joins, _on_device(self.engine.device):
