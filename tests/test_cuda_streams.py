@@ -28,6 +28,30 @@ def test_the_runtime_is_found_under_each_name_it_ships_with_and_nothing_else():
     assert cuda_streams._mapped(re.compile(r"libno_such_library\.so")) is None
 
 
+def test_graphs_of_an_owner_on_the_current_gpu_are_reset_on_that_gpu_from_any_thread(monkeypatch):
+    """Graphs captured on "cuda" (no index: the GPU current then, GPU 1 here) are reset with GPU 1 current when their
+    owner is dropped in a thread on GPU 0: "cuda" read at the drop was that thread's GPU 0 (a context made there)."""
+    import contextlib
+    import gc
+    import types
+
+    gpu, current = {"now": 1}, []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: gpu["now"])
+
+    @contextlib.contextmanager
+    def device(d):
+        current.append(torch.device("cuda", gpu["now"]) if torch.device(d).index is None else torch.device(d))
+        yield
+    monkeypatch.setattr(torch.cuda, "device", device)
+    resets = []
+    owner = type("Owner", (), {})()  # a ReferenceStepper's graph, captured on "cuda" while GPU 1 was current
+    cuda_streams.reset_graphs_when_dropped(owner, "cuda", [types.SimpleNamespace(reset=lambda: resets.append(1))])
+    gpu["now"] = 0  # a thread that never set a GPU
+    del owner
+    gc.collect()
+    assert resets == [1] and current == [torch.device("cuda", 1)]
+
+
 @cuda
 def test_own_streams_are_distinct_non_blocking_and_never_from_torchs_pool():
     own = [own_stream("cuda"), own_stream("cuda"), own_stream("cuda", priority=-1)]

@@ -48,7 +48,10 @@ def reset_graphs_when_dropped(owner, device, *holders):
     `device` current. Torch destroys a graph on the thread's current device, and a thread that never set one (any
     thread that drops the last reference) would make a CUDA context on GPU 0 for it: ~0.5 GiB of another GPU's
     memory (bench/LOG.md sections 74, 75)."""
-    finalizer = weakref.finalize(owner, _reset_graphs, torch.device(device), holders)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the GPU current now, as at the capture, not the
+        device = torch.device("cuda", torch.cuda.current_device())  # dropping thread's (GPU 0 in a fresh thread)
+    finalizer = weakref.finalize(owner, _reset_graphs, device, holders)
     finalizer.atexit = False  # at exit the process ends with its graphs, as torch leaves them
 
 
