@@ -78,6 +78,7 @@ LATE_PARTS_S = 0.2
 # While such a step waits for its late parts, the runtime looks this often whether they have come.
 LATE_POLL_S = 0.005
 MAX_FAILURES_LOGGED = 100  # distinct failures of the team's steps logged with their traceback
+NON_FINITE_PREDICTION = "the team client's prediction is not finite (NaN or inf)"
 MAX_ERRORS_LOGGED = 100  # distinct reasons for requests not answered, each logged once (the summary counts them all)
 # Received ids a score may still count for: a score comes within the server's timeout (2 s), or on the next
 # connection (the server sends again those of its last 30 s); at 20,000 requests a second 50 s of them, ~85 MB.
@@ -1214,6 +1215,10 @@ class StreamingClient:
 
     def _answer(self, ids, predictions, errors):
         self._mark("done", ids)
+        finite = np.isfinite(predictions).all(axis=1)
+        if not finite.all():  # NaN never goes out (nor is it JSON, the original protocol's): the request fails
+            errors = {**errors, **{ids[row]: NON_FINITE_PREDICTION for row in np.flatnonzero(~finite)}}
+            ids, predictions = [ids[row] for row in np.flatnonzero(finite)], predictions[finite]
         if ids:
             self._on_loop(self._on_batch_done, ids, predictions)
         for uid, why in errors.items():

@@ -137,6 +137,44 @@ def test_bad_messages_and_rows_are_answered_with_errors_and_the_rest_goes_on(mod
     assert summary["requests"] == 15 and summary["errors"] == 4 and summary["connections"] == 1
 
 
+class NonFiniteAt(ExampleModel):
+    """The example client, its predictions for some ids made NaN or inf (a team's bug, or a state gone non-finite)."""
+
+    def __init__(self, engine, bad):
+        super().__init__(engine)
+        self.bad = bad
+
+    def process_batch(self, requests_by_symbol):
+        answer = super().process_batch(requests_by_symbol)
+        for row, uid in enumerate(answer["unique_ids"]):
+            if uid in self.bad:
+                answer["predictions"][row, row % 4] = self.bad[uid]
+        return answer
+
+
+@pytest.mark.parametrize("url_scheme", ["ws", "tcp"])
+def test_a_non_finite_prediction_is_never_sent_its_request_fails_and_the_rest_are_answered(model, url_scheme,
+                                                                                            tmp_path):
+    """NaN never passes: a request whose prediction is NaN or inf is answered with an error (it went out as a
+    response: NaN in the original protocol's JSON, which is no JSON), its batch's others as usual."""
+    from server import ScoringServer, ServerConfig
+
+    async def main():
+        server = ScoringServer(ServerConfig(preset="tiny", seed=1, symbols=2, requests=8, rate=300.0, timeout_s=1.0,
+                                            cache_dir=str(tmp_path)))
+        port = await server.start()
+        client = StreamingClient(NonFiniteAt(ReferenceEngine(model), {2: np.nan, 5: np.inf}),
+                                 f"{url_scheme}://127.0.0.1:{port}", "testers", leave_at_end=True)
+        summary = await asyncio.wait_for(client.run(), 60)
+        await server.stop()
+        return summary, server.summaries()
+
+    summary, [team] = asyncio.run(main())
+    assert summary["requests"] == 8 and summary["errors"] == 2 and summary["responses_sent"] == 6
+    assert summary["responses"] == 6 and summary["accuracy"] == 1.0
+    assert team["responses"] == 6 and team["client_errors"] == 2 and team["errors"] == 0  # none refused as NaN
+
+
 def test_a_malformed_frames_new_rows_count_as_requests_received_and_answered_with_errors(model):
     """A request frame whose rows do not agree (3 ids, 2 symbols): its ids new to the client are requests received
     and refused, once each, so that errors never outnumber requests; an id of it answered before is neither. Ids
