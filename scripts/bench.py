@@ -5,6 +5,9 @@ project's scoring server on loopback.
     python scripts/bench.py --json bench.json                                  # GPU, full preset
     python scripts/bench.py --preset tiny --device cpu --quick --json out.json  # CPU smoke run
 
+The smoke run takes ~4 minutes on 2 CPU cores, half of it the compile section's torch.compile (leave `compile` out of
+--sections for ~2 minutes).
+
 Progress goes to stderr (timestamped), a summary table to stdout, and the JSON is rewritten after every
 section, so that a run cut off by a time limit still leaves the numbers it had. Each section is a module of
 scripts/benchmarks/; this file is the command line and the runner.
