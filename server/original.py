@@ -28,6 +28,9 @@ TEAM_PREFIX = "tcp-json:"  # of an original client's team, which only that clien
 # Whitespace a client may send before its first byte that tells the protocol (then it is handed to websockets,
 # which answers a bad request).
 _MAX_LEADING_WHITESPACE = 1024
+# A UTF-8 byte order mark, which some writers put at the start of a stream (.NET's UTF8 StreamWriter): the JSON decoder
+# skips it, so it does not make the first line HTTP either.
+_BOM = b"\xef\xbb\xbf"
 SLICE_BYTES = 1024  # of a websocket connection's bytes handed to websockets at a time (SlicedReading)
 REQUESTS_PER_LINE = 64  # of an original-protocol client's request lines (OriginalConnection.send)
 PING_BURST, PINGS_PER_S = 10, 1.0  # a websocket connection's pings (websockets' keepalive sends one every 20 s)
@@ -83,8 +86,9 @@ class ProtocolSniffer(asyncio.Protocol):
             return
         self._buffer += data
         head = self._buffer.lstrip()
-        if not head and len(self._buffer) <= _MAX_LEADING_WHITESPACE:
-            return
+        if _BOM.startswith(head) and len(self._buffer) <= _MAX_LEADING_WHITESPACE:
+            return  # only whitespace so far, or part of a byte order mark
+        head = head.removeprefix(_BOM)
         self._timer.cancel()
         protocol = (self._on_original(self._transport) if head[:1] == b"{" else
                     SlicedReading(self._make_websocket_connection()))
