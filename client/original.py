@@ -167,7 +167,9 @@ def from_original(obj: dict, team: str = "") -> dict:
     if kind == "inference_response":
         ids = _field(obj, "unique_ids", _ints, "a list of integers")
         predictions = _rows(obj, "predictions", NUM_TOWERS)
-        client_timestamp = _field(obj, "client_timestamp", _is_number, "a number", default=0.0, required=False)
+        # never read by the server: one that is no number (text, null) is taken as missing, not the answers refused
+        client_timestamp = obj.get("client_timestamp")
+        client_timestamp = float(client_timestamp) if _is_number(client_timestamp) else 0.0
         if len(ids) != len(predictions):
             raise ProtocolError(f"inference_response: {len(ids)} unique_ids but {len(predictions)} predictions")
         return {"type": "inference_response", "unique_ids": ids, "predictions": predictions,

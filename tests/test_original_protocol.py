@@ -773,3 +773,32 @@ def test_a_line_whose_lists_disagree_counts_its_new_ids_as_requests_refused_as_a
             "unique_ids are no integers: only the integers count as requests); unique_ids [5] not answered"
             ) in errors[2]
     assert (summary["requests"], summary["errors"], summary["responses_sent"]) == (5, 3, 2)
+
+
+def test_an_original_client_whose_stream_begins_with_a_byte_order_mark_plays():
+    """Some writers begin a UTF-8 stream with a BOM (.NET's UTF8 StreamWriter), on the first line alone: the server took
+    that register for HTTP and handed it to websockets, which answered 400; the client never played."""
+    stream, targets = stand_in(8)
+
+    async def main():
+        server = ScoringServer(ServerConfig(rate=400.0), stream=stream, targets=targets)
+        port = await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"\xef\xbb\xbf" + b'{"message_type": "register"}\r\n')
+        first = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        await server.stop()
+        return first
+
+    assert json.loads(run(main()))["message_type"] == "inference_request"
+
+
+def test_a_response_whose_client_timestamp_is_no_number_is_scored():
+    """The server never reads client_timestamp, and a line without one is scored: one that sent it as text (an ISO
+    time) had every response refused, the whole stream missed."""
+    for value in ("2025-09-20T10:00:00Z", None, [1.0]):
+        line = original.encode_line({"message_type": "inference_response", "unique_ids": [3],
+                                     "predictions": [[1, 2.5, 3, 4]], "client_timestamp": value})
+        msg = original.from_original(original.decode_line(line))
+        ids, predictions = protocol.parse_inference_response(msg)
+        assert ids == [3] and predictions.tolist() == [[1, 2.5, 3, 4]]
