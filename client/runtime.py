@@ -202,7 +202,8 @@ class StreamingClient:
     timeout, by which the summary counts answers in time (timeout_s until then, and throughout over the original
     protocol, which has no welcome: the summary's timeout_s says which it counted by). The session ends
     - at the server's `end` (every request scored) when leave_at_end, else when the server then closes; a
-      harness that ends the session itself (stop()) after reading the server's summary leaves it False;
+      harness that ends the session itself (stop()) after reading the server's summary leaves it False; over the
+      original protocol, whose event server says no end, also once no request came for server_idle_s, all answered;
     - when the server refuses the client or closes with code 1000 (server stopped);
     - when the first connection fails for `connect_timeout_s` (a wrong host or port fails fast), or a lost
       connection cannot be made again for `give_up_after_s` (reconnects back off exponentially);
@@ -245,6 +246,7 @@ class StreamingClient:
         # reconnect for good where they ended in turns two ways)
         self._failures: deque = deque(maxlen=give_up_repeats)
         self._frames = 0                      # frames received (the idle watch compares counts)
+        self._last_request_at = 0.0           # monotonic time of the connection's start or its latest request
         self.team_client = team_client
         self.url, self.team, self.token = url, team, token
         self.preset, self.weights_fingerprint = preset, weights_fingerprint
@@ -554,8 +556,10 @@ class StreamingClient:
     async def _watch_idle(self, ws):
         """Cut the session short when the server sends nothing, not even a heartbeat, for server_idle_s, or nothing
         that answers the register (heartbeats only) as long."""
-        connected = time.monotonic()
+        connected = self._last_request_at = time.monotonic()
         while True:
+            if self._stream_stopped(ws):
+                return
             frames, since = self._frames, time.monotonic()
             while self._frames == frames:
                 idle = time.monotonic() - since
@@ -573,6 +577,22 @@ class StreamingClient:
                                         f"(the limit: --server-idle-s {self.server_idle_s:g})")
                 ws.abort()
                 return
+
+    def _stream_stopped(self, ws) -> bool:
+        """The original protocol has no end: the event's server stops sending requests and keeps the connection open
+        (its heartbeats on), and the session went on for ever. Once it sent no request for server_idle_s, every one
+        answered, the stream is over (the server's `end`)."""
+        quiet = time.monotonic() - self._last_request_at
+        if (not isinstance(ws, transport.TcpJsonConnection) or self._ended or not self.stats.requests
+                or self._in_flight or quiet < self.server_idle_s):
+            return False
+        self._ended = True
+        if self.leave_at_end:
+            self._finish(COMPLETE, f"the server sent no request for {quiet:.1f} s, every one answered, and the "
+                                   f"original protocol says no end: the stream was played to the end, {self._played()} "
+                                   f"requests answered in time (the limit: --server-idle-s {self.server_idle_s:g})")
+            self._spawn(ws.close())
+        return True
 
     def _played(self) -> str:
         """How many requests were answered in time, of how many (when the server said)."""
@@ -593,6 +613,7 @@ class StreamingClient:
             msg = ws.decode(frame)
             kind = msg["type"]
             if kind == "inference_request":
+                self._last_request_at = time.monotonic()
                 self._welcomed = True  # the register was accepted, whatever became of the welcome (a malformed one)
                 self._on_request(ws, msg)
             elif kind == "score_update":

@@ -802,3 +802,45 @@ def test_a_response_whose_client_timestamp_is_no_number_is_scored():
         msg = original.from_original(original.decode_line(line))
         ids, predictions = protocol.parse_inference_response(msg)
         assert ids == [3] and predictions.tolist() == [[1, 2.5, 3, 4]]
+
+
+def test_a_stream_that_simply_stops_on_an_event_style_server_ends_the_session():
+    """The event's server has no end message: its stream stops, the connection stays open and its heartbeats go on.
+    The client played on for ever; once no request came for server_idle_s, every one answered, the stream is over."""
+    rows = np.random.default_rng(6).standard_normal((6, 79))
+    received = []
+
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        for begin in (0, 3):  # several requests a line
+            ids = list(range(begin, begin + 3))
+            writer.write(original.encode_line({"message_type": "inference_request", "unique_ids": ids,
+                                               "symbols": ["A", "B", "C"], "features": rows[ids].tolist(),
+                                               "timestamp": time.time()}))
+        while True:
+            try:
+                line = await asyncio.wait_for(reader.readline(), 0.05)
+            except TimeoutError:
+                line = None
+            if line == b"":
+                break
+            if line:
+                received.append(msg := json.loads(line))
+                if msg["message_type"] == "inference_response":
+                    n = len(msg["unique_ids"])
+                    writer.write(original.encode_line({"message_type": "score_update", "unique_ids": msg["unique_ids"],
+                                                       "trade_pnls": [1.0] * n, "accuracies": [1.0] * n,
+                                                       "latencies_ms": [1.0] * n}))
+            writer.write(original.encode_line({"message_type": "heartbeat", "timestamp": time.time()}))
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(Echo(), url, "x", leave_at_end=True, server_idle_s=0.5).run()
+        server.close()
+        return summary
+
+    summary = run(main(), timeout=20)
+    assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
+    assert summary["detail"].startswith("the server sent no request for ")
+    assert sorted(answered(received)) == list(range(6)) and summary["responses"] == 6
