@@ -257,7 +257,8 @@ def parse_args(argv=None):
     parser.add_argument("--server-idle-s", type=cli.positive_float, default=SERVER_IDLE_S, metavar="S",
                         help=f"leave (exit 6) when the server sends nothing, not even a heartbeat (or only heartbeats "
                              f"before answering the register), for S seconds (default {SERVER_IDLE_S:g}: three of "
-                             f"its heartbeats); reconnect when a send waits as long")
+                             f"its heartbeats); reconnect when a send waits as long; over tcp-json, whose event "
+                             f"server says no end, leave (exit 0) once no request came for S seconds, all answered")
     parser.add_argument("--connect-timeout-s", type=cli.positive_float, default=CONNECT_TIMEOUT_S, metavar="S",
                         help=f"wait up to S seconds for the server at the first connection, retrying (default "
                              f"{CONNECT_TIMEOUT_S:g}: a wrong address fails fast; more for a client started before "
