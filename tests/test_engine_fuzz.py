@@ -248,3 +248,40 @@ def test_a_sharded_engine_over_a_fast_and_a_reference_shard_equals_one_request_a
     finally:
         engine.close()
 
+
+ENGINES = {
+    "reference": lambda model: ReferenceEngine(model, device="cpu", capacity=2, host_symbols=2),
+    "fast": lambda model: fast_engine(model, capacity=2, host_symbols=2),
+    "sharded": lambda model: ShardedEngine([_ShardHere(0, fast_engine(model, capacity=2, host_symbols=2))],
+                                           progress=False),
+}
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_release_and_prefetch_take_strings_alone_as_step_does_touching_nothing_else(model, name):
+    """An element that is no string is refused in one line naming it, touching nothing: release ignored an int,
+    bytes or None, and the fast engine's prefetch gave each a slot of the state table (listed among its symbols,
+    holding room that real symbols then lacked). A numpy str_ is a string, as in step()."""
+    engine = ENGINES[name](model)
+    try:
+        x = np.random.default_rng(5).standard_normal((2, 79)).astype(np.float32)
+        engine.step(["A", "B"], x)
+        for bad, shown in ((7, r"7 \(int\)"), (b"A", r"b'A' \(bytes\)"), (None, r"None \(NoneType\)"),
+                           (2.5, r"2.5 \(float\)")):
+            for call in (engine.release, engine.prefetch):
+                with pytest.raises(ValueError, match=rf"symbols must be strings; row 1 holds {shown}$"):
+                    call(["A", bad])
+            with pytest.raises(ValueError, match=rf"symbols must be strings; row 1 holds {shown}$"):
+                engine.step(["A", bad], x)
+        for call in (engine.release, engine.prefetch):
+            with pytest.raises(ValueError, match="symbols must be a list of strings, got None$"):
+                call(None)
+        assert sorted(engine.symbols) == ["A", "B"]
+        engine.prefetch([np.str_("B"), "C"])
+        engine.release(np.array(["A", "C"]))  # numpy's strings are strings
+        assert engine.symbols == ["B"]
+        engine.release([])
+        engine.prefetch([])
+        assert engine.step([], []).shape == (0, 4) and engine.symbols == ["B"]
+    finally:
+        engine.close()

@@ -13,11 +13,20 @@ from client.constants import NUM_FEATURES, NUM_TOWERS  # noqa: F401  (NUM_TOWERS
 
 
 def symbol_list(symbols) -> list:
-    """The symbols given to step, release or prefetch, as a list. A lone string is refused: iterated, it was one
-    symbol per character (release("AAPL") forgot A, P and L, and kept AAPL)."""
+    """The symbols given to step, release or prefetch, as a list of strings (a numpy str_ is one). A lone string is
+    refused: iterated, it was one symbol per character (release("AAPL") forgot A, P and L, and kept AAPL); so is an
+    element that is no string, as step's rows are (release ignored an int, bytes or None, and the fast engine's
+    prefetch gave each a slot of its state table)."""
     if isinstance(symbols, (str, bytes)):
         raise ValueError(f"symbols must be a list of strings, got the string {symbols!r}")
-    return list(symbols)
+    try:
+        symbols = list(symbols)
+    except TypeError:
+        raise ValueError(f"symbols must be a list of strings, got {symbols!r}") from None
+    for row, symbol in enumerate(symbols):
+        if not isinstance(symbol, str):  # in check_step_inputs's words
+            raise ValueError(f"symbols must be strings; row {row} holds {symbol!r} ({type(symbol).__name__})")
+    return symbols
 
 
 def check_step_inputs(symbols, features) -> np.ndarray:
