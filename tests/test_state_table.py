@@ -364,6 +364,25 @@ def test_prefetch_leaves_a_symbol_beyond_every_tier_to_its_step():
         t.slots_for(["C"])
 
 
+def test_prefetch_counts_no_room_of_idle_symbols_it_keeps():
+    """A full table (3 GPU slots, 1 host slot) whose idle symbols A and B are in the prefetch too: they are not
+    forgotten (their requests came), so there is no room for a new D. Counted as room, D took C's slot and C the
+    host tier's spare slot: 5 symbols held in room for 4, and the next step of A, held all along and placeable
+    by unplaceable(), failed with a CapacityError (no host slot left to swap through)."""
+    clock = Clock()
+    t = table(capacity=3, host_capacity=1, idle_timeout_s=1, clock=clock)
+    t.slots_for(["A", "B"])
+    clock.now = 0.5
+    t.slots_for(["C"])
+    clock.now = 0.6
+    t.slots_for(["E"])  # A to the host tier, now full
+    clock.now = 1.2  # A and B idle, C and E not
+    t.prefetch(["D", "A", "B"])
+    assert sorted(t.symbols()) == ["A", "B", "C", "E"] and len(t.offloaded) <= t.host_capacity
+    assert t.unplaceable(["A"]) == [] and t.slots_for(["A"])
+    assert t.unplaceable(["D"]) == ["D"]
+
+
 def test_ready_starts_a_return_not_yet_under_way():
     t = table(capacity=3, host_capacity=4, reserve=1)
     t.slots_for(["X"])

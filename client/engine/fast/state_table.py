@@ -741,7 +741,9 @@ class StateTable:
             self._expire(now, exclude=keep)
             for symbol in wanted:
                 if symbol not in self.resident:
-                    if self._unplaceable([symbol]) or not self._can_take_slot(keep):
+                    # the idle symbols left are in `keep` and stay (their requests came, or their step is under
+                    # way): they make no room, and none idle since `now` was forgotten
+                    if self._unplaceable([symbol], keep=keep, now=now) or not self._can_take_slot(keep):
                         if symbol in self.offloaded:  # its request came: not idle, though it waits for a slot
                             self._seen(symbol, now)
                         continue
@@ -800,7 +802,9 @@ class StateTable:
                     self.stats["released"] += 1
 
     # ---- internals (holding the lock) ---------------------------------------------------------------
-    def _unplaceable(self, symbols, at_once=True):
+    def _unplaceable(self, symbols, at_once=True, keep=frozenset(), now=None):
+        """unplaceable's answer; keep: symbols that the placement will not forget as idle, besides the step's own
+        and those held for a step that runs as parts; now: the time its expiry reads (default the clock's)."""
         batch = list(dict.fromkeys(symbols))
         if at_once and len(batch) > self.capacity:
             return batch[self.capacity:]
@@ -808,7 +812,8 @@ class StateTable:
         held = {s for s in self._held if s not in self.resident and s not in self.offloaded}.difference(batch)
         room = self.capacity + self.host_capacity - len(self.resident) - len(self.offloaded) - len(held)
         if len(new) > room:
-            room += len(idle_symbols(self.last_seen, self.clock(), self.idle_timeout_s, set(batch) | self._held))
+            room += len(idle_symbols(self.last_seen, self.clock() if now is None else now, self.idle_timeout_s,
+                                     set(batch) | self._held | keep))
         return new[max(room, 0):]
 
     def _expire(self, now, exclude):
