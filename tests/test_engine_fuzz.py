@@ -77,12 +77,17 @@ class Oracle:
         self.engine.release(symbols)
 
 
-def play(engine, model, actions, tolerance, check=None):
+def play(engine, model, actions, tolerance, check=None, clock=None):
     """Drive `engine` through the actions beside the oracle; compare every answer. check(engine): invariants of the
-    engine's own, after each action. Returns the counts of what ran."""
+    engine's own, after each action. clock: [now], the engine's idle clock, moved on by up to a second after each
+    action; the symbols the engine says it forgot as idle are then released in the oracle (a fresh state next).
+    Returns the counts of what ran."""
     oracle = Oracle(model)
-    pending, ran = [], {"rows": 0, "refused": 0, "joined": 0, "released": 0, "capacity": 0}
+    pending, ran = [], {"rows": 0, "refused": 0, "joined": 0, "released": 0, "capacity": 0, "expired": 0}
     live, prefetched = set(), set()
+    ticks = np.random.default_rng(len(live))
+    if clock is not None:
+        engine.expired()  # from now on it keeps them
 
     def compare(got, want, what):
         assert got.shape == want.shape and got.dtype == np.float32, what
@@ -102,14 +107,14 @@ def play(engine, model, actions, tolerance, check=None):
                 with pytest.raises(CapacityError):
                     engine.step(symbols, features)
                 ran["capacity"] += 1
-                continue
-            want = oracle.step(symbols, features)
-            live.update(symbols)
-            ran["rows"] += len(symbols)
-            if how == "submit":
-                pending.append((engine.submit(symbols, features), want, what))
             else:
-                compare(engine.step(symbols, features), want, what)
+                want = oracle.step(symbols, features)
+                live.update(symbols)
+                ran["rows"] += len(symbols)
+                if how == "submit":
+                    pending.append((engine.submit(symbols, features), want, what))
+                else:
+                    compare(engine.step(symbols, features), want, what)
         elif action[0] == "join":
             for i in np.random.default_rng(action[1]).permutation(len(pending)):
                 step, want, submitted = pending[i]
@@ -127,6 +132,13 @@ def play(engine, model, actions, tolerance, check=None):
             for symbol in action[1]:
                 assert engine.ready(symbol) in (True, False)
             prefetched.update(action[1])
+        if clock is not None:
+            clock[0] += ticks.random()
+            gone = engine.expired()
+            oracle.release(gone)
+            live.difference_update(gone)
+            prefetched.difference_update(gone)
+            ran["expired"] += len(gone)
         if not pending:  # an engine that steps elsewhere may list a symbol only once its step is collected
             held = set(engine.symbols)
             assert live <= held <= live | prefetched, (what, sorted(held), sorted(live))
@@ -145,6 +157,7 @@ def check_table(engine):
     assert not set(resident) & set(offloaded)
     assert len(set(resident.values())) == len(resident) and PAD_SLOT not in resident.values()
     assert len(set(offloaded.values())) == len(offloaded) and len(offloaded) <= table.host_capacity
+    assert len(resident) + len(offloaded) <= table.capacity + table.host_capacity
     assert sorted([*resident.values(), *table.free]) == list(range(1, table.capacity + 1))
     for part in table.parts:
         for copy in list(part.slot_copy.values()):
@@ -216,6 +229,21 @@ def test_steps_beyond_every_tier_are_refused_whole_and_the_others_go_on(model, m
     ran = play(make(model), model, session(40, 60), FP32_TOLERANCE)
     assert ran["capacity"] and ran["rows"]
 
+
+
+@pytest.mark.parametrize("name", ["reference", "fast"])
+def test_symbols_forgotten_as_idle_start_afresh_and_the_others_go_on(model, name):
+    """An idle timeout on a clock moved on by the driver: each symbol the engine says it forgot starts from a fresh
+    state at its next request; no other symbol loses its state, and the table never holds more than its tiers."""
+    clock = [0.0]
+    if name == "fast":
+        engine = fast_engine(model, capacity=2, host_symbols=3, idle_timeout_s=2.0)
+        engine.table.clock = lambda: clock[0]
+    else:
+        engine = ReferenceEngine(model, device="cpu", capacity=2, host_symbols=3, idle_timeout_s=2.0)
+        engine._states.clock = lambda: clock[0]
+    ran = play(engine, model, session(205, 50), FP32_TOLERANCE, check_table if name == "fast" else None, clock)
+    assert ran["expired"] and ran["capacity"] and ran["rows"]
 
 class _ShardHere(Shard):
     """A shard in this process, run as the transports run theirs (submit_placeable on its engine)."""
