@@ -313,3 +313,26 @@ def test_release_and_prefetch_take_strings_alone_as_step_does_touching_nothing_e
         assert engine.step([], []).shape == (0, 4) and engine.symbols == ["B"]
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_features_of_a_wrong_shape_or_kind_are_refused_in_one_line_touching_nothing(model, name):
+    engine, untouched = ENGINES[name](model), ReferenceEngine(model, device="cpu")
+    try:
+        x = np.random.default_rng(6).standard_normal((2, 79)).astype(np.float32)
+        np.testing.assert_allclose(engine.step(["A", "B"], x), untouched.step(["A", "B"], x), **FP32_TOLERANCE)
+        for features, match in ((x[:, :78], r"shape \(2, 79\) for 2 symbols, got \(2, 78\)"),
+                                (x[:1], r"got \(1, 79\)"), (x[0], r"got \(79,\)"), ([], r"got \(0,\)"),
+                                (x.astype(np.int32), "floating point, got int32"),
+                                (x.astype(np.complex64), "floating point, got complex64"),
+                                (x > 0, "floating point, got bool"), (x.astype(str), "floating point, got <U"),
+                                (np.full((2, 79), None), "floating point, got object"),
+                                (torch.ones(2, 79, dtype=torch.int64), "floating point, got int64")):
+            for call in (engine.step, engine.submit):
+                with pytest.raises(ValueError, match=match):
+                    call(["A", "B"], features)
+        assert sorted(engine.symbols) == ["A", "B"]
+        x = x[::-1].astype(np.float64)  # another dtype, not contiguous: stepped as its float32 values
+        np.testing.assert_allclose(engine.step(["B", "A"], x), untouched.step(["B", "A"], x), **FP32_TOLERANCE)
+    finally:
+        engine.close()
