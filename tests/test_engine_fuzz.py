@@ -8,6 +8,8 @@ what one request at a time through the fp32 reference answers: row i the predict
 
 A step with a non-finite row is refused whole, touching no state; the runtime then steps its other rows (the bad
 request is answered with an error alone), which go on in order from the state before it."""
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -171,7 +173,10 @@ def check_table(engine):
 def pad_like_the_gpu(engine, padding_value=3.0):
     """Step the engine's CPU path at its captured shapes, as its graphs do on a GPU: rows past the step's hold stale
     features, sequences past its own are empty at the padding slot. Their predictions are dropped."""
+    engine_ref = weakref.ref(engine)  # not a cycle: its table's copy threads end with it, not at a collection
+
     def padded(sequences, grouped):
+        engine = engine_ref()
         rows, count = len(grouped), len(sequences.symbols)
         shape = shape_for(engine.shapes, rows, count, sequences.max_length)
         slots = [*engine.table.slots_for(sequences.symbols), *[PAD_SLOT] * (shape.sequences - count)]
