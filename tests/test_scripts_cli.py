@@ -98,6 +98,22 @@ def test_script_mistakes_are_one_line(tmp_path):
         assert stderr.strip().splitlines() == [stderr.strip()] and stderr.startswith(message)
 
 
+@pytest.mark.parametrize("module, entry, argv, message", [
+    # each went on: a seed refused later in numpy's words, naming no option (compile_bench's child a second error)
+    ("compile_bench", "parse_args", ["--seed", "-1"], "argument --seed: must be a non-negative integer"),
+    ("forming_ab", "parse_args", ["--seed", "-1"], "argument --seed: must be a non-negative integer"),
+    ("shard_hop", "main", ["--seed", "-1"], "argument --seed: must be a non-negative integer"),
+    ("profile_step", "main", ["--seed", "-1"], "argument --seed: must be a non-negative integer"),
+    ("compile_bench", "parse_args", ["--iters", "0"], "argument --iters: must be a positive integer"),  # IndexError
+    ("engine_starts", "main", ["--timeout", "-1"], "argument --timeout: must be a positive number"),  # all failed
+])
+def test_numbers_out_of_range_are_refused_at_parse(module, entry, argv, message, usage_error, monkeypatch):
+    import importlib
+
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # shard_hop sets it on import
+    assert message in usage_error(getattr(importlib.import_module(f"scripts.{module}"), entry), argv)
+
+
 def test_long_stream_of_one_step_writes_valid_json_with_its_progress(tmp_path):
     out = tmp_path / "with space" / "long.json"
     out.parent.mkdir()
