@@ -114,6 +114,17 @@ def test_numbers_out_of_range_are_refused_at_parse(module, entry, argv, message,
     assert message in usage_error(getattr(importlib.import_module(f"scripts.{module}"), entry), argv)
 
 
+def test_an_output_folder_that_takes_no_file_is_refused_before_the_work(usage_error):
+    """Found when saving: after the full preset's minutes of generation, or the targets. /proc takes no new file,
+    for root too (whom os.access lets write anywhere)."""
+    from scripts import make_stream, make_weights
+
+    assert "--out /proc/w.pt: cannot write in /proc: " in usage_error(make_weights.main,
+                                                                      ["--preset", "tiny", "--out", "/proc/w.pt"])
+    argv = ["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "tiny", "--out", "/proc/s.npz"]
+    assert "--out /proc/s.npz: cannot write in /proc: " in usage_error(make_stream.parse_args, argv)
+
+
 def test_long_stream_of_one_step_writes_valid_json_with_its_progress(tmp_path):
     out = tmp_path / "with space" / "long.json"
     out.parent.mkdir()
