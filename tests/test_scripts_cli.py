@@ -186,6 +186,19 @@ def test_gpu_scripts_without_cuda_say_what_they_need_in_one_line(script, args):
     assert done.stderr.startswith(f"scripts/{script}: error: needs a CUDA GPU")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_tile_sweep_says_what_it_needs_as_the_other_tools_do(monkeypatch, cli_here, usage_error):
+    """It printed a line of its own, with no tool name, and took --json unchecked: a missing folder failed after
+    the first shape's timing."""
+    from kernels import _common
+    from scripts import tile_sweep
+
+    monkeypatch.setattr(_common, "INTERPRET", False)
+    code, stderr = cli_here(tile_sweep.main, "scripts/tile_sweep.py", ["--ops", "mamba2"])
+    assert code == 2 and stderr.startswith("scripts/tile_sweep.py: error: needs a CUDA GPU (it times Triton kernels)")
+    assert "argument --json: no such folder: /nowhere" in usage_error(tile_sweep.main, ["--json", "/nowhere/t.json"])
+
+
 def test_host_hiccups_spins_once_on_every_cpu_it_may_use(tmp_path):
     out = tmp_path / "hiccups.json"
     done = run("host_hiccups.py", "--seconds", "0.3", "--gap-ms", "0.5", "--json", out)
