@@ -437,6 +437,11 @@ def parse_args(argv=None):
         p.error(f"--atol must be positive, got {args.atol}")
     if args.profile is not None and Path(args.profile).exists() and not Path(args.profile).is_dir():
         p.error(f"--profile {args.profile} is a file; give a folder for the trace")  # else found after the setup
+    if args.profile is not None:
+        try:  # made now, not as the profile starts, once the model, the targets and the engine are up
+            cli.writable_folder(args.profile)
+        except OSError as exc:
+            p.error(f"--profile {args.profile}: cannot write in it: {exc.strerror}")
     return args
 
 

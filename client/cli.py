@@ -27,6 +27,7 @@ import math
 import os
 import select
 import sys
+import tempfile
 import time
 import traceback
 
@@ -249,6 +250,13 @@ def output_file(text: str) -> str:
     if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
         raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
     return text
+
+
+def writable_folder(folder) -> None:
+    """Make `folder` where it is missing and create a file in it, raising OSError where either fails: for a tool
+    that writes only after minutes of work. A file, since os.access passes any folder for root (/sys, /proc)."""
+    os.makedirs(folder, exist_ok=True)
+    tempfile.TemporaryFile(dir=folder).close()
 
 
 def argument_type(parse):

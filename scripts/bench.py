@@ -81,7 +81,7 @@ def _on_off(text):
 def parse_args(argv=None):
     parser = cli.ArgumentParser(prog=PROG, description="Benchmark the fast engine (see the module docstring).")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: full on CUDA, else tiny)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights, features and streams")
+    parser.add_argument("--seed", type=cli.seed, default=0, help="seed of the synthetic weights, features and streams")
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke run")
     parser.add_argument("--json", metavar="PATH", type=cli.output_file,
                         help="write the results here (rewritten after each section)")
@@ -251,6 +251,8 @@ def summary_table(data) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.stacks is not None:  # made now: a file there failed every served section later, each with a traceback
+        os.makedirs(args.stacks, exist_ok=True)
     log_path = None
     if args.log_dir is not None:
         os.makedirs(args.log_dir, exist_ok=True)

@@ -144,10 +144,10 @@ def summary(result) -> str:
 def parse_args(argv=None):
     parser = cli.ArgumentParser(prog=PROG, description="torch.compile against the hand-fused step (module docstring).")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=cli.seed, default=0)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
-    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--iters", type=cli.positive_int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--precision", type=precision_argument, default="auto",
                         help="a precision spec (client/engine/precision.py)")

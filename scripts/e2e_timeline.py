@@ -187,19 +187,22 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--preset", default="full", choices=sorted(PRESETS))
     ap.add_argument("--device", default=None, help="cuda (default where available) or cpu")
     ap.add_argument("--seed", type=cli.seed, default=0)
-    ap.add_argument("--rate", type=float, default=E2E_RATE, help="requests per second")
-    ap.add_argument("--symbols", type=int, default=E2E_SYMBOLS)
-    ap.add_argument("--requests", type=int, default=4000, help="requests per session")
-    ap.add_argument("--sessions", type=int, default=2, help="sessions in a row on one engine")
-    ap.add_argument("--slowest", type=int, default=12, help="slowest answers to list")
+    # typed: a rate of nan passed a check of `rate <= 0`, and failed only once the model and the engine were up
+    ap.add_argument("--rate", type=cli.positive_float, default=E2E_RATE, help="requests per second")
+    ap.add_argument("--symbols", type=cli.positive_int, default=E2E_SYMBOLS)
+    ap.add_argument("--requests", type=cli.positive_int, default=4000, help="requests per session")
+    ap.add_argument("--sessions", type=cli.positive_int, default=2, help="sessions in a row on one engine")
+    ap.add_argument("--slowest", type=cli.positive_int, default=12, help="slowest answers to list")
     ap.add_argument("--json", type=cli.output_file, help="write the results here")
     ap.add_argument("--stacks", type=Path, help="a folder: the event loop's stack, in both processes, whenever an "
                                                 "event loop is held up over 12 ms (server_stacks.txt, "
                                                 "client_stacks.txt, appended session after session)")
     args = ap.parse_args(argv)
-    if args.rate <= 0 or args.symbols < 1 or args.requests < args.symbols or args.sessions < 1:
-        ap.error("need --rate > 0, --symbols >= 1, --requests >= --symbols and --sessions >= 1")
+    if args.requests < args.symbols:
+        ap.error("need --requests >= --symbols")
     cli.check_device(args.device)
+    if args.stacks is not None:  # made now, not by the first session once the model and the engine are up
+        args.stacks.mkdir(parents=True, exist_ok=True)
 
     from client.engine.fast import FastEngine
     from client.model import load_model

@@ -60,7 +60,8 @@ def main(argv=None):
     parser.add_argument("--host-symbols", type=int, default=None,
                         help="the host tier's symbols (default: the engine's default; 0: no host tier)")
     parser.add_argument("--parallel", type=int, default=1, help="starts at once, each its own process (default 1)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a start may take (default 300)")
+    parser.add_argument("--timeout", type=cli.positive_float, default=300.0,
+                        help="seconds a start may take (default 300)")
     parser.add_argument("--json", type=cli.output_file, help="write every start here")
     args = parser.parse_args(argv)
     if args.starts < 1 or args.parallel < 1:

@@ -37,7 +37,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: full on CUDA, else tiny)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and streams")
+    parser.add_argument("--seed", type=cli.seed, default=0, help="seed of the weights and streams")
     parser.add_argument("--pairs", type=cli.positive_int, default=3, help="pairs at the event's load (default 3)")
     parser.add_argument("--e2e-requests", type=cli.positive_int, default=2000,
                         help=f"requests of a session at the event's load ({E2E_RATE:g} req/s over {E2E_SYMBOLS} "

@@ -52,6 +52,11 @@ def parse_args(argv):
         except ImportError:
             parser.error(f"--out {args.out}: parquet needs the optional package pyarrow: pip install pyarrow "
                          f"(or write .npz)")
+    folder = Path(args.out).parent
+    try:  # told now, not after the targets are computed
+        cli.writable_folder(folder)
+    except OSError as exc:
+        parser.error(f"--out {args.out}: cannot write in {folder}: {exc.strerror}")
     return args
 
 

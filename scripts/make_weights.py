@@ -62,7 +62,10 @@ def main(argv=None) -> int:
         parser.error(f"--out {args.out}: {args.out.parent} is a file, not a folder")
     if args.out.suffix == ".safetensors":  # the loaders read a .safetensors file as safetensors, not torch's format
         parser.error(f"--out {args.out}: this writes torch's format; name the file .pt")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    try:  # told now, not when saving after the generation
+        cli.writable_folder(args.out.parent)
+    except OSError as exc:
+        parser.error(f"--out {args.out}: cannot write in {args.out.parent}: {exc.strerror}")
     start = time.perf_counter()
     generating = None
 

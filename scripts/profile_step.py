@@ -265,7 +265,7 @@ def priorities_argument(spec: str) -> tuple[str, dict[str, int]]:
 def main(argv=None) -> int:
     ap = cli.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=cli.seed, default=0)
     ap.add_argument("--batches", type=batches_argument, default="1,20,64")
     ap.add_argument("--accuracy-symbols", type=int, default=20)
     ap.add_argument("--accuracy-steps", type=int, default=100)

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=cli.positive_int, default=100,
                         help="steps timed per round, batch and transport (default 100)")
     parser.add_argument("--warmup", type=cli.positive_int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=cli.seed, default=0)
     parser.add_argument("--json", metavar="PATH", type=cli.output_file, help="write the results here")
     args = parser.parse_args(argv)
     def progress(message):

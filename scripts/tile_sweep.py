@@ -192,16 +192,15 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--match", default="", help="time only the tilings whose names this regex finds "
                         "(e.g. '_w1_'); the default's always")
-    parser.add_argument("--json", help="write every time here")
+    parser.add_argument("--json", type=cli.output_file, help="write every time here")  # checked before any timing
     args = parser.parse_args(argv)
     import torch
 
     from kernels._common import INTERPRET
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu" and not INTERPRET:
-        print("tile_sweep times Triton kernels on a GPU (on a CPU only as a smoke run, with TRITON_INTERPRET=1)",
-              file=sys.stderr)
-        return 2
+        raise cli.CliError(f"needs a CUDA GPU (it times Triton kernels), and this torch ({torch.__version__}) sees "
+                           f"none; on a CPU only as a smoke run, with TRITON_INTERPRET=1")
     cfg = get_preset(args.preset)
     pattern = re.compile(args.match)
 

@@ -188,6 +188,7 @@ def test_reference_tracker_continues_states_across_streams():
     (["--device", "nonsense"], "--device nonsense: not a torch device; use cuda, cuda:N or cpu (see --help)"),
     (["--preset", "huge"], "invalid choice"),
     (["--json", "/no/such/folder/bench.json"], "argument --json: no such folder: /no/such/folder"),  # before the run
+    (["--seed", "-1"], "argument --seed: must be a non-negative integer"),  # not every section's traceback
 ])
 def test_bad_options_are_refused(argv, message, usage_error):
     assert message in usage_error(_load_bench().parse_args, ["--device", "cpu", *argv])
@@ -323,6 +324,15 @@ def test_a_failure_is_one_line_with_the_tools_name(tmp_path):
     assert done.stderr.strip().splitlines()[-1].startswith("scripts/bench.py: error: --merge: old.json holds no JSON "
                                                            "report (Expecting property name")
     assert (tmp_path / "old.json").read_text() == "{not json"
+
+
+def test_a_stacks_folder_that_cannot_be_made_is_one_line_before_any_section(tmp_path, cli_here):
+    """It was made by each served section as it started: each failed with a traceback, the run going on."""
+    (tmp_path / "taken").write_text("")
+    code, stderr = cli_here(_load_bench().main, "scripts/bench.py",
+                            ["--device", "cpu", "--preset", "tiny", "--quick", "--sections", "copy",
+                             "--stacks", str(tmp_path / "taken")])
+    assert code == 2 and stderr == f"scripts/bench.py: error: File exists: {tmp_path / 'taken'}\n"
 
 
 def test_a_hung_shard_section_says_how_long_the_live_shards_symbols_waited_beside_the_hung_ones(tmp_path):

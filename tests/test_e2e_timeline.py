@@ -155,6 +155,21 @@ def test_ordinary_mistakes_are_one_line_before_the_run(args, message):
     assert done.stderr.startswith(f"e2e_timeline.py: error: {message}")
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--rate", "nan"], "argument --rate: must be a positive number, got 'nan'"),  # failed once the engine was up
+    (["--slowest", "-1"], "argument --slowest: must be a positive integer, got '-1'"),  # listed all answers but one
+])
+def test_numbers_out_of_range_are_refused_at_parse(args, message, usage_error):
+    assert message in usage_error(_load().main, ["--preset", "tiny", "--device", "cpu", *args])
+
+
+def test_a_stacks_folder_that_cannot_be_made_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    (tmp_path / "taken").write_text("")
+    monkeypatch.setattr("client.model.load_model", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    with pytest.raises(FileExistsError):
+        _load().main(["--preset", "tiny", "--device", "cpu", "--stacks", str(tmp_path / "taken")])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_without_cuda_is_one_line():
     done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--device", "cuda"], cwd=REPO,

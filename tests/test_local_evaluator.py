@@ -338,6 +338,11 @@ def test_a_profile_folder_that_is_a_file_is_refused_before_the_run(tmp_path, usa
     assert f"--profile {tmp_path / 'trace'} is a file" in usage_error(le.main, ["--profile", str(tmp_path / "trace")])
 
 
+def test_a_profile_folder_that_takes_no_file_is_refused_before_the_run(usage_error):
+    # /proc takes no new folder, for root too
+    assert "--profile /proc/prof: cannot write in it: " in usage_error(le.main, ["--profile", "/proc/prof"])
+
+
 def test_plot_has_a_title_and_marks_p50_and_p99(tmp_path):
     pytest.importorskip("matplotlib")
     stream = generate_stream(3, 20, seed=2)

@@ -98,6 +98,33 @@ def test_script_mistakes_are_one_line(tmp_path):
         assert stderr.strip().splitlines() == [stderr.strip()] and stderr.startswith(message)
 
 
+@pytest.mark.parametrize("module, entry, argv, message", [
+    # each went on: a seed refused later in numpy's words, naming no option (compile_bench's child a second error)
+    ("compile_bench", "parse_args", ["--seed", "-1"], "argument --seed: must be a non-negative integer"),
+    ("forming_ab", "parse_args", ["--seed", "-1"], "argument --seed: must be a non-negative integer"),
+    ("shard_hop", "main", ["--seed", "-1"], "argument --seed: must be a non-negative integer"),
+    ("profile_step", "main", ["--seed", "-1"], "argument --seed: must be a non-negative integer"),
+    ("compile_bench", "parse_args", ["--iters", "0"], "argument --iters: must be a positive integer"),  # IndexError
+    ("engine_starts", "main", ["--timeout", "-1"], "argument --timeout: must be a positive number"),  # all failed
+])
+def test_numbers_out_of_range_are_refused_at_parse(module, entry, argv, message, usage_error, monkeypatch):
+    import importlib
+
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # shard_hop sets it on import
+    assert message in usage_error(getattr(importlib.import_module(f"scripts.{module}"), entry), argv)
+
+
+def test_an_output_folder_that_takes_no_file_is_refused_before_the_work(usage_error):
+    """Found when saving: after the full preset's minutes of generation, or the targets. /proc takes no new file,
+    for root too (whom os.access lets write anywhere)."""
+    from scripts import make_stream, make_weights
+
+    assert "--out /proc/w.pt: cannot write in /proc: " in usage_error(make_weights.main,
+                                                                      ["--preset", "tiny", "--out", "/proc/w.pt"])
+    argv = ["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "tiny", "--out", "/proc/s.npz"]
+    assert "--out /proc/s.npz: cannot write in /proc: " in usage_error(make_stream.parse_args, argv)
+
+
 def test_long_stream_of_one_step_writes_valid_json_with_its_progress(tmp_path):
     out = tmp_path / "with space" / "long.json"
     out.parent.mkdir()
@@ -157,6 +184,19 @@ def test_gpu_scripts_without_cuda_say_what_they_need_in_one_line(script, args):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert done.stderr.startswith(f"scripts/{script}: error: needs a CUDA GPU")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_tile_sweep_says_what_it_needs_as_the_other_tools_do(monkeypatch, cli_here, usage_error):
+    """It printed a line of its own, with no tool name, and took --json unchecked: a missing folder failed after
+    the first shape's timing."""
+    from kernels import _common
+    from scripts import tile_sweep
+
+    monkeypatch.setattr(_common, "INTERPRET", False)
+    code, stderr = cli_here(tile_sweep.main, "scripts/tile_sweep.py", ["--ops", "mamba2"])
+    assert code == 2 and stderr.startswith("scripts/tile_sweep.py: error: needs a CUDA GPU (it times Triton kernels)")
+    assert "argument --json: no such folder: /nowhere" in usage_error(tile_sweep.main, ["--json", "/nowhere/t.json"])
 
 
 def test_host_hiccups_spins_once_on_every_cpu_it_may_use(tmp_path):

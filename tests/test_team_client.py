@@ -110,7 +110,7 @@ def test_the_example_says_the_rows_its_engines_steps_run_at():
                                                      "'127.0.0.1:8765': give the port with --port"),
     (["--host", "", "--port", "8765"], "argument --host: must be a host name or address, got ''"),
     (["--symbols", "0"], "must be positive"),
-    (["--rate", "-5"], "--rate must be positive"),
+    (["--rate", "-5"], "argument --rate: must be a positive number, got '-5'"),
     (["--engine", "slow"], "invalid choice"),
     (["--preset", "huge"], "invalid choice"),
     (["--protocol", "udp"], "invalid choice"),
@@ -379,6 +379,7 @@ def test_server_stopping_mid_stream_cuts_the_client_short(tmp_path, targets_cach
     (["--host", "127.0.0.1", "--port", "-1"], "argument --port: must be a port number in 1..65535, got '-1'"),
     (["--json", "/no/such/folder/summary.json"], "argument --json: no such folder: /no/such/folder"),
     (["--seed", "-1"], "argument --seed: must be a non-negative integer, got '-1'"),
+    (["--rate", "nan"], "argument --rate: must be a positive number, got 'nan'"),
     (["--preset", "tiny", "--device", "bogus"], "--device bogus: not a torch device; use cpu, cuda or cuda:N"),
     (["--preset", "tiny", "--team-dir", "/no/such/team"], "no team client at /no/such/team/example_model.py"),
     *[(argv, "--inline-steps needs --engine fast on one CUDA device: other engines compute a step in submit or "
