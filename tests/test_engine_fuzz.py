@@ -193,7 +193,7 @@ def pad_like_the_gpu(engine, padding_value=3.0):
 def fast_engine(model, **options):
     options = {"precision": FP32_PRECISION, "capacity": 3, "host_symbols": 6, "reserve": 1, "max_batch": MAX_BATCH,
                "max_rows_per_symbol": CAP, **options}
-    return FastEngine(model, device="cpu", progress=False, **options)
+    return FastEngine(model, **{"device": "cpu", "progress": False, **options})
 
 
 def test_the_reference_engine_through_two_device_slots_equals_one_request_at_a_time(model):
@@ -220,6 +220,22 @@ def test_the_fast_engine_padded_to_its_captured_shapes_equals_one_request_at_a_t
 def test_the_fast_engine_at_its_default_precision_stays_close_to_one_request_at_a_time(model):
     engine = fast_engine(model, precision=DEFAULT_PRECISION, capacity=2)
     assert play(engine, model, session(30, 30), {"rtol": 0, "atol": 1e-3}, check_table)["rows"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision, tolerance", [(FP32_PRECISION, {"rtol": 1e-4, "atol": 1e-4}),
+                                                  (DEFAULT_PRECISION, {"rtol": 0, "atol": 2e-3})],
+                         ids=["fp32", "default"])
+def test_the_fast_engine_on_a_gpu_equals_one_request_at_a_time(model, precision, tolerance):
+    """As on the CPU, through what only a GPU runs: the graphs of the captured shapes (padding rows, empty
+    sequences), the pinned host tier and its copy stream, submitted steps joined while they run."""
+    engine = fast_engine(model, device="cuda", precision=precision)
+    try:
+        ran = play(engine, model, session(60, 80), tolerance, check_table)
+        assert ran["refused"] and ran["joined"] and ran["released"]
+        assert engine.table.stats["offloaded"] and engine.table.stats["restored"]
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("make", [
