@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from client.engine.fast import PAD_SLOT, CapacityError, FastEngine
-from client.engine.precision import DEFAULT_PRECISION, FP32_PRECISION, StateStorage
+from client.engine.precision import DEFAULT_PRECISION, FP32_PRECISION, Precision, StateStorage
 from client.engine.reference import ReferenceEngine
 from client.model import ModelLoader, load_model
 from kernels._common import INTERPRET
@@ -280,6 +280,30 @@ def test_bad_input_touches_no_state():
         fast.step(["A"], np.ones((1, 78), np.float32))
     assert fast.symbols == ["A"]
     assert all(torch.equal(v, before[k]) for k, v in fast.table.tensors.items())
+
+
+def test_the_towers_a_precision_sends_through_a_reference_are_named():
+    """fp32 sLSTM state maps have no kernel (kernels/slstm_step.py supports): their PyTorch reference reads each
+    step's plan on the host, so a GPU engine steps such a tower without CUDA graphs."""
+    model, _ = load_model("tiny", seed=2)
+    for spec, towers in (("auto", []), ("bf16", []), ("fp32", ["xlstm"]), ("auto,xlstm.slstm=fp32", ["xlstm"])):
+        engine = FastEngine(model, device="cpu", precision=Precision.parse(spec), capacity=1, progress=False)
+        assert engine.runner.plan_on_host == towers, spec
+
+
+@cuda
+def test_a_precision_no_kernel_takes_steps_without_graphs_on_gpu():
+    """The fp32 precision on a GPU: its steps run eagerly (a capture failed at start, CUDA's 'capturing stream has
+    unjoined work'), or, where graphs are asked for, a one-line error before anything is allocated."""
+    model, _ = load_model("tiny", seed=2)
+    with pytest.raises(ValueError, match="precision 'fp32' puts xlstm weights where no kernel takes them.*graph"):
+        FastEngine(model, device="cuda", precision=FP32_PRECISION, graphs=True, capacity=2, progress=False)
+    fast = FastEngine(model, device="cuda", precision=FP32_PRECISION, capacity=2, host_symbols=2, progress=False)
+    alone = ReferenceEngine(model, device="cpu")
+    assert not fast.describe()["graphs"]
+    feats = np.random.default_rng(4).standard_normal((3, 79)).astype(np.float32)
+    got, want = fast.step(["A", "A", "B"], feats), one_at_a_time(alone, ["A", "A", "B"], feats)
+    assert np.abs(got - want).max() < 1e-4
 
 
 @pytest.mark.parametrize("precision, tolerance", [(FP32_PRECISION, 1e-6), (DEFAULT_PRECISION, 2e-4)])
