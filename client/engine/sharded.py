@@ -19,7 +19,8 @@ A shard that is lost (its process exits, its Ray actor or node dies, or it answe
 shard and its symbols. Its unanswered parts, and every later request of its symbols, then follow
 `on_shard_loss`: "error" answers them with the loss (`unplaceable` names those symbols, so a caller can skip
 them), "reset" places its symbols again on the live shards, where they start from a fresh state, and runs their
-unanswered requests there in order. Every other symbol keeps playing.
+unanswered requests there in order (those of a symbol released since fail with the loss: its release went with the
+shard). Every other symbol keeps playing.
 
 The transports (client/engine/shard_process.py, client/engine/shard_ray.py) implement `Shard`; each shard runs
 `build_shard_engine`, loading the model from its `ModelSpec`, so no weights travel.
@@ -181,11 +182,13 @@ class Shard(ABC):
 
 class _Part:
     """One shard's part of a step: its rows of the step, their symbols and features; its outcome goes to the
-    step's arrivals. `moved` marks a part taken off a lost shard (failed or run elsewhere)."""
+    step's arrivals. `moved` marks a part taken off a lost shard (failed or run elsewhere); `released` holds its
+    symbols released after it was queued (its rows of them are of the state they left)."""
 
     def __init__(self, rows, symbols, features, arrivals):
         self.rows, self.symbols, self.features, self.arrivals = rows, symbols, features, arrivals
         self.moved = False
+        self.released = set()
 
     def finish(self, outcome, rows=None):
         """The outcome of the part's rows, or of `rows` (positions in the part) alone."""
@@ -539,6 +542,9 @@ class ShardedEngine(Engine):
                 if runner.lost is None:
                     runner.work.append(("release", names))
                     runner.work_ready.notify()
+                    left = set(names)
+                    for part in [entry.part for entry in runner.in_flight] + [i for k, i in runner.work if k == "step"]:
+                        part.released.update(left.intersection(part.symbols))
 
     def step(self, symbols, features):
         return self.submit(symbols, features).result()
@@ -594,7 +600,14 @@ class ShardedEngine(Engine):
                 self._load[runner.index] = 0
                 failed = []
                 for part in pending:
-                    failed += self._route(part.rows, part.symbols, part.features, part.arrivals)
+                    # rows of a symbol released since fail: run again, they would make it held anew (its release
+                    # went with the shard) and its next request would go on from the state it left
+                    kept = np.array([symbol not in part.released for symbol in part.symbols], dtype=bool)
+                    if not kept.all():
+                        failed.append((_Part(part.rows[~kept], [s for s, k in zip(part.symbols, kept) if not k],
+                                             part.features[~kept], part.arrivals), runner.loss()))
+                    failed += self._route(part.rows[kept], [s for s, k in zip(part.symbols, kept) if k],
+                                          part.features[kept], part.arrivals)
                 for symbol in symbols:  # those with no request pending too, so that the line says where they went
                     self._place(symbol)
             runner.work_ready.notify_all()

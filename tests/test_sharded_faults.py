@@ -1,0 +1,82 @@
+"""A sharded engine's faults beside the contract of one engine: a shard lost with requests of released symbols on
+its way (--on-shard-loss reset), a shard slow to answer but answering, close() of shards that answer nothing, and
+what make_engine refuses before any shard starts."""
+import threading
+
+import numpy as np
+import pytest
+
+from client.engine.reference import ReferenceEngine
+from client.engine.sharded import Shard, ShardedEngine, ShardLost, submit_placeable
+from client.model import load_model
+
+TOLERANCE = dict(rtol=1e-4, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", seed=3)[0]
+
+
+class _Losable(Shard):
+    """A shard in this process whose answers wait while `gate` is clear, and which lose() makes lost."""
+    info = {}
+
+    def __init__(self, index, engine):
+        self.index, self.where, self.engine = index, f"here {index}", engine
+        self.gate, self.lost = threading.Event(), False
+        self.gate.set()
+        engine.expired()
+
+    def submit(self, symbols, features):
+        return submit_placeable(self.engine, symbols, features)
+
+    def result(self, handle):
+        self.gate.wait()
+        if self.lost:
+            raise ShardLost("gone")
+        return handle.result()
+
+    def release(self, symbols):
+        self.engine.release(symbols)
+
+    def lose(self):
+        self.lost = True
+        self.gate.set()
+
+    def stop(self):
+        self.lose()
+
+
+def _outcomes(step):
+    """{row: prediction or exception} of a sharded step."""
+    return {int(row): outcome if isinstance(outcome, Exception) else outcome[i]
+            for rows, outcome in step.parts() for i, row in enumerate(rows)}
+
+
+def test_reset_does_not_bring_back_the_state_of_a_symbol_released_after_its_unanswered_requests(model):
+    """A lost shard's unanswered requests ran again on a live shard, those of symbols released after them too: the
+    release went with the shard, so such a symbol was held again, its next request going on from the released
+    state (and a request of its new life, queued behind, from the old one's) instead of a fresh one."""
+    lossy = _Losable(0, ReferenceEngine(model, device="cpu"))
+    engine = ShardedEngine([lossy, _Losable(1, ReferenceEngine(model, device="cpu"))], progress=False,
+                           on_shard_loss="reset")
+    fresh = ReferenceEngine(model, device="cpu")  # what a fresh state predicts, then goes on from
+    try:
+        x = np.random.default_rng(3).standard_normal((6, 79)).astype(np.float32)
+        for symbol in ("A", "C", "B"):  # A and B on shard 0, C on shard 1
+            engine.step([symbol], x[:1])
+        assert engine.shard_of == {"A": 0, "B": 0, "C": 1}
+        lossy.gate.clear()
+        old = engine.submit(["A", "B"], x[1:3])  # unanswered when shard 0 is lost
+        engine.release(["A", "B"])
+        new = engine.submit(["A"], x[3:4])  # A again, from a fresh state: on shard 0 too (the fewest symbols)
+        assert engine.shard_of["A"] == 0
+        lossy.lose()
+        assert all(isinstance(outcome, ShardLost) for outcome in _outcomes(old).values())
+        np.testing.assert_allclose(new.result(), fresh.step(["A"], x[3:4]), **TOLERANCE)
+        assert sorted(engine.symbols) == ["A", "C"]  # B left, and was not brought back
+        np.testing.assert_allclose(engine.step(["A", "B"], x[4:6]), fresh.step(["A", "B"], x[4:6]), **TOLERANCE)
+        assert engine.losses[0]["symbols"] == ["A"] and engine.losses[0]["moved_to"] == {"A": 1}
+    finally:
+        engine.close()
