@@ -2,6 +2,7 @@
 its way (--on-shard-loss reset), a shard slow to answer but answering, close() of shards that answer nothing, and
 what make_engine refuses before any shard starts."""
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -78,5 +79,47 @@ def test_reset_does_not_bring_back_the_state_of_a_symbol_released_after_its_unan
         assert sorted(engine.symbols) == ["A", "C"]  # B left, and was not brought back
         np.testing.assert_allclose(engine.step(["A", "B"], x[4:6]), fresh.step(["A", "B"], x[4:6]), **TOLERANCE)
         assert engine.losses[0]["symbols"] == ["A"] and engine.losses[0]["moved_to"] == {"A": 1}
+    finally:
+        engine.close()
+
+
+class _Slow(Shard):
+    """A shard that answers each step `delay` seconds after the last (a step takes that long), until hung."""
+    index, where, info = 0, "slow", {}
+
+    def __init__(self, delay):
+        self.delay, self.hung, self.ended = delay, threading.Event(), threading.Event()
+
+    def submit(self, symbols, features):
+        return len(symbols)
+
+    def result(self, handle):
+        if self.ended.wait(None if self.hung.is_set() else self.delay):
+            raise ShardLost("stopped")
+        return np.zeros((handle, 4), np.float32), {}, []
+
+    def release(self, symbols):
+        pass
+
+    def stop(self):
+        self.ended.set()
+
+
+def test_a_shard_that_answers_slowly_but_steadily_is_not_taken_as_hung():
+    """A shard answering a step every 0.3 s, several queued, was lost after answer_timeout_s (1 s) as one that
+    "answered no step for 1 s": the timeout ran from the oldest unanswered step's sending, not from the shard's
+    last answer. It answers them all; hung, it is still lost a timeout after its last answer."""
+    slow = _Slow(0.3)
+    engine = ShardedEngine([slow], progress=False, answer_timeout_s=1.0)
+    try:
+        steps = [engine.submit(["A"], np.zeros((1, 79), np.float32)) for _ in range(6)]  # 1.8 s of work
+        for step in steps:
+            assert step.result().shape == (1, 4)
+        assert not engine.losses
+        slow.hung.set()
+        started = time.monotonic()
+        with pytest.raises(ShardLost, match="answered no step for 1 s"):
+            engine.step(["A"], np.zeros((1, 79), np.float32))
+        assert time.monotonic() - started < 4
     finally:
         engine.close()

@@ -275,6 +275,7 @@ class _Runner:
         self.in_flight = deque()  # _InFlight, submitted and not yet collected, oldest first
         self.lost = None          # the loss (ShardLost), once the shard is gone
         self.stopping = self.submitter_done = False
+        self.answered_at = 0.0    # when its last answer came (time.monotonic())
         self.work_ready = threading.Condition(engine._lock)
         self.answer_due = threading.Condition(engine._lock)
         self.threads = [threading.Thread(target=self._submit_loop, name=f"shard-{self.index}-submit", daemon=True),
@@ -340,6 +341,7 @@ class _Runner:
                 if entry.part.moved:  # the shard was lost meanwhile, and the part went with the others
                     return
                 self.in_flight.popleft()
+                self.answered_at = time.monotonic()
             if not isinstance(outcome, tuple):
                 entry.part.finish(outcome)
                 continue
@@ -633,12 +635,14 @@ class ShardedEngine(Engine):
             listener(record)
 
     def _late(self, now, timeout) -> list[_Runner]:
-        """The live runners whose oldest step in flight has waited `timeout` seconds for its answer."""
+        """The live runners that have answered no step for `timeout` seconds while one waits: their oldest step in
+        flight was sent, and their last answer came, that long ago (not the oldest step's wait alone: a slow shard
+        working through a queue of steps answers all the same, and is not hung)."""
         with self._lock:
             if self._closing:
                 return []
             return [runner for runner in self._runners if runner.lost is None and runner.in_flight
-                    and now - runner.in_flight[0].sent_at > timeout]
+                    and now - max(runner.in_flight[0].sent_at, runner.answered_at) > timeout]
 
     def close(self):
         with self._lock:
@@ -653,7 +657,7 @@ def _stop_runners(runners, closed):
 
 
 def _watch_answers(engine_ref, closed, timeout):
-    """Stop and lose each shard whose oldest step in flight has waited `timeout` seconds for its answer; holding
+    """Stop and lose each shard that has answered no step for `timeout` seconds while one waits (_late); holding
     the engine only while it looks."""
     while not closed.wait(min(1.0, timeout / 4)):
         if (engine := engine_ref()) is None:
