@@ -1,14 +1,18 @@
 """A sharded engine's faults beside the contract of one engine: a shard lost with requests of released symbols on
 its way (--on-shard-loss reset), a shard slow to answer but answering, close() of shards that answer nothing, and
 what make_engine refuses before any shard starts."""
+import os
+import signal
 import threading
 import time
 
 import numpy as np
 import pytest
 
+import client.engine.sharded as sharded
 from client.engine.reference import ReferenceEngine
-from client.engine.sharded import Shard, ShardedEngine, ShardLost, submit_placeable
+from client.engine.shard_process import process_shards
+from client.engine.sharded import ModelSpec, Shard, ShardedEngine, ShardError, ShardLost, submit_placeable
 from client.model import load_model
 
 TOLERANCE = dict(rtol=1e-4, atol=2e-5)
@@ -123,3 +127,27 @@ def test_a_shard_that_answers_slowly_but_steadily_is_not_taken_as_hung():
         assert time.monotonic() - started < 4
     finally:
         engine.close()
+
+
+def test_close_ends_shards_that_answer_nothing_within_its_timeout_in_all(monkeypatch):
+    """Each shard with a step unanswered (its process stopped) held close() for CLOSE_TIMEOUT_S waiting for the
+    answer, then as long again waiting for the process to exit on "stop", shard after shard: two such shards, two
+    minutes. Now every shard is waited for against one deadline, and those still owing answers then are killed."""
+    monkeypatch.setattr(sharded, "CLOSE_TIMEOUT_S", 1.0)
+    engine = ShardedEngine(process_shards(ModelSpec("tiny", seed=3), ["cpu", "cpu"], engine="reference",
+                                          progress=False), progress=False)
+    before = set(threading.enumerate())
+    features = np.zeros((2, 79), np.float32)
+    engine.step(["A", "B"], features)  # one on each shard
+    processes = [shard.process for shard in engine.shards]
+    for process in processes:
+        os.kill(process.pid, signal.SIGSTOP)
+    step = engine.submit(["A", "B"], features)
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 6
+    assert all(isinstance(outcome, ShardError) and "closed" in str(outcome) for outcome in _outcomes(step).values())
+    assert [process.exitcode for process in processes] == [-signal.SIGKILL] * 2
+    for thread in set(threading.enumerate()) - before:
+        thread.join(5)
+        assert not thread.is_alive(), thread.name

@@ -406,15 +406,23 @@ class _Runner:
         except IndexError:  # nothing in flight
             return False
 
-    def stop(self, timeout_s):
+    def ask_stop(self):
+        """Let its threads end once the parts queued are answered."""
         with self.work_ready:
             self.stopping = True
             self.work_ready.notify_all()
             self.answer_due.notify_all()
-        deadline = time.monotonic() + timeout_s
-        for thread in self.threads:
-            if thread is not threading.current_thread():  # the engine's collection may come in one of them
-                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def stop(self, deadline):
+        """Wait for its threads until `deadline` (time.monotonic()), then stop the shard: killed where they still
+        wait on it, as its stop would wait as long again for a shard that answers nothing to end."""
+        self.ask_stop()
+        # the engine's collection may come in one of them
+        others = [thread for thread in self.threads if thread is not threading.current_thread()]
+        for thread in others:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in others):
+            self.shard.kill()
         self.shard.stop()
 
 
@@ -652,8 +660,13 @@ class ShardedEngine(Engine):
 
 def _stop_runners(runners, closed):
     closed.set()
+    # all asked first, then waited for until one deadline: shards that answer nothing hold close() CLOSE_TIMEOUT_S in
+    # all, not each in turn
     for runner in runners:
-        runner.stop(CLOSE_TIMEOUT_S)
+        runner.ask_stop()
+    deadline = time.monotonic() + CLOSE_TIMEOUT_S
+    for runner in runners:
+        runner.stop(deadline)
 
 
 def _watch_answers(engine_ref, closed, timeout):
