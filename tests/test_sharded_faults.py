@@ -151,3 +151,18 @@ def test_close_ends_shards_that_answer_nothing_within_its_timeout_in_all(monkeyp
     for thread in set(threading.enumerate()) - before:
         thread.join(5)
         assert not thread.is_alive(), thread.name
+
+
+@pytest.mark.parametrize("shards", [0, -1, 2.5, True, "2"])
+def test_a_shard_count_that_is_not_a_whole_number_of_at_least_one_is_refused_before_any_shard_starts(
+        monkeypatch, shards):
+    """make_engine took --shards 0 as "every GPU", and a negative count started Ray and then no shard (the engine
+    refused none, leaving the Ray it started running); 2.5 failed in the middle of the start."""
+    import client.engine.shard_ray
+    from client.engine import make_engine
+
+    def start_shards(*args, **kwargs):
+        raise AssertionError("shards started for a count that is refused")
+    monkeypatch.setattr(client.engine.shard_ray, "ray_shards", start_shards)
+    with pytest.raises(ValueError, match=rf"--shards must be a whole number of at least 1, got {shards!r}$"):
+        make_engine("reference", None, "cpu", cluster="ray", spec=ModelSpec("tiny"), shards=shards)
