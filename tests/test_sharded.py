@@ -643,11 +643,13 @@ def test_ctrl_c_at_the_terminal_leaves_the_shards_serving():
 
 def test_a_shard_whose_parent_is_gone_exits_quietly():
     """A client killed (or interrupted twice: it exits at once) sends no "stop": its shards see the end of their
-    pipe, and end without a traceback."""
+    pipe, and end without a traceback, steps of theirs in flight too (the answer to one printed a broken pipe's)."""
     parent = ("import os, numpy as np\n"
               "from client.engine.shard_process import process_shards\n"
               "from client.engine.sharded import ModelSpec\n"
               "(shard,) = process_shards(ModelSpec('tiny', seed=3), ['cpu'], engine='reference', progress=False)\n"
+              "for _ in range(20):\n"
+              "    shard.submit(['A', 'B'], np.zeros((2, 79), np.float32))\n"
               "print(shard.process.pid, flush=True)\n"
               "os._exit(130)\n")
     root = Path(__file__).resolve().parents[1]

@@ -46,6 +46,8 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
         raise ValueError("a sharded engine needs the model's spec (preset and weights) for its shards")
     if not is_count(gpus, 1):
         raise ValueError(f"--gpus must be a whole number of at least 1, got {gpus!r}")
+    if shards is not None and not is_count(shards, 1):  # 0 read as "every GPU"; < 0 started Ray, then no shard
+        raise ValueError(f"--shards must be a whole number of at least 1, got {shards!r}")
     if split is not None and gpus == 1:
         raise ValueError(f"--split {split} applies with --gpus 2 or more")
     if name == "reference":

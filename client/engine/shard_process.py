@@ -43,13 +43,19 @@ def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, 
             try:
                 if isinstance(pending, Exception):
                     raise pending
-                replies.send(("done", seq, pending.result()))
+                reply = ("done", seq, pending.result())
             except Exception as exc:
-                replies.send(("error", seq, f"{type(exc).__name__}: {exc}"))
+                reply = ("error", seq, f"{type(exc).__name__}: {exc}")
+            try:
+                replies.send(reply)
+            except BrokenPipeError:  # the parent is gone without a "stop", as below: nobody to answer, nor a traceback
+                parent_gone.set()
+                return
 
+    parent_gone = threading.Event()  # an answer nobody took: the steps queued after it are not run
     collector = threading.Thread(target=collect, daemon=True)
     collector.start()
-    while True:
+    while not parent_gone.is_set():
         try:
             message = requests.recv()
         except EOFError:  # the parent is gone without a "stop" (killed, or a second Ctrl-C): nothing to answer

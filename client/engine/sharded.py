@@ -19,7 +19,8 @@ A shard that is lost (its process exits, its Ray actor or node dies, or it answe
 shard and its symbols. Its unanswered parts, and every later request of its symbols, then follow
 `on_shard_loss`: "error" answers them with the loss (`unplaceable` names those symbols, so a caller can skip
 them), "reset" places its symbols again on the live shards, where they start from a fresh state, and runs their
-unanswered requests there in order. Every other symbol keeps playing.
+unanswered requests there in order (those of a symbol released since fail with the loss: its release went with the
+shard). Every other symbol keeps playing.
 
 The transports (client/engine/shard_process.py, client/engine/shard_ray.py) implement `Shard`; each shard runs
 `build_shard_engine`, loading the model from its `ModelSpec`, so no weights travel.
@@ -181,11 +182,13 @@ class Shard(ABC):
 
 class _Part:
     """One shard's part of a step: its rows of the step, their symbols and features; its outcome goes to the
-    step's arrivals. `moved` marks a part taken off a lost shard (failed or run elsewhere)."""
+    step's arrivals. `moved` marks a part taken off a lost shard (failed or run elsewhere); `released` holds its
+    symbols released after it was queued (its rows of them are of the state they left)."""
 
     def __init__(self, rows, symbols, features, arrivals):
         self.rows, self.symbols, self.features, self.arrivals = rows, symbols, features, arrivals
         self.moved = False
+        self.released = set()
 
     def finish(self, outcome, rows=None):
         """The outcome of the part's rows, or of `rows` (positions in the part) alone."""
@@ -272,6 +275,7 @@ class _Runner:
         self.in_flight = deque()  # _InFlight, submitted and not yet collected, oldest first
         self.lost = None          # the loss (ShardLost), once the shard is gone
         self.stopping = self.submitter_done = False
+        self.answered_at = 0.0    # when its last answer came (time.monotonic())
         self.work_ready = threading.Condition(engine._lock)
         self.answer_due = threading.Condition(engine._lock)
         self.threads = [threading.Thread(target=self._submit_loop, name=f"shard-{self.index}-submit", daemon=True),
@@ -337,6 +341,7 @@ class _Runner:
                 if entry.part.moved:  # the shard was lost meanwhile, and the part went with the others
                     return
                 self.in_flight.popleft()
+                self.answered_at = time.monotonic()
             if not isinstance(outcome, tuple):
                 entry.part.finish(outcome)
                 continue
@@ -401,15 +406,23 @@ class _Runner:
         except IndexError:  # nothing in flight
             return False
 
-    def stop(self, timeout_s):
+    def ask_stop(self):
+        """Let its threads end once the parts queued are answered."""
         with self.work_ready:
             self.stopping = True
             self.work_ready.notify_all()
             self.answer_due.notify_all()
-        deadline = time.monotonic() + timeout_s
-        for thread in self.threads:
-            if thread is not threading.current_thread():  # the engine's collection may come in one of them
-                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def stop(self, deadline):
+        """Wait for its threads until `deadline` (time.monotonic()), then stop the shard: killed where they still
+        wait on it, as its stop would wait as long again for a shard that answers nothing to end."""
+        self.ask_stop()
+        # the engine's collection may come in one of them
+        others = [thread for thread in self.threads if thread is not threading.current_thread()]
+        for thread in others:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in others):
+            self.shard.kill()
         self.shard.stop()
 
 
@@ -539,6 +552,9 @@ class ShardedEngine(Engine):
                 if runner.lost is None:
                     runner.work.append(("release", names))
                     runner.work_ready.notify()
+                    left = set(names)
+                    for part in [entry.part for entry in runner.in_flight] + [i for k, i in runner.work if k == "step"]:
+                        part.released.update(left.intersection(part.symbols))
 
     def step(self, symbols, features):
         return self.submit(symbols, features).result()
@@ -594,7 +610,14 @@ class ShardedEngine(Engine):
                 self._load[runner.index] = 0
                 failed = []
                 for part in pending:
-                    failed += self._route(part.rows, part.symbols, part.features, part.arrivals)
+                    # rows of a symbol released since fail: run again, they would make it held anew (its release
+                    # went with the shard) and its next request would go on from the state it left
+                    kept = np.array([symbol not in part.released for symbol in part.symbols], dtype=bool)
+                    if not kept.all():
+                        failed.append((_Part(part.rows[~kept], [s for s, k in zip(part.symbols, kept) if not k],
+                                             part.features[~kept], part.arrivals), runner.loss()))
+                    failed += self._route(part.rows[kept], [s for s, k in zip(part.symbols, kept) if k],
+                                          part.features[kept], part.arrivals)
                 for symbol in symbols:  # those with no request pending too, so that the line says where they went
                     self._place(symbol)
             runner.work_ready.notify_all()
@@ -620,12 +643,14 @@ class ShardedEngine(Engine):
             listener(record)
 
     def _late(self, now, timeout) -> list[_Runner]:
-        """The live runners whose oldest step in flight has waited `timeout` seconds for its answer."""
+        """The live runners that have answered no step for `timeout` seconds while one waits: their oldest step in
+        flight was sent, and their last answer came, that long ago (not the oldest step's wait alone: a slow shard
+        working through a queue of steps answers all the same, and is not hung)."""
         with self._lock:
             if self._closing:
                 return []
             return [runner for runner in self._runners if runner.lost is None and runner.in_flight
-                    and now - runner.in_flight[0].sent_at > timeout]
+                    and now - max(runner.in_flight[0].sent_at, runner.answered_at) > timeout]
 
     def close(self):
         with self._lock:
@@ -635,12 +660,17 @@ class ShardedEngine(Engine):
 
 def _stop_runners(runners, closed):
     closed.set()
+    # all asked first, then waited for until one deadline: shards that answer nothing hold close() CLOSE_TIMEOUT_S in
+    # all, not each in turn
     for runner in runners:
-        runner.stop(CLOSE_TIMEOUT_S)
+        runner.ask_stop()
+    deadline = time.monotonic() + CLOSE_TIMEOUT_S
+    for runner in runners:
+        runner.stop(deadline)
 
 
 def _watch_answers(engine_ref, closed, timeout):
-    """Stop and lose each shard whose oldest step in flight has waited `timeout` seconds for its answer; holding
+    """Stop and lose each shard that has answered no step for `timeout` seconds while one waits (_late); holding
     the engine only while it looks."""
     while not closed.wait(min(1.0, timeout / 4)):
         if (engine := engine_ref()) is None:
