@@ -53,6 +53,10 @@ def parse_args(argv):
             parser.error(f"--out {args.out}: parquet needs the optional package pyarrow: pip install pyarrow "
                          f"(or write .npz)")
     folder = Path(args.out).parent
+    if Path(args.out).is_dir():  # as make_weights: else found when saving, after the targets
+        parser.error(f"--out {args.out} is a folder; give a file path")
+    if folder.exists() and not folder.is_dir():  # makedirs would say "File exists"
+        parser.error(f"--out {args.out}: {folder} is a file, not a folder")
     try:  # told now, not after the targets are computed
         cli.writable_folder(folder)
     except OSError as exc:

@@ -125,6 +125,20 @@ def test_an_output_folder_that_takes_no_file_is_refused_before_the_work(usage_er
     assert "--out /proc/s.npz: cannot write in /proc: " in usage_error(make_stream.parse_args, argv)
 
 
+def test_make_stream_refuses_an_out_that_is_a_folder_or_under_a_file_before_the_work(tmp_path, usage_error):
+    """As make_weights does: a folder named s.npz was taken, and failed when saving, after the targets; a folder
+    that is a file read as 'cannot write in it: File exists'."""
+    from scripts import make_stream
+
+    (tmp_path / "s.npz").mkdir()
+    (tmp_path / "taken").write_text("")
+    argv = ["--symbols", "2", "--requests", "5", "--seed", "1", "--out"]
+    assert f"--out {tmp_path / 's.npz'} is a folder; give a file path" in usage_error(
+        make_stream.parse_args, [*argv, str(tmp_path / "s.npz")])
+    assert f"--out {tmp_path / 'taken' / 's.npz'}: {tmp_path / 'taken'} is a file, not a folder" in usage_error(
+        make_stream.parse_args, [*argv, str(tmp_path / "taken" / "s.npz")])
+
+
 def test_long_stream_of_one_step_writes_valid_json_with_its_progress(tmp_path):
     out = tmp_path / "with space" / "long.json"
     out.parent.mkdir()
