@@ -294,7 +294,7 @@ def test_the_towers_a_precision_sends_through_a_reference_are_named():
 @cuda
 def test_a_precision_no_kernel_takes_steps_without_graphs_on_gpu():
     """The fp32 precision on a GPU: its steps run eagerly (a capture failed at start, CUDA's 'capturing stream has
-    unjoined work'), or, where graphs are asked for, a one-line error before anything is allocated."""
+    unjoined work'), or, where graphs are asked for, a one-line error before the state table is made."""
     model, _ = load_model("tiny", seed=2)
     with pytest.raises(ValueError, match="precision 'fp32' puts xlstm weights where no kernel takes them.*graph"):
         FastEngine(model, device="cuda", precision=FP32_PRECISION, graphs=True, capacity=2, progress=False)
