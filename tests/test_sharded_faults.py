@@ -153,6 +153,24 @@ def test_close_ends_shards_that_answer_nothing_within_its_timeout_in_all(monkeyp
         assert not thread.is_alive(), thread.name
 
 
+def test_close_waits_for_shards_frozen_with_nothing_owed_at_once_not_in_turn(monkeypatch):
+    """A shard process frozen with nothing in flight lets its threads end at once, then holds its stop
+    STOP_TIMEOUT_S for the process to exit: three such shards held close() three times that, one after another."""
+    import client.engine.shard_process as shard_process
+    monkeypatch.setattr(sharded, "CLOSE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(shard_process, "STOP_TIMEOUT_S", 2.0)
+    engine = ShardedEngine(process_shards(ModelSpec("tiny", seed=3), ["cpu"] * 3, engine="reference",
+                                          progress=False), progress=False)
+    engine.step(["A", "B", "C"], np.zeros((3, 79), np.float32))
+    processes = [shard.process for shard in engine.shards]
+    for process in processes:
+        os.kill(process.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 4.5  # 2 s in all; in turn, 6 s
+    assert [process.exitcode for process in processes] == [-signal.SIGKILL] * 3
+
+
 @pytest.mark.parametrize("shards", [0, -1, 2.5, True, "2"])
 def test_a_shard_count_that_is_not_a_whole_number_of_at_least_one_is_refused_before_any_shard_starts(
         monkeypatch, shards):

@@ -15,6 +15,8 @@ import torch.multiprocessing as mp
 from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
                                    share_host_tier, submit_placeable, wait_started)
 
+# How long a stopped shard's process has to exit before it is killed (it finishes the step under way first)
+STOP_TIMEOUT_S = 30.0
 
 def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, requests, replies):
     """A shard process: build the engine, then answer ("step", seq, symbols, features) with ("done", seq,
@@ -156,7 +158,7 @@ class ProcessShard(Shard):
             self.requests.send(("stop",))
         except (BrokenPipeError, OSError):
             pass
-        self.process.join(timeout=30)
+        self.process.join(timeout=STOP_TIMEOUT_S)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5)

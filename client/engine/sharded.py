@@ -413,12 +413,14 @@ class _Runner:
             self.work_ready.notify_all()
             self.answer_due.notify_all()
 
-    def stop(self, deadline):
+    def stop(self, deadline, caller=None):
         """Wait for its threads until `deadline` (time.monotonic()), then stop the shard: killed where they still
-        wait on it, as its stop would wait as long again for a shard that answers nothing to end."""
+        wait on it, as its stop would wait as long again for a shard that answers nothing to end. caller: the thread
+        that closes the engine (by default this one), never waited for."""
         self.ask_stop()
         # the engine's collection may come in one of them
-        others = [thread for thread in self.threads if thread is not threading.current_thread()]
+        caller = caller or threading.current_thread()
+        others = [thread for thread in self.threads if thread is not caller]
         for thread in others:
             thread.join(max(0.0, deadline - time.monotonic()))
         if any(thread.is_alive() for thread in others):
@@ -665,8 +667,15 @@ def _stop_runners(runners, closed):
     for runner in runners:
         runner.ask_stop()
     deadline = time.monotonic() + CLOSE_TIMEOUT_S
-    for runner in runners:
-        runner.stop(deadline)
+    # each stopped in a thread of its own: a shard's stop then waits for its end (a frozen process owing nothing:
+    # shard_process.STOP_TIMEOUT_S), so that such shards hold close() that long in all, not each in turn
+    caller = threading.current_thread()
+    stoppers = [threading.Thread(target=runner.stop, args=(deadline, caller), name="shard-stop", daemon=True)
+                for runner in runners]
+    for stopper in stoppers:
+        stopper.start()
+    for stopper in stoppers:
+        stopper.join()
 
 
 def _watch_answers(engine_ref, closed, timeout):
