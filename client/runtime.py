@@ -228,7 +228,8 @@ class StreamingClient:
                  punctual_late_after_s: float | None = None, join_queued: bool = True, timeline: bool = False,
                  give_up_repeats: int = GIVE_UP_REPEATS,
                  server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False,
-                 inline_steps: bool | None = None, late_parts_s: float = LATE_PARTS_S):
+                 inline_steps: bool | None = None, late_parts_s: float = LATE_PARTS_S,
+                 session_key: str | None = None):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -241,7 +242,9 @@ class StreamingClient:
                              "give_up_after_s >= 0, give_up_repeats >= 1 and server_idle_s > 0")
         self.give_up_repeats, self.server_idle_s = give_up_repeats, server_idle_s
         self.ws_compression = ws_compression  # offer permessage-deflate (off: client/websocket_transport.py)
-        self._session_key: str | None = None  # the server's, from its welcome: what a reconnect presents
+        # the server's, from its welcome: what a reconnect presents (given: a welcome's of an earlier client of the team,
+        # whose server began a new stream that this one plays)
+        self._session_key = session_key
         # how the last give_up_repeats connections since the last new request ended (all of them grew a tuple a
         # reconnect for good where they ended in turns two ways)
         self._failures: deque = deque(maxlen=give_up_repeats)
