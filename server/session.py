@@ -264,6 +264,7 @@ class TeamSession:
         those sent again on a connection that dropped before the client read them were lost for good)."""
         self._forget_scores_before(now - SCORES_KEPT_S)
         self._scores_resent = len(self._scores_sent)
+        self._confirm_from = self.total  # until attach(): an answer on the connection it replaces says nothing
         return [frame for _, _, frame in self._scores_sent]
 
     def _forget_scores_resent(self):

@@ -409,6 +409,29 @@ def test_score_updates_sent_again_on_a_connection_that_drops_before_the_client_r
     assert resent["type"] == "score_update" and resent["unique_ids"] == ids
 
 
+
+def test_score_updates_sent_again_are_kept_until_an_answer_on_their_own_connection_says_they_were_read():
+    """Only an answer to a request sent after them on the connection they went to says the client read them: an
+    answer the connection it replaces delivered meanwhile (read until the new one is the team's) said nothing."""
+    stream, targets = make_stream(40)
+    session = TeamSession("team", stream.symbols, stream.features, targets, send_offsets(40, stream.delay_ms, 200.0),
+                          atol=1e-3, half_life_ms=100.0, timeout_s=5.0, send_stall_s=5.0, max_requests_per_message=16)
+    start = session.start
+    session.attach("old")
+    session.sent = 8
+    session._send_time[:8] = start
+    session.handle_response([0], targets[[0]], start + 0.01)
+    session.note_scores_sent(b"update of 0", 1, start + 0.01)
+    assert session.scores_to_resend(start + 0.02) == [b"update of 0"]  # to a new connection, not yet attached
+    session.handle_response([5], targets[[5]], start + 0.03)  # the old one's answer to a request sent on it
+    session.attach("new")
+    assert session.scores_to_resend(start + 0.04) == [b"update of 0"]  # "new" dropped before its client read it
+    session.attach("newer")
+    session.sent = 10
+    session._send_time[8:10] = start + 0.05
+    session.handle_response([9], targets[[9]], start + 0.06)  # sent on "newer" after the update: it was read
+    assert session.scores_to_resend(start + 0.07) == []
+
 def test_the_score_updates_sent_again_come_before_the_end():
     """The stream ended (its last request missed) while the reconnect's score updates were being sent again: the
     end went out between them, and a client that leaves at the end lost the updates after it."""
