@@ -34,6 +34,9 @@ _BOM = b"\xef\xbb\xbf"
 SLICE_BYTES = 1024  # of a websocket connection's bytes handed to websockets at a time (SlicedReading)
 REQUESTS_PER_LINE = 64  # of an original-protocol client's request lines (OriginalConnection.send)
 PING_BURST, PINGS_PER_S = 10, 1.0  # a websocket connection's pings (websockets' keepalive sends one every 20 s)
+# An original-protocol connection's close: its closing line written, and its last bytes sent, within this or it is
+# aborted (a client that reads nothing)
+CLOSE_TIMEOUT_S = 1.0
 
 
 def team_name(address) -> str:
@@ -357,11 +360,14 @@ class OriginalConnection:
         if self._writer.is_closing():
             return
         try:
-            await asyncio.wait_for(self._write(original.encode_line(original.closing(code, reason))), 1.0)
+            await asyncio.wait_for(self._write(original.encode_line(original.closing(code, reason))), CLOSE_TIMEOUT_S)
         except ConnectionClosedError:
             pass
         except TimeoutError:  # a client that stopped reading
             self.transport.abort()
         self._writer.close()
+        # a close waits for the last bytes to be sent: those of a client that reads nothing (below the transport's
+        # high-water mark, so the write above did not wait) held the socket for good
+        asyncio.get_running_loop().call_later(CLOSE_TIMEOUT_S, self.transport.abort)
         log.debug("closed original-protocol connection of %s (%s %s)", self.team, code, reason)
 

@@ -844,3 +844,34 @@ def test_a_stream_that_simply_stops_on_an_event_style_server_ends_the_session():
     assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
     assert summary["detail"].startswith("the server sent no request for ")
     assert sorted(answered(received)) == list(range(6)) and summary["responses"] == 6
+
+
+def test_closing_a_connection_whose_client_reads_nothing_frees_its_socket():
+    """The server's close of an original-protocol connection (a refusal, a superseded one, a register timeout) waited
+    for its last bytes to be sent: a client that read nothing held its socket, and the server's file descriptor, for
+    good (websockets aborts a close that takes longer than its close timeout)."""
+    from server.original import CLOSE_TIMEOUT_S, OriginalConnection
+
+    async def main():
+        with socket.create_server(("127.0.0.1", 0)) as listener, socket.socket() as peer:
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            peer.connect(listener.getsockname())
+            accepted, _ = listener.accept()
+            accepted.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            transport, _ = await asyncio.get_running_loop().connect_accepted_socket(asyncio.Protocol, accepted)
+            connection = OriginalConnection(transport, 4096)
+            transport.set_protocol(connection.protocol)
+            connection.protocol.connection_made(transport)
+            while True:  # until the socket's buffers are full: a little waits in the transport, and stays there
+                while not transport.get_write_buffer_size():
+                    transport.write(b" " * 1024)
+                    await asyncio.sleep(0.001)
+                await asyncio.sleep(0.1)
+                if transport.get_write_buffer_size():
+                    break
+            await connection.close(1008, "superseded")  # its closing line fits below the high-water mark
+            await asyncio.sleep(CLOSE_TIMEOUT_S + 0.5)
+            return transport.get_extra_info("socket").fileno()
+
+    assert run(main()) == -1
+
