@@ -265,6 +265,14 @@ class _PacedTransport:
         return getattr(self.socket_transport, name)
 
 
+class _LineProtocol(asyncio.StreamReaderProtocol):
+    """asyncio's, a connection lost to an error (a reset) ending the stream as a close does, as recv() takes it anyway:
+    left on the protocol, nothing took the error, and the garbage collector reported it at ERROR with a traceback."""
+
+    def connection_lost(self, exc):
+        super().connection_lost(None if isinstance(exc, OSError) else exc)
+
+
 class OriginalConnection:
     """One original-protocol client, seen by the server's logic as a websocket connection (see the module)."""
 
@@ -273,7 +281,7 @@ class OriginalConnection:
         # one closes the connection.
         self._reader = asyncio.StreamReader(limit=2 * max_line_bytes)
         # the asyncio protocol that takes the transport over from the sniffer
-        self.protocol = asyncio.StreamReaderProtocol(self._reader)
+        self.protocol = _LineProtocol(self._reader)
         self.transport = self.socket_transport = transport  # socket_transport: as limits.OpenSockets counts it
         self._writer = asyncio.StreamWriter(transport, self.protocol, self._reader, asyncio.get_running_loop())
         self.max_line_bytes = max_line_bytes

@@ -4,6 +4,7 @@ import http.server
 import json
 import re
 import socket
+import struct
 import sys
 import threading
 import time
@@ -875,3 +876,25 @@ def test_closing_a_connection_whose_client_reads_nothing_frees_its_socket():
 
     assert run(main()) == -1
 
+
+def test_an_original_client_that_resets_its_connection_leaves_no_error_for_the_collector_to_log():
+    """A reset (a client killed, a link dropped) was left on the connection's stream as an error that nothing took:
+    the garbage collector reported it, "Future exception was never retrieved" and a traceback at ERROR, on the
+    operator's terminal (whether it did depended on the order it collected the connection's objects in)."""
+    stream, targets = stand_in()
+
+    async def main():
+        server = ScoringServer(ServerConfig(rate=400.0), stream=stream, targets=targets)
+        port = await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b'{"message_type": "register"}\n')
+        await reader.readline()  # playing
+        connection = next(iter(server._original_connections))
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # a reset, not a close
+        while server._original_connections:
+            await asyncio.sleep(0.01)
+        await server.stop()
+        await connection._writer.wait_closed()  # the reset, had it been left there, raised here, or in the collector
+
+    run(main())
