@@ -249,6 +249,7 @@ class StreamingClient:
         # reconnect for good where they ended in turns two ways)
         self._failures: deque = deque(maxlen=give_up_repeats)
         self._frames = 0                      # frames received (the idle watch compares counts)
+        self._unsure_mismatches = 0           # connections that ended in a ProtocolMismatch not certain (_session)
         self._last_request_at = 0.0           # monotonic time of the connection's start or its latest request
         self.team_client = team_client
         self.url, self.team, self.token = url, team, token
@@ -507,12 +508,15 @@ class StreamingClient:
                 self._on_frame(ws, frame)
         except transport.ConnectionClosed:
             pass
-        except transport.ProtocolMismatch:
+        except transport.ProtocolMismatch as exc:
             # A tcp-json connection that ended before its first line, or began with no JSON, asks the server a
             # websocket handshake to say which protocol it speaks. One that spoke this protocol earlier in the
             # session only dropped this connection: this project's server speaks both on one port, and its answer
-            # to the handshake ended such sessions as wrong_protocol.
-            if not self._frames:
+            # to the handshake ended such sessions as wrong_protocol. So did a first connection that dropped before
+            # its first line (a reset, a line cut short): an answer not certain is said once give_up_repeats
+            # connections end so, as a server that breaks every connection the same way is given up.
+            self._unsure_mismatches += not exc.certain
+            if not self._frames and (exc.certain or self._unsure_mismatches >= self.give_up_repeats):
                 raise
         finally:
             heartbeat.cancel()

@@ -291,6 +291,49 @@ def test_a_server_of_both_protocols_that_drops_a_connection_before_its_first_lin
     assert [answered(sent) for sent in sent_back[:3]] == [[0, 1], [], [0, 1, 2]]
 
 
+
+@pytest.mark.parametrize("cut_at", [0, 30])
+def test_a_server_of_both_protocols_that_drops_the_first_connection_before_its_first_line_is_played_on(cut_at):
+    """The first connection dropped before its first line was whole (a reset, a line cut short: a network's doing):
+    the handshake the client asks of a server of both protocols is accepted, and a session that had not yet received a
+    line ended as wrong_protocol, exit 2, "pass --protocol websocket". Said once give_up_repeats connections end so."""
+    first = requests((0, "SYM_000"), (1, "SYM_001"), seed=0)
+    connections = []
+
+    async def handler(reader, writer):
+        if (await reader.readline()).startswith(b"GET "):  # the client's handshake probe: accepted
+            writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+            await writer.drain()
+            writer.close()
+            return
+        connections.append(writer)
+        answers = []
+        for n, (uid, symbol, row) in enumerate(first):
+            line = json.dumps({"message_type": "inference_request", "unique_ids": [uid], "symbols": [symbol],
+                               "features": [row.tolist()], "timestamp": time.time()}).encode() + b"\n"
+            if len(connections) == 1:  # the first connection: cut_at bytes of its first line, then a reset
+                writer.write(line[:cut_at])
+                await writer.drain()
+                writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                           struct.pack("ii", 1, 0))
+                writer.transport.abort()
+                return
+            writer.write(line)
+            answers.append(json.loads(await reader.readline()))
+        writer.write(b'{"message_type": "stats_update", "complete": true, "requests": 2}\n')
+        await reader.read()
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(Echo(), url, "x", backoff_s=0.01, leave_at_end=True).run()
+        server.close()
+        return summary
+
+    summary = run(main())
+    assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
+    assert summary["connections"] == len(connections) == 2
+
 def test_a_server_error_without_details_is_said_without_an_empty_colon(caplog):
     """The original protocol's error has details null where there is nothing to add ("server error x: " before)."""
     async def handler(reader, writer):
