@@ -242,8 +242,8 @@ class StreamingClient:
                              "give_up_after_s >= 0, give_up_repeats >= 1 and server_idle_s > 0")
         self.give_up_repeats, self.server_idle_s = give_up_repeats, server_idle_s
         self.ws_compression = ws_compression  # offer permessage-deflate (off: client/websocket_transport.py)
-        # the server's, from its welcome: what a reconnect presents (given: a welcome's of an earlier client of the team,
-        # whose server began a new stream that this one plays)
+        # the server's, from its welcome: what a reconnect presents (given: the welcome's of an earlier client of the
+        # team, whose server began the new stream this one plays)
         self._session_key = session_key
         # how the last give_up_repeats connections since the last new request ended (all of them grew a tuple a
         # reconnect for good where they ended in turns two ways)
