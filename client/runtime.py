@@ -228,7 +228,8 @@ class StreamingClient:
                  punctual_late_after_s: float | None = None, join_queued: bool = True, timeline: bool = False,
                  give_up_repeats: int = GIVE_UP_REPEATS,
                  server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False,
-                 inline_steps: bool | None = None, late_parts_s: float = LATE_PARTS_S):
+                 inline_steps: bool | None = None, late_parts_s: float = LATE_PARTS_S,
+                 session_key: str | None = None):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -241,11 +242,14 @@ class StreamingClient:
                              "give_up_after_s >= 0, give_up_repeats >= 1 and server_idle_s > 0")
         self.give_up_repeats, self.server_idle_s = give_up_repeats, server_idle_s
         self.ws_compression = ws_compression  # offer permessage-deflate (off: client/websocket_transport.py)
-        self._session_key: str | None = None  # the server's, from its welcome: what a reconnect presents
+        # the server's, from its welcome: what a reconnect presents (given: the welcome's of an earlier client of the
+        # team, whose server began the new stream this one plays)
+        self._session_key = session_key
         # how the last give_up_repeats connections since the last new request ended (all of them grew a tuple a
         # reconnect for good where they ended in turns two ways)
         self._failures: deque = deque(maxlen=give_up_repeats)
         self._frames = 0                      # frames received (the idle watch compares counts)
+        self._unsure_mismatches = 0           # connections that ended in a ProtocolMismatch not certain (_session)
         self._last_request_at = 0.0           # monotonic time of the connection's start or its latest request
         self.team_client = team_client
         self.url, self.team, self.token = url, team, token
@@ -504,12 +508,15 @@ class StreamingClient:
                 self._on_frame(ws, frame)
         except transport.ConnectionClosed:
             pass
-        except transport.ProtocolMismatch:
+        except transport.ProtocolMismatch as exc:
             # A tcp-json connection that ended before its first line, or began with no JSON, asks the server a
             # websocket handshake to say which protocol it speaks. One that spoke this protocol earlier in the
             # session only dropped this connection: this project's server speaks both on one port, and its answer
-            # to the handshake ended such sessions as wrong_protocol.
-            if not self._frames:
+            # to the handshake ended such sessions as wrong_protocol. So did a first connection that dropped before
+            # its first line (a reset, a line cut short): an answer not certain is said once give_up_repeats
+            # connections end so, as a server that breaks every connection the same way is given up.
+            self._unsure_mismatches += not exc.certain
+            if not self._frames and (exc.certain or self._unsure_mismatches >= self.give_up_repeats):
                 raise
         finally:
             heartbeat.cancel()

@@ -42,7 +42,10 @@ class ConnectionClosed(Exception):
 
 
 class ProtocolMismatch(Exception):
-    """The server speaks the other protocol, or neither (a web server); the message says which and what to do."""
+    """The server speaks the other protocol, or neither (a web server); the message says which and what to do. Not
+    `certain` where a server of both protocols whose connection dropped would be taken for it too."""
+
+    certain = True
 
 
 def server_url(protocol_name: str, host: str, port: int) -> str:
@@ -231,8 +234,12 @@ class TcpJsonConnection(Connection):
                 if not self._lines_read:
                     speaks, answer = await speaks_what(self.host, self.port)
                     if speaks in ("websocket", "http"):
-                        raise mismatch(self.url, speaks, f"the register by closing the connection, and a websocket "
+                        exc = mismatch(self.url, speaks, f"the register by closing the connection, and a websocket "
                                                          f"handshake with {first_line(answer)}")
+                        # a server of both protocols (this project's) accepts the handshake too: this connection may
+                        # only have dropped (a reset, a first line cut short)
+                        exc.certain = speaks == "http"
+                        raise exc
                 return
             if not line.strip():
                 continue

@@ -34,6 +34,9 @@ _BOM = b"\xef\xbb\xbf"
 SLICE_BYTES = 1024  # of a websocket connection's bytes handed to websockets at a time (SlicedReading)
 REQUESTS_PER_LINE = 64  # of an original-protocol client's request lines (OriginalConnection.send)
 PING_BURST, PINGS_PER_S = 10, 1.0  # a websocket connection's pings (websockets' keepalive sends one every 20 s)
+# An original-protocol connection's close: its closing line written, and its last bytes sent, within this or it is
+# aborted (a client that reads nothing)
+CLOSE_TIMEOUT_S = 1.0
 
 
 def team_name(address) -> str:
@@ -262,6 +265,14 @@ class _PacedTransport:
         return getattr(self.socket_transport, name)
 
 
+class _LineProtocol(asyncio.StreamReaderProtocol):
+    """asyncio's, a connection lost to an error (a reset) ending the stream as a close does, as recv() takes it anyway:
+    left on the protocol, nothing took the error, and the garbage collector reported it at ERROR with a traceback."""
+
+    def connection_lost(self, exc):
+        super().connection_lost(None if isinstance(exc, OSError) else exc)
+
+
 class OriginalConnection:
     """One original-protocol client, seen by the server's logic as a websocket connection (see the module)."""
 
@@ -270,7 +281,7 @@ class OriginalConnection:
         # one closes the connection.
         self._reader = asyncio.StreamReader(limit=2 * max_line_bytes)
         # the asyncio protocol that takes the transport over from the sniffer
-        self.protocol = asyncio.StreamReaderProtocol(self._reader)
+        self.protocol = _LineProtocol(self._reader)
         self.transport = self.socket_transport = transport  # socket_transport: as limits.OpenSockets counts it
         self._writer = asyncio.StreamWriter(transport, self.protocol, self._reader, asyncio.get_running_loop())
         self.max_line_bytes = max_line_bytes
@@ -357,11 +368,14 @@ class OriginalConnection:
         if self._writer.is_closing():
             return
         try:
-            await asyncio.wait_for(self._write(original.encode_line(original.closing(code, reason))), 1.0)
+            await asyncio.wait_for(self._write(original.encode_line(original.closing(code, reason))), CLOSE_TIMEOUT_S)
         except ConnectionClosedError:
             pass
         except TimeoutError:  # a client that stopped reading
             self.transport.abort()
         self._writer.close()
+        # a close waits for the last bytes to be sent: those of a client that reads nothing (below the transport's
+        # high-water mark, so the write above did not wait) held the socket for good
+        asyncio.get_running_loop().call_later(CLOSE_TIMEOUT_S, self.transport.abort)
         log.debug("closed original-protocol connection of %s (%s %s)", self.team, code, reason)
 

@@ -23,7 +23,8 @@ MAX_NOTICES, NOTICE_CHARS = 10, 600  # a team's notices kept (the first ones), a
 DISCONNECTED_TICK_S = 0.25
 # A score update sent just before a connection dropped may be lost with it, and the team's own count of what was
 # scored then falls short for good: each one sent in the last SCORES_KEPT_S seconds (at most SCORES_KEPT_IDS ids) is
-# sent again on the team's next connection (a client counts each id's score once).
+# sent again on the team's next connection (a client counts each id's score once), and on the one after it too until
+# the client answers a request sent after them (a connection that dropped as well lost them for good).
 SCORES_KEPT_S = 30.0
 SCORES_KEPT_IDS = 8192
 
@@ -72,6 +73,10 @@ class TeamSession:
         self._recent = deque()  # (receive time, pnl of one response message)
         self._scores_sent = deque()  # (send time, ids, encoded score_update) of the last SCORES_KEPT_S seconds
         self._scores_sent_ids = 0
+        # of those, the first ones sent again on the live connection, kept until the client answers a request first
+        # sent from `_confirm_from` on (sent after them on that connection: it read them)
+        self._scores_resent = 0
+        self._confirm_from = 0
         self.inbound = InboundBudget(clock=clock)
         self.connection = None
         self.connections = 0
@@ -90,6 +95,7 @@ class TeamSession:
         previous, self.connection = self.connection, connection
         self.weights_fingerprint, self.weights_match = weights_fingerprint, weights_match
         self.connections += 1
+        self._confirm_from = self.sent  # the requests sent from now on go on this connection alone
         self._resend = self.sent > 0
         self._wake.set()
         return previous
@@ -219,6 +225,8 @@ class TeamSession:
             self.errors += 1
             problems.append(("non_finite_predictions",
                              f"NaN or infinite predictions, left unanswered: {_few(ids[non_finite])}"))
+        if self._scores_resent and (known & (ids >= self._confirm_from)).any():
+            self._forget_scores_resent()  # the client read what was sent before that request
         accepted = ids[accept]
         if not len(accepted):
             return None, problems
@@ -252,17 +260,23 @@ class TeamSession:
 
     def scores_to_resend(self, now: float) -> list[bytes]:
         """The score updates sent on earlier connections that a drop may have lost (see SCORES_KEPT_S), oldest
-        first; kept no longer (each is sent again once)."""
+        first; kept until the client answers a request sent after them on the connection they go to (cleared here,
+        those sent again on a connection that dropped before the client read them were lost for good)."""
         self._forget_scores_before(now - SCORES_KEPT_S)
-        frames = [frame for _, _, frame in self._scores_sent]
-        self._scores_sent.clear()
-        self._scores_sent_ids = 0
-        return frames
+        self._scores_resent = len(self._scores_sent)
+        self._confirm_from = self.total  # until attach(): an answer on the connection it replaces says nothing
+        return [frame for _, _, frame in self._scores_sent]
+
+    def _forget_scores_resent(self):
+        for _ in range(self._scores_resent):
+            self._scores_sent_ids -= self._scores_sent.popleft()[1]
+        self._scores_resent = 0
 
     def _forget_scores_before(self, oldest):
         kept = self._scores_sent
         while kept and (kept[0][0] < oldest or self._scores_sent_ids > SCORES_KEPT_IDS):
             self._scores_sent_ids -= kept.popleft()[1]
+            self._scores_resent = max(self._scores_resent - 1, 0)
 
     def add_notice(self, code: str, text: str):
         """A notice from the client (its states reset, a shard lost): kept for the leaderboard and summary."""

@@ -445,6 +445,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
         else:
             url = server_url(args.protocol, args.host, args.port)
         playing = [None]  # the client of the stream being played
+        session_key = None  # of the last welcome: a restarted server's new stream is the team it welcomed
         # A lost shard is said in the summary and to the server (its leaderboard), not only on stderr.
         engine.on_loss(lambda loss: playing[0].notice(
             "state_reset" if loss["policy"] == "reset" else "shard_lost", loss["line"]))
@@ -455,7 +456,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
                                      max_requests_per_symbol=args.max_requests_per_symbol,
                                      server_idle_s=args.server_idle_s, connect_timeout_s=args.connect_timeout_s,
                                      timeout_s=_timeout_s(args),
-                                     inline_steps=INLINE_STEPS[args.inline_steps],
+                                     inline_steps=INLINE_STEPS[args.inline_steps], session_key=session_key,
                                      on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome,
                                                                                         engine_text), file=sys.stderr))
             playing[0] = client
@@ -473,6 +474,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
             # (a team file's own states too) plays the new stream from the start.
             print(f"{PROG}: {summary['detail']}; states reset, playing the new stream", file=sys.stderr)
             engine.release(engine.symbols)
+            session_key = (client.welcome or {}).get("session_key", session_key)
             team_client = _team_client(team_class, engine, args.team_dir)
     finally:
         if server is not None:

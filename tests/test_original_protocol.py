@@ -4,6 +4,7 @@ import http.server
 import json
 import re
 import socket
+import struct
 import sys
 import threading
 import time
@@ -289,6 +290,49 @@ def test_a_server_of_both_protocols_that_drops_a_connection_before_its_first_lin
     assert summary["outcome"] == runtime.GAVE_UP, summary["detail"]  # the end: three closes with nothing new
     assert [answered(sent) for sent in sent_back[:3]] == [[0, 1], [], [0, 1, 2]]
 
+
+
+@pytest.mark.parametrize("cut_at", [0, 30])
+def test_a_server_of_both_protocols_that_drops_the_first_connection_before_its_first_line_is_played_on(cut_at):
+    """The first connection dropped before its first line was whole (a reset, a line cut short: a network's doing):
+    the handshake the client asks of a server of both protocols is accepted, and a session that had not yet received a
+    line ended as wrong_protocol, exit 2, "pass --protocol websocket". Said once give_up_repeats connections end so."""
+    first = requests((0, "SYM_000"), (1, "SYM_001"), seed=0)
+    connections = []
+
+    async def handler(reader, writer):
+        if (await reader.readline()).startswith(b"GET "):  # the client's handshake probe: accepted
+            writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+            await writer.drain()
+            writer.close()
+            return
+        connections.append(writer)
+        answers = []
+        for n, (uid, symbol, row) in enumerate(first):
+            line = json.dumps({"message_type": "inference_request", "unique_ids": [uid], "symbols": [symbol],
+                               "features": [row.tolist()], "timestamp": time.time()}).encode() + b"\n"
+            if len(connections) == 1:  # the first connection: cut_at bytes of its first line, then a reset
+                writer.write(line[:cut_at])
+                await writer.drain()
+                writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                           struct.pack("ii", 1, 0))
+                writer.transport.abort()
+                return
+            writer.write(line)
+            answers.append(json.loads(await reader.readline()))
+        writer.write(b'{"message_type": "stats_update", "complete": true, "requests": 2}\n')
+        await reader.read()
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(Echo(), url, "x", backoff_s=0.01, leave_at_end=True).run()
+        server.close()
+        return summary
+
+    summary = run(main())
+    assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
+    assert summary["connections"] == len(connections) == 2
 
 def test_a_server_error_without_details_is_said_without_an_empty_colon(caplog):
     """The original protocol's error has details null where there is nothing to add ("server error x: " before)."""
@@ -844,3 +888,56 @@ def test_a_stream_that_simply_stops_on_an_event_style_server_ends_the_session():
     assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
     assert summary["detail"].startswith("the server sent no request for ")
     assert sorted(answered(received)) == list(range(6)) and summary["responses"] == 6
+
+
+def test_closing_a_connection_whose_client_reads_nothing_frees_its_socket():
+    """The server's close of an original-protocol connection (a refusal, a superseded one, a register timeout) waited
+    for its last bytes to be sent: a client that read nothing held its socket, and the server's file descriptor, for
+    good (websockets aborts a close that takes longer than its close timeout)."""
+    from server.original import CLOSE_TIMEOUT_S, OriginalConnection
+
+    async def main():
+        with socket.create_server(("127.0.0.1", 0)) as listener, socket.socket() as peer:
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            peer.connect(listener.getsockname())
+            accepted, _ = listener.accept()
+            accepted.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            transport, _ = await asyncio.get_running_loop().connect_accepted_socket(asyncio.Protocol, accepted)
+            connection = OriginalConnection(transport, 4096)
+            transport.set_protocol(connection.protocol)
+            connection.protocol.connection_made(transport)
+            while True:  # until the socket's buffers are full: a little waits in the transport, and stays there
+                while not transport.get_write_buffer_size():
+                    transport.write(b" " * 1024)
+                    await asyncio.sleep(0.001)
+                await asyncio.sleep(0.1)
+                if transport.get_write_buffer_size():
+                    break
+            await connection.close(1008, "superseded")  # its closing line fits below the high-water mark
+            await asyncio.sleep(CLOSE_TIMEOUT_S + 0.5)
+            return transport.get_extra_info("socket").fileno()
+
+    assert run(main()) == -1
+
+
+def test_an_original_client_that_resets_its_connection_leaves_no_error_for_the_collector_to_log():
+    """A reset (a client killed, a link dropped) was left on the connection's stream as an error that nothing took:
+    the garbage collector reported it, "Future exception was never retrieved" and a traceback at ERROR, on the
+    operator's terminal (whether it did depended on the order it collected the connection's objects in)."""
+    stream, targets = stand_in()
+
+    async def main():
+        server = ScoringServer(ServerConfig(rate=400.0), stream=stream, targets=targets)
+        port = await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b'{"message_type": "register"}\n')
+        await reader.readline()  # playing
+        connection = next(iter(server._original_connections))
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # a reset, not a close
+        while server._original_connections:
+            await asyncio.sleep(0.01)
+        await server.stop()
+        await connection._writer.wait_closed()  # the reset, had it been left there, raised here, or in the collector
+
+    run(main())

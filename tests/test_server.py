@@ -364,15 +364,73 @@ def test_a_reconnect_gets_again_the_score_updates_a_drop_may_have_lost_once():
             ws.transport.abort()
             again = await registered(s.url, "alpha", session_key=ws.session_key)
             resent = await recv(again)
+            answered = []
+            for _ in range(2):  # the backlog, if any, and a request sent after the update: its answer says it was read
+                new = await first_request(again)
+                await again.send(protocol.encode(protocol.inference_response(new, s.targets[new], 0.0)))
+                answered += new
+            while s.summary("alpha")["responses"] < len(ids) + len(answered):
+                await asyncio.sleep(0.01)
             again.transport.abort()
             third = await registered(s.url, "alpha", session_key=ws.session_key)
-            after = await recv(third)
+            sent_again = []
+            while (msg := await recv(third))["type"] == "score_update":
+                sent_again += msg["unique_ids"]
             await third.close()
-            return ids, resent, after
-    ids, resent, after = run(main())
+            return ids, answered, resent, sent_again, msg
+    ids, answered, resent, sent_again, after = run(main())
     assert resent["type"] == "score_update" and resent["unique_ids"] == ids and resent["correct"] == [4] * len(ids)
-    assert after["type"] == "inference_request"  # sent again once: the next connection gets the backlog alone
+    # only the updates the last connection may have lost are sent again: the one it read is not
+    assert sorted(sent_again) == sorted(answered) and after["type"] == "inference_request"
 
+
+def test_score_updates_sent_again_on_a_connection_that_drops_before_the_client_reads_them_are_sent_again():
+    """The updates sent again on a reconnect went out once: where that connection dropped too before the client
+    read them (a link that drops twice in a row), they were lost for good, and the client's summary said missed for
+    answers the server scored in time."""
+    async def main():
+        async with Server(rate=50.0) as s:
+            ws = await registered(s.url, "alpha")
+            msg = await recv(ws)
+            while msg["type"] != "inference_request":
+                msg = await recv(ws)
+            ids = msg["unique_ids"]
+            await ws.send(protocol.encode(protocol.inference_response(ids, s.targets[ids], 0.0)))
+            while s.summary("alpha")["responses"] < len(ids):  # scored; its update left unread
+                await asyncio.sleep(0.01)
+            ws.transport.abort()
+            again = await registered(s.url, "alpha", session_key=ws.session_key)
+            again.transport.abort()  # dropped before the client read anything
+            third = await registered(s.url, "alpha", session_key=ws.session_key)
+            resent = await recv(third)
+            await third.close()
+            return ids, resent
+    ids, resent = run(main())
+    assert resent["type"] == "score_update" and resent["unique_ids"] == ids
+
+
+
+def test_score_updates_sent_again_are_kept_until_an_answer_on_their_own_connection_says_they_were_read():
+    """Only an answer to a request sent after them on the connection they went to says the client read them: an
+    answer the connection it replaces delivered meanwhile (read until the new one is the team's) said nothing."""
+    stream, targets = make_stream(40)
+    session = TeamSession("team", stream.symbols, stream.features, targets, send_offsets(40, stream.delay_ms, 200.0),
+                          atol=1e-3, half_life_ms=100.0, timeout_s=5.0, send_stall_s=5.0, max_requests_per_message=16)
+    start = session.start
+    session.attach("old")
+    session.sent = 8
+    session._send_time[:8] = start
+    session.handle_response([0], targets[[0]], start + 0.01)
+    session.note_scores_sent(b"update of 0", 1, start + 0.01)
+    assert session.scores_to_resend(start + 0.02) == [b"update of 0"]  # to a new connection, not yet attached
+    session.handle_response([5], targets[[5]], start + 0.03)  # the old one's answer to a request sent on it
+    session.attach("new")
+    assert session.scores_to_resend(start + 0.04) == [b"update of 0"]  # "new" dropped before its client read it
+    session.attach("newer")
+    session.sent = 10
+    session._send_time[8:10] = start + 0.05
+    session.handle_response([9], targets[[9]], start + 0.06)  # sent on "newer" after the update: it was read
+    assert session.scores_to_resend(start + 0.07) == []
 
 def test_the_score_updates_sent_again_come_before_the_end():
     """The stream ended (its last request missed) while the reconnect's score updates were being sent again: the

@@ -506,6 +506,69 @@ def test_a_new_stream_after_a_reconnect_is_played_from_fresh_states(cli_here):
     assert [len(answers) for answers in sent_back] == [2, 0, 2]
 
 
+def test_a_new_stream_of_a_restarted_websocket_server_is_played_by_the_team_it_welcomed(cli_here):
+    """A server of the project's protocol restarted with another stream: its welcome on the reconnect gave the team a
+    new session key, and the fresh client that played the new stream registered without it: refused (team_taken,
+    exit 4), the whole new stream missed."""
+    import threading
+
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.server import serve
+
+    from client import protocol
+    from team.example_model import main
+
+    rng = np.random.default_rng(0)
+    old = [(0, "SYM_000", rng.standard_normal(79)), (1, "SYM_001", rng.standard_normal(79))]
+    new = [(0, "SYM_001", rng.standard_normal(79)), (1, "SYM_000", rng.standard_normal(79))]
+    registers, sent_back = [], []
+
+    def request(uid, symbol, row):
+        return protocol.encode(protocol.inference_request([uid], [symbol], row[None], time.time()))
+
+    def handler(ws):
+        try:
+            play(ws)
+        except ConnectionClosed:  # the client left (the new stream's first connection)
+            pass
+
+    def play(ws):
+        registers.append(protocol.decode(ws.recv()))
+        restarted = len(registers) > 1
+        if len(registers) == 3 and registers[-1].get("session_key") != "new":
+            ws.send(protocol.encode(protocol.error("team_taken", "team 'example' is registered by another client")))
+            ws.close(1008, "team_taken")
+            return
+        ws.send(protocol.encode(protocol.welcome(None, None, 2, 2, None, session_key="new" if restarted else "old")))
+        answers = []
+        sent_back.append(answers)
+        for uid, symbol, row in (new[:1] if len(registers) == 2 else new) if restarted else old:
+            ws.send(request(uid, symbol, row))
+            while (msg := protocol.decode(ws.recv()))["type"] != "inference_response":
+                pass
+            answers.append(protocol.parse_inference_response(msg))
+        if len(registers) == 1:
+            ws.close(1011, "restarting")  # the old server goes
+        else:
+            ws.send(protocol.encode(protocol.end(2)))
+            for _ in ws:  # until the client leaves
+                pass
+
+    with serve(handler, "127.0.0.1", 0) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        code, err = cli_here(main, "team/example_model.py",
+                             ["--host", "127.0.0.1", "--port", str(server.socket.getsockname()[1]), "--preset", "tiny",
+                              "--engine", "reference", "--device", "cpu"])
+        server.shutdown()
+    assert code == 0, err[-2000:]
+    assert "states reset, playing the new stream" in err
+    assert [r.get("session_key") for r in registers] == [None, "old", "new"]
+    fresh = ReferenceEngine(load_model("tiny", seed=0)[0])
+    want = {uid: fresh.step([symbol], row[None].astype(np.float32))[0] for uid, symbol, row in new}
+    got = {ids[0]: predictions[0] for ids, predictions in sent_back[-1]}
+    assert sorted(got) == [0, 1] and all(np.allclose(got[uid], want[uid], atol=1e-6) for uid in want)
+
+
 @pytest.mark.parametrize("argv, timeout_s, said", [
     ([], 2.0, "answers count in time within 2 s, the project's server's timeout (the original protocol does not say "
               "the server's timeout; --timeout-s S to state it)"),
