@@ -20,8 +20,9 @@ from client.engine.fast.layers import StepPlan
 from client.engine.fast.runner import shape_for
 from client.engine.precision import DEFAULT_PRECISION, FP32_PRECISION
 from client.engine.reference import ReferenceEngine
-from client.engine.sharded import Shard, ShardedEngine, submit_placeable
+from client.engine.sharded import ShardedEngine
 from client.model import load_model
+from shard_checks import ShardHere
 
 CAP = 2        # the fast engines' max_rows_per_symbol: a symbol's 1 .. CAP + 3 requests of a step run as parts
 MAX_BATCH = 3  # the fast engines' max batch: steps of up to MAX_BATCH + 2 symbols run as parts
@@ -264,30 +265,10 @@ def test_symbols_forgotten_as_idle_start_afresh_and_the_others_go_on(model, name
     ran = play(engine, model, session(205, 50), FP32_TOLERANCE, check_table if name == "fast" else None, clock)
     assert ran["expired"] and ran["capacity"] and ran["rows"]
 
-class _ShardHere(Shard):
-    """A shard in this process, run as the transports run theirs (submit_placeable on its engine)."""
-    info = {}
-
-    def __init__(self, index, engine):
-        self.index, self.where, self.engine = index, f"here {index}", engine
-        engine.expired()
-
-    def submit(self, symbols, features):
-        return submit_placeable(self.engine, symbols, features)
-
-    def result(self, handle):
-        return handle.result()
-
-    def release(self, symbols):
-        self.engine.release(symbols)
-
-    def stop(self):
-        pass
-
 
 def test_a_sharded_engine_over_a_fast_and_a_reference_shard_equals_one_request_at_a_time(model):
-    engine = ShardedEngine([_ShardHere(0, fast_engine(model, capacity=2)),
-                            _ShardHere(1, ReferenceEngine(model, device="cpu", capacity=1, host_symbols=6))],
+    engine = ShardedEngine([ShardHere(fast_engine(model, capacity=2)),
+                            ShardHere(ReferenceEngine(model, device="cpu", capacity=1, host_symbols=6), 1)],
                            progress=False)
     try:
         ran = play(engine, model, session(50, 40), FP32_TOLERANCE)
@@ -299,7 +280,7 @@ def test_a_sharded_engine_over_a_fast_and_a_reference_shard_equals_one_request_a
 ENGINES = {
     "reference": lambda model: ReferenceEngine(model, device="cpu", capacity=2, host_symbols=2),
     "fast": lambda model: fast_engine(model, capacity=2, host_symbols=2),
-    "sharded": lambda model: ShardedEngine([_ShardHere(0, fast_engine(model, capacity=2, host_symbols=2))],
+    "sharded": lambda model: ShardedEngine([ShardHere(fast_engine(model, capacity=2, host_symbols=2))],
                                            progress=False),
 }
 

@@ -17,10 +17,10 @@ import torch
 from client.engine.base import PendingStep
 from client.engine.fast import FastEngine
 from client.engine.shard_process import process_shards
-from client.engine.sharded import (ModelSpec, Shard, ShardedEngine, ShardError, ShardLost, ShardStartError,
-                                   submit_placeable)
+from client.engine.sharded import ModelSpec, Shard, ShardedEngine, ShardError, ShardLost, ShardStartError
 from client.model import load_model
 from conftest import checkout_env
+from shard_checks import ShardHere
 
 SPEC = ModelSpec("tiny", seed=3)
 CAPACITY = 8  # symbols per shard, no host tier
@@ -263,28 +263,6 @@ def test_a_request_queued_while_its_shard_forgets_the_symbol_starts_it_afresh_th
         engine.close()
 
 
-class _ShardHere(Shard):
-    """A shard in this process, run as the transports run theirs (submit_placeable on its engine), so that a test
-    can make its engine's step fail."""
-    index, where, info = 0, "this process", {}
-
-    def __init__(self, engine):
-        self.engine = engine
-        engine.expired()  # as build_shard_engine: from now on it keeps the symbols it forgets as idle
-
-    def submit(self, symbols, features):
-        return submit_placeable(self.engine, symbols, features)
-
-    def result(self, handle):
-        return handle.result()
-
-    def release(self, symbols):
-        self.engine.release(symbols)
-
-    def stop(self):
-        pass
-
-
 def test_symbols_forgotten_by_a_step_that_fails_after_it_was_sent_leave_the_engine(monkeypatch):
     """A step whose placement forgot idle symbols, then failed after it was sent (a GPU's read-back raising): the
     list of those symbols was lost with its answer, and the engine listed them, and counted them on their shard,
@@ -293,7 +271,7 @@ def test_symbols_forgotten_by_a_step_that_fails_after_it_was_sent_leave_the_engi
     now = [0.0]
     single = FastEngine(model, "cpu", capacity=CAPACITY, host_symbols=0, idle_timeout_s=IDLE_S, progress=False)
     single.table.clock = lambda: now[0]
-    engine = ShardedEngine([_ShardHere(single)], progress=False)
+    engine = ShardedEngine([ShardHere(single)], progress=False)
     try:
         features = np.random.default_rng(13).standard_normal((2, 79)).astype(np.float32)
         engine.step(["F0", "F1"], features)
@@ -343,7 +321,7 @@ def test_a_lost_shard_is_ended_at_its_loss():
     be sent again."""
     model, _ = load_model("tiny", seed=3)
     unreachable = _UnreachableShard()
-    engine = ShardedEngine([_ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False)), unreachable],
+    engine = ShardedEngine([ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False)), unreachable],
                            progress=False)
     try:
         features = np.zeros((2, 79), np.float32)
@@ -361,7 +339,7 @@ def test_a_lost_shards_requests_fail_in_the_same_words_before_and_after_its_loss
     from team.example_model import ExampleModel
 
     model, _ = load_model("tiny", seed=3)
-    engine = ShardedEngine([_ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False)),
+    engine = ShardedEngine([ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False)),
                             _UnreachableShard()], progress=False)
     try:
         team, features = ExampleModel(engine), np.zeros(79, np.float32)
@@ -381,7 +359,7 @@ def test_a_lost_shards_failed_steps_are_not_kept_by_its_loss():
     import weakref
 
     model, _ = load_model("tiny", seed=3)
-    engine = ShardedEngine([_ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False)),
+    engine = ShardedEngine([ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False)),
                             _UnreachableShard()], progress=False)
     try:
         list(engine.submit(["A", "B"], np.zeros((2, 79), np.float32)).parts())  # B's shard is lost
@@ -423,7 +401,7 @@ def test_an_engine_dropped_unclosed_is_collected_and_stops_its_shards_and_a_with
 
     model, _ = load_model("tiny", seed=3)
     stopped = []
-    with ShardedEngine([_ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False))],
+    with ShardedEngine([ShardHere(FastEngine(model, "cpu", capacity=CAPACITY, progress=False))],
                        progress=False) as engine:
         engine.shards[0].stop = lambda: stopped.append(True)
         assert engine.step(["A"], features[:1]).shape == (1, 4)
