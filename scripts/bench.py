@@ -174,6 +174,12 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="small counts for a smoke run")
     parser.add_argument("--log-dir", help="also write the progress log and client/server warnings here")
     args = parser.parse_args(argv)
+    for option, folder in (("--stacks", args.stacks), ("--log-dir", args.log_dir)):
+        try:  # made and tried now: a file there, or a folder that takes none, failed later with a traceback
+            if folder is not None:
+                cli.writable_folder(folder)
+        except OSError as exc:
+            parser.error(f"{option} {folder}: cannot write in it: {exc.strerror or exc}")
     if args.cluster is None and (args.ray_address or args.shards):
         parser.error("--ray-address and --shards apply with --cluster ray")
     if args.cluster == "ray":  # said now, not as a traceback in the shards section's log, the run exiting 0
@@ -251,8 +257,6 @@ def summary_table(data) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.stacks is not None:  # made now: a file there failed every served section later, each with a traceback
-        os.makedirs(args.stacks, exist_ok=True)
     log_path = None
     if args.log_dir is not None:
         os.makedirs(args.log_dir, exist_ok=True)

@@ -201,8 +201,11 @@ def main(argv=None) -> list[dict]:
     if args.requests < args.symbols:
         ap.error("need --requests >= --symbols")
     cli.check_device(args.device)
-    if args.stacks is not None:  # made now, not by the first session once the model and the engine are up
-        args.stacks.mkdir(parents=True, exist_ok=True)
+    try:  # made and tried now, not by the first session once the model and the engine are up
+        if args.stacks is not None:
+            cli.writable_folder(args.stacks)
+    except OSError as exc:
+        ap.error(f"--stacks {args.stacks}: cannot write in it: {exc.strerror or exc}")
 
     from client.engine.fast import FastEngine
     from client.model import load_model

@@ -326,13 +326,18 @@ def test_a_failure_is_one_line_with_the_tools_name(tmp_path):
     assert (tmp_path / "old.json").read_text() == "{not json"
 
 
-def test_a_stacks_folder_that_cannot_be_made_is_one_line_before_any_section(tmp_path, cli_here):
-    """It was made by each served section as it started: each failed with a traceback, the run going on."""
+@pytest.mark.parametrize("option", ["--stacks", "--log-dir"])
+def test_a_folder_that_cannot_be_made_or_written_is_one_line_before_any_section(tmp_path, cli_here, option):
+    """--stacks was made by each served section as it started: each failed with a traceback, the run going on; a
+    folder that takes no file (/proc, even for root) failed only when the first file went there."""
     (tmp_path / "taken").write_text("")
-    code, stderr = cli_here(_load_bench().main, "scripts/bench.py",
-                            ["--device", "cpu", "--preset", "tiny", "--quick", "--sections", "copy",
-                             "--stacks", str(tmp_path / "taken")])
-    assert code == 2 and stderr == f"scripts/bench.py: error: File exists: {tmp_path / 'taken'}\n"
+    for folder, why in ((tmp_path / "taken", "File exists"), (Path("/proc"), "")):
+        code, stderr = cli_here(_load_bench().main, "scripts/bench.py",
+                                ["--device", "cpu", "--preset", "tiny", "--quick", "--sections", "copy",
+                                 option, str(folder)])
+        assert code == 2 and stderr.startswith(f"scripts/bench.py: error: {option} {folder}: cannot write in it: "
+                                               f"{why}"), stderr
+        assert len(stderr.strip().splitlines()) == 1
 
 
 def test_a_hung_shard_section_says_how_long_the_live_shards_symbols_waited_beside_the_hung_ones(tmp_path):

@@ -163,11 +163,13 @@ def test_numbers_out_of_range_are_refused_at_parse(args, message, usage_error):
     assert message in usage_error(_load().main, ["--preset", "tiny", "--device", "cpu", *args])
 
 
-def test_a_stacks_folder_that_cannot_be_made_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+def test_a_stacks_folder_that_cannot_be_made_or_written_is_refused_before_the_model_loads(tmp_path, monkeypatch,
+                                                                                         usage_error):
     (tmp_path / "taken").write_text("")
     monkeypatch.setattr("client.model.load_model", lambda *args, **kwargs: pytest.fail("the model was loaded"))
-    with pytest.raises(FileExistsError):
-        _load().main(["--preset", "tiny", "--device", "cpu", "--stacks", str(tmp_path / "taken")])
+    for folder, why in ((tmp_path / "taken", "File exists"), ("/proc", "")):  # /proc takes no file, even for root
+        error = usage_error(_load().main, ["--preset", "tiny", "--device", "cpu", "--stacks", str(folder)])
+        assert f"--stacks {folder}: cannot write in it: {why}" in error
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
