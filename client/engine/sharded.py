@@ -413,13 +413,11 @@ class _Runner:
             self.work_ready.notify_all()
             self.answer_due.notify_all()
 
-    def stop(self, deadline, caller=None):
+    def stop(self, deadline, caller):
         """Wait for its threads until `deadline` (time.monotonic()), then stop the shard: killed where they still
         wait on it, as its stop would wait as long again for a shard that answers nothing to end. caller: the thread
-        that closes the engine (by default this one), never waited for."""
+        that closes the engine (the engine's collection may come in one of these), never waited for."""
         self.ask_stop()
-        # the engine's collection may come in one of them
-        caller = caller or threading.current_thread()
         others = [thread for thread in self.threads if thread is not caller]
         for thread in others:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -662,13 +660,10 @@ class ShardedEngine(Engine):
 
 def _stop_runners(runners, closed):
     closed.set()
-    # all asked first, then waited for until one deadline: shards that answer nothing hold close() CLOSE_TIMEOUT_S in
-    # all, not each in turn
-    for runner in runners:
-        runner.ask_stop()
+    # every shard stopped at once, in a thread of its own, against one deadline: shards that answer nothing (and the
+    # wait for a frozen process owing nothing to end, shard_process.STOP_TIMEOUT_S) hold close() that long in all,
+    # not each in turn
     deadline = time.monotonic() + CLOSE_TIMEOUT_S
-    # each stopped in a thread of its own: a shard's stop then waits for its end (a frozen process owing nothing:
-    # shard_process.STOP_TIMEOUT_S), so that such shards hold close() that long in all, not each in turn
     caller = threading.current_thread()
     stoppers = [threading.Thread(target=runner.stop, args=(deadline, caller), name="shard-stop", daemon=True)
                 for runner in runners]
