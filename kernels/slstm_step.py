@@ -12,10 +12,10 @@ then updates c, n, m for them. The products read y across a whole head block whi
 theirs, so y is the one state this op does not write: it returns y_new, and slstm_output stores each sequence's
 last at its slot (kernels/slstm_output.py).
 
-fp32 input maps over fp16 state maps come split as in kernels/skinny_matmul.py (W = W_hi + W_lo / 2^11, two fp16
-tensors, still 4 bytes a weight): x is split the same way in registers and each input map takes three fp16
-products, x_hi W_hi + (x_hi W_lo + x_lo W_hi) / 2^11, about 22 bits of each. Only the input maps' rounding shows
-in the predictions (bench/LOG.md section 34), so the state maps stay 16-bit.
+fp32 maps come split as in kernels/skinny_matmul.py (W = W_hi + W_lo / 2^11, two fp16 tensors, still 4 bytes a
+weight): x (y_prev for the state maps) is split the same way in registers and each map takes three fp16 products,
+x_hi W_hi + (x_hi W_lo + x_lo W_hi) / 2^11, about 22 bits of each. Only the input maps' rounding shows in the
+predictions (bench/LOG.md section 34), so `auto` splits them over fp16 state maps; `fp32` splits both.
 
 A sequence's rows run one launch per row position j < max_rows (kernels/_common.py's sequences): launch j advances
 row j of every sequence longer than j, its y the state y for j = 0, else the previous row's output of this op, and
@@ -60,10 +60,13 @@ INPUT_BLOCK_N = 64
 
 def pack_weights(input_maps, state_maps, input_dtype, state_dtype):
     """The BlockLinear weights [NB, s, s] (out, in) of the four input maps and the four state maps, each in
-    gate order i, f, z, o -> the op's (weight [2, 4, NB, s, s], weight_lo): both in one dtype and weight_lo None,
-    or fp32 input maps over fp16 state maps, split: weight[0] their high halves, weight_lo [4, NB, s, s] fp16
-    their low ones."""
+    gate order i, f, z, o -> the op's (weight [2, 4, NB, s, s], weight_lo): both in one 16-bit dtype and weight_lo
+    None; fp32 input maps over fp16 state maps, split: weight[0] their high halves, weight_lo [4, NB, s, s] fp16
+    their low ones; or all eight in fp32, split: weight all high halves, weight_lo [2, 4, NB, s, s] the low ones."""
     w_in, w_state = torch.stack(list(input_maps)), torch.stack(list(state_maps))
+    if input_dtype == state_dtype == torch.float32:
+        hi, lo = split_fp16(torch.stack([w_in, w_state]).float())
+        return hi.contiguous(), lo.contiguous()
     if input_dtype == state_dtype:
         return torch.stack([w_in, w_state]).to(input_dtype).contiguous(), None
     if (input_dtype, state_dtype) != (torch.float32, torch.float16):
@@ -87,8 +90,10 @@ def _check(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows, we
     weight = check_input("weight", weight, (2, GATES, blocks, size, size), device).contiguous()
     if blocks * size != width:
         raise ValueError(f"weight's {blocks} blocks of {size} do not cover the state width {width}")
-    if weight_lo is not None:
-        weight_lo = check_input("weight_lo", weight_lo, (GATES, blocks, size, size), device).contiguous()
+    if weight_lo is not None:  # the input maps' low halves, or both parts' ([2, 4, NB, s, s])
+        both = isinstance(weight_lo, torch.Tensor) and weight_lo.dim() == 5
+        lo_shape = (2, GATES, blocks, size, size) if both else (GATES, blocks, size, size)
+        weight_lo = check_input("weight_lo", weight_lo, lo_shape, device).contiguous()
         if (weight.dtype, weight_lo.dtype) != (torch.float16, torch.float16):
             raise ValueError(f"split input maps are float16 halves (weight and weight_lo), got {weight.dtype} and "
                              f"{weight_lo.dtype}")
@@ -119,17 +124,19 @@ def slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_
         x = x.to(weight.dtype).float().view(-1, blocks, size)
         return torch.einsum("bhk,hjk->bhj", x, w.float()).reshape(-1, width)
 
-    def input_map(x, g):
-        if weight_lo is None:
-            return blockwise(x, weight[0, g])
+    lows = (None, None) if weight_lo is None else (weight_lo, None) if weight_lo.dim() == 4 else weight_lo
+
+    def gate_map(x, part, g):  # part 0: the input maps, 1: the state maps
+        if lows[part] is None:
+            return blockwise(x, weight[part, g])
         x_hi, x_lo = split_fp16(x.float())
-        lower = blockwise(x_hi, weight_lo[g]) + blockwise(x_lo, weight[0, g])
-        return blockwise(x_hi, weight[0, g]) + lower / LO_SCALE
+        lower = blockwise(x_hi, lows[part][g]) + blockwise(x_lo, weight[part, g])
+        return blockwise(x_hi, weight[part, g]) + lower / LO_SCALE
 
     c_seq, n_seq, m_seq = c[slots], n[slots], m[slots]
     for j, (which, rs) in enumerate(positions):  # row position j of every sequence longer than j
         y_prev = y[slots[which]] if j == 0 else out[rs - 1]
-        i, f, z, o = (input_map(x[rs], g) + blockwise(y_prev, weight[1, g]) + bias[g].float()
+        i, f, z, o = ((gate_map(x[rs], 0, g) + bias[g].float()) + gate_map(y_prev, 1, g)
                       for g, x in enumerate((xc, xc, xn, xn)))
         lf = m_seq[which] + F.logsigmoid(f)
         m_new = torch.maximum(i, lf)
@@ -146,11 +153,12 @@ def slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_
 @triton.jit
 def _gate_products(xc_ptr, xn_ptr, y_rows, r, r_mask, stride_xc, stride_xn, w_ptr, w_lo_ptr, block, j, j_mask, size,
                    gate_stride, INPUTS: tl.constexpr, STATES: tl.constexpr, SPLIT: tl.constexpr,
-                   LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   SPLIT_STATE: tl.constexpr, LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     """Rows r's gate products over one tile of a head block's columns j, each part in its own accumulator (so
     that either part comes out with the same bits alone as beside the other): the input maps' (x W_in, split
-    where SPLIT; zero unless INPUTS) and the state maps' (y_prev W_state, y_prev at y_rows; zero unless STATES),
-    gates i, f, z, o."""
+    where SPLIT; zero unless INPUTS) and the state maps' (y_prev W_state, y_prev at y_rows, split where
+    SPLIT_STATE, their low halves at w_lo_ptr's maps 4-7; zero unless STATES), gates i, f, z, o."""
     in_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     in_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     in_z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -163,6 +171,10 @@ def _gate_products(xc_ptr, xn_ptr, y_rows, r, r_mask, stride_xc, stride_xn, w_pt
     st_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     st_z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     st_o = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    low_si = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the state maps' lower-order terms, x LO_SCALE
+    low_sf = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    low_sz = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    low_so = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_rows = (block * size + j)[:, None] * size  # offset of row j of block `block` in a map
     for k0 in range(0, size, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -197,16 +209,37 @@ def _gate_products(xc_ptr, xn_ptr, y_rows, r, r_mask, stride_xc, stride_xn, w_pt
                 low_o = tl.dot(xn_hi, tl.trans(tl.load(lo + 3 * gate_stride, mask=w_mask, other=0.0)), low_o)
                 low_o = tl.dot(xn_lo, tl.trans(w_o), low_o)
         if STATES:
-            yp = tl.load(y_rows[:, None] + col[None, :], mask=x_mask, other=0.0).to(w_ptr.dtype.element_ty)
-            st_i = tl.dot(yp, tl.trans(tl.load(w + 4 * gate_stride, mask=w_mask, other=0.0)), st_i)
-            st_f = tl.dot(yp, tl.trans(tl.load(w + 5 * gate_stride, mask=w_mask, other=0.0)), st_f)
-            st_z = tl.dot(yp, tl.trans(tl.load(w + 6 * gate_stride, mask=w_mask, other=0.0)), st_z)
-            st_o = tl.dot(yp, tl.trans(tl.load(w + 7 * gate_stride, mask=w_mask, other=0.0)), st_o)
+            yp = tl.load(y_rows[:, None] + col[None, :], mask=x_mask, other=0.0)
+            yp_hi = yp.to(w_ptr.dtype.element_ty)
+            ws_i = tl.load(w + 4 * gate_stride, mask=w_mask, other=0.0)
+            st_i = tl.dot(yp_hi, tl.trans(ws_i), st_i)
+            ws_f = tl.load(w + 5 * gate_stride, mask=w_mask, other=0.0)
+            st_f = tl.dot(yp_hi, tl.trans(ws_f), st_f)
+            ws_z = tl.load(w + 6 * gate_stride, mask=w_mask, other=0.0)
+            st_z = tl.dot(yp_hi, tl.trans(ws_z), st_z)
+            ws_o = tl.load(w + 7 * gate_stride, mask=w_mask, other=0.0)
+            st_o = tl.dot(yp_hi, tl.trans(ws_o), st_o)
+            if SPLIT_STATE:  # as the input maps' split
+                yp_lo = ((yp.to(tl.float32) - yp_hi.to(tl.float32)) * LO_SCALE).to(tl.float16)
+                lo = w_lo_ptr + w_rows + k[None, :] + 4 * gate_stride
+                low_si = tl.dot(yp_hi, tl.trans(tl.load(lo, mask=w_mask, other=0.0)), low_si)
+                low_si = tl.dot(yp_lo, tl.trans(ws_i), low_si)
+                low_sf = tl.dot(yp_hi, tl.trans(tl.load(lo + gate_stride, mask=w_mask, other=0.0)), low_sf)
+                low_sf = tl.dot(yp_lo, tl.trans(ws_f), low_sf)
+                low_sz = tl.dot(yp_hi, tl.trans(tl.load(lo + 2 * gate_stride, mask=w_mask, other=0.0)), low_sz)
+                low_sz = tl.dot(yp_lo, tl.trans(ws_z), low_sz)
+                low_so = tl.dot(yp_hi, tl.trans(tl.load(lo + 3 * gate_stride, mask=w_mask, other=0.0)), low_so)
+                low_so = tl.dot(yp_lo, tl.trans(ws_o), low_so)
     if SPLIT:
         in_i += low_i * (1.0 / LO_SCALE)
         in_f += low_f * (1.0 / LO_SCALE)
         in_z += low_z * (1.0 / LO_SCALE)
         in_o += low_o * (1.0 / LO_SCALE)
+    if SPLIT_STATE:
+        st_i += low_si * (1.0 / LO_SCALE)
+        st_f += low_sf * (1.0 / LO_SCALE)
+        st_z += low_sz * (1.0 / LO_SCALE)
+        st_o += low_so * (1.0 / LO_SCALE)
     return in_i, in_f, in_z, in_o, st_i, st_f, st_z, st_o
 
 
@@ -220,13 +253,13 @@ def _slstm_step_kernel(
     xc_ptr, xn_ptr, w_ptr, w_lo_ptr, bias_ptr, pre_ptr, c_ptr, n_ptr, m_ptr, y_ptr, seq_slot_ptr, seq_start_ptr,
     out_ptr, sequences, position, width, size, tiles_per_block, stride_xc, stride_xn, stride_pre, stride_c, stride_n,
     stride_m, stride_y, stride_out, y_eps,
-    FIRST: tl.constexpr, PRE: tl.constexpr, SPLIT: tl.constexpr, LO_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FIRST: tl.constexpr, PRE: tl.constexpr, SPLIT: tl.constexpr, SPLIT_STATE: tl.constexpr, LO_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Row `position` of a tile of sequences (those that long): its y_prev the state y (FIRST, position 0) or
     the previous row's output. PRE: the input maps' part of the gates (with the bias) is read from pre_ptr
     ([B, 4, H], _slstm_input_gates_kernel), else computed here. SPLIT: the input maps' low halves at w_lo_ptr
-    ([4, NB, s, s], laid out as w_ptr's first four maps)."""
+    (laid out as w_ptr's first four maps); SPLIT_STATE: the state maps' too, as w_ptr's last four."""
     block = tl.program_id(0) // tiles_per_block
     j = (tl.program_id(0) % tiles_per_block) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns in the block
     s = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -242,7 +275,7 @@ def _slstm_step_kernel(
         y_rows = out_ptr + (r - 1).to(tl.int64) * stride_out
     in_i, in_f, in_z, in_o, st_i, st_f, st_z, st_o = _gate_products(
         xc_ptr, xn_ptr, y_rows, r, r_mask, stride_xc, stride_xn, w_ptr, w_lo_ptr, block, j, j_mask, size,
-        width * size, not PRE, True, SPLIT, LO_SCALE, BLOCK_M, BLOCK_N, BLOCK_K)
+        width * size, not PRE, True, SPLIT, SPLIT_STATE, LO_SCALE, BLOCK_M, BLOCK_N, BLOCK_K)
     col = block * size + j
     mask = r_mask[:, None] & j_mask[None, :]
     if PRE:
@@ -308,7 +341,7 @@ def _slstm_input_gates_kernel(
 
 
 def supports(weight) -> bool:
-    """The Triton kernel multiplies on 16-bit tensor cores (split input maps too); fp32 weights take the
+    """The Triton kernel multiplies on 16-bit tensor cores (split fp32 maps too); unsplit fp32 weights take the
     reference."""
     return weight.dtype in WEIGHT_DTYPES
 
@@ -323,11 +356,12 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows
     seq_slots [G] and seq_starts [G + 1] int32 (kernels/_common.py); max_rows (int) at least the longest
     sequence's row count, known when the step is built: one launch per row position. weight_lo [4, NB, s, s]
     fp16, with an fp16 weight: the input maps are split, weight[0] their high halves (pack_weights), and x is
-    split likewise. Updates c, n, m in place at seq_slots and returns y [B, H] float32, each row's new y (padding
-    rows' unwritten), which the caller stores (y[seq_slots] is read, not written: slstm_output stores each
-    sequence's last row). block_m: sequences a program, chosen here unless given (scripts/tile_sweep.py).
-    hoist_inputs: the input maps' part of every row's gates in one launch before the row positions' launches
-    (default: where max_rows > 1), which then read only the state maps; the same bits either way.
+    split likewise; weight_lo [2, 4, NB, s, s]: the state maps too, and y_prev with them. Updates c, n, m in
+    place at seq_slots and returns y [B, H] float32, each row's new y (padding rows' unwritten), which the caller
+    stores (y[seq_slots] is read, not written: slstm_output stores each sequence's last row). block_m: sequences
+    a program, chosen here unless given (scripts/tile_sweep.py). hoist_inputs: the input maps' part of every row's
+    gates in one launch before the row positions' launches (default: where max_rows > 1), which then read only the
+    state maps; the same bits either way.
     """
     if not (use_triton(c) and supports(weight)):
         return slstm_step_ref(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows, weight_lo)
@@ -341,14 +375,14 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows
     blocks, size = weight.shape[2], weight.shape[3]
     block_m = block_m or max(16, min(MAX_BLOCK_M, next_pow2(sequences)))
     # pipeline stages of x tiles (3 x BLOCK_M x BLOCK_K fp32) and weight tiles (8 x BLOCK_N x BLOCK_K 16-bit, 12
-    # split) that fit in shared memory; up to 32 rows two warps and four stages measured fastest at full size (H100:
-    # 10.6 against 12.8 us at one row). Triton buffers stages - 1 of them: at 32 rows 3 x 40 KB, split 3 x 48 KB,
-    # inside the 227 KB of an H100's SM
+    # split, 16 all split) that fit in shared memory; up to 32 rows two warps and four stages measured fastest at full
+    # size (H100: 10.6 against 12.8 us at one row). Triton buffers stages - 1 of them: at 32 rows 3 x 40 KB, split
+    # 3 x 48 KB, all split 3 x 56 KB, inside the 227 KB of an H100's SM
     block_k = max(16, min(BLOCK_K if block_m <= 32 else BLOCK_K // 2, next_pow2(size)))
     warps, stages = (2, 4) if block_m <= 32 else (4, 3)
     tiles = triton.cdiv(size, BLOCK_N)
     w_lo = weight if weight_lo is None else weight_lo  # unread unless split
-    split = weight_lo is not None
+    split, split_state = weight_lo is not None, weight_lo is not None and weight_lo.dim() == 5
     hoist = max_rows > 1 if hoist_inputs is None else hoist_inputs
     pre = out  # unread unless hoisted
     if hoist:
@@ -367,7 +401,7 @@ def slstm_step(xc, xn, weight, bias, c, n, m, y, seq_slots, seq_starts, max_rows
             xc, xn, weight, w_lo, bias, pre, c, n, m, y, seq_slots, seq_starts, out,
             sequences, position, width, size, tiles, xc.stride(0), xn.stride(0), pre.stride(0), c.stride(0),
             n.stride(0), m.stride(0), y.stride(0), out.stride(0), Y_EPS,
-            FIRST=position == 0, PRE=hoist, SPLIT=split, LO_SCALE=LO_SCALE, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-            BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+            FIRST=position == 0, PRE=hoist, SPLIT=split, SPLIT_STATE=split_state, LO_SCALE=LO_SCALE,
+            BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
     return out

@@ -17,6 +17,7 @@ from client.engine.precision import DEFAULT_PRECISION, FP32_PRECISION, Precision
 from client.engine.reference import ReferenceEngine
 from client.model import ModelLoader, load_model
 from kernels._common import INTERPRET
+from kernels.slstm_step import supports as slstm_supports
 
 REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -282,25 +283,26 @@ def test_bad_input_touches_no_state():
     assert all(torch.equal(v, before[k]) for k, v in fast.table.tensors.items())
 
 
-def test_the_towers_a_precision_sends_through_a_reference_are_named():
-    """fp32 sLSTM state maps have no kernel (kernels/slstm_step.py supports): their PyTorch reference reads each
-    step's plan on the host, so a GPU engine steps such a tower without CUDA graphs."""
+def test_every_precision_gives_the_slstm_weights_its_kernel_takes():
+    """The sLSTM's maps are packed 16-bit (fp32 ones split into fp16 halves) in every precision: a PyTorch
+    reference would read each step's plan on the host, which no CUDA graph can hold (its capture failed at start
+    before the split fp32 state maps)."""
     model, _ = load_model("tiny", seed=2)
-    for spec, towers in (("auto", []), ("bf16", []), ("fp32", ["xlstm"]), ("auto,xlstm.slstm=fp32", ["xlstm"])):
+    for spec, lows in (("auto", (4,)), ("bf16", None), ("fp16", None), ("fp32", (2, 4)),
+                       ("auto,xlstm.slstm=fp32", (2, 4))):
         engine = FastEngine(model, device="cpu", precision=Precision.parse(spec), capacity=1, progress=False)
-        assert engine.runner.plan_on_host == towers, spec
+        for block in engine.runner.towers[0].blocks:
+            assert slstm_supports(block.s_weight), spec
+            assert (None if block.s_weight_lo is None else tuple(block.s_weight_lo.shape[:-3])) == lows, spec
 
 
 @cuda
-def test_a_precision_no_kernel_takes_steps_without_graphs_on_gpu():
-    """The fp32 precision on a GPU: its steps run eagerly (a capture failed at start, CUDA's 'capturing stream has
-    unjoined work'), or, where graphs are asked for, a one-line error before the state table is made."""
+def test_fp32_weights_step_through_graphs_on_gpu():
+    """The fp32 precision on a GPU: captured in graphs like any other, within 1e-4 of the fp32 reference."""
     model, _ = load_model("tiny", seed=2)
-    with pytest.raises(ValueError, match="precision 'fp32' puts xlstm weights where no kernel takes them.*graph"):
-        FastEngine(model, device="cuda", precision=FP32_PRECISION, graphs=True, capacity=2, progress=False)
     fast = FastEngine(model, device="cuda", precision=FP32_PRECISION, capacity=2, host_symbols=2, progress=False)
     alone = ReferenceEngine(model, device="cpu")
-    assert not fast.describe()["graphs"]
+    assert fast.describe()["graphs"]
     feats = np.random.default_rng(4).standard_normal((3, 79)).astype(np.float32)
     got, want = fast.step(["A", "A", "B"], feats), one_at_a_time(alone, ["A", "A", "B"], feats)
     assert np.abs(got - want).max() < 1e-4

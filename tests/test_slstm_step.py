@@ -1,8 +1,8 @@
 """kernels/slstm_step.py over a step's sequences, one launch per row position (max_rows): sequences of 0, 1, 2 and
 5 rows, empty sequences and padding rows against the reference and against row-at-a-time calls with slstm_output
 storing y between them (bit for bit), and the reference against float64 equations over a sequence; the same with
-fp32 input maps split over fp16 state maps, which must come within a twentieth of the 16-bit maps' error of the
-float64 cell. Triton cases run on a GPU when there is one, else under the interpreter in a child process; full
+fp32 input maps split over fp16 state maps, and all eight maps split (fp32), which must come within a twentieth of
+the 16-bit maps' error of the float64 cell. Triton cases run on a GPU when there is one, else under the interpreter in a child process; full
 sizes need a GPU. (One row per sequence: tests/test_kernels.py.)"""
 import math
 
@@ -42,13 +42,17 @@ def ragged(layout, dims=SMALL, fresh=False, dtype=torch.float32):
     return args
 
 
-def split(args, seed=5):
-    """args with new gate maps, fp32 input maps split over fp16 state maps (pack_weights): (args, weight_lo,
-    the fp32 maps [2, 4, NB, s, s])."""
+SPLITS = ["split", "all-split"]  # fp32 input maps over fp16 state maps; all eight maps fp32
+
+
+def split(args, kind="split", seed=5):
+    """args with new gate maps, packed split (pack_weights) as `kind` says: (args, weight_lo, the fp32 maps
+    [2, 4, NB, s, s])."""
     weight = args["weight"]
     gen = torch.Generator(device=weight.device).manual_seed(seed)
     maps = torch.randn(weight.shape, generator=gen, device=weight.device) / math.sqrt(2 * weight.shape[-1])
-    weight, weight_lo = pack_weights(maps[0], maps[1], torch.float32, torch.float16)
+    state_dtype = torch.float32 if kind == "all-split" else torch.float16
+    weight, weight_lo = pack_weights(maps[0], maps[1], torch.float32, state_dtype)
     return {**args, "weight": weight}, weight_lo, maps
 
 
@@ -114,7 +118,7 @@ def test_bad_max_rows_is_rejected(max_rows):
         op(**ragged(layout), **layout.plan, max_rows=max_rows)
 
 
-def test_pack_weights_splits_fp32_input_maps_only():
+def test_pack_weights_splits_fp32_maps():
     maps = torch.randn(2, 4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     weight, weight_lo = pack_weights(maps[0], maps[1], torch.bfloat16, torch.bfloat16)
     assert weight_lo is None and torch.equal(weight, maps.bfloat16())
@@ -123,29 +127,34 @@ def test_pack_weights_splits_fp32_input_maps_only():
     assert torch.equal(weight[1], maps[1].half())
     joined = weight[0].double() + weight_lo.double() / LO_SCALE  # about 22 bits of each weight
     assert ((joined - maps[0].double()).abs() <= maps[0].double().abs() * 2.0 ** -21).all()
+    weight, weight_lo = pack_weights(maps[0], maps[1], torch.float32, torch.float32)
+    assert weight.dtype == weight_lo.dtype == torch.float16 and weight_lo.shape == maps.shape
+    joined = weight.double() + weight_lo.double() / LO_SCALE
+    assert ((joined - maps.double()).abs() <= maps.double().abs() * 2.0 ** -21).all()
     with pytest.raises(ValueError, match="one dtype, or fp32 input maps and fp16 state maps"):
         pack_weights(maps[0], maps[1], torch.float32, torch.bfloat16)
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda w, lo: (w.bfloat16(), lo), "split input maps are float16 halves"),
-    (lambda w, lo: (w, lo[:3]), r"weight_lo must have shape \[4, 2, 40, 40\]"),
+@pytest.mark.parametrize("kind, change, match", [
+    ("split", lambda w, lo: (w.bfloat16(), lo), "split input maps are float16 halves"),
+    ("split", lambda w, lo: (w, lo[:3]), r"weight_lo must have shape \[4, 2, 40, 40\]"),
+    ("all-split", lambda w, lo: (w, lo[:, :3]), r"weight_lo must have shape \[2, 4, 2, 40, 40\]"),
 ])
-def test_bad_split_weights_are_rejected(change, match):
+def test_bad_split_weights_are_rejected(kind, change, match):
     layout = Layout(device="cpu")
-    args, weight_lo, _ = split(ragged(layout))
+    args, weight_lo, _ = split(ragged(layout), kind)
     args["weight"], weight_lo = change(args["weight"], weight_lo)
     with pytest.raises(ValueError, match=match):
         op(**args, **layout.plan, max_rows=5, weight_lo=weight_lo)
 
 
-def float64_cell(args, out, layout, maps):
+def float64_cell(args, out, layout, maps, exact_state_maps=False):
     """docs/model/xlstm.md's cell in float64 along each sequence from the states in args: the input maps exact
-    (fp32 `maps[0]`) on unrounded x; the state maps as both paths store them (fp16) on y_prev rounded to fp16,
-    y_prev the state y, then the op's own previous output `out` (both then round the same y_prev). Returns the
-    rows' outputs and {name: {slot: value}} of c, n, m."""
+    (fp32 `maps[0]`) on unrounded x; the state maps exact too where exact_state_maps, else as both paths store
+    them (fp16) on y_prev rounded to fp16, y_prev the state y, then the op's own previous output `out` (both then
+    round the same y_prev). Returns the rows' outputs and {name: {slot: value}} of c, n, m."""
     blocks, size = maps.shape[2], maps.shape[3]
-    w_in, w_state = maps[0].double(), maps[1].half().double()
+    w_in, w_state = maps[0].double(), (maps[1] if exact_state_maps else maps[1].half()).double()
 
     def blockwise(x, w):
         return torch.einsum("hk,hjk->hj", x.double().view(blocks, size), w).reshape(-1)
@@ -155,7 +164,8 @@ def float64_cell(args, out, layout, maps):
     for s, slot in enumerate(layout.seq_slots.tolist()[:len(layout.lengths)]):
         c, n, m = (args[name][slot].double() for name in ("c", "n", "m"))
         for row in range(starts[s], starts[s + 1]):
-            y_prev = (args["y"][slot] if row == starts[s] else out[row - 1]).half()
+            y_prev = args["y"][slot] if row == starts[s] else out[row - 1]
+            y_prev = y_prev if exact_state_maps else y_prev.half()
             i, f, z, o = (blockwise(x[row], w_in[g]) + blockwise(y_prev, w_state[g]) + args["bias"][g].double()
                           for g, x in enumerate((args["xc"], args["xc"], args["xn"], args["xn"])))
             lf = m - torch.log1p(torch.exp(-f))
@@ -169,17 +179,18 @@ def float64_cell(args, out, layout, maps):
     return expected, states
 
 
-def check_split_near_float64(fn, max_rows, dims=SMALL, device="cpu"):
+def check_split_near_float64(fn, max_rows, kind="split", dims=SMALL, device="cpu"):
     """fn (the op or its reference) over ragged sequences of up to max_rows rows, an empty sequence and padding
-    rows, with fp32 input maps split and with the same maps in fp16: against float64_cell, the split one's error
-    under a twentieth of the fp16 one's and under an absolute bound; slots outside the sequences untouched."""
+    rows, with fp32 maps split as `kind` says and with the same maps in fp16: against float64_cell (the state maps
+    exact for all-split), the split one's error under a twentieth of the fp16 one's and under an absolute bound;
+    slots outside the sequences untouched."""
     layout = Layout(lengths=(max_rows, 0, 1, max(max_rows - 1, 1), max_rows), device=device)
-    args, weight_lo, maps = split(ragged(layout, dims))
+    args, weight_lo, maps = split(ragged(layout, dims), kind)
     errors = {}
     for name, weight, lo in (("split", args["weight"], weight_lo), ("fp16", maps.half(), None)):
         run = {**args, "weight": weight, **{state: args[state].clone() for state in STATES}}
         out = fn(**run, **layout.plan, max_rows=max_rows, weight_lo=lo)
-        expected, states = float64_cell(args, out, layout, maps)
+        expected, states = float64_cell(args, out, layout, maps, exact_state_maps=kind == "all-split")
         live = slice(0, layout.live_rows)
         errors[name] = max([(out[live].double() - expected[live]).abs().max().item()]
                            + [(run[state][slot].double() - value).abs().max().item()
@@ -189,9 +200,10 @@ def check_split_near_float64(fn, max_rows, dims=SMALL, device="cpu"):
     assert errors["split"] < errors["fp16"] / 20 and errors["split"] < 2e-5, errors
 
 
+@pytest.mark.parametrize("kind", SPLITS)
 @pytest.mark.parametrize("max_rows", [1, 2, 4])
-def test_reference_split_input_maps_near_float64(max_rows):
-    check_split_near_float64(ref, max_rows)
+def test_reference_split_maps_near_float64(max_rows, kind):
+    check_split_near_float64(ref, max_rows, kind)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -213,17 +225,19 @@ def test_triton_small_matches_reference(fresh):
 
 
 @runs_triton
+@pytest.mark.parametrize("kind", SPLITS)
 @pytest.mark.parametrize("fresh", [False, True], ids=["running", "first-step"])
-def test_triton_small_split_matches_reference(fresh):
+def test_triton_small_split_matches_reference(fresh, kind):
     layout = Layout(device=DEVICE)
-    args, weight_lo, _ = split(ragged(layout, fresh=fresh))
+    args, weight_lo, _ = split(ragged(layout, fresh=fresh), kind)
     check_against_reference(op, ref, args, STATES, layout, assert_close, max_rows=5, weight_lo=weight_lo)
 
 
 @runs_triton
-@pytest.mark.parametrize("max_rows", [1, 2, 3, 4])
-def test_triton_small_split_near_float64(max_rows):
-    check_split_near_float64(op, max_rows, device=DEVICE)
+@pytest.mark.parametrize("kind", SPLITS)
+@pytest.mark.parametrize("max_rows", [1, 2, 4])
+def test_triton_small_split_near_float64(max_rows, kind):
+    check_split_near_float64(op, max_rows, kind, device=DEVICE)
 
 
 @runs_triton
@@ -236,22 +250,23 @@ def test_triton_small_row_at_a_time():
 
 
 @runs_triton
-def test_triton_small_split_row_at_a_time():
+@pytest.mark.parametrize("kind", SPLITS)
+def test_triton_small_split_row_at_a_time(kind):
     layout = Layout(device=DEVICE)
-    args, weight_lo, _ = split(ragged(layout))
+    args, weight_lo, _ = split(ragged(layout), kind)
     check_against_row_at_a_time(op, args, STATES, ROWS, layout, after_row=store_y, whole_extra=dict(max_rows=5),
                                 same=SAME_SUMS, weight_lo=weight_lo)
 
 
 @runs_triton
-@pytest.mark.parametrize("split_maps", [False, True], ids=["16-bit", "split"])
+@pytest.mark.parametrize("split_maps", [None, *SPLITS])
 def test_triton_small_hoisted_input_maps_give_the_same_bits(split_maps):
     """The input maps' part in a launch of its own before the row positions' (a step of several rows a symbol)
     and inside each of them: the same outputs and states, bit for bit, padding rows and other slots untouched."""
     layout = Layout(device=DEVICE)
     args, weight_lo = ragged(layout), None
     if split_maps:
-        args, weight_lo, _ = split(args)
+        args, weight_lo, _ = split(args, split_maps)
     runs = []
     for hoist in (False, True):
         run = {**args, **{name: args[name].clone() for name in STATES}}
@@ -293,11 +308,11 @@ def test_triton_small_tiles_of_sequences_do_not_change_the_result():
 
 
 @runs_triton
-@pytest.mark.parametrize("split_maps", [False, True], ids=["16-bit", "split"])
+@pytest.mark.parametrize("split_maps", [None, *SPLITS])
 def test_triton_small_empty_step_touches_nothing(split_maps):
     args, weight_lo = make_args("slstm_step", 3, 4, SMALL, device=DEVICE), None
     if split_maps:
-        args, weight_lo, _ = split(args)
+        args, weight_lo, _ = split(args, split_maps)
     before = {name: args[name].clone() for name in STATES}
     seq_slots, seq_starts = plan([], [], 3, DEVICE)
     op(**args, seq_slots=seq_slots, seq_starts=seq_starts, max_rows=2, weight_lo=weight_lo)
@@ -318,9 +333,10 @@ def test_gpu_full_size(lengths):
 
 
 @cuda_only
+@pytest.mark.parametrize("kind", SPLITS)
 @pytest.mark.parametrize("max_rows", [1, 4])
-def test_gpu_full_size_split_near_float64(max_rows):
-    check_split_near_float64(op, max_rows, FULL_DIMS["slstm_step"], device="cuda")
+def test_gpu_full_size_split_near_float64(max_rows, kind):
+    check_split_near_float64(op, max_rows, kind, FULL_DIMS["slstm_step"], device="cuda")
 
 
 @cuda_only

@@ -256,17 +256,6 @@ class FastEngine(Engine):
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        # A tower multiplied by a PyTorch reference reads each step's plan on the host, which no CUDA graph can hold
-        on_host = [name for shard in self.shards for name in shard.runner.plan_on_host]
-        if on_host and self.device.type == "cuda" and graphs is not False:
-            reason = (f"precision {precision.spec!r} puts {' and '.join(on_host)} weights where no kernel takes them "
-                      f"(fp32 sLSTM state maps: kernels/slstm_step.py multiplies 16-bit ones; its PyTorch reference "
-                      f"reads each step's plan on the host), so no CUDA graph can hold the step")
-            if graphs:
-                raise ValueError(reason)
-            if progress:
-                sys.stderr.write(f"[fast engine] {reason}: steps run without graphs, slower\n")
-            graphs = False
         parts = [(shard.runner.layout, shard.device) for shard in self.shards]
         if capacity is None:
             capacity = self._capacity_for_memory(parts, STATE_MEMORY if state_memory is None else state_memory)

@@ -31,7 +31,6 @@ from kernels.mlstm_input import pack_qkv_weight
 from kernels.skinny_matmul import LO_SCALE, split_fp16, split_rows
 from kernels.skinny_matmul import supports as skinny_supports
 from kernels.slstm_step import pack_weights as pack_slstm_weights
-from kernels.slstm_step import supports as slstm_supports
 
 _OUT_DTYPE = {}
 
@@ -302,9 +301,6 @@ class Block:
     group's dtype."""
 
     norm1_dtype = torch.float32  # the layer's input stays fp32 where it also feeds an fp32 path or a skip
-    # Whether its step reads the plan on the host (a PyTorch reference, where no kernel takes its weights' dtype):
-    # then no CUDA graph can hold the step
-    plan_on_host = False
 
     def __init__(self, sd, prefix, dtype_of, device):
         self.mlp_dtype = dtype_of("mlp")
@@ -334,13 +330,12 @@ class XLSTMBlock(Block):
         self.inner, self.heads = 2 * cfg.hidden, cfg.heads
         self.s_norm = sd[s + "norm.weight"].to(device)
         self.s_conv = _conv(sd, s + "conv1d", device)
-        # fp32 input maps come split over fp16 state maps (kernels/slstm_step.py): weight_lo their low halves
+        # fp32 maps come split into fp16 halves (kernels/slstm_step.py): weight_lo their low halves
         weight, weight_lo = pack_slstm_weights([sd[s + f"{g}gate_input.weight"] for g in "ifzo"],
                                                [sd[s + f"{g}gate_state.weight"] for g in "ifzo"],
                                                dtype_of("slstm_in"), dtype_of("slstm"))
         self.s_weight = weight.to(device)
         self.s_weight_lo = None if weight_lo is None else weight_lo.to(device)
-        self.plan_on_host = not slstm_supports(self.s_weight)  # fp32 state maps: slstm_step_ref multiplies them
         self.s_bias = torch.stack([sd[s + f"{g}gate_state.bias"] for g in "ifzo"]).to(device)  # [4, H]
         self.s_gn = sd[s + "group_norm.weight"].to(device), sd[s + "group_norm.bias"].to(device)
         self.m_norm = sd[m + "norm.weight"].to(device)

@@ -126,11 +126,6 @@ class StepRunner:
             from .compiled import compile_towers
             compile_towers(self)
 
-    @property
-    def plan_on_host(self) -> list:
-        """The towers whose step reads its plan on the host (Block.plan_on_host): no CUDA graph can hold them."""
-        return [tower.name for tower in self.towers if any(block.plan_on_host for block in tower.blocks)]
-
     def attach(self, tensors):
         """Run on the state table whose component views (for this runner's layout) are `tensors`."""
         if self.stochastic:
