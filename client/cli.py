@@ -171,6 +171,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> list[int]:
+    """argparse type: a comma list of integers of at least 1, or a one-line error."""
+    return [positive_int(part) for part in text.split(",")]
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number above 0, or a one-line error."""
     try:

@@ -29,7 +29,7 @@ def retnet_output_ref(o, g):
 
 @triton.jit
 def _retnet_output_kernel(
-    o_ptr, g_ptr, out_ptr, heads, head_dim,
+    o_ptr, g_ptr, out_ptr, head_dim,
     stride_o_row, stride_o_head, stride_g_row, stride_out_row,
     eps, BLOCK_D: tl.constexpr,
 ):
@@ -55,7 +55,7 @@ def retnet_output(o, g):
     if rows == 0:
         return out
     _retnet_output_kernel[(rows, heads)](
-        o, g, out, heads, head_dim,
+        o, g, out, head_dim,
         o.stride(0), o.stride(1), g.stride(0), out.stride(0),
         RMS_EPS, BLOCK_D=next_pow2(head_dim), num_warps=2,
     )

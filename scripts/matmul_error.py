@@ -26,11 +26,6 @@ SHAPES = (("fp32", 8192, 2048), ("fp32", 2048, 2048), ("fp32", 4096, 2048), ("fp
 SPLIT_ROWS = 8192  # the mixed product's split rows
 
 
-def positive_ints(text: str) -> list[int]:
-    """argparse type: a comma list of positive integers."""
-    return [cli.positive_int(part) for part in text.split(",")]
-
-
 def errors(y, exact, rows):
     """(max, mean) over the first `rows` columns of |y - exact| / each row's largest |exact|."""
     err = ((y.double() - exact).abs() / exact.abs().amax(1, keepdim=True).clamp_min(1e-300))[:, :rows]
@@ -75,9 +70,9 @@ def table(result) -> str:
 
 def main(argv=None):
     ap = cli.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=positive_ints, default=[1, 64, 65, 128, 256, 384, 512],
+    ap.add_argument("--rows", type=cli.positive_ints, default=[1, 64, 65, 128, 256, 384, 512],
                     help="rows M, comma list (default 1,64,65,128,256,384,512)")
-    ap.add_argument("--config", type=positive_ints,
+    ap.add_argument("--config", type=cli.positive_ints,
                     help="BLOCK_M,BLOCK_N,BLOCK_K,num_stages,num_warps[,SPLIT_K] for every product instead of "
                          "kernels.skinny_matmul.default_config")
     ap.add_argument("--json", type=cli.output_file, help="write the rows here")

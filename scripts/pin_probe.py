@@ -216,7 +216,7 @@ def main(argv=None):
     parser = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--slots", type=cli.positive_int, default=32,
                         help="slots of 146 MiB pinned in each measurement")
-    parser.add_argument("--threads", type=lambda text: [cli.positive_int(t) for t in text.split(",")],
+    parser.add_argument("--threads", type=cli.positive_ints,
                         default=[1, 8, 16], help="comma list of thread counts that pin (default 1,8,16)")
     parser.add_argument("--step-ms", type=cli.positive_float, default=3.0, help="the replayed graph's length")
     parser.add_argument("--seconds", type=cli.positive_float, default=3.0,

@@ -67,7 +67,7 @@ def main(argv=None):
     parser.add_argument("specs", type=specs_argument, help="precision specs separated by ';' (the first is the base)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: full on CUDA, else tiny)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batches", type=lambda t: [cli.positive_int(b) for b in t.split(",")], default=[1, 20, 64],
+    parser.add_argument("--batches", type=cli.positive_ints, default=[1, 20, 64],
                         help="comma list of batch sizes (default 1,20,64)")
     parser.add_argument("--rounds", type=cli.positive_int, default=6)
     parser.add_argument("--iters", type=cli.positive_int, default=100, help="timed steps a round, engine and batch")

@@ -41,10 +41,6 @@ def presets_argument(text):
     return presets
 
 
-def batches_argument(text):
-    return [cli.positive_int(b) for b in text.split(",")]
-
-
 def timed_step_ms(engine, symbols, features):
     """Milliseconds of one step, submit to predictions back here."""
     begin = time.perf_counter()
@@ -124,7 +120,7 @@ def main(argv=None) -> int:
                         help="presets measured in turn (default tiny,small)")
     parser.add_argument("--engine", choices=ENGINES, default="reference",
                         help="the engine each transport runs (default reference, the CPU shards' default)")
-    parser.add_argument("--batches", default="1,16", type=batches_argument, help="step sizes (default 1,16)")
+    parser.add_argument("--batches", default="1,16", type=cli.positive_ints, help="step sizes (default 1,16)")
     parser.add_argument("--rounds", type=cli.positive_int, default=5)
     parser.add_argument("--steps", type=cli.positive_int, default=100,
                         help="steps timed per round, batch and transport (default 100)")

@@ -23,10 +23,14 @@ def symbol_list(symbols) -> list:
         symbols = list(symbols)
     except TypeError:
         raise ValueError(f"symbols must be a list of strings, got {symbols!r}") from None
-    for row, symbol in enumerate(symbols):
-        if not isinstance(symbol, str):  # in check_step_inputs's words
-            raise ValueError(f"symbols must be strings; row {row} holds {symbol!r} ({type(symbol).__name__})")
+    _check_strings(symbols)
     return symbols
+
+
+def _check_strings(symbols) -> None:
+    for row, symbol in enumerate(symbols):
+        if not isinstance(symbol, str):  # the row named, as client/streams.py names it
+            raise ValueError(f"symbols must be strings; row {row} holds {symbol!r} ({type(symbol).__name__})")
 
 
 def check_step_inputs(symbols, features) -> np.ndarray:
@@ -34,9 +38,7 @@ def check_step_inputs(symbols, features) -> np.ndarray:
 
     Engines call this before touching any state, so a bad step leaves every symbol as it was.
     """
-    for row, symbol in enumerate(symbols):
-        if not isinstance(symbol, str):  # the row named, as client/streams.py names it
-            raise ValueError(f"symbols must be strings; row {row} holds {symbol!r} ({type(symbol).__name__})")
+    _check_strings(symbols)
     torch = sys.modules.get("torch")  # loaded where a tensor is given: the client's names import without it
     if torch is not None and isinstance(features, torch.Tensor):  # numpy reads none that requires grad or is bf16
         features = features.detach().cpu()

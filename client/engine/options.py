@@ -60,8 +60,8 @@ def add_engine_arguments(parser):
                         help="symbols the state table holds on the device, instead of a memory share")
     group.add_argument("--host-symbols", type=lambda t: _count(t, "--host-symbols", 0), metavar="N",
                        help="symbols whose state may wait in pinned host memory when the GPU table is full, "
-                            "pinned at start (default: what the available host memory less max(4 GiB, 15%%) "
-                            "holds; 0 on the CPU and for the reference engine)")
+                            "pinned in the background from the start (default: what the available host memory "
+                            "less max(4 GiB, 15%%) holds; 0 on the CPU and for the reference engine)")
     group.add_argument("--idle-timeout", type=_seconds, metavar="S",
                        help="forget a symbol idle this many seconds (default: never)")
     group.add_argument("--state-dtype", type=state_storage_argument, default=FP32_STATE, metavar="SPEC",

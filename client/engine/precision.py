@@ -179,10 +179,10 @@ FP32_PRECISION = Precision.parse("fp32")
 precision_argument = cli.argument_type(Precision.parse)  # argparse type of a precision spec
 
 
-def add_precision_argument(parser, default="auto"):
+def add_precision_argument(parser):
     """Add --precision to an argparse parser; args.precision is then a Precision for FastEngine(precision=...)."""
     parser.add_argument(
-        "--precision", type=precision_argument, default=Precision.parse(default), metavar="SPEC",
+        "--precision", type=precision_argument, default=DEFAULT_PRECISION, metavar="SPEC",
         help="fast engine weight precision: auto (the measured default: fp16; RetNet, input_down, the sLSTM's "
              "input maps and the mLSTM's q/k/v inputs fp32, RetNet's input path fp64), bf16, "
              "fp16 or fp32, then overrides per tower or part, e.g. 'bf16,retnet=fp32' or "

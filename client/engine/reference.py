@@ -41,8 +41,8 @@ class ReferenceEngine(Engine):
                              f"idle symbols forgotten: {expiry}\n")
 
     def _capacity_for_memory(self, share) -> int:
-        """Symbols that `share` of the device's memory holds, as the fast engine counts them (its memory rules are
-        stated once, there)."""
+        """Symbols that `share` of the device's memory holds, as the fast engine counts them: its capacity_for_memory
+        on a GPU; on a CPU the same share of the available host memory, at most CPU_CAPACITY."""
         from client.engine.fast.state_table import CPU_CAPACITY, STATE_MEMORY, capacity_for_memory, host_memory
 
         share = STATE_MEMORY if share is None else share

@@ -287,8 +287,8 @@ class Bench:
 
     def build_engine(self, model=None, **options):
         """A fast engine of the run's settings, `options` on top (capacity: symbols it holds on the GPU; no host
-        tier unless host_symbols says: a host tier is pinned at start); from the reference model, or `model` (a
-        loader: FastEngine's)."""
+        tier unless host_symbols says: a host tier pins in the background, FastEngine.wait_pinned); from the
+        reference model, or `model` (a loader: FastEngine's)."""
         from client.engine.fast import FastEngine
 
         settings = {"max_batch": MAX_BATCH, "max_rows_per_symbol": self.args.max_requests_per_symbol,

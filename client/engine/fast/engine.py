@@ -199,7 +199,8 @@ class FastEngine(Engine):
         capacity (symbols on the GPU) or
         state_memory (the share of free GPU memory the state table takes, STATE_MEMORY by default);
         host_symbols: states that may wait in host memory (default on CUDA: what `host_memory` bytes hold, by
-        default the available host memory less a headroom; none on the CPU), allocated and pinned at start;
+        default the available host memory less a headroom; none on the CPU), allocated at start and pinned in the
+        background as the engine serves;
         reserve: free GPU slots kept ready (default RESERVE, at most an eighth of the table); time_copies: keep
         every host<->GPU transfer's time (table.transfer_seconds); state_storage: the matrix states' dtypes and
         rounding (a StateStorage, client/engine/precision.py: fp32, or fp16/bf16 storage of xLSTM's and Mamba2's,

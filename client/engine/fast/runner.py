@@ -85,7 +85,7 @@ class StepRunner:
     over with attach()."""
 
     def __init__(self, model, device, precision=DEFAULT_PRECISION, *, towers=TOWER_NAMES, state_storage=FP32_STATE,
-                 streams=None, skinny=SKINNY_DTYPES, gemv=True, compile=False):
+                 streams=None, skinny=SKINNY_DTYPES, compile=False):
         self.device = torch.device(device)
         self.precision = precision
         unknown = [name for name in towers if name not in TOWER_NAMES]
@@ -106,7 +106,7 @@ class StepRunner:
         self.output_w = sd["output_proj.weight"][0].to(self.device)
         self.output_b = sd["output_proj.bias"].to(self.device)
         self.set_skinny(skinny)
-        self.set_gemv(gemv)
+        self.set_gemv(True)
         self.layout = {k: v for tower in self.towers for k, v in tower.layout.items()}
         # 16-bit matrix state rounded stochastically needs fresh random bits every step: a step counter per slot,
         # part of the symbol's state (so a symbol's rounding does not depend on its slot or its neighbours)
