@@ -16,7 +16,11 @@ The clock also says how many of the waiting requests a step should take (rows_to
 a symbol runs at the captured shape of its size's rows, so 280 rows ran at 512's shape before the engine had one of
 384 (served on an H100 at K = 8, ~340 rows there took 22.2 ms, 256 rows 17.1-17.3; bench/LOG.md section 48). Taking
 the oldest rows of the next smaller size and leaving the rest to the next step serves more requests a second when the
-rows barely pass it; the choice is the one with more rows a second by the learned step times.
+rows barely pass it. The rows left wait for the next step, about as long as this one would have taken: so the smaller
+size is taken where the time it saves its rows, s (t_all - t_s), passes the step the rows left wait, (r - s) t_all;
+where r / t_all and s / t_s barely differ, all of them. (The rule before, the size with more rows a second, took 128
+of 185-196 waiting rows in 9.6 ms against 14.2 for all on an H200 at 16,000 req/s: 13,300 rows a second where 16,000
+arrived, and the rows left went a step later; bench/LOG.md section 77.)
 
 Behind a short step the next is formed at once, as before: little can arrive in what is left of a short step,
 and a late one that misjudges the end leaves the GPU idle for the host's time. Measured on one H100 host, in turn
@@ -120,10 +124,10 @@ class StepClock:
 
     def rows_to_take(self, rows: int, symbols: int) -> int:
         """How many of `rows` waiting requests over `symbols` symbols the next step should take: all of them, or
-        the next smaller size's rows when a step of that size carries more requests a second than a step of all
-        of them (padded to their size) would. All of them until both sizes' step times are known, and for steps of
-        one request a symbol: the engine pads those to its own buckets of symbols, whose state traffic sets their
-        time, not to these sizes."""
+        the next smaller size's rows when the time that saves them, against a step of all of them (padded to their
+        size), is more than the rows left wait for the step after (taken as long as one of all of them). All of
+        them until both sizes' step times are known, and for steps of one request a symbol: the engine pads those
+        to its own buckets of symbols, whose state traffic sets their time, not to these sizes."""
         whole = self.size(rows, symbols)
         if rows <= symbols or rows == whole[0]:
             return rows
@@ -131,7 +135,7 @@ class StepClock:
         # one is a power of two: below a row size of 384 it is 256, not 192)
         smaller = max([1 << ((whole[0] - 1).bit_length() - 1), *(r for r in self.row_sizes if r < whole[0])])
         whole_s, smaller_s = self._step_s.get(whole), self._step_s.get(self.size(smaller, min(symbols, smaller)))
-        if whole_s is None or smaller_s is None or smaller / smaller_s <= rows / whole_s:
+        if whole_s is None or smaller_s is None or smaller * (whole_s - smaller_s) <= (rows - smaller) * whole_s:
             return rows
         return smaller
 
