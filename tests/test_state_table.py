@@ -395,6 +395,24 @@ def test_ready_starts_a_return_not_yet_under_way():
     assert same_state(t, t.slots_for(["X"])[0], saved)
 
 
+def test_ready_sends_no_state_that_awaits_its_step_away_for_another():
+    """S and O await their step (their requests came), O on the host, and one slot lies outside the last step:
+    O's ready() took S's slot, S's ready() took it back, and so at every look of the runtime's scheduler: neither
+    was ever ready, no step formed, and the states crossed to the host and back for good (tests/test_served_fuzz.py).
+    A return goes only into a slot whose state awaits no step; where there is none, O's step places it."""
+    t = table(capacity=3, host_capacity=4)
+    t.slots_for(["O"])
+    t.slots_for(["S"])
+    t.slots_for(["L1", "L2"])  # O, least recently used, to the host
+    assert list(t.offloaded) == ["O"]
+    t.prefetch(["S", "O"])
+    wait_until(lambda: t.ready("S"))
+    moved = t.stats["offloaded"]
+    for _ in range(3):  # the scheduler's looks, in the order of their requests
+        assert (t.ready("O"), t.ready("S")) == (True, True)
+    assert t.stats["offloaded"] == moved and t.slots_for(["O", "S"])
+
+
 def test_a_slow_copy_of_one_symbol_delays_no_other_symbol():
     """X's return blocks on its copy queue until released: the other symbols' steps, a new symbol's placement
     and a state leaving for the host all go on meanwhile; X is not ready until its copy is done, then returns

@@ -756,10 +756,12 @@ class StateTable:
 
     def ready(self, symbol) -> bool:
         """False while the symbol's state is on its way to the GPU (its slot's copies not done); a symbol in host
-        memory with no return under way has its return started here. True for a symbol its step will place
-        itself (new, or no slot can be freed now)."""
+        memory with no return under way has its return started here, into a slot whose state awaits no step. True
+        for a symbol its step will place itself (new, or no such slot now)."""
         with self._lock:
-            if symbol in self.offloaded and self._can_take_slot(self._in_step | {symbol}):
+            # never the slot of a state awaiting its step: the runtime asks every waiting symbol in turn, and two of
+            # them with one slot outside the last step took it from each other at every look, neither ever ready
+            if symbol in self.offloaded and self._can_take_slot(self._in_step | {symbol}, awaiting_too=False):
                 self._place(symbol, exclude=self._in_step | {symbol})
                 self._awaiting[symbol] = None
                 self.stats["restored_ahead"] += 1
@@ -844,8 +846,8 @@ class StateTable:
         else:
             self.free_host.append(self.offloaded.pop(symbol))
 
-    def _can_take_slot(self, exclude) -> bool:
-        return bool(self.free) or (bool(self.free_host) and self._evictable(exclude) is not None)
+    def _can_take_slot(self, exclude, awaiting_too=True) -> bool:
+        return bool(self.free) or (bool(self.free_host) and self._evictable(exclude, awaiting_too) is not None)
 
     def _evictable(self, exclude, awaiting_too=True):
         """The least recently used resident symbol outside `exclude`, one not awaiting its step if any (with
