@@ -51,7 +51,7 @@ OUTCOMES = (COMPLETE, UNREACHABLE, REFUSED, WEIGHTS_MISMATCH, CUT_SHORT, GAVE_UP
             NEW_STREAM)
 
 # Connections in a row that may end the same way, with no new request in between, before the client gives up
-# (with the backoff between them, about 3 s): a server that breaks every connection is not retried forever.
+# (with the backoff between them, about 1.5 s): a server that breaks every connection is not retried forever.
 GIVE_UP_REPEATS = 5
 # Seconds without any frame from the server (it sends a heartbeat every 5 s) before the session is cut short.
 SERVER_IDLE_S = 15.0
