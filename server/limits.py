@@ -1,6 +1,6 @@
 """What strangers may take of the server: each limit a flag of `python -m server`, each refusal an error naming it.
 
-Per address (the connecting IP): open websocket connections, and registrations per second (a token bucket:
+Per address (the connecting IP): open connections of either protocol, and registrations per second (a token bucket:
 `registration_burst` at once, then `registrations_per_s`); every register counts, refused or not, so that
 guessing tokens is as slow as registering; open sockets of any kind, from accept to close (OpenSockets). Per
 server: teams; sockets not (yet) a registered team's, the oldest closed past the limit (OpenSockets). Per register:
