@@ -309,7 +309,7 @@ class StreamingClient:
         # submitted (pipelined steps only), done and answered (the answer queued for sending).
         self.timeline: dict[int, dict[str, float]] | None = {} if timeline else None
         # timeline or step_log: each pipelined step's {formed, submitted, ended (time.monotonic()), rows, symbols,
-        # and the requests waiting once it was submitted}, in submission order
+        # the requests waiting once it was submitted, and (once it ended) those joined to it}, in submission order
         self.steps: list[dict] | None = [] if timeline or step_log else None
         self._scheduler = Scheduler()
         # A team client with prefetch(symbols) starts moving states when their requests arrive, and its ready(symbol)
