@@ -51,7 +51,7 @@ OUTCOMES = (COMPLETE, UNREACHABLE, REFUSED, WEIGHTS_MISMATCH, CUT_SHORT, GAVE_UP
             NEW_STREAM)
 
 # Connections in a row that may end the same way, with no new request in between, before the client gives up
-# (with the backoff between them, about 3 s): a server that breaks every connection is not retried forever.
+# (with the backoff between them, about 1.5 s): a server that breaks every connection is not retried forever.
 GIVE_UP_REPEATS = 5
 # Seconds without any frame from the server (it sends a heartbeat every 5 s) before the session is cut short.
 SERVER_IDLE_S = 15.0
@@ -309,7 +309,7 @@ class StreamingClient:
         # submitted (pipelined steps only), done and answered (the answer queued for sending).
         self.timeline: dict[int, dict[str, float]] | None = {} if timeline else None
         # timeline or step_log: each pipelined step's {formed, submitted, ended (time.monotonic()), rows, symbols,
-        # and the requests waiting once it was submitted}, in submission order
+        # the requests waiting once it was submitted, and (once it ended) those joined to it}, in submission order
         self.steps: list[dict] | None = [] if timeline or step_log else None
         self._scheduler = Scheduler()
         # A team client with prefetch(symbols) starts moving states when their requests arrive, and its ready(symbol)
@@ -815,7 +815,8 @@ class StreamingClient:
 
     # ---- model steps (worker threads) ------------------------------------------------------------
     def _work(self):
-        while (batch := self._take_batch(lambda: 0.0 if len(self._scheduler) else None)) is not None:
+        while (taken := self._take_batch(lambda: 0.0 if len(self._scheduler) else None)) is not None:
+            batch, _ = taken
             try:
                 ids, predictions, errors = check_answer(
                     self.team_client.process_batch(team_api.batch_for(self.team_client, batch)),
@@ -827,16 +828,16 @@ class StreamingClient:
 
     def _submit_steps(self):
         try:
-            while (batch := self._take_batch(self._submit_in)) is not None:
-                self._submit(batch)
+            while (taken := self._take_batch(self._submit_in)) is not None:
+                self._submit(*taken)
         finally:
             with self._steps_ready:
                 self._submitter_done = True
                 self._steps_ready.notify()
 
-    def _submit(self, batch):
-        """Submit one step of `batch` (formed now) to the team client and queue it for its answer."""
-        formed_at = time.monotonic()
+    def _submit(self, batch, formed_at):
+        """Submit one step of `batch`, whose forming began at `formed_at` (time.monotonic()), to the team client and
+        queue it for its answer."""
         try:
             pending = self.team_client.submit_batch(team_api.batch_for(self.team_client, batch))
         except Exception as exc:  # a failing team client must not kill the runtime
@@ -877,6 +878,7 @@ class StreamingClient:
         again = None
         if not self._worker_stopping:
             with self._work_ready:
+                formed_at = time.monotonic()  # the step clock's lead counts forming the step (_next_batch) too
                 if (delay := self._submit_in()) != 0:
                     if delay is None and len(self._scheduler) and time.monotonic() >= self._look_for_joins_at:
                         # a state that landed joins the step queued behind the one in flight (looked for every
@@ -888,7 +890,7 @@ class StreamingClient:
                     again = None if self._only_held_wait() else self._ready_poll_s()  # (held: a release notifies)
             if batch:
                 self._mark("batched", (r.unique_id for r in batch))
-                self._submit(batch)
+                self._submit(batch, formed_at)
                 again = 0.0  # what waits goes in the next step, even where this one's submit failed
         if self._late:
             again = LATE_POLL_S if again is None else min(again, LATE_POLL_S)
@@ -898,9 +900,9 @@ class StreamingClient:
             self._pump_handle = self._loop.call_later(again, self._pump)
 
     def _take_batch(self, due_in):
-        """The next step's requests, marked batched, once due_in() (called under the lock: seconds until the step
-        is due, None until a notify) says 0; None when the runtime stops. While every waiting symbol's state is
-        still on its way, it waits and asks again."""
+        """(the next step's requests, marked batched; when forming it began) once due_in() (called under the lock:
+        seconds until the step is due, None until a notify) says 0; None when the runtime stops. While every
+        waiting symbol's state is still on its way, it waits and asks again."""
         with self._work_ready:
             while True:
                 while not self._worker_stopping and (delay := due_in()) != 0:
@@ -915,13 +917,14 @@ class StreamingClient:
                         self._clock.woke(time.monotonic() - due)
                 if self._worker_stopping:
                     return None
+                formed_at = time.monotonic()  # the step clock's lead counts forming the step too
                 batch = self._next_batch()
                 if batch:
                     break
                 self._wake_at = 0  # any arrival may be a symbol that is ready
                 self._work_ready.wait(None if self._only_held_wait() else self._ready_poll_s())  # a release notifies
         self._mark("batched", (r.unique_id for r in batch))
-        return batch
+        return batch, formed_at
 
     def _arrivals_wake_at(self, delay):
         """From how many waiting symbols an arrival wakes the submitter about to wait `delay` (due_in's answer;

@@ -113,8 +113,8 @@ def add_limit_arguments(parser):
                        help=f"teams the server holds; more are refused (default {defaults.max_teams})")
     group.add_argument("--max-connections-per-address", type=cli.positive_int, metavar="N",
                        default=defaults.max_connections_per_address,
-                       help=f"open websocket connections from one address, and 4 times as many sockets of "
-                            f"any kind (default {defaults.max_connections_per_address})")
+                       help=f"open connections (websocket or tcp-json) from one address, and 4 times as many "
+                            f"sockets of any kind (default {defaults.max_connections_per_address})")
     group.add_argument("--registrations-per-s", type=cli.positive_float, default=defaults.registrations_per_s,
                        metavar="R",
                        help=f"registrations a second from one address, refused or not (default "

@@ -1,6 +1,6 @@
 """What strangers may take of the server: each limit a flag of `python -m server`, each refusal an error naming it.
 
-Per address (the connecting IP): open websocket connections, and registrations per second (a token bucket:
+Per address (the connecting IP): open connections of either protocol, and registrations per second (a token bucket:
 `registration_burst` at once, then `registrations_per_s`); every register counts, refused or not, so that
 guessing tokens is as slow as registering; open sockets of any kind, from accept to close (OpenSockets). Per
 server: teams; sockets not (yet) a registered team's, the oldest closed past the limit (OpenSockets). Per register:
@@ -57,7 +57,7 @@ def longest_register(limits: Limits) -> int:
 def register_frame_problem(frame_bytes: int, limits: Limits) -> tuple[str, str] | None:
     """("field_too_long", details) for a frame before register longer than any register within the field limits,
     else None. Such a frame is refused undecoded: decoding a frame of many small values holds the event loop, every
-    team's, about a microsecond a byte."""
+    team's, about half a microsecond a byte (a 4 MB frame of empty lists: 2 s)."""
     most = longest_register(limits)
     if frame_bytes > most:
         return ("field_too_long", f"a frame of {frame_bytes:,} bytes before register; a register within this "

@@ -21,7 +21,7 @@ from client.engine.sharded import LATE_ANSWER_S, Shard, ShardedEngine, submit_pl
 from client.model import load_model
 from client import runtime
 from client.runtime import PIPELINE_DEPTH, StreamingClient
-from client.scheduler import Request
+from client.scheduler import Request, Scheduler
 from client.step_clock import StepClock
 from client import team_api
 from client.team_api import MANY, queued
@@ -582,6 +582,36 @@ def test_the_next_step_is_formed_just_before_the_one_in_flight_ends(model, form_
     expected = _expected(model, symbols, features, range(9))
     for uid, prediction in recorder.responses:
         np.testing.assert_allclose(prediction, expected[uid], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("inline_steps", [False, True])
+def test_the_step_clocks_lead_counts_forming_the_step_not_only_submitting_it(model, monkeypatch, inline_steps):
+    """The step clock forms the next step its host time before the one in flight ends: forming it (the scheduler's
+    batch, ready() asked of each waiting symbol) and submitting it. Measured from after the batch was formed, a
+    slow forming was left out of the lead, and the next step started that much after the GPU went idle."""
+    leads = []
+    monkeypatch.setattr(StepClock, "submitted", lambda clock, formed_at, submitted_at:
+                        leads.append(submitted_at - formed_at))
+    forming_s = 0.05
+
+    def slow_next_batch(scheduler, *args, _next_batch=Scheduler.next_batch, **kwargs):
+        time.sleep(forming_s)
+        return _next_batch(scheduler, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "next_batch", slow_next_batch)
+    symbols, features = _stream(3, seed=5)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        for uid in range(3):
+            await ws.send(_request([uid], symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) > uid)
+        await ws.close(1000)
+
+    _, summary = asyncio.run(_play(handler, SerialDevice(model, 0.01), inline_steps=inline_steps))
+    assert summary["responses_sent"] == 3 and len(leads) == 3
+    assert all(lead >= forming_s for lead in leads), leads
 
 
 def test_a_step_already_full_is_formed_at_once_not_late(model):
@@ -1653,7 +1683,7 @@ def test_while_only_held_symbols_wait_no_step_is_formed_until_one_is_released(in
             client._late.clear()
 
     if inline_steps:
-        client._submit = lambda batch: formed.append([r.unique_id for r in batch])
+        client._submit = lambda batch, formed_at: formed.append([r.unique_id for r in batch])
 
         async def play():
             client._loop = asyncio.get_running_loop()
@@ -1668,7 +1698,7 @@ def test_while_only_held_symbols_wait_no_step_is_formed_until_one_is_released(in
         held_looks = asyncio.run(play())
     else:
         taker = threading.Thread(target=lambda: formed.append([r.unique_id for r in
-                                                               client._take_batch(client._submit_in)]))
+                                                               client._take_batch(client._submit_in)[0]]))
         taker.start()
         time.sleep(0.3)
         held_looks = len(looks)
