@@ -229,7 +229,7 @@ class StreamingClient:
                  give_up_repeats: int = GIVE_UP_REPEATS,
                  server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False,
                  inline_steps: bool | None = None, late_parts_s: float = LATE_PARTS_S,
-                 session_key: str | None = None):
+                 session_key: str | None = None, journal=None, replayed: dict | None = None):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -245,6 +245,10 @@ class StreamingClient:
         # the server's, from its welcome: what a reconnect presents (given: the welcome's of an earlier client of the
         # team, whose server began the new stream this one plays)
         self._session_key = session_key
+        # client/journal.py: each step's answered requests written before the answers go; `replayed` {unique_id:
+        # prediction}, what a restarted client replayed of the journal's session (its key given as session_key),
+        # answers a resend of those ids
+        self.journal, self._replayed = journal, bool(replayed)
         # how the last give_up_repeats connections since the last new request ended (all of them grew a tuple a
         # reconnect for good where they ended in turns two ways)
         self._failures: deque = deque(maxlen=give_up_repeats)
@@ -359,6 +363,11 @@ class StreamingClient:
         # ids whose answers left the cache, and the refused ids between them: a resend is refused, since stepping it
         # again would advance its symbol's state twice (ranges: ids in order take a few bytes each)
         self._evicted = IdRanges()
+        for uid, symbol, features in journal.records if replayed else ():
+            if uid in replayed:
+                self._cache[uid] = replayed[uid], _request_print(symbol, features)
+                if len(self._cache) > cache_size:
+                    self._evict(self._cache.popitem(last=False)[0])
         self._fed_on_connection = False  # a request new to this client came on the current connection
         self._ws = None
         self._unread = None  # the connection ended because a send to it was stuck server_idle_s (_send_frame)
@@ -631,7 +640,7 @@ class StreamingClient:
                 else:  # the original protocol's details may be null: no empty ": " then
                     log.warning("server error %s", msg["error"] + (f": {msg['details']}" if msg["details"] else ""))
             elif kind == "welcome":
-                self._on_welcome(msg)
+                self._on_welcome(ws, msg)
             elif kind == "end":
                 self._ended = True
                 if self.leave_at_end:
@@ -675,10 +684,19 @@ class StreamingClient:
             self._finish(REFUSED, f"the server refused this client ({said})")
         self._spawn(ws.close())
 
-    def _on_welcome(self, msg):
+    def _on_welcome(self, ws, msg):
         first = self.welcome is None
         self._session_key = msg.get("session_key", self._session_key)
         self.welcome, self._welcomed = msg, True
+        if first and self.journal is not None:
+            if self._replayed and msg.get("session_key") != self.journal.session_key:
+                # the states replayed are another session's: the session ends, as for a new stream, and the team
+                # client plays this one from fresh states
+                self._finish(NEW_STREAM, f"the server's session is not the journal's ({self.journal.path}): the "
+                                         f"states replayed from it are not this session's")
+                self._spawn(ws.close())
+                return
+            self.journal.begin(msg.get("session_key"))
         if "timeout_s" in msg:  # the server's own (its --timeout-s): else answers it scored in time count as missed
             self.stats.timeout_ms = msg["timeout_s"] * 1000.0
         if first and self.on_welcome is not None:
@@ -707,6 +725,8 @@ class StreamingClient:
         return refused
 
     def _on_request(self, ws, msg):
+        if self.outcome is not None:  # the session has ended (a new stream's, say): its states step nothing more
+            return
         ids, symbols, features = protocol.parse_inference_request(msg)  # a ProtocolError names its ids (_on_frame)
         finite_rows = np.isfinite(features).all(axis=1)
         unreadable = set(msg.get("unreadable_rows", ()))
@@ -824,7 +844,7 @@ class StreamingClient:
             except Exception as exc:  # a failing team client must not kill the runtime
                 self._fail(batch, exc, "process_batch")
                 continue
-            self._answer(ids, predictions, errors)
+            self._answer(ids, predictions, errors, batch)
 
     def _submit_steps(self):
         try:
@@ -1170,7 +1190,7 @@ class StreamingClient:
             rows = [row for row in rows if symbol_of[ids[row]] not in blocked]
             errors = {uid: why for uid, why in errors.items() if symbol_of[uid] not in blocked}
         if rows or errors:
-            self._answer([ids[row] for row in rows], predictions[rows], errors)
+            self._answer([ids[row] for row in rows], predictions[rows], errors, requests)
             step.answered.update([ids[row] for row in rows], errors)
         with self._work_ready:
             self._hold(step, {r.symbol for r in step.batch + step.joined if r.unique_id not in step.answered})
@@ -1224,7 +1244,7 @@ class StreamingClient:
                     rows = [row for row, uid in enumerate(ids) if uid not in step.answered]
                     ids, predictions = [ids[row] for row in rows], predictions[rows]
                     errors = {uid: why for uid, why in errors.items() if uid not in step.answered}
-                self._answer(ids, predictions, errors)
+                self._answer(ids, predictions, errors, requests)
         with self._work_ready:
             if step in self._late:
                 self._hold(step, set())
@@ -1244,8 +1264,12 @@ class StreamingClient:
             for uid in ids:
                 self.timeline.setdefault(uid, {})[stage] = now
 
-    def _answer(self, ids, predictions, errors):
+    def _answer(self, ids, predictions, errors, requests):
+        """Answer `ids` (of `requests`, the step's Requests) with `predictions`, the others of `errors` with why."""
         self._mark("done", ids)
+        if self.journal is not None and ids:  # before the answers go: all the server saw answered is journaled
+            by_id = {r.unique_id: r for r in requests}
+            self.journal.append((uid, by_id[uid].symbol, by_id[uid].features) for uid in ids)
         finite = np.isfinite(predictions).all(axis=1)
         if not finite.all():  # NaN never goes out (nor is it JSON, the original protocol's): the request fails
             errors = {**errors, **{ids[row]: NON_FINITE_PREDICTION for row in np.flatnonzero(~finite)}}

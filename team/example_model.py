@@ -256,6 +256,10 @@ def parse_args(argv=None):
     parser.add_argument("--rate", type=cli.positive_float, help="embedded server: requests/s (default: the stream's "
                                                                 "gaps)")
     parser.add_argument("--json", metavar="PATH", type=cli.output_file, help="write this client's summary as JSON")
+    parser.add_argument("--journal", metavar="PATH", type=cli.output_file,
+                        help="write every request answered to PATH (~350 bytes each) and, started again after a "
+                             "crash, replay it into fresh states and take the session back with its key "
+                             "(client/journal.py); websocket only")
     parser.add_argument("--server-idle-s", type=cli.positive_float, default=SERVER_IDLE_S, metavar="S",
                         help=f"leave (exit 6) when the server sends nothing, not even a heartbeat (or only heartbeats "
                              f"before answering the register), for S seconds (default {SERVER_IDLE_S:g}: three of "
@@ -294,6 +298,16 @@ def parse_args(argv=None):
     if args.protocol == "tcp-json" and args.token is not None:
         parser.error("--token: the original protocol (tcp-json) has no field to carry it; a server that wants a "
                      "token needs --protocol websocket")
+    if args.journal is not None:
+        from client.journal import JournalError, check_file
+
+        try:
+            check_file(args.journal)
+        except JournalError as exc:
+            parser.error(str(exc))
+    if args.protocol == "tcp-json" and args.journal is not None:
+        parser.error("--journal: the original protocol (tcp-json) has no session a restarted client could take back "
+                     "(the server names the team after its connection); use --protocol websocket")
     if args.protocol == "tcp-json" and args.team is not None:  # was dropped without a word
         parser.error("--team: the original protocol (tcp-json) registers no name (the server names the team after "
                      "its host); to play under a name of your own use --protocol websocket")
@@ -420,6 +434,24 @@ def _team_client(team_class, engine, team_dir):
                            f"{type(exc).__name__}: {exc}") from exc
 
 
+def _replay_journal(args, url, fingerprint, team_client):
+    """(the --journal's Journal, {unique_id: prediction} of the requests it replayed through the team client: its
+    session with this server, team and weights); (None, None) without --journal."""
+    if args.journal is None:
+        return None, None
+    from client.journal import Journal, replay
+
+    journal = Journal(args.journal, {"url": url, "team": args.team, "weights": fingerprint})
+    if not journal.records:
+        return journal, None
+    symbols = len({symbol for _, symbol, _ in journal.records})
+    print(f"{PROG}: replaying the {len(journal.records):,} requests of {symbols:,} symbols in the journal "
+          f"{args.journal} into fresh states", file=sys.stderr)
+    replayed = replay(team_client, journal.records, team_api.step_symbols(team_client),
+                      args.max_requests_per_symbol)
+    return journal, replayed
+
+
 async def play(args) -> tuple[dict, list[dict] | None]:
     """Play the server given by args (or an embedded one); return (client summary, server summaries)."""
     from client.runtime import NEW_STREAM, StreamingClient
@@ -431,7 +463,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
 
         team_class = load_team_class(args.team_dir)
     engine, fingerprint, engine_text = build_engine(args)
-    server = None
+    server = journal = None
     try:
         team_client = _team_client(team_class, engine, args.team_dir)  # before an embedded server computes targets
         if args.host is None:
@@ -446,6 +478,9 @@ async def play(args) -> tuple[dict, list[dict] | None]:
             url = server_url(args.protocol, args.host, args.port)
         playing = [None]  # the client of the stream being played
         session_key = None  # of the last welcome: a restarted server's new stream is the team it welcomed
+        journal, replayed = _replay_journal(args, url, fingerprint, team_client)
+        if replayed:
+            session_key = journal.session_key  # the session it journaled, taken back
         # A lost shard is said in the summary and to the server (its leaderboard), not only on stderr.
         engine.on_loss(lambda loss: playing[0].notice(
             "state_reset" if loss["policy"] == "reset" else "shard_lost", loss["line"]))
@@ -457,6 +492,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
                                      server_idle_s=args.server_idle_s, connect_timeout_s=args.connect_timeout_s,
                                      timeout_s=_timeout_s(args),
                                      inline_steps=INLINE_STEPS[args.inline_steps], session_key=session_key,
+                                     journal=journal, replayed=replayed,
                                      on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome,
                                                                                         engine_text), file=sys.stderr))
             playing[0] = client
@@ -476,9 +512,12 @@ async def play(args) -> tuple[dict, list[dict] | None]:
             engine.release(engine.symbols)
             session_key = (client.welcome or {}).get("session_key", session_key)
             team_client = _team_client(team_class, engine, args.team_dir)
+            replayed = None  # the journal starts afresh at the new session's welcome
     finally:
         if server is not None:
             await server.stop()
+        if journal is not None:
+            journal.close()
         engine.close()
     if client.welcome is not None:
         print(("\r" if sys.stderr.isatty() else "") + client.progress_line(), file=sys.stderr)

@@ -946,6 +946,48 @@ def test_a_reconnect_presents_the_session_key_of_the_welcome(model):
     assert summary["outcome"] == runtime.COMPLETE
 
 
+@pytest.mark.parametrize("server_key", ["k3y", "another"])
+def test_a_replayed_journal_answers_its_resends_in_its_session_and_ends_in_another(model, tmp_path, server_key):
+    """A client restarted with a journal (client/journal.py): it registers with the journal's session key; in that
+    session the server's resend of an id it replayed is answered with the replay's prediction (not stepped twice),
+    and a new id is stepped from the replayed states and journaled after them; in another session (the welcome's key
+    not the journal's) the replayed states are that session's no more: it ends as a new stream, answering nothing."""
+    from client.journal import Journal
+
+    symbols, features = _stream(3)
+    journal = Journal(tmp_path / "j", {})
+    journal.begin("k3y")
+    journal.append([(0, symbols[0], features[0]), (1, symbols[1], features[1])])
+    journal.close()
+    journal = Journal(tmp_path / "j", {})
+    replayed = {0: np.full(4, 7.0, np.float32), 1: np.full(4, 8.0, np.float32)}
+    recorder, registers = Recorder(), []
+
+    async def handler(ws):
+        registers.append(protocol.decode(await ws.recv()))
+        await ws.send(protocol.encode(protocol.welcome("tiny", None, 3, 3, None, session_key=server_key)))
+        try:
+            await ws.send(_request([1, 2], symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) == 2)
+            await ws.send(protocol.encode(protocol.end(3)))
+        except Exception:  # the client left
+            pass
+        await ws.wait_closed()
+
+    team = CountingClient(ReferenceEngine(model))
+    _, summary = asyncio.run(_play(handler, team, leave_at_end=True, session_key=journal.session_key,
+                                   journal=journal, replayed=replayed))
+    assert registers[0]["session_key"] == "k3y"
+    if server_key != "k3y":
+        assert summary["outcome"] == runtime.NEW_STREAM and "is not the journal's" in summary["detail"]
+        assert recorder.answered() == set() and team.stepped == {}
+        return
+    assert summary["outcome"] == runtime.COMPLETE and recorder.answered() == {1, 2}
+    answers = dict(recorder.responses)
+    assert np.array_equal(answers[1], replayed[1]) and team.stepped == {symbols[2]: 1}  # 1 from the replay
+    assert [uid for uid, _, _ in Journal(tmp_path / "j", {}).records] == [0, 1, 2]
+
+
 def test_a_limit_that_passes_is_tried_again_and_the_session_plays_on(model):
     symbols, features = _stream(3)
     recorder, connections = Recorder(), []

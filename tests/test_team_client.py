@@ -633,3 +633,34 @@ def test_a_websocket_servers_own_timeout_wins_over_timeout_s():
                                                            "(--timeout-s 5 not used)")
     assert _describe_timeout(args, {}) == ("answers count in time within 5 s (--timeout-s: the server's welcome does "
                                            "not say its timeout)")
+
+
+def test_a_client_killed_mid_session_replays_its_journal_and_answers_on_from_its_states(tmp_path, targets_cache):
+    """kill -9 mid-session, then the same command again: the client replays its journal (every request it answered,
+    in order) into fresh states, takes its session back with the journal's session key (no token here: a stranger
+    would be refused the team) and answers the rest right, no request stepped twice. Without a journal a restarted
+    client answered from fresh states (accuracy ~0.18 after, bench/LOG.md section 76)."""
+    from client.journal import Journal
+
+    server_proc, port = start_server(["--preset", "tiny", "--seed", SERVER_WEIGHTS_SEED, "--symbols", "3",
+                                      "--requests", "240", "--rate", "40", "--timeout-s", "60",
+                                      "--cache-dir", str(targets_cache)], tmp_path / "server.log")
+    journal = tmp_path / "journal"
+    try:
+        client, _ = start_client_until_playing(port, "--journal", str(journal))
+        client.kill()  # SIGKILL: nothing flushed, no close
+        client.communicate(timeout=30)
+        journaled = Journal(journal, {}).records
+        assert 0 < len(journaled) < 240
+        again = subprocess.run([*CLIENT, "--host", "127.0.0.1", "--port", str(port), "--preset", "tiny", "--seed",
+                                SERVER_WEIGHTS_SEED, "--engine", "reference", "--device", "cpu", "--journal",
+                                str(journal)], cwd=REPO, env=ONE_THREAD, capture_output=True, text=True, timeout=120)
+    finally:
+        server_proc.kill()
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"replaying the {len(journaled)} requests of 3 symbols in the journal" in again.stderr
+    summary = json.loads(again.stdout)
+    assert summary["outcome"] == "complete" and summary["responses"] > 0
+    assert summary["accuracy"] == 1.0 and summary["errors"] == 0, summary
+    # the old process's answers and the new one's: every request once, in one journal of the session
+    assert sorted(uid for uid, _, _ in Journal(journal, {}).records) == list(range(240))

@@ -1,0 +1,69 @@
+"""client/journal.py: what a team client journals, what a restarted one reads and replays."""
+import os
+
+import numpy as np
+import pytest
+
+from client.engine.reference import ReferenceEngine
+from client.journal import MAGIC, Journal, JournalError, check_file, replay
+from client.model import load_model
+from team.example_model import ExampleModel
+
+IDENTITY = {"url": "ws://127.0.0.1:1", "team": "t", "weights": "abc"}
+
+
+def rows(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(uid, f"SYM_{uid % 3:03d}", rng.standard_normal(79).astype(np.float32)) for uid in range(n)]
+
+
+def test_a_session_journaled_is_read_back_in_order_and_goes_on_where_it_is_the_same_session(tmp_path):
+    path = tmp_path / "j"
+    journal = Journal(path, IDENTITY)
+    journal.begin("key-1")
+    journal.append(rows(5)[:3])
+    journal.append(rows(5)[3:])
+    journal.close()
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"  # it holds the session key
+    again = Journal(path, IDENTITY)
+    assert again.session_key == "key-1" and [uid for uid, _, _ in again.records] == list(range(5))
+    assert all(np.array_equal(a[2], b[2]) and a[1] == b[1] for a, b in zip(again.records, rows(5)))
+    again.begin("key-1")  # the same session: appended to
+    again.append([(5, "SYM_002", np.zeros(79, np.float32))])
+    again.close()
+    assert [uid for uid, _, _ in Journal(path, IDENTITY).records] == list(range(6))
+    other = Journal(path, IDENTITY)
+    other.begin("key-2")  # another session: started afresh
+    other.close()
+    assert Journal(path, IDENTITY).records == [] and Journal(path, IDENTITY).session_key == "key-2"
+
+
+def test_a_tail_cut_by_a_kill_and_another_servers_journal_are_read_as_far_as_they_hold(tmp_path):
+    path = tmp_path / "j"
+    journal = Journal(path, IDENTITY)
+    journal.begin("k")
+    journal.append(rows(4))
+    journal.close()
+    with open(path, "ab") as f:
+        f.write(b"\x07\x00\x00")  # a record cut short
+    assert len(Journal(path, IDENTITY).records) == 4
+    assert Journal(path, {**IDENTITY, "url": "ws://elsewhere:1"}).records == []  # not this server's: not replayed
+
+
+@pytest.mark.parametrize("content, match", [(b"garbage\n", "not a team-client journal"),
+                                            (MAGIC + b"{not json\n", "its header is not JSON")])
+def test_a_file_that_is_no_journal_is_one_line_before_anything_loads(tmp_path, content, match):
+    path = tmp_path / "j"
+    path.write_bytes(content)
+    with pytest.raises(JournalError, match=match):
+        check_file(path)
+    check_file(tmp_path / "missing")  # a new journal
+
+
+def test_replay_steps_each_symbols_requests_in_order_as_one_at_a_time():
+    model, _ = load_model("tiny", seed=0)
+    records = rows(20)
+    answers = replay(ExampleModel(ReferenceEngine(model)), records, max_batch=2, max_per_symbol=3, progress=None)
+    alone = ReferenceEngine(model)
+    for uid, symbol, features in records:
+        np.testing.assert_allclose(answers[uid], alone.step([symbol], features[None])[0], rtol=1e-5, atol=1e-6)
