@@ -110,10 +110,11 @@ def reference_targets(model, stream, bad):
 
 
 class Recording:
-    """A team client as the runtime sees it, recording the requests of each step: {symbol: [unique_id, ...]}."""
+    """A team client as the runtime sees it, recording the requests of each step: {symbol: [unique_id, ...]}, and
+    when it was submitted (time.monotonic())."""
 
     def __init__(self, team_client):
-        self._team_client, self.steps = team_client, []
+        self._team_client, self.steps, self.submitted = team_client, [], []
         for name in ("process_batch", "submit_batch"):  # only those it has: the runtime pipelines submit_batch's
             if callable(getattr(team_client, name, None)):
                 setattr(self, name, self._recorded(getattr(team_client, name)))
@@ -124,6 +125,7 @@ class Recording:
     def _recorded(self, method):
         def step(requests_by_symbol):
             self.steps.append({symbol: [uid for uid, _ in queued] for symbol, queued in requests_by_symbol.items()})
+            self.submitted.append(time.monotonic())
             return method(requests_by_symbol)
         return step
 
@@ -278,6 +280,7 @@ class Relay:
         self.sent = {}          # id -> (symbol, features) as the server first sent it
         self.answers = []       # (id, prediction) in the order the client sent them
         self.first = {}         # id -> the first prediction the client sent
+        self.first_at = {}      # id -> when it reached the relay (time.monotonic())
         self.named = {}         # id -> [(code, details)] of the client's errors naming it
         self.crowded = 0        # request messages holding more than CAP requests of a symbol
         self.injected = collections.Counter()
@@ -385,6 +388,7 @@ class Relay:
             for uid, prediction in zip(ids, predictions):
                 self.answers.append((uid, prediction))
                 self.first.setdefault(uid, prediction)
+                self.first_at.setdefault(uid, time.monotonic())
                 link.answered_here.add(uid)
         elif msg is not None and msg["type"] == "error":
             link.errors.append((msg["error"], msg["details"]))
@@ -550,12 +554,14 @@ def test_random_streams_served_through_corruption_garbage_and_cuts_equal_one_req
     served_and_checked(scheme, make_team_client(team_client, weights[0]), inline, seed, weights)
 
 
-def restarting_targets(model, stream, bad, first, steps):
+def restarting_targets(model, stream, bad, relay, team, idle_s):
     """reference_targets where states may be forgotten as idle: each accepted request's target is its symbol's state
     stepped on through it where the client's first answer is that, else a fresh state's (the symbol forgotten since
     its last request); and the ids of the requests that started a symbol afresh so. A restart is never a symbol's
-    first request, and comes only at the first of its requests in a step (a shard forgets a symbol at a step's
-    placement)."""
+    first request, comes only at the first of its requests in a step (a shard forgets a symbol at a step's
+    placement), and only where its answer came more than idle_s after its symbol's last step was submitted (the
+    shard stepped it after that, and forgot it before this step)."""
+    first = relay.first
     oracle = ReferenceEngine(model, device="cpu", capacity=len(POOL))
     targets, restarts, seen = np.zeros((len(stream), 4), np.float32), [], set()
     for uid, symbol in enumerate(stream.symbols):
@@ -567,8 +573,16 @@ def restarting_targets(model, stream, bad, first, steps):
             targets[uid] = oracle.step([str(symbol)], stream.features[uid:uid + 1])[0]
             restarts.append(uid)
         seen.add(symbol)
-    firsts_in_steps = {ids[0] for step in steps for ids in step.values()}
+    last_step = {}  # unique_id -> when the step before its own of its symbol was submitted
+    for step, submitted in zip(team.steps, team.submitted):
+        for symbol, ids in step.items():
+            last_step[ids[0]] = last_step.pop(symbol, None)
+            last_step[symbol] = submitted
+    firsts_in_steps = {ids[0] for step in team.steps for ids in step.values()}
     assert set(restarts) <= firsts_in_steps, sorted(set(restarts) - firsts_in_steps)
+    early = {uid: relay.first_at[uid] - last_step[uid] for uid in restarts if relay.first_at[uid] - last_step[uid]
+             <= idle_s}
+    assert not early, f"restarted by answers within {idle_s} s of their symbol's last step: {early}"
     return targets, restarts
 
 
@@ -578,19 +592,20 @@ def _close(prediction, target) -> bool:
             and abs(prediction[RETNET] - target[RETNET]) <= RETNET_ATOL)
 
 
-def served_and_checked(scheme, team_client, inline, seed, weights, idle=False) -> dict:
+def served_and_checked(scheme, team_client, inline, seed, weights, idle=None) -> dict:
     """Play seed's stream to team_client through the relay and check every answer, error and count; idle: the
-    client's engine forgets symbols idle past a timeout, each then going on from a fresh state (restarting_targets:
-    the server's targets, and its accuracy, are those of states never forgotten). Returns what was checked: the
-    client's summary, and the ids of the requests answered from a fresh state after their symbol was forgotten."""
+    client's engine forgets symbols idle past this many seconds, each then going on from a fresh state
+    (restarting_targets: the server's targets, and its accuracy, are those of states never forgotten). Returns what
+    was checked: the client's summary, and the ids of the requests answered from a fresh state after their symbol
+    was forgotten."""
     wire = WsWire if scheme == "ws" else TcpWire
     stream, bad, targets, relay, team, summary, server_summary = asyncio.run(play(wire, team_client, inline, seed,
                                                                                   weights))
     accepted = [uid for uid in range(len(stream)) if uid not in bad]
     assert summary["outcome"] == COMPLETE, summary["detail"]
     restarts = []
-    if idle:
-        targets, restarts = restarting_targets(weights[0], stream, bad, relay.first, team.steps)
+    if idle is not None:
+        targets, restarts = restarting_targets(weights[0], stream, bad, relay, team, idle)
 
     # every request of the stream but the bad ones answered, right, and each time with the same values
     assert sorted(relay.first) == accepted
@@ -637,7 +652,7 @@ def served_and_checked(scheme, team_client, inline, seed, weights, idle=False) -
     # the answers a cut lost, and the resends injected, answered from the cache
     assert summary["resent_from_cache"] >= max(relay.injected["resend of an earlier answer"], 1)
     assert summary["connections"] == len(relay.links) == 1 + sum(link.how is not None for link in relay.links) == 4
-    assert server_summary["errors"] == 0 and (idle or server_summary["accuracy"] == 1.0)
+    assert server_summary["errors"] == 0 and (idle is not None or server_summary["accuracy"] == 1.0)
     assert server_summary["responses"] + server_summary["late"] == len(accepted)
     assert server_summary["missed"] - server_summary["late"] == len(bad)
     return {"summary": summary, "restarts": restarts}
@@ -660,7 +675,8 @@ def served_sharded(scheme, shards, seed, weights, idle) -> dict:
     symbols on each shard, every symbol restarted only where a shard forgot it, closed promptly."""
     engine = ShardedEngine(shards, progress=False)
     try:
-        checked = served_and_checked(scheme, ExampleModel(engine), False, seed, weights, idle=idle)
+        checked = served_and_checked(scheme, ExampleModel(engine), False, seed, weights,
+                                     idle=IDLE_S if idle else None)
         assert not engine.losses, engine.losses
         assert sorted(set(engine.shard_of.values())) == list(range(len(shards)))
         assert bool(checked["restarts"]) == idle, checked["restarts"]
