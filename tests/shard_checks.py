@@ -1,5 +1,25 @@
-"""A shard in this process, for tests of the sharded engine (client/engine/sharded.py)."""
+"""A shard in this process, and shard processes of one thread, for tests of the sharded engine
+(client/engine/sharded.py)."""
+import contextlib
+import os
+
 from client.engine.sharded import Shard, submit_placeable
+
+
+@contextlib.contextmanager
+def one_thread_shards():
+    """Shard processes started within step on one thread, as this process does (conftest's): on a 2-core CPU two
+    shards of torch's default threads each, beside this process, took 0.3-1.7 s a step for their first steps; and a
+    CPU product split over threads may round otherwise than here."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # read by each spawned shard's torch at start
+    try:
+        yield
+    finally:
+        if threads is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
 
 
 class ShardHere(Shard):

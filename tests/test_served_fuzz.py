@@ -20,6 +20,8 @@ import collections
 import itertools
 import json
 import re
+import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -33,12 +35,15 @@ from client.constants import NUM_FEATURES
 from client.engine.fast import FastEngine
 from client.engine.precision import FP32_PRECISION
 from client.engine.reference import ReferenceEngine
+from client.engine.shard_process import process_shards
+from client.engine.sharded import ModelSpec, ShardedEngine
 from client.model import load_model
 from client.original_team import as_runtime_client
 from client.runtime import COMPLETE, StreamingClient
 from client.streams import Stream
 from local_evaluator import load_team_class
 from server import ScoringServer, ServerConfig
+from shard_checks import one_thread_shards
 from server.limits import Limits
 from team.example_model import ExampleModel
 
@@ -105,10 +110,11 @@ def reference_targets(model, stream, bad):
 
 
 class Recording:
-    """A team client as the runtime sees it, recording the requests of each step: {symbol: [unique_id, ...]}."""
+    """A team client as the runtime sees it, recording the requests of each step: {symbol: [unique_id, ...]}, and
+    when it was submitted (time.monotonic())."""
 
     def __init__(self, team_client):
-        self._team_client, self.steps = team_client, []
+        self._team_client, self.steps, self.submitted = team_client, [], []
         for name in ("process_batch", "submit_batch"):  # only those it has: the runtime pipelines submit_batch's
             if callable(getattr(team_client, name, None)):
                 setattr(self, name, self._recorded(getattr(team_client, name)))
@@ -119,6 +125,7 @@ class Recording:
     def _recorded(self, method):
         def step(requests_by_symbol):
             self.steps.append({symbol: [uid for uid, _ in queued] for symbol, queued in requests_by_symbol.items()})
+            self.submitted.append(time.monotonic())
             return method(requests_by_symbol)
         return step
 
@@ -273,6 +280,7 @@ class Relay:
         self.sent = {}          # id -> (symbol, features) as the server first sent it
         self.answers = []       # (id, prediction) in the order the client sent them
         self.first = {}         # id -> the first prediction the client sent
+        self.first_at = {}      # id -> when it reached the relay (time.monotonic())
         self.named = {}         # id -> [(code, details)] of the client's errors naming it
         self.crowded = 0        # request messages holding more than CAP requests of a symbol
         self.injected = collections.Counter()
@@ -380,6 +388,7 @@ class Relay:
             for uid, prediction in zip(ids, predictions):
                 self.answers.append((uid, prediction))
                 self.first.setdefault(uid, prediction)
+                self.first_at.setdefault(uid, time.monotonic())
                 link.answered_here.add(uid)
         elif msg is not None and msg["type"] == "error":
             link.errors.append((msg["error"], msg["details"]))
@@ -511,6 +520,7 @@ def make_team_client(name, model):
 
 
 async def play(wire, team_client, inline, seed, weights):
+    """Serve seed's stream to team_client (make_team_client's) through the relay."""
     model, fingerprint = weights
     stream, bad = make_stream(seed)
     targets = reference_targets(model, stream, bad)
@@ -518,7 +528,7 @@ async def play(wire, team_client, inline, seed, weights):
                                         limits=Limits(registration_burst=100)),
                            stream=stream, targets=targets, weights_fingerprint=fingerprint)
     relay = Relay(wire, await server.start(), bad, np.random.default_rng(seed))
-    team = Recording(make_team_client(team_client, model))
+    team = Recording(team_client)
     client = StreamingClient(team, f"{wire.scheme}://127.0.0.1:{await relay.start()}", "fuzz",
                              weights_fingerprint=fingerprint, preset="tiny", leave_at_end=True,
                              max_requests_per_symbol=CAP, backoff_s=0.01, backoff_max_s=0.05, give_up_repeats=100,
@@ -541,11 +551,61 @@ CASES = [("ws", "reference", False, 1), ("tcp", "reference", False, 2), ("ws", "
                          ids=[f"{s}-{t}{'-inline' if i else ''}-seed{n}" for s, t, i, n in CASES])
 def test_random_streams_served_through_corruption_garbage_and_cuts_equal_one_request_at_a_time(
         scheme, team_client, inline, seed, weights):
+    served_and_checked(scheme, make_team_client(team_client, weights[0]), inline, seed, weights)
+
+
+def restarting_targets(model, stream, bad, relay, team, idle_s):
+    """reference_targets where states may be forgotten as idle: each accepted request's target is its symbol's state
+    stepped on through it where the client's first answer is that, else a fresh state's (the symbol forgotten since
+    its last request); and the ids of the requests that started a symbol afresh so. A restart is never a symbol's
+    first request, comes only at the first of its requests in a step (a shard forgets a symbol at a step's
+    placement), and only where its answer came more than idle_s after its symbol's last step was submitted (the
+    shard stepped it after that, and forgot it before this step)."""
+    first = relay.first
+    oracle = ReferenceEngine(model, device="cpu", capacity=len(POOL))
+    targets, restarts, seen = np.zeros((len(stream), 4), np.float32), [], set()
+    for uid, symbol in enumerate(stream.symbols):
+        if uid in bad:
+            continue
+        targets[uid] = oracle.step([str(symbol)], stream.features[uid:uid + 1])[0]
+        if symbol in seen and uid in first and not _close(first[uid], targets[uid]):
+            oracle.release([str(symbol)])
+            targets[uid] = oracle.step([str(symbol)], stream.features[uid:uid + 1])[0]
+            restarts.append(uid)
+        seen.add(symbol)
+    last_step = {}  # unique_id -> when the step before its own of its symbol was submitted
+    for step, submitted in zip(team.steps, team.submitted):
+        for symbol, ids in step.items():
+            last_step[ids[0]] = last_step.pop(symbol, None)
+            last_step[symbol] = submitted
+    firsts_in_steps = {ids[0] for step in team.steps for ids in step.values()}
+    assert set(restarts) <= firsts_in_steps, sorted(set(restarts) - firsts_in_steps)
+    early = {uid: relay.first_at[uid] - last_step[uid] for uid in restarts if relay.first_at[uid] - last_step[uid]
+             <= idle_s}
+    assert not early, f"restarted by answers within {idle_s} s of their symbol's last step: {early}"
+    return targets, restarts
+
+
+def _close(prediction, target) -> bool:
+    others = np.arange(4) != RETNET
+    return (np.allclose(prediction[others], target[others], **FP32_TOLERANCE)
+            and abs(prediction[RETNET] - target[RETNET]) <= RETNET_ATOL)
+
+
+def served_and_checked(scheme, team_client, inline, seed, weights, idle=None) -> dict:
+    """Play seed's stream to team_client through the relay and check every answer, error and count; idle: the
+    client's engine forgets symbols idle past this many seconds, each then going on from a fresh state
+    (restarting_targets: the server's targets, and its accuracy, are those of states never forgotten). Returns what
+    was checked: the client's summary, and the ids of the requests answered from a fresh state after their symbol
+    was forgotten."""
     wire = WsWire if scheme == "ws" else TcpWire
     stream, bad, targets, relay, team, summary, server_summary = asyncio.run(play(wire, team_client, inline, seed,
                                                                                   weights))
     accepted = [uid for uid in range(len(stream)) if uid not in bad]
     assert summary["outcome"] == COMPLETE, summary["detail"]
+    restarts = []
+    if idle is not None:
+        targets, restarts = restarting_targets(weights[0], stream, bad, relay, team, idle)
 
     # every request of the stream but the bad ones answered, right, and each time with the same values
     assert sorted(relay.first) == accepted
@@ -592,6 +652,56 @@ def test_random_streams_served_through_corruption_garbage_and_cuts_equal_one_req
     # the answers a cut lost, and the resends injected, answered from the cache
     assert summary["resent_from_cache"] >= max(relay.injected["resend of an earlier answer"], 1)
     assert summary["connections"] == len(relay.links) == 1 + sum(link.how is not None for link in relay.links) == 4
-    assert server_summary["errors"] == 0 and server_summary["accuracy"] == 1.0
+    assert server_summary["errors"] == 0 and (idle is not None or server_summary["accuracy"] == 1.0)
     assert server_summary["responses"] + server_summary["late"] == len(accepted)
     assert server_summary["missed"] - server_summary["late"] == len(bad)
+    return {"summary": summary, "restarts": restarts}
+
+
+# Symbols sharded over two engines, each the fast engine of the "fast" client (3 slots and a host tier: states move
+# within each shard); with idle, each shard forgets symbols idle IDLE_S, so that requests land on a shard that has
+# just forgotten their symbol, or that is forgetting it while they are on their way.
+IDLE_S = 0.1
+CLOSE_S = 10.0  # close() of a sharded engine with nothing in flight: its shards' exits, not a timeout's
+
+
+def shard_options(idle: bool) -> dict:
+    return dict(precision=FP32_PRECISION, capacity=3, host_symbols=len(POOL), max_batch=3, max_rows_per_symbol=2,
+                idle_timeout_s=IDLE_S if idle else None)
+
+
+def served_sharded(scheme, shards, seed, weights, idle) -> dict:
+    """served_and_checked through a sharded engine over these started shards, which it closes: no shard lost,
+    symbols on each shard, every symbol restarted only where a shard forgot it, closed promptly."""
+    engine = ShardedEngine(shards, progress=False)
+    try:
+        checked = served_and_checked(scheme, ExampleModel(engine), False, seed, weights,
+                                     idle=IDLE_S if idle else None)
+        assert not engine.losses, engine.losses
+        assert sorted(set(engine.shard_of.values())) == list(range(len(shards)))
+        assert bool(checked["restarts"]) == idle, checked["restarts"]
+    finally:
+        started = time.monotonic()
+        engine.close()
+        closed_in = time.monotonic() - started
+    assert closed_in < CLOSE_S
+    return checked
+
+
+SHARDED_CASES = [("ws", False, 8), ("tcp", True, 9)]
+
+
+@pytest.mark.parametrize("scheme, idle, seed", SHARDED_CASES,
+                         ids=[f"{s}{'-idle' if i else ''}-seed{n}" for s, i, n in SHARDED_CASES])
+def test_random_streams_served_through_symbols_sharded_over_processes_equal_one_request_at_a_time(
+        scheme, idle, seed, weights):
+    before = set(threading.enumerate())
+    with one_thread_shards():
+        shards = process_shards(ModelSpec("tiny", seed=SEED), ["cpu", "cpu"], options=shard_options(idle),
+                                progress=False)
+    processes = [shard.process for shard in shards]
+    served_sharded(scheme, shards, seed, weights, idle)
+    assert [process.exitcode for process in processes] == [0, 0]  # stopped, not killed
+    for thread in set(threading.enumerate()) - before:
+        thread.join(5)
+        assert not thread.is_alive(), thread.name

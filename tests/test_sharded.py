@@ -20,7 +20,7 @@ from client.engine.shard_process import process_shards
 from client.engine.sharded import ModelSpec, Shard, ShardedEngine, ShardError, ShardLost, ShardStartError
 from client.model import load_model
 from conftest import checkout_env
-from shard_checks import ShardHere
+from shard_checks import ShardHere, one_thread_shards
 
 SPEC = ModelSpec("tiny", seed=3)
 CAPACITY = 8  # symbols per shard, no host tier
@@ -185,15 +185,8 @@ def _idle_engines():
     sides step on one thread (this process: conftest's): a CPU product split over threads may round otherwise, 2.7e-7
     apart with 16 threads in the shards and one here, and still 3e-8 with 15 on both sides (a 16-core host)."""
     assert torch.get_num_threads() == 1
-    threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # read by each spawned shard's torch at start
-    try:
+    with one_thread_shards():
         engine = start(["cpu", "cpu"], capacity=CAPACITY, host_symbols=0, idle_timeout_s=IDLE_S)
-    finally:
-        if threads is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = threads
     model, _ = load_model("tiny", seed=3)
     singles = [FastEngine(model, "cpu", capacity=CAPACITY, host_symbols=0, idle_timeout_s=IDLE_S, progress=False)
                for _ in range(2)]

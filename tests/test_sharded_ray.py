@@ -208,6 +208,22 @@ def test_reset_starts_a_lost_nodes_symbols_again_from_a_fresh_state(cluster, mod
         cluster.wait_for_nodes()
 
 
+def test_random_streams_served_through_symbols_sharded_over_two_nodes_equal_one_request_at_a_time(cluster):
+    """tests/test_served_fuzz.py's driver (the scoring server, its corrupting relay, the team client's runtime)
+    through a shard on each node, each forgetting symbols idle: every answer that of the symbol's requests stepped
+    one at a time (from a fresh state where its shard forgot it), and the shards' CPUs free again once closed."""
+    from test_served_fuzz import SEED, served_sharded, shard_options
+
+    total = ray.cluster_resources()["CPU"]
+    shards = ray_shards(ModelSpec("tiny", seed=SEED), cluster.address, device="cpu", engine="fast",
+                        options=shard_options(idle=True), progress=False)
+    served_sharded("ws", shards, 10, load_model("tiny", seed=SEED), idle=True)
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < total:  # the actors are gone
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.1)
+
+
 def test_shards_a_busy_cluster_cannot_hold_are_refused_in_one_line(cluster, monkeypatch):
     """Another client's shards hold every node's CPUs: a second client's actors waited, unsaid, for the start
     timeout (ten minutes by default) where the cluster can be seen to lack them."""
