@@ -1583,7 +1583,7 @@ def _late_client(**options):
     """A runtime whose answers are recorded in `client.answered` (ids, then the failed ones' ids) in order."""
     client = StreamingClient(_PartsTeam(), "ws://127.0.0.1:1", "testers", inline_steps=False, **options)
     client.answered = []
-    client._answer = lambda ids, predictions, errors: client.answered.extend([*ids, *errors])
+    client._answer = lambda ids, predictions, errors, requests: client.answered.extend([*ids, *errors])
     client._fail = lambda batch, exc, what: client.answered.extend(r.unique_id for r in batch)
     return client
 
