@@ -126,9 +126,10 @@ def compute_targets(model, stream: Stream, weights_fingerprint: str, device=None
     """Reference predictions float32 [M, 4] for every request of `stream`, in stream order.
 
     Targets stored in the stream are returned only when its meta names the same weights fingerprint and
-    model_code_version, and their own targets_fingerprint (as make_stream stores them). Otherwise the on-disk cache (keyed by the model's code and
-    the weights and stream fingerprints) is used, or the model is run and the cache filled. device=None runs on
-    the model's GPU, else on CUDA when available, else on the CPU; the model is moved there in place.
+    model_code_version, and their own targets_fingerprint (as make_stream stores them). Otherwise the on-disk
+    cache (keyed by the model's code and the weights and stream fingerprints) is used, or the model is run and the
+    cache filled. device=None runs on the model's GPU, else on CUDA when available, else on the CPU; the model is
+    moved there in place.
     """
     if not isinstance(stream, Stream):
         raise TypeError(f"stream must be a client.streams.Stream, got {type(stream).__name__}")
