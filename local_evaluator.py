@@ -223,6 +223,18 @@ def latency_summary(latency_ms: np.ndarray) -> dict:
 
 # -------------------------------------------------------------------------------------- evaluation
 
+def check_room(stream, engine) -> None:
+    """EvaluationError when `engine`, which forgets no symbol, has no room for every symbol of the stream: else the
+    replay failed only where the first symbol past its room came, minutes into a long stream."""
+    if not isinstance(engine, Engine):
+        return
+    symbols = np.unique(stream.symbols).tolist()
+    rejected = engine.unplaceable(symbols)
+    if rejected:
+        raise EvaluationError(f"the stream has {len(symbols):,} symbols and the engine forgets none (no "
+                              f"--idle-timeout): {next(iter(rejected.values()))}")
+
+
 def evaluate(client, stream, targets, *, batch_size: int | None = None, atol: float = ATOL,
              max_requests_per_symbol: int = DEFAULT_REQUESTS_PER_SYMBOL,
              profile_dir: str | Path | None = None, profile_steps: int = DEFAULT_PROFILE_STEPS,
@@ -465,6 +477,8 @@ def main(argv=None) -> int:
         print(f"{PROG}: {describe_targets(comparison, args.targets, model)}", file=sys.stderr, flush=True)
     engine = getattr(client, "engine", None)
     try:
+        if args.idle_timeout is None:
+            check_room(stream, engine)
         result = evaluate(client, stream, targets, batch_size=args.batch_size, atol=args.atol,
                           max_requests_per_symbol=args.max_requests_per_symbol,
                           profile_dir=args.profile, profile_steps=args.profile_steps, progress=True)

@@ -48,6 +48,11 @@ def targets_cache_path(cache_dir, weights_fingerprint: str, stream_fp: str) -> P
     return Path(cache_dir) / f"{key}.npy"
 
 
+def targets_fingerprint(targets: np.ndarray) -> str:
+    """sha256 over the targets' float32 values, which make_stream stores with them."""
+    return hashlib.sha256(np.asarray(targets, dtype="<f4").tobytes()).hexdigest()
+
+
 def _model_device(model) -> torch.device:
     for tensor in model.parameters():
         return tensor.device
@@ -121,18 +126,21 @@ def compute_targets(model, stream: Stream, weights_fingerprint: str, device=None
     """Reference predictions float32 [M, 4] for every request of `stream`, in stream order.
 
     Targets stored in the stream are returned only when its meta names the same weights fingerprint and
-    model_code_version (as make_stream stores them). Otherwise the on-disk cache (keyed by the model's code and
-    the weights and stream fingerprints) is used, or the model is run and the cache filled. device=None runs on
-    the model's GPU, else on CUDA when available, else on the CPU; the model is moved there in place.
+    model_code_version, and their own targets_fingerprint (as make_stream stores them). Otherwise the on-disk
+    cache (keyed by the model's code and the weights and stream fingerprints) is used, or the model is run and the
+    cache filled. device=None runs on the model's GPU, else on CUDA when available, else on the CPU; the model is
+    moved there in place.
     """
     if not isinstance(stream, Stream):
         raise TypeError(f"stream must be a client.streams.Stream, got {type(stream).__name__}")
     if not isinstance(weights_fingerprint, str) or not weights_fingerprint:
         raise ValueError(f"weights_fingerprint must be a non-empty string, got {weights_fingerprint!r}")
     # a stream's own targets stand for the model's only where the same weights and model code made them (make_stream
-    # stores both): else a fix to client/model/ would leave a file's older targets scored as the model's
+    # stores both): else a fix to client/model/ would leave a file's older targets scored as the model's. And only
+    # the targets it made: edited after, they were scored as the model's and said to match it (max diff 0)
     if (stream.targets is not None and stream.meta.get("weights_fingerprint") == weights_fingerprint
-            and stream.meta.get("model_code_version") == model_code_version()):
+            and stream.meta.get("model_code_version") == model_code_version()
+            and stream.meta.get("targets_fingerprint") == targets_fingerprint(stream.targets)):
         return stream.targets.copy()
 
     cache_path = targets_cache_path(cache_dir or default_cache_dir(), weights_fingerprint,

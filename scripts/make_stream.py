@@ -70,7 +70,7 @@ def make_stream(args) -> Stream:
         return stream
     import torch
     from client.model import load_model
-    from client.targets import compute_targets, model_code_version
+    from client.targets import compute_targets, model_code_version, targets_fingerprint
 
     weights_seed = 0 if args.weights_seed is None else args.weights_seed
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -78,7 +78,7 @@ def make_stream(args) -> Stream:
     model, weights_fingerprint = load_model(args.preset, weights=args.weights, seed=weights_seed, device=device)
     targets = compute_targets(model, stream, weights_fingerprint, device=device, cache_dir=args.cache_dir)
     meta = dict(stream.meta, preset=args.preset, weights_fingerprint=weights_fingerprint,
-                model_code_version=model_code_version(),
+                model_code_version=model_code_version(), targets_fingerprint=targets_fingerprint(targets),
                 **({"weights": args.weights} if args.weights else {"weights_seed": weights_seed}))
     return Stream(stream.symbols, stream.features, stream.delay_ms, targets, meta)
 

@@ -150,6 +150,21 @@ def exposure_warning(config: ServerConfig) -> str | None:
             f"machines can reach")
 
 
+LONG_PLAY_S = 3600.0
+
+
+def long_play_warning(config: ServerConfig, stream) -> str | None:
+    """A warning when the stream's own gaps make a team's play last over an hour: a file of gaps that are
+    timestamps or seconds (each under a day) played silently for days."""
+    from server.session import send_offsets
+
+    play_s = float(send_offsets(len(stream), stream.delay_ms, config.rate, config.speed)[-1])
+    if play_s <= LONG_PLAY_S:
+        return None
+    return (f"warning: a team's play of the stream lasts {play_s / 3600:,.1f} h at "
+            f"{'--rate' if config.rate else 'its own gaps (delay_ms)'}; --rate or --speed plays it faster")
+
+
 def raise_open_files_limit() -> None:
     """Every socket a stranger holds open (64 an address, until its timeout) is a file descriptor: under the usual
     soft limit of 1,024, 16 addresses took them all, and the server accepted no team. Up to the hard limit."""
@@ -229,6 +244,9 @@ def main(argv=None) -> int:
     # Here, not in a thread of the event loop, so that Ctrl-C stops the (long) preparation of the targets at
     # once; once serving, it stops the server with the table so far (serve).
     server.prepare()
+    warning = long_play_warning(config, server.stream)
+    if warning:
+        print(f"{PROG}: {warning}", file=sys.stderr, flush=True)
     return event_loop.run(serve(server))
 
 

@@ -193,6 +193,11 @@ class ScoringServer:
         return self.port
 
     @property
+    def stream(self):
+        """The stream served (once prepared)."""
+        return self._stream
+
+    @property
     def port(self) -> int:
         return self._server.sockets[0].getsockname()[1]
 

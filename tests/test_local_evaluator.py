@@ -281,6 +281,16 @@ def test_stream_without_requests(tmp_path, team_dir, capsys):
     assert rc == 2 and err.endswith(f"error: stream {path}: the stream has no requests\n"), err
 
 
+def test_a_stream_of_more_symbols_than_the_engine_holds_is_refused_before_the_replay(tmp_path, team_dir, capsys):
+    # the third symbol first comes last: the replay failed there, after the rest of a long stream was played
+    path = tmp_path / "s.npz"
+    save_stream(Stream(["A", "B"] * 20 + ["C"], np.zeros((41, 79), np.float32), np.ones(41, np.float32)), path)
+    rc, _, err = run_main(capsys, "--stream", path, "--team-dir", team_dir, "--cache-dir", tmp_path / "cache",
+                          "--device", "cpu", "--state-slots", 2)
+    assert rc == 2 and "the stream has 3 symbols and the engine forgets none (no --idle-timeout): no room for the " \
+                       "state of 1 symbol(s) (C): 2 on cpu and 0 in host memory" in err.splitlines()[-1], err
+
+
 def test_stream_file_replays(tmp_path, team_dir, capsys):
     path = tmp_path / "s.npz"
     save_stream(generate_stream(2, 6, seed=1), path)

@@ -129,6 +129,21 @@ def test_cli_rejects_bad_options(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_stream_whose_own_gaps_play_for_hours_is_warned():
+    from client.streams import Stream
+    from server.__main__ import long_play_warning
+
+    def warning(delay_ms, *argv):
+        stream = Stream(["A"] * len(delay_ms), [[0.0] * 79] * len(delay_ms), delay_ms)
+        return long_play_warning(parse_args(list(argv)), stream)
+    # gaps of seconds or timestamps, each under a day: the server played them for days, silently
+    assert warning([8.6e7] * 12) == ("warning: a team's play of the stream lasts 286.7 h at its own gaps (delay_ms); "
+                                     "--rate or --speed plays it faster")
+    assert warning([8.6e7] * 12, "--speed", "1000") is None
+    assert warning([12.0] * 1000) is None
+    assert "lasts 1.4 h at --rate" in warning([12.0] * 5000, "--rate", "1")
+
+
 def test_cli_builds_config():
     assert parse_args(["--host", "[::1]"]).host == "::1"  # was looked up as a name, after a warning that it was public
     config = parse_args(["--preset", "small", "--seed", "5", "--rate", "50", "--once", "--json", "x.json"])

@@ -118,6 +118,12 @@ def nan_at(row, array, value=np.nan):
     (lambda s: with_changes(symbols=np.array(["A", "B", "B\x00"] * 2, dtype=object)),
      r"symbol 'B\\x00' at row 2 ends in a NUL character, which a numpy string array drops: it would be played as 'B'"),
     (lambda s: with_changes(symbols=["A", "B", "C", "D", "E", "F\x00\x00"]), "row 5 ends in a NUL character"),
+    # a numpy str array is as wide as its longest symbol on every row: one long name, gigabytes
+    (lambda s: with_changes(symbols=np.array(["A", "B", "C", "D", "X" * 129, "F"], dtype=object)),
+     r"symbol at row 4 is 129 characters long \('XXXXXXXXXXXXXXXXXXXX'...\); a symbol is a name of at most 128"),
+    # UTF-8 (the fingerprint, the protocols) cannot hold it: the codec's message named neither the file nor the row
+    (lambda s: with_changes(symbols=np.array(["A", "\ud800B"] * 3)),
+     r"symbol '\\ud800B' at row 1 is not Unicode text \(UTF-8 cannot hold '\\ud800'\)"),
     (lambda s: with_changes(meta="preset=tiny"), "meta must be a dict"),
     (lambda s: with_changes(symbols=s.symbols[:0], features=s.features[:0], delay_ms=s.delay_ms[:0],
                             targets=s.targets[:0]), "the stream has no requests"),
@@ -135,6 +141,13 @@ def nan_at(row, array, value=np.nan):
 def test_bad_streams_are_rejected_naming_the_problem(make_fields, message):
     with pytest.raises(ValueError, match=message):
         Stream(**make_fields(small_stream(targets=True)))
+
+
+def test_odd_symbols_are_kept_as_they_are(tmp_path):
+    odd = ["", " ", "日本", "\U0001f642", "A\nB", "\x1b[2J", "7", "X" * 128]
+    stream = Stream(odd, np.zeros((len(odd), 79), np.float32), np.zeros(len(odd), np.float32))
+    save_stream(stream, tmp_path / "odd.npz")
+    assert load_stream(tmp_path / "odd.npz").symbols.tolist() == odd
 
 
 def test_a_nul_inside_a_symbol_is_kept_and_its_symbol_is_its_own():

@@ -13,7 +13,8 @@ from torch import nn
 from client.model import load_model
 from client import targets as targets_module
 from client.streams import Stream, generate_stream, stream_fingerprint
-from client.targets import compute_targets, default_cache_dir, model_code_version, source_digest, targets_cache_path
+from client.targets import (compute_targets, default_cache_dir, model_code_version, source_digest, targets_cache_path,
+                            targets_fingerprint)
 from conftest import checkout_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,13 +213,27 @@ def test_stored_targets_are_used_only_with_their_weights(model_and_fingerprint, 
     base = generate_stream(2, 6, seed=0)
     stored = np.full((6, 4), 0.5, dtype=np.float32)
     stream = Stream(base.symbols, base.features, base.delay_ms, stored,
-                    {"weights_fingerprint": fingerprint, "model_code_version": model_code_version()})
+                    {"weights_fingerprint": fingerprint, "model_code_version": model_code_version(),
+                     "targets_fingerprint": targets_fingerprint(stored)})
     counting = CountingModel(model)
     np.testing.assert_array_equal(compute_targets(counting, stream, fingerprint, cache_dir=tmp_path,
                                                   progress=False), stored)
     assert counting.steps == 0
     other = compute_targets(counting, stream, "other-weights", cache_dir=tmp_path, progress=False)
     assert counting.steps > 0 and not np.array_equal(other, stored)
+
+
+def test_stored_targets_edited_after_they_were_made_are_not_the_models(model_and_fingerprint, tmp_path):
+    """A make_stream file's targets changed since (its meta kept) were scored as the model's, and said to match it."""
+    model, fingerprint = model_and_fingerprint
+    base = generate_stream(2, 6, seed=0)
+    made = np.full((6, 4), 0.5, dtype=np.float32)
+    meta = {"weights_fingerprint": fingerprint, "model_code_version": model_code_version(),
+            "targets_fingerprint": targets_fingerprint(made)}
+    stream = Stream(base.symbols, base.features, base.delay_ms, made + 0.01, meta)
+    counting = CountingModel(model)
+    targets = compute_targets(counting, stream, fingerprint, cache_dir=tmp_path, progress=False)
+    assert counting.steps > 0 and not np.array_equal(targets, stream.targets)
 
 
 @pytest.mark.parametrize("meta", [{"model_code_version": "an older client/model/"}, {}],
@@ -298,6 +313,7 @@ def test_make_stream_stores_targets_with_their_weights(model_and_fingerprint, tm
     stream = load_stream(out)
     assert stream.meta["weights_fingerprint"] == fingerprint and stream.meta["preset"] == "tiny"
     assert stream.meta["model_code_version"] == model_code_version()
+    assert stream.meta["targets_fingerprint"] == targets_fingerprint(stream.targets)
     np.testing.assert_allclose(stream.targets, run_each_symbol_alone(model, stream), rtol=1e-5, atol=1e-6)
     with pytest.raises(SystemExit, match="make_stream: .*missing.pt"):
         make_stream.main(["--preset", "tiny", "--weights", str(tmp_path / "missing.pt"), "--symbols", "3",
