@@ -496,6 +496,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
                                      on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome,
                                                                                         engine_text), file=sys.stderr))
             playing[0] = client
+            replayed = None  # in the client's answer cache now; a new stream's client plays from fresh states
             progress = asyncio.create_task(_print_progress(client))
             ctrl_c = _stop_on_ctrl_c(client)
             try:
@@ -512,7 +513,6 @@ async def play(args) -> tuple[dict, list[dict] | None]:
             engine.release(engine.symbols)
             session_key = (client.welcome or {}).get("session_key", session_key)
             team_client = _team_client(team_class, engine, args.team_dir)
-            replayed = None  # the journal starts afresh at the new session's welcome
     finally:
         if server is not None:
             await server.stop()
