@@ -117,7 +117,8 @@ def _validated(symbols, features, delay_ms, targets):
     bad = ~np.isfinite(features).all(axis=1)
     if bad.any():
         row = _first_bad_row(bad)
-        raise ValueError(f"features contain NaN or inf at row {row} ({int(bad.sum())} bad rows)")
+        column = int(np.flatnonzero(~np.isfinite(features[row]))[0])  # a parquet file's feature_NN
+        raise ValueError(f"features contain NaN or inf at row {row}, feature {column} ({int(bad.sum())} bad rows)")
     features = _float32("features", features)
 
     delay_ms = _numbers("delay_ms", delay_ms)
