@@ -315,6 +315,9 @@ class StreamingClient:
         # timeline or step_log: each pipelined step's {formed, submitted, ended (time.monotonic()), rows, symbols,
         # the requests waiting once it was submitted, and (once it ended) those joined to it}, in submission order
         self.steps: list[dict] | None = [] if timeline or step_log else None
+        # and each request frame's (received and parsed: time.perf_counter(), its requests' unique ids), where
+        # a step's rows came from (scripts/benchmarks/serving.arrival_numbers)
+        self.frames: list[tuple[float, list[int]]] | None = [] if timeline or step_log else None
         self._scheduler = Scheduler()
         # A team client with prefetch(symbols) starts moving states when their requests arrive, and its ready(symbol)
         # holds back a symbol whose state is still on its way while the others step (unless its states never move).
@@ -770,6 +773,8 @@ class StreamingClient:
                 new_requests.append(Request(uid, symbol, row, received_at))
                 self._fed_on_connection = True
         self._mark("received", (r.unique_id for r in new_requests))
+        if self.frames is not None:
+            self.frames.append((received_at, ids))
         if new_requests:
             queued = []
             with self._work_ready:

@@ -293,9 +293,10 @@ class TeamSession:
             self._recent.popleft()
 
     def request_times(self) -> dict:
-        """Per request in stream order: when it was sent on the session's clock (NaN if not yet sent) and its
-        latency in ms (NaN unless answered in time)."""
-        return {"sent": self._send_time.copy(), "latency_ms": self._latency_ms.copy()}
+        """Per request in stream order: when it fell due and when it was sent on the session's clock (sent NaN if
+        not yet sent), and its latency in ms (NaN unless answered in time)."""
+        return {"due": self.start + self._offsets, "sent": self._send_time.copy(),
+                "latency_ms": self._latency_ms.copy()}
 
     def summary(self, now=None) -> dict:
         return summarize(self.snapshot(now))

@@ -109,6 +109,10 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     # in the background), and every served record says so
     assert e2e["inline_steps"] is False and all(run["inline_steps"] is False for run in data["swap_runs"])
     assert all(run["inline_steps"] is False for run in data["max_rate_runs"])
+    for run in data["max_rate_runs"]:  # where the rows waited before the runtime, from both processes' clocks
+        arrival = run["arrival"]
+        assert arrival["server_lag_ms"]["p50"] >= 0 and arrival["receipt_lag_ms"]["p50"] > 0
+        assert 1 <= arrival["turn_requests_max"] and 1 <= arrival["frame_requests_max"] <= run["requests"]
     # the requests the server sent before the resume, every one answered after it, in order
     # (--quick streams 100 requests/s, not the event's 400: a 2-core CPU drains that backlog in ~0.5-1 s, more under
     # load; what it misses says the machine's speed, not a loss; the drain within 100 ms is a GPU's, bench/h100.json)
@@ -275,6 +279,22 @@ def test_steps_by_rows_groups_the_step_log_by_the_engines_row_sizes():
     assert out["384"]["ms_p50"] == pytest.approx(19.0)  # 19 ms (15 -> 34) and 19 ms (40 -> 59)
     assert out["256"]["ms_p50"] == pytest.approx(15.0) and out["512"]["ms_p50"] == pytest.approx(24.0)
     assert list(steps_by_rows(log, ())) == ["256", "512"]  # without the engine's sizes: powers of two
+
+
+def test_arrival_numbers_split_the_wait_before_the_runtime_into_the_servers_pacing_and_the_receipt():
+    from scripts.benchmarks.serving import arrival_numbers
+
+    # five requests due 1 ms apart; the server fell 3 ms behind and sent the last three in one turn at 0.007 s
+    due = np.array([0.001, 0.002, 0.003, 0.004, 0.005])
+    sent = np.array([0.001, 0.002, 0.007, 0.007, 0.007])
+    latency_ms = np.array([1.0, 1.0, 2.0, 9.0, np.nan])  # the last never answered
+    frames = [(0.0015, [0]), (0.0025, [1]), (0.009, [2, 3]), (0.010, [4]),
+              (0.050, [3, 99])]                          # a resend of 3 (its first receipt counts), an id not sent
+    out = arrival_numbers({"due": due, "sent": sent, "latency_ms": latency_ms}, frames)
+    assert out["server_lag_ms"]["max"] == pytest.approx(4.0) and out["server_lag_ms"]["p50"] == pytest.approx(2.0)
+    assert out["receipt_lag_ms"]["max"] == pytest.approx(3.0) and out["receipt_lag_ms"]["p50"] == pytest.approx(2.0)
+    assert out["turn_requests_max"] == 3 and out["frame_requests_max"] == 2
+    assert out["slowest_1pct"] == {"latency_ms": 9.0, "receipt_lag_ms": pytest.approx(2.0)}
 
 
 def test_floor_stand_in_steps_queue_one_at_a_time_at_the_step_tables_pace():

@@ -2,7 +2,7 @@
 several requests of a symbol per step (the run's --max-requests-per-symbol) and with one (K = 1) in the same run."""
 from scripts.benchmarks.harness import MAXRATE_SYMBOLS, P99_LIMIT_MS
 from scripts.benchmarks.report import fmt
-from scripts.benchmarks.serving import search_max_rate
+from scripts.benchmarks.serving import arrival_line, search_max_rate
 
 
 def run(bench):
@@ -19,6 +19,7 @@ def _lines(runs):
     return [f"rate {run['rate']:>8g} req/s: p50 {fmt(run['p50_ms']):>7} ms, p99 {fmt(run['p99_ms']):>7} ms, "
             f"accuracy {fmt(run['accuracy'], 4)}, missed {run['missed']}  {'pass' if run['passed'] else 'FAIL'}"
             + (" (inline steps)" if run.get("inline_steps") else "")
+            + (f"; {arrival_line(run['arrival'])}" if "arrival" in run else "")
             for run in runs]
 
 

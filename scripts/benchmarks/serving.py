@@ -217,7 +217,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
         if timeline:
             summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps)
         if step_log:
-            summary["steps"] = client.steps
+            summary.update(steps=client.steps, frames=client.frames)
         return summary
     finally:
         if probe:
@@ -256,6 +256,47 @@ def steps_by_rows(steps, row_sizes) -> dict:
             for size in sorted(set(classes.tolist()))}
 
 
+def _percentiles(values) -> dict:
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return {"p50": None, "p99": None, "max": None}
+    return {"p50": float(np.median(values)), "p99": float(np.percentile(values, 99)), "max": float(values.max())}
+
+
+def arrival_numbers(request_times, frames) -> dict:
+    """Where a session's requests waited before the runtime had them, ms p50 / p99 / max over the requests: the
+    server's pacing ("server_lag_ms": sent - due, how far its sends fell behind the stream; what fell due meanwhile
+    went in one turn) and the link with the client's loop ("receipt_lag_ms": from the send to the request frame's
+    parse, a resend's first receipt); the most requests one server turn sent ("turn_requests_max") and one frame
+    carried ("frame_requests_max"); and, over the slowest 1% of answers, the mean latency and receipt lag. Both
+    processes' clocks are CLOCK_MONOTONIC (time.monotonic, time.perf_counter on Linux)."""
+    due, sent = np.asarray(request_times["due"]), np.asarray(request_times["sent"])
+    latency = np.asarray(request_times["latency_ms"], dtype=np.float64)
+    received = np.full(len(sent), np.nan)
+    for at, ids in frames:
+        ids = np.asarray(ids, dtype=np.int64)
+        ids = ids[(ids >= 0) & (ids < len(sent))]
+        received[ids] = np.fmin(received[ids], at)
+    receipt_lag_ms = (received - sent) * 1e3
+    _, turns = np.unique(sent[~np.isnan(sent)], return_counts=True)
+    answered = np.flatnonzero(~np.isnan(latency))
+    slowest = answered[np.argsort(latency[answered])[-max(len(answered) // 100, 1):]] if len(answered) else answered
+    return {"server_lag_ms": _percentiles((sent - due) * 1e3), "receipt_lag_ms": _percentiles(receipt_lag_ms),
+            "turn_requests_max": int(turns.max()) if len(turns) else 0,
+            "frame_requests_max": max((len(ids) for _, ids in frames), default=0),
+            "slowest_1pct": {"latency_ms": float(latency[slowest].mean()) if len(slowest) else None,
+                             "receipt_lag_ms": float(np.nanmean(receipt_lag_ms[slowest]))
+                             if len(slowest) and not np.isnan(receipt_lag_ms[slowest]).all() else None}}
+
+
+def arrival_line(arrival) -> str:
+    server, receipt = arrival["server_lag_ms"], arrival["receipt_lag_ms"]
+    return (f"server lag p99 {fmt(server['p99'])} max {fmt(server['max'])} ms, receipt lag p99 {fmt(receipt['p99'])} "
+            f"max {fmt(receipt['max'])} ms, largest turn {arrival['turn_requests_max']} / frame "
+            f"{arrival['frame_requests_max']} requests, slowest 1% latency {fmt(arrival['slowest_1pct']['latency_ms'])}"
+            f" ms of which receipt lag {fmt(arrival['slowest_1pct']['receipt_lag_ms'])}")
+
+
 def session_numbers(summary) -> dict:
     latency = summary["latency_ms"]
     return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "max_ms": latency["max"],
@@ -281,6 +322,7 @@ def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=
     numbers = session_numbers(summary)
     if step_log:
         numbers["steps_by_rows"] = steps_by_rows(summary["steps"], getattr(engine, "step_rows", ()))
+        numbers["arrival"] = arrival_numbers(summary["request_times"], summary["frames"])
     return {**numbers, **bench.forming_ms(run)}
 
 
@@ -319,7 +361,8 @@ def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", 
         bench.report.update(**{f"{key}_p99_50ms": best, f"{key}_runs": runs})
         bench.progress(f"maxrate {rate:g} req/s: p50 {fmt(numbers['p50_ms'])} ms, p99 {fmt(numbers['p99_ms'])} ms, "
                        f"accuracy {fmt(numbers['accuracy'], 4)}, missed {numbers['missed']} -> "
-                       f"{'pass' if passed else 'FAIL'}; steps by rows: " + ", ".join(
+                       f"{'pass' if passed else 'FAIL'}; {arrival_line(numbers['arrival'])}; steps by rows: "
+                       + ", ".join(
                            f"{size}: {c['steps']} x {c['ms_p50']:.1f} ms (rows p50 {c['rows_p50']:g})"
                            for size, c in numbers["steps_by_rows"].items()))
         if not passed:
