@@ -13,7 +13,10 @@ Each step's requests are written in one write() (the operating system keeps it t
 crash of the machine may lose the tail, which then reads as a shorter journal). A journal belongs to one session of
 one server, team and weights: its header names them with the session key of the server's welcome, which the new
 process presents to take its team back (the file is readable by its owner alone). It grows ~350 bytes a request
-(~0.5 GB an hour at 400 requests/s); a new session of the server starts it afresh.
+(~0.5 GB an hour at 400 requests/s); a new session of the server starts it afresh. A tail cut by a kill or a crash is
+cut off before the new process appends (appended after it, the next read took the cut record's length for a
+symbol's and read garbage from there on). Read and replayed a chunk at a time, whatever its length holds of memory
+only the answers the runtime may resend from (its answer cache) and the older ids as ranges.
 
 File: MAGIC, one JSON line (the header), then per request: unique_id (int64), the symbol's UTF-8 length (uint16)
 and bytes, 79 float32 features, little-endian.
@@ -25,16 +28,21 @@ import sys
 import threading
 import time
 
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from client import team_api
 from client.constants import NUM_FEATURES
+from client.id_ranges import IdRanges
 from client.scheduler import Request, Scheduler
 
 MAGIC = b"team-client journal 1\n"
 _HEAD = struct.Struct("<qH")
 _FEATURE_BYTES = NUM_FEATURES * 4
 REPLAY_ROWS = 4096  # requests a replay call hands the team client at most (the engine splits its own steps)
+READ_BYTES = 1 << 24  # read and replayed this much of the file at a time (~48,000 requests)
 
 
 class JournalError(ValueError):
@@ -42,41 +50,62 @@ class JournalError(ValueError):
 
 
 class Journal:
-    """One session's journal at `path`: the requests read from it (`records`, [(unique_id, symbol, features)]) where
-    its header names `identity` ({url, team, weights}: the server, team and weights of this client), and appending
-    once begin() has named the session."""
+    """One session's journal at `path`: where its header names `identity` ({url, team, weights}: the server, team and
+    weights of this client), its `session_key`, the `count` of whole records (read with records()) and of their
+    `symbols`; appending once begin() has named the session."""
 
     def __init__(self, path, identity: dict):
         self.path, self.identity = str(path), dict(identity)
         self.session_key: str | None = None
-        self.records: list[tuple[int, str, np.ndarray]] = []
+        self.count = self.symbols = 0
+        self._records_at = self._records_end = 0  # the records' bytes: after the header, up to the last whole one
         self._file = None
         self._lock = threading.Lock()  # steps answer from the completer thread and the event loop
         try:
             with open(self.path, "rb") as f:
-                data = f.read()
+                header, self._records_at = _read_header(f, self.path)
+                if header is None or any(header.get(k) != v for k, v in self.identity.items()):
+                    return
+                count, end, symbols = 0, self._records_at, set()
+                for chunk, chunk_end in _chunks(f, self._records_at, features=False):
+                    count, end = count + len(chunk), chunk_end
+                    symbols.update(symbol for _, symbol, _ in chunk)
         except FileNotFoundError:
             return
         except OSError as exc:
             raise JournalError(f"--journal {self.path}: cannot read it ({exc.strerror})") from None
-        header, records = _parse(data, self.path)
-        if header is not None and all(header.get(k) == v for k, v in self.identity.items()):
-            self.session_key, self.records = header.get("session_key"), records
+        self.session_key, self.count, self.symbols = header.get("session_key"), count, len(symbols)
+        self._records_end = end
+
+    def records(self):
+        """The journaled (unique_id, symbol, features) in order, a list a chunk of the file at a time."""
+        if not self.count:
+            return
+        try:
+            with open(self.path, "rb") as f:
+                for chunk, chunk_end in _chunks(f, self._records_at):
+                    yield chunk
+                    if chunk_end >= self._records_end:
+                        return
+        except OSError as exc:
+            raise JournalError(f"--journal {self.path}: cannot read it ({exc.strerror})") from None
 
     def begin(self, session_key: str | None) -> None:
-        """Journal the session `session_key` (the welcome's): go on appending where it is the one read, else start
-        the file afresh (its records forgotten)."""
+        """Journal the session `session_key` (the welcome's): go on appending after the last whole record where it is
+        the one read, else start the file afresh (its records forgotten)."""
         with self._lock:
             if self._file is not None:
                 self._file.close()
-            go_on = session_key is not None and session_key == self.session_key and bool(self.records)
+            go_on = session_key is not None and session_key == self.session_key and self.count > 0
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if go_on else os.O_TRUNC), 0o600)
+                if go_on:
+                    os.ftruncate(fd, self._records_end)  # a tail cut mid-record is dropped, not appended after
                 self._file = os.fdopen(fd, "ab" if go_on else "wb", buffering=0)
                 if not go_on:
                     self._file.write(MAGIC + json.dumps({**self.identity, "session_key": session_key}).encode()
                                      + b"\n")
-                    self.records = []
+                    self.count = self.symbols = 0
             except OSError as exc:
                 raise JournalError(f"--journal {self.path}: cannot write it ({exc.strerror})") from None
             self.session_key = session_key
@@ -105,52 +134,97 @@ def check_file(path) -> None:
     the arguments are parsed, before the model loads)."""
     try:
         with open(path, "rb") as f:
-            head = f.readline(len(MAGIC)) + f.readline(1 << 20)
+            _read_header(f, path)
     except FileNotFoundError:
         return
     except OSError as exc:
         raise JournalError(f"--journal {path}: cannot read it ({exc.strerror})") from None
-    _parse(head if head.endswith(b"\n") or not head else head + b"\n", path)
 
 
-def _parse(data: bytes, path: str):
-    """(header, records) of a journal's bytes; a tail cut inside a record (the process killed mid-write) ends it.
-    (None, []) for an empty file; JournalError for one that is not a journal."""
-    if not data:
-        return None, []
-    end = data.find(b"\n", len(MAGIC))
-    if not data.startswith(MAGIC) or end < 0:
+def _read_header(f, path) -> tuple[dict | None, int]:
+    """(header, offset of the first record) of the journal open as `f`; (None, 0) for an empty file; JournalError for
+    one that is not a journal."""
+    head = f.read(len(MAGIC))
+    if not head:
+        return None, 0
+    line = f.readline(1 << 20)
+    if head != MAGIC or not line.endswith(b"\n"):
         raise JournalError(f"--journal {path}: not a team-client journal (give a new path, or remove the file)")
     try:
-        header = json.loads(data[len(MAGIC):end])
+        header = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise JournalError(f"--journal {path}: its header is not JSON (give a new path, or remove the file)") from None
-    records, at = [], end + 1
-    while at + _HEAD.size <= len(data):
-        uid, length = _HEAD.unpack_from(data, at)
-        start, stop = at + _HEAD.size + length, at + _HEAD.size + length + _FEATURE_BYTES
-        if stop > len(data):
-            break
-        records.append((uid, data[at + _HEAD.size:start].decode(), np.frombuffer(data[start:stop], "<f4").copy()))
-        at = stop
-    return header, records
+    return header, len(MAGIC) + len(line)
 
 
-def replay(team_client, records, max_batch=None, max_per_symbol=8, progress=sys.stderr) -> dict:
-    """Step `records` ([(unique_id, symbol, features)], in journal order) through the team client's process_batch,
-    batched as the runtime's scheduler batches them (each symbol's in order); {unique_id: prediction [4]} of those
-    it answered. A line of progress every second on `progress` (None: quiet)."""
-    scheduler = Scheduler()
-    for uid, symbol, features in records:
-        scheduler.push(Request(uid, symbol, features))
+def _chunks(f, at: int, features: bool = True):
+    """([(unique_id, symbol, features)], the offset after the last of them) for each READ_BYTES of the records from
+    offset `at`, in order (features None unless `features`); a tail cut inside a record (the process killed
+    mid-write) ends them."""
+    f.seek(at)
+    data = b""
+    while more := f.read(READ_BYTES):
+        data += more
+        records, used = [], 0
+        while used + _HEAD.size <= len(data):
+            uid, length = _HEAD.unpack_from(data, used)
+            start = used + _HEAD.size + length
+            stop = start + _FEATURE_BYTES
+            if stop > len(data):
+                break
+            records.append((uid, data[used + _HEAD.size:start].decode(),
+                            np.frombuffer(data, "<f4", NUM_FEATURES, start).copy() if features else None))
+            used = stop
+        at, data = at + used, data[used:]
+        if records:
+            yield records, at
+
+
+@dataclass
+class Replayed:
+    """What replay() answered: the last `keep` answers in order, {unique_id: (prediction [4], symbol, features)} (the
+    runtime's answer cache), and the ids answered before them (the runtime's ids whose answers left its cache)."""
+    recent: OrderedDict = field(default_factory=OrderedDict)
+    older: IdRanges = field(default_factory=IdRanges)
+    count: int = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def replay(team_client, chunks, total: int, keep: int, max_batch=None, max_per_symbol=8,
+           progress=sys.stderr) -> Replayed:
+    """Step the journaled requests (`chunks`: lists of (unique_id, symbol, features) in journal order, `total` in
+    all, Journal.records()) through the team client's process_batch, batched as the runtime's scheduler batches
+    them (each symbol's in order), a chunk at a time; what it answered, the last `keep` answers kept. A line of
+    progress every second on `progress` (None: quiet)."""
     per_symbol = team_api.max_per_symbol(team_client, max_per_symbol)
-    answers, began, said = {}, time.monotonic(), time.monotonic()
-    while len(scheduler):
-        batch = scheduler.next_batch(max_batch, per_symbol, rows_for=lambda rows, _: min(rows, REPLAY_ROWS))
-        answer = team_client.process_batch(team_api.batch_for(team_client, batch))
-        answers.update(zip(answer["unique_ids"], np.asarray(answer["predictions"], np.float32)))
-        if progress is not None and time.monotonic() - said >= 1.0:
-            said = time.monotonic()
-            print(f"journal: replayed {len(answers):,} of {len(records):,} requests "
-                  f"({len(answers) / (said - began):,.0f}/s)", file=progress)
-    return answers
+    replayed, began, said = Replayed(), time.monotonic(), time.monotonic()
+    steps, kept = deque(), 0  # (requests by id, [(unique_id, prediction)]) of the last steps: ~keep answers
+    for chunk in chunks:
+        scheduler = Scheduler()
+        for uid, symbol, features in chunk:
+            scheduler.push(Request(uid, symbol, features))
+        while len(scheduler):
+            batch = scheduler.next_batch(max_batch, per_symbol, rows_for=lambda rows, _: min(rows, REPLAY_ROWS))
+            answer = team_client.process_batch(team_api.batch_for(team_client, batch))
+            by_id = {request.unique_id: request for request in batch}
+            answered = [(uid, prediction) for uid, prediction in
+                        zip(answer["unique_ids"], np.asarray(answer["predictions"], np.float32)) if uid in by_id]
+            steps.append((by_id, answered))
+            replayed.count, kept = replayed.count + len(answered), kept + len(answered)
+            while kept - len(steps[0][1]) >= keep:  # the oldest step's answers are older than the last `keep`
+                _, old = steps.popleft()
+                kept -= len(old)
+                for uid, _ in old:
+                    replayed.older.add(uid)
+            if progress is not None and time.monotonic() - said >= 1.0:
+                said = time.monotonic()
+                print(f"journal: replayed {replayed.count:,} of {total:,} requests "
+                      f"({replayed.count / (said - began):,.0f}/s)", file=progress)
+    for by_id, answered in steps:
+        for uid, prediction in answered:
+            replayed.recent[uid] = prediction, by_id[uid].symbol, by_id[uid].features
+    while len(replayed.recent) > keep:
+        replayed.older.add(replayed.recent.popitem(last=False)[0])
+    return replayed

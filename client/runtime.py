@@ -83,6 +83,8 @@ MAX_ERRORS_LOGGED = 100  # distinct reasons for requests not answered, each logg
 # Received ids a score may still count for: a score comes within the server's timeout (2 s), or on the next
 # connection (the server sends again those of its last 30 s); at 20,000 requests a second 50 s of them, ~85 MB.
 MAX_UNSCORED = 1_000_000
+# answers kept for the server's resends (~0.5 KB each: 100 MB); a resend of an older id is refused, never stepped again
+CACHE_SIZE = 200_000
 
 
 class ClientStats:
@@ -222,7 +224,7 @@ class StreamingClient:
                  max_batch: int | None = None, max_requests_per_symbol: int = DEFAULT_REQUESTS_PER_SYMBOL,
                  heartbeat_s: float = 5.0, backoff_s: float = 0.1, backoff_max_s: float = 5.0,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S, give_up_after_s: float = 10.0,
-                 cache_size: int = 200_000, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 cache_size: int = CACHE_SIZE, timeout_s: float = DEFAULT_TIMEOUT_S,
                  pipeline_min_batch: int = PIPELINE_MIN_BATCH,
                  form_late: bool = True, late_after_s: float | None = None, form_margin_s: float | None = None,
                  punctual_late_after_s: float | None = None, join_queued: bool = True, timeline: bool = False,
@@ -245,9 +247,9 @@ class StreamingClient:
         # the server's, from its welcome: what a reconnect presents (given: the welcome's of an earlier client of the
         # team, whose server began the new stream this one plays)
         self._session_key = session_key
-        # client/journal.py: each step's answered requests written before the answers go; `replayed` {unique_id:
-        # prediction}, what a restarted client replayed of the journal's session (its key given as session_key),
-        # answers a resend of those ids
+        # client/journal.py: each step's answered requests written before the answers go; `replayed` (Replayed),
+        # what a restarted client replayed of the journal's session (its key given as session_key), answers a resend
+        # of those ids
         self.journal, self._replayed = journal, bool(replayed)
         # how the last give_up_repeats connections since the last new request ended (all of them grew a tuple a
         # reconnect for good where they ended in turns two ways)
@@ -366,9 +368,10 @@ class StreamingClient:
         # ids whose answers left the cache, and the refused ids between them: a resend is refused, since stepping it
         # again would advance its symbol's state twice (ranges: ids in order take a few bytes each)
         self._evicted = IdRanges()
-        for uid, symbol, features in journal.records if replayed else ():
-            if uid in replayed:
-                self._cache[uid] = replayed[uid], _request_print(symbol, features)
+        if replayed:  # (client/journal.py Replayed) answered from the replay, never stepped twice
+            self._evicted = replayed.older
+            for uid, (prediction, symbol, features) in replayed.recent.items():
+                self._cache[uid] = prediction, _request_print(symbol, features)
                 if len(self._cache) > cache_size:
                     self._evict(self._cache.popitem(last=False)[0])
         self._fed_on_connection = False  # a request new to this client came on the current connection

@@ -435,19 +435,19 @@ def _team_client(team_class, engine, team_dir):
 
 
 def _replay_journal(args, url, fingerprint, team_client):
-    """(the --journal's Journal, {unique_id: prediction} of the requests it replayed through the team client: its
-    session with this server, team and weights); (None, None) without --journal."""
+    """(the --journal's Journal, the Replayed of the requests it replayed through the team client: its session with
+    this server, team and weights); (None, None) without --journal."""
     if args.journal is None:
         return None, None
     from client.journal import Journal, replay
+    from client.runtime import CACHE_SIZE
 
     journal = Journal(args.journal, {"url": url, "team": args.team, "weights": fingerprint})
-    if not journal.records:
+    if not journal.count:
         return journal, None
-    symbols = len({symbol for _, symbol, _ in journal.records})
-    print(f"{PROG}: replaying the {len(journal.records):,} requests of {symbols:,} symbols in the journal "
+    print(f"{PROG}: replaying the {journal.count:,} requests of {journal.symbols:,} symbols in the journal "
           f"{args.journal} into fresh states", file=sys.stderr)
-    replayed = replay(team_client, journal.records, team_api.step_symbols(team_client),
+    replayed = replay(team_client, journal.records(), journal.count, CACHE_SIZE, team_api.step_symbols(team_client),
                       args.max_requests_per_symbol)
     return journal, replayed
 

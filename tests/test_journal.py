@@ -5,11 +5,16 @@ import numpy as np
 import pytest
 
 from client.engine.reference import ReferenceEngine
+from client import journal as journal_module
 from client.journal import MAGIC, Journal, JournalError, check_file, replay
 from client.model import load_model
 from team.example_model import ExampleModel
 
 IDENTITY = {"url": "ws://127.0.0.1:1", "team": "t", "weights": "abc"}
+
+
+def records(journal):
+    return [record for chunk in journal.records() for record in chunk]
 
 
 def rows(n, seed=0):
@@ -26,16 +31,17 @@ def test_a_session_journaled_is_read_back_in_order_and_goes_on_where_it_is_the_s
     journal.close()
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"  # it holds the session key
     again = Journal(path, IDENTITY)
-    assert again.session_key == "key-1" and [uid for uid, _, _ in again.records] == list(range(5))
-    assert all(np.array_equal(a[2], b[2]) and a[1] == b[1] for a, b in zip(again.records, rows(5)))
+    assert again.session_key == "key-1" and [uid for uid, _, _ in records(again)] == list(range(5))
+    assert again.count == 5
+    assert all(np.array_equal(a[2], b[2]) and a[1] == b[1] for a, b in zip(records(again), rows(5)))
     again.begin("key-1")  # the same session: appended to
     again.append([(5, "SYM_002", np.zeros(79, np.float32))])
     again.close()
-    assert [uid for uid, _, _ in Journal(path, IDENTITY).records] == list(range(6))
+    assert [uid for uid, _, _ in records(Journal(path, IDENTITY))] == list(range(6))
     other = Journal(path, IDENTITY)
     other.begin("key-2")  # another session: started afresh
     other.close()
-    assert Journal(path, IDENTITY).records == [] and Journal(path, IDENTITY).session_key == "key-2"
+    assert records(Journal(path, IDENTITY)) == [] and Journal(path, IDENTITY).session_key == "key-2"
 
 
 def test_a_tail_cut_by_a_kill_and_another_servers_journal_are_read_as_far_as_they_hold(tmp_path):
@@ -46,8 +52,17 @@ def test_a_tail_cut_by_a_kill_and_another_servers_journal_are_read_as_far_as_the
     journal.close()
     with open(path, "ab") as f:
         f.write(b"\x07\x00\x00")  # a record cut short
-    assert len(Journal(path, IDENTITY).records) == 4
-    assert Journal(path, {**IDENTITY, "url": "ws://elsewhere:1"}).records == []  # not this server's: not replayed
+    assert len(records(Journal(path, IDENTITY))) == 4
+    assert records(Journal(path, {**IDENTITY, "url": "ws://elsewhere:1"})) == []  # not this server's: not replayed
+    # the session goes on after a restart: the cut record is dropped, not appended after (read back, its length
+    # field took the new records' bytes for its symbol and features: garbage from there on)
+    again = Journal(path, IDENTITY)
+    again.begin("k")
+    again.append([(9, "SYM_009", np.ones(79, np.float32))])
+    again.close()
+    read = records(Journal(path, IDENTITY))
+    assert [(uid, symbol) for uid, symbol, _ in read] == [(uid, symbol) for uid, symbol, _ in rows(4)] + [
+        (9, "SYM_009")] and np.array_equal(read[-1][2], np.ones(79, np.float32))
 
 
 @pytest.mark.parametrize("content, match", [(b"garbage\n", "not a team-client journal"),
@@ -60,10 +75,28 @@ def test_a_file_that_is_no_journal_is_one_line_before_anything_loads(tmp_path, c
     check_file(tmp_path / "missing")  # a new journal
 
 
-def test_replay_steps_each_symbols_requests_in_order_as_one_at_a_time():
+def test_replay_steps_each_symbols_requests_in_order_as_one_at_a_time_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """The journal read and replayed a few records at a time (a journal of hours is GBs): every symbol's requests in
+    order across the chunks, the last `keep` answers kept with their requests, the ids before them as ranges."""
+    monkeypatch.setattr(journal_module, "READ_BYTES", 1000)  # ~3 records a read
+    path = tmp_path / "j"
+    journal = Journal(path, IDENTITY)
+    journal.begin("k")
+    for begin in range(0, 20, 4):
+        journal.append(rows(20)[begin:begin + 4])
+    journal.close()
+    journal = Journal(path, IDENTITY)
+    assert journal.count == 20 and len(list(journal.records())) >= 6
     model, _ = load_model("tiny", seed=0)
-    records = rows(20)
-    answers = replay(ExampleModel(ReferenceEngine(model)), records, max_batch=2, max_per_symbol=3, progress=None)
+    replayed = replay(ExampleModel(ReferenceEngine(model)), journal.records(), journal.count, keep=5, max_batch=2,
+                      max_per_symbol=3, progress=None)
+    assert len(replayed) == 20 and list(replayed.recent) == list(range(15, 20))
+    assert all(uid in replayed.older for uid in range(15)) and 15 not in replayed.older
+    assert replayed.older.ranges() == 1
     alone = ReferenceEngine(model)
-    for uid, symbol, features in records:
-        np.testing.assert_allclose(answers[uid], alone.step([symbol], features[None])[0], rtol=1e-5, atol=1e-6)
+    for uid, symbol, features in rows(20):
+        expected = alone.step([symbol], features[None])[0]
+        if uid in replayed.recent:
+            prediction, kept_symbol, kept_features = replayed.recent[uid]
+            np.testing.assert_allclose(prediction, expected, rtol=1e-5, atol=1e-6)
+            assert kept_symbol == symbol and np.array_equal(kept_features, features)

@@ -952,7 +952,7 @@ def test_a_replayed_journal_answers_its_resends_in_its_session_and_ends_in_anoth
     session the server's resend of an id it replayed is answered with the replay's prediction (not stepped twice),
     and a new id is stepped from the replayed states and journaled after them; in another session (the welcome's key
     not the journal's) the replayed states are that session's no more: it ends as a new stream, answering nothing."""
-    from client.journal import Journal
+    from client.journal import Journal, Replayed
 
     symbols, features = _stream(3)
     journal = Journal(tmp_path / "j", {})
@@ -960,7 +960,10 @@ def test_a_replayed_journal_answers_its_resends_in_its_session_and_ends_in_anoth
     journal.append([(0, symbols[0], features[0]), (1, symbols[1], features[1])])
     journal.close()
     journal = Journal(tmp_path / "j", {})
-    replayed = {0: np.full(4, 7.0, np.float32), 1: np.full(4, 8.0, np.float32)}
+    predictions = {0: np.full(4, 7.0, np.float32), 1: np.full(4, 8.0, np.float32)}
+    replayed = Replayed(count=2)
+    for uid in (0, 1):
+        replayed.recent[uid] = predictions[uid], symbols[uid], features[uid]
     recorder, registers = Recorder(), []
 
     async def handler(ws):
@@ -984,8 +987,8 @@ def test_a_replayed_journal_answers_its_resends_in_its_session_and_ends_in_anoth
         return
     assert summary["outcome"] == runtime.COMPLETE and recorder.answered() == {1, 2}
     answers = dict(recorder.responses)
-    assert np.array_equal(answers[1], replayed[1]) and team.stepped == {symbols[2]: 1}  # 1 from the replay
-    assert [uid for uid, _, _ in Journal(tmp_path / "j", {}).records] == [0, 1, 2]
+    assert np.array_equal(answers[1], predictions[1]) and team.stepped == {symbols[2]: 1}  # 1 from the replay
+    assert [uid for chunk in Journal(tmp_path / "j", {}).records() for uid, _, _ in chunk] == [0, 1, 2]
 
 
 def test_a_limit_that_passes_is_tried_again_and_the_session_plays_on(model):

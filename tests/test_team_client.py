@@ -650,7 +650,7 @@ def test_a_client_killed_mid_session_replays_its_journal_and_answers_on_from_its
         client, _ = start_client_until_playing(port, "--journal", str(journal))
         client.kill()  # SIGKILL: nothing flushed, no close
         client.communicate(timeout=30)
-        journaled = Journal(journal, {}).records
+        journaled = [record for chunk in Journal(journal, {}).records() for record in chunk]
         assert 0 < len(journaled) < 240
         again = subprocess.run([*CLIENT, "--host", "127.0.0.1", "--port", str(port), "--preset", "tiny", "--seed",
                                 SERVER_WEIGHTS_SEED, "--engine", "reference", "--device", "cpu", "--journal",
@@ -663,4 +663,4 @@ def test_a_client_killed_mid_session_replays_its_journal_and_answers_on_from_its
     assert summary["outcome"] == "complete" and summary["responses"] > 0
     assert summary["accuracy"] == 1.0 and summary["errors"] == 0, summary
     # the old process's answers and the new one's: every request once, in one journal of the session
-    assert sorted(uid for uid, _, _ in Journal(journal, {}).records) == list(range(240))
+    assert sorted(uid for chunk in Journal(journal, {}).records() for uid, _, _ in chunk) == list(range(240))
