@@ -87,6 +87,46 @@ MAX_UNSCORED = 1_000_000
 CACHE_SIZE = 200_000
 
 
+class LatencyHistogram:
+    """Latencies (ms, >= 0) counted in log-spaced bins 0.1% wide from 1 us to ~2.7 hours: percentiles within 0.05% of
+    the exact ones (interpolated between ranks as numpy's), in constant memory (184 KB) and time however long the
+    session. (A buffer of every latency grew 8 B a request, and its percentiles took 0.3 s of a core at 14M
+    latencies, ten hours at 400 requests/s, for each progress line.) Added on the event loop, read from the team
+    client's progress thread: a reader copies the counts, so at worst it misses the latest scores."""
+
+    LOW_MS, RATIO, BINS = 1e-3, 1.001, 23_000
+
+    def __init__(self):
+        self._counts = np.zeros(self.BINS, dtype=np.int64)
+        self.total_ms, self.min_ms, self.max_ms = 0.0, math.inf, -math.inf
+
+    def add(self, latencies_ms) -> None:
+        values = np.asarray(latencies_ms, dtype=np.float64)
+        if not values.size:
+            return
+        bins = np.log(np.maximum(values, self.LOW_MS) / self.LOW_MS) / math.log(self.RATIO)
+        np.add.at(self._counts, np.minimum(bins.astype(np.int64), self.BINS - 1), 1)
+        self.total_ms += float(values.sum())
+        self.min_ms, self.max_ms = min(self.min_ms, float(values.min())), max(self.max_ms, float(values.max()))
+
+    def percentiles(self, qs) -> list[float] | None:
+        counts = self._counts.copy()
+        n = int(counts.sum())
+        if not n:
+            return None
+        cumulative = np.cumsum(counts)
+        ranks = np.asarray(qs, dtype=np.float64) / 100.0 * (n - 1)
+        below, above = np.floor(ranks).astype(np.int64), np.ceil(ranks).astype(np.int64)
+
+        def value(rank):  # the rank-th smallest (from 0): its bin's middle, the extremes as seen
+            middle = self.LOW_MS * self.RATIO ** (np.searchsorted(cumulative, rank, side="right") + 0.5)
+            return np.where(rank == 0, self.min_ms, np.where(rank == n - 1, self.max_ms,
+                                                             np.clip(middle, self.min_ms, self.max_ms)))
+
+        low, high = value(below), value(above)
+        return (low + (ranks - below) * (high - low)).tolist()
+
+
 class ClientStats:
     """What this client received and sent, and the server's score updates (progress line and summary)."""
 
@@ -102,10 +142,9 @@ class ClientStats:
         self.scored = 0            # requests the server scored as answered in time
         self.correct_towers = 0
         self.pnl = 0.0
-        # the latencies scored in time, the first `scored` of a buffer that doubles as it fills: summary() reads them
-        # as they stand, also from the team client's progress thread (a list made an array for each progress line,
-        # and three percentiles, held the event loop 73 ms at 1M requests scored, 224 ms at 3M)
-        self._latencies_ms = np.empty(1024)
+        # the latencies scored in time (summary() reads them also from the team client's progress thread: a list
+        # made an array for each progress line, and three percentiles, held the event loop 73 ms at 1M scored)
+        self._latencies = LatencyHistogram()
         # ids received and not yet scored, of the last MAX_UNSCORED received: a score for any other id (scored
         # already, never this client's request, or received that long ago) is not counted, so that a server's scores
         # cannot push responses past requests; a server that scored none kept every id (~70 B a request) for good
@@ -147,9 +186,7 @@ class ClientStats:
             if latency <= self.timeout_ms:
                 in_time.append(latency)
                 in_time_towers += towers
-        while self.scored + len(in_time) > len(self._latencies_ms):
-            self._latencies_ms = np.concatenate([self._latencies_ms, np.empty(len(self._latencies_ms))])
-        self._latencies_ms[self.scored:self.scored + len(in_time)] = in_time  # before the count: a reader's prefix
+        self._latencies.add(in_time)
         self.scored += len(in_time)
         self.correct_towers += in_time_towers
         self._last_score_at = time.perf_counter()
@@ -157,8 +194,8 @@ class ClientStats:
     def summary(self) -> dict:
         # the counts first, together: the percentiles let the event loop score on meanwhile (the progress thread)
         scored, correct_towers = self.scored, self.correct_towers
-        latencies = self._latencies_ms[:scored]
-        p50, p90, p99 = np.percentile(latencies, [50, 90, 99]).tolist() if scored else (None, None, None)
+        latencies = self._latencies
+        p50, p90, p99 = latencies.percentiles([50, 90, 99]) or (None, None, None)
         elapsed = ((self._last_score_at - self._first_request_at)
                    if self._first_request_at is not None and self._last_score_at is not None else 0.0)
         return {
@@ -168,8 +205,8 @@ class ClientStats:
             "errors": self.rejected,
             "accuracy": correct_towers / (NUM_TOWERS * scored) if scored else None,
             "latency_ms": {"p50": p50, "p90": p90, "p99": p99,
-                           "mean": float(latencies.mean()) if latencies.size else None,
-                           "max": float(latencies.max()) if latencies.size else None},
+                           "mean": latencies.total_ms / scored if scored else None,
+                           "max": latencies.max_ms if scored else None},
             "responses_per_s": scored / elapsed if elapsed > 0 else None,
             "pnl": self.pnl,
             "responses_sent": self.responses_sent,
