@@ -362,6 +362,9 @@ def test_parquet_null_in_a_dictionary_symbol_is_refused_not_read_as_another_symb
     ("delay_ms", ["12"] * 6, "column delay_ms holds string values, not numbers"),
     ("symbol", list(range(6)), "column symbol holds int64 values, not text"),
     ("symbol", [b"A"] * 6, "column symbol holds binary values, not text"),
+    # the features are made float32 a column at a time: a float64 past its range, or an inf, is told as before
+    ("feature_05", [0, 0, 1e300, 0, 0, 0], r"feature_05 values at row 2 exceed float32's range \(max \|value\| 1e\+300\)"),
+    ("feature_05", [0, 0, 0, -np.inf, 0, 0], r"features contain NaN or inf at row 3, feature 5 \(1 bad rows\)"),
 ])
 def test_parquet_bad_columns_are_named_with_their_row(tmp_path, column, values, message):
     write_original(tmp_path / "s.parquet", **{column: values})
