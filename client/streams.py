@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import zipfile
 from dataclasses import dataclass, field
@@ -56,10 +57,11 @@ def _numbers(name: str, array) -> np.ndarray:
 
 
 def _float32(name: str, array: np.ndarray) -> np.ndarray:
-    """`array` (finite) as contiguous float32: a float64 beyond float32's range would become inf, and be told as a
-    NaN or inf the file does not hold."""
+    """`array` as contiguous float32: a float64 beyond float32's range would become inf, and be told as a NaN or inf
+    the file does not hold. A NaN or inf is left as it is, for the check that names its row and feature."""
     if array.dtype.itemsize > 4 and array.size:
-        big = np.abs(array.reshape(len(array), -1)).max(axis=1) > np.finfo(np.float32).max
+        magnitude = np.abs(array.reshape(len(array), -1))
+        big = ((magnitude > np.finfo(np.float32).max) & (magnitude < np.inf)).any(axis=1)
         if big.any():
             row = _first_bad_row(big)
             raise ValueError(f"{name} at row {row} exceed float32's range (max |value| "
@@ -299,30 +301,70 @@ def _read_npz(path: Path) -> Stream:
         raise ValueError(f"stream {path}: {error}") from error
 
 
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())  # pyarrow's messages may run over lines (a corrupted page's: two)
+
+
 def _read_parquet(path: Path) -> Stream:
-    _, pq = _import_parquet()
+    pa, pq = _import_parquet()
     try:
-        table = pq.read_table(path)
+        # the names first: read_table refuses a name held twice with the whole schema (80-odd lines) in its message
+        names = pq.read_schema(path).names
     except Exception as error:
-        raise ValueError(f"cannot read stream {path} as parquet: {error}") from error
-    names = set(table.column_names)
+        raise ValueError(f"cannot read stream {path} as parquet: {_one_line(error)}") from error
+    twice = [name for name in (*FEATURE_COLUMNS, "symbol", "delay_ms", *TARGET_COLUMNS) if names.count(name) > 1]
+    if twice:
+        raise ValueError(f"stream {path} has {names.count(twice[0])} columns named {twice[0]}")
     missing = [name for name in (*FEATURE_COLUMNS, "symbol", "delay_ms") if name not in names]
     if missing:
-        raise ValueError(f"stream {path} lacks the columns {', '.join(missing)}")
+        # "Symbol" or "delay_ms " (a header's stray space) is the column meant: say so
+        near = [repr(name) for name in names if name.strip().lower() in missing and name not in missing]
+        raise ValueError(f"stream {path} lacks the columns {', '.join(missing)}"
+                         + (f" (it has {', '.join(near)})" if near else ""))
     present_targets = [name for name in TARGET_COLUMNS if name in names]
     if present_targets and len(present_targets) != NUM_TOWERS:
         raise ValueError(f"stream {path} has only some target columns ({', '.join(present_targets)}); "
                          f"expected all of {', '.join(TARGET_COLUMNS)} or none")
+    # a feature_79 would make 80 features played as their first 79: another model's stream
+    beyond = [name for name in names if re.fullmatch(r"(feature|target)_\d+", name)
+              and name not in FEATURE_COLUMNS + TARGET_COLUMNS]
+    if beyond:
+        raise ValueError(f"stream {path} has columns beyond {FEATURE_COLUMNS[0]}..{FEATURE_COLUMNS[-1]} and "
+                         f"{TARGET_COLUMNS[0]}..{TARGET_COLUMNS[-1]}: {', '.join(beyond)}")
+    try:  # only the stream's columns: others (a pandas index, notes) are not read. pre_buffer (for S3) held the
+        # whole file's bytes besides its table: a million requests' took 1.9 GB, not 1.2
+        table = pq.read_table(path, columns=[*FEATURE_COLUMNS, "symbol", "delay_ms", *present_targets],
+                              pre_buffer=False)
+    except Exception as error:
+        raise ValueError(f"cannot read stream {path} as parquet: {_one_line(error)}") from error
 
     def column(name):
-        return table.column(name).to_numpy()
+        values = table.column(name)
+        kind = values.type.value_type if pa.types.is_dictionary(values.type) else values.type
+        if name == "symbol":
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"):
+                raise ValueError(f"column symbol holds {values.type} values, not text")
+        elif not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
+            # to_numpy() would give an object array, told as "dtype object" without the column
+            raise ValueError(f"column {name} holds {values.type} values, not numbers")
+        if values.null_count:
+            # to_numpy() gives a number's null as NaN (told as a NaN the file does not hold), and a dictionary's as
+            # whichever symbol its index points to
+            raise ValueError(f"column {name} is null (missing, or a NaN as pandas writes one) at row "
+                             f"{_first_bad_row(values.is_null().to_numpy())} ({values.null_count} null rows)")
+        return values.to_numpy()
 
-    features = np.stack([column(name) for name in FEATURE_COLUMNS], axis=1)
-    targets = np.stack([column(name) for name in TARGET_COLUMNS], axis=1) if present_targets else None
     stored_meta = (table.schema.metadata or {}).get(_PARQUET_META_KEY)
     try:
+        if not table.num_rows:  # before the types: an empty column's may be null or double, whatever it was meant to be
+            raise ValueError("the stream has no requests")
+        # float32 a column at a time: stacked as float64 first, a million requests' features took 3 GB at peak
+        features = np.empty((table.num_rows, NUM_FEATURES), np.float32)
+        for i, name in enumerate(FEATURE_COLUMNS):
+            features[:, i] = _float32(f"{name} values", column(name))
+        targets = np.stack([column(name) for name in TARGET_COLUMNS], axis=1) if present_targets else None
+        symbols, delay_ms = np.asarray(column("symbol"), dtype=object), column("delay_ms")
         meta = _meta(stored_meta) if stored_meta else {}
-        return Stream(np.asarray(column("symbol").tolist(), dtype=object), features,
-                      column("delay_ms"), targets, meta)
+        return Stream(symbols, features, delay_ms, targets, meta)
     except ValueError as error:
         raise ValueError(f"stream {path}: {error}") from error

@@ -300,6 +300,27 @@ def test_stream_file_replays(tmp_path, team_dir, capsys):
     assert "requests 6  responses 6" in out
 
 
+def test_an_original_parquet_stream_replays_and_a_bad_one_is_one_line(tmp_path, team_dir, capsys):
+    # as pandas writes the original's files: an index column, a categorical symbol, int64 gaps, float64 features
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    from client.streams import FEATURE_COLUMNS
+    stream = generate_stream(3, 8, seed=2)
+    columns = {"__index_level_0__": np.arange(8) + 100}
+    columns.update({name: stream.features[:, i].astype(np.float64) for i, name in enumerate(FEATURE_COLUMNS)})
+    columns.update(symbol=pa.array(stream.symbols.tolist()).dictionary_encode(), delay_ms=np.full(8, 3))
+    path = tmp_path / "original.parquet"
+    pq.write_table(pa.table(columns), path)
+    rc, out, err = run_main(capsys, "--stream", path, "--team-dir", team_dir,
+                            "--cache-dir", tmp_path / "cache", "--device", "cpu")
+    assert rc == 0, err
+    assert "requests 8  responses 8" in out
+    pq.write_table(pa.Table.from_arrays([*pa.table(columns).columns, pa.array(["x"] * 8)],
+                                        names=[*columns, "symbol"]), path)
+    rc, _, err = run_main(capsys, "--stream", path, "--team-dir", team_dir, "--device", "cpu")
+    assert rc == 2 and err == f"local_evaluator.py: error: stream {path} has 2 columns named symbol\n", err
+
+
 def test_plot_without_matplotlib(tmp_path, team_dir, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     rc, _, err = run_main(capsys, "--plot", tmp_path / "p.png", "--team-dir", team_dir)

@@ -1,4 +1,5 @@
 import json
+import re
 import sys
 
 import numpy as np
@@ -322,6 +323,132 @@ def test_parquet_bad_meta_names_the_file(tmp_path):
     pq.write_table(table.replace_schema_metadata({b"fastens_meta": b"{not json"}), path)
     with pytest.raises(ValueError, match=f"stream {path}: its meta is not JSON text: Expecting property name"):
         load_stream(path)
+
+
+
+def write_original(path, num_requests=6, extra=(), **columns):
+    """A parquet file in the original's schema, as another tool writes it: `columns` replace its columns (pyarrow
+    arrays, or values), `extra` is (name, array) pairs appended as they are, so a name may come twice."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    stream = small_stream(max(num_requests, 1))  # a Stream has requests; the file may not
+    table = {name: stream.features[:num_requests, i].astype(np.float64) for i, name in enumerate(FEATURE_COLUMNS)}
+    table.update(symbol=stream.symbols[:num_requests].tolist(), delay_ms=np.arange(num_requests))
+    table.update(columns)
+    names = list(table) + [name for name, _ in extra]
+    arrays = [pa.array(values) for values in table.values()] + [pa.array(values) for _, values in extra]
+    pq.write_table(pa.Table.from_arrays(arrays, names=names), path)
+    return stream
+
+
+def test_parquet_null_in_a_dictionary_symbol_is_refused_not_read_as_another_symbol(tmp_path):
+    # a pandas categorical with a missing value: to_numpy() gave the null row one of the dictionary's symbols
+    pa = pytest.importorskip("pyarrow")
+    symbols = pa.array(["A", "B", None, "A", "B", "A"]).dictionary_encode()
+    write_original(tmp_path / "s.parquet", symbol=symbols)
+    with pytest.raises(ValueError, match=r"s.parquet: column symbol is null \(.*\) at row 2 \(1 null rows\)$"):
+        load_stream(tmp_path / "s.parquet")
+
+
+@pytest.mark.parametrize("column, values, message", [
+    # a null in a number column was told as "NaN or inf", which the file does not hold
+    ("feature_40", [0.5, None, 1, 2, 3, 4], r"column feature_40 is null \(missing, or a NaN as pandas writes one\)"
+     r" at row 1 \(1 null rows\)"),
+    ("delay_ms", [1, 2, 3, None, 5, None], r"column delay_ms is null \(.*\) at row 3 \(2 null rows\)"),
+    # the column and its type, not "features must be real numbers, got dtype object"
+    ("feature_05", ["1.5"] * 6, "column feature_05 holds string values, not numbers"),
+    ("feature_05", [[1.0, 2.0]] * 6, r"column feature_05 holds list<\w+: double> values, not numbers"),
+    ("feature_05", [None] * 6, "column feature_05 holds null values, not numbers"),
+    ("delay_ms", ["12"] * 6, "column delay_ms holds string values, not numbers"),
+    ("symbol", list(range(6)), "column symbol holds int64 values, not text"),
+    ("symbol", [b"A"] * 6, "column symbol holds binary values, not text"),
+    # the features are made float32 a column at a time: a float64 past its range, or an inf, is told as before
+    ("feature_05", [0, 0, 1e300, 0, 0, 0], r"feature_05 values at row 2 exceed float32's range \(max \|value\| 1e\+300\)"),
+    ("feature_05", [0, 0, 0, -np.inf, 0, 0], r"features contain NaN or inf at row 3, feature 5 \(1 bad rows\)"),
+])
+def test_parquet_bad_columns_are_named_with_their_row(tmp_path, column, values, message):
+    write_original(tmp_path / "s.parquet", **{column: values})
+    with pytest.raises(ValueError) as error:
+        load_stream(tmp_path / "s.parquet")
+    assert re.fullmatch(re.escape(f"stream {tmp_path / 's.parquet'}: ") + message, str(error.value))
+
+
+def test_parquet_null_target_is_named(tmp_path):
+    targets = {f"target_{i:02d}": np.ones(6) for i in range(4)}
+    targets["target_02"] = [1.0, 1.0, 1.0, 1.0, None, 1.0]
+    write_original(tmp_path / "s.parquet", **targets)
+    with pytest.raises(ValueError, match=r"column target_02 is null \(.*\) at row 4"):
+        load_stream(tmp_path / "s.parquet")
+
+
+def test_parquet_without_rows_says_so(tmp_path):
+    # an empty column's type is whatever the writer chose (null, double): "column symbol holds null values" before
+    pa = pytest.importorskip("pyarrow")
+    write_original(tmp_path / "s.parquet", 0, symbol=pa.array([]), delay_ms=pa.array([], pa.float64()))
+    with pytest.raises(ValueError, match=r"s.parquet: the stream has no requests$"):
+        load_stream(tmp_path / "s.parquet")
+
+
+@pytest.mark.parametrize("name", ["feature_10", "symbol", "delay_ms"])
+def test_parquet_a_column_named_twice_is_refused_in_one_line(tmp_path, name):
+    # read_table failed with "Multiple matches for FieldRef.Name(...)" and the whole schema, 86 lines
+    write_original(tmp_path / "s.parquet", extra=[(name, np.zeros(6) if name != "symbol" else ["Z"] * 6)])
+    with pytest.raises(ValueError) as error:
+        load_stream(tmp_path / "s.parquet")
+    assert str(error.value) == f"stream {tmp_path / 's.parquet'} has 2 columns named {name}"
+
+
+def test_parquet_an_unknown_column_named_twice_is_not_read(tmp_path):
+    stream = write_original(tmp_path / "s.parquet", extra=[("note", ["x"] * 6), ("note", [1] * 6)])
+    assert_same_stream(Stream(stream.symbols, stream.features, np.arange(6)), load_stream(tmp_path / "s.parquet"))
+
+
+def test_parquet_a_feature_beyond_the_79_is_refused(tmp_path):
+    # 80 features would have been played as their first 79
+    write_original(tmp_path / "s.parquet", feature_79=np.zeros(6), target_04=np.zeros(6))
+    with pytest.raises(ValueError, match=r"s.parquet has columns beyond feature_00..feature_78 and "
+                                         r"target_00..target_03: feature_79, target_04$"):
+        load_stream(tmp_path / "s.parquet")
+
+
+def test_parquet_a_missing_column_names_its_near_miss(tmp_path):
+    pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    write_original(tmp_path / "s.parquet")
+    table = pq.read_table(tmp_path / "s.parquet")
+    pq.write_table(table.rename_columns([{"symbol": "Symbol", "delay_ms": "delay_ms "}.get(name, name)
+                                         for name in table.column_names]), tmp_path / "s.parquet")
+    with pytest.raises(ValueError, match=r"lacks the columns symbol, delay_ms \(it has 'Symbol', 'delay_ms '\)$"):
+        load_stream(tmp_path / "s.parquet")
+
+
+def test_parquet_pandas_style_file_plays(tmp_path):
+    # what pandas writes: float64 features, an index column, int64 gaps, a categorical symbol, columns reordered
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    stream = small_stream(targets=True)
+    columns = {"__index_level_0__": np.arange(10, 16), "delay_ms": np.full(6, 12)}
+    columns.update({name: stream.features[:, i].astype(np.float64) for i, name in enumerate(FEATURE_COLUMNS)})
+    columns["symbol"] = pa.array(stream.symbols.tolist()).dictionary_encode()
+    columns.update({f"target_{i:02d}": stream.targets[:, i].astype(np.float64) for i in range(4)})
+    pq.write_table(pa.table(columns), tmp_path / "s.parquet", row_group_size=4)
+    loaded = load_stream(tmp_path / "s.parquet")
+    assert_same_stream(Stream(stream.symbols, stream.features, np.full(6, 12.0), stream.targets), loaded)
+
+
+def test_parquet_a_corrupted_file_is_refused_in_one_line(tmp_path):
+    pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    path = tmp_path / "s.parquet"
+    write_original(path)
+    pq.write_table(pq.read_table(path), path, compression="none")
+    data = bytearray(path.read_bytes())
+    for i in range(200, len(data) // 2, 7):  # pages garbled, the footer whole
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError) as error:
+        load_stream(path)
+    assert str(error.value).startswith(f"cannot read stream {path} as parquet: ") and "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("meta, message", [
