@@ -32,15 +32,10 @@ L2_FLUSH_BYTES = 256 << 20  # written before each timed launch: five times an H1
 
 def outer_product_configs(d_size):
     """(block_e, block_d, num_warps, row_stages) to try; None: the launcher's own choice. One or two warps a
-    program with tiles of 2,048-4,096 values: a row's readout then sums over d within a warp (no barrier); 8 or 16
-    warps with tiles of 16,384-32,768 values."""
+    program with tiles of 2,048-4,096 values: a row's readout then sums over d within a warp (no barrier)."""
     configs = [None]
     for block_e, tile, warps, stages in [*itertools.product((16, 32, 64), (4096, 8192, 16384), (4, 8), (1, 2)),
-                                         *itertools.product((8, 16, 32), (2048, 4096), (1, 2), (1,)),
-                                         # the mLSTM's C (d 512) in one chunk of 64 columns: no partial readouts
-                                         # kept in the output between chunks, no barrier
-                                         *itertools.product((64,), (32768,), (8, 16), (1,)),
-                                         *itertools.product((128,), (16384, 32768), (8, 16), (1,))]:
+                                         *itertools.product((8, 16, 32), (2048, 4096), (1, 2), (1,))]:
         block_d = min(next_pow2(d_size), tile // block_e)
         config = (block_e, block_d, warps, stages)
         if config not in configs:
