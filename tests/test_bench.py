@@ -268,7 +268,7 @@ def test_steps_by_rows_groups_the_step_log_by_the_engines_row_sizes():
     from scripts.benchmarks.serving import steps_by_rows
 
     def step(submitted, ended, rows, symbols=64):
-        return {"submitted": submitted, "ended": ended, "rows": rows, "symbols": symbols}
+        return {"formed": submitted - 0.001, "submitted": submitted, "ended": ended, "rows": rows, "symbols": symbols}
 
     log = [step(0.000, 0.015, 240), step(0.001, 0.034, 340),  # queued behind the first: counted from its end
            step(0.034, None, 300),                            # failed: no time
@@ -278,6 +278,7 @@ def test_steps_by_rows_groups_the_step_log_by_the_engines_row_sizes():
     assert out["384"]["steps"] == 2 and out["384"]["rows_p50"] == 320
     assert out["384"]["ms_p50"] == pytest.approx(19.0)  # 19 ms (15 -> 34) and 19 ms (40 -> 59)
     assert out["256"]["ms_p50"] == pytest.approx(15.0) and out["512"]["ms_p50"] == pytest.approx(24.0)
+    assert out["384"]["forming_ms_p50"] == pytest.approx(1.0) and out["384"]["forming_ms_max"] == pytest.approx(1.0)
     assert list(steps_by_rows(log, ())) == ["256", "512"]  # without the engine's sizes: powers of two
 
 

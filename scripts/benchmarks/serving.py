@@ -242,17 +242,21 @@ def served_step_ms(steps, max_symbols) -> np.ndarray:
 
 
 def steps_by_rows(steps, row_sizes) -> dict:
-    """{rows class: {steps, rows_p50, ms_p50, ms_p90}} of the runtime's step log, each step under its rows' size
-    class as the runtime's step clock has it (step_size with the engine's captured rows), its time as
-    served_step_ms counts it."""
+    """{rows class: {steps, rows_p50, ms_p50, ms_p90, forming_ms_p50, forming_ms_max}} of the runtime's step log,
+    each step under its rows' size class as the runtime's step clock has it (step_size with the engine's captured
+    rows), its time as served_step_ms counts it; forming: from the start of its forming to its submit's return,
+    the event loop's time on it with inline steps."""
     from client.step_clock import step_size
 
     ended = [step for step in steps if step["ended"] is not None]
     ms = served_step_ms(ended, math.inf)
     rows = np.array([step["rows"] for step in ended])
     classes = np.array([step_size(step["rows"], step["symbols"], row_sizes)[0] for step in ended])
+    forming = np.array([(step["submitted"] - step["formed"]) * 1e3 for step in ended])
     return {str(size): {"steps": int((chosen := classes == size).sum()), "rows_p50": float(np.median(rows[chosen])),
-                        "ms_p50": float(np.median(ms[chosen])), "ms_p90": float(np.percentile(ms[chosen], 90))}
+                        "ms_p50": float(np.median(ms[chosen])), "ms_p90": float(np.percentile(ms[chosen], 90)),
+                        "forming_ms_p50": float(np.median(forming[chosen])),
+                        "forming_ms_max": float(forming[chosen].max())}
             for size in sorted(set(classes.tolist()))}
 
 
@@ -363,7 +367,8 @@ def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", 
                        f"accuracy {fmt(numbers['accuracy'], 4)}, missed {numbers['missed']} -> "
                        f"{'pass' if passed else 'FAIL'}; {arrival_line(numbers['arrival'])}; steps by rows: "
                        + ", ".join(
-                           f"{size}: {c['steps']} x {c['ms_p50']:.1f} ms (rows p50 {c['rows_p50']:g})"
+                           f"{size}: {c['steps']} x {c['ms_p50']:.1f} ms (rows p50 {c['rows_p50']:g}, formed in "
+                           f"{c['forming_ms_p50']:.2f}, max {c['forming_ms_max']:.2f})"
                            for size, c in numbers["steps_by_rows"].items()))
         if not passed:
             break
