@@ -528,6 +528,11 @@ class StreamingClient:
                     reason = str(exc)
                     if first:
                         self._finish(UNREACHABLE, f"cannot reach {self.url} within {waited:.1f} s ({reason})")
+                    elif self._stream_answered():  # (a server of one stream that went away as its end was sent)
+                        self._finish(COMPLETE, f"every one of the stream's {self.stats.requests:,} requests was "
+                                               f"received and answered; the connection was lost before the "
+                                               f"server's end, and {self.url} stayed unreachable for {waited:.1f} s "
+                                               f"({reason})")
                     else:
                         self._finish(CUT_SHORT, f"the connection was lost after {self._played()} requests "
                                                 f"answered and {self.url} stayed unreachable for {waited:.1f} s "
@@ -652,6 +657,12 @@ class StreamingClient:
                                    f"requests answered in time (the limit: --server-idle-s {self.server_idle_s:g})")
             self._spawn(ws.close())
         return True
+
+    def _stream_answered(self) -> bool:
+        """Whether this client received as many requests as the welcome said the stream holds, and none waits for
+        its answer: the stream played to its end, though no `end` came."""
+        total = (self.welcome or {}).get("requests")
+        return total is not None and self.stats.requests >= total > 0 and not self._in_flight
 
     def _played(self) -> str:
         """How many requests were answered in time, of how many (when the server said)."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from websockets.asyncio.server import serve
 
-from client import protocol
+from client import cli, protocol
 from client.engine.reference import ReferenceEngine
 from client.model import load_model
 from client import runtime
@@ -761,6 +761,37 @@ def test_server_gone_mid_stream_cuts_the_session_short_after_the_backoff(model):
     summary = asyncio.run(main())
     assert summary["outcome"] == runtime.CUT_SHORT and "stayed unreachable" in summary["detail"]
     assert summary["connections"] == 1
+
+
+def test_server_gone_as_its_end_was_due_after_every_request_answered_completes_the_stream(model):
+    """A server of one stream (`--once`) that went away just as it would send its end, the last answers sent: every
+    request the welcome counted was received and answered, so the stream was played to its end (it had said cut
+    short, exit 6)."""
+    symbols, features = _stream(3)
+    recorder = Recorder()
+    answered = asyncio.Event()
+
+    async def main():
+        server = await serve(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = StreamingClient(CountingClient(ReferenceEngine(model)), f"ws://127.0.0.1:{port}", "testers",
+                                 backoff_s=0.02, give_up_after_s=0.5)
+        playing = asyncio.create_task(client.run())
+        await answered.wait()
+        server.close()  # no end: the connection drops and nobody listens any more
+        return await asyncio.wait_for(playing, 30)
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_welcome(3))
+        await ws.send(_request([0, 1, 2], symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) == 3)
+        answered.set()
+        await asyncio.sleep(30)
+
+    summary = asyncio.run(main())
+    assert summary["outcome"] == runtime.COMPLETE and "every one of the stream's 3 requests" in summary["detail"]
+    assert cli.EXIT_BY_OUTCOME[summary["outcome"]] == cli.EXIT_OK
 
 
 def test_unreachable_server_fails_fast():
