@@ -400,6 +400,9 @@ class StreamingClient:
         # such an id (its backlog, formed before that answer reached it) crosses the answer and is not answered again
         self._carried: set[int] = set()
         self._crossing: set[int] = set()
+        # ids answered (or refused after a step) on no connection, or whose send failed: they wait for the server's
+        # resend, so a stream is not played to its end while any does (_stream_answered)
+        self._unsent: set[int] = set()
         self._rejected_ids: set[int] = set()
         self._cache: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()  # uid -> (answer, request print)
         # ids whose answers left the cache, and the refused ids between them: a resend is refused, since stepping it
@@ -660,9 +663,9 @@ class StreamingClient:
 
     def _stream_answered(self) -> bool:
         """Whether this client received as many requests as the welcome said the stream holds, and none waits for
-        its answer: the stream played to its end, though no `end` came."""
+        its answer or for a connection to send it on: the stream played to its end, though no `end` came."""
         total = (self.welcome or {}).get("requests")
-        return total is not None and self.stats.requests >= total > 0 and not self._in_flight
+        return total is not None and self.stats.requests >= total > 0 and not self._in_flight and not self._unsent
 
     def _played(self) -> str:
         """How many requests were answered in time, of how many (when the server said)."""
@@ -844,7 +847,7 @@ class StreamingClient:
         if cached_ids:
             self.stats.resent_from_cache += len(cached_ids)
             predictions = np.stack([self._cache[uid][0] for uid in cached_ids])
-            self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()))
+            self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()), cached_ids)
 
     def _refuse_request(self, ws, uid, symbol, reason):
         # a feed's NaN rows, and each reconnect's resend of every request refused before (all of a lost shard's
@@ -1375,7 +1378,7 @@ class StreamingClient:
             self._carried -= crossed
             self._crossing |= crossed
         # When disconnected the answers wait in the cache for the server's resend.
-        self._send(self._ws, protocol.inference_response(ids, predictions, time.time()))
+        self._send(self._ws, protocol.inference_response(ids, predictions, time.time()), ids)
         self._mark("answered", ids)
 
     def _reject(self, ids):
@@ -1401,28 +1404,32 @@ class StreamingClient:
         for uid in ids:
             self._in_flight.pop(uid, None)
         self._reject(ids)
-        self._send(self._ws, protocol.error("client_error", f"unique_ids {ids} not answered: {why}"))
+        self._send(self._ws, protocol.error("client_error", f"unique_ids {ids} not answered: {why}"), ids)
 
-    def _send(self, ws, msg):
-        if ws is not None:
-            frame = ws.encode(msg)
-            if frame is not None:
-                self._spawn(self._send_frame(ws, frame))
+    def _send(self, ws, msg, answered=()):
+        """Send msg on ws (None: no connection); `answered`, the ids it answers, are in _unsent until it goes."""
+        if ws is None:
+            self._unsent.update(answered)
+            return
+        frame = ws.encode(msg)
+        if frame is not None:
+            self._spawn(self._send_frame(ws, frame, answered))
 
     def _spawn(self, coro):
         task = self._loop.create_task(coro)
         self._send_tasks.add(task)
         task.add_done_callback(self._send_tasks.discard)
 
-    async def _send_frame(self, ws, frame):
+    async def _send_frame(self, ws, frame, answered=()):
         # A send stuck server_idle_s ends the connection (as the server cuts off a client that stops reading): a server
         # that read nothing while it sent on (tcp-json has no keepalive to notice) kept every answer's frame buffered
         # and its task waiting, for good (67,000 requests: 5,256 tasks and 0.9 MB buffered, growing).
         stuck = self._loop.call_later(self.server_idle_s, self._cut_off_unread, ws)
         try:
             await ws.send(frame)
+            self._unsent.difference_update(answered)
         except transport.ConnectionClosed:
-            pass  # the server resends unanswered requests after the reconnect
+            self._unsent.update(answered)  # the server resends unanswered requests after the reconnect
         finally:
             stuck.cancel()
 
