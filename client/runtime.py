@@ -105,9 +105,10 @@ class LatencyHistogram:
         if not values.size:
             return
         bins = np.log(np.maximum(values, self.LOW_MS) / self.LOW_MS) / math.log(self.RATIO)
-        np.add.at(self._counts, np.minimum(bins.astype(np.int64), self.BINS - 1), 1)
-        self.total_ms += float(values.sum())
+        # the extremes before the counts: a reader between them saw counts with min inf, max -inf (nan percentiles)
         self.min_ms, self.max_ms = min(self.min_ms, float(values.min())), max(self.max_ms, float(values.max()))
+        self.total_ms += float(values.sum())
+        np.add.at(self._counts, np.minimum(bins.astype(np.int64), self.BINS - 1), 1)
 
     def percentiles(self, qs) -> list[float] | None:
         counts = self._counts.copy()

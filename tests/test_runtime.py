@@ -929,6 +929,27 @@ def test_latency_percentiles_of_a_few_interpolate_between_ranks_as_numpy(latenci
     assert LatencyHistogram().percentiles(qs) is None
 
 
+def test_latency_percentiles_read_while_latencies_are_added_are_never_outside_those_seen(monkeypatch):
+    """The progress thread reads the percentiles while the event loop adds: a read between the counts and the
+    extremes (the first add's: min inf, max -inf) said -inf or nan; it may miss the latest, never make one up."""
+    from types import SimpleNamespace
+
+    from client.runtime import LatencyHistogram
+
+    histogram, read = LatencyHistogram(), []
+
+    def add_at(counts, bins, one):  # the reader's thread runs just after the counts grew
+        np.add.at(counts, bins, one)
+        read.append(histogram.percentiles([0, 50, 100]))
+
+    monkeypatch.setattr(runtime, "np", SimpleNamespace(**{name: getattr(np, name) for name in dir(np)
+                                                          if not name.startswith("__")}))
+    monkeypatch.setattr(runtime.np, "add", SimpleNamespace(at=add_at))
+    histogram.add([3.0, 5.0])
+    histogram.add([1.0, 9.0])
+    assert all(1.0 <= value <= 9.0 for values in read for value in values), read
+
+
 def test_requests_a_client_cannot_place_get_an_error_and_the_rest_are_answered():
     """A symbol the engine has no room for: its request alone gets an error, the batch's others are answered."""
     from client.answers import check_answer
