@@ -401,8 +401,9 @@ class StreamingClient:
         # such an id (its backlog, formed before that answer reached it) crosses the answer and is not answered again
         self._carried: set[int] = set()
         self._crossing: set[int] = set()
-        # ids answered (or refused after a step) on no connection, or whose send failed: they wait for the server's
-        # resend, so a stream is not played to its end while any does (_stream_answered)
+        # ids whose predictions went out on no connection, or whose send failed: they wait for the server's resend
+        # (answered from the cache), so a stream is not played to its end while any does (_stream_answered); a
+        # refusal lost so is refused again on the resend, and the server counts it missed either way
         self._unsent: set[int] = set()
         self._rejected_ids: set[int] = set()
         self._cache: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()  # uid -> (answer, request print)
@@ -1405,10 +1406,10 @@ class StreamingClient:
         for uid in ids:
             self._in_flight.pop(uid, None)
         self._reject(ids)
-        self._send(self._ws, protocol.error("client_error", f"unique_ids {ids} not answered: {why}"), ids)
+        self._send(self._ws, protocol.error("client_error", f"unique_ids {ids} not answered: {why}"))
 
     def _send(self, ws, msg, answered=()):
-        """Send msg on ws (None: no connection); `answered`, the ids it answers, are in _unsent until it goes."""
+        """Send msg on ws (None: no connection); `answered`, the ids it gives predictions, in _unsent until it goes."""
         if ws is None:
             self._unsent.update(answered)
             return
