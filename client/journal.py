@@ -67,7 +67,7 @@ class Journal:
                 if header is None or any(header.get(k) != v for k, v in self.identity.items()):
                     return
                 count, end, symbols = 0, self._records_at, set()
-                for chunk, chunk_end in _chunks(f, self._records_at, features=False):
+                for chunk, chunk_end in _chunks(f, self._records_at, None, features=False):
                     count, end = count + len(chunk), chunk_end
                     symbols.update(symbol for _, symbol, _ in chunk)
         except FileNotFoundError:
@@ -82,11 +82,9 @@ class Journal:
         if not self.count:
             return
         try:
-            with open(self.path, "rb") as f:
-                for chunk, chunk_end in _chunks(f, self._records_at):
+            with open(self.path, "rb") as f:  # up to those counted: the file may have grown since
+                for chunk, _ in _chunks(f, self._records_at, self._records_end):
                     yield chunk
-                    if chunk_end >= self._records_end:
-                        return
         except OSError as exc:
             raise JournalError(f"--journal {self.path}: cannot read it ({exc.strerror})") from None
 
@@ -157,13 +155,13 @@ def _read_header(f, path) -> tuple[dict | None, int]:
     return header, len(MAGIC) + len(line)
 
 
-def _chunks(f, at: int, features: bool = True):
+def _chunks(f, at: int, end: int | None = None, features: bool = True):
     """([(unique_id, symbol, features)], the offset after the last of them) for each READ_BYTES of the records from
-    offset `at`, in order (features None unless `features`); a tail cut inside a record (the process killed
-    mid-write) ends them."""
+    offset `at` up to offset `end` (None: the file's end), in order (features None unless `features`); a tail cut
+    inside a record (the process killed mid-write) ends them."""
     f.seek(at)
     data = b""
-    while more := f.read(READ_BYTES):
+    while more := f.read(READ_BYTES if end is None else min(READ_BYTES, end - at - len(data))):
         data += more
         records, used = [], 0
         while used + _HEAD.size <= len(data):

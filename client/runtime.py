@@ -105,9 +105,10 @@ class LatencyHistogram:
         if not values.size:
             return
         bins = np.log(np.maximum(values, self.LOW_MS) / self.LOW_MS) / math.log(self.RATIO)
-        np.add.at(self._counts, np.minimum(bins.astype(np.int64), self.BINS - 1), 1)
-        self.total_ms += float(values.sum())
+        # the extremes before the counts: a reader between them saw counts with min inf, max -inf (nan percentiles)
         self.min_ms, self.max_ms = min(self.min_ms, float(values.min())), max(self.max_ms, float(values.max()))
+        self.total_ms += float(values.sum())
+        np.add.at(self._counts, np.minimum(bins.astype(np.int64), self.BINS - 1), 1)
 
     def percentiles(self, qs) -> list[float] | None:
         counts = self._counts.copy()
@@ -400,6 +401,10 @@ class StreamingClient:
         # such an id (its backlog, formed before that answer reached it) crosses the answer and is not answered again
         self._carried: set[int] = set()
         self._crossing: set[int] = set()
+        # ids whose predictions went out on no connection, or whose send failed: they wait for the server's resend
+        # (answered from the cache), so a stream is not played to its end while any does (_stream_answered); a
+        # refusal lost so is refused again on the resend, and the server counts it missed either way
+        self._unsent: set[int] = set()
         self._rejected_ids: set[int] = set()
         self._cache: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()  # uid -> (answer, request print)
         # ids whose answers left the cache, and the refused ids between them: a resend is refused, since stepping it
@@ -660,9 +665,9 @@ class StreamingClient:
 
     def _stream_answered(self) -> bool:
         """Whether this client received as many requests as the welcome said the stream holds, and none waits for
-        its answer: the stream played to its end, though no `end` came."""
+        its answer or for a connection to send it on: the stream played to its end, though no `end` came."""
         total = (self.welcome or {}).get("requests")
-        return total is not None and self.stats.requests >= total > 0 and not self._in_flight
+        return total is not None and self.stats.requests >= total > 0 and not self._in_flight and not self._unsent
 
     def _played(self) -> str:
         """How many requests were answered in time, of how many (when the server said)."""
@@ -844,7 +849,7 @@ class StreamingClient:
         if cached_ids:
             self.stats.resent_from_cache += len(cached_ids)
             predictions = np.stack([self._cache[uid][0] for uid in cached_ids])
-            self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()))
+            self._send(ws, protocol.inference_response(cached_ids, predictions, time.time()), cached_ids)
 
     def _refuse_request(self, ws, uid, symbol, reason):
         # a feed's NaN rows, and each reconnect's resend of every request refused before (all of a lost shard's
@@ -1375,7 +1380,7 @@ class StreamingClient:
             self._carried -= crossed
             self._crossing |= crossed
         # When disconnected the answers wait in the cache for the server's resend.
-        self._send(self._ws, protocol.inference_response(ids, predictions, time.time()))
+        self._send(self._ws, protocol.inference_response(ids, predictions, time.time()), ids)
         self._mark("answered", ids)
 
     def _reject(self, ids):
@@ -1403,26 +1408,30 @@ class StreamingClient:
         self._reject(ids)
         self._send(self._ws, protocol.error("client_error", f"unique_ids {ids} not answered: {why}"))
 
-    def _send(self, ws, msg):
-        if ws is not None:
-            frame = ws.encode(msg)
-            if frame is not None:
-                self._spawn(self._send_frame(ws, frame))
+    def _send(self, ws, msg, answered=()):
+        """Send msg on ws (None: no connection); `answered`, the ids it gives predictions, in _unsent until it goes."""
+        if ws is None:
+            self._unsent.update(answered)
+            return
+        frame = ws.encode(msg)
+        if frame is not None:
+            self._spawn(self._send_frame(ws, frame, answered))
 
     def _spawn(self, coro):
         task = self._loop.create_task(coro)
         self._send_tasks.add(task)
         task.add_done_callback(self._send_tasks.discard)
 
-    async def _send_frame(self, ws, frame):
+    async def _send_frame(self, ws, frame, answered=()):
         # A send stuck server_idle_s ends the connection (as the server cuts off a client that stops reading): a server
         # that read nothing while it sent on (tcp-json has no keepalive to notice) kept every answer's frame buffered
         # and its task waiting, for good (67,000 requests: 5,256 tasks and 0.9 MB buffered, growing).
         stuck = self._loop.call_later(self.server_idle_s, self._cut_off_unread, ws)
         try:
             await ws.send(frame)
+            self._unsent.difference_update(answered)
         except transport.ConnectionClosed:
-            pass  # the server resends unanswered requests after the reconnect
+            self._unsent.update(answered)  # the server resends unanswered requests after the reconnect
         finally:
             stuck.cancel()
 

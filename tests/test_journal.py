@@ -65,6 +65,22 @@ def test_a_tail_cut_by_a_kill_and_another_servers_journal_are_read_as_far_as_the
         (9, "SYM_009")] and np.array_equal(read[-1][2], np.ones(79, np.float32))
 
 
+def test_records_are_those_counted_when_the_file_grew_after_it_was_read(tmp_path):
+    """records() reads the whole records counted when the journal was opened, as many as `count` says (and begin()
+    goes on after): records appended since (another process of the session) were read too, past the count."""
+    path = tmp_path / "j"
+    journal = Journal(path, IDENTITY)
+    journal.begin("k")
+    journal.append(rows(3))
+    journal.close()
+    opened = Journal(path, IDENTITY)
+    other = Journal(path, IDENTITY)
+    other.begin("k")
+    other.append([(9, "SYM_009", np.ones(79, np.float32))])
+    other.close()
+    assert opened.count == 3 and [uid for uid, _, _ in records(opened)] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("content, match", [(b"garbage\n", "not a team-client journal"),
                                             (MAGIC + b"{not json\n", "its header is not JSON")])
 def test_a_file_that_is_no_journal_is_one_line_before_anything_loads(tmp_path, content, match):

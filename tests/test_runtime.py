@@ -794,6 +794,36 @@ def test_server_gone_as_its_end_was_due_after_every_request_answered_completes_t
     assert cli.EXIT_BY_OUTCOME[summary["outcome"]] == cli.EXIT_OK
 
 
+def test_server_gone_before_the_last_answers_went_out_cuts_the_session_short(model):
+    """Every request the welcome counted received and stepped, but the server went away while their step ran: the
+    answers went out on no connection (they wait in the cache for a resend that never comes), so the stream was not
+    played to its end (it said complete, exit 0)."""
+    symbols, features = _stream(3)
+
+    async def main():
+        server = await serve(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = StreamingClient(SlowOnRequestZero(ReferenceEngine(model)), f"ws://127.0.0.1:{port}", "testers",
+                                 backoff_s=0.02, give_up_after_s=0.8)
+        playing = asyncio.create_task(client.run())
+        await sent.wait()
+        server.close()  # mid-step: the connection drops and nobody listens any more
+        return await asyncio.wait_for(playing, 30)
+
+    sent = asyncio.Event()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_welcome(3))
+        await ws.send(_request([0, 1, 2], symbols, features))
+        await asyncio.sleep(0.1)
+        sent.set()
+        await asyncio.sleep(30)
+
+    summary = asyncio.run(main())
+    assert summary["outcome"] == runtime.CUT_SHORT and "stayed unreachable" in summary["detail"], summary["detail"]
+
+
 def test_unreachable_server_fails_fast():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -897,6 +927,27 @@ def test_latency_percentiles_of_a_few_interpolate_between_ranks_as_numpy(latenci
     assert got == pytest.approx(expected, rel=5e-4, abs=1e-3)
     assert got[0] == min(latencies) and got[-1] == max(latencies)
     assert LatencyHistogram().percentiles(qs) is None
+
+
+def test_latency_percentiles_read_while_latencies_are_added_are_never_outside_those_seen(monkeypatch):
+    """The progress thread reads the percentiles while the event loop adds: a read between the counts and the
+    extremes (the first add's: min inf, max -inf) said -inf or nan; it may miss the latest, never make one up."""
+    from types import SimpleNamespace
+
+    from client.runtime import LatencyHistogram
+
+    histogram, read = LatencyHistogram(), []
+
+    def add_at(counts, bins, one):  # the reader's thread runs just after the counts grew
+        np.add.at(counts, bins, one)
+        read.append(histogram.percentiles([0, 50, 100]))
+
+    monkeypatch.setattr(runtime, "np", SimpleNamespace(**{name: getattr(np, name) for name in dir(np)
+                                                          if not name.startswith("__")}))
+    monkeypatch.setattr(runtime.np, "add", SimpleNamespace(at=add_at))
+    histogram.add([3.0, 5.0])
+    histogram.add([1.0, 9.0])
+    assert all(1.0 <= value <= 9.0 for values in read for value in values), read
 
 
 def test_requests_a_client_cannot_place_get_an_error_and_the_rest_are_answered():
