@@ -15,8 +15,8 @@ one server, team and weights: its header names them with the session key of the 
 process presents to take its team back (the file is readable by its owner alone). It grows ~350 bytes a request
 (~0.5 GB an hour at 400 requests/s); a new session of the server starts it afresh. A tail cut by a kill or a crash is
 cut off before the new process appends (appended after it, the next read took the cut record's length for a
-symbol's and read garbage from there on). Read and replayed a chunk at a time, whatever its length holds of memory
-only the answers the runtime may resend from (its answer cache) and the older ids as ranges.
+symbol's and read garbage from there on). It is read and replayed a chunk at a time: however long it is, a restart
+holds in memory only the answers the runtime may resend (its answer cache) and the older ids as ranges.
 
 File: MAGIC, one JSON line (the header), then per request: unique_id (int64), the symbol's UTF-8 length (uint16)
 and bytes, 79 float32 features, little-endian.
@@ -89,11 +89,15 @@ class Journal:
             raise JournalError(f"--journal {self.path}: cannot read it ({exc.strerror})") from None
 
     def begin(self, session_key: str | None) -> None:
-        """Journal the session `session_key` (the welcome's): go on appending after the last whole record where it is
-        the one read, else start the file afresh (its records forgotten)."""
+        """Journal the session `session_key` (the welcome's, each connection's): go on appending where it is the
+        one being written (a reconnect) or the one read (after its last whole record), else start the file afresh
+        (its records forgotten). (A reconnect had started it afresh, or cut it back to where it was read.)"""
         with self._lock:
             if self._file is not None:
+                if session_key is not None and session_key == self.session_key:
+                    return
                 self._file.close()
+                self._file = None
             go_on = session_key is not None and session_key == self.session_key and self.count > 0
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if go_on else os.O_TRUNC), 0o600)
@@ -211,7 +215,7 @@ def replay(team_client, chunks, total: int, keep: int, max_batch=None, max_per_s
                         zip(answer["unique_ids"], np.asarray(answer["predictions"], np.float32)) if uid in by_id]
             steps.append((by_id, answered))
             replayed.count, kept = replayed.count + len(answered), kept + len(answered)
-            while kept - len(steps[0][1]) >= keep:  # the oldest step's answers are older than the last `keep`
+            while steps and kept - len(steps[0][1]) >= keep:  # the oldest step's answers are older than the last keep
                 _, old = steps.popleft()
                 kept -= len(old)
                 for uid, _ in old:
@@ -222,7 +226,10 @@ def replay(team_client, chunks, total: int, keep: int, max_batch=None, max_per_s
                       f"({replayed.count / (said - began):,.0f}/s)", file=progress)
     for by_id, answered in steps:
         for uid, prediction in answered:
-            replayed.recent[uid] = prediction, by_id[uid].symbol, by_id[uid].features
+            if np.isfinite(prediction).all():
+                replayed.recent[uid] = prediction, by_id[uid].symbol, by_id[uid].features
+            else:  # answered with an error then: a resend is refused, never answered with NaN from the cache
+                replayed.older.add(uid)
     while len(replayed.recent) > keep:
         replayed.older.add(replayed.recent.popitem(last=False)[0])
     return replayed

@@ -269,7 +269,7 @@ class StreamingClient:
                  give_up_repeats: int = GIVE_UP_REPEATS,
                  server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False,
                  inline_steps: bool | None = None, late_parts_s: float = LATE_PARTS_S,
-                 session_key: str | None = None, journal=None, replayed: dict | None = None):
+                 session_key: str | None = None, journal=None, replayed=None):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:

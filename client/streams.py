@@ -305,6 +305,13 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())  # pyarrow's messages may run over lines (a corrupted page's: two)
 
 
+def _column_meant(name: str) -> str:
+    """The stream column a near-miss name means: "Symbol", "delay_ms " (a header's stray space), "feature_5"."""
+    name = name.strip().lower()
+    numbered = re.fullmatch(r"(feature|target)_0*(\d+)", name)
+    return f"{numbered[1]}_{int(numbered[2]):02d}" if numbered else name
+
+
 def _read_parquet(path: Path) -> Stream:
     pa, pq = _import_parquet()
     try:
@@ -318,7 +325,7 @@ def _read_parquet(path: Path) -> Stream:
     missing = [name for name in (*FEATURE_COLUMNS, "symbol", "delay_ms") if name not in names]
     if missing:
         # "Symbol" or "delay_ms " (a header's stray space) is the column meant: say so
-        near = [repr(name) for name in names if name.strip().lower() in missing and name not in missing]
+        near = [repr(name) for name in names if _column_meant(name) in missing and name not in missing]
         raise ValueError(f"stream {path} lacks the columns {', '.join(missing)}"
                          + (f" (it has {', '.join(near)})" if near else ""))
     present_targets = [name for name in TARGET_COLUMNS if name in names]
@@ -329,8 +336,8 @@ def _read_parquet(path: Path) -> Stream:
     beyond = [name for name in names if re.fullmatch(r"(feature|target)_\d+", name)
               and name not in FEATURE_COLUMNS + TARGET_COLUMNS]
     if beyond:
-        raise ValueError(f"stream {path} has columns beyond {FEATURE_COLUMNS[0]}..{FEATURE_COLUMNS[-1]} and "
-                         f"{TARGET_COLUMNS[0]}..{TARGET_COLUMNS[-1]}: {', '.join(beyond)}")
+        raise ValueError(f"stream {path} has numbered columns other than {FEATURE_COLUMNS[0]}..{FEATURE_COLUMNS[-1]} "
+                         f"and {TARGET_COLUMNS[0]}..{TARGET_COLUMNS[-1]}: {', '.join(beyond)}")
     try:  # only the stream's columns: others (a pandas index, notes) are not read. pre_buffer (for S3) held the
         # whole file's bytes besides its table: a million requests' took 1.9 GB, not 1.2
         table = pq.read_table(path, columns=[*FEATURE_COLUMNS, "symbol", "delay_ms", *present_targets],

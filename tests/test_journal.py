@@ -44,6 +44,26 @@ def test_a_session_journaled_is_read_back_in_order_and_goes_on_where_it_is_the_s
     assert records(Journal(path, IDENTITY)) == [] and Journal(path, IDENTITY).session_key == "key-2"
 
 
+@pytest.mark.parametrize("read_before", [False, True])
+def test_a_reconnect_to_the_same_session_goes_on_appending(tmp_path, read_before):
+    """Each connection's welcome begins the journal again with the session's key: a reconnect of the session it
+    journals goes on appending, whether the process started with an empty journal (it was started afresh, every
+    record lost) or with one it replayed (cut back to where it was read, every record since lost)."""
+    path = tmp_path / "j"
+    if read_before:
+        first = Journal(path, IDENTITY)
+        first.begin("k")
+        first.append(rows(6)[:2])
+        first.close()
+    journal = Journal(path, IDENTITY)
+    journal.begin("k")
+    journal.append(rows(6)[2:4] if read_before else rows(6)[:4])
+    journal.begin("k")  # the connection dropped; the reconnect's welcome
+    journal.append(rows(6)[4:])
+    journal.close()
+    assert [uid for uid, _, _ in records(Journal(path, IDENTITY))] == list(range(6))
+
+
 def test_a_tail_cut_by_a_kill_and_another_servers_journal_are_read_as_far_as_they_hold(tmp_path):
     path = tmp_path / "j"
     journal = Journal(path, IDENTITY)
@@ -116,3 +136,31 @@ def test_replay_steps_each_symbols_requests_in_order_as_one_at_a_time_a_chunk_at
             prediction, kept_symbol, kept_features = replayed.recent[uid]
             np.testing.assert_allclose(prediction, expected, rtol=1e-5, atol=1e-6)
             assert kept_symbol == symbol and np.array_equal(kept_features, features)
+
+
+class _NaNForSymbol0:
+    """A team client answering every request at once, with NaN for SYM_000's (whose state went non-finite)."""
+    requests_per_symbol = "many"
+
+    def process_batch(self, batch):
+        ids = [uid for requests in batch.values() for uid, _ in requests]
+        symbols = [symbol for symbol, requests in batch.items() for _ in requests]
+        return {"unique_ids": ids, "predictions": np.array([[np.nan if s == "SYM_000" else 1.0] * 4 for s in symbols],
+                                                           np.float32)}
+
+
+@pytest.mark.parametrize("keep", [0, 3, 100])
+def test_a_replayed_non_finite_answer_is_never_kept_to_answer_a_resend(tmp_path, keep):
+    """A request answered with a non-finite prediction went out as an error: replayed, its id is among the older
+    ones (a resend refused), never in the answers a resend is given; keep = 0 keeps none."""
+    path = tmp_path / "j"
+    journal = Journal(path, IDENTITY)
+    journal.begin("k")
+    journal.append(rows(12))
+    journal.close()
+    journal = Journal(path, IDENTITY)
+    replayed = replay(_NaNForSymbol0(), journal.records(), journal.count, keep=keep, progress=None)
+    assert len(replayed) == 12 and len(replayed.recent) <= keep
+    assert all(np.isfinite(prediction).all() for prediction, _, _ in replayed.recent.values())
+    assert sorted([*replayed.recent, *(uid for uid in range(12) if uid in replayed.older)]) == list(range(12))
+    assert not set(replayed.recent) & {uid for uid in range(12) if uid in replayed.older}

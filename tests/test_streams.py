@@ -325,7 +325,6 @@ def test_parquet_bad_meta_names_the_file(tmp_path):
         load_stream(path)
 
 
-
 def write_original(path, num_requests=6, extra=(), **columns):
     """A parquet file in the original's schema, as another tool writes it: `columns` replace its columns (pyarrow
     arrays, or values), `extra` is (name, array) pairs appended as they are, so a name may come twice."""
@@ -406,7 +405,7 @@ def test_parquet_an_unknown_column_named_twice_is_not_read(tmp_path):
 def test_parquet_a_feature_beyond_the_79_is_refused(tmp_path):
     # 80 features would have been played as their first 79
     write_original(tmp_path / "s.parquet", feature_79=np.zeros(6), target_04=np.zeros(6))
-    with pytest.raises(ValueError, match=r"s.parquet has columns beyond feature_00..feature_78 and "
+    with pytest.raises(ValueError, match=r"s.parquet has numbered columns other than feature_00..feature_78 and "
                                          r"target_00..target_03: feature_79, target_04$"):
         load_stream(tmp_path / "s.parquet")
 
@@ -416,9 +415,10 @@ def test_parquet_a_missing_column_names_its_near_miss(tmp_path):
     import pyarrow.parquet as pq
     write_original(tmp_path / "s.parquet")
     table = pq.read_table(tmp_path / "s.parquet")
-    pq.write_table(table.rename_columns([{"symbol": "Symbol", "delay_ms": "delay_ms "}.get(name, name)
-                                         for name in table.column_names]), tmp_path / "s.parquet")
-    with pytest.raises(ValueError, match=r"lacks the columns symbol, delay_ms \(it has 'Symbol', 'delay_ms '\)$"):
+    pq.write_table(table.rename_columns([{"symbol": "Symbol", "delay_ms": "delay_ms ", "feature_05": "feature_5"}.get(
+        name, name) for name in table.column_names]), tmp_path / "s.parquet")
+    with pytest.raises(ValueError, match=r"lacks the columns feature_05, symbol, delay_ms \(it has 'feature_5', "
+                                         r"'Symbol', 'delay_ms '\)$"):
         load_stream(tmp_path / "s.parquet")
 
 
