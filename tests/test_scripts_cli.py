@@ -70,6 +70,8 @@ def test_script_mistakes_are_one_line(tmp_path):
                             "--device", "bogus", "--out", tmp_path / "s.npz"],
          "make_stream: error: --device bogus: not a torch device"),
         ("host_hiccups.py", ["--seconds", "0"], "scripts/host_hiccups.py: error: argument --seconds: "),
+        ("loop_costs.py", ["--step-rows", "64,0"],
+         "scripts/loop_costs.py: error: argument --step-rows: must be a positive integer, got '0'"),
         ("kernel_times.py", ["--batches", "64x4,8x0"],
          "scripts/kernel_times.py: error: argument --batches: a step shape is B or GxK with positive integers, got "
          "'8x0'"),
@@ -224,6 +226,20 @@ def test_host_hiccups_spins_once_on_every_cpu_it_may_use(tmp_path):
         assert row["gaps"] >= 0 and row["longest_ms"] > 0 and row["gap_ms_total"] >= 0.5 * row["gaps"]
         assert row["steal_ms"] is None or row["steal_ms"] >= 0
     assert f"{len(cpus)} CPUs over 0.3 s:" in done.stdout and "the hypervisor's steal" in done.stdout
+
+
+def test_loop_costs_times_the_runtimes_receive_and_answer_paths_per_request(tmp_path):
+    """What the client's event loop spends a request on its own paths (bench/LOG.md section 78), written as asked;
+    a frame of one request costs more a request than a frame of many (its decode and checks are the frame's)."""
+    out = tmp_path / "costs.json"
+    done = run("loop_costs.py", "--frame-requests", "1,20", "--step-rows", "1,50", "--requests", "400", "--reps", "1",
+               "--json", out)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    receive, answer = result["receive_us_per_request"], result["answer_us_per_request"]
+    assert set(receive) == {"1", "20"} and set(answer) == {"1", "50"}
+    assert all(us > 0 for us in (*receive.values(), *answer.values())) and receive["1"] > receive["20"]
+    assert "receive,   20 requests a frame:" in done.stdout and "answer,    50 requests a step:" in done.stdout
 
 
 @pytest.mark.parametrize("args", [["-m", "client.model", "--manifest"],
