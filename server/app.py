@@ -361,6 +361,9 @@ class ScoringServer:
         """Wait for a valid register; answer anything else with an error. None: connection closed."""
         deadline = asyncio.get_running_loop().time() + self.config.register_timeout_s
         while True:
+            # one message a turn of the event loop, as _serve_connection's: from Python 3.12 wait_for takes a buffered
+            # one without yielding, and a stranger's 60 kB of `{}` lines before register held every team's loop 0.5 s
+            await asyncio.sleep(0)
             remaining = deadline - asyncio.get_running_loop().time()
             try:
                 frame = await asyncio.wait_for(ws.recv(), timeout=max(remaining, 0))
