@@ -1337,6 +1337,40 @@ def test_the_name_of_an_original_protocol_team_is_refused_to_a_websocket_client_
                                 "after its host: choose another --team")
 
 
+@pytest.mark.parametrize("name, why", [
+    ("victim ", "reads as team 'victim'"), (" vic tim", "reads as team 'victim'"), ("VICTIM", "reads as team 'victim'"),
+    ("\uff56ictim", "reads as team 'victim'"), ("vi\u0301ctim", "reads as team 'victim'"),
+    (" ", "shows nothing"), ("\u3164\u3164", "shows nothing"), ("\u034f", "shows nothing"),
+    ("x" + "\u0489" * 63, "stacks over 4 marks"), ("TCP-JSON:127.0.0.6", "the team of an original-protocol client"),
+], ids=["trailing space", "spaces", "capitals", "fullwidth", "accent", "space", "fillers", "joiner", "marks", "prefix"])
+def test_a_new_team_name_that_the_leaderboard_cannot_tell_apart_is_refused(name, why):
+    """Anyone may name a team (no per-team tokens), and the page collapses spaces: a stranger's "victim " beside
+    "victim" passed for it on the leaderboard, as did its fullwidth or capital letters; a name of Hangul fillers
+    showed nothing at all, and one of 63 combining marks stacked over the rows around it."""
+    async def main():
+        async with Server(rate=20.0) as s:
+            owner = await registered(s.url, "victim")
+            reply, close_code = await refused(s.url, protocol.register(name), source="127.0.0.8")
+            beside = await registered(s.url, "victor")  # a name of its own plays beside
+            await owner.close()
+            await beside.close()
+            return reply, close_code, [summary["team"] for summary in s.server.summaries()]
+    reply, close_code, teams = run(main())
+    assert reply["error"] == "bad_team" and why in reply["details"] and close_code == 1008
+    assert teams == ["victim", "victor"]
+
+
+def test_teams_the_tokens_file_names_alike_both_play():
+    """With per-team tokens the organisers name the teams: no stranger's lookalike to refuse."""
+    async def main():
+        async with Server(rate=20.0, tokens={"team a": "ta", "Team A": "tb"}) as s:
+            teams = [await registered(s.url, team, token=token) for team, token in (("team a", "ta"), ("Team A", "tb"))]
+            for ws in teams:
+                await ws.close()
+            return [summary["team"] for summary in s.server.summaries()]
+    assert run(main()) == ["team a", "Team A"]
+
+
 def test_an_address_holds_at_most_its_limit_of_open_sockets_and_others_connect():
     """Sockets that say nothing are held until the register timeout: one address opening thousands would use up
     the server's file descriptors. Past 4 per websocket connection it may register, an address's new sockets are
