@@ -1484,6 +1484,32 @@ def test_a_flood_of_new_addresses_costs_each_connection_the_same_whatever_the_ta
     assert limits.register("11.0.23.111")[0] == "rate_limited"
     assert limits.connect("10.0.0.0") is None  # the open sockets' addresses still count them
 
+def test_the_addresses_of_one_ipv6_64_share_one_addresss_limits():
+    """A host is given a whole /64 and may speak from any of its addresses: each had limits of its own (connections,
+    registrations, sockets), so one host guessed tokens and filled the server with teams as fast as it liked. An IPv4
+    client of a dual-stack socket (::ffff:a.b.c.d) is its IPv4 address."""
+    limits = AddressLimits(Limits())
+    for i in range(16):
+        assert limits.connect(f"2001:db8::{i + 1:x}") is None
+    code, details = limits.connect("2001:db8::ffff:1")
+    assert code == "too_many_connections" and "from 2001:0db8:0000:0000::/64 are open" in details
+    assert limits.connect("2001:db8:0:1::1") is None  # the next /64: another host
+    limits.disconnect("2001:db8::5")
+    assert limits.connect("2001:db8::77") is None
+    for i in range(10):
+        assert limits.register(f"2001:db8::a:{i}") is None
+    assert limits.register("2001:db8::b")[0] == "rate_limited"
+    for _ in range(10):
+        assert limits.register("::ffff:10.0.0.1") is None
+    assert limits.register("10.0.0.1")[0] == "rate_limited"
+    sockets = OpenSockets(per_address=2, max_unregistered=100)
+    first, second = object(), object()
+    assert sockets.open("2001:db8::1", first) and sockets.open("fe80::1%lo", object())
+    assert sockets.open("2001:db8::2", second) and not sockets.open("2001:db8::3", object())
+    sockets.close("2001:db8::1", first)
+    assert sockets.open("2001:db8::4", object())
+
+
 def test_a_flood_of_idle_sockets_from_many_addresses_closes_the_oldest_and_teams_of_both_protocols_play():
     """Each address may hold 64 sockets, but many addresses (an IPv6 /64, a botnet) multiply that: their idle sockets
     used up the server's file descriptors, so that no team could connect. Past --max-unregistered-sockets a new
