@@ -13,7 +13,7 @@ from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 
 from client import protocol
-from server.identity import Identity
+from server.identity import Identity, looks, name_problem
 from server.original import TEAM_PREFIX, OriginalConnection, sniffing_connections
 from server.leaderboard import leaderboard_row, mark_far_below, render_page
 from client.constants import ATOL, TARGET_SOURCES
@@ -361,6 +361,9 @@ class ScoringServer:
         """Wait for a valid register; answer anything else with an error. None: connection closed."""
         deadline = asyncio.get_running_loop().time() + self.config.register_timeout_s
         while True:
+            # one message a turn of the event loop, as _serve_connection's: from Python 3.12 wait_for takes a buffered
+            # one without yielding, and a stranger's 60 kB of `{}` lines before register held every team's loop 0.5 s
+            await asyncio.sleep(0)
             remaining = deadline - asyncio.get_running_loop().time()
             try:
                 frame = await asyncio.wait_for(ws.recv(), timeout=max(remaining, 0))
@@ -404,8 +407,9 @@ class ScoringServer:
         problem = protocol.team_name_problem(team)
         if problem is not None:
             return ("bad_team", problem)
-        if team.startswith(TEAM_PREFIX) and not isinstance(ws, OriginalConnection):
-            # its host's name (server/original.py): whoever registered it first would hold its session key
+        if looks(team).startswith(TEAM_PREFIX) and not isinstance(ws, OriginalConnection):
+            # its host's name (server/original.py): whoever registered it first would hold its session key; and what
+            # reads as it ("TCP-JSON:..."), which would have the host refused as its lookalike
             return ("bad_team", f"a name beginning {TEAM_PREFIX!r} is the team of an original-protocol client, "
                                 f"named after its host: choose another --team")
         problem = self._identity.token_problem(team, msg.get("token"))
@@ -426,6 +430,10 @@ class ScoringServer:
             if isinstance(ws, OriginalConnection) and team == ws.team:
                 return None  # the original protocol names a team after its client's host, which is then its key
             return self._identity.takeover_problem(team, msg.get("session_key"))
+        if self._identity.tokens is None and not isinstance(ws, OriginalConnection):  # (else not a stranger's name)
+            problem = name_problem(team, self._sessions)
+            if problem is not None:
+                return problem
         if len(self._sessions) >= self.config.limits.max_teams:
             return ("server_full", f"this server holds its limit of {self.config.limits.max_teams} teams "
                                    f"(--max-teams); none can join now")

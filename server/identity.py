@@ -5,10 +5,14 @@ object {team: token}; only the teams it names may play). A team that registers g
 welcome; while its session runs, only a register presenting that key takes the team over (the client's own
 reconnect), and anyone else registering the name is refused (team_taken). With per-team tokens the token
 already proves the team, so it takes the team over too (a team's client restarted after a crash).
+
+Without per-team tokens anyone names a team, so a new name must be told apart on the leaderboard from the others
+(name_problem): "victim " or "Ｖictim" beside "victim" would pass for it, and a name of Hangul fillers shows nothing.
 """
 import hmac
 import json
 import secrets
+import unicodedata
 
 from client import protocol
 
@@ -47,6 +51,36 @@ def load_tokens(path: str) -> dict[str, str]:
             raise ValueError(f"--tokens {path}: teams {teams_of[token]!r} and {team!r} have the same token")
         teams_of[token] = team
     return tokens
+
+
+MAX_MARKS = 4  # nonspacing marks on one character of a new team's name: more stack over the page's rows around it
+_BLANKS = frozenset("\u115f\u1160\u3164\uffa0\u2800")  # printable, yet they print nothing (Hangul fillers, braille)
+
+
+def looks(team: str) -> str:
+    """What a team name reads as on the leaderboard: compatibility forms (fullwidth letters) and case folded, without
+    the marks on its letters, its spaces (the page collapses them) or characters that print nothing."""
+    text = unicodedata.normalize("NFKD", unicodedata.normalize("NFKD", team).casefold())
+    return "".join(c for c in text if not (c.isspace() or c in _BLANKS or unicodedata.category(c).startswith("M")))
+
+
+def name_problem(team: str, teams) -> tuple[str, str] | None:
+    """("bad_team", details) for a new team's name that shows nothing on the leaderboard, stacks marks over its
+    neighbours' rows, or reads as the name of one of `teams` does; else None."""
+    seen = looks(team)
+    if not seen:
+        return ("bad_team", f"team name {team!r} shows nothing on the leaderboard: choose another --team")
+    marks = 0
+    for c in unicodedata.normalize("NFD", team):
+        marks = marks + 1 if unicodedata.category(c) in ("Mn", "Me") else 0
+        if marks > MAX_MARKS:
+            return ("bad_team", f"team name {team[:16]!r}... stacks over {MAX_MARKS} marks on one character: choose "
+                                f"another --team")
+    for other in teams:
+        if looks(other) == seen:
+            return ("bad_team", f"team name {team!r} reads as team {other!r} does on the leaderboard: choose "
+                                f"another --team")
+    return None
 
 
 def same_secret(given, expected: str) -> bool:

@@ -1,11 +1,13 @@
 """What strangers may take of the server: each limit a flag of `python -m server`, each refusal an error naming it.
 
-Per address (the connecting IP): open connections of either protocol, and registrations per second (a token bucket:
-`registration_burst` at once, then `registrations_per_s`); every register counts, refused or not, so that
-guessing tokens is as slow as registering; open sockets of any kind, from accept to close (OpenSockets). Per
-server: teams; sockets not (yet) a registered team's, the oldest closed past the limit (OpenSockets). Per register:
-the length of its strings, and of the frame that holds it. Per team: the bytes it sends (InboundBudget).
+Per address (the connecting IP; of IPv6, its /64: address_group): open connections of either protocol, and
+registrations per second (a token bucket: `registration_burst` at once, then `registrations_per_s`); every register
+counts, refused or not, so that guessing tokens is as slow as registering; open sockets of any kind, from accept to
+close (OpenSockets). Per server: teams; sockets not (yet) a registered team's, the oldest closed past the limit
+(OpenSockets). Per register: the length of its strings, and of the frame that holds it. Per team: the bytes it sends
+(InboundBudget).
 """
+import ipaddress
 import logging
 import time
 from collections import OrderedDict
@@ -65,6 +67,21 @@ def register_frame_problem(frame_bytes: int, limits: Limits) -> tuple[str, str] 
     return None
 
 
+def address_group(address: str) -> str:
+    """What the per-address limits count as one address: an IPv4 address, or the /64 of an IPv6 one (a host is given
+    a /64 and may speak from any of its 2**64 addresses: counted one by one, it took a limit's worth from each, and
+    guessed tokens and filled the server with teams as fast as it liked)."""
+    if ":" not in address:
+        return address
+    try:
+        ip = ipaddress.IPv6Address(address.split("%", 1)[0])  # (without a scope: fe80::1%eth0)
+    except ValueError:
+        return address
+    if ip.ipv4_mapped is not None:  # an IPv4 client of a dual-stack socket
+        return str(ip.ipv4_mapped)
+    return ip.packed[:8].hex(":", 2) + "::/64"  # (str() of an IPv6Network took 11 us, this 2)
+
+
 class _Address:
     __slots__ = ("connections", "tokens", "refilled_at")
 
@@ -112,6 +129,7 @@ class AddressLimits:
     def connect(self, address) -> tuple[str, str] | None:
         """Count a new connection of address; a refusal (code, details) when it has its limit open already
         (then it is not counted)."""
+        address = address_group(address)
         entry = self._entry(address)
         if entry.connections >= self.limits.max_connections_per_address:
             return ("too_many_connections", f"{entry.connections} connections from {address} are open already, "
@@ -121,12 +139,13 @@ class AddressLimits:
         return None
 
     def disconnect(self, address) -> None:
-        entry = self._addresses.get(address)
+        entry = self._addresses.get(address_group(address))
         if entry is not None and entry.connections:
             entry.connections -= 1
 
     def register(self, address) -> tuple[str, str] | None:
         """Spend one registration of address; a refusal when its budget is spent."""
+        address = address_group(address)
         entry = self._entry(address)
         if self._refill(entry) < 1.0:
             wait_s = (1.0 - entry.tokens) / self.limits.registrations_per_s
@@ -163,6 +182,7 @@ class OpenSockets:
     def open(self, address, transport) -> bool:
         """Count a new socket of address, unregistered, closing the oldest unregistered one when they are at their
         limit; False (not counted) when the address holds its limit already."""
+        address = address_group(address)
         count = self._open.get(address, 0)
         if count >= self.per_address:
             return False
@@ -186,6 +206,7 @@ class OpenSockets:
         self._unregistered.pop(transport, None)
 
     def close(self, address, transport) -> None:
+        address = address_group(address)
         count = self._open.pop(address) - 1
         if count:
             self._open[address] = count

@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 import tracemalloc
@@ -1258,6 +1259,44 @@ def test_a_team_flooding_small_messages_shares_the_event_loop_with_the_others():
     assert most < 0.1
 
 
+def test_a_strangers_burst_of_lines_before_register_shares_the_event_loop_with_the_others(monkeypatch):
+    """Before register too, a message is taken one a turn of the event loop: from Python 3.12 wait_for returns a
+    message already buffered without yielding, and an original-protocol stranger's 20,000 empty objects (60 kB),
+    each answered with an error, held the event loop, every team's, 0.5 s. (Below 3.12, wait_for as 3.12's.)"""
+    if sys.version_info < (3, 12):
+        async def wait_for(awaitable, timeout):  # 3.12's: no task of its own, so nothing to wait for
+            async with asyncio.timeout(timeout):
+                return await awaitable
+        monkeypatch.setattr(asyncio, "wait_for", wait_for)
+    lines = 20_000
+
+    def flood(port, answered):
+        with socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.9", 0)) as sock:
+            sock.sendall(b"{}\n" * lines)
+            sock.settimeout(0.05)
+            while not answered.is_set():  # reads the errors, as a stranger that floods and reads would
+                try:
+                    sock.recv(1 << 20)
+                except TimeoutError:
+                    pass
+
+    async def main():
+        async with Server(rate=20.0) as s:
+            answered, loop = threading.Event(), asyncio.get_running_loop()
+            flooder = loop.run_in_executor(None, flood, s.port, answered)
+            lags = []
+            while s.server.unregistered_errors < lines and len(lags) < 2000:
+                started = loop.time()
+                await asyncio.sleep(0.005)
+                lags.append(loop.time() - started - 0.005)
+            answered.set()
+            await flooder
+            return max(lags), s.server.unregistered_errors
+    most, errors = run(main())
+    assert errors == lines
+    assert most < 0.1, f"the event loop was held {most * 1000:.0f} ms"
+
+
 def test_a_notice_that_no_page_or_terminal_can_show_is_shown_with_replacement_characters():
     """A notice is free text from the team: a terminal escape (which would drive the operator's terminal at the
     summary table) is shown as U+FFFD, as anything unprintable would be (a lone surrogate, which no UTF-8 page can
@@ -1296,6 +1335,40 @@ def test_the_name_of_an_original_protocol_team_is_refused_to_a_websocket_client_
     assert reply["error"] == "bad_team" and close_code == 1008 and summaries == []
     assert reply["details"] == ("a name beginning 'tcp-json:' is the team of an original-protocol client, named "
                                 "after its host: choose another --team")
+
+
+@pytest.mark.parametrize("name, why", [
+    ("victim ", "reads as team 'victim'"), (" vic tim", "reads as team 'victim'"), ("VICTIM", "reads as team 'victim'"),
+    ("\uff56ictim", "reads as team 'victim'"), ("vi\u0301ctim", "reads as team 'victim'"),
+    (" ", "shows nothing"), ("\u3164\u3164", "shows nothing"), ("\u034f", "shows nothing"),
+    ("x" + "\u0489" * 63, "stacks over 4 marks"), ("TCP-JSON:127.0.0.6", "the team of an original-protocol client"),
+], ids=["trailing space", "spaces", "capitals", "fullwidth", "accent", "space", "fillers", "joiner", "marks", "prefix"])
+def test_a_new_team_name_that_the_leaderboard_cannot_tell_apart_is_refused(name, why):
+    """Anyone may name a team (no per-team tokens), and the page collapses spaces: a stranger's "victim " beside
+    "victim" passed for it on the leaderboard, as did its fullwidth or capital letters; a name of Hangul fillers
+    showed nothing at all, and one of 63 combining marks stacked over the rows around it."""
+    async def main():
+        async with Server(rate=20.0) as s:
+            owner = await registered(s.url, "victim")
+            reply, close_code = await refused(s.url, protocol.register(name), source="127.0.0.8")
+            beside = await registered(s.url, "victor")  # a name of its own plays beside
+            await owner.close()
+            await beside.close()
+            return reply, close_code, [summary["team"] for summary in s.server.summaries()]
+    reply, close_code, teams = run(main())
+    assert reply["error"] == "bad_team" and why in reply["details"] and close_code == 1008
+    assert teams == ["victim", "victor"]
+
+
+def test_teams_the_tokens_file_names_alike_both_play():
+    """With per-team tokens the organisers name the teams: no stranger's lookalike to refuse."""
+    async def main():
+        async with Server(rate=20.0, tokens={"team a": "ta", "Team A": "tb"}) as s:
+            teams = [await registered(s.url, team, token=token) for team, token in (("team a", "ta"), ("Team A", "tb"))]
+            for ws in teams:
+                await ws.close()
+            return [summary["team"] for summary in s.server.summaries()]
+    assert run(main()) == ["team a", "Team A"]
 
 
 def test_an_address_holds_at_most_its_limit_of_open_sockets_and_others_connect():
@@ -1410,6 +1483,32 @@ def test_a_flood_of_new_addresses_costs_each_connection_the_same_whatever_the_ta
         assert limits.register("11.0.23.111") is None
     assert limits.register("11.0.23.111")[0] == "rate_limited"
     assert limits.connect("10.0.0.0") is None  # the open sockets' addresses still count them
+
+def test_the_addresses_of_one_ipv6_64_share_one_addresss_limits():
+    """A host is given a whole /64 and may speak from any of its addresses: each had limits of its own (connections,
+    registrations, sockets), so one host guessed tokens and filled the server with teams as fast as it liked. An IPv4
+    client of a dual-stack socket (::ffff:a.b.c.d) is its IPv4 address."""
+    limits = AddressLimits(Limits())
+    for i in range(16):
+        assert limits.connect(f"2001:db8::{i + 1:x}") is None
+    code, details = limits.connect("2001:db8::ffff:1")
+    assert code == "too_many_connections" and "from 2001:0db8:0000:0000::/64 are open" in details
+    assert limits.connect("2001:db8:0:1::1") is None  # the next /64: another host
+    limits.disconnect("2001:db8::5")
+    assert limits.connect("2001:db8::77") is None
+    for i in range(10):
+        assert limits.register(f"2001:db8::a:{i}") is None
+    assert limits.register("2001:db8::b")[0] == "rate_limited"
+    for _ in range(10):
+        assert limits.register("::ffff:10.0.0.1") is None
+    assert limits.register("10.0.0.1")[0] == "rate_limited"
+    sockets = OpenSockets(per_address=2, max_unregistered=100)
+    first, second = object(), object()
+    assert sockets.open("2001:db8::1", first) and sockets.open("fe80::1%lo", object())
+    assert sockets.open("2001:db8::2", second) and not sockets.open("2001:db8::3", object())
+    sockets.close("2001:db8::1", first)
+    assert sockets.open("2001:db8::4", object())
+
 
 def test_a_flood_of_idle_sockets_from_many_addresses_closes_the_oldest_and_teams_of_both_protocols_play():
     """Each address may hold 64 sockets, but many addresses (an IPv6 /64, a botnet) multiply that: their idle sockets
