@@ -1429,7 +1429,8 @@ class StreamingClient:
         stuck = self._loop.call_later(self.server_idle_s, self._cut_off_unread, ws)
         try:
             await ws.send(frame)
-            self._unsent.difference_update(answered)
+            if self._unsent:  # (empty but after a lost connection: nothing to do a step)
+                self._unsent.difference_update(answered)
         except transport.ConnectionClosed:
             self._unsent.update(answered)  # the server resends unanswered requests after the reconnect
         finally:
