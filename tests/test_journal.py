@@ -17,6 +17,17 @@ def records(journal):
     return [record for chunk in journal.records() for record in chunk]
 
 
+def journaled(path, *steps, key="k"):
+    """A process's journal of session `key` at `path` (gone on from where it was read), a step of records each
+    append, closed; what it holds, read back."""
+    journal = Journal(path, IDENTITY)
+    journal.begin(key)
+    for step in steps:
+        journal.append(step)
+    journal.close()
+    return Journal(path, IDENTITY)
+
+
 def rows(n, seed=0):
     rng = np.random.default_rng(seed)
     return [(uid, f"SYM_{uid % 3:03d}", rng.standard_normal(79).astype(np.float32)) for uid in range(n)]
@@ -51,10 +62,7 @@ def test_a_reconnect_to_the_same_session_goes_on_appending(tmp_path, read_before
     record lost) or with one it replayed (cut back to where it was read, every record since lost)."""
     path = tmp_path / "j"
     if read_before:
-        first = Journal(path, IDENTITY)
-        first.begin("k")
-        first.append(rows(6)[:2])
-        first.close()
+        journaled(path, rows(6)[:2])
     journal = Journal(path, IDENTITY)
     journal.begin("k")
     journal.append(rows(6)[2:4] if read_before else rows(6)[:4])
@@ -66,21 +74,14 @@ def test_a_reconnect_to_the_same_session_goes_on_appending(tmp_path, read_before
 
 def test_a_tail_cut_by_a_kill_and_another_servers_journal_are_read_as_far_as_they_hold(tmp_path):
     path = tmp_path / "j"
-    journal = Journal(path, IDENTITY)
-    journal.begin("k")
-    journal.append(rows(4))
-    journal.close()
+    journaled(path, rows(4))
     with open(path, "ab") as f:
         f.write(b"\x07\x00\x00")  # a record cut short
     assert len(records(Journal(path, IDENTITY))) == 4
     assert records(Journal(path, {**IDENTITY, "url": "ws://elsewhere:1"})) == []  # not this server's: not replayed
     # the session goes on after a restart: the cut record is dropped, not appended after (read back, its length
     # field took the new records' bytes for its symbol and features: garbage from there on)
-    again = Journal(path, IDENTITY)
-    again.begin("k")
-    again.append([(9, "SYM_009", np.ones(79, np.float32))])
-    again.close()
-    read = records(Journal(path, IDENTITY))
+    read = records(journaled(path, [(9, "SYM_009", np.ones(79, np.float32))]))
     assert [(uid, symbol) for uid, symbol, _ in read] == [(uid, symbol) for uid, symbol, _ in rows(4)] + [
         (9, "SYM_009")] and np.array_equal(read[-1][2], np.ones(79, np.float32))
 
@@ -89,15 +90,8 @@ def test_records_are_those_counted_when_the_file_grew_after_it_was_read(tmp_path
     """records() reads the whole records counted when the journal was opened, as many as `count` says (and begin()
     goes on after): records appended since (another process of the session) were read too, past the count."""
     path = tmp_path / "j"
-    journal = Journal(path, IDENTITY)
-    journal.begin("k")
-    journal.append(rows(3))
-    journal.close()
-    opened = Journal(path, IDENTITY)
-    other = Journal(path, IDENTITY)
-    other.begin("k")
-    other.append([(9, "SYM_009", np.ones(79, np.float32))])
-    other.close()
+    opened = journaled(path, rows(3))
+    journaled(path, [(9, "SYM_009", np.ones(79, np.float32))])  # another process of the session goes on
     assert opened.count == 3 and [uid for uid, _, _ in records(opened)] == [0, 1, 2]
 
 
@@ -115,13 +109,7 @@ def test_replay_steps_each_symbols_requests_in_order_as_one_at_a_time_a_chunk_at
     """The journal read and replayed a few records at a time (a journal of hours is GBs): every symbol's requests in
     order across the chunks, the last `keep` answers kept with their requests, the ids before them as ranges."""
     monkeypatch.setattr(journal_module, "READ_BYTES", 1000)  # ~3 records a read
-    path = tmp_path / "j"
-    journal = Journal(path, IDENTITY)
-    journal.begin("k")
-    for begin in range(0, 20, 4):
-        journal.append(rows(20)[begin:begin + 4])
-    journal.close()
-    journal = Journal(path, IDENTITY)
+    journal = journaled(tmp_path / "j", *(rows(20)[begin:begin + 4] for begin in range(0, 20, 4)))
     assert journal.count == 20 and len(list(journal.records())) >= 6
     model, _ = load_model("tiny", seed=0)
     replayed = replay(ExampleModel(ReferenceEngine(model)), journal.records(), journal.count, keep=5, max_batch=2,
@@ -153,12 +141,7 @@ class _NaNForSymbol0:
 def test_a_replayed_non_finite_answer_is_never_kept_to_answer_a_resend(tmp_path, keep):
     """A request answered with a non-finite prediction went out as an error: replayed, its id is among the older
     ones (a resend refused), never in the answers a resend is given; keep = 0 keeps none."""
-    path = tmp_path / "j"
-    journal = Journal(path, IDENTITY)
-    journal.begin("k")
-    journal.append(rows(12))
-    journal.close()
-    journal = Journal(path, IDENTITY)
+    journal = journaled(tmp_path / "j", rows(12))
     replayed = replay(_NaNForSymbol0(), journal.records(), journal.count, keep=keep, progress=None)
     assert len(replayed) == 12 and len(replayed.recent) <= keep
     assert all(np.isfinite(prediction).all() for prediction, _, _ in replayed.recent.values())

@@ -739,17 +739,23 @@ def test_server_stopping_before_the_end_cuts_the_session_short(model):
     assert "(1000 server stopped)" in summary["detail"] and "after 3 of 10 requests" in summary["detail"]
 
 
-def test_server_gone_mid_stream_cuts_the_session_short_after_the_backoff(model):
+def _play_until_the_server_dies(handler, team_client, dies, give_up_after_s=0.5):
+    """The client's summary of a session with `handler`'s server, whose process dies once the asyncio.Event `dies`
+    is set: the connection drops and nobody listens any more."""
     async def main():
         server = await serve(handler, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        client = StreamingClient(CountingClient(ReferenceEngine(model)), f"ws://127.0.0.1:{port}", "testers",
-                                 backoff_s=0.02, give_up_after_s=0.5)
+        client = StreamingClient(team_client, f"ws://127.0.0.1:{port}", "testers", backoff_s=0.02,
+                                 give_up_after_s=give_up_after_s)
         playing = asyncio.create_task(client.run())
-        await registered.wait()
-        server.close()  # the server process dies: the connection drops and nobody listens any more
+        await dies.wait()
+        server.close()
         return await asyncio.wait_for(playing, 30)
 
+    return asyncio.run(main())
+
+
+def test_server_gone_mid_stream_cuts_the_session_short_after_the_backoff(model):
     registered = asyncio.Event()
 
     async def handler(ws):
@@ -758,7 +764,7 @@ def test_server_gone_mid_stream_cuts_the_session_short_after_the_backoff(model):
         registered.set()
         await asyncio.sleep(30)
 
-    summary = asyncio.run(main())
+    summary = _play_until_the_server_dies(handler, CountingClient(ReferenceEngine(model)), registered)
     assert summary["outcome"] == runtime.CUT_SHORT and "stayed unreachable" in summary["detail"]
     assert summary["connections"] == 1
 
@@ -771,25 +777,15 @@ def test_server_gone_as_its_end_was_due_after_every_request_answered_completes_t
     recorder = Recorder()
     answered = asyncio.Event()
 
-    async def main():
-        server = await serve(handler, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        client = StreamingClient(CountingClient(ReferenceEngine(model)), f"ws://127.0.0.1:{port}", "testers",
-                                 backoff_s=0.02, give_up_after_s=0.5)
-        playing = asyncio.create_task(client.run())
-        await answered.wait()
-        server.close()  # no end: the connection drops and nobody listens any more
-        return await asyncio.wait_for(playing, 30)
-
     async def handler(ws):
         await ws.recv()
         await ws.send(_welcome(3))
         await ws.send(_request([0, 1, 2], symbols, features))
         await recorder.pump(ws, lambda: len(recorder.answered()) == 3)
-        answered.set()
+        answered.set()  # no end
         await asyncio.sleep(30)
 
-    summary = asyncio.run(main())
+    summary = _play_until_the_server_dies(handler, CountingClient(ReferenceEngine(model)), answered)
     assert summary["outcome"] == runtime.COMPLETE and "every one of the stream's 3 requests" in summary["detail"]
     assert cli.EXIT_BY_OUTCOME[summary["outcome"]] == cli.EXIT_OK
 
@@ -799,17 +795,6 @@ def test_server_gone_before_the_last_answers_went_out_cuts_the_session_short(mod
     answers went out on no connection (they wait in the cache for a resend that never comes), so the stream was not
     played to its end (it said complete, exit 0)."""
     symbols, features = _stream(3)
-
-    async def main():
-        server = await serve(handler, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        client = StreamingClient(SlowOnRequestZero(ReferenceEngine(model)), f"ws://127.0.0.1:{port}", "testers",
-                                 backoff_s=0.02, give_up_after_s=0.8)
-        playing = asyncio.create_task(client.run())
-        await sent.wait()
-        server.close()  # mid-step: the connection drops and nobody listens any more
-        return await asyncio.wait_for(playing, 30)
-
     sent = asyncio.Event()
 
     async def handler(ws):
@@ -817,10 +802,11 @@ def test_server_gone_before_the_last_answers_went_out_cuts_the_session_short(mod
         await ws.send(_welcome(3))
         await ws.send(_request([0, 1, 2], symbols, features))
         await asyncio.sleep(0.1)
-        sent.set()
+        sent.set()  # mid-step
         await asyncio.sleep(30)
 
-    summary = asyncio.run(main())
+    summary = _play_until_the_server_dies(handler, SlowOnRequestZero(ReferenceEngine(model)), sent,
+                                          give_up_after_s=0.8)
     assert summary["outcome"] == runtime.CUT_SHORT and "stayed unreachable" in summary["detail"], summary["detail"]
 
 
