@@ -1,14 +1,19 @@
 """CPU time of the team client's event loop on its own paths, per request: a request frame received (decoded,
 checked, queued: StreamingClient._on_frame) and a step answered (its answers cached and sent:
 StreamingClient._answer), in this process with frames made here, a team client that never steps and no socket, so
-that hosts and versions compare by the loop's work alone. Past 16,000 requests/s on an H200 the loop, not the GPU,
-fell behind (bench/LOG.md section 78); these are its per-request costs on the host that runs it (websockets' own
-framing and the engine's submit not included).
+that hosts and versions compare by the loop's work alone; and the link beneath them, the same frames read off a
+loopback websocket through the client's transport and decoded (websockets' framing and the loop's reads; a server
+process sends them as fast as the socket takes them). Past 16,000 requests/s on an H200 the loop, not the GPU, fell
+behind (bench/LOG.md section 78); these are its per-request costs on the host that runs it (the engine's submit not
+included).
 
     python scripts/loop_costs.py --json costs.json
     python scripts/loop_costs.py --frame-requests 1,12,40 --step-rows 64,300,512
 """
+import asyncio
+import importlib.util
 import json
+import multiprocessing
 import sys
 import threading
 import time
@@ -52,24 +57,80 @@ def _client(cache_size=None):
     return client
 
 
-def receive_us(per_frame, frames, reps):
-    """Best of `reps` runs: us a request for `frames` request frames of `per_frame` requests over SYMBOLS symbols
-    through _on_frame, the queued requests taken by a step every 25 frames (as a loaded client's are)."""
+def _request_frames(per_frame, frames, first_id=0):
+    """`frames` encoded request frames of `per_frame` requests over SYMBOLS symbols, ids from first_id."""
     import numpy as np
 
     from client import protocol
 
-    rng = np.random.default_rng(0)
-    features = rng.standard_normal((per_frame, 79)).astype(np.float32)
-    best, uid = float("inf"), 0
-    for _ in range(reps):
+    features = np.random.default_rng(0).standard_normal((per_frame, 79)).astype(np.float32)
+    made = []
+    for uid in range(first_id, first_id + frames * per_frame, per_frame):
+        ids = list(range(uid, uid + per_frame))
+        made.append(protocol.encode(protocol.inference_request(ids, [f"SYM_{i % SYMBOLS:03d}" for i in ids], features,
+                                                               time.time())))
+    return made
+
+
+def _send_frames(frames, to_parent):
+    """Child process: a websocket server on loopback that sends `frames` to each connection, then waits for its
+    close; its port first, to the parent."""
+    from websockets.asyncio.server import serve
+
+    from client import event_loop
+
+    async def handler(ws):
+        for frame in frames:
+            await ws.send(frame)
+        await ws.wait_closed()
+
+    async def main():
+        async with serve(handler, "127.0.0.1", 0, compression=None, max_size=None) as server:
+            to_parent.put(server.sockets[0].getsockname()[1])
+            await asyncio.Future()
+
+    event_loop.run(main())
+
+
+def wire_us(per_frame, frames, reps):
+    """Best of `reps` runs: us a request (this process's CPU time) for `frames` request frames of `per_frame`
+    requests read off a loopback websocket through the client's transport and decoded."""
+    from client import event_loop, transport
+
+    ctx = multiprocessing.get_context("spawn")
+    to_parent = ctx.Queue()
+    server = ctx.Process(target=_send_frames, args=(_request_frames(per_frame, frames), to_parent), daemon=True)
+    server.start()
+    try:
+        url = f"ws://127.0.0.1:{to_parent.get(timeout=60)}"
+
+        async def read_all():
+            ws = await transport.connect(url, open_timeout=30)
+            begin, read = time.process_time(), 0
+            async for frame in ws:
+                ws.decode(frame)
+                read += 1
+                if read == frames:
+                    break
+            spent = time.process_time() - begin
+            await ws.close()
+            return spent / (frames * per_frame) * 1e6
+
+        return min(event_loop.run(read_all()) for _ in range(reps))
+    finally:
+        server.kill()
+        server.join()
+
+
+def receive_us(per_frame, frames, reps):
+    """Best of `reps` runs: us a request for `frames` request frames of `per_frame` requests over SYMBOLS symbols
+    through _on_frame, the queued requests taken by a step every 25 frames (as a loaded client's are)."""
+    from client import protocol
+
+    best = float("inf")
+    for rep in range(reps):
         client, link = _client(), _Link(protocol)
-        batch = []
-        for _ in range(frames):
-            ids = list(range(uid, uid + per_frame))
-            uid += per_frame
-            batch.append(protocol.encode(protocol.inference_request(
-                ids, [f"SYM_{i % SYMBOLS:03d}" for i in ids], features, time.time())))
+        batch = _request_frames(per_frame, frames, rep * frames * per_frame)
         begin = time.perf_counter()
         for i, frame in enumerate(batch):
             client._on_frame(link, frame)
@@ -119,11 +180,21 @@ def main(argv=None):
     parser.add_argument("--reps", type=cli.positive_int, default=3, help="runs a measurement, the best kept")
     parser.add_argument("--json", type=cli.output_file, help="write the numbers here")
     args = parser.parse_args(argv)
-    result = {"receive_us_per_request": {}, "answer_us_per_request": {}}
+    has_websockets = importlib.util.find_spec("websockets") is not None
+    if not has_websockets:
+        print("link: not measured (websockets is not installed: pip install websockets)", flush=True)
+    result = {"receive_us_per_request": {}, "wire_us_per_request": {}, "answer_us_per_request": {}}
     for per_frame in args.frame_requests:
-        us = receive_us(per_frame, max(args.requests // per_frame, 1), args.reps)
+        frames = max(args.requests // per_frame, 1)
+        us = receive_us(per_frame, frames, args.reps)
         result["receive_us_per_request"][str(per_frame)] = round(us, 3)
         print(f"receive, {per_frame:>4} requests a frame: {us:7.2f} us a request", flush=True)
+        if not has_websockets:
+            continue
+        us = wire_us(per_frame, frames, args.reps)
+        result["wire_us_per_request"][str(per_frame)] = round(us, 3)
+        print(f"link,    {per_frame:>4} requests a frame: {us:7.2f} us a request (read off a websocket, decoded)",
+              flush=True)
     for rows in args.step_rows:
         us = answer_us(rows, max(args.requests // rows, 1), args.reps)
         result["answer_us_per_request"][str(rows)] = round(us, 3)
