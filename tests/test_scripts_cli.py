@@ -245,6 +245,23 @@ def test_loop_costs_times_the_runtimes_receive_and_answer_paths_per_request(tmp_
     assert "answer,    50 requests a step:" in done.stdout
 
 
+def test_loop_costs_without_websockets_says_the_link_is_not_measured(monkeypatch, capsys, tmp_path):
+    """The GPU machine's image has no websockets: the link is said not measured in one line, the rest measured."""
+    import importlib.util
+
+    from scripts import loop_costs
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "websockets" else
+                        find_spec(name, *a))
+    out = tmp_path / "costs.json"
+    assert loop_costs.main(["--frame-requests", "4", "--step-rows", "8", "--requests", "80", "--reps", "1",
+                            "--json", str(out)]) == 0
+    assert "link: not measured (websockets is not installed: pip install websockets)" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["wire_us_per_request"] == {} and result["receive_us_per_request"]["4"] > 0
+
+
 @pytest.mark.parametrize("args", [["-m", "client.model", "--manifest"],
                                   ["scripts/host_hiccups.py", "--seconds", "0.05"],
                                   # a smoke run in Triton's interpreter, timing nothing (no tiling matches)
