@@ -335,6 +335,7 @@ class StreamingClient:
             inline_steps = team_api.steps_in_background(team_client)
         self.inline_steps = inline_steps and callable(getattr(team_client, "submit_batch", None))
         self._pump_handle: asyncio.Handle | None = None
+        self._pump_next_turn = False  # whether _pump_handle runs on the loop's next turn (a step is in flight)
         self._look_for_joins_at = 0.0  # when _pump next looks for landed states to join (time.monotonic())
         self._loop_thread: int | None = None
         for name, value in (("late_after_s", late_after_s), ("form_margin_s", form_margin_s),
@@ -786,12 +787,19 @@ class StreamingClient:
     def _on_request(self, ws, msg):
         if self.outcome is not None:  # the session has ended (a new stream's, say): its states step nothing more
             return
-        ids, symbols, features = protocol.parse_inference_request(msg)  # a ProtocolError names its ids (_on_frame)
-        finite_rows = np.isfinite(features).all(axis=1)
-        unreadable = set(msg.get("unreadable_rows", ()))
+        # (decoded by the connection, which validated it) a ProtocolError names its ids (_on_frame)
+        ids, symbols, features = protocol.parse_inference_request(msg, validated=True)
+        finite_rows = np.isfinite(features).all(axis=1).tolist()
         cached_ids, new_requests = [], []
         received_at = time.perf_counter()
         for index, (uid, symbol, row, finite) in enumerate(zip(ids, symbols, features, finite_rows)):
+            if finite and uid not in self._in_flight and uid not in self._cache and uid not in self._crossing \
+                    and uid not in self._rejected_ids and uid not in self._evicted:  # a new request: most are
+                self._in_flight[uid] = _request_print(symbol, row)
+                self.stats.note_request(uid)
+                new_requests.append(Request(uid, symbol, row, received_at))
+                self._fed_on_connection = True
+                continue
             known = self._cache[uid][1] if uid in self._cache else self._in_flight.get(uid)
             if known is not None and known != _request_print(symbol, row):
                 if self.stats.connections > 1 and not self._fed_on_connection:
@@ -818,16 +826,11 @@ class StreamingClient:
                 self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): answered earlier, "
                                                              f"its answer no longer cached (the last {self.cache_size} "
                                                              f"are); not fed to the model again"))
-            elif not finite:
+            else:  # new, and not finite (a new finite one went in above)
                 self.stats.note_request(uid)
                 self._reject([uid])
                 self._refuse_request(ws, uid, symbol, f"features are not {NUM_FEATURES} numbers"
-                                     if index in unreadable else "features contain NaN or inf")
-            else:
-                self._in_flight[uid] = _request_print(symbol, row)
-                self.stats.note_request(uid)
-                new_requests.append(Request(uid, symbol, row, received_at))
-                self._fed_on_connection = True
+                                     if index in msg.get("unreadable_rows", ()) else "features contain NaN or inf")
         self._mark("received", (r.unique_id for r in new_requests))
         if self.frames is not None:
             self.frames.append((received_at, ids))
@@ -844,7 +847,9 @@ class StreamingClient:
             # step they join may start; a joined symbol is on the GPU already
             if queued and callable(self._prefetch):
                 self._prefetches.put(queued)
-            if self.inline_steps:
+            # at once where nothing is in flight; else on the loop's next turn, as it is already: a pump after each
+            # frame cost the loop more than the frame (~10 us on the GPU host) and fell behind past 16,000 req/s
+            if self.inline_steps and not self._pump_next_turn:
                 self._pump()
         if cached_ids:
             self.stats.resent_from_cache += len(cached_ids)
@@ -949,7 +954,7 @@ class StreamingClient:
         parts whose last parts are late leaves the pipeline (_go_on_without), and is looked at every LATE_POLL_S."""
         if self._pump_handle is not None:
             self._pump_handle.cancel()
-            self._pump_handle = None
+            self._pump_handle, self._pump_next_turn = None, False
         while self._steps and _ended(self._steps[0].pending):
             self._retire(self._steps[0])
         if self._steps and self._parts_late(self._steps[0]):
@@ -976,7 +981,7 @@ class StreamingClient:
         if self._late:
             again = LATE_POLL_S if again is None else min(again, LATE_POLL_S)
         if self._steps:
-            self._pump_handle = self._loop.call_soon(self._pump)
+            self._pump_handle, self._pump_next_turn = self._loop.call_soon(self._pump), True
         elif again is not None:
             self._pump_handle = self._loop.call_later(again, self._pump)
 

@@ -1,11 +1,11 @@
 """CPU time of the team client's event loop on its own paths, per request: a request frame received (decoded,
-checked, queued: StreamingClient._on_frame) and a step answered (its answers cached and sent:
-StreamingClient._answer), in this process with frames made here, a team client that never steps and no socket, so
-that hosts and versions compare by the loop's work alone; and the link beneath them, the same frames read off a
-loopback websocket through the client's transport and decoded (websockets' framing and the loop's reads; a server
-process sends them as fast as the socket takes them). Past 16,000 requests/s on an H200 the loop, not the GPU, fell
-behind (bench/LOG.md section 78); these are its per-request costs on the host that runs it (the engine's submit not
-included).
+checked, queued: StreamingClient._on_frame), a step answered (its answers cached and sent: StreamingClient._answer)
+and its score received (the server's score_update), in this process with frames made here, a team client that
+never steps and no socket, so that hosts and versions compare by the loop's work alone; and the link beneath them,
+the same frames read off a loopback websocket through the client's transport and decoded (websockets' framing and
+the loop's reads; a server process sends them as fast as the socket takes them). Past 16,000 requests/s on an H200
+the loop, not the GPU, fell behind (bench/LOG.md sections 78-79); these are its per-request costs on the host that
+runs it (the engine's submit not included).
 
     python scripts/loop_costs.py --json costs.json
     python scripts/loop_costs.py --frame-requests 1,12,40 --step-rows 64,300,512
@@ -170,6 +170,28 @@ def answer_us(rows, steps, reps):
     return best
 
 
+def score_us(rows, steps, reps):
+    """Best of `reps` runs: us a request for `steps` score_update frames of `rows` requests each (the server's
+    answer to a step's inference_response) through _on_frame."""
+    from client import protocol
+
+    best, uid = float("inf"), 0
+    for _ in range(reps):
+        client, link = _client(), _Link(protocol)
+        frames = []
+        for _ in range(steps):
+            ids = list(range(uid, uid + rows))
+            uid += rows
+            for i in ids:
+                client.stats.note_request(i)
+            frames.append(protocol.encode(protocol.score_update(ids, [0.5] * rows, [4] * rows, [3.25] * rows)))
+        begin = time.perf_counter()
+        for frame in frames:
+            client._on_frame(link, frame)
+        best = min(best, (time.perf_counter() - begin) / (steps * rows) * 1e6)
+    return best
+
+
 def main(argv=None):
     parser = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--frame-requests", type=cli.positive_ints, default=[1, 12, 40],
@@ -183,7 +205,8 @@ def main(argv=None):
     has_websockets = importlib.util.find_spec("websockets") is not None
     if not has_websockets:
         print("link: not measured (websockets is not installed: pip install websockets)", flush=True)
-    result = {"receive_us_per_request": {}, "wire_us_per_request": {}, "answer_us_per_request": {}}
+    result = {"receive_us_per_request": {}, "wire_us_per_request": {}, "answer_us_per_request": {},
+              "score_us_per_request": {}}
     for per_frame in args.frame_requests:
         frames = max(args.requests // per_frame, 1)
         us = receive_us(per_frame, frames, args.reps)
@@ -199,6 +222,9 @@ def main(argv=None):
         us = answer_us(rows, max(args.requests // rows, 1), args.reps)
         result["answer_us_per_request"][str(rows)] = round(us, 3)
         print(f"answer,  {rows:>4} requests a step:  {us:7.2f} us a request", flush=True)
+        us = score_us(rows, max(args.requests // rows, 1), args.reps)
+        result["score_us_per_request"][str(rows)] = round(us, 3)
+        print(f"score,   {rows:>4} requests a step:  {us:7.2f} us a request (the server's score_update)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

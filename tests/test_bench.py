@@ -113,6 +113,9 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
         arrival = run["arrival"]
         assert arrival["server_lag_ms"]["p50"] >= 0 and arrival["receipt_lag_ms"]["p50"] > 0
         assert 1 <= arrival["turn_requests_max"] and 1 <= arrival["frame_requests_max"] <= run["requests"]
+        stalls = run["client_stalls"]  # what held the client's loop up, and the collector's runs
+        assert stalls["loop_lags"] == 0 or stalls["loop_lag_ms_max"] > 3.0
+        assert len(stalls["longest"]) == min(stalls["loop_lags"], 3) and set(stalls["collections"]) <= {"0", "1", "2"}
     # the requests the server sent before the resume, every one answered after it, in order
     # (--quick streams 100 requests/s, not the event's 400: a 2-core CPU drains that backlog in ~0.5-1 s, more under
     # load; what it misses says the machine's speed, not a loss; the drain within 100 ms is a GPU's, bench/h100.json)
@@ -296,6 +299,27 @@ def test_arrival_numbers_split_the_wait_before_the_runtime_into_the_servers_paci
     assert out["receipt_lag_ms"]["max"] == pytest.approx(3.0) and out["receipt_lag_ms"]["p50"] == pytest.approx(2.0)
     assert out["turn_requests_max"] == 3 and out["frame_requests_max"] == 2
     assert out["slowest_1pct"] == {"latency_ms": 9.0, "receipt_lag_ms": pytest.approx(2.0)}
+
+
+def test_stall_numbers_say_how_long_the_loop_was_held_up_how_it_spent_that_and_the_collectors_runs():
+    from scripts.benchmarks.serving import stall_line, stall_numbers
+
+    spent = {"on_cpu_ms": 1.0, "runnable_ms": 0.5, "blocked_ms": 60.0}
+    events = {"loop_lags": [(10.5, 0.004), (11.0, 0.0615, spent), (12.0, 0.010, dict(spent, blocked_ms=8.0)),
+                            (13.0, 0.005, dict(spent, on_cpu_ms=4.0, blocked_ms=0.0))],
+              "collections": [(10.0, 0.001, 0), (10.2, 0.002, 0), (11.0, 0.060, 2)], "late_wakeups": []}
+    out = stall_numbers(events, started=10.0)
+    assert out["loop_lags"] == 4 and out["loop_lag_ms_max"] == pytest.approx(61.5)
+    assert out["loop_lag_ms_sum"] == pytest.approx(80.5)
+    assert out["spent_ms"] == pytest.approx({"on_cpu_ms": 6.0, "runnable_ms": 1.5, "blocked_ms": 68.0})
+    assert [lag["at_s"] for lag in out["longest"]] == pytest.approx([1.0, 2.0, 3.0])
+    assert out["longest"][0]["blocked_ms"] == 60.0
+    assert out["collections"] == {"0": {"count": 2, "max_ms": pytest.approx(2.0)},
+                                  "2": {"count": 1, "max_ms": pytest.approx(60.0)}}
+    assert out["full_collections"] == [{"at_s": pytest.approx(1.0), "ms": pytest.approx(60.0)}]
+    assert "loop lags over 3 ms: 4 (max 61.5" in stall_line(out) and "gen 2: 1 max 60.0 ms" in stall_line(out)
+    quiet = stall_numbers({"loop_lags": [], "collections": [], "late_wakeups": []}, started=0.0)
+    assert quiet["loop_lags"] == 0 and quiet["longest"] == [] and "collections none" in stall_line(quiet)
 
 
 def test_floor_stand_in_steps_queue_one_at_a_time_at_the_step_tables_pace():

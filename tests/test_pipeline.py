@@ -821,6 +821,38 @@ def test_inline_steps_run_on_the_event_loop_with_no_model_thread(model):
         assert order == sorted(order)
 
 
+def test_inline_steps_pump_in_a_frames_handler_only_where_no_step_is_in_flight(model, monkeypatch):
+    """With a step in flight the loop already looks at the steps on its next turn: a frame's handler leaves the
+    pump to it (a pump after every frame cost the loop more than the frame, and fell behind past 16,000 req/s on an
+    H200: bench/LOG.md section 79); with none in flight the handler pumps, so that a request steps at once. Every
+    request is answered, in order."""
+    n = 48
+    symbols, features = _stream(n, seed=25)
+    recorder = Recorder()
+    in_handler, pumps = [], {"in flight": 0, "idle": 0, "turn": 0}
+    on_frame, pump = StreamingClient._on_frame, StreamingClient._pump
+
+    def counted_on_frame(self, ws, frame):
+        in_handler.append(bool(self._steps))
+        try:
+            return on_frame(self, ws, frame)
+        finally:
+            in_handler.pop()
+
+    def counted_pump(self):
+        pumps["turn" if not in_handler else "in flight" if in_handler[-1] else "idle"] += 1
+        return pump(self)
+
+    monkeypatch.setattr(StreamingClient, "_on_frame", counted_on_frame)
+    monkeypatch.setattr(StreamingClient, "_pump", counted_pump)
+    team_client = JoiningDevice(model, step_s=0.02)
+    _play_pipelined(team_client, _bursts(n, 2, symbols, features, recorder), pipeline_min_batch=1, inline_steps=True)
+    assert recorder.answered() == set(range(n))
+    _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
+    assert pumps["idle"] >= 1 and pumps["turn"] > 0  # the first frame stepped at once; the loop's turns did the rest
+    assert pumps["in flight"] == 0
+
+
 @pytest.mark.parametrize("declared, inline_steps, expected", [
     (True, None, True), (None, None, False), (1, None, False), (True, False, False), (None, True, True)])
 def test_inline_steps_by_default_exactly_where_the_team_client_says_its_steps_run_in_the_background(

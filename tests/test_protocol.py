@@ -162,3 +162,38 @@ def test_register_and_welcome_carry_the_session_key():
     assert roundtrip(protocol.register("a", session_key="k"))["session_key"] == "k"
     assert roundtrip(protocol.welcome("tiny", "f", 10, 2, True, session_key="k"))["session_key"] == "k"
     assert "session_key" not in protocol.register("a") and "session_key" not in protocol.welcome("t", "f", 1, 1, None)
+
+
+def test_list_fields_take_their_types_alone_looked_at_in_c_first_then_one_by_one():
+    """A list field's element types are looked at in C first, then element by element: a bool is no integer, an
+    int subclass (IntEnum) still is one, and a float or a bool in a number list is told apart as before."""
+    import enum
+
+    class Flag(enum.IntEnum):
+        ONE = 1
+
+    features = np.zeros((2, protocol.NUM_FEATURES), np.float32).tobytes()
+    base = {"type": "inference_request", "unique_ids": [1, 2], "symbols": ["A", "B"], "features": features,
+            "timestamp": 0.5}
+    assert protocol.validate(dict(base)) is not None
+    assert protocol.validate(dict(base, unique_ids=[Flag.ONE, 2]))["unique_ids"] == [1, 2]
+    for field, value in (("unique_ids", [1, True]), ("unique_ids", [1, 2.0]), ("symbols", ["A", b"B"]),
+                         ("unreadable_rows", [0, None])):
+        with pytest.raises(ProtocolError, match=f"'{field}' must be") as caught:
+            protocol.validate(dict(base, **{field: value}))
+        if field == "unique_ids":  # the integers among them still count as requests
+            assert caught.value.unique_ids == [1]
+    score = protocol.score_update([1, 2], [0.5, 1], [4, 3], [2.5, 3.0])
+    assert roundtrip(score)["pnls"] == [0.5, 1.0]
+    with pytest.raises(ProtocolError, match="'latencies_ms' must be"):
+        protocol.validate(dict(score, latencies_ms=[2.5, False]))
+
+
+def test_a_decoded_request_is_parsed_without_validating_it_again_but_still_by_its_type():
+    msg = roundtrip(protocol.inference_request([7], ["A"], np.ones((1, protocol.NUM_FEATURES), np.float32), 1.0))
+    ids, symbols, features = protocol.parse_inference_request(msg, validated=True)
+    assert (ids, symbols, features.shape) == ([7], ["A"], (1, protocol.NUM_FEATURES))
+    with pytest.raises(ProtocolError, match="expected message type 'inference_request', got 'end'"):
+        protocol.parse_inference_request(roundtrip(protocol.end(3)), validated=True)
+    with pytest.raises(ProtocolError, match="'symbols' must be a list of strings"):
+        protocol.parse_inference_request(dict(msg, symbols=[3]))  # not validated before: validated here

@@ -230,19 +230,20 @@ def test_host_hiccups_spins_once_on_every_cpu_it_may_use(tmp_path):
 
 def test_loop_costs_times_the_runtimes_receive_and_answer_paths_per_request(tmp_path):
     """What the client's event loop spends a request on its own paths and on the link beneath them (a loopback
-    websocket from a server process; bench/LOG.md section 78), written as asked; a frame of one request costs more a
+    websocket from a server process; bench/LOG.md section 78) and on the server's scores of its answers, written
+    as asked; a frame of one request costs more a
     request than a frame of many (its framing, decode and checks are the frame's)."""
     out = tmp_path / "costs.json"
     done = run("loop_costs.py", "--frame-requests", "1,20", "--step-rows", "1,50", "--requests", "400", "--reps", "1",
                "--json", out)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
-    receive, wire, answer = (result[f"{path}_us_per_request"] for path in ("receive", "wire", "answer"))
-    assert set(receive) == set(wire) == {"1", "20"} and set(answer) == {"1", "50"}
-    assert all(us > 0 for us in (*receive.values(), *wire.values(), *answer.values()))
+    receive, wire, answer, score = (result[f"{path}_us_per_request"] for path in ("receive", "wire", "answer", "score"))
+    assert set(receive) == set(wire) == {"1", "20"} and set(answer) == set(score) == {"1", "50"}
+    assert all(us > 0 for us in (*receive.values(), *wire.values(), *answer.values(), *score.values()))
     assert receive["1"] > receive["20"] and wire["1"] > wire["20"]
     assert "receive,   20 requests a frame:" in done.stdout and "link,      20 requests a frame:" in done.stdout
-    assert "answer,    50 requests a step:" in done.stdout
+    assert "answer,    50 requests a step:" in done.stdout and "score,     50 requests a step:" in done.stdout
 
 
 def test_loop_costs_without_websockets_says_the_link_is_not_measured(monkeypatch, capsys, tmp_path):

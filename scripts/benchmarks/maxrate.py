@@ -2,7 +2,7 @@
 several requests of a symbol per step (the run's --max-requests-per-symbol) and with one (K = 1) in the same run."""
 from scripts.benchmarks.harness import MAXRATE_SYMBOLS, P99_LIMIT_MS
 from scripts.benchmarks.report import fmt
-from scripts.benchmarks.serving import arrival_line, search_max_rate
+from scripts.benchmarks.serving import arrival_line, search_max_rate, stall_line
 
 
 def run(bench):
@@ -20,6 +20,7 @@ def _lines(runs):
             f"accuracy {fmt(run['accuracy'], 4)}, missed {run['missed']}  {'pass' if run['passed'] else 'FAIL'}"
             + (" (inline steps)" if run.get("inline_steps") else "")
             + (f"; {arrival_line(run['arrival'])}" if "arrival" in run else "")
+            + (f"; {stall_line(run['client_stalls'])}" if "client_stalls" in run else "")
             for run in runs]
 
 

@@ -189,7 +189,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
                 f.write(header)
     server = await asyncio.to_thread(ServerProcess, config, stream, targets, timeline, stacks["server"])
     steal_before, started = host_steal_s(), time.monotonic()
-    probe = StallProbe(stacks_path=stacks["client"]).start() if timeline or stacks_dir else None
+    probe = StallProbe(stacks_path=stacks["client"]).start() if timeline or stacks_dir or step_log else None
     watch = asyncio.create_task(probe.watch_loop()) if probe else None
     try:
         options = {"pipeline_min_batch": pipeline_min_batch, "max_requests_per_symbol": max_requests_per_symbol,
@@ -217,7 +217,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
         if timeline:
             summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps)
         if step_log:
-            summary.update(steps=client.steps, frames=client.frames)
+            summary.update(steps=client.steps, frames=client.frames, client_stalls=probe.events(), started=started)
         return summary
     finally:
         if probe:
@@ -301,6 +301,37 @@ def arrival_line(arrival) -> str:
             f" ms of which receipt lag {fmt(arrival['slowest_1pct']['receipt_lag_ms'])}")
 
 
+def stall_numbers(stalls, started) -> dict:
+    """What held the client's event loop up in a session (a StallProbe's events): its lags over 3 ms (how many, the
+    longest, their sum, and how the loop thread spent them: on a CPU, waiting for one, or blocked: the GIL, a
+    lock, a page fault), the longest three (when each began, s after the session's start), the collector's runs
+    by generation (how many, the longest) and each full one (when, how long)."""
+    lags = stalls["loop_lags"]
+    spent = {how: sum(lag[2][how] for lag in lags if len(lag) > 2)
+             for how in ("on_cpu_ms", "runnable_ms", "blocked_ms")}
+    longest = sorted(lags, key=lambda lag: -lag[1])[:3]
+    collections = {}
+    for _, seconds, generation in stalls["collections"]:
+        count, longest_ms = collections.get(generation, (0, 0.0))
+        collections[generation] = (count + 1, max(longest_ms, 1e3 * seconds))
+    return {"loop_lags": len(lags), "loop_lag_ms_max": 1e3 * max((lag[1] for lag in lags), default=0.0),
+            "loop_lag_ms_sum": 1e3 * sum(lag[1] for lag in lags), "spent_ms": spent,
+            "longest": [{"at_s": lag[0] - started, "ms": 1e3 * lag[1], **(lag[2] if len(lag) > 2 else {})}
+                        for lag in longest],
+            "collections": {str(generation): {"count": count, "max_ms": longest_ms}
+                            for generation, (count, longest_ms) in sorted(collections.items())},
+            "full_collections": [{"at_s": start - started, "ms": 1e3 * seconds}
+                                 for start, seconds, generation in stalls["collections"] if generation == 2]}
+
+
+def stall_line(stalls) -> str:
+    spent = ", ".join(f"{how[:-3].replace('_', ' ')} {ms:.0f}" for how, ms in stalls["spent_ms"].items())
+    return (f"loop lags over 3 ms: {stalls['loop_lags']} (max {stalls['loop_lag_ms_max']:.1f}, sum "
+            f"{stalls['loop_lag_ms_sum']:.0f} ms: {spent}), collections "
+            + (", ".join(f"gen {g}: {c['count']} max {c['max_ms']:.1f} ms" for g, c in stalls["collections"].items())
+               or "none"))
+
+
 def session_numbers(summary) -> dict:
     latency = summary["latency_ms"]
     return {"p50_ms": latency["p50"], "p99_ms": latency["p99"], "max_ms": latency["max"],
@@ -327,6 +358,7 @@ def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=
     if step_log:
         numbers["steps_by_rows"] = steps_by_rows(summary["steps"], getattr(engine, "step_rows", ()))
         numbers["arrival"] = arrival_numbers(summary["request_times"], summary["frames"])
+        numbers["client_stalls"] = stall_numbers(summary["client_stalls"], summary["started"])
     return {**numbers, **bench.forming_ms(run)}
 
 
@@ -365,7 +397,8 @@ def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", 
         bench.report.update(**{f"{key}_p99_50ms": best, f"{key}_runs": runs})
         bench.progress(f"maxrate {rate:g} req/s: p50 {fmt(numbers['p50_ms'])} ms, p99 {fmt(numbers['p99_ms'])} ms, "
                        f"accuracy {fmt(numbers['accuracy'], 4)}, missed {numbers['missed']} -> "
-                       f"{'pass' if passed else 'FAIL'}; {arrival_line(numbers['arrival'])}; steps by rows: "
+                       f"{'pass' if passed else 'FAIL'}; {arrival_line(numbers['arrival'])}; "
+                       f"{stall_line(numbers['client_stalls'])}; steps by rows: "
                        + ", ".join(
                            f"{size}: {c['steps']} x {c['ms_p50']:.1f} ms (rows p50 {c['rows_p50']:g}, formed in "
                            f"{c['forming_ms_p50']:.2f}, max {c['forming_ms_max']:.2f})"
