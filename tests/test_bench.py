@@ -286,7 +286,7 @@ def test_steps_by_rows_groups_the_step_log_by_the_engines_row_sizes():
 
 
 def test_arrival_numbers_split_the_wait_before_the_runtime_into_the_servers_pacing_and_the_receipt():
-    from scripts.benchmarks.serving import arrival_numbers
+    from scripts.benchmarks.serving import arrival_line, arrival_numbers
 
     # five requests due 1 ms apart; the server fell 3 ms behind and sent the last three in one turn at 0.007 s
     due = np.array([0.001, 0.002, 0.003, 0.004, 0.005])
@@ -298,6 +298,10 @@ def test_arrival_numbers_split_the_wait_before_the_runtime_into_the_servers_paci
     assert out["server_lag_ms"]["max"] == pytest.approx(4.0) and out["server_lag_ms"]["p50"] == pytest.approx(2.0)
     assert out["receipt_lag_ms"]["max"] == pytest.approx(3.0) and out["receipt_lag_ms"]["p50"] == pytest.approx(2.0)
     assert out["turn_requests_max"] == 3 and out["frame_requests_max"] == 2
+    assert out["frames"] == 5 and out["frame_requests_mean"] == pytest.approx(7 / 5)
+    assert "5 frames of 1.4 requests on average, slowest 1%" in arrival_line(out)
+    older = {k: v for k, v in out.items() if k not in ("frames", "frame_requests_mean")}  # a run before section 79
+    assert "frame 2 requests, slowest 1% latency 9.00 ms" in arrival_line(older)
     assert out["slowest_1pct"] == {"latency_ms": 9.0, "receipt_lag_ms": pytest.approx(2.0)}
 
 

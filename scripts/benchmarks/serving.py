@@ -272,8 +272,10 @@ def arrival_numbers(request_times, frames) -> dict:
     server's pacing ("server_lag_ms": sent - due, how far its sends fell behind the stream; what fell due meanwhile
     went in one turn) and the link with the client's loop ("receipt_lag_ms": from the send to the request frame's
     parse, a resend's first receipt); the most requests one server turn sent ("turn_requests_max") and one frame
-    carried ("frame_requests_max"); and, over the slowest 1% of answers, the mean latency and receipt lag. Both
-    processes' clocks are CLOCK_MONOTONIC (time.monotonic, time.perf_counter on Linux)."""
+    carried ("frame_requests_max"); the request frames the client read ("frames") and their mean requests (each frame
+    costs the client's loop its fixed part, bench/LOG.md section 79); and, over the slowest 1% of answers, the mean
+    latency and receipt lag. Both processes' clocks are CLOCK_MONOTONIC (time.monotonic, time.perf_counter on
+    Linux)."""
     due, sent = np.asarray(request_times["due"]), np.asarray(request_times["sent"])
     latency = np.asarray(request_times["latency_ms"], dtype=np.float64)
     received = np.full(len(sent), np.nan)
@@ -288,6 +290,8 @@ def arrival_numbers(request_times, frames) -> dict:
     return {"server_lag_ms": _percentiles((sent - due) * 1e3), "receipt_lag_ms": _percentiles(receipt_lag_ms),
             "turn_requests_max": int(turns.max()) if len(turns) else 0,
             "frame_requests_max": max((len(ids) for _, ids in frames), default=0),
+            "frames": len(frames), "frame_requests_mean": float(np.mean([len(ids) for _, ids in frames])) if frames
+            else 0.0,
             "slowest_1pct": {"latency_ms": float(latency[slowest].mean()) if len(slowest) else None,
                              "receipt_lag_ms": float(np.nanmean(receipt_lag_ms[slowest]))
                              if len(slowest) and not np.isnan(receipt_lag_ms[slowest]).all() else None}}
@@ -297,7 +301,10 @@ def arrival_line(arrival) -> str:
     server, receipt = arrival["server_lag_ms"], arrival["receipt_lag_ms"]
     return (f"server lag p99 {fmt(server['p99'])} max {fmt(server['max'])} ms, receipt lag p99 {fmt(receipt['p99'])} "
             f"max {fmt(receipt['max'])} ms, largest turn {arrival['turn_requests_max']} / frame "
-            f"{arrival['frame_requests_max']} requests, slowest 1% latency {fmt(arrival['slowest_1pct']['latency_ms'])}"
+            f"{arrival['frame_requests_max']} requests, "
+            + (f"{arrival['frames']} frames of {arrival['frame_requests_mean']:.1f} requests on average, "
+               if "frames" in arrival else "")  # (not in runs before bench/LOG.md section 79)
+            + f"slowest 1% latency {fmt(arrival['slowest_1pct']['latency_ms'])}"
             f" ms of which receipt lag {fmt(arrival['slowest_1pct']['receipt_lag_ms'])}")
 
 
