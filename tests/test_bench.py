@@ -326,6 +326,65 @@ def test_stall_numbers_say_how_long_the_loop_was_held_up_how_it_spent_that_and_t
     assert quiet["loop_lags"] == 0 and quiet["longest"] == [] and "collections none" in stall_line(quiet)
 
 
+def test_a_served_session_runs_a_stall_probe_only_where_asked_not_for_its_step_log_alone(monkeypatch):
+    """The floor section's engine rung logs its steps (step_log) as before, with no stall probe beside it, as its
+    other rungs: the probe's ticks on the client's loop would be in one rung alone. The maxrate runs ask (stalls), and
+    their probe is stopped, also where the session fails."""
+    import asyncio
+
+    import client.stalls
+    from scripts.benchmarks import serving
+
+    probes = []
+
+    class Probe(client.stalls.StallProbe):
+        def start(self):
+            probes.append(self)
+            self.stopped = False
+            return super().start()
+
+        def stop(self):
+            self.stopped = True
+            super().stop()
+
+    class Server:  # the session ends at once: the client is stopped before it reaches the (absent) server
+        port, fail = 1, False
+
+        def __init__(self, *args):
+            pass
+
+        async def wait_done(self):
+            return
+
+        def summary(self):
+            if Server.fail:
+                raise RuntimeError("the server's summary failed")
+            return {}
+
+        def close(self):
+            pass
+
+    class Team:
+        def process_batch(self, batch):
+            raise AssertionError("nothing steps")
+
+    monkeypatch.setattr(client.stalls, "StallProbe", Probe)
+    monkeypatch.setattr(serving, "ServerProcess", Server)
+    monkeypatch.setattr(serving, "server_config", lambda *args: None)
+
+    def session(**options):
+        return asyncio.run(serving.serve_stream(None, None, None, 100.0, "tiny", 0, team_client=Team(), **options))
+
+    summary = session(step_log=True)  # the floor's engine rung
+    assert probes == [] and summary["steps"] == [] and "client_stalls" not in summary
+    summary = session(step_log=True, stalls=True)  # a maxrate run
+    assert len(probes) == 1 and probes[0].stopped and set(summary["client_stalls"]) >= {"loop_lags", "collections"}
+    Server.fail = True
+    with pytest.raises(RuntimeError, match="summary failed"):
+        session(step_log=True, stalls=True)
+    assert len(probes) == 2 and probes[1].stopped
+
+
 def test_floor_stand_in_steps_queue_one_at_a_time_at_the_step_tables_pace():
     from scripts.benchmarks.floor import StandInTeam, step_ms_of
 

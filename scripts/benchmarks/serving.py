@@ -158,21 +158,23 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
                        max_requests_per_symbol=None, team_client=None, during=None, form_late=True,
                        stacks_dir=None, ws_compression=False, step_log=False, late_after_s=None,
                        form_margin_s=None, punctual_late_after_s=None, join_queued=None, inline_steps=None,
-                       late_parts_s=None) -> dict:
+                       late_parts_s=None, stalls=False) -> dict:
     """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
     the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
     processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir the event loop's stack in each of its
     long stalls (server_stacks.txt, client_stacks.txt there; client/stalls.py). ws_compression: both ends
     take permessage-deflate, as before bench/LOG.md section 50 (to measure against). `during(client)`, a coroutine
     function, runs beside the session (the backlog section pauses the client with it). step_log: the summary's
-    "steps" is the runtime's step log (StreamingClient.steps). late_after_s: the runtime's step clock forms the next
-    step late behind steps this long (punctual_late_after_s: while the host wakes its submitter on time), form_margin_s
-    before its learned times say (None: its defaults); join_queued, inline_steps, late_parts_s: the runtime's (None:
-    its defaults). The summary's "late_wakes" and "latest_wake_ms": how many of the runtime's waits to form a step late
-    ended late (client/step_clock.py LATE_WAKE_S), and the latest any ended; "joins": the runtime's joins taken and
-    missed; "inline_steps": whether the runtime ran its steps from its event loop; "host_steal_ms_per_s": the CPU
-    time the hypervisor took from the host's CPUs during the session, all CPUs together, per second (None where the
-    host does not say)."""
+    "steps" is the runtime's step log (StreamingClient.steps). stalls: the summary's "client_stalls" are a
+    StallProbe's events in the client's process, "started" the session's start (time.monotonic()); a session that
+    does not ask runs no probe (the floor section's engine rung, with its step log, as its other rungs do).
+    late_after_s: the runtime's step clock forms the next step late behind steps this long (punctual_late_after_s:
+    while the host wakes its submitter on time), form_margin_s before its learned times say (None: its defaults);
+    join_queued, inline_steps, late_parts_s: the runtime's (None: its defaults). The summary's "late_wakes" and
+    "latest_wake_ms": how many of the runtime's waits to form a step late ended late (client/step_clock.py
+    LATE_WAKE_S), and the latest any ended; "joins": the runtime's joins taken and missed; "inline_steps": whether the
+    runtime ran its steps from its event loop; "host_steal_ms_per_s": the CPU time the hypervisor took from the
+    host's CPUs during the session, all CPUs together, per second (None where the host does not say)."""
     from client.runtime import StreamingClient
     from client.stalls import StallProbe, host_steal_s
     from team.example_model import ExampleModel
@@ -189,7 +191,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
                 f.write(header)
     server = await asyncio.to_thread(ServerProcess, config, stream, targets, timeline, stacks["server"])
     steal_before, started = host_steal_s(), time.monotonic()
-    probe = StallProbe(stacks_path=stacks["client"]).start() if timeline or stacks_dir or step_log else None
+    probe = StallProbe(stacks_path=stacks["client"]).start() if timeline or stacks_dir or stalls else None
     watch = asyncio.create_task(probe.watch_loop()) if probe else None
     try:
         options = {"pipeline_min_batch": pipeline_min_batch, "max_requests_per_symbol": max_requests_per_symbol,
@@ -217,7 +219,9 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
         if timeline:
             summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps)
         if step_log:
-            summary.update(steps=client.steps, frames=client.frames, client_stalls=probe.events(), started=started)
+            summary.update(steps=client.steps, frames=client.frames)
+        if stalls:
+            summary.update(client_stalls=probe.events(), started=started)
         return summary
     finally:
         if probe:
@@ -360,7 +364,7 @@ def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=
     summary = event_loop.run(serve_stream(
         engine, stream, targets, rate, args.preset, args.seed, args.pipeline_min_batch,
         max_requests_per_symbol=per_symbol or args.max_requests_per_symbol, ws_compression=ws_compression,
-        stacks_dir=args.stacks, step_log=step_log, **bench.forming(run)))
+        stacks_dir=args.stacks, step_log=step_log, stalls=step_log, **bench.forming(run)))
     numbers = session_numbers(summary)
     if step_log:
         numbers["steps_by_rows"] = steps_by_rows(summary["steps"], getattr(engine, "step_rows", ()))
