@@ -16,12 +16,15 @@ process presents to take its team back (the file is readable by its owner alone)
 (~0.5 GB an hour at 400 requests/s); a new session of the server starts it afresh. A tail cut by a kill or a crash is
 cut off before the new process appends (appended after it, the next read took the cut record's length for a
 symbol's and read garbage from there on). It is read and replayed a chunk at a time: however long it is, a restart
-holds in memory only the answers the runtime may resend (its answer cache) and the older ids as ranges.
+holds in memory only the answers the runtime may resend (its answer cache) and the older ids as ranges. A write that
+fails (a full disk) stops journaling for the process, which plays on, and sets the file aside as PATH.incomplete.
 
 File: MAGIC, one JSON line (the header), then per request: unique_id (int64), the symbol's UTF-8 length (uint16)
 and bytes, 79 float32 features, little-endian.
 """
+import errno
 import json
+import logging
 import os
 import struct
 import sys
@@ -38,6 +41,7 @@ from client.constants import NUM_FEATURES
 from client.id_ranges import IdRanges
 from client.scheduler import Request, Scheduler
 
+log = logging.getLogger(__name__)
 MAGIC = b"team-client journal 1\n"
 _HEAD = struct.Struct("<qH")
 _FEATURE_BYTES = NUM_FEATURES * 4
@@ -60,6 +64,7 @@ class Journal:
         self.count = self.symbols = 0
         self._records_at = self._records_end = 0  # the records' bytes: after the header, up to the last whole one
         self._file = None
+        self.failed = False  # a write failed: the file was set aside and nothing more is journaled (_set_aside)
         self._lock = threading.Lock()  # steps answer from the completer thread and the event loop
         try:
             with open(self.path, "rb") as f:
@@ -93,6 +98,8 @@ class Journal:
         one being written (a reconnect) or the one read (after its last whole record), else start the file afresh
         (its records forgotten). (A reconnect had started it afresh, or cut it back to where it was read.)"""
         with self._lock:
+            if self.failed:  # set aside after a failed write: nothing more is journaled in this process
+                return
             if self._file is not None:
                 if session_key is not None and session_key == self.session_key:
                     return
@@ -120,9 +127,32 @@ class Journal:
             parts += [_HEAD.pack(uid, len(name)), name, np.asarray(features, "<f4").tobytes()]
         if not parts:
             return
+        record = b"".join(parts)
         with self._lock:
-            if self._file is not None:
-                self._file.write(b"".join(parts))
+            if self._file is None:
+                return
+            try:
+                written = self._file.write(record)
+                if written != len(record):  # (a disk filling up writes part of it, then fails the next write)
+                    raise OSError(errno.ENOSPC, f"{written} of {len(record)} bytes written")
+            except OSError as exc:
+                self._set_aside(exc)
+
+    def _set_aside(self, exc) -> None:
+        """A write failed (a full disk, an I/O error): journaling stops for this process, which plays on, and the
+        file is renamed PATH.incomplete, so that a restart neither replays a history missing its last steps (the
+        states it rebuilt would be wrong, and said right) nor appends after a torn record. Before, the error escaped
+        the step's answer: its answers never went out and the event loop's pump stopped (the session hung)."""
+        self._file.close()
+        self._file, self.failed = None, True
+        aside = self.path + ".incomplete"
+        try:
+            os.replace(self.path, aside)
+            where = f"set aside as {aside}; a restart begins a new journal"
+        except OSError as rename:
+            where = f"and it could not be set aside ({rename.strerror}): do not restart from it"
+        log.error("--journal %s: a write failed (%s); journaling stops, the session plays on without it: the "
+                  "journal is %s", self.path, exc.strerror or exc, where)
 
     def close(self) -> None:
         with self._lock:

@@ -147,3 +147,45 @@ def test_a_replayed_non_finite_answer_is_never_kept_to_answer_a_resend(tmp_path,
     assert all(np.isfinite(prediction).all() for prediction, _, _ in replayed.recent.values())
     assert sorted([*replayed.recent, *(uid for uid in range(12) if uid in replayed.older)]) == list(range(12))
     assert not set(replayed.recent) & {uid for uid in range(12) if uid in replayed.older}
+
+
+class _FailingFile:
+    """A journal's file whose writes fail from the `fail_at`-th on: with an OSError (a full disk), or short (a disk
+    filling up: part of the record written, no error)."""
+
+    def __init__(self, file, fail_at, short):
+        self.file, self.fail_at, self.short, self.writes = file, fail_at, short, 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes < self.fail_at:
+            return self.file.write(data)
+        if self.short:
+            return self.file.write(data[:len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    def close(self):
+        self.file.close()
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_a_failed_write_stops_journaling_and_sets_the_file_aside_the_session_playing_on(tmp_path, caplog, short):
+    """A write that fails (or writes part of a record) stops journaling for the process and renames the file
+    PATH.incomplete: a restart neither replays a history missing its last steps nor appends after a torn record;
+    later appends and a reconnect's begin write nothing, and nothing raises to the step's answer."""
+    path = tmp_path / "j"
+    journal = Journal(path, IDENTITY)
+    journal.begin("k")
+    journal.append(rows(9)[:3])
+    journal._file = _FailingFile(journal._file, fail_at=1, short=short)
+    journal.append(rows(9)[3:6])  # fails: no exception
+    assert journal.failed and not path.exists() and (tmp_path / "j.incomplete").exists()
+    assert "a write failed" in caplog.text and "set aside as" in caplog.text
+    journal.append(rows(9)[6:])
+    journal.begin("k")  # a reconnect's welcome: no new file
+    journal.append(rows(9)[6:])
+    journal.close()
+    assert not path.exists()
+    assert Journal(path, IDENTITY).count == 0  # a restart begins a new journal
+    aside = Journal(tmp_path / "j.incomplete", IDENTITY)  # what was written before, for whoever looks
+    assert [uid for uid, _, _ in records(aside)][:3] == [0, 1, 2]

@@ -1074,6 +1074,46 @@ def test_a_replayed_journal_answers_its_resends_in_its_session_and_ends_in_anoth
     assert [uid for chunk in Journal(tmp_path / "j", {}).records() for uid, _, _ in chunk] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("inline_steps", [False, True])
+def test_a_journal_write_that_fails_mid_session_stops_journaling_and_every_request_is_answered(model, tmp_path,
+                                                                                               inline_steps):
+    """A full disk under the journal: the step whose write failed and every later one are answered (before, the
+    error escaped the step's answer: those answers never went out, and the session hung), and the journal is set
+    aside as PATH.incomplete (client/journal.py)."""
+    from client.journal import Journal
+
+    n = 12
+    symbols, features = _stream(n)
+    journal = Journal(tmp_path / "j", {})
+    writes = []
+
+    def failing_after_one(data):
+        writes.append(len(data))
+        if len(writes) > 1:
+            raise OSError(28, "No space left on device")
+        return len(data)
+
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(protocol.encode(protocol.welcome("tiny", None, n, len(SYMBOLS), None, session_key="k")))
+        journal._file.write = failing_after_one  # once the welcome has opened it
+        for start in range(0, n, 3):
+            await ws.send(_request(list(range(start, start + 3)), symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) >= start + 3)
+        await ws.send(protocol.encode(protocol.end(n)))
+        await ws.wait_closed()
+
+    class Pipelined(ExampleModel):
+        steps_in_background = inline_steps
+
+    _, summary = asyncio.run(_play(handler, Pipelined(ReferenceEngine(model)), leave_at_end=True, journal=journal,
+                                   inline_steps=inline_steps))
+    assert summary["outcome"] == runtime.COMPLETE and recorder.answered() == set(range(n))
+    assert len(writes) == 2 and journal.failed and (tmp_path / "j.incomplete").exists()
+
+
 def test_a_limit_that_passes_is_tried_again_and_the_session_plays_on(model):
     symbols, features = _stream(3)
     recorder, connections = Recorder(), []
