@@ -1340,11 +1340,17 @@ def test_the_name_of_an_original_protocol_team_is_refused_to_a_websocket_client_
     ("\uff56ictim", "reads as team 'victim'"), ("vi\u0301ctim", "reads as team 'victim'"),
     (" ", "shows nothing"), ("\u3164\u3164", "shows nothing"), ("\u034f", "shows nothing"),
     ("x" + "\u0489" * 63, "stacks over 4 marks"), ("TCP-JSON:127.0.0.6", "the team of an original-protocol client"),
-], ids=["trailing space", "spaces", "capitals", "fullwidth", "accent", "space", "fillers", "joiner", "marks", "prefix"])
+    ("v\u0456\u0441t\u0456m", "reads as team 'victim'"), ("\u03bdictim", "reads as team 'victim'"),
+    ("V\u0399\u0421\u03a4\u0406\u041c", "reads as team 'victim'"), ("\u0475\u03b9\u0441\u0442\u0456\u043c",
+                                                                    "reads as team 'victim'"),
+    ("t\u0441p-js\u043en:127.0.0.6", "the team of an original-protocol client"),
+], ids=["trailing space", "spaces", "capitals", "fullwidth", "accent", "space", "fillers", "joiner", "marks", "prefix",
+        "cyrillic", "greek", "capitals of both", "no latin letter", "cyrillic prefix"])
 def test_a_new_team_name_that_the_leaderboard_cannot_tell_apart_is_refused(name, why):
     """Anyone may name a team (no per-team tokens), and the page collapses spaces: a stranger's "victim " beside
-    "victim" passed for it on the leaderboard, as did its fullwidth or capital letters; a name of Hangul fillers
-    showed nothing at all, and one of 63 combining marks stacked over the rows around it."""
+    "victim" passed for it on the leaderboard, as did its fullwidth or capital letters, and its Cyrillic or Greek
+    look-alikes ("vіctіm" of Cyrillic і and с, "νictim" of Greek ν); a name of Hangul fillers showed nothing at all,
+    and one of 63 combining marks stacked over the rows around it."""
     async def main():
         async with Server(rate=20.0) as s:
             owner = await registered(s.url, "victim")
@@ -1358,15 +1364,42 @@ def test_a_new_team_name_that_the_leaderboard_cannot_tell_apart_is_refused(name,
     assert teams == ["victim", "victor"]
 
 
-def test_teams_the_tokens_file_names_alike_both_play():
+@pytest.mark.parametrize("names", [("team a", "Team A"), ("victim", "v\u0456\u0441t\u0456m")],
+                         ids=["capitals", "cyrillic"])
+def test_teams_the_tokens_file_names_alike_both_play(names):
     """With per-team tokens the organisers name the teams: no stranger's lookalike to refuse."""
+    tokens = dict(zip(names, ("ta", "tb")))
+
     async def main():
-        async with Server(rate=20.0, tokens={"team a": "ta", "Team A": "tb"}) as s:
-            teams = [await registered(s.url, team, token=token) for team, token in (("team a", "ta"), ("Team A", "tb"))]
+        async with Server(rate=20.0, tokens=tokens) as s:
+            teams = [await registered(s.url, team, token=token) for team, token in tokens.items()]
             for ws in teams:
                 await ws.close()
             return [summary["team"] for summary in s.server.summaries()]
-    assert run(main()) == ["team a", "Team A"]
+    assert run(main()) == list(names)
+
+
+def test_names_wholly_in_cyrillic_or_greek_play_beside_latin_ones_that_they_do_not_read_as():
+    """Look-alikes are folded to the Latin letter they look like, not other scripts refused: a Cyrillic or Greek
+    name plays beside the Latin names and beside each other; two that differ only in case still read as one (a
+    capital Greek eta looks like H and its small form like n, yet they are one letter)."""
+    from server.identity import looks, name_problem
+    teams = ["victim", "sibir", "athena", "\u0432\u0438\u043a\u0442\u043e\u0440"]  # виктор
+    for name in ("\u0421\u0438\u0431\u0438\u0440\u044c", "\u0391\u03b8\u03ae\u03bd\u03b1",  # Сибирь, Αθήνα
+                 "\u0412\u0418\u041a\u0422\u041e\u0420\u0418\u042f", "\u03bd\u03af\u03ba\u03b7"):  # ВИКТОРИЯ, νίκη
+        assert name_problem(name, teams) is None, name
+    assert looks("V\u0399\u0421\u03a4\u0406\u041c") == looks("v\u0456\u0441t\u0456m") == "victim"
+    assert name_problem("\u0397\u039d", ["\u03b7\u03bd"])[0] == "bad_team"  # ΗΝ beside ην
+    assert name_problem("\u0412\u0418\u041a\u0422\u041e\u0420", teams)[0] == "bad_team"  # ВИКТОР beside виктор
+
+    async def main():
+        async with Server(rate=20.0) as s:
+            players = [await registered(s.url, team) for team in
+                       ("victim", "\u0421\u0438\u0431\u0438\u0440\u044c", "\u0391\u03b8\u03ae\u03bd\u03b1")]
+            for ws in players:
+                await ws.close()
+            return [summary["team"] for summary in s.server.summaries()]
+    assert run(main()) == ["victim", "\u0421\u0438\u0431\u0438\u0440\u044c", "\u0391\u03b8\u03ae\u03bd\u03b1"]
 
 
 def test_an_address_holds_at_most_its_limit_of_open_sockets_and_others_connect():
