@@ -85,7 +85,8 @@ def parse_args(argv=None) -> ServerConfig:
         limits = Limits(max_teams=args.max_teams, max_connections_per_address=args.max_connections_per_address,
                         registrations_per_s=args.registrations_per_s, registration_burst=args.registration_burst,
                         max_field_chars=args.max_field_chars, bad_token_delay_s=args.bad_token_delay_s,
-                        max_unregistered_sockets=args.max_unregistered_sockets)
+                        max_unregistered_sockets=args.max_unregistered_sockets,
+                        new_socket_burst=args.new_socket_burst, new_sockets_per_s=args.new_sockets_per_s)
         return ServerConfig(host=args.host, port=args.port, preset=args.preset, weights=args.weights,
                             seed=args.seed, stream=args.stream, **generation, rate=args.rate, speed=args.speed or 1.0,
                             atol=args.atol, timeout_s=args.timeout_s, half_life_ms=args.half_life_ms, token=args.token,
@@ -133,6 +134,14 @@ def add_limit_arguments(parser):
                        help=f"open sockets, across all addresses, not (yet) a registered team's connection: idle, "
                             f"mid-handshake, page loads; a new one past them closes the oldest (default "
                             f"{defaults.max_unregistered_sockets})")
+    group.add_argument("--new-sockets-per-s", type=cli.positive_float, default=defaults.new_sockets_per_s,
+                       metavar="R",
+                       help=f"new sockets a second from one address, of any kind (a websocket, a page load, nothing "
+                            f"yet), after a burst of --new-socket-burst; those past it are closed as they are "
+                            f"accepted, unread (default {defaults.new_sockets_per_s:g})")
+    group.add_argument("--new-socket-burst", type=cli.positive_int, default=defaults.new_socket_burst,
+                       metavar="N",
+                       help=f"new sockets one address may open at once (default {defaults.new_socket_burst})")
 
 
 def exposure_warning(config: ServerConfig) -> str | None:

@@ -128,7 +128,8 @@ class ScoringServer:
         self._addresses = AddressLimits(config.limits)
         # a team's connections and page loads fit; thousands of idle sockets from one address, or from many, do not
         self._sockets = OpenSockets(SOCKETS_PER_CONNECTION * config.limits.max_connections_per_address,
-                                    config.limits.max_unregistered_sockets)
+                                    config.limits.max_unregistered_sockets, burst=config.limits.new_socket_burst,
+                                    per_s=config.limits.new_sockets_per_s)
         self._leaderboard = LeaderboardSnapshot(self._collect_scores, _build_leaderboard)
 
     # lifecycle ---------------------------------------------------------------------------------

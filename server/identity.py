@@ -7,7 +7,8 @@ reconnect), and anyone else registering the name is refused (team_taken). With p
 already proves the team, so it takes the team over too (a team's client restarted after a crash).
 
 Without per-team tokens anyone names a team, so a new name must be told apart on the leaderboard from the others
-(name_problem): "victim " or "Ｖictim" beside "victim" would pass for it, and a name of Hangul fillers shows nothing.
+(name_problem): "victim " or "Ｖictim" beside "victim" would pass for it, as would "vіctіm" of Cyrillic і
+(LATIN_LOOKALIKES), and a name of Hangul fillers shows nothing.
 """
 import hmac
 import json
@@ -57,17 +58,61 @@ MAX_MARKS = 4  # nonspacing marks on one character of a new team's name: more st
 _BLANKS = frozenset("\u115f\u1160\u3164\uffa0\u2800")  # printable, yet they print nothing (Hangul fillers, braille)
 
 
-def looks(team: str) -> str:
-    """What a team name reads as on the leaderboard: compatibility forms (fullwidth letters) and case folded, without
-    the marks on its letters, its spaces (the page collapses them) or characters that print nothing."""
-    text = unicodedata.normalize("NFKD", unicodedata.normalize("NFKD", team).casefold())
+# Cyrillic and Greek letters that look like a Latin one, each read as that letter: a table of look-alikes after
+# Unicode's confusables (confusables.txt of UTS #39), not all of them. Capital and small forms are listed apart, as
+# each looks like its own Latin letter (Greek capital eta like H, its small form like n), so that this folding,
+# done before case is, tells apart two names that differ only in the case of such a letter: name_problem also
+# compares the names with case folded alone. Letters of these scripts that look like no Latin letter stay as
+# they are, so that a name wholly in Cyrillic or Greek plays beside every other it does not read as.
+LATIN_LOOKALIKES = {
+    # Latin: (Cyrillic, Greek)
+    "a": ("\u0410\u0430", "\u0391\u03b1"),  # А а, Α α
+    "b": ("\u0412\u0432", "\u0392"),  # В в (small: a small capital B), Β
+    "c": ("\u0421\u0441", ""),  # С с
+    "d": ("\u0501", ""),  # ԁ (Komi de)
+    "e": ("\u0415\u0435", "\u0395"),  # Е е, Ε
+    "h": ("\u041d\u043d\u04ba\u04bb", "\u0397"),  # Н н (small: a small capital H), Һ һ (shha), Η
+    "i": ("\u0406\u0456\u04c0", "\u0399\u03b9"),  # І і, Ӏ (palochka, capital), Ι ι
+    "j": ("\u0408\u0458", "\u037f\u03f3"),  # Ј ј, Ϳ ϳ (yot)
+    "k": ("\u041a\u043a", "\u039a\u03ba"),  # К к, Κ κ
+    "l": ("\u04cf", ""),  # ӏ (palochka, small)
+    "m": ("\u041c\u043c", "\u039c"),  # М м, Μ
+    "n": ("", "\u039d\u03b7"),  # Ν, η (small eta)
+    "o": ("\u041e\u043e", "\u039f\u03bf"),  # О о, Ο ο
+    "p": ("\u0420\u0440", "\u03a1\u03c1"),  # Р р, Ρ ρ
+    "q": ("\u051a\u051b", ""),  # Ԛ ԛ
+    "s": ("\u0405\u0455", ""),  # Ѕ ѕ (dze)
+    "t": ("\u0422\u0442", "\u03a4\u03c4"),  # Т т, Τ τ
+    "u": ("", "\u03c5"),  # υ (small upsilon)
+    "v": ("\u0474\u0475", "\u03bd"),  # Ѵ ѵ (izhitsa), ν (small nu)
+    "w": ("\u051c\u051d\u0461", "\u03c9"),  # Ԝ ԝ, ѡ (small omega), ω
+    "x": ("\u0425\u0445", "\u03a7\u03c7"),  # Х х, Χ χ
+    "y": ("\u0423\u0443\u04ae\u04af", "\u03a5\u03b3"),  # У у, Ү ү (straight u), Υ, γ (small gamma)
+    "z": ("", "\u0396"),  # Ζ
+}
+_AS_LATIN = str.maketrans({c: latin for latin, scripts in LATIN_LOOKALIKES.items() for c in "".join(scripts)})
+
+
+def _reading(team: str, lookalikes: bool) -> str:
+    text = unicodedata.normalize("NFKD", team)  # (first: a letter with an accent is the letter and its mark)
+    if lookalikes:
+        text = text.translate(_AS_LATIN)
+    text = unicodedata.normalize("NFKD", text.casefold())
     return "".join(c for c in text if not (c.isspace() or c in _BLANKS or unicodedata.category(c).startswith("M")))
+
+
+def looks(team: str) -> str:
+    """What a team name reads as on the leaderboard: compatibility forms (fullwidth letters), Cyrillic and Greek
+    look-alikes of Latin letters (LATIN_LOOKALIKES) and case folded, without the marks on its letters, its spaces
+    (the page collapses them) or characters that print nothing."""
+    return _reading(team, lookalikes=True)
 
 
 def name_problem(team: str, teams) -> tuple[str, str] | None:
     """("bad_team", details) for a new team's name that shows nothing on the leaderboard, stacks marks over its
-    neighbours' rows, or reads as the name of one of `teams` does; else None."""
-    seen = looks(team)
+    neighbours' rows, or reads as the name of one of `teams` does (with look-alikes folded, or case alone); else
+    None."""
+    seen, cased = looks(team), _reading(team, lookalikes=False)
     if not seen:
         return ("bad_team", f"team name {team!r} shows nothing on the leaderboard: choose another --team")
     marks = 0
@@ -77,7 +122,7 @@ def name_problem(team: str, teams) -> tuple[str, str] | None:
             return ("bad_team", f"team name {team[:16]!r}... stacks over {MAX_MARKS} marks on one character: choose "
                                 f"another --team")
     for other in teams:
-        if looks(other) == seen:
+        if looks(other) == seen or _reading(other, lookalikes=False) == cased:
             return ("bad_team", f"team name {team!r} reads as team {other!r} does on the leaderboard: choose "
                                 f"another --team")
     return None

@@ -3,7 +3,9 @@
 Per address (the connecting IP; of IPv6, its /64: address_group): open connections of either protocol, and
 registrations per second (a token bucket: `registration_burst` at once, then `registrations_per_s`); every register
 counts, refused or not, so that guessing tokens is as slow as registering; open sockets of any kind, from accept to
-close (OpenSockets). Per server: teams; sockets not (yet) a registered team's, the oldest closed past the limit
+close, and new sockets (a token bucket: `new_socket_burst` at once, then `new_sockets_per_s`; each costs the event
+loop a handshake or a page load, and those past it are closed as they are accepted, unread; OpenSockets). Per
+server: teams; sockets not (yet) a registered team's, the oldest closed past the limit
 (OpenSockets). Per register: the length of its strings, and of the frame that holds it. Per team: the bytes it sends
 (InboundBudget).
 """
@@ -29,10 +31,18 @@ class Limits:
     max_field_chars: int = 256
     bad_token_delay_s: float = 1.0  # a wrong token is answered this much later (the connection held meanwhile)
     max_unregistered_sockets: int = 1024  # across all addresses; past it the oldest is closed (OpenSockets)
+    # New sockets of one address, accepted or refused later (OpenSockets): each costs the event loop, every team's,
+    # ~0.2-0.3 ms once it completes a websocket handshake or a page load. Never a real team's bother: 64 teams behind
+    # one NAT connect at once, and each may keep the leaderboard open beside (a page load every 2 s,
+    # leaderboard.REFRESH_S, and a browser's favicon request with it): 128 at once, then 64 a second. A flood from
+    # one address then costs the loop at most ~2% of its time, where opening and closing sockets as fast as it could
+    # it took a whole core's.
+    new_socket_burst: int = 128
+    new_sockets_per_s: float = 64.0
 
     def __post_init__(self):
         for name in ("max_teams", "max_connections_per_address", "registrations_per_s", "registration_burst",
-                     "max_field_chars", "max_unregistered_sockets"):
+                     "max_field_chars", "max_unregistered_sockets", "new_socket_burst", "new_sockets_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.bad_token_delay_s >= 0:
@@ -157,23 +167,41 @@ class AddressLimits:
         return None
 
 
+class _Sockets:
+    __slots__ = ("open", "tokens", "refilled_at")
+
+    def __init__(self, burst, now):
+        self.open, self.tokens, self.refilled_at = 0, float(burst), now
+
+
 class OpenSockets:
     """Sockets open per address, counted from accept to close whatever they turn out to be (a websocket, an
     original-protocol client, a page load, or nothing yet): each idle one is held until a timeout, and one address
     holding thousands would use up the server's file descriptors, so that no team could connect.
 
-    Many addresses (an IPv6 /64, a botnet) multiply that limit, so the sockets not (yet) a registered team's are
-    also limited across addresses, to `max_unregistered`: a new one past it closes the oldest. Refusing the new
-    one instead would lock teams out for as long as the flood lasts; closing the oldest leaves room to a team that
-    registers within `max_unregistered` sockets of the flood's."""
+    New sockets per address too, a token bucket (`burst` at once, then `per_s`): a socket that completes a websocket
+    handshake or a page load costs the event loop, every team's, ~0.2-0.3 ms, and an address that opened and closed
+    sockets as fast as it could held its limit of open ones and still took the loop's every turn. Counted at accept,
+    where a socket past the rate is refused before a byte of it is read: it costs the server almost nothing.
 
-    QUIET_S = 60.0  # closing the oldest after this long without a close is a new flood, logged again
+    Many addresses (an IPv6 /64, a botnet) multiply the per-address limits, so the sockets not (yet) a registered
+    team's are also limited across addresses, to `max_unregistered`: a new one past it closes the oldest. Refusing
+    the new one instead would lock teams out for as long as the flood lasts; closing the oldest leaves room to a team
+    that registers within `max_unregistered` sockets of the flood's."""
 
-    def __init__(self, per_address: int, max_unregistered: int, clock=time.monotonic):
+    QUIET_S = 60.0  # a socket closed as the oldest, or refused past its rate, after this long without: a new flood
+    FORGET_FROM = 1024  # addresses known before those with nothing open and a full bucket are first looked for
+
+    def __init__(self, per_address: int, max_unregistered: int, clock=time.monotonic, *,
+                 burst: int = Limits.new_socket_burst, per_s: float = Limits.new_sockets_per_s):
         self.per_address, self.max_unregistered, self.clock = per_address, max_unregistered, clock
-        self._open: dict[str, int] = {}
+        self.burst, self.per_s = burst, per_s
+        self._addresses: dict[str, _Sockets] = {}
+        # as AddressLimits._forget_at: twice what the last look left, so that each look is paid for by as many new
+        # addresses
+        self._forget_at = self.FORGET_FROM
         self._unregistered: OrderedDict = OrderedDict()  # transport -> None, the oldest first
-        self._evicted_at = -float("inf")
+        self._evicted_at = self._flood_refused_at = -float("inf")
 
     @property
     def unregistered(self) -> int:
@@ -181,16 +209,47 @@ class OpenSockets:
 
     def open(self, address, transport) -> bool:
         """Count a new socket of address, unregistered, closing the oldest unregistered one when they are at their
-        limit; False (not counted) when the address holds its limit already."""
+        limit; False (not counted) when the address has opened its burst and its rate since (then it spends nothing),
+        or holds its limit open already (then it spends one of its bucket all the same)."""
         address = address_group(address)
-        count = self._open.get(address, 0)
-        if count >= self.per_address:
+        entry = self._addresses.get(address)
+        if entry is None:
+            self._forget_idle()
+            entry = self._addresses[address] = _Sockets(self.burst, self.clock())
+        if self._refill(entry) < 1.0:
+            self._refuse_flood(address)
             return False
-        self._open[address] = count + 1
+        entry.tokens -= 1.0
+        if entry.open >= self.per_address:
+            return False
+        entry.open += 1
         if len(self._unregistered) >= self.max_unregistered:
             self._close_oldest()
         self._unregistered[transport] = None
         return True
+
+    def _refill(self, entry) -> float:
+        now = self.clock()
+        entry.tokens = min(float(self.burst), entry.tokens + (now - entry.refilled_at) * self.per_s)
+        entry.refilled_at = now
+        return entry.tokens
+
+    def _forget_idle(self):
+        """Drop addresses with nothing open and a full bucket (they are as new), so the table stays small; looked
+        for as AddressLimits._forget_idle does, amortised over the new addresses."""
+        if len(self._addresses) < self._forget_at:
+            return
+        for address in [a for a, e in self._addresses.items() if not e.open and self._refill(e) >= self.burst]:
+            del self._addresses[address]
+        self._forget_at = max(self.FORGET_FROM, 2 * len(self._addresses))
+
+    def _refuse_flood(self, address):
+        now = self.clock()
+        if now - self._flood_refused_at > self.QUIET_S:  # one line a flood, not one a socket
+            log.warning("new sockets from %s past %d at once then %g a second, this server's limit "
+                        "(--new-socket-burst, --new-sockets-per-s): closing each at once, unread (a flood?)",
+                        address, self.burst, self.per_s)
+        self._flood_refused_at = now
 
     def _close_oldest(self):
         oldest, _ = self._unregistered.popitem(last=False)
@@ -207,9 +266,10 @@ class OpenSockets:
 
     def close(self, address, transport) -> None:
         address = address_group(address)
-        count = self._open.pop(address) - 1
-        if count:
-            self._open[address] = count
+        entry = self._addresses[address]
+        entry.open -= 1
+        if not entry.open and self._refill(entry) >= self.burst:  # as new: forgotten now, not at a look
+            del self._addresses[address]
         self._unregistered.pop(transport, None)
 
 

@@ -49,7 +49,8 @@ def team_name(address) -> str:
 def sniffing_connections(on_original, first_bytes_timeout_s: float, sockets):
     """websockets' create_connection: each connection first goes through a ProtocolSniffer. on_original(transport)
     -> the asyncio protocol that takes an original-protocol connection over; sockets (limits.OpenSockets) counts
-    each connection from accept to close, unregistered until the server says otherwise."""
+    each connection from accept to close, unregistered until the server says otherwise, and refuses those past its
+    address's rate of new sockets."""
 
     def create_connection(*args, **kwargs):
         return ProtocolSniffer(lambda: PingLimitedConnection(*args, **kwargs), on_original, first_bytes_timeout_s,
@@ -60,8 +61,9 @@ def sniffing_connections(on_original, first_bytes_timeout_s: float, sockets):
 
 class ProtocolSniffer(asyncio.Protocol):
     """Holds a new connection's first bytes until they tell its protocol, then hands the connection over. A
-    connection from an address that holds its limit of open sockets is aborted at once; one past the limit of
-    unregistered sockets aborts the oldest (limits.OpenSockets)."""
+    connection from an address that holds its limit of open sockets, or that opened its burst of new sockets and its
+    rate since, is aborted at once, before a byte of it is read; one past the limit of unregistered sockets aborts
+    the oldest (limits.OpenSockets)."""
 
     def __init__(self, make_websocket_connection, on_original, timeout_s, sockets):
         self._make_websocket_connection = make_websocket_connection

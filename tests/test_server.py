@@ -1340,11 +1340,17 @@ def test_the_name_of_an_original_protocol_team_is_refused_to_a_websocket_client_
     ("\uff56ictim", "reads as team 'victim'"), ("vi\u0301ctim", "reads as team 'victim'"),
     (" ", "shows nothing"), ("\u3164\u3164", "shows nothing"), ("\u034f", "shows nothing"),
     ("x" + "\u0489" * 63, "stacks over 4 marks"), ("TCP-JSON:127.0.0.6", "the team of an original-protocol client"),
-], ids=["trailing space", "spaces", "capitals", "fullwidth", "accent", "space", "fillers", "joiner", "marks", "prefix"])
+    ("v\u0456\u0441t\u0456m", "reads as team 'victim'"), ("\u03bdictim", "reads as team 'victim'"),
+    ("V\u0399\u0421\u03a4\u0406\u041c", "reads as team 'victim'"), ("\u0475\u03b9\u0441\u0442\u0456\u043c",
+                                                                    "reads as team 'victim'"),
+    ("t\u0441p-js\u043en:127.0.0.6", "the team of an original-protocol client"),
+], ids=["trailing space", "spaces", "capitals", "fullwidth", "accent", "space", "fillers", "joiner", "marks", "prefix",
+        "cyrillic", "greek", "capitals of both", "no latin letter", "cyrillic prefix"])
 def test_a_new_team_name_that_the_leaderboard_cannot_tell_apart_is_refused(name, why):
     """Anyone may name a team (no per-team tokens), and the page collapses spaces: a stranger's "victim " beside
-    "victim" passed for it on the leaderboard, as did its fullwidth or capital letters; a name of Hangul fillers
-    showed nothing at all, and one of 63 combining marks stacked over the rows around it."""
+    "victim" passed for it on the leaderboard, as did its fullwidth or capital letters, and its Cyrillic or Greek
+    look-alikes ("vіctіm" of Cyrillic і and с, "νictim" of Greek ν); a name of Hangul fillers showed nothing at all,
+    and one of 63 combining marks stacked over the rows around it."""
     async def main():
         async with Server(rate=20.0) as s:
             owner = await registered(s.url, "victim")
@@ -1358,15 +1364,42 @@ def test_a_new_team_name_that_the_leaderboard_cannot_tell_apart_is_refused(name,
     assert teams == ["victim", "victor"]
 
 
-def test_teams_the_tokens_file_names_alike_both_play():
+@pytest.mark.parametrize("names", [("team a", "Team A"), ("victim", "v\u0456\u0441t\u0456m")],
+                         ids=["capitals", "cyrillic"])
+def test_teams_the_tokens_file_names_alike_both_play(names):
     """With per-team tokens the organisers name the teams: no stranger's lookalike to refuse."""
+    tokens = dict(zip(names, ("ta", "tb")))
+
     async def main():
-        async with Server(rate=20.0, tokens={"team a": "ta", "Team A": "tb"}) as s:
-            teams = [await registered(s.url, team, token=token) for team, token in (("team a", "ta"), ("Team A", "tb"))]
+        async with Server(rate=20.0, tokens=tokens) as s:
+            teams = [await registered(s.url, team, token=token) for team, token in tokens.items()]
             for ws in teams:
                 await ws.close()
             return [summary["team"] for summary in s.server.summaries()]
-    assert run(main()) == ["team a", "Team A"]
+    assert run(main()) == list(names)
+
+
+def test_names_wholly_in_cyrillic_or_greek_play_beside_latin_ones_that_they_do_not_read_as():
+    """Look-alikes are folded to the Latin letter they look like, not other scripts refused: a Cyrillic or Greek
+    name plays beside the Latin names and beside each other; two that differ only in case still read as one (a
+    capital Greek eta looks like H and its small form like n, yet they are one letter)."""
+    from server.identity import looks, name_problem
+    teams = ["victim", "sibir", "athena", "\u0432\u0438\u043a\u0442\u043e\u0440"]  # виктор
+    for name in ("\u0421\u0438\u0431\u0438\u0440\u044c", "\u0391\u03b8\u03ae\u03bd\u03b1",  # Сибирь, Αθήνα
+                 "\u0412\u0418\u041a\u0422\u041e\u0420\u0418\u042f", "\u03bd\u03af\u03ba\u03b7"):  # ВИКТОРИЯ, νίκη
+        assert name_problem(name, teams) is None, name
+    assert looks("V\u0399\u0421\u03a4\u0406\u041c") == looks("v\u0456\u0441t\u0456m") == "victim"
+    assert name_problem("\u0397\u039d", ["\u03b7\u03bd"])[0] == "bad_team"  # ΗΝ beside ην
+    assert name_problem("\u0412\u0418\u041a\u0422\u041e\u0420", teams)[0] == "bad_team"  # ВИКТОР beside виктор
+
+    async def main():
+        async with Server(rate=20.0) as s:
+            players = [await registered(s.url, team) for team in
+                       ("victim", "\u0421\u0438\u0431\u0438\u0440\u044c", "\u0391\u03b8\u03ae\u03bd\u03b1")]
+            for ws in players:
+                await ws.close()
+            return [summary["team"] for summary in s.server.summaries()]
+    assert run(main()) == ["victim", "\u0421\u0438\u0431\u0438\u0440\u044c", "\u0391\u03b8\u03ae\u03bd\u03b1"]
 
 
 def test_an_address_holds_at_most_its_limit_of_open_sockets_and_others_connect():
@@ -1450,6 +1483,81 @@ def test_past_the_limit_of_unregistered_sockets_the_oldest_is_closed_never_a_reg
     warnings = [r.getMessage() for r in caplog.records if r.name == "server"]
     assert warnings == 2 * ["3 sockets open that no team registered, this server's limit (--max-unregistered-sockets): "
                             "closing the oldest for each new one (a flood from many addresses?)"]
+
+
+def test_an_address_opens_its_burst_of_new_sockets_at_once_then_its_rate_and_each_flood_is_logged_once(caplog):
+    """A socket that completes a handshake or a page load costs the event loop, every team's, ~0.2-0.3 ms, and one
+    address opened and closed sockets as fast as it liked (only those open at once were limited): past its burst, an
+    address's new sockets are refused at accept until its bucket refills; other addresses, and the /64 next door,
+    have buckets of their own; a socket refused for the open limit spends its token all the same."""
+    now = [0.0]
+    sockets = OpenSockets(per_address=6, max_unregistered=1000, clock=lambda: now[0], burst=4, per_s=2.0)
+    assert [sockets.open("10.0.0.1", FakeTransport()) for _ in range(5)] == 4 * [True] + [False]
+    assert sockets.unregistered == 4  # the refused socket is not counted
+    assert sockets.open("10.0.0.2", FakeTransport())  # another address: a bucket of its own
+    now[0] += 0.5  # one token back
+    assert [sockets.open("10.0.0.1", FakeTransport()) for _ in range(2)] == [True, False]
+    now[0] += 10.0  # refilled to the burst, no further
+    assert [sockets.open("10.0.0.1", FakeTransport()) for _ in range(4)] == [True, False, False, False]  # 6 open
+    now[0] += 10.0
+    # at its open limit: refused, each spending a token all the same
+    assert [sockets.open("10.0.0.1", FakeTransport()) for _ in range(3)] == 3 * [False]
+    sockets.close("10.0.0.1", FakeTransport())
+    assert [sockets.open("10.0.0.1", FakeTransport()) for _ in range(2)] == [True, False]  # its last token, then none
+    # an IPv6 /64 is one address, an IPv4 client of a dual-stack socket its IPv4 address
+    assert [sockets.open(f"2001:db8::{i + 1:x}", FakeTransport()) for i in range(5)] == 4 * [True] + [False]
+    assert sockets.open("2001:db8:0:1::1", FakeTransport())
+    assert [sockets.open("::ffff:10.0.0.3", FakeTransport()) for _ in range(4)] == 4 * [True]
+    assert not sockets.open("10.0.0.3", FakeTransport())  # (the same flood, in the log)
+    now[0] += OpenSockets.QUIET_S + 1  # a flood again, after a quiet minute
+    assert [sockets.open("10.0.0.4", FakeTransport()) for _ in range(5)] == 4 * [True] + [False]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "server"]
+    assert warnings == [f"new sockets from {address} past 4 at once then 2 a second, this server's limit "
+                        f"(--new-socket-burst, --new-sockets-per-s): closing each at once, unread (a flood?)"
+                        for address in ("10.0.0.1", "10.0.0.4")]
+
+
+def test_the_table_of_new_sockets_forgets_addresses_with_a_full_bucket_and_nothing_open():
+    """Each address that opens a socket has a bucket of new sockets: a flood of new addresses would grow the table
+    for ever. An address is forgotten once it holds nothing open and its bucket is full (it is as new), at its last
+    close or at a look over the table, paid for by as many new addresses; one that holds a socket open, or has
+    spent its bucket, is kept."""
+    now = [0.0]
+    sockets = OpenSockets(per_address=64, max_unregistered=100_000, clock=lambda: now[0], burst=4, per_s=2.0)
+    held = {f"10.0.0.{i}": FakeTransport() for i in range(10)}
+    for address, transport in held.items():
+        assert sockets.open(address, transport)
+    one = FakeTransport()
+    assert sockets.open("12.0.0.1", one)
+    now[0] += 1.0  # its bucket full again: forgotten at its close
+    sockets.close("12.0.0.1", one)
+    assert "12.0.0.1" not in sockets._addresses
+    visited = [0]
+    refill = sockets._refill
+
+    def counted(entry):
+        visited[0] += 1
+        return refill(entry)
+
+    sockets._refill = counted
+    flood, flooder_opened = 20_000, 0
+    for i in range(flood):  # 5,000 new addresses a second, each opening one socket and closing it
+        now[0] += 1 / 5000
+        address, transport = f"11.{i // 65536}.{i // 256 % 256}.{i % 256}", FakeTransport()
+        assert sockets.open(address, transport)
+        sockets.close(address, transport)
+        if i % 100 == 0:  # one address opening all along, beyond its rate: its spent bucket is never forgotten
+            transport = FakeTransport()
+            if sockets.open("12.0.0.2", transport):
+                flooder_opened += 1
+                sockets.close("12.0.0.2", transport)
+    assert visited[0] <= 4 * flood + 2 * 200  # its open and close, and its share of a look at the table
+    assert len(sockets._addresses) <= 2 * (10 + 1 + 2500)  # those held open, the flooder, 0.5 s of new addresses
+    assert flooder_opened <= 4 + 2.0 * flood / 5000 + 1  # its burst, then 2 a second over the 4 s
+    assert all(address in sockets._addresses for address in held)  # each address holding a socket is still known
+    for address, transport in held.items():
+        sockets.close(address, transport)
+    assert all(address not in sockets._addresses for address in held)  # and forgotten at its close (a full bucket)
 
 
 def test_a_flood_of_new_addresses_costs_each_connection_the_same_whatever_the_table_holds():
@@ -1574,6 +1682,58 @@ def test_a_flood_of_idle_sockets_from_many_addresses_closes_the_oldest_and_teams
     assert during_flood == after_flood == cap and errors == []
     played = [(row["team"], row["connections"], row["responses"], row["missed"], row["accuracy"]) for row in summaries]
     assert played == [("alpha", 1, REQUESTS, 0, 1.0), ("tcp-json:127.0.0.27", 1, REQUESTS, 0, 1.0)]
+
+
+def test_a_strangers_burst_of_new_sockets_past_its_rate_is_closed_at_once_and_the_team_plays_on(caplog):
+    """An address opening sockets as fast as it liked cost the event loop, every team's, a handshake or a page load
+    each: past --new-socket-burst (then --new-sockets-per-s) its new sockets are closed as they are accepted, unread
+    and uncounted, with one warning in the log; the team registered plays on and another address connects."""
+    burst = 8
+
+    async def closed(reader, timeout_s):
+        try:
+            await asyncio.wait_for(reader.read(), timeout_s)  # to its end: the server closed it
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            pass
+        return True
+
+    async def main():
+        async with Server(limits=Limits(new_socket_burst=burst, new_sockets_per_s=0.01), rate=40.0) as s:
+            ws = await registered(s.url, "alpha")
+            player = asyncio.create_task(play(ws, s.targets, stop_after=REQUESTS))
+            flood = [await asyncio.open_connection("127.0.0.1", s.port, local_addr=("127.0.0.41", 0))
+                     for _ in range(4 * burst)]
+            for _, writer in flood:  # a register begun, never read where refused
+                writer.write(b'{"message_type": "regis')
+            cut = await asyncio.gather(*(closed(reader, 0.5) for reader, _ in flood))
+            counted = s.server._sockets.unregistered
+            other = await connect(s.url, local_addr=("127.0.0.42", 0))
+            other_state = other.state.name
+            await other.close()
+            seen, _, errors = await player
+            await ws.close()
+            for _, writer in flood:
+                writer.close()
+            return cut, counted, other_state, all_ids(seen), errors, s.summary("alpha")
+    cut, counted, other_state, seen, errors, summary = run(main())
+    assert cut == burst * [False] + 3 * burst * [True] and counted == burst
+    assert other_state == "OPEN" and errors == [] and seen == list(range(REQUESTS))
+    assert (summary["responses"], summary["missed"], summary["accuracy"]) == (REQUESTS, 0, 1.0)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "server" and "new sockets" in r.getMessage()]
+    assert warnings == [f"new sockets from 127.0.0.41 past {burst} at once then 0.01 a second, this server's limit "
+                        f"(--new-socket-burst, --new-sockets-per-s): closing each at once, unread (a flood?)"]
+
+
+def test_the_rate_of_new_sockets_is_set_by_its_flags():
+    from server.__main__ import parse_args
+    limits = parse_args([]).limits
+    assert (limits.new_socket_burst, limits.new_sockets_per_s) == (128, 64.0)
+    limits = parse_args(["--new-socket-burst", "8", "--new-sockets-per-s", "0.5"]).limits
+    assert (limits.new_socket_burst, limits.new_sockets_per_s) == (8, 0.5)
+    with pytest.raises(ValueError, match="new_sockets_per_s must be positive"):
+        Limits(new_sockets_per_s=0)
 
 
 def test_a_teams_inbound_bytes_are_granted_by_its_open_requests_and_refilled_slowly():
