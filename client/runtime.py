@@ -847,8 +847,8 @@ class StreamingClient:
             # step they join may start; a joined symbol is on the GPU already
             if queued and callable(self._prefetch):
                 self._prefetches.put(queued)
-            # at once where nothing is in flight; else on the loop's next turn, as it is already: a pump after each
-            # frame cost the loop more than the frame (~10 us on the GPU host) and fell behind past 16,000 req/s
+            # at once where nothing is in flight; else on the loop's next turn, as it is already: with a pump after
+            # every frame (of 1-3 requests there) the loop fell behind past 16,000 req/s (bench/LOG.md section 79)
             if self.inline_steps and not self._pump_next_turn:
                 self._pump()
         if cached_ids:
