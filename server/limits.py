@@ -92,66 +92,75 @@ def address_group(address: str) -> str:
     return ip.packed[:8].hex(":", 2) + "::/64"  # (str() of an IPv6Network took 11 us, this 2)
 
 
-class _Address:
-    __slots__ = ("connections", "tokens", "refilled_at")
+class _Entry:
+    __slots__ = ("open", "tokens", "refilled_at")
 
     def __init__(self, burst, now):
-        self.connections, self.tokens, self.refilled_at = 0, float(burst), now
+        self.open, self.tokens, self.refilled_at = 0, float(burst), now
 
 
-class AddressLimits:
-    """Open connections and registrations of each address."""
+class _PerAddress:
+    """A table of addresses (address_group's), each with what it holds open and a token bucket (`burst` at once,
+    then `per_s`). Addresses with nothing open and a full bucket are as new and forgotten, so that the table stays
+    small: looked for once it holds twice what the last look left, so that each look is paid for by as many new
+    addresses (looking whenever it held 1,024, a table of addresses that could not be forgotten, sockets open or
+    registered in the last half second, was gone over at every new address: 0.5 ms each at 2,000 new addresses a
+    second)."""
 
     FORGET_FROM = 1024  # addresses known before the idle ones are first looked for
 
-    def __init__(self, limits: Limits, clock=time.monotonic):
-        self.limits, self.clock = limits, clock
-        self._addresses: dict[str, _Address] = {}
-        # the table's size at which _forget_idle next looks over it: twice what the last look left, so that each look
-        # is paid for by as many new addresses (looking whenever it held 1,024, a table of addresses that could not be
-        # forgotten, sockets open or registered in the last half second, was gone over at every new address: 0.5 ms
-        # each at 2,000 new addresses a second)
+    def __init__(self, burst, per_s, clock):
+        self.burst, self.per_s, self.clock = burst, per_s, clock
+        self._addresses: dict[str, _Entry] = {}
         self._forget_at = self.FORGET_FROM
 
-    def _entry(self, address) -> _Address:
+    def _entry(self, address) -> _Entry:
         entry = self._addresses.get(address)
         if entry is None:
             self._forget_idle()
-            entry = self._addresses[address] = _Address(self.limits.registration_burst, self.clock())
+            entry = self._addresses[address] = _Entry(self.burst, self.clock())
         return entry
 
+    def _idle(self, entry) -> bool:
+        return not entry.open and self._refill(entry) >= self.burst
+
     def _forget_idle(self):
-        """Drop addresses with nothing open and a full bucket (they are as new), so the table stays small."""
         if len(self._addresses) < self._forget_at:
             return
-        for address in [a for a, e in self._addresses.items() if not e.connections and self._refill(e) >=
-                        self.limits.registration_burst]:
+        for address in [a for a, e in self._addresses.items() if self._idle(e)]:
             del self._addresses[address]
         self._forget_at = max(self.FORGET_FROM, 2 * len(self._addresses))
 
     def _refill(self, entry) -> float:
         now = self.clock()
-        entry.tokens = min(float(self.limits.registration_burst),
-                           entry.tokens + (now - entry.refilled_at) * self.limits.registrations_per_s)
+        entry.tokens = min(float(self.burst), entry.tokens + (now - entry.refilled_at) * self.per_s)
         entry.refilled_at = now
         return entry.tokens
+
+
+class AddressLimits(_PerAddress):
+    """Open connections and registrations (the bucket) of each address."""
+
+    def __init__(self, limits: Limits, clock=time.monotonic):
+        super().__init__(limits.registration_burst, limits.registrations_per_s, clock)
+        self.limits = limits
 
     def connect(self, address) -> tuple[str, str] | None:
         """Count a new connection of address; a refusal (code, details) when it has its limit open already
         (then it is not counted)."""
         address = address_group(address)
         entry = self._entry(address)
-        if entry.connections >= self.limits.max_connections_per_address:
-            return ("too_many_connections", f"{entry.connections} connections from {address} are open already, "
+        if entry.open >= self.limits.max_connections_per_address:
+            return ("too_many_connections", f"{entry.open} connections from {address} are open already, "
                                             f"the most this server takes from one address "
                                             f"(--max-connections-per-address); close one and try again")
-        entry.connections += 1
+        entry.open += 1
         return None
 
     def disconnect(self, address) -> None:
         entry = self._addresses.get(address_group(address))
-        if entry is not None and entry.connections:
-            entry.connections -= 1
+        if entry is not None and entry.open:
+            entry.open -= 1
 
     def register(self, address) -> tuple[str, str] | None:
         """Spend one registration of address; a refusal when its budget is spent."""
@@ -167,14 +176,7 @@ class AddressLimits:
         return None
 
 
-class _Sockets:
-    __slots__ = ("open", "tokens", "refilled_at")
-
-    def __init__(self, burst, now):
-        self.open, self.tokens, self.refilled_at = 0, float(burst), now
-
-
-class OpenSockets:
+class OpenSockets(_PerAddress):
     """Sockets open per address, counted from accept to close whatever they turn out to be (a websocket, an
     original-protocol client, a page load, or nothing yet): each idle one is held until a timeout, and one address
     holding thousands would use up the server's file descriptors, so that no team could connect.
@@ -190,16 +192,11 @@ class OpenSockets:
     that registers within `max_unregistered` sockets of the flood's."""
 
     QUIET_S = 60.0  # a socket closed as the oldest, or refused past its rate, after this long without: a new flood
-    FORGET_FROM = 1024  # addresses known before those with nothing open and a full bucket are first looked for
 
     def __init__(self, per_address: int, max_unregistered: int, clock=time.monotonic, *,
                  burst: int = Limits.new_socket_burst, per_s: float = Limits.new_sockets_per_s):
-        self.per_address, self.max_unregistered, self.clock = per_address, max_unregistered, clock
-        self.burst, self.per_s = burst, per_s
-        self._addresses: dict[str, _Sockets] = {}
-        # as AddressLimits._forget_at: twice what the last look left, so that each look is paid for by as many new
-        # addresses
-        self._forget_at = self.FORGET_FROM
+        super().__init__(burst, per_s, clock)
+        self.per_address, self.max_unregistered = per_address, max_unregistered
         self._unregistered: OrderedDict = OrderedDict()  # transport -> None, the oldest first
         self._evicted_at = self._flood_refused_at = -float("inf")
 
@@ -212,10 +209,7 @@ class OpenSockets:
         limit; False (not counted) when the address has opened its burst and its rate since (then it spends nothing),
         or holds its limit open already (then it spends one of its bucket all the same)."""
         address = address_group(address)
-        entry = self._addresses.get(address)
-        if entry is None:
-            self._forget_idle()
-            entry = self._addresses[address] = _Sockets(self.burst, self.clock())
+        entry = self._entry(address)
         if self._refill(entry) < 1.0:
             self._refuse_flood(address)
             return False
@@ -227,21 +221,6 @@ class OpenSockets:
             self._close_oldest()
         self._unregistered[transport] = None
         return True
-
-    def _refill(self, entry) -> float:
-        now = self.clock()
-        entry.tokens = min(float(self.burst), entry.tokens + (now - entry.refilled_at) * self.per_s)
-        entry.refilled_at = now
-        return entry.tokens
-
-    def _forget_idle(self):
-        """Drop addresses with nothing open and a full bucket (they are as new), so the table stays small; looked
-        for as AddressLimits._forget_idle does, amortised over the new addresses."""
-        if len(self._addresses) < self._forget_at:
-            return
-        for address in [a for a, e in self._addresses.items() if not e.open and self._refill(e) >= self.burst]:
-            del self._addresses[address]
-        self._forget_at = max(self.FORGET_FROM, 2 * len(self._addresses))
 
     def _refuse_flood(self, address):
         now = self.clock()
@@ -268,7 +247,7 @@ class OpenSockets:
         address = address_group(address)
         entry = self._addresses[address]
         entry.open -= 1
-        if not entry.open and self._refill(entry) >= self.burst:  # as new: forgotten now, not at a look
+        if self._idle(entry):  # as new: forgotten now, not at a look
             del self._addresses[address]
         self._unregistered.pop(transport, None)
 
