@@ -1517,6 +1517,19 @@ def test_an_address_opens_its_burst_of_new_sockets_at_once_then_its_rate_and_eac
                         for address in ("10.0.0.1", "10.0.0.4")]
 
 
+def _counting_refills(table):
+    """[how many times the per-address table (server.limits._PerAddress) has refilled an address's bucket]: each a
+    look at one address, at its own new socket or register, or at a look over the table for idle ones."""
+    visited, refill = [0], table._refill
+
+    def counted(entry):
+        visited[0] += 1
+        return refill(entry)
+
+    table._refill = counted
+    return visited
+
+
 def test_the_table_of_new_sockets_forgets_addresses_with_a_full_bucket_and_nothing_open():
     """Each address that opens a socket has a bucket of new sockets: a flood of new addresses would grow the table
     for ever. An address is forgotten once it holds nothing open and its bucket is full (it is as new), at its last
@@ -1532,14 +1545,7 @@ def test_the_table_of_new_sockets_forgets_addresses_with_a_full_bucket_and_nothi
     now[0] += 1.0  # its bucket full again: forgotten at its close
     sockets.close("12.0.0.1", one)
     assert "12.0.0.1" not in sockets._addresses
-    visited = [0]
-    refill = sockets._refill
-
-    def counted(entry):
-        visited[0] += 1
-        return refill(entry)
-
-    sockets._refill = counted
+    visited = _counting_refills(sockets)
     flood, flooder_opened = 20_000, 0
     for i in range(flood):  # 5,000 new addresses a second, each opening one socket and closing it
         now[0] += 1 / 5000
@@ -1567,14 +1573,7 @@ def test_a_flood_of_new_addresses_costs_each_connection_the_same_whatever_the_ta
     at 2,000 new addresses a second: a core's time). Each address's limits still hold."""
     now = [0.0]
     limits = AddressLimits(Limits(), clock=lambda: now[0])
-    visited = [0]
-    refill = limits._refill
-
-    def counted(entry):
-        visited[0] += 1
-        return refill(entry)
-
-    limits._refill = counted
+    visited = _counting_refills(limits)
     for i in range(1100):  # sockets held open, each from an address of its own
         assert limits.connect(f"10.0.{i // 256}.{i % 256}") is None
     flood = 6000
@@ -1589,6 +1588,7 @@ def test_a_flood_of_new_addresses_costs_each_connection_the_same_whatever_the_ta
         assert limits.register("11.0.23.111") is None
     assert limits.register("11.0.23.111")[0] == "rate_limited"
     assert limits.connect("10.0.0.0") is None  # the open sockets' addresses still count them
+
 
 def test_the_addresses_of_one_ipv6_64_share_one_addresss_limits():
     """A host is given a whole /64 and may speak from any of its addresses: each had limits of its own (connections,
