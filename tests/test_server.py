@@ -1517,6 +1517,17 @@ def test_an_address_opens_its_burst_of_new_sockets_at_once_then_its_rate_and_eac
                         for address in ("10.0.0.1", "10.0.0.4")]
 
 
+async def _closed(reader, timeout_s) -> bool:
+    """Whether the server closes the socket within timeout_s (read to its end, or reset)."""
+    try:
+        await asyncio.wait_for(reader.read(), timeout_s)
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
 def _counting_refills(table):
     """[how many times the per-address table (server.limits._PerAddress) has refilled an address's bucket]: each a
     look at one address, at its own new socket or register, or at a look over the table for idle ones."""
@@ -1630,15 +1641,6 @@ def test_a_flood_of_idle_sockets_from_many_addresses_closes_the_oldest_and_teams
             assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
         return reader, writer
 
-    async def closed(reader, timeout_s):
-        try:
-            await asyncio.wait_for(reader.read(), timeout_s)  # to its end: the server closed it
-        except TimeoutError:
-            return False
-        except ConnectionResetError:
-            pass
-        return True
-
     async def play_original(reader, writer, targets, first):
         answered, msg = 0, first
         while answered < REQUESTS:
@@ -1659,8 +1661,8 @@ def test_a_flood_of_idle_sockets_from_many_addresses_closes_the_oldest_and_teams
                      b'{"message_type": "regis']  # an original-protocol register, unfinished
             flood = [await open_idle(s.port, f"127.0.0.{21 + i % 4}", heads[i] if i < len(heads) else b"")
                      for i in range(cap + 4)]
-            oldest = await asyncio.gather(*(closed(reader, 5) for reader, _ in flood[:4]))
-            rest = await asyncio.gather(*(closed(reader, 0.3) for reader, _ in flood[4:]))
+            oldest = await asyncio.gather(*(_closed(reader, 5) for reader, _ in flood[:4]))
+            rest = await asyncio.gather(*(_closed(reader, 0.3) for reader, _ in flood[4:]))
             during_flood = s.server._sockets.unregistered
             ws = await connect(s.url, local_addr=("127.0.0.26", 0))
             await ws.send(protocol.encode(protocol.register("alpha")))
@@ -1690,15 +1692,6 @@ def test_a_strangers_burst_of_new_sockets_past_its_rate_is_closed_at_once_and_th
     and uncounted, with one warning in the log; the team registered plays on and another address connects."""
     burst = 8
 
-    async def closed(reader, timeout_s):
-        try:
-            await asyncio.wait_for(reader.read(), timeout_s)  # to its end: the server closed it
-        except TimeoutError:
-            return False
-        except ConnectionResetError:
-            pass
-        return True
-
     async def main():
         async with Server(limits=Limits(new_socket_burst=burst, new_sockets_per_s=0.01), rate=40.0) as s:
             ws = await registered(s.url, "alpha")
@@ -1707,7 +1700,7 @@ def test_a_strangers_burst_of_new_sockets_past_its_rate_is_closed_at_once_and_th
                      for _ in range(4 * burst)]
             for _, writer in flood:  # a register begun, never read where refused
                 writer.write(b'{"message_type": "regis')
-            cut = await asyncio.gather(*(closed(reader, 0.5) for reader, _ in flood))
+            cut = await asyncio.gather(*(_closed(reader, 0.5) for reader, _ in flood))
             counted = s.server._sockets.unregistered
             other = await connect(s.url, local_addr=("127.0.0.42", 0))
             other_state = other.state.name
