@@ -321,9 +321,15 @@ def test_stall_numbers_say_how_long_the_loop_was_held_up_how_it_spent_that_and_t
     assert out["collections"] == {"0": {"count": 2, "max_ms": pytest.approx(2.0)},
                                   "2": {"count": 1, "max_ms": pytest.approx(60.0)}}
     assert out["full_collections"] == [{"at_s": pytest.approx(1.0), "ms": pytest.approx(60.0)}]
-    assert "loop lags over 3 ms: 4 (max 61.5" in stall_line(out) and "gen 2: 1 max 60.0 ms" in stall_line(out)
+    assert "loop lags over 3 ms in play: 4 (max 61.5" in stall_line(out) and "gen 2: 1 max 60.0 ms" in stall_line(out)
     quiet = stall_numbers({"loop_lags": [], "collections": [], "late_wakeups": []}, started=0.0)
     assert quiet["loop_lags"] == 0 and quiet["longest"] == [] and "collections none" in stall_line(quiet)
+    # the runtime's collection before it connects is no lag of play (play: from the first request frame's receipt)
+    events["loop_lags"].insert(0, (9.9, 0.095, dict(spent, on_cpu_ms=95.0, blocked_ms=0.0)))
+    played = stall_numbers(events, started=9.9, play_from=10.2)
+    assert played["loop_lags"] == 4 and played["loop_lag_ms_sum"] == pytest.approx(80.5)
+    assert played["before_play_ms_max"] == pytest.approx(95.0) and "before play max 95.0" in stall_line(played)
+    assert stall_numbers(events, started=9.9)["loop_lags"] == 5  # no first frame: every lag counts
 
 
 def test_a_served_session_runs_a_stall_probe_only_where_asked_not_for_its_step_log_alone(monkeypatch):

@@ -312,12 +312,16 @@ def arrival_line(arrival) -> str:
             f" ms of which receipt lag {fmt(arrival['slowest_1pct']['receipt_lag_ms'])}")
 
 
-def stall_numbers(stalls, started) -> dict:
-    """What held the client's event loop up in a session (a StallProbe's events): its lags over 3 ms (how many, the
-    longest, their sum, and how the loop thread spent them: on a CPU, waiting for one, or blocked: the GIL, a
-    lock, a page fault), the longest three (when each began, s after the session's start), the collector's runs
-    by generation (how many, the longest) and each full one (when, how long)."""
-    lags = stalls["loop_lags"]
+def stall_numbers(stalls, started, play_from=None) -> dict:
+    """What held the client's event loop up in a session (a StallProbe's events): its lags over 3 ms once play began
+    at `play_from` (the first request frame's receipt; None: all), how many, the longest, their sum, and how the loop
+    thread spent them (on a CPU, waiting for one, or blocked: the GIL, a lock, a page fault); the longest three (when
+    each began, s after the session's start); the longest lag before play ("before_play_ms_max": the runtime's
+    collection before it connects); the collector's runs by generation (how many, the longest) and each full one
+    (when, how long)."""
+    before, lags = [], []
+    for lag in stalls["loop_lags"]:
+        (before if play_from is not None and lag[0] + lag[1] <= play_from else lags).append(lag)
     spent = {how: sum(lag[2][how] for lag in lags if len(lag) > 2)
              for how in ("on_cpu_ms", "runnable_ms", "blocked_ms")}
     longest = sorted(lags, key=lambda lag: -lag[1])[:3]
@@ -326,6 +330,7 @@ def stall_numbers(stalls, started) -> dict:
         count, longest_ms = collections.get(generation, (0, 0.0))
         collections[generation] = (count + 1, max(longest_ms, 1e3 * seconds))
     return {"loop_lags": len(lags), "loop_lag_ms_max": 1e3 * max((lag[1] for lag in lags), default=0.0),
+            "before_play_ms_max": 1e3 * max((lag[1] for lag in before), default=0.0),
             "loop_lag_ms_sum": 1e3 * sum(lag[1] for lag in lags), "spent_ms": spent,
             "longest": [{"at_s": lag[0] - started, "ms": 1e3 * lag[1], **(lag[2] if len(lag) > 2 else {})}
                         for lag in longest],
@@ -337,8 +342,9 @@ def stall_numbers(stalls, started) -> dict:
 
 def stall_line(stalls) -> str:
     spent = ", ".join(f"{how[:-3].replace('_', ' ')} {ms:.0f}" for how, ms in stalls["spent_ms"].items())
-    return (f"loop lags over 3 ms: {stalls['loop_lags']} (max {stalls['loop_lag_ms_max']:.1f}, sum "
-            f"{stalls['loop_lag_ms_sum']:.0f} ms: {spent}), collections "
+    return (f"loop lags over 3 ms in play: {stalls['loop_lags']} (max {stalls['loop_lag_ms_max']:.1f}, sum "
+            f"{stalls['loop_lag_ms_sum']:.0f} ms: {spent}; before play max "
+            f"{stalls.get('before_play_ms_max', 0.0):.1f}), collections "
             + (", ".join(f"gen {g}: {c['count']} max {c['max_ms']:.1f} ms" for g, c in stalls["collections"].items())
                or "none"))
 
@@ -369,7 +375,8 @@ def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=
     if step_log:
         numbers["steps_by_rows"] = steps_by_rows(summary["steps"], getattr(engine, "step_rows", ()))
         numbers["arrival"] = arrival_numbers(summary["request_times"], summary["frames"])
-        numbers["client_stalls"] = stall_numbers(summary["client_stalls"], summary["started"])
+        numbers["client_stalls"] = stall_numbers(summary["client_stalls"], summary["started"],
+                                                 summary["frames"][0][0] if summary["frames"] else None)
     return {**numbers, **bench.forming_ms(run)}
 
 
