@@ -951,10 +951,32 @@ class StreamingClient:
         loop's next turn while a step is in flight (nothing wakes the loop when it ends), after the delay the step
         clock asks to form the next step, or every READY_POLL_S while the waiting symbols' states are on their way.
         A step whose pending has no done() counts as ended: its result() then waits on the loop. A step answered in
-        parts whose last parts are late leaves the pipeline (_go_on_without), and is looked at every LATE_POLL_S."""
+        parts whose last parts are late leaves the pipeline (_go_on_without), and is looked at every LATE_POLL_S.
+        A failure of the pump's own (the team client's are caught where it is called) is logged, the first time with
+        its traceback, and the pump looks again after LATE_POLL_S: it was not scheduled again, and a session whose
+        last frame had come waited for ever (a journal's failed write did so, bench/LOG.md section 79)."""
         if self._pump_handle is not None:
             self._pump_handle.cancel()
             self._pump_handle, self._pump_next_turn = None, False
+        try:
+            again = self._pump_work()
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            first = why not in self._failures_logged and len(self._failures_logged) < MAX_FAILURES_LOGGED
+            if first:
+                self._failures_logged.add(why)
+            log.error("the runtime's step pump failed%s; looking again in %g s", "" if first else f": {why}",
+                      LATE_POLL_S, exc_info=exc if first else None)
+            self._pump_handle = self._loop.call_later(LATE_POLL_S, self._pump)
+            return
+        if self._steps:
+            self._pump_handle, self._pump_next_turn = self._loop.call_soon(self._pump), True
+        elif again is not None:
+            self._pump_handle = self._loop.call_later(again, self._pump)
+
+    def _pump_work(self) -> float | None:
+        """The pump's work (_pump); the seconds until it should look again with no step in flight (None: when a
+        frame or a release says)."""
         while self._steps and _ended(self._steps[0].pending):
             self._retire(self._steps[0])
         if self._steps and self._parts_late(self._steps[0]):
@@ -980,10 +1002,7 @@ class StreamingClient:
                 again = 0.0  # what waits goes in the next step, even where this one's submit failed
         if self._late:
             again = LATE_POLL_S if again is None else min(again, LATE_POLL_S)
-        if self._steps:
-            self._pump_handle, self._pump_next_turn = self._loop.call_soon(self._pump), True
-        elif again is not None:
-            self._pump_handle = self._loop.call_later(again, self._pump)
+        return again
 
     def _take_batch(self, due_in):
         """(the next step's requests, marked batched; when forming it began) once due_in() (called under the lock:

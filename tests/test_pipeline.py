@@ -853,6 +853,32 @@ def test_inline_steps_pump_in_a_frames_handler_only_where_no_step_is_in_flight(m
     assert pumps["in flight"] == 0
 
 
+def test_a_failure_in_the_pump_is_logged_and_looked_at_again_never_a_hang(model, monkeypatch, caplog):
+    """A failure of the pump's own while it answers a step (none known now: a journal's failed write was one) is
+    logged with its traceback and the pump looks again: the step is answered then and the session ends. Before, the
+    pump was not scheduled again, and with the stream's last frame come the session waited for ever."""
+    n = 8
+    symbols, features = _stream(n, seed=26)
+    recorder = Recorder()
+    answer, failed = StreamingClient._answer, []
+
+    def answer_failing_once(self, ids, predictions, errors, requests):
+        if not failed:
+            failed.append(list(ids))
+            raise RuntimeError("a fault of the pump's own")
+        return answer(self, ids, predictions, errors, requests)
+
+    monkeypatch.setattr(StreamingClient, "_answer", answer_failing_once)
+    team_client = JoiningDevice(model, step_s=0.01)
+    with caplog.at_level("ERROR", logger="client.runtime"):
+        asyncio.run(asyncio.wait_for(_play(_bursts(n, n, symbols, features, recorder), team_client,
+                                           pipeline_min_batch=1, inline_steps=True), 30))
+    team_client.close()
+    assert failed and recorder.answered() == set(range(n))  # one frame: no later one pumped it again
+    _assert_stepped_in_arrival_order(team_client.stepped, symbols, n)
+    assert "the runtime's step pump failed; looking again" in caplog.text and "a fault of the pump's own" in caplog.text
+
+
 @pytest.mark.parametrize("declared, inline_steps, expected", [
     (True, None, True), (None, None, False), (1, None, False), (True, False, False), (None, True, True)])
 def test_inline_steps_by_default_exactly_where_the_team_client_says_its_steps_run_in_the_background(
