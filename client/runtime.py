@@ -848,7 +848,7 @@ class StreamingClient:
             if queued and callable(self._prefetch):
                 self._prefetches.put(queued)
             # at once where nothing is in flight; else on the loop's next turn, as it is already: with a pump after
-            # every frame (of 1-3 requests there) the loop fell behind past 16,000 req/s (bench/LOG.md section 79)
+            # every frame the loop fell behind past 16,000 req/s (bench/LOG.md section 79)
             if self.inline_steps and not self._pump_next_turn:
                 self._pump()
         if cached_ids:
