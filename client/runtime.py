@@ -85,6 +85,9 @@ MAX_ERRORS_LOGGED = 100  # distinct reasons for requests not answered, each logg
 MAX_UNSCORED = 1_000_000
 # answers kept for the server's resends (~0.5 KB each: 100 MB); a resend of an older id is refused, never stepped again
 CACHE_SIZE = 200_000
+# refused ids told apart as such (a resend is 'rejected earlier'; ~140 B each: 27 MB); older ones join the ranges of
+# ids answered or refused long ago, still refused, never stepped
+REFUSALS_KEPT = 200_000
 
 
 class LatencyHistogram:
@@ -406,7 +409,7 @@ class StreamingClient:
         # (answered from the cache), so a stream is not played to its end while any does (_stream_answered); a
         # refusal lost so is refused again on the resend, and the server counts it missed either way
         self._unsent: set[int] = set()
-        self._rejected_ids: set[int] = set()
+        self._rejected_ids: OrderedDict[int, None] = OrderedDict()  # in the order refused (the last REFUSALS_KEPT)
         self._cache: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()  # uid -> (answer, request print)
         # ids whose answers left the cache, and the refused ids between them: a resend is refused, since stepping it
         # again would advance its symbol's state twice (ranges: ids in order take a few bytes each)
@@ -821,11 +824,12 @@ class StreamingClient:
                 if self.stats.connections > 1 and not self._fed_on_connection:  # no resume resends that far back
                     self._new_stream(ws, uid, symbol)
                     return
-                log.warning("request %d (%s) was answered earlier and its answer left the cache; not fed to the "
-                            "model again", uid, symbol)
-                self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): answered earlier, "
-                                                             f"its answer no longer cached (the last {self.cache_size} "
-                                                             f"are); not fed to the model again"))
+                log.warning("request %d (%s) was answered earlier (or refused long ago) and its answer left the "
+                            "cache; not fed to the model again", uid, symbol)
+                self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): answered earlier "
+                                                             f"(or refused long ago), its answer no longer cached (the "
+                                                             f"last {self.cache_size} are); not fed to the model "
+                                                             f"again"))
             else:  # new, and not finite (a new finite one went in above)
                 self.stats.note_request(uid)
                 self._reject([uid])
@@ -1409,10 +1413,14 @@ class StreamingClient:
 
     def _reject(self, ids):
         """Requests noted, then answered with an error: a resend of one is refused again."""
-        self._rejected_ids.update(ids)
+        self._rejected_ids.update(dict.fromkeys(ids))
         for uid in ids:
             if uid - 1 in self._evicted or uid + 1 in self._evicted:
                 self._evict(uid)
+        # a lost shard's symbols are refused for the rest of the stream: the oldest go to _evicted, beside the
+        # answers of their time long gone from the cache (a range's few bytes, not ~60 B each)
+        while len(self._rejected_ids) > REFUSALS_KEPT:
+            self._evict(self._rejected_ids.popitem(last=False)[0])
         self.stats.note_rejected(ids)
 
     def _evict(self, uid):

@@ -1254,6 +1254,33 @@ def test_refused_ids_leave_no_holes_in_the_ranges_of_answers_gone_and_are_refuse
     assert summary["requests"] == 31 and summary["errors"] == 10
 
 
+def test_refused_ids_are_kept_apart_a_bounded_number_then_join_the_ranges_still_refused(model, monkeypatch):
+    """A lost shard's symbols are refused for the rest of a stream: the set telling refused ids apart grew ~60 B a
+    request for the session. The last REFUSALS_KEPT are kept (a resend 'rejected earlier'); older ones join the
+    ranges of ids gone from the cache, still refused and never stepped."""
+    monkeypatch.setattr(runtime, "REFUSALS_KEPT", 3)
+    symbols, features = _stream(31)
+    lost = [uid for uid in range(30) if symbols[uid] == "SYM_001"]
+    recorder = Recorder()
+
+    async def handler(ws):
+        assert protocol.decode(await ws.recv())["type"] == "register"
+        await ws.send(_request(list(range(30)), symbols, features))
+        await recorder.pump(ws, lambda: len(recorder.answered()) + len(recorder.errors) == 30)
+        await ws.send(_request([lost[0], lost[-1], 30], symbols, features))  # the oldest refused, the last, new
+        await recorder.pump(ws, lambda: 30 in recorder.answered() and len(recorder.errors) == len(lost) + 2)
+        await ws.close(1000)
+
+    team_client = LostSymbol(ReferenceEngine(model))
+    client, summary = asyncio.run(_play(handler, team_client, cache_size=2))
+    assert len(lost) > 3 and list(client._rejected_ids) == lost[-3:]
+    assert lost[0] in client._evicted and client._evicted.ranges() == 1
+    assert sum(team_client.stepped.values()) == 31 - len(lost)  # the resends stepped nothing
+    assert any(f"unique_id {lost[0]} " in e and "refused long ago" in e for e in recorder.errors), recorder.errors
+    assert any(f"unique_id {lost[-1]} " in e and "rejected earlier" in e for e in recorder.errors), recorder.errors
+    assert summary["requests"] == 31 and summary["errors"] == len(lost)
+
+
 def test_a_resent_id_that_holds_another_request_is_refused_and_its_answer_stands(model):
     symbols, features = _stream(4)
     other_symbol = next(s for s in SYMBOLS if s != symbols[2])
