@@ -103,7 +103,14 @@ def _outer_product_kernel(
             seed = row_seed(tl.load(counter_ptr + slot * stride_counter), salt)
         else:
             seed = 0
+        if not ONE_CHUNK:  # the readout's sum so far, loaded a row ahead: it alone waits on memory written earlier
+            o_next = tl.load(o_ptr + start * stride_o_row + head * stride_o_head + e,
+                             mask=e < tl.where((start < end) & (d0 > 0), e_size, 0), other=0.0)
         for row in tl.range(start, end, num_stages=ROW_STAGES):
+            if not ONE_CHUNK:
+                o_sum = o_next
+                o_next = tl.load(o_ptr + (row + 1) * stride_o_row + head * stride_o_head + e,
+                                 mask=e < tl.where((row + 1 < end) & (d0 > 0), e_size, 0), other=0.0)
             q = tl.load(q_ptr + row * stride_q_row + head * stride_q_head + d, mask=d_mask, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + row * stride_k_row + head * stride_k_head + d, mask=d_mask, other=0.0).to(tl.float32)
             v = tl.load(v_ptr + row * stride_v_row + head * stride_v_head + e, mask=e_mask, other=0.0).to(tl.float32)
@@ -115,7 +122,7 @@ def _outer_product_kernel(
             if ONE_CHUNK:
                 tl.store(o_ptrs, part / den, mask=e_mask)
             else:  # the readout's sum over the chunks so far, kept in the output row
-                acc = tl.load(o_ptrs, mask=e_mask & (d0 > 0), other=0.0) + part
+                acc = o_sum + part
                 tl.store(o_ptrs, tl.where(d0 + BLOCK_D >= d_size, acc / den, acc), mask=e_mask)
         store_state(M_slot + index, M, tile_mask, STOCHASTIC, seed, index)
         if not ONE_CHUNK:
