@@ -20,8 +20,9 @@ keeps fewer partial readouts in the output row. scripts/tile_sweep.py timed the 
 were the best of them, 10-20% faster than the chunks before; at one row a symbol they were within a few percent; the
 times of a step of few symbols were bound by the sweep's launches and say nothing. The steps of one symbol (1, 2 or
 4 requests) took the same time with the large chunks as with the one-row step's tiling, which steps of few symbols
-keep. The row loop stays unpipelined: a prologue would cost the one-row step, and the pipelined loop was no faster
-at the best tilings.
+keep. The row loop stays unpipelined (a prologue would cost the one-row step, and Triton's pipelined loop was no faster
+at the best tilings) but for the readout's partial sum, loaded a row ahead: the one load that waits on memory written
+earlier (C 64x8 -4% on an H200, bench/LOG.md section 80; q, k and v a row ahead too won 2% more on C and lost on S).
 """
 import torch
 import triton
