@@ -1418,7 +1418,7 @@ class StreamingClient:
             if uid - 1 in self._evicted or uid + 1 in self._evicted:
                 self._evict(uid)
         # a lost shard's symbols are refused for the rest of the stream: the oldest go to _evicted, beside the
-        # answers of their time long gone from the cache (a range's few bytes, not ~60 B each)
+        # answers of their time long gone from the cache (a range's few bytes, not ~140 B each)
         while len(self._rejected_ids) > REFUSALS_KEPT:
             self._evict(self._rejected_ids.popitem(last=False)[0])
         self.stats.note_rejected(ids)
