@@ -541,7 +541,7 @@ class ScoringServer:
 
 def _scores(raw: dict) -> dict:
     """The leaderboard's data from ScoringServer._collect_scores: each team summarized, best PnL first."""
-    rows = (leaderboard_row(summarize(snapshot)) for snapshot in raw["teams"])
+    rows = (leaderboard_row(summarize(snapshot, len(raw["teams"]))) for snapshot in raw["teams"])
     return {**raw, "teams": mark_far_below(sorted(rows, key=lambda row: -row["pnl"]))}
 
 
