@@ -1209,6 +1209,32 @@ def test_a_teams_latency_statistics_are_computed_again_only_when_due_once_they_c
     assert summary["latency_ms"]["p50"] == pytest.approx(np.percentile(session._answered_latency_ms[:300], 50))
 
 
+def test_recent_pnl_is_the_sum_of_the_last_window_as_messages_come_and_go():
+    """A snapshot (on the event loop) summed the recent window's messages, ~200,000 a team at 20,000 one-request
+    messages a second; the sum is kept as they come and go, and says the same."""
+    from server.session import RECENT_WINDOW_S
+
+    requests = 600
+    now = {"t": 0.0}
+    session = TeamSession("team", None, None, np.broadcast_to(np.float32(0), (requests, 4)), np.zeros(requests),
+                          atol=1e-3, half_life_ms=100.0, timeout_s=2.0, send_stall_s=2.0, max_requests_per_message=16,
+                          clock=lambda: now["t"])
+    session.sent = requests
+    pnls = []  # (receive time, pnl) of each message
+    for uid in range(requests):
+        now["t"] = uid * 0.05  # 20 messages a second: the 10 s window holds 200
+        session._send_time[uid] = now["t"] - 0.001 * (uid % 7)
+        before = session.pnl
+        session.handle_response([uid], np.zeros((1, 4), np.float32), now["t"])
+        pnls.append((now["t"], session.pnl - before))
+        if uid % 50 == 49:
+            window = sum(p for t, p in pnls if t >= now["t"] - RECENT_WINDOW_S)
+            span = min(RECENT_WINDOW_S, now["t"] - session.start)
+            assert session.snapshot(now["t"])["recent_pnl_per_s"] == pytest.approx(window / span)
+    now["t"] += 2 * RECENT_WINDOW_S  # all of it forgotten: exactly nothing
+    assert session.snapshot(now["t"])["recent_pnl_per_s"] == 0.0
+
+
 def test_a_snapshot_hands_over_the_answered_latencies_without_gathering_them_from_the_stream():
     """The leaderboard's snapshot runs on the event loop for every team: it takes the latencies answered so far as
     they stand (gathering them from the whole stream took 64 teams of 1M requests 242-291 ms a page rebuild). Later
