@@ -25,6 +25,9 @@ PROTOCOLS = ("websocket", "tcp-json")
 _SCHEME_OF = {"websocket": "ws", "tcp-json": "tcp"}
 _PROTOCOL_OF = {"ws": "websocket", "wss": "websocket", "tcp": "tcp-json"}
 PROBE_TIMEOUT_S = 1.0
+# Lines an original-protocol connection hands the runtime before the event loop gets a turn: readline() returns a
+# buffered line without one, and the runtime's step pump waits for the loop's next turn while a step is in flight
+LINES_A_TURN = 64
 # A websocket handshake, as a probe: a websocket server accepts it (101), another HTTP server answers it otherwise, and
 # an original-protocol server answers its lines with error lines.
 _HANDSHAKE_PROBE = (b"GET / HTTP/1.1\r\nHost: probe\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -217,7 +220,12 @@ class TcpJsonConnection(Connection):
             raise ConnectionClosed(str(exc)) from None
 
     async def __aiter__(self):
+        unturned = 0  # lines read since the loop last had a turn here (a backlog of up to 2 x MAX_LINE_BYTES)
         while True:
+            if unturned >= LINES_A_TURN:
+                unturned = 0
+                await asyncio.sleep(0)
+            unturned += 1
             try:
                 line = await self._reader.readline()
             except ValueError:  # a line over the limit: what follows cannot be trusted to start a line

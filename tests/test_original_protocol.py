@@ -756,6 +756,49 @@ def test_a_burst_of_requests_reaches_an_original_client_in_short_lines_the_event
     assert most < 0.1 and max(len(line["unique_ids"]) for line in lines) <= 64
 
 
+def test_a_backlog_of_lines_at_an_original_client_leaves_its_event_loop_a_turn_every_few_lines():
+    """readline() returns a buffered line without a turn of the event loop: a backlog of lines (a client that fell
+    behind; its reader holds up to 2 x 128 MiB) ran the runtime's frame handler for every one of them before its step
+    pump, due on the loop's next turn while a step is in flight, could form a step."""
+    from client.transport import LINES_A_TURN, TcpJsonConnection
+
+    requests = 1000
+    features = np.zeros((1, protocol.NUM_FEATURES), np.float32)
+    lines = b"".join(original.encode_line(original.to_original(protocol.inference_request([uid], ["SYM_000"],
+                                                                                         features, 0.0)))
+                     for uid in range(requests))
+
+    async def main():
+        async def send_all(reader, writer):
+            writer.write(lines)
+            await writer.drain()
+            await reader.read()  # until the client closes
+
+        listener = await asyncio.start_server(send_all, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        connection = await TcpJsonConnection.open(f"tcp://127.0.0.1:{port}", 5.0)
+        await asyncio.sleep(0.3)  # every line in the reader's buffer
+        loop, read, seen_at_turns = asyncio.get_running_loop(), [0], []
+
+        def turn():
+            seen_at_turns.append(read[0])
+            if read[0] < requests:
+                loop.call_soon(turn)
+
+        loop.call_soon(turn)
+        async for msg in connection:
+            read[0] += msg["type"] == "inference_request"
+            if read[0] == requests:
+                break
+        await connection.close()
+        listener.close()
+        return seen_at_turns
+
+    seen_at_turns = run(main())
+    gaps = np.diff(seen_at_turns)
+    assert len(seen_at_turns) > requests // LINES_A_TURN and gaps.max() <= LINES_A_TURN  # before: all 1,000 at once
+
+
 def test_an_original_line_before_register_is_read_up_to_twice_the_longest_register():
     """A stranger's line is read whole before the server sees it: before register, up to twice the longest
     register (the connection closed past that), not twice the line limit of a team (8 MB a socket)."""
