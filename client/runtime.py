@@ -272,7 +272,7 @@ class StreamingClient:
                  give_up_repeats: int = GIVE_UP_REPEATS,
                  server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False,
                  inline_steps: bool | None = None, late_parts_s: float = LATE_PARTS_S,
-                 session_key: str | None = None, journal=None, replayed=None):
+                 session_key: str | None = None, journal=None, replayed=None, tls_ca: str | None = None):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -285,6 +285,9 @@ class StreamingClient:
                              "give_up_after_s >= 0, give_up_repeats >= 1 and server_idle_s > 0")
         self.give_up_repeats, self.server_idle_s = give_up_repeats, server_idle_s
         self.ws_compression = ws_compression  # offer permessage-deflate (off: client/websocket_transport.py)
+        # a url over TLS (wss://, tcp+tls://): the server's certificate checked against tls_ca's authorities, or the
+        # system's (a file that holds none is said here, before anything is played)
+        self._tls = transport.client_tls(url, tls_ca)
         # the server's, from its welcome: what a reconnect presents (given: the welcome's of an earlier client of the
         # team, whose server began the new stream this one plays)
         self._session_key = session_key
@@ -521,7 +524,7 @@ class StreamingClient:
             remaining = window - (time.monotonic() - unreachable_since)
             try:
                 async with await transport.connect(self.url, open_timeout=max(remaining, 0.1),
-                                                   ws_compression=self.ws_compression) as ws:
+                                                   ws_compression=self.ws_compression, tls=self._tls) as ws:
                     requests_before = self.stats.requests
                     if await self._session(ws):
                         return

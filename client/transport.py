@@ -7,6 +7,9 @@ Two protocols, chosen by the server url's scheme:
 - ``tcp://host:port`` (``--protocol tcp-json``): the original event's, newline-delimited JSON over TCP
   (client/original.py), translated to and from the project's messages, so that the runtime's session logic is one.
 
+Either over TLS: ``wss://`` and ``tcp+tls://`` (``--tls``), the server's certificate checked against the system's
+authorities or a file of them (``--tls-ca``).
+
 A Connection's frames go through ``decode(frame) -> message`` (a ProtocolError says what is wrong) and
 ``encode(message) -> frame`` (None: the protocol has no such message, nothing to send). Iterating a connection gives
 the server's frames until it closes; ``close_code`` and ``close_reason`` then say why, as a websocket close frame
@@ -15,6 +18,7 @@ does one that speaks neither (a web server), whose message says so.
 """
 import asyncio
 import json
+import ssl
 from abc import ABC, abstractmethod
 from urllib.parse import urlsplit
 
@@ -22,8 +26,10 @@ from client import original
 from client.protocol import ProtocolError
 
 PROTOCOLS = ("websocket", "tcp-json")
-_SCHEME_OF = {"websocket": "ws", "tcp-json": "tcp"}
-_PROTOCOL_OF = {"ws": "websocket", "wss": "websocket", "tcp": "tcp-json"}
+_SCHEME_OF = {("websocket", False): "ws", ("tcp-json", False): "tcp", ("websocket", True): "wss",
+              ("tcp-json", True): "tcp+tls"}
+_PROTOCOL_OF = {"ws": "websocket", "wss": "websocket", "tcp": "tcp-json", "tcp+tls": "tcp-json"}
+_TLS_SCHEMES = ("wss", "tcp+tls")
 PROBE_TIMEOUT_S = 1.0
 # Lines an original-protocol connection hands the runtime before the event loop gets a turn: readline() returns a
 # buffered line without one, and the runtime's step pump waits for the loop's next turn while a step is in flight
@@ -51,18 +57,51 @@ class ProtocolMismatch(Exception):
     certain = True
 
 
-def server_url(protocol_name: str, host: str, port: int) -> str:
-    if protocol_name not in _SCHEME_OF:
+def server_url(protocol_name: str, host: str, port: int, tls: bool = False) -> str:
+    if protocol_name not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol_name!r}; choose one of {', '.join(PROTOCOLS)}")
     host = f"[{host}]" if ":" in host else host
-    return f"{_SCHEME_OF[protocol_name]}://{host}:{port}"
+    return f"{_SCHEME_OF[protocol_name, tls]}://{host}:{port}"
+
+
+def uses_tls(url: str) -> bool:
+    return urlsplit(url).scheme in _TLS_SCHEMES
+
+
+def client_tls(url: str, ca_file: str | None = None) -> ssl.SSLContext | None:
+    """The TLS context of a connection to url (None for a url without TLS): the server's certificate checked against
+    ca_file's authorities (PEM), or the system's; a file that holds none is a ValueError in one line."""
+    if not uses_tls(url):
+        if ca_file is not None:
+            raise ValueError(f"--tls-ca applies to a server over TLS (wss://, tcp+tls://), not {url}")
+        return None
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except ssl.SSLError as exc:  # (before OSError, which it is)
+        raise ValueError(f"--tls-ca {ca_file}: no PEM certificate there ({exc.reason or exc})") from None
+    except OSError as exc:
+        raise ValueError(f"--tls-ca {ca_file}: {exc.strerror or exc}") from None
+
+
+async def tls_failure(url: str, host: str, port: int, exc: OSError) -> Exception | None:
+    """The error of a connection over TLS that failed (`exc`), in one line with what to do, where it says more than
+    `exc`: a certificate not trusted, or a server that speaks without TLS (it answers a handshake without it)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return ConnectError(f"the server's certificate is not trusted ({exc.verify_message}): give --tls-ca with the "
+                            f"certificate, or the authority's, that signed it")
+    speaks, _ = await speaks_what(host, port)
+    if speaks in ("websocket", "tcp-json"):
+        plain = url.replace("wss://", "ws://", 1).replace("tcp+tls://", "tcp://", 1)
+        return ProtocolMismatch(f"the server at {url} speaks without TLS: play it as {plain} (no --tls)")
+    return None
 
 
 def protocol_of(url: str) -> str:
     """The protocol a server url names by its scheme; ValueError for any other url."""
     scheme = urlsplit(url).scheme
     if scheme not in _PROTOCOL_OF:
-        raise ValueError(f"bad server url {url!r}: its scheme must be one of ws, wss (websocket) or tcp (tcp-json)")
+        raise ValueError(f"bad server url {url!r}: its scheme must be one of ws, wss (websocket) or tcp, tcp+tls "
+                         f"(tcp-json)")
     return _PROTOCOL_OF[scheme]
 
 
@@ -72,6 +111,9 @@ def mismatch(url: str, speaks: str, answered: str = "") -> ProtocolMismatch:
     if speaks == "http":
         return ProtocolMismatch(f"the server at {url} is no scoring server: it answered {answered} (a web server?); "
                                 f"check --host and --port")
+    if speaks == "tls":
+        secure = url.replace("ws://", "wss://", 1).replace("tcp://", "tcp+tls://", 1)
+        return ProtocolMismatch(f"the server at {url} speaks TLS: play it as {secure} (--tls)")
     described = {"tcp-json": "the original protocol (newline-delimited JSON over TCP)",
                  "websocket": "HTTP (the websocket protocol)"}[speaks]
     return ProtocolMismatch(f"the server at {url} answers in {described}; pass --protocol {speaks}")
@@ -118,21 +160,26 @@ class Connection(ABC):
         await self.close()
 
 
-async def connect(url: str, open_timeout: float, ws_compression: bool = False) -> Connection:
+async def connect(url: str, open_timeout: float, ws_compression: bool = False,
+                  tls: ssl.SSLContext | None = None) -> Connection:
     """A connection to the server at url in the protocol its scheme names (ConnectError, ProtocolMismatch);
-    ws_compression offers permessage-deflate on a websocket (off: client/websocket_transport.py says why)."""
+    ws_compression offers permessage-deflate on a websocket (off: client/websocket_transport.py says why); tls: the
+    context of a url over TLS (client_tls(url): the system's authorities when None)."""
+    if uses_tls(url) and tls is None:
+        tls = client_tls(url)
     if protocol_of(url) == "websocket":
         from client.websocket_transport import connect_websocket  # websockets is imported for this protocol only
 
-        return await connect_websocket(url, open_timeout, ws_compression)
-    return await TcpJsonConnection.open(url, open_timeout)
+        return await connect_websocket(url, open_timeout, ws_compression, tls)
+    return await TcpJsonConnection.open(url, open_timeout, tls)
 
 
-async def first_bytes(host: str, port: int, send: bytes, timeout_s: float = PROBE_TIMEOUT_S) -> bytes:
+async def first_bytes(host: str, port: int, send: bytes, timeout_s: float = PROBE_TIMEOUT_S,
+                      tls: ssl.SSLContext | None = None) -> bytes:
     """What a server answers first to `send` on a fresh connection (b"" when it says nothing in time)."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-    except (OSError, TimeoutError):
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=tls), timeout_s)
+    except (OSError, TimeoutError):  # (an ssl.SSLError is an OSError)
         return b""
     try:
         writer.write(send)
@@ -149,11 +196,14 @@ def first_line(answer: bytes, limit: int = 80) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-async def speaks_what(host: str, port: int) -> tuple[str | None, bytes]:
-    """(what the server at host:port speaks, by its answer to a websocket handshake; that answer): "websocket" (it
-    accepts one), "tcp-json" (JSON lines: it takes the handshake's lines for bad ones), "http" (another HTTP answer:
-    no scoring server), or None (no answer in time, a busy or stopping server's, or anything else)."""
-    answer = await first_bytes(host, port, _HANDSHAKE_PROBE)
+async def speaks_what(host: str, port: int, tls: ssl.SSLContext | None = None) -> tuple[str | None, bytes]:
+    """(what the server at host:port speaks, by its answer to a websocket handshake, over TLS with `tls`; that
+    answer): "websocket" (it accepts one), "tcp-json" (JSON lines: it takes the handshake's lines for bad ones), "http"
+    (another HTTP answer: no scoring server), "tls" (no answer without TLS, a TLS handshake: a server over TLS), or None
+    (no answer in time, a busy or stopping server's, or anything else)."""
+    answer = await first_bytes(host, port, _HANDSHAKE_PROBE, tls=tls)
+    if not answer and tls is None and await speaks_tls(host, port):
+        return "tls", answer
     if answer.lstrip().startswith(b"{"):
         return "tcp-json", answer
     status = answer.split(b" ", 2)[1:2] if answer.startswith(b"HTTP/") else []
@@ -162,6 +212,18 @@ async def speaks_what(host: str, port: int) -> tuple[str | None, bytes]:
     if int(status[0]) == 101:
         return "websocket", answer
     return (None if int(status[0]) in _PASSING_STATUSES else "http"), answer
+
+
+async def speaks_tls(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the server at host:port completes a TLS handshake (a probe: its certificate is not looked at)."""
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=probe), timeout_s)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
 
 
 def _is_json(line: bytes) -> bool:
@@ -181,25 +243,27 @@ class TcpJsonConnection(Connection):
 
     too_big = f"a line over this client's limit of {original.MAX_LINE_BYTES / 2**20:g} MiB"
 
-    def __init__(self, url, host, port, reader, writer):
-        self.url, self.host, self.port = url, host, port
+    def __init__(self, url, host, port, reader, writer, tls=None):
+        self.url, self.host, self.port, self._tls = url, host, port, tls
         self._reader, self._writer = reader, writer
         self._lines_read = 0
         self._welcomed = False
 
     @classmethod
-    async def open(cls, url: str, open_timeout: float) -> "TcpJsonConnection":
+    async def open(cls, url: str, open_timeout: float, tls: ssl.SSLContext | None = None) -> "TcpJsonConnection":
         parts = urlsplit(url)
         if parts.hostname is None or parts.port is None:
             raise ValueError(f"bad server url {url!r}: it needs a host and a port, as tcp://host:port")
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(parts.hostname, parts.port, limit=original.MAX_LINE_BYTES), open_timeout)
+                asyncio.open_connection(parts.hostname, parts.port, limit=original.MAX_LINE_BYTES, ssl=tls),
+                open_timeout)
         except TimeoutError:
             raise ConnectError("timed out") from None
-        except OSError as exc:
-            raise ConnectError(exc.strerror or str(exc) or type(exc).__name__) from None
-        return cls(url, parts.hostname, parts.port, reader, writer)
+        except OSError as exc:  # (an ssl.SSLError is one)
+            said = tls and await tls_failure(url, parts.hostname, parts.port, exc)
+            raise said or ConnectError(exc.strerror or str(exc) or type(exc).__name__) from None
+        return cls(url, parts.hostname, parts.port, reader, writer, tls)
 
     def encode(self, msg: dict):
         obj = original.to_original(msg)
@@ -240,13 +304,13 @@ class TcpJsonConnection(Connection):
                 # A websocket server closes at once, without a word, on a line that is no HTTP request: ask it
                 # one to tell it from a server that went away.
                 if not self._lines_read:
-                    speaks, answer = await speaks_what(self.host, self.port)
-                    if speaks in ("websocket", "http"):
+                    speaks, answer = await speaks_what(self.host, self.port, self._tls)
+                    if speaks in ("websocket", "http", "tls"):
                         exc = mismatch(self.url, speaks, f"the register by closing the connection, and a websocket "
                                                          f"handshake with {first_line(answer)}")
                         # a server of both protocols (this project's) accepts the handshake too: this connection may
                         # only have dropped (a reset, a first line cut short)
-                        exc.certain = speaks == "http"
+                        exc.certain = speaks in ("http", "tls")
                         raise exc
                 return
             if not line.strip():
@@ -275,7 +339,7 @@ class TcpJsonConnection(Connection):
 
     async def _not_original(self, line: bytes) -> ProtocolMismatch:
         """The error for a server whose first line is no JSON: what it speaks, where a handshake tells."""
-        speaks, answer = await speaks_what(self.host, self.port)
+        speaks, answer = await speaks_what(self.host, self.port, self._tls)
         if speaks is None:
             return ProtocolMismatch(f"the server at {self.url} does not speak the original protocol: it answered the "
                                     f"register with {first_line(line)}, which is no JSON; check --host and --port")

@@ -1,5 +1,6 @@
 """The project's own protocol over websockets (client/protocol.py): the one module of the client that imports
 websockets, so that a client playing the original protocol (tcp-json) runs without it."""
+import ssl
 from urllib.parse import urlsplit
 
 from websockets.asyncio.client import connect
@@ -7,29 +8,32 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client import protocol
 from client.transport import (ConnectError, Connection, ConnectionClosed as TransportClosed, first_line, mismatch,
-                              speaks_what)
+                              speaks_what, tls_failure)
 
 
-async def connect_websocket(url: str, open_timeout: float, compression: bool = False) -> "WebSocketConnection":
+async def connect_websocket(url: str, open_timeout: float, compression: bool = False,
+                            tls: ssl.SSLContext | None = None) -> "WebSocketConnection":
     try:
         # No permessage-deflate unless asked (websockets offers it by default; kept to measure against): msgpack'd
         # float32 features shrink by ~8% for ~30 us of the server's loop per one-row frame and ~0.8 ms per 64-row
         # frame (bench/LOG.md section 50).
         ws = await connect(url, max_size=protocol.MAX_FRAME_BYTES, open_timeout=open_timeout,
-                           compression="deflate" if compression else None)
+                           compression="deflate" if compression else None, **({"ssl": tls} if tls else {}))
     except InvalidURI as exc:
         raise ValueError(f"bad server url {url!r}: {exc}") from None
     except (InvalidHandshake, TimeoutError) as exc:
         # A server of the original protocol takes the handshake's lines for bad JSON and answers each with an
         # error line, which is no HTTP response, and a web server answers it with a page: ask it again to tell them
-        # from a server that is only slow or busy.
+        # from a server that is only slow or busy. A server over TLS answers nothing without it.
         parts = urlsplit(url)
-        speaks, answer = await speaks_what(parts.hostname, parts.port or 80)
-        if speaks in ("tcp-json", "http"):
+        speaks, answer = await speaks_what(parts.hostname, parts.port or (443 if tls else 80), tls)
+        if speaks in ("tcp-json", "http", "tls"):
             raise mismatch(url, speaks, f"a websocket handshake with {first_line(answer)}") from None
         raise ConnectError(_reason(exc)) from None
-    except OSError as exc:
-        raise ConnectError(_reason(exc)) from None
+    except OSError as exc:  # (an ssl.SSLError is one)
+        parts = urlsplit(url)
+        said = tls and await tls_failure(url, parts.hostname, parts.port or 443, exc)
+        raise said or ConnectError(_reason(exc)) from None
     return WebSocketConnection(ws)
 
 

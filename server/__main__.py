@@ -29,7 +29,7 @@ import socket  # noqa: E402
 
 from client import cli, event_loop  # noqa: E402
 from client.model.config import PRESETS  # noqa: E402
-from server.app import ScoringServer, ServerConfig, listen_error  # noqa: E402
+from server.app import ScoringServer, ServerConfig, listen_error, server_tls  # noqa: E402
 from server.identity import load_tokens  # noqa: E402
 from server.leaderboard import format_table  # noqa: E402
 from server.limits import Limits  # noqa: E402
@@ -63,6 +63,11 @@ def parse_args(argv=None) -> ServerConfig:
     tokens.add_argument("--token", help="require this token at register, of every team")
     tokens.add_argument("--tokens", type=cli.existing_file, metavar="FILE",
                         help='a token per team: a JSON object {"team": "token", ...}; only those teams play')
+    parser.add_argument("--tls-cert", type=cli.existing_file, metavar="FILE",
+                        help="serve both protocols over TLS (wss://, tcp+tls://, the leaderboard https://) with this "
+                             "PEM certificate chain; without it tokens and session keys cross the network as text")
+    parser.add_argument("--tls-key", type=cli.existing_file, metavar="FILE",
+                        help="the certificate's private key (PEM; default: in --tls-cert)")
     parser.add_argument("--once", action="store_true", help="exit when the first client's stream is scored")
     parser.add_argument("--json", type=cli.output_file, help="write the summary here")
     parser.add_argument("--device", help="device of the reference model (default cpu)")
@@ -87,12 +92,14 @@ def parse_args(argv=None) -> ServerConfig:
                         max_field_chars=args.max_field_chars, bad_token_delay_s=args.bad_token_delay_s,
                         max_unregistered_sockets=args.max_unregistered_sockets,
                         new_socket_burst=args.new_socket_burst, new_sockets_per_s=args.new_sockets_per_s)
-        return ServerConfig(host=args.host, port=args.port, preset=args.preset, weights=args.weights,
+        config = ServerConfig(host=args.host, port=args.port, preset=args.preset, weights=args.weights,
                             seed=args.seed, stream=args.stream, **generation, rate=args.rate, speed=args.speed or 1.0,
                             atol=args.atol, timeout_s=args.timeout_s, half_life_ms=args.half_life_ms, token=args.token,
                             tokens=load_tokens(args.tokens) if args.tokens else None, limits=limits,
                             once=args.once, json=args.json, device=args.device, cache_dir=args.cache_dir,
-                            targets=args.targets, progress=True)
+                            targets=args.targets, progress=True, tls_cert=args.tls_cert, tls_key=args.tls_key)
+        server_tls(args.tls_cert, args.tls_key)  # a certificate that cannot serve, said before the targets
+        return config
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -201,18 +208,19 @@ def check_port_free(host: str, port: int) -> None:
             raise cli.CliError(listen_error(host, port, exc)) from None
 
 
-def listening_line(host: str, port: int) -> str:
+def listening_line(host: str, port: int, tls: bool = False) -> str:
     """The line that says where the server listens, its urls as a browser and the team client take them."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in a url takes brackets
-    return (f"scoring server listening on ws://{where} (leaderboard http://{where}/; the original protocol, "
-            f"newline-delimited JSON over TCP, on the same port: tcp://{where})")
+    ws, http, tcp = ("wss", "https", "tcp+tls") if tls else ("ws", "http", "tcp")
+    return (f"scoring server listening on {ws}://{where} (leaderboard {http}://{where}/; the original protocol, "
+            f"newline-delimited JSON over TCP{' and TLS' if tls else ''}, on the same port: {tcp}://{where})")
 
 
 async def serve(server: ScoringServer) -> int:
     """Serve until done (--once), Ctrl-C or SIGTERM; print the table; exit code 130 after Ctrl-C, else 0."""
     config = server.config
     port = await server.start()
-    print(listening_line(config.host, port), flush=True)
+    print(listening_line(config.host, port, config.tls_cert is not None), flush=True)
     main, loop = asyncio.current_task(), asyncio.get_running_loop()
     interrupted = []
 

@@ -4,6 +4,7 @@ import asyncio
 import errno
 import json
 import logging
+import ssl
 import sys
 import time
 from dataclasses import dataclass, field
@@ -77,6 +78,10 @@ class ServerConfig:
     # Accept permessage-deflate when a client offers it, as websockets does by default: off, and kept only to
     # measure against (bench.py --ws-compression; bench/LOG.md section 50).
     ws_compression: bool = False
+    # TLS on the port, for both protocols (wss://, tcp+tls://; the leaderboard https://): the certificate chain
+    # (PEM) and its private key (default: in tls_cert). Without it tokens and session keys cross the network as text.
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self):
         positive = {"symbols": self.symbols, "requests": self.requests, "speed": self.speed,
@@ -101,6 +106,25 @@ class ServerConfig:
             raise ValueError("give one token for every team (--token) or a token per team (--tokens), not both")
         if self.token == "":  # would admit every register that sends an empty token, and silence the warning
             raise ValueError("--token must not be empty")
+        if self.tls_key is not None and self.tls_cert is None:
+            raise ValueError("--tls-key needs --tls-cert, the certificate it signs for")
+
+
+def server_tls(cert: str | None, key: str | None = None) -> ssl.SSLContext | None:
+    """The TLS context of a server with this certificate chain and key (PEM files), None without a certificate; a
+    file that cannot serve is a ValueError in one line."""
+    if cert is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    files = f"--tls-cert {cert}{f' --tls-key {key}' if key else ''}"
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as exc:  # (before OSError, which it is)
+        raise ValueError(f"{files}: no PEM certificate chain with its private key there ({exc.reason or exc})") \
+            from None
+    except OSError as exc:
+        raise ValueError(f"{files}: {exc.strerror or exc}") from None
+    return context
 
 
 class ScoringServer:
@@ -124,6 +148,7 @@ class ScoringServer:
         self.unregistered_errors = 0
         self._server = None
         self._send_stall_s = config.send_stall_s or config.timeout_s
+        self._tls = server_tls(config.tls_cert, config.tls_key)
         self._identity = Identity(config.token, config.tokens)
         self._addresses = AddressLimits(config.limits)
         # a team's connections and page loads fit; thousands of idle sockets from one address, or from many, do not
@@ -186,6 +211,7 @@ class ScoringServer:
             self._server = await serve(self._handle, self.config.host, self.config.port,
                                        compression="deflate" if self.config.ws_compression else None,
                                        process_request=self._http, max_size=2 * self.config.max_frame_bytes,
+                                       ssl=self._tls,
                                        create_connection=sniffing_connections(self._accept_original,
                                                                               self.config.register_timeout_s,
                                                                               self._sockets))

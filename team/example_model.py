@@ -231,6 +231,11 @@ def parse_args(argv=None):
     parser.add_argument("--protocol", choices=PROTOCOLS, default="websocket",
                         help="the server's protocol: the project's websocket (default) or the original event's "
                              "newline-delimited JSON over TCP (tcp-json); the project's server speaks both")
+    parser.add_argument("--tls", action="store_true",
+                        help="the server at --host speaks over TLS (wss://, tcp+tls://; python -m server --tls-cert)")
+    parser.add_argument("--tls-ca", type=cli.existing_file, metavar="FILE",
+                        help="with --tls: trust a server certificate signed by this PEM file's certificates (a "
+                             "self-signed server's own) instead of the system's authorities")
     parser.add_argument("--team-dir", metavar="DIR",
                         help="play the ExampleModel of DIR/example_model.py (the project's or the original event's "
                              "style) instead of this file's")
@@ -285,6 +290,10 @@ def parse_args(argv=None):
         parser.error("--host needs --port")
     if args.host is None and args.port is not None:
         parser.error("--port without --host: give --host too, or neither to start the embedded server")
+    if args.host is None and (args.tls or args.tls_ca):
+        parser.error("--tls, --tls-ca: for the server at --host (the embedded server speaks without TLS)")
+    if args.tls_ca is not None and not args.tls:
+        parser.error("--tls-ca: with --tls (the certificates the server's is checked against)")
     # Given with --host they were ignored without a word: that server plays its own stream.
     embedded_only = [f"--{name}" for name in ("symbols", "requests", "rate") if getattr(args, name) is not None]
     if args.host is not None and embedded_only:
@@ -475,7 +484,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
                                                 device=args.local_device if args.cluster else args.device))
             url = server_url(args.protocol, "127.0.0.1", await server.start())
         else:
-            url = server_url(args.protocol, args.host, args.port)
+            url = server_url(args.protocol, args.host, args.port, args.tls)
         playing = [None]  # the client of the stream being played
         session_key = None  # of the last welcome: a restarted server's new stream is the team it welcomed
         journal, replayed = _replay_journal(args, url, fingerprint, team_client)
@@ -492,7 +501,7 @@ async def play(args) -> tuple[dict, list[dict] | None]:
                                      server_idle_s=args.server_idle_s, connect_timeout_s=args.connect_timeout_s,
                                      timeout_s=_timeout_s(args),
                                      inline_steps=INLINE_STEPS[args.inline_steps], session_key=session_key,
-                                     journal=journal, replayed=replayed,
+                                     journal=journal, replayed=replayed, tls_ca=args.tls_ca,
                                      on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome,
                                                                                         engine_text), file=sys.stderr))
             playing[0] = client

@@ -122,6 +122,10 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
     # not ignored: the file's requests were played, all of them
     (["--stream", "README.md", "--requests", "100"],
      "--requests: for a generated stream; --stream plays the file's own requests"),
+    # said before the targets are computed, not when the server starts to listen
+    (["--tls-cert", "README.md"], "--tls-cert README.md: no PEM certificate chain with its private key there"),
+    (["--tls-key", "README.md"], "--tls-key needs --tls-cert"),
+    (["--tls-cert", "/no/such/cert.pem"], "argument --tls-cert"),
 ])
 def test_cli_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -266,6 +270,14 @@ def test_the_listening_line_gives_urls_a_browser_takes_for_an_ipv6_host_too():
     # it said ws://::1:PORT and http://::1:PORT/, which no browser or url parser takes
     port = re.search(r"ws://\[::1\]:(\d+) ", line).group(1)
     assert f"(leaderboard http://[::1]:{port}/;" in line and line.rstrip().endswith(f"tcp://[::1]:{port})"), line
+
+
+def test_the_listening_line_gives_the_tls_urls_of_a_server_over_tls():
+    from server.__main__ import listening_line
+
+    line = listening_line("127.0.0.1", 8443, tls=True)
+    assert line.startswith("scoring server listening on wss://127.0.0.1:8443 (leaderboard https://127.0.0.1:8443/;")
+    assert line.endswith("over TCP and TLS, on the same port: tcp+tls://127.0.0.1:8443)")
 
 
 def test_a_server_other_machines_reach_without_tokens_is_warned(tmp_path):

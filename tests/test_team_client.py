@@ -119,6 +119,9 @@ def test_the_example_says_the_rows_its_engines_steps_run_at():
     (["--host", "h", "--port", "9", "--requests", "200"], "--requests: for the embedded server (no --host)"),
     (["--host", "h", "--port", "9", "--symbols", "4", "--rate", "50"], "--symbols, --rate: for the embedded server"),
     (["--protocol", "tcp-json", "--team", "mine"], "--team: the original protocol (tcp-json) registers no name"),
+    (["--tls"], "--tls, --tls-ca: for the server at --host (the embedded server speaks without TLS)"),
+    (["--host", "h", "--port", "9", "--tls-ca", __file__], "--tls-ca: with --tls"),
+    (["--host", "h", "--port", "9", "--tls", "--tls-ca", "/no/such/ca.pem"], "argument --tls-ca"),
 ])
 def test_bad_options_exit_with_a_message(argv, match, usage_error):
     assert match in usage_error(parse_args, argv)

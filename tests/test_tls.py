@@ -1,0 +1,98 @@
+"""The scoring server and the team client over TLS (--tls-cert, --tls, --tls-ca): both protocols played end to end,
+a certificate the client does not trust, a client without TLS at a server with it and the other way round, and
+files that cannot serve. tests/data/tls holds a self-signed certificate for localhost and 127.0.0.1 (valid to 2126)
+and its key, made for these tests alone."""
+import asyncio
+import ssl
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from client import runtime
+from client.runtime import StreamingClient
+from server import ScoringServer, ServerConfig
+from test_original_protocol import Oracle, run, stand_in
+
+TLS = Path(__file__).parent / "data" / "tls"
+CERT, KEY = str(TLS / "cert.pem"), str(TLS / "key.pem")
+
+
+def _play(url, config=None, **client_options):
+    """The client's summary and the server's summaries, a stand-in stream played at url's scheme on a fresh server
+    (TLS unless `config` says otherwise)."""
+    stream, targets = stand_in(30)
+    config = config or ServerConfig(tls_cert=CERT, tls_key=KEY)
+
+    async def main():
+        server = ScoringServer(config, stream=stream, targets=targets)
+        port = await server.start()
+        try:
+            client = StreamingClient(Oracle(targets), url.format(port=port), "secure", leave_at_end=True,
+                                     connect_timeout_s=1.0, **client_options)
+            return await client.run(), server.summaries()
+        finally:
+            await server.stop()
+
+    return run(main(), timeout=60)
+
+
+@pytest.mark.parametrize("scheme", ["wss", "tcp+tls"])
+def test_a_team_plays_a_server_over_tls_in_both_protocols(scheme):
+    summary, server_summaries = _play(f"{scheme}://127.0.0.1:{{port}}", tls_ca=CERT)
+    assert summary["outcome"] == runtime.COMPLETE and summary["responses"] == 30 and summary["accuracy"] == 1.0
+    assert [s["responses"] for s in server_summaries] == [30]
+
+
+@pytest.mark.parametrize("scheme", ["wss", "tcp+tls"])
+def test_a_certificate_the_client_does_not_trust_is_said_in_one_line_naming_tls_ca(scheme):
+    summary, server_summaries = _play(f"{scheme}://127.0.0.1:{{port}}")  # the system's authorities: not signed
+    assert summary["outcome"] == runtime.UNREACHABLE and server_summaries == []
+    assert "the server's certificate is not trusted" in summary["detail"] and "--tls-ca" in summary["detail"]
+
+
+@pytest.mark.parametrize("scheme, secure", [("ws", "wss"), ("tcp", "tcp+tls")])
+def test_a_client_without_tls_at_a_server_with_it_is_told_to_use_tls(scheme, secure):
+    summary, _ = _play(f"{scheme}://127.0.0.1:{{port}}")
+    assert summary["outcome"] == runtime.WRONG_PROTOCOL
+    assert "speaks TLS" in summary["detail"] and f"{secure}://127.0.0.1:" in summary["detail"], summary["detail"]
+
+
+@pytest.mark.parametrize("scheme", ["wss", "tcp+tls"])
+def test_a_client_with_tls_at_a_server_without_it_is_told_to_drop_tls(scheme):
+    summary, _ = _play(f"{scheme}://127.0.0.1:{{port}}", ServerConfig(), tls_ca=CERT)
+    plain = {"wss": "ws", "tcp+tls": "tcp"}[scheme]
+    assert summary["outcome"] == runtime.WRONG_PROTOCOL
+    assert "speaks without TLS" in summary["detail"] and f"{plain}://127.0.0.1:" in summary["detail"], \
+        summary["detail"]
+
+
+def test_the_leaderboard_is_served_over_https():
+    stream, targets = stand_in(30)
+    context = ssl.create_default_context(cafile=CERT)
+
+    async def main():
+        server = ScoringServer(ServerConfig(tls_cert=CERT, tls_key=KEY), stream=stream, targets=targets)
+        port = await server.start()
+        try:
+            return await asyncio.to_thread(lambda: urllib.request.urlopen(f"https://127.0.0.1:{port}/scores.json",
+                                                                          context=context, timeout=10).read())
+        finally:
+            await server.stop()
+
+    assert b'"teams"' in run(main())
+
+
+def test_files_that_cannot_serve_tls_are_said_in_one_line(tmp_path):
+    not_pem = tmp_path / "cert.pem"
+    not_pem.write_text("no certificate here\n")
+    for config, said in [(dict(tls_cert=str(not_pem)), "no PEM certificate chain with its private key there"),
+                         (dict(tls_cert=CERT), "no PEM certificate chain with its private key there"),  # no key
+                         (dict(tls_cert=str(tmp_path / "missing.pem")), "No such file"),
+                         (dict(tls_key=KEY), "--tls-key needs --tls-cert")]:
+        with pytest.raises(ValueError, match=said):
+            ScoringServer(ServerConfig(**config))
+    with pytest.raises(ValueError, match="--tls-ca .*no PEM certificate there"):
+        StreamingClient(None, "wss://127.0.0.1:1", "x", tls_ca=str(not_pem))
+    with pytest.raises(ValueError, match="--tls-ca applies to a server over TLS"):
+        StreamingClient(None, "ws://127.0.0.1:1", "x", tls_ca=CERT)
