@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from client.id_ranges import IdRanges
+from client.id_ranges import IdBits, IdRanges
 
 
 def test_same_members_as_a_set_in_any_order():
@@ -97,3 +97,15 @@ def test_ids_of_bursts_answered_late_leave_no_ranges_behind(held_symbols):
     assert len(evicted) == bursts * every and all(uid in evicted for uid in range(0, bursts * every, 7))
     assert -1 not in evicted and bursts * every not in evicted
     assert evicted.ranges() <= 2 * 1024  # before: 4,000-8,700 more a burst
+
+
+def test_id_bits_hold_the_same_members_as_a_set():
+    rng = random.Random(3)
+    for trial in range(40):
+        bits, added = IdBits(), set()
+        for _ in range(300):
+            uid = rng.randrange(-3000, 3000) if trial % 2 else rng.randrange(-2**64, 2**64)
+            bits.add(uid)
+            added.add(uid)
+        probe = range(-3100, 3100) if trial % 2 else added | {uid + 1 for uid in added} | {uid - 1 for uid in added}
+        assert all((uid in bits) == (uid in added) for uid in probe)
