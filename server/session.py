@@ -341,7 +341,8 @@ class TeamSession:
                 "latency_ms": self._latency_ms.copy()}
 
     def summary(self, now=None) -> dict:
-        return summarize(self.snapshot(now))
+        """The summary as it stands, its latency statistics exact (what the server reports as it stops)."""
+        return summarize(self.snapshot(now), exact=True)
 
     def snapshot(self, now=None) -> dict:
         """The summary's raw material, copied (cheap: the event loop calls it; the latencies a view of answers no
@@ -384,8 +385,10 @@ class TeamSession:
         return "playing" if self.connection is not None else "disconnected"
 
 
-def summarize(snapshot: dict, teams: int = 1) -> dict:
-    """A team's summary from its snapshot (TeamSession.snapshot); teams: how many the caller summarizes in turn."""
+def summarize(snapshot: dict, teams: int = 1, exact: bool = False) -> dict:
+    """A team's summary from its snapshot (TeamSession.snapshot); teams: how many the caller summarizes in turn.
+    exact: its latency statistics over every answer so far, as for a finished session (else the leaderboard's, reused
+    while not due: LatencyStats)."""
     responses = snapshot["responses"]
     counts = ("team", "requests", "total_requests", "responses", "missed", "late", "errors", "client_errors",
               "duplicates")
@@ -395,7 +398,7 @@ def summarize(snapshot: dict, teams: int = 1) -> dict:
         **{key: snapshot[key] for key in counts},
         # none without an answer in time, as the client's summary says: 0.0 read as every answer wrong
         "accuracy": snapshot["correct_towers"] / (4 * responses) if responses else None,
-        "latency_ms": snapshot["latency_stats"].of(snapshot["latencies_ms"], snapshot["complete"], teams),
+        "latency_ms": snapshot["latency_stats"].of(snapshot["latencies_ms"], snapshot["complete"] or exact, teams),
         "responses_per_s": responses / snapshot["elapsed_s"],
         "pnl": snapshot["pnl"],
         "pnl_per_response": snapshot["pnl"] / responses if responses else None,
