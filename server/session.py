@@ -110,6 +110,7 @@ class TeamSession:
         # their sum, kept as they come and go: a snapshot (on the event loop) summed the window, ~200,000 messages a
         # team at 20,000 one-request messages a second
         self._recent_pnl = 0.0
+        self._recent_scoring = 0  # of those messages, the ones with PnL: with none, the sum is exactly 0.0
         self._scores_sent = deque()  # (send time, ids, encoded score_update) of the last SCORES_KEPT_S seconds
         self._scores_sent_ids = 0
         # of those, the first ones sent again on the live connection, kept until the client answers a request first
@@ -289,6 +290,7 @@ class TeamSession:
         self.pnl += total_pnl
         self._recent.append((received, total_pnl))
         self._recent_pnl += total_pnl
+        self._recent_scoring += total_pnl != 0.0
         self._forget_before(received - RECENT_WINDOW_S)
         self._check_done(received)
         return protocol.score_update(accepted, pnl, correct, latency_ms), problems
@@ -330,8 +332,10 @@ class TeamSession:
     # reporting ---------------------------------------------------------------------------------
     def _forget_before(self, oldest):
         while self._recent and self._recent[0][0] < oldest:
-            self._recent_pnl -= self._recent.popleft()[1]
-        if not self._recent:
+            pnl = self._recent.popleft()[1]
+            self._recent_pnl -= pnl
+            self._recent_scoring -= pnl != 0.0
+        if not self._recent_scoring:  # the window empty, or none of its messages scored (a team answering wrong)
             self._recent_pnl = 0.0  # the rounding of the adds and subtractions since forgotten
 
     def request_times(self) -> dict:

@@ -1263,6 +1263,27 @@ def test_recent_pnl_is_the_sum_of_the_last_window_as_messages_come_and_go():
     assert session.snapshot(now["t"])["recent_pnl_per_s"] == 0.0
 
 
+def test_recent_pnl_of_a_window_of_messages_that_scored_nothing_is_exactly_zero():
+    """The running sum kept the rounding of the PnL it forgot: once the window held only messages that scored
+    nothing (a team answering wrong), it read a few 1e-15 either side of 0, '-0.000' on the page, where the sum of
+    the window was 0.0."""
+    requests = 400
+    now = {"t": 0.0}
+    session = TeamSession("team", None, None, np.broadcast_to(np.float32(0), (requests, 4)), np.zeros(requests),
+                          atol=1e-3, half_life_ms=100.0, timeout_s=2.0, send_stall_s=2.0, max_requests_per_message=16,
+                          clock=lambda: now["t"])
+    session.sent = requests
+    latencies_s = np.random.default_rng(0).uniform(0.0, 0.2, requests)
+    for uid in range(requests):
+        now["t"] = uid * 0.05  # 20 messages a second: the 10 s window holds 200
+        session._send_time[uid] = now["t"] - latencies_s[uid]
+        wrong = uid >= 200  # the last 200: every tower wrong, no PnL
+        session.handle_response([uid], np.full((1, 4), float(wrong), np.float32), now["t"])
+    snapshot = session.snapshot(now["t"])
+    assert snapshot["responses"] == requests and snapshot["pnl"] > 0
+    assert snapshot["recent_pnl_per_s"] == 0.0
+
+
 def test_a_snapshot_hands_over_the_answered_latencies_without_gathering_them_from_the_stream():
     """The leaderboard's snapshot runs on the event loop for every team: it takes the latencies answered so far as
     they stand (gathering them from the whole stream took 64 teams of 1M requests 242-291 ms a page rebuild). Later
