@@ -8,7 +8,7 @@ since moving the ranges after it cost each add time in proportion to the ranges 
 random ids, on the event loop), and two ranges that an id joins far from the end are left touching. Once half the
 pieces (ranges, loose ids) touch the next, one pass joins them: the ids of a burst answered late (a shard late to
 answer holds its symbols' requests back, and their ids then fill holes far from the end) each kept a piece of their
-own for good.
+own for good. IdBits keeps ids in no ranges (every few ids) a bit each.
 """
 import heapq
 from bisect import bisect_right
@@ -78,3 +78,26 @@ class IdRanges:
     def ranges(self) -> int:
         """How many ranges hold the ids (what the set's memory grows with), each loose id one."""
         return len(self._starts) + len(self._loose)
+
+
+# Ids a chunk of IdBits holds, a bit each: a chunk is kept once one of its ids is added.
+BITS_CHUNK = 1024
+
+
+class IdBits:
+    """A set of integer ids as bits, in chunks of BITS_CHUNK consecutive ids (~0.25 B an id of the chunks kept): the
+    runtime's ids refused long ago, told apart from the answers gone from the cache beside them (a lost shard's
+    symbols' requests, every few ids: a set took ~60 B an id, ranges a range each)."""
+
+    def __init__(self):
+        self._chunks: dict[int, bytearray] = {}
+
+    def __contains__(self, uid: int) -> bool:
+        chunk = self._chunks.get(uid // BITS_CHUNK)
+        return chunk is not None and (chunk[(uid % BITS_CHUNK) >> 3] >> (uid & 7)) & 1 == 1
+
+    def add(self, uid: int) -> None:
+        chunk = self._chunks.get(uid // BITS_CHUNK)
+        if chunk is None:
+            chunk = self._chunks[uid // BITS_CHUNK] = bytearray(BITS_CHUNK // 8)
+        chunk[(uid % BITS_CHUNK) >> 3] |= 1 << (uid & 7)

@@ -27,7 +27,7 @@ import numpy as np
 from client import protocol, transport
 from client.answers import check_answer
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, DEFAULT_TIMEOUT_S, NUM_FEATURES, NUM_TOWERS
-from client.id_ranges import IdRanges
+from client.id_ranges import IdBits, IdRanges
 from client import team_api
 from client.scheduler import Request, Scheduler
 from client.step_clock import StepClock
@@ -86,7 +86,7 @@ MAX_UNSCORED = 1_000_000
 # answers kept for the server's resends (~0.5 KB each: 100 MB); a resend of an older id is refused, never stepped again
 CACHE_SIZE = 200_000
 # refused ids told apart as such (a resend is 'rejected earlier'; ~140 B each: 27 MB); older ones join the ranges of
-# ids answered or refused long ago, still refused, never stepped
+# ids gone from the cache, still refused, never stepped, and a bit each tells them from the answers there
 REFUSALS_KEPT = 200_000
 
 
@@ -417,6 +417,9 @@ class StreamingClient:
         # ids whose answers left the cache, and the refused ids between them: a resend is refused, since stepping it
         # again would advance its symbol's state twice (ranges: ids in order take a few bytes each)
         self._evicted = IdRanges()
+        # the refused ids older than _rejected_ids' (in _evicted too): after a reconnect the server resends them with
+        # its backlog, the oldest first, and an id answered long ago there is the mark of a new stream (_new_stream)
+        self._refused_long_ago = IdBits()
         if replayed:  # (client/journal.py Replayed) answered from the replay, never stepped twice
             self._evicted = replayed.older
             for uid, (prediction, symbol, features) in replayed.recent.items():
@@ -821,18 +824,17 @@ class StreamingClient:
                 cached_ids.append(uid)
             elif uid in self._in_flight:
                 continue  # resent while still queued or computing: answered when its step is done
-            elif uid in self._rejected_ids:  # (before _evicted, whose ranges take in refused ids too: _evict)
+            elif uid in self._rejected_ids or uid in self._refused_long_ago:  # (before _evicted, which takes them in)
                 self._refuse_request(ws, uid, symbol, "rejected earlier")
             elif uid in self._evicted:
                 if self.stats.connections > 1 and not self._fed_on_connection:  # no resume resends that far back
                     self._new_stream(ws, uid, symbol)
                     return
-                log.warning("request %d (%s) was answered earlier (or refused long ago) and its answer left the "
-                            "cache; not fed to the model again", uid, symbol)
-                self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): answered earlier "
-                                                             f"(or refused long ago), its answer no longer cached (the "
-                                                             f"last {self.cache_size} are); not fed to the model "
-                                                             f"again"))
+                log.warning("request %d (%s) was answered earlier and its answer left the cache; not fed to the "
+                            "model again", uid, symbol)
+                self._send(ws, protocol.error("bad_request", f"unique_id {uid} (symbol {symbol}): answered earlier, "
+                                                             f"its answer no longer cached (the last {self.cache_size} "
+                                                             f"are); not fed to the model again"))
             else:  # new, and not finite (a new finite one went in above)
                 self.stats.note_request(uid)
                 self._reject([uid])
@@ -1421,9 +1423,11 @@ class StreamingClient:
             if uid - 1 in self._evicted or uid + 1 in self._evicted:
                 self._evict(uid)
         # a lost shard's symbols are refused for the rest of the stream: the oldest go to _evicted, beside the
-        # answers of their time long gone from the cache (a range's few bytes, not ~140 B each)
+        # answers of their time long gone from the cache (a range's few bytes and a bit each, not ~140 B each)
         while len(self._rejected_ids) > REFUSALS_KEPT:
-            self._evict(self._rejected_ids.popitem(last=False)[0])
+            uid = self._rejected_ids.popitem(last=False)[0]
+            self._refused_long_ago.add(uid)
+            self._evict(uid)
         self.stats.note_rejected(ids)
 
     def _evict(self, uid):

@@ -110,6 +110,7 @@ class TeamSession:
         # their sum, kept as they come and go: a snapshot (on the event loop) summed the window, ~200,000 messages a
         # team at 20,000 one-request messages a second
         self._recent_pnl = 0.0
+        self._recent_scoring = 0  # of those messages, the ones with PnL: with none, the sum is exactly 0.0
         self._scores_sent = deque()  # (send time, ids, encoded score_update) of the last SCORES_KEPT_S seconds
         self._scores_sent_ids = 0
         # of those, the first ones sent again on the live connection, kept until the client answers a request first
@@ -289,6 +290,7 @@ class TeamSession:
         self.pnl += total_pnl
         self._recent.append((received, total_pnl))
         self._recent_pnl += total_pnl
+        self._recent_scoring += total_pnl != 0.0
         self._forget_before(received - RECENT_WINDOW_S)
         self._check_done(received)
         return protocol.score_update(accepted, pnl, correct, latency_ms), problems
@@ -330,8 +332,10 @@ class TeamSession:
     # reporting ---------------------------------------------------------------------------------
     def _forget_before(self, oldest):
         while self._recent and self._recent[0][0] < oldest:
-            self._recent_pnl -= self._recent.popleft()[1]
-        if not self._recent:
+            pnl = self._recent.popleft()[1]
+            self._recent_pnl -= pnl
+            self._recent_scoring -= pnl != 0.0
+        if not self._recent_scoring:  # the window empty, or none of its messages scored (a team answering wrong)
             self._recent_pnl = 0.0  # the rounding of the adds and subtractions since forgotten
 
     def request_times(self) -> dict:
@@ -341,7 +345,8 @@ class TeamSession:
                 "latency_ms": self._latency_ms.copy()}
 
     def summary(self, now=None) -> dict:
-        return summarize(self.snapshot(now))
+        """The summary as it stands, its latency statistics exact (what the server reports as it stops)."""
+        return summarize(self.snapshot(now), exact=True)
 
     def snapshot(self, now=None) -> dict:
         """The summary's raw material, copied (cheap: the event loop calls it; the latencies a view of answers no
@@ -384,8 +389,10 @@ class TeamSession:
         return "playing" if self.connection is not None else "disconnected"
 
 
-def summarize(snapshot: dict, teams: int = 1) -> dict:
-    """A team's summary from its snapshot (TeamSession.snapshot); teams: how many the caller summarizes in turn."""
+def summarize(snapshot: dict, teams: int = 1, exact: bool = False) -> dict:
+    """A team's summary from its snapshot (TeamSession.snapshot); teams: how many the caller summarizes in turn.
+    exact: its latency statistics over every answer so far, as for a finished session (else the leaderboard's, reused
+    while not due: LatencyStats)."""
     responses = snapshot["responses"]
     counts = ("team", "requests", "total_requests", "responses", "missed", "late", "errors", "client_errors",
               "duplicates")
@@ -395,7 +402,7 @@ def summarize(snapshot: dict, teams: int = 1) -> dict:
         **{key: snapshot[key] for key in counts},
         # none without an answer in time, as the client's summary says: 0.0 read as every answer wrong
         "accuracy": snapshot["correct_towers"] / (4 * responses) if responses else None,
-        "latency_ms": snapshot["latency_stats"].of(snapshot["latencies_ms"], snapshot["complete"], teams),
+        "latency_ms": snapshot["latency_stats"].of(snapshot["latencies_ms"], snapshot["complete"] or exact, teams),
         "responses_per_s": responses / snapshot["elapsed_s"],
         "pnl": snapshot["pnl"],
         "pnl_per_response": snapshot["pnl"] / responses if responses else None,

@@ -3,7 +3,8 @@ import random
 
 import pytest
 
-from client.id_ranges import IdRanges
+from client import id_ranges
+from client.id_ranges import IdBits, IdRanges
 
 
 def test_same_members_as_a_set_in_any_order():
@@ -97,3 +98,64 @@ def test_ids_of_bursts_answered_late_leave_no_ranges_behind(held_symbols):
     assert len(evicted) == bursts * every and all(uid in evicted for uid in range(0, bursts * every, 7))
     assert -1 not in evicted and bursts * every not in evicted
     assert evicted.ranges() <= 2 * 1024  # before: 4,000-8,700 more a burst
+
+
+def test_id_bits_hold_the_same_members_as_a_set():
+    rng = random.Random(3)
+    for trial in range(40):
+        bits, added = IdBits(), set()
+        for _ in range(300):
+            uid = rng.randrange(-3000, 3000) if trial % 2 else rng.randrange(-2**64, 2**64)
+            bits.add(uid)
+            added.add(uid)
+        probe = range(-3100, 3100) if trial % 2 else added | {uid + 1 for uid in added} | {uid - 1 for uid in added}
+        assert all((uid in bits) == (uid in added) for uid in probe)
+
+
+def _touching(ids):
+    """Pairs of an IdRanges' pieces (ranges, loose ids) that touch, counted from its lists."""
+    pieces = sorted([*zip(ids._starts, ids._ends), *((uid, uid + 1) for uid in ids._loose)])
+    return sum(end == start for (_, end), (start, _) in zip(pieces, pieces[1:]))
+
+
+def _orders(n, rng):
+    ids, tenth = list(range(n)), n // 10
+    # one symbol's ids (every 8th) answered a tenth of the stream late, each alone or a tenth's at once
+    late_alone = sorted(ids, key=lambda uid: uid + tenth + 0.5 if uid % 8 == 3 else uid)
+    bursts = [uid for first in range(0, n + 2 * tenth, tenth) for uid in
+              [uid for uid in ids[first:first + tenth] if uid % 8 != 3] +
+              [uid for uid in ids[first - 2 * tenth:first - tenth] if uid % 8 == 3 and first >= 2 * tenth]]
+    return {
+        "in order": ids, "reverse": ids[::-1], "random": rng.sample(ids, n),
+        "evens then odds": ids[0::2] + ids[1::2], "strides of 3": ids[0::3] + ids[1::3] + ids[2::3],
+        "pairs far apart": ids[0::4] + ids[2::4] + ids[1::4] + ids[3::4],
+        "middle out": [uid for pair in zip(ids[n // 2:], ids[n // 2 - 1::-1]) for uid in pair],
+        "late alone": late_alone, "late in bursts": bursts,
+    }.items()
+
+
+@pytest.mark.parametrize("max_moved", [2, 16, 1024])
+def test_any_order_keeps_exact_members_and_touching_pieces_and_tidies_in_linear_time(max_moved, monkeypatch):
+    """The count of touching pieces is what a tidy joins and when it runs: one too few left pieces apart for good,
+    one too many ran the pass over every range again and again. Against a set and a count from the lists, in orders
+    that touch pieces far from the end (a short reach, 2 or 16, makes every order do that often)."""
+    monkeypatch.setattr(id_ranges, "MAX_MOVED", max_moved)
+    n = 30_000 if max_moved == 1024 else 3_000
+    for name, order in _orders(n, random.Random(max_moved)):
+        assert sorted(order) == list(range(n)), name
+        ids, added, tidied = IdRanges(), set(), [0]
+        tidy = ids._tidy
+
+        def counted_tidy():
+            tidied[0] += ids.ranges()
+            tidy()
+        ids._tidy = counted_tidy
+        for step, uid in enumerate(order):
+            ids.add(uid)
+            added.add(uid)
+            if step % (n // 7) == 0:
+                assert ids._touching == _touching(ids), name
+        assert len(ids) == len(added) == n, name
+        assert ids._touching == _touching(ids), name
+        assert all((uid in ids) == (uid in added) for uid in range(-3, n + 3)), name
+        assert tidied[0] <= 4 * n, name  # each tidy's pieces are at most twice the pairs, each an add's or two

@@ -1276,7 +1276,7 @@ def test_refused_ids_are_kept_apart_a_bounded_number_then_join_the_ranges_still_
     assert len(lost) > 3 and list(client._rejected_ids) == lost[-3:]
     assert lost[0] in client._evicted and client._evicted.ranges() == 1
     assert sum(team_client.stepped.values()) == 31 - len(lost)  # the resends stepped nothing
-    assert any(f"unique_id {lost[0]} " in e and "refused long ago" in e for e in recorder.errors), recorder.errors
+    assert any(f"unique_id {lost[0]} " in e and "rejected earlier" in e for e in recorder.errors), recorder.errors
     assert any(f"unique_id {lost[-1]} " in e and "rejected earlier" in e for e in recorder.errors), recorder.errors
     assert summary["requests"] == 31 and summary["errors"] == len(lost)
 
@@ -1371,3 +1371,35 @@ def test_a_server_error_after_its_requests_is_no_refusal_even_where_its_welcome_
     _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model)), leave_at_end=True))
     assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
     assert any("session_key" in e for e in recorder.errors)
+
+
+def test_a_resend_of_an_id_refused_long_ago_after_a_reconnect_is_refused_and_the_session_plays_on(model,
+                                                                                                  monkeypatch):
+    """A server resends on each reconnect every request it holds unanswered, the refused ones too (its backlog, the
+    oldest first: server/session.py _send_backlog). An id refused before the last REFUSALS_KEPT, told apart from the
+    ids answered long ago no more, was taken for the mark of a new stream: the session ended at the reconnect."""
+    monkeypatch.setattr(runtime, "REFUSALS_KEPT", 3)
+    symbols, features = _stream(31)
+    lost = [uid for uid in range(30) if symbols[uid] == "SYM_001"]
+    recorder = Recorder()
+    connections = []
+
+    async def handler(ws):
+        connections.append(ws)
+        assert protocol.decode(await ws.recv())["type"] == "register"
+        if len(connections) == 1:
+            await ws.send(_request(list(range(30)), symbols, features))
+            await recorder.pump(ws, lambda: len(recorder.answered()) + len(recorder.errors) == 30)
+            ws.transport.abort()
+            return
+        await ws.send(_request(lost + [30], symbols, features))  # the backlog (every refused id), then 30 new
+        await recorder.pump(ws, lambda: 30 in recorder.answered() and len(recorder.errors) == 2 * len(lost))
+        await ws.close(1000)
+
+    team_client = LostSymbol(ReferenceEngine(model))
+    client, summary = asyncio.run(_play(handler, team_client, cache_size=2))
+    assert client.outcome != "new_stream" and len(connections) == 2
+    assert len(lost) > 3 and lost[0] not in client._rejected_ids
+    assert sum(team_client.stepped.values()) == 31 - len(lost)  # the resends stepped nothing
+    assert all(any(f"unique_id {uid} " in e and "rejected earlier" in e for e in recorder.errors) for uid in lost)
+    assert summary["requests"] == 31 and summary["errors"] == len(lost)

@@ -1193,20 +1193,48 @@ def test_a_teams_latency_statistics_are_computed_again_only_when_due_once_they_c
         session.handle_response(ids, np.zeros((count, 4), np.float32), session.start + latency_ms / 1000.0)
 
     answer(0, 100, 5.0)
-    assert session.summary()["latency_ms"]["p50"] == pytest.approx(5.0)  # cheap: exact at each summary
+    assert summarize(session.snapshot())["latency_ms"]["p50"] == pytest.approx(5.0)  # cheap: exact at each summary
     answer(100, 100, 9.0)
-    assert session.summary()["latency_ms"]["max"] == pytest.approx(9.0)
+    assert summarize(session.snapshot())["latency_ms"]["max"] == pytest.approx(9.0)
     ticks["step"] = 2 * LATENCY_STATS_EXACT_S  # each computation now costs 2x the threshold
     answer(200, 50, 7.0)
-    assert session.summary()["latency_ms"]["p50"] == pytest.approx(7.0)  # computed (250 answers), at a cost
+    assert summarize(session.snapshot())["latency_ms"]["p50"] == pytest.approx(7.0)  # computed (250 answers), at a cost
     answer(250, 49, 20.0)
-    assert session.summary()["latency_ms"]["max"] == pytest.approx(9.0)  # not due yet: the last one's
+    assert summarize(session.snapshot())["latency_ms"]["max"] == pytest.approx(9.0)  # not due yet: the last one's
     ticks["now"] += LATENCY_STATS_REUSE * 2 * LATENCY_STATS_EXACT_S
-    assert session.summary()["latency_ms"]["max"] == pytest.approx(20.0)  # due: computed again
+    assert summarize(session.snapshot())["latency_ms"]["max"] == pytest.approx(20.0)  # due: computed again
     answer(299, 1, 30.0)  # the last: the session is finished, and its statistics exact at once
-    summary = session.summary()
+    summary = summarize(session.snapshot())
     assert summary["complete"] and summary["latency_ms"]["max"] == pytest.approx(30.0)
     assert summary["latency_ms"]["p50"] == pytest.approx(np.percentile(session._answered_latency_ms[:300], 50))
+
+
+def test_the_summary_at_the_servers_end_has_exact_latency_statistics_for_a_session_not_finished():
+    """The leaderboard reuses a team's latency statistics while they are not due; the summaries the server prints
+    and writes (--json) as it stops took them too, and a team that had not finished (the server stopped, or its
+    client gone mid-stream) was reported with percentiles that left out its last answers."""
+    from server.session import LATENCY_STATS_EXACT_S
+
+    ticks = {"now": 0.0, "step": 0.0}
+
+    def clock():  # each reading advances it `step`: a computation between two readings costs that much
+        ticks["now"] += ticks["step"]
+        return ticks["now"]
+
+    requests = 300
+    session = TeamSession("gone", None, None, np.broadcast_to(np.float32(0), (requests, 4)), np.zeros(requests),
+                          atol=1e-3, half_life_ms=100.0, timeout_s=2.0, send_stall_s=2.0, max_requests_per_message=16,
+                          clock=clock)
+    session.sent = requests
+    session._send_time[:] = session.start
+    ticks["step"] = 2 * LATENCY_STATS_EXACT_S  # each computation costs 2x the threshold
+    session.handle_response(list(range(100)), np.zeros((100, 4), np.float32), session.start + 0.005)
+    assert summarize(session.snapshot(), 64)["latency_ms"]["max"] == pytest.approx(5.0)  # a leaderboard rebuild
+    session.handle_response([100], np.zeros((1, 4), np.float32), session.start + 0.050)
+    assert summarize(session.snapshot(), 64)["latency_ms"]["max"] == pytest.approx(5.0)  # the page: not due yet
+    summary = session.summary()  # what ScoringServer.summaries() reports
+    assert not summary["complete"] and summary["responses"] == 101
+    assert summary["latency_ms"]["max"] == pytest.approx(50.0)
 
 
 def test_recent_pnl_is_the_sum_of_the_last_window_as_messages_come_and_go():
@@ -1233,6 +1261,27 @@ def test_recent_pnl_is_the_sum_of_the_last_window_as_messages_come_and_go():
             assert session.snapshot(now["t"])["recent_pnl_per_s"] == pytest.approx(window / span)
     now["t"] += 2 * RECENT_WINDOW_S  # all of it forgotten: exactly nothing
     assert session.snapshot(now["t"])["recent_pnl_per_s"] == 0.0
+
+
+def test_recent_pnl_of_a_window_of_messages_that_scored_nothing_is_exactly_zero():
+    """The running sum kept the rounding of the PnL it forgot: once the window held only messages that scored
+    nothing (a team answering wrong), it read a few 1e-15 either side of 0, '-0.000' on the page, where the sum of
+    the window was 0.0."""
+    requests = 400
+    now = {"t": 0.0}
+    session = TeamSession("team", None, None, np.broadcast_to(np.float32(0), (requests, 4)), np.zeros(requests),
+                          atol=1e-3, half_life_ms=100.0, timeout_s=2.0, send_stall_s=2.0, max_requests_per_message=16,
+                          clock=lambda: now["t"])
+    session.sent = requests
+    latencies_s = np.random.default_rng(0).uniform(0.0, 0.2, requests)
+    for uid in range(requests):
+        now["t"] = uid * 0.05  # 20 messages a second: the 10 s window holds 200
+        session._send_time[uid] = now["t"] - latencies_s[uid]
+        wrong = uid >= 200  # the last 200: every tower wrong, no PnL
+        session.handle_response([uid], np.full((1, 4), float(wrong), np.float32), now["t"])
+    snapshot = session.snapshot(now["t"])
+    assert snapshot["responses"] == requests and snapshot["pnl"] > 0
+    assert snapshot["recent_pnl_per_s"] == 0.0
 
 
 def test_a_snapshot_hands_over_the_answered_latencies_without_gathering_them_from_the_stream():
