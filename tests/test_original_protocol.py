@@ -144,11 +144,15 @@ def test_an_original_client_plays_the_server_to_the_end(default_recursion_limit)
                 ("protocol_error", "line is not JSON: Expecting property name"),
                 ("protocol_error", "unknown message_type 'launch'; expected one of register, "),
                 ("protocol_error", "a client does not send stats_update messages"),  # not "end", the project's
-                ("protocol_error", "line nests values deeper than Python's JSON decoder goes"),
+                ("protocol_error", "line nests values deeper than Python's JSON decoder goes"),  # (or, below)
                 ("protocol_error", "heartbeat: field 'timestamp' must be a finite number, got int"),  # 401 digits
                 ("protocol_error", "line of 5038 bytes exceeds the limit of 4096 bytes"),  # as a websocket frame's
                 ("protocol_error", "line exceeds twice the limit of 4096 bytes; closing the connection")]
     assert [r["error"] for r in replies] == [code for code, _ in expected]
+    # Python 3.12's JSON decoder takes 1,500 levels (3.11's stops short): the line is then an object of no kind
+    nested = ("line nests values deeper than Python's JSON decoder goes", "unknown message_type None; expected one of ")
+    assert replies[4]["details"].startswith(nested), replies[4]
+    del replies[4], expected[4]
     assert all(r["details"].startswith(details) for r, (_, details) in zip(replies, expected)), replies
     # every message as the event had it, and nothing the original client does not know
     for kind, fields in ORIGINAL_FIELDS.items():
