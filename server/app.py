@@ -211,9 +211,10 @@ class ScoringServer:
             self._server = await serve(self._handle, self.config.host, self.config.port,
                                        compression="deflate" if self.config.ws_compression else None,
                                        process_request=self._http, max_size=2 * self.config.max_frame_bytes,
+                                       ssl=self._tls,
                                        create_connection=sniffing_connections(self._accept_original,
                                                                               self.config.register_timeout_s,
-                                                                              self._sockets, self._tls))
+                                                                              self._sockets))
         except OSError as exc:
             raise OSError(listen_error(self.config.host, self.config.port, exc)) from exc
         return self.port

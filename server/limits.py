@@ -243,12 +243,6 @@ class OpenSockets(_PerAddress):
         """The socket is a registered team's connection now: never closed to make room."""
         self._unregistered.pop(transport, None)
 
-    def rekey(self, transport, new) -> None:
-        """The socket is counted under the transport `new` from now on (TLS's, over the accepted socket's)."""
-        if transport in self._unregistered:
-            del self._unregistered[transport]
-            self._unregistered[new] = None
-
     def close(self, address, transport) -> None:
         address = address_group(address)
         entry = self._addresses[address]

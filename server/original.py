@@ -46,16 +46,15 @@ def team_name(address) -> str:
     return f"{TEAM_PREFIX}{host}"
 
 
-def sniffing_connections(on_original, first_bytes_timeout_s: float, sockets, tls=None):
+def sniffing_connections(on_original, first_bytes_timeout_s: float, sockets):
     """websockets' create_connection: each connection first goes through a ProtocolSniffer. on_original(transport)
     -> the asyncio protocol that takes an original-protocol connection over; sockets (limits.OpenSockets) counts
     each connection from accept to close, unregistered until the server says otherwise, and refuses those past its
-    address's rate of new sockets; tls (an ssl.SSLContext): each connection over TLS, its handshake begun once the
-    socket is counted."""
+    address's rate of new sockets."""
 
     def create_connection(*args, **kwargs):
         return ProtocolSniffer(lambda: PingLimitedConnection(*args, **kwargs), on_original, first_bytes_timeout_s,
-                               sockets, tls)
+                               sockets)
 
     return create_connection
 
@@ -64,23 +63,17 @@ class ProtocolSniffer(asyncio.Protocol):
     """Holds a new connection's first bytes until they tell its protocol, then hands the connection over. A
     connection from an address that holds its limit of open sockets, or that opened its burst of new sockets and its
     rate since, is aborted at once, before a byte of it is read; one past the limit of unregistered sockets aborts
-    the oldest (limits.OpenSockets). Over TLS the handshake begins once the socket is counted, and the first bytes
-    are the decrypted ones: a TLS server of asyncio's own (create_server's ssl) shows a protocol a connection only once
-    its handshake is done, so a stranger's sockets stalled in their handshakes were counted nowhere, and each refused
-    socket cost the loop a handshake."""
+    the oldest (limits.OpenSockets)."""
 
-    def __init__(self, make_websocket_connection, on_original, timeout_s, sockets, tls=None):
+    def __init__(self, make_websocket_connection, on_original, timeout_s, sockets):
         self._make_websocket_connection = make_websocket_connection
         self._on_original = on_original
         self._timeout_s = timeout_s
         self._sockets = sockets
-        self._tls = tls
         self._address = None  # counted in sockets until the connection closes
         self._buffer = bytearray()
         self._transport = None
         self._timer = None
-        # over TLS, until start_tls hands over its transport (the first decrypted bytes may come before): held
-        self._handshaking = tls is not None
 
     def connection_made(self, transport):
         self._transport = transport
@@ -90,34 +83,13 @@ class ProtocolSniffer(asyncio.Protocol):
             transport.abort()
             return
         self._address = address
-        # a connection that says nothing (or stalls in its TLS handshake) is closed, as websockets' open_timeout would
+        # a connection that says nothing is closed, as websockets' open_timeout would
         self._timer = asyncio.get_running_loop().call_later(self._timeout_s, transport.abort)
-        if self._tls is not None:
-            transport.pause_reading()  # no byte of the handshake read as the connection's own (start_tls resumes)
-            asyncio.get_running_loop().create_task(self._start_tls(transport))
-
-    async def _start_tls(self, transport):
-        try:
-            secure = await asyncio.get_running_loop().start_tls(transport, self, self._tls, server_side=True,
-                                                                ssl_handshake_timeout=self._timeout_s)
-        except (OSError, TimeoutError, ConnectionError):  # (an ssl.SSLError is an OSError) closed: connection_lost
-            return
-        if self._address is None or secure is None:  # closed during the handshake
-            return
-        self._sockets.rekey(transport, secure)
-        self._transport, self._handshaking = secure, False
-        if self._buffer:
-            self._sniff()
 
     def data_received(self, data):
         if self._address is None:  # aborted in connection_made
             return
         self._buffer += data
-        if not self._handshaking:
-            self._sniff()
-
-    def _sniff(self):
-        """Hand the connection over once its first bytes tell its protocol."""
         head = self._buffer.lstrip()
         if _BOM.startswith(head) and len(self._buffer) <= _MAX_LEADING_WHITESPACE:
             return  # only whitespace so far, or part of a byte order mark
