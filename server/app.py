@@ -211,7 +211,11 @@ class ScoringServer:
             self._server = await serve(self._handle, self.config.host, self.config.port,
                                        compression="deflate" if self.config.ws_compression else None,
                                        process_request=self._http, max_size=2 * self.config.max_frame_bytes,
-                                       ssl=self._tls,
+                                       # over TLS a socket meets the per-address limits once its handshake is done
+                                       # (the server sees no connection before): a handshake that stalls is closed
+                                       # at the register timeout, not asyncio's 60 s
+                                       ssl=self._tls, ssl_handshake_timeout=(self.config.register_timeout_s
+                                                                             if self._tls else None),
                                        create_connection=sniffing_connections(self._accept_original,
                                                                               self.config.register_timeout_s,
                                                                               self._sockets))

@@ -96,3 +96,29 @@ def test_files_that_cannot_serve_tls_are_said_in_one_line(tmp_path):
         StreamingClient(None, "wss://127.0.0.1:1", "x", tls_ca=str(not_pem))
     with pytest.raises(ValueError, match="--tls-ca applies to a server over TLS"):
         StreamingClient(None, "ws://127.0.0.1:1", "x", tls_ca=CERT)
+
+
+def test_a_socket_stalled_in_its_tls_handshake_is_closed_at_the_register_timeout():
+    """A socket meets the server's limits only once its TLS handshake is done (asyncio's TLS server shows the server
+    no connection before): one that never sends its ClientHello was held for asyncio's 60 s handshake timeout. It is
+    closed at the register timeout; a team plays meanwhile."""
+    stream, targets = stand_in(30)
+
+    async def main():
+        server = ScoringServer(ServerConfig(tls_cert=CERT, tls_key=KEY, register_timeout_s=1.0), stream=stream,
+                               targets=targets)
+        port = await server.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)  # no ClientHello
+            began = asyncio.get_running_loop().time()
+            summary = await StreamingClient(Oracle(targets), f"wss://127.0.0.1:{port}", "secure", leave_at_end=True,
+                                            tls_ca=CERT).run()
+            closed = await asyncio.wait_for(reader.read(), 10)
+            held_s = asyncio.get_running_loop().time() - began
+            writer.close()
+            return summary, closed, held_s
+        finally:
+            await server.stop()
+
+    summary, closed, held_s = run(main())
+    assert summary["outcome"] == runtime.COMPLETE and closed == b"" and held_s < 5
