@@ -1169,24 +1169,30 @@ def test_the_leaderboard_copies_nothing_per_request_on_the_event_loop():
     assert summary["responses"] == requests and summary["latency_ms"]["p50"] == pytest.approx(5.0)
 
 
+def _session_on_a_ticking_clock(team, requests=300):
+    """(a session of `requests` requests, all sent, on a clock that each reading advances ticks["step"]: a
+    computation between two readings costs that much; ticks["now"] moves it on)."""
+    ticks = {"now": 0.0, "step": 0.0}
+
+    def clock():
+        ticks["now"] += ticks["step"]
+        return ticks["now"]
+
+    session = TeamSession(team, None, None, np.broadcast_to(np.float32(0), (requests, 4)), np.zeros(requests),
+                          atol=1e-3, half_life_ms=100.0, timeout_s=2.0, send_stall_s=2.0, max_requests_per_message=16,
+                          clock=clock)
+    session.sent = requests
+    session._send_time[:] = session.start
+    return session, ticks
+
+
 def test_a_teams_latency_statistics_are_computed_again_only_when_due_once_they_cost_time():
     """A leaderboard rebuild computed every team's percentiles over all its answers: ~40 ns an answer, 1.4 s a team
     of 35M (64 teams' day-long streams: ~90 s a page). Once they take LATENCY_STATS_EXACT_S, they are computed
     again only after LATENCY_STATS_REUSE times that; while cheap, and for a finished session, they are exact."""
     from server.session import LATENCY_STATS_EXACT_S, LATENCY_STATS_REUSE
 
-    ticks = {"now": 0.0, "step": 0.0}
-
-    def clock():  # each reading advances it `step`: a computation between two readings costs that much
-        ticks["now"] += ticks["step"]
-        return ticks["now"]
-
-    requests = 300
-    session = TeamSession("slow", None, None, np.broadcast_to(np.float32(0), (requests, 4)), np.zeros(requests),
-                          atol=1e-3, half_life_ms=100.0, timeout_s=2.0, send_stall_s=2.0, max_requests_per_message=16,
-                          clock=clock)
-    session.sent = requests
-    session._send_time[:] = session.start
+    session, ticks = _session_on_a_ticking_clock("slow")
 
     def answer(first, count, latency_ms):
         ids = list(range(first, first + count))
@@ -1215,18 +1221,7 @@ def test_the_summary_at_the_servers_end_has_exact_latency_statistics_for_a_sessi
     client gone mid-stream) was reported with percentiles that left out its last answers."""
     from server.session import LATENCY_STATS_EXACT_S
 
-    ticks = {"now": 0.0, "step": 0.0}
-
-    def clock():  # each reading advances it `step`: a computation between two readings costs that much
-        ticks["now"] += ticks["step"]
-        return ticks["now"]
-
-    requests = 300
-    session = TeamSession("gone", None, None, np.broadcast_to(np.float32(0), (requests, 4)), np.zeros(requests),
-                          atol=1e-3, half_life_ms=100.0, timeout_s=2.0, send_stall_s=2.0, max_requests_per_message=16,
-                          clock=clock)
-    session.sent = requests
-    session._send_time[:] = session.start
+    session, ticks = _session_on_a_ticking_clock("gone")
     ticks["step"] = 2 * LATENCY_STATS_EXACT_S  # each computation costs 2x the threshold
     session.handle_response(list(range(100)), np.zeros((100, 4), np.float32), session.start + 0.005)
     assert summarize(session.snapshot(), 64)["latency_ms"]["max"] == pytest.approx(5.0)  # a leaderboard rebuild
