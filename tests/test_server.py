@@ -1238,24 +1238,20 @@ def test_recent_pnl_is_the_sum_of_the_last_window_as_messages_come_and_go():
     from server.session import RECENT_WINDOW_S
 
     requests = 600
-    now = {"t": 0.0}
-    session = TeamSession("team", None, None, np.broadcast_to(np.float32(0), (requests, 4)), np.zeros(requests),
-                          atol=1e-3, half_life_ms=100.0, timeout_s=2.0, send_stall_s=2.0, max_requests_per_message=16,
-                          clock=lambda: now["t"])
-    session.sent = requests
+    session, now = _session_on_a_ticking_clock("team", requests)  # a clock that stands still: now["now"] moves it
     pnls = []  # (receive time, pnl) of each message
     for uid in range(requests):
-        now["t"] = uid * 0.05  # 20 messages a second: the 10 s window holds 200
-        session._send_time[uid] = now["t"] - 0.001 * (uid % 7)
+        now["now"] = uid * 0.05  # 20 messages a second: the 10 s window holds 200
+        session._send_time[uid] = now["now"] - 0.001 * (uid % 7)
         before = session.pnl
-        session.handle_response([uid], np.zeros((1, 4), np.float32), now["t"])
-        pnls.append((now["t"], session.pnl - before))
+        session.handle_response([uid], np.zeros((1, 4), np.float32), now["now"])
+        pnls.append((now["now"], session.pnl - before))
         if uid % 50 == 49:
-            window = sum(p for t, p in pnls if t >= now["t"] - RECENT_WINDOW_S)
-            span = min(RECENT_WINDOW_S, now["t"] - session.start)
-            assert session.snapshot(now["t"])["recent_pnl_per_s"] == pytest.approx(window / span)
-    now["t"] += 2 * RECENT_WINDOW_S  # all of it forgotten: exactly nothing
-    assert session.snapshot(now["t"])["recent_pnl_per_s"] == 0.0
+            window = sum(p for t, p in pnls if t >= now["now"] - RECENT_WINDOW_S)
+            span = min(RECENT_WINDOW_S, now["now"] - session.start)
+            assert session.snapshot(now["now"])["recent_pnl_per_s"] == pytest.approx(window / span)
+    now["now"] += 2 * RECENT_WINDOW_S  # all of it forgotten: exactly nothing
+    assert session.snapshot(now["now"])["recent_pnl_per_s"] == 0.0
 
 
 def test_recent_pnl_of_a_window_of_messages_that_scored_nothing_is_exactly_zero():
@@ -1263,18 +1259,14 @@ def test_recent_pnl_of_a_window_of_messages_that_scored_nothing_is_exactly_zero(
     nothing (a team answering wrong), it read a few 1e-15 either side of 0, '-0.000' on the page, where the sum of
     the window was 0.0."""
     requests = 400
-    now = {"t": 0.0}
-    session = TeamSession("team", None, None, np.broadcast_to(np.float32(0), (requests, 4)), np.zeros(requests),
-                          atol=1e-3, half_life_ms=100.0, timeout_s=2.0, send_stall_s=2.0, max_requests_per_message=16,
-                          clock=lambda: now["t"])
-    session.sent = requests
+    session, now = _session_on_a_ticking_clock("team", requests)  # a clock that stands still: now["now"] moves it
     latencies_s = np.random.default_rng(0).uniform(0.0, 0.2, requests)
     for uid in range(requests):
-        now["t"] = uid * 0.05  # 20 messages a second: the 10 s window holds 200
-        session._send_time[uid] = now["t"] - latencies_s[uid]
+        now["now"] = uid * 0.05  # 20 messages a second: the 10 s window holds 200
+        session._send_time[uid] = now["now"] - latencies_s[uid]
         wrong = uid >= 200  # the last 200: every tower wrong, no PnL
-        session.handle_response([uid], np.full((1, 4), float(wrong), np.float32), now["t"])
-    snapshot = session.snapshot(now["t"])
+        session.handle_response([uid], np.full((1, 4), float(wrong), np.float32), now["now"])
+    snapshot = session.snapshot(now["now"])
     assert snapshot["responses"] == requests and snapshot["pnl"] > 0
     assert snapshot["recent_pnl_per_s"] == 0.0
 
