@@ -211,14 +211,10 @@ class ScoringServer:
             self._server = await serve(self._handle, self.config.host, self.config.port,
                                        compression="deflate" if self.config.ws_compression else None,
                                        process_request=self._http, max_size=2 * self.config.max_frame_bytes,
-                                       # over TLS a socket meets the per-address limits once its handshake is done
-                                       # (the server sees no connection before): a handshake that stalls is closed
-                                       # at the register timeout, not asyncio's 60 s
-                                       ssl=self._tls, ssl_handshake_timeout=(self.config.register_timeout_s
-                                                                             if self._tls else None),
+                                       # TLS in the sniffer, which counts a socket at accept (server/original.py)
                                        create_connection=sniffing_connections(self._accept_original,
                                                                               self.config.register_timeout_s,
-                                                                              self._sockets))
+                                                                              self._sockets, self._tls))
         except OSError as exc:
             raise OSError(listen_error(self.config.host, self.config.port, exc)) from exc
         return self.port
@@ -291,9 +287,9 @@ class ScoringServer:
         return response
 
     # connections -------------------------------------------------------------------------------
-    def _accept_original(self, transport):
+    def _accept_original(self, transport, socket_transport):
         """An original-protocol connection: the same handling as a websocket one (server/original.py)."""
-        connection = OriginalConnection(transport, self.config.max_frame_bytes)
+        connection = OriginalConnection(transport, self.config.max_frame_bytes, socket_transport)
         self._original_connections[connection] = asyncio.create_task(self._handle_original(connection))
         return connection.protocol
 

@@ -4,6 +4,8 @@ Every connection starts with a ProtocolSniffer: its first bytes choose. A JSON o
 protocol (client/original.py); anything else is HTTP, handed to websockets as if it had been its own from the
 start (a websocket upgrade, the leaderboard page, or a bad request websockets answers). The sniffer is what
 ``create_connection`` of websockets' serve() makes, so websockets keeps its listening socket and its handshake.
+Over TLS the sniffer counts the socket at accept as without, and hands its first bytes to a TLS layer (asyncio's
+SSLProtocol, the one its TLS servers use) whose decrypted bytes go through a sniffer of their own.
 
 An OriginalConnection presents a JSON-lines connection to the server's logic as the websocket connection it
 expects, so that registering, scoring, limits and faults are the same code for both protocols: send() takes the
@@ -12,7 +14,10 @@ decode() turns into the project's messages (a register names the team by the cli
 """
 import asyncio
 import logging
+import ssl
 import time
+
+from asyncio.sslproto import SSLProtocol
 
 import msgpack
 from websockets.asyncio.server import ServerConnection
@@ -46,15 +51,16 @@ def team_name(address) -> str:
     return f"{TEAM_PREFIX}{host}"
 
 
-def sniffing_connections(on_original, first_bytes_timeout_s: float, sockets):
-    """websockets' create_connection: each connection first goes through a ProtocolSniffer. on_original(transport)
-    -> the asyncio protocol that takes an original-protocol connection over; sockets (limits.OpenSockets) counts
-    each connection from accept to close, unregistered until the server says otherwise, and refuses those past its
-    address's rate of new sockets."""
+def sniffing_connections(on_original, first_bytes_timeout_s: float, sockets, tls: ssl.SSLContext | None = None):
+    """websockets' create_connection: each connection first goes through a ProtocolSniffer. on_original(transport,
+    socket_transport) -> the asyncio protocol that takes an original-protocol connection over; sockets
+    (limits.OpenSockets) counts each connection from accept to close, unregistered until the server says otherwise,
+    and refuses those past its address's rate of new sockets; tls: the server's TLS (its handshake timed out at
+    first_bytes_timeout_s)."""
 
     def create_connection(*args, **kwargs):
         return ProtocolSniffer(lambda: PingLimitedConnection(*args, **kwargs), on_original, first_bytes_timeout_s,
-                               sockets)
+                               sockets, tls)
 
     return create_connection
 
@@ -63,13 +69,22 @@ class ProtocolSniffer(asyncio.Protocol):
     """Holds a new connection's first bytes until they tell its protocol, then hands the connection over. A
     connection from an address that holds its limit of open sockets, or that opened its burst of new sockets and its
     rate since, is aborted at once, before a byte of it is read; one past the limit of unregistered sockets aborts
-    the oldest (limits.OpenSockets)."""
+    the oldest (limits.OpenSockets).
 
-    def __init__(self, make_websocket_connection, on_original, timeout_s, sockets):
+    With `tls`, the socket's bytes are TLS's: counted so at accept, the connection is handed at its first bytes to a
+    TLS layer whose decrypted bytes, once its handshake is done, go to a sniffer of their own (`socket_transport`:
+    the accepted socket's transport, counted by this one), which chooses the protocol as above. asyncio's TLS server
+    shows no connection before its handshake is done, so that a socket met the limits only then: one address could
+    hold sockets in their handshakes by the thousand. (loop.start_tls at accept is no way round it: uvloop hands
+    the protocol the ClientHello it then lacks, even with reading paused.)"""
+
+    def __init__(self, make_websocket_connection, on_original, timeout_s, sockets, tls=None, socket_transport=None):
         self._make_websocket_connection = make_websocket_connection
         self._on_original = on_original
         self._timeout_s = timeout_s
-        self._sockets = sockets
+        self._sockets = sockets  # None behind TLS: the socket is counted by the sniffer in front
+        self._tls = tls
+        self._socket_transport = socket_transport
         self._address = None  # counted in sockets until the connection closes
         self._buffer = bytearray()
         self._transport = None
@@ -77,34 +92,64 @@ class ProtocolSniffer(asyncio.Protocol):
 
     def connection_made(self, transport):
         self._transport = transport
-        peer = transport.get_extra_info("peername")
-        address = peer[0] if isinstance(peer, (tuple, list)) and peer else "unknown"
-        if not self._sockets.open(address, transport):
-            transport.abort()
-            return
-        self._address = address
+        if self._sockets is not None:  # (behind TLS the socket is counted in front)
+            self._socket_transport = transport
+            peer = transport.get_extra_info("peername")
+            address = peer[0] if isinstance(peer, (tuple, list)) and peer else "unknown"
+            if not self._sockets.open(address, transport):
+                transport.abort()
+                return
+            self._address = address
         # a connection that says nothing is closed, as websockets' open_timeout would
         self._timer = asyncio.get_running_loop().call_later(self._timeout_s, transport.abort)
 
     def data_received(self, data):
-        if self._address is None:  # aborted in connection_made
+        if self._timer is None:  # aborted in connection_made
             return
         self._buffer += data
+        if self._tls is not None:
+            self._hand_to_tls()
+            return
         head = self._buffer.lstrip()
         if _BOM.startswith(head) and len(self._buffer) <= _MAX_LEADING_WHITESPACE:
             return  # only whitespace so far, or part of a byte order mark
         head = head.removeprefix(_BOM)
+        protocol = (self._on_original(self._transport, self._socket_transport) if head[:1] == b"{" else
+                    SlicedReading(self._make_websocket_connection(), self._socket_transport))
+        self._hand_over(protocol)
+        protocol.data_received(bytes(self._buffer))
+
+    def _hand_to_tls(self):
+        """The connection to a TLS layer from its first bytes on (a client without TLS fails its handshake there),
+        the register timeout its handshake's too."""
+        loop = asyncio.get_running_loop()
+        behind = ProtocolSniffer(self._make_websocket_connection, self._on_original, self._timeout_s, None,
+                                 socket_transport=self._transport)
+        handshake = loop.create_future()
+        # retrieved: a handshake that failed (a stranger's, a client without TLS) is closed already
+        handshake.add_done_callback(lambda done: done.cancelled() or done.exception())
+        protocol = SSLProtocol(loop, behind, self._tls, handshake, server_side=True,
+                               ssl_handshake_timeout=self._timeout_s)
+        self._hand_over(protocol)
+        data = memoryview(self._buffer)
+        while data:
+            buffer = protocol.get_buffer(len(data))
+            size = min(len(buffer), len(data))
+            buffer[:size] = data[:size]
+            protocol.buffer_updated(size)
+            data = data[size:]
+
+    def _hand_over(self, protocol):
         self._timer.cancel()
-        protocol = (self._on_original(self._transport) if head[:1] == b"{" else
-                    SlicedReading(self._make_websocket_connection()))
         self._count_until_lost(protocol)
         self._transport.set_protocol(protocol)
         protocol.connection_made(self._transport)
-        protocol.data_received(bytes(self._buffer))
 
     def _count_until_lost(self, protocol):
         """The socket stays counted until the protocol it is handed to loses it."""
         address, transport, sockets, lost = self._address, self._transport, self._sockets, protocol.connection_lost
+        if address is None:  # behind TLS: counted in front
+            return
         self._address = None
 
         def connection_lost(exc):
@@ -167,8 +212,9 @@ class SlicedReading(asyncio.Protocol):
     go: 256 kB of 7-byte frames held the loop, every team's, 0.3 s, and as pings (each answered with a pong written
     at once) 1.5 s. The connection sees a transport whose reading it pauses and resumes as before."""
 
-    def __init__(self, connection):
+    def __init__(self, connection, socket_transport=None):
         self.connection = connection
+        self._socket_transport = socket_transport  # the accepted socket's, where TLS is between (else the transport)
         self._pending = bytearray()
         self._next_slice = None  # the turn scheduled to hand the next slice
         self._paused_by_connection = False
@@ -177,7 +223,7 @@ class SlicedReading(asyncio.Protocol):
 
     def connection_made(self, transport):
         self._transport = transport
-        self.connection.connection_made(_PacedTransport(self, transport))
+        self.connection.connection_made(_PacedTransport(self, transport, self._socket_transport or transport))
 
     @property
     def _stopped(self):
@@ -251,8 +297,8 @@ class SlicedReading(asyncio.Protocol):
 class _PacedTransport:
     """The transport as SlicedReading's connection sees it: its own pauses of reading go through SlicedReading."""
 
-    def __init__(self, reading, transport):
-        self._reading, self.socket_transport = reading, transport
+    def __init__(self, reading, transport, socket_transport):
+        self._reading, self._transport, self.socket_transport = reading, transport, socket_transport
 
     def pause_reading(self):
         self._reading.pause_reading()
@@ -264,7 +310,7 @@ class _PacedTransport:
         self._reading.hold(seconds)
 
     def __getattr__(self, name):
-        return getattr(self.socket_transport, name)
+        return getattr(self._transport, name)
 
 
 class _LineProtocol(asyncio.StreamReaderProtocol):
@@ -278,13 +324,14 @@ class _LineProtocol(asyncio.StreamReaderProtocol):
 class OriginalConnection:
     """One original-protocol client, seen by the server's logic as a websocket connection (see the module)."""
 
-    def __init__(self, transport, max_line_bytes: int):
+    def __init__(self, transport, max_line_bytes: int, socket_transport=None):
         # As websockets does with frames: a line up to twice the limit is read and answered with an error, a longer
         # one closes the connection.
         self._reader = asyncio.StreamReader(limit=2 * max_line_bytes)
         # the asyncio protocol that takes the transport over from the sniffer
         self.protocol = _LineProtocol(self._reader)
-        self.transport = self.socket_transport = transport  # socket_transport: as limits.OpenSockets counts it
+        self.transport = transport
+        self.socket_transport = socket_transport or transport  # as limits.OpenSockets counts it (TLS between)
         self._writer = asyncio.StreamWriter(transport, self.protocol, self._reader, asyncio.get_running_loop())
         self.max_line_bytes = max_line_bytes
         self.remote_address = transport.get_extra_info("peername")

@@ -12,6 +12,7 @@ import pytest
 from client import runtime
 from client.runtime import StreamingClient
 from server import ScoringServer, ServerConfig
+from server.limits import Limits
 from test_original_protocol import Oracle, run, stand_in
 
 TLS = Path(__file__).parent / "data" / "tls"
@@ -99,9 +100,8 @@ def test_files_that_cannot_serve_tls_are_said_in_one_line(tmp_path):
 
 
 def test_a_socket_stalled_in_its_tls_handshake_is_closed_at_the_register_timeout():
-    """A socket meets the server's limits only once its TLS handshake is done (asyncio's TLS server shows the server
-    no connection before): one that never sends its ClientHello was held for asyncio's 60 s handshake timeout. It is
-    closed at the register timeout; a team plays meanwhile."""
+    """One that never sends its ClientHello was held for asyncio's 60 s handshake timeout. It is closed at the
+    register timeout; a team plays meanwhile."""
     stream, targets = stand_in(30)
 
     async def main():
@@ -122,3 +122,79 @@ def test_a_socket_stalled_in_its_tls_handshake_is_closed_at_the_register_timeout
 
     summary, closed, held_s = run(main())
     assert summary["outcome"] == runtime.COMPLETE and closed == b"" and held_s < 5
+
+
+CLIENT_HELLO_HEAD = b"\x16\x03\x01\x02\x00"  # a TLS record's header: a ClientHello of 512 bytes, never sent
+
+
+async def _held_in_handshake(port, source):
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    writer.write(CLIENT_HELLO_HEAD)
+    return reader, writer
+
+
+async def _closed_within(reader, seconds) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(), seconds) == b""
+    except asyncio.TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_sockets_held_in_their_tls_handshakes_meet_the_per_address_limit_at_accept():
+    """asyncio's TLS server shows the server a connection only once its handshake is done: one address could hold
+    sockets in their handshakes by the thousand, past its limit of open sockets. Each is counted at accept now: past
+    4 per websocket connection the address may register, its new sockets are closed at once; a team plays."""
+    stream, targets = stand_in(30)
+
+    async def main():
+        config = ServerConfig(tls_cert=CERT, tls_key=KEY, limits=Limits(max_connections_per_address=2))
+        server = ScoringServer(config, stream=stream, targets=targets)
+        port = await server.start()
+        try:
+            held = [await _held_in_handshake(port, "127.0.0.9") for _ in range(9)]
+            cut = [await _closed_within(reader, 0.5 if i < 8 else 5) for i, (reader, _) in enumerate(held)]
+            summary = await StreamingClient(Oracle(targets), f"wss://127.0.0.1:{port}", "secure", leave_at_end=True,
+                                            tls_ca=CERT).run()
+            for _, writer in held:
+                writer.close()
+            return cut, summary
+        finally:
+            await server.stop()
+
+    cut, summary = run(main())
+    assert cut == 8 * [False] + [True]
+    assert summary["outcome"] == runtime.COMPLETE and summary["accuracy"] == 1.0
+
+
+def test_a_flood_of_tls_handshakes_from_many_addresses_closes_the_oldest_never_a_registered_team():
+    """Past --max-unregistered-sockets a new socket closes the oldest no team registered, sockets in their TLS
+    handshakes included; the teams registered over TLS, in both protocols, are never closed to make room."""
+    cap = 8
+    stream, targets = stand_in(60)
+
+    async def main():
+        config = ServerConfig(tls_cert=CERT, tls_key=KEY, rate=40.0, limits=Limits(max_unregistered_sockets=cap))
+        server = ScoringServer(config, stream=stream, targets=targets)
+        port = await server.start()
+        try:
+            teams = [asyncio.create_task(StreamingClient(Oracle(targets), f"{scheme}://127.0.0.1:{port}", "secure",
+                                                         leave_at_end=True, tls_ca=CERT).run())
+                     for scheme in ("wss", "tcp+tls")]
+            while len(server.summaries()) < 2:
+                await asyncio.sleep(0.01)
+            flood = [await _held_in_handshake(port, f"127.0.0.{21 + i % 4}") for i in range(2 * cap)]
+            oldest = await asyncio.gather(*(_closed_within(reader, 5) for reader, _ in flood[:cap]))
+            unregistered = server._sockets.unregistered
+            summaries = await asyncio.gather(*teams)
+            for _, writer in flood:
+                writer.close()
+            return oldest, unregistered, summaries, server.summaries()
+        finally:
+            await server.stop()
+
+    oldest, unregistered, summaries, server_summaries = run(main())
+    assert oldest == cap * [True] and unregistered == cap
+    assert [(s["outcome"], s["accuracy"]) for s in summaries] == 2 * [(runtime.COMPLETE, 1.0)]
+    assert [(s["connections"], s["responses"], s["missed"]) for s in server_summaries] == 2 * [(1, 60, 0)]
