@@ -123,6 +123,9 @@ def parse_args(argv=None):
     parser.add_argument("--ws-compression", choices=("off", "alternate"), default="off",
                         help="e2e section: permessage-deflate on both ends of the websocket in every second run, as "
                              "before bench/LOG.md section 50 (default off)")
+    parser.add_argument("--tls", choices=("off", "on", "alternate"), default="off",
+                        help="e2e section: the server and the client over TLS (wss://, the TLS tests' self-signed "
+                             "certificate) in every run, or in every second run (default off)")
     parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the max-rate "
                                                      "search (default 2000,5000,8000,11000,14000,15000,16000,"
                                                      "17000,20000,...,30000)")

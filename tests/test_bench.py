@@ -471,3 +471,14 @@ def test_a_hung_shard_section_says_how_long_the_live_shards_symbols_waited_besid
         assert run["live_requests"] > 0 and run["hung_requests"] > 0 and run["accuracy"] == 1.0
     assert parts["live_missed"] <= whole["live_missed"] and parts["live_p50_ms"] < 0.5 * whole["live_p50_ms"]
 
+
+
+def test_e2e_runs_over_tls_in_turn_with_tls_alternate(tmp_path):
+    """--tls alternate: every second e2e run plays the server over TLS (wss://), both fully answered."""
+    bench = _load_bench()
+    out = tmp_path / "out.json"
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--quick", "--sections", "e2e", "--e2e-runs", "2",
+                       "--tls", "alternate", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["e2e_runs"]
+    assert [run["tls"] for run in runs] == [False, True]
+    assert all(run["missed"] == 0 and run["accuracy"] == 1.0 for run in runs)

@@ -17,6 +17,7 @@ def line(numbers) -> str:
             + (", inline steps" if numbers.get("inline_steps") else "")
             + (", CPUs kept awake" if numbers.get("awake_cpus") else "")
             + (", frames compressed" if numbers.get("ws_compression") else "")
+            + (", over TLS" if numbers.get("tls") else "")
             + (f", host CPU taken by its hypervisor {fmt(steal)} ms/s"
                if (steal := numbers.get("host_steal_ms_per_s")) is not None else ""))
 
@@ -25,14 +26,16 @@ def run(bench):
     """e2e_runs sessions in a row, each recorded; the headline is the worst run (_tail). With --awake-cpus
     alternate, every second run keeps the CPUs awake (scripts/benchmarks/awake_cpus.py; with on, bench.py keeps them
     so in every section); with --ws-compression alternate, every second run compresses its websocket frames (as
-    before bench/LOG.md section 50)."""
+    before bench/LOG.md section 50); with --tls on, every run is over TLS, alternate every second."""
     runs = []
     for i in range(bench.counts.e2e_runs):
         alternate = bench.args.awake_cpus == "alternate" and i % 2 == 1
         compressed = bench.args.ws_compression == "alternate" and i % 2 == 1
+        tls = bench.args.tls == "on" or (bench.args.tls == "alternate" and i % 2 == 1)
         with AwakeCpus() if alternate else contextlib.nullcontext():
-            numbers = measure_e2e(bench.engine, bench, run=i, ws_compression=compressed)
-        runs.append({**numbers, "awake_cpus": alternate or bench.args.awake_cpus == "on", "ws_compression": compressed})
+            numbers = measure_e2e(bench.engine, bench, run=i, ws_compression=compressed, tls=tls)
+        runs.append({**numbers, "awake_cpus": alternate or bench.args.awake_cpus == "on", "ws_compression": compressed,
+                     "tls": tls})
         bench.report.update(e2e_400rps_20sym=max(runs, key=_tail), e2e_runs=runs)
         bench.progress(f"e2e run {i + 1}/{bench.counts.e2e_runs}: {line(runs[-1])}")
 

@@ -146,25 +146,32 @@ class ServerProcess:
             self._process.kill()
 
 
-def server_config(stream, rate, preset, seed, ws_compression=False):
-    """The scoring server's settings for playing `stream` once at `rate` on loopback, on a free port."""
+# A self-signed certificate for 127.0.0.1 and its key, the TLS tests' (on loopback, what it costs is the same)
+TLS_CERT, TLS_KEY = (os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data", "tls", name)
+                     for name in ("cert.pem", "key.pem"))
+
+
+def server_config(stream, rate, preset, seed, ws_compression=False, tls=False):
+    """The scoring server's settings for playing `stream` once at `rate` on loopback, on a free port (tls: over TLS,
+    with TLS_CERT)."""
     from server.app import ServerConfig
 
     return ServerConfig(host="127.0.0.1", port=0, preset=preset, seed=seed, symbols=len(np.unique(stream.symbols)),
-                        requests=len(stream), rate=rate, once=True, ws_compression=ws_compression)
+                        requests=len(stream), rate=rate, once=True, ws_compression=ws_compression,
+                        tls_cert=TLS_CERT if tls else None, tls_key=TLS_KEY if tls else None)
 
 
 async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min_batch=None, timeline=False,
                        max_requests_per_symbol=None, team_client=None, during=None, form_late=True,
                        stacks_dir=None, ws_compression=False, step_log=False, late_after_s=None,
                        form_margin_s=None, punctual_late_after_s=None, join_queued=None, inline_steps=None,
-                       late_parts_s=None, stalls=False) -> dict:
+                       late_parts_s=None, stalls=False, tls=False) -> dict:
     """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
     the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
     processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir the event loop's stack in each of its
     long stalls (server_stacks.txt, client_stacks.txt there; client/stalls.py). ws_compression: both ends
-    take permessage-deflate, as before bench/LOG.md section 50 (to measure against). `during(client)`, a coroutine
-    function, runs beside the session (the backlog section pauses the client with it). step_log: the summary's
+    take permessage-deflate, as before bench/LOG.md section 50 (to measure against); tls: over TLS (wss://).
+    `during(client)`, a coroutine function, runs beside the session (the backlog section pauses the client with it). step_log: the summary's
     "steps" is the runtime's step log (StreamingClient.steps). stalls: the summary's "client_stalls" are a
     StallProbe's events in the client's process, "started" the session's start (time.monotonic()); a session that
     does not ask runs no probe (the floor section's engine rung, with its step log, as its other rungs do).
@@ -179,7 +186,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     from client.stalls import StallProbe, host_steal_s
     from team.example_model import ExampleModel
 
-    config = server_config(stream, rate, preset, seed, ws_compression)
+    config = server_config(stream, rate, preset, seed, ws_compression, tls)
     stacks = {side: None if stacks_dir is None else os.path.join(stacks_dir, f"{side}_stacks.txt")
               for side in ("server", "client")}
     if stacks_dir is not None:
@@ -198,9 +205,12 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
                    "late_after_s": late_after_s, "form_margin_s": form_margin_s,
                    "punctual_late_after_s": punctual_late_after_s, "join_queued": join_queued,
                    "inline_steps": inline_steps, "late_parts_s": late_parts_s}
-        client = StreamingClient(team_client or ExampleModel(engine), f"ws://127.0.0.1:{server.port}", "bench",
-                                 timeline=timeline, form_late=form_late, ws_compression=ws_compression,
-                                 step_log=step_log, **{k: v for k, v in options.items() if v is not None})
+        if tls:
+            options["tls_ca"] = TLS_CERT
+        client = StreamingClient(team_client or ExampleModel(engine), f"{'wss' if tls else 'ws'}://127.0.0.1:"
+                                 f"{server.port}", "bench", timeline=timeline, form_late=form_late,
+                                 ws_compression=ws_compression, step_log=step_log,
+                                 **{k: v for k, v in options.items() if v is not None})
         playing = asyncio.create_task(client.run())
         beside = asyncio.create_task(during(client)) if during is not None else None
         done = asyncio.create_task(server.wait_done())
@@ -361,7 +371,7 @@ def session_numbers(summary) -> dict:
 
 
 def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=False, step_log=False,
-          run=0) -> dict:
+          run=0, tls=False) -> dict:
     """session_numbers of `stream` served at `rate` to `engine` with the run's settings (per_symbol: requests of
     a symbol a step may carry, the run's --max-requests-per-symbol by default; run: the section's run, for
     Bench.forming, whose options given are recorded beside the numbers); with step_log, also its steps by rows
@@ -370,7 +380,7 @@ def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=
     summary = event_loop.run(serve_stream(
         engine, stream, targets, rate, args.preset, args.seed, args.pipeline_min_batch,
         max_requests_per_symbol=per_symbol or args.max_requests_per_symbol, ws_compression=ws_compression,
-        stacks_dir=args.stacks, step_log=step_log, stalls=step_log, **bench.forming(run)))
+        stacks_dir=args.stacks, step_log=step_log, stalls=step_log, tls=tls, **bench.forming(run)))
     numbers = session_numbers(summary)
     if step_log:
         numbers["steps_by_rows"] = steps_by_rows(summary["steps"], getattr(engine, "step_rows", ()))
@@ -380,15 +390,16 @@ def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=
     return {**numbers, **bench.forming_ms(run)}
 
 
-def measure_e2e(engine, bench, prefix="E2E_", run=0, ws_compression=False):
-    """The session's numbers of E2E_SYMBOLS symbols served at E2E_RATE (run: the stream's index, for its seed)."""
+def measure_e2e(engine, bench, prefix="E2E_", run=0, ws_compression=False, tls=False):
+    """The session's numbers of E2E_SYMBOLS symbols served at E2E_RATE (run: the stream's index, for its seed;
+    tls: over TLS)."""
     tracker = ReferenceTracker(bench.model, prefixed_names(prefix, E2E_SYMBOLS), bench.device)
     stream = prefixed_stream(prefix, E2E_SYMBOLS, bench.counts.e2e_requests, bench.args.seed + 1 + 100 * run,
                              E2E_RATE)
     targets = tracker.targets(stream)
     del tracker
     bench.progress(f"e2e: targets ready; serving {len(stream)} requests at {E2E_RATE:.0f} req/s")
-    numbers = serve(bench, engine, stream, targets, E2E_RATE, ws_compression=ws_compression, run=run)
+    numbers = serve(bench, engine, stream, targets, E2E_RATE, ws_compression=ws_compression, run=run, tls=tls)
     engine.release(np.unique(stream.symbols).tolist())
     return numbers
 
