@@ -1,4 +1,5 @@
 """client/journal.py: what a team client journals, what a restarted one reads and replays."""
+import asyncio
 import os
 
 import numpy as np
@@ -198,6 +199,72 @@ def test_a_symbol_too_long_for_a_record_stops_journaling_rather_than_read_back_a
     journal.append([(1, "S" * 0xFFFF, np.zeros(79, np.float32))])
     assert journal.failed and (tmp_path / "j.incomplete").exists() and "more than a journal holds" in caplog.text
     journal.close()
+
+
+class _LostShard(ReferenceEngine):
+    """A reference engine whose shard of `lost` is gone: the symbol is unplaceable, each of its requests answered with
+    an error for the rest of the stream and never stepped (as a sharded engine's after a loss)."""
+
+    def __init__(self, model, lost):
+        super().__init__(model)
+        self.lost = lost
+
+    def unplaceable(self, symbols):
+        return {symbol: "shard 1 lost" for symbol in symbols if symbol == self.lost}
+
+
+def test_a_request_refused_before_a_kill_is_refused_again_after_the_restart_never_stepped(tmp_path, caplog):
+    """The first process refuses a lost shard's symbol's requests and is killed; the server resends them (as every
+    request not answered with a prediction) to the process restarted from the journal, which refuses them again
+    ('rejected earlier'). Before, refusals were not journaled: the new process stepped them as new requests, its
+    symbol's state advanced by requests the old process never applied, an earlier refusal now an answer."""
+    from client.runtime import CACHE_SIZE, StreamingClient
+    from client.streams import generate_stream
+    from server import ScoringServer, ServerConfig
+
+    n, lost = 60, "SYM_001"
+    stream = generate_stream(3, n, seed=3)
+    model, _ = load_model("tiny", seed=0)
+    path = tmp_path / "j"
+
+    async def main():
+        server = ScoringServer(ServerConfig(rate=50.0), stream=stream, targets=np.zeros((n, 4), np.float32))
+        url = f"ws://127.0.0.1:{await server.start()}"
+        try:
+            journal = Journal(path, IDENTITY)
+            first = StreamingClient(ExampleModel(_LostShard(model, lost)), url, "testers", leave_at_end=True,
+                                    journal=journal)
+            playing = asyncio.create_task(first.run())
+
+            async def until_two_refused():
+                while first.stats.rejected < 2:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(until_two_refused(), 30)
+            first.stop()
+            await asyncio.wait_for(playing, 30)
+            refused = set(first._rejected_ids)  # those the journal holds: it is closed with them, as by a kill
+            journal.close()
+            journal = Journal(path, IDENTITY)
+            team = _Noting(ReferenceEngine(model))
+            replayed = replay(team, journal.records(), journal.count, CACHE_SIZE, progress=None)
+            again = StreamingClient(team, url, "testers", leave_at_end=True, session_key=journal.session_key,
+                                    journal=journal, replayed=replayed)
+            summary = await asyncio.wait_for(again.run(), 60)
+            journal.close()
+            return refused, team.handed, summary
+        finally:
+            await server.stop()
+
+    refused, handed, summary = asyncio.run(main())
+    assert refused and all(stream.symbols[uid] == lost for uid in refused)
+    assert summary["outcome"] == "complete"
+    assert refused.isdisjoint(handed)  # neither replayed nor stepped as a resend
+    assert "rejected earlier" in caplog.text
+    # every request of the stream in the session's journal once: answered, or refused by the first process
+    journal = records(Journal(path, IDENTITY))
+    assert {uid for uid, symbol, _ in journal if symbol is None} == refused
+    assert sorted(uid for uid, symbol, _ in journal if symbol is not None) == sorted(set(range(n)) - refused)
 
 
 class _NaNForSymbol0:
