@@ -1,4 +1,5 @@
-"""The team client's journal: every request its steps answered, in the order they advanced the symbols' states.
+"""The team client's journal: every request its steps answered, in the order they advanced the symbols' states, and
+every request it refused.
 
 A team client killed mid-session (kill -9, an out-of-memory kill, a reboot of its process) loses every symbol's
 state; started again, it took its session back (the server resends what was unanswered) and answered from fresh
@@ -7,20 +8,30 @@ states, wrong for every symbol that had played (accuracy ~0.18 after, bench/LOG.
 client, in their order and several of a symbol a step, which rebuilds each state exactly as the old process left
 it, and answers a resent request it replayed from the replay's prediction rather than stepping it twice.
 
-A request is written when its step's answer comes back, before the answer goes out: whatever the server saw
-answered is in the journal, and whatever is not was never answered, so the server resends it to the new process.
-Each step's requests are written in one write() (the operating system keeps it through a kill of the process; a
-crash of the machine may lose the tail, which then reads as a shorter journal). A journal belongs to one session of
-one server, team and weights: its header names them with the session key of the server's welcome, which the new
-process presents to take its team back (the file is readable by its owner alone). It grows ~350 bytes a request
-(~0.5 GB an hour at 400 requests/s); a new session of the server starts it afresh. A tail cut by a kill or a crash is
-cut off before the new process appends (appended after it, the next read took the cut record's length for a
-symbol's and read garbage from there on). It is read and replayed a chunk at a time: however long it is, a restart
-holds in memory only the answers the runtime may resend (its answer cache) and the older ids as ranges. A write that
-fails (a full disk) stops journaling for the process, which plays on, and sets the file aside as PATH.incomplete.
+A request is written when its step's answer comes back, before the answer goes out: whatever the server saw answered
+is in the journal, and whatever is not was never answered, so the server resends it to the new process. Each step's
+requests are written in one write() (the operating system keeps it through a kill of the process; a crash of the
+machine may lose the tail, which then reads as a shorter journal). A request the runtime refuses (answered with an
+error, never stepped: a lost shard's symbol's, a malformed or non-finite one, one no tier could place, a failed
+step's) is written as its id alone when it is refused, before the error goes out: the server resends it after a
+restart, as every request not answered with a prediction, and the new process refuses it again ("rejected earlier")
+instead of stepping it (before, it stepped it: the symbol's state advanced by a request the old process never
+applied). A request whose step answered NaN is both: stepped, then refused.
 
-File: MAGIC, one JSON line (the header), then per request: unique_id (int64), the symbol's UTF-8 length (uint16)
-and bytes, 79 float32 features, little-endian.
+A journal belongs to one session of one server, team and weights: its header names them with the session key of the
+server's welcome, which the new process presents to take its team back (the file is readable by its owner alone). It
+grows ~350 bytes a request answered (~0.5 GB an hour at 400 requests/s) and 10 bytes a request refused; a new
+session of the server starts it afresh. A tail cut by a kill or a crash is cut off before the new process appends
+(appended after it, the next read took the cut record's length for a symbol's and read garbage from there on). It is
+read and replayed a chunk at a time: however long it is, a restart holds in memory only the answers the runtime may
+resend (its answer cache), the refused ids it tells apart (its REFUSALS_KEPT) and the older ids as ranges and bits.
+A write that fails (a full disk) stops journaling for the process, which plays on, and sets the file aside as
+PATH.incomplete.
+
+File: MAGIC, one JSON line (the header), then per request answered: unique_id (int64), the symbol's UTF-8 length
+(uint16) and bytes, 79 float32 features; per request refused: unique_id (int64) and the length 0xFFFF alone (no
+symbol is that long: one of 65535 bytes or more stops journaling); little-endian. (Still version 1: a file written
+before refusals were journaled holds none and reads the same; a client of before would misread one that holds some.)
 """
 import errno
 import json
@@ -38,12 +49,14 @@ import numpy as np
 
 from client import team_api
 from client.constants import NUM_FEATURES
-from client.id_ranges import IdRanges
+from client.id_ranges import IdBits, IdRanges
+from client.runtime import REFUSALS_KEPT
 from client.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
 MAGIC = b"team-client journal 1\n"
 _HEAD = struct.Struct("<qH")
+_REFUSED = 0xFFFF  # the symbol's length of a refused request's record: its unique_id alone follows no symbol
 _FEATURE_BYTES = NUM_FEATURES * 4
 REPLAY_ROWS = 4096  # requests a replay call hands the team client at most (the engine splits its own steps)
 READ_BYTES = 1 << 24  # read and replayed this much of the file at a time (~48,000 requests)
@@ -55,13 +68,13 @@ class JournalError(ValueError):
 
 class Journal:
     """One session's journal at `path`: where its header names `identity` ({url, team, weights}: the server, team and
-    weights of this client), its `session_key`, the `count` of whole records (read with records()) and of their
-    `symbols`; appending once begin() has named the session."""
+    weights of this client), its `session_key`, the `count` of whole records (read with records()), of them those
+    `refused`, and the `symbols` of those answered; appending once begin() has named the session."""
 
     def __init__(self, path, identity: dict):
         self.path, self.identity = str(path), dict(identity)
         self.session_key: str | None = None
-        self.count = self.symbols = 0
+        self.count = self.refused = self.symbols = 0
         self._records_at = self._records_end = 0  # the records' bytes: after the header, up to the last whole one
         self._file = None
         self.failed = False  # a write failed: the file was set aside and nothing more is journaled (_set_aside)
@@ -71,19 +84,23 @@ class Journal:
                 header, self._records_at = _read_header(f, self.path)
                 if header is None or any(header.get(k) != v for k, v in self.identity.items()):
                     return
-                count, end, symbols = 0, self._records_at, set()
+                count, refused, end, symbols = 0, 0, self._records_at, set()
                 for chunk, chunk_end in _chunks(f, self._records_at, None, features=False):
                     count, end = count + len(chunk), chunk_end
+                    refused += sum(symbol is None for _, symbol, _ in chunk)
                     symbols.update(symbol for _, symbol, _ in chunk)
         except FileNotFoundError:
             return
         except OSError as exc:
             raise JournalError(f"--journal {self.path}: cannot read it ({exc.strerror})") from None
-        self.session_key, self.count, self.symbols = header.get("session_key"), count, len(symbols)
+        symbols.discard(None)  # (a refused request's record names none)
+        self.session_key, self.count, self.refused = header.get("session_key"), count, refused
+        self.symbols = len(symbols)
         self._records_end = end
 
     def records(self):
-        """The journaled (unique_id, symbol, features) in order, a list a chunk of the file at a time."""
+        """The journaled (unique_id, symbol, features) in order, a list a chunk of the file at a time; a refused
+        request's (unique_id, None, None)."""
         if not self.count:
             return
         try:
@@ -114,7 +131,7 @@ class Journal:
                 if not go_on:
                     self._file.write(MAGIC + json.dumps({**self.identity, "session_key": session_key}).encode()
                                      + b"\n")
-                    self.count = self.symbols = 0
+                    self.count = self.refused = self.symbols = 0
             except OSError as exc:
                 raise JournalError(f"--journal {self.path}: cannot write it ({exc.strerror})") from None
             self.session_key = session_key
@@ -124,25 +141,39 @@ class Journal:
         parts = []
         for uid, symbol, features in requests:
             name = symbol.encode()
+            if len(name) >= _REFUSED:  # no record holds it (its length would read as a refusal's)
+                with self._lock:
+                    if self._file is not None:
+                        self._set_aside(f"symbol {symbol[:20]!r}... is {len(name):,} bytes long, more than a "
+                                        f"journal holds")
+                return
             parts += [_HEAD.pack(uid, len(name)), name, np.asarray(features, "<f4").tobytes()]
-        if not parts:
+        self._write(b"".join(parts))
+
+    def refuse(self, unique_ids) -> None:
+        """Write the unique_ids of requests refused (answered with an error, never stepped) in one write(): a
+        restarted client refuses their resends again rather than step them."""
+        self._write(b"".join(_HEAD.pack(uid, _REFUSED) for uid in unique_ids))
+
+    def _write(self, records: bytes) -> None:
+        if not records:
             return
-        record = b"".join(parts)
         with self._lock:
             if self._file is None:
                 return
             try:
-                written = self._file.write(record)
-                if written != len(record):  # (a disk filling up writes part of it, then fails the next write)
-                    raise OSError(errno.ENOSPC, f"{written} of {len(record)} bytes written")
+                written = self._file.write(records)
+                if written != len(records):  # (a disk filling up writes part of it, then fails the next write)
+                    raise OSError(errno.ENOSPC, f"{written} of {len(records)} bytes written")
             except OSError as exc:
-                self._set_aside(exc)
+                self._set_aside(f"a write failed ({exc.strerror or exc})")
 
-    def _set_aside(self, exc) -> None:
-        """A write failed (a full disk, an I/O error): journaling stops for this process, which plays on, and the
-        file is renamed PATH.incomplete, so that a restart neither replays a history missing its last steps (the
-        states it rebuilt would be wrong, and said right) nor appends after a torn record. Before, the error escaped
-        the step's answer: its answers never went out and the event loop's pump stopped (the session hung)."""
+    def _set_aside(self, why: str) -> None:
+        """A write failed (a full disk, an I/O error) or cannot be made: journaling stops for this process, which
+        plays on, and the file is renamed PATH.incomplete, so that a restart neither replays a history missing its
+        last steps (the states it rebuilt would be wrong, and said right) nor appends after a torn record. Before,
+        the error escaped the step's answer: its answers never went out and the event loop's pump stopped (the
+        session hung)."""
         self._file.close()
         self._file, self.failed = None, True
         aside = self.path + ".incomplete"
@@ -151,8 +182,8 @@ class Journal:
             where = f"set aside as {aside}; a restart begins a new journal"
         except OSError as rename:
             where = f"and it could not be set aside ({rename.strerror}): do not restart from it"
-        log.error("--journal %s: a write failed (%s); journaling stops, the session plays on without it: the "
-                  "journal is %s", self.path, exc.strerror or exc, where)
+        log.error("--journal %s: %s; journaling stops, the session plays on without it: the journal is %s",
+                  self.path, why, where)
 
     def close(self) -> None:
         with self._lock:
@@ -191,8 +222,8 @@ def _read_header(f, path) -> tuple[dict | None, int]:
 
 def _chunks(f, at: int, end: int | None = None, features: bool = True):
     """([(unique_id, symbol, features)], the offset after the last of them) for each READ_BYTES of the records from
-    offset `at` up to offset `end` (None: the file's end), in order (features None unless `features`); a tail cut
-    inside a record (the process killed mid-write) ends them."""
+    offset `at` up to offset `end` (None: the file's end), in order (features None unless `features`; a refused
+    request's symbol and features None); a tail cut inside a record (the process killed mid-write) ends them."""
     f.seek(at)
     data = b""
     while more := f.read(READ_BYTES if end is None else min(READ_BYTES, end - at - len(data))):
@@ -200,6 +231,10 @@ def _chunks(f, at: int, end: int | None = None, features: bool = True):
         records, used = [], 0
         while used + _HEAD.size <= len(data):
             uid, length = _HEAD.unpack_from(data, used)
+            if length == _REFUSED:
+                records.append((uid, None, None))
+                used += _HEAD.size
+                continue
             start = used + _HEAD.size + length
             stop = start + _FEATURE_BYTES
             if stop > len(data):
@@ -215,9 +250,13 @@ def _chunks(f, at: int, end: int | None = None, features: bool = True):
 @dataclass
 class Replayed:
     """What replay() answered: the last `keep` answers in order, {unique_id: (prediction [4], symbol, features)} (the
-    runtime's answer cache), and the ids answered before them (the runtime's ids whose answers left its cache)."""
+    runtime's answer cache), and the ids answered before them (the runtime's ids whose answers left its cache); the
+    last `keep_refused` ids refused, in order, {unique_id: None} (the runtime's _rejected_ids), and those refused
+    before them (its _refused_long_ago, in `older` too); the `count` of requests replayed, answered or refused."""
     recent: OrderedDict = field(default_factory=OrderedDict)
     older: IdRanges = field(default_factory=IdRanges)
+    refused: OrderedDict = field(default_factory=OrderedDict)
+    refused_long_ago: IdBits = field(default_factory=IdBits)
     count: int = 0
 
     def __len__(self) -> int:
@@ -225,18 +264,29 @@ class Replayed:
 
 
 def replay(team_client, chunks, total: int, keep: int, max_batch=None, max_per_symbol=8,
-           progress=sys.stderr) -> Replayed:
+           progress=sys.stderr, keep_refused=REFUSALS_KEPT) -> Replayed:
     """Step the journaled requests (`chunks`: lists of (unique_id, symbol, features) in journal order, `total` in
     all, Journal.records()) through the team client's process_batch, batched as the runtime's scheduler batches
-    them (each symbol's in order), a chunk at a time; what it answered, the last `keep` answers kept. A line of
-    progress every second on `progress` (None: quiet)."""
+    them (each symbol's in order), a chunk at a time, the refused ones never; what it answered, the last `keep`
+    answers kept, and what was refused, the last `keep_refused` ids kept. A line of progress every second on
+    `progress` (None: quiet)."""
     per_symbol = team_api.max_per_symbol(team_client, max_per_symbol)
     replayed, began, said = Replayed(), time.monotonic(), time.monotonic()
     steps, kept = deque(), 0  # (requests by id, [(unique_id, prediction)]) of the last steps: ~keep answers
+    refusals = 0
     for chunk in chunks:
         scheduler = Scheduler()
         for uid, symbol, features in chunk:
-            scheduler.push(Request(uid, symbol, features))
+            if symbol is not None:
+                scheduler.push(Request(uid, symbol, features))
+                continue
+            # refused, never stepped (the old process never applied it): a resend is refused again
+            refusals, replayed.count = refusals + 1, replayed.count + 1
+            replayed.refused[uid] = None
+            if len(replayed.refused) > keep_refused:  # as the runtime keeps them: the older ones a bit each
+                aged = replayed.refused.popitem(last=False)[0]
+                replayed.refused_long_ago.add(aged)
+                replayed.older.add(aged)
         while len(scheduler):
             batch = scheduler.next_batch(max_batch, per_symbol, rows_for=lambda rows, _: min(rows, REPLAY_ROWS))
             answer = team_client.process_batch(team_api.batch_for(team_client, batch))
@@ -252,7 +302,8 @@ def replay(team_client, chunks, total: int, keep: int, max_batch=None, max_per_s
                     replayed.older.add(uid)
             if progress is not None and time.monotonic() - said >= 1.0:
                 said = time.monotonic()
-                print(f"journal: replayed {replayed.count:,} of {total:,} requests "
+                refused = f", {refusals:,} of them refused: not stepped" if refusals else ""
+                print(f"journal: replayed {replayed.count:,} of {total:,} requests{refused} "
                       f"({replayed.count / (said - began):,.0f}/s)", file=progress)
     for by_id, answered in steps:
         for uid, prediction in answered:

@@ -291,9 +291,9 @@ class StreamingClient:
         # the server's, from its welcome: what a reconnect presents (given: the welcome's of an earlier client of the
         # team, whose server began the new stream this one plays)
         self._session_key = session_key
-        # client/journal.py: each step's answered requests written before the answers go; `replayed` (Replayed),
-        # what a restarted client replayed of the journal's session (its key given as session_key), answers a resend
-        # of those ids
+        # client/journal.py: each step's answered requests written before the answers go, each refused one before
+        # its error goes; `replayed` (Replayed), what a restarted client replayed of the journal's session (its key
+        # given as session_key), answers a resend of those ids, or refuses it again where they were refused
         self.journal, self._replayed = journal, bool(replayed)
         # how the last give_up_repeats connections since the last new request ended (all of them grew a tuple a
         # reconnect for good where they ended in turns two ways)
@@ -420,8 +420,9 @@ class StreamingClient:
         # the refused ids older than _rejected_ids' (in _evicted too): after a reconnect the server resends them with
         # its backlog, the oldest first, and an id answered long ago there is the mark of a new stream (_new_stream)
         self._refused_long_ago = IdBits()
-        if replayed:  # (client/journal.py Replayed) answered from the replay, never stepped twice
-            self._evicted = replayed.older
+        if replayed:  # (client/journal.py Replayed) answered from the replay, never stepped twice, nor the refused once
+            self._evicted, self._refused_long_ago = replayed.older, replayed.refused_long_ago
+            self._remember_refusals(replayed.refused)
             for uid, (prediction, symbol, features) in replayed.recent.items():
                 self._cache[uid] = prediction, _request_print(symbol, features)
                 if len(self._cache) > cache_size:
@@ -1417,7 +1418,15 @@ class StreamingClient:
         self._mark("answered", ids)
 
     def _reject(self, ids):
-        """Requests noted, then answered with an error: a resend of one is refused again."""
+        """Requests noted, then answered with an error: journaled (before the error goes), and a resend of one is
+        refused again."""
+        if self.journal is not None and ids:
+            self.journal.refuse(ids)
+        self._remember_refusals(ids)
+        self.stats.note_rejected(ids)
+
+    def _remember_refusals(self, ids):
+        """A resend of any of `ids` is refused ('rejected earlier'), never stepped."""
         self._rejected_ids.update(dict.fromkeys(ids))
         for uid in ids:
             if uid - 1 in self._evicted or uid + 1 in self._evicted:
@@ -1428,7 +1437,6 @@ class StreamingClient:
             uid = self._rejected_ids.popitem(last=False)[0]
             self._refused_long_ago.add(uid)
             self._evict(uid)
-        self.stats.note_rejected(ids)
 
     def _evict(self, uid):
         """Into _evicted: uid, whose answer has left the cache (or a refused id next to one there), with the refused

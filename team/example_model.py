@@ -454,8 +454,9 @@ def _replay_journal(args, url, fingerprint, team_client):
     journal = Journal(args.journal, {"url": url, "team": args.team, "weights": fingerprint})
     if not journal.count:
         return journal, None
-    print(f"{PROG}: replaying the {journal.count:,} requests of {journal.symbols:,} symbols in the journal "
-          f"{args.journal} into fresh states", file=sys.stderr)
+    refused = f"; the {journal.refused:,} it refused are refused again, never stepped" if journal.refused else ""
+    print(f"{PROG}: replaying the {journal.count - journal.refused:,} requests of {journal.symbols:,} symbols in the "
+          f"journal {args.journal} into fresh states{refused}", file=sys.stderr)
     replayed = replay(team_client, journal.records(), journal.count, CACHE_SIZE, team_api.step_symbols(team_client),
                       args.max_requests_per_symbol)
     return journal, replayed

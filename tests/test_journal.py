@@ -1,4 +1,5 @@
 """client/journal.py: what a team client journals, what a restarted one reads and replays."""
+import asyncio
 import os
 
 import numpy as np
@@ -17,13 +18,20 @@ def records(journal):
     return [record for chunk in journal.records() for record in chunk]
 
 
+class Refused(list):
+    """The unique ids of requests refused, a step of journaled()'s written with refuse()."""
+
+
 def journaled(path, *steps, key="k"):
     """A process's journal of session `key` at `path` (gone on from where it was read), a step of records each
-    append, closed; what it holds, read back."""
+    append (refuse where it is Refused), closed; what it holds, read back."""
     journal = Journal(path, IDENTITY)
     journal.begin(key)
     for step in steps:
-        journal.append(step)
+        if isinstance(step, Refused):
+            journal.refuse(step)
+        else:
+            journal.append(step)
     journal.close()
     return Journal(path, IDENTITY)
 
@@ -86,6 +94,19 @@ def test_a_tail_cut_by_a_kill_and_another_servers_journal_are_read_as_far_as_the
         (9, "SYM_009")] and np.array_equal(read[-1][2], np.ones(79, np.float32))
 
 
+def test_a_tail_cut_inside_a_refusal_is_read_as_far_as_it_holds_and_cut_off_before_the_session_goes_on(tmp_path):
+    path = tmp_path / "j"
+    journaled(path, rows(3), Refused([3]))
+    with open(path, "ab") as f:
+        f.write((4).to_bytes(8, "little") + b"\xff")  # the refusal of id 4 cut one byte short
+    journal = Journal(path, IDENTITY)
+    assert (journal.count, journal.refused) == (4, 1) and [uid for uid, _, _ in records(journal)] == [0, 1, 2, 3]
+    read = records(journaled(path, Refused([5]), [(6, "SYM_000", np.ones(79, np.float32))]))
+    assert [(uid, symbol) for uid, symbol, _ in read] == [(0, "SYM_000"), (1, "SYM_001"), (2, "SYM_002"), (3, None),
+                                                          (5, None), (6, "SYM_000")]
+    assert np.array_equal(read[-1][2], np.ones(79, np.float32))
+
+
 def test_records_are_those_counted_when_the_file_grew_after_it_was_read(tmp_path):
     """records() reads the whole records counted when the journal was opened, as many as `count` says (and begin()
     goes on after): records appended since (another process of the session) were read too, past the count."""
@@ -124,6 +145,126 @@ def test_replay_steps_each_symbols_requests_in_order_as_one_at_a_time_a_chunk_at
             prediction, kept_symbol, kept_features = replayed.recent[uid]
             np.testing.assert_allclose(prediction, expected, rtol=1e-5, atol=1e-6)
             assert kept_symbol == symbol and np.array_equal(kept_features, features)
+
+
+class _Noting(ExampleModel):
+    """The example client, noting the unique ids of the requests it is handed to step."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.handed = []
+
+    def process_batch(self, requests_by_symbol):
+        self.handed += [uid for requests in requests_by_symbol.values() for uid, _ in requests]
+        return super().process_batch(requests_by_symbol)
+
+
+def test_refused_requests_are_read_back_in_their_place_and_replay_steps_none_of_them(tmp_path):
+    """A request the runtime refused (answered with an error, never stepped) is journaled as its id alone (10 bytes)
+    in its place among those answered: replayed, it is never stepped, its symbol's requests after it step in order
+    from a state without it, and it comes back among the ids refused (a resend refused again), the last keep_refused
+    of them by id and the older ones among the older ids too, as the runtime keeps them."""
+    stream, refused = rows(12), [4, 7, 8]
+    steps = [stream[:4], Refused([4]), stream[5:7], Refused([7, 8]), stream[9:]]
+    journal = journaled(tmp_path / "j", *steps)
+    read = records(journal)
+    assert [(uid, symbol is None, features is None) for uid, symbol, features in read] == [
+        (uid, uid in refused, uid in refused) for uid in range(12)]
+    assert (journal.count, journal.refused, journal.symbols) == (12, 3, 3)
+    answered_alone = journaled(tmp_path / "answered", *(step for step in steps if not isinstance(step, Refused)))
+    assert os.path.getsize(tmp_path / "j") - os.path.getsize(tmp_path / "answered") == 3 * 10
+    assert answered_alone.refused == 0
+    model, _ = load_model("tiny", seed=0)
+    team = _Noting(ReferenceEngine(model))
+    replayed = replay(team, journal.records(), journal.count, keep=100, max_per_symbol=3, progress=None)
+    assert sorted(team.handed) == [uid for uid in range(12) if uid not in refused]
+    assert len(replayed) == 12 and list(replayed.refused) == refused
+    assert not set(refused) & set(replayed.recent) and not any(uid in replayed.older for uid in range(12))
+    alone = ReferenceEngine(model)  # each symbol straight through the requests answered
+    for uid, symbol, features in stream:
+        if uid not in refused:
+            np.testing.assert_allclose(replayed.recent[uid][0], alone.step([symbol], features[None])[0], rtol=1e-5,
+                                       atol=1e-6)
+    bounded = replay(_Noting(ReferenceEngine(model)), journal.records(), journal.count, keep=100, progress=None,
+                     keep_refused=1)
+    assert list(bounded.refused) == [8] and 8 not in bounded.refused_long_ago
+    assert all(uid in bounded.refused_long_ago and uid in bounded.older for uid in (4, 7))
+
+
+def test_a_symbol_too_long_for_a_record_stops_journaling_rather_than_read_back_as_a_refusal(tmp_path, caplog):
+    path = tmp_path / "j"
+    journal = Journal(path, IDENTITY)
+    journal.begin("k")
+    journal.append(rows(1))
+    journal.append([(1, "S" * 0xFFFF, np.zeros(79, np.float32))])
+    assert journal.failed and (tmp_path / "j.incomplete").exists() and "more than a journal holds" in caplog.text
+    journal.close()
+
+
+class _LostShard(ReferenceEngine):
+    """A reference engine whose shard of `lost` is gone: the symbol is unplaceable, each of its requests answered with
+    an error for the rest of the stream and never stepped (as a sharded engine's after a loss)."""
+
+    def __init__(self, model, lost):
+        super().__init__(model)
+        self.lost = lost
+
+    def unplaceable(self, symbols):
+        return {symbol: "shard 1 lost" for symbol in symbols if symbol == self.lost}
+
+
+def test_a_request_refused_before_a_kill_is_refused_again_after_the_restart_never_stepped(tmp_path, caplog):
+    """The first process refuses a lost shard's symbol's requests and is killed; the server resends them (as every
+    request not answered with a prediction) to the process restarted from the journal, which refuses them again
+    ('rejected earlier'). Before, refusals were not journaled: the new process stepped them as new requests, its
+    symbol's state advanced by requests the old process never applied, an earlier refusal now an answer."""
+    from client.runtime import CACHE_SIZE, StreamingClient
+    from client.streams import generate_stream
+    from server import ScoringServer, ServerConfig
+
+    n, lost = 60, "SYM_001"
+    stream = generate_stream(3, n, seed=3)
+    model, _ = load_model("tiny", seed=0)
+    path = tmp_path / "j"
+
+    async def main():
+        server = ScoringServer(ServerConfig(rate=50.0), stream=stream, targets=np.zeros((n, 4), np.float32))
+        url = f"ws://127.0.0.1:{await server.start()}"
+        try:
+            journal = Journal(path, IDENTITY)
+            first = StreamingClient(ExampleModel(_LostShard(model, lost)), url, "testers", leave_at_end=True,
+                                    journal=journal)
+            playing = asyncio.create_task(first.run())
+
+            async def until_two_refused():
+                while first.stats.rejected < 2:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(until_two_refused(), 30)
+            first.stop()
+            await asyncio.wait_for(playing, 30)
+            refused = set(first._rejected_ids)  # those the journal holds: it is closed with them, as by a kill
+            journal.close()
+            journal = Journal(path, IDENTITY)
+            team = _Noting(ReferenceEngine(model))
+            replayed = replay(team, journal.records(), journal.count, CACHE_SIZE, progress=None)
+            again = StreamingClient(team, url, "testers", leave_at_end=True, session_key=journal.session_key,
+                                    journal=journal, replayed=replayed)
+            summary = await asyncio.wait_for(again.run(), 60)
+            journal.close()
+            return refused, team.handed, summary
+        finally:
+            await server.stop()
+
+    refused, handed, summary = asyncio.run(main())
+    assert refused and all(stream.symbols[uid] == lost for uid in refused)
+    assert summary["outcome"] == "complete"
+    assert refused.isdisjoint(handed)  # neither replayed nor stepped as a resend
+    assert "rejected earlier" in caplog.text
+    # every request of the stream in the session's journal once: answered, or refused by the first process
+    journal = records(Journal(path, IDENTITY))
+    assert {uid for uid, symbol, _ in journal if symbol is None} == refused
+    assert sorted(uid for uid, symbol, _ in journal if symbol is not None) == sorted(set(range(n)) - refused)
 
 
 class _NaNForSymbol0:

@@ -1074,6 +1074,33 @@ def test_a_replayed_journal_answers_its_resends_in_its_session_and_ends_in_anoth
     assert [uid for chunk in Journal(tmp_path / "j", {}).records() for uid, _, _ in chunk] == [0, 1, 2]
 
 
+def test_a_replayed_journals_refusals_are_refused_again_never_stepped(model):
+    """The requests a restarted client's journal holds as refused (client/journal.py), those it tells apart by id
+    and those refused long before them alike: their resends are refused again ('rejected earlier'), never stepped,
+    and a new request of their symbols steps."""
+    from client.journal import Replayed
+
+    symbols, features = _stream(4)
+    replayed = Replayed(count=2)
+    replayed.refused[1] = None
+    replayed.refused_long_ago.add(0)
+    replayed.older.add(0)
+    recorder = Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(protocol.encode(protocol.welcome("tiny", None, 4, 3, None, session_key="k3y")))
+        await ws.send(_request([0, 1, 3], symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() == {3} and len(recorder.errors) == 2)
+        await ws.send(protocol.encode(protocol.end(4)))
+        await ws.wait_closed()
+
+    team = CountingClient(ReferenceEngine(model))
+    _, summary = asyncio.run(_play(handler, team, leave_at_end=True, session_key="k3y", replayed=replayed))
+    assert summary["outcome"] == runtime.COMPLETE and team.stepped == {symbols[3]: 1}
+    assert all("rejected earlier" in error for error in recorder.errors)
+
+
 @pytest.mark.parametrize("inline_steps", [False, True])
 def test_a_journal_write_that_fails_mid_session_stops_journaling_and_every_request_is_answered(model, tmp_path,
                                                                                                inline_steps):
