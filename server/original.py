@@ -4,8 +4,8 @@ Every connection starts with a ProtocolSniffer: its first bytes choose. A JSON o
 protocol (client/original.py); anything else is HTTP, handed to websockets as if it had been its own from the
 start (a websocket upgrade, the leaderboard page, or a bad request websockets answers). The sniffer is what
 ``create_connection`` of websockets' serve() makes, so websockets keeps its listening socket and its handshake.
-Over TLS the sniffer counts the socket at accept as without, and hands its first bytes to a TLS layer (asyncio's
-SSLProtocol, the one its TLS servers use) whose decrypted bytes go through a sniffer of their own.
+Over TLS the sniffer counts the socket at accept as without, and hands its first bytes to a TLS layer (the event
+loop's own, the one its TLS servers use) whose decrypted bytes go through a sniffer of their own.
 
 An OriginalConnection presents a JSON-lines connection to the server's logic as the websocket connection it
 expects, so that registering, scoring, limits and faults are the same code for both protocols: send() takes the
@@ -128,8 +128,8 @@ class ProtocolSniffer(asyncio.Protocol):
         handshake = loop.create_future()
         # retrieved: a handshake that failed (a stranger's, a client without TLS) is closed already
         handshake.add_done_callback(lambda done: done.cancelled() or done.exception())
-        protocol = SSLProtocol(loop, behind, self._tls, handshake, server_side=True,
-                               ssl_handshake_timeout=self._timeout_s)
+        protocol = _tls_layer(loop)(loop, behind, self._tls, handshake, server_side=True,
+                                    ssl_handshake_timeout=self._timeout_s)
         self._hand_over(protocol)
         data = memoryview(self._buffer)
         while data:
@@ -167,6 +167,22 @@ class ProtocolSniffer(asyncio.Protocol):
         if self._address is not None:
             self._sockets.close(self._address, self._transport)
             self._address = None
+
+
+def _tls_layer(loop):
+    """The TLS protocol of the loop's own TLS servers (uvloop's is written in C: -0.05 ms p50 at the event's load on
+    an H200 against asyncio's, bench/LOG.md section 81), as a subclass: _count_until_lost sets connection_lost on an
+    instance, which uvloop's C type does not allow."""
+    base = SSLProtocol
+    if type(loop).__module__.startswith("uvloop"):
+        try:
+            from uvloop.loop import SSLProtocol as base
+        except ImportError:  # (not public in uvloop: asyncio's works on its loop too)
+            pass
+    return _TLS_LAYERS.setdefault(base, type("TLSLayer", (base,), {}))
+
+
+_TLS_LAYERS = {}
 
 
 class PingLimitedConnection(ServerConnection):
