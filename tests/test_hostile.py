@@ -80,9 +80,11 @@ def team_row(port, team) -> dict:
 
 async def attempt(port, register, source, answers):
     """One stranger's connection from `source`: register (if given), note the server's answer in `answers`."""
+    opened = False
     try:
         async with connect(f"ws://127.0.0.1:{port}", local_addr=(source, 0), open_timeout=30,
                            max_size=None) as ws:
+            opened = True
             if register is not None:
                 try:
                     await ws.send(protocol.encode(register))
@@ -100,7 +102,9 @@ async def attempt(port, register, source, answers):
         pass
     except InvalidHandshake:  # closed unread: the address holds its limit of open sockets
         answers["cut"] += 1
-    except (ConnectionClosed, OSError, TimeoutError) as exc:
+    except ConnectionClosed as exc:  # (uvloop's client says a socket closed unread so, where asyncio's says the above)
+        answers["cut" if not opened else type(exc).__name__] += 1
+    except (OSError, TimeoutError) as exc:
         answers[type(exc).__name__] += 1
 
 
