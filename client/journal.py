@@ -30,8 +30,9 @@ PATH.incomplete.
 
 File: MAGIC, one JSON line (the header), then per request answered: unique_id (int64), the symbol's UTF-8 length
 (uint16) and bytes, 79 float32 features; per request refused: unique_id (int64) and the length 0xFFFF alone (no
-symbol is that long: one of 65535 bytes or more stops journaling); little-endian. (Still version 1: a file written
-before refusals were journaled holds none and reads the same; a client of before would misread one that holds some.)
+symbol is that long: one of 65535 bytes or more stops journaling, as does a unique_id beyond int64); little-endian.
+(Still version 1: a file written before refusals were journaled holds none and reads the same; a client of before
+would misread one that holds some.)
 """
 import errno
 import json
@@ -142,18 +143,33 @@ class Journal:
         for uid, symbol, features in requests:
             name = symbol.encode()
             if len(name) >= _REFUSED:  # no record holds it (its length would read as a refusal's)
-                with self._lock:
-                    if self._file is not None:
-                        self._set_aside(f"symbol {symbol[:20]!r}... is {len(name):,} bytes long, more than a "
-                                        f"journal holds")
+                self._cannot_hold(f"symbol {symbol[:20]!r}... is {len(name):,} bytes long")
                 return
-            parts += [_HEAD.pack(uid, len(name)), name, np.asarray(features, "<f4").tobytes()]
+            try:
+                head = _HEAD.pack(uid, len(name))
+            except struct.error:  # a server may send any integer: msgpack's go to 2**64 - 1, JSON's further
+                self._cannot_hold(f"unique_id {uid} is beyond int64")
+                return
+            parts += [head, name, np.asarray(features, "<f4").tobytes()]
         self._write(b"".join(parts))
 
     def refuse(self, unique_ids) -> None:
         """Write the unique_ids of requests refused (answered with an error, never stepped) in one write(): a
         restarted client refuses their resends again rather than step them."""
-        self._write(b"".join(_HEAD.pack(uid, _REFUSED) for uid in unique_ids))
+        unique_ids = list(unique_ids)
+        try:
+            records = b"".join(_HEAD.pack(uid, _REFUSED) for uid in unique_ids)
+        except struct.error:  # (as in append): raised here, it ended the client's run()
+            beyond = next(uid for uid in unique_ids if not -2**63 <= uid < 2**63)
+            self._cannot_hold(f"unique_id {beyond} is beyond int64")
+            return
+        self._write(records)
+
+    def _cannot_hold(self, what: str) -> None:
+        """A request no record holds: journaling stops (left out, a restart would step it again, or miss its step)."""
+        with self._lock:
+            if self._file is not None:
+                self._set_aside(f"{what}, more than a journal holds")
 
     def _write(self, records: bytes) -> None:
         if not records:

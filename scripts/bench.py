@@ -38,6 +38,7 @@ from kernels.skinny_matmul import promoted_partials
 from scripts.benchmarks import SECTIONS
 from scripts.benchmarks.harness import FULL, MAX_BATCH, QUICK, Bench, Counts, device_name
 from scripts.benchmarks.report import Progress, Report
+from scripts.benchmarks.serving import TLS_CERT, TLS_KEY
 
 PROG = cli.prog_name("scripts/bench.py")
 
@@ -191,6 +192,10 @@ def parse_args(argv=None):
             import_ray()
         except ImportError as exc:
             parser.error(str(exc))
+    if args.tls != "off" and not all(os.path.isfile(path) for path in (TLS_CERT, TLS_KEY)):
+        # an installed package holds no tests/: said now, not after the e2e targets, by a server that never started
+        parser.error(f"--tls {args.tls} serves with the TLS tests' certificate, not here "
+                     f"({os.path.normpath(TLS_CERT)}): run the bench from a checkout")
     late_after_ms = args.late_after_ms or [LATE_AFTER_S * 1000.0]
     if args.punctual_late_after_ms and max(args.punctual_late_after_ms) > min(late_after_ms):
         parser.error(f"--punctual-late-after-ms must not exceed --late-after-ms ({min(late_after_ms):g})")

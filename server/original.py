@@ -121,15 +121,18 @@ class ProtocolSniffer(asyncio.Protocol):
 
     def _hand_to_tls(self):
         """The connection to a TLS layer from its first bytes on (a client without TLS fails its handshake there),
-        the register timeout its handshake's too."""
+        its handshake closed at the register timeout from accept."""
         loop = asyncio.get_running_loop()
+        # what is left of the first bytes' timeout, not a timeout afresh: a byte sent just before it held the socket
+        # mid-handshake twice as long as asyncio's TLS server did (its handshake timed from accept)
+        handshake_timeout_s = max(self._timer.when() - loop.time(), 1e-3)
         behind = ProtocolSniffer(self._make_websocket_connection, self._on_original, self._timeout_s, None,
                                  socket_transport=self._transport)
         handshake = loop.create_future()
         # retrieved: a handshake that failed (a stranger's, a client without TLS) is closed already
         handshake.add_done_callback(lambda done: done.cancelled() or done.exception())
         protocol = _tls_layer(loop)(loop, behind, self._tls, handshake, server_side=True,
-                                    ssl_handshake_timeout=self._timeout_s)
+                                    ssl_handshake_timeout=handshake_timeout_s)
         self._hand_over(protocol)
         data = memoryview(self._buffer)
         while data:

@@ -482,3 +482,13 @@ def test_e2e_runs_over_tls_in_turn_with_tls_alternate(tmp_path):
     runs = json.loads(out.read_text())["e2e_runs"]
     assert [run["tls"] for run in runs] == [False, True]
     assert all(run["missed"] == 0 and run["accuracy"] == 1.0 for run in runs)
+
+
+def test_tls_without_the_tls_tests_certificate_is_refused_before_the_run(usage_error, monkeypatch, tmp_path):
+    """An installed package holds no tests/: --tls failed after the e2e targets were made, its server process gone
+    at start and waited for 120 s. It is refused as the options are read."""
+    bench = _load_bench()
+    monkeypatch.setattr(bench, "TLS_CERT", str(tmp_path / "tests" / "data" / "tls" / "cert.pem"), raising=False)
+    message = usage_error(bench.parse_args, ["--device", "cpu", "--sections", "e2e", "--tls", "alternate"])
+    assert "--tls alternate serves with the TLS tests' certificate, not here" in message
+    bench.parse_args(["--device", "cpu", "--sections", "e2e", "--tls", "off"])

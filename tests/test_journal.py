@@ -201,6 +201,26 @@ def test_a_symbol_too_long_for_a_record_stops_journaling_rather_than_read_back_a
     journal.close()
 
 
+@pytest.mark.parametrize("uid", [2**63, -2**63 - 1])
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_unique_id_beyond_int64_stops_journaling_rather_than_raise(tmp_path, caplog, uid, refused):
+    """A server may send any integer as a unique_id (msgpack's go to 2**64 - 1, JSON's further): one no record holds
+    raised struct.error out of refuse() (the runtime's refusal of a malformed or non-finite request: the client's
+    run() with it) and out of append() (a step's answer). It stops journaling, as a symbol too long does."""
+    path = tmp_path / "j"
+    journal = Journal(path, IDENTITY)
+    journal.begin("k")
+    journal.append(rows(1))
+    if refused:
+        journal.refuse([1, uid])
+    else:
+        journal.append([(1, "SYM_001", np.zeros(79, np.float32)), (uid, "SYM_001", np.zeros(79, np.float32))])
+    assert journal.failed and (tmp_path / "j.incomplete").exists()
+    assert f"unique_id {uid} is beyond int64, more than a journal holds" in caplog.text
+    journal.close()
+    assert [uid for uid, _, _ in records(Journal(tmp_path / "j.incomplete", IDENTITY))] == [0]
+
+
 class _LostShard(ReferenceEngine):
     """A reference engine whose shard of `lost` is gone: the symbol is unplaceable, each of its requests answered with
     an error for the rest of the stream and never stepped (as a sharded engine's after a loss)."""

@@ -1101,6 +1101,34 @@ def test_a_replayed_journals_refusals_are_refused_again_never_stepped(model):
     assert all("rejected earlier" in error for error in recorder.errors)
 
 
+@pytest.mark.parametrize("kind", ["malformed", "non-finite", "answered"])
+def test_a_unique_id_beyond_int64_stops_journaling_and_the_session_plays_on(model, tmp_path, kind):
+    """A request whose unique_id no journal record holds (2**64 - 1): its refusal's journaling raised struct.error
+    out of the client's run() (malformed, non-finite), its answer's out of the step (answered: the session gave up).
+    Journaling stops (client/journal.py) and every request is answered or refused."""
+    from client.journal import Journal
+
+    symbols, features = _stream(2)
+    big, row = 2**64 - 1, features[:1].copy()
+    row[0, 0] = np.nan if kind == "non-finite" else row[0, 0]
+    journal, recorder = Journal(tmp_path / "j", {}), Recorder()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(protocol.encode(protocol.welcome("tiny", None, 3, len(SYMBOLS), None, session_key="k")))
+        request = protocol.inference_request([big], symbols[:1], row, 0.0)
+        await ws.send(protocol.encode({**request, "features": "none"} if kind == "malformed" else request))
+        await ws.send(_request([0, 1], symbols, features))
+        await recorder.pump(ws, lambda: recorder.answered() == ({0, 1, big} if kind == "answered" else {0, 1})
+                            and len(recorder.errors) == (kind != "answered"))
+        await ws.send(protocol.encode(protocol.end(3)))
+        await ws.wait_closed()
+
+    _, summary = asyncio.run(_play(handler, CountingClient(ReferenceEngine(model)), leave_at_end=True,
+                                   journal=journal))
+    assert summary["outcome"] == runtime.COMPLETE and journal.failed
+
+
 @pytest.mark.parametrize("inline_steps", [False, True])
 def test_a_journal_write_that_fails_mid_session_stops_journaling_and_every_request_is_answered(model, tmp_path,
                                                                                                inline_steps):

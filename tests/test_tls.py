@@ -142,6 +142,31 @@ async def _closed_within(reader, seconds) -> bool:
         return True
 
 
+def test_a_tls_handshake_begun_just_before_the_register_timeout_is_closed_at_it():
+    """The handshake is timed from accept, as asyncio's TLS server timed it: a first byte sent just before the
+    register timeout gave the handshake a timeout afresh, the socket held mid-handshake for nearly twice as long."""
+    stream, targets = stand_in(30)
+
+    async def main():
+        server = ScoringServer(ServerConfig(tls_cert=CERT, tls_key=KEY, register_timeout_s=2.0), stream=stream,
+                               targets=targets)
+        port = await server.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            began = asyncio.get_running_loop().time()
+            await asyncio.sleep(1.5)
+            writer.write(CLIENT_HELLO_HEAD)
+            closed = await _closed_within(reader, 10)
+            held_s = asyncio.get_running_loop().time() - began
+            writer.close()
+            return closed, held_s
+        finally:
+            await server.stop()
+
+    closed, held_s = run(main())
+    assert closed and held_s < 2.75, held_s  # (3.5 s before)
+
+
 def test_sockets_held_in_their_tls_handshakes_meet_the_per_address_limit_at_accept():
     """asyncio's TLS server shows the server a connection only once its handshake is done: one address could hold
     sockets in their handshakes by the thousand, past its limit of open sockets. Each is counted at accept now: past
