@@ -492,3 +492,20 @@ def test_tls_without_the_tls_tests_certificate_is_refused_before_the_run(usage_e
     message = usage_error(bench.parse_args, ["--device", "cpu", "--sections", "e2e", "--tls", "alternate"])
     assert "--tls alternate serves with the TLS tests' certificate, not here" in message
     bench.parse_args(["--device", "cpu", "--sections", "e2e", "--tls", "off"])
+
+
+def test_a_scoring_server_process_that_cannot_start_is_said_at_once(tmp_path):
+    """The bench's server process ended at its start (a certificate it cannot serve with, here): the bench waited
+    120 s for its port before saying so."""
+    from client.streams import generate_stream
+    from scripts.benchmarks.serving import ServerProcess, server_config
+
+    not_pem = tmp_path / "cert.pem"
+    not_pem.write_text("no certificate here\n")
+    stream = generate_stream(2, 10, 0)
+    config = server_config(stream, 100.0, "tiny", 0)
+    config.tls_cert = str(not_pem)
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"the scoring server process ended \(exit code 1\)"):
+        ServerProcess(config, stream, np.zeros((len(stream), 4), np.float32))
+    assert time.monotonic() - began < 60

@@ -120,11 +120,18 @@ class ServerProcess:
         self.port = self._get(timeout=120)
 
     def _get(self, timeout):
-        try:
-            return self._to_parent.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"the scoring server process gave no answer in {timeout} s "
-                               f"(exit code {self._process.exitcode})") from None
+        """The child's next message; a child that ended without one is said at once, not after `timeout` (a server
+        that cannot start: its traceback is on stderr already)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._to_parent.get(timeout=0.1)
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise RuntimeError(f"the scoring server process ended (exit code {self._process.exitcode})") \
+                        from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the scoring server process gave no answer in {timeout} s") from None
 
     async def wait_done(self):
         while True:  # short waits, so that a cancelled wait leaves no thread blocked behind it
