@@ -178,10 +178,11 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
     processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir the event loop's stack in each of its
     long stalls (server_stacks.txt, client_stacks.txt there; client/stalls.py). ws_compression: both ends
     take permessage-deflate, as before bench/LOG.md section 50 (to measure against); tls: over TLS (wss://).
-    `during(client)`, a coroutine function, runs beside the session (the backlog section pauses the client with it). step_log: the summary's
-    "steps" is the runtime's step log (StreamingClient.steps). stalls: the summary's "client_stalls" are a
-    StallProbe's events in the client's process, "started" the session's start (time.monotonic()); a session that
-    does not ask runs no probe (the floor section's engine rung, with its step log, as its other rungs do).
+    `during(client)`, a coroutine function, runs beside the session (the backlog section pauses the client with
+    it). step_log: the summary's "steps" is the runtime's step log (StreamingClient.steps). stalls: the summary's
+    "client_stalls" are a StallProbe's events in the client's process, "started" the session's start
+    (time.monotonic()); a session that does not ask runs no probe (the floor section's engine rung, with its step
+    log, as its other rungs do).
     late_after_s: the runtime's step clock forms the next step late behind steps this long (punctual_late_after_s:
     while the host wakes its submitter on time), form_margin_s before its learned times say (None: its defaults);
     join_queued, inline_steps, late_parts_s: the runtime's (None: its defaults). The summary's "late_wakes" and
