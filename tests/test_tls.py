@@ -3,6 +3,7 @@ a certificate the client does not trust, a client without TLS at a server with i
 files that cannot serve. tests/data/tls holds a self-signed certificate for localhost and 127.0.0.1 (valid to 2126)
 and its key, made for these tests alone."""
 import asyncio
+import contextlib
 import ssl
 import urllib.request
 from pathlib import Path
@@ -19,21 +20,29 @@ TLS = Path(__file__).parent / "data" / "tls"
 CERT, KEY = str(TLS / "cert.pem"), str(TLS / "key.pem")
 
 
-def _play(url, config=None, **client_options):
+@contextlib.asynccontextmanager
+async def _serving(stream, targets, **config):
+    """(server, port): a ScoringServer of `config` (over TLS unless it says tls_cert=None) playing stream, started,
+    stopped at the end."""
+    server = ScoringServer(ServerConfig(**{"tls_cert": CERT, "tls_key": KEY, **config}), stream=stream,
+                           targets=targets)
+    port = await server.start()
+    try:
+        yield server, port
+    finally:
+        await server.stop()
+
+
+def _play(url, server_config=None, **client_options):
     """The client's summary and the server's summaries, a stand-in stream played at url's scheme on a fresh server
-    (TLS unless `config` says otherwise)."""
+    (TLS unless `server_config` says otherwise)."""
     stream, targets = stand_in(30)
-    config = config or ServerConfig(tls_cert=CERT, tls_key=KEY)
 
     async def main():
-        server = ScoringServer(config, stream=stream, targets=targets)
-        port = await server.start()
-        try:
+        async with _serving(stream, targets, **(server_config or {})) as (server, port):
             client = StreamingClient(Oracle(targets), url.format(port=port), "secure", leave_at_end=True,
                                      connect_timeout_s=1.0, **client_options)
             return await client.run(), server.summaries()
-        finally:
-            await server.stop()
 
     return run(main(), timeout=60)
 
@@ -61,7 +70,7 @@ def test_a_client_without_tls_at_a_server_with_it_is_told_to_use_tls(scheme, sec
 
 @pytest.mark.parametrize("scheme", ["wss", "tcp+tls"])
 def test_a_client_with_tls_at_a_server_without_it_is_told_to_drop_tls(scheme):
-    summary, _ = _play(f"{scheme}://127.0.0.1:{{port}}", ServerConfig(), tls_ca=CERT)
+    summary, _ = _play(f"{scheme}://127.0.0.1:{{port}}", dict(tls_cert=None, tls_key=None), tls_ca=CERT)
     plain = {"wss": "ws", "tcp+tls": "tcp"}[scheme]
     assert summary["outcome"] == runtime.WRONG_PROTOCOL
     assert "speaks without TLS" in summary["detail"] and f"{plain}://127.0.0.1:" in summary["detail"], \
@@ -73,13 +82,9 @@ def test_the_leaderboard_is_served_over_https():
     context = ssl.create_default_context(cafile=CERT)
 
     async def main():
-        server = ScoringServer(ServerConfig(tls_cert=CERT, tls_key=KEY), stream=stream, targets=targets)
-        port = await server.start()
-        try:
+        async with _serving(stream, targets) as (_, port):
             return await asyncio.to_thread(lambda: urllib.request.urlopen(f"https://127.0.0.1:{port}/scores.json",
                                                                           context=context, timeout=10).read())
-        finally:
-            await server.stop()
 
     assert b'"teams"' in run(main())
 
@@ -105,10 +110,7 @@ def test_a_socket_stalled_in_its_tls_handshake_is_closed_at_the_register_timeout
     stream, targets = stand_in(30)
 
     async def main():
-        server = ScoringServer(ServerConfig(tls_cert=CERT, tls_key=KEY, register_timeout_s=1.0), stream=stream,
-                               targets=targets)
-        port = await server.start()
-        try:
+        async with _serving(stream, targets, register_timeout_s=1.0) as (_, port):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)  # no ClientHello
             began = asyncio.get_running_loop().time()
             summary = await StreamingClient(Oracle(targets), f"wss://127.0.0.1:{port}", "secure", leave_at_end=True,
@@ -117,8 +119,6 @@ def test_a_socket_stalled_in_its_tls_handshake_is_closed_at_the_register_timeout
             held_s = asyncio.get_running_loop().time() - began
             writer.close()
             return summary, closed, held_s
-        finally:
-            await server.stop()
 
     summary, closed, held_s = run(main())
     assert summary["outcome"] == runtime.COMPLETE and closed == b"" and held_s < 5
@@ -148,10 +148,7 @@ def test_a_tls_handshake_begun_just_before_the_register_timeout_is_closed_at_it(
     stream, targets = stand_in(30)
 
     async def main():
-        server = ScoringServer(ServerConfig(tls_cert=CERT, tls_key=KEY, register_timeout_s=2.0), stream=stream,
-                               targets=targets)
-        port = await server.start()
-        try:
+        async with _serving(stream, targets, register_timeout_s=2.0) as (_, port):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             began = asyncio.get_running_loop().time()
             await asyncio.sleep(1.5)
@@ -160,8 +157,6 @@ def test_a_tls_handshake_begun_just_before_the_register_timeout_is_closed_at_it(
             held_s = asyncio.get_running_loop().time() - began
             writer.close()
             return closed, held_s
-        finally:
-            await server.stop()
 
     closed, held_s = run(main())
     assert closed and held_s < 2.75, held_s  # (3.5 s before)
@@ -174,10 +169,7 @@ def test_sockets_held_in_their_tls_handshakes_meet_the_per_address_limit_at_acce
     stream, targets = stand_in(30)
 
     async def main():
-        config = ServerConfig(tls_cert=CERT, tls_key=KEY, limits=Limits(max_connections_per_address=2))
-        server = ScoringServer(config, stream=stream, targets=targets)
-        port = await server.start()
-        try:
+        async with _serving(stream, targets, limits=Limits(max_connections_per_address=2)) as (_, port):
             held = [await _held_in_handshake(port, "127.0.0.9") for _ in range(9)]
             cut = [await _closed_within(reader, 0.5 if i < 8 else 5) for i, (reader, _) in enumerate(held)]
             summary = await StreamingClient(Oracle(targets), f"wss://127.0.0.1:{port}", "secure", leave_at_end=True,
@@ -185,8 +177,6 @@ def test_sockets_held_in_their_tls_handshakes_meet_the_per_address_limit_at_acce
             for _, writer in held:
                 writer.close()
             return cut, summary
-        finally:
-            await server.stop()
 
     cut, summary = run(main())
     assert cut == 8 * [False] + [True]
@@ -200,10 +190,7 @@ def test_a_flood_of_tls_handshakes_from_many_addresses_closes_the_oldest_never_a
     stream, targets = stand_in(60)
 
     async def main():
-        config = ServerConfig(tls_cert=CERT, tls_key=KEY, rate=40.0, limits=Limits(max_unregistered_sockets=cap))
-        server = ScoringServer(config, stream=stream, targets=targets)
-        port = await server.start()
-        try:
+        async with _serving(stream, targets, rate=40.0, limits=Limits(max_unregistered_sockets=cap)) as (server, port):
             teams = [asyncio.create_task(StreamingClient(Oracle(targets), f"{scheme}://127.0.0.1:{port}", "secure",
                                                          leave_at_end=True, tls_ca=CERT).run())
                      for scheme in ("wss", "tcp+tls")]
@@ -216,8 +203,6 @@ def test_a_flood_of_tls_handshakes_from_many_addresses_closes_the_oldest_never_a
             for _, writer in flood:
                 writer.close()
             return oldest, unregistered, summaries, server.summaries()
-        finally:
-            await server.stop()
 
     oldest, unregistered, summaries, server_summaries = run(main())
     assert oldest == cap * [True] and unregistered == cap
