@@ -939,6 +939,38 @@ def test_a_stream_that_simply_stops_on_an_event_style_server_ends_the_session():
     assert sorted(answered(received)) == list(range(6)) and summary["responses"] == 6
 
 
+def test_a_stream_that_stops_on_an_event_style_server_that_sends_no_heartbeat_ends_the_session():
+    """The facts say only the original client sends heartbeats: a server of the event's may fall silent once its
+    stream stops. With every request answered that is the stream's end too (exit 0), not a server cut short."""
+    rows = np.random.default_rng(6).standard_normal((3, 79))
+    received = []
+
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        writer.write(original.encode_line({"message_type": "inference_request", "unique_ids": [0, 1, 2],
+                                           "symbols": ["A", "B", "C"], "features": rows.tolist(),
+                                           "timestamp": time.time()}))
+        while line := await reader.readline():
+            received.append(msg := json.loads(line))
+            if msg["message_type"] == "inference_response":  # scored, and nothing else: no heartbeat
+                n = len(msg["unique_ids"])
+                writer.write(original.encode_line({"message_type": "score_update", "unique_ids": msg["unique_ids"],
+                                                   "trade_pnls": [1.0] * n, "accuracies": [1.0] * n,
+                                                   "latencies_ms": [1.0] * n}))
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(Echo(), url, "x", leave_at_end=True, server_idle_s=0.5).run()
+        server.close()
+        return summary
+
+    summary = run(main(), timeout=20)
+    assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
+    assert summary["detail"].startswith("the server sent no request for ")
+    assert sorted(answered(received)) == [0, 1, 2] and summary["responses"] == 3
+
+
 def test_closing_a_connection_whose_client_reads_nothing_frees_its_socket():
     """The server's close of an original-protocol connection (a refusal, a superseded one, a register timeout) waited
     for its last bytes to be sent: a client that read nothing held its socket, and the server's file descriptor, for
