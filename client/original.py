@@ -8,7 +8,8 @@ with a ``message_type`` field naming its kind (docs/facts.md, "The original prot
   timestamp (server send time, s). A row that is not 79 numbers is translated as NaN, its index in the project
   message's ``unreadable_rows``: the runtime refuses that request alone.
 - ``inference_response`` (client to server): unique_ids [int], predictions [[float]] (4 a request, tower order),
-  client_timestamp.
+  client_timestamp. A row that is not 4 numbers leaves the message, its id in ``unreadable_ids``: the server leaves
+  that request alone unanswered.
 - ``score_update`` (server to client): unique_ids, trade_pnls, accuracies (fraction of towers correct),
   latencies_ms.
 - ``heartbeat`` (both ways): timestamp. ``error`` (both ways): error (text), details (text or null).
@@ -121,12 +122,8 @@ _strs = _list_of(_is_text)
 _numbers = _list_of(_is_number)
 
 
-def _rows(obj, name, width) -> list:
-    rows = _field(obj, name, lambda v: isinstance(v, list), "a list of lists of numbers")
-    for row in rows:
-        if not (isinstance(row, list) and len(row) == width and all(_is_number(v) for v in row)):
-            raise ProtocolError(f"{obj['message_type']}: each row of {name!r} must be a list of {width} numbers")
-    return rows
+def _is_row(row, width) -> bool:
+    return isinstance(row, list) and len(row) == width and all(_is_number(v) for v in row)
 
 
 def _inference_request(obj: dict) -> dict:
@@ -166,14 +163,21 @@ def from_original(obj: dict, team: str = "") -> dict:
             raise protocol.request_error(str(exc), obj.get("unique_ids")) from None
     if kind == "inference_response":
         ids = _field(obj, "unique_ids", _ints, "a list of integers")
-        predictions = _rows(obj, "predictions", NUM_TOWERS)
+        predictions = _field(obj, "predictions", lambda v: isinstance(v, list), "a list of lists of numbers")
         # never read by the server: one that is no number (text, null) is taken as missing, not the answers refused
         client_timestamp = obj.get("client_timestamp")
         client_timestamp = float(client_timestamp) if _is_number(client_timestamp) else 0.0
         if len(ids) != len(predictions):
             raise ProtocolError(f"inference_response: {len(ids)} unique_ids but {len(predictions)} predictions")
-        return {"type": "inference_response", "unique_ids": ids, "predictions": predictions,
-                "client_timestamp": client_timestamp}
+        # A row that is not 4 numbers (null: NaN as most languages but Python write it) leaves its request alone
+        # unanswered, as a NaN row does: refusing the line lost the batch's other answers with it.
+        readable = [_is_row(row, NUM_TOWERS) for row in predictions]
+        msg = {"type": "inference_response", "unique_ids": [uid for uid, ok in zip(ids, readable) if ok],
+               "predictions": [row for row, ok in zip(predictions, readable) if ok],
+               "client_timestamp": client_timestamp}
+        if not all(readable):
+            msg["unreadable_ids"] = [uid for uid, ok in zip(ids, readable) if not ok]
+        return msg
     if kind == "score_update":
         ids = _field(obj, "unique_ids", _ints, "a list of integers")
         pnls = _field(obj, "trade_pnls", _numbers, "a list of numbers")

@@ -644,6 +644,8 @@ class StreamingClient:
             while self._frames == frames:
                 idle = time.monotonic() - since
                 if idle >= self.server_idle_s:
+                    if self._stream_stopped(ws):  # an event-style server may fall silent at its stream's end
+                        return
                     self._finish(CUT_SHORT, f"the server sent nothing for {idle:.1f} s (not even a heartbeat) and "
                                             f"never said the stream was over, after {self._played()} requests "
                                             f"answered (the limit: --server-idle-s {self.server_idle_s:g})")
@@ -660,8 +662,8 @@ class StreamingClient:
 
     def _stream_stopped(self, ws) -> bool:
         """The original protocol has no end: the event's server stops sending requests and keeps the connection open
-        (its heartbeats on), and the session went on for ever. Once it sent no request for server_idle_s, every one
-        answered, the stream is over (the server's `end`)."""
+        (its heartbeats on, or silent), and the session went on for ever (or was cut short as silent). Once it sent no
+        request for server_idle_s, every one answered, the stream is over (the server's `end`)."""
         quiet = time.monotonic() - self._last_request_at
         if (not isinstance(ws, transport.TcpJsonConnection) or self._ended or not self.stats.requests
                 or self._in_flight or quiet < self.server_idle_s):

@@ -546,6 +546,13 @@ class ScoringServer:
                     frame = protocol.encode(update)
                     session.note_scores_sent(frame, len(update["unique_ids"]), received)
                     await self._send(ws, frame)
+                unreadable = msg.get("unreadable_ids")
+                if unreadable:  # (the original protocol's) rows that were not 4 numbers, left out of the message
+                    session.errors += 1
+                    shown = ", ".join(map(str, unreadable[:10])) + (" ..." if len(unreadable) > 10 else "")
+                    problems.append(("protocol_error", f"inference_response: each prediction must be a list of "
+                                                       f"{protocol.NUM_TOWERS} numbers; unique_ids {shown} left "
+                                                       f"unanswered"))
                 for code, details in problems:
                     await self._send_error(ws, code, details)
                 if session.finished_at is not None:

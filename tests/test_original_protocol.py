@@ -651,16 +651,12 @@ def test_each_project_message_crosses_the_original_wire_and_back():
     (b"[1, 2]\n", "line must hold a JSON object, got list"),
     (b"[" * 100_000 + b"]" * 100_000 + b"\n", "line nests values deeper than Python's JSON decoder goes"),
     (b'{"type": "heartbeat"}\n', "unknown message_type None"),
-    (b'{"message_type": "inference_response", "unique_ids": [1], "predictions": [[1, 2, 3]]}\n',
-     "each row of 'predictions' must be a list of 4 numbers"),
     (b'{"message_type": "inference_response", "unique_ids": [1, 2], "predictions": [[1, 2, 3, 4]]}\n',
      "2 unique_ids but 1 predictions"),
     (b'{"message_type": "inference_request", "unique_ids": [1], "symbols": ["A"], "timestamp": 1}\n',
      "inference_request: missing field 'features'"),
     (b'{"message_type": "heartbeat", "timestamp": "now"}\n', "field 'timestamp' must be a finite number, got str"),
     # a JSON integer has no bound: one past float's range is no number here (msgpack's stop at 64 bits)
-    (b'{"message_type": "inference_response", "unique_ids": [1], "predictions": [[1' + b"0" * 400 + b', 0, 0, 0]]}\n',
-     "each row of 'predictions' must be a list of 4 numbers"),
     (b'{"message_type": "score_update", "unique_ids": [1], "trade_pnls": [1' + b"0" * 400 + b'], "accuracies": [1], '
      b'"latencies_ms": [1]}\n', "field 'trade_pnls' must be a list of numbers, got a list whose item 0 is int 100000"),
     # the item named, not "got list": ids that went through a float array
@@ -679,6 +675,14 @@ def test_each_project_message_crosses_the_original_wire_and_back():
 def test_a_bad_line_says_what_is_wrong(line, message):
     with pytest.raises(ProtocolError, match=re.escape(message)):
         original.from_original(original.decode_line(line))
+
+
+def test_a_response_row_that_is_not_4_numbers_leaves_the_message_its_id_named():
+    # a JSON integer has no bound: one past float's range is no number here (msgpack's stop at 64 bits)
+    line = (b'{"message_type": "inference_response", "unique_ids": [1, 2, 3, 4], "predictions": [[1, 2, 3], '
+            b'[1' + b"0" * 400 + b', 0, 0, 0], [null, 0, 0, 0], [5, 6, 7, 8]], "client_timestamp": 1}\n')
+    msg = original.from_original(original.decode_line(line))
+    assert msg["unique_ids"] == [4] and msg["predictions"] == [[5, 6, 7, 8]] and msg["unreadable_ids"] == [1, 2, 3]
 
 
 def test_a_row_that_is_not_79_numbers_is_refused_alone_and_the_rest_of_its_line_played():
@@ -728,6 +732,51 @@ def test_a_row_that_is_not_79_numbers_is_refused_alone_and_the_rest_of_its_line_
     for uid in (11, 12, 14):
         assert any(f"unique_id {uid} " in e and "79 numbers" in e for e in errors), errors
     assert summary["requests"] == 6 and summary["errors"] == 3
+
+
+def test_a_prediction_that_is_not_4_numbers_is_refused_alone_and_the_rest_of_its_line_scored():
+    """A response row of null (NaN as most languages' JSON writes it), or not 4 numbers: that request is left
+    unanswered, as a NaN row is; refusing the line lost the batch's other answers with it."""
+    stream, targets = stand_in()
+
+    async def main():
+        server = ScoringServer(ServerConfig(rate=400.0), stream=stream, targets=targets)
+        port = await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b'{"message_type": "register"}\n')
+        ids, replies = [], []
+        while len(ids) < 4:
+            msg = json.loads(await reader.readline())
+            ids += msg["unique_ids"] if msg["message_type"] == "inference_request" else []
+        ids = ids[:4]
+        rows = targets[ids].tolist()
+        rows[1][2], rows[3] = None, rows[3][:3]
+        writer.write(original.encode_line({"message_type": "inference_response", "unique_ids": ids,
+                                           "predictions": rows, "client_timestamp": 1.0}))
+        while not replies or replies[-1]["message_type"] != "error":  # (the score_update comes first)
+            msg = json.loads(await reader.readline())
+            if msg["message_type"] in ("score_update", "error"):
+                replies.append(msg)
+        # left unanswered: answered again, they are scored
+        writer.write(original.encode_line({"message_type": "inference_response", "unique_ids": [ids[1], ids[3]],
+                                           "predictions": targets[[ids[1], ids[3]]].tolist(),
+                                           "client_timestamp": 1.0}))
+        while replies[-1]["message_type"] != "score_update":
+            msg = json.loads(await reader.readline())
+            if msg["message_type"] in ("score_update", "error"):
+                replies.append(msg)
+        writer.close()
+        await server.stop()
+        return ids, replies
+
+    ids, replies = run(main())
+    assert len(replies) == 3, replies
+    scored, error, rescored = replies
+    assert scored["message_type"] == "score_update" and scored["unique_ids"] == [ids[0], ids[2]], scored
+    assert error["error"] == "protocol_error", error
+    assert error["details"] == (f"inference_response: each prediction must be a list of 4 numbers; unique_ids "
+                                f"{ids[1]}, {ids[3]} left unanswered")
+    assert rescored["message_type"] == "score_update" and rescored["unique_ids"] == [ids[1], ids[3]], rescored
 
 
 def test_a_burst_of_requests_reaches_an_original_client_in_short_lines_the_event_loop_free_between_them():
@@ -937,6 +986,38 @@ def test_a_stream_that_simply_stops_on_an_event_style_server_ends_the_session():
     assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
     assert summary["detail"].startswith("the server sent no request for ")
     assert sorted(answered(received)) == list(range(6)) and summary["responses"] == 6
+
+
+def test_a_stream_that_stops_on_an_event_style_server_that_sends_no_heartbeat_ends_the_session():
+    """The facts say only the original client sends heartbeats: a server of the event's may fall silent once its
+    stream stops. With every request answered that is the stream's end too (exit 0), not a server cut short."""
+    rows = np.random.default_rng(6).standard_normal((3, 79))
+    received = []
+
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        writer.write(original.encode_line({"message_type": "inference_request", "unique_ids": [0, 1, 2],
+                                           "symbols": ["A", "B", "C"], "features": rows.tolist(),
+                                           "timestamp": time.time()}))
+        while line := await reader.readline():
+            received.append(msg := json.loads(line))
+            if msg["message_type"] == "inference_response":  # scored, and nothing else: no heartbeat
+                n = len(msg["unique_ids"])
+                writer.write(original.encode_line({"message_type": "score_update", "unique_ids": msg["unique_ids"],
+                                                   "trade_pnls": [1.0] * n, "accuracies": [1.0] * n,
+                                                   "latencies_ms": [1.0] * n}))
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(Echo(), url, "x", leave_at_end=True, server_idle_s=0.5).run()
+        server.close()
+        return summary
+
+    summary = run(main(), timeout=20)
+    assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
+    assert summary["detail"].startswith("the server sent no request for ")
+    assert sorted(answered(received)) == [0, 1, 2] and summary["responses"] == 3
 
 
 def test_closing_a_connection_whose_client_reads_nothing_frees_its_socket():
