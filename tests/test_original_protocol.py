@@ -946,6 +946,25 @@ def test_a_response_whose_client_timestamp_is_no_number_is_scored():
         assert ids == [3] and predictions.tolist() == [[1, 2.5, 3, 4]]
 
 
+def _scored(ids) -> bytes:
+    """An event-style server's score_update line for the answers of `ids`."""
+    n = len(ids)
+    return original.encode_line({"message_type": "score_update", "unique_ids": ids, "trade_pnls": [1.0] * n,
+                                 "accuracies": [1.0] * n, "latencies_ms": [1.0] * n})
+
+
+def _played_on_event_style_server(handler) -> dict:
+    """The summary of our client (leaving at the stream's end, server_idle_s 0.5) played on `handler`'s server."""
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(Echo(), url, "x", leave_at_end=True, server_idle_s=0.5).run()
+        server.close()
+        return summary
+
+    return run(main(), timeout=20)
+
+
 def test_a_stream_that_simply_stops_on_an_event_style_server_ends_the_session():
     """The event's server has no end message: its stream stops, the connection stays open and its heartbeats go on.
     The client played on for ever; once no request came for server_idle_s, every one answered, the stream is over."""
@@ -969,20 +988,10 @@ def test_a_stream_that_simply_stops_on_an_event_style_server_ends_the_session():
             if line:
                 received.append(msg := json.loads(line))
                 if msg["message_type"] == "inference_response":
-                    n = len(msg["unique_ids"])
-                    writer.write(original.encode_line({"message_type": "score_update", "unique_ids": msg["unique_ids"],
-                                                       "trade_pnls": [1.0] * n, "accuracies": [1.0] * n,
-                                                       "latencies_ms": [1.0] * n}))
+                    writer.write(_scored(msg["unique_ids"]))
             writer.write(original.encode_line({"message_type": "heartbeat", "timestamp": time.time()}))
 
-    async def main():
-        server = await asyncio.start_server(handler, "127.0.0.1", 0)
-        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        summary = await StreamingClient(Echo(), url, "x", leave_at_end=True, server_idle_s=0.5).run()
-        server.close()
-        return summary
-
-    summary = run(main(), timeout=20)
+    summary = _played_on_event_style_server(handler)
     assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
     assert summary["detail"].startswith("the server sent no request for ")
     assert sorted(answered(received)) == list(range(6)) and summary["responses"] == 6
@@ -1002,19 +1011,9 @@ def test_a_stream_that_stops_on_an_event_style_server_that_sends_no_heartbeat_en
         while line := await reader.readline():
             received.append(msg := json.loads(line))
             if msg["message_type"] == "inference_response":  # scored, and nothing else: no heartbeat
-                n = len(msg["unique_ids"])
-                writer.write(original.encode_line({"message_type": "score_update", "unique_ids": msg["unique_ids"],
-                                                   "trade_pnls": [1.0] * n, "accuracies": [1.0] * n,
-                                                   "latencies_ms": [1.0] * n}))
+                writer.write(_scored(msg["unique_ids"]))
 
-    async def main():
-        server = await asyncio.start_server(handler, "127.0.0.1", 0)
-        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        summary = await StreamingClient(Echo(), url, "x", leave_at_end=True, server_idle_s=0.5).run()
-        server.close()
-        return summary
-
-    summary = run(main(), timeout=20)
+    summary = _played_on_event_style_server(handler)
     assert summary["outcome"] == runtime.COMPLETE, summary["detail"]
     assert summary["detail"].startswith("the server sent no request for ")
     assert sorted(answered(received)) == [0, 1, 2] and summary["responses"] == 3
