@@ -62,6 +62,22 @@ class IdRanges:
         if self._touching >= MAX_MOVED and 2 * self._touching >= len(self._starts) + len(self._loose):
             self._tidy()
 
+    def add_range(self, start: int, end: int) -> None:
+        """Add every id of [start, end): as one range where it lies past every id held (a restarted client's ids of
+        its journal's deleted segments, before any other), else id by id."""
+        if start >= end:
+            return
+        if self._loose or (self._ends and start < self._ends[-1]):
+            for uid in range(start, end):
+                self.add(uid)
+            return
+        self._count += end - start
+        if self._ends and start == self._ends[-1]:
+            self._ends[-1] = end
+        else:
+            self._starts.append(start)
+            self._ends.append(end)
+
     def _tidy(self) -> None:
         """Join every two pieces that touch: done once MAX_MOVED and half the pieces do, the pass over the ranges costs
         each join a few steps. Left apart, each id of a burst answered late kept ~77 B for good (a burst of 25,000

@@ -1,12 +1,13 @@
-"""The team client's journal: every request its steps answered, in the order they advanced the symbols' states, and
-every request it refused.
+"""The team client's journal: every request its steps answered, in the order they advanced the symbols' states, with
+its answer, and every request it refused; beside it, each symbol's state checkpointed now and then.
 
 A team client killed mid-session (kill -9, an out-of-memory kill, a reboot of its process) loses every symbol's
 state; started again, it took its session back (the server resends what was unanswered) and answered from fresh
 states, wrong for every symbol that had played (accuracy ~0.18 after, bench/LOG.md section 76). With a journal
-(`team/example_model.py --journal PATH`) the new process first replays the journaled requests through its team
-client, in their order and several of a symbol a step, which rebuilds each state exactly as the old process left
-it, and answers a resent request it replayed from the replay's prediction rather than stepping it twice.
+(`team/example_model.py --journal PATH`) the new process first loads the states checkpointed, then replays the
+journaled requests after them through its team client, in their order and several of a symbol a step, which
+rebuilds each state exactly as the old process left it; a resent request it journaled is answered from the journal
+(its answer), never stepped twice.
 
 A request is written when its step's answer comes back, before the answer goes out: whatever the server saw answered
 is in the journal, and whatever is not was never answered, so the server resends it to the new process. Each step's
@@ -15,29 +16,40 @@ machine may lose the tail, which then reads as a shorter journal). A request the
 error, never stepped: a lost shard's symbol's, a malformed or non-finite one, one no tier could place, a failed
 step's) is written as its id alone when it is refused, before the error goes out: the server resends it after a
 restart, as every request not answered with a prediction, and the new process refuses it again ("rejected earlier")
-instead of stepping it (before, it stepped it: the symbol's state advanced by a request the old process never
-applied). A request whose step answered NaN is both: stepped, then refused.
+instead of stepping it. A request whose step answered NaN is both: stepped, then refused.
 
-A journal belongs to one session of one server, team and weights: its header names them with the session key of the
-server's welcome, which the new process presents to take its team back (the file is readable by its owner alone). It
-grows ~350 bytes a request answered (~0.5 GB an hour at 400 requests/s) and 10 bytes a request refused; a new
-session of the server starts it afresh. A tail cut by a kill or a crash is cut off before the new process appends
-(appended after it, the next read took the cut record's length for a symbol's and read garbage from there on). It is
-read and replayed a chunk at a time: however long it is, a restart holds in memory only the answers the runtime may
-resend (its answer cache), the refused ids it tells apart (its REFUSALS_KEPT) and the older ids as ranges and bits.
-A write that fails (a full disk) stops journaling for the process, which plays on, and sets the file aside as
-PATH.incomplete.
+Bounded (where the team client can export and import its states: team/example_model.py's can): the journal is
+written in segments of SEGMENT_BYTES, PATH the one being written and PATH.part<N> the closed ones (N: the number of
+their first record in the session). The runtime checkpoints the state of each symbol with records in a closed
+segment, between steps, while none of its requests is in a step (client/state_checkpoints.py: after the journal's
+first `covers` records, its own among them), and a closed segment goes once every record in it is covered and none
+is among the last `keep` answered (the answers a restart keeps for the server's resends: the runtime's CACHE_SIZE).
+So the journal holds at most ~3 segments (768 MiB) and a restart replays at most those; the states take what the
+engine's states take (146 MiB a symbol in fp32), each written again once a segment (~30 minutes at 400 requests/s).
+A team client that cannot export its states journals one segment for the session, ~366 bytes a request answered
+(~0.5 GB an hour at 400 requests/s), and replays all of it.
 
-File: MAGIC, one JSON line (the header), then per request answered: unique_id (int64), the symbol's UTF-8 length
-(uint16) and bytes, 79 float32 features; per request refused: unique_id (int64) and the length 0xFFFF alone (no
-symbol is that long: one of 65535 bytes or more stops journaling, as does a unique_id beyond int64); little-endian.
-(Still version 1: a file written before refusals were journaled holds none and reads the same; a client of before
-would misread one that holds some.)
+A journal belongs to one session of one server, team and weights: each segment's header names them with the session
+key of the server's welcome, which the new process presents to take its team back (the files are readable by their
+owner alone). A new session of the server starts it afresh. A tail cut by a kill or a crash is cut off before the new
+process appends (appended after it, the next read took the cut record's length for a symbol's and read garbage from
+there on). It is read and replayed a chunk at a time: however long it is, a restart holds in memory only the answers
+the runtime may resend (its answer cache), the refused ids it tells apart (its REFUSALS_KEPT) and the older ids as
+ranges and bits. A write that fails (a full disk) stops journaling for the process, which plays on, and sets the
+files aside as PATH.incomplete (its segments and states beside it).
+
+A segment: MAGIC, one JSON line (the header: identity, session key, `first`), then per request answered: unique_id
+(int64), the symbol's UTF-8 length (uint16) and bytes, 79 float32 features, the 4 float32 predictions answered; per
+request refused: unique_id (int64) and the length 0xFFFF alone (no symbol is that long: one of 65535 bytes or more
+stops journaling, as does a unique_id beyond int64); little-endian. A version 1 file (before answers were journaled:
+no predictions, no `first`) is read as a first segment; the session goes on in a new one.
 """
 import errno
 import json
 import logging
 import os
+import re
+import shutil
 import struct
 import sys
 import threading
@@ -45,76 +57,150 @@ import time
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from client import team_api
-from client.constants import NUM_FEATURES
+from client.constants import NUM_FEATURES, NUM_TOWERS
 from client.id_ranges import IdBits, IdRanges
-from client.runtime import REFUSALS_KEPT
+from client.runtime import CACHE_SIZE, REFUSALS_KEPT
 from client.scheduler import Request, Scheduler
+from client.state_checkpoints import CheckpointError, StateCheckpoints
 
 log = logging.getLogger(__name__)
-MAGIC = b"team-client journal 1\n"
+MAGIC = b"team-client journal 2\n"
+MAGIC_V1 = b"team-client journal 1\n"  # records without their answers
 _HEAD = struct.Struct("<qH")
 _REFUSED = 0xFFFF  # the symbol's length of a refused request's record: its unique_id alone follows no symbol
 _FEATURE_BYTES = NUM_FEATURES * 4
+_PREDICTION_BYTES = NUM_TOWERS * 4
 REPLAY_ROWS = 4096  # requests a replay call hands the team client at most (the engine splits its own steps)
-READ_BYTES = 1 << 24  # read and replayed this much of the file at a time (~48,000 requests)
+READ_BYTES = 1 << 24  # read and replayed this much of the file at a time (~45,000 requests)
+SEGMENT_BYTES = 256 << 20  # a segment closes past this (~730,000 requests, ~30 minutes at 400 requests/s)
+_NUMBER = re.compile(r"[0-9]+")
 
 
 class JournalError(ValueError):
     """A journal that cannot be read or written, in one line."""
 
 
+class _Segment:
+    """A segment file of the journal: its records from `first` on, `count` of them whole, read up to `end` (bytes)."""
+
+    def __init__(self, path, first, version, records_at):
+        self.path, self.first, self.version, self.records_at = str(path), first, version, records_at
+        self.count, self.end = 0, records_at
+
+
 class Journal:
     """One session's journal at `path`: where its header names `identity` ({url, team, weights}: the server, team and
     weights of this client), its `session_key`, the `count` of whole records (read with records()), of them those
-    `refused`, and the `symbols` of those answered; appending once begin() has named the session."""
+    `refused`, and the `symbols` of those answered; appending once begin() has named the session. With `layout`
+    (the team client's state_layout: it can export and import its states), segments and state checkpoints
+    (`checkpoints`) bound it."""
 
-    def __init__(self, path, identity: dict):
+    def __init__(self, path, identity: dict, layout=None, segment_bytes=SEGMENT_BYTES, keep=CACHE_SIZE):
         self.path, self.identity = str(path), dict(identity)
+        self.layout, self.segment_bytes = layout, segment_bytes
+        self.keep = keep  # the answers a restart keeps for the server's resends: none of them is let go
         self.session_key: str | None = None
         self.count = self.refused = self.symbols = 0
-        self._records_at = self._records_end = 0  # the records' bytes: after the header, up to the last whole one
+        self.first = self.total = 0  # the number in the session of the first record held, and of the next one
+        self._segments: list[_Segment] = []  # the closed ones, then the one written
         self._file = None
-        self.failed = False  # a write failed: the file was set aside and nothing more is journaled (_set_aside)
+        self.failed = False  # a write failed: the files were set aside and nothing more is journaled (_set_aside)
+        self.checkpoints_failed = False  # a state could not be exported or written: no more checkpoints
         self._lock = threading.Lock()  # steps answer from the completer thread and the event loop
+        self.checkpoints: StateCheckpoints | None = None
+        # symbol -> the number of its first record no checkpoint covers, in that order (records come in order)
+        self._dirty: OrderedDict[str, int] = OrderedDict()
+        self._exporting: dict[str, int] = {}  # symbol -> its _dirty entry while its checkpoint is being made
         try:
-            with open(self.path, "rb") as f:
-                header, self._records_at = _read_header(f, self.path)
-                if header is None or any(header.get(k) != v for k, v in self.identity.items()):
-                    return
-                count, refused, end, symbols = 0, 0, self._records_at, set()
-                for chunk, chunk_end in _chunks(f, self._records_at, None, features=False):
-                    count, end = count + len(chunk), chunk_end
-                    refused += sum(symbol is None for _, symbol, _ in chunk)
-                    symbols.update(symbol for _, symbol, _ in chunk)
-        except FileNotFoundError:
-            return
+            self._read()
         except OSError as exc:
             raise JournalError(f"--journal {self.path}: cannot read it ({exc.strerror})") from None
-        symbols.discard(None)  # (a refused request's record names none)
-        self.session_key, self.count, self.refused = header.get("session_key"), count, refused
-        self.symbols = len(symbols)
-        self._records_end = end
+        except CheckpointError as exc:
+            raise JournalError(f"--journal {self.path}: {exc}") from None
+
+    def _parts(self) -> list[tuple[int, Path]]:
+        """(number, path) of the files PATH.part<number>, in number order."""
+        path = Path(self.path)
+        prefix = path.name + ".part"
+        return sorted((int(name[len(prefix):]), path.parent / name) for name in os.listdir(path.parent)
+                      if name.startswith(prefix) and _NUMBER.fullmatch(name[len(prefix):]))
+
+    def _read(self) -> None:
+        parts = self._parts()
+        if parts and not os.path.exists(self.path):  # killed while closing a segment: the last one is written on
+            os.replace(parts.pop()[1], self.path)
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return
+        with f:
+            header, version, records_at = _read_header(f, self.path)
+        if header is None or any(header.get(k) != v for k, v in self.identity.items()):
+            return
+        self.session_key = header.get("session_key")
+        segments = []
+        for number, part in parts:
+            with open(part, "rb") as f:
+                part_header, part_version, part_at = _read_header(f, part)
+            if part_header is not None and part_header.get("session_key") == self.session_key \
+                    and all(part_header.get(k) == v for k, v in self.identity.items()):
+                segments.append(_Segment(part, number, part_version, part_at))
+        segments.append(_Segment(self.path, header.get("first", 0), version, records_at))
+        if any(a.first > b.first for a, b in zip(segments, segments[1:])):
+            raise JournalError(f"--journal {self.path}: its segments are out of order (remove them to begin afresh)")
+        states = Path(self.path + ".states")
+        if states.is_dir():
+            self.checkpoints = StateCheckpoints(states, self.session_key)
+        covers = self.checkpoints.covers if self.checkpoints is not None else {}
+        symbols = set()
+        for segment in segments:
+            number = segment.first
+            with open(segment.path, "rb") as f:
+                for chunk, chunk_end in _chunks(f, segment.records_at, None, segment.version, features=False):
+                    for _, symbol, _, _ in chunk:
+                        if symbol is None:
+                            self.refused += 1
+                        else:
+                            symbols.add(symbol)
+                            if number >= covers.get(symbol, 0) and symbol not in self._dirty:
+                                self._dirty[symbol] = number
+                        number += 1
+                    segment.count += len(chunk)
+                    segment.end = chunk_end
+            if segment is not segments[-1] and number != segments[segments.index(segment) + 1].first:
+                raise JournalError(f"--journal {self.path}: segment {segment.path} holds {segment.count} records "
+                                   "where the next begins after another number (remove them to begin afresh)")
+        self._segments = segments
+        self.count, self.symbols = sum(s.count for s in segments), len(symbols)
+        self.first, self.total = segments[0].first, segments[-1].first + segments[-1].count
+
+    @property
+    def replayable(self) -> bool:
+        """Whether a restart has anything to load or replay."""
+        return bool(self.count or self.checkpoints is not None and self.checkpoints.covers)
 
     def records(self):
-        """The journaled (unique_id, symbol, features) in order, a list a chunk of the file at a time; a refused
-        request's (unique_id, None, None)."""
-        if not self.count:
-            return
+        """The journaled (unique_id, symbol, features, prediction) in order, from the session's record `first` on, a
+        list a chunk of a file at a time; a refused request's (unique_id, None, None, None); a prediction of a
+        version 1 file's None."""
         try:
-            with open(self.path, "rb") as f:  # up to those counted: the file may have grown since
-                for chunk, _ in _chunks(f, self._records_at, self._records_end):
-                    yield chunk
+            for segment in self._segments:  # up to those counted: the file written may have grown since
+                if segment.count:
+                    with open(segment.path, "rb") as f:
+                        for chunk, _ in _chunks(f, segment.records_at, segment.end, segment.version):
+                            yield chunk
         except OSError as exc:
             raise JournalError(f"--journal {self.path}: cannot read it ({exc.strerror})") from None
 
     def begin(self, session_key: str | None) -> None:
         """Journal the session `session_key` (the welcome's, each connection's): go on appending where it is the
-        one being written (a reconnect) or the one read (after its last whole record), else start the file afresh
-        (its records forgotten). (A reconnect had started it afresh, or cut it back to where it was read.)"""
+        one being written (a reconnect) or the one read (after its last whole record, in a new segment after a
+        version 1 file), else start afresh (its records, segments and states forgotten)."""
         with self._lock:
             if self.failed:  # set aside after a failed write: nothing more is journaled in this process
                 return
@@ -123,24 +209,67 @@ class Journal:
                     return
                 self._file.close()
                 self._file = None
-            go_on = session_key is not None and session_key == self.session_key and self.count > 0
+            go_on = session_key is not None and session_key == self.session_key and (
+                self.count > 0 or self.checkpoints is not None and self.checkpoints.covers)
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if go_on else os.O_TRUNC), 0o600)
-                if go_on:
-                    os.ftruncate(fd, self._records_end)  # a tail cut mid-record is dropped, not appended after
-                self._file = os.fdopen(fd, "ab" if go_on else "wb", buffering=0)
                 if not go_on:
-                    self._file.write(MAGIC + json.dumps({**self.identity, "session_key": session_key}).encode()
-                                     + b"\n")
-                    self.count = self.refused = self.symbols = 0
+                    self._start_afresh(session_key)
+                elif self._segments[-1].version != 2:  # records of before cannot be appended to: a segment of its own
+                    os.truncate(self.path, self._segments[-1].end)
+                    self._close_segment()
+                else:
+                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                    os.ftruncate(fd, self._segments[-1].end)  # a tail cut mid-record is dropped, not appended after
+                    self._file = os.fdopen(fd, "ab", buffering=0)
+                if go_on and self.layout is not None and self.checkpoints is None:
+                    self.checkpoints = StateCheckpoints(self.path + ".states", session_key)
+                    self.checkpoints.start(session_key, self.layout)
             except OSError as exc:
                 raise JournalError(f"--journal {self.path}: cannot write it ({exc.strerror})") from None
             self.session_key = session_key
 
-    def append(self, requests) -> None:
-        """Write (unique_id, symbol, features) of a step's answered requests, in its order, in one write()."""
+    def _start_afresh(self, session_key) -> None:
+        for part in self._parts():
+            os.remove(part[1])
+        self._segments = []
+        self.count = self.refused = self.symbols = self.first = self.total = 0
+        self._dirty.clear()
+        self._exporting.clear()
+        self._open_segment(session_key, 0, os.O_TRUNC)
+        states = self.path + ".states"
+        if self.layout is not None:
+            self.checkpoints = StateCheckpoints(states, session_key)
+            self.checkpoints.start(session_key, self.layout)
+        else:
+            self.checkpoints = None
+            shutil.rmtree(states, ignore_errors=True)
+
+    def _open_segment(self, session_key, first, mode) -> None:
+        """Open PATH as a new segment whose first record is `first` (with `mode` O_TRUNC, or O_EXCL)."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | mode, 0o600)
+        self._file = os.fdopen(fd, "wb", buffering=0)
+        head = MAGIC + json.dumps({**self.identity, "session_key": session_key, "first": first}).encode() + b"\n"
+        self._file.write(head)
+        self._segments.append(_Segment(self.path, first, 2, len(head)))
+
+    def _close_segment(self) -> None:
+        """PATH becomes PATH.part<first> and a new segment begins at PATH (killed between the two, the next read
+        takes the part back as PATH)."""
+        written = self._segments[-1]
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        written.path = f"{self.path}.part{written.first}"
+        os.replace(self.path, written.path)
+        self._open_segment(self.session_key, self.total, os.O_EXCL)
+
+    def append(self, requests, predictions=None) -> None:
+        """Write (unique_id, symbol, features) of a step's answered requests, in its order, each with its row of
+        `predictions` (None: NaN, as a request answered with an error), in one write()."""
         parts = []
-        for uid, symbol, features in requests:
+        rows = np.full((0, NUM_TOWERS), np.nan, "<f4") if predictions is None else np.asarray(predictions, "<f4")
+        symbols = []
+        for row, (uid, symbol, features) in enumerate(requests):
             name = symbol.encode()
             if len(name) >= _REFUSED:  # no record holds it (its length would read as a refusal's)
                 self._cannot_hold(f"symbol {symbol[:20]!r}... is {len(name):,} bytes long")
@@ -150,8 +279,10 @@ class Journal:
             except struct.error:  # a server may send any integer: msgpack's go to 2**64 - 1, JSON's further
                 self._cannot_hold(f"unique_id {uid} is beyond int64")
                 return
-            parts += [head, name, np.asarray(features, "<f4").tobytes()]
-        self._write(b"".join(parts))
+            answer = rows[row].tobytes() if row < len(rows) else _NO_ANSWER
+            parts += [head, name, np.asarray(features, "<f4").tobytes(), answer]
+            symbols.append(symbol)
+        self._write(b"".join(parts), symbols)
 
     def refuse(self, unique_ids) -> None:
         """Write the unique_ids of requests refused (answered with an error, never stepped) in one write(): a
@@ -163,7 +294,7 @@ class Journal:
             beyond = next(uid for uid in unique_ids if not -2**63 <= uid < 2**63)
             self._cannot_hold(f"unique_id {beyond} is beyond int64")
             return
-        self._write(records)
+        self._write(records, [None] * len(unique_ids))
 
     def _cannot_hold(self, what: str) -> None:
         """A request no record holds: journaling stops (left out, a restart would step it again, or miss its step)."""
@@ -171,7 +302,7 @@ class Journal:
             if self._file is not None:
                 self._set_aside(f"{what}, more than a journal holds")
 
-    def _write(self, records: bytes) -> None:
+    def _write(self, records: bytes, symbols) -> None:
         if not records:
             return
         with self._lock:
@@ -181,19 +312,118 @@ class Journal:
                 written = self._file.write(records)
                 if written != len(records):  # (a disk filling up writes part of it, then fails the next write)
                     raise OSError(errno.ENOSPC, f"{written} of {len(records)} bytes written")
+                segment = self._segments[-1]
+                segment.end += written
+                segment.count += len(symbols)
+                for symbol in symbols:
+                    if symbol is not None and symbol not in self._dirty:
+                        self._dirty[symbol] = self.total
+                    self.total += 1
+                if self.checkpoints is not None and segment.end >= self.segment_bytes:
+                    self._close_segment()
             except OSError as exc:
                 self._set_aside(f"a write failed ({exc.strerror or exc})")
 
+    # ---- checkpoints (the runtime's, between steps) ------------------------------------------------------------
+    def checkpoint_due(self) -> bool:
+        """Whether a closed segment waits for a symbol's checkpoint, or can go (cheap: asked after every step)."""
+        if self.checkpoints is None or len(self._segments) < 2 or self.failed or self.checkpoints_failed:
+            return False
+        with self._lock:
+            return self._due()
+
+    def droppable(self) -> bool:
+        """Whether the oldest closed segment can go (drop_covered)."""
+        with self._lock:
+            return self._droppable()
+
+    def _due(self) -> bool:
+        return len(self._segments) >= 2 and (bool(self._dirty) and next(iter(self._dirty.values()))
+                                             < self._segments[1].first or self._droppable())
+
+    def begin_checkpoint(self, busy) -> tuple[str, int] | None:
+        """(symbol, covers): the symbol to checkpoint next, none of whose requests is in a step (`busy`: the symbols
+        that have some), whose state after the journal's first `covers` records the runtime exports now; None if no
+        closed segment waits for one."""
+        with self._lock:
+            if self.checkpoints is None or self.failed or self.checkpoints_failed or not self._due():
+                return None
+            closed_end = self._segments[1].first
+            for symbol, number in self._dirty.items():
+                if number >= closed_end:
+                    return None
+                if symbol not in busy:
+                    self._exporting[symbol] = self._dirty.pop(symbol)
+                    return symbol, self.total
+            return None
+
+    def end_checkpoint(self, symbol: str, covers: int, state=None, failed: str | None = None) -> None:
+        """Write the state exported of `symbol` (a uint8 array; None: the engine held none) as covering the first
+        `covers` records, then let go the segments now covered; or, `failed` (why), keep its records needed. Called
+        off the event loop (it writes and syncs the state's bytes)."""
+        if failed is None:
+            try:
+                self.checkpoints.write(symbol, covers, state)
+            except OSError as exc:
+                failed = f"its file could not be written ({exc.strerror or exc})"
+        with self._lock:
+            number = self._exporting.pop(symbol)
+            if failed is not None:  # its records stay needed: before any of its records since, in number order
+                log.error("--journal %s: the state of %s was not checkpointed: %s; checkpoints stop, the journal "
+                          "keeps every record from here on", self.path, symbol, failed)
+                self._dirty[symbol] = min(number, self._dirty.get(symbol, number))
+                self._dirty = OrderedDict(sorted(self._dirty.items(), key=lambda item: item[1]))
+                self.checkpoints_failed = True  # (tried again after each step, a full disk took a state's write each)
+        if failed is None:
+            self.drop_covered()
+
+    def _droppable(self) -> bool:
+        """Whether the oldest closed segment can go: every record of it covered, and none among the last `keep`
+        (called holding the lock)."""
+        if len(self._segments) < 2:
+            return False
+        end = self._segments[1].first
+        needed = min(self._exporting.values(), default=self.total)
+        if self._dirty:
+            needed = min(needed, next(iter(self._dirty.values())))
+        return needed >= end and end <= self.total - self.keep
+
+    def drop_covered(self) -> None:
+        """Let go each oldest closed segment that every checkpoint covers: its ids kept (the answered ones as
+        ranges, the refused ones by id) before it is deleted. Called off the event loop (it reads the segment)."""
+        while True:
+            with self._lock:
+                if self.failed or not self._droppable():
+                    return
+                segment = self._segments[0]
+            answered, refused = [], []
+            with open(segment.path, "rb") as f:
+                for chunk, _ in _chunks(f, segment.records_at, segment.end, segment.version, features=False):
+                    for uid, symbol, _, _ in chunk:
+                        (refused if symbol is None else answered).append(uid)
+            self.checkpoints.add_gone(answered, refused)
+            with self._lock:
+                os.remove(segment.path)
+                self._segments.pop(0)
+                self.count -= segment.count
+                self.refused -= len(refused)
+                self.first = self._segments[0].first
+
     def _set_aside(self, why: str) -> None:
         """A write failed (a full disk, an I/O error) or cannot be made: journaling stops for this process, which
-        plays on, and the file is renamed PATH.incomplete, so that a restart neither replays a history missing its
-        last steps (the states it rebuilt would be wrong, and said right) nor appends after a torn record. Before,
-        the error escaped the step's answer: its answers never went out and the event loop's pump stopped (the
-        session hung)."""
+        plays on, and the files are renamed PATH.incomplete (its segments and states beside it), so that a restart
+        neither replays a history missing its last steps (the states it rebuilt would be wrong, and said right) nor
+        appends after a torn record. Before, the error escaped the step's answer: its answers never went out and the
+        event loop's pump stopped (the session hung)."""
         self._file.close()
         self._file, self.failed = None, True
         aside = self.path + ".incomplete"
         try:
+            for segment in self._segments[:-1]:
+                os.replace(segment.path, f"{aside}.part{segment.first}")
+            if os.path.isdir(self.path + ".states"):
+                shutil.rmtree(aside + ".states", ignore_errors=True)
+                os.replace(self.path + ".states", aside + ".states")
             os.replace(self.path, aside)
             where = f"set aside as {aside}; a restart begins a new journal"
         except OSError as rename:
@@ -208,6 +438,9 @@ class Journal:
                 self._file = None
 
 
+_NO_ANSWER = np.full(NUM_TOWERS, np.nan, "<f4").tobytes()
+
+
 def check_file(path) -> None:
     """JournalError in one line where `path` holds something other than a journal (read its header only: said when
     the arguments are parsed, before the model loads)."""
@@ -220,26 +453,28 @@ def check_file(path) -> None:
         raise JournalError(f"--journal {path}: cannot read it ({exc.strerror})") from None
 
 
-def _read_header(f, path) -> tuple[dict | None, int]:
-    """(header, offset of the first record) of the journal open as `f`; (None, 0) for an empty file; JournalError for
-    one that is not a journal."""
+def _read_header(f, path) -> tuple[dict | None, int, int]:
+    """(header, version, offset of the first record) of the journal's segment open as `f`; (None, 2, 0) for an empty
+    file; JournalError for one that is not a journal."""
     head = f.read(len(MAGIC))
     if not head:
-        return None, 0
+        return None, 2, 0
     line = f.readline(1 << 20)
-    if head != MAGIC or not line.endswith(b"\n"):
+    if head not in (MAGIC, MAGIC_V1) or not line.endswith(b"\n"):
         raise JournalError(f"--journal {path}: not a team-client journal (give a new path, or remove the file)")
     try:
         header = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise JournalError(f"--journal {path}: its header is not JSON (give a new path, or remove the file)") from None
-    return header, len(MAGIC) + len(line)
+    return header, 2 if head == MAGIC else 1, len(MAGIC) + len(line)
 
 
-def _chunks(f, at: int, end: int | None = None, features: bool = True):
-    """([(unique_id, symbol, features)], the offset after the last of them) for each READ_BYTES of the records from
-    offset `at` up to offset `end` (None: the file's end), in order (features None unless `features`; a refused
-    request's symbol and features None); a tail cut inside a record (the process killed mid-write) ends them."""
+def _chunks(f, at: int, end: int | None = None, version: int = 2, features: bool = True):
+    """([(unique_id, symbol, features, prediction)], the offset after the last of them) for each READ_BYTES of the
+    records from offset `at` up to offset `end` (None: the file's end), in order (features and predictions None
+    unless `features`; a refused request's symbol, features and prediction None; a version 1 file's predictions
+    None); a tail cut inside a record (the process killed mid-write) ends them."""
+    answer_bytes = _PREDICTION_BYTES if version == 2 else 0
     f.seek(at)
     data = b""
     while more := f.read(READ_BYTES if end is None else min(READ_BYTES, end - at - len(data))):
@@ -248,15 +483,19 @@ def _chunks(f, at: int, end: int | None = None, features: bool = True):
         while used + _HEAD.size <= len(data):
             uid, length = _HEAD.unpack_from(data, used)
             if length == _REFUSED:
-                records.append((uid, None, None))
+                records.append((uid, None, None, None))
                 used += _HEAD.size
                 continue
             start = used + _HEAD.size + length
-            stop = start + _FEATURE_BYTES
+            stop = start + _FEATURE_BYTES + answer_bytes
             if stop > len(data):
                 break
-            records.append((uid, data[used + _HEAD.size:start].decode(),
-                            np.frombuffer(data, "<f4", NUM_FEATURES, start).copy() if features else None))
+            symbol = data[used + _HEAD.size:start].decode()
+            if features:
+                answer = np.frombuffer(data, "<f4", NUM_TOWERS, start + _FEATURE_BYTES).copy() if answer_bytes else None
+                records.append((uid, symbol, np.frombuffer(data, "<f4", NUM_FEATURES, start).copy(), answer))
+            else:
+                records.append((uid, symbol, None, None))
             used = stop
         at, data = at + used, data[used:]
         if records:
@@ -279,54 +518,102 @@ class Replayed:
         return self.count
 
 
-def replay(team_client, chunks, total: int, keep: int, max_batch=None, max_per_symbol=8,
-           progress=sys.stderr, keep_refused=REFUSALS_KEPT) -> Replayed:
-    """Step the journaled requests (`chunks`: lists of (unique_id, symbol, features) in journal order, `total` in
-    all, Journal.records()) through the team client's process_batch, batched as the runtime's scheduler batches
-    them (each symbol's in order), a chunk at a time, the refused ones never; what it answered, the last `keep`
-    answers kept, and what was refused, the last `keep_refused` ids kept. A line of progress every second on
-    `progress` (None: quiet)."""
+def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_symbol=8, progress=sys.stderr,
+           keep_refused=REFUSALS_KEPT) -> Replayed:
+    """Load the journal's checkpointed states into the team client (import_state), then step the journaled requests
+    after them (Journal.records(): each symbol's records its state covers are answered with the answers journaled)
+    through its process_batch, batched as the runtime's scheduler batches them (each symbol's in order), a chunk at
+    a time, the refused ones never; what it answered, the last `keep` answers kept, and what was refused, the last
+    `keep_refused` ids kept. A line of progress every second on `progress` (None: quiet)."""
     per_symbol = team_api.max_per_symbol(team_client, max_per_symbol)
     replayed, began, said = Replayed(), time.monotonic(), time.monotonic()
+    covers = _load_states(team_client, journal, replayed, keep_refused, progress)
     steps, kept = deque(), 0  # (requests by id, [(unique_id, prediction)]) of the last steps: ~keep answers
-    refusals = 0
-    for chunk in chunks:
-        scheduler = Scheduler()
-        for uid, symbol, features in chunk:
-            if symbol is not None:
+    refusals, number = 0, journal.first
+
+    def answered(by_id, answers):
+        nonlocal kept
+        steps.append((by_id, answers))
+        replayed.count, kept = replayed.count + len(answers), kept + len(answers)
+        while steps and kept - len(steps[0][1]) >= keep:  # the oldest step's answers are older than the last keep
+            _, old = steps.popleft()
+            kept -= len(old)
+            for uid, _ in old:
+                replayed.older.add(uid)
+
+    for chunk in journal.records():
+        scheduler, covered = Scheduler(), {}
+        for uid, symbol, features, prediction in chunk:
+            number += 1
+            if symbol is None:  # refused, never stepped (the old process never applied it): a resend is refused again
+                refusals, replayed.count = refusals + 1, replayed.count + 1
+                _refused(replayed, uid, keep_refused)
+            elif number - 1 < covers.get(symbol, 0):  # in its state loaded: answered as journaled
+                covered[uid] = Request(uid, symbol, features), prediction
+            else:
                 scheduler.push(Request(uid, symbol, features))
-                continue
-            # refused, never stepped (the old process never applied it): a resend is refused again
-            refusals, replayed.count = refusals + 1, replayed.count + 1
-            replayed.refused[uid] = None
-            if len(replayed.refused) > keep_refused:  # as the runtime keeps them: the older ones a bit each
-                aged = replayed.refused.popitem(last=False)[0]
-                replayed.refused_long_ago.add(aged)
-                replayed.older.add(aged)
+        if covered:
+            answered({uid: request for uid, (request, _) in covered.items()},
+                     [(uid, prediction) for uid, (_, prediction) in covered.items()])
         while len(scheduler):
             batch = scheduler.next_batch(max_batch, per_symbol, rows_for=lambda rows, _: min(rows, REPLAY_ROWS))
             answer = team_client.process_batch(team_api.batch_for(team_client, batch))
             by_id = {request.unique_id: request for request in batch}
-            answered = [(uid, prediction) for uid, prediction in
-                        zip(answer["unique_ids"], np.asarray(answer["predictions"], np.float32)) if uid in by_id]
-            steps.append((by_id, answered))
-            replayed.count, kept = replayed.count + len(answered), kept + len(answered)
-            while steps and kept - len(steps[0][1]) >= keep:  # the oldest step's answers are older than the last keep
-                _, old = steps.popleft()
-                kept -= len(old)
-                for uid, _ in old:
-                    replayed.older.add(uid)
+            answered(by_id, [(uid, prediction) for uid, prediction in
+                             zip(answer["unique_ids"], np.asarray(answer["predictions"], np.float32)) if uid in by_id])
             if progress is not None and time.monotonic() - said >= 1.0:
                 said = time.monotonic()
                 refused = f", {refusals:,} of them refused: not stepped" if refusals else ""
-                print(f"journal: replayed {replayed.count:,} of {total:,} requests{refused} "
+                print(f"journal: replayed {replayed.count:,} of {journal.count:,} requests{refused} "
                       f"({replayed.count / (said - began):,.0f}/s)", file=progress)
-    for by_id, answered in steps:
-        for uid, prediction in answered:
-            if np.isfinite(prediction).all():
+    for by_id, answers in steps:
+        for uid, prediction in answers:
+            if prediction is not None and np.isfinite(prediction).all():
                 replayed.recent[uid] = prediction, by_id[uid].symbol, by_id[uid].features
             else:  # answered with an error then: a resend is refused, never answered with NaN from the cache
                 replayed.older.add(uid)
     while len(replayed.recent) > keep:
         replayed.older.add(replayed.recent.popitem(last=False)[0])
     return replayed
+
+
+def _refused(replayed: Replayed, uid: int, keep_refused: int) -> None:
+    replayed.refused[uid] = None
+    if len(replayed.refused) > keep_refused:  # as the runtime keeps them: the older ones a bit each
+        aged = replayed.refused.popitem(last=False)[0]
+        replayed.refused_long_ago.add(aged)
+        replayed.older.add(aged)
+
+
+def _load_states(team_client, journal: Journal, replayed: Replayed, keep_refused: int, progress) -> dict:
+    """Import the journal's checkpointed states into the team client, and the ids of its deleted segments into
+    `replayed`; the records each symbol's state covers ({symbol: covers})."""
+    checkpoints = journal.checkpoints
+    if checkpoints is None or not checkpoints.covers:
+        return {}
+    layout = team_api.state_layout(team_client)
+    if layout is None:
+        raise JournalError(f"--journal {journal.path}: its states are checkpointed, and this team client cannot "
+                           "import states (state_layout, import_state): use the team client that wrote them")
+    try:
+        checkpoints.check_layout(layout)
+    except CheckpointError as exc:
+        raise JournalError(f"--journal {journal.path}: {exc}") from None
+    if progress is not None:
+        print(f"journal: loading the checkpointed states of {len(checkpoints.covers):,} symbols "
+              f"({checkpoints.bytes / 2**30:.2f} GiB)", file=progress)
+    for symbol in checkpoints.covers:
+        try:
+            state = checkpoints.load(symbol)
+        except CheckpointError as exc:
+            raise JournalError(f"--journal {journal.path}: {exc}") from None
+        if state is not None:
+            team_client.import_state(symbol, state)
+    starts, ends, refused = checkpoints.gone()
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        replayed.older.add_range(start, end)
+    for uid in refused.tolist():
+        replayed.count += 1
+        _refused(replayed, uid, keep_refused)
+    replayed.count += int((ends - starts).sum())
+    return checkpoints.covers

@@ -14,6 +14,7 @@ twice. The server's protocol (websocket or the original event's tcp-json) is the
 (client/transport.py).
 """
 import asyncio
+import concurrent.futures
 import gc
 import logging
 import math
@@ -400,6 +401,11 @@ class StreamingClient:
         self._clock = StepClock(row_sizes=team_api.step_rows(team_client),
                                 **{k: v for k, v in clock_options.items() if v is not None})
         self._submitter_done = False
+        # the symbol whose state is being exported for the journal's checkpoint (none of its requests joins a step
+        # until the copy is done), and the thread that writes the checkpoints (client/journal.py)
+        self._checkpointing: str | None = None
+        self._checkpoint_writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._checkpoint_job: concurrent.futures.Future | None = None
         self._wake_at: int | None = 0  # waiting symbols from which an arrival notifies the submitter (under the lock)
         # The fields below are touched only on the event loop thread.
         # uid -> what the request held (_request_print): a resent id must hold the same request
@@ -469,6 +475,8 @@ class StreamingClient:
                 await asyncio.to_thread(thread.join)
             while self.inline_steps and (self._steps or self._late):  # _pump answers every step submitted
                 await asyncio.sleep(READY_POLL_S)
+            if self._checkpoint_writer is not None:  # a checkpoint half made is of no use: finished
+                await asyncio.to_thread(self._checkpoint_writer.shutdown)
             if self._send_tasks:
                 await asyncio.gather(*self._send_tasks, return_exceptions=True)
             gc.unfreeze()
@@ -923,6 +931,8 @@ class StreamingClient:
                 self._fail(batch, exc, "process_batch")
                 continue
             self._answer(ids, predictions, errors, batch)
+            if self.journal is not None and self.journal.checkpoint_due():  # (no step in flight)
+                self._checkpoint()
 
     def _submit_steps(self):
         try:
@@ -954,6 +964,50 @@ class StreamingClient:
             self._clock.submitted(formed_at, submitted_at)
             self._steps.append(_Step(batch, pending, submitted_at, size, record))
             self._steps_ready.notify()
+        if self.journal is not None and self.journal.checkpoint_due():
+            self._checkpoint()
+
+    # ---- the journal's state checkpoints (client/journal.py) ------------------------------------------------
+    def _checkpoint(self):
+        """Export the state of a symbol that the journal's oldest closed segment waits for and none of whose requests
+        is in a step, or let covered segments go, in the checkpoint thread, one at a time. Called by the thread that
+        submits the steps, after a submit: the export follows the steps submitted and comes before the next; and
+        none of the symbol's requests joins a step until its copy is done (a join enters a step submitted before)."""
+        if self._checkpoint_job is not None and not self._checkpoint_job.done():
+            return
+        with self._work_ready:
+            busy = set(self._joining) | set(self._held)
+            for step in (*self._steps, *self._late):
+                busy.update(r.symbol for r in step.batch)
+                busy.update(r.symbol for r in step.joined)
+            due = self.journal.begin_checkpoint(busy)
+            if due is not None:
+                self._checkpointing = due[0]
+        if self._checkpoint_writer is None:
+            self._checkpoint_writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        if due is None:
+            if self.journal.droppable():
+                self._checkpoint_job = self._checkpoint_writer.submit(self.journal.drop_covered)
+            return
+        symbol, covers = due
+        try:
+            pending = self.team_client.export_state(symbol)
+        except Exception as exc:  # a failing team client must not kill the runtime: its records are kept
+            with self._work_ready:
+                self._checkpointing = None
+            self.journal.end_checkpoint(symbol, covers, failed=f"export_state raised {type(exc).__name__}: {exc}")
+            return
+        self._checkpoint_job = self._checkpoint_writer.submit(self._write_checkpoint, symbol, covers, pending)
+
+    def _write_checkpoint(self, symbol, covers, pending):
+        """(The checkpoint thread) wait for the state's copy, let the symbol join steps again, write it."""
+        try:
+            state, failed = pending.result(), None
+        except Exception as exc:
+            state, failed = None, f"its export failed ({type(exc).__name__}: {exc})"
+        with self._work_ready:
+            self._checkpointing = None
+        self.journal.end_checkpoint(symbol, covers, state, failed)
 
     # ---- inline steps (the event loop thread) ------------------------------------------------------
     def _pump(self):
@@ -1079,7 +1133,8 @@ class StreamingClient:
         takes it and nothing of its symbol waits before it (called holding the lock): it is then answered with that
         step instead of the one after. `request` is an arrival, or one taken from the front of its queue."""
         if not self._queued_step_joinable() or self._scheduler.has(request.symbol) or request.symbol in self._joining \
-                or request.symbol in self._held:  # its request in a step with late parts is answered first
+                or request.symbol in self._held \
+                or request.symbol == self._checkpointing:  # (its export is ordered before that step's end)
             return False
         pending, joined = self._steps[-1].pending, self._steps[-1].joined
         try:
@@ -1366,7 +1421,7 @@ class StreamingClient:
         self._mark("done", ids)
         if self.journal is not None and ids:  # before the answers go: all the server saw answered is journaled
             by_id = {r.unique_id: r for r in requests}
-            self.journal.append((uid, by_id[uid].symbol, by_id[uid].features) for uid in ids)
+            self.journal.append([(uid, by_id[uid].symbol, by_id[uid].features) for uid in ids], predictions)
         finite = np.isfinite(predictions).all(axis=1)
         if not finite.all():  # NaN never goes out (nor is it JSON, the original protocol's): the request fails
             errors = {**errors, **{ids[row]: NON_FINITE_PREDICTION for row in np.flatnonzero(~finite)}}

@@ -24,6 +24,12 @@ A team client may also offer prefetch(symbols), called as requests arrive, and r
 forms (team/example_model.py's do); one whose states never leave where its steps run says moves_states = False and
 the runtime uses neither, unless it says holds_back = True (ready alone then, asked while a step has late parts:
 a sharded engine's).
+
+A team client may also export and import its states (team/example_model.py's does where its engine can):
+state_layout() -> a JSON-able description of the states' bytes (None: it cannot), export_state(symbol) -> a
+pending whose result() is the symbol's state as a uint8 array after the steps submitted before it (None: no state
+held), import_state(symbol, data). The journal then checkpoints each symbol's state now and then and lets the
+records its states cover go (client/journal.py).
 """
 ONE, MANY = "one", "many"
 FORMATS = (ONE, MANY)
@@ -56,6 +62,16 @@ def holds_back(team_client) -> bool:
     instead of adding steps to those it does not answer. The runtime then asks ready as a step forms while one has
     late parts."""
     return getattr(team_client, "holds_back", False) is True
+
+
+def state_layout(team_client):
+    """The layout of the states the team client exports and imports (its state_layout()), or None where it has
+    not all three of state_layout, export_state and import_state, or says None: the journal then keeps every record
+    of the session (client/journal.py)."""
+    if not all(callable(getattr(team_client, name, None)) for name in ("state_layout", "export_state",
+                                                                        "import_state")):
+        return None
+    return team_client.state_layout()
 
 
 def steps_in_background(team_client) -> bool:

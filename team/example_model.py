@@ -109,6 +109,22 @@ class ExampleModel:
         """The runtime's scheduler holds a symbol back while this is False (its state still on its way)."""
         return self.engine.ready(symbol)
 
+    def state_layout(self):
+        """The layout of the states export_state gives (the engine's), or None where they cannot be checkpointed (the
+        journal's, client/journal.py): the engine cannot export them, or a subclass answers with a process_batch of
+        its own, which may keep a state of its own beside the engine's."""
+        if type(self).process_batch is not ExampleModel.process_batch:
+            return None
+        return self.engine.state_layout()
+
+    def export_state(self, symbol) -> PendingStep:
+        """The symbol's state after the steps submitted so far: result() a uint8 array, None where none is held."""
+        return self.engine.export_state(symbol)
+
+    def import_state(self, symbol, data) -> None:
+        """The symbol's state set to what export_state gave, before the steps submitted after."""
+        self.engine.import_state(symbol, data)
+
     def _submit(self, requests_by_symbol, joinable=False) -> PendingStep:
         # A symbol the engine has no room for is answered with an error; the others step as usual.
         rejected = self.engine.unplaceable(list(requests_by_symbol))
@@ -451,13 +467,16 @@ def _replay_journal(args, url, fingerprint, team_client):
     from client.journal import Journal, replay
     from client.runtime import CACHE_SIZE
 
-    journal = Journal(args.journal, {"url": url, "team": args.team, "weights": fingerprint})
-    if not journal.count:
+    journal = Journal(args.journal, {"url": url, "team": args.team, "weights": fingerprint},
+                      layout=team_api.state_layout(team_client), keep=CACHE_SIZE)
+    if not journal.replayable:
         return journal, None
     refused = f"; the {journal.refused:,} it refused are refused again, never stepped" if journal.refused else ""
+    states = journal.checkpoints.covers if journal.checkpoints is not None else {}
+    onto = f"the checkpointed states of {len(states):,} symbols" if states else "fresh states"
     print(f"{PROG}: replaying the {journal.count - journal.refused:,} requests of {journal.symbols:,} symbols in the "
-          f"journal {args.journal} into fresh states{refused}", file=sys.stderr)
-    replayed = replay(team_client, journal.records(), journal.count, CACHE_SIZE, team_api.step_symbols(team_client),
+          f"journal {args.journal} onto {onto}{refused}", file=sys.stderr)
+    replayed = replay(team_client, journal, CACHE_SIZE, team_api.step_symbols(team_client),
                       args.max_requests_per_symbol)
     return journal, replayed
 

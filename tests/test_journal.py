@@ -50,13 +50,13 @@ def test_a_session_journaled_is_read_back_in_order_and_goes_on_where_it_is_the_s
     journal.close()
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"  # it holds the session key
     again = Journal(path, IDENTITY)
-    assert again.session_key == "key-1" and [uid for uid, _, _ in records(again)] == list(range(5))
+    assert again.session_key == "key-1" and [uid for uid, *_ in records(again)] == list(range(5))
     assert again.count == 5
     assert all(np.array_equal(a[2], b[2]) and a[1] == b[1] for a, b in zip(records(again), rows(5)))
     again.begin("key-1")  # the same session: appended to
     again.append([(5, "SYM_002", np.zeros(79, np.float32))])
     again.close()
-    assert [uid for uid, _, _ in records(Journal(path, IDENTITY))] == list(range(6))
+    assert [uid for uid, *_ in records(Journal(path, IDENTITY))] == list(range(6))
     other = Journal(path, IDENTITY)
     other.begin("key-2")  # another session: started afresh
     other.close()
@@ -77,7 +77,7 @@ def test_a_reconnect_to_the_same_session_goes_on_appending(tmp_path, read_before
     journal.begin("k")  # the connection dropped; the reconnect's welcome
     journal.append(rows(6)[4:])
     journal.close()
-    assert [uid for uid, _, _ in records(Journal(path, IDENTITY))] == list(range(6))
+    assert [uid for uid, *_ in records(Journal(path, IDENTITY))] == list(range(6))
 
 
 def test_a_tail_cut_by_a_kill_and_another_servers_journal_are_read_as_far_as_they_hold(tmp_path):
@@ -90,7 +90,7 @@ def test_a_tail_cut_by_a_kill_and_another_servers_journal_are_read_as_far_as_the
     # the session goes on after a restart: the cut record is dropped, not appended after (read back, its length
     # field took the new records' bytes for its symbol and features: garbage from there on)
     read = records(journaled(path, [(9, "SYM_009", np.ones(79, np.float32))]))
-    assert [(uid, symbol) for uid, symbol, _ in read] == [(uid, symbol) for uid, symbol, _ in rows(4)] + [
+    assert [(uid, symbol) for uid, symbol, *_ in read] == [(uid, symbol) for uid, symbol, _ in rows(4)] + [
         (9, "SYM_009")] and np.array_equal(read[-1][2], np.ones(79, np.float32))
 
 
@@ -100,9 +100,9 @@ def test_a_tail_cut_inside_a_refusal_is_read_as_far_as_it_holds_and_cut_off_befo
     with open(path, "ab") as f:
         f.write((4).to_bytes(8, "little") + b"\xff")  # the refusal of id 4 cut one byte short
     journal = Journal(path, IDENTITY)
-    assert (journal.count, journal.refused) == (4, 1) and [uid for uid, _, _ in records(journal)] == [0, 1, 2, 3]
+    assert (journal.count, journal.refused) == (4, 1) and [uid for uid, *_ in records(journal)] == [0, 1, 2, 3]
     read = records(journaled(path, Refused([5]), [(6, "SYM_000", np.ones(79, np.float32))]))
-    assert [(uid, symbol) for uid, symbol, _ in read] == [(0, "SYM_000"), (1, "SYM_001"), (2, "SYM_002"), (3, None),
+    assert [(uid, symbol) for uid, symbol, *_ in read] == [(0, "SYM_000"), (1, "SYM_001"), (2, "SYM_002"), (3, None),
                                                           (5, None), (6, "SYM_000")]
     assert np.array_equal(read[-1][2], np.ones(79, np.float32))
 
@@ -113,7 +113,7 @@ def test_records_are_those_counted_when_the_file_grew_after_it_was_read(tmp_path
     path = tmp_path / "j"
     opened = journaled(path, rows(3))
     journaled(path, [(9, "SYM_009", np.ones(79, np.float32))])  # another process of the session goes on
-    assert opened.count == 3 and [uid for uid, _, _ in records(opened)] == [0, 1, 2]
+    assert opened.count == 3 and [uid for uid, *_ in records(opened)] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("content, match", [(b"garbage\n", "not a team-client journal"),
@@ -133,7 +133,7 @@ def test_replay_steps_each_symbols_requests_in_order_as_one_at_a_time_a_chunk_at
     journal = journaled(tmp_path / "j", *(rows(20)[begin:begin + 4] for begin in range(0, 20, 4)))
     assert journal.count == 20 and len(list(journal.records())) >= 6
     model, _ = load_model("tiny", seed=0)
-    replayed = replay(ExampleModel(ReferenceEngine(model)), journal.records(), journal.count, keep=5, max_batch=2,
+    replayed = replay(ExampleModel(ReferenceEngine(model)), journal, keep=5, max_batch=2,
                       max_per_symbol=3, progress=None)
     assert len(replayed) == 20 and list(replayed.recent) == list(range(15, 20))
     assert all(uid in replayed.older for uid in range(15)) and 15 not in replayed.older
@@ -168,7 +168,7 @@ def test_refused_requests_are_read_back_in_their_place_and_replay_steps_none_of_
     steps = [stream[:4], Refused([4]), stream[5:7], Refused([7, 8]), stream[9:]]
     journal = journaled(tmp_path / "j", *steps)
     read = records(journal)
-    assert [(uid, symbol is None, features is None) for uid, symbol, features in read] == [
+    assert [(uid, symbol is None, features is None) for uid, symbol, features, _ in read] == [
         (uid, uid in refused, uid in refused) for uid in range(12)]
     assert (journal.count, journal.refused, journal.symbols) == (12, 3, 3)
     answered_alone = journaled(tmp_path / "answered", *(step for step in steps if not isinstance(step, Refused)))
@@ -176,7 +176,7 @@ def test_refused_requests_are_read_back_in_their_place_and_replay_steps_none_of_
     assert answered_alone.refused == 0
     model, _ = load_model("tiny", seed=0)
     team = _Noting(ReferenceEngine(model))
-    replayed = replay(team, journal.records(), journal.count, keep=100, max_per_symbol=3, progress=None)
+    replayed = replay(team, journal, keep=100, max_per_symbol=3, progress=None)
     assert sorted(team.handed) == [uid for uid in range(12) if uid not in refused]
     assert len(replayed) == 12 and list(replayed.refused) == refused
     assert not set(refused) & set(replayed.recent) and not any(uid in replayed.older for uid in range(12))
@@ -185,7 +185,7 @@ def test_refused_requests_are_read_back_in_their_place_and_replay_steps_none_of_
         if uid not in refused:
             np.testing.assert_allclose(replayed.recent[uid][0], alone.step([symbol], features[None])[0], rtol=1e-5,
                                        atol=1e-6)
-    bounded = replay(_Noting(ReferenceEngine(model)), journal.records(), journal.count, keep=100, progress=None,
+    bounded = replay(_Noting(ReferenceEngine(model)), journal, keep=100, progress=None,
                      keep_refused=1)
     assert list(bounded.refused) == [8] and 8 not in bounded.refused_long_ago
     assert all(uid in bounded.refused_long_ago and uid in bounded.older for uid in (4, 7))
@@ -218,7 +218,7 @@ def test_a_unique_id_beyond_int64_stops_journaling_rather_than_raise(tmp_path, c
     assert journal.failed and (tmp_path / "j.incomplete").exists()
     assert f"unique_id {uid} is beyond int64, more than a journal holds" in caplog.text
     journal.close()
-    assert [uid for uid, _, _ in records(Journal(tmp_path / "j.incomplete", IDENTITY))] == [0]
+    assert [uid for uid, *_ in records(Journal(tmp_path / "j.incomplete", IDENTITY))] == [0]
 
 
 class _LostShard(ReferenceEngine):
@@ -267,7 +267,7 @@ def test_a_request_refused_before_a_kill_is_refused_again_after_the_restart_neve
             journal.close()
             journal = Journal(path, IDENTITY)
             team = _Noting(ReferenceEngine(model))
-            replayed = replay(team, journal.records(), journal.count, CACHE_SIZE, progress=None)
+            replayed = replay(team, journal, CACHE_SIZE, progress=None)
             again = StreamingClient(team, url, "testers", leave_at_end=True, session_key=journal.session_key,
                                     journal=journal, replayed=replayed)
             summary = await asyncio.wait_for(again.run(), 60)
@@ -283,8 +283,8 @@ def test_a_request_refused_before_a_kill_is_refused_again_after_the_restart_neve
     assert "rejected earlier" in caplog.text
     # every request of the stream in the session's journal once: answered, or refused by the first process
     journal = records(Journal(path, IDENTITY))
-    assert {uid for uid, symbol, _ in journal if symbol is None} == refused
-    assert sorted(uid for uid, symbol, _ in journal if symbol is not None) == sorted(set(range(n)) - refused)
+    assert {uid for uid, symbol, *_ in journal if symbol is None} == refused
+    assert sorted(uid for uid, symbol, *_ in journal if symbol is not None) == sorted(set(range(n)) - refused)
 
 
 class _NaNForSymbol0:
@@ -303,7 +303,7 @@ def test_a_replayed_non_finite_answer_is_never_kept_to_answer_a_resend(tmp_path,
     """A request answered with a non-finite prediction went out as an error: replayed, its id is among the older
     ones (a resend refused), never in the answers a resend is given; keep = 0 keeps none."""
     journal = journaled(tmp_path / "j", rows(12))
-    replayed = replay(_NaNForSymbol0(), journal.records(), journal.count, keep=keep, progress=None)
+    replayed = replay(_NaNForSymbol0(), journal, keep=keep, progress=None)
     assert len(replayed) == 12 and len(replayed.recent) <= keep
     assert all(np.isfinite(prediction).all() for prediction, _, _ in replayed.recent.values())
     assert sorted([*replayed.recent, *(uid for uid in range(12) if uid in replayed.older)]) == list(range(12))
@@ -349,4 +349,4 @@ def test_a_failed_write_stops_journaling_and_sets_the_file_aside_the_session_pla
     assert not path.exists()
     assert Journal(path, IDENTITY).count == 0  # a restart begins a new journal
     aside = Journal(tmp_path / "j.incomplete", IDENTITY)  # what was written before, for whoever looks
-    assert [uid for uid, _, _ in records(aside)][:3] == [0, 1, 2]
+    assert [uid for uid, *_ in records(aside)][:3] == [0, 1, 2]

@@ -1071,7 +1071,7 @@ def test_a_replayed_journal_answers_its_resends_in_its_session_and_ends_in_anoth
     assert summary["outcome"] == runtime.COMPLETE and recorder.answered() == {1, 2}
     answers = dict(recorder.responses)
     assert np.array_equal(answers[1], predictions[1]) and team.stepped == {symbols[2]: 1}  # 1 from the replay
-    assert [uid for chunk in Journal(tmp_path / "j", {}).records() for uid, _, _ in chunk] == [0, 1, 2]
+    assert [uid for chunk in Journal(tmp_path / "j", {}).records() for uid, *_ in chunk] == [0, 1, 2]
 
 
 def test_a_replayed_journals_refusals_are_refused_again_never_stepped(model):

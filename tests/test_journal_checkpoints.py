@@ -1,0 +1,258 @@
+"""client/journal.py's segments and state checkpoints: a bounded journal that a restart replays from the states."""
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from client.engine.base import PendingStep
+from client.journal import MAGIC_V1, Journal, JournalError, replay
+from client.state_checkpoints import StateCheckpoints
+
+IDENTITY = {"url": "ws://127.0.0.1:1", "team": "t", "weights": "abc"}
+RECORD_BYTES = 10 + 7 + 79 * 4 + 4 * 4  # a request of a symbol SYM_nnn
+
+
+class Toy:
+    """A team client with a recurrent state a symbol small enough to follow: state = state / 2 + features[:4], its
+    prediction the state; it exports and imports its states."""
+    requests_per_symbol = "many"
+
+    def __init__(self, layout="toy"):
+        self.states, self.stepped, self.layout = {}, [], layout
+
+    def process_batch(self, batch):
+        ids, rows = [], []
+        for symbol, requests in batch.items():
+            for uid, features in requests:
+                state = self.states.get(symbol, np.zeros(4, np.float32)) * np.float32(0.5) + features[:4]
+                self.states[symbol] = state
+                ids.append(uid)
+                rows.append(state.copy())
+                self.stepped.append(uid)
+        return {"unique_ids": ids, "predictions": np.asarray(rows, np.float32).reshape(-1, 4)}
+
+    def submit_batch(self, batch):
+        return PendingStep.completed(self.process_batch(batch))
+
+    def state_layout(self):
+        return {"toy": self.layout}
+
+    def export_state(self, symbol):
+        state = self.states.get(symbol)
+        return PendingStep.completed(None if state is None else state.view(np.uint8).copy())
+
+    def import_state(self, symbol, data):
+        self.states[symbol] = np.frombuffer(bytes(data), np.float32).copy()
+
+
+def stream(n, symbols=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(uid, f"SYM_{uid % symbols:03d}", rng.standard_normal(79).astype(np.float32)) for uid in range(n)]
+
+
+def play(path, requests, refused=(), busy=frozenset(), segment_records=5, keep=3, team=None):
+    """Journal `requests` as the runtime does, a step each (`refused` ids refused instead), checkpointing after each
+    step what the journal asks for (never a symbol of `busy`); the team client."""
+    team = team or Toy()
+    journal = Journal(path, IDENTITY, layout=team.state_layout(), segment_bytes=segment_records * RECORD_BYTES,
+                      keep=keep)
+    journal.begin("k")
+    for uid, symbol, features in requests:
+        if uid in refused:
+            journal.refuse([uid])
+        else:
+            answer = team.process_batch({symbol: [(uid, features)]})
+            journal.append([(uid, symbol, features)], answer["predictions"])
+        while journal.checkpoint_due():
+            due = journal.begin_checkpoint(busy)
+            if due is None:
+                if not journal.droppable():
+                    break
+                journal.drop_covered()
+                continue
+            journal.end_checkpoint(due[0], due[1], team.export_state(due[0]).result())
+    journal.close()
+    return team
+
+
+def parts(path):
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(path.name + ".part"))
+
+
+def test_a_journal_bounded_by_checkpoints_replays_only_its_tail_onto_the_states_bit_for_bit(tmp_path):
+    """Segments close every 5 records; each symbol with records in a closed one is checkpointed and a segment whose
+    records are all covered, and not among the last `keep` answers, is deleted: 60 requests leave <= 2 closed
+    segments. A fresh team client loads the states and steps only the records after them, and ends with every
+    state bit for bit the first one's; the last `keep` answers are the journaled ones; the ids before them, deleted
+    or not, are older ids; the refused ones, deleted or not, are refused again."""
+    path, requests, refused = tmp_path / "j", stream(60), {4, 7, 31}
+    first = play(path, requests, refused)
+    assert 1 <= len(parts(path)) <= 2 and os.path.getsize(path) <= 5 * RECORD_BYTES + 200
+    journal = Journal(path, IDENTITY, layout=first.state_layout(), keep=3)
+    assert journal.first > 20 and journal.total == 60 and journal.count == 60 - journal.first
+    again = Toy()
+    replayed = replay(again, journal, keep=3, progress=None)
+    assert again.states.keys() == first.states.keys()
+    assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
+    assert set(again.stepped) < set(range(journal.first, 60)) - refused  # the records covered are not stepped
+    assert len(replayed) == 60 and list(replayed.recent) == [57, 58, 59]
+    expected = Toy()
+    for uid, symbol, features in requests:
+        if uid not in refused:
+            prediction = expected.process_batch({symbol: [(uid, features)]})["predictions"][0]
+            if uid in replayed.recent:
+                assert np.array_equal(replayed.recent[uid][0], prediction) and replayed.recent[uid][1] == symbol
+            else:
+                assert uid in replayed.older
+    assert list(replayed.refused) == sorted(refused) and not any(uid in replayed.recent for uid in refused)
+
+
+def test_a_busy_symbol_is_never_checkpointed_and_keeps_its_segments(tmp_path):
+    """A symbol with a request in a step is not checkpointed (its state would not be the journal's): the segments
+    holding its records stay, and a restart replays them."""
+    path = tmp_path / "j"
+    first = play(path, stream(40), busy={"SYM_001"})
+    assert len(parts(path)) >= 6  # SYM_001's records in every segment
+    again = Toy()
+    replay(again, Journal(path, IDENTITY, layout=first.state_layout()), keep=3, progress=None)
+    assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
+
+
+def test_a_restart_goes_on_in_the_same_session_and_a_new_session_clears_segments_and_states(tmp_path):
+    path, requests = tmp_path / "j", stream(50)
+    first = play(path, requests[:30])
+    again = Toy()
+    replay(again, Journal(path, IDENTITY, layout=again.state_layout(), keep=3), keep=3, progress=None)
+    play(path, requests[30:], team=again)  # the restart goes on journaling the session
+    third = Toy()
+    replay(third, Journal(path, IDENTITY, layout=third.state_layout(), keep=3), keep=3, progress=None)
+    straight = Toy()
+    for uid, symbol, features in requests:
+        straight.process_batch({symbol: [(uid, features)]})
+    assert all(np.array_equal(third.states[s], straight.states[s]) for s in straight.states)
+    assert first.states  # (the first process's states were the replay's start)
+    journal = Journal(path, IDENTITY, layout=third.state_layout())
+    journal.begin("another")
+    journal.close()
+    assert parts(path) == [] and not StateCheckpoints(tmp_path / "j.states", "another").covers
+    assert not Journal(path, IDENTITY, layout=third.state_layout()).replayable
+
+
+def test_states_of_another_layout_or_a_team_client_that_cannot_import_are_one_line(tmp_path):
+    path = tmp_path / "j"
+    play(path, stream(30))
+    with pytest.raises(JournalError, match="lays its states out otherwise"):
+        replay(Toy(layout="other"), Journal(path, IDENTITY), keep=3, progress=None)
+
+    class CannotImport(Toy):
+        import_state = None
+
+    with pytest.raises(JournalError, match="cannot import states"):
+        replay(CannotImport(), Journal(path, IDENTITY), keep=3, progress=None)
+
+
+def test_a_kill_between_closing_a_segment_and_opening_the_next_reads_the_closed_one_as_written(tmp_path):
+    path = tmp_path / "j"
+    first = play(path, stream(12), segment_records=100)
+    os.replace(path, f"{path}.part0")  # as _close_segment's rename, before PATH is created again
+    journal = Journal(path, IDENTITY, layout=first.state_layout())
+    assert path.exists() and parts(path) == [] and journal.count == 12
+    again = Toy()
+    replay(again, journal, keep=3, progress=None)
+    assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
+
+
+def test_a_state_that_cannot_be_written_keeps_its_records(tmp_path, monkeypatch, caplog):
+    def full_disk(self, symbol, covers, state):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(StateCheckpoints, "write", full_disk)
+    path = tmp_path / "j"
+    first = play(path, stream(30))
+    assert caplog.text.count("was not checkpointed: its file could not be written") == 1  # checkpoints stop
+    assert len(parts(path)) >= 5  # nothing covered, nothing deleted
+    again = Toy()
+    replay(again, Journal(path, IDENTITY, layout=first.state_layout()), keep=3, progress=None)
+    assert sorted(again.stepped) == list(range(30))
+    assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
+
+
+def test_a_version_1_journal_is_replayed_and_the_session_goes_on_in_a_segment_of_its_own(tmp_path):
+    """A journal written before answers were journaled (version 1: no predictions) is replayed whole, and the
+    session goes on in a new segment (its records could not be appended to the old file)."""
+    path, requests = tmp_path / "j", stream(8)
+    records = b"".join(uid.to_bytes(8, "little", signed=True) + len(symbol).to_bytes(2, "little") + symbol.encode()
+                       + features.astype("<f4").tobytes() for uid, symbol, features in requests[:5])
+    path.write_bytes(MAGIC_V1 + b'{"url": "ws://127.0.0.1:1", "team": "t", "weights": "abc", "session_key": "k"}\n'
+                     + records)
+    journal = Journal(path, IDENTITY, layout={"toy": "toy"})
+    assert journal.count == 5 and all(prediction is None for chunk in journal.records() for *_, prediction in chunk)
+    team = Toy()
+    replayed = replay(team, journal, keep=10, progress=None)
+    assert sorted(team.stepped) == list(range(5)) and sorted(replayed.recent) == list(range(5))
+    journal.begin("k")
+    for uid, symbol, features in requests[5:]:
+        journal.append([(uid, symbol, features)], team.process_batch({symbol: [(uid, features)]})["predictions"])
+    journal.close()
+    assert parts(path) == ["j.part0"]
+    again = Toy()
+    replay(again, Journal(path, IDENTITY, layout={"toy": "toy"}), keep=10, progress=None)
+    assert sorted(again.stepped) == list(range(8))
+    assert all(np.array_equal(again.states[s], team.states[s]) for s in team.states)
+
+
+def test_the_runtime_checkpoints_between_steps_and_a_restart_answers_on_right(tmp_path):
+    """Through the runtime and a scoring server: the first process journals with segments of 5 records and
+    checkpoints as it plays, and is stopped mid-stream; a process restarted from the journal loads the states,
+    replays the tail, takes its session back and answers the rest: every answer of both the straight-through one,
+    and the journal stays bounded."""
+    from client.runtime import StreamingClient
+    from client.streams import generate_stream
+    from server import ScoringServer, ServerConfig
+
+    n = 120
+    stream_ = generate_stream(3, n, seed=4)
+    path = tmp_path / "j"
+    answers = {}
+
+    class Noted(Toy):
+        def process_batch(self, batch):
+            answer = super().process_batch(batch)
+            answers.update(zip(answer["unique_ids"], answer["predictions"]))
+            return answer
+
+    async def main():
+        server = ScoringServer(ServerConfig(rate=200.0), stream=stream_, targets=np.zeros((n, 4), np.float32))
+        url = f"ws://127.0.0.1:{await server.start()}"
+        try:
+            team = Noted()
+            journal = Journal(path, IDENTITY, layout=team.state_layout(), segment_bytes=5 * RECORD_BYTES, keep=3)
+            first = StreamingClient(team, url, "testers", leave_at_end=True, journal=journal)
+            playing = asyncio.create_task(first.run())
+            while first.stats.requests < 60:
+                await asyncio.sleep(0.01)
+            first.stop()
+            await asyncio.wait_for(playing, 30)
+            journal.close()
+            most_parts = len(parts(path))
+            team = Noted()
+            journal = Journal(path, IDENTITY, layout=team.state_layout(), segment_bytes=5 * RECORD_BYTES, keep=3)
+            assert journal.first > 0  # segments were deleted
+            replayed = replay(team, journal, 3, progress=None)
+            again = StreamingClient(team, url, "testers", leave_at_end=True, session_key=journal.session_key,
+                                    journal=journal, replayed=replayed)
+            summary = await asyncio.wait_for(again.run(), 60)
+            journal.close()
+            return most_parts, summary
+        finally:
+            await server.stop()
+
+    most_parts, summary = asyncio.run(main())
+    assert summary["outcome"] == "complete" and most_parts <= 3 and len(parts(path)) <= 3
+    assert set(answers) == set(range(n))
+    straight = Toy()
+    for uid in range(n):
+        features = np.asarray(stream_.features[uid], np.float32)
+        expected = straight.process_batch({stream_.symbols[uid]: [(uid, features)]})["predictions"][0]
+        assert np.array_equal(answers[uid], expected), uid
