@@ -260,10 +260,10 @@ def test_gpu_staging_is_ordered_with_steps_in_flight(model):
     in_flight, exported, want = [], [], []
     for k, (rows, features) in enumerate(steps(7, 12, symbols, max_requests=2)):
         in_flight.append(engine.submit(rows, features))
+        alone.step(rows, features)
         if k % 3 == 2:
             exported.append({s: engine.export_state(s) for s in symbols})
             want.append(exports(alone, symbols))
-        alone.step(rows, features)
     assert engine.table.stats["offloaded"] > 0
     for pending in in_flight:
         pending.result()
