@@ -8,6 +8,9 @@ each symbol its requests, in submission order), and one collector thread per sha
 order, so a step's parts arrive as each shard completes (`ShardedPendingStep.parts()`, `arrived()`). A part a shard
 fails (no room, bad input) fails alone; its step's other parts are answered.
 
+A symbol's state is exported from, or imported into, its shard (import places a new symbol as a step does) through
+the same queue as its steps, answered in order with them (export_state, import_state).
+
 A shard's engine forgets a symbol idle past its idle timeout by its own clock, when a later placement there finds
 it idle (its last use: when that shard stepped it, not when the step was submitted here), so the times steps are
 submitted here cannot tell which symbols it still holds. Instead each answer carries the symbols the shard forgot
