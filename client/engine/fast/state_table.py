@@ -25,6 +25,10 @@ while the others step. A step for a symbol whose copy is not done (no prefetch, 
 its stream waits for that copy. Without CUDA the copies run on a thread standing in for each copy stream (its
 completions are futures), so the CPU runs the same ordering as the GPU.
 
+A symbol's state is exported (export) without moving it: from its GPU slot through a staging buffer, copied on the
+step stream, then to pinned memory on a side stream; from its host slot on a thread of its own, a read that later
+copies into that host slot wait for. import writes a slot placed by slots_for (write).
+
 A symbol idle for `idle_timeout_s` is forgotten (a later request starts a fresh state, as a new symbol would). A
 symbol that fits in no tier gets a CapacityError naming the limits, and nothing else changes.
 
@@ -484,7 +488,7 @@ class DeviceSlots:
 
         self.slot_copy[slot] = self.to_host.enqueue(copies, [self.slot_copy.get(slot)], after=self.step_stream)
 
-    def chunks_of(self, slot):
+    def copy_of(self, slot):
         """The slot's bytes as a numpy array of their own (on the CPU)."""
         return torch.cat([buffer[slot] for buffer, _ in self.chunks]).numpy()
 
@@ -863,7 +867,7 @@ class StateTable:
                         self._last_export = self._stage(slot, copies, streams)
                         return self._last_export
                     if all(copy is None for copy in copies):
-                        return PendingStep.completed(np.concatenate([part.chunks_of(slot) for part in self.parts]))
+                        return PendingStep.completed(np.concatenate([part.copy_of(slot) for part in self.parts]))
                 for part, copy in zip(self.parts, copies):  # the CPU: waited for outside the lock, then again
                     if copy is not None:
                         part.wait(copy)
@@ -1005,12 +1009,19 @@ class StateTable:
             part.step_stream = stream  # a later eviction of the slot runs after this copy, as after the steps
             events.append(part.stage(slot, copy, stream))
 
-        def fetch():
+        def done(wait=False):  # each event on its GPU, from whichever thread asks
             for part, event in zip(self.parts, events):
                 with torch.cuda.device(part.device):
-                    event.synchronize()
+                    if wait:
+                        event.synchronize()
+                    elif not event.query():
+                        return False
+            return True
+
+        def fetch():
+            done(wait=True)
             return np.concatenate([part.staged.numpy() for part in self.parts])
-        return PendingStep(fetch, poll=lambda: all(event.query() for event in events))
+        return PendingStep(fetch, poll=done)
 
     def _read_host(self, host_slot) -> PendingStep:
         """export's path for a state in host memory: read on the reader thread (holding the lock)."""
