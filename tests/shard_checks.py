@@ -3,7 +3,8 @@
 import contextlib
 import os
 
-from client.engine.sharded import Shard, submit_placeable
+from client.engine.base import PendingStep
+from client.engine.sharded import Shard, import_answer, submit_placeable
 
 
 @contextlib.contextmanager
@@ -29,6 +30,7 @@ class ShardHere(Shard):
 
     def __init__(self, engine, index=0):
         self.index, self.where, self.engine = index, f"this process ({index})", engine
+        self.info = {"state_layout": engine.state_layout()}
         engine.expired()  # as build_shard_engine: from now on it keeps the symbols it forgets as idle
 
     def submit(self, symbols, features):
@@ -39,6 +41,12 @@ class ShardHere(Shard):
 
     def release(self, symbols):
         self.engine.release(symbols)
+
+    def export_state(self, symbol):
+        return self.engine.export_state(symbol)
+
+    def import_state(self, symbol, data):
+        return PendingStep.completed(import_answer(self.engine, symbol, data))
 
     def stop(self):
         pass

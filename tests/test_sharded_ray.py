@@ -95,6 +95,25 @@ class TestOneEngineOnTwoNodes:
             np.testing.assert_allclose(step.result(), single.step(symbols, features), rtol=0, atol=1e-4)
 
 
+    def test_a_symbols_state_exported_and_imported_in_order_with_its_steps(self, model, fast_shards):
+        alone = FastEngine(model, "cpu", capacity=16, progress=False)
+        assert fast_shards.state_layout() == alone.state_layout()
+        rng = np.random.default_rng(3)
+        features = [features_for(rng, 1) for _ in range(3)]
+        fast_shards.step(["X0"], features[0])
+        alone.step(["X0"], features[0])
+        first = fast_shards.submit(["X0"], features[1])
+        exported = fast_shards.export_state("X0")  # between two steps in flight
+        second = fast_shards.submit(["X0"], features[2])
+        alone.step(["X0"], features[1])
+        assert np.array_equal(exported.result(), alone.export_state("X0").result())
+        first.result(), second.result()
+        assert fast_shards.export_state("never seen").result() is None
+        fast_shards.import_state("X1", exported.result())
+        alone.import_state("X1", exported.result())
+        assert np.array_equal(fast_shards.step(["X1"], features[2]), alone.step(["X1"], features[2]))
+        fast_shards.release(["X0", "X1"])
+
     def test_a_symbols_several_requests_in_one_step_go_to_its_node_in_order(self, model, fast_shards):
         one_at_a_time = FastEngine(model, "cpu", capacity=16, progress=False)
         symbols = ["M0", "M1", "M0", "M2", "M1", "M0", "M3", "M3"]

@@ -33,6 +33,24 @@ def _check_strings(symbols) -> None:
             raise ValueError(f"symbols must be strings; row {row} holds {symbol!r} ({type(symbol).__name__})")
 
 
+def state_symbol(symbol) -> str:
+    """The symbol given to export_state or import_state: one string, refused otherwise as symbol_list refuses."""
+    if not isinstance(symbol, str):
+        raise ValueError(f"a symbol must be a string, got {symbol!r} ({type(symbol).__name__})")
+    return symbol
+
+
+def state_data(data, size) -> np.ndarray:
+    """The bytes given to import_state as a 1-D uint8 array (bytes-like, or the array export gave): ValueError
+    naming the sizes where it is not `size` bytes."""
+    array = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+    if array.dtype != np.uint8 or array.ndim != 1:
+        raise ValueError(f"a state is bytes or a 1-D uint8 array, got {array.dtype} of shape {array.shape}")
+    if array.size != size:
+        raise ValueError(f"a state of this engine is {size} bytes, got {array.size}")
+    return array
+
+
 def check_step_inputs(symbols, features) -> np.ndarray:
     """Validate one step's inputs; return the features as C-contiguous float32 [B, 79].
 
@@ -211,6 +229,28 @@ class Engine(ABC):
         """{symbol: why} for the symbols of a step that this engine has no room for, without side effects. An
         engine without a bound on its symbols has room for all."""
         return {}
+
+    def state_layout(self) -> dict | None:
+        """A JSON-able description of the bytes export_state gives: the engine, its total "bytes", and every
+        component's name, shape and dtype in order (where it lies, where that depends on more). Two engines with
+        equal layouts import each other's exports bit for bit. None by default: this engine cannot export."""
+        return None
+
+    def export_state(self, symbol) -> PendingStep:
+        """One symbol's state, as every step submitted before this call leaves it and none submitted after: its
+        result() is a 1-D, C-contiguous uint8 array of its own (state_layout's bytes), or None where the engine
+        holds no state of the symbol (never seen, released, forgotten as idle: its next request starts afresh).
+        Changes no state. Called from the thread that submits, between submits, for a symbol that no submitted
+        step holds a request of; result() may be fetched from another thread. ValueError for a symbol that is no
+        string; by default NotImplementedError: this engine cannot."""
+        raise NotImplementedError(f"the {self.name} engine cannot export a symbol's state")
+
+    def import_state(self, symbol, data) -> None:
+        """Set the symbol's state to `data` (bytes-like, or the array export_state gave), placed as a step places
+        it (a new symbol takes room: CapacityError where there is none), before any step submitted after this
+        call. ValueError naming the sizes for data of the wrong size, touching no state. By default
+        NotImplementedError: this engine cannot."""
+        raise NotImplementedError(f"the {self.name} engine cannot import a symbol's state")
 
     def describe(self) -> dict:
         """What the engine is and how it was set up, for summaries and benchmark reports."""

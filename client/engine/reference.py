@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import torch
 
-from client.engine.base import NUM_TOWERS, Engine, Sequences, check_step_inputs, symbol_list
+from client.engine.base import (NUM_TOWERS, Engine, PendingStep, Sequences, check_step_inputs, state_data,
+                                state_symbol, symbol_list)
 from client.engine.symbol_states import SymbolStates
 from client.model.state import split_state, stack_states
 
@@ -28,7 +29,10 @@ class ReferenceEngine(Engine):
         self.model = model.to(self.device).eval()
         if capacity is not None and state_memory is not None:
             raise ValueError("give the state table's capacity or its memory share, not both")
-        self.state_bytes = sum(t.numel() * t.element_size() for t in model.init_state(1, device="meta").values())
+        # a symbol's state components in the model's order: (name, shape without the batch, dtype)
+        initial = model.init_state(1, device="meta")
+        self._components = [(name, tuple(t.shape[1:]), t.dtype) for name, t in initial.items()]
+        self.state_bytes = sum(t.numel() * t.element_size() for t in initial.values())
         if capacity is None:
             capacity = self._capacity_for_memory(state_memory)
         if host_symbols is None:
@@ -75,6 +79,30 @@ class ReferenceEngine(Engine):
         return {"engine": self.name, "device": str(self.device), "symbols": len(self._states),
                 "state_bytes_per_symbol": self.state_bytes, "capacity": self._states.capacity,
                 "host_symbols": self._states.host_capacity, "idle_timeout_s": self._states.idle_timeout_s}
+
+    def state_layout(self) -> dict:
+        return {"engine": self.name, "bytes": self.state_bytes,
+                "components": [[name, list(shape), str(dtype).removeprefix("torch.")]
+                               for name, shape, dtype in self._components]}
+
+    def export_state(self, symbol) -> PendingStep:
+        """The components' bytes in the model's order (steps are synchronous: the state as it stands)."""
+        state = self._states.held(state_symbol(symbol))
+        if state is None:
+            return PendingStep.completed(None)
+        return PendingStep.completed(np.concatenate([state[name].detach().cpu().contiguous().view(torch.uint8)
+                                                     .reshape(-1).numpy() for name, _, _ in self._components]))
+
+    def import_state(self, symbol, data) -> None:
+        data = state_data(data, self.state_bytes)
+        self._states.place([state_symbol(symbol)])  # room as a step makes it (CapacityError changing nothing)
+        state, start = {}, 0
+        for name, shape, dtype in self._components:
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            state[name] = (torch.from_numpy(data[start:start + size].copy()).view(dtype).reshape(1, *shape)
+                           .to(self.device))
+            start += size
+        self._states[symbol] = state
 
     def step(self, symbols, features):
         symbols = symbol_list(symbols)

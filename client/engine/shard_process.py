@@ -12,15 +12,17 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from client.engine.base import PendingStep
 from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
-                                   share_host_tier, submit_placeable, wait_started)
+                                   import_answer, share_host_tier, submit_placeable, wait_started)
 
 # How long a stopped shard's process has to exit before it is killed (it finishes the step under way first)
 STOP_TIMEOUT_S = 30.0
 
 def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, requests, replies):
     """A shard process: build the engine, then answer ("step", seq, symbols, features) with ("done", seq,
-    predictions) or ("error", seq, message), in order; ("release", symbols) and ("stop",) have no answer."""
+    predictions) or ("error", seq, message), in order, as ("export", seq, symbol) with its state and ("import",
+    seq, symbol, data) with import_answer's; ("release", symbols) and ("stop",) have no answer."""
     try:
         _on_own_gpu(device)
         engine, info = build_shard_engine(spec, device, engine_name, options)
@@ -68,6 +70,15 @@ def _serve_shard(spec: ModelSpec, device: str, engine_name: str, options: dict, 
                 submitted.put((seq, submit_placeable(engine, symbols, features)))
             except Exception as exc:  # bad input or no room: this part alone fails
                 submitted.put((seq, exc))
+        elif message[0] == "export":
+            _, seq, symbol = message
+            try:
+                submitted.put((seq, engine.export_state(symbol)))
+            except Exception as exc:
+                submitted.put((seq, exc))
+        elif message[0] == "import":
+            _, seq, symbol, data = message
+            submitted.put((seq, PendingStep.completed(import_answer(engine, symbol, data))))
         elif message[0] == "release":
             engine.release(message[1])
         else:  # "stop"
@@ -124,9 +135,19 @@ class ProcessShard(Shard):
         return ShardLost(f"its process exited (exit code {self._exit_code()})")
 
     def submit(self, symbols, features):
+        return self._send("step", symbols, features)
+
+    def export_state(self, symbol):
+        return self._send("export", symbol)
+
+    def import_state(self, symbol, data):
+        return self._send("import", symbol, data)
+
+    def _send(self, kind, *args):
+        """Send a message that is answered (its sequence number, the handle for result())."""
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         try:
-            self.requests.send(("step", seq, symbols, features))
+            self.requests.send((kind, seq, *args))
         except (BrokenPipeError, OSError):
             raise self._gone() from None
         return seq

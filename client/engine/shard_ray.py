@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from client.engine.sharded import (ModelSpec, Shard, ShardError, ShardLost, ShardStartError, build_shard_engine,
-                                   share_host_tier, submit_placeable, wait_started)
+                                   import_answer, share_host_tier, submit_placeable, wait_started)
 
 LOCAL = "local"           # --ray-address local: start a Ray instance on this machine
 PROBE_TIMEOUT_S = 5.0     # how long a cluster's address may take to accept a connection, and to answer
@@ -81,6 +81,13 @@ class ShardActor:
     async def release(self, seq: int, symbols):
         await self._in_turn(seq, lambda: self.engine.release(symbols))
 
+    async def export_state(self, seq: int, symbol):
+        pending = await self._in_turn(seq, lambda: self.engine.export_state(symbol))
+        return await asyncio.get_running_loop().run_in_executor(self.collector, pending.result)
+
+    async def import_state(self, seq: int, symbol, data):
+        return await self._in_turn(seq, lambda: import_answer(self.engine, symbol, data))
+
 
 class _Connection:
     """This process's connection to Ray; shut down with the last shard when it was made here."""
@@ -131,6 +138,12 @@ class RayShard(Shard):
 
     def release(self, symbols):
         self._call(self.actor.release, symbols)
+
+    def export_state(self, symbol):
+        return self._call(self.actor.export_state, symbol)
+
+    def import_state(self, symbol, data):
+        return self._call(self.actor.import_state, symbol, data)
 
     def kill(self):
         # the connection stays up for the other shards, and for close(): Ray is shut down only by the last stop

@@ -8,6 +8,9 @@ each symbol its requests, in submission order), and one collector thread per sha
 order, so a step's parts arrive as each shard completes (`ShardedPendingStep.parts()`, `arrived()`). A part a shard
 fails (no room, bad input) fails alone; its step's other parts are answered.
 
+A symbol's state is exported from, or imported into, its shard (import places a new symbol as a step does) through
+the same queue as its steps, answered in order with them (export_state, import_state).
+
 A shard's engine forgets a symbol idle past its idle timeout by its own clock, when a later placement there finds
 it idle (its last use: when that shard stepped it, not when the step was submitted here), so the times steps are
 submitted here cannot tell which symbols it still holds. Instead each answer carries the symbols the shard forgot
@@ -32,11 +35,13 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
-from client.engine.base import NUM_TOWERS, Engine, PendingStep, check_step_inputs, symbol_list
+from client.engine.base import (NUM_TOWERS, CapacityError, Engine, PendingStep, check_step_inputs, state_data,
+                                state_symbol, symbol_list)
 
 ON_SHARD_LOSS = ("error", "reset")
 SHOWN_SYMBOLS = 32  # a loss line names this many of the shard's symbols, then says how many in all
@@ -90,7 +95,20 @@ def build_shard_engine(spec: ModelSpec, device: str, engine: str, options: dict)
     options = {**options, "progress": False}  # a shard's startup is reported by the engine that owns it
     built = make_engine(engine, load, device=device, **options)
     built.expired()  # from now on it keeps the symbols it forgets as idle, for submit_placeable to report
-    return built, {**built.describe(), "engine": engine, "fingerprint": load.fingerprint}
+    return built, {**built.describe(), "engine": engine, "fingerprint": load.fingerprint,
+                   "state_layout": built.state_layout()}
+
+
+def import_answer(engine, symbol, data):
+    """What a shard answers an import with: None, or the error that its engine raised (a CapacityError or
+    ValueError whole, for the caller to raise as it is; else a ShardError saying it)."""
+    try:
+        engine.import_state(symbol, data)
+    except (CapacityError, ValueError) as exc:
+        return exc
+    except Exception as exc:
+        return ShardError(f"{type(exc).__name__}: {exc}")
+    return None
 
 
 def share_host_tier(options: dict, engine: str, device, shards_on_host: int) -> dict:
@@ -171,6 +189,16 @@ class Shard(ABC):
     def release(self, symbols: list[str]) -> None:
         """Forget these symbols' states, after every step already submitted. Raises ShardLost if gone."""
 
+    def export_state(self, symbol: str):
+        """Send a request for one symbol's state (its engine's export_state), after every step already submitted;
+        return a handle for result(), which gives the state (or None). Raises ShardLost if the shard is gone."""
+        raise NotImplementedError(f"shards of {type(self).__name__} cannot export a symbol's state")
+
+    def import_state(self, symbol: str, data: np.ndarray):
+        """Send one symbol's state to set (its engine's import_state, import_answer), after every step already
+        submitted; return a handle for result(), which gives import_answer's answer. Raises ShardLost if gone."""
+        raise NotImplementedError(f"shards of {type(self).__name__} cannot import a symbol's state")
+
     @abstractmethod
     def stop(self) -> None:
         """Stop the shard (end its process or actor); never raises."""
@@ -193,6 +221,24 @@ class _Part:
     def finish(self, outcome, rows=None):
         """The outcome of the part's rows, or of `rows` (positions in the part) alone."""
         self.arrivals.put((self.rows if rows is None else self.rows[rows], outcome))
+
+
+class _StateCall:
+    """A shard's export or import of one symbol's state, sent and answered in order with its steps' parts: `args`
+    for the shard's method, the answer (or the exception) in `future`. It holds no rows of a step."""
+
+    symbols = ()
+
+    def __init__(self, *args):
+        self.args, self.future = args, Future()
+        self.moved = False
+        self.released = set()
+
+    def finish(self, outcome, rows=None):
+        if isinstance(outcome, Exception):
+            self.future.set_exception(outcome)
+        else:
+            self.future.set_result(outcome)
 
 
 class _InFlight:
@@ -292,26 +338,28 @@ class _Runner:
                     if self.lost or not self.work:
                         return
                     kind, item = self.work.popleft()
-                    if kind == "step":
+                    if kind != "release":
                         entry = _InFlight(item)
                         self.in_flight.append(entry)
                 try:
                     if kind == "release":
                         self.shard.release(item)
-                    else:
+                    elif kind == "step":
                         handle = self.shard.submit(item.symbols, item.features)
+                    else:  # "export_state" or "import_state"
+                        handle = getattr(self.shard, kind)(*item.args)
                 except ShardLost as exc:
                     self._lose(exc)
                     return
                 except Exception as exc:  # not sent (e.g. not serializable): a step's part fails alone
-                    if kind == "step":
+                    if kind != "release":
                         with self.work_ready:
                             if entry.part.moved:
                                 continue
                             self.in_flight.remove(entry)
                         entry.part.finish(ShardError(f"shard {self.index}: {type(exc).__name__}: {exc}"))
                     continue
-                if kind == "step":
+                if kind != "release":
                     with self.answer_due:
                         entry.handle = handle
                         self.answer_due.notify()
@@ -386,7 +434,7 @@ class _Runner:
         """Mark the shard lost and take its parts not yet answered (sent or queued), in order, each marked moved so
         that no thread of this runner finishes it. Called holding the engine's lock."""
         self.lost = ShardLost(f"shard {self.index} ({self.shard.where}) lost: {cause}")
-        pending = [entry.part for entry in self.in_flight] + [item for kind, item in self.work if kind == "step"]
+        pending = [entry.part for entry in self.in_flight] + [item for kind, item in self.work if kind != "release"]
         self.in_flight.clear()
         self.work.clear()
         for part in pending:
@@ -451,6 +499,9 @@ class ShardedEngine(Engine):
             raise ShardStartError("the shards loaded different weights: " + ", ".join(
                 f"shard {s.index} ({s.where}) {s.info.get('fingerprint')}" for s in shards))
         self.fingerprint = fingerprints.pop()
+        # each shard's engine has the same options: one layout (None where they differ, or a shard cannot say)
+        layouts = [shard.info.get("state_layout") for shard in shards]
+        self._state_layout = layouts[0] if all(layout == layouts[0] for layout in layouts) else None
         self.on_shard_loss, self.progress, self.transport = on_shard_loss, progress, transport
         self._lock = threading.Lock()
         self.shard_of: dict[str, int] = {}
@@ -478,7 +529,66 @@ class ShardedEngine(Engine):
 
     def describe(self):
         return {"engine": self.name, "transport": self.transport, "on_shard_loss": self.on_shard_loss,
-                "shards": [{"where": s.where, **s.info} for s in self.shards], "losses": self.losses}
+                "shards": [{"where": s.where, **{k: v for k, v in s.info.items() if k != "state_layout"}}
+                           for s in self.shards], "losses": self.losses}
+
+    def state_layout(self) -> dict | None:
+        """The shards' engines' layout, as they said it when they started."""
+        return self._state_layout
+
+    def export_state(self, symbol) -> PendingStep:
+        """Asked of the symbol's shard after the steps submitted to it so far (None for a symbol on no shard); a
+        lost shard's symbol raises its loss."""
+        symbol = state_symbol(symbol)
+        if self._state_layout is None:
+            raise NotImplementedError("this sharded engine's shards cannot export a symbol's state")
+        with self._lock:
+            index = self.shard_of.get(symbol)
+            if index is None:
+                return PendingStep.completed(None)
+            call = self._send(index, "export_state", symbol)
+        return PendingStep(call.future.result, poll=call.future.done)
+
+    def import_state(self, symbol, data) -> None:
+        """Placed as a step places the symbol, then set on its shard before the steps submitted after it: waits for
+        the shard's answer (a refusal there, e.g. CapacityError, leaves the symbol as it was here)."""
+        symbol = state_symbol(symbol)
+        if self._state_layout is None:
+            raise NotImplementedError("this sharded engine's shards cannot import a symbol's state")
+        data = np.array(state_data(data, self._state_layout["bytes"]))  # its own: sent from another thread
+        with self._lock:
+            new = symbol not in self.shard_of
+            index = self._place(symbol)
+            if index is None:
+                raise ShardLost("every shard of the sharded engine is lost")
+            try:
+                call = self._send(index, "import_state", symbol, data)
+            except ShardError:
+                self._unplace_new(symbol, index, new)
+                raise
+        failure = call.future.exception() or call.future.result()  # not sent, the shard lost, or its refusal
+        if failure is not None:
+            with self._lock:
+                self._unplace_new(symbol, index, new)
+            raise failure
+
+    def _send(self, index, kind, *args) -> _StateCall:
+        """Queue a state call to shard `index` behind its steps. Called holding the lock."""
+        runner = self._runners[index]
+        if self._closing:
+            raise ShardError("the sharded engine is closed")
+        if runner.lost is not None:
+            raise runner.loss()
+        call = _StateCall(*args)
+        runner.work.append((kind, call))
+        runner.work_ready.notify()
+        return call
+
+    def _unplace_new(self, symbol, index, new):
+        """Forget a symbol placed for an import that failed (called holding the lock)."""
+        if new and self.shard_of.get(symbol) == index:
+            del self.shard_of[symbol]
+            self._load[index] -= 1
 
     @property
     def losses(self) -> list[dict]:
@@ -597,6 +707,8 @@ class ShardedEngine(Engine):
                 return
             where = runner.shard.where
             pending = runner.take_unanswered(cause)
+            calls = [(call, runner.loss()) for call in pending if isinstance(call, _StateCall)]  # its states went too
+            pending = [part for part in pending if not isinstance(part, _StateCall)]
             symbols = [s for s, index in self.shard_of.items() if index == runner.index]
             closing = self._closing
             record = None
@@ -629,7 +741,7 @@ class ShardedEngine(Engine):
                     record["moved_to"] = {symbol: self.shard_of.get(symbol) for symbol in symbols}
                 record["line"] = _loss_line(record)
                 self._losses.append(record)
-        for part, error in failed:
+        for part, error in calls + failed:
             part.finish(error)
         # ended, not left as it is: a shard lost for being unreachable, hung, or out of order may live on, holding
         # its GPU (and Ray's resources) until the client exits, for symbols it will never be sent again

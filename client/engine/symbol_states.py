@@ -65,6 +65,10 @@ class SymbolStates(MutableMapping):
             self.stats["released"] += 1
         return self._forget(symbol, default)
 
+    def held(self, symbol) -> dict | None:
+        """Symbol's state in whichever tier holds it (None for a symbol not held), without moving it."""
+        return self._states.get(symbol)
+
     @property
     def on_host(self) -> int:
         return len(self._on_host)

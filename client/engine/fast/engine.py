@@ -12,7 +12,7 @@ import torch
 
 from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
 from client.engine.base import (NUM_TOWERS, Engine, PendingStep, Sequences, check_step_inputs, is_count,
-                                symbol_list)
+                                state_data, state_symbol, symbol_list)
 from client.engine.cuda_streams import own_stream
 from client.engine.precision import DEFAULT_PRECISION, FP32_STATE, Precision, StateStorage
 from client.model.config import TOWER_NAMES
@@ -388,6 +388,27 @@ class FastEngine(Engine):
         as parts of at most max_batch (<= capacity) symbols: only the room in the tiers limits it."""
         rejected = self.table.unplaceable(symbols, at_once=False)
         return dict.fromkeys(rejected, str(self.table.capacity_error(rejected))) if rejected else {}
+
+    def state_layout(self) -> dict:
+        """A symbol's slot bytes, part by part (one per device): its components with their byte offsets in it (the
+        gaps between them are zeros); the state storage's dtypes (and stochastic rounding's step counter) are
+        among them."""
+        parts = [{"bytes": part.slot_bytes,
+                  "components": [[name, list(shape), str(dtype).removeprefix("torch."), part.offsets[name]]
+                                 for name, (shape, dtype, _) in part.layout.items()]} for part in self.table.parts]
+        return {"engine": self.name, "bytes": sum(part["bytes"] for part in parts), "parts": parts}
+
+    @_on_own_device
+    def export_state(self, symbol) -> PendingStep:
+        """On a GPU the state's copy is on its way when this returns (StateTable.export): result() waits for it."""
+        return self.table.export(state_symbol(symbol), self.step_streams)
+
+    @_on_own_device
+    def import_state(self, symbol, data) -> None:
+        data = state_data(data, sum(part.slot_bytes for part in self.table.parts))
+        slot = self.table.slots_for([state_symbol(symbol)], self.step_streams)[0]
+        with _current(self.step_streams):  # ordered with the steps (a copy of its own: the caller's may go)
+            self.table.write(slot, torch.from_numpy(data.copy()))
 
     @_on_own_device
     def release(self, symbols) -> None:

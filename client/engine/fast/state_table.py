@@ -25,6 +25,10 @@ while the others step. A step for a symbol whose copy is not done (no prefetch, 
 its stream waits for that copy. Without CUDA the copies run on a thread standing in for each copy stream (its
 completions are futures), so the CPU runs the same ordering as the GPU.
 
+A symbol's state is exported (export) without moving it: from its GPU slot through a staging buffer, copied on the
+step stream, then to pinned memory on a side stream; from its host slot on a thread of its own, a read that later
+copies into that host slot wait for. import writes a slot placed by slots_for (write).
+
 A symbol idle for `idle_timeout_s` is forgotten (a later request starts a fresh state, as a new symbol would). A
 symbol that fits in no tier gets a CapacityError naming the limits, and nothing else changes.
 
@@ -44,11 +48,12 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
-from client.engine.base import CapacityError, idle_symbols, is_count
+from client.engine.base import CapacityError, PendingStep, idle_symbols, is_count
 from client.engine.cuda_streams import own_stream
 
 PAD_SLOT = 0
@@ -273,8 +278,11 @@ class _CopyQueue:
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_stream(after)
-            for event in waits:
-                self.stream.wait_event(event)
+            for completion in waits:
+                if isinstance(completion, Future):  # a host slot's read (StateTable.export) ends before it is copied
+                    completion.result()
+                else:
+                    self.stream.wait_event(completion)
             copies()
             done = torch.cuda.Event()
             done.record(self.stream)
@@ -418,7 +426,8 @@ class DeviceSlots:
         # The stream the steps run on (set by each slots_for): states leave the GPU after its work so far.
         self.step_stream = torch.cuda.current_stream(self.device) if cuda else None
         self.slot_copy = {}  # GPU slot -> completion of its last copy
-        self.host_copy = {}  # host slot -> completion of its last copy
+        self.host_copy = {}  # host slot -> completion of its last copy (or read, StateTable.export)
+        self.staging = self.staged = self.export_stream = None  # an export's GPU and pinned buffers (export)
         self.copy_times = None  # [(direction, start, end)] of every transfer, when the table times them
 
     def _view(self, block, block_start, name):
@@ -478,6 +487,58 @@ class DeviceSlots:
                 buffer[slot:slot + 1].copy_(self._initial(begin, buffer))
 
         self.slot_copy[slot] = self.to_host.enqueue(copies, [self.slot_copy.get(slot)], after=self.step_stream)
+
+    def copy_of(self, slot):
+        """The slot's bytes as a numpy array of their own (on the CPU)."""
+        return torch.cat([buffer[slot] for buffer, _ in self.chunks]).numpy()
+
+    def read(self, slot, out):
+        """out[:] = the slot's bytes (1-D, slot_bytes), enqueued on the current stream."""
+        for buffer, begin in self.chunks:
+            out[begin:begin + buffer.shape[1]].copy_(buffer[slot], non_blocking=True)
+
+    def write(self, slot, data):
+        """The slot's bytes = data (1-D uint8, slot_bytes, on the host), enqueued on the current stream."""
+        for buffer, begin in self.chunks:
+            buffer[slot].copy_(data[begin:begin + buffer.shape[1]].to(self.device, non_blocking=True))
+
+    def stage(self, slot, copy, stream):
+        """The slot copied into the staging buffer on `stream` (after `copy`, its pending copy, if any), then into
+        pinned host memory on a side stream; the event recorded after the latter. The buffers are allocated on
+        first use: the caller makes sure no export still reads them (StateTable.export)."""
+        if self.staging is None:
+            self.staging = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+            self.staged = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
+            self.export_stream = own_stream(self.device)
+        with torch.cuda.device(self.device):
+            with torch.cuda.stream(stream):
+                if copy is not None:
+                    stream.wait_event(copy)
+                self.read(slot, self.staging)
+                read = torch.cuda.Event()
+                read.record(stream)
+            self.export_stream.wait_event(read)
+            with torch.cuda.stream(self.export_stream):
+                self.staged.copy_(self.staging, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.export_stream)
+        return done
+
+    def read_host(self, host_slot, reader) -> Future:
+        """Host slot's bytes, read on `reader` (an executor) once its last copy is done: that read is its last copy
+        from now on, so that no later copy into it runs before the read has ended."""
+        copy, host = self.host_copy.get(host_slot), self.host.slots[host_slot]
+
+        def read():
+            if isinstance(copy, Future):
+                copy.result()
+            elif copy is not None:
+                with torch.cuda.device(self.device):
+                    copy.synchronize()
+            return host.numpy().copy()
+
+        self.host_copy[host_slot] = done = reader.submit(read)
+        return done
 
     def pending(self, slot):
         """The slot's last copy if it is not done yet (a finished one is forgotten)."""
@@ -553,6 +614,10 @@ class StateTable:
         # send a returning state back out before its step, again and again).
         self._awaiting: dict[str, None] = {}
         self._expired: dict[str, None] | None = None  # forgotten as idle since take_expired (None: not asked)
+        # export: one export at a time uses the parts' staging buffers; host slots are read on a thread of their own
+        self._export_lock = threading.Lock()
+        self._last_export = None  # the last export through the staging buffers (its result() frees them)
+        self._reader = None
         self.pin_s = None  # seconds the host tier took to pin, once it is
         self._pin_error = None
         self._pin_go = threading.Event()  # cleared: pinning paused (a CUDA graph capture is under way)
@@ -781,6 +846,40 @@ class StateTable:
             self._in_step.add(symbol)
             return slot
 
+    def export(self, symbol, streams=None) -> PendingStep:
+        """The symbol's state (every part's slot bytes, in part order) as the steps enqueued so far leave it; None
+        for a symbol without one. A resident state on a GPU: copied into each part's staging buffer on the step
+        stream (streams: one per part, as slots_for's), then into pinned host memory on a side stream, which
+        result() waits for; one in host memory: read from its host slot once its copies are done; on the CPU, once
+        its slot's copies are done, a plain copy. From the thread that steps."""
+        with self._export_lock:
+            if self._last_export is not None:  # its staging buffers are reused: its copies out must be done
+                self._last_export.result()
+                self._last_export = None
+            while True:
+                with self._lock:
+                    slot = self.resident.get(symbol)
+                    if slot is None:
+                        return self._read_host(self.offloaded[symbol]) if symbol in self.offloaded \
+                            else PendingStep.completed(None)
+                    copies = [part.pending(slot) for part in self.parts]
+                    if self.parts[0].device.type == "cuda":
+                        self._last_export = self._stage(slot, copies, streams)
+                        return self._last_export
+                    if all(copy is None for copy in copies):
+                        return PendingStep.completed(np.concatenate([part.copy_of(slot) for part in self.parts]))
+                for part, copy in zip(self.parts, copies):  # the CPU: waited for outside the lock, then again
+                    if copy is not None:
+                        part.wait(copy)
+
+    def write(self, slot, data) -> None:
+        """Slot `slot` (placed by slots_for) holds `data` (1-D uint8 on the host: every part's bytes in part
+        order), written on each part's current stream."""
+        start = 0
+        for part in self.parts:
+            part.write(slot, data[start:start + part.slot_bytes])
+            start += part.slot_bytes
+
     def take_expired(self) -> list[str]:
         """The symbols forgotten as idle since the last call that hold no state now; the first call starts keeping
         them."""
@@ -901,6 +1000,36 @@ class StateTable:
         while (len(self.free) < self.reserve and len(self.offloaded) < self.host_capacity
                and self._offload_lru(exclude, awaiting_too=False)):
             pass
+
+    def _stage(self, slot, copies, streams) -> PendingStep:
+        """export's GPU path for a resident slot (holding the lock: no eviction is enqueued before the copy in)."""
+        events = []
+        for k, (part, copy) in enumerate(zip(self.parts, copies)):
+            stream = streams[k] if streams else torch.cuda.current_stream(part.device)
+            part.step_stream = stream  # a later eviction of the slot runs after this copy, as after the steps
+            events.append(part.stage(slot, copy, stream))
+
+        def done(wait=False):  # each event on its GPU, from whichever thread asks
+            for part, event in zip(self.parts, events):
+                with torch.cuda.device(part.device):
+                    if wait:
+                        event.synchronize()
+                    elif not event.query():
+                        return False
+            return True
+
+        def fetch():
+            done(wait=True)
+            return np.concatenate([part.staged.numpy() for part in self.parts])
+        return PendingStep(fetch, poll=done)
+
+    def _read_host(self, host_slot) -> PendingStep:
+        """export's path for a state in host memory: read on the reader thread (holding the lock)."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="state-export")
+        reads = [part.read_host(host_slot, self._reader) for part in self.parts]
+        return PendingStep(lambda: np.concatenate([read.result() for read in reads]),
+                           poll=lambda: all(read.done() for read in reads))
 
     def _before(self, symbol, direction):
         hook = self.before_copy
