@@ -111,6 +111,7 @@ class Journal:
         self._file = None
         self.failed = False  # a write failed: the files were set aside and nothing more is journaled (_set_aside)
         self.checkpoints_failed = False  # a state could not be exported or written: no more checkpoints
+        self.checkpointed = self.dropped = 0  # states written, segments let go, by this process
         self._lock = threading.Lock()  # steps answer from the completer thread and the event loop
         self.checkpoints: StateCheckpoints | None = None
         # symbol -> the number of its first record no checkpoint covers, in that order (records come in order)
@@ -364,6 +365,7 @@ class Journal:
         if failed is None:
             try:
                 self.checkpoints.write(symbol, covers, state)
+                self.checkpointed += 1
             except OSError as exc:
                 failed = f"its file could not be written ({exc.strerror or exc})"
         with self._lock:
@@ -405,6 +407,7 @@ class Journal:
             with self._lock:
                 os.remove(segment.path)
                 self._segments.pop(0)
+                self.dropped += 1
                 self.count -= segment.count
                 self.refused -= len(refused)
                 self.first = self._segments[0].first

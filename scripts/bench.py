@@ -127,6 +127,13 @@ def parse_args(argv=None):
     parser.add_argument("--tls", choices=("off", "on", "alternate"), default="off",
                         help="e2e section: the server and the client over TLS (wss://, the TLS tests' self-signed "
                              "certificate) in every run, or in every second run (default off)")
+    parser.add_argument("--journal", choices=("off", "on", "alternate"), default="off",
+                        help="e2e section: the client journals to a temporary directory with state checkpoints "
+                             "(segments of --journal-segment-mb), in every run or every second run; each such run "
+                             "also times a restart from it (load the states, replay the tail) (default off)")
+    parser.add_argument("--journal-segment-mb", type=cli.positive_float, default=0.5, metavar="MB",
+                        help="with --journal: the journal's segments (default 0.5: ~1,400 requests, a checkpoint of "
+                             "every symbol each ~3.6 s at 400 req/s, ~500 times the default's rate)")
     parser.add_argument("--rates", type=_rates, help="offered rates (req/s) tried in ascending order by the max-rate "
                                                      "search (default 2000,5000,8000,11000,14000,15000,16000,"
                                                      "17000,20000,...,30000)")

@@ -40,6 +40,7 @@ from client.constants import DEFAULT_TIMEOUT_S  # noqa: E402
 from client.engine import ENGINES, Engine, make_engine  # noqa: E402
 from client.engine.options import add_engine_arguments, engine_options  # noqa: E402
 from client.engine.base import NUM_TOWERS, PendingStep  # noqa: E402
+from client.journal import SEGMENT_BYTES  # noqa: E402
 from client.model.config import PRESETS  # noqa: E402
 from client.runtime import CONNECT_TIMEOUT_S, SERVER_IDLE_S  # noqa: E402
 from client.transport import PROTOCOLS  # noqa: E402
@@ -278,9 +279,15 @@ def parse_args(argv=None):
                                                                 "gaps)")
     parser.add_argument("--json", metavar="PATH", type=cli.output_file, help="write this client's summary as JSON")
     parser.add_argument("--journal", metavar="PATH", type=cli.output_file,
-                        help="write every request answered to PATH (~350 bytes each) and, started again after a "
-                             "crash, replay it into fresh states and take the session back with its key "
-                             "(client/journal.py); websocket only")
+                        help="write every request answered to PATH (~370 bytes each) and, started again after a "
+                             "crash, replay it and take the session back with its key; where the engine can export "
+                             "its states, checkpoint them beside it (PATH.states) so the journal stays bounded and "
+                             "a restart replays only what came after (client/journal.py); websocket only")
+    parser.add_argument("--journal-segment-mb", type=cli.positive_float, default=SEGMENT_BYTES / 2**20,
+                        metavar="MB", help=f"with --journal: close a segment of it past MB MiB, and checkpoint "
+                                           f"the states of its symbols so it can go (default "
+                                           f"{SEGMENT_BYTES / 2**20:g}: ~30 minutes at 400 requests/s; smaller "
+                                           f"writes the states more often and replays less after a restart)")
     parser.add_argument("--server-idle-s", type=cli.positive_float, default=SERVER_IDLE_S, metavar="S",
                         help=f"leave (exit 6) when the server sends nothing, not even a heartbeat (or only heartbeats "
                              f"before answering the register), for S seconds (default {SERVER_IDLE_S:g}: three of "
@@ -330,6 +337,8 @@ def parse_args(argv=None):
             check_file(args.journal)
         except JournalError as exc:
             parser.error(str(exc))
+    if args.journal is None and args.journal_segment_mb != SEGMENT_BYTES / 2**20:
+        parser.error("--journal-segment-mb: with --journal (the segments are the journal's)")
     if args.protocol == "tcp-json" and args.journal is not None:
         parser.error("--journal: the original protocol (tcp-json) has no session a restarted client could take back "
                      "(the server names the team after its connection); use --protocol websocket")
@@ -468,7 +477,8 @@ def _replay_journal(args, url, fingerprint, team_client):
     from client.runtime import CACHE_SIZE
 
     journal = Journal(args.journal, {"url": url, "team": args.team, "weights": fingerprint},
-                      layout=team_api.state_layout(team_client), keep=CACHE_SIZE)
+                      layout=team_api.state_layout(team_client), keep=CACHE_SIZE,
+                      segment_bytes=max(1, int(args.journal_segment_mb * 2**20)))
     if not journal.replayable:
         return journal, None
     refused = f"; the {journal.refused:,} it refused are refused again, never stepped" if journal.refused else ""

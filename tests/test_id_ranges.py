@@ -159,3 +159,17 @@ def test_any_order_keeps_exact_members_and_touching_pieces_and_tidies_in_linear_
         assert ids._touching == _touching(ids), name
         assert all((uid in ids) == (uid in added) for uid in range(-3, n + 3)), name
         assert tidied[0] <= 4 * n, name  # each tidy's pieces are at most twice the pairs, each an add's or two
+
+
+def test_a_range_added_whole_holds_its_ids_and_joins_or_falls_back_to_each_id():
+    """add_range past every id held (a restart's ids of its journal's deleted segments) is one range, joined to one
+    it touches; a range among the ids held, or with loose ids, is added id by id: the same members as a set."""
+    ids = IdRanges()
+    ids.add_range(0, 10)
+    ids.add_range(10, 20)
+    ids.add_range(30, 35)
+    ids.add_range(5, 5)  # empty
+    assert ids.ranges() == 2 and len(ids) == 25 and all(uid in ids for uid in [*range(20), *range(30, 35)])
+    assert 20 not in ids and 29 not in ids and 35 not in ids
+    ids.add_range(18, 32)  # among them: id by id
+    assert len(ids) == 35 and ids.ranges() == 1 and all(uid in ids for uid in range(35))

@@ -1,4 +1,5 @@
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -121,6 +122,8 @@ def test_the_example_says_the_rows_its_engines_steps_run_at():
     (["--protocol", "tcp-json", "--team", "mine"], "--team: the original protocol (tcp-json) registers no name"),
     (["--tls"], "--tls, --tls-ca: for the server at --host (the embedded server speaks without TLS)"),
     (["--host", "h", "--port", "9", "--tls-ca", __file__], "--tls-ca: with --tls"),
+    (["--journal-segment-mb", "8"], "--journal-segment-mb: with --journal"),
+    (["--journal-segment-mb", "0"], "argument --journal-segment-mb: must be a positive number"),
     (["--host", "h", "--port", "9", "--tls", "--tls-ca", "/no/such/ca.pem"], "argument --tls-ca"),
 ])
 def test_bad_options_exit_with_a_message(argv, match, usage_error):
@@ -638,11 +641,15 @@ def test_a_websocket_servers_own_timeout_wins_over_timeout_s():
                                            "not say its timeout)")
 
 
-def test_a_client_killed_mid_session_replays_its_journal_and_answers_on_from_its_states(tmp_path, targets_cache):
+@pytest.mark.parametrize("segment", [[], ["--journal-segment-mb", "0.004"]], ids=["one-segment", "checkpointed"])
+def test_a_client_killed_mid_session_replays_its_journal_and_answers_on_from_its_states(tmp_path, targets_cache,
+                                                                                       segment):
     """kill -9 mid-session, then the same command again: the client replays its journal (every request it answered,
     in order) into fresh states, takes its session back with the journal's session key (no token here: a stranger
     would be refused the team) and answers the rest right, no request stepped twice. Without a journal a restarted
-    client answered from fresh states (accuracy ~0.18 after, bench/LOG.md section 76)."""
+    client answered from fresh states (accuracy ~0.18 after, bench/LOG.md section 76). With segments of ~11
+    requests, the engine's states are checkpointed as it plays, and the restart loads them and steps only what came
+    after each."""
     from client.journal import Journal
 
     server_proc, port = start_server(["--preset", "tiny", "--seed", SERVER_WEIGHTS_SEED, "--symbols", "3",
@@ -650,20 +657,23 @@ def test_a_client_killed_mid_session_replays_its_journal_and_answers_on_from_its
                                       "--cache-dir", str(targets_cache)], tmp_path / "server.log")
     journal = tmp_path / "journal"
     try:
-        client, _ = start_client_until_playing(port, "--journal", str(journal))
+        client, _ = start_client_until_playing(port, "--journal", str(journal), *segment)
         client.kill()  # SIGKILL: nothing flushed, no close
         client.communicate(timeout=30)
         journaled = [record for chunk in Journal(journal, {}).records() for record in chunk]
         assert 0 < len(journaled) < 240
         again = subprocess.run([*CLIENT, "--host", "127.0.0.1", "--port", str(port), "--preset", "tiny", "--seed",
                                 SERVER_WEIGHTS_SEED, "--engine", "reference", "--device", "cpu", "--journal",
-                                str(journal)], cwd=REPO, env=ONE_THREAD, capture_output=True, text=True, timeout=120)
+                                str(journal), *segment], cwd=REPO, env=ONE_THREAD, capture_output=True, text=True,
+                               timeout=120)
     finally:
         server_proc.kill()
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"replaying the {len(journaled)} requests of 3 symbols in the journal" in again.stderr
+    assert re.search(r"onto the checkpointed states of [123] symbols" if segment else "onto fresh states",
+                     again.stderr)
     summary = json.loads(again.stdout)
     assert summary["outcome"] == "complete" and summary["responses"] > 0
     assert summary["accuracy"] == 1.0 and summary["errors"] == 0, summary
     # the old process's answers and the new one's: every request once, in one journal of the session
-    assert sorted(uid for chunk in Journal(journal, {}).records() for uid, _, _ in chunk) == list(range(240))
+    assert sorted(uid for chunk in Journal(journal, {}).records() for uid, *_ in chunk) == list(range(240))

@@ -18,6 +18,10 @@ def line(numbers) -> str:
             + (", CPUs kept awake" if numbers.get("awake_cpus") else "")
             + (", frames compressed" if numbers.get("ws_compression") else "")
             + (", over TLS" if numbers.get("tls") else "")
+            + (f", journaled: {j['checkpoints']} states checkpointed, {j['segments_dropped']} segments dropped, "
+               f"restart {fmt(j['restart_s'], 2)} s ({j['states_loaded']} states, {j['replayed_steps']} requests "
+               f"stepped; states after it bit for bit {j['states_equal']} of {j['states']}, largest difference "
+               f"{j['largest_state_difference']:.2g})" if (j := numbers.get("journal")) else "")
             + (f", host CPU taken by its hypervisor {fmt(steal)} ms/s"
                if (steal := numbers.get("host_steal_ms_per_s")) is not None else ""))
 
@@ -26,14 +30,17 @@ def run(bench):
     """e2e_runs sessions in a row, each recorded; the headline is the worst run (_tail). With --awake-cpus
     alternate, every second run keeps the CPUs awake (scripts/benchmarks/awake_cpus.py; with on, bench.py keeps them
     so in every section); with --ws-compression alternate, every second run compresses its websocket frames (as
-    before bench/LOG.md section 50); with --tls on, every run is over TLS, alternate every second."""
+    before bench/LOG.md section 50); with --tls on, every run is over TLS, alternate every second; with --journal the
+    same, the client journaling with state checkpoints (serving.journaled)."""
     runs = []
     for i in range(bench.counts.e2e_runs):
         alternate = bench.args.awake_cpus == "alternate" and i % 2 == 1
         compressed = bench.args.ws_compression == "alternate" and i % 2 == 1
         tls = bench.args.tls == "on" or (bench.args.tls == "alternate" and i % 2 == 1)
+        journal = bench.args.journal == "on" or (bench.args.journal == "alternate" and i % 2 == 1)
         with AwakeCpus() if alternate else contextlib.nullcontext():
-            numbers = measure_e2e(bench.engine, bench, run=i, ws_compression=compressed, tls=tls)
+            numbers = measure_e2e(bench.engine, bench, run=i, ws_compression=compressed, tls=tls,
+                                  journal_mb=bench.args.journal_segment_mb if journal else None)
         runs.append({**numbers, "awake_cpus": alternate or bench.args.awake_cpus == "on", "ws_compression": compressed,
                      "tls": tls})
         bench.report.update(e2e_400rps_20sym=max(runs, key=_tail), e2e_runs=runs)

@@ -2,10 +2,12 @@
 its own playing a stream to the team client, with targets from the fp32 reference stepped through the same
 requests; the e2e and max-rate measurements built on it."""
 import asyncio
+import contextlib
 import math
 import multiprocessing
 import os
 import queue
+import tempfile
 import time
 
 import numpy as np
@@ -172,12 +174,13 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
                        max_requests_per_symbol=None, team_client=None, during=None, form_late=True,
                        stacks_dir=None, ws_compression=False, step_log=False, late_after_s=None,
                        form_margin_s=None, punctual_late_after_s=None, join_queued=None, inline_steps=None,
-                       late_parts_s=None, stalls=False, tls=False) -> dict:
+                       late_parts_s=None, stalls=False, tls=False, journal=None) -> dict:
     """Serve `stream` at `rate` to the team client running `engine` (or `team_client`); the server's summary of
     the session. With timeline, the summary's "timeline" also has the client's per-request stages and both
     processes' stalls (scripts/e2e_timeline.py reads them), and with stacks_dir the event loop's stack in each of its
     long stalls (server_stacks.txt, client_stacks.txt there; client/stalls.py). ws_compression: both ends
-    take permessage-deflate, as before bench/LOG.md section 50 (to measure against); tls: over TLS (wss://).
+    take permessage-deflate, as before bench/LOG.md section 50 (to measure against); tls: over TLS (wss://);
+    journal: the client's (client/journal.py).
     `during(client)`, a coroutine function, runs beside the session (the backlog section pauses the client with
     it). step_log: the summary's "steps" is the runtime's step log (StreamingClient.steps). stalls: the summary's
     "client_stalls" are a StallProbe's events in the client's process, "started" the session's start
@@ -217,7 +220,7 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
             options["tls_ca"] = TLS_CERT
         client = StreamingClient(team_client or ExampleModel(engine), f"{'wss' if tls else 'ws'}://127.0.0.1:"
                                  f"{server.port}", "bench", timeline=timeline, form_late=form_late,
-                                 ws_compression=ws_compression, step_log=step_log,
+                                 ws_compression=ws_compression, step_log=step_log, journal=journal,
                                  **{k: v for k, v in options.items() if v is not None})
         playing = asyncio.create_task(client.run())
         beside = asyncio.create_task(during(client)) if during is not None else None
@@ -379,7 +382,7 @@ def session_numbers(summary) -> dict:
 
 
 def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=False, step_log=False,
-          run=0, tls=False) -> dict:
+          run=0, tls=False, journal=None) -> dict:
     """session_numbers of `stream` served at `rate` to `engine` with the run's settings (per_symbol: requests of
     a symbol a step may carry, the run's --max-requests-per-symbol by default; run: the section's run, for
     Bench.forming, whose options given are recorded beside the numbers); with step_log, also its steps by rows
@@ -388,7 +391,7 @@ def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=
     summary = event_loop.run(serve_stream(
         engine, stream, targets, rate, args.preset, args.seed, args.pipeline_min_batch,
         max_requests_per_symbol=per_symbol or args.max_requests_per_symbol, ws_compression=ws_compression,
-        stacks_dir=args.stacks, step_log=step_log, stalls=step_log, tls=tls, **bench.forming(run)))
+        stacks_dir=args.stacks, step_log=step_log, stalls=step_log, tls=tls, journal=journal, **bench.forming(run)))
     numbers = session_numbers(summary)
     if step_log:
         numbers["steps_by_rows"] = steps_by_rows(summary["steps"], getattr(engine, "step_rows", ()))
@@ -398,18 +401,68 @@ def serve(bench, engine, stream, targets, rate, per_symbol=None, ws_compression=
     return {**numbers, **bench.forming_ms(run)}
 
 
-def measure_e2e(engine, bench, prefix="E2E_", run=0, ws_compression=False, tls=False):
+def measure_e2e(engine, bench, prefix="E2E_", run=0, ws_compression=False, tls=False, journal_mb=None):
     """The session's numbers of E2E_SYMBOLS symbols served at E2E_RATE (run: the stream's index, for its seed;
-    tls: over TLS)."""
+    tls: over TLS; journal_mb: journaled in segments of that many MiB, as `journaled` says)."""
     tracker = ReferenceTracker(bench.model, prefixed_names(prefix, E2E_SYMBOLS), bench.device)
     stream = prefixed_stream(prefix, E2E_SYMBOLS, bench.counts.e2e_requests, bench.args.seed + 1 + 100 * run,
                              E2E_RATE)
     targets = tracker.targets(stream)
     del tracker
     bench.progress(f"e2e: targets ready; serving {len(stream)} requests at {E2E_RATE:.0f} req/s")
-    numbers = serve(bench, engine, stream, targets, E2E_RATE, ws_compression=ws_compression, run=run, tls=tls)
+    if journal_mb is None:
+        numbers = serve(bench, engine, stream, targets, E2E_RATE, ws_compression=ws_compression, run=run, tls=tls)
+    else:
+        with journaled(engine, journal_mb) as (journal, restart):
+            numbers = serve(bench, engine, stream, targets, E2E_RATE, ws_compression=ws_compression, run=run,
+                            tls=tls, journal=journal)
+            numbers["journal"] = restart(np.unique(stream.symbols).tolist())
     engine.release(np.unique(stream.symbols).tolist())
     return numbers
+
+
+@contextlib.contextmanager
+def journaled(engine, segment_mb):
+    """(a Journal in a temporary directory, restart): the journal with state checkpoints and segments of
+    `segment_mb` MiB for a session of the engine's team client; restart(symbols), once the session ends, releases
+    their states and times what a restarted client does (load the checkpointed states, replay the journal's tail),
+    and says how many checkpoints the session wrote and segments it dropped."""
+    from client import team_api
+    from client.journal import Journal, replay
+    from client.runtime import CACHE_SIZE
+    from team.example_model import ExampleModel
+
+    with tempfile.TemporaryDirectory(prefix="bench-journal-") as directory:
+        layout = team_api.state_layout(ExampleModel(engine))
+        journal = Journal(os.path.join(directory, "journal"), {"team": "bench"}, layout=layout,
+                          segment_bytes=int(segment_mb * 2**20), keep=CACHE_SIZE)
+
+        def restart(symbols):
+            journal.close()
+            before = {symbol: engine.export_state(symbol).result() for symbol in symbols}
+            engine.release(symbols)
+            began = time.perf_counter()
+            again = Journal(journal.path, {"team": "bench"}, layout=layout, keep=CACHE_SIZE)
+            team_client = ExampleModel(engine)
+            stepped = []
+            process_batch = team_client.process_batch
+            team_client.process_batch = lambda batch: stepped.append(sum(map(len, batch.values()))) or \
+                process_batch(batch)
+            replayed = replay(team_client, again, CACHE_SIZE, progress=None)
+            restart_s = time.perf_counter() - began
+            after = {symbol: engine.export_state(symbol).result() for symbol in symbols}
+            # replayed in other steps than played (several requests of a symbol a step): bit for bit where the
+            # kernels' sums do not depend on a step's rows; the largest difference of their float32 words else
+            differences = [np.abs(before[s].view(np.float32) - after[s].view(np.float32)).max(initial=0.0)
+                           for s in symbols if not np.array_equal(before[s], after[s])]
+            return {"checkpoints": journal.checkpointed, "segments_dropped": journal.dropped,
+                    "states_equal": len(symbols) - len(differences), "states": len(symbols),
+                    "largest_state_difference": float(max(differences, default=0.0)),
+                    "states_loaded": len(again.checkpoints.covers) if again.checkpoints else 0,
+                    "replayed": len(replayed), "replayed_steps": sum(stepped),
+                    "restart_s": restart_s, "segment_mb": segment_mb}
+
+        yield journal, restart
 
 
 def search_max_rate(engine, bench, num_symbols=MAXRATE_SYMBOLS, prefix="RATE_", key="max_rate", rates=None,
