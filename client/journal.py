@@ -327,7 +327,8 @@ class Journal:
 
     # ---- checkpoints (the runtime's, between steps) ------------------------------------------------------------
     def checkpoint_due(self) -> bool:
-        """Whether a closed segment waits for a symbol's checkpoint, or can go (cheap: asked after every step)."""
+        """Whether a closed segment waits for a symbol's checkpoint, or the oldest can go (cheap: asked after every
+        step)."""
         if self.checkpoints is None or len(self._segments) < 2 or self.failed or self.checkpoints_failed:
             return False
         with self._lock:
@@ -339,8 +340,10 @@ class Journal:
             return self._droppable()
 
     def _due(self) -> bool:
+        """Whether a record of a closed segment is not covered, or the oldest closed segment can go (holding the
+        lock)."""
         return len(self._segments) >= 2 and (bool(self._dirty) and next(iter(self._dirty.values()))
-                                             < self._segments[1].first or self._droppable())
+                                             < self._segments[-1].first or self._droppable())
 
     def begin_checkpoint(self, busy) -> tuple[str, int] | None:
         """(symbol, covers): the symbol to checkpoint next, none of whose requests is in a step (`busy`: the symbols
@@ -349,7 +352,7 @@ class Journal:
         with self._lock:
             if self.checkpoints is None or self.failed or self.checkpoints_failed or not self._due():
                 return None
-            closed_end = self._segments[1].first
+            closed_end = self._segments[-1].first
             for symbol, number in self._dirty.items():
                 if number >= closed_end:
                     return None

@@ -969,7 +969,7 @@ class StreamingClient:
 
     # ---- the journal's state checkpoints (client/journal.py) ------------------------------------------------
     def _checkpoint(self):
-        """Export the state of a symbol that the journal's oldest closed segment waits for and none of whose requests
+        """Export the state of a symbol that a closed segment of the journal waits for and none of whose requests
         is in a step, or let covered segments go, in the checkpoint thread, one at a time. Called by the thread that
         submits the steps, after a submit: the export follows the steps submitted and comes before the next; and
         none of the symbol's requests joins a step until its copy is done (a join enters a step submitted before)."""

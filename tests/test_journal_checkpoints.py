@@ -108,6 +108,20 @@ def test_a_journal_bounded_by_checkpoints_replays_only_its_tail_onto_the_states_
     assert list(replayed.refused) == sorted(refused) and not any(uid in replayed.recent for uid in refused)
 
 
+def test_every_closed_segment_is_covered_while_none_can_go_yet(tmp_path):
+    """While the answers a restart keeps (`keep`) reach back past every closed segment, none goes, and each symbol's
+    records in all of them are covered still (only the first closed segment's were): a restart steps only the
+    records of the segment being written."""
+    path = tmp_path / "j"
+    first = play(path, stream(40), keep=10**6)
+    assert len(parts(path)) >= 6
+    again = Toy()
+    replayed = replay(again, Journal(path, IDENTITY, layout=first.state_layout(), keep=10**6), keep=10**6,
+                      progress=None)
+    assert len(again.stepped) <= 5 and len(replayed.recent) == 40
+    assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
+
+
 def test_a_busy_symbol_is_never_checkpointed_and_keeps_its_segments(tmp_path):
     """A symbol with a request in a step is not checkpointed (its state would not be the journal's): the segments
     holding its records stay, and a restart replays them."""

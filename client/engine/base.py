@@ -233,7 +233,8 @@ class Engine(ABC):
     def state_layout(self) -> dict | None:
         """A JSON-able description of the bytes export_state gives: the engine, its total "bytes", and every
         component's name, shape and dtype in order (where it lies, where that depends on more). Two engines with
-        equal layouts import each other's exports bit for bit. None by default: this engine cannot export."""
+        equal layouts import each other's exports bit for bit. None by default: this engine cannot export. Asked
+        by whoever will export: an engine may make ready for exports here (the fast engine's buffers)."""
         return None
 
     def export_state(self, symbol) -> PendingStep:

@@ -389,10 +389,13 @@ class FastEngine(Engine):
         rejected = self.table.unplaceable(symbols, at_once=False)
         return dict.fromkeys(rejected, str(self.table.capacity_error(rejected))) if rejected else {}
 
+    @_on_own_device
     def state_layout(self) -> dict:
         """A symbol's slot bytes, part by part (one per device): its components with their byte offsets in it (the
         gaps between them are zeros); the state storage's dtypes (and stochastic rounding's step counter) are
-        among them."""
+        among them. Asked by whoever will export: the exports' buffers are allocated here, not in play."""
+        for part in self.table.parts:
+            part.ready_exports()
         parts = [{"bytes": part.slot_bytes,
                   "components": [[name, list(shape), str(dtype).removeprefix("torch."), part.offsets[name]]
                                  for name, (shape, dtype, _) in part.layout.items()]} for part in self.table.parts]

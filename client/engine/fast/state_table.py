@@ -505,11 +505,8 @@ class DeviceSlots:
     def stage(self, slot, copy, stream):
         """The slot copied into the staging buffer on `stream` (after `copy`, its pending copy, if any), then into
         pinned host memory on a side stream; the event recorded after the latter. The buffers are allocated on
-        first use: the caller makes sure no export still reads them (StateTable.export)."""
-        if self.staging is None:
-            self.staging = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
-            self.staged = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
-            self.export_stream = own_stream(self.device)
+        first use (or by ready_exports): the caller makes sure no export still reads them (StateTable.export)."""
+        self.ready_exports()
         with torch.cuda.device(self.device):
             with torch.cuda.stream(stream):
                 if copy is not None:
@@ -523,6 +520,14 @@ class DeviceSlots:
                 done = torch.cuda.Event()
                 done.record(self.export_stream)
         return done
+
+    def ready_exports(self) -> None:
+        """Allocate stage's buffers where a GPU's are not yet: allocated by the first export, on the thread that
+        steps, they stalled play (a p99 of 23.7 ms at 400 requests/s, bench/LOG.md section 82)."""
+        if self.staging is None and self.device.type == "cuda":
+            self.staging = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+            self.staged = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
+            self.export_stream = own_stream(self.device)
 
     def read_host(self, host_slot, reader) -> Future:
         """Host slot's bytes, read on `reader` (an executor) once its last copy is done: that read is its last copy
