@@ -361,6 +361,14 @@ class Journal:
                     return symbol, self.total
             return None
 
+    def checkpoint_waiting(self) -> str | None:
+        """The symbol a closed segment has waited for longest (its oldest record not covered), or None."""
+        with self._lock:
+            if self.checkpoints is None or self.failed or self.checkpoints_failed or len(self._segments) < 2:
+                return None
+            symbol, number = next(iter(self._dirty.items()), (None, None))
+            return symbol if number is not None and number < self._segments[-1].first else None
+
     def end_checkpoint(self, symbol: str, covers: int, state=None, failed: str | None = None) -> None:
         """Write the state exported of `symbol` (a uint8 array; None: the engine held none) as covering the first
         `covers` records, then let go the segments now covered; or, `failed` (why), keep its records needed. Called

@@ -72,6 +72,9 @@ PIPELINE_MIN_BATCH = 1
 # model thread looks again this often (or at the next arrival); so does the submitter while the pipeline is full
 # and such states may still join its queued step.
 READY_POLL_S = 0.0005
+# submits at which every symbol a closed segment of the journal waits for was in a step, before the oldest is held out
+# of steps for its checkpoint (_checkpoint)
+CHECKPOINT_MISSES = 16
 # A step answered in parts (a sharded engine's, client/team_api.py) whose last parts have not come this long after
 # it was submitted is answered for those that have, and the pipeline goes on without it: the symbols of its missing
 # parts wait alone (a hung shard held every symbol until --shard-timeout-s, 60 s). A step takes milliseconds.
@@ -404,6 +407,10 @@ class StreamingClient:
         # the symbol whose state is being exported for the journal's checkpoint (none of its requests joins a step
         # until the copy is done), and the thread that writes the checkpoints (client/journal.py)
         self._checkpointing: str | None = None
+        # a symbol a closed segment has waited for while it was in a step at each of CHECKPOINT_MISSES submits: held
+        # out of the next step until its steps in flight are answered, then checkpointed (_checkpoint)
+        self._draining: str | None = None
+        self._checkpoint_misses = 0
         self._checkpoint_writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._checkpoint_job: concurrent.futures.Future | None = None
         self._wake_at: int | None = 0  # waiting symbols from which an arrival notifies the submitter (under the lock)
@@ -946,6 +953,8 @@ class StreamingClient:
     def _submit(self, batch, formed_at):
         """Submit one step of `batch`, whose forming began at `formed_at` (time.monotonic()), to the team client and
         queue it for its answer."""
+        if self.journal is not None and (self._draining is not None or self.journal.checkpoint_due()):
+            self._checkpoint()
         try:
             pending = self.team_client.submit_batch(team_api.batch_for(self.team_client, batch))
         except Exception as exc:  # a failing team client must not kill the runtime
@@ -964,15 +973,19 @@ class StreamingClient:
             self._clock.submitted(formed_at, submitted_at)
             self._steps.append(_Step(batch, pending, submitted_at, size, record))
             self._steps_ready.notify()
-        if self.journal is not None and self.journal.checkpoint_due():
-            self._checkpoint()
 
     # ---- the journal's state checkpoints (client/journal.py) ------------------------------------------------
     def _checkpoint(self):
         """Export the state of a symbol that a closed segment of the journal waits for and none of whose requests
         is in a step, or let covered segments go, in the checkpoint thread, one at a time. Called by the thread that
-        submits the steps, after a submit: the export follows the steps submitted and comes before the next; and
-        none of the symbol's requests joins a step until its copy is done (a join enters a step submitted before)."""
+        submits the steps, before a submit: the export follows the steps submitted and comes before the next; and
+        none of the symbol's requests joins a step until its copy is done (a join enters a step submitted before).
+        Where every symbol waited for was in a step at CHECKPOINT_MISSES submits in a row (near the max rate each
+        has requests in every step), the oldest is held out of steps until those in flight are answered (~a step
+        later for its requests, once a segment)."""
+        if not self.journal.checkpoint_due():  # (checkpoints stopped, or the segment went another way)
+            self._draining = None
+            return
         if self._checkpoint_job is not None and not self._checkpoint_job.done():
             return
         with self._work_ready:
@@ -982,7 +995,13 @@ class StreamingClient:
                 busy.update(r.symbol for r in step.joined)
             due = self.journal.begin_checkpoint(busy)
             if due is not None:
-                self._checkpointing = due[0]
+                self._checkpointing, self._checkpoint_misses = due[0], 0
+                if self._draining == due[0]:
+                    self._draining = None
+            elif (waiting := self.journal.checkpoint_waiting()) is not None and self._draining is None:
+                self._checkpoint_misses += 1
+                if self._checkpoint_misses >= CHECKPOINT_MISSES:
+                    self._draining = waiting
         if self._checkpoint_writer is None:
             self._checkpoint_writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         if due is None:
@@ -998,6 +1017,11 @@ class StreamingClient:
             self.journal.end_checkpoint(symbol, covers, failed=f"export_state raised {type(exc).__name__}: {exc}")
             return
         self._checkpoint_job = self._checkpoint_writer.submit(self._write_checkpoint, symbol, covers, pending)
+
+    def _in_a_step(self, symbol) -> bool:
+        """Whether a request of `symbol` is in a step in flight, joined to one, or held back (holding the lock)."""
+        return symbol in self._joining or symbol in self._held or any(
+            r.symbol == symbol for step in (*self._steps, *self._late) for r in (*step.batch, *step.joined))
 
     def _write_checkpoint(self, symbol, covers, pending):
         """(The checkpoint thread) wait for the state's copy, let the symbol join steps again, write it."""
@@ -1134,7 +1158,7 @@ class StreamingClient:
         step instead of the one after. `request` is an arrival, or one taken from the front of its queue."""
         if not self._queued_step_joinable() or self._scheduler.has(request.symbol) or request.symbol in self._joining \
                 or request.symbol in self._held \
-                or request.symbol == self._checkpointing:  # (its export is ordered before that step's end)
+                or request.symbol in (self._checkpointing, self._draining):  # (_checkpoint)
             return False
         pending, joined = self._steps[-1].pending, self._steps[-1].joined
         try:
@@ -1222,7 +1246,7 @@ class StreamingClient:
     def _readiness(self):
         """The scheduler's test of whether a waiting symbol may step (None: every one may); called holding the
         lock."""
-        return self._is_ready if self._team_ready() or self._joining or self._held else None
+        return self._is_ready if self._team_ready() or self._joining or self._held or self._draining else None
 
     def _team_ready(self):
         """The team client's ready() to ask, or None (called holding the lock): always where its states move; where
@@ -1232,6 +1256,8 @@ class StreamingClient:
         return self._holds_back if self._late and callable(self._holds_back) else None
 
     def _is_ready(self, symbol) -> bool:
+        if symbol == self._draining and self._in_a_step(symbol):
+            return False  # held out of steps until its state is checkpointed (_checkpoint)
         if symbol in self._joining:
             return False  # its joined request's fate decides what goes first
         if symbol in self._held:

@@ -1,6 +1,7 @@
 """client/journal.py's segments and state checkpoints: a bounded journal that a restart replays from the states."""
 import asyncio
 import os
+import time
 
 import numpy as np
 import pytest
@@ -270,3 +271,49 @@ def test_the_runtime_checkpoints_between_steps_and_a_restart_answers_on_right(tm
         features = np.asarray(stream_.features[uid], np.float32)
         expected = straight.process_batch({stream_.symbols[uid]: [(uid, features)]})["predictions"][0]
         assert np.array_equal(answers[uid], expected), uid
+
+
+class SlowToy(Toy):
+    """Each step's answer comes 20 ms after its submit: the next step forms while one is in flight, so a symbol
+    with a request every few ms has one in every step."""
+
+    def submit_batch(self, batch):
+        answer, ready_at = self.process_batch(batch), time.monotonic() + 0.02
+        return PendingStep(lambda: time.sleep(max(0.0, ready_at - time.monotonic())) or answer,
+                           poll=lambda: time.monotonic() >= ready_at)
+
+
+def test_a_symbol_in_every_step_is_held_out_of_one_for_its_checkpoint(tmp_path, monkeypatch):
+    """One symbol at 400 requests/s, steps of 20 ms: it has a request in every step in flight, so no submit finds it
+    free to checkpoint and its segments stayed for the session. After CHECKPOINT_MISSES submits it is held out of
+    steps until those in flight are answered, then checkpointed: segments go, and a restart loads its state and
+    replays the rest onto it, as the live one stood."""
+    from client import runtime
+    from client.runtime import StreamingClient
+    from client.streams import generate_stream
+    from server import ScoringServer, ServerConfig
+
+    monkeypatch.setattr(runtime, "CHECKPOINT_MISSES", 4)  # ~50 submits in the session: several checkpoints
+    n = 400
+    stream_ = generate_stream(1, n, seed=5)
+    path = tmp_path / "j"
+
+    async def main():
+        server = ScoringServer(ServerConfig(rate=400.0), stream=stream_, targets=np.zeros((n, 4), np.float32))
+        url = f"ws://127.0.0.1:{await server.start()}"
+        try:
+            team = SlowToy()
+            journal = Journal(path, IDENTITY, layout=team.state_layout(), segment_bytes=20 * RECORD_BYTES, keep=10)
+            summary = await asyncio.wait_for(StreamingClient(team, url, "testers", leave_at_end=True,
+                                                             journal=journal).run(), 60)
+            journal.close()
+            return team, journal, summary
+        finally:
+            await server.stop()
+
+    team, journal, summary = asyncio.run(main())
+    assert summary["outcome"] == "complete" and summary["responses"] == n
+    assert journal.checkpointed >= 3 and journal.dropped >= 3 and len(parts(path)) <= 4
+    again = Toy()
+    replay(again, Journal(path, IDENTITY, layout=again.state_layout(), keep=10), keep=10, progress=None)
+    assert np.array_equal(again.states["SYM_000"], team.states["SYM_000"])
