@@ -95,8 +95,8 @@ class _Segment:
 
 class Journal:
     """One session's journal at `path`: where its header names `identity` ({url, team, weights}: the server, team and
-    weights of this client), its `session_key`, the `count` of whole records (read with records()), of them those
-    `refused`, and the `symbols` of those answered; appending once begin() has named the session. With `layout`
+    weights of this client), its `session_key`, the `count` of whole records held (read with records()), of them
+    those `refused`, and the `symbols` of those answered when it was opened; appending once begin() has named the session. With `layout`
     (the team client's state_layout: it can export and import its states), segments and state checkpoints
     (`checkpoints`) bound it."""
 
@@ -316,6 +316,8 @@ class Journal:
                 segment = self._segments[-1]
                 segment.end += written
                 segment.count += len(symbols)
+                self.count += len(symbols)
+                self.refused += symbols.count(None)
                 for symbol in symbols:
                     if symbol is not None and symbol not in self._dirty:
                         self._dirty[symbol] = self.total
