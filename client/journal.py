@@ -91,6 +91,7 @@ class _Segment:
     def __init__(self, path, first, version, records_at):
         self.path, self.first, self.version, self.records_at = str(path), first, version, records_at
         self.count, self.end = 0, records_at
+        self.synced = False  # closed and on the disk (Journal._sync_segments)
 
 
 class Journal:
@@ -133,7 +134,9 @@ class Journal:
 
     def _read(self) -> None:
         parts = self._parts()
-        if parts and not os.path.exists(self.path):  # killed while closing a segment: the last one is written on
+        # killed while closing a segment (PATH not created again, or created and its header not written yet): the
+        # last one is written on
+        if parts and (not os.path.exists(self.path) or os.path.getsize(self.path) == 0):
             os.replace(parts.pop()[1], self.path)
         try:
             f = open(self.path, "rb")
@@ -157,6 +160,11 @@ class Journal:
         states = Path(self.path + ".states")
         if states.is_dir():
             self.checkpoints = StateCheckpoints(states, self.session_key)
+        if segments[0].first > 0 and (self.checkpoints is None or self.checkpoints.layout is None):
+            # its first segments went, covered by states not there (nor the ids of those segments)
+            raise JournalError(f"--journal {self.path}: its first {segments[0].first:,} records were let go for the "
+                               f"states checkpointed in {states}, which is not a folder of them (remove the journal "
+                               "to begin afresh)")
         covers = self.checkpoints.covers if self.checkpoints is not None else {}
         symbols = set()
         for segment in segments:
@@ -367,6 +375,7 @@ class Journal:
         off the event loop (it writes and syncs the state's bytes)."""
         if failed is None:
             try:
+                self._sync_segments()
                 self.checkpoints.write(symbol, covers, state)
                 self.checkpointed += 1
             except OSError as exc:
@@ -381,6 +390,21 @@ class Journal:
                 self.checkpoints_failed = True  # (tried again after each step, a full disk took a state's write each)
         if failed is None:
             self.drop_covered()
+
+    def _sync_segments(self) -> None:
+        """The journal's records on the disk before a state that covers them is: a crash of the machine loses the
+        page cache's tail, and a state ahead of the journal took the records numbered again after it for its own."""
+        with self._lock:  # (opened under it: no segment is renamed or deleted meanwhile)
+            segments = [(segment, os.open(segment.path, os.O_RDONLY)) for segment in self._segments
+                        if not segment.synced]
+            written = self._segments[-1]
+        try:
+            for segment, fd in segments:
+                os.fsync(fd)
+                segment.synced = segment is not written  # a closed one changes no more
+        finally:
+            for _, fd in segments:
+                os.close(fd)
 
     def _droppable(self) -> bool:
         """Whether the oldest closed segment can go: every record of it covered, and none among the last `keep`
@@ -595,7 +619,10 @@ def _load_states(team_client, journal: Journal, replayed: Replayed, keep_refused
     """Import the journal's checkpointed states into the team client, and the ids of its deleted segments into
     `replayed`; the records each symbol's state covers ({symbol: covers})."""
     checkpoints = journal.checkpoints
-    if checkpoints is None or not checkpoints.covers:
+    if checkpoints is None:
+        return {}
+    _load_gone(journal, replayed, keep_refused)  # (segments of refused requests alone go without a state)
+    if not checkpoints.covers:
         return {}
     layout = team_api.state_layout(team_client)
     if layout is None:
@@ -615,11 +642,18 @@ def _load_states(team_client, journal: Journal, replayed: Replayed, keep_refused
             raise JournalError(f"--journal {journal.path}: {exc}") from None
         if state is not None:
             team_client.import_state(symbol, state)
-    starts, ends, refused = checkpoints.gone()
+    return checkpoints.covers
+
+
+def _load_gone(journal: Journal, replayed: Replayed, keep_refused: int) -> None:
+    """The ids of the journal's deleted segments into `replayed`."""
+    try:
+        starts, ends, refused = journal.checkpoints.gone()
+    except CheckpointError as exc:
+        raise JournalError(f"--journal {journal.path}: {exc}") from None
     for start, end in zip(starts.tolist(), ends.tolist()):
         replayed.older.add_range(start, end)
     for uid in refused.tolist():
         replayed.count += 1
         _refused(replayed, uid, keep_refused)
     replayed.count += int((ends - starts).sum())
-    return checkpoints.covers

@@ -270,3 +270,65 @@ def test_the_runtime_checkpoints_between_steps_and_a_restart_answers_on_right(tm
         features = np.asarray(stream_.features[uid], np.float32)
         expected = straight.process_batch({stream_.symbols[uid]: [(uid, features)]})["predictions"][0]
         assert np.array_equal(answers[uid], expected), uid
+
+
+def test_a_kill_after_the_next_segment_is_created_before_its_header_reads_the_closed_one_as_written(tmp_path):
+    """_close_segment creates PATH (O_EXCL) then writes its header: killed between the two, PATH is empty beside the
+    closed parts. It read as no journal at all: every state lost, the session taken back from fresh states."""
+    path = tmp_path / "j"
+    first = play(path, stream(40), keep=10**6)
+    os.replace(path, f"{path}.part40")
+    path.write_bytes(b"")
+    journal = Journal(path, IDENTITY, layout=first.state_layout(), keep=10**6)
+    assert journal.session_key == "k" and journal.total == 40
+    again = Toy()
+    replay(again, journal, keep=10**6, progress=None)
+    assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
+
+
+def test_the_ids_of_deleted_segments_are_kept_where_no_state_was_checkpointed(tmp_path):
+    """Segments of refused requests alone need no state to go: their ids, kept in gone.npz, are refused again after
+    a restart (they were ignored where no symbol's state was checkpointed, and a resend of one stepped)."""
+    path = tmp_path / "j"
+    play(path, stream(400), refused=set(range(400)))
+    journal = Journal(path, IDENTITY, layout=Toy().state_layout(), keep=3)
+    assert journal.first > 0 and not journal.checkpoints.covers
+    replayed = replay(Toy(), journal, keep=3, keep_refused=10**6, progress=None)
+    assert len(replayed) == 400 and list(replayed.refused) == list(range(400))
+
+
+def test_a_state_is_written_only_once_the_records_it_covers_are_on_the_disk(tmp_path, monkeypatch):
+    """A crash of the machine may lose the journal's tail that the page cache held: a state synced before the records
+    it covers would be ahead of the journal, and the records numbered again after it read as covered by it."""
+    import client.journal as journal_module
+
+    synced, write = {}, StateCheckpoints.write  # inode -> its size when synced
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced[os.fstat(fd).st_ino] = os.fstat(fd).st_size
+        real_fsync(fd)
+
+    def checked_write(self, symbol, covers, state):
+        for p in tmp_path.iterdir():
+            if p.name == "j" or p.name.startswith("j.part"):
+                assert synced.get(p.stat().st_ino) == p.stat().st_size, f"{p.name} not on the disk"
+        write(self, symbol, covers, state)
+
+    monkeypatch.setattr(journal_module.os, "fsync", fsync)
+    monkeypatch.setattr(StateCheckpoints, "write", checked_write)
+    first = play(tmp_path / "j", stream(40))
+    assert first.states and Journal(tmp_path / "j", IDENTITY, layout=first.state_layout()).checkpoints.covers
+
+
+def test_a_journal_whose_segments_went_and_whose_states_are_missing_is_one_line(tmp_path):
+    """Segments go once states cover them: without those states (PATH.states removed, or a file) a restart stepped
+    the rest onto fresh states, wrong and said right."""
+    import shutil
+
+    path = tmp_path / "j"
+    play(path, stream(60))
+    shutil.rmtree(tmp_path / "j.states")
+    (tmp_path / "j.states").write_bytes(b"")
+    with pytest.raises(JournalError, match="states"):
+        Journal(path, IDENTITY, layout=Toy().state_layout())
