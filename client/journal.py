@@ -66,7 +66,7 @@ from client.constants import NUM_FEATURES, NUM_TOWERS
 from client.id_ranges import IdBits, IdRanges
 from client.runtime import CACHE_SIZE, REFUSALS_KEPT
 from client.scheduler import Request, Scheduler
-from client.state_checkpoints import CheckpointError, StateCheckpoints
+from client.state_checkpoints import CheckpointError, StateCheckpoints, as_json
 
 log = logging.getLogger(__name__)
 MAGIC = b"team-client journal 2\n"
@@ -233,6 +233,11 @@ class Journal:
                 if go_on and self.layout is not None and self.checkpoints is None:
                     self.checkpoints = StateCheckpoints(self.path + ".states", session_key)
                     self.checkpoints.start(session_key, self.layout)
+                elif go_on and self.layout is not None and self.checkpoints.layout != as_json(self.layout):
+                    if self.checkpoints.covers:  # (replay() said so before)
+                        raise JournalError(f"--journal {self.path}: its states are in another layout than this "
+                                           "engine's: restart with the options they were written with")
+                    self.checkpoints.name_layout(self.layout)  # none written yet: this engine's from here on
             except OSError as exc:
                 raise JournalError(f"--journal {self.path}: cannot write it ({exc.strerror})") from None
             self.session_key = session_key

@@ -332,3 +332,33 @@ def test_a_journal_whose_segments_went_and_whose_states_are_missing_is_one_line(
     (tmp_path / "j.states").write_bytes(b"")
     with pytest.raises(JournalError, match="states"):
         Journal(path, IDENTITY, layout=Toy().state_layout())
+
+
+def test_a_restart_in_another_layout_before_any_state_was_checkpointed_writes_its_states_in_its_layout(tmp_path):
+    """layout.json names the layout of the states beside it: a restart whose engine lays them out otherwise, before
+    any was written, went on writing its own under the old name, and the next restart refused them (or, with the
+    old options, imported them in the wrong layout)."""
+    path, requests = tmp_path / "j", stream(40)
+    first = play(path, requests[:4])
+    assert not StateCheckpoints(tmp_path / "j.states", "k").covers
+    again = Toy(layout="other")
+    replay(again, Journal(path, IDENTITY, layout=again.state_layout(), keep=3), keep=3, progress=None)
+    play(path, requests[4:], team=again)
+    assert Journal(path, IDENTITY, layout=again.state_layout()).checkpoints.covers
+    third = Toy(layout="other")
+    replay(third, Journal(path, IDENTITY, layout=third.state_layout(), keep=3), keep=3, progress=None)
+    assert all(np.array_equal(third.states[s], again.states[s]) for s in again.states) and first.states
+
+
+def test_a_layout_with_tuples_is_the_same_layout_read_back_from_json(tmp_path):
+    """layout.json reads back a team client's tuples as lists: compared as given, every restart said its states
+    were laid out otherwise."""
+    class Tuples(Toy):
+        def state_layout(self):
+            return {"toy": ("a", (4,), "float32")}
+
+    path = tmp_path / "j"
+    first = play(path, stream(30), team=Tuples())
+    again = Tuples()
+    replay(again, Journal(path, IDENTITY, layout=again.state_layout(), keep=3), keep=3, progress=None)
+    assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
