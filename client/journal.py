@@ -450,16 +450,19 @@ class Journal:
         neither replays a history missing its last steps (the states it rebuilt would be wrong, and said right) nor
         appends after a torn record. Before, the error escaped the step's answer: its answers never went out and the
         event loop's pump stopped (the session hung)."""
-        self._file.close()
+        if self._file is not None:  # (None where the next segment could not be created)
+            self._file.close()
         self._file, self.failed = None, True
         aside = self.path + ".incomplete"
         try:
-            for segment in self._segments[:-1]:
-                os.replace(segment.path, f"{aside}.part{segment.first}")
+            for segment in self._segments:  # by their paths: the last one closed where the next could not be opened
+                if segment.path != self.path:
+                    os.replace(segment.path, f"{aside}.part{segment.first}")
             if os.path.isdir(self.path + ".states"):
                 shutil.rmtree(aside + ".states", ignore_errors=True)
                 os.replace(self.path + ".states", aside + ".states")
-            os.replace(self.path, aside)
+            if os.path.exists(self.path):
+                os.replace(self.path, aside)
             where = f"set aside as {aside}; a restart begins a new journal"
         except OSError as rename:
             where = f"and it could not be set aside ({rename.strerror}): do not restart from it"

@@ -362,3 +362,26 @@ def test_a_layout_with_tuples_is_the_same_layout_read_back_from_json(tmp_path):
     again = Tuples()
     replay(again, Journal(path, IDENTITY, layout=again.state_layout(), keep=3), keep=3, progress=None)
     assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
+
+
+@pytest.mark.parametrize("fails", ["create", "header"])
+def test_a_segment_that_cannot_be_opened_sets_every_segment_aside(tmp_path, monkeypatch, caplog, fails):
+    """Closing a segment, the next one cannot be created (no room for a file) or its header written: journaling
+    stops and every segment is set aside. The closed file was left: the error escaped the step's answer (no file
+    to close), or the closed segment stayed beside the files set aside, read back as the whole journal."""
+    import client.journal as journal_module
+
+    real_open = os.open
+
+    def full(name, flags, *args):
+        if flags & os.O_EXCL:
+            if fails == "create":
+                raise OSError(28, "No space left on device")
+            return real_open(name, (flags & ~os.O_WRONLY) | os.O_RDONLY, *args)  # its header's write fails
+        return real_open(name, flags, *args)
+
+    monkeypatch.setattr(journal_module.os, "open", full)
+    path = tmp_path / "j"
+    play(path, stream(12))
+    assert "set aside as" in caplog.text and parts(path) == [] and not path.exists()
+    assert not Journal(path, IDENTITY, layout=Toy().state_layout()).replayable
