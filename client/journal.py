@@ -427,15 +427,22 @@ class Journal:
         ranges, the refused ones by id) before it is deleted. Called off the event loop (it reads the segment)."""
         while True:
             with self._lock:
-                if self.failed or not self._droppable():
+                if self.failed or self.checkpoints_failed or not self._droppable():
                     return
                 segment = self._segments[0]
             answered, refused = [], []
-            with open(segment.path, "rb") as f:
-                for chunk, _ in _chunks(f, segment.records_at, segment.end, segment.version, features=False):
-                    for uid, symbol, _, _ in chunk:
-                        (refused if symbol is None else answered).append(uid)
-            self.checkpoints.add_gone(answered, refused)
+            try:
+                with open(segment.path, "rb") as f:
+                    for chunk, _ in _chunks(f, segment.records_at, segment.end, segment.version, features=False):
+                        for uid, symbol, _, _ in chunk:
+                            (refused if symbol is None else answered).append(uid)
+                self.checkpoints.add_gone(answered, refused)
+            except (OSError, CheckpointError) as exc:  # said once: raised, the runtime's thread lost it each step
+                with self._lock:
+                    self.checkpoints_failed = True
+                log.error("--journal %s: segment %s could not be let go (%s); checkpoints stop, the journal keeps "
+                          "every record from here on", self.path, segment.path, getattr(exc, "strerror", None) or exc)
+                return
             with self._lock:
                 os.remove(segment.path)
                 self._segments.pop(0)

@@ -385,3 +385,21 @@ def test_a_segment_that_cannot_be_opened_sets_every_segment_aside(tmp_path, monk
     play(path, stream(12))
     assert "set aside as" in caplog.text and parts(path) == [] and not path.exists()
     assert not Journal(path, IDENTITY, layout=Toy().state_layout()).replayable
+
+
+def test_ids_that_cannot_be_kept_keep_their_segment_and_stop_checkpoints(tmp_path, monkeypatch, caplog):
+    """gone.npz that cannot be written (a full disk): the segment stays, said once, and nothing more is let go. The
+    error escaped drop_covered into the runtime's checkpoint thread, unsaid, and every step read the segment again."""
+    calls = []
+
+    def full_disk(self, answered, refused):
+        calls.append(1)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(StateCheckpoints, "add_gone", full_disk)
+    path = tmp_path / "j"
+    first = play(path, stream(60))
+    assert len(calls) == 1 and caplog.text.count("could not be let go") == 1 and "j.part0" in parts(path)
+    again = Toy()
+    replay(again, Journal(path, IDENTITY, layout=first.state_layout(), keep=3), keep=3, progress=None)
+    assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
