@@ -187,6 +187,9 @@ class Journal:
         self._segments = segments
         self.count, self.symbols = sum(s.count for s in segments), len(symbols)
         self.first, self.total = segments[0].first, segments[-1].first + segments[-1].count
+        if max(covers.values(), default=0) > self.total:  # the records appended next would read as covered
+            raise JournalError(f"--journal {self.path}: its states cover records it no longer holds (a crash of the "
+                               "machine cut its tail): remove the journal to begin afresh")
 
     @property
     def replayable(self) -> bool:

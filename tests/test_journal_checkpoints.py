@@ -403,3 +403,15 @@ def test_ids_that_cannot_be_kept_keep_their_segment_and_stop_checkpoints(tmp_pat
     again = Toy()
     replay(again, Journal(path, IDENTITY, layout=first.state_layout(), keep=3), keep=3, progress=None)
     assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
+
+
+def test_states_ahead_of_a_journal_whose_tail_a_crash_lost_are_one_line(tmp_path):
+    """A state covering records the journal no longer holds (written before they were synced): the records
+    appended after a restart were numbered as if covered by it, and a second restart skipped them."""
+    path = tmp_path / "j"
+    first = play(path, stream(43), keep=10**6)
+    states = StateCheckpoints(tmp_path / "j.states", "k")
+    states.write("SYM_000", 43, first.export_state("SYM_000").result())  # as a checkpoint in the segment written
+    os.truncate(path, os.path.getsize(path) - RECORD_BYTES)  # its last record lost
+    with pytest.raises(JournalError, match="a crash"):
+        Journal(path, IDENTITY, layout=Toy().state_layout())
