@@ -11,7 +11,7 @@ In the directory PATH.states (PATH the journal's):
   refused one by one, which a restart still tells apart (a resend of one is refused, never stepped).
 Each file is written whole to a temporary name, synced, then renamed over the old one (the directory synced too):
 a kill or a crash leaves the old file or the new one, never part of one, and a segment is deleted only after the
-states that cover it are on the disk.
+states that cover it are on the disk, each written only after the journal's records it covers are (synced).
 """
 import hashlib
 import json
