@@ -66,7 +66,7 @@ from client.constants import NUM_FEATURES, NUM_TOWERS
 from client.id_ranges import IdBits, IdRanges
 from client.runtime import CACHE_SIZE, REFUSALS_KEPT
 from client.scheduler import Request, Scheduler
-from client.state_checkpoints import CheckpointError, StateCheckpoints
+from client.state_checkpoints import CheckpointError, StateCheckpoints, as_json
 
 log = logging.getLogger(__name__)
 MAGIC = b"team-client journal 2\n"
@@ -91,6 +91,7 @@ class _Segment:
     def __init__(self, path, first, version, records_at):
         self.path, self.first, self.version, self.records_at = str(path), first, version, records_at
         self.count, self.end = 0, records_at
+        self.synced = False  # closed and on the disk (Journal._sync_segments)
 
 
 class Journal:
@@ -133,7 +134,9 @@ class Journal:
 
     def _read(self) -> None:
         parts = self._parts()
-        if parts and not os.path.exists(self.path):  # killed while closing a segment: the last one is written on
+        # killed while closing a segment (PATH not created again, or created and its header not written yet): the
+        # last one is written on
+        if parts and (not os.path.exists(self.path) or os.path.getsize(self.path) == 0):
             os.replace(parts.pop()[1], self.path)
         try:
             f = open(self.path, "rb")
@@ -157,6 +160,11 @@ class Journal:
         states = Path(self.path + ".states")
         if states.is_dir():
             self.checkpoints = StateCheckpoints(states, self.session_key)
+        if segments[0].first > 0 and (self.checkpoints is None or self.checkpoints.layout is None):
+            # its first segments went, covered by states not there (nor the ids of those segments)
+            raise JournalError(f"--journal {self.path}: its first {segments[0].first:,} records were let go for the "
+                               f"states checkpointed in {states}, which is not a folder of them (remove the journal "
+                               "to begin afresh)")
         covers = self.checkpoints.covers if self.checkpoints is not None else {}
         symbols = set()
         for segment in segments:
@@ -179,6 +187,9 @@ class Journal:
         self._segments = segments
         self.count, self.symbols = sum(s.count for s in segments), len(symbols)
         self.first, self.total = segments[0].first, segments[-1].first + segments[-1].count
+        if max(covers.values(), default=0) > self.total:  # the records appended next would read as covered
+            raise JournalError(f"--journal {self.path}: its states cover records it no longer holds (a crash of the "
+                               "machine cut its tail): remove the journal to begin afresh")
 
     @property
     def replayable(self) -> bool:
@@ -225,6 +236,11 @@ class Journal:
                 if go_on and self.layout is not None and self.checkpoints is None:
                     self.checkpoints = StateCheckpoints(self.path + ".states", session_key)
                     self.checkpoints.start(session_key, self.layout)
+                elif go_on and self.layout is not None and self.checkpoints.layout != as_json(self.layout):
+                    if self.checkpoints.covers:  # (replay() said so before)
+                        raise JournalError(f"--journal {self.path}: its states are in another layout than this "
+                                           "engine's: restart with the options they were written with")
+                    self.checkpoints.name_layout(self.layout)  # none written yet: this engine's from here on
             except OSError as exc:
                 raise JournalError(f"--journal {self.path}: cannot write it ({exc.strerror})") from None
             self.session_key = session_key
@@ -377,6 +393,7 @@ class Journal:
         off the event loop (it writes and syncs the state's bytes)."""
         if failed is None:
             try:
+                self._sync_segments()
                 self.checkpoints.write(symbol, covers, state)
                 self.checkpointed += 1
             except OSError as exc:
@@ -391,6 +408,21 @@ class Journal:
                 self.checkpoints_failed = True  # (tried again after each step, a full disk took a state's write each)
         if failed is None:
             self.drop_covered()
+
+    def _sync_segments(self) -> None:
+        """The journal's records on the disk before a state that covers them is: a crash of the machine loses the
+        page cache's tail, and a state ahead of the journal took the records numbered again after it for its own."""
+        with self._lock:  # (opened under it: no segment is renamed or deleted meanwhile)
+            segments = [(segment, os.open(segment.path, os.O_RDONLY)) for segment in self._segments
+                        if not segment.synced]
+            written = self._segments[-1]
+        try:
+            for segment, fd in segments:
+                os.fsync(fd)
+                segment.synced = segment is not written  # a closed one changes no more
+        finally:
+            for _, fd in segments:
+                os.close(fd)
 
     def _droppable(self) -> bool:
         """Whether the oldest closed segment can go: every record of it covered, and none among the last `keep`
@@ -408,15 +440,22 @@ class Journal:
         ranges, the refused ones by id) before it is deleted. Called off the event loop (it reads the segment)."""
         while True:
             with self._lock:
-                if self.failed or not self._droppable():
+                if self.failed or self.checkpoints_failed or not self._droppable():
                     return
                 segment = self._segments[0]
             answered, refused = [], []
-            with open(segment.path, "rb") as f:
-                for chunk, _ in _chunks(f, segment.records_at, segment.end, segment.version, features=False):
-                    for uid, symbol, _, _ in chunk:
-                        (refused if symbol is None else answered).append(uid)
-            self.checkpoints.add_gone(answered, refused)
+            try:
+                with open(segment.path, "rb") as f:
+                    for chunk, _ in _chunks(f, segment.records_at, segment.end, segment.version, features=False):
+                        for uid, symbol, _, _ in chunk:
+                            (refused if symbol is None else answered).append(uid)
+                self.checkpoints.add_gone(answered, refused)
+            except (OSError, CheckpointError) as exc:  # said once: raised, the runtime's thread lost it each step
+                with self._lock:
+                    self.checkpoints_failed = True
+                log.error("--journal %s: segment %s could not be let go (%s); checkpoints stop, the journal keeps "
+                          "every record from here on", self.path, segment.path, getattr(exc, "strerror", None) or exc)
+                return
             with self._lock:
                 os.remove(segment.path)
                 self._segments.pop(0)
@@ -431,16 +470,19 @@ class Journal:
         neither replays a history missing its last steps (the states it rebuilt would be wrong, and said right) nor
         appends after a torn record. Before, the error escaped the step's answer: its answers never went out and the
         event loop's pump stopped (the session hung)."""
-        self._file.close()
+        if self._file is not None:  # (None where the next segment could not be created)
+            self._file.close()
         self._file, self.failed = None, True
         aside = self.path + ".incomplete"
         try:
-            for segment in self._segments[:-1]:
-                os.replace(segment.path, f"{aside}.part{segment.first}")
+            for segment in self._segments:  # by their paths: the last one closed where the next could not be opened
+                if segment.path != self.path:
+                    os.replace(segment.path, f"{aside}.part{segment.first}")
             if os.path.isdir(self.path + ".states"):
                 shutil.rmtree(aside + ".states", ignore_errors=True)
                 os.replace(self.path + ".states", aside + ".states")
-            os.replace(self.path, aside)
+            if os.path.exists(self.path):
+                os.replace(self.path, aside)
             where = f"set aside as {aside}; a restart begins a new journal"
         except OSError as rename:
             where = f"and it could not be set aside ({rename.strerror}): do not restart from it"
@@ -605,7 +647,10 @@ def _load_states(team_client, journal: Journal, replayed: Replayed, keep_refused
     """Import the journal's checkpointed states into the team client, and the ids of its deleted segments into
     `replayed`; the records each symbol's state covers ({symbol: covers})."""
     checkpoints = journal.checkpoints
-    if checkpoints is None or not checkpoints.covers:
+    if checkpoints is None:
+        return {}
+    _load_gone(journal, replayed, keep_refused)  # (segments of refused requests alone go without a state)
+    if not checkpoints.covers:
         return {}
     layout = team_api.state_layout(team_client)
     if layout is None:
@@ -625,11 +670,18 @@ def _load_states(team_client, journal: Journal, replayed: Replayed, keep_refused
             raise JournalError(f"--journal {journal.path}: {exc}") from None
         if state is not None:
             team_client.import_state(symbol, state)
-    starts, ends, refused = checkpoints.gone()
+    return checkpoints.covers
+
+
+def _load_gone(journal: Journal, replayed: Replayed, keep_refused: int) -> None:
+    """The ids of the journal's deleted segments into `replayed`."""
+    try:
+        starts, ends, refused = journal.checkpoints.gone()
+    except CheckpointError as exc:
+        raise JournalError(f"--journal {journal.path}: {exc}") from None
     for start, end in zip(starts.tolist(), ends.tolist()):
         replayed.older.add_range(start, end)
     for uid in refused.tolist():
         replayed.count += 1
         _refused(replayed, uid, keep_refused)
     replayed.count += int((ends - starts).sum())
-    return checkpoints.covers

@@ -11,7 +11,7 @@ In the directory PATH.states (PATH the journal's):
   refused one by one, which a restart still tells apart (a resend of one is refused, never stepped).
 Each file is written whole to a temporary name, synced, then renamed over the old one (the directory synced too):
 a kill or a crash leaves the old file or the new one, never part of one, and a segment is deleted only after the
-states that cover it are on the disk.
+states that cover it are on the disk, each written only after the journal's records it covers are (synced).
 """
 import hashlib
 import json
@@ -61,12 +61,18 @@ class StateCheckpoints:
         if self.dir.exists():
             shutil.rmtree(self.dir)
         self.dir.mkdir(mode=0o700)
-        self.session_key, self.layout, self.covers, self._sizes = session_key, layout, {}, {}
+        self.session_key, self.layout, self.covers, self._sizes = session_key, as_json(layout), {}, {}
         _write_whole(self.dir / LAYOUT, json.dumps({"session_key": session_key, "layout": layout}).encode())
+
+    def name_layout(self, layout) -> None:
+        """The states written from now on are in `layout` (none is held: a restart's engine lays them out otherwise
+        than the one before, which wrote none)."""
+        _write_whole(self.dir / LAYOUT, json.dumps({"session_key": self.session_key, "layout": layout}).encode())
+        self.layout = as_json(layout)
 
     def check_layout(self, layout) -> None:
         """CheckpointError in one line where the states held are in another layout than `layout` (the engine's)."""
-        if self.covers and self.layout != layout:
+        if self.covers and self.layout != as_json(layout):
             raise CheckpointError(f"the journal's state checkpoints in {self.dir} were written by an engine that lays "
                                   "its states out otherwise (another engine, precision or state storage): restart "
                                   "with the options they were written with")
@@ -129,6 +135,11 @@ class StateCheckpoints:
 
     def _path(self, symbol) -> Path:
         return self.dir / (hashlib.sha256(symbol.encode()).hexdigest()[:32] + ".state")
+
+
+def as_json(layout):
+    """`layout` as layout.json reads it back (a team client's tuples as lists)."""
+    return json.loads(json.dumps(layout))
 
 
 def as_ranges(ids) -> tuple[np.ndarray, np.ndarray]:

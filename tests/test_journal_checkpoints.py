@@ -317,3 +317,148 @@ def test_a_symbol_in_every_step_is_held_out_of_one_for_its_checkpoint(tmp_path, 
     again = Toy()
     replay(again, Journal(path, IDENTITY, layout=again.state_layout(), keep=10), keep=10, progress=None)
     assert np.array_equal(again.states["SYM_000"], team.states["SYM_000"])
+
+
+def test_a_kill_after_the_next_segment_is_created_before_its_header_reads_the_closed_one_as_written(tmp_path):
+    """_close_segment creates PATH (O_EXCL) then writes its header: killed between the two, PATH is empty beside the
+    closed parts. It read as no journal at all: every state lost, the session taken back from fresh states."""
+    path = tmp_path / "j"
+    first = play(path, stream(40), keep=10**6)
+    os.replace(path, f"{path}.part40")
+    path.write_bytes(b"")
+    journal = Journal(path, IDENTITY, layout=first.state_layout(), keep=10**6)
+    assert journal.session_key == "k" and journal.total == 40
+    again = Toy()
+    replay(again, journal, keep=10**6, progress=None)
+    assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
+
+
+def test_the_ids_of_deleted_segments_are_kept_where_no_state_was_checkpointed(tmp_path):
+    """Segments of refused requests alone need no state to go: their ids, kept in gone.npz, are refused again after
+    a restart (they were ignored where no symbol's state was checkpointed, and a resend of one stepped)."""
+    path = tmp_path / "j"
+    play(path, stream(400), refused=set(range(400)))
+    journal = Journal(path, IDENTITY, layout=Toy().state_layout(), keep=3)
+    assert journal.first > 0 and not journal.checkpoints.covers
+    replayed = replay(Toy(), journal, keep=3, keep_refused=10**6, progress=None)
+    assert len(replayed) == 400 and list(replayed.refused) == list(range(400))
+
+
+def test_a_state_is_written_only_once_the_records_it_covers_are_on_the_disk(tmp_path, monkeypatch):
+    """A crash of the machine may lose the journal's tail that the page cache held: a state synced before the records
+    it covers would be ahead of the journal, and the records numbered again after it read as covered by it."""
+    import client.journal as journal_module
+
+    synced, write = {}, StateCheckpoints.write  # inode -> its size when synced
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced[os.fstat(fd).st_ino] = os.fstat(fd).st_size
+        real_fsync(fd)
+
+    def checked_write(self, symbol, covers, state):
+        for p in tmp_path.iterdir():
+            if p.name == "j" or p.name.startswith("j.part"):
+                assert synced.get(p.stat().st_ino) == p.stat().st_size, f"{p.name} not on the disk"
+        write(self, symbol, covers, state)
+
+    monkeypatch.setattr(journal_module.os, "fsync", fsync)
+    monkeypatch.setattr(StateCheckpoints, "write", checked_write)
+    first = play(tmp_path / "j", stream(40))
+    assert first.states and Journal(tmp_path / "j", IDENTITY, layout=first.state_layout()).checkpoints.covers
+
+
+def test_a_journal_whose_segments_went_and_whose_states_are_missing_is_one_line(tmp_path):
+    """Segments go once states cover them: without those states (PATH.states removed, or a file) a restart stepped
+    the rest onto fresh states, wrong and said right."""
+    import shutil
+
+    path = tmp_path / "j"
+    play(path, stream(60))
+    shutil.rmtree(tmp_path / "j.states")
+    (tmp_path / "j.states").write_bytes(b"")
+    with pytest.raises(JournalError, match="states"):
+        Journal(path, IDENTITY, layout=Toy().state_layout())
+
+
+def test_a_restart_in_another_layout_before_any_state_was_checkpointed_writes_its_states_in_its_layout(tmp_path):
+    """layout.json names the layout of the states beside it: a restart whose engine lays them out otherwise, before
+    any was written, went on writing its own under the old name, and the next restart refused them (or, with the
+    old options, imported them in the wrong layout)."""
+    path, requests = tmp_path / "j", stream(40)
+    first = play(path, requests[:4])
+    assert not StateCheckpoints(tmp_path / "j.states", "k").covers
+    again = Toy(layout="other")
+    replay(again, Journal(path, IDENTITY, layout=again.state_layout(), keep=3), keep=3, progress=None)
+    play(path, requests[4:], team=again)
+    assert Journal(path, IDENTITY, layout=again.state_layout()).checkpoints.covers
+    third = Toy(layout="other")
+    replay(third, Journal(path, IDENTITY, layout=third.state_layout(), keep=3), keep=3, progress=None)
+    assert all(np.array_equal(third.states[s], again.states[s]) for s in again.states) and first.states
+
+
+def test_a_layout_with_tuples_is_the_same_layout_read_back_from_json(tmp_path):
+    """layout.json reads back a team client's tuples as lists: compared as given, every restart said its states
+    were laid out otherwise."""
+    class Tuples(Toy):
+        def state_layout(self):
+            return {"toy": ("a", (4,), "float32")}
+
+    path = tmp_path / "j"
+    first = play(path, stream(30), team=Tuples())
+    again = Tuples()
+    replay(again, Journal(path, IDENTITY, layout=again.state_layout(), keep=3), keep=3, progress=None)
+    assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
+
+
+@pytest.mark.parametrize("fails", ["create", "header"])
+def test_a_segment_that_cannot_be_opened_sets_every_segment_aside(tmp_path, monkeypatch, caplog, fails):
+    """Closing a segment, the next one cannot be created (no room for a file) or its header written: journaling
+    stops and every segment is set aside. The closed file was left: the error escaped the step's answer (no file
+    to close), or the closed segment stayed beside the files set aside, read back as the whole journal."""
+    import client.journal as journal_module
+
+    real_open = os.open
+
+    def full(name, flags, *args):
+        if flags & os.O_EXCL:
+            if fails == "create":
+                raise OSError(28, "No space left on device")
+            return real_open(name, (flags & ~os.O_WRONLY) | os.O_RDONLY, *args)  # its header's write fails
+        return real_open(name, flags, *args)
+
+    monkeypatch.setattr(journal_module.os, "open", full)
+    path = tmp_path / "j"
+    play(path, stream(12))
+    assert "set aside as" in caplog.text and parts(path) == [] and not path.exists()
+    assert not Journal(path, IDENTITY, layout=Toy().state_layout()).replayable
+
+
+def test_ids_that_cannot_be_kept_keep_their_segment_and_stop_checkpoints(tmp_path, monkeypatch, caplog):
+    """gone.npz that cannot be written (a full disk): the segment stays, said once, and nothing more is let go. The
+    error escaped drop_covered into the runtime's checkpoint thread, unsaid, and every step read the segment again."""
+    calls = []
+
+    def full_disk(self, answered, refused):
+        calls.append(1)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(StateCheckpoints, "add_gone", full_disk)
+    path = tmp_path / "j"
+    first = play(path, stream(60))
+    assert len(calls) == 1 and caplog.text.count("could not be let go") == 1 and "j.part0" in parts(path)
+    again = Toy()
+    replay(again, Journal(path, IDENTITY, layout=first.state_layout(), keep=3), keep=3, progress=None)
+    assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
+
+
+def test_states_ahead_of_a_journal_whose_tail_a_crash_lost_are_one_line(tmp_path):
+    """A state covering records the journal no longer holds (written before they were synced): the records
+    appended after a restart were numbered as if covered by it, and a second restart skipped them."""
+    path = tmp_path / "j"
+    first = play(path, stream(43), keep=10**6)
+    states = StateCheckpoints(tmp_path / "j.states", "k")
+    states.write("SYM_000", 43, first.export_state("SYM_000").result())  # as a checkpoint in the segment written
+    os.truncate(path, os.path.getsize(path) - RECORD_BYTES)  # its last record lost
+    with pytest.raises(JournalError, match="a crash"):
+        Journal(path, IDENTITY, layout=Toy().state_layout())
