@@ -97,9 +97,9 @@ class _Segment:
 class Journal:
     """One session's journal at `path`: where its header names `identity` ({url, team, weights}: the server, team and
     weights of this client), its `session_key`, the `count` of whole records held (read with records()), of them
-    those `refused`, and the `symbols` of those answered when it was opened; appending once begin() has named the session. With `layout`
-    (the team client's state_layout: it can export and import its states), segments and state checkpoints
-    (`checkpoints`) bound it."""
+    those `refused`, and the `symbols` of those answered when it was opened; appending once begin() has named the
+    session. With `layout` (the team client's state_layout: it can export and import its states), segments and
+    state checkpoints (`checkpoints`) bound it."""
 
     def __init__(self, path, identity: dict, layout=None, segment_bytes=SEGMENT_BYTES, keep=CACHE_SIZE):
         self.path, self.identity = str(path), dict(identity)
