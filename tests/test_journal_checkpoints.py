@@ -264,8 +264,8 @@ def test_the_runtime_checkpoints_between_steps_and_a_restart_answers_on_right(tm
             await server.stop()
 
     most_parts, summary = asyncio.run(main())
-    # ~24 segments closed in all; at the end those closed since the last submits' checkpoints stay (timing)
-    assert summary["outcome"] == "complete" and most_parts <= 3 and len(parts(path)) <= 8
+    # ~12 and ~24 segments closed; those closed since the last submits' checkpoints stay (the writer's pace)
+    assert summary["outcome"] == "complete" and most_parts <= 8 and len(parts(path)) <= 8
     assert set(answers) == set(range(n))
     straight = Toy()
     for uid in range(n):
