@@ -994,10 +994,8 @@ class StreamingClient:
                 busy.update(r.symbol for r in step.batch)
                 busy.update(r.symbol for r in step.joined)
             due = self.journal.begin_checkpoint(busy)
-            if due is not None:
-                self._checkpointing, self._checkpoint_misses = due[0], 0
-                if self._draining == due[0]:
-                    self._draining = None
+            if due is not None:  # (another symbol free first: the one held out goes back, its misses counted anew)
+                self._checkpointing, self._checkpoint_misses, self._draining = due[0], 0, None
             elif (waiting := self.journal.checkpoint_waiting()) is not None and self._draining is None:
                 self._checkpoint_misses += 1
                 if self._checkpoint_misses >= CHECKPOINT_MISSES:
