@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -799,3 +800,26 @@ def test_copies_split_where_the_host_registrations_do(monkeypatch):
     src, dst = torch.arange(30, dtype=torch.uint8), torch.zeros(30, dtype=torch.uint8)
     module._copy_in_pieces(dst, src, 10)
     assert torch.equal(dst, src)
+
+
+def test_a_failed_export_read_fails_that_export_alone(monkeypatch):
+    """A host slot's read that fails (e.g. no memory for its copy) fails its export, not the copies of that host
+    slot after it: the state comes back byte for byte."""
+    t = table(capacity=1, host_capacity=2)
+    write(t, t.slots_for(["A"])[0], 4)
+    saved, exported = state_of(t, 1), t.export("A").result()
+    t.slots_for(["B"])  # A to the host
+    numpy = torch.Tensor.numpy
+
+    def failing(tensor, *args, **kwargs):
+        if threading.current_thread().name.startswith("state-export"):
+            raise MemoryError("no memory for the copy")
+        return numpy(tensor, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "numpy", failing)
+    with pytest.raises(MemoryError):
+        t.export("A").result()
+    monkeypatch.undo()
+    slot = t.slots_for(["A"])[0]
+    assert all(torch.equal(t.tensors[name][slot], saved[name]) for name in LAYOUT)
+    t.slots_for(["C"])  # A to the host again
+    assert np.array_equal(t.export("A").result(), exported)

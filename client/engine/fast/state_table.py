@@ -531,19 +531,29 @@ class DeviceSlots:
 
     def read_host(self, host_slot, reader) -> Future:
         """Host slot's bytes, read on `reader` (an executor) once its last copy is done: that read is its last copy
-        from now on, so that no later copy into it runs before the read has ended."""
+        from now on, so that no later copy into it runs before the read has ended. That completion fails only as
+        the copy before it did: a read that fails (no memory for its copy) fails its export alone, not the host
+        slot's next copies (a restore waiting for it would leave its symbol's state behind)."""
         copy, host = self.host_copy.get(host_slot), self.host.slots[host_slot]
+        ended = Future()
 
         def read():
-            if isinstance(copy, Future):
-                copy.result()
-            elif copy is not None:
-                with torch.cuda.device(self.device):
-                    copy.synchronize()
-            return host.numpy().copy()
+            try:
+                if isinstance(copy, Future):
+                    copy.result()
+                elif copy is not None:
+                    with torch.cuda.device(self.device):
+                        copy.synchronize()
+            except BaseException as exc:
+                ended.set_exception(exc)
+                raise
+            try:
+                return host.numpy().copy()
+            finally:
+                ended.set_result(None)
 
-        self.host_copy[host_slot] = done = reader.submit(read)
-        return done
+        self.host_copy[host_slot] = ended
+        return reader.submit(read)
 
     def pending(self, slot):
         """The slot's last copy if it is not done yet (a finished one is forgotten)."""
