@@ -823,3 +823,25 @@ def test_a_failed_export_read_fails_that_export_alone(monkeypatch):
     assert all(torch.equal(t.tensors[name][slot], saved[name]) for name in LAYOUT)
     t.slots_for(["C"])  # A to the host again
     assert np.array_equal(t.export("A").result(), exported)
+
+
+def test_export_buffers_that_failed_to_allocate_are_allocated_at_the_next_try(monkeypatch):
+    """A pinned buffer refused (host memory short) leaves none of a part's export buffers half made: the next
+    export allocates them all, not a staging buffer without its pinned copy."""
+    import client.engine.fast.state_table as state_table
+
+    part = table().parts[0]
+    monkeypatch.setattr(part, "device", torch.device("cuda", 0))  # ready_exports' GPU branch, without a GPU
+    empty, refused = torch.empty, []
+
+    def allocate(*args, pin_memory=False, device=None, **kwargs):
+        if pin_memory and not refused:
+            refused.append(True)
+            raise RuntimeError("CUDA error: out of memory (pinned)")
+        return empty(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", allocate)
+    monkeypatch.setattr(state_table, "own_stream", lambda device: "stream")
+    with pytest.raises(RuntimeError, match="pinned"):
+        part.ready_exports()
+    part.ready_exports()
+    assert part.staging is not None and part.staged is not None and part.export_stream == "stream"
