@@ -534,7 +534,7 @@ class DeviceSlots:
         """Host slot's bytes, read on `reader` (an executor) once its last copy is done: that read is its last copy
         from now on, so that no later copy into it runs before the read has ended. That completion fails only as
         the copy before it did: a read that fails (no memory for its copy) fails its export alone, not the host
-        slot's next copies (a restore waiting for it would leave its symbol's state behind)."""
+        slot's next copies (a restore that waited for it failed: its symbol's state was lost)."""
         copy, host = self.host_copy.get(host_slot), self.host.slots[host_slot]
         ended = Future()
 
@@ -553,8 +553,9 @@ class DeviceSlots:
             finally:
                 ended.set_result(None)
 
+        done = reader.submit(read)
         self.host_copy[host_slot] = ended
-        return reader.submit(read)
+        return done
 
     def pending(self, slot):
         """The slot's last copy if it is not done yet (a finished one is forgotten)."""
