@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -799,3 +800,48 @@ def test_copies_split_where_the_host_registrations_do(monkeypatch):
     src, dst = torch.arange(30, dtype=torch.uint8), torch.zeros(30, dtype=torch.uint8)
     module._copy_in_pieces(dst, src, 10)
     assert torch.equal(dst, src)
+
+
+def test_a_failed_export_read_fails_that_export_alone(monkeypatch):
+    """A host slot's read that fails (e.g. no memory for its copy) fails its export, not the copies of that host
+    slot after it: the state comes back byte for byte."""
+    t = table(capacity=1, host_capacity=2)
+    write(t, t.slots_for(["A"])[0], 4)
+    saved, exported = state_of(t, 1), t.export("A").result()
+    t.slots_for(["B"])  # A to the host
+    numpy = torch.Tensor.numpy
+
+    def failing(tensor, *args, **kwargs):
+        if threading.current_thread().name.startswith("state-export"):
+            raise MemoryError("no memory for the copy")
+        return numpy(tensor, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "numpy", failing)
+    with pytest.raises(MemoryError):
+        t.export("A").result()
+    monkeypatch.undo()
+    slot = t.slots_for(["A"])[0]
+    assert all(torch.equal(t.tensors[name][slot], saved[name]) for name in LAYOUT)
+    t.slots_for(["C"])  # A to the host again
+    assert np.array_equal(t.export("A").result(), exported)
+
+
+def test_export_buffers_that_failed_to_allocate_are_allocated_at_the_next_try(monkeypatch):
+    """A pinned buffer refused (host memory short) leaves none of a part's export buffers half made: the next
+    export allocates them all, not a staging buffer without its pinned copy."""
+    import client.engine.fast.state_table as state_table
+
+    part = table().parts[0]
+    monkeypatch.setattr(part, "device", torch.device("cuda", 0))  # ready_exports' GPU branch, without a GPU
+    empty, refused = torch.empty, []
+
+    def allocate(*args, pin_memory=False, device=None, **kwargs):
+        if pin_memory and not refused:
+            refused.append(True)
+            raise RuntimeError("CUDA error: out of memory (pinned)")
+        return empty(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", allocate)
+    monkeypatch.setattr(state_table, "own_stream", lambda device: "stream")
+    with pytest.raises(RuntimeError, match="pinned"):
+        part.ready_exports()
+    part.ready_exports()
+    assert part.staging is not None and part.staged is not None and part.export_stream == "stream"

@@ -524,25 +524,37 @@ class DeviceSlots:
     def ready_exports(self) -> None:
         """Allocate stage's buffers where a GPU's are not yet: allocated by the first export, on the thread that
         steps, they stalled play (a p99 of 23.7 ms at 400 requests/s, bench/LOG.md section 82)."""
-        if self.staging is None and self.device.type == "cuda":
-            self.staging = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
-            self.staged = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
-            self.export_stream = own_stream(self.device)
+        if self.staged is None and self.device.type == "cuda":
+            # all or none: one refused (pinned host memory runs short) leaves none behind for the next try
+            staging = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+            staged = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
+            self.staging, self.export_stream, self.staged = staging, own_stream(self.device), staged
 
     def read_host(self, host_slot, reader) -> Future:
         """Host slot's bytes, read on `reader` (an executor) once its last copy is done: that read is its last copy
-        from now on, so that no later copy into it runs before the read has ended."""
+        from now on, so that no later copy into it runs before the read has ended. That completion fails only as
+        the copy before it did: a read that fails (no memory for its copy) fails its export alone, not the host
+        slot's next copies (a restore that waited for it failed: its symbol's state was lost)."""
         copy, host = self.host_copy.get(host_slot), self.host.slots[host_slot]
+        ended = Future()
 
         def read():
-            if isinstance(copy, Future):
-                copy.result()
-            elif copy is not None:
-                with torch.cuda.device(self.device):
-                    copy.synchronize()
-            return host.numpy().copy()
+            try:
+                if isinstance(copy, Future):
+                    copy.result()
+                elif copy is not None:
+                    with torch.cuda.device(self.device):
+                        copy.synchronize()
+            except BaseException as exc:
+                ended.set_exception(exc)
+                raise
+            try:
+                return host.numpy().copy()
+            finally:
+                ended.set_result(None)
 
-        self.host_copy[host_slot] = done = reader.submit(read)
+        done = reader.submit(read)
+        self.host_copy[host_slot] = ended
         return done
 
     def pending(self, slot):
