@@ -571,6 +571,7 @@ class Replayed:
     refused: OrderedDict = field(default_factory=OrderedDict)
     refused_long_ago: IdBits = field(default_factory=IdBits)
     count: int = 0
+    stepped: int = 0  # of them, those stepped through the team client (not covered by a state loaded)
 
     def __len__(self) -> int:
         return self.count
@@ -619,6 +620,7 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
             by_id = {request.unique_id: request for request in batch}
             answered(by_id, [(uid, prediction) for uid, prediction in
                              zip(answer["unique_ids"], np.asarray(answer["predictions"], np.float32)) if uid in by_id])
+            replayed.stepped += len(batch)
             if progress is not None and time.monotonic() - said >= 1.0:
                 said = time.monotonic()
                 refused = f", {refusals:,} of them refused: not stepped" if refusals else ""

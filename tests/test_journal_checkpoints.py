@@ -1,5 +1,6 @@
 """client/journal.py's segments and state checkpoints: a bounded journal that a restart replays from the states."""
 import asyncio
+import contextlib
 import os
 import time
 
@@ -77,6 +78,19 @@ def play(path, requests, refused=(), busy=frozenset(), segment_records=5, keep=3
     return team
 
 
+@contextlib.asynccontextmanager
+async def serving(stream, rate):
+    """The url of a scoring server playing `stream` at `rate` (targets zeros), stopped at the end."""
+    from server import ScoringServer, ServerConfig
+
+    server = ScoringServer(ServerConfig(rate=rate), stream=stream, targets=np.zeros((len(stream), 4), np.float32))
+    port = await server.start()
+    try:
+        yield f"ws://127.0.0.1:{port}"
+    finally:
+        await server.stop()
+
+
 def parts(path):
     return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(path.name + ".part"))
 
@@ -97,6 +111,7 @@ def test_a_journal_bounded_by_checkpoints_replays_only_its_tail_onto_the_states_
     assert again.states.keys() == first.states.keys()
     assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
     assert set(again.stepped) < set(range(journal.first, 60)) - refused  # the records covered are not stepped
+    assert replayed.stepped == len(again.stepped)
     assert len(replayed) == 60 and list(replayed.recent) == [57, 58, 59]
     expected = Toy()
     for uid, symbol, features in requests:
@@ -224,7 +239,6 @@ def test_the_runtime_checkpoints_between_steps_and_a_restart_answers_on_right(tm
     and the journal stays bounded."""
     from client.runtime import StreamingClient
     from client.streams import generate_stream
-    from server import ScoringServer, ServerConfig
 
     n = 120
     stream_ = generate_stream(3, n, seed=4)
@@ -238,9 +252,7 @@ def test_the_runtime_checkpoints_between_steps_and_a_restart_answers_on_right(tm
             return answer
 
     async def main():
-        server = ScoringServer(ServerConfig(rate=200.0), stream=stream_, targets=np.zeros((n, 4), np.float32))
-        url = f"ws://127.0.0.1:{await server.start()}"
-        try:
+        async with serving(stream_, 200.0) as url:
             team = Noted()
             journal = Journal(path, IDENTITY, layout=team.state_layout(), segment_bytes=5 * RECORD_BYTES, keep=3)
             first = StreamingClient(team, url, "testers", leave_at_end=True, journal=journal)
@@ -260,8 +272,6 @@ def test_the_runtime_checkpoints_between_steps_and_a_restart_answers_on_right(tm
             summary = await asyncio.wait_for(again.run(), 60)
             journal.close()
             return most_parts, summary
-        finally:
-            await server.stop()
 
     most_parts, summary = asyncio.run(main())
     # ~12 and ~24 segments closed; those closed since the last submits' checkpoints stay (the writer's pace)
@@ -292,7 +302,6 @@ def test_a_symbol_in_every_step_is_held_out_of_one_for_its_checkpoint(tmp_path, 
     from client import runtime
     from client.runtime import StreamingClient
     from client.streams import generate_stream
-    from server import ScoringServer, ServerConfig
 
     monkeypatch.setattr(runtime, "CHECKPOINT_MISSES", 4)  # ~50 submits in the session: several checkpoints
     n = 400
@@ -300,17 +309,13 @@ def test_a_symbol_in_every_step_is_held_out_of_one_for_its_checkpoint(tmp_path, 
     path = tmp_path / "j"
 
     async def main():
-        server = ScoringServer(ServerConfig(rate=400.0), stream=stream_, targets=np.zeros((n, 4), np.float32))
-        url = f"ws://127.0.0.1:{await server.start()}"
-        try:
+        async with serving(stream_, 400.0) as url:
             team = SlowToy()
             journal = Journal(path, IDENTITY, layout=team.state_layout(), segment_bytes=20 * RECORD_BYTES, keep=10)
             summary = await asyncio.wait_for(StreamingClient(team, url, "testers", leave_at_end=True,
                                                              journal=journal).run(), 60)
             journal.close()
             return team, journal, summary
-        finally:
-            await server.stop()
 
     team, journal, summary = asyncio.run(main())
     assert summary["outcome"] == "complete" and summary["responses"] == n

@@ -16,6 +16,7 @@ from client.engine.shard_process import process_shards
 from client.engine.sharded import ModelSpec, ShardedEngine
 from client.model import load_model
 from shard_checks import ShardHere, one_thread_shards
+from test_fast_engine import backlog_steps
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SYMBOLS = [f"S{i}" for i in range(6)]
@@ -28,12 +29,7 @@ def model():
 
 def steps(seed, count, symbols=SYMBOLS, max_requests=3):
     """Steps of some symbols with up to max_requests requests each, interleaved."""
-    rng = np.random.default_rng(seed)
-    for _ in range(count):
-        chosen = [str(s) for s in rng.choice(symbols, int(rng.integers(1, len(symbols) + 1)), replace=False)]
-        rows = [s for s in chosen for _ in range(int(rng.integers(1, max_requests + 1)))]
-        rows = [rows[i] for i in rng.permutation(len(rows))]
-        yield rows, rng.standard_normal((len(rows), 79)).astype(np.float32)
+    return backlog_steps(seed, count, symbols, max_requests)
 
 
 def in_host_memory(engine) -> int:

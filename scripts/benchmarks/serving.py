@@ -443,12 +443,7 @@ def journaled(engine, segment_mb):
             engine.release(symbols)
             began = time.perf_counter()
             again = Journal(journal.path, {"team": "bench"}, layout=layout, keep=CACHE_SIZE)
-            team_client = ExampleModel(engine)
-            stepped = []
-            process_batch = team_client.process_batch
-            team_client.process_batch = lambda batch: stepped.append(sum(map(len, batch.values()))) or \
-                process_batch(batch)
-            replayed = replay(team_client, again, CACHE_SIZE, progress=None)
+            replayed = replay(ExampleModel(engine), again, CACHE_SIZE, progress=None)
             restart_s = time.perf_counter() - began
             after = {symbol: engine.export_state(symbol).result() for symbol in symbols}
             # replayed in other steps than played (several requests of a symbol a step): bit for bit where the
@@ -459,7 +454,7 @@ def journaled(engine, segment_mb):
                     "states_equal": len(symbols) - len(differences), "states": len(symbols),
                     "largest_state_difference": float(max(differences, default=0.0)),
                     "states_loaded": len(again.checkpoints.covers) if again.checkpoints else 0,
-                    "replayed": len(replayed), "replayed_steps": sum(stepped),
+                    "replayed": len(replayed), "replayed_steps": replayed.stepped,
                     "restart_s": restart_s, "segment_mb": segment_mb}
 
         yield journal, restart
