@@ -61,8 +61,8 @@ class StateCheckpoints:
         if self.dir.exists():
             shutil.rmtree(self.dir)
         self.dir.mkdir(mode=0o700)
-        self.session_key, self.layout, self.covers, self._sizes = session_key, as_json(layout), {}, {}
-        _write_whole(self.dir / LAYOUT, json.dumps({"session_key": session_key, "layout": layout}).encode())
+        self.session_key, self.covers, self._sizes = session_key, {}, {}
+        self.name_layout(layout)
 
     def name_layout(self, layout) -> None:
         """The states written from now on are in `layout` (none is held: a restart's engine lays them out otherwise
