@@ -3,6 +3,7 @@ byte for byte, idle expiry, the capacity error, a table spanning several devices
 returns started ahead of their step (prefetch, ready), a slow copy delaying only its own symbol. The same on
 real CUDA streams where there is a GPU."""
 import argparse
+import contextlib
 import mmap
 import multiprocessing
 import os
@@ -845,3 +846,62 @@ def test_export_buffers_that_failed_to_allocate_are_allocated_at_the_next_try(mo
         part.ready_exports()
     part.ready_exports()
     assert part.staging is not None and part.staged is not None and part.export_stream == "stream"
+
+
+class _DoneAtOnce:
+    """A CUDA event or stream stand-in: the CPU copies it orders are done when enqueued."""
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def wait_event(self, event):
+        pass
+
+
+def test_a_gpu_export_is_taken_by_whoever_asks_and_kept_by_no_one_else(monkeypatch):
+    """The GPU path of export (_StagedExport) with CUDA's events and streams stood in: the copy out to pinned memory
+    and the bytes' own array are made by the first to ask (result() on any thread, done() alone, or the next export,
+    before it reuses the buffers: its bytes were the next one's before), never by the export itself; the bytes
+    returned are the caller's alone (the table kept the last export's, let go on the thread that steps at the
+    next export)."""
+    import gc
+    import weakref
+
+    from client.engine.fast import state_table as module
+
+    for name in ("Event", "current_stream"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: _DoneAtOnce())
+    for name in ("stream", "device"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: contextlib.nullcontext())
+    copies_out = []
+    copy_out = module.DeviceSlots.copy_out
+    monkeypatch.setattr(module.DeviceSlots, "copy_out", lambda self, staged: copies_out.append(1) or
+                        copy_out(self, staged))
+    t = table(capacity=4)
+    part = t.parts[0]
+    part.staging, part.staged = (torch.empty(part.slot_bytes, dtype=torch.uint8) for _ in range(2))
+    part.export_stream = _DoneAtOnce()
+    for value, slot in enumerate(t.slots_for(["A", "B", "C"]), start=1):
+        write(t, slot, value)
+    want = {symbol: np.concatenate([p.copy_of(t.slot_of[symbol]) for p in t.parts]) for symbol in "ABC"}
+    monkeypatch.setattr(part, "device", torch.device("cuda", 0))  # export's GPU branch
+    a, b = t.export("A"), t.export("B")  # B's export takes A's bytes out before its copy in
+    c = t.export("C")
+    assert len(copies_out) == 2  # A's and B's, by the exports after them; C's not yet
+    taken = {}
+    thread = threading.Thread(target=lambda export: taken.update(B=export.result()), args=(b,))
+    thread.start()
+    thread.join(timeout=60)
+    assert c.done() and len(copies_out) == 3  # done() alone starts C's copy out
+    assert all(np.array_equal(got, want[symbol]) for symbol, got in (("A", a.result()), ("B", taken["B"]),
+                                                                     ("C", c.result())))
+    freed = weakref.ref(c.result())  # the last export: the table still holds its buffers
+    del c
+    gc.collect()
+    assert freed() is None

@@ -26,8 +26,8 @@ its stream waits for that copy. Without CUDA the copies run on a thread standing
 completions are futures), so the CPU runs the same ordering as the GPU.
 
 A symbol's state is exported (export) without moving it: from its GPU slot through a staging buffer, copied on the
-step stream, then to pinned memory on a side stream; from its host slot on a thread of its own, a read that later
-copies into that host slot wait for. import writes a slot placed by slots_for (write).
+step stream, then to pinned memory on a side stream by the thread that asks for it; from its host slot on a thread
+of its own, a read that later copies into that host slot wait for. import writes a slot placed by slots_for (write).
 
 A symbol idle for `idle_timeout_s` is forgotten (a later request starts a fresh state, as a new symbol would). A
 symbol that fits in no tier gets a CapacityError naming the limits, and nothing else changes.
@@ -503,18 +503,23 @@ class DeviceSlots:
             buffer[slot].copy_(data[begin:begin + buffer.shape[1]].to(self.device, non_blocking=True))
 
     def stage(self, slot, copy, stream):
-        """The slot copied into the staging buffer on `stream` (after `copy`, its pending copy, if any), then into
-        pinned host memory on a side stream; the event recorded after the latter. The buffers are allocated on
-        first use (or by ready_exports): the caller makes sure no export still reads them (StateTable.export)."""
+        """The slot copied into the staging buffer on `stream` (after `copy`, its pending copy, if any); the event
+        recorded after it. The buffers are allocated on first use (or by ready_exports): the caller makes sure no
+        export still reads them (StateTable.export)."""
         self.ready_exports()
+        with torch.cuda.stream(stream):
+            if copy is not None:
+                stream.wait_event(copy)
+            self.read(slot, self.staging)
+            staged = torch.cuda.Event()
+            staged.record(stream)
+        return staged
+
+    def copy_out(self, staged):
+        """The staging buffer copied into pinned memory on the export stream once `staged` (stage's event) is
+        reached; the event recorded after it. From any thread."""
         with torch.cuda.device(self.device):
-            with torch.cuda.stream(stream):
-                if copy is not None:
-                    stream.wait_event(copy)
-                self.read(slot, self.staging)
-                read = torch.cuda.Event()
-                read.record(stream)
-            self.export_stream.wait_event(read)
+            self.export_stream.wait_event(staged)
             with torch.cuda.stream(self.export_stream):
                 self.staged.copy_(self.staging, non_blocking=True)
                 done = torch.cuda.Event()
@@ -633,7 +638,7 @@ class StateTable:
         self._expired: dict[str, None] | None = None  # forgotten as idle since take_expired (None: not asked)
         # export: one export at a time uses the parts' staging buffers; host slots are read on a thread of their own
         self._export_lock = threading.Lock()
-        self._last_export = None  # the last export through the staging buffers (its result() frees them)
+        self._last_export = None  # the last export through the staging buffers (_StagedExport)
         self._reader = None
         self.pin_s = None  # seconds the host tier took to pin, once it is
         self._pin_error = None
@@ -866,12 +871,12 @@ class StateTable:
     def export(self, symbol, streams=None) -> PendingStep:
         """The symbol's state (every part's slot bytes, in part order) as the steps enqueued so far leave it; None
         for a symbol without one. A resident state on a GPU: copied into each part's staging buffer on the step
-        stream (streams: one per part, as slots_for's), then into pinned host memory on a side stream, which
-        result() waits for; one in host memory: read from its host slot once its copies are done; on the CPU, once
-        its slot's copies are done, a plain copy. From the thread that steps."""
+        stream (streams: one per part, as slots_for's), then into pinned host memory on a side stream, enqueued by
+        the first result() or done() (_StagedExport); one in host memory: read from its host slot once its copies
+        are done; on the CPU, once its slot's copies are done, a plain copy. From the thread that steps."""
         with self._export_lock:
-            if self._last_export is not None:  # its staging buffers are reused: its copies out must be done
-                self._last_export.result()
+            if self._last_export is not None:  # its staging buffers are reused: its bytes must be out of them
+                self._last_export.release_buffers()
                 self._last_export = None
             while True:
                 with self._lock:
@@ -882,7 +887,7 @@ class StateTable:
                     copies = [part.pending(slot) for part in self.parts]
                     if self.parts[0].device.type == "cuda":
                         self._last_export = self._stage(slot, copies, streams)
-                        return self._last_export
+                        return PendingStep(self._last_export.fetch, poll=self._last_export.poll)
                     if all(copy is None for copy in copies):
                         return PendingStep.completed(np.concatenate([part.copy_of(slot) for part in self.parts]))
                 for part, copy in zip(self.parts, copies):  # the CPU: waited for outside the lock, then again
@@ -1018,27 +1023,14 @@ class StateTable:
                and self._offload_lru(exclude, awaiting_too=False)):
             pass
 
-    def _stage(self, slot, copies, streams) -> PendingStep:
+    def _stage(self, slot, copies, streams) -> "_StagedExport":
         """export's GPU path for a resident slot (holding the lock: no eviction is enqueued before the copy in)."""
-        events = []
+        staged = []
         for k, (part, copy) in enumerate(zip(self.parts, copies)):
             stream = streams[k] if streams else torch.cuda.current_stream(part.device)
             part.step_stream = stream  # a later eviction of the slot runs after this copy, as after the steps
-            events.append(part.stage(slot, copy, stream))
-
-        def done(wait=False):  # each event on its GPU, from whichever thread asks
-            for part, event in zip(self.parts, events):
-                with torch.cuda.device(part.device):
-                    if wait:
-                        event.synchronize()
-                    elif not event.query():
-                        return False
-            return True
-
-        def fetch():
-            done(wait=True)
-            return np.concatenate([part.staged.numpy() for part in self.parts])
-        return PendingStep(fetch, poll=done)
+            staged.append(part.stage(slot, copy, stream))
+        return _StagedExport(self.parts, staged)
 
     def _read_host(self, host_slot) -> PendingStep:
         """export's path for a state in host memory: read on the reader thread (holding the lock)."""
@@ -1055,6 +1047,50 @@ class StateTable:
 
 def _nothing():
     pass
+
+
+class _StagedExport:
+    """A GPU export with its slot in the parts' staging buffers, copied out to pinned memory and from there into an
+    array of its own by the first thread that asks: its result() (or done(), which starts the copy out), or else
+    the next export, which reuses the buffers. So the thread that steps neither launches the copy out nor, as
+    before, lets the previous export's 146 MiB go (~1.2 ms a checkpoint on an H200's event loop: bench/LOG.md
+    section 83); the bytes are the caller's alone, dropped where it drops them."""
+
+    def __init__(self, parts, staged):
+        self.parts, self.staged = parts, staged
+        self._copies = None  # each part's event after its copy out, once enqueued
+        self._fetched, self._value = False, None  # the bytes, held here only until result() takes them
+        self._lock = threading.Lock()
+
+    def _copied(self):
+        with self._lock:
+            if self._copies is None:
+                self._copies = [part.copy_out(event) for part, event in zip(self.parts, self.staged)]
+            return self._copies
+
+    def poll(self) -> bool:
+        for part, event in zip(self.parts, self._copied()):
+            with torch.cuda.device(part.device):
+                if not event.query():
+                    return False
+        return True
+
+    def release_buffers(self) -> None:
+        """The bytes out of the shared buffers (the next export's, before it reuses them)."""
+        copies = self._copied()
+        with self._lock:
+            if not self._fetched:
+                for part, event in zip(self.parts, copies):
+                    with torch.cuda.device(part.device):
+                        event.synchronize()
+                self._value = np.concatenate([part.staged.numpy() for part in self.parts])
+                self._fetched = True
+
+    def fetch(self):
+        self.release_buffers()
+        with self._lock:
+            value, self._value = self._value, None
+        return value
 
 
 def _check_host_tier(symbols, pool_bytes):
