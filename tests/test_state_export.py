@@ -273,3 +273,38 @@ def test_gpu_staging_is_ordered_with_steps_in_flight(model):
     for rows, features in steps(8, 6, symbols, max_requests=2):
         assert np.array_equal(engine.step(rows, features), fresh.step(rows, features))
     assert all(np.array_equal(state, fresh.export_state(s).result()) for s, state in exports(engine, symbols).items())
+
+
+@cuda
+def test_gpu_exports_are_taken_from_any_thread_and_kept_by_no_one_else(model):
+    """The copy out to pinned memory is made by whoever asks first (result() on another thread, done(), or the next
+    export); the bytes returned are the caller's alone: dropped, they are freed, not kept by the table until the
+    next export (which let 146 MiB go on the thread that steps)."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    engine, alone = (FastEngine(model, "cuda", max_batch=4, capacity=6, host_symbols=0, progress=False)
+                     for _ in range(2))
+    batches = list(steps(9, 4))
+    for rows, features in batches[:2]:
+        engine.step(rows, features), alone.step(rows, features)
+    want = exports(alone)
+    pending = engine.export_state("S1")
+    polled = engine.export_state("S2")  # the next export: S1's bytes taken out of the buffers by it
+    for rows, features in batches[2:]:
+        engine.submit(rows, features)
+    taken = {}
+    thread = threading.Thread(target=lambda export: taken.update(S1=export.result()), args=(pending,))
+    thread.start()
+    thread.join(timeout=60)
+    deadline = time.monotonic() + 60
+    while not polled.done():  # done() alone starts S2's copy out
+        assert time.monotonic() < deadline, "an export that is only polled never ends"
+        time.sleep(0.001)
+    assert np.array_equal(taken["S1"], want["S1"]) and np.array_equal(polled.result(), want["S2"])
+    freed = weakref.ref(polled.result())  # the last export: the table still holds its buffers
+    del polled
+    gc.collect()
+    assert freed() is None
