@@ -277,9 +277,9 @@ def test_gpu_staging_is_ordered_with_steps_in_flight(model):
 
 @cuda
 def test_gpu_exports_are_taken_from_any_thread_and_kept_by_no_one_else(model):
-    """The copy out to pinned memory is made by whoever asks first (result() on another thread, done(), or the next
-    export); the bytes returned are the caller's alone: dropped, they are freed, not kept by the table until the
-    next export (which let 146 MiB go on the thread that steps)."""
+    """Exports taken on another thread (result()) or polled (done()), while steps go on: each equals the state an
+    engine stepped alike had then; the bytes returned are the caller's alone: dropped, they are freed, not kept by
+    the table until the next export (which let 146 MiB go on the thread that steps)."""
     import gc
     import threading
     import time
@@ -292,7 +292,7 @@ def test_gpu_exports_are_taken_from_any_thread_and_kept_by_no_one_else(model):
         engine.step(rows, features), alone.step(rows, features)
     want = exports(alone)
     pending = engine.export_state("S1")
-    polled = engine.export_state("S2")  # the next export: S1's bytes taken out of the buffers by it
+    polled = engine.export_state("S2")
     for rows, features in batches[2:]:
         engine.submit(rows, features)
     taken = {}
@@ -300,7 +300,7 @@ def test_gpu_exports_are_taken_from_any_thread_and_kept_by_no_one_else(model):
     thread.start()
     thread.join(timeout=60)
     deadline = time.monotonic() + 60
-    while not polled.done():  # done() alone starts S2's copy out
+    while not polled.done():
         assert time.monotonic() < deadline, "an export that is only polled never ends"
         time.sleep(0.001)
     assert np.array_equal(taken["S1"], want["S1"]) and np.array_equal(polled.result(), want["S2"])

@@ -864,12 +864,11 @@ class _DoneAtOnce:
         pass
 
 
-def test_a_gpu_export_is_taken_by_whoever_asks_and_kept_by_no_one_else(monkeypatch):
-    """The GPU path of export (_StagedExport) with CUDA's events and streams stood in: the copy out to pinned memory
-    and the bytes' own array are made by the first to ask (result() on any thread, done() alone, or the next export,
-    before it reuses the buffers: its bytes were the next one's before), never by the export itself; the bytes
-    returned are the caller's alone (the table kept the last export's, let go on the thread that steps at the
-    next export)."""
+def test_a_gpu_export_is_taken_out_on_the_export_thread_and_kept_by_no_one_else(monkeypatch):
+    """The GPU path of export with CUDA's events and streams stood in: the copy out to pinned memory, in pieces, and
+    the bytes' own array are made on the table's export thread, never by the thread that exports; the next export
+    waits until the buffers are free; the bytes returned are the caller's alone (the table kept the last export's,
+    let go on the thread that steps at the next export)."""
     import gc
     import weakref
 
@@ -879,10 +878,13 @@ def test_a_gpu_export_is_taken_by_whoever_asks_and_kept_by_no_one_else(monkeypat
         monkeypatch.setattr(torch.cuda, name, lambda *args: _DoneAtOnce())
     for name in ("stream", "device"):
         monkeypatch.setattr(torch.cuda, name, lambda *args: contextlib.nullcontext())
-    copies_out = []
-    copy_out = module.DeviceSlots.copy_out
-    monkeypatch.setattr(module.DeviceSlots, "copy_out", lambda self, staged: copies_out.append(1) or
-                        copy_out(self, staged))
+    monkeypatch.setattr(module, "PIECE_BYTES", 16)  # several pieces a slot
+    pieces, copy_ = [], torch.Tensor.copy_
+
+    def copy(dst, src, non_blocking=False):
+        if dst.data_ptr() >= part.staged.data_ptr() and dst.data_ptr() < part.staged.data_ptr() + part.slot_bytes:
+            pieces.append((threading.current_thread().name, dst.numel()))
+        return copy_(dst, src, non_blocking=non_blocking)
     t = table(capacity=4)
     part = t.parts[0]
     part.staging, part.staged = (torch.empty(part.slot_bytes, dtype=torch.uint8) for _ in range(2))
@@ -890,18 +892,12 @@ def test_a_gpu_export_is_taken_by_whoever_asks_and_kept_by_no_one_else(monkeypat
     for value, slot in enumerate(t.slots_for(["A", "B", "C"]), start=1):
         write(t, slot, value)
     want = {symbol: np.concatenate([p.copy_of(t.slot_of[symbol]) for p in t.parts]) for symbol in "ABC"}
+    monkeypatch.setattr(torch.Tensor, "copy_", copy)
     monkeypatch.setattr(part, "device", torch.device("cuda", 0))  # export's GPU branch
-    a, b = t.export("A"), t.export("B")  # B's export takes A's bytes out before its copy in
-    c = t.export("C")
-    assert len(copies_out) == 2  # A's and B's, by the exports after them; C's not yet
-    taken = {}
-    thread = threading.Thread(target=lambda export: taken.update(B=export.result()), args=(b,))
-    thread.start()
-    thread.join(timeout=60)
-    assert c.done() and len(copies_out) == 3  # done() alone starts C's copy out
-    assert all(np.array_equal(got, want[symbol]) for symbol, got in (("A", a.result()), ("B", taken["B"]),
-                                                                     ("C", c.result())))
-    freed = weakref.ref(c.result())  # the last export: the table still holds its buffers
-    del c
+    exported = {symbol: t.export(symbol) for symbol in "ABC"}
+    assert all(np.array_equal(exported[symbol].result(), want[symbol]) for symbol in "ABC")
+    assert len(pieces) == 3 * -(-part.slot_bytes // 16) and all(size <= 16 for _, size in pieces)
+    assert {name for name, _ in pieces} == {"state-export_0"}
+    freed = weakref.ref(exported.pop("C").result())  # the last export
     gc.collect()
     assert freed() is None

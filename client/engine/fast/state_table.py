@@ -26,8 +26,9 @@ its stream waits for that copy. Without CUDA the copies run on a thread standing
 completions are futures), so the CPU runs the same ordering as the GPU.
 
 A symbol's state is exported (export) without moving it: from its GPU slot through a staging buffer, copied on the
-step stream, then to pinned memory on a side stream by the thread that asks for it; from its host slot on a thread
-of its own, a read that later copies into that host slot wait for. import writes a slot placed by slots_for (write).
+step stream, then to pinned memory in pieces and into an array of its own on the table's export thread; from its
+host slot on that thread, a read that later copies into that host slot wait for. import writes a slot placed by
+slots_for (write).
 
 A symbol idle for `idle_timeout_s` is forgotten (a later request starts a fresh state, as a new symbol would). A
 symbol that fits in no tier gets a CapacityError naming the limits, and nothing else changes.
@@ -516,15 +517,18 @@ class DeviceSlots:
         return staged
 
     def copy_out(self, staged):
-        """The staging buffer copied into pinned memory on the export stream once `staged` (stage's event) is
-        reached; the event recorded after it. From any thread."""
+        """The staging buffer copied into pinned memory once `staged` (stage's event) is reached, in pieces of
+        PIECE_BYTES on the export stream, each enqueued once the one before has ended, so that a step's answer read
+        back meanwhile waits for one piece (~0.2 ms) at most: the whole state (~3 ms at ~50 GB/s), beside the next
+        step, held that step's answer back ~1.2 ms (bench/LOG.md section 83). Returns when done; on the table's
+        export thread."""
         with torch.cuda.device(self.device):
             self.export_stream.wait_event(staged)
             with torch.cuda.stream(self.export_stream):
-                self.staged.copy_(self.staging, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.export_stream)
-        return done
+                for begin in range(0, self.slot_bytes, PIECE_BYTES):
+                    end = min(begin + PIECE_BYTES, self.slot_bytes)
+                    self.staged[begin:end].copy_(self.staging[begin:end], non_blocking=True)
+                    self.export_stream.synchronize()
 
     def ready_exports(self) -> None:
         """Allocate stage's buffers where a GPU's are not yet: allocated by the first export, on the thread that
@@ -638,7 +642,7 @@ class StateTable:
         self._expired: dict[str, None] | None = None  # forgotten as idle since take_expired (None: not asked)
         # export: one export at a time uses the parts' staging buffers; host slots are read on a thread of their own
         self._export_lock = threading.Lock()
-        self._last_export = None  # the last export through the staging buffers (_StagedExport)
+        self._last_export = None  # the last export through the staging buffers: set once they are free (_stage)
         self._reader = None
         self.pin_s = None  # seconds the host tier took to pin, once it is
         self._pin_error = None
@@ -871,12 +875,12 @@ class StateTable:
     def export(self, symbol, streams=None) -> PendingStep:
         """The symbol's state (every part's slot bytes, in part order) as the steps enqueued so far leave it; None
         for a symbol without one. A resident state on a GPU: copied into each part's staging buffer on the step
-        stream (streams: one per part, as slots_for's), then into pinned host memory on a side stream, enqueued by
-        the first result() or done() (_StagedExport); one in host memory: read from its host slot once its copies
-        are done; on the CPU, once its slot's copies are done, a plain copy. From the thread that steps."""
+        stream (streams: one per part, as slots_for's), then into pinned host memory and an array on the export
+        thread (_stage); one in host memory: read from its host slot once its copies are done; on the CPU, once its
+        slot's copies are done, a plain copy. From the thread that steps."""
         with self._export_lock:
             if self._last_export is not None:  # its staging buffers are reused: its bytes must be out of them
-                self._last_export.release_buffers()
+                self._last_export.result()
                 self._last_export = None
             while True:
                 with self._lock:
@@ -886,8 +890,7 @@ class StateTable:
                             else PendingStep.completed(None)
                     copies = [part.pending(slot) for part in self.parts]
                     if self.parts[0].device.type == "cuda":
-                        self._last_export = self._stage(slot, copies, streams)
-                        return PendingStep(self._last_export.fetch, poll=self._last_export.poll)
+                        return self._stage(slot, copies, streams)
                     if all(copy is None for copy in copies):
                         return PendingStep.completed(np.concatenate([part.copy_of(slot) for part in self.parts]))
                 for part, copy in zip(self.parts, copies):  # the CPU: waited for outside the lock, then again
@@ -1023,20 +1026,28 @@ class StateTable:
                and self._offload_lru(exclude, awaiting_too=False)):
             pass
 
-    def _stage(self, slot, copies, streams) -> "_StagedExport":
-        """export's GPU path for a resident slot (holding the lock: no eviction is enqueued before the copy in)."""
+    def _stage(self, slot, copies, streams) -> PendingStep:
+        """export's GPU path for a resident slot (holding the lock: no eviction is enqueued before the copy in): the
+        slot copied into each part's staging buffer on its step stream; the rest on the export thread (_taken_out),
+        so the thread that steps only enqueues that copy. The table keeps only the buffers' release, not the bytes,
+        which go where the caller drops them (kept, the next export let 146 MiB go on the thread that steps)."""
         staged = []
         for k, (part, copy) in enumerate(zip(self.parts, copies)):
             stream = streams[k] if streams else torch.cuda.current_stream(part.device)
             part.step_stream = stream  # a later eviction of the slot runs after this copy, as after the steps
             staged.append(part.stage(slot, copy, stream))
-        return _StagedExport(self.parts, staged)
+        self._last_export = Future()
+        value = self._export_thread().submit(_taken_out, self.parts, staged, self._last_export)
+        return PendingStep(value.result, poll=value.done)
 
-    def _read_host(self, host_slot) -> PendingStep:
-        """export's path for a state in host memory: read on the reader thread (holding the lock)."""
+    def _export_thread(self) -> ThreadPoolExecutor:
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="state-export")
-        reads = [part.read_host(host_slot, self._reader) for part in self.parts]
+        return self._reader
+
+    def _read_host(self, host_slot) -> PendingStep:
+        """export's path for a state in host memory: read on the export thread (holding the lock)."""
+        reads = [part.read_host(host_slot, self._export_thread()) for part in self.parts]
         return PendingStep(lambda: np.concatenate([read.result() for read in reads]),
                            poll=lambda: all(read.done() for read in reads))
 
@@ -1049,48 +1060,15 @@ def _nothing():
     pass
 
 
-class _StagedExport:
-    """A GPU export with its slot in the parts' staging buffers, copied out to pinned memory and from there into an
-    array of its own by the first thread that asks: its result() (or done(), which starts the copy out), or else
-    the next export, which reuses the buffers. So the thread that steps neither launches the copy out nor, as
-    before, lets the previous export's 146 MiB go (~1.2 ms a checkpoint on an H200's event loop: bench/LOG.md
-    section 83); the bytes are the caller's alone, dropped where it drops them."""
-
-    def __init__(self, parts, staged):
-        self.parts, self.staged = parts, staged
-        self._copies = None  # each part's event after its copy out, once enqueued
-        self._fetched, self._value = False, None  # the bytes, held here only until result() takes them
-        self._lock = threading.Lock()
-
-    def _copied(self):
-        with self._lock:
-            if self._copies is None:
-                self._copies = [part.copy_out(event) for part, event in zip(self.parts, self.staged)]
-            return self._copies
-
-    def poll(self) -> bool:
-        for part, event in zip(self.parts, self._copied()):
-            with torch.cuda.device(part.device):
-                if not event.query():
-                    return False
-        return True
-
-    def release_buffers(self) -> None:
-        """The bytes out of the shared buffers (the next export's, before it reuses them)."""
-        copies = self._copied()
-        with self._lock:
-            if not self._fetched:
-                for part, event in zip(self.parts, copies):
-                    with torch.cuda.device(part.device):
-                        event.synchronize()
-                self._value = np.concatenate([part.staged.numpy() for part in self.parts])
-                self._fetched = True
-
-    def fetch(self):
-        self.release_buffers()
-        with self._lock:
-            value, self._value = self._value, None
-        return value
+def _taken_out(parts, staged, taken_out: Future):
+    """(The table's export thread) an export's bytes, out of its parts' staging buffers: copied to pinned memory,
+    then into an array of its own; `taken_out` set once the buffers are free again (the next export waits for it)."""
+    try:
+        for part, event in zip(parts, staged):
+            part.copy_out(event)
+        return np.concatenate([part.staged.numpy() for part in parts])
+    finally:
+        taken_out.set_result(None)
 
 
 def _check_host_tier(symbols, pool_bytes):
