@@ -369,6 +369,9 @@ class StreamingClient:
         # and each request frame's (received and parsed: time.perf_counter(), its requests' unique ids), where
         # a step's rows came from (scripts/benchmarks/serving.arrival_numbers)
         self.frames: list[tuple[float, list[int]]] | None = [] if timeline or step_log else None
+        # timeline, journaled: each state checkpoint's export (began, returned: time.monotonic()), on the thread that
+        # submits, just before a submit (scripts/e2e_timeline.py: what the steps after them cost)
+        self.exports: list[tuple[float, float]] | None = [] if timeline and journal is not None else None
         self._scheduler = Scheduler()
         # A team client with prefetch(symbols) starts moving states when their requests arrive, and its ready(symbol)
         # holds back a symbol whose state is still on its way while the others step (unless its states never move).
@@ -1007,6 +1010,7 @@ class StreamingClient:
                 self._checkpoint_job = self._checkpoint_writer.submit(self.journal.drop_covered)
             return
         symbol, covers = due
+        began = time.monotonic()
         try:
             pending = self.team_client.export_state(symbol)
         except Exception as exc:  # a failing team client must not kill the runtime: its records are kept
@@ -1014,6 +1018,8 @@ class StreamingClient:
                 self._checkpointing = None
             self.journal.end_checkpoint(symbol, covers, failed=f"export_state raised {type(exc).__name__}: {exc}")
             return
+        if self.exports is not None:
+            self.exports.append((began, time.monotonic()))
         self._checkpoint_job = self._checkpoint_writer.submit(self._write_checkpoint, symbol, covers, pending)
 
     def _in_a_step(self, symbol) -> bool:

@@ -3,11 +3,13 @@ bench.py's e2e section does) and joins, per request, the server's send and recei
 stages, with what stalled either process (collector runs, sleeping threads woken late, event-loop lag).
 
     python scripts/e2e_timeline.py --preset full --sessions 2 --json timeline.json
+    python scripts/e2e_timeline.py --journal-segment-mb 0.5     # what the journal's state checkpoints cost
 
 For each session it prints each segment's p50 / p90 / max over all answers and over the slowest 1%, the stalls
 of both processes, and the slowest answers with the stalls around them. bench/LOG.md sections 22 and 25 read it.
 """
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -21,7 +23,7 @@ import torch
 from client import cli, event_loop
 from client.model.config import PRESETS
 from scripts.benchmarks.harness import E2E_RATE, E2E_SYMBOLS, device_name
-from scripts.benchmarks.serving import ReferenceTracker, prefixed_names, prefixed_stream, serve_stream
+from scripts.benchmarks.serving import ReferenceTracker, journaled, prefixed_names, prefixed_stream, serve_stream
 
 # (name, from, to): the stages of an answer, in order; "sent" and "end" are the server's send and receive
 SEGMENTS = (("server send -> client receive", "sent", "received"),
@@ -87,7 +89,29 @@ def analyze(timeline: dict, slowest: int = 12, near_s: float = 0.02) -> dict:
     if timeline.get("steps"):
         steps = timeline["steps"]
         result["arrivals"] = {"all": arrivals(rows, steps), "slowest_1pct": arrivals(tail, steps)}
+    if timeline.get("exports") is not None:
+        result["checkpoints"] = checkpoints(rows, tail, timeline["exports"])
     return result
+
+
+def checkpoints(rows, tail, exports) -> dict:
+    """What the journal's state checkpoints cost (exports: each one's (began, returned) on the thread that submits,
+    just before a submit): that thread's time per export, and the answers whose step came right after one (an
+    export began between their receipt and their submit), among all answers and the slowest 1%, with the latency
+    of those and of the others."""
+    began = np.sort([b for b, _ in exports])
+
+    def after_export(r):
+        k = np.searchsorted(began, r["received"])
+        return k < len(began) and began[k] <= r["submitted"]
+    hit = [r for r in rows if after_export(r)]
+    rest = [r for r in rows if not after_export(r)]
+    took = 1e3 * np.array([e - b for b, e in exports]) if exports else np.zeros(1)
+    return {"exports": len(exports), "export_p50_ms": float(np.median(took)), "export_max_ms": float(took.max()),
+            "after_one": len(hit), "after_one_slowest_1pct": sum(1 for r in tail if after_export(r)),
+            "slowest_1pct": len(tail),
+            "p50_ms_after_one": float(np.median([r["latency_ms"] for r in hit])) if hit else None,
+            "p50_ms_others": float(np.median([r["latency_ms"] for r in rest])) if rest else None}
 
 
 def arrivals(rows, steps) -> dict:
@@ -134,6 +158,10 @@ def _spent(kind, event) -> str:
     return " (" + ", ".join(f"{how[:-3].replace('_', ' ')} {ms:.1f}" for how, ms in event[2].items()) + ")"
 
 
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def format_report(result: dict) -> str:
     lines = [f"{result['answers']} answers: p50 {result['p50_ms']:.2f} ms, p99 {result['p99_ms']:.2f} ms",
              f"{'segment (ms)':34} {'all: p50 / p90 / max':>26} {'slowest 1%: p50 / p90 / max':>32}"]
@@ -150,6 +178,12 @@ def format_report(result: dict) -> str:
         lines.append("on arrival (all / slowest 1%): " + ", ".join(
             f"{what.replace('_', ' ')} {result['arrivals']['all'][what]} / {result['arrivals']['slowest_1pct'][what]}"
             for what in ("during_a_submit", "pipeline_full")))
+    if "checkpoints" in result:
+        c = result["checkpoints"]
+        lines.append(f"journal: {c['exports']} state checkpoints, each {c['export_p50_ms']:.2f} ms (max "
+                     f"{c['export_max_ms']:.2f}) of the thread that submits; answers whose step came right after one: "
+                     f"{c['after_one']} (p50 {_ms(c['p50_ms_after_one'])} against {_ms(c['p50_ms_others'])} ms), "
+                     f"{c['after_one_slowest_1pct']} of the slowest {c['slowest_1pct']}")
     slow = result["episodes"]
     lines.append(f"slow answers in {len(slow)} episodes (at s: answers, span ms, max ms, the longest segment):")
     lines.extend(f"  {e['at_s']:7.3f}: {e['answers']:3d}, {e['span_ms']:6.1f}, {e['max_latency_ms']:6.1f}, "
@@ -194,6 +228,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--sessions", type=cli.positive_int, default=2, help="sessions in a row on one engine")
     ap.add_argument("--slowest", type=cli.positive_int, default=12, help="slowest answers to list")
     ap.add_argument("--json", type=cli.output_file, help="write the results here")
+    ap.add_argument("--journal-segment-mb", type=cli.positive_float, metavar="MB",
+                    help="journal every session with state checkpoints (to a temporary folder) in segments of MB "
+                         "MiB, and say what the checkpoints cost (0.5: every symbol's state every few seconds at "
+                         "400 req/s)")
     ap.add_argument("--stacks", type=Path, help="a folder: the event loop's stack, in both processes, whenever an "
                                                 "event loop is held up over 12 ms (server_stacks.txt, "
                                                 "client_stacks.txt, appended session after session)")
@@ -225,8 +263,11 @@ def main(argv=None) -> list[dict]:
         stream = prefixed_stream("TL_", args.symbols, args.requests, args.seed + 100 + session, args.rate)
         targets = tracker.targets(stream)
         started = time.perf_counter()
-        summary = event_loop.run(serve_stream(engine, stream, targets, args.rate, args.preset, args.seed,
-                                              timeline=True, stacks_dir=args.stacks))
+        with contextlib.ExitStack() as stack:
+            journal = None if args.journal_segment_mb is None else \
+                stack.enter_context(journaled(engine, args.journal_segment_mb))[0]
+            summary = event_loop.run(serve_stream(engine, stream, targets, args.rate, args.preset, args.seed,
+                                                  timeline=True, stacks_dir=args.stacks, journal=journal))
         result = {"session": session, "rate": args.rate, "symbols": args.symbols, "seconds":
                   time.perf_counter() - started, **analyze(summary["timeline"], args.slowest)}
         print(f"== session {session}: " + format_report(result), flush=True)

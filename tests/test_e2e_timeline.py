@@ -118,15 +118,36 @@ def test_analyze_refuses_a_timeline_without_answers():
         _load().analyze(timeline)
 
 
-def test_cpu_run_reports_every_answer_of_every_session(tmp_path):
+def test_checkpoints_say_which_answers_had_a_state_export_before_their_step():
+    """Exports beginning at 10 ms (answer 4's receipt at 10.2 ms is after it), at 15.4 ms (between answer 6's
+    receipt and its submit, 15.2 and 15.6 ms: its step came right after) and at 1 s (after every answer)."""
+    timeline = _timeline(n=8, slow_id=6)
+    t0 = timeline["sent"][0]
+    timeline["exports"] = [(t0 + 0.010, t0 + 0.0103), (t0 + 0.0154, t0 + 0.0156), (t0 + 1.0, t0 + 1.0005)]
+    result = _load().analyze(timeline, slowest=1)
+    checkpoints = result["checkpoints"]
+    assert checkpoints["exports"] == 3 and checkpoints["export_max_ms"] == pytest.approx(0.5)
+    assert checkpoints["export_p50_ms"] == pytest.approx(0.3)
+    assert checkpoints["after_one"] == 1 and checkpoints["after_one_slowest_1pct"] == 1  # answer 6, the slowest
+    assert checkpoints["p50_ms_after_one"] == pytest.approx(21.0) and checkpoints["p50_ms_others"] == pytest.approx(3.0)
+    assert "journal: 3 state checkpoints, each 0.30 ms (max 0.50)" in _load().format_report(result)
+    assert "checkpoints" not in _load().analyze(_timeline(), slowest=1)  # not journaled: not asked
+
+
+@pytest.mark.parametrize("journaled", [False, True], ids=["plain", "journaled"])
+def test_cpu_run_reports_every_answer_of_every_session(tmp_path, journaled):
     out = tmp_path / "timeline.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--device", "cpu", "--rate", "200",
                            "--symbols", "4", "--requests", "60", "--sessions", "2", "--slowest", "2",
-                           "--json", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                           "--json", str(out)] + (["--journal-segment-mb", "0.005"] if journaled else []),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["device"].startswith("cpu") and len(data["sessions"]) == 2
     for session in data["sessions"]:
+        assert ("checkpoints" in session) == journaled
+        if journaled:  # segments of ~15 requests: states checkpointed in each session
+            assert session["checkpoints"]["exports"] > 0 and session["checkpoints"]["export_max_ms"] > 0
         assert session["answers"] == 60
         assert session["p99_ms"] >= session["p50_ms"] > 0
         for stats in session["segments_all"].values():

@@ -238,7 +238,8 @@ async def serve_stream(engine, stream, targets, rate, preset, seed, pipeline_min
                        host_steal_ms_per_s=None if steal_before is None or steal_after is None else
                        1e3 * (steal_after - steal_before) / (time.monotonic() - started))
         if timeline:
-            summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps)
+            summary["timeline"].update(client=client.timeline, client_stalls=probe.events(), steps=client.steps,
+                                       exports=client.exports)
         if step_log:
             summary.update(steps=client.steps, frames=client.frames)
         if stalls:
