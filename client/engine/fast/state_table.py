@@ -1036,8 +1036,9 @@ class StateTable:
             stream = streams[k] if streams else torch.cuda.current_stream(part.device)
             part.step_stream = stream  # a later eviction of the slot runs after this copy, as after the steps
             staged.append(part.stage(slot, copy, stream))
-        self._last_export = Future()
-        value = self._export_thread().submit(_taken_out, self.parts, staged, self._last_export)
+        taken_out = Future()  # the next export's to wait for once handed over (refused: nothing would set it)
+        value = self._export_thread().submit(_taken_out, self.parts, staged, taken_out)
+        self._last_export = taken_out
         return PendingStep(value.result, poll=value.done)
 
     def _export_thread(self) -> ThreadPoolExecutor:
