@@ -901,3 +901,39 @@ def test_a_gpu_export_is_taken_out_on_the_export_thread_and_kept_by_no_one_else(
     freed = weakref.ref(exported.pop("C").result())  # the last export
     gc.collect()
     assert freed() is None
+
+
+def _gpu_exports(monkeypatch, symbols):
+    """A table whose exports take the GPU path with CUDA's events and streams stood in (_DoneAtOnce), each symbol's
+    state a value of its own; (table, {symbol: its bytes})."""
+    for name in ("Event", "current_stream"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: _DoneAtOnce())
+    for name in ("stream", "device"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: contextlib.nullcontext())
+    t = table(capacity=len(symbols))
+    part = t.parts[0]
+    part.staging, part.staged = (torch.empty(part.slot_bytes, dtype=torch.uint8) for _ in range(2))
+    part.export_stream = _DoneAtOnce()
+    for value, slot in enumerate(t.slots_for(symbols), start=1):
+        write(t, slot, value)
+    want = {symbol: np.concatenate([p.copy_of(t.slot_of[symbol]) for p in t.parts]) for symbol in symbols}
+    monkeypatch.setattr(part, "device", torch.device("cuda", 0))  # export's GPU branch
+    return t, want
+
+
+def test_a_gpu_export_the_export_thread_refuses_fails_alone(monkeypatch):
+    """An export whose hand-over to the export thread is refused (the interpreter shutting down: "cannot schedule
+    new futures") raises, and leaves the next export to run: it waited for ever on a release no thread would set."""
+    import concurrent.futures.thread as executors
+
+    t, want = _gpu_exports(monkeypatch, ["A", "B"])
+    monkeypatch.setattr(executors, "_shutdown", True)
+    with pytest.raises(RuntimeError, match="shutdown"):
+        t.export("A")
+    monkeypatch.setattr(executors, "_shutdown", False)
+    taken = {}
+    thread = threading.Thread(target=lambda: taken.update(B=t.export("B").result()), daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "the export after a refused one waits for ever"
+    assert np.array_equal(taken["B"], want["B"])

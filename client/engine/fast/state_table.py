@@ -640,10 +640,11 @@ class StateTable:
         # send a returning state back out before its step, again and again).
         self._awaiting: dict[str, None] = {}
         self._expired: dict[str, None] | None = None  # forgotten as idle since take_expired (None: not asked)
-        # export: one export at a time uses the parts' staging buffers; host slots are read on a thread of their own
+        # export: one export at a time uses the parts' staging buffers; one thread (_export_thread) takes the bytes
+        # out of them and reads host slots, in the order asked
         self._export_lock = threading.Lock()
         self._last_export = None  # the last export through the staging buffers: set once they are free (_stage)
-        self._reader = None
+        self._reader = None  # the export thread (an executor), started by the first export that needs it
         self.pin_s = None  # seconds the host tier took to pin, once it is
         self._pin_error = None
         self._pin_go = threading.Event()  # cleared: pinning paused (a CUDA graph capture is under way)
@@ -1036,8 +1037,9 @@ class StateTable:
             stream = streams[k] if streams else torch.cuda.current_stream(part.device)
             part.step_stream = stream  # a later eviction of the slot runs after this copy, as after the steps
             staged.append(part.stage(slot, copy, stream))
-        self._last_export = Future()
-        value = self._export_thread().submit(_taken_out, self.parts, staged, self._last_export)
+        taken_out = Future()  # the next export's to wait for once handed over (refused: nothing would set it)
+        value = self._export_thread().submit(_taken_out, self.parts, staged, taken_out)
+        self._last_export = taken_out
         return PendingStep(value.result, poll=value.done)
 
     def _export_thread(self) -> ThreadPoolExecutor:
