@@ -104,13 +104,14 @@ def checkpoints(rows, tail, exports) -> dict:
     def after_export(r):
         k = np.searchsorted(began, r["received"])
         return k < len(began) and began[k] <= r["submitted"]
-    hit = [r for r in rows if after_export(r)]
-    rest = [r for r in rows if not after_export(r)]
+    hit = {r["unique_id"] for r in rows if after_export(r)}
+    rest = [r for r in rows if r["unique_id"] not in hit]
     took = 1e3 * np.array([e - b for b, e in exports]) if exports else np.zeros(1)
     return {"exports": len(exports), "export_p50_ms": float(np.median(took)), "export_max_ms": float(took.max()),
-            "after_one": len(hit), "after_one_slowest_1pct": sum(1 for r in tail if after_export(r)),
+            "after_one": len(hit), "after_one_slowest_1pct": sum(r["unique_id"] in hit for r in tail),
             "slowest_1pct": len(tail),
-            "p50_ms_after_one": float(np.median([r["latency_ms"] for r in hit])) if hit else None,
+            "p50_ms_after_one": float(np.median([r["latency_ms"] for r in rows if r["unique_id"] in hit]))
+            if hit else None,
             "p50_ms_others": float(np.median([r["latency_ms"] for r in rest])) if rest else None}
 
 
