@@ -83,6 +83,9 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     assert swap["restored"] >= swap["requests"] * swap["cold_rate"] / (swap["cold_rate"] + swap["hot_rate"]) - 1
     assert swap["restored_ahead"] == swap["restored"] and swap["swaps_per_s"] > 0
     assert all(swap["arrivals"][side]["all"]["answers"] > 0 for side in ("hot", "cold"))
+    moves = swap["hot_beside_moves"]  # every hot answer counted once for each direction
+    assert len({m["beside"]["answers"] + m["others"]["answers"] for m in moves.values()}) == 1
+    assert 0 < moves["to_host"]["beside"]["answers"] + moves["to_host"]["others"]["answers"] < swap["requests"]
     assert all(_finite(swap[key]) for key in ("step_ms_max_b20", "submit_ms_max"))
     assert all(_finite(swap[side][key]) for side in ("hot", "cold") for key in ("p50_ms", "p99_ms", "max_ms"))
     for direction in ("to_gpu", "to_host"):
@@ -283,6 +286,20 @@ def test_steps_by_rows_groups_the_step_log_by_the_engines_row_sizes():
     assert out["256"]["ms_p50"] == pytest.approx(15.0) and out["512"]["ms_p50"] == pytest.approx(24.0)
     assert out["384"]["forming_ms_p50"] == pytest.approx(1.0) and out["384"]["forming_ms_max"] == pytest.approx(1.0)
     assert list(steps_by_rows(log, ())) == ["256", "512"]  # without the engine's sizes: powers of two
+
+
+def test_beside_moves_splits_the_answers_whose_step_ran_while_a_state_moved():
+    """Steps of answers 0-3 at [0, 2], [3, 5], [6, 8] and [9, 11] ms; moves over [1, 4] ms (beside answers 0 and 1)
+    and [4.5, 5.5] (answer 1 again): answers 0 and 1 beside a move, 2 and 3 not; answer 4 never answered."""
+    from scripts.benchmarks.swap import beside_moves
+
+    stages = {uid: {"submitted": 0.003 * uid, "done": 0.003 * uid + 0.002} for uid in range(5)}
+    latency = np.array([9.0, 7.0, 3.0, 2.0, np.nan])
+    out = beside_moves(stages, latency, np.arange(5), [(0.001, 0.004), (0.0045, 0.0055)])
+    assert out["beside"] == {"answers": 2, "p50_ms": 8.0, "p99_ms": pytest.approx(8.98)}
+    assert out["others"] == {"answers": 2, "p50_ms": 2.5, "p99_ms": pytest.approx(2.99)}
+    nothing = beside_moves(stages, latency, np.arange(5), [])
+    assert nothing["beside"] == {"answers": 0, "p50_ms": None, "p99_ms": None} and nothing["others"]["answers"] == 4
 
 
 def test_arrival_numbers_split_the_wait_before_the_runtime_into_the_servers_pacing_and_the_receipt():

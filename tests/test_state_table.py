@@ -937,3 +937,23 @@ def test_a_gpu_export_the_export_thread_refuses_fails_alone(monkeypatch):
     thread.join(timeout=10)
     assert not thread.is_alive(), "the export after a refused one waits for ever"
     assert np.array_equal(taken["B"], want["B"])
+
+
+def test_timed_transfers_are_placed_on_the_monotonic_clock_and_reset_forgets_them():
+    """time_copies: each finished move's span is on time.monotonic()'s clock (where a step's times are), inside the
+    window that saw it; transfer_seconds are those spans' lengths; reset_transfer_times starts afresh."""
+    t = table(capacity=1, host_capacity=2, time_copies=True)
+    began = time.monotonic()
+    t.slots_for(["A"])
+    t.slots_for(["B"])  # A to the host
+    t.slots_for(["A"])  # A back, B out
+    deadline = time.monotonic() + 10
+    while len(t.transfer_spans()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    spans = t.transfer_spans()
+    assert [direction for direction, _, _ in spans].count("to_host") == 2 and len(spans) == 3
+    assert all(began <= start <= end <= time.monotonic() for _, start, end in spans)
+    assert [start for _, start, _ in spans] == sorted(start for _, start, _ in spans)
+    assert sorted(seconds for _, _, seconds in t.transfer_seconds()) == sorted(end - start for _, start, end in spans)
+    t.reset_transfer_times()
+    assert t.transfer_spans() == [] and t.transfer_seconds() == []

@@ -4,9 +4,10 @@ each cold request bringing its symbol's state back from host memory and sending 
 The cold symbols outnumber the GPU's slots and come in turn, so each one's state has left the GPU by the time its
 next request arrives. Measured on the engine with the default options (bench.tiered_engine): the hot and cold
 requests' latencies (the server's clock) and where their time went, the longest step of at most hot-symbols symbols
-(from the runtime's step log: a step never waits for a copy of a symbol outside it), the swaps per second
-sustained, and each transfer's bandwidth against the pinned host<->device bandwidth measured in the same run. The
-targets are the issue's, on an H100 with the full preset.
+(from the runtime's step log: a step never waits for a copy of a symbol outside it), the hot answers whose step ran
+while a state moved against the others (a state's copy beside a step may hold its answer back: bench/LOG.md section
+83), the swaps per second sustained, and each transfer's bandwidth against the pinned host<->device bandwidth
+measured in the same run. The targets are the issue's, on an H100 with the full preset.
 """
 import math
 import time
@@ -91,6 +92,28 @@ def _stages(timeline, requests) -> dict:
                                            if int(uid) in chosen}}, slowest=6)
 
 
+def beside_moves(client_stages, latency_ms, requests, spans) -> dict:
+    """For the answers to `requests` (stream indices, their unique ids): those whose step ran while a state moved
+    (its submit to its end overlapping a transfer of `spans`, (began, ended) on the timeline's clock, sorted by
+    began), how many, and their latency's p50 and p99 against the others': whether a state's copy beside a step
+    holds that step's answer back (bench/LOG.md section 83: an export's copy to host memory did)."""
+    began = np.array([b for b, _ in spans])
+    ended_by = np.maximum.accumulate([e for _, e in spans]) if spans else np.zeros(0)  # latest end of the first k
+    beside, others = [], []
+    for uid in requests.tolist():
+        stages = client_stages.get(uid) or {}
+        if not np.isfinite(latency_ms[uid]) or stages.get("submitted") is None or stages.get("done") is None:
+            continue
+        k = int(np.searchsorted(began, stages["done"]))  # the spans that began before the step ended
+        overlaps = k > 0 and ended_by[k - 1] > stages["submitted"]
+        (beside if overlaps else others).append(latency_ms[uid])
+
+    def tail(values):
+        return {"answers": len(values), "p50_ms": float(np.median(values)) if values else None,
+                "p99_ms": float(np.percentile(values, 99)) if values else None}
+    return {"beside": tail(beside), "others": tail(others)}
+
+
 def measure_swap(bench, run=0):
     """One session of the swap stream on the tiered engine (run: the section's run, for Bench.forming)."""
     counts, engine = bench.counts, bench.tiered_engine()
@@ -129,6 +152,14 @@ def measure_swap(bench, run=0):
         small = served_step_ms(session["timeline"]["steps"], len(hot))
     else:  # a step on the CPU runs inside submit
         small = submits[submits[:, 0] <= len(hot), 1]
+    spans = table.transfer_spans()
+    hot_beside = {direction: beside_moves(session["timeline"]["client"], latency, np.flatnonzero(~is_cold),
+                                          [(b, e) for kind, b, e in spans if kind == direction])
+                  for direction in ("to_host", "to_gpu")}
+    bench.progress("swap, the hot answers whose step ran beside a state's move (p50/p99 ms, against the others): "
+                   + "; ".join(f"{direction} {m['beside']['answers']} ({fmt(m['beside']['p50_ms'])}/"
+                               f"{fmt(m['beside']['p99_ms'])} against {fmt(m['others']['p50_ms'])}/"
+                               f"{fmt(m['others']['p99_ms'])})" for direction, m in hot_beside.items()))
     transfers = {}
     for direction in ("to_gpu", "to_host"):
         rates = [size / seconds_ for kind, size, seconds_ in table.transfer_seconds() if kind == direction]
@@ -146,6 +177,7 @@ def measure_swap(bench, run=0):
               "segments_ms": {kind: {"all": r["segments_all"], "slowest_1pct": r["segments_slowest_1pct"]}
                               for kind, r in stages.items()},
               "arrivals": {kind: r.get("arrivals") for kind, r in stages.items()},
+              "hot_beside_moves": hot_beside,
               **moved, "swaps_per_s": moved["restored"] / seconds,
               "transfer_gb_per_s": {k: None if v is None else v / 1e9 for k, v in transfers.items()},
               "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},

@@ -430,6 +430,7 @@ class DeviceSlots:
         self.host_copy = {}  # host slot -> completion of its last copy (or read, StateTable.export)
         self.staging = self.staged = self.export_stream = None  # an export's GPU and pinned buffers (export)
         self.copy_times = None  # [(direction, start, end)] of every transfer, when the table times them
+        self.time_origin = None  # (time.monotonic(), an event recorded then): where a GPU's marks are on that clock
 
     def _view(self, block, block_start, name):
         shape, dtype, _ = self.layout[name]
@@ -443,7 +444,7 @@ class DeviceSlots:
         if self.copy_times is None:
             return None
         if queue_.stream is None:
-            return time.perf_counter()
+            return time.monotonic()
         event = torch.cuda.Event(enable_timing=True)
         event.record(queue_.stream)
         return event
@@ -582,14 +583,27 @@ class DeviceSlots:
         else:
             (stream or torch.cuda.current_stream(self.device)).wait_event(completion)
 
-    def transfer_seconds(self):
-        """[(direction, bytes, seconds)] of the timed transfers that are done."""
+    def time_copies(self):
+        """Time every transfer from now on (forgetting those timed so far); a GPU's events are placed on the host's
+        clock against one recorded while the GPU is idle."""
+        self.copy_times = []
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                torch.cuda.synchronize()
+                origin = torch.cuda.Event(enable_timing=True)
+                origin.record()
+                origin.synchronize()
+                self.time_origin = (time.monotonic(), origin)
+
+    def transfer_spans(self):
+        """[(direction, began, ended)] of the timed transfers that are done, in time.monotonic() seconds."""
         done = []
         for direction, start, end in self.copy_times or ():
             if isinstance(start, float):
-                done.append((direction, self.slot_bytes, end - start))
+                done.append((direction, start, end))
             elif end.query():
-                done.append((direction, self.slot_bytes, start.elapsed_time(end) / 1000.0))
+                at, origin = self.time_origin
+                done.append((direction, at + origin.elapsed_time(start) / 1e3, at + origin.elapsed_time(end) / 1e3))
         return done
 
 
@@ -623,7 +637,8 @@ class StateTable:
         self.reserve, self.clock = reserve, clock
         self.before_copy = before_copy
         for part in self.parts:
-            part.copy_times = [] if time_copies else None
+            if time_copies:
+                part.time_copies()
         self.resident: OrderedDict[str, int] = OrderedDict()  # symbol -> slot, least recently used first
         self.offloaded: dict[str, int] = {}                    # symbol -> its host slot
         self.last_seen: OrderedDict[str, float] = OrderedDict()  # in order of last use: the idle ones first
@@ -760,14 +775,20 @@ class StateTable:
 
     def transfer_seconds(self) -> list[tuple[str, int, float]]:
         """[(direction "to_host" or "to_gpu", bytes, seconds)] of every finished transfer (time_copies)."""
-        return [t for part in self.parts for t in part.transfer_seconds()]
+        return [(direction, part.slot_bytes, ended - began) for part in self.parts
+                for direction, began, ended in part.transfer_spans()]
+
+    def transfer_spans(self) -> list[tuple[str, float, float]]:
+        """[(direction, began, ended)] of every finished transfer (time_copies), in time.monotonic() seconds: what a
+        step's times can be set against."""
+        return sorted((span for part in self.parts for span in part.transfer_spans()), key=lambda span: span[1])
 
     def reset_transfer_times(self) -> None:
         """Forget the transfers timed so far (time_copies)."""
         with self._lock:
             for part in self.parts:
                 if part.copy_times is not None:
-                    part.copy_times.clear()
+                    part.time_copies()
 
     # ---- placing symbols --------------------------------------------------------------------------
     def unplaceable(self, symbols, at_once=True) -> list[str]:
