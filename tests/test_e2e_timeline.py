@@ -167,6 +167,7 @@ def test_bad_options_are_refused(capsys):
     (["--seed", "-1"], "argument --seed: must be a non-negative integer, got '-1'"),
     # refused before the sessions, not after them
     (["--json", "/nonexistent-folder/t.json"], "argument --json: no such folder: /nonexistent-folder"),
+    (["--journal-segment-mb", "0"], "argument --journal-segment-mb: must be a positive number, got '0'"),
 ])
 def test_ordinary_mistakes_are_one_line_before_the_run(args, message):
     done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--device", "cpu", "--symbols", "2",
