@@ -864,45 +864,6 @@ class _DoneAtOnce:
         pass
 
 
-def test_a_gpu_export_is_taken_out_on_the_export_thread_and_kept_by_no_one_else(monkeypatch):
-    """The GPU path of export with CUDA's events and streams stood in: the copy out to pinned memory, in pieces, and
-    the bytes' own array are made on the table's export thread, never by the thread that exports; the next export
-    waits until the buffers are free; the bytes returned are the caller's alone (the table kept the last export's,
-    let go on the thread that steps at the next export)."""
-    import gc
-    import weakref
-
-    from client.engine.fast import state_table as module
-
-    for name in ("Event", "current_stream"):
-        monkeypatch.setattr(torch.cuda, name, lambda *args: _DoneAtOnce())
-    for name in ("stream", "device"):
-        monkeypatch.setattr(torch.cuda, name, lambda *args: contextlib.nullcontext())
-    monkeypatch.setattr(module, "PIECE_BYTES", 16)  # several pieces a slot
-    pieces, copy_ = [], torch.Tensor.copy_
-
-    def copy(dst, src, non_blocking=False):
-        if dst.data_ptr() >= part.staged.data_ptr() and dst.data_ptr() < part.staged.data_ptr() + part.slot_bytes:
-            pieces.append((threading.current_thread().name, dst.numel()))
-        return copy_(dst, src, non_blocking=non_blocking)
-    t = table(capacity=4)
-    part = t.parts[0]
-    part.staging, part.staged = (torch.empty(part.slot_bytes, dtype=torch.uint8) for _ in range(2))
-    part.export_stream = _DoneAtOnce()
-    for value, slot in enumerate(t.slots_for(["A", "B", "C"]), start=1):
-        write(t, slot, value)
-    want = {symbol: np.concatenate([p.copy_of(t.slot_of[symbol]) for p in t.parts]) for symbol in "ABC"}
-    monkeypatch.setattr(torch.Tensor, "copy_", copy)
-    monkeypatch.setattr(part, "device", torch.device("cuda", 0))  # export's GPU branch
-    exported = {symbol: t.export(symbol) for symbol in "ABC"}
-    assert all(np.array_equal(exported[symbol].result(), want[symbol]) for symbol in "ABC")
-    assert len(pieces) == 3 * -(-part.slot_bytes // 16) and all(size <= 16 for _, size in pieces)
-    assert {name for name, _ in pieces} == {"state-export_0"}
-    freed = weakref.ref(exported.pop("C").result())  # the last export
-    gc.collect()
-    assert freed() is None
-
-
 def _gpu_exports(monkeypatch, symbols):
     """A table whose exports take the GPU path with CUDA's events and streams stood in (_DoneAtOnce), each symbol's
     state a value of its own; (table, {symbol: its bytes})."""
@@ -919,6 +880,34 @@ def _gpu_exports(monkeypatch, symbols):
     want = {symbol: np.concatenate([p.copy_of(t.slot_of[symbol]) for p in t.parts]) for symbol in symbols}
     monkeypatch.setattr(part, "device", torch.device("cuda", 0))  # export's GPU branch
     return t, want
+
+
+def test_a_gpu_export_is_taken_out_on_the_export_thread_and_kept_by_no_one_else(monkeypatch):
+    """The GPU path of export with CUDA's events and streams stood in: the copy out to pinned memory, in pieces, and
+    the bytes' own array are made on the table's export thread, never by the thread that exports; the next export
+    waits until the buffers are free; the bytes returned are the caller's alone (the table kept the last export's,
+    let go on the thread that steps at the next export)."""
+    import gc
+    import weakref
+
+    from client.engine.fast import state_table as module
+
+    monkeypatch.setattr(module, "PIECE_BYTES", 16)  # several pieces a slot
+    t, want = _gpu_exports(monkeypatch, ["A", "B", "C"])
+    part, pieces, copy_ = t.parts[0], [], torch.Tensor.copy_
+
+    def copy(dst, src, non_blocking=False):
+        if dst.data_ptr() >= part.staged.data_ptr() and dst.data_ptr() < part.staged.data_ptr() + part.slot_bytes:
+            pieces.append((threading.current_thread().name, dst.numel()))
+        return copy_(dst, src, non_blocking=non_blocking)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy)
+    exported = {symbol: t.export(symbol) for symbol in "ABC"}
+    assert all(np.array_equal(exported[symbol].result(), want[symbol]) for symbol in "ABC")
+    assert len(pieces) == 3 * -(-part.slot_bytes // 16) and all(size <= 16 for _, size in pieces)
+    assert {name for name, _ in pieces} == {"state-export_0"}
+    freed = weakref.ref(exported.pop("C").result())  # the last export
+    gc.collect()
+    assert freed() is None
 
 
 def test_a_gpu_export_the_export_thread_refuses_fails_alone(monkeypatch):
