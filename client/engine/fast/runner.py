@@ -22,6 +22,7 @@ from client.engine.precision import DEFAULT_PRECISION, FP32_STATE, fp32_products
 from client.model.config import TOWER_NAMES
 
 from kernels._jit import compile_only, forget_compiled, jit_kernels
+from kernels.copy_out import copy_out
 from kernels.state_rounding import StochasticRounding
 
 from .layers import BLOCKS, Linear, StepPlan, live_rows
@@ -422,6 +423,10 @@ class GraphedStep:
         with torch.cuda.stream(warm):  # warm-up outside capture: Triton compiles, cuBLAS picks algorithms
             for shape in self.shapes:
                 self.runner(self.inputs.plan(shape), self.inputs.features[:shape.rows])
+            for _, host_out, host_taken in self.staging[:1]:  # copy_out for each specialization of its length
+                copy_out(host_taken[:1], self.inputs.seq_slots[:1])  # 1 word
+                copy_out(host_out[:1], host_out[:1].to(self.runner.device))  # 4: no multiple of 16
+                copy_out(host_out[:4], host_out[:4].to(self.runner.device))  # 16
         torch.cuda.current_stream().wait_stream(warm)
         jobs = [(shape, index) for shape in sorted(self.shapes, key=lambda s: -s.rows)
                 for index in (None, *(range(len(self.staging)) if shape.max_rows == 1 else ()))]
@@ -441,16 +446,17 @@ class GraphedStep:
 
     def _capture_staged(self, index, shape, plan, features):
         """The staged graph's work: the sequence slots copied in (and back into `taken` on a side branch, which
-        nothing of the step waits for), then the rest of the inputs, the step, its predictions out."""
+        nothing of the step waits for), then the rest of the inputs, the step, its predictions out. What goes to
+        the host goes by kernel (copy_out), beside the copy engines' moves of states."""
         host_inputs, host_out, host_taken = self.staging[index]
         head, n = self.inputs.slots_bytes, self.inputs.nbytes(shape.rows)
         self.inputs.buffer[:head].copy_(host_inputs.buffer[:head], non_blocking=True)
         main, side = torch.cuda.current_stream(), self._taken_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            host_taken[:shape.sequences].copy_(self.inputs.seq_slots[:shape.sequences], non_blocking=True)
+            copy_out(host_taken[:shape.sequences], self.inputs.seq_slots[:shape.sequences])
         self.inputs.buffer[head:n].copy_(host_inputs.buffer[head:n], non_blocking=True)
-        host_out[:shape.rows].copy_(self.runner(plan, features), non_blocking=True)
+        copy_out(host_out[:shape.rows], self.runner(plan, features))
         main.wait_stream(side)
 
     def _upload(self):
@@ -491,4 +497,4 @@ class GraphedStep:
         n = self.inputs.nbytes(shape.rows)
         self.inputs.buffer[:n].copy_(host_inputs.buffer[:n], non_blocking=True)
         self.graphs[shape].replay()
-        host_out[:rows].copy_(self.outputs[shape][:rows], non_blocking=True)
+        copy_out(host_out[:rows], self.outputs[shape][:rows])
