@@ -8,7 +8,8 @@ addressing), so a kernel's stores reach it over PCIe beside whatever the engines
 once an event recorded after the kernel has completed, as a copy's are.
 
 Elements of 4 bytes are copied as 32-bit words, so the host never sees part of one (a step's `taken` is read while
-the step runs).
+the step runs). The length is not specialised on: one compile (for 16-byte aligned tensors, as every allocation's
+start is) serves every length, so a caller compiles it once before capturing graphs and never while serving.
 """
 import torch
 import triton
@@ -40,7 +41,7 @@ def copy_out_ref(dst, src):
     dst.copy_(src)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _copy_out_kernel(dst_ptr, src_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
@@ -54,8 +55,11 @@ def copy_out(dst, src):
     dst_words, src_words = _check(dst, src)
     if not use_triton(src):
         return copy_out_ref(dst, src)
-    if src.is_cuda and not (dst.is_cuda or dst.is_pinned()):  # the GPU maps pinned host memory only
-        raise ValueError("dst must be on the GPU or in pinned host memory (torch.empty(..., pin_memory=True))")
+    if src.is_cuda:  # Triton launches on the current GPU, which maps pinned host memory only
+        if src.device.index != torch.cuda.current_device():
+            raise ValueError(f"src must be on the current GPU (cuda:{torch.cuda.current_device()}), got {src.device}")
+        if not (dst.is_cuda or dst.is_pinned()):
+            raise ValueError("dst must be on the GPU or in pinned host memory (torch.empty(..., pin_memory=True))")
     n = src_words.numel()
     if n:
         _copy_out_kernel[(triton.cdiv(n, BLOCK),)](dst_words, src_words, n, BLOCK=BLOCK)

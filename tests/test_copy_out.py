@@ -30,7 +30,22 @@ def test_triton_matches_reference(rows, dtype):
         dst = dst.pin_memory()
     copy_out(dst[:rows], src)
     copy_out_ref(want[:rows], src.cpu())
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     assert torch.equal(dst.view(torch.int32), want.view(torch.int32))  # the rows past it untouched
+
+
+@pytest.mark.skipif(not RUNS_TRITON, reason="runs in the TRITON_INTERPRET=1 child process")
+@pytest.mark.parametrize("words", [1, 2, 16, 17, 1025])
+def test_triton_copies_any_number_of_words(words):
+    src = torch.arange(1, words + 1, dtype=torch.int32).to(DEVICE)
+    dst = torch.zeros(words + 1, dtype=torch.int32)
+    if DEVICE == "cuda":
+        dst = dst.pin_memory()
+    copy_out(dst[:words], src)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dst[:words], src.cpu()) and dst[words] == 0
 
 
 def test_bad_inputs_are_clear_errors():
@@ -51,11 +66,30 @@ def test_host_memory_that_is_not_pinned_is_a_clear_error_on_gpu():
 
 
 @cuda
+def test_one_compile_serves_every_length_on_gpu():
+    """The runner compiles copy_out once before capturing its graphs: no later length may compile it again (a
+    compile inside a capture fails; one while serving stalls a step)."""
+    from kernels._jit import compiled_count
+    from kernels.copy_out import _copy_out_kernel
+
+    dst = torch.zeros(64, dtype=torch.int32).pin_memory()
+    src = torch.arange(64, dtype=torch.int32, device="cuda")
+    copy_out(dst[:3], src[:3])
+    compiled = compiled_count([_copy_out_kernel])
+    for words in (1, 2, 16, 17, 64):
+        copy_out(dst[:words], src[:words])
+    torch.cuda.synchronize()
+    assert compiled_count([_copy_out_kernel]) == compiled and torch.equal(dst, src.cpu())
+
+
+@cuda
 def test_into_pinned_host_memory_in_a_cuda_graph_on_gpu():
     """Captured once, replayed with new values: each replay's values are in the host's memory once an event
     recorded after it has completed."""
     src = torch.zeros(64, 4, device="cuda")
     dst = torch.full((80, 4), -1.0, pin_memory=True)
+    copy_out(dst[:64], src)  # compiled before capture, as the runner does
+    torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):

@@ -423,10 +423,8 @@ class GraphedStep:
         with torch.cuda.stream(warm):  # warm-up outside capture: Triton compiles, cuBLAS picks algorithms
             for shape in self.shapes:
                 self.runner(self.inputs.plan(shape), self.inputs.features[:shape.rows])
-            for _, host_out, host_taken in self.staging[:1]:  # copy_out for each specialization of its length
-                copy_out(host_taken[:1], self.inputs.seq_slots[:1])  # 1 word
-                copy_out(host_out[:1], host_out[:1].to(self.runner.device))  # 4: no multiple of 16
-                copy_out(host_out[:4], host_out[:4].to(self.runner.device))  # 16
+            for _, _, host_taken in self.staging[:1]:  # copy_out compiled (once for every length) before capture
+                copy_out(host_taken[:1], self.inputs.seq_slots[:1])
         torch.cuda.current_stream().wait_stream(warm)
         jobs = [(shape, index) for shape in sorted(self.shapes, key=lambda s: -s.rows)
                 for index in (None, *(range(len(self.staging)) if shape.max_rows == 1 else ()))]
@@ -446,7 +444,7 @@ class GraphedStep:
 
     def _capture_staged(self, index, shape, plan, features):
         """The staged graph's work: the sequence slots copied in (and back into `taken` on a side branch, which
-        nothing of the step waits for), then the rest of the inputs, the step, its predictions out. What goes to
+        only the graph's end waits for), then the rest of the inputs, the step, its predictions out. What goes to
         the host goes by kernel (copy_out), beside the copy engines' moves of states."""
         host_inputs, host_out, host_taken = self.staging[index]
         head, n = self.inputs.slots_bytes, self.inputs.nbytes(shape.rows)
