@@ -61,7 +61,7 @@ def test_bad_inputs_are_clear_errors():
 
 @cuda
 def test_host_memory_that_is_not_pinned_is_a_clear_error_on_gpu():
-    with pytest.raises(ValueError, match="pinned host memory"):
+    with pytest.raises(ValueError, match="cannot be accessed"):  # Triton's own check, at the launch
         copy_out(torch.zeros(2, 4), torch.zeros(2, 4, device="cuda"))
 
 
