@@ -6,12 +6,13 @@ it through the symbol's rows in order, and stores it once. A table may be a view
 three matrix states may be stored in fp16/bf16, rounded to nearest or stochastically (kernels/state_rounding.py).
 mlstm_step and retention_step share their matrix-state kernel, outer_product_update. The others fuse the glue
 between them; skinny_matmul is the weight product for a step's rows, gemv for one row (or two, the second maybe
-unused); copy_out brings a step's predictions to pinned host memory without the copy engines. `op` runs Triton on
-CUDA tensors or under TRITON_INTERPRET=1 (read at import) and falls back to `op_ref` otherwise.
+unused); copy_words moves a step's inputs and predictions between pinned host memory and the GPU without the copy
+engines. `op` runs Triton on CUDA tensors or under TRITON_INTERPRET=1 (read at import) and falls back to `op_ref`
+otherwise.
 """
 from kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from kernels.causal_conv_update import causal_conv_update, causal_conv_update_ref
-from kernels.copy_out import copy_out, copy_out_ref
+from kernels.copy_words import copy_words, copy_words_ref
 from kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_ref
 from kernels.gemv import gemv, gemv_ref
 from kernels.mamba2_update import mamba2_state_update, mamba2_state_update_ref
@@ -32,7 +33,7 @@ from kernels.xlstm_residual import xlstm_residual, xlstm_residual_ref
 __all__ = [
     "add_rms_norm", "add_rms_norm_ref",
     "causal_conv_update", "causal_conv_update_ref",
-    "copy_out", "copy_out_ref",
+    "copy_words", "copy_words_ref",
     "gated_rms_norm", "gated_rms_norm_ref",
     "gemv", "gemv_ref",
     "mamba2_state_update", "mamba2_state_update_ref",

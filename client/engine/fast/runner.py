@@ -22,7 +22,7 @@ from client.engine.precision import DEFAULT_PRECISION, FP32_STATE, fp32_products
 from client.model.config import TOWER_NAMES
 
 from kernels._jit import compile_only, forget_compiled, jit_kernels
-from kernels.copy_out import copy_out
+from kernels.copy_words import copy_words
 from kernels.state_rounding import StochasticRounding
 
 from .layers import BLOCKS, Linear, StepPlan, live_rows
@@ -316,6 +316,7 @@ class StepInputs:
         self.offset = -(-4 * (2 * max_sequences + 1) // 16) * 16
         self.features = buffer[self.offset:self.offset + 4 * max_rows * num_features].view(torch.float32).view(
             max_rows, num_features)
+        self.words = buffer.view(torch.int32)  # what copy_words moves
 
     @staticmethod
     def bytes_for(max_sequences, max_rows, num_features):
@@ -423,8 +424,8 @@ class GraphedStep:
         with torch.cuda.stream(warm):  # warm-up outside capture: Triton compiles, cuBLAS picks algorithms
             for shape in self.shapes:
                 self.runner(self.inputs.plan(shape), self.inputs.features[:shape.rows])
-            for _, _, host_taken in self.staging[:1]:  # copy_out compiled (once for every length) before capture
-                copy_out(host_taken[:1], self.inputs.seq_slots[:1])
+            for _, _, host_taken in self.staging[:1]:  # copy_words compiled (once for every copy) before capture
+                copy_words(host_taken[:1], self.inputs.seq_slots[:1])
         torch.cuda.current_stream().wait_stream(warm)
         jobs = [(shape, index) for shape in sorted(self.shapes, key=lambda s: -s.rows)
                 for index in (None, *(range(len(self.staging)) if shape.max_rows == 1 else ()))]
@@ -444,17 +445,17 @@ class GraphedStep:
 
     def _capture_staged(self, index, shape, plan, features):
         """The staged graph's work: the sequence slots copied in (and back into `taken` on a side branch, which
-        only the graph's end waits for), then the rest of the inputs, the step, its predictions out. What goes to
-        the host goes by kernel (copy_out), beside the copy engines' moves of states."""
+        only the graph's end waits for), then the rest of the inputs, the step, its predictions out. Every copy goes
+        by kernel (copy_words), beside the copy engines' moves of states."""
         host_inputs, host_out, host_taken = self.staging[index]
-        head, n = self.inputs.slots_bytes, self.inputs.nbytes(shape.rows)
-        self.inputs.buffer[:head].copy_(host_inputs.buffer[:head], non_blocking=True)
+        head, n = self.inputs.slots_bytes // 4, self.inputs.nbytes(shape.rows) // 4
+        copy_words(self.inputs.words[:head], host_inputs.words[:head])
         main, side = torch.cuda.current_stream(), self._taken_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            copy_out(host_taken[:shape.sequences], self.inputs.seq_slots[:shape.sequences])
-        self.inputs.buffer[head:n].copy_(host_inputs.buffer[head:n], non_blocking=True)
-        copy_out(host_out[:shape.rows], self.runner(plan, features))
+            copy_words(host_taken[:shape.sequences], self.inputs.seq_slots[:shape.sequences])
+        copy_words(self.inputs.words[head:n], host_inputs.words[head:n])
+        copy_words(host_out[:shape.rows], self.runner(plan, features))
         main.wait_stream(side)
 
     def _upload(self):
@@ -492,7 +493,7 @@ class GraphedStep:
             graph.replay()
             return
         host_inputs, host_out, _ = self.staging[index]
-        n = self.inputs.nbytes(shape.rows)
-        self.inputs.buffer[:n].copy_(host_inputs.buffer[:n], non_blocking=True)
+        n = self.inputs.nbytes(shape.rows) // 4
+        copy_words(self.inputs.words[:n], host_inputs.words[:n])
         self.graphs[shape].replay()
-        copy_out(host_out[:rows], self.outputs[shape][:rows])
+        copy_words(host_out[:rows], self.outputs[shape][:rows])

@@ -72,8 +72,9 @@ HOST_HEADROOM_BYTES = 4 << 30
 HOST_HEADROOM_SHARE = 0.15
 # Host slots are registered with CUDA in pieces of this size, and states move in copies within them (a copy may not
 # span two registrations): a registration holds up the GPU's launches while it runs (a whole 146 MiB slot: up to
-# ~50 ms a launch, ~0.5 s with 8 threads queued; bench/LOG.md section 46), and a step's own small copies (inputs in,
-# predictions out) queue behind at most one piece on a copy engine, not behind a whole state (~3 ms).
+# ~50 ms a launch, ~0.5 s with 8 threads queued; bench/LOG.md section 46), and a copy queued behind a move on a copy
+# engine waits for at most one piece, not a whole state (~3 ms). A step's own inputs and predictions go by kernel
+# (kernels/copy_words.py), beside the engines.
 PIECE_BYTES = 8 << 20
 # Stopping the pinning at exit waits this long at most for the piece under way (it takes milliseconds)
 PIN_STOP_TIMEOUT_S = 10.0
