@@ -84,6 +84,7 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     assert swap["restored_ahead"] == swap["restored"] and swap["swaps_per_s"] > 0
     assert all(swap["arrivals"][side]["all"]["answers"] > 0 for side in ("hot", "cold"))
     moves = swap["hot_beside_moves"]  # every hot answer counted once for each direction
+    assert sum(group["steps"] for group in swap["steps_beside_moves_b20"].values()) > 0
     assert len({m["beside"]["answers"] + m["others"]["answers"] for m in moves.values()}) == 1
     assert 0 < moves["to_host"]["beside"]["answers"] + moves["to_host"]["others"]["answers"] < swap["requests"]
     assert all(_finite(swap[key]) for key in ("step_ms_max_b20", "submit_ms_max"))
@@ -289,17 +290,37 @@ def test_steps_by_rows_groups_the_step_log_by_the_engines_row_sizes():
 
 
 def test_beside_moves_splits_the_answers_whose_step_ran_while_a_state_moved():
-    """Steps of answers 0-3 at [0, 2], [3, 5], [6, 8] and [9, 11] ms; moves over [1, 4] ms (beside answers 0 and 1)
+    """Steps of answers 0-3 at [0, 2], [3, 6], [6, 8] and [9, 11] ms; moves over [1, 4] ms (beside answers 0 and 1)
     and [4.5, 5.5] (answer 1 again): answers 0 and 1 beside a move, 2 and 3 not; answer 4 never answered."""
     from scripts.benchmarks.swap import beside_moves
 
-    stages = {uid: {"submitted": 0.003 * uid, "done": 0.003 * uid + 0.002} for uid in range(5)}
+    stages = {uid: {"submitted": 0.003 * uid, "done": 0.003 * uid + 0.002 + 0.001 * (uid == 1)} for uid in range(5)}
     latency = np.array([9.0, 7.0, 3.0, 2.0, np.nan])
     out = beside_moves(stages, latency, np.arange(5), [(0.001, 0.004), (0.0045, 0.0055)])
-    assert out["beside"] == {"answers": 2, "p50_ms": 8.0, "p99_ms": pytest.approx(8.98)}
-    assert out["others"] == {"answers": 2, "p50_ms": 2.5, "p99_ms": pytest.approx(2.99)}
+    assert out["beside"] == {"answers": 2, "p50_ms": 8.0, "p99_ms": pytest.approx(8.98),
+                             "step_p50_ms": pytest.approx(2.5)}
+    assert out["others"] == {"answers": 2, "p50_ms": 2.5, "p99_ms": pytest.approx(2.99),
+                             "step_p50_ms": pytest.approx(2.0)}
     nothing = beside_moves(stages, latency, np.arange(5), [])
-    assert nothing["beside"] == {"answers": 0, "p50_ms": None, "p99_ms": None} and nothing["others"]["answers"] == 4
+    assert nothing["beside"] == {"answers": 0, "p50_ms": None, "p99_ms": None, "step_p50_ms": None}
+    assert nothing["others"]["answers"] == 4
+
+
+def test_steps_beside_moves_splits_the_steps_that_ran_while_a_state_moved():
+    """Steps from when each could start (serving.served_step_spans): [0, 2], [2, 5] (queued behind the first),
+    [6, 7] ms and one of 30 symbols, left out; a move over [4, 5.5] ms overlaps the second step alone."""
+    from scripts.benchmarks.serving import served_step_spans
+    from scripts.benchmarks.swap import steps_beside_moves
+
+    log = [{"submitted": 0.0, "ended": 0.002, "symbols": 20}, {"submitted": 0.001, "ended": 0.005, "symbols": 3},
+           {"submitted": 0.006, "ended": 0.007, "symbols": 1}, {"submitted": 0.0071, "ended": 0.009, "symbols": 30},
+           {"submitted": 0.0095, "ended": None, "symbols": 1}]
+    spans = served_step_spans(log, 20)
+    assert spans == [(0.0, 0.002), (0.002, 0.005), (0.006, 0.007)]
+    out = steps_beside_moves(spans, [(0.004, 0.0055)])
+    assert out["beside"] == {"steps": 1, "p50_ms": pytest.approx(3.0), "p99_ms": pytest.approx(3.0)}
+    assert out["others"]["steps"] == 2 and out["others"]["p50_ms"] == pytest.approx(1.5)
+    assert steps_beside_moves(spans, [])["beside"] == {"steps": 0, "p50_ms": None, "p99_ms": None}
 
 
 def test_arrival_numbers_split_the_wait_before_the_runtime_into_the_servers_pacing_and_the_receipt():

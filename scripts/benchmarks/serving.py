@@ -257,14 +257,20 @@ def served_step_ms(steps, max_symbols) -> np.ndarray:
     from when it could start (its submission, or the end of the step before it) to its answer: the device's time
     as the host sees it, read-back included, with no timing event on the step's stream (an event recorded there
     held launches back while states moved: bench/LOG.md section 48)."""
-    times, last_end = [], -math.inf
+    return np.array([(end - start) * 1000.0 for start, end in served_step_spans(steps, max_symbols)])
+
+
+def served_step_spans(steps, max_symbols) -> list:
+    """(start, end) on the timeline's clock of each step of at most max_symbols symbols that ended: from when it
+    could start (its submission, or the end of the step before it) to its answer (served_step_ms)."""
+    spans, last_end = [], -math.inf
     for step in steps:
         if step["ended"] is None:  # failed
             continue
         if step["symbols"] <= max_symbols:
-            times.append((step["ended"] - max(step["submitted"], last_end)) * 1000.0)
+            spans.append((max(step["submitted"], last_end), step["ended"]))
         last_end = step["ended"]
-    return np.array(times)
+    return spans
 
 
 def steps_by_rows(steps, row_sizes) -> dict:

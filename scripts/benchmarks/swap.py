@@ -20,7 +20,7 @@ from client.model.config import NUM_FEATURES, TOWER_NAMES
 from client.streams import Stream
 from scripts.benchmarks.harness import median_p99
 from scripts.benchmarks.report import fmt
-from scripts.benchmarks.serving import prefixed_names, serve_stream, served_step_ms
+from scripts.benchmarks.serving import prefixed_names, serve_stream, served_step_ms, served_step_spans
 from scripts.e2e_timeline import analyze, format_report
 
 STEP_LIMIT_MS = 5.0  # targets: no step of at most 20 symbols over 5 ms,
@@ -95,21 +95,43 @@ def _stages(timeline, requests) -> dict:
 def beside_moves(client_stages, latency_ms, requests, spans) -> dict:
     """For the answers to `requests` (stream indices, their unique ids): those whose step ran while a state moved
     (its submit to its end overlapping a transfer of `spans`, (began, ended) on the timeline's clock, sorted by
-    began), how many, and their latency's p50 and p99 against the others': whether a state's copy beside a step
-    holds that step's answer back (bench/LOG.md section 83: an export's copy to host memory did)."""
+    began), how many, their latency's p50 and p99 and their step's p50 (submitted -> done) against the others':
+    whether a state's copy beside a step holds that step's answer back (bench/LOG.md section 83: an export's copy to
+    host memory did), and whether in the step (the GPU's work, its copies) or around it (the host's)."""
     began = np.array([b for b, _ in spans])
     ended_by = np.maximum.accumulate([e for _, e in spans]) if spans else np.zeros(0)  # latest end of the first k
-    beside, others = [], []
+    beside, others = ([], []), ([], [])
     for uid in requests.tolist():
         stages = client_stages.get(uid) or {}
         if not np.isfinite(latency_ms[uid]) or stages.get("submitted") is None or stages.get("done") is None:
             continue
         k = int(np.searchsorted(began, stages["done"]))  # the spans that began before the step ended
         overlaps = k > 0 and ended_by[k - 1] > stages["submitted"]
-        (beside if overlaps else others).append(latency_ms[uid])
+        latencies, steps = beside if overlaps else others
+        latencies.append(latency_ms[uid])
+        steps.append(1e3 * (stages["done"] - stages["submitted"]))
+
+    def tail(group):
+        values, steps = group
+        return {"answers": len(values), "p50_ms": float(np.median(values)) if values else None,
+                "p99_ms": float(np.percentile(values, 99)) if values else None,
+                "step_p50_ms": float(np.median(steps)) if steps else None}
+    return {"beside": tail(beside), "others": tail(others)}
+
+
+def steps_beside_moves(step_spans, spans) -> dict:
+    """The steps of `step_spans` ((start, end): serving.served_step_spans) that ran while a state moved (a span of
+    `spans`, sorted by began) against the others: how many, their time's p50 and p99 (ms). Whether a move slows the
+    step itself (its copies, its kernels) rather than what the host does around it."""
+    began = np.array([b for b, _ in spans])
+    ended_by = np.maximum.accumulate([e for _, e in spans]) if spans else np.zeros(0)
+    beside, others = [], []
+    for start, end in step_spans:
+        k = int(np.searchsorted(began, end))
+        (beside if k > 0 and ended_by[k - 1] > start else others).append(1e3 * (end - start))
 
     def tail(values):
-        return {"answers": len(values), "p50_ms": float(np.median(values)) if values else None,
+        return {"steps": len(values), "p50_ms": float(np.median(values)) if values else None,
                 "p99_ms": float(np.percentile(values, 99)) if values else None}
     return {"beside": tail(beside), "others": tail(others)}
 
@@ -156,10 +178,18 @@ def measure_swap(bench, run=0):
     hot_beside = {direction: beside_moves(session["timeline"]["client"], latency, np.flatnonzero(~is_cold),
                                           [(b, e) for kind, b, e in spans if kind == direction])
                   for direction in ("to_host", "to_gpu")}
-    bench.progress("swap, the hot answers whose step ran beside a state's move (p50/p99 ms, against the others): "
+    small_beside = steps_beside_moves(served_step_spans(session["timeline"]["steps"], len(hot)),
+                                      [(b, e) for _, b, e in spans])
+    bench.progress(f"swap, the steps of at most {len(hot)} symbols that ran beside a state's move: "
+                   f"{small_beside['beside']['steps']}, p50/p99 {fmt(small_beside['beside']['p50_ms'])}/"
+                   f"{fmt(small_beside['beside']['p99_ms'])} ms against {fmt(small_beside['others']['p50_ms'])}/"
+                   f"{fmt(small_beside['others']['p99_ms'])}")
+    bench.progress("swap, the hot answers whose step ran beside a state's move (p50/p99 ms, their step's p50, "
+                   "against the others): "
                    + "; ".join(f"{direction} {m['beside']['answers']} ({fmt(m['beside']['p50_ms'])}/"
-                               f"{fmt(m['beside']['p99_ms'])} against {fmt(m['others']['p50_ms'])}/"
-                               f"{fmt(m['others']['p99_ms'])})" for direction, m in hot_beside.items()))
+                               f"{fmt(m['beside']['p99_ms'])}, {fmt(m['beside']['step_p50_ms'])} against "
+                               f"{fmt(m['others']['p50_ms'])}/{fmt(m['others']['p99_ms'])}, "
+                               f"{fmt(m['others']['step_p50_ms'])})" for direction, m in hot_beside.items()))
     transfers = {}
     for direction in ("to_gpu", "to_host"):
         rates = [size / seconds_ for kind, size, seconds_ in table.transfer_seconds() if kind == direction]
@@ -177,7 +207,7 @@ def measure_swap(bench, run=0):
               "segments_ms": {kind: {"all": r["segments_all"], "slowest_1pct": r["segments_slowest_1pct"]}
                               for kind, r in stages.items()},
               "arrivals": {kind: r.get("arrivals") for kind, r in stages.items()},
-              "hot_beside_moves": hot_beside,
+              "hot_beside_moves": hot_beside, "steps_beside_moves_b20": small_beside,
               **moved, "swaps_per_s": moved["restored"] / seconds,
               "transfer_gb_per_s": {k: None if v is None else v / 1e9 for k, v in transfers.items()},
               "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},
