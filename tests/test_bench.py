@@ -85,6 +85,9 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     assert all(swap["arrivals"][side]["all"]["answers"] > 0 for side in ("hot", "cold"))
     moves = swap["hot_beside_moves"]  # every hot answer counted once for each direction
     assert sum(group["steps"] for group in swap["steps_beside_moves_b20"].values()) > 0
+    segments = swap["segments_beside_moves_ms"]  # answers beside a move of either way, and the others
+    assert segments and all(_finite(p50) for group in segments.values() for p50 in group.values())
+    assert all("submitted -> step done" in group for group in segments.values())
     assert len({m["beside"]["answers"] + m["others"]["answers"] for m in moves.values()}) == 1
     assert 0 < moves["to_host"]["beside"]["answers"] + moves["to_host"]["others"]["answers"] < swap["requests"]
     assert all(_finite(swap[key]) for key in ("step_ms_max_b20", "submit_ms_max"))

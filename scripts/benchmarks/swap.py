@@ -92,31 +92,34 @@ def _stages(timeline, requests) -> dict:
                                            if int(uid) in chosen}}, slowest=6)
 
 
-def beside_moves(client_stages, latency_ms, requests, spans) -> dict:
-    """For the answers to `requests` (stream indices, their unique ids): those whose step ran while a state moved
-    (its submit to its end overlapping a transfer of `spans`, (began, ended) on the timeline's clock, sorted by
-    began), how many, their latency's p50 and p99 and their step's p50 (submitted -> done) against the others':
-    whether a state's copy beside a step holds that step's answer back (bench/LOG.md section 83: an export's copy to
-    host memory did), and whether in the step (the GPU's work, its copies) or around it (the host's)."""
+def answers_beside_moves(client_stages, latency_ms, requests, spans) -> tuple[list, list]:
+    """The answered `requests` (stream indices, their unique ids) whose step ran while a state moved (its submit to
+    its end overlapping a transfer of `spans`, (began, ended) on the timeline's clock, sorted by began), and the
+    others."""
     began = np.array([b for b, _ in spans])
     ended_by = np.maximum.accumulate([e for _, e in spans]) if spans else np.zeros(0)  # latest end of the first k
-    beside, others = ([], []), ([], [])
+    beside, others = [], []
     for uid in requests.tolist():
         stages = client_stages.get(uid) or {}
         if not np.isfinite(latency_ms[uid]) or stages.get("submitted") is None or stages.get("done") is None:
             continue
         k = int(np.searchsorted(began, stages["done"]))  # the spans that began before the step ended
-        overlaps = k > 0 and ended_by[k - 1] > stages["submitted"]
-        latencies, steps = beside if overlaps else others
-        latencies.append(latency_ms[uid])
-        steps.append(1e3 * (stages["done"] - stages["submitted"]))
+        (beside if k > 0 and ended_by[k - 1] > stages["submitted"] else others).append(uid)
+    return beside, others
 
-    def tail(group):
-        values, steps = group
+
+def beside_moves(client_stages, latency_ms, requests, spans) -> dict:
+    """The answers beside a move and the others (answers_beside_moves): how many, their latency's p50 and p99 and
+    their step's p50 (submitted -> done): whether a state's copy beside a step holds that step's answer back
+    (bench/LOG.md section 83: an export's copy to host memory did), and whether in the step (the GPU's work, its
+    copies) or around it (the host's)."""
+    def tail(uids):
+        values = [latency_ms[uid] for uid in uids]
+        steps = [1e3 * (client_stages[uid]["done"] - client_stages[uid]["submitted"]) for uid in uids]
         return {"answers": len(values), "p50_ms": float(np.median(values)) if values else None,
                 "p99_ms": float(np.percentile(values, 99)) if values else None,
                 "step_p50_ms": float(np.median(steps)) if steps else None}
-    return {"beside": tail(beside), "others": tail(others)}
+    return dict(zip(("beside", "others"), map(tail, answers_beside_moves(client_stages, latency_ms, requests, spans))))
 
 
 def steps_beside_moves(step_spans, spans) -> dict:
@@ -184,6 +187,14 @@ def measure_swap(bench, run=0):
                    f"{small_beside['beside']['steps']}, p50/p99 {fmt(small_beside['beside']['p50_ms'])}/"
                    f"{fmt(small_beside['beside']['p99_ms'])} ms against {fmt(small_beside['others']['p50_ms'])}/"
                    f"{fmt(small_beside['others']['p99_ms'])}")
+    split = answers_beside_moves(session["timeline"]["client"], latency, np.flatnonzero(~is_cold),
+                                 [(b, e) for _, b, e in spans])
+    segments_beside = {group: {name: stats["p50"] for name, stats in _stages(session["timeline"],
+                                                                              np.array(uids))["segments_all"].items()}
+                       for group, uids in zip(("beside", "others"), split) if uids}
+    bench.progress("swap, the hot answers beside a move of either way, their segments' p50 (ms) against the others': "
+                   + "; ".join(f"{name} {fmt(p50)}/{fmt(segments_beside.get('others', {}).get(name))}"
+                               for name, p50 in segments_beside.get("beside", {}).items()))
     bench.progress("swap, the hot answers whose step ran beside a state's move (p50/p99 ms, their step's p50, "
                    "against the others): "
                    + "; ".join(f"{direction} {m['beside']['answers']} ({fmt(m['beside']['p50_ms'])}/"
@@ -208,6 +219,7 @@ def measure_swap(bench, run=0):
                               for kind, r in stages.items()},
               "arrivals": {kind: r.get("arrivals") for kind, r in stages.items()},
               "hot_beside_moves": hot_beside, "steps_beside_moves_b20": small_beside,
+              "segments_beside_moves_ms": segments_beside,
               **moved, "swaps_per_s": moved["restored"] / seconds,
               "transfer_gb_per_s": {k: None if v is None else v / 1e9 for k, v in transfers.items()},
               "pinned_gb_per_s": {k: v / 1e9 for k, v in pinned.items()},
