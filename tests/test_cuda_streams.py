@@ -1,5 +1,6 @@
 """client/engine/cuda_streams.py: an engine's CUDA streams are its own, never torch's pooled ones, which two engines in
-one process shared (their graphs then shared cuBLAS workspaces: wrong predictions or a hung GPU)."""
+one process shared (their graphs then shared cuBLAS workspaces: wrong predictions or a hung GPU); copy_pieces
+enqueues a move's pieces on the current stream."""
 import ctypes
 import re
 import threading
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from client.engine import cuda_streams
-from client.engine.cuda_streams import own_stream
+from client.engine.cuda_streams import copy_pieces, own_stream
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -62,6 +63,36 @@ def test_own_streams_are_distinct_non_blocking_and_never_from_torchs_pool():
     flags = ctypes.c_uint()
     assert cuda_streams._runtime().cudaStreamGetFlags(ctypes.c_void_p(own[0].cuda_stream), ctypes.byref(flags)) == 0
     assert flags.value == 1  # cudaStreamNonBlocking, as torch's streams
+
+
+def test_copy_pieces_copies_each_piece_and_nothing_else_on_the_cpu():
+    src, dst = torch.arange(100, dtype=torch.uint8), torch.zeros(100, dtype=torch.uint8)
+    copy_pieces(dst, src, [(0, 10), (10, 40), (60, 100)])
+    assert torch.equal(dst[:40], src[:40]) and not dst[40:60].any() and torch.equal(dst[60:], src[60:])
+
+
+@cuda
+def test_copy_pieces_both_ways_on_the_current_stream_after_its_work():
+    """Pinned host memory to the GPU and back, in pieces, on a side stream made current: each copy runs after the
+    work queued before it there (a long kernel, then a fill), and the bytes come back bit for bit."""
+    values = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    host, back = values.pin_memory(), torch.zeros_like(values).pin_memory()
+    gpu = torch.zeros(values.numel(), dtype=torch.uint8, device="cuda")
+    pieces = [(0, 1 << 20), (1 << 20, (2 << 20) + 5), ((2 << 20) + 5, 3 << 20)]
+    stream = own_stream("cuda")
+    with torch.cuda.stream(stream):
+        copy_pieces(gpu, host, pieces)
+        torch.cuda._sleep(50_000_000)  # the copy back below would read the wrong bytes if run unordered
+        gpu[:7].fill_(9)
+        copy_pieces(back, gpu, pieces)
+    stream.synchronize()
+    want = values.clone()
+    want[:7] = 9
+    assert torch.equal(back, want)
+    with pytest.raises(ValueError, match="out of range"):
+        copy_pieces(gpu, host, [(0, (3 << 20) + 1)])
+    with pytest.raises(ValueError, match="one-dimensional byte tensors"):
+        copy_pieces(gpu.view(torch.int32), host.view(torch.int32), pieces)
 
 
 @cuda

@@ -11,6 +11,8 @@ process's life (destroying one aborted a later garbage collection). Not lent aga
 either: a graph of that owner still queued on the GPU would share its workspace with the next holder. A process
 that builds many engines keeps 9 streams for each. Short-lived streams that run no captured work (warm-ups) stay
 torch's: no graph holds their workspaces, and eager cuBLAS calls in one thread on one stream run in order.
+
+The host tier's moves enqueue their pieces here too (copy_pieces), through the same runtime.
 """
 import ctypes
 import re
@@ -19,6 +21,7 @@ import weakref
 
 import torch
 
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 _NON_BLOCKING = 0x01  # cudaStreamNonBlocking: no implicit wait on the legacy default stream, as torch's streams
 _CUDART_FILE = re.compile(r"libcudart(-[0-9a-f]+)?\.so")  # pip's and the toolkit's names, and auditwheel's hashed ones
 _cudart = None  # the CUDA runtime torch loaded (ctypes), False where it is not a library of its own
@@ -41,6 +44,37 @@ def own_stream(device, priority: int = 0) -> torch.cuda.Stream:
         raise RuntimeError(f"cudaStreamCreateWithPriority on {device} failed: "
                            f"{runtime.cudaGetErrorString(error).decode()}")
     return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
+
+
+def copy_pieces(dst, src, bounds):
+    """dst[begin:end] = src[begin:end] for each (begin, end) of `bounds`: one-dimensional byte tensors, one on the
+    current stream's GPU and one in host memory CUDA has pinned (or both on the CPU), enqueued on the current stream.
+
+    One cudaMemcpyAsync a piece through ctypes, which lets the GIL go while the driver enqueues it: torch's copy_ held
+    the calling thread ~18 us a piece with the GIL held (its dispatch, its checks of host memory), and a state's move
+    in 8 MiB pieces (~40 with the eviction that keeps the reserve) held the state table's lock and the GIL ~1-1.5 ms,
+    while the steps beside it waited for both (bench/LOG.md section 85). torch's copy_ where the runtime is not a
+    library of its own, and on the CPU."""
+    runtime = _runtime() if dst.is_cuda or src.is_cuda else False
+    if not runtime:
+        for begin, end in bounds:
+            dst[begin:end].copy_(src[begin:end], non_blocking=True)
+        return
+    for t in (dst, src):
+        if t.dim() != 1 or t.element_size() != 1 or not t.is_contiguous():
+            raise ValueError(f"copy_pieces copies one-dimensional byte tensors, got {t.dtype} {list(t.shape)}")
+    if any(not 0 <= begin <= end <= min(dst.numel(), src.numel()) for begin, end in bounds):
+        raise ValueError(f"pieces {bounds} out of range for {dst.numel()} and {src.numel()} bytes")
+    device = (dst if dst.is_cuda else src).device
+    to, of = dst.data_ptr(), src.data_ptr()
+    with torch.cuda.device(device):
+        stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+        for begin, end in bounds:
+            error = runtime.cudaMemcpyAsync(to + begin, of + begin, end - begin, _MEMCPY_DEFAULT, stream)
+            if error:
+                runtime.cudaGetLastError()  # else torch's next launch check reports it against a kernel of its own
+                raise RuntimeError(f"cudaMemcpyAsync of {end - begin} bytes on {device} failed: "
+                                   f"{runtime.cudaGetErrorString(error).decode()}")
 
 
 def reset_graphs_when_dropped(owner, device, *holders):
@@ -75,6 +109,8 @@ def _runtime():
                 runtime.cudaStreamCreateWithPriority.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint,
                                                                  ctypes.c_int]
                 runtime.cudaGetErrorString.restype = ctypes.c_char_p
+                runtime.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                    ctypes.c_void_p]
             except (OSError, AttributeError):
                 runtime = False
         if not runtime:

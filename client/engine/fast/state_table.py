@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from client.engine.base import CapacityError, PendingStep, idle_symbols, is_count
-from client.engine.cuda_streams import own_stream
+from client.engine.cuda_streams import copy_pieces, own_stream
 
 PAD_SLOT = 0
 # The state table's default share of free GPU memory; the host tier's default is the available host memory less a
@@ -305,8 +305,7 @@ def _piece_bounds(start, size):
 def _copy_in_pieces(dst, src, start):
     """dst[:] = src (one-dimensional bytes, host and device; byte 0 at byte `start` of its slot), enqueued as
     copies within the slot's host registrations (a copy may not span two)."""
-    for begin, end in _piece_bounds(start, dst.shape[0]):
-        dst[begin:end].copy_(src[begin:end], non_blocking=True)
+    copy_pieces(dst, src, _piece_bounds(start, dst.shape[0]))
 
 
 def _done(completion) -> bool:
