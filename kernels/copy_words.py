@@ -3,10 +3,11 @@
 A step's inputs go in and its predictions (and the sequence slots it read, `taken`) come back this way. The copy
 engines also carry the host tier's moves (146 MiB a state, ~3 ms each way) and the state exports: a step's own
 small copies queued behind a move's pieces, and the hot answers whose step ran beside a move came ~1.9 ms later at
-p50, its predictions behind an eviction's pieces, its inputs behind a return's (bench/LOG.md section 84). The GPU
-maps pinned host memory at its host address (unified addressing), so a kernel's loads and stores reach it over PCIe
-beside whatever the engines copy; the stores are visible to the host once an event recorded after the kernel has
-completed, as a copy's are.
+p50, its predictions behind an eviction's pieces, its inputs behind a return's (bench/LOG.md section 84; by kernel
+the predictions took ~1 ms off that, the inputs nothing more measurable, section 85). The GPU maps pinned host
+memory at its host address (unified addressing), so a kernel's loads and stores reach it over PCIe beside whatever
+the engines copy; the stores are visible to the host once an event recorded after the kernel has completed, as a
+copy's are.
 
 Whole 32-bit words, so that neither side sees part of one: a step's `taken` is read while the step runs, and a
 request joins a queued step by writing its slot last (runner.StepInputs.join). The loads are volatile (relaxed at
