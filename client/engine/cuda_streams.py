@@ -50,11 +50,12 @@ def copy_pieces(dst, src, bounds):
     """dst[begin:end] = src[begin:end] for each (begin, end) of `bounds`: one-dimensional byte tensors, one on the
     current stream's GPU and one in host memory CUDA has pinned (or both on the CPU), enqueued on the current stream.
 
-    One cudaMemcpyAsync a piece through ctypes, which lets the GIL go while the driver enqueues it: torch's copy_ held
-    the calling thread ~18 us a piece with the GIL held (its dispatch, its checks of host memory), and a state's move
-    in 8 MiB pieces (~40 with the eviction that keeps the reserve) held the state table's lock and the GIL ~1-1.5 ms,
-    while the steps beside it waited for both (bench/LOG.md section 85). torch's copy_ where the runtime is not a
-    library of its own, and on the CPU."""
+    One cudaMemcpyAsync a piece through ctypes, which lets the GIL go while the driver enqueues it. With torch's copy_
+    (~12 us of the calling thread a piece, the GIL held) a cold request's arrival, whose return and eviction are ~40
+    pieces of 8 MiB, held the state table's lock and the GIL 1.56 ms at p99 while the steps beside it waited for
+    both; this way 1.00 (bench/LOG.md section 85). No allocator learns of these copies: the caller keeps both tensors
+    alive until the stream has passed them (the state table's buffers live as long as it). torch's copy_ where the
+    runtime is not a library of its own, and on the CPU."""
     runtime = _runtime() if dst.is_cuda or src.is_cuda else False
     if not runtime:
         for begin, end in bounds:

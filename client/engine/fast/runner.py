@@ -487,7 +487,9 @@ class GraphedStep:
 
     def replay_staged(self, index, shape, rows):
         """Launch the step of `rows` rows staged in self.staging[index] (its plan filled by StepInputs.fill) at
-        `shape`; its predictions land in that pair's host out once the stream reaches this point."""
+        `shape`; its predictions land in that pair's host out once the stream reaches this point. A shape without a
+        staged graph (several rows a symbol) copies its inputs in one piece and writes no `taken`: no request joins
+        such a step (JoinableStep takes shapes of one row a symbol, each with its staged graphs)."""
         graph = self.staged_graphs.get((index, shape))
         if graph is not None:
             graph.replay()
