@@ -96,16 +96,24 @@ def answers_beside_moves(client_stages, latency_ms, requests, spans) -> tuple[li
     """The answered `requests` (stream indices, their unique ids) whose step ran while a state moved (its submit to
     its end overlapping a transfer of `spans`, (began, ended) on the timeline's clock, sorted by began), and the
     others."""
-    began = np.array([b for b, _ in spans])
-    ended_by = np.maximum.accumulate([e for _, e in spans]) if spans else np.zeros(0)  # latest end of the first k
-    beside, others = [], []
+    overlaps, beside, others = _overlap_test(spans), [], []
     for uid in requests.tolist():
         stages = client_stages.get(uid) or {}
         if not np.isfinite(latency_ms[uid]) or stages.get("submitted") is None or stages.get("done") is None:
             continue
-        k = int(np.searchsorted(began, stages["done"]))  # the spans that began before the step ended
-        (beside if k > 0 and ended_by[k - 1] > stages["submitted"] else others).append(uid)
+        (beside if overlaps(stages["submitted"], stages["done"]) else others).append(uid)
     return beside, others
+
+
+def _overlap_test(spans):
+    """overlaps(start, end): whether [start, end] overlaps one of `spans` ((began, ended), sorted by began)."""
+    began = np.array([b for b, _ in spans])
+    ended_by = np.maximum.accumulate([e for _, e in spans]) if spans else np.zeros(0)  # latest end of the first k
+
+    def overlaps(start, end):
+        k = int(np.searchsorted(began, end))  # the spans that began before `end`
+        return k > 0 and ended_by[k - 1] > start
+    return overlaps
 
 
 def beside_moves(client_stages, latency_ms, requests, spans) -> dict:
@@ -126,12 +134,9 @@ def steps_beside_moves(step_spans, spans) -> dict:
     """The steps of `step_spans` ((start, end): serving.served_step_spans) that ran while a state moved (a span of
     `spans`, sorted by began) against the others: how many, their time's p50 and p99 (ms). Whether a move slows the
     step itself (its copies, its kernels) rather than what the host does around it."""
-    began = np.array([b for b, _ in spans])
-    ended_by = np.maximum.accumulate([e for _, e in spans]) if spans else np.zeros(0)
-    beside, others = [], []
+    overlaps, beside, others = _overlap_test(spans), [], []
     for start, end in step_spans:
-        k = int(np.searchsorted(began, end))
-        (beside if k > 0 and ended_by[k - 1] > start else others).append(1e3 * (end - start))
+        (beside if overlaps(start, end) else others).append(1e3 * (end - start))
 
     def tail(values):
         return {"steps": len(values), "p50_ms": float(np.median(values)) if values else None,
