@@ -420,6 +420,35 @@ def test_ready_starts_a_return_not_yet_under_way():
     assert same_state(t, t.slots_for(["X"])[0], saved)
 
 
+def test_ready_never_waits_for_the_lock():
+    """While another thread holds the table (a prefetch enqueueing a move), ready() answers at once: True for a
+    resident symbol whose copies are done, False for one in host memory, whose return it leaves to later."""
+    t = table(capacity=3, host_capacity=4, reserve=1)
+    t.slots_for(["X"])
+    t.slots_for(["A", "B"])  # X moves out to keep the reserve
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with t._lock:
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        answers = []
+        asker = threading.Thread(target=lambda: answers.extend([t.ready("A"), t.ready("X")]))
+        asker.start()
+        asker.join(5)
+        assert answers == [True, False] and t.stats["restored_ahead"] == 0
+    finally:
+        release.set()
+        holder.join()
+    assert not t.ready("X") and t.stats["restored_ahead"] == 1  # the lock free: its return starts
+    wait_until(lambda: t.ready("X"))
+
+
 def test_ready_sends_no_state_that_awaits_its_step_away_for_another():
     """S and O await their step (their requests came), O on the host, and one slot lies outside the last step:
     O's ready() took S's slot, S's ready() took it back, and so at every look of the runtime's scheduler: neither

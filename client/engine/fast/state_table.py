@@ -872,8 +872,20 @@ class StateTable:
     def ready(self, symbol) -> bool:
         """False while the symbol's state is on its way to the GPU (its slot's copies not done); a symbol in host
         memory with no return under way has its return started here, into a slot whose state awaits no step. True
-        for a symbol its step will place itself (new, or no such slot now)."""
-        with self._lock:
+        for a symbol its step will place itself (new, or no such slot now).
+
+        Advisory (its step's slots_for places and waits as needed), so a resident symbol with its copies done is
+        answered without the lock, and False while another thread holds the lock: the runtime asks again soon.
+        Asked on the thread that steps right after a cold request arrived, it waited for the prefetch thread's
+        move under the lock, or enqueued the return itself (~0.4 ms of that thread's a cold request, bench/LOG.md
+        section 86)."""
+        # one read of each map, atomic in Python; a placement records a slot's copy before it hands the slot out
+        slot = self.resident.get(symbol)
+        if slot is not None and all(_done(part.slot_copy.get(slot)) for part in self.parts):
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
             # never the slot of a state awaiting its step: the runtime asks every waiting symbol in turn, and two of
             # them with one slot outside the last step took it from each other at every look, neither ever ready
             if symbol in self.offloaded and self._can_take_slot(self._in_step | {symbol}, awaiting_too=False):
@@ -882,6 +894,8 @@ class StateTable:
                 self.stats["restored_ahead"] += 1
             slot = self.resident.get(symbol)
             return slot is None or all(part.pending(slot) is None for part in self.parts)
+        finally:
+            self._lock.release()
 
     def resident_slot(self, symbol) -> int | None:
         """The GPU slot of a symbol resident there with its copies done, counted as used now (a step already
