@@ -154,8 +154,7 @@ def play(engine, model, actions, tolerance, check=None, clock=None):
 
 def check_table(engine):
     """The fast engine's table: every symbol in one tier, in a slot of its own (never the padding slot), and every
-    GPU slot either a resident symbol's or free. (A free slot keeps its last state until a new symbol takes it,
-    reset then: the predictions against the oracle show each new symbol's fresh start.)"""
+    free GPU slot holding the initial state (a new symbol takes it as it is)."""
     table = engine.table
     resident, offloaded = table.slot_of, dict(table.offloaded)
     assert not set(resident) & set(offloaded)
@@ -163,6 +162,13 @@ def check_table(engine):
     assert len(set(offloaded.values())) == len(offloaded) and len(offloaded) <= table.host_capacity
     assert len(resident) + len(offloaded) <= table.capacity + table.host_capacity
     assert sorted([*resident.values(), *table.free]) == list(range(1, table.capacity + 1))
+    for part in table.parts:
+        for copy in list(part.slot_copy.values()):
+            part.wait(copy)
+        for buffer, start in part.chunks:
+            initial = part.initial[0, start:start + buffer.shape[1]]
+            for slot in table.free:
+                assert torch.equal(buffer[slot], initial), f"free slot {slot} does not hold the initial state"
 
 
 def pad_like_the_gpu(engine, padding_value=3.0):

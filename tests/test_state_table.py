@@ -98,29 +98,6 @@ def test_least_recently_used_moves_to_host_and_returns_byte_for_byte():
     assert all(torch.equal(t.tensors[name][slot], saved[name]) for name in LAYOUT)
 
 
-def test_a_freed_slot_is_reset_only_for_a_new_symbol(monkeypatch):
-    """A state leaving for the host leaves its slot as it is: a return into it overwrites it whole, with no reset
-    beside it; a new symbol's slot is reset before its step."""
-    from client.engine.fast import state_table as module
-    t = table(capacity=2, host_capacity=4)
-    t.slots_for(["A"])
-    t.slots_for(["B"])
-    write(t, 2, 9)  # B's state
-    saved = state_of(t, 2)
-    resets = []
-    initial = module.DeviceSlots._initial
-    monkeypatch.setattr(module.DeviceSlots, "_initial", lambda *args: resets.append(args[1]) or initial(*args))
-    t.slots_for(["A"])
-    t.slots_for(["C"])  # B goes to the host; C, new, takes its slot
-    assert resets and all((t.tensors[name][2] == init).all() for name, (_, _, init) in LAYOUT.items())
-    resets.clear()
-    write(t, 1, 4)  # A's state
-    t.slots_for(["C"])
-    slot = t.slots_for(["B"])[0]  # A goes to the host, B comes back into its slot
-    assert slot == 1 and resets == [] and same_state(t, slot, saved)
-    assert t.slots_for(["A"]) == [2] and (t.tensors["h"][2] == 4).all()  # A's state back where C's was
-
-
 def test_a_buffer_per_component_moves_states_the_same_way():
     t = table(capacity=2, host_capacity=4, separate=True)
     assert len(t.parts[0].chunks) == len(LAYOUT)

@@ -458,8 +458,7 @@ class DeviceSlots:
             self.copy_times.append((direction, start, self._mark(queue_)))
 
     def offload(self, slot, host_slot, before):
-        """Copy the slot's state into the host slot (the slot is reset when a new symbol takes it: a return
-        overwrites it whole)."""
+        """Copy the slot's state into the host slot, then reset the slot for a new symbol."""
         host = self.host.slots[host_slot]
 
         def copies():
@@ -468,6 +467,8 @@ class DeviceSlots:
             for buffer, begin in self.chunks:
                 _copy_in_pieces(host[begin:begin + buffer.shape[1]], buffer[slot], begin)
             self._timed("to_host", self.to_host, start)
+            for buffer, begin in self.chunks:
+                buffer[slot:slot + 1].copy_(self._initial(begin, buffer))
 
         done = self.to_host.enqueue(copies, [self.slot_copy.get(slot), self.host_copy.get(host_slot)],
                                     after=self.step_stream)
@@ -487,9 +488,6 @@ class DeviceSlots:
         self.slot_copy[slot] = self.host_copy[host_slot] = done
 
     def reset(self, slot):
-        """Give the slot the initial state, for a new symbol (after the steps enqueued so far, which may still use
-        the slot's last symbol)."""
-
         def copies():
             for buffer, begin in self.chunks:
                 buffer[slot:slot + 1].copy_(self._initial(begin, buffer))
@@ -1009,7 +1007,10 @@ class StateTable:
         self.last_seen.pop(symbol, None)
         self._awaiting.pop(symbol, None)
         if symbol in self.resident:
-            self.free.append(self.resident.pop(symbol))
+            slot = self.resident.pop(symbol)
+            for part in self.parts:
+                part.reset(slot)
+            self.free.append(slot)
         else:
             self._asked.pop(symbol, None)
             self.free_host.append(self.offloaded.pop(symbol))
@@ -1048,9 +1049,6 @@ class StateTable:
                 part.restore(slot, host_slot, self._before(symbol, "to_gpu"))
             self.free_host.append(host_slot)
             self.stats["restored"] += 1
-        else:  # a freed slot is reset only here: a return overwrites it whole (a reset beside it: 146 MiB more)
-            for part in self.parts:
-                part.reset(slot)
         self.resident[symbol] = slot
 
     def _offload_lru(self, exclude, awaiting_too=True):
