@@ -39,7 +39,7 @@ from client import cli, event_loop, protocol, team_api  # noqa: E402
 from client.constants import DEFAULT_TIMEOUT_S  # noqa: E402
 from client.engine import ENGINES, Engine, make_engine  # noqa: E402
 from client.engine.options import add_engine_arguments, engine_options  # noqa: E402
-from client.engine.base import NUM_TOWERS, PendingStep  # noqa: E402
+from client.engine.base import NUM_TOWERS, CapacityError, PendingStep  # noqa: E402
 from client.journal import SEGMENT_BYTES  # noqa: E402
 from client.model.config import PRESETS  # noqa: E402
 from client.runtime import CONNECT_TIMEOUT_S, SERVER_IDLE_S  # noqa: E402
@@ -130,18 +130,29 @@ class ExampleModel:
         # A symbol the engine has no room for is answered with an error; the others step as usual.
         rejected = self.engine.unplaceable(list(requests_by_symbol))
         by_symbol = {s: team_api.queued(value) for s, value in requests_by_symbol.items()}
-        errors = {uid: why for s, why in rejected.items() for uid, _ in by_symbol[s]}
-        requests = [(s, uid, f) for s, queued in by_symbol.items() if s not in rejected for uid, f in queued]
-        if not requests:
-            return PendingStep.completed({"unique_ids": [], "predictions": np.zeros((0, NUM_TOWERS), np.float32),
-                                          "errors": errors})
-        symbols = [s for s, _, _ in requests]
-        unique_ids = [uid for _, uid, _ in requests]
-        features = np.stack([np.asarray(f, dtype=np.float32) for _, _, f in requests])
-        if joinable and getattr(self.engine, "takes_joins", False):
-            step = self.engine.submit(symbols, features, joinable=True)  # the runtime may join arrivals to it
-        else:
-            step = self.engine.submit(symbols, features)
+        while True:
+            errors = {uid: why for s, why in rejected.items() for uid, _ in by_symbol[s]}
+            requests = [(s, uid, f) for s, queued in by_symbol.items() if s not in rejected for uid, f in queued]
+            if not requests:
+                return PendingStep.completed({"unique_ids": [], "predictions": np.zeros((0, NUM_TOWERS), np.float32),
+                                              "errors": errors})
+            symbols = [s for s, _, _ in requests]
+            unique_ids = [uid for _, uid, _ in requests]
+            features = np.stack([np.asarray(f, dtype=np.float32) for _, _, f in requests])
+            try:
+                if joinable and getattr(self.engine, "takes_joins", False):
+                    step = self.engine.submit(symbols, features, joinable=True)  # the runtime may join arrivals to it
+                else:
+                    step = self.engine.submit(symbols, features)
+                break
+            except CapacityError as exc:
+                # a prefetch on the runtime's thread (a new symbol's arrival) took room that unplaceable counted: the
+                # refusal changed no state, so its symbols are answered with it alone and the others step (refused
+                # whole, every symbol of the step lost a request and went on out of step with the stream)
+                refused = [s for s in exc.symbols if s in by_symbol and s not in rejected]
+                if not refused:
+                    raise
+                rejected = {**rejected, **dict.fromkeys(refused, str(exc))}
         if hasattr(step, "join"):
             return _JoinableAnswer(step, unique_ids, errors)
         if not hasattr(step, "parts"):

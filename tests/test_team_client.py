@@ -465,6 +465,35 @@ def test_a_symbol_beyond_the_state_table_is_answered_with_an_error_alone():
     assert list(result["errors"]) == [4] and "no room for the state" in result["errors"][4]
 
 
+def test_a_symbol_whose_room_a_prefetch_took_meanwhile_is_answered_with_an_error_alone():
+    """The runtime's prefetch thread places a new symbol's state as its request arrives: one that takes the room
+    unplaceable() counted, before the step is submitted, leaves that step's new symbol without room. It alone is
+    answered with the error; the others step (the whole step was refused: each symbol lost a request)."""
+    from client.engine.fast import FastEngine
+
+    model, _ = load_model("tiny", seed=0)
+    engine = FastEngine(model, device="cpu", capacity=2, host_symbols=1, reserve=0, progress=False)
+    client, row = ExampleModel(engine), np.zeros(79, np.float32)
+    client.process_batch({"A": [(1, row)], "D": [(2, row)]})
+    client.process_batch({"D": [(3, row)]})
+    unplaceable = engine.unplaceable
+
+    def then_c_arrives(symbols):  # room for one new symbol, which C's prefetch takes
+        rejected = unplaceable(symbols)
+        engine.prefetch(["C"])
+        return rejected
+    engine.unplaceable = then_c_arrives
+    result = client.process_batch({"A": [(4, row), (5, row)], "B": [(6, row)]})
+    del engine.unplaceable  # (a cycle through the engine otherwise: its copy threads would outlive the test)
+    assert result["unique_ids"] == [4, 5] and result["predictions"].shape == (2, 4)
+    assert list(result["errors"]) == [6] and "no room for the state of 1 symbol(s) (B)" in result["errors"][6]
+    assert sorted(engine.symbols) == ["A", "C", "D"]
+    alone = ExampleModel(ReferenceEngine(model, device="cpu"))
+    for uid in (1, 4, 5):
+        want = alone.process_batch({"A": [(uid, row)]})["predictions"]
+    np.testing.assert_allclose(result["predictions"][1:], want, rtol=1e-4, atol=2e-5)
+
+
 def test_a_new_stream_after_a_reconnect_is_played_from_fresh_states(cli_here):
     """An event-style server (the original protocol) restarted: after the reconnect its ids start over. The team
     client drops every state and plays the new stream from the start, its answers those of a fresh model."""
