@@ -332,7 +332,10 @@ class ScoringServer:
                 if session.connection is not ws:
                     # no longer the team's connection (a newer one registered, and wins; or this one was cut off): what
                     # it sent while its close completed (10 s for a peer that holds its close back) was scored, answers
-                    # to the requests resent to the newer one, whose own answers then counted as duplicates
+                    # to the requests resent to the newer one, whose own answers then counted as duplicates. A turn of
+                    # the event loop each all the same: the 16 MB of lines an original-protocol connection may have
+                    # buffered (its reader's most), skipped without one, held the event loop, every team's, 13 s
+                    await asyncio.sleep(0)
                     continue
                 await self._on_message(session, ws, frame, time.monotonic())
                 # neither taking a buffered message nor sending an answer waits: without this, a team sending many

@@ -356,6 +356,7 @@ class OriginalConnection:
         self.remote_address = transport.get_extra_info("peername")
         self.team = team_name(self.remote_address)
         self._overrun = False
+        self._closed = False  # by the server: recv() reads no more
 
     def limit_messages(self, max_bytes: int) -> None:
         """From now on answer a line over max_bytes with an error, and close the connection at one over twice that
@@ -372,6 +373,8 @@ class OriginalConnection:
         if self._overrun:  # the line after an over-long one cannot be told from its tail
             await self.close(1009, "line too long")
             raise ConnectionClosedError(None, None)
+        if self._closed:  # (superseded, say): what the client had sent before, up to 16 MB of lines, is nobody's
+            raise ConnectionClosedOK(None, None)
         try:
             line = await self._reader.readline()
         except ValueError:
@@ -433,6 +436,7 @@ class OriginalConnection:
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         """Say why in a closing error (what a websocket close frame says), then close."""
+        self._closed = True
         if self._writer.is_closing():
             return
         try:

@@ -1368,6 +1368,50 @@ def test_a_team_flooding_small_messages_shares_the_event_loop_with_the_others():
     assert most < 0.1
 
 
+def test_the_lines_a_superseded_connection_had_buffered_are_skipped_sharing_the_event_loop():
+    """A connection no longer its team's has what it sends skipped, and skipped it without a turn of the event loop:
+    the lines an original-protocol client sent while the server waited out its line past the budget (its reader
+    buffers up to 16 MB meanwhile), 1 MB of empty ones, held the event loop, every team's, ~0.8 s once a newer
+    connection of its host had taken the team over (16 MB: 13 s)."""
+    lines = 1 << 20
+    host = "127.0.0.12"
+
+    def old_connection(port, registered, flooded, answered):
+        with socket.create_connection(("127.0.0.1", port), source_address=(host, 0)) as sock:
+            sock.sendall(b'{"message_type": "register"}\n')
+            registered.wait(10)
+            sock.sendall(b'{"message_type": "heartbeat", "timestamp": 1, "x": "' + b"x" * 200_000 + b'"}\n')
+            received, deadline = b"", time.monotonic() + 10
+            # past its budget: the server reads no more of it for a second
+            while b"too_much_data" not in received and time.monotonic() < deadline:
+                received += sock.recv(1 << 16)
+            sock.sendall(b"\n" * lines)
+            flooded.set()
+            _read_until(sock, answered)
+
+    async def main():
+        async with Server(rate=20.0) as s:
+            registered, flooded, answered = threading.Event(), threading.Event(), threading.Event()
+            loop = asyncio.get_running_loop()
+            old = loop.run_in_executor(None, old_connection, s.port, registered, flooded, answered)
+            while not s.server.summaries():
+                await asyncio.sleep(0.01)
+            registered.set()
+            await loop.run_in_executor(None, flooded.wait, 10)
+            _, newer = await asyncio.open_connection("127.0.0.1", s.port, local_addr=(host, 0))
+            newer.write(b'{"message_type": "register"}\n')
+            while s.server.summaries()[0]["connections"] < 2:
+                await asyncio.sleep(0.01)
+            most = await _loop_lag_while(lambda: len(s.server._original_connections) == 1, most=4000)
+            answered.set()
+            await old
+            newer.close()
+            return most, s.server.summaries()
+    most, summaries = run(main())
+    assert [(s["team"], s["connections"]) for s in summaries] == [(f"tcp-json:{host}", 2)]
+    assert most < 0.1, f"the event loop was held {most * 1000:.0f} ms"
+
+
 def test_a_strangers_burst_of_lines_before_register_shares_the_event_loop_with_the_others(monkeypatch):
     """Before register too, a message is taken one a turn of the event loop: from Python 3.12 wait_for returns a
     message already buffered without yielding, and an original-protocol stranger's 20,000 empty objects (60 kB),
