@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from client.engine.fast.state_table import (ALIGN, HOST_HEADROOM_BYTES, HOST_HEADROOM_SHARE, PAD_SLOT, RETURN_GRACE_S,
-                                            CapacityError, StateTable, host_memory, host_symbols_for, host_tier_budget,
-                                            slot_layout)
+from client.engine.fast.state_table import (ALIGN, HOST_HEADROOM_BYTES, HOST_HEADROOM_SHARE, PAD_SLOT, CapacityError,
+                                            StateTable, host_memory, host_symbols_for, host_tier_budget, slot_layout)
 from client.engine.options import add_engine_arguments
 from conftest import checkout_env
 
@@ -392,27 +391,10 @@ def test_ready_starts_a_return_not_yet_under_way():
     write(t, 1, 3)
     saved = state_of(t, 1)
     t.slots_for(["A", "B"])  # X out, to keep a slot free
-    assert not t.ready("X")  # the scheduler asks about a symbol whose request came: its prefetch may be on its way
-    assert t.stats["restored_ahead"] == 0 and "X" in t.offloaded
-    time.sleep(RETURN_GRACE_S)
-    t.ready("X")  # none came: ready() starts the return
+    t.ready("X")  # the scheduler asks about a symbol whose request came without a prefetch
     assert t.stats["restored_ahead"] == 1 and "X" in t.slot_of
     wait_until(lambda: t.ready("X"))
     assert same_state(t, t.slots_for(["X"])[0], saved)
-
-
-def test_ready_leaves_a_return_to_the_prefetch_on_its_way():
-    """Asked right after a cold request arrived, ready() does not enqueue the return on the thread that steps: the
-    prefetch on the runtime's thread does, and ready() starts no second one."""
-    t = table(capacity=3, host_capacity=4, reserve=1)
-    t.slots_for(["X"])
-    t.slots_for(["A", "B"])  # X out, to keep a slot free
-    assert not t.ready("X")
-    t.prefetch(["X"])
-    assert t.stats["restored_ahead"] == 1 and "X" in t.slot_of
-    time.sleep(RETURN_GRACE_S)
-    wait_until(lambda: t.ready("X"))
-    assert t.stats["restored_ahead"] == 1 and t.stats["restored"] == 1
 
 
 def test_ready_never_waits_for_the_lock():
@@ -440,9 +422,7 @@ def test_ready_never_waits_for_the_lock():
     finally:
         release.set()
         holder.join()
-    assert not t.ready("X") and t.stats["restored_ahead"] == 0  # the lock free: its prefetch's grace begins
-    time.sleep(RETURN_GRACE_S)
-    assert not t.ready("X") and t.stats["restored_ahead"] == 1  # none came: its return starts
+    assert not t.ready("X") and t.stats["restored_ahead"] == 1  # the lock free: its return starts
     wait_until(lambda: t.ready("X"))
 
 

@@ -78,10 +78,6 @@ HOST_HEADROOM_SHARE = 0.15
 PIECE_BYTES = 8 << 20
 # Stopping the pinning at exit waits this long at most for the piece under way (it takes milliseconds)
 PIN_STOP_TIMEOUT_S = 10.0
-# ready() leaves a symbol's return this long to the prefetch that its request's arrival set off, from when it first
-# asks: asked on the thread that steps right after a cold request arrived, ready() enqueued the return itself (~0.4
-# ms of that thread's a cold request, bench/LOG.md section 86), and a prefetch thread is on it within ~0.2 ms
-RETURN_GRACE_S = 0.001
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in at once (Python's mmap module names it from 3.13 only)
 try:
     _LIBC = ctypes.CDLL(None, use_errno=True)  # a CDLL's calls release the GIL
@@ -658,7 +654,6 @@ class StateTable:
         # Symbols prefetched and not stepped since: moved out only when nothing else can be (else a tight table could
         # send a returning state back out before its step, again and again).
         self._awaiting: dict[str, None] = {}
-        self._asked: dict[str, float] = {}  # symbols in host memory ready() was asked of: when first (RETURN_GRACE_S)
         self._expired: dict[str, None] | None = None  # forgotten as idle since take_expired (None: not asked)
         # export: one export at a time uses the parts' staging buffers; one thread (_export_thread) takes the bytes
         # out of them and reads host slots, in the order asked
@@ -874,15 +869,14 @@ class StateTable:
 
     def ready(self, symbol) -> bool:
         """False while the symbol's state is on its way to the GPU (its slot's copies not done); a symbol in host
-        memory with no return under way has its return started here, into a slot whose state awaits no step, once
-        RETURN_GRACE_S have passed since it was first asked of (False until then: the prefetch its request's arrival
-        set off starts it meanwhile, on its own thread). True for a symbol its step will place itself (new, or no
-        such slot now).
+        memory with no return under way has its return started here, into a slot whose state awaits no step. True
+        for a symbol its step will place itself (new, or no such slot now).
 
         Advisory (its step's slots_for places and waits as needed), so a resident symbol with its copies done is
         answered without the lock, and False while another thread holds the lock: the runtime asks again soon.
-        Asked on the thread that steps, every waiting symbol at every look, it waited behind a prefetch's move under
-        the lock, or enqueued a cold symbol's return itself (bench/LOG.md section 86)."""
+        Asked on the thread that steps right after a cold request arrived, it waited for the prefetch thread's
+        move under the lock, or enqueued the return itself (~0.4 ms of that thread's a cold request, bench/LOG.md
+        section 86)."""
         # one read of each map, atomic in Python; a placement records a slot's copy before it hands the slot out
         slot = self.resident.get(symbol)
         if slot is not None and all(_done(part.slot_copy.get(slot)) for part in self.parts):
@@ -893,8 +887,6 @@ class StateTable:
             # never the slot of a state awaiting its step: the runtime asks every waiting symbol in turn, and two of
             # them with one slot outside the last step took it from each other at every look, neither ever ready
             if symbol in self.offloaded and self._can_take_slot(self._in_step | {symbol}, awaiting_too=False):
-                if time.monotonic() - self._asked.setdefault(symbol, time.monotonic()) < RETURN_GRACE_S:
-                    return False
                 self._place(symbol, exclude=self._in_step | {symbol})
                 self._awaiting[symbol] = None
                 self.stats["restored_ahead"] += 1
@@ -1012,7 +1004,6 @@ class StateTable:
                 part.reset(slot)
             self.free.append(slot)
         else:
-            self._asked.pop(symbol, None)
             self.free_host.append(self.offloaded.pop(symbol))
 
     def _can_take_slot(self, exclude, awaiting_too=True) -> bool:
@@ -1043,7 +1034,6 @@ class StateTable:
         slot = next((s for s in self.free if all(part.pending(s) is None for part in self.parts)), self.free[0])
         self.free.remove(slot)
         if symbol in self.offloaded:
-            self._asked.pop(symbol, None)
             host_slot = self.offloaded.pop(symbol)
             for part in self.parts:
                 part.restore(slot, host_slot, self._before(symbol, "to_gpu"))
