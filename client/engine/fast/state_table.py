@@ -874,9 +874,8 @@ class StateTable:
 
         Advisory (its step's slots_for places and waits as needed), so a resident symbol with its copies done is
         answered without the lock, and False while another thread holds the lock: the runtime asks again soon.
-        Asked on the thread that steps right after a cold request arrived, it waited for the prefetch thread's
-        move under the lock, or enqueued the return itself (~0.4 ms of that thread's a cold request, bench/LOG.md
-        section 86)."""
+        It is asked on the thread that steps, of every waiting symbol at every look (~200,000 times in a swap run),
+        and waited there behind each prefetch's move under the lock (bench/LOG.md section 86)."""
         # one read of each map, atomic in Python; a placement records a slot's copy before it hands the slot out
         slot = self.resident.get(symbol)
         if slot is not None and all(_done(part.slot_copy.get(slot)) for part in self.parts):
