@@ -583,12 +583,15 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
     after them (Journal.records(): each symbol's records its state covers are answered with the answers journaled)
     through its process_batch, batched as the runtime's scheduler batches them (each symbol's in order), a chunk at
     a time, the refused ones never; what it answered, the last `keep` answers kept, and what was refused, the last
-    `keep_refused` ids kept. A line of progress every second on `progress` (None: quiet)."""
+    `keep_refused` ids kept. A line of progress every second on `progress` (None: quiet). A request the team client
+    refuses on replay (an error in its answer: tiers too small for the session, say) is counted among the refused,
+    with a warning that names its symbols (their states miss it)."""
     per_symbol = team_api.max_per_symbol(team_client, max_per_symbol)
     replayed, began, said = Replayed(), time.monotonic(), time.monotonic()
     covers = _load_states(team_client, journal, replayed, keep_refused, progress)
     steps, kept = deque(), 0  # (requests by id, [(unique_id, prediction)]) of the last steps: ~keep answers
     refusals, number = 0, journal.first
+    lost, why = {}, None  # {symbol: requests the team client refused on replay}, the first refusal's reason
 
     def answered(by_id, answers):
         nonlocal kept
@@ -620,6 +623,12 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
             by_id = {request.unique_id: request for request in batch}
             answered(by_id, [(uid, prediction) for uid, prediction in
                              zip(answer["unique_ids"], np.asarray(answer["predictions"], np.float32)) if uid in by_id])
+            for uid, reason in (answer.get("errors") or {}).items():
+                if (uid := int(uid)) in by_id:  # answered then, refused now (no room, say): a resend is refused
+                    replayed.count += 1
+                    _refused(replayed, uid, keep_refused)
+                    lost[by_id[uid].symbol] = lost.get(by_id[uid].symbol, 0) + 1
+                    why = why or reason
             replayed.stepped += len(batch)
             if progress is not None and time.monotonic() - said >= 1.0:
                 said = time.monotonic()
@@ -634,6 +643,12 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
                 replayed.older.add(uid)
     while len(replayed.recent) > keep:
         replayed.older.add(replayed.recent.popitem(last=False)[0])
+    if lost:
+        named = ", ".join(list(lost)[:5]) + (", ..." if len(lost) > 5 else "")
+        log.warning("journal %s: %d of its requests (%d symbols: %s) were refused on replay (%s): those symbols' "
+                    "states miss them, and a resend of one is refused; restart with room for every symbol of the "
+                    "session (--state-memory, --host-symbols)", journal.path, sum(lost.values()), len(lost), named,
+                    why)
     return replayed
 
 

@@ -147,6 +147,20 @@ def test_replay_steps_each_symbols_requests_in_order_as_one_at_a_time_a_chunk_at
             assert kept_symbol == symbol and np.array_equal(kept_features, features)
 
 
+def test_a_request_the_team_client_refuses_on_replay_is_counted_refused_and_said(tmp_path, caplog):
+    """Replayed into tiers smaller than the session needed, a symbol without room is refused by the team client:
+    its requests are counted among those refused (a resend is refused again, never stepped onto a state that
+    missed it), and a warning names them; the other symbols replay as they were played."""
+    journal = journaled(tmp_path / "j", rows(9))
+    model, _ = load_model("tiny", seed=0)
+    replayed = replay(ExampleModel(ReferenceEngine(model, device="cpu", capacity=2)), journal, keep=100,
+                      progress=None)
+    assert len(replayed) == 9 and list(replayed.refused) == [2, 5, 8]  # SYM_002's: no room for a third symbol
+    assert sorted(replayed.recent) == [0, 1, 3, 4, 6, 7]
+    assert "3 of its requests (1 symbols: SYM_002) were refused on replay" in caplog.text
+    assert "no room" in caplog.text and "--host-symbols" in caplog.text
+
+
 class _Noting(ExampleModel):
     """The example client, noting the unique ids of the requests it is handed to step."""
 
