@@ -90,7 +90,14 @@ LATIN_LOOKALIKES = {
     "y": ("\u0423\u0443\u04ae\u04af", "\u03a5\u03b3"),  # У у, Ү ү (straight u), Υ, γ (small gamma)
     "z": ("", "\u0396"),  # Ζ
 }
-_AS_LATIN = str.maketrans({c: latin for latin, scripts in LATIN_LOOKALIKES.items() for c in "".join(scripts)})
+# Dashes and colons that look like ASCII's (after confusables.txt too), each read as it: an original-protocol team is
+# known by its name's prefix ("tcp-json:<host>"), and with U+2010 for its hyphen a stranger's name passed for one
+PUNCTUATION_LOOKALIKES = {
+    "-": "\u2010\u2011\u2012\u2013\u2043\u02d7\u2212\u2796",  # hyphens, figure and en dash, minus signs
+    ":": "\u02d0\u0589\u05c3\u2236\ua789",  # modifier letter colons, Armenian full stop, sof pasuq, ratio
+}
+_AS_LATIN = str.maketrans({c: latin for latin, scripts in LATIN_LOOKALIKES.items() for c in "".join(scripts)}
+                          | {c: ascii_ for ascii_, forms in PUNCTUATION_LOOKALIKES.items() for c in forms})
 
 
 def _reading(team: str, lookalikes: bool) -> str:

@@ -1490,8 +1490,11 @@ def test_the_name_of_an_original_protocol_team_is_refused_to_a_websocket_client_
     ("V\u0399\u0421\u03a4\u0406\u041c", "reads as team 'victim'"), ("\u0475\u03b9\u0441\u0442\u0456\u043c",
                                                                     "reads as team 'victim'"),
     ("t\u0441p-js\u043en:127.0.0.6", "the team of an original-protocol client"),
+    ("tcp\u2010json:127.0.0.6", "the team of an original-protocol client"),
+    ("tcp\u2212json\u2236127.0.0.6", "the team of an original-protocol client"),
 ], ids=["trailing space", "spaces", "capitals", "fullwidth", "accent", "space", "fillers", "joiner", "marks", "prefix",
-        "cyrillic", "greek", "capitals of both", "no latin letter", "cyrillic prefix"])
+        "cyrillic", "greek", "capitals of both", "no latin letter", "cyrillic prefix", "hyphen prefix",
+        "minus and ratio prefix"])
 def test_a_new_team_name_that_the_leaderboard_cannot_tell_apart_is_refused(name, why):
     """Anyone may name a team (no per-team tokens), and the page collapses spaces: a stranger's "victim " beside
     "victim" passed for it on the leaderboard, as did its fullwidth or capital letters, and its Cyrillic or Greek
@@ -1535,6 +1538,7 @@ def test_names_wholly_in_cyrillic_or_greek_play_beside_latin_ones_that_they_do_n
                  "\u0412\u0418\u041a\u0422\u041e\u0420\u0418\u042f", "\u03bd\u03af\u03ba\u03b7"):  # ВИКТОРИЯ, νίκη
         assert name_problem(name, teams) is None, name
     assert looks("V\u0399\u0421\u03a4\u0406\u041c") == looks("v\u0456\u0441t\u0456m") == "victim"
+    assert looks("a\u2013b\u2236c") == looks("a-b:c") == "a-b:c"  # an en dash and a ratio sign read as - and :
     assert name_problem("\u0397\u039d", ["\u03b7\u03bd"])[0] == "bad_team"  # ΗΝ beside ην
     assert name_problem("\u0412\u0418\u041a\u0422\u041e\u0420", teams)[0] == "bad_team"  # ВИКТОР beside виктор
 
