@@ -159,6 +159,10 @@ def _check_candidate_folder(candidate: Path, team_dir: Path) -> None:
         raise RollError(f"candidate {candidate} is not a folder")
     if team_dir.exists() and candidate.resolve() == team_dir.resolve():
         raise RollError(f"candidate {candidate} is the team folder itself")
+    if team_dir.resolve().is_relative_to(candidate.resolve()):
+        # its copy, staged beside the team folder, would copy itself until the path was too long
+        raise RollError(f"the team folder {team_dir} is inside the candidate {candidate}: the new team folder would "
+                        f"hold the old one; roll a folder that holds only the new team client")
 
 
 def roll(candidate: Path, team_dir: Path = DEFAULT_TEAM_DIR, backups_dir: Path = DEFAULT_BACKUPS_DIR,

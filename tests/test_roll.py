@@ -144,6 +144,17 @@ def test_backups_inside_the_team_folder_are_refused(dirs):
     assert roll.file_hashes(team) == before and not (team / "backups").exists()
 
 
+def test_a_candidate_holding_the_team_folder_is_refused(tmp_path):
+    """Its copy, staged beside team/ and so inside the candidate, copied itself until the path was too long, after
+    the team folder had been snapshotted."""
+    candidate = write_tree(tmp_path / "candidate", {"example_model.py": "# candidate\n"})
+    team = write_tree(candidate / "team", {"example_model.py": "# original\n"})
+    with pytest.raises(roll.RollError, match="is inside the candidate"):
+        roll.roll(candidate, team, tmp_path / "backups", check=passes)
+    assert sorted(p.name for p in candidate.iterdir()) == ["example_model.py", "team"]
+    assert not (tmp_path / "backups").exists()
+
+
 def test_revert_without_snapshots_or_with_an_unknown_name(dirs):
     team, candidate, backups = dirs
     with pytest.raises(roll.RollError, match="no snapshots"):
