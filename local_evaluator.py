@@ -487,6 +487,7 @@ def main(argv=None) -> int:
             engine.close()
     print(format_report(result))
     from client.streams import stream_fingerprint
+    from scripts.benchmarks.report import finite_or_none
 
     device = args.device or default_device()
     sharded = {}
@@ -501,8 +502,8 @@ def main(argv=None) -> int:
                             weights_fingerprint=weights_fingerprint, stream=args.stream or stream.meta,
                             stream_fingerprint=stream_fingerprint(stream),
                             targets={"source": args.targets, "file_vs_model": comparison}, **sharded)
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    if args.json:  # a tower with no finite prediction has NaN statistics, which plain JSON cannot hold: null
+        Path(args.json).write_text(json.dumps(finite_or_none(summary), indent=2, allow_nan=False) + "\n")
     if args.plot:
         plot(result, args.plot, plot_title(result, args.preset, args.engine, device))
         print(f"plot written to {args.plot}")

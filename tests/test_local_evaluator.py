@@ -212,6 +212,26 @@ def test_tiny_reference_run_writes_every_field(tmp_path, team_dir, capsys):
     assert err.splitlines()[-1].startswith("replay: 24/24 requests (100%), ")  # the replay's progress
 
 
+def test_a_tower_with_no_finite_prediction_is_null_in_the_json(tmp_path, capsys):
+    """Its statistics are NaN, which went into --json as NaN: no JSON (a strict reader, jq, refused the file)."""
+    folder = tmp_path / "candidate"
+    folder.mkdir()
+    (folder / "example_model.py").write_text(
+        "from team.example_model import ExampleModel as Base\n\n\n"
+        "class ExampleModel(Base):\n"
+        "    def process_batch(self, batch):\n"
+        "        answer = Base.process_batch(self, batch)\n"
+        "        answer['predictions'][:, 3] = float('nan')\n"
+        "        return answer\n")
+    out_json = tmp_path / "l.json"
+    rc, _, err = run_main(capsys, "--symbols", 2, "--requests", 6, "--team-dir", folder, "--device", "cpu",
+                          "--cache-dir", tmp_path / "cache", "--json", out_json)
+    assert rc == 0, err
+    summary = json.loads(out_json.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert summary["towers"]["hawk"]["nan_or_inf"] == 6 and summary["towers"]["hawk"]["max_abs_err"] is None
+    assert summary["towers"]["xlstm"]["within_atol"] == 1.0
+
+
 def test_replay_tells_after_each_step_how_many_requests_are_answered():
     answered = []
     stream = generate_stream(3, 30, seed=2)
