@@ -250,6 +250,8 @@ def output_file(text: str) -> str:
     folder = os.path.dirname(os.path.abspath(text))
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path")
+    if text.endswith(os.sep):  # a missing folder's: open() refused it only at the end, pathlib wrote a file without "/"
+        raise argparse.ArgumentTypeError(f"{text} names a folder; give a file path")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"no such folder: {folder}")
     if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):

@@ -112,6 +112,16 @@ def test_existing_file(tmp_path):
         cli.existing_file(str(tmp_path))
 
 
+def test_an_output_file_named_as_a_folder_is_refused(tmp_path):
+    """`--json out/` with no out/: the evaluator wrote a file `out` and the team client failed "Is a directory"
+    after the whole play."""
+    assert cli.output_file(str(tmp_path / "s.json")) == str(tmp_path / "s.json")
+    with pytest.raises(Exception, match="is a folder; give a file path"):
+        cli.output_file(str(tmp_path))
+    with pytest.raises(Exception, match="out/ names a folder; give a file path"):
+        cli.output_file(f"{tmp_path}/out/")
+
+
 def test_seed():
     assert cli.seed("0") == 0 and cli.seed("7") == 7
     for text in ("-1", "x"):
