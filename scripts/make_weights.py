@@ -3,6 +3,7 @@
     python scripts/make_weights.py --preset full --seed 0 --out weights/full-0.pt
 """
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,8 +54,11 @@ def main(argv=None) -> int:
     parser = cli.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
     parser.add_argument("--seed", type=cli.seed, default=0)
-    parser.add_argument("--out", required=True, type=Path, help="output .pt file")
+    parser.add_argument("--out", required=True, help="output .pt file")
     args = parser.parse_args(argv)
+    if args.out.endswith(os.sep):  # Path() drops the "/": the weights went into a file named after the folder
+        parser.error(f"--out {args.out} names a folder; give a file path")
+    args.out = Path(args.out)
     # checked before the generation (minutes for the full preset), not when saving at its end
     if args.out.is_dir():
         parser.error(f"--out {args.out} is a folder; give a file path")
