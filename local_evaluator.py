@@ -353,6 +353,16 @@ def require_matplotlib():
     return plt
 
 
+def check_plot_path(path) -> None:
+    """EvaluationError unless matplotlib writes the format `path` names by its extension: an unknown one failed only
+    after the run, and with none the plot went to path.png while the report named path."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).suffix.lower()[1:] not in formats:
+        raise EvaluationError(f"--plot {path}: name the file .png (or {', '.join(f'.{f}' for f in sorted(formats))})")
+
+
 def figure(result: dict, title: str):
     """Latency histogram with its p50 and p99, and each tower's absolute error along the stream."""
     plt = require_matplotlib()
@@ -461,8 +471,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.cluster is None:  # else --device is the shards', on the cluster
         cli.check_device(args.device)
-    if args.plot:
-        require_matplotlib()  # fail before the run, not after it
+    if args.plot:  # fail before the run, not after it
+        require_matplotlib()
+        check_plot_path(args.plot)
     stream = load_or_generate_stream(args.stream, **{name: getattr(args, name) for name in GENERATION
                                                      if getattr(args, name) is not None})
     from client.targets import check_targets_source, choose_targets, describe_targets

@@ -347,6 +347,15 @@ def test_plot_without_matplotlib(tmp_path, team_dir, capsys, monkeypatch):
     assert rc == 2 and "pip install matplotlib" in err
 
 
+@pytest.mark.parametrize("name", ["p.xyz", "p"])
+def test_a_plot_path_matplotlib_does_not_write_is_refused_before_the_run(tmp_path, team_dir, capsys, name):
+    """p.xyz failed after the whole run; p was written as p.png while the report said "plot written to p"."""
+    pytest.importorskip("matplotlib")
+    rc, _, err = run_main(capsys, "--plot", tmp_path / name, "--team-dir", team_dir, "--symbols", 1, "--requests", 2)
+    assert rc == 2 and f"--plot {tmp_path / name}: name the file .png (or " in err and "replay:" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("source, message", [
     ("", "no team client at"),
     ("raise RuntimeError('boom')", "importing .* failed: RuntimeError: boom"),
