@@ -86,7 +86,8 @@ def list_snapshots(backups_dir: Path) -> list[dict]:
                     raise ValueError(f"it lacks {', '.join(missing)}")
             except (OSError, ValueError) as exc:
                 raise RollError(f"unreadable manifest {manifest_path}: {exc}") from exc
-            manifests.append(manifest)
+            # named by its folder, which revert restores: a snapshot renamed or copied keeps its manifest's name
+            manifests.append(dict(manifest, name=manifest_path.parent.name))
     return sorted(manifests, key=lambda m: (m["created"], m["name"]))
 
 

@@ -164,6 +164,19 @@ def test_revert_without_snapshots_or_with_an_unknown_name(dirs):
         roll.revert(team, backups, "nope")
 
 
+def test_a_renamed_or_copied_snapshot_is_listed_and_restored_by_its_folder_name(dirs):
+    """--list showed the manifest's name: a snapshot renamed could not be restored by either name ("No such file or
+    directory: .../manifest.json"), nor a copy by its own."""
+    team, candidate, backups = dirs
+    saved = roll.roll(candidate, team, backups, check=passes)
+    shutil.copytree(saved, backups / "good")
+    saved.rename(backups / "renamed")
+    assert sorted(m["name"] for m in roll.list_snapshots(backups)) == ["good", "renamed"]
+    assert roll.revert(team, backups, "renamed")[0] == "renamed"
+    assert roll.file_hashes(team) == roll.file_hashes(backups / "good" / "team")
+    assert roll.revert(team, backups, "good")[0] == "good"
+
+
 def test_a_corrupted_snapshot_is_not_restored(dirs):
     team, candidate, backups = dirs
     saved = roll.roll(candidate, team, backups, check=passes)
