@@ -328,6 +328,13 @@ def parse_args(argv=None):
         parser.error("--tls, --tls-ca: for the server at --host (the embedded server speaks without TLS)")
     if args.tls_ca is not None and not args.tls:
         parser.error("--tls-ca: with --tls (the certificates the server's is checked against)")
+    if args.tls_ca is not None:  # a file of no certificate said now, not once the model has loaded (a minute for full)
+        from client.transport import client_tls, server_url
+
+        try:
+            client_tls(server_url(args.protocol, args.host, args.port, tls=True), args.tls_ca)
+        except ValueError as exc:
+            parser.error(str(exc))
     # Given with --host they were ignored without a word: that server plays its own stream.
     embedded_only = [f"--{name}" for name in ("symbols", "requests", "rate") if getattr(args, name) is not None]
     if args.host is not None and embedded_only:

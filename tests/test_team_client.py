@@ -388,6 +388,8 @@ def test_server_stopping_mid_stream_cuts_the_client_short(tmp_path, targets_cach
     (["--rate", "nan"], "argument --rate: must be a positive number, got 'nan'"),
     (["--preset", "tiny", "--device", "bogus"], "--device bogus: not a torch device; use cpu, cuda or cuda:N"),
     (["--preset", "tiny", "--team-dir", "/no/such/team"], "no team client at /no/such/team/example_model.py"),
+    (["--preset", "tiny", "--host", "127.0.0.1", "--port", "1", "--tls", "--tls-ca", __file__],
+     f"--tls-ca {__file__}: no PEM certificate there"),
     *[(argv, "--inline-steps needs --engine fast on one CUDA device: other engines compute a step in submit or "
              "wait for it, which would hold the event loop that receives")
       for argv in (["--inline-steps", "on", "--device", "cpu"], ["--inline-steps", "--device", "cpu"])],
