@@ -471,6 +471,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.cluster is None:  # else --device is the shards', on the cluster
         cli.check_device(args.device)
+    from client.engine import check_options
+    from client.engine.sharded import ModelSpec
+
+    # an option the engine cannot honour, said before the model loads and the targets are computed, not after them
+    check_options(args.engine, args.device if args.cluster else args.device or default_device(),
+                  spec=ModelSpec(args.preset, args.weights, args.seed),
+                  **{k: v for k, v in engine_options(args).items() if k != "max_rows_per_symbol"})
     if args.plot:  # fail before the run, not after it
         require_matplotlib()
         check_plot_path(args.plot)

@@ -347,6 +347,19 @@ def test_plot_without_matplotlib(tmp_path, team_dir, capsys, monkeypatch):
     assert rc == 2 and "pip install matplotlib" in err
 
 
+@pytest.mark.parametrize("option, message", [
+    (["--compile"], "--compile applies to the fast engine"),
+    (["--precision", "bf16"], "--precision xlstm bf16, mamba2 bf16, retnet bf16, hawk bf16 applies to the fast engine"),
+    (["--gpus", "2"], "--gpus applies to the fast engine on CUDA GPUs"),
+    (["--shards", "2"], "--ray-address and --shards apply with --cluster ray"),
+])
+def test_an_engine_option_that_does_not_apply_is_refused_before_the_model_loads(team_dir, capsys, option, message):
+    """It was refused by make_engine, after the model had loaded and the targets were computed (minutes for full)."""
+    rc, _, err = run_main(capsys, *option, "--team-dir", team_dir, "--symbols", 1, "--requests", 1, "--device", "cpu")
+    assert rc == 2 and err.startswith(f"local_evaluator.py: error: {message}"), err
+    assert len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("name", ["p.xyz", "p"])
 def test_a_plot_path_matplotlib_does_not_write_is_refused_before_the_run(tmp_path, team_dir, capsys, name):
     """p.xyz failed after the whole run; p was written as p.png while the report said "plot written to p"."""

@@ -3,7 +3,7 @@ from client.engine.base import Engine, check_step_inputs, is_count
 
 ENGINES = ("reference", "fast")
 
-__all__ = ["ENGINES", "Engine", "check_step_inputs", "make_engine"]
+__all__ = ["ENGINES", "Engine", "check_options", "check_step_inputs", "make_engine"]
 
 # State table options both engines honour (client/engine/symbol_states.py, client/engine/fast/state_table.py).
 TABLE_OPTIONS = ("capacity", "state_memory", "host_symbols", "idle_timeout_s")
@@ -26,36 +26,14 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
     engines (each shard loads its own); it may be a callable without arguments that loads it, called only by an engine
     that needs it (the fast engine holds the model only while it converts its weights, so that its state table is
     sized without it). No option is ignored: one that does not apply is refused in one line."""
+    check_options(name, device, precision=precision, compile=compile, gpus=gpus, split=split, spec=spec,
+                  cluster=cluster, ray_address=ray_address, shards=shards, on_shard_loss=on_shard_loss,
+                  shard_timeout_s=shard_timeout_s, **table_options)
     options = {k: v for k, v in table_options.items() if v is not None}
     sharded = cluster == "ray" or (gpus > 1 and split == "symbols")
-    if cluster not in (None, "ray"):
-        raise ValueError(f"--cluster {cluster!r}: the one cluster supported is ray")
-    if cluster is None and (ray_address is not None or shards is not None):
-        raise ValueError("--ray-address and --shards apply with --cluster ray")
-    if on_shard_loss is not None and not sharded:
-        raise ValueError("--on-shard-loss applies to sharded engines: --cluster ray, or --gpus N --split symbols")
-    if shard_timeout_s is not None and not sharded:
-        raise ValueError("--shard-timeout-s applies to sharded engines: --cluster ray, or --gpus N --split symbols")
     losses = {"on_shard_loss": on_shard_loss or "error",
               **({} if shard_timeout_s is None else {"answer_timeout_s": shard_timeout_s})}
-    if sharded:
-        from client.engine.sharded import ANSWER_TIMEOUT_S, check_loss_options
-
-        check_loss_options(losses["on_shard_loss"], losses.get("answer_timeout_s", ANSWER_TIMEOUT_S))
-    if sharded and spec is None:
-        raise ValueError("a sharded engine needs the model's spec (preset and weights) for its shards")
-    if not is_count(gpus, 1):
-        raise ValueError(f"--gpus must be a whole number of at least 1, got {gpus!r}")
-    if shards is not None and not is_count(shards, 1):  # 0 read as "every GPU"; < 0 started Ray, then no shard
-        raise ValueError(f"--shards must be a whole number of at least 1, got {shards!r}")
-    if split is not None and gpus == 1:
-        raise ValueError(f"--split {split} applies with --gpus 2 or more")
-    if name == "reference":
-        _check_reference_options(precision, compile, options)
     if cluster == "ray":
-        if gpus > 1:
-            raise ValueError("--gpus is for one machine; with --cluster ray, --shards N shards the symbols over N "
-                             "GPUs of the cluster")
         from client.engine.shard_ray import LOCAL, ray_shards
         from client.engine.sharded import ShardedEngine
 
@@ -64,8 +42,6 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
         started = ray_shards(spec, ray_address or LOCAL, shards, device=device, engine=name, options=shard_options,
                              progress=progress)
         return ShardedEngine(started, progress=progress, transport="ray", **losses)
-    if gpus > 1 and (name != "fast" or str(device or "cuda").startswith("cpu")):
-        raise ValueError("--gpus applies to the fast engine on CUDA GPUs")
     if name == "reference":
         import torch
 
@@ -97,6 +73,44 @@ def make_engine(name: str | None, model, device=None, *, precision=None, compile
         return FastEngine(model, device=device, devices=devices, compile=compile, progress=progress,
                           precision=DEFAULT_PRECISION if precision is None else precision, **options)
     raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
+
+
+def check_options(name: str | None, device=None, *, precision=None, compile=False, gpus=1, split=None, spec=None,
+                  cluster=None, ray_address=None, shards=None, on_shard_loss=None, shard_timeout_s=None,
+                  **table_options) -> None:
+    """make_engine's refusals of options that do not apply, which need no model: a command that loads the model
+    (minutes for the full preset) and computes targets before it makes the engine says them first."""
+    options = {k: v for k, v in table_options.items() if v is not None}
+    sharded = cluster == "ray" or (gpus > 1 and split == "symbols")
+    if cluster not in (None, "ray"):
+        raise ValueError(f"--cluster {cluster!r}: the one cluster supported is ray")
+    if cluster is None and (ray_address is not None or shards is not None):
+        raise ValueError("--ray-address and --shards apply with --cluster ray")
+    if on_shard_loss is not None and not sharded:
+        raise ValueError("--on-shard-loss applies to sharded engines: --cluster ray, or --gpus N --split symbols")
+    if shard_timeout_s is not None and not sharded:
+        raise ValueError("--shard-timeout-s applies to sharded engines: --cluster ray, or --gpus N --split symbols")
+    losses = {"on_shard_loss": on_shard_loss or "error",
+              **({} if shard_timeout_s is None else {"answer_timeout_s": shard_timeout_s})}
+    if sharded:
+        from client.engine.sharded import ANSWER_TIMEOUT_S, check_loss_options
+
+        check_loss_options(losses["on_shard_loss"], losses.get("answer_timeout_s", ANSWER_TIMEOUT_S))
+    if sharded and spec is None:
+        raise ValueError("a sharded engine needs the model's spec (preset and weights) for its shards")
+    if not is_count(gpus, 1):
+        raise ValueError(f"--gpus must be a whole number of at least 1, got {gpus!r}")
+    if shards is not None and not is_count(shards, 1):  # 0 read as "every GPU"; < 0 started Ray, then no shard
+        raise ValueError(f"--shards must be a whole number of at least 1, got {shards!r}")
+    if split is not None and gpus == 1:
+        raise ValueError(f"--split {split} applies with --gpus 2 or more")
+    if name == "reference":
+        _check_reference_options(precision, compile, options)
+    if cluster == "ray" and gpus > 1:
+        raise ValueError("--gpus is for one machine; with --cluster ray, --shards N shards the symbols over N "
+                         "GPUs of the cluster")
+    if cluster is None and gpus > 1 and (name != "fast" or str(device or "cuda").startswith("cpu")):
+        raise ValueError("--gpus applies to the fast engine on CUDA GPUs")
 
 
 def _check_reference_options(precision, compile, options) -> None:
