@@ -81,9 +81,14 @@ def list_snapshots(backups_dir: Path) -> list[dict]:
         for manifest_path in backups_dir.glob(f"*/{MANIFEST}"):
             try:
                 manifest = json.loads(manifest_path.read_text())
+                if not isinstance(manifest, dict):
+                    raise ValueError("it is not a JSON object")
                 missing = [key for key in ("name", "created", "reason", "files") if key not in manifest]
                 if missing:
                     raise ValueError(f"it lacks {', '.join(missing)}")
+                # else the sort, or the revert's comparison, failed as an unexpected error
+                if not isinstance(manifest["created"], str) or not isinstance(manifest["files"], dict):
+                    raise ValueError("its created is not text or its files not an object")
             except (OSError, ValueError) as exc:
                 raise RollError(f"unreadable manifest {manifest_path}: {exc}") from exc
             # named by its folder, which revert restores: a snapshot renamed or copied keeps its manifest's name

@@ -194,6 +194,13 @@ def test_a_malformed_manifest_is_reported(dirs):
     (saved / "manifest.json").write_text('{"name": "x"}')
     with pytest.raises(roll.RollError, match="unreadable manifest.*lacks created"):
         roll.list_snapshots(backups)
+    # these were unexpected errors (exit 1): the sort's TypeError, the revert's AttributeError
+    for text, message in (('["x"]', "it is not a JSON object"),
+                          ('{"name": "x", "created": null, "reason": "r", "files": {}}', "its created is not text"),
+                          ('{"name": "x", "created": "c", "reason": "r", "files": []}', "its files not an object")):
+        (saved / "manifest.json").write_text(text)
+        with pytest.raises(roll.RollError, match=f"unreadable manifest.*{message}"):
+            roll.revert(team, backups)
 
 
 def test_cli_errors(dirs, capsys):
