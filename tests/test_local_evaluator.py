@@ -398,6 +398,11 @@ def test_broken_team_client(tmp_path, capsys, source, message):
     # checked before the run, not when writing its results
     (["--json", "/no/such/folder/summary.json"], "argument --json: no such folder: /no/such/folder"),
     (["--rate", "-5"], "argument --rate: must be a positive number, got '-5'"),
+    # the engine's options: not "invalid <lambda> value: 'abc'"
+    (["--state-slots", "abc"], "argument --state-slots: --state-slots must be a whole number of at least 1, got abc"),
+    (["--max-requests-per-symbol", "2.5"], "--max-requests-per-symbol must be a whole number of at least 1, got 2.5"),
+    (["--state-memory", "half"], "argument --state-memory: --state-memory is a share of free memory"),
+    (["--idle-timeout", "soon"], "argument --idle-timeout: --idle-timeout must be a positive number of seconds"),
     # not ignored: the file's requests were replayed, all of them
     (["--stream", __file__, "--requests", "100", "--rate", "50"],
      "--requests, --rate: for a generated stream; --stream replays the file's own requests"),

@@ -25,8 +25,12 @@ from client.engine.precision import FP32_STATE, ROUNDINGS, add_precision_argumen
 from client.engine.sharded import ANSWER_TIMEOUT_S, ON_SHARD_LOSS
 
 
+# Each type refuses what is not a number in its own words: a ValueError read "invalid <lambda> value: 'abc'".
 def _share(text):
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not (math.isfinite(value) and 0 < value <= 0.95):
         raise argparse.ArgumentTypeError(f"--state-memory is a share of free memory (the GPU's, or the host's on a "
                                          f"CPU) in (0, 0.95], got {text}")
@@ -34,14 +38,20 @@ def _share(text):
 
 
 def _count(text, name, minimum):
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
     if value < minimum:
-        raise argparse.ArgumentTypeError(f"{name} must be at least {minimum}, got {text}")
+        raise argparse.ArgumentTypeError(f"{name} must be a whole number of at least {minimum}, got {text}")
     return value
 
 
 def _seconds(text):
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"--idle-timeout must be a positive number of seconds, got {text}")
     return value
