@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -455,6 +456,10 @@ def parse_args(argv=None):
     generating = [f"--{name.replace('_', '-')}" for name in GENERATION if getattr(args, name) is not None]
     if args.stream is not None and generating:  # else silently ignored: the file's requests replayed as they are
         p.error(f"{', '.join(generating)}: for a generated stream; --stream replays the file's own requests")
+    if args.stream is not None:  # the summary or the plot written over the stream it replays
+        for name in ("json", "plot"):
+            if getattr(args, name) and os.path.realpath(getattr(args, name)) == os.path.realpath(args.stream):
+                p.error(f"--{name} {getattr(args, name)} is the --stream file itself; give another path")
     if not args.atol > 0:
         p.error(f"--atol must be positive, got {args.atol}")
     if args.profile is not None and Path(args.profile).exists() and not Path(args.profile).is_dir():

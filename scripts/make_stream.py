@@ -9,6 +9,7 @@
 """
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,8 @@ def parse_args(argv):
         parser.error("--preset, --weights, --weights-seed and --device only apply with --targets")
     if args.out is None:
         args.out = f"stream_{args.symbols}x{args.requests}_{args.seed}.npz"
+    if args.out.endswith(os.sep):  # Path() drops the "/": the stream went into a file named after the folder
+        parser.error(f"--out {args.out} names a folder; give a file path")
     if Path(args.out).suffix.lower() not in (".npz", ".parquet"):
         parser.error(f"--out must end in .npz or .parquet, got {args.out}")
     if Path(args.out).suffix.lower() == ".parquet":  # told now, not after the targets are computed

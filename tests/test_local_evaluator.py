@@ -411,6 +411,17 @@ def test_bad_options_exit_with_usage(usage_error, argv, message):
     assert message in usage_error(le.main, argv)
 
 
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_an_output_over_the_stream_it_replays_is_refused(tmp_path, usage_error, option):
+    """--json (or --plot) naming the --stream file wrote the summary over the stream, which was then gone."""
+    path = tmp_path / "s.npz"
+    save_stream(generate_stream(2, 5, seed=1), path)
+    before = path.read_bytes()
+    assert f"{option} {path} is the --stream file itself" in usage_error(le.main, ["--stream", str(path), option,
+                                                                                   str(path)])
+    assert path.read_bytes() == before
+
+
 def test_a_profile_folder_that_is_a_file_is_refused_before_the_run(tmp_path, usage_error):
     (tmp_path / "trace").write_text("")
     assert f"--profile {tmp_path / 'trace'} is a file" in usage_error(le.main, ["--profile", str(tmp_path / "trace")])

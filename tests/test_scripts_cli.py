@@ -60,6 +60,8 @@ def test_script_mistakes_are_one_line(tmp_path):
         # a missing folder's name: the weights went into a file of that name
         ("make_weights.py", ["--preset", "tiny", "--out", f"{tmp_path / 'weights'}/"],
          f"scripts/make_weights.py: error: --out {tmp_path / 'weights'}/ names a folder; give a file path"),
+        ("make_stream.py", ["--symbols", "2", "--requests", "5", "--seed", "1", "--out", f"{tmp_path / 's.npz'}/"],
+         f"make_stream: error: --out {tmp_path / 's.npz'}/ names a folder; give a file path"),
         # read_checkpoint would read it as safetensors, and fail
         ("make_weights.py", ["--preset", "tiny", "--out", tmp_path / "w.safetensors"],
          f"scripts/make_weights.py: error: --out {tmp_path / 'w.safetensors'}: this writes torch's format; name the "
