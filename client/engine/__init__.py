@@ -90,12 +90,10 @@ def check_options(name: str | None, device=None, *, precision=None, compile=Fals
         raise ValueError("--on-shard-loss applies to sharded engines: --cluster ray, or --gpus N --split symbols")
     if shard_timeout_s is not None and not sharded:
         raise ValueError("--shard-timeout-s applies to sharded engines: --cluster ray, or --gpus N --split symbols")
-    losses = {"on_shard_loss": on_shard_loss or "error",
-              **({} if shard_timeout_s is None else {"answer_timeout_s": shard_timeout_s})}
     if sharded:
         from client.engine.sharded import ANSWER_TIMEOUT_S, check_loss_options
 
-        check_loss_options(losses["on_shard_loss"], losses.get("answer_timeout_s", ANSWER_TIMEOUT_S))
+        check_loss_options(on_shard_loss or "error", ANSWER_TIMEOUT_S if shard_timeout_s is None else shard_timeout_s)
     if sharded and spec is None:
         raise ValueError("a sharded engine needs the model's spec (preset and weights) for its shards")
     if not is_count(gpus, 1):
