@@ -436,8 +436,8 @@ class OriginalConnection:
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         """Say why in a closing error (what a websocket close frame says), then close."""
-        self._closed = True
         if self._writer.is_closing():
+            self._closed = True
             return
         try:
             await asyncio.wait_for(self._write(original.encode_line(original.closing(code, reason))), CLOSE_TIMEOUT_S)
@@ -445,6 +445,9 @@ class OriginalConnection:
             pass
         except TimeoutError:  # a client that stopped reading
             self.transport.abort()
+        # once its reason is out: set before, the connection's own loop stopped at once and closed it first, saying
+        # "normal closure" instead (a server stopping mid-stream)
+        self._closed = True
         self._writer.close()
         # a close waits for the last bytes to be sent: those of a client that reads nothing (below the transport's
         # high-water mark, so the write above did not wait) held the socket for good
