@@ -424,7 +424,7 @@ def parse_args(argv=None):
     src.add_argument("--symbols", type=cli.positive_int, help="default 6")
     src.add_argument("--requests", type=cli.positive_int, help="default 300")
     src.add_argument("--stream-seed", type=cli.seed, help="default 0")
-    src.add_argument("--rate", type=cli.positive_float, help="mean arrival rate, requests/s (default: the generator's)")
+    src.add_argument("--rate", type=cli.request_rate, help="mean arrival rate, requests/s (default: the generator's)")
     mdl = p.add_argument_group("model and client")
     mdl.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
     weights = mdl.add_mutually_exclusive_group()

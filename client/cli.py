@@ -187,6 +187,19 @@ def positive_float(text: str) -> float:
     return value
 
 
+# requests/s: a stream's gaps (exponential, mean 1000/rate ms) stay far under its limit of a day a gap
+MIN_RATE = 1e-3
+
+
+def request_rate(text: str) -> float:
+    """argparse type: requests per second, at least MIN_RATE, or a one-line error."""
+    value = positive_float(text)
+    if value < MIN_RATE:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_RATE:g} requests/s (a stream's gaps are at most a "
+                                         f"day), got {text!r}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """argparse type: a finite number of at least 0, or a one-line error."""
     try:

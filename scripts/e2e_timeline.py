@@ -223,7 +223,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--device", default=None, help="cuda (default where available) or cpu")
     ap.add_argument("--seed", type=cli.seed, default=0)
     # typed: a rate of nan passed a check of `rate <= 0`, and failed only once the model and the engine were up
-    ap.add_argument("--rate", type=cli.positive_float, default=E2E_RATE, help="requests per second")
+    ap.add_argument("--rate", type=cli.request_rate, default=E2E_RATE, help="requests per second")
     ap.add_argument("--symbols", type=cli.positive_int, default=E2E_SYMBOLS)
     ap.add_argument("--requests", type=cli.positive_int, default=4000, help="requests per session")
     ap.add_argument("--sessions", type=cli.positive_int, default=2, help="sessions in a row on one engine")

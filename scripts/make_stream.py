@@ -27,7 +27,7 @@ def parse_args(argv):
     parser.add_argument("--symbols", type=cli.positive_int, required=True, help="number of symbols (SYM_000, ...)")
     parser.add_argument("--requests", type=cli.positive_int, required=True, help="number of requests")
     parser.add_argument("--seed", type=cli.seed, required=True, help="seed of the stream")
-    parser.add_argument("--rate", type=cli.positive_float, help="requests per second (default: 12 ms mean gap)")
+    parser.add_argument("--rate", type=cli.request_rate, help="requests per second (default: 12 ms mean gap)")
     parser.add_argument("--targets", action="store_true", help="store the reference model's predictions")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (needed with --targets)")
     weights = parser.add_mutually_exclusive_group()

@@ -53,7 +53,7 @@ def parse_args(argv=None) -> ServerConfig:
     parser.add_argument("--symbols", type=cli.positive_int, help=f"default {ServerConfig.symbols}")
     parser.add_argument("--requests", type=cli.positive_int, help=f"default {ServerConfig.requests}")
     parser.add_argument("--stream-seed", type=cli.seed, help=f"default {ServerConfig.stream_seed}")
-    parser.add_argument("--rate", type=cli.positive_float, help="requests/s; default: the stream's own gaps")
+    parser.add_argument("--rate", type=cli.request_rate, help="requests/s; default: the stream's own gaps")
     parser.add_argument("--speed", type=cli.positive_float,
                         help="scale the stream's own gaps (default 1; not with --rate)")
     parser.add_argument("--atol", type=cli.non_negative_float, default=ATOL)

@@ -286,7 +286,7 @@ def parse_args(argv=None):
     parser.add_argument("--requests", type=int, help=f"embedded server: number of requests (default "
                                                       f"{EMBEDDED_STREAM['requests']})")
     # typed: nan passed a check of `rate <= 0`, and was refused only once the model had loaded
-    parser.add_argument("--rate", type=cli.positive_float, help="embedded server: requests/s (default: the stream's "
+    parser.add_argument("--rate", type=cli.request_rate, help="embedded server: requests/s (default: the stream's "
                                                                 "gaps)")
     parser.add_argument("--json", metavar="PATH", type=cli.output_file, help="write this client's summary as JSON")
     parser.add_argument("--journal", metavar="PATH", type=cli.output_file,

@@ -181,6 +181,8 @@ def test_ordinary_mistakes_are_one_line_before_the_run(args, message):
 
 @pytest.mark.parametrize("args, message", [
     (["--rate", "nan"], "argument --rate: must be a positive number, got 'nan'"),  # failed once the engine was up
+    (["--rate", "1e-9"], "argument --rate: must be at least 0.001 requests/s (a stream's gaps are at most a day), "
+                         "got '1e-9'"),
     (["--slowest", "-1"], "argument --slowest: must be a positive integer, got '-1'"),  # listed all answers but one
 ])
 def test_numbers_out_of_range_are_refused_at_parse(args, message, usage_error):

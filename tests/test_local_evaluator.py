@@ -398,6 +398,8 @@ def test_broken_team_client(tmp_path, capsys, source, message):
     # checked before the run, not when writing its results
     (["--json", "/no/such/folder/summary.json"], "argument --json: no such folder: /no/such/folder"),
     (["--rate", "-5"], "argument --rate: must be a positive number, got '-5'"),
+    (["--rate", "1e-9"], "argument --rate: must be at least 0.001 requests/s (a stream's gaps are at most a day), "
+                         "got '1e-9'"),
     # the engine's options: not "invalid <lambda> value: 'abc'"
     (["--state-slots", "abc"], "argument --state-slots: --state-slots must be a whole number of at least 1, got abc"),
     (["--max-requests-per-symbol", "2.5"], "--max-requests-per-symbol must be a whole number of at least 1, got 2.5"),

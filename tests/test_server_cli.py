@@ -101,6 +101,8 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--rate", "0"], "argument --rate: must be a positive number, got '0'"),
+    (["--rate", "1e-9"], "argument --rate: must be at least 0.001 requests/s (a stream's gaps are at most a day), "
+                         "got '1e-9'"),
     (["--timeout-s", "-1"], "argument --timeout-s: must be a positive number, got '-1'"),  # not as timeout_s
     (["--symbols", "-2"], "argument --symbols: must be a positive integer, got '-2'"),
     (["--bad-token-delay-s", "-1"], "argument --bad-token-delay-s: must be a number of at least 0, got '-1'"),

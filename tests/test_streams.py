@@ -498,6 +498,8 @@ def test_make_stream_writes_the_generated_stream(tmp_path):
     (["--symbols", "2", "--requests", "0", "--seed", "1"], "argument --requests: must be a positive integer, got '0'"),
     (["--symbols", "2", "--requests", "5", "--seed", "1", "--rate", "-4"],
      "argument --rate: must be a positive number, got '-4'"),
+    (["--symbols", "2", "--requests", "5", "--seed", "1", "--rate", "1e-9"],  # named no option: a gap over a day
+     "argument --rate: must be at least 0.001 requests/s"),
 ])
 def test_make_stream_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):

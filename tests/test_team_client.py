@@ -112,6 +112,8 @@ def test_the_example_says_the_rows_its_engines_steps_run_at():
     (["--host", "", "--port", "8765"], "argument --host: must be a host name or address, got ''"),
     (["--symbols", "0"], "must be positive"),
     (["--rate", "-5"], "argument --rate: must be a positive number, got '-5'"),
+    (["--rate", "1e-9"], "argument --rate: must be at least 0.001 requests/s (a stream's gaps are at most a day), "
+                         "got '1e-9'"),
     (["--engine", "slow"], "invalid choice"),
     (["--preset", "huge"], "invalid choice"),
     (["--protocol", "udp"], "invalid choice"),
