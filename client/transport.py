@@ -318,7 +318,9 @@ class TcpJsonConnection(Connection):
             # A first line that is no JSON (an HTTP status line, a page) is no server of this protocol: said at once,
             # where a later bad line is answered with an error and the session goes on, as the original client did.
             if not self._lines_read and not _is_json(line):
-                raise await self._not_original(line)
+                exc = await self._not_original(line)
+                if exc is not None:
+                    raise exc
             self._lines_read += 1
             try:
                 obj = original.decode_line(line)
@@ -337,9 +339,12 @@ class TcpJsonConnection(Connection):
                        "symbols": None, "weights_match": None}
             yield msg
 
-    async def _not_original(self, line: bytes) -> ProtocolMismatch:
-        """The error for a server whose first line is no JSON: what it speaks, where a handshake tells."""
+    async def _not_original(self, line: bytes) -> ProtocolMismatch | None:
+        """The error for a server whose first line is no JSON: what it speaks, where a handshake tells; None where it
+        speaks this protocol (it answers the handshake's lines in JSON lines), its first line a bad line like any."""
         speaks, answer = await speaks_what(self.host, self.port, self._tls)
+        if speaks == "tcp-json":  # (told "pass --protocol tcp-json", the session ended at one bad line)
+            return None
         if speaks is None:
             return ProtocolMismatch(f"the server at {self.url} does not speak the original protocol: it answered the "
                                     f"register with {first_line(line)}, which is no JSON; check --host and --port")

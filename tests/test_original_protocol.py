@@ -588,6 +588,40 @@ def test_a_first_line_of_no_json_from_a_server_of_no_http_is_said_at_once():
                                  f"with 'SSH-2.0-OpenSSH_9.6', which is no JSON; check --host and --port")
 
 
+def test_a_first_line_of_no_json_from_a_server_of_json_lines_is_answered_and_skipped():
+    """A server that answers a websocket handshake's lines in JSON lines speaks this protocol: its first line that is
+    no JSON (a byte that is no UTF-8) is a bad line like any, where the session ended told to pass the --protocol
+    tcp-json it played."""
+    lines = []
+    rows = np.random.default_rng(6).standard_normal((1, 79)).tolist()
+
+    async def handler(reader, writer):
+        if not (await reader.readline()).startswith(b"{"):  # the probe's handshake: an error a line, as the event's
+            writer.write(original.encode_line({"message_type": "error", "error": "bad line", "details": None}))
+            writer.close()
+            return
+        request = original.encode_line({"message_type": "inference_request", "unique_ids": [0], "symbols": ["A"],
+                                         "features": rows, "timestamp": 1.0})
+        writer.write(request.replace(b'"A"', b'"A\xff"') + request.replace(b"[0]", b"[1]"))
+        while not answered(lines):
+            lines.append(json.loads(await reader.readline()))
+        writer.write(original.encode_line({"message_type": "stats_update", "complete": True, "requests": 2}))
+        await reader.read()
+
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        summary = await StreamingClient(Echo(), url, "x", leave_at_end=True).run()
+        server.close()
+        return summary
+
+    summary = run(main())
+    assert summary["outcome"] == runtime.COMPLETE and summary["connections"] == 1, summary["detail"]
+    errors = [o["details"] for o in lines if o["message_type"] == "error"]
+    assert len(errors) == 1 and errors[0].startswith("line is not JSON"), errors
+    assert answered(lines) == [1]
+
+
 def test_a_bad_line_later_in_a_session_is_answered_and_skipped_as_the_original_client_did():
     """Only the first line decides that a server speaks no JSON: later, an HTTP status line or a page is a bad line,
     answered with an error, and the session plays on."""
