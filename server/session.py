@@ -119,6 +119,7 @@ class TeamSession:
         self._confirm_from = 0
         self.inbound = InboundBudget(clock=clock)
         self.connection = None
+        self._attached_at = -math.inf  # when the live connection was attached (the session's clock)
         self.connections = 0
         self.weights_fingerprint = None  # the client's, as its latest register said (None: not said)
         self.weights_match = None        # against the server's model (None: one side did not say)
@@ -135,6 +136,7 @@ class TeamSession:
         previous, self.connection = self.connection, connection
         self.weights_fingerprint, self.weights_match = weights_fingerprint, weights_match
         self.connections += 1
+        self._attached_at = self._clock()
         self._confirm_from = self.sent  # the requests sent from now on go on this connection alone
         self._resend = self.sent > 0
         self._wake.set()
@@ -157,8 +159,11 @@ class TeamSession:
             if due > self.sent:
                 first, self.sent = self.sent, due
                 if self.connection is not None:
-                    self._send_time[first:due] = now
-                    await self._send_requests(self.connection, np.arange(first, due), now)
+                    # what fell due before the connection came (nobody connected: looked at once a tick) counts as
+                    # sent when it fell due, as it would have at the tick; the rest went out now
+                    due_at = self.start + self._offsets[first:due]
+                    self._send_time[first:due] = np.where(due_at < self._attached_at, due_at, now)
+                    await self._send_requests(self.connection, np.arange(first, due), self._send_time[first])
                 else:  # sent, as far as scoring goes, when each fell due
                     self._send_time[first:due] = self.start + self._offsets[first:due]
             self._reap(self._clock())

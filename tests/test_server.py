@@ -1315,6 +1315,37 @@ def test_a_disconnected_team_costs_the_server_a_few_wakes_a_second():
     np.testing.assert_allclose(times - session.start, send_offsets(400, None, rate=400.0))  # when each fell due
 
 
+def test_requests_that_fell_due_before_a_team_connected_count_as_sent_when_they_fell_due(monkeypatch):
+    """A session without a connection looks at what fell due once a tick (DISCONNECTED_TICK_S); a team that connected
+    between two ticks had the requests that fell due since the last one counted as sent when it connected, up to a
+    tick later than they fell due: their latencies measured short, their misses late."""
+    import server.session
+
+    monkeypatch.setattr(server.session, "DISCONNECTED_TICK_S", 5.0)  # the connection comes well within a tick
+
+    class Connection:
+        async def send(self, frame):
+            pass
+
+    async def main():
+        stream, targets = make_stream(20)
+        offsets = np.concatenate([np.linspace(0.02, 0.1, 10), np.linspace(1.0, 1.1, 10)])
+        session = TeamSession("late", stream.symbols, stream.features, targets, offsets, atol=1e-3,
+                              half_life_ms=100.0, timeout_s=2.0, send_stall_s=2.0, max_requests_per_message=16)
+        task = asyncio.create_task(session.run())
+        await asyncio.sleep(0.3)  # the first 10 fell due meanwhile, nobody connected
+        connected_at = session._clock()
+        session.attach(Connection())
+        while session.sent < 20:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        return session, connected_at
+    session, connected_at = run(main())
+    sent = session.request_times()["sent"] - session.start
+    np.testing.assert_allclose(sent[:10], np.linspace(0.02, 0.1, 10))  # when each fell due (was: when it connected)
+    assert (sent[10:] >= np.linspace(1.0, 1.1, 10)).all() and (sent[10:] > connected_at - session.start).all()
+
+
 def test_an_original_protocol_team_is_its_host_and_only_that_host_takes_it_over():
     """The original protocol registers no name: the server names the team after the client's host, which is then
     its key. A websocket stranger claiming that name is refused; the host's next connection takes its team back."""
