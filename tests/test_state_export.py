@@ -13,7 +13,7 @@ from client.engine.fast import PAD_SLOT, FastEngine
 from client.engine.precision import FP32_PRECISION, StateStorage
 from client.engine.reference import ReferenceEngine
 from client.engine.shard_process import process_shards
-from client.engine.sharded import ModelSpec, ShardedEngine
+from client.engine.sharded import ModelSpec, ShardedEngine, ShardLost
 from client.model import load_model
 from shard_checks import ShardHere, one_thread_shards
 from test_fast_engine import backlog_steps
@@ -210,6 +210,37 @@ def test_sharded_in_this_process_routes_to_each_symbols_shard(model):
     assert engine.export_state("A").result() is None
     engine.close()
 
+
+
+class _LostShard(ShardHere):
+    """A shard in this process that reads as lost (its calls' answers raise ShardLost) once `lost` is set."""
+    lost = False
+
+    def result(self, handle):
+        if self.lost:
+            raise ShardLost("its process exited")
+        return super().result(handle)
+
+
+@pytest.mark.parametrize("on_shard_loss", ["error", "reset"])
+def test_a_lost_shards_symbol_exports_no_state(model, on_shard_loss):
+    """A lost shard's symbol raised its loss on export, and so did an export on its way when the shard was lost:
+    the journal then stopped checkpointing every symbol for the session (its journal unbounded, a restart replaying
+    all of it). Its state went with the shard, and its next request starts afresh (reset) or is refused (error):
+    it exports None, as a symbol the engine holds no state of; the other shard's symbols export as before."""
+    shards = [_LostShard(FastEngine(model, "cpu", capacity=4, progress=False), index) for index in range(2)]
+    engine = ShardedEngine(shards, on_shard_loss=on_shard_loss, progress=False)
+    try:
+        features = np.random.default_rng(7).standard_normal((2, 79)).astype(np.float32)
+        engine.step(["A", "B"], features)
+        assert (engine.shard_of["A"], engine.shard_of["B"]) == (0, 1)
+        shards[1].lost = True
+        assert engine.export_state("B").result() is None  # on its way when the shard was lost
+        assert len(engine.losses) == 1
+        assert engine.export_state("B").result() is None  # asked once the loss is known
+        assert np.array_equal(engine.export_state("A").result(), shards[0].engine.export_state("A").result())
+    finally:
+        engine.close()
 
 def test_sharded_over_processes_exports_and_imports_in_order(model):
     with one_thread_shards():

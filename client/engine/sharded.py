@@ -9,7 +9,8 @@ order, so a step's parts arrive as each shard completes (`ShardedPendingStep.par
 fails (no room, bad input) fails alone; its step's other parts are answered.
 
 A symbol's state is exported from, or imported into, its shard (import places a new symbol as a step does) through
-the same queue as its steps, answered in order with them (export_state, import_state).
+the same queue as its steps, answered in order with them (export_state, import_state). A lost shard's symbol exports
+None, as one held nowhere does: its state went with the shard.
 
 A shard's engine forgets a symbol idle past its idle timeout by its own clock, when a later placement there finds
 it idle (its last use: when that shard stepped it, not when the step was submitted here), so the times steps are
@@ -224,13 +225,13 @@ class _Part:
 
 
 class _StateCall:
-    """A shard's export or import of one symbol's state, sent and answered in order with its steps' parts: `args`
-    for the shard's method, the answer (or the exception) in `future`. It holds no rows of a step."""
+    """A shard's export or import of one symbol's state, sent and answered in order with its steps' parts: `kind`
+    the shard's method, `args` for it, the answer (or the exception) in `future`. It holds no rows of a step."""
 
     symbols = ()
 
-    def __init__(self, *args):
-        self.args, self.future = args, Future()
+    def __init__(self, kind, *args):
+        self.kind, self.args, self.future = kind, args, Future()
         self.moved = False
         self.released = set()
 
@@ -537,14 +538,15 @@ class ShardedEngine(Engine):
         return self._state_layout
 
     def export_state(self, symbol) -> PendingStep:
-        """Asked of the symbol's shard after the steps submitted to it so far (None for a symbol on no shard); a
-        lost shard's symbol raises its loss."""
+        """Asked of the symbol's shard after the steps submitted to it so far; None for a symbol on no shard, or on
+        a lost one (its state went with the shard: raised, the loss stopped the journal's checkpoints of every
+        symbol for the session)."""
         symbol = state_symbol(symbol)
         if self._state_layout is None:
             raise NotImplementedError("this sharded engine's shards cannot export a symbol's state")
         with self._lock:
             index = self.shard_of.get(symbol)
-            if index is None:
+            if index is None or self._runners[index].lost is not None:
                 return PendingStep.completed(None)
             call = self._send(index, "export_state", symbol)
         return PendingStep(call.future.result, poll=call.future.done)
@@ -579,7 +581,7 @@ class ShardedEngine(Engine):
             raise ShardError("the sharded engine is closed")
         if runner.lost is not None:
             raise runner.loss()
-        call = _StateCall(*args)
+        call = _StateCall(kind, *args)
         runner.work.append((kind, call))
         runner.work_ready.notify()
         return call
@@ -707,7 +709,9 @@ class ShardedEngine(Engine):
                 return
             where = runner.shard.where
             pending = runner.take_unanswered(cause)
-            calls = [(call, runner.loss()) for call in pending if isinstance(call, _StateCall)]  # its states went too
+            # its states went too: an export gives None (as export_state after the loss), an import fails
+            calls = [(call, None if call.kind == "export_state" else runner.loss()) for call in pending
+                     if isinstance(call, _StateCall)]
             pending = [part for part in pending if not isinstance(part, _StateCall)]
             symbols = [s for s, index in self.shard_of.items() if index == runner.index]
             closing = self._closing
