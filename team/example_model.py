@@ -32,6 +32,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import threading  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -486,6 +487,37 @@ def _team_client(team_class, engine, team_dir):
                            f"{type(exc).__name__}: {exc}") from exc
 
 
+class _LossNotices:
+    """Says each shard the engine loses to the client playing the stream (its summary's notices, and the server's
+    leaderboard), not only on stderr: one lost while no client plays (the journal's replay, between streams) to the
+    next one, once its run() has begun (notice() needs its loop)."""
+
+    def __init__(self, engine):
+        self._lock, self._client, self._waiting = threading.Lock(), None, []
+        engine.on_loss(self._lost)
+
+    def playing(self, client) -> None:
+        """From now on losses go to `client` (None: to the next client), those waiting first."""
+        with self._lock:
+            self._client, waiting = client, [] if client is None else self._waiting
+            if client is not None:
+                self._waiting = []
+        for loss in waiting:
+            self._say(client, loss)
+
+    def _lost(self, loss) -> None:  # an engine's thread
+        with self._lock:
+            client = self._client
+            if client is None:
+                self._waiting.append(loss)
+                return
+        self._say(client, loss)
+
+    @staticmethod
+    def _say(client, loss) -> None:
+        client.notice("state_reset" if loss["policy"] == "reset" else "shard_lost", loss["line"])
+
+
 def _replay_journal(args, url, fingerprint, team_client):
     """(the --journal's Journal, the Replayed of the requests it replayed through the team client: its session with
     this server, team and weights); (None, None) without --journal."""
@@ -533,14 +565,11 @@ async def play(args) -> tuple[dict, list[dict] | None]:
             url = server_url(args.protocol, "127.0.0.1", await server.start())
         else:
             url = server_url(args.protocol, args.host, args.port, args.tls)
-        playing = [None]  # the client of the stream being played
+        losses = _LossNotices(engine)  # before the journal's replay: a shard lost during it is said too
         session_key = None  # of the last welcome: a restarted server's new stream is the team it welcomed
         journal, replayed = _replay_journal(args, url, fingerprint, team_client)
         if replayed:
             session_key = journal.session_key  # the session it journaled, taken back
-        # A lost shard is said in the summary and to the server (its leaderboard), not only on stderr.
-        engine.on_loss(lambda loss: playing[0].notice(
-            "state_reset" if loss["policy"] == "reset" else "shard_lost", loss["line"]))
         while True:
             client = StreamingClient(team_client, url, args.team, args.token,
                                      preset=args.preset, weights_fingerprint=fingerprint,
@@ -552,13 +581,15 @@ async def play(args) -> tuple[dict, list[dict] | None]:
                                      journal=journal, replayed=replayed, tls_ca=args.tls_ca,
                                      on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome,
                                                                                         engine_text), file=sys.stderr))
-            playing[0] = client
+            began = asyncio.get_running_loop().call_soon(losses.playing, client)  # at run()'s first await
             replayed = None  # in the client's answer cache now; a new stream's client plays from fresh states
             progress = asyncio.create_task(_print_progress(client))
             ctrl_c = _stop_on_ctrl_c(client)
             try:
                 summary = await client.run()
             finally:
+                began.cancel()
+                losses.playing(None)
                 progress.cancel()
                 if ctrl_c:
                     asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)

@@ -344,6 +344,31 @@ def test_a_lost_shards_requests_fail_in_the_same_words_before_and_after_its_loss
         engine.close()
 
 
+
+def test_a_shard_lost_before_the_stream_plays_is_in_the_clients_summary(monkeypatch):
+    """A shard lost while the team client's journal was replayed (no stream's client yet) was said on stderr alone:
+    the listener that tells the client was set only after the replay, so the summary's notices and the server's
+    leaderboard never said why that shard's symbols failed (or started again) for the whole session."""
+    from client import event_loop
+    from client.engine.reference import ReferenceEngine
+    from team import example_model
+
+    model, fingerprint = load_model("tiny", seed=0)  # the embedded server's weights
+    engine = ShardedEngine([ShardHere(ReferenceEngine(model, "cpu")), _UnreachableShard()], progress=False)
+    monkeypatch.setattr(example_model, "build_engine", lambda args: (engine, fingerprint, "shards here"))
+
+    def replay_losing_a_shard(args, url, fingerprint, team_client):
+        list(engine.submit(["A", "B"], np.zeros((2, 79), np.float32)).parts())  # B's shard is lost
+        return None, None
+    monkeypatch.setattr(example_model, "_replay_journal", replay_losing_a_shard)
+    args = example_model.parse_args(["--preset", "tiny", "--engine", "reference", "--device", "cpu", "--symbols",
+                                     "2", "--requests", "20", "--rate", "200"])
+    summary, (server,) = event_loop.run(example_model.play(args))
+    assert summary["outcome"] == "complete"
+    (notice,) = summary["notices"]
+    assert notice == {"code": "shard_lost", "text": engine.losses[0]["line"]}
+    assert server["notices"] == [notice]
+
 def test_a_lost_shards_failed_steps_are_not_kept_by_its_loss():
     """Every part sent to a lost shard failed with one exception, the shard's loss: each step's result() raised it
     again, adding that step's frames to its traceback, so that the loss kept every failed step (its features, the
