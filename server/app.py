@@ -530,7 +530,7 @@ class ScoringServer:
             pass
 
     async def _on_message(self, session, ws, frame, received):
-        over = session.inbound.take(len(frame), session.sent - session.resolved)
+        over = session.inbound.take(len(frame), session.open_requests)
         if over is not None:
             session.errors += 1
             await self._send_error(ws, *over)

@@ -257,8 +257,9 @@ class InboundBudget:
     event loop, every team's, up to ~0.4 us a byte (a frame of many small values), and four teams sending 4 MB
     frames held it for seconds. Each request sent grants `per_request` bytes (its answer takes ~25 in msgpack,
     ~200 as an original-protocol line of its own); `allowance` bytes more (heartbeats, notices) refill at
-    `allowance_per_s`; what the bucket holds never exceeds the allowance plus the grants of the open requests, so
-    a team that leaves its requests unanswered saves nothing up."""
+    `allowance_per_s`; what the bucket holds never exceeds the allowance plus the grants of the open requests
+    (TeamSession.open_requests: a missed request resent on a reconnect is open again, its bytes granted again once),
+    so a team that leaves its requests unanswered saves nothing up."""
 
     def __init__(self, per_request=512, allowance=64 * 1024, allowance_per_s=16 * 1024, clock=time.monotonic):
         self.per_request, self.allowance, self.allowance_per_s, self.clock = (per_request, allowance,

@@ -118,6 +118,12 @@ class TeamSession:
         self._scores_resent = 0
         self._confirm_from = 0
         self.inbound = InboundBudget(clock=clock)
+        # a missed request resent on a reconnect is open again for the inbound budget (its late answer, or the
+        # client's refusal of it, takes bytes; counted resolved, a backlog's answers past the allowance were refused
+        # unread): 1 from its first resend until answered, 2 after. Each request's bytes are granted when first sent
+        # and, missed, when first resent: reconnecting again and again grants nothing more
+        self._reopened = np.zeros(total, dtype=np.int8)
+        self.reopened = 0  # of those, the ones at 1
         self.connection = None
         self._attached_at = -math.inf  # when the live connection was attached (the session's clock)
         self.connections = 0
@@ -141,6 +147,12 @@ class TeamSession:
         self._resend = self.sent > 0
         self._wake.set()
         return previous
+
+    @property
+    def open_requests(self) -> int:
+        """The requests whose answers the inbound budget holds bytes for: sent and not resolved, and the missed ones
+        resent since and not answered."""
+        return self.sent - self.resolved + self.reopened
 
     def detach(self, connection):
         if self.connection is connection:
@@ -197,14 +209,19 @@ class TeamSession:
         frame with its first request's send time. (Grouped as first sent, the requests that fell due while the
         team was away went one a frame: a backlog of 50,000 took 2.7 s to resend.)"""
         backlog = np.flatnonzero((self._state[:self.sent] == PENDING) | (self._state[:self.sent] == MISSED))
+        again = backlog[(self._state[backlog] == MISSED) & (self._reopened[backlog] == 0)]
+        self._reopened[again] = 1
+        self.reopened += len(again)
+        self.inbound.grant(len(again))
         for begin in range(0, len(backlog), self._chunk):
             group = backlog[begin:begin + self._chunk]
-            if not await self._send_requests(connection, group, self._send_time[group[0]]):
+            if not await self._send_requests(connection, group, self._send_time[group[0]], grant=False):
                 return
 
-    async def _send_requests(self, connection, ids, send_time) -> bool:
+    async def _send_requests(self, connection, ids, send_time, grant=True) -> bool:
         timestamp = self._wall_offset + send_time
-        self.inbound.grant(len(ids))
+        if grant:
+            self.inbound.grant(len(ids))
         for begin in range(0, len(ids), self._chunk):
             part = ids[begin:begin + self._chunk]
             msg = protocol.inference_request(part, self._symbols[part], self._features[part], timestamp)
@@ -276,6 +293,9 @@ class TeamSession:
         if not len(accepted):
             return None, problems
         latency_ms = (received - self._send_time[accepted]) * 1000.0
+        closed = accepted[self._reopened[accepted] == 1]
+        self._reopened[closed] = 2
+        self.reopened -= len(closed)
         correct, pnl = score_responses(predictions[accept], self._targets[accepted], latency_ms,
                                        self._atol, self._half_life_ms)
         was_pending = self._state[accepted] == PENDING

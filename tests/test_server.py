@@ -346,6 +346,39 @@ def test_a_reconnect_resends_a_backlog_in_full_frames_with_their_first_send_time
     assert [f["timestamp"] for f in frames] == [send_times[f["unique_ids"][0]] for f in frames]
 
 
+def test_a_reconnects_backlog_of_missed_requests_may_be_answered_at_once_past_the_allowance():
+    """The requests missed while a team was away are resent on its reconnect, but counted resolved they granted its
+    inbound budget nothing: a backlog's late answers (or its client's refusals of them, ~110 B each) past the
+    allowance, 64 KB, were refused unread as too_much_data. Now a missed request resent is open again until
+    answered, its bytes granted once a session: a second reconnect grants nothing more."""
+    class Connection:
+        async def send(self, frame):
+            pass
+
+    requests = 1_000
+    now = [0.0]
+    stream, targets = make_stream(requests)
+    session = TeamSession("away", stream.symbols, stream.features, targets, np.zeros(requests), atol=1e-3,
+                          half_life_ms=100.0, timeout_s=1.0, send_stall_s=1.0, max_requests_per_message=256,
+                          clock=lambda: now[0])
+    session.sent = requests
+    session._send_time[:] = 0.0
+    session.inbound.grant(requests)  # sent at 0 while nobody was connected, then missed
+    now[0] = 100.0
+    session._reap(now[0])
+    assert session.missed == requests and session.open_requests == 0
+    backlog = 200 * 1024  # the backlog's refusals, or its late answers as original-protocol lines
+    assert session.inbound.take(backlog, session.open_requests) is not None  # the allowance alone
+    session.attach(Connection())
+    run(session._send_backlog(session.connection))
+    assert session.open_requests == requests and session.inbound.take(backlog, session.open_requests) is None
+    session.handle_response(list(range(requests - 1)), targets[:requests - 1], now[0])
+    assert session.open_requests == 1 and session.late == requests - 1
+    session.attach(Connection())  # again: the one left is resent, its bytes not granted again
+    run(session._send_backlog(session.connection))
+    assert session.open_requests == 1 and session.inbound.take(64 * 1024 + 513, session.open_requests) is not None
+
+
 def test_a_reconnect_gets_again_the_score_updates_a_drop_may_have_lost_once():
     """A score update sent as the connection dropped was lost with it, and the client's count of what was scored
     fell short for good (its summary said missed for answers the server scored in time)."""
