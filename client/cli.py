@@ -41,6 +41,7 @@ EXIT_WEIGHTS_MISMATCH = 5    # the server's model has other weights than the tea
 EXIT_CUT_SHORT = 6           # connected, but the stream ended early (server gone, stopped, silent or failing)
 EXIT_INTERRUPTED = 130       # Ctrl-C (128 + SIGINT, as shells report it)
 EXIT_OUTPUT_CLOSED = 141      # the reader of the output left, `| head` (128 + SIGPIPE, as shells report it)
+EXIT_TERMINATED = 143        # stopped by SIGTERM, cleanly (128 + SIGTERM, as shells report it)
 
 EXIT_CODES = {  # code -> meaning, for --help epilogs and the README
     EXIT_OK: "played to the end (or done)",
@@ -53,6 +54,7 @@ EXIT_CODES = {  # code -> meaning, for --help epilogs and the README
                     "connection before the end of the stream)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
     EXIT_OUTPUT_CLOSED: "the reader of the output left (| head)",
+    EXIT_TERMINATED: "stopped by SIGTERM (the team client, with the summary so far)",
 }
 
 # The team client's exit code for each outcome of client.runtime's StreamingClient.

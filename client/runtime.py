@@ -314,6 +314,7 @@ class StreamingClient:
         self.welcome: dict | None = None
         self.outcome: str | None = None
         self.detail = ""
+        self._stopped_why: str | None = None  # stop()'s why
         self._ended = False                 # the server's end arrived
         self._welcomed = False              # the server welcomed the current connection
         self._refusal: dict | None = None   # the server's last error on this connection before its welcome
@@ -492,6 +493,8 @@ class StreamingClient:
             gc.unfreeze()
         if self.outcome is None:  # only stop() ends the session without saying how
             self._finish(COMPLETE if self._ended else INTERRUPTED)
+            if self.outcome == INTERRUPTED and self._stopped_why:
+                self.detail = f"{self._stopped_why}: {self.detail}"
         return self.summary()
 
     def notice(self, code: str, text: str) -> None:
@@ -528,8 +531,9 @@ class StreamingClient:
             return None
         return theirs == self.weights_fingerprint
 
-    def stop(self) -> None:
-        """End the session (call on the event loop thread)."""
+    def stop(self, why: str | None = None) -> None:
+        """End the session (call on the event loop thread); `why` (e.g. "SIGTERM") heads the interrupted detail."""
+        self._stopped_why = why
         if self._stop is not None:
             self._stop.set()
         if self._ws is not None:

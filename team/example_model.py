@@ -391,24 +391,30 @@ async def _print_progress(client):
             print(("\r" if live else "") + line, end="" if live else "\n", file=sys.stderr, flush=True)
 
 
-def _stop_on_ctrl_c(client) -> bool:
-    """The first Ctrl-C stops the client cleanly (the summary so far is still printed); a second one, while
-    it stops, interrupts at once. False where Ctrl-C is ignored (a background job) or the loop cannot take
-    signals (Windows)."""
+def _stop_on_signals(client, stopped_by: list) -> list:
+    """The first Ctrl-C or SIGTERM (a service manager's stop, `docker stop`) stops the client cleanly: the summary
+    so far is printed, the journal and an embedded server closed; a second one, while it stops, acts at once
+    (KeyboardInterrupt, SIGTERM's default end). The signals that stopped it go into `stopped_by`; returns those
+    it took over: none where a signal is ignored (a background job's Ctrl-C) or the loop takes none (Windows)."""
     loop = asyncio.get_running_loop()
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        return False
+    taken = []
 
-    def first_ctrl_c():
-        loop.remove_signal_handler(signal.SIGINT)  # back to KeyboardInterrupt for a second Ctrl-C
-        print(file=sys.stderr)
-        client.stop()
+    def first(signum):
+        loop.remove_signal_handler(signum)  # back to the default for a second one
+        stopped_by.append(signum)
+        if signum == signal.SIGINT:
+            print(file=sys.stderr)
+        client.stop(None if signum == signal.SIGINT else signal.Signals(signum).name)
 
-    try:
-        loop.add_signal_handler(signal.SIGINT, first_ctrl_c)
-    except NotImplementedError:
-        return False
-    return True
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            continue
+        try:
+            loop.add_signal_handler(signum, first, signum)
+        except NotImplementedError:
+            break
+        taken.append(signum)
+    return taken
 
 
 def _describe_welcome(url, args, welcome, engine_text) -> str:
@@ -541,8 +547,10 @@ def _replay_journal(args, url, fingerprint, team_client):
     return journal, replayed
 
 
-async def play(args) -> tuple[dict, list[dict] | None]:
-    """Play the server given by args (or an embedded one); return (client summary, server summaries)."""
+async def play(args, stopped_by: list | None = None) -> tuple[dict, list[dict] | None]:
+    """Play the server given by args (or an embedded one); return (client summary, server summaries). The signals
+    that stopped it (Ctrl-C, SIGTERM) go into `stopped_by`."""
+    stopped_by = [] if stopped_by is None else stopped_by
     from client.runtime import NEW_STREAM, StreamingClient
     from client.transport import server_url
 
@@ -584,15 +592,15 @@ async def play(args) -> tuple[dict, list[dict] | None]:
             began = asyncio.get_running_loop().call_soon(losses.playing, client)  # at run()'s first await
             replayed = None  # in the client's answer cache now; a new stream's client plays from fresh states
             progress = asyncio.create_task(_print_progress(client))
-            ctrl_c = _stop_on_ctrl_c(client)
+            signals = _stop_on_signals(client, stopped_by)
             try:
                 summary = await client.run()
             finally:
                 began.cancel()
                 losses.playing(None)
                 progress.cancel()
-                if ctrl_c:
-                    asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+                for signum in signals:
+                    asyncio.get_running_loop().remove_signal_handler(signum)
             if summary["outcome"] != NEW_STREAM:
                 break
             # Its run has ended every step: the states are the engine's alone to drop, and a fresh team client
@@ -618,7 +626,8 @@ def main(argv=None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     if args.cluster is None:  # else --device is the shards', on the cluster
         cli.check_device(args.device)
-    summary, server_summaries = event_loop.run(play(args))
+    stopped_by = []
+    summary, server_summaries = event_loop.run(play(args, stopped_by))
     print(json.dumps(summary, indent=2))
     if server_summaries:
         print("server summary: " + json.dumps(server_summaries, indent=2))
@@ -629,6 +638,8 @@ def main(argv=None) -> int:
     hint = OUTCOME_HINTS.get(outcome)
     print(f"{PROG}: {outcome.replace('_', ' ')}: {summary['detail']}" + (f"; {hint}" if hint else ""),
           file=sys.stderr)
+    if outcome == "interrupted" and signal.SIGTERM in stopped_by:
+        return cli.EXIT_TERMINATED
     return cli.EXIT_BY_OUTCOME[outcome]
 
 

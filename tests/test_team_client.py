@@ -360,6 +360,25 @@ def test_ctrl_c_stops_cleanly_with_the_summary_so_far(tmp_path, targets_cache):
                                               "stream: ")
 
 
+def test_sigterm_stops_cleanly_with_the_summary_so_far(tmp_path, targets_cache):
+    """SIGTERM (a service manager's stop, `docker stop`) killed the client at once: no summary, no --json. It now
+    stops as a first Ctrl-C does, saying so, exit 143."""
+    server_proc, port = start_slow_server(tmp_path, targets_cache)
+    summary_file = tmp_path / "summary.json"
+    try:
+        client, before = start_client_until_playing(port, "--json", str(summary_file))
+        client.send_signal(signal.SIGTERM)
+        out, err = client.communicate(timeout=60)
+    finally:
+        server_proc.kill()
+    assert client.returncode == 143, err
+    summary = json.loads(out)
+    assert summary["outcome"] == "interrupted" and 0 < summary["requests"] < 600
+    assert json.loads(summary_file.read_text()) == summary
+    assert last_line(before + err).startswith("team/example_model.py: interrupted: SIGTERM: stopped before the end "
+                                              "of the stream: ")
+
+
 def test_server_stopping_mid_stream_cuts_the_client_short(tmp_path, targets_cache):
     server_proc, port = start_slow_server(tmp_path, targets_cache)
     try:
