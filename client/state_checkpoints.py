@@ -14,6 +14,7 @@ a kill or a crash leaves the old file or the new one, never part of one, and a s
 states that cover it are on the disk, each written only after the journal's records it covers are (synced).
 """
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -124,14 +125,9 @@ class StateCheckpoints:
         starts, ends, was_refused = self.gone()
         starts, ends = merged(starts, ends, *as_ranges(answered))
         refused = np.concatenate([was_refused, np.asarray(refused, np.int64)])
-        path = self.dir / GONE
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, starts=starts, ends=ends, refused=refused)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _sync_dir(self.dir)
+        data = io.BytesIO()
+        np.savez(data, starts=starts, ends=ends, refused=refused)
+        _write_whole(self.dir / GONE, data.getbuffer())
 
     def _path(self, symbol) -> Path:
         return self.dir / (hashlib.sha256(symbol.encode()).hexdigest()[:32] + ".state")
@@ -174,12 +170,16 @@ def _read_state_header(path) -> tuple[dict, int]:
 def _write_whole(path: Path, *parts) -> None:
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        for part in parts:
-            f.write(part)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:  # a full disk: the part written (up to a state's size) is not left taking its room
+        tmp.unlink(missing_ok=True)
+        raise
     _sync_dir(path.parent)
 
 

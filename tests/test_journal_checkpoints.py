@@ -468,3 +468,23 @@ def test_states_ahead_of_a_journal_whose_tail_a_crash_lost_are_one_line(tmp_path
     os.truncate(path, os.path.getsize(path) - RECORD_BYTES)  # its last record lost
     with pytest.raises(JournalError, match="a crash"):
         Journal(path, IDENTITY, layout=Toy().state_layout())
+
+
+def test_a_state_or_ids_write_that_fails_leaves_no_part_of_its_file(tmp_path, monkeypatch):
+    """A full disk failing a state's write (or gone.npz's) partway: its temporary file is removed. It was left in
+    PATH.states, up to a state's size (146 MiB) of a full disk's room held for the rest of the session."""
+    import client.state_checkpoints as state_checkpoints
+
+    checkpoints = StateCheckpoints(tmp_path / "j.states", "k")
+    checkpoints.start("k", {"toy": "toy"})
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(state_checkpoints.os, "fsync", full_disk)
+    with pytest.raises(OSError):
+        checkpoints.write("SYM_000", 5, np.ones(1 << 16, np.uint8))
+    with pytest.raises(OSError):
+        checkpoints.add_gone([1, 2, 3], [4])
+    assert sorted(p.name for p in (tmp_path / "j.states").iterdir()) == ["layout.json"]
+    assert checkpoints.covers == {}
