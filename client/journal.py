@@ -63,6 +63,7 @@ import numpy as np
 
 from client import team_api
 from client.constants import NUM_FEATURES, NUM_TOWERS
+from client.engine.base import CapacityError
 from client.id_ranges import IdBits, IdRanges
 from client.runtime import CACHE_SIZE, REFUSALS_KEPT
 from client.scheduler import Request, Scheduler
@@ -686,7 +687,12 @@ def _load_states(team_client, journal: Journal, replayed: Replayed, keep_refused
         except CheckpointError as exc:
             raise JournalError(f"--journal {journal.path}: {exc}") from None
         if state is not None:
-            team_client.import_state(symbol, state)
+            try:
+                team_client.import_state(symbol, state)
+            except CapacityError as exc:  # (its records covered may be gone: they cannot be stepped instead)
+                raise JournalError(f"--journal {journal.path}: the states checkpointed of "
+                                   f"{len(checkpoints.covers):,} symbols do not fit this engine's tiers ({exc}): "
+                                   "restart with room for every symbol of the session") from None
     return checkpoints.covers
 
 

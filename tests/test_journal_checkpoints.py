@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from client.engine.base import PendingStep
+from client.engine.base import CapacityError, PendingStep
 from client.journal import MAGIC_V1, Journal, JournalError, replay
 from client.state_checkpoints import StateCheckpoints
 
@@ -180,6 +180,22 @@ def test_states_of_another_layout_or_a_team_client_that_cannot_import_are_one_li
 
     with pytest.raises(JournalError, match="cannot import states"):
         replay(CannotImport(), Journal(path, IDENTITY), keep=3, progress=None)
+
+
+def test_states_that_do_not_fit_the_engine_are_one_line_naming_the_journal(tmp_path):
+    """A restart with fewer state slots than the symbols checkpointed: a JournalError (an ordinary mistake, in one
+    line) naming the journal and the engine's limits. The engine's CapacityError escaped, an unexpected error."""
+    path = tmp_path / "j"
+    play(path, stream(30))
+
+    class TwoSlots(Toy):
+        def import_state(self, symbol, data):
+            if len(self.states) == 2:
+                raise CapacityError.no_room([symbol], "2 on cpu", "--state-slots")
+            super().import_state(symbol, data)
+
+    with pytest.raises(JournalError, match=r"j: the states checkpointed of 3 symbols do not fit .*2 on cpu"):
+        replay(TwoSlots(), Journal(path, IDENTITY), keep=3, progress=None)
 
 
 def test_a_kill_between_closing_a_segment_and_opening_the_next_reads_the_closed_one_as_written(tmp_path):
