@@ -253,6 +253,7 @@ class Journal:
         self.count = self.refused = self.symbols = self.first = self.total = 0
         self._dirty.clear()
         self._exporting.clear()
+        self.checkpoints_failed = False  # a state the old session's could not write stops no checkpoint of this one
         self._open_segment(session_key, 0, os.O_TRUNC)
         states = self.path + ".states"
         if self.layout is not None:

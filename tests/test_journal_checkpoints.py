@@ -224,6 +224,41 @@ def test_a_state_that_cannot_be_written_keeps_its_records(tmp_path, monkeypatch,
     assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
 
 
+def test_a_new_session_checkpoints_again_after_the_old_one_stopped_them(tmp_path, monkeypatch, caplog):
+    """A state write failed in one session (checkpoints stop, its records kept); the server began a new stream in
+    the same process (begin() with a new key: the files started afresh): its checkpoints go on, bounding its journal.
+    They stayed stopped, and the new session's journal grew without bound, unsaid."""
+    team, path = Toy(), tmp_path / "j"
+    journal = Journal(path, IDENTITY, layout=team.state_layout(), segment_bytes=5 * RECORD_BYTES, keep=3)
+
+    def feed(requests):
+        for uid, symbol, features in requests:
+            journal.append([(uid, symbol, features)], team.process_batch({symbol: [(uid, features)]})["predictions"])
+            while journal.checkpoint_due():
+                due = journal.begin_checkpoint(set())
+                if due is None:
+                    journal.drop_covered()
+                    break
+                journal.end_checkpoint(due[0], due[1], team.export_state(due[0]).result())
+
+    def full_disk(self, symbol, covers, state):
+        raise OSError(28, "No space left on device")
+
+    journal.begin("k")
+    with monkeypatch.context() as patched:
+        patched.setattr(StateCheckpoints, "write", full_disk)
+        feed(stream(20))
+    assert journal.checkpoints_failed and journal.checkpointed == 0
+    journal.begin("k2")
+    team = Toy()
+    feed(stream(60, seed=1))
+    journal.close()
+    assert journal.checkpointed > 0 and journal.dropped > 0 and len(parts(path)) <= 2
+    again = Toy()
+    replay(again, Journal(path, IDENTITY, layout=team.state_layout(), keep=3), keep=3, progress=None)
+    assert all(np.array_equal(again.states[s], team.states[s]) for s in team.states)
+
+
 def test_a_version_1_journal_is_replayed_and_the_session_goes_on_in_a_segment_of_its_own(tmp_path):
     """A journal written before answers were journaled (version 1: no predictions) is replayed whole, and the
     session goes on in a new segment (its records could not be appended to the old file)."""
