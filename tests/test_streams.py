@@ -62,6 +62,20 @@ def test_symbol_names_widen_past_a_thousand_symbols():
     assert "SYM_0000" in stream.symbols and "SYM_1499" in stream.symbols
 
 
+def test_many_symbols_and_few_requests_name_only_the_symbols_drawn():
+    # every one of the num_symbols names was made first: 10^8 symbols and 3 requests took 12 GB
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        stream = generate_stream(2_000_000, 3, seed=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(stream) == 3 and all(len(symbol) == len("SYM_0000000") for symbol in stream.symbols)
+    assert peak < 40e6  # the permutation of 2e6 symbols (16 MB) and its copies; the names took 200 MB
+
+
 def test_delay_mean_follows_the_rate():
     assert generate_stream(5, 20000, seed=2).delay_ms.mean() == pytest.approx(12.0, rel=0.05)
     assert generate_stream(5, 20000, seed=2, rate=400).delay_ms.mean() == pytest.approx(2.5, rel=0.05)
