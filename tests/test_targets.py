@@ -278,6 +278,24 @@ def test_non_finite_predictions_are_an_error_naming_the_row(model_and_fingerprin
     assert not list(tmp_path.glob("*.npy"))
 
 
+def test_targets_are_computed_with_fp32_products_whatever_the_process_set(model_and_fingerprint, tmp_path,
+                                                                          monkeypatch):
+    # a team module that turns TF32 on at import (the evaluator imports it before the targets) made the full
+    # preset's RetNet targets 93% within atol of the fp32 model's, cached as its
+    seen = []
+
+    class FlagRecordingModel(CountingModel):
+        def forward(self, features, state):
+            seen.append(torch.backends.cuda.matmul.allow_tf32)
+            return super().forward(features, state)
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    compute_targets(FlagRecordingModel(model_and_fingerprint[0]), generate_stream(2, 6, seed=0), "w",
+                    device="cpu", cache_dir=tmp_path, progress=False)
+    assert seen and not any(seen)
+    assert torch.backends.cuda.matmul.allow_tf32  # the process's own setting comes back
+
+
 @pytest.mark.parametrize("stream, fingerprint, error, message", [
     (generate_stream(1, 2, seed=0), "", ValueError, "weights_fingerprint must be a non-empty string"),
     (generate_stream(1, 2, seed=0), None, ValueError, "weights_fingerprint must be a non-empty string"),
