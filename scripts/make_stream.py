@@ -41,8 +41,9 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.targets and args.preset is None:
         parser.error("--targets needs --preset")
-    if not args.targets and (args.preset or args.weights or args.weights_seed is not None or args.device):
-        parser.error("--preset, --weights, --weights-seed and --device only apply with --targets")
+    if not args.targets and (args.preset or args.weights or args.weights_seed is not None or args.device
+                             or args.cache_dir):
+        parser.error("--preset, --weights, --weights-seed, --device and --cache-dir only apply with --targets")
     if args.out is None:
         args.out = f"stream_{args.symbols}x{args.requests}_{args.seed}.npz"
     if args.out.endswith(os.sep):  # Path() drops the "/": the stream went into a file named after the folder

@@ -503,6 +503,8 @@ def test_make_stream_writes_the_generated_stream(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--symbols", "2", "--requests", "5", "--seed", "1", "--targets"], "--targets needs --preset"),
     (["--symbols", "2", "--requests", "5", "--seed", "1", "--preset", "tiny"], "only apply with --targets"),
+    # else accepted and nothing cached: the targets' cache is only used with --targets
+    (["--symbols", "2", "--requests", "5", "--seed", "1", "--cache-dir", "c"], "--cache-dir only apply with --targets"),
     (["--symbols", "2", "--requests", "5", "--seed", "1", "--out", "s.csv"], "must end in .npz or .parquet"),
     (["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "huge"], "invalid choice"),
     (["--symbols", "2", "--requests", "5", "--seed", "1", "--targets", "--preset", "tiny", "--weights", "w.pt",
