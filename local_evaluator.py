@@ -448,7 +448,7 @@ def parse_args(argv=None):
     out = p.add_argument_group("output")
     out.add_argument("--json", type=cli.output_file, help="write the summary here")
     out.add_argument("--profile", metavar="DIR", help="torch.profiler trace of a few steps into DIR; print top kernels")
-    out.add_argument("--profile-steps", type=cli.positive_int, default=DEFAULT_PROFILE_STEPS,
+    out.add_argument("--profile-steps", type=cli.positive_int,
                      help=f"steps the profile records, after the first (default {DEFAULT_PROFILE_STEPS})")
     out.add_argument("--plot", metavar="PNG", type=cli.output_file,
                      help="latency distribution and per-tower error (matplotlib)")
@@ -462,6 +462,10 @@ def parse_args(argv=None):
                 p.error(f"--{name} {getattr(args, name)} is the --stream file itself; give another path")
     if not args.atol > 0:
         p.error(f"--atol must be positive, got {args.atol}")
+    if args.profile_steps is not None and args.profile is None:  # else accepted, and nothing recorded
+        p.error("--profile-steps: for --profile DIR, which records the trace")
+    if args.profile_steps is None:
+        args.profile_steps = DEFAULT_PROFILE_STEPS
     if args.profile is not None and Path(args.profile).exists() and not Path(args.profile).is_dir():
         p.error(f"--profile {args.profile} is a file; give a folder for the trace")  # else found after the setup
     if args.profile is not None:
