@@ -456,6 +456,8 @@ def parse_args(argv=None):
     generating = [f"--{name.replace('_', '-')}" for name in GENERATION if getattr(args, name) is not None]
     if args.stream is not None and generating:  # else silently ignored: the file's requests replayed as they are
         p.error(f"{', '.join(generating)}: for a generated stream; --stream replays the file's own requests")
+    if args.rate is not None and args.batch_size is not None:  # the gaps it sets are ignored: it did nothing
+        p.error("--rate: sets the gaps between requests, which --batch-size ignores (groups arrive as answered)")
     if args.stream is not None:  # the summary or the plot written over the stream it replays
         for name in ("json", "plot"):
             if getattr(args, name) and os.path.realpath(getattr(args, name)) == os.path.realpath(args.stream):

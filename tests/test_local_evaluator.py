@@ -395,6 +395,7 @@ def test_broken_team_client(tmp_path, capsys, source, message):
     (["--engine", "warp"], "argument --engine: invalid choice: 'warp'"),
     (["--profile-steps", "0"], "--profile-steps: must be a positive integer"),
     (["--profile-steps", "3"], "--profile-steps: for --profile DIR"),  # accepted, and nothing was recorded
+    (["--rate", "50", "--batch-size", "4"], "--rate: sets the gaps between requests, which --batch-size ignores"),
     (["--seed", "-1"], "argument --seed: must be a non-negative integer, got '-1'"),
     # checked before the run, not when writing its results
     (["--json", "/no/such/folder/summary.json"], "argument --json: no such folder: /no/such/folder"),
