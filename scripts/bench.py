@@ -206,6 +206,9 @@ def parse_args(argv=None):
     late_after_ms = args.late_after_ms or [LATE_AFTER_S * 1000.0]
     if args.punctual_late_after_ms and max(args.punctual_late_after_ms) > min(late_after_ms):
         parser.error(f"--punctual-late-after-ms must not exceed --late-after-ms ({min(late_after_ms):g})")
+    if args.accuracy_backlog_only and args.max_requests_per_symbol == 1:  # else the accuracy section ran nothing
+        parser.error("--accuracy-backlog-only: the suite's run with a backlog of K = --max-requests-per-symbol "
+                     "requests needs K above 1")
     counts = QUICK if args.quick else FULL
     overrides = {"family_symbols": args.family_symbols, "family_steps": args.family_steps,
                  "family_seeds": args.family_seeds,

@@ -203,6 +203,9 @@ def test_reference_tracker_continues_states_across_streams():
     (["--preset", "huge"], "invalid choice"),
     (["--json", "/no/such/folder/bench.json"], "argument --json: no such folder: /no/such/folder"),  # before the run
     (["--seed", "-1"], "argument --seed: must be a non-negative integer"),  # not every section's traceback
+    # the accuracy section ran nothing and said nothing: the backlog run is for K above 1
+    (["--accuracy-backlog-only", "--max-requests-per-symbol", "1"], "--accuracy-backlog-only: the suite's run with a "
+                                                                    "backlog of K = --max-requests-per-symbol"),
 ])
 def test_bad_options_are_refused(argv, message, usage_error):
     assert message in usage_error(_load_bench().parse_args, ["--device", "cpu", *argv])
