@@ -22,6 +22,7 @@ from client.engine.fast import FastEngine
 from client.families import FAMILIES
 from client.model import PRESETS, load_model
 from kernels.skinny_matmul import promoted_partials
+from scripts.benchmarks.report import finite_or_none
 from scripts.precision_cost import specs_argument
 
 
@@ -114,9 +115,9 @@ def main(argv=None):
                      lambda m: sys.stderr.write(f"[{time.monotonic() - begin:6.1f} s] {m}\n"),
                      PROMOTES[args.promote_partials])
     print(table(result))
-    if args.json:
+    if args.json:  # a spec with no finite prediction of a tower has NaN errors, which plain JSON cannot hold: null
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(finite_or_none(result), f, indent=1, allow_nan=False)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,3 +80,22 @@ def test_the_promote_setting_is_each_engines_and_restored_after():
     assert [(m, on) for m, on in seen if m.endswith("measured")] == [("auto+unpromoted: measured", False),
                                                                       ("auto: measured", True)]
     assert skinny.PROMOTE_PARTIALS is True
+
+
+def test_a_tower_with_no_finite_prediction_is_null_in_the_json(tmp_path, monkeypatch):
+    """A spec whose engine gave NaN for every prediction of a tower wrote NaN into --json, which strict JSON
+    readers (jq, JavaScript) refuse."""
+    import math
+
+    from scripts import accuracy_ab
+    from client.accuracy import tower_errors
+
+    errors = tower_errors(np.full((4, 4), np.nan), np.zeros((4, 4)))
+    assert math.isnan(errors["xlstm"]["max_abs_err"])
+    monkeypatch.setattr(accuracy_ab, "measure", lambda *args: {"engines": {"fp16": {"fp32": {"normal": errors}}}})
+    out = tmp_path / "ab.json"
+    accuracy_ab.main(["fp16", "--preset", "tiny", "--device", "cpu", "--json", str(out)])
+    row = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert row["engines"]["fp16"]["fp32"]["normal"]["xlstm"] == {**errors["xlstm"], "within_atol": 0.0,
+                                                                "max_abs_err": None, "mean_abs_err": None,
+                                                                "rmse": None}
