@@ -164,6 +164,18 @@ def test_tower_errors_values():
 
 
 
+def test_the_report_never_shows_a_share_with_misses_as_all_within():
+    """2 predictions of 100,000 off: rounded to nearest, the report read 1.0000 within atol."""
+    targets = np.zeros((100_000, 4), np.float32)
+    predictions = targets.copy()
+    predictions[:2, 0] = 1.0
+    result = {"requests": 100_000, "responses": 100_000, "steps": 1, "mean_batch": 1.0, "atol": 1e-3,
+              "latency_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0, "mean": 1.0}, "throughput_rps": None,
+              "towers": le.tower_errors(predictions, targets)}
+    rows = le.format_report(result).splitlines()[3:]
+    assert rows[0].split()[-2] == "0.9999" and rows[1].split()[-2] == "1.0000"
+
+
 def test_rel_rmse_of_a_constant_or_nearly_constant_target_is_undefined():
     from client.accuracy import tower_errors
 
