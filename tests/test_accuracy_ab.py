@@ -99,3 +99,13 @@ def test_a_tower_with_no_finite_prediction_is_null_in_the_json(tmp_path, monkeyp
     assert row["engines"]["fp16"]["fp32"]["normal"]["xlstm"] == {**errors["xlstm"], "within_atol": 0.0,
                                                                 "max_abs_err": None, "mean_abs_err": None,
                                                                 "rmse": None}
+
+
+def test_the_table_never_shows_a_share_with_misses_as_all_within():
+    from scripts.accuracy_ab import table
+    from client.accuracy import tower_errors
+
+    predictions = np.zeros((100_000, 4))
+    predictions[:2, 0] = 1.0  # 2 misses in 100,000: 99.998% read 100.00%
+    line = table({"engines": {"fp16": {"fp32": {"normal": tower_errors(predictions, np.zeros((100_000, 4)))}}}})
+    assert "xlstm  99.99% max" in line and "mamba2 100.00% max" in line
