@@ -359,3 +359,20 @@ def test_the_reference_engine_starts_without_triton():
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=checkout_env(root), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "(1, 4)\n", done.stderr
+
+
+def test_steps_run_with_fp32_products_whatever_the_process_set(model, monkeypatch):
+    """The fp32 reference engine ran its products as the process set them: a team module turning TF32 on at import
+    made the default engine's steps TF32 on a GPU (the targets and the fast engine's fp32 parts were kept fp32)."""
+    seen = []
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", recording)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    engine = ReferenceEngine(model, device="cpu", capacity=2)
+    engine.step(["A", "B", "A"], _features(np.random.default_rng(0), 3))
+    assert seen == [False, False] and torch.backends.cuda.matmul.allow_tf32  # two rounds; the process's own back

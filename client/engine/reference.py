@@ -10,6 +10,7 @@ import torch
 
 from client.engine.base import (NUM_TOWERS, Engine, PendingStep, Sequences, check_step_inputs, state_data,
                                 state_symbol, symbol_list)
+from client.engine.precision import fp32_products
 from client.engine.symbol_states import SymbolStates
 from client.model.state import split_state, stack_states
 
@@ -130,7 +131,7 @@ class ReferenceEngine(Engine):
             batch = [symbols[i] for i in rows]
             before = [states.get(s) or self._states.get(s) or self.model.init_state(1, device=self.device)
                       for s in batch]
-            with torch.no_grad():
+            with torch.no_grad(), fp32_products():  # fp32 whatever the process set (a team module's TF32)
                 predictions, after = self.model(torch.from_numpy(features[rows]).to(self.device),
                                                 stack_states(before))
             states.update(zip(batch, split_state(after)))
