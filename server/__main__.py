@@ -4,8 +4,14 @@ import signal
 import sys
 
 
+# The console script (pyproject.toml) imports this module before it calls run(): started as it, Ctrl-C is taken over
+# before the imports too, and its line names the console script (client.cli.prog_name's rule; not imported yet).
+_CONSOLE_SCRIPT = bool(sys.argv) and os.path.basename(sys.argv[0]) == "fastens-server"
+_INTERRUPTED = f"{'fastens-server' if _CONSOLE_SCRIPT else 'python -m server'}: interrupted"
+
+
 def _exit_at_ctrl_c(*_):
-    print("python -m server: interrupted", file=sys.stderr, flush=True)
+    print(_INTERRUPTED, file=sys.stderr, flush=True)
     os._exit(130)  # not an exception: an import that catches every exception would swallow it and go on
 
 
@@ -17,7 +23,7 @@ def _ctrl_c_exits_until_serving():
         signal.signal(signal.SIGINT, _exit_at_ctrl_c)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" or _CONSOLE_SCRIPT:
     _ctrl_c_exits_until_serving()  # first: the imports below take a second or two
 
 import argparse  # noqa: E402

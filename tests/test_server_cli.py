@@ -193,9 +193,16 @@ def test_ordinary_mistakes_are_one_line_errors(tmp_path):
 
 # ------------------------------------------------------------------ issue 21: Ctrl-C, exposure, tokens file
 
-def test_ctrl_c_stops_the_server_while_it_computes_the_targets(tmp_path):
+# fastens-server as pip's wrapper runs it: the module imported, then run()
+CONSOLE_SCRIPT = [sys.executable, "-c", "import sys; sys.argv[0] = '/venv/bin/fastens-server'; "
+                  "from server.__main__ import run; sys.exit(run())"]
+
+
+@pytest.mark.parametrize("command, prog", [([sys.executable, "-m", "server"], "python -m server"),
+                                           (CONSOLE_SCRIPT, "fastens-server")])
+def test_ctrl_c_stops_the_server_while_it_computes_the_targets(tmp_path, command, prog):
     # 100,000 requests over 2 symbols: a minute of targets on a CPU, nothing cached
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", "--symbols", "2", "--requests", "100000",
+    proc = subprocess.Popen([*command, "--port", "0", "--symbols", "2", "--requests", "100000",
                              "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, env=ONE_THREAD,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr.readline().startswith("loading preset tiny")
@@ -204,7 +211,19 @@ def test_ctrl_c_stops_the_server_while_it_computes_the_targets(tmp_path):
     started = time.monotonic()
     out, err = proc.communicate(timeout=60)
     assert time.monotonic() - started < 5 and proc.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "python -m server: interrupted" and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"{prog}: interrupted" and "Traceback" not in err
+    assert "listening" not in out
+
+
+def test_ctrl_c_in_the_console_scripts_imports_is_one_line():
+    # fastens-server imports server.__main__, torch and all, before it calls run(): Ctrl-C there was a traceback
+    proc = subprocess.Popen([*CONSOLE_SCRIPT, "--port", "0"], cwd=ROOT, env=ONE_THREAD,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "fastens-server: interrupted"
     assert "listening" not in out
 
 

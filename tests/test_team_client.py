@@ -449,19 +449,26 @@ def test_a_mistake_is_one_line_from_a_real_process():
                                           "integer, got '-1' (see --help)"]
 
 
-def test_ctrl_c_while_starting_is_one_line():
+# fastens-team as pip's wrapper runs it: the module imported, then run()
+CONSOLE_SCRIPT = [sys.executable, "-c", "import sys; sys.argv[0] = '/venv/bin/fastens-team'; "
+                  "from team.example_model import run; sys.exit(run())"]
+
+
+@pytest.mark.parametrize("command, prog", [(CLIENT, "team/example_model.py"), (CONSOLE_SCRIPT, "fastens-team")])
+def test_ctrl_c_while_starting_is_one_line(command, prog):
     # in the imports (torch), then once the model loads (on a fast host the client may be connecting by then: its
-    # line then says how many requests it answered)
+    # line then says how many requests it answered). The console script's was a traceback in the imports, and
+    # named team/example_model.py once they were done.
     for interrupt_after in (lambda client: time.sleep(0.3),
                             lambda client: next(line for line in client.stderr if line.startswith("loading preset"))):
-        client = subprocess.Popen([*CLIENT, "--host", "127.0.0.1", "--port", "9"], cwd=REPO, env=ONE_THREAD,
+        client = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", "9"], cwd=REPO, env=ONE_THREAD,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         interrupt_after(client)
         client.send_signal(signal.SIGINT)
         _, err = client.communicate(timeout=60)
         assert client.returncode == 130 and "Traceback" not in err, err
-        assert err.strip().splitlines()[-1] in ("team/example_model.py: interrupted",
-                                                "team/example_model.py: interrupted: stopped before the end of the "
+        assert err.strip().splitlines()[-1] in (f"{prog}: interrupted",
+                                                f"{prog}: interrupted: stopped before the end of the "
                                                 "stream: 0 requests answered in time")
 
 
