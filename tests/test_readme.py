@@ -95,9 +95,14 @@ def test_every_test_the_fault_table_names_exists():
         assert test in defined[file], f"the README's fault table names {file}::{test}, which does not exist"
 
 
+def cited_paths() -> set[str]:
+    """The checkout's files and folders the README names."""
+    return set(re.findall(r"(?<![\w/.-])((?:\.ci|bench|client|docs|kernels|scripts|server|team|tests)/[\w./-]*\w/?)",
+                          README))
+
+
 def test_every_file_the_readme_cites_exists():
-    cited = set(re.findall(r"(?<![\w/.-])((?:\.ci|bench|client|docs|kernels|scripts|server|team|tests)/[\w./-]*\w/?)",
-                           README))
+    cited = cited_paths()
     assert len(cited) >= 50
     missing = sorted(path for path in cited if not (ROOT / path).exists())
     assert not missing, f"the README cites {', '.join(missing)}, which the checkout does not hold"
