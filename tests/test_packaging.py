@@ -2,6 +2,7 @@
 import subprocess
 import sys
 import tarfile
+import tomllib
 from pathlib import Path
 
 from test_readme import cited_paths
@@ -23,3 +24,14 @@ def test_the_sdist_holds_the_tests_docs_and_requirements_and_what_the_readme_cit
     wanted |= {path.rstrip("/") for path in cited_paths()}
     missing = sorted(wanted - names) + [name for name in ("pytest.ini", "requirements.txt") if name not in names]
     assert not missing, f"not in the sdist: {missing}"
+
+
+def test_the_websockets_the_package_allows_is_one_it_works_with():
+    # >=13 let pip keep websockets 13.0-16.x: 13.0 has no Server.connections (the server failed at its stop), below
+    # 14.2 a handshake cut short raised a bare EOFError, which the client took for a bug, and below 17.0 a stranger's
+    # request with two Upgrade headers logged a traceback at the server (tests/test_tls.py, test_hostile.py,
+    # test_server.py fail under them; all of them pass under 17.0)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    floors = [requirement.split(">=", 1)[1] for requirement in project["dependencies"]
+              if requirement.startswith("websockets>=")]
+    assert floors and tuple(int(part) for part in floors[0].split(".")) >= (17,), project["dependencies"]
