@@ -57,6 +57,8 @@ def test_specs_parse(spec, expected):
     ("bf17", r"unknown precision 'bf17' as the base; choose one of auto, fp16, bf16, fp32"),
     ("auto,retnt=fp32", r"'retnt' names no tower or part; towers: xlstm \(parts input_down, mlp"),
     ("auto,hawk.attn=fp32", r"'hawk.attn' names no tower or part"),
+    ("auto,hawk.=fp32", r"'hawk.' names no tower or part"),  # no part after the dot: it was dropped unsaid
+    ("xlstm.=bf16", r"'xlstm.' names no tower or part"),
     ("auto,hawk=fp8", r"unknown precision 'fp8' for hawk"),
     ("fp64", r"fp64 as the base is not offered: only a tower's input path takes it"),
     ("auto,retnet=fp64", r"fp64 for retnet is not offered"),

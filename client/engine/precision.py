@@ -87,8 +87,9 @@ def _dtype_or_auto(text, what, key=None):
 
 
 def _check_key(key):
-    tower, _, group = key.partition(".")
-    if tower not in WEIGHT_GROUPS or (group and group not in WEIGHT_GROUPS[tower]):
+    tower, dot, group = key.partition(".")
+    # "hawk.=fp32" names no part: it set a key no weight reads, and the override was dropped unsaid
+    if tower not in WEIGHT_GROUPS or (dot and group not in WEIGHT_GROUPS[tower]):
         raise ValueError(f"precision override {key!r} names no tower or part; towers: {_known_keys()}")
 
 
