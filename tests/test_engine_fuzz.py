@@ -321,13 +321,17 @@ def test_features_of_a_wrong_shape_or_kind_are_refused_in_one_line_touching_noth
     try:
         x = np.random.default_rng(6).standard_normal((2, 79)).astype(np.float32)
         np.testing.assert_allclose(engine.step(["A", "B"], x), untouched.step(["A", "B"], x), **FP32_TOLERANCE)
+        big = x.astype(np.float64)
+        big[1, 3] = -1e39  # finite, past float32's range: it was told as a non-finite feature, which it is not
+        past_range = r"features in rows \[1\] \(symbols \['B'\]\) exceed float32's range \(max \|value\| 1e\+39\)$"
         for features, match in ((x[:, :78], r"shape \(2, 79\) for 2 symbols, got \(2, 78\)"),
                                 (x[:1], r"got \(1, 79\)"), (x[0], r"got \(79,\)"), ([], r"got \(0,\)"),
                                 (x.astype(np.int32), "floating point, got int32"),
                                 (x.astype(np.complex64), "floating point, got complex64"),
                                 (x > 0, "floating point, got bool"), (x.astype(str), "floating point, got <U"),
                                 (np.full((2, 79), None), "floating point, got object"),
-                                (torch.ones(2, 79, dtype=torch.int64), "floating point, got int64")):
+                                (torch.ones(2, 79, dtype=torch.int64), "floating point, got int64"),
+                                (big, past_range), (torch.from_numpy(big), past_range)):
             for call in (engine.step, engine.submit):
                 with pytest.raises(ValueError, match=match):
                     call(["A", "B"], features)

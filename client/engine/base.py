@@ -60,7 +60,8 @@ def check_step_inputs(symbols, features) -> np.ndarray:
     torch = sys.modules.get("torch")  # loaded where a tensor is given: the client's names import without it
     if torch is not None and isinstance(features, torch.Tensor):  # numpy reads none that requires grad or is bf16
         features = features.detach().cpu()
-        features = features.float() if features.is_floating_point() else features
+        # float64 kept for the range check below (cast here, a value past float32's range was told as not finite)
+        features = features.float() if features.is_floating_point() and features.dtype != torch.float64 else features
     features = np.asarray(features)
     # no rows as an empty list ([]) has no width to read: it is the (0, 79) step; with symbols, the error below names
     # the shape given, (0,), not (0, 79)
@@ -71,12 +72,22 @@ def check_step_inputs(symbols, features) -> np.ndarray:
                          f"{len(symbols)} symbols, got {features.shape}")
     if features.dtype.kind != "f":
         raise ValueError(f"features must be floating point, got {features.dtype}")
+    if features.dtype.itemsize > 4:  # cast, a finite float64 past float32's range became inf, told as not finite
+        big = np.flatnonzero((np.abs(features) > np.finfo(np.float32).max) & np.isfinite(features))
+        if big.size:
+            bad_rows = np.unique(big // NUM_FEATURES)
+            raise ValueError(f"features in rows {_rows(bad_rows, symbols)} exceed float32's range (max |value| "
+                             f"{np.abs(features.reshape(-1)[big]).max():.4g})")
     features = np.ascontiguousarray(features, dtype=np.float32)
     if not np.isfinite(features).all():
         bad_rows = np.flatnonzero(~np.isfinite(features).all(axis=1))
-        raise ValueError(f"non-finite features in rows {bad_rows.tolist()[:8]} (symbols "
-                         f"{[symbols[i] for i in bad_rows[:8]]})")
+        raise ValueError(f"non-finite features in rows {_rows(bad_rows, symbols)}")
     return features
+
+
+def _rows(rows, symbols) -> str:
+    """The first rows of a step, with their symbols, as its errors name them."""
+    return f"{rows.tolist()[:8]} (symbols {[symbols[i] for i in rows[:8]]})"
 
 
 def is_count(value, minimum) -> bool:
