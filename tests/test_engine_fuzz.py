@@ -316,6 +316,25 @@ def test_release_and_prefetch_take_strings_alone_as_step_does_touching_nothing_e
 
 
 @pytest.mark.parametrize("name", ENGINES)
+def test_unplaceable_takes_strings_alone_as_step_does(model, name):
+    """unplaceable("AB") is a mistake for ["AB"]: iterated, the string was a symbol per character (with the tiers
+    full, AB, which is held, was answered as A and B without room). An element that is no string is named, as
+    step names it (the engines raised join's TypeError, or answered it as a symbol)."""
+    engine = ENGINES[name](model)
+    try:
+        engine.step(["AB", "C", "D", "E"], np.random.default_rng(7).standard_normal((4, 79)).astype(np.float32))
+        assert engine.unplaceable(["AB", "C"]) == {}
+        with pytest.raises(ValueError, match="symbols must be a list of strings, got the string 'AB'$"):
+            engine.unplaceable("AB")
+        for bad, shown in ((7, r"7 \(int\)"), (None, r"None \(NoneType\)")):
+            with pytest.raises(ValueError, match=rf"symbols must be strings; row 1 holds {shown}$"):
+                engine.unplaceable(["AB", bad])
+        assert sorted(engine.symbols) == ["AB", "C", "D", "E"]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name", ENGINES)
 def test_features_of_a_wrong_shape_or_kind_are_refused_in_one_line_touching_nothing(model, name):
     engine, untouched = ENGINES[name](model), ReferenceEngine(model, device="cpu")
     try:

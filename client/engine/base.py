@@ -238,7 +238,8 @@ class Engine(ABC):
 
     def unplaceable(self, symbols) -> dict[str, str]:
         """{symbol: why} for the symbols of a step that this engine has no room for, without side effects. An
-        engine without a bound on its symbols has room for all."""
+        engine without a bound on its symbols has room for all. A lone string is refused, as step refuses it."""
+        symbol_list(symbols)
         return {}
 
     def state_layout(self) -> dict | None:

@@ -73,7 +73,8 @@ class ReferenceEngine(Engine):
 
     def unplaceable(self, symbols) -> dict[str, str]:
         """{symbol: why} for the symbols of a step that the state table cannot hold (no side effects)."""
-        rejected = self._states.unplaceable(symbols, at_once=False)
+        # a lone string, iterated, was a symbol per character: "AAPL" held, and A, P and L said to have no room
+        rejected = self._states.unplaceable(symbol_list(symbols), at_once=False)
         return dict.fromkeys(rejected, str(self._states.capacity_error(rejected))) if rejected else {}
 
     def describe(self) -> dict:

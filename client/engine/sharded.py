@@ -627,6 +627,7 @@ class ShardedEngine(Engine):
     def unplaceable(self, symbols) -> dict[str, str]:
         # in the words a caller gives a failed part (its exception's type, then its message), so that a loss
         # answered both ways reads as one reason
+        symbols = symbol_list(symbols)  # a lone string refused, as every engine's unplaceable refuses it
         with self._lock:
             out = {}
             live = any(r.lost is None for r in self._runners)

@@ -386,7 +386,8 @@ class FastEngine(Engine):
     def unplaceable(self, symbols) -> dict[str, str]:
         """{symbol: why} for the symbols of a step that the state table cannot hold (no side effects). A step runs
         as parts of at most max_batch (<= capacity) symbols: only the room in the tiers limits it."""
-        rejected = self.table.unplaceable(symbols, at_once=False)
+        # a lone string, iterated, was a symbol per character: "AAPL" held, and A, P and L said to have no room
+        rejected = self.table.unplaceable(symbol_list(symbols), at_once=False)
         return dict.fromkeys(rejected, str(self.table.capacity_error(rejected))) if rejected else {}
 
     @_on_own_device
