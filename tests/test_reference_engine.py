@@ -192,7 +192,8 @@ def test_a_symbol_beyond_every_tier_is_refused_naming_the_limits_and_nothing_cha
     untouched.step(["A", "B"], x[:2]), untouched.step(["C"], x[2:])
     why = engine.unplaceable(["A", "D"])
     assert list(why) == ["D"] and "no room for the state of 1 symbol(s) (D): 2 on cpu and 1 in host memory" in why["D"]
-    with pytest.raises(RuntimeError, match=r"raise --state-slots or --host-symbols, or let idle symbols expire"):
+    with pytest.raises(RuntimeError, match=r"raise --state-memory \(or --state-slots\) or --host-symbols, or let idle "
+                                           r"symbols expire"):
         engine.step(["A", "D"], x[:2])
     assert engine.unplaceable(["A", "C"]) == {} and engine.symbols == ["A", "B", "C"]
     np.testing.assert_array_equal(engine.step(["A", "B"], x[:2]), untouched.step(["A", "B"], x[:2]))

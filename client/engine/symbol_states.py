@@ -123,7 +123,7 @@ class SymbolStates(MutableMapping):
     def capacity_error(self, rejected) -> CapacityError:
         """The error that names the limits for symbols that fit in no tier."""
         return CapacityError.no_room(rejected, f"{self.capacity} on {self.device} and {self.host_capacity} in host "
-                                     f"memory", "--state-slots")
+                                     f"memory", "--state-memory (or --state-slots)")
 
     # ---- internals ----------------------------------------------------------------------------------
     def _offload(self, symbol) -> None:

@@ -952,7 +952,7 @@ class StateTable:
         """The error that names the limits for symbols that fit in no tier."""
         device = "the GPU" if self.parts[0].device.type == "cuda" else "the CPU"  # without CUDA the table is in RAM
         return CapacityError.no_room(rejected, f"{self.capacity} on {device} and {self.host_capacity} in host memory",
-                                     "--state-memory")
+                                     "--state-memory (or --state-slots)")
 
     def release(self, symbols) -> None:
         """Forget these symbols' states (they left); unknown symbols are ignored. From the thread that steps."""
