@@ -37,6 +37,9 @@ _MAX_LEADING_WHITESPACE = 1024
 # skips it, so it does not make the first line HTTP either.
 _BOM = b"\xef\xbb\xbf"
 SLICE_BYTES = 1024  # of a websocket connection's bytes handed to websockets at a time (SlicedReading)
+# Of an HTTP request's line and headers, read before it is parsed (PingLimitedConnection): a browser's with its
+# cookies fits; websockets reads up to 128 header lines of 8 kB, ~1 MB held a socket for the handshake's 10 s
+MAX_REQUEST_BYTES = 32 * 1024
 REQUESTS_PER_LINE = 64  # of an original-protocol client's request lines (OriginalConnection.send)
 PING_BURST, PINGS_PER_S = 10, 1.0  # a websocket connection's pings (websockets' keepalive sends one every 20 s)
 # An original-protocol connection's close: its closing line written, and its last bytes sent, within this or it is
@@ -191,11 +194,21 @@ _TLS_LAYERS = {}
 class PingLimitedConnection(ServerConnection):
     """websockets answers each ping with a pong written at once, before the server's own code sees a frame, so no
     budget of the server's counted them: a stranger's pings from every socket it may open kept the event loop busy
-    answering them. PING_BURST pings at once, then PINGS_PER_S; the connection that pings beyond is cut off."""
+    answering them. PING_BURST pings at once, then PINGS_PER_S; the connection that pings beyond is cut off. Its
+    request's line and headers likewise: past MAX_REQUEST_BYTES before the request is parsed, it is aborted unread."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._pings, self._pings_counted_at = float(PING_BURST), time.monotonic()
+        self._request_bytes = 0
+
+    def data_received(self, data):
+        if self.request is None:  # (SlicedReading hands a kilobyte at a time: the count is that close)
+            self._request_bytes += len(data)
+            if self._request_bytes > MAX_REQUEST_BYTES:
+                self.transport.abort()
+                return
+        super().data_received(data)
 
     def limit_messages(self, max_bytes: int) -> None:
         """From now on read messages up to twice max_bytes, to be answered with an error over max_bytes, and close

@@ -881,6 +881,30 @@ def test_a_request_with_two_upgrade_headers_is_answered_without_a_traceback(capl
     assert reply.startswith(b"HTTP/1.1 4") and not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
+def test_a_request_whose_headers_run_past_any_real_ones_is_closed_unread_and_a_large_real_one_is_answered():
+    """websockets reads a request's headers up to 128 lines of 8 kB: each stranger's socket held ~1 MB for the
+    handshake's 10 s (1,024 unregistered sockets: a GB), where a frame before register is held to 10 kB."""
+    from server.original import MAX_REQUEST_BYTES
+
+    async def main():
+        async with Server() as s:
+            reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")
+            for k in range(2 * MAX_REQUEST_BYTES // 8000):  # never its blank line: the request is not over
+                writer.write(b"X-%d: " % k + b"a" * 8000 + b"\r\n")
+            closed = await asyncio.wait_for(reader.read(), 5)  # b"": closed, never answered
+            writer.close()
+            # a real request with large cookies, under the limit, is answered
+            reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+            writer.write(b"GET /scores.json HTTP/1.1\r\nHost: x\r\n" +
+                         b"".join(b"Cookie: c%d=" % k + b"b" * 4000 + b"\r\n" for k in range(6)) + b"\r\n")
+            reply = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return closed, reply
+    closed, reply = run(main())
+    assert closed == b"" and reply.startswith(b"HTTP/1.1 200")
+
+
 @pytest.mark.parametrize("client_fingerprint, allow, match", [
     ("5e4e4f0f", False, True),  # the server's weights
     ("0badc0ffee", True, False),  # other weights, played anyway when the client asks to
