@@ -106,6 +106,13 @@ class ServerConfig:
             raise ValueError("give one token for every team (--token) or a token per team (--tokens), not both")
         if self.token == "":  # would admit every register that sends an empty token, and silence the warning
             raise ValueError("--token must not be empty")
+        # a register's token is refused past the field limit: the server's own would lock every team out
+        tokens = ({"--token": self.token} if self.token is not None else
+                  {f"the token of team {team!r}": token for team, token in (self.tokens or {}).items()})
+        for whose, token in tokens.items():
+            if len(token) > self.limits.max_field_chars:
+                raise ValueError(f"{whose} holds {len(token):,} characters; a register takes at most "
+                                 f"{self.limits.max_field_chars} (--max-field-chars)")
         if self.tls_key is not None and self.tls_cert is None:
             raise ValueError("--tls-key needs --tls-cert, the certificate it signs for")
 

@@ -1025,6 +1025,17 @@ def test_bad_config_is_refused(field, value, match):
         ServerConfig(**{field: value})
 
 
+@pytest.mark.parametrize("tokens, match", [
+    ({"token": "t" * 300}, "^--token holds 300 characters; a register takes at most 256 \\(--max-field-chars\\)$"),
+    ({"tokens": {"alpha": "a", "beta": "b" * 257}}, "^the token of team 'beta' holds 257 characters"),
+])
+def test_a_token_longer_than_a_register_takes_is_refused(tokens, match):
+    """Every register carrying it was refused field_too_long: no team could play."""
+    with pytest.raises(ValueError, match=match):
+        ServerConfig(**tokens)
+    ServerConfig(**tokens, limits=Limits(max_field_chars=300))
+
+
 @pytest.mark.parametrize("field, value", [("max_unregistered_sockets", 0), ("max_connections_per_address", -1)])
 def test_bad_limits_are_refused(field, value):
     with pytest.raises(ValueError, match=f"^{field} must be positive, got {value}$"):

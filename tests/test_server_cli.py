@@ -119,6 +119,7 @@ def test_done_when_the_readme_example_scores_every_request(tmp_path):
     (["--host", "127.0.0.1:80"], "argument --host: must be a host name or address"),
     (["--rate", "200", "--speed", "2"], "--speed scales the stream's own gaps; --rate replaces them"),  # was ignored
     (["--token", ""], "--token must not be empty"),  # it admitted every register with an empty token, unwarned
+    (["--token", "t" * 300], "--token holds 300 characters; a register takes at most 256 (--max-field-chars)"),
     (["--weights", str(ROOT / "README.md"), "--seed", "3"], "not allowed with argument"),
     (["--requests", "many"], "argument --requests: must be a positive integer, got 'many'"),
     # not ignored: the file's requests were played, all of them
