@@ -407,6 +407,15 @@ def requests(*pairs, seed):
     return [(uid, symbol, row) for (uid, symbol), row in zip(pairs, rows)]
 
 
+async def _echo_against(handler) -> dict:
+    """The summary of an echoing team client's session with a JSON-lines server whose connections `handler` serves."""
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    summary = await StreamingClient(Echo(), url, "x", leave_at_end=True).run()
+    server.close()
+    return summary
+
+
 def answered(messages):
     return [uid for m in messages if m["message_type"] == "inference_response" for uid in m["unique_ids"]]
 
@@ -608,14 +617,7 @@ def test_a_first_line_of_no_json_from_a_server_of_json_lines_is_answered_and_ski
         writer.write(original.encode_line({"message_type": "stats_update", "complete": True, "requests": 2}))
         await reader.read()
 
-    async def main():
-        server = await asyncio.start_server(handler, "127.0.0.1", 0)
-        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        summary = await StreamingClient(Echo(), url, "x", leave_at_end=True).run()
-        server.close()
-        return summary
-
-    summary = run(main())
+    summary = run(_echo_against(handler))
     assert summary["outcome"] == runtime.COMPLETE and summary["connections"] == 1, summary["detail"]
     errors = [o["details"] for o in lines if o["message_type"] == "error"]
     assert len(errors) == 1 and errors[0].startswith("line is not JSON"), errors
@@ -639,14 +641,7 @@ def test_a_bad_line_later_in_a_session_is_answered_and_skipped_as_the_original_c
         writer.write(original.encode_line({"message_type": "stats_update", "complete": True, "requests": 1}))
         await reader.read()
 
-    async def main():
-        server = await asyncio.start_server(handler, "127.0.0.1", 0)
-        url = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        summary = await StreamingClient(Echo(), url, "x", leave_at_end=True).run()
-        server.close()
-        return summary
-
-    summary = run(main())
+    summary = run(_echo_against(handler))
     assert summary["outcome"] == runtime.COMPLETE and summary["connections"] == 1
     errors = [o["details"] for o in lines if o["message_type"] == "error"]
     assert len(errors) == 2 and all(e.startswith("line is not JSON") for e in errors), errors

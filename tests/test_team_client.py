@@ -345,38 +345,25 @@ def start_client_until_playing(port, *args):
     return client, "".join(seen)
 
 
-def test_ctrl_c_stops_cleanly_with_the_summary_so_far(tmp_path, targets_cache):
-    server_proc, port = start_slow_server(tmp_path, targets_cache)
-    try:
-        client, before = start_client_until_playing(port)
-        client.send_signal(signal.SIGINT)
-        out, err = client.communicate(timeout=60)
-    finally:
-        server_proc.kill()
-    assert client.returncode == 130, err
-    summary = json.loads(out)
-    assert summary["outcome"] == "interrupted" and 0 < summary["requests"] < 600
-    assert last_line(before + err).startswith("team/example_model.py: interrupted: stopped before the end of the "
-                                              "stream: ")
-
-
-def test_sigterm_stops_cleanly_with_the_summary_so_far(tmp_path, targets_cache):
-    """SIGTERM (a service manager's stop, `docker stop`) killed the client at once: no summary, no --json. It now
-    stops as a first Ctrl-C does, saying so, exit 143."""
+@pytest.mark.parametrize("signum, code, why", [(signal.SIGINT, 130, ""), (signal.SIGTERM, 143, "SIGTERM: ")],
+                         ids=["ctrl_c", "sigterm"])
+def test_a_signal_stops_cleanly_with_the_summary_so_far(tmp_path, targets_cache, signum, code, why):
+    """Ctrl-C, and SIGTERM (a service manager's stop, `docker stop`: it killed the client at once, no summary, no
+    --json), stop the client cleanly with the summary so far, saying which."""
     server_proc, port = start_slow_server(tmp_path, targets_cache)
     summary_file = tmp_path / "summary.json"
     try:
         client, before = start_client_until_playing(port, "--json", str(summary_file))
-        client.send_signal(signal.SIGTERM)
+        client.send_signal(signum)
         out, err = client.communicate(timeout=60)
     finally:
         server_proc.kill()
-    assert client.returncode == 143, err
+    assert client.returncode == code, err
     summary = json.loads(out)
     assert summary["outcome"] == "interrupted" and 0 < summary["requests"] < 600
     assert json.loads(summary_file.read_text()) == summary
-    assert last_line(before + err).startswith("team/example_model.py: interrupted: SIGTERM: stopped before the end "
-                                              "of the stream: ")
+    assert last_line(before + err).startswith(f"team/example_model.py: interrupted: {why}stopped before the end of "
+                                              "the stream: ")
 
 
 def test_server_stopping_mid_stream_cuts_the_client_short(tmp_path, targets_cache):
