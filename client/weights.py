@@ -227,9 +227,7 @@ def read_checkpoint(path):
         raise
     except Exception as e:  # noqa: BLE001 - torch and safetensors raise many types for a bad file
         raise ValueError(f"cannot read checkpoint {path}: {_why_unreadable(path, e)}") from None
-    # a training checkpoint: the state dict under one of these keys, beside the step, the optimizer's state, ...
-    if isinstance(state, dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
-        state = next((state[k] for k in ("state_dict", "model") if isinstance(state.get(k), dict)), state)
+    state = _unwrap(state)
     if not isinstance(state, dict):
         raise ValueError(f"{path} is not a state dict of tensors")
     for name, value in state.items():
@@ -242,6 +240,18 @@ def read_checkpoint(path):
             raise ValueError(f"{path}: tensor {name} is {'meta' if value.is_meta else value.layout}, not a dense "
                              f"tensor with values")
     return state
+
+
+def _unwrap(state):
+    """A training checkpoint's state dict: the dict under one of these keys, beside the step, the loss (often 0-d
+    tensors), the optimizer's state, ..., when it holds more tensors than the checkpoint's top level (a state dict
+    with one stray dict entry stays as it is, and is refused for it)."""
+    if not isinstance(state, dict):
+        return state
+    tensors = lambda d: sum(isinstance(v, torch.Tensor) for v in d.values())  # noqa: E731
+    top = tensors(state)
+    return next((state[k] for k in ("state_dict", "model") if isinstance(state.get(k), dict)
+                 and tensors(state[k]) > top), state)
 
 
 def _why_unreadable(path, error):

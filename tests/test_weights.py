@@ -180,3 +180,17 @@ def test_a_broken_safetensors_file_is_a_clear_error(tmp_path):
     torch.save(make_weights(get_preset("tiny"), 0), tmp_path / "pt.safetensors")
     with pytest.raises(ValueError, match="pt.safetensors: it is a torch.save file: name it .pt"):
         read_checkpoint(tmp_path / "pt.safetensors")
+
+
+@pytest.mark.parametrize("checkpoint", [
+    lambda state: {"model": state, "step": torch.tensor(3), "loss": torch.tensor(0.25)},  # a tensor beside it
+    lambda state: {"state_dict": state, "optimizer": {"state": {0: {"step": torch.tensor(3.0),
+                                                                     "exp_avg": torch.zeros(2)}},
+                                                       "param_groups": [{"lr": 1e-3, "params": [0]}]},
+                   "global_step": torch.tensor(3)},
+])
+def test_a_training_checkpoint_with_tensors_beside_its_state_dict_is_read(tmp_path, checkpoint):
+    path = tmp_path / "train.pt"
+    torch.save(checkpoint(make_weights(get_preset("tiny"), 0)), path)
+    assert fingerprint(read_checkpoint(path)) == TINY_SEED0_FINGERPRINT
+    assert load_model("tiny", weights=str(path))[1] == TINY_SEED0_FINGERPRINT
