@@ -250,7 +250,7 @@ def _unwrap(state):
         return state
     tensors = lambda d: sum(isinstance(v, torch.Tensor) for v in d.values())  # noqa: E731
     top = tensors(state)
-    return next((state[k] for k in ("state_dict", "model") if isinstance(state.get(k), dict)
+    return next((state[k] for k in ("state_dict", "model_state_dict", "model") if isinstance(state.get(k), dict)
                  and tensors(state[k]) > top), state)
 
 

@@ -188,6 +188,9 @@ def test_a_broken_safetensors_file_is_a_clear_error(tmp_path):
                                                                      "exp_avg": torch.zeros(2)}},
                                                        "param_groups": [{"lr": 1e-3, "params": [0]}]},
                    "global_step": torch.tensor(3)},
+    # the layout of PyTorch's own tutorial ("Saving and loading a general checkpoint"): it was "epoch is a int"
+    lambda state: {"epoch": 3, "model_state_dict": state, "optimizer_state_dict": {"state": {}, "param_groups": []},
+                   "loss": torch.tensor(0.25)},
 ])
 def test_a_training_checkpoint_with_tensors_beside_its_state_dict_is_read(tmp_path, checkpoint):
     path = tmp_path / "train.pt"
