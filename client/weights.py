@@ -217,12 +217,13 @@ def read_checkpoint(path):
         raise FileNotFoundError(f"weights file not found: {path}")
     if path.stat().st_size == 0:
         raise ValueError(f"checkpoint {path} is empty")
+    # mmap needs torch's zip format: a file of torch.save's older format is read whole
+    mapped = path.suffix != ".safetensors" and zipfile.is_zipfile(path)
     try:
         if path.suffix == ".safetensors":
             state = _load_safetensors(path)
         else:
-            # mmap needs torch's zip format: a file of torch.save's older format is read whole
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
     except ImportError:
         raise
     except Exception as e:  # noqa: BLE001 - torch and safetensors raise many types for a bad file
@@ -239,6 +240,11 @@ def read_checkpoint(path):
         if value.layout != torch.strided or value.is_meta:
             raise ValueError(f"{path}: tensor {name} is {'meta' if value.is_meta else value.layout}, not a dense "
                              f"tensor with values")
+    if mapped:
+        # the mapped tensors are the file's pages: a checkpoint saved again at this path (a training script's next
+        # one) would change the model under its fingerprint, or crash it (SIGBUS) where the file got shorter. Copied
+        # here, only the state dict's tensors are read: a training checkpoint's optimizer state is not
+        state = {name: value.clone() for name, value in state.items()}
     return state
 
 

@@ -197,3 +197,14 @@ def test_a_training_checkpoint_with_tensors_beside_its_state_dict_is_read(tmp_pa
     torch.save(checkpoint(make_weights(get_preset("tiny"), 0)), path)
     assert fingerprint(read_checkpoint(path)) == TINY_SEED0_FINGERPRINT
     assert load_model("tiny", weights=str(path))[1] == TINY_SEED0_FINGERPRINT
+
+
+def test_a_checkpoint_saved_again_at_its_path_leaves_the_loaded_model_as_it_was(tmp_path):
+    # a training script saving its next checkpoint over the one being played: the model must keep the weights its
+    # fingerprint names (the file's pages were mapped into the model, and changed with the file)
+    path = tmp_path / "w.pt"
+    torch.save(make_weights(get_preset("tiny"), 0), path)
+    model, fp = load_model("tiny", weights=str(path))
+    state = read_checkpoint(path)
+    torch.save(make_weights(get_preset("tiny"), 1), path)
+    assert fp == fingerprint(model.state_dict()) == fingerprint(state) == TINY_SEED0_FINGERPRINT
