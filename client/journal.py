@@ -16,7 +16,10 @@ machine may lose the tail, which then reads as a shorter journal). A request the
 error, never stepped: a lost shard's symbol's, a malformed or non-finite one, one no tier could place, a failed
 step's) is written as its id alone when it is refused, before the error goes out: the server resends it after a
 restart, as every request not answered with a prediction, and the new process refuses it again ("rejected earlier")
-instead of stepping it. A request whose step answered NaN is both: stepped, then refused.
+instead of stepping it. A request whose step answered NaN is both: stepped, then refused. A symbol the team client
+forgets as idle (the runtime's `idle_timeout_s`, `--idle-timeout` with `--journal`) is written as forgotten between
+its last request's record and its next one's: the replay forgets it there too, and its next request starts afresh,
+as it did.
 
 Bounded (where the team client can export and import its states: team/example_model.py's can): the journal is
 written in segments of SEGMENT_BYTES, PATH the one being written and PATH.part<N> the closed ones (N: the number of
@@ -40,9 +43,10 @@ files aside as PATH.incomplete (its segments and states beside it).
 
 A segment: MAGIC, one JSON line (the header: identity, session key, `first`), then per request answered: unique_id
 (int64), the symbol's UTF-8 length (uint16) and bytes, 79 float32 features, the 4 float32 predictions answered; per
-request refused: unique_id (int64) and the length 0xFFFF alone (no symbol is that long: one of 65535 bytes or more
-stops journaling, as does a unique_id beyond int64); little-endian. A version 1 file (before answers were journaled:
-no predictions, no `first`) is read as a first segment; the session goes on in a new one.
+request refused: unique_id (int64) and the length 0xFFFF alone; per symbol forgotten: 0 (int64), the length 0xFFFE,
+then the symbol's length (uint16) and bytes (no symbol is that long: one of 65534 bytes or more stops journaling, as
+does a unique_id beyond int64); little-endian. A file of an older version (1: before answers were journaled, no
+predictions, no `first`; 2: before forgotten symbols were) is read, and the session goes on in a new segment.
 """
 import errno
 import json
@@ -70,10 +74,14 @@ from client.scheduler import Request, Scheduler
 from client.state_checkpoints import CheckpointError, StateCheckpoints, as_json
 
 log = logging.getLogger(__name__)
-MAGIC = b"team-client journal 2\n"
+MAGIC = b"team-client journal 3\n"
+MAGIC_V2 = b"team-client journal 2\n"  # no records of symbols forgotten
 MAGIC_V1 = b"team-client journal 1\n"  # records without their answers
+_VERSIONS = {MAGIC: 3, MAGIC_V2: 2, MAGIC_V1: 1}
 _HEAD = struct.Struct("<qH")
+_LENGTH = struct.Struct("<H")
 _REFUSED = 0xFFFF  # the symbol's length of a refused request's record: its unique_id alone follows no symbol
+_FORGOTTEN = 0xFFFE  # the symbol's length of a forgotten symbol's record: its length and name follow
 _FEATURE_BYTES = NUM_FEATURES * 4
 _PREDICTION_BYTES = NUM_TOWERS * 4
 REPLAY_ROWS = 4096  # requests a replay call hands the team client at most (the engine splits its own steps)
@@ -98,16 +106,16 @@ class _Segment:
 class Journal:
     """One session's journal at `path`: where its header names `identity` ({url, team, weights}: the server, team and
     weights of this client), its `session_key`, the `count` of whole records held (read with records()), of them
-    those `refused`, and the `symbols` of those answered when it was opened; appending once begin() has named the
-    session. With `layout` (the team client's state_layout: it can export and import its states), segments and
-    state checkpoints (`checkpoints`) bound it."""
+    those `refused` and those of symbols `forgotten`, and the `symbols` of those answered when it was opened;
+    appending once begin() has named the session. With `layout` (the team client's state_layout: it can export and
+    import its states), segments and state checkpoints (`checkpoints`) bound it."""
 
     def __init__(self, path, identity: dict, layout=None, segment_bytes=SEGMENT_BYTES, keep=CACHE_SIZE):
         self.path, self.identity = str(path), dict(identity)
         self.layout, self.segment_bytes = layout, segment_bytes
         self.keep = keep  # the answers a restart keeps for the server's resends: none of them is let go
         self.session_key: str | None = None
-        self.count = self.refused = self.symbols = 0
+        self.count = self.refused = self.forgotten = self.symbols = 0
         self.first = self.total = 0  # the number in the session of the first record held, and of the next one
         self._segments: list[_Segment] = []  # the closed ones, then the one written
         self._file = None
@@ -172,11 +180,14 @@ class Journal:
             number = segment.first
             with open(segment.path, "rb") as f:
                 for chunk, chunk_end in _chunks(f, segment.records_at, None, segment.version, features=False):
-                    for _, symbol, _, _ in chunk:
+                    for uid, symbol, _, _ in chunk:
                         if symbol is None:
                             self.refused += 1
                         else:
-                            symbols.add(symbol)
+                            if uid is None:
+                                self.forgotten += 1
+                            else:
+                                symbols.add(symbol)
                             if number >= covers.get(symbol, 0) and symbol not in self._dirty:
                                 self._dirty[symbol] = number
                         number += 1
@@ -227,7 +238,7 @@ class Journal:
             try:
                 if not go_on:
                     self._start_afresh(session_key)
-                elif self._segments[-1].version != 2:  # records of before cannot be appended to: a segment of its own
+                elif self._segments[-1].version != 3:  # an older version's records: the next in a segment of their own
                     os.truncate(self.path, self._segments[-1].end)
                     self._close_segment()
                 else:
@@ -250,7 +261,7 @@ class Journal:
         for part in self._parts():
             os.remove(part[1])
         self._segments = []
-        self.count = self.refused = self.symbols = self.first = self.total = 0
+        self.count = self.refused = self.forgotten = self.symbols = self.first = self.total = 0
         self._dirty.clear()
         self._exporting.clear()
         self.checkpoints_failed = False  # a state the old session's could not write stops no checkpoint of this one
@@ -269,7 +280,7 @@ class Journal:
         self._file = os.fdopen(fd, "wb", buffering=0)
         head = MAGIC + json.dumps({**self.identity, "session_key": session_key, "first": first}).encode() + b"\n"
         self._file.write(head)
-        self._segments.append(_Segment(self.path, first, 2, len(head)))
+        self._segments.append(_Segment(self.path, first, 3, len(head)))
 
     def _close_segment(self) -> None:
         """PATH becomes PATH.part<first> and a new segment begins at PATH (killed between the two, the next read
@@ -290,7 +301,7 @@ class Journal:
         symbols = []
         for row, (uid, symbol, features) in enumerate(requests):
             name = symbol.encode()
-            if len(name) >= _REFUSED:  # no record holds it (its length would read as a refusal's)
+            if len(name) >= _FORGOTTEN:  # no record holds it (its length would read as a refusal's or a forget's)
                 self._cannot_hold(f"symbol {symbol[:20]!r}... is {len(name):,} bytes long")
                 return
             try:
@@ -315,13 +326,26 @@ class Journal:
             return
         self._write(records, [None] * len(unique_ids))
 
+    def forget(self, symbols) -> None:
+        """Write that the team client forgot these symbols' states (idle: the runtime's idle_timeout_s) after their
+        requests journaled so far, in one write(): a replay forgets them there too, and their next requests start
+        afresh as they did."""
+        records = []
+        for symbol in symbols:
+            name = symbol.encode()
+            if len(name) >= _FORGOTTEN:
+                self._cannot_hold(f"symbol {symbol[:20]!r}... is {len(name):,} bytes long")
+                return
+            records += [_HEAD.pack(0, _FORGOTTEN), _LENGTH.pack(len(name)), name]
+        self._write(b"".join(records), list(symbols), forgotten=True)
+
     def _cannot_hold(self, what: str) -> None:
         """A request no record holds: journaling stops (left out, a restart would step it again, or miss its step)."""
         with self._lock:
             if self._file is not None:
                 self._set_aside(f"{what}, more than a journal holds")
 
-    def _write(self, records: bytes, symbols) -> None:
+    def _write(self, records: bytes, symbols, forgotten=False) -> None:
         if not records:
             return
         with self._lock:
@@ -336,6 +360,7 @@ class Journal:
                 segment.count += len(symbols)
                 self.count += len(symbols)
                 self.refused += symbols.count(None)
+                self.forgotten += len(symbols) if forgotten else 0
                 for symbol in symbols:
                     if symbol is not None and symbol not in self._dirty:
                         self._dirty[symbol] = self.total
@@ -445,12 +470,15 @@ class Journal:
                 if self.failed or self.checkpoints_failed or not self._droppable():
                     return
                 segment = self._segments[0]
-            answered, refused = [], []
+            answered, refused, forgotten = [], [], 0
             try:
                 with open(segment.path, "rb") as f:
                     for chunk, _ in _chunks(f, segment.records_at, segment.end, segment.version, features=False):
                         for uid, symbol, _, _ in chunk:
-                            (refused if symbol is None else answered).append(uid)
+                            if uid is not None:  # (a forgotten symbol's record holds no request)
+                                (refused if symbol is None else answered).append(uid)
+                            else:
+                                forgotten += 1
                 self.checkpoints.add_gone(answered, refused)
             except (OSError, CheckpointError) as exc:  # said once: raised, the runtime's thread lost it each step
                 with self._lock:
@@ -464,6 +492,7 @@ class Journal:
                 self.dropped += 1
                 self.count -= segment.count
                 self.refused -= len(refused)
+                self.forgotten -= forgotten
                 self.first = self._segments[0].first
 
     def _set_aside(self, why: str) -> None:
@@ -514,27 +543,28 @@ def check_file(path) -> None:
 
 
 def _read_header(f, path) -> tuple[dict | None, int, int]:
-    """(header, version, offset of the first record) of the journal's segment open as `f`; (None, 2, 0) for an empty
+    """(header, version, offset of the first record) of the journal's segment open as `f`; (None, 3, 0) for an empty
     file; JournalError for one that is not a journal."""
     head = f.read(len(MAGIC))
     if not head:
-        return None, 2, 0
+        return None, 3, 0
     line = f.readline(1 << 20)
-    if head not in (MAGIC, MAGIC_V1) or not line.endswith(b"\n"):
+    if head not in _VERSIONS or not line.endswith(b"\n"):
         raise JournalError(f"--journal {path}: not a team-client journal (give a new path, or remove the file)")
     try:
         header = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise JournalError(f"--journal {path}: its header is not JSON (give a new path, or remove the file)") from None
-    return header, 2 if head == MAGIC else 1, len(MAGIC) + len(line)
+    return header, _VERSIONS[head], len(MAGIC) + len(line)
 
 
-def _chunks(f, at: int, end: int | None = None, version: int = 2, features: bool = True):
+def _chunks(f, at: int, end: int | None = None, version: int = 3, features: bool = True):
     """([(unique_id, symbol, features, prediction)], the offset after the last of them) for each READ_BYTES of the
     records from offset `at` up to offset `end` (None: the file's end), in order (features and predictions None
-    unless `features`; a refused request's symbol, features and prediction None; a version 1 file's predictions
-    None); a tail cut inside a record (the process killed mid-write) ends them."""
-    answer_bytes = _PREDICTION_BYTES if version == 2 else 0
+    unless `features`; a refused request's symbol, features and prediction None; a forgotten symbol's unique_id,
+    features and prediction None; a version 1 file's predictions None); a tail cut inside a record (the process
+    killed mid-write) ends them."""
+    answer_bytes = _PREDICTION_BYTES if version >= 2 else 0
     f.seek(at)
     data = b""
     while more := f.read(READ_BYTES if end is None else min(READ_BYTES, end - at - len(data))):
@@ -545,6 +575,16 @@ def _chunks(f, at: int, end: int | None = None, version: int = 2, features: bool
             if length == _REFUSED:
                 records.append((uid, None, None, None))
                 used += _HEAD.size
+                continue
+            if length == _FORGOTTEN and version >= 3:
+                start = used + _HEAD.size + _LENGTH.size
+                if start > len(data):
+                    break
+                stop = start + _LENGTH.unpack_from(data, used + _HEAD.size)[0]
+                if stop > len(data):
+                    break
+                records.append((None, data[start:stop].decode(), None, None))
+                used = stop
                 continue
             start = used + _HEAD.size + length
             stop = start + _FEATURE_BYTES + answer_bytes
@@ -574,6 +614,7 @@ class Replayed:
     refused_long_ago: IdBits = field(default_factory=IdBits)
     count: int = 0
     stepped: int = 0  # of them, those stepped through the team client (not covered by a state loaded)
+    held: list = field(default_factory=list)  # the symbols whose states the team client holds after it
 
     def __len__(self) -> int:
         return self.count
@@ -605,20 +646,9 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
             for uid, _ in old:
                 replayed.older.add(uid)
 
-    for chunk in journal.records():
-        scheduler, covered = Scheduler(), {}
-        for uid, symbol, features, prediction in chunk:
-            number += 1
-            if symbol is None:  # refused, never stepped (the old process never applied it): a resend is refused again
-                refusals, replayed.count = refusals + 1, replayed.count + 1
-                _refused(replayed, uid, keep_refused)
-            elif number - 1 < covers.get(symbol, 0):  # in its state loaded: answered as journaled
-                covered[uid] = Request(uid, symbol, features), prediction
-            else:
-                scheduler.push(Request(uid, symbol, features))
-        if covered:
-            answered({uid: request for uid, (request, _) in covered.items()},
-                     [(uid, prediction) for uid, (_, prediction) in covered.items()])
+    def step(scheduler):
+        """Step every request queued, as the runtime's scheduler batches them."""
+        nonlocal said, why
         while len(scheduler):
             batch = scheduler.next_batch(max_batch, per_symbol, rows_for=lambda rows, _: min(rows, REPLAY_ROWS))
             answer = team_client.process_batch(team_api.batch_for(team_client, batch))
@@ -632,11 +662,36 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
                     lost[by_id[uid].symbol] = lost.get(by_id[uid].symbol, 0) + 1
                     why = why or reason
             replayed.stepped += len(batch)
+            held.update(dict.fromkeys(by_id[uid].symbol for uid in by_id))
             if progress is not None and time.monotonic() - said >= 1.0:
                 said = time.monotonic()
                 refused = f", {refusals:,} of them refused: not stepped" if refusals else ""
-                print(f"journal: replayed {replayed.count:,} of {journal.count:,} requests{refused} "
-                      f"({replayed.count / (said - began):,.0f}/s)", file=progress)
+                print(f"journal: replayed {replayed.count:,} of {journal.count - journal.forgotten:,} "
+                      f"requests{refused} ({replayed.count / (said - began):,.0f}/s)", file=progress)
+
+    held = dict.fromkeys(covers)  # the symbols whose states the team client holds now
+    for chunk in journal.records():
+        scheduler, covered = Scheduler(), {}
+        for uid, symbol, features, prediction in chunk:
+            number += 1
+            if symbol is None:  # refused, never stepped (the old process never applied it): a resend is refused again
+                refusals, replayed.count = refusals + 1, replayed.count + 1
+                _refused(replayed, uid, keep_refused)
+            elif number - 1 < covers.get(symbol, 0):  # in its state loaded: answered as journaled (or forgotten)
+                if uid is not None:
+                    covered[uid] = Request(uid, symbol, features), prediction
+            elif uid is None:  # forgotten as idle there: its requests before step first, those after afresh
+                if scheduler.has(symbol):
+                    step(scheduler)
+                _forget(team_client, journal, symbol)
+                held.pop(symbol, None)
+            else:
+                scheduler.push(Request(uid, symbol, features))
+        if covered:
+            answered({uid: request for uid, (request, _) in covered.items()},
+                     [(uid, prediction) for uid, (_, prediction) in covered.items()])
+        step(scheduler)
+    replayed.held = list(held)
     for by_id, answers in steps:
         for uid, prediction in answers:
             if prediction is not None and np.isfinite(prediction).all():
@@ -652,6 +707,14 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
                     "session (--state-memory, --host-symbols)", journal.path, sum(lost.values()), len(lost), named,
                     why)
     return replayed
+
+
+def _forget(team_client, journal: Journal, symbol: str) -> None:
+    release = getattr(team_client, "release", None)
+    if not callable(release):
+        raise JournalError(f"--journal {journal.path}: its records forget symbols idle (--idle-timeout), and this "
+                           "team client cannot forget a symbol (release): use the team client that wrote it")
+    release([symbol])
 
 
 def _refused(replayed: Replayed, uid: int, keep_refused: int) -> None:

@@ -276,7 +276,8 @@ class StreamingClient:
                  give_up_repeats: int = GIVE_UP_REPEATS,
                  server_idle_s: float = SERVER_IDLE_S, ws_compression: bool = False, step_log: bool = False,
                  inline_steps: bool | None = None, late_parts_s: float = LATE_PARTS_S,
-                 session_key: str | None = None, journal=None, replayed=None, tls_ca: str | None = None):
+                 session_key: str | None = None, journal=None, replayed=None, tls_ca: str | None = None,
+                 idle_timeout_s: float | None = None):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer or None, got {max_batch!r}")
         if cache_size < 1:
@@ -287,7 +288,15 @@ class StreamingClient:
                 or connect_timeout_s <= 0 or give_up_repeats < 1 or not server_idle_s > 0):
             raise ValueError("need heartbeat_s > 0, 0 < backoff_s <= backoff_max_s, connect_timeout_s > 0, "
                              "give_up_after_s >= 0, give_up_repeats >= 1 and server_idle_s > 0")
+        if idle_timeout_s is not None and not (idle_timeout_s > 0 and callable(getattr(team_client, "release", None))):
+            raise ValueError(f"idle_timeout_s must be positive and the team client able to forget a symbol "
+                             f"(release), got {idle_timeout_s!r} and {type(team_client).__name__}")
         self.give_up_repeats, self.server_idle_s = give_up_repeats, server_idle_s
+        # the team client forgets a symbol idle this long, between steps, and the journal says where (_forget_idle):
+        # symbol -> when its latest request came or stepped, least recent first; None: never
+        self.idle_timeout_s = idle_timeout_s
+        self._last_use: OrderedDict | None = None if idle_timeout_s is None else OrderedDict()
+        self.forgotten_idle = 0
         self.ws_compression = ws_compression  # offer permessage-deflate (off: client/websocket_transport.py)
         # a url over TLS (wss://, tcp+tls://): the server's certificate checked against tls_ca's authorities, or the
         # system's (a file that holds none is said here, before anything is played)
@@ -444,6 +453,8 @@ class StreamingClient:
                 self._cache[uid] = prediction, _request_print(symbol, features)
                 if len(self._cache) > cache_size:
                     self._evict(self._cache.popitem(last=False)[0])
+        if replayed is not None and self._last_use is not None:  # the states replayed are used now
+            self._last_use.update(dict.fromkeys(replayed.held, time.monotonic()))
         self._fed_on_connection = False  # a request new to this client came on the current connection
         self._ws = None
         self._unread = None  # the connection ended because a send to it was stuck server_idle_s (_send_frame)
@@ -871,6 +882,8 @@ class StreamingClient:
         if new_requests:
             queued = []
             with self._work_ready:
+                if self._last_use is not None:
+                    self._used(request.symbol for request in new_requests)
                 for request in new_requests:
                     if not self._join(request):
                         self._scheduler.push(request)
@@ -937,6 +950,7 @@ class StreamingClient:
     def _work(self):
         while (taken := self._take_batch(lambda: 0.0 if len(self._scheduler) else None)) is not None:
             batch, _ = taken
+            self._forget_idle(batch)
             try:
                 ids, predictions, errors = check_answer(
                     self.team_client.process_batch(team_api.batch_for(self.team_client, batch)),
@@ -962,6 +976,7 @@ class StreamingClient:
         queue it for its answer."""
         if self.journal is not None and (self._draining is not None or self.journal.checkpoint_due()):
             self._checkpoint()
+        self._forget_idle(batch)
         try:
             pending = self.team_client.submit_batch(team_api.batch_for(self.team_client, batch))
         except Exception as exc:  # a failing team client must not kill the runtime
@@ -980,6 +995,42 @@ class StreamingClient:
             self._clock.submitted(formed_at, submitted_at)
             self._steps.append(_Step(batch, pending, submitted_at, size, record))
             self._steps_ready.notify()
+
+    def _used(self, symbols):
+        """These symbols' requests came or step now (holding the lock)."""
+        now = time.monotonic()
+        for symbol in symbols:
+            self._last_use[symbol] = now
+            self._last_use.move_to_end(symbol)
+
+    def _forget_idle(self, batch):
+        """With idle_timeout_s, before `batch` steps: the team client forgets the symbols none of whose requests came
+        or stepped for that long, and none of which is queued, in a step or being checkpointed; the journal says so
+        after their requests answered (a step is in flight until answered and journaled) and before their next.
+        Under the lock: none of their requests joins a step meanwhile, to be journaled after it as if afresh."""
+        if self._last_use is None:
+            return
+        with self._work_ready:
+            self._used(request.symbol for request in batch)
+            now, idle = time.monotonic(), []
+            for symbol, used in self._last_use.items():
+                if now - used <= self.idle_timeout_s:
+                    break
+                if not (self._scheduler.has(symbol) or self._in_a_step(symbol) or symbol == self._checkpointing):
+                    idle.append(symbol)
+            if not idle:
+                return
+            try:
+                self.team_client.release(idle)
+            except Exception:  # a failing team client must not kill the runtime: it forgets nothing more
+                log.exception("the team client's release() failed; idle symbols are no longer forgotten")
+                self._last_use = None
+                return
+            for symbol in idle:
+                del self._last_use[symbol]
+            self.forgotten_idle += len(idle)
+            if self.journal is not None:
+                self.journal.forget(idle)
 
     # ---- the journal's state checkpoints (client/journal.py) ------------------------------------------------
     def _checkpoint(self):

@@ -133,6 +133,10 @@ class ExampleModel:
         """The symbol's state set to what export_state gave, before the steps submitted after."""
         self.engine.import_state(symbol, data)
 
+    def release(self, symbols) -> None:
+        """Forget these symbols' states (the runtime's idle_timeout_s): their next requests start afresh."""
+        self.engine.release(symbols)
+
     def _submit(self, requests_by_symbol, joinable=False) -> PendingStep:
         # A symbol the engine has no room for is answered with an error; the others step as usual.
         rejected = self.engine.unplaceable(list(requests_by_symbol))
@@ -455,17 +459,31 @@ def _timeout_s(args) -> float:
     return DEFAULT_TIMEOUT_S if args.timeout_s is None else args.timeout_s
 
 
-def build_engine(args) -> tuple[Engine, str, str]:
-    """(the engine args ask for, the weights fingerprint, the engine in words). With --cluster ray the model is
-    loaded by each shard, not here: the shards say the fingerprint."""
+def _team_forgets_idle(args, team_class) -> bool:
+    """Whether the team client forgets symbols idle for --idle-timeout (the runtime's idle_timeout_s) rather than
+    its engine: with --journal, which then says where each was forgotten, so that a replay forgets it there too
+    (the engine's forgets fall between steps the journal cannot place); where the team class can (release)."""
+    from client.original_team import BaseInferenceClient
+
+    return (args.journal is not None and args.idle_timeout is not None
+            and callable(getattr(team_class, "release", None)) and not issubclass(team_class, BaseInferenceClient))
+
+
+def build_engine(args, forgets_idle=True) -> tuple[Engine, str, str]:
+    """(the engine args ask for, which forgets idle symbols itself unless not forgets_idle; the weights fingerprint;
+    the engine in words). With --cluster ray the model is loaded by each shard, not here: the shards say the
+    fingerprint."""
     from client.engine.sharded import ModelSpec
     from client.model import ModelLoader
 
+    options = engine_options(args)
+    if not forgets_idle:
+        options["idle_timeout_s"] = None
     spec = ModelSpec(args.preset, args.weights, args.seed)
     weights = args.weights or f"seed {args.seed}"
     if args.cluster == "ray":
         print(f"preset {args.preset} ({weights}) on the Ray cluster at {args.ray_address or 'local'}", file=sys.stderr)
-        engine = make_engine(args.engine, None, device=args.device, spec=spec, **engine_options(args))
+        engine = make_engine(args.engine, None, device=args.device, spec=spec, **options)
         shards = engine.describe()["shards"]
         return engine, engine.fingerprint, (f"engine {shards[0]['engine']} in {len(shards)} Ray shard(s) "
                                             f"({'; '.join(shard['where'] for shard in shards)})")
@@ -479,7 +497,7 @@ def build_engine(args) -> tuple[Engine, str, str]:
     # loaded by the engine that needs it (the fast engine drops it once its weights are converted)
     load = ModelLoader(args.preset, args.weights, args.seed, args.device,
                        say=f"loading preset {args.preset} ({weights}) on {args.device}, engine {args.engine}")
-    engine = make_engine(args.engine, load, device=args.device, spec=spec, **engine_options(args))
+    engine = make_engine(args.engine, load, device=args.device, spec=spec, **options)
     # a sharded engine's shards load their own model and say its fingerprint
     fingerprint = load.fingerprint or engine.fingerprint
     return engine, fingerprint, f"engine {args.engine}, device {args.device}"
@@ -546,8 +564,9 @@ def _replay_journal(args, url, fingerprint, team_client):
     refused = f"; the {journal.refused:,} it refused are refused again, never stepped" if journal.refused else ""
     states = journal.checkpoints.covers if journal.checkpoints is not None else {}
     onto = f"the checkpointed states of {len(states):,} symbols" if states else "fresh states"
-    print(f"{PROG}: replaying the {journal.count - journal.refused:,} requests of {journal.symbols:,} symbols in the "
-          f"journal {args.journal} onto {onto}{refused}", file=sys.stderr)
+    requests = journal.count - journal.refused - journal.forgotten
+    print(f"{PROG}: replaying the {requests:,} requests of {journal.symbols:,} symbols in the journal {args.journal} "
+          f"onto {onto}{refused}", file=sys.stderr)
     replayed = replay(team_client, journal, CACHE_SIZE, team_api.step_symbols(team_client),
                       args.max_requests_per_symbol)
     return journal, replayed
@@ -565,7 +584,11 @@ async def play(args, stopped_by: list | None = None) -> tuple[dict, list[dict] |
         from local_evaluator import load_team_class
 
         team_class = load_team_class(args.team_dir)
-    engine, fingerprint, engine_text = build_engine(args)
+    team_forgets_idle = _team_forgets_idle(args, team_class)
+    engine, fingerprint, engine_text = build_engine(args, forgets_idle=not team_forgets_idle)
+    if team_forgets_idle:
+        print(f"{PROG}: the team client forgets symbols idle {args.idle_timeout:g} s between steps, journaled",
+              file=sys.stderr)
     server = journal = None
     try:
         team_client = _team_client(team_class, engine, args.team_dir)  # before an embedded server computes targets
@@ -593,6 +616,7 @@ async def play(args, stopped_by: list | None = None) -> tuple[dict, list[dict] |
                                      timeout_s=_timeout_s(args),
                                      inline_steps=INLINE_STEPS[args.inline_steps], session_key=session_key,
                                      journal=journal, replayed=replayed, tls_ca=args.tls_ca,
+                                     idle_timeout_s=args.idle_timeout if team_forgets_idle else None,
                                      on_welcome=lambda welcome: print(_describe_welcome(url, args, welcome,
                                                                                         engine_text), file=sys.stderr))
             began = asyncio.get_running_loop().call_soon(losses.playing, client)  # at run()'s first await

@@ -47,6 +47,10 @@ class Toy:
     def import_state(self, symbol, data):
         self.states[symbol] = np.frombuffer(bytes(data), np.float32).copy()
 
+    def release(self, symbols):
+        for symbol in symbols:
+            self.states.pop(symbol, None)
+
 
 def stream(n, symbols=3, seed=0):
     rng = np.random.default_rng(seed)
@@ -54,13 +58,19 @@ def stream(n, symbols=3, seed=0):
 
 
 def play(path, requests, refused=(), busy=frozenset(), segment_records=5, keep=3, team=None):
-    """Journal `requests` as the runtime does, a step each (`refused` ids refused instead), checkpointing after each
-    step what the journal asks for (never a symbol of `busy`); the team client."""
+    """Journal `requests` as the runtime does, a step each (`refused` ids refused instead; a symbol alone among them
+    forgotten as idle), checkpointing after each step what the journal asks for (never a symbol of `busy`); the team
+    client."""
     team = team or Toy()
     journal = Journal(path, IDENTITY, layout=team.state_layout(), segment_bytes=segment_records * RECORD_BYTES,
                       keep=keep)
     journal.begin("k")
-    for uid, symbol, features in requests:
+    for request in requests:
+        if isinstance(request, str):
+            team.release([request])
+            journal.forget([request])
+            continue
+        uid, symbol, features = request
         if uid in refused:
             journal.refuse([uid])
         else:
@@ -122,6 +132,64 @@ def test_a_journal_bounded_by_checkpoints_replays_only_its_tail_onto_the_states_
             else:
                 assert uid in replayed.older
     assert list(replayed.refused) == sorted(refused) and not any(uid in replayed.recent for uid in refused)
+
+
+class Unbounded(Toy):
+    def state_layout(self):  # no checkpoints: one segment, replayed whole
+        return None
+
+
+@pytest.mark.parametrize("team", [Toy, Unbounded], ids=["checkpointed", "one-segment"])
+def test_symbols_forgotten_as_idle_are_forgotten_where_they_were_on_replay(tmp_path, team):
+    """The team client forgot SYM_001 (idle) three times: its next requests started afresh. The journal says where,
+    and a replay forgets it there too (its requests before stepped first, though batched with those after), whether
+    a state checkpointed covers the forget or not: every state and the answers kept bit for bit the first one's.
+    Without the records the replay carried SYM_001's old state on."""
+    path, requests = tmp_path / "j", stream(60)
+    for at in (58, 33, 10):  # the last one, before its request 58, in the tail no state covers
+        requests.insert(at, "SYM_001")
+    first = play(path, requests, refused={20}, team=team())
+    journal = Journal(path, IDENTITY, layout=first.state_layout(), keep=3)
+    assert journal.total == 63 and journal.count == 63 - journal.first
+    assert (journal.first > 30) if team is Toy else (journal.forgotten, journal.refused) == (3, 1)
+    again = team()
+    replayed = replay(again, journal, keep=3, progress=None)
+    assert again.states.keys() == first.states.keys()
+    assert all(np.array_equal(again.states[s], first.states[s]) for s in first.states)
+    assert len(replayed) == 60 and set(replayed.held) == set(first.states)
+    straight = Toy()
+    for request in requests:
+        if isinstance(request, str):
+            straight.release([request])
+        elif request[0] != 20:
+            answer = straight.process_batch({request[1]: [request[::2]]})["predictions"][0]
+            if request[0] in replayed.recent:
+                assert np.array_equal(replayed.recent[request[0]][0], answer)
+    assert len(replayed.recent) == 3
+
+
+def test_a_version_2_journal_is_replayed_and_the_session_goes_on_in_a_segment_of_its_own(tmp_path):
+    """A journal of before symbols forgotten were journaled (version 2) is read, answers and all, and the session
+    goes on in a new segment, whose records it could not hold."""
+    from client.journal import MAGIC_V2
+
+    path, requests = tmp_path / "j", stream(8)
+    team = Toy()
+    records = b"".join(uid.to_bytes(8, "little", signed=True) + len(symbol).to_bytes(2, "little") + symbol.encode()
+                       + features.astype("<f4").tobytes()
+                       + team.process_batch({symbol: [(uid, features)]})["predictions"][0].astype("<f4").tobytes()
+                       for uid, symbol, features in requests[:5])
+    path.write_bytes(MAGIC_V2 + b'{"url": "ws://127.0.0.1:1", "team": "t", "weights": "abc", "session_key": "k"}\n'
+                     + records)
+    replayed = replay(Toy(), Journal(path, IDENTITY), keep=10, progress=None)
+    assert sorted(replayed.recent) == list(range(5))
+    assert np.array_equal(replayed.recent[4][0], team.states["SYM_001"])
+    play(path, [requests[5], "SYM_000", *requests[6:]], keep=10**6, team=team)
+    assert parts(path) == ["j.part0"]
+    again = Toy()
+    replay(again, Journal(path, IDENTITY), keep=10, progress=None)
+    assert all(np.array_equal(again.states[s], team.states[s]) for s in team.states) and again.states.keys() == {
+        "SYM_001", "SYM_002", "SYM_000"}
 
 
 def test_every_closed_segment_is_covered_while_none_can_go_yet(tmp_path):
@@ -333,6 +401,54 @@ def test_the_runtime_checkpoints_between_steps_and_a_restart_answers_on_right(tm
         features = np.asarray(stream_.features[uid], np.float32)
         expected = straight.process_batch({stream_.symbols[uid]: [(uid, features)]})["predictions"][0]
         assert np.array_equal(answers[uid], expected), uid
+
+
+def test_the_runtime_forgets_idle_symbols_between_steps_and_a_replay_forgets_them_where_it_did(tmp_path):
+    """The runtime's idle_timeout_s (--idle-timeout with --journal): SYM_002 pauses 300 ms mid-stream while the
+    others play a request each 10 ms, so the team client forgets it once no request of it came for 50 ms, and its
+    first request back starts afresh. The journal says where: its replay (no checkpoints: all of it) ends with every
+    state the live one held, bit for bit."""
+    from client.runtime import StreamingClient
+    from client.streams import Stream
+
+    rng = np.random.default_rng(6)
+    names = [f"SYM_{i % 3:03d}" for i in range(30)] + [f"SYM_{i % 2:03d}" for i in range(60)] + \
+        [f"SYM_{i % 3:03d}" for i in range(30)]
+    stream_ = Stream(np.array(names), rng.standard_normal((len(names), 79)).astype(np.float32),
+                     np.full(len(names), 5.0, np.float32))
+    back = 92  # SYM_002's first request after its pause
+    path = tmp_path / "j"
+    answers = {}
+
+    class Noted(Unbounded):
+        def process_batch(self, batch):
+            answer = super().process_batch(batch)
+            answers.update(zip(answer["unique_ids"], answer["predictions"]))
+            return answer
+
+    async def main():
+        async with serving(stream_, None) as url:
+            team = Noted()
+            journal = Journal(path, IDENTITY, keep=3)
+            client = StreamingClient(team, url, "testers", leave_at_end=True, journal=journal, idle_timeout_s=0.05)
+            summary = await asyncio.wait_for(client.run(), 60)
+            journal.close()
+            return team, client, summary
+
+    team, client, summary = asyncio.run(main())
+    assert summary["outcome"] == "complete" and set(answers) == set(range(len(names)))
+    assert client.forgotten_idle >= 1
+    assert np.array_equal(answers[back], stream_.features[back][:4])  # afresh: 0 / 2 + its features
+    again = Unbounded()
+    replay(again, Journal(path, IDENTITY, keep=3), keep=3, progress=None)
+    assert again.states.keys() == team.states.keys()
+    assert all(np.array_equal(again.states[s], team.states[s]) for s in team.states)
+
+    class CannotForget(Toy):
+        release = None
+
+    with pytest.raises(ValueError, match="able to forget a symbol"):
+        StreamingClient(CannotForget(), "ws://127.0.0.1:1", "testers", idle_timeout_s=1.0)
 
 
 class SlowToy(Toy):

@@ -687,6 +687,31 @@ def test_a_websocket_servers_own_timeout_wins_over_timeout_s():
                                            "not say its timeout)")
 
 
+def test_with_a_journal_the_team_client_forgets_idle_symbols_not_its_engine(tmp_path):
+    """--idle-timeout with --journal: the runtime has the team client forget idle symbols between steps, journaled
+    (client/journal.py), and the engine forgets none of its own (the journal could not say where); a team class in
+    the event's style, which cannot forget a symbol, leaves it to the engine."""
+    from client.original_team import BaseInferenceClient
+    from team.example_model import _team_forgets_idle, build_engine
+
+    journaled = parse_args(["--journal", str(tmp_path / "j"), "--idle-timeout", "5", "--preset", "tiny", "--engine",
+                            "reference", "--device", "cpu"])
+    assert _team_forgets_idle(journaled, ExampleModel)
+    assert not _team_forgets_idle(parse_args(["--idle-timeout", "5"]), ExampleModel)
+    assert not _team_forgets_idle(parse_args(["--journal", str(tmp_path / "j")]), ExampleModel)
+
+    class EventStyle(BaseInferenceClient):
+        def process_batch(self, requests):
+            return []
+
+    assert not _team_forgets_idle(journaled, EventStyle)
+    engine = build_engine(journaled, forgets_idle=False)[0]
+    try:
+        assert engine.describe()["idle_timeout_s"] is None
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("segment", [[], ["--journal-segment-mb", "0.004"]], ids=["one-segment", "checkpointed"])
 def test_a_client_killed_mid_session_replays_its_journal_and_answers_on_from_its_states(tmp_path, targets_cache,
                                                                                        segment):
