@@ -146,11 +146,18 @@ class _AdapterStep(PendingStep):
     leftovers asked again) has been taken."""
 
     def __init__(self, fetch, poll, symbols):
-        self.symbols, self.collected = frozenset(symbols), False
+        self.symbols, self.collected, self._failure = frozenset(symbols), False, None
 
         def collect():
+            # A failure is raised again, not fetched again: a later step's submit takes this answer before the
+            # runtime does, and fetching again ran the team code's step again (its states advanced twice).
+            if self._failure is not None:
+                raise self._failure
             try:
                 return fetch()
+            except Exception as exc:
+                self._failure = exc
+                raise
             finally:
                 self.collected = True
 

@@ -73,7 +73,10 @@ class ExampleModel:
 
     @property
     def steps_in_background(self) -> bool:
-        """Whether the engine's steps run while submit_batch returns and say when they end (client/team_api.py)."""
+        """Whether the engine's steps run while submit_batch returns and say when they end (client/team_api.py): not
+        where a subclass changed process_batch, which submit_batch then computes (inline, it held the event loop)."""
+        if type(self).process_batch is not ExampleModel.process_batch:
+            return False
         return getattr(self.engine, "steps_in_background", False) is True
 
     @property

@@ -328,3 +328,32 @@ def test_the_team_client_plays_an_original_style_team_in_the_original_protocol_w
     assert summary["outcome"] == "complete" and summary["responses"] == 60 and summary["accuracy"] == 1.0
     assert f"playing tcp://127.0.0.1:{port} in the original protocol" in result.stderr
     assert re.search(r"^tcp-json:127\.0\.0\.1\s+60\s+60\s+0\s+0\s+0\s+1\.0000", table, re.M), table
+
+
+def test_a_pipelined_step_that_failed_is_not_stepped_again_when_its_answer_is_taken():
+    """A step whose answer a later step of its symbols took first (and failed: team code that raised after stepping)
+    ran the team code again when the runtime took its answer: the symbol's state advanced twice through the same
+    request, every later answer of it off the stream."""
+    class FailsAfterStepping(BaseInferenceClient):
+        def __init__(self):
+            super().__init__()
+            self.stepped = []
+
+        def process_batch(self, requests_by_symbol):
+            ids = [r.unique_id for queue in requests_by_symbol.values() for r in queue]
+            self.stepped += ids
+            if 1 in ids:
+                raise RuntimeError("broke after stepping")
+            return InferenceResponse(ids, [[0.0] * 4 for _ in ids])
+
+        def submit_batch(self, requests_by_symbol):
+            return PendingStep(lambda: self.process_batch(requests_by_symbol))
+
+    zeros = np.zeros(79, np.float32)
+    team = FailsAfterStepping()
+    client = OriginalStyleClient(team)
+    first = client.submit_batch({"A": [(1, zeros)]})
+    second = client.submit_batch({"A": [(2, zeros)]})  # takes first's answer before it steps
+    with pytest.raises(RuntimeError, match="broke after stepping"):
+        first.result()
+    assert second.result()["unique_ids"] == [2] and team.stepped == [1, 2]

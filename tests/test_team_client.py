@@ -65,6 +65,23 @@ def test_the_example_runs_its_steps_inline_only_where_the_engine_steps_in_the_ba
     assert team_api.steps_in_background(SimpleNamespace(submit_batch=print, steps_in_background=True))
 
 
+def test_a_team_that_changed_process_batch_is_not_stepped_inline_on_the_event_loop():
+    """A subclass that changes process_batch (the one place a team changes) answers in submit_batch, its step
+    computed there: run inline where the engine steps in the background (the fast engine on a GPU), each step held
+    the event loop that receives and sends for its whole length."""
+    from client import team_api
+    from client.runtime import StreamingClient
+
+    class Changed(ExampleModel):
+        def process_batch(self, requests_by_symbol):
+            return super().process_batch(requests_by_symbol)
+
+    in_background = SimpleNamespace(steps_in_background=True)  # as the fast engine on a GPU says
+    assert team_api.steps_in_background(ExampleModel(in_background))
+    assert not team_api.steps_in_background(Changed(in_background))
+    assert not StreamingClient(Changed(in_background), "ws://x", "team").inline_steps
+
+
 def test_the_example_offers_prefetch_and_ready_only_where_states_move():
     """An engine that keeps every state on the GPU needs no prefetch (a thread woken per request) and no readiness
     asked while a step forms: the runtime then runs neither; with a host tier both are the engine's."""
