@@ -217,10 +217,11 @@ def read_checkpoint(path):
         raise FileNotFoundError(f"weights file not found: {path}")
     if path.stat().st_size == 0:
         raise ValueError(f"checkpoint {path} is empty")
-    # mmap needs torch's zip format: a file of torch.save's older format is read whole
-    mapped = path.suffix != ".safetensors" and zipfile.is_zipfile(path)
+    # mmap needs torch's zip format: a file of torch.save's older format is read whole; safetensors maps its file
+    safetensors = path.suffix == ".safetensors"
+    mapped = safetensors or zipfile.is_zipfile(path)
     try:
-        if path.suffix == ".safetensors":
+        if safetensors:
             state = _load_safetensors(path)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)

@@ -1,4 +1,5 @@
 """Deterministic weights, fingerprints and strict checkpoint loading."""
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -199,12 +200,19 @@ def test_a_training_checkpoint_with_tensors_beside_its_state_dict_is_read(tmp_pa
     assert load_model("tiny", weights=str(path))[1] == TINY_SEED0_FINGERPRINT
 
 
-def test_a_checkpoint_saved_again_at_its_path_leaves_the_loaded_model_as_it_was(tmp_path):
-    # a training script saving its next checkpoint over the one being played: the model must keep the weights its
-    # fingerprint names (the file's pages were mapped into the model, and changed with the file)
-    path = tmp_path / "w.pt"
-    torch.save(make_weights(get_preset("tiny"), 0), path)
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_checkpoint_saved_again_at_its_path_leaves_the_loaded_model_as_it_was(tmp_path, suffix):
+    # a training script saving its next checkpoint over the one being played, or `cp` copying one over it (the same
+    # file rewritten): the model must keep the weights its fingerprint names (the file's pages were mapped into the
+    # model, and changed with the file; safetensors maps its files too)
+    if suffix == ".safetensors":
+        save = pytest.importorskip("safetensors.torch").save_file
+    else:
+        save = torch.save
+    path, other = tmp_path / f"w{suffix}", tmp_path / f"other{suffix}"
+    save(make_weights(get_preset("tiny"), 0), path)
+    save(make_weights(get_preset("tiny"), 1), other)
     model, fp = load_model("tiny", weights=str(path))
     state = read_checkpoint(path)
-    torch.save(make_weights(get_preset("tiny"), 1), path)
+    shutil.copyfile(other, path)
     assert fp == fingerprint(model.state_dict()) == fingerprint(state) == TINY_SEED0_FINGERPRINT
