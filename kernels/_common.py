@@ -110,9 +110,9 @@ def check_input(name: str, t: torch.Tensor, shape, device: torch.device) -> torc
 
 
 def check_plan(seq_slots: torch.Tensor, seq_starts: torch.Tensor, device: torch.device) -> int:
-    """seq_slots int32 [G] and seq_starts int32 [G + 1] on `device`; returns G. Values (slots in range, starts
-    non-decreasing and within the rows) are the caller's contract: checking them would need a device->host sync
-    (the references check them: sequences_of)."""
+    """seq_slots int32 [G] and seq_starts int32 [G + 1], contiguous, on `device`; returns G. Values (slots in range,
+    starts non-decreasing and within the rows) are the caller's contract: checking them would need a device->host
+    sync (the references check them: sequences_of)."""
     for name, t in (("seq_slots", seq_slots), ("seq_starts", seq_starts)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -120,6 +120,8 @@ def check_plan(seq_slots: torch.Tensor, seq_starts: torch.Tensor, device: torch.
             raise ValueError(f"{name} must be a one-dimensional int32 tensor, got {t.dtype} {list(t.shape)}")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device} like the other tensors")
+        if not t.is_contiguous():  # the kernels index it as a dense array: a strided view read other slots and rows
+            raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
     if seq_starts.shape[0] != seq_slots.shape[0] + 1:
         raise ValueError(f"seq_starts must have one more entry than seq_slots ({seq_slots.shape[0]} sequences), "
                          f"got {seq_starts.shape[0]}")

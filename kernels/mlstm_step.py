@@ -53,8 +53,8 @@ def mlstm_step_ref(C, n, m, q, k, v, ip, fp, seq_slots, seq_starts, rounding=Non
     by row position, then C through outer_product_update_ref."""
     q, k, v, ip, fp, rounding = _check(C, n, m, q, k, v, ip, fp, seq_slots, seq_starts, rounding)
     rows, heads, head_dim = q.shape
-    if ip.dim() == 3:
-        ip, fp = ip.sum(0), fp.sum(0)
+    if ip.dim() == 3:  # summed in fp32, as the kernel does (a 16-bit sum would round the gates)
+        ip, fp = ip.float().sum(0), fp.float().sum(0)
     ip, lf = ip.float(), F.logsigmoid(fp.float())
     q, k = q.float(), k.float() / math.sqrt(head_dim)
     f_gates = torch.zeros(rows, heads, device=q.device)

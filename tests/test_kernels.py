@@ -525,7 +525,10 @@ def test_bad_input_is_rejected(op_name, name, make_bad, match, error):
     ("seq_starts", lambda s: s[:2], "seq_starts must have one more entry than seq_slots"),
     ("seq_slots", lambda s: s.to("meta"), "seq_slots is on meta"),
     ("seq_starts", lambda s: s.tolist(), "seq_starts must be a torch.Tensor"),
-], ids=["dtype", "length", "device", "list"])
+    # a column of a wider plan: the kernels read it densely, the slots of other columns (past the table)
+    ("seq_slots", lambda s: torch.stack([s, s + 7], 1)[:, 0], "seq_slots must be contiguous"),
+    ("seq_starts", lambda s: torch.stack([s, s], 1)[:, 0], "seq_starts must be contiguous"),
+], ids=["dtype", "length", "device", "list", "strided-slots", "strided-starts"])
 @pytest.mark.parametrize("op_name", list(STATE_OPS))
 def test_bad_plans_are_rejected(op_name, name, make_bad, match):
     args = make_args(op_name, 2, 3, SMALL_DIMS[op_name][0])

@@ -10,7 +10,8 @@ import torch
 
 import kernels
 from kernels._common import INTERPRET
-from sequence_checks import Layout, check_against_reference, check_against_row_at_a_time, check_half_state, poison
+from sequence_checks import (Layout, assert_same_bits, check_against_reference, check_against_row_at_a_time,
+                             check_half_state, poison)
 from test_kernels import FULL_DIMS, assert_close, make_args
 from test_state_storage import assert_alike, assert_within_one_ulp
 
@@ -77,6 +78,21 @@ def test_reference_row_at_a_time():
     layout = Layout(device="cpu")
     args = ragged(layout)
     check_against_row_at_a_time(ref, args, STATES, row_dims(args), layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_reference_sums_16_bit_gate_parts_in_fp32(dtype):
+    """16-bit partial sums [P, B, NH] act as their fp32 sum (all math is fp32, as the kernel sums them), not as a
+    sum rounded to 16 bits."""
+    layout = Layout(device="cpu")
+    parts = ragged(layout, dtype=dtype, parts=8)
+    summed = {**parts, **{name: parts[name].float().sum(0) for name in ("ip", "fp")}}
+    summed.update({name: parts[name].clone() for name in STATES})
+    out, expected = ref(**parts, **layout.plan), ref(**summed, **layout.plan)
+    live = slice(0, layout.live_rows)
+    assert torch.equal(out[live], expected[live])
+    for name in STATES:
+        assert_same_bits(parts[name], summed[name], name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
