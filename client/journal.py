@@ -631,7 +631,8 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
     with a warning that names its symbols (their states miss it)."""
     per_symbol = team_api.max_per_symbol(team_client, max_per_symbol)
     replayed, began, said = Replayed(), time.monotonic(), time.monotonic()
-    covers = _load_states(team_client, journal, replayed, keep_refused, progress)
+    # the records each symbol's loaded state covers; the symbols whose states the team client holds now
+    covers, held = _load_states(team_client, journal, replayed, keep_refused, progress)
     steps, kept = deque(), 0  # (requests by id, [(unique_id, prediction)]) of the last steps: ~keep answers
     refusals, number = 0, journal.first
     lost, why = {}, None  # {symbol: requests the team client refused on replay}, the first refusal's reason
@@ -669,7 +670,6 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
                 print(f"journal: replayed {replayed.count:,} of {journal.count - journal.forgotten:,} "
                       f"requests{refused} ({replayed.count / (said - began):,.0f}/s)", file=progress)
 
-    held = dict.fromkeys(covers)  # the symbols whose states the team client holds now
     for chunk in journal.records():
         scheduler, covered = Scheduler(), {}
         for uid, symbol, features, prediction in chunk:
@@ -725,15 +725,17 @@ def _refused(replayed: Replayed, uid: int, keep_refused: int) -> None:
         replayed.older.add(aged)
 
 
-def _load_states(team_client, journal: Journal, replayed: Replayed, keep_refused: int, progress) -> dict:
+def _load_states(team_client, journal: Journal, replayed: Replayed, keep_refused: int,
+                 progress) -> tuple[dict, dict]:
     """Import the journal's checkpointed states into the team client, and the ids of its deleted segments into
-    `replayed`; the records each symbol's state covers ({symbol: covers})."""
+    `replayed`; the records each symbol's state covers ({symbol: covers}), and the symbols whose states the team
+    client holds now ({symbol: None}: not those checkpointed as holding none, forgotten as idle, say)."""
     checkpoints = journal.checkpoints
     if checkpoints is None:
-        return {}
+        return {}, {}
     _load_gone(journal, replayed, keep_refused)  # (segments of refused requests alone go without a state)
     if not checkpoints.covers:
-        return {}
+        return {}, {}
     layout = team_api.state_layout(team_client)
     if layout is None:
         raise JournalError(f"--journal {journal.path}: its states are checkpointed, and this team client cannot "
@@ -745,6 +747,7 @@ def _load_states(team_client, journal: Journal, replayed: Replayed, keep_refused
     if progress is not None:
         print(f"journal: loading the checkpointed states of {len(checkpoints.covers):,} symbols "
               f"({checkpoints.bytes / 2**30:.2f} GiB)", file=progress)
+    held = {}
     for symbol in checkpoints.covers:
         try:
             state = checkpoints.load(symbol)
@@ -757,7 +760,8 @@ def _load_states(team_client, journal: Journal, replayed: Replayed, keep_refused
                 raise JournalError(f"--journal {journal.path}: the states checkpointed of "
                                    f"{len(checkpoints.covers):,} symbols do not fit this engine's tiers ({exc}): "
                                    "restart with room for every symbol of the session") from None
-    return checkpoints.covers
+            held[symbol] = None
+    return checkpoints.covers, held
 
 
 def _load_gone(journal: Journal, replayed: Replayed, keep_refused: int) -> None:

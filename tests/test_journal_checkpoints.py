@@ -168,6 +168,21 @@ def test_symbols_forgotten_as_idle_are_forgotten_where_they_were_on_replay(tmp_p
     assert len(replayed.recent) == 3
 
 
+def test_a_symbol_forgotten_for_good_is_not_held_after_the_replay(tmp_path):
+    """SYM_001 was forgotten as idle after its last request, and a state checkpointed as holding none covers that: a
+    replay neither holds it nor says it does (Replayed.held, which the runtime forgets after idle_timeout_s). It was
+    said held, and each restart forgot it again, each time a record and a checkpoint of its own."""
+    path = tmp_path / "j"
+    requests = [r for r in stream(60) if not (r[1] == "SYM_001" and r[0] > 20)]
+    requests.insert(20, "SYM_001")  # after its request 19, its last
+    first = play(path, requests)
+    journal = Journal(path, IDENTITY, layout=first.state_layout(), keep=3)
+    assert "SYM_001" in journal.checkpoints.covers and journal.first > 20
+    again = Toy()
+    replayed = replay(again, journal, keep=3, progress=None)
+    assert set(replayed.held) == set(again.states) == set(first.states) == {"SYM_000", "SYM_002"}
+
+
 def test_a_version_2_journal_is_replayed_and_the_session_goes_on_in_a_segment_of_its_own(tmp_path):
     """A journal of before symbols forgotten were journaled (version 2) is read, answers and all, and the session
     goes on in a new segment, whose records it could not hold."""
