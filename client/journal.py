@@ -257,6 +257,16 @@ class Journal:
                 raise JournalError(f"--journal {self.path}: cannot write it ({exc.strerror})") from None
             self.session_key = session_key
 
+    def end_session(self) -> None:
+        """The team client's states were dropped for a new stream: the next begin() starts the journal afresh, even
+        where the server's welcome names the same session key (its records would replay the old stream's states
+        onto the new one)."""
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            self.session_key = None
+
     def _start_afresh(self, session_key) -> None:
         for part in self._parts():
             os.remove(part[1])

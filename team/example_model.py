@@ -640,6 +640,8 @@ async def play(args, stopped_by: list | None = None) -> tuple[dict, list[dict] |
             # (a team file's own states too) plays the new stream from the start.
             print(f"{PROG}: {summary['detail']}; states reset, playing the new stream", file=sys.stderr)
             engine.release(engine.symbols)
+            if journal is not None:
+                journal.end_session()
             session_key = (client.welcome or {}).get("session_key", session_key)
             team_client = _team_client(team_class, engine, args.team_dir)
     finally:

@@ -63,6 +63,21 @@ def test_a_session_journaled_is_read_back_in_order_and_goes_on_where_it_is_the_s
     assert records(Journal(path, IDENTITY)) == [] and Journal(path, IDENTITY).session_key == "key-2"
 
 
+def test_a_new_stream_starts_the_journal_afresh_though_its_server_keeps_the_session_key(tmp_path):
+    """The team client drops every state for a new stream: the old stream's records, replayed after a restart, would
+    rebuild states the new stream never had, whatever key the server's welcome names."""
+    path = tmp_path / "j"
+    journal = Journal(path, IDENTITY)
+    journal.begin("k")
+    journal.append(rows(4))
+    journal.end_session()
+    journal.begin("k")
+    journal.append([(0, "SYM_001", np.zeros(79, np.float32))])
+    journal.close()
+    again = Journal(path, IDENTITY)
+    assert again.session_key == "k" and [(uid, symbol) for uid, symbol, *_ in records(again)] == [(0, "SYM_001")]
+
+
 @pytest.mark.parametrize("read_before", [False, True])
 def test_a_reconnect_to_the_same_session_goes_on_appending(tmp_path, read_before):
     """Each connection's welcome begins the journal again with the session's key: a reconnect of the session it
