@@ -355,7 +355,7 @@ def test_a_shard_lost_before_the_stream_plays_is_in_the_clients_summary(monkeypa
 
     model, fingerprint = load_model("tiny", seed=0)  # the embedded server's weights
     engine = ShardedEngine([ShardHere(ReferenceEngine(model, "cpu")), _UnreachableShard()], progress=False)
-    monkeypatch.setattr(example_model, "build_engine", lambda args: (engine, fingerprint, "shards here"))
+    monkeypatch.setattr(example_model, "build_engine", lambda args, **kwargs: (engine, fingerprint, "shards here"))
 
     def replay_losing_a_shard(args, url, fingerprint, team_client):
         list(engine.submit(["A", "B"], np.zeros((2, 79), np.float32)).parts())  # B's shard is lost
