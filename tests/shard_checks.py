@@ -30,7 +30,7 @@ class ShardHere(Shard):
 
     def __init__(self, engine, index=0):
         self.index, self.where, self.engine = index, f"this process ({index})", engine
-        self.info = {"state_layout": engine.state_layout()}
+        self.info = {**engine.describe(), "state_layout": engine.state_layout()}  # as build_shard_engine's
         engine.expired()  # as build_shard_engine: from now on it keeps the symbols it forgets as idle
 
     def submit(self, symbols, features):

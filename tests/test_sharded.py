@@ -162,6 +162,23 @@ def test_a_symbol_refused_for_want_of_room_is_placed_afresh_at_its_next_request(
     sharded.release(filled + ["LONE"])
 
 
+def test_a_new_symbol_goes_to_a_shard_with_room_where_the_one_holding_fewest_is_full():
+    """Shards of unequal room (GPUs of unequal memory): a new symbol went to the shard holding the fewest symbols
+    though it held all it had room for, and was refused there; placed afresh at its next request, it went back to
+    that shard, refused for as long as it was full, however much room the other had."""
+    from client.engine.reference import ReferenceEngine
+
+    model, _ = load_model("tiny", seed=3)
+    engine = ShardedEngine([ShardHere(ReferenceEngine(model, "cpu", capacity=1), 0),
+                            ShardHere(ReferenceEngine(model, "cpu", capacity=4), 1)], progress=False)
+    try:
+        for symbol in ("A", "B", "C", "D", "C"):
+            assert engine.step([symbol], np.zeros((1, 79), np.float32)).shape == (1, 4)
+        assert engine.shard_of == {"A": 0, "B": 1, "C": 1, "D": 1}
+    finally:
+        engine.close()
+
+
 def test_release_frees_a_symbol_everywhere(sharded):
     sharded.step(["R0"], np.zeros((1, 79), np.float32))
     sharded.release(["R0", "never-seen"])
@@ -355,7 +372,7 @@ def test_a_shard_lost_before_the_stream_plays_is_in_the_clients_summary(monkeypa
 
     model, fingerprint = load_model("tiny", seed=0)  # the embedded server's weights
     engine = ShardedEngine([ShardHere(ReferenceEngine(model, "cpu")), _UnreachableShard()], progress=False)
-    monkeypatch.setattr(example_model, "build_engine", lambda args: (engine, fingerprint, "shards here"))
+    monkeypatch.setattr(example_model, "build_engine", lambda args, **kwargs: (engine, fingerprint, "shards here"))
 
     def replay_losing_a_shard(args, url, fingerprint, team_client):
         list(engine.submit(["A", "B"], np.zeros((2, 79), np.float32)).parts())  # B's shard is lost

@@ -2,11 +2,11 @@
 symbol's state on exactly one shard, whatever carries the messages.
 
 A symbol is placed on the live shard holding the fewest symbols when first seen (of those with no answer overdue
-by LATE_ANSWER_S, where any is) and stays there. A step's rows are split by shard, each symbol's rows in the step's
-order; each part goes to its shard through that shard's one submitter thread (so a shard receives its steps, and
-each symbol its requests, in submission order), and one collector thread per shard takes the answers in the same
-order, so a step's parts arrive as each shard completes (`ShardedPendingStep.parts()`, `arrived()`). A part a shard
-fails (no room, bad input) fails alone; its step's other parts are answered.
+by LATE_ANSWER_S, and of those with room for it, where any is) and stays there. A step's rows are split by shard,
+each symbol's rows in the step's order; each part goes to its shard through that shard's one submitter thread (so
+a shard receives its steps, and each symbol its requests, in submission order), and one collector thread per shard
+takes the answers in the same order, so a step's parts arrive as each shard completes (`ShardedPendingStep.parts()`,
+`arrived()`). A part a shard fails (no room, bad input) fails alone; its step's other parts are answered.
 
 A symbol's state is exported from, or imported into, its shard (import places a new symbol as a step does) through
 the same queue as its steps, answered in order with them (export_state, import_state). A lost shard's symbol exports
@@ -507,6 +507,7 @@ class ShardedEngine(Engine):
         self._lock = threading.Lock()
         self.shard_of: dict[str, int] = {}
         self._load = [0] * len(shards)
+        self._room = [_room(shard.info) for shard in shards]  # the symbols each holds at most (its tiers)
         self._losses: list[dict] = []
         self._loss_listeners: list = []  # called with each loss's record, outside the engine's lock
         self._closing = False
@@ -611,7 +612,10 @@ class ShardedEngine(Engine):
             now = time.monotonic()
             on_time = [i for i in live if not self._runners[i].answer_late(now)]
             live = on_time or live
-            index = min(live, key=self._load.__getitem__)
+            # not one holding all it has room for while another has room: it would refuse the symbol (and, placed
+            # afresh, refuse it again for as long as it held the fewest)
+            with_room = [i for i in live if self._load[i] < self._room[i]]
+            index = min(with_room or live, key=self._load.__getitem__)
             self.shard_of[symbol] = index
             self._load[index] += 1
         return index
@@ -773,6 +777,14 @@ class ShardedEngine(Engine):
         with self._lock:
             self._closing = True
         self._stop_runners()
+
+
+def _room(info) -> float:
+    """The symbols a shard's engine holds at most, as its ready info says them (its GPU and host tiers); unbounded
+    where it does not say."""
+    if info.get("capacity") is None:
+        return float("inf")
+    return info["capacity"] + (info.get("host_symbols") or 0)
 
 
 def _stop_runners(runners, closed):
