@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.model import TOWER_NAMES, get_preset, load_model, manifest, split_state, stack_states
+from client.model import TOWER_NAMES, ModelConfig, get_preset, load_model, manifest, split_state, stack_states
 from client.model.hawk import Hawk
 from client.model.mamba2 import Mamba2
 from client.model.retnet import RetNet
@@ -336,6 +336,15 @@ def test_manifest_cli_prints_json():
 def test_unknown_preset_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown preset 'huge'.*tiny"):
         get_preset("huge")
+
+
+@pytest.mark.parametrize("shape", [dict(heads=0), dict(hidden=0), dict(depth=0), dict(hidden=32, heads=16),
+                                   dict(hidden=48), dict(hidden=64, heads=3)])
+def test_shapes_the_layers_cannot_take_are_refused(shape):
+    """hidden 32 over 16 heads gave RetNet heads of 2, whose rotary frequencies were NaN in the synthetic weights;
+    0 heads a ZeroDivisionError."""
+    with pytest.raises(ValueError, match="unsupported model shape"):
+        ModelConfig(**{**dict(hidden=64, proj=128, depth=2, heads=2), **shape})
 
 
 def test_wrong_feature_count_is_rejected():
