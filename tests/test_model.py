@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.model import get_preset, load_model, manifest, split_state, stack_states
+from client.model import TOWER_NAMES, ModelConfig, get_preset, load_model, manifest, split_state, stack_states
 from client.model.hawk import Hawk
 from client.model.mamba2 import Mamba2
 from client.model.retnet import RetNet
@@ -242,6 +242,84 @@ def test_xlstm_matches_equations():
                                         (z((inner, 3)), z((heads, E, E)), z((heads, E)), z(heads))))
 
 
+def test_towers_blocks_and_predictions_match_equations():
+    """MODEL.md's tower, block and ensemble around the layers (each checked above): input_up/input_down with a
+    ReLU, norm1 before the layer, the MLP after norm2, both residuals, no final norm, one shared output_proj."""
+    model, _ = load_model("tiny", seed=0)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # the synthetic norm weights are ones and output_proj.bias zero: make them tell apart
+        for name, t in model.named_parameters():
+            if name.endswith(("norm1.weight", "norm2.weight", "output_proj.bias")):
+                t.add_(torch.rand(t.shape, generator=g) - 0.5)
+    W = {k: P(v) for k, v in model.state_dict().items()}
+    eps = float(np.finfo(np.float32).eps)
+    feats = [torch.randn(2, 79, generator=g) for _ in range(3)]
+    with torch.no_grad():
+        state = model.init_state(2)
+        preds = []
+        for f in feats:
+            out, state = model(f, state)
+            preds.append(P(out))
+        layer_states = [model.init_state(2) for _ in TOWER_NAMES]
+        for step, f in enumerate(feats):
+            for t, (name, tower) in enumerate(zip(TOWER_NAMES, model.towers)):
+                w = lambda k: W[f"towers.{t}.{k}"]  # noqa: E731
+                x = np.maximum(P(f) @ w("input_up.weight").T + w("input_up.bias"), 0)
+                x = x @ w("input_down.weight").T + w("input_down.bias")
+                for i, block in enumerate(tower.blocks):
+                    b = f"blocks.{i}."
+                    sub = {k[len(f"{name}.{i}."):]: v for k, v in layer_states[t].items()
+                           if k.startswith(f"{name}.{i}.")}
+                    n1 = np.stack([rms_np(row, w(b + "norm1.weight"), eps) for row in x])
+                    out, sub = block.layer(torch.tensor(n1, dtype=torch.float32), sub)
+                    layer_states[t].update({f"{name}.{i}.{k}": v for k, v in sub.items()})
+                    x = x + P(out)
+                    n2 = np.stack([rms_np(row, w(b + "norm2.weight"), eps) for row in x])
+                    hid = np.maximum(n2 @ w(b + "mlp.fc1.weight").T + w(b + "mlp.fc1.bias"), 0)
+                    x = x + hid @ w(b + "mlp.fc2.weight").T + w(b + "mlp.fc2.bias")
+                want = x @ W["output_proj.weight"].T + W["output_proj.bias"]
+                np.testing.assert_allclose(preds[step][:, t:t + 1], want, rtol=2e-4, atol=2e-6)
+
+
+def test_norm_epsilons_follow_model_md():
+    """Inputs small enough that each norm's eps weighs: RMSNorm fp32 eps (blocks), 1e-5 (Mamba2), LayerNorm and
+    GroupNorm 1e-5, RetNet's per-head RMSNorm 1e-6. The layer tests' unit-scale inputs barely see an eps."""
+    model, _ = load_model("tiny", seed=0)
+    g = torch.Generator().manual_seed(10)
+    small = lambda n, scale: torch.randn(3, n, generator=g) * scale  # noqa: E731
+    fp32_eps = float(np.finfo(np.float32).eps)
+    block = model.towers[1].blocks[0]
+    for norm, eps, scale in ((block.norm1, fp32_eps, 1e-4), (block.norm2, fp32_eps, 1e-4),
+                             (block.layer.norm, 1e-5, 1e-3)):
+        x = small(norm.weight.shape[0], scale)
+        want = np.stack([rms_np(row, P(norm.weight), eps) for row in P(x)])
+        np.testing.assert_allclose(P(norm(x)), want, rtol=1e-4)
+    xlstm = model.towers[0].blocks[0].layer
+    for norm in (xlstm.slstm.norm, xlstm.mlstm.norm, xlstm.final_norm):
+        x = small(norm.weight.shape[0], 1e-3)
+        np.testing.assert_allclose(P(norm(x)), np.stack([ln_np(row, P(norm.weight)) for row in P(x)]), rtol=1e-4)
+    for norm, groups in ((xlstm.slstm.group_norm, 4), (xlstm.mlstm.mlstm_cell.outnorm, xlstm.mlstm.num_heads)):
+        x = small(norm.weight.shape[0], 1e-3)
+        want = np.stack([gn_np(row, groups, P(norm.weight), P(norm.bias)) for row in P(x)])
+        np.testing.assert_allclose(P(norm(x)), want, rtol=1e-4, atol=1e-6)
+    # RetNet's first step: theta = 0 and scale = 1, so o = (q.k) v per head; a tiny v_proj makes o tiny
+    heads, D = 4, HIDDEN // 4
+    layer = randomize(RetNet(HIDDEN, heads), 11)
+    with torch.no_grad():
+        layer.v_proj.weight.mul_(1e-4)
+        layer.decay.fill_(0.9)
+    W = {k: P(v) for k, v in layer.state_dict().items()}
+    x = torch.randn(2, HIDDEN, generator=g)
+    out, _ = layer(x, layer.init_state(2))
+    for row, xr in enumerate(P(x)):
+        q, k = (W["q_proj.weight"] @ xr).reshape(heads, D), (W["k_proj.weight"] @ xr).reshape(heads, D) / D**0.5
+        v, gate = (W["v_proj.weight"] @ xr).reshape(heads, D), W["g_proj.weight"] @ xr
+        o = (q * k).sum(1, keepdims=True) * v
+        o = o / np.sqrt((o**2).mean(1, keepdims=True) + 1e-6)
+        np.testing.assert_allclose(P(out)[row], W["out_proj.weight"] @ (silu(gate) * o.reshape(-1)), rtol=2e-4,
+                                   atol=1e-6)
+
+
 def test_full_manifest_equals_reference():
     reference = json.loads(MANIFEST.read_text())["tensors"] if MANIFEST.exists() else None
     if reference is None:
@@ -258,6 +336,15 @@ def test_manifest_cli_prints_json():
 def test_unknown_preset_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown preset 'huge'.*tiny"):
         get_preset("huge")
+
+
+@pytest.mark.parametrize("shape", [dict(heads=0), dict(hidden=0), dict(depth=0), dict(hidden=32, heads=16),
+                                   dict(hidden=48), dict(hidden=64, heads=3)])
+def test_shapes_the_layers_cannot_take_are_refused(shape):
+    """hidden 32 over 16 heads gave RetNet heads of 2, whose rotary frequencies were NaN in the synthetic weights;
+    0 heads a ZeroDivisionError."""
+    with pytest.raises(ValueError, match="unsupported model shape"):
+        ModelConfig(**{**dict(hidden=64, proj=128, depth=2, heads=2), **shape})
 
 
 def test_wrong_feature_count_is_rejected():

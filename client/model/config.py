@@ -14,8 +14,10 @@ class ModelConfig:
 
     def __post_init__(self):
         # Mamba2 heads of 64 over inner = 2*hidden; sLSTM and RG-LRU split hidden in 4 blocks;
-        # mLSTM q/k/v blocks of 4; RetNet rotary pairs need an even head size.
-        if self.hidden % 32 or (2 * self.hidden) % self.heads or self.hidden % (2 * self.heads):
+        # mLSTM q/k/v blocks of 4; RetNet rotary pairs need an even head size, and at least two pairs: the
+        # rotary frequencies 10000^(-j/(D/2-1)) are 0/0 for D = 2.
+        if (min(self.hidden, self.proj, self.depth, self.heads, self.features) < 1 or self.hidden % 32
+                or (2 * self.hidden) % self.heads or self.hidden % (2 * self.heads) or self.hidden // self.heads < 4):
             raise ValueError(f"unsupported model shape: {self}")
 
     def as_dict(self):
