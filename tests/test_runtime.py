@@ -1406,6 +1406,105 @@ def test_a_server_that_heartbeats_but_never_answers_the_register_is_left_after_t
 
 
 
+class SlowSteps:
+    """A team client whose steps take `step_s` (no model): process_batch alone, submit_batch (pipelined on threads),
+    or submit_batch whose steps run in the background (inline steps)."""
+
+    requests_per_symbol = "many"
+
+    def __init__(self, kind, step_s=0.3):
+        self.step_s, self.steps_in_background = step_s, kind == "inline"
+        if kind != "process_batch":
+            self.submit_batch = self._submit
+
+    def _answer(self, requests_by_symbol):
+        ids = [uid for queued in requests_by_symbol.values() for uid, _ in queued]
+        return {"unique_ids": ids, "predictions": np.full((len(ids), 4), 0.5, np.float32)}
+
+    def process_batch(self, requests_by_symbol):
+        time.sleep(self.step_s)
+        return self._answer(requests_by_symbol)
+
+    def _submit(self, requests_by_symbol):
+        ends, answer = time.monotonic() + self.step_s, self._answer(requests_by_symbol)
+
+        class Pending:
+            def done(self):
+                return time.monotonic() >= ends
+
+            def result(self):
+                time.sleep(max(0.0, ends - time.monotonic()))
+                return answer
+
+        return Pending()
+
+
+@pytest.mark.parametrize("kind", ["process_batch", "threads", "inline"])
+def test_stop_answers_the_steps_in_flight_before_the_connection_closes(kind):
+    """stop() closed the connection at once: the answers of the steps already running were computed and never sent
+    (the server counted them missed). Now no step is formed after it, and those in flight are answered first."""
+    symbols, features = _stream(3)
+    recorder, stepping = Recorder(), asyncio.Event()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_welcome(10))
+        await ws.send(_request([0, 1, 2], symbols, features))
+        stepping.set()
+        await recorder.pump(ws, lambda: False)  # until the client closes
+
+    async def main():
+        async with serve(handler, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            client = StreamingClient(SlowSteps(kind), f"ws://127.0.0.1:{port}", "testers")
+            playing = asyncio.ensure_future(client.run())
+            await stepping.wait()
+            await asyncio.sleep(0.1)  # its step runs
+            stopped_at = time.monotonic()
+            client.stop()
+            return await asyncio.wait_for(playing, 30), time.monotonic() - stopped_at
+
+    summary, took = asyncio.run(main())
+    assert summary["outcome"] == runtime.INTERRUPTED and took < runtime.STOP_DRAIN_S
+    assert recorder.answered() == {0, 1, 2} and summary["responses_sent"] == 3
+
+
+def test_stop_while_a_connection_is_being_made_gives_it_up():
+    """Stopped while it reconnected to a server slow to accept, the client connected once the server did and played
+    on, the stop unseen, until the server ended the session: now the attempt is given up at once."""
+    connections = []
+
+    async def slow_reconnect(connection, request):
+        if connections:
+            await asyncio.sleep(3)
+
+    async def handler(ws):
+        connections.append(protocol.decode(await ws.recv()))
+        await ws.send(_welcome(10))
+        if len(connections) == 1:
+            await ws.close(1011, "internal error")  # lost: the client reconnects
+            return
+        while True:
+            await ws.send(protocol.encode(protocol.heartbeat(time.time())))
+            await asyncio.sleep(0.05)
+
+    async def main():
+        async with serve(handler, "127.0.0.1", 0, process_request=slow_reconnect) as server:
+            port = server.sockets[0].getsockname()[1]
+            client = StreamingClient(None, f"ws://127.0.0.1:{port}", "testers", backoff_s=0.01)
+            playing = asyncio.ensure_future(client.run())
+            while not connections:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # reconnecting, in the slow handshake
+            stopped_at = time.monotonic()
+            client.stop()
+            return await asyncio.wait_for(playing, 30), time.monotonic() - stopped_at
+
+    summary, took = asyncio.run(main())
+    assert took < 1 and summary["outcome"] == runtime.INTERRUPTED
+    assert len(connections) == 1 and summary["connections"] == 1
+
+
 def test_a_server_error_after_its_requests_is_no_refusal_even_where_its_welcome_was_malformed(model):
     symbols, features = _stream(4)
     recorder = Recorder()
