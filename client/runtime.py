@@ -727,8 +727,8 @@ class StreamingClient:
             while self._frames == frames:
                 idle = time.monotonic() - since
                 if idle >= self.server_idle_s:
-                    if self._stream_stopped(ws):  # an event-style server may fall silent at its stream's end
-                        return
+                    if self._stream_stopped(ws) or self._refused_open(ws):  # (an event-style server may fall silent
+                        return                                              # at its stream's end)
                     self._finish(CUT_SHORT, f"the server sent nothing for {idle:.1f} s (not even a heartbeat) and "
                                             f"never said the stream was over, after {self._played()} requests "
                                             f"answered (the limit: --server-idle-s {self.server_idle_s:g})")
@@ -736,12 +736,26 @@ class StreamingClient:
                     return
                 await asyncio.sleep(min(self.server_idle_s - idle, max(self.server_idle_s / 10, 0.05)))
             unanswered = time.monotonic() - connected
+            if not self._welcomed and unanswered >= self.server_idle_s and self._refused_open(ws):
+                return
             if not self._welcomed and self._refusal is None and unanswered >= self.server_idle_s:
                 self._finish(CUT_SHORT, f"the server never answered the register (no welcome, no refusal, no "
                                         f"request) in {unanswered:.1f} s, after {self._played()} requests answered "
                                         f"(the limit: --server-idle-s {self.server_idle_s:g})")
                 ws.abort()
                 return
+
+    def _refused_open(self, ws) -> bool:
+        """Whether the server refused the register for a limit that passes and left the connection open (it closes it,
+        1013: trying again later may help) for server_idle_s: the connection is dropped, and the connect loop tries
+        again, and gives up when it keeps coming (a server that heartbeat on after such a refusal held the client for
+        good, neither welcomed nor refused)."""
+        if self._welcomed or self._refusal is None or self._refusal["error"] not in protocol.REFUSALS_THAT_PASS:
+            return False
+        log.info("the server refused the register (%s) and left the connection open for %g s; dropping it",
+                 self._refusal["error"], self.server_idle_s)
+        ws.abort()
+        return True
 
     def _stream_stopped(self, ws) -> bool:
         """The original protocol has no end: the event's server stops sending requests and keeps the connection open

@@ -1406,6 +1406,26 @@ def test_a_server_that_heartbeats_but_never_answers_the_register_is_left_after_t
 
 
 
+def test_a_limit_that_passes_refused_on_a_connection_left_open_is_tried_again_then_given_up():
+    """A refusal for a limit that passes (server_full) is followed by the server's close (1013), and the client tries
+    again. A server that heartbeat on instead held the client for good, neither welcomed nor refused: the connection
+    is dropped server_idle_s after it began, and the connect loop tries again, and gives up as for any such refusal."""
+    connections = []
+
+    async def handler(ws):
+        connections.append(protocol.decode(await ws.recv()))
+        await ws.send(protocol.encode(protocol.error("server_full", "64 teams play already")))
+        while True:  # no close: heartbeats
+            await ws.send(protocol.encode(protocol.heartbeat(time.time())))
+            await asyncio.sleep(0.05)
+
+    started = time.monotonic()
+    _, summary = asyncio.run(_play(handler, None, server_idle_s=0.3, give_up_repeats=3))
+    assert time.monotonic() - started < 10
+    assert summary["outcome"] == runtime.GAVE_UP and len(connections) == 3 == summary["connections"]
+    assert "it refused the register (server_full: 64 teams play already)" in summary["detail"]
+
+
 class SlowSteps:
     """A team client whose steps take `step_s` (no model): process_batch alone, submit_batch (pipelined on threads),
     or submit_batch whose steps run in the background (inline steps)."""
