@@ -6,6 +6,7 @@ import math
 import socket
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -945,6 +946,26 @@ def test_requests_a_client_cannot_place_get_an_error_and_the_rest_are_answered()
     assert ids == [1] and predictions.shape == (1, 4) and errors == {2: "no room for the state of 1 symbol(s) (B)"}
     with pytest.raises(ValueError, match=r"missing ids \[2\]"):
         check_answer({"unique_ids": [1], "predictions": np.zeros((1, 4))}, [1, 2])
+
+
+def test_a_finite_prediction_past_float32s_range_is_held_at_its_largest_not_refused_as_not_finite():
+    """A team client's float64 prediction past float32's range, cast, became inf (with numpy's overflow warning), and
+    the runtime refused its request as not finite, the request's right towers with it; held at float32's largest, it
+    is a wrong tower alone (as the protocol holds such a value for the server). NaN and inf stay as they are."""
+    from client.answers import check_answer
+
+    big = np.finfo(np.float32).max
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warning either
+        answer = check_answer({"unique_ids": [1, 2], "predictions": np.array([[1e39, 0.5, -1e300, 0.25],
+                                                                              [np.nan, np.inf, -np.inf, 1.0]])},
+                              [1, 2])
+    assert answer.predictions.dtype == np.float32
+    np.testing.assert_array_equal(answer.predictions, np.array([[big, 0.5, -big, 0.25],
+                                                                [np.nan, np.inf, -np.inf, 1.0]], np.float32))
+    assert check_answer({"unique_ids": [1], "predictions": [[1, 2, 3, 4]]}, [1]).predictions.dtype == np.float32
+    with pytest.raises(ValueError, match="process_batch must return"):
+        check_answer({"unique_ids": [1], "predictions": [[10**400, 0, 0, 0]]}, [1])
 
 
 @pytest.mark.parametrize("answer, match", [
