@@ -29,9 +29,9 @@ def check_answer(result, batch_ids, partial=False) -> Answer:
     answer (a step answered in parts, some not yet come) may leave requests out."""
     try:
         ids = [int(uid) for uid in result["unique_ids"]]
-        predictions = np.asarray(result["predictions"], dtype=np.float32)
+        predictions = _float32(result["predictions"])
         errors = {int(uid): str(why) for uid, why in (result.get("errors") or {}).items()}
-    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+    except (TypeError, KeyError, ValueError, AttributeError, OverflowError) as exc:
         raise ValueError("process_batch must return {'unique_ids': [...], 'predictions': [n, 4], 'errors': "
                          f"{{unique_id: why}} (optional)}}, got {type(result).__name__}: {exc}") from None
     batch_ids = [int(uid) for uid in batch_ids]
@@ -47,3 +47,14 @@ def check_answer(result, batch_ids, partial=False) -> Answer:
         raise ValueError(f"process_batch returned predictions of shape {predictions.shape} for {len(ids)} ids, "
                          f"expected ({len(ids)}, {NUM_TOWERS})")
     return Answer(ids, predictions, errors)
+
+
+def _float32(predictions) -> np.ndarray:
+    """Predictions as float32, a finite value past float32's range held at its largest: cast, it became inf (with
+    numpy's overflow warning), and the runtime refused the request as not finite, its right towers with it (as
+    protocol.parse_inference_response holds such a value for the server)."""
+    array = np.asarray(predictions)
+    if array.dtype.kind == "f" and array.dtype.itemsize > 4:
+        limit = np.finfo(np.float32).max
+        array = np.where(np.isfinite(array), array.clip(-limit, limit), array)
+    return array.astype(np.float32, copy=False)

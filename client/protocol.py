@@ -125,7 +125,8 @@ _SCHEMAS = {
         "symbols": (_is_int, "an integer", True),
         "weights_match": (lambda v: v is None or isinstance(v, bool), "a boolean or nil", False),
         "session_key": (lambda v: isinstance(v, str), "a string", False),
-        "timeout_s": (lambda v: _is_number(v) and v > 0, "a positive number", False),
+        # finite: inf counted every answer, however late, in time, and the summary's JSON said Infinity
+        "timeout_s": (lambda v: _is_number(v) and math.isfinite(v) and v > 0, "a positive finite number", False),
     },
     "end": {
         "requests": (_is_int, "an integer", True),

@@ -58,6 +58,10 @@ GIVE_UP_REPEATS = 5
 SERVER_IDLE_S = 15.0
 # Seconds the first connection is retried: a wrong address fails fast.
 CONNECT_TIMEOUT_S = 3.0
+# After stop(), how long the steps in flight have to be answered and their answers to go out before the connection is
+# closed: closed at once, the answers of the steps already on the GPU were computed and never sent (the server counted
+# them missed).
+STOP_DRAIN_S = 2.0
 
 SWITCH_INTERVAL_S = 0.0002
 # Pipelined steps in flight: one running on the GPU and the next queued behind it. More would only add
@@ -355,6 +359,7 @@ class StreamingClient:
             inline_steps = team_api.steps_in_background(team_client)
         self.inline_steps = inline_steps and callable(getattr(team_client, "submit_batch", None))
         self._pump_handle: asyncio.Handle | None = None
+        self._step_threads: list[threading.Thread] = []  # the threads that form, run and answer steps (run())
         self._pump_next_turn = False  # whether _pump_handle runs on the loop's next turn (a step is in flight)
         self._look_for_joins_at = 0.0  # when _pump next looks for landed states to join (time.monotonic())
         self._loop_thread: int | None = None
@@ -484,6 +489,7 @@ class StreamingClient:
         if callable(self._prefetch):
             targets["prefetch"] = self._prefetch_arrivals
         threads = [threading.Thread(target=target, name=name, daemon=True) for name, target in targets.items()]
+        self._step_threads = [thread for thread in threads if thread.name != "prefetch"]
         for thread in threads:
             thread.start()
         try:
@@ -543,12 +549,36 @@ class StreamingClient:
         return theirs == self.weights_fingerprint
 
     def stop(self, why: str | None = None) -> None:
-        """End the session (call on the event loop thread); `why` (e.g. "SIGTERM") heads the interrupted detail."""
+        """End the session (call on the event loop thread); `why` (e.g. "SIGTERM") heads the interrupted detail. No
+        step is formed after it; the steps in flight are answered, and their answers sent, before the connection
+        closes (within STOP_DRAIN_S); a connection being made is given up."""
         self._stopped_why = why
-        if self._stop is not None:
-            self._stop.set()
+        if self._stop is None:
+            return
+        self._stop.set()
+        with self._work_ready:
+            self._worker_stopping = True
+            self._work_ready.notify_all()
         if self._ws is not None:
-            self._spawn(self._ws.close())
+            self._spawn(self._close(self._ws, drain=True))
+
+    async def _close(self, ws, drain: bool = False) -> None:
+        """Close `ws` from this side: with `drain`, once the steps in flight are answered and their answers sent (at
+        most STOP_DRAIN_S); a close not done within transport.CLOSE_TIMEOUT_S drops the connection."""
+        if drain:
+            deadline = time.monotonic() + STOP_DRAIN_S
+            while self._steps_running() and time.monotonic() < deadline:
+                await asyncio.sleep(READY_POLL_S)
+            await asyncio.sleep(0)  # the answers the step threads handed the loop, queued before this turn
+            sends = self._send_tasks - {asyncio.current_task()}
+            if sends:
+                await asyncio.wait(sends, timeout=max(deadline - time.monotonic(), 0.0))
+        await transport.close_within(ws)
+
+    def _steps_running(self) -> bool:
+        """Whether a step is in flight: submitted and not answered, or being run by the worker thread (a step thread
+        ends once it has answered its last step after stop())."""
+        return bool(self._steps or self._late) or any(thread.is_alive() for thread in self._step_threads)
 
     async def _connect_loop(self):
         delay = self.backoff_s
@@ -560,8 +590,9 @@ class StreamingClient:
             window = self.connect_timeout_s if first else self.give_up_after_s
             remaining = window - (time.monotonic() - unreachable_since)
             try:
-                async with await transport.connect(self.url, open_timeout=max(remaining, 0.1),
-                                                   ws_compression=self.ws_compression, tls=self._tls) as ws:
+                if (ws := await self._connect(max(remaining, 0.1))) is None:
+                    return  # stopped while connecting
+                async with ws:
                     requests_before = self.stats.requests
                     if await self._session(ws):
                         return
@@ -594,6 +625,36 @@ class StreamingClient:
             except TimeoutError:
                 pass
             delay = min(delay * 2, self.backoff_max_s)
+
+    async def _connect(self, open_timeout: float):
+        """A connection to the server (transport.connect's errors raised), or None where stop() came first: the
+        attempt is given up (a server slow to accept was played on, the stop unseen, once it did)."""
+        connecting = asyncio.ensure_future(transport.connect(self.url, open_timeout=open_timeout,
+                                                             ws_compression=self.ws_compression, tls=self._tls))
+        stopping = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait((connecting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            connecting.cancel()
+            raise
+        finally:
+            stopping.cancel()
+        if connecting.done():
+            ws = connecting.result()
+        else:
+            connecting.cancel()
+            try:  # its cleanup (the socket closed) done before going on
+                ws = await connecting
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # (run() itself cancelled meanwhile)
+                    raise
+                return None
+            except Exception:  # (it failed as it was given up)
+                return None
+        if self._stop.is_set():
+            await self._close(ws)
+            return None
+        return ws
 
     async def _session(self, ws) -> bool:
         """Serve one connection; True when the session is over, False to reconnect."""
@@ -677,8 +738,8 @@ class StreamingClient:
             while self._frames == frames:
                 idle = time.monotonic() - since
                 if idle >= self.server_idle_s:
-                    if self._stream_stopped(ws):  # an event-style server may fall silent at its stream's end
-                        return
+                    if self._stream_stopped(ws) or self._refused_open(ws):  # (an event-style server may fall silent
+                        return                                              # at its stream's end)
                     self._finish(CUT_SHORT, f"the server sent nothing for {idle:.1f} s (not even a heartbeat) and "
                                             f"never said the stream was over, after {self._played()} requests "
                                             f"answered (the limit: --server-idle-s {self.server_idle_s:g})")
@@ -686,12 +747,26 @@ class StreamingClient:
                     return
                 await asyncio.sleep(min(self.server_idle_s - idle, max(self.server_idle_s / 10, 0.05)))
             unanswered = time.monotonic() - connected
+            if not self._welcomed and unanswered >= self.server_idle_s and self._refused_open(ws):
+                return
             if not self._welcomed and self._refusal is None and unanswered >= self.server_idle_s:
                 self._finish(CUT_SHORT, f"the server never answered the register (no welcome, no refusal, no "
                                         f"request) in {unanswered:.1f} s, after {self._played()} requests answered "
                                         f"(the limit: --server-idle-s {self.server_idle_s:g})")
                 ws.abort()
                 return
+
+    def _refused_open(self, ws) -> bool:
+        """Whether the server refused the register for a limit that passes and left the connection open (it closes it,
+        1013: trying again later may help) for server_idle_s: the connection is dropped, and the connect loop tries
+        again, and gives up when it keeps coming (a server that heartbeat on after such a refusal held the client for
+        good, neither welcomed nor refused)."""
+        if self._welcomed or self._refusal is None or self._refusal["error"] not in protocol.REFUSALS_THAT_PASS:
+            return False
+        log.info("the server refused the register (%s) and left the connection open for %g s; dropping it",
+                 self._refusal["error"], self.server_idle_s)
+        ws.abort()
+        return True
 
     def _stream_stopped(self, ws) -> bool:
         """The original protocol has no end: the event's server stops sending requests and keeps the connection open
@@ -706,7 +781,7 @@ class StreamingClient:
             self._finish(COMPLETE, f"the server sent no request for {quiet:.1f} s, every one answered, and the "
                                    f"original protocol says no end: the stream was played to the end, {self._played()} "
                                    f"requests answered in time (the limit: --server-idle-s {self.server_idle_s:g})")
-            self._spawn(ws.close())
+            self._spawn(self._close(ws))
         return True
 
     def _stream_answered(self) -> bool:
@@ -750,7 +825,7 @@ class StreamingClient:
                 self._ended = True
                 if self.leave_at_end:
                     self._finish(COMPLETE)
-                    self._spawn(ws.close())
+                    self._spawn(self._close(ws))
             elif kind != "heartbeat":
                 raise protocol.ProtocolError(f"unexpected {kind} message: a server does not send those")
         except protocol.ProtocolError as exc:
@@ -773,7 +848,7 @@ class StreamingClient:
                                  f"request before or was answered long ago: it began another stream (restarted, or a "
                                  f"new round), and this client's states are the old one's; {self._played()} requests "
                                  f"of the old stream answered in time")
-        self._spawn(ws.close())
+        self._spawn(self._close(ws))
 
     def _on_refusal(self, ws, msg):
         """The server refused register: said at once, unless it is a limit that passes (rate, connections, room),
@@ -787,7 +862,7 @@ class StreamingClient:
         else:
             said = msg["error"] + (f": {msg['details']}" if msg["details"] else "")
             self._finish(REFUSED, f"the server refused this client ({said})")
-        self._spawn(ws.close())
+        self._spawn(self._close(ws))
 
     def _on_welcome(self, ws, msg):
         first = self.welcome is None
@@ -799,7 +874,7 @@ class StreamingClient:
                 # client plays this one from fresh states
                 self._finish(NEW_STREAM, f"the server's session is not the journal's ({self.journal.path}): the "
                                          f"states replayed from it are not this session's")
-                self._spawn(ws.close())
+                self._spawn(self._close(ws))
                 return
             self.journal.begin(msg.get("session_key"))
         if "timeout_s" in msg:  # the server's own (its --timeout-s): else answers it scored in time count as missed

@@ -31,6 +31,10 @@ _SCHEME_OF = {("websocket", False): "ws", ("tcp-json", False): "tcp", ("websocke
 _PROTOCOL_OF = {"ws": "websocket", "wss": "websocket", "tcp": "tcp-json", "tcp+tls": "tcp-json"}
 _TLS_SCHEMES = ("wss", "tcp+tls")
 PROBE_TIMEOUT_S = 1.0
+# How long this client's close of a connection may take (a websocket's closing handshake, a tcp-json connection's
+# buffered lines going out) before the connection is dropped: a server that read nothing held a close, and the
+# client's stop, until a send had been stuck for the runtime's server_idle_s (15 s), or for good where nothing sent.
+CLOSE_TIMEOUT_S = 1.0
 # Lines an original-protocol connection hands the runtime before the event loop gets a turn: readline() returns a
 # buffered line without one, and the runtime's step pump waits for the loop's next turn while a step is in flight
 LINES_A_TURN = 64
@@ -157,7 +161,23 @@ class Connection(ABC):
         return self
 
     async def __aexit__(self, *exc_info):
-        await self.close()
+        await close_within(self)
+
+
+async def close_within(connection: Connection, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+    """Close `connection`, and drop it where the close is not done within timeout_s. The close is not cancelled (a
+    tcp-json connection's close waits on its stream's one close waiter, which a cancelled wait cancels for every
+    other waiter too): it ends once the connection is dropped."""
+    closing = asyncio.ensure_future(connection.close())
+    closing.add_done_callback(_retrieved)
+    if not (await asyncio.wait({closing}, timeout=timeout_s))[0]:
+        connection.abort()
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """A done callback that retrieves a task's exception: one never retrieved is logged as an error."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def connect(url: str, open_timeout: float, ws_compression: bool = False,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from websockets.asyncio.server import serve
 
-from client import original, protocol, runtime
+from client import original, protocol, runtime, transport
 from client.protocol import ProtocolError
 from client.runtime import StreamingClient
 from client.streams import generate_stream
@@ -474,6 +474,54 @@ def test_a_server_that_reads_nothing_while_it_sends_on_is_left_and_played_again(
     assert said == ["connection lost (the server read nothing for 1 s: an answer waited that long to be sent); "
                     "reconnecting, states kept"]
     assert not client._send_tasks
+
+def test_stop_against_a_server_that_reads_nothing_ends_within_seconds(monkeypatch):
+    """stop() closes the connection, whose close waits for its buffered answers to go out: against a server that
+    read nothing, the client stopped only once a send had been stuck server_idle_s (15 s). Now the steps in flight
+    have STOP_DRAIN_S, and the close CLOSE_TIMEOUT_S, before the connection is dropped."""
+    row = [0.5] * 79
+
+    async def handler(reader, writer):
+        await reader.readline()  # register
+        uid = 0
+        while not reader.at_eof():  # requests, and never a read
+            writer.write(original.encode_line({"message_type": "inference_request", "unique_ids": [uid],
+                                               "symbols": [f"S{uid % 20}"], "features": [row], "timestamp": 0.0}))
+            uid += 1
+            try:
+                await writer.drain()
+            except OSError:
+                return
+            await asyncio.sleep(0.001)
+
+    open_connection = asyncio.open_connection
+
+    async def small_send_buffer(host, port, **options):  # the kernel's buffers fill after a few answers
+        sock = socket.create_connection((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.setblocking(False)
+        return await open_connection(sock=sock, **options)
+
+    monkeypatch.setattr(asyncio, "open_connection", small_send_buffer)
+
+    async def main():
+        listening = socket.create_server(("127.0.0.1", 0))
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the accepted sockets' too
+        server = await asyncio.start_server(handler, sock=listening)
+        client = StreamingClient(Echo(), f"tcp://127.0.0.1:{listening.getsockname()[1]}", "x")
+        playing = asyncio.ensure_future(client.run())
+        while len(client._send_tasks) < 5:  # answers wait to be sent
+            await asyncio.sleep(0.01)
+        stopped_at = time.monotonic()
+        client.stop()
+        summary = await playing
+        server.close()
+        return summary, time.monotonic() - stopped_at
+
+    summary, took = run(main())
+    assert summary["outcome"] == runtime.INTERRUPTED and summary["connections"] == 1
+    assert took < runtime.STOP_DRAIN_S + transport.CLOSE_TIMEOUT_S + 1
+
 
 def test_a_server_that_begins_another_stream_after_a_reconnect_ends_the_session():
     """An event server restarted (or a new round): after the reconnect its ids start over, holding other requests.

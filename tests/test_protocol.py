@@ -31,6 +31,16 @@ def test_register_names_the_model_and_welcome_and_end_roundtrip():
         protocol.decode(msgpack.packb({"type": "welcome", "preset": "tiny", "weights_fingerprint": None}))
 
 
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), 0.0, -1.0, "2"])
+def test_a_welcomes_timeout_is_a_positive_finite_number_of_seconds(timeout_s):
+    """The client counts answers in time by the welcome's timeout_s: inf counted every answer, however late, in time,
+    and the summary's --json then said Infinity, which is no JSON."""
+    assert roundtrip(protocol.welcome("tiny", None, 4, 1, None, timeout_s=2.5))["timeout_s"] == 2.5
+    welcome = {**protocol.welcome("tiny", None, 4, 1, None), "timeout_s": timeout_s}
+    with pytest.raises(ProtocolError, match="'timeout_s' must be a positive"):
+        protocol.decode(protocol.encode(welcome))
+
+
 def test_inference_request_roundtrip_is_little_endian_row_major():
     features = np.arange(2 * 79, dtype=np.float32).reshape(2, 79)
     msg = roundtrip(protocol.inference_request(np.array([7, 9]), ["SYM_000", "SYM_001"], features, 12.5))

@@ -6,10 +6,12 @@ import math
 import socket
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
 from websockets.asyncio.server import serve
+from websockets.exceptions import ConnectionClosed
 
 from client import cli, protocol
 from client.engine.reference import ReferenceEngine
@@ -947,6 +949,26 @@ def test_requests_a_client_cannot_place_get_an_error_and_the_rest_are_answered()
         check_answer({"unique_ids": [1], "predictions": np.zeros((1, 4))}, [1, 2])
 
 
+def test_a_finite_prediction_past_float32s_range_is_held_at_its_largest_not_refused_as_not_finite():
+    """A team client's float64 prediction past float32's range, cast, became inf (with numpy's overflow warning), and
+    the runtime refused its request as not finite, the request's right towers with it; held at float32's largest, it
+    is a wrong tower alone (as the protocol holds such a value for the server). NaN and inf stay as they are."""
+    from client.answers import check_answer
+
+    big = np.finfo(np.float32).max
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warning either
+        answer = check_answer({"unique_ids": [1, 2], "predictions": np.array([[1e39, 0.5, -1e300, 0.25],
+                                                                              [np.nan, np.inf, -np.inf, 1.0]])},
+                              [1, 2])
+    assert answer.predictions.dtype == np.float32
+    np.testing.assert_array_equal(answer.predictions, np.array([[big, 0.5, -big, 0.25],
+                                                                [np.nan, np.inf, -np.inf, 1.0]], np.float32))
+    assert check_answer({"unique_ids": [1], "predictions": [[1, 2, 3, 4]]}, [1]).predictions.dtype == np.float32
+    with pytest.raises(ValueError, match="process_batch must return"):
+        check_answer({"unique_ids": [1], "predictions": [[10**400, 0, 0, 0]]}, [1])
+
+
 @pytest.mark.parametrize("answer, match", [
     ({"unique_ids": [1, 3], "predictions": np.zeros((2, 4))}, r"unexpected ids \[3\]"),
     ({"unique_ids": [1], "predictions": np.zeros((1, 4)), "errors": {1: "lost"}}, r"repeated ids \[1\]"),
@@ -1404,6 +1426,128 @@ def test_a_server_that_heartbeats_but_never_answers_the_register_is_left_after_t
     assert summary["outcome"] == runtime.CUT_SHORT and summary["connections"] == 1
     assert "never answered the register" in summary["detail"], summary["detail"]
 
+
+
+def test_a_limit_that_passes_refused_on_a_connection_left_open_is_tried_again_then_given_up():
+    """A refusal for a limit that passes (server_full) is followed by the server's close (1013), and the client tries
+    again. A server that heartbeat on instead held the client for good, neither welcomed nor refused: the connection
+    is dropped server_idle_s after it began, and the connect loop tries again, and gives up as for any such refusal."""
+    connections = []
+
+    async def handler(ws):
+        connections.append(protocol.decode(await ws.recv()))
+        await ws.send(protocol.encode(protocol.error("server_full", "64 teams play already")))
+        while True:  # no close: heartbeats
+            await ws.send(protocol.encode(protocol.heartbeat(time.time())))
+            await asyncio.sleep(0.05)
+
+    started = time.monotonic()
+    _, summary = asyncio.run(_play(handler, None, server_idle_s=0.3, give_up_repeats=3))
+    assert time.monotonic() - started < 10
+    assert summary["outcome"] == runtime.GAVE_UP and len(connections) == 3 == summary["connections"]
+    assert "it refused the register (server_full: 64 teams play already)" in summary["detail"]
+
+
+class SlowSteps:
+    """A team client whose steps take `step_s` (no model): process_batch alone, submit_batch (pipelined on threads),
+    or submit_batch whose steps run in the background (inline steps)."""
+
+    requests_per_symbol = "many"
+
+    def __init__(self, kind, step_s=0.3):
+        self.step_s, self.steps_in_background = step_s, kind == "inline"
+        if kind != "process_batch":
+            self.submit_batch = self._submit
+
+    def _answer(self, requests_by_symbol):
+        ids = [uid for queued in requests_by_symbol.values() for uid, _ in queued]
+        return {"unique_ids": ids, "predictions": np.full((len(ids), 4), 0.5, np.float32)}
+
+    def process_batch(self, requests_by_symbol):
+        time.sleep(self.step_s)
+        return self._answer(requests_by_symbol)
+
+    def _submit(self, requests_by_symbol):
+        ends, answer = time.monotonic() + self.step_s, self._answer(requests_by_symbol)
+
+        class Pending:
+            def done(self):
+                return time.monotonic() >= ends
+
+            def result(self):
+                time.sleep(max(0.0, ends - time.monotonic()))
+                return answer
+
+        return Pending()
+
+
+@pytest.mark.parametrize("kind", ["process_batch", "threads", "inline"])
+def test_stop_answers_the_steps_in_flight_before_the_connection_closes(kind):
+    """stop() closed the connection at once: the answers of the steps already running were computed and never sent
+    (the server counted them missed). Now no step is formed after it, and those in flight are answered first."""
+    symbols, features = _stream(3)
+    recorder, stepping = Recorder(), asyncio.Event()
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(_welcome(10))
+        await ws.send(_request([0, 1, 2], symbols, features))
+        stepping.set()
+        try:
+            await recorder.pump(ws, lambda: False)
+        except ConnectionClosed:  # the client closed it
+            pass
+
+    async def main():
+        async with serve(handler, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            client = StreamingClient(SlowSteps(kind), f"ws://127.0.0.1:{port}", "testers")
+            playing = asyncio.ensure_future(client.run())
+            await stepping.wait()
+            await asyncio.sleep(0.1)  # its step runs
+            stopped_at = time.monotonic()
+            client.stop()
+            return await asyncio.wait_for(playing, 30), time.monotonic() - stopped_at
+
+    summary, took = asyncio.run(main())
+    assert summary["outcome"] == runtime.INTERRUPTED and took < runtime.STOP_DRAIN_S
+    assert recorder.answered() == {0, 1, 2} and summary["responses_sent"] == 3
+
+
+def test_stop_while_a_connection_is_being_made_gives_it_up():
+    """Stopped while it reconnected to a server slow to accept, the client connected once the server did and played
+    on, the stop unseen, until the server ended the session: now the attempt is given up at once."""
+    connections = []
+
+    async def slow_reconnect(connection, request):
+        if connections:
+            await asyncio.sleep(3)
+
+    async def handler(ws):
+        connections.append(protocol.decode(await ws.recv()))
+        await ws.send(_welcome(10))
+        if len(connections) == 1:
+            await ws.close(1011, "internal error")  # lost: the client reconnects
+            return
+        while True:
+            await ws.send(protocol.encode(protocol.heartbeat(time.time())))
+            await asyncio.sleep(0.05)
+
+    async def main():
+        async with serve(handler, "127.0.0.1", 0, process_request=slow_reconnect) as server:
+            port = server.sockets[0].getsockname()[1]
+            client = StreamingClient(None, f"ws://127.0.0.1:{port}", "testers", backoff_s=0.01)
+            playing = asyncio.ensure_future(client.run())
+            while not connections:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # reconnecting, in the slow handshake
+            stopped_at = time.monotonic()
+            client.stop()
+            return await asyncio.wait_for(playing, 30), time.monotonic() - stopped_at
+
+    summary, took = asyncio.run(main())
+    assert took < 1 and summary["outcome"] == runtime.INTERRUPTED
+    assert len(connections) == 1 and summary["connections"] == 1
 
 
 def test_a_server_error_after_its_requests_is_no_refusal_even_where_its_welcome_was_malformed(model):
