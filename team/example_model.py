@@ -87,7 +87,8 @@ class ExampleModel:
     def process_batch(self, requests_by_symbol: dict[str, list[tuple[int, np.ndarray]]]) -> dict:
         """{symbol: [(unique_id, features[79]), ...]}, each symbol's requests in arrival order within and across
         calls -> {"unique_ids": [...], "predictions": float32 [n, 4], "errors": {unique_id: why} for requests
-        not answered (a symbol the engine has no room for)}."""
+        not answered (a symbol the engine has no room for, features not finite: the symbol's other requests step on
+        from the state before it)}."""
         return self._submit(requests_by_symbol).result()
 
     def submit_batch(self, requests_by_symbol: dict[str, list[tuple[int, np.ndarray]]]) -> PendingStep:
@@ -144,15 +145,21 @@ class ExampleModel:
         # A symbol the engine has no room for is answered with an error; the others step as usual.
         rejected = self.engine.unplaceable(list(requests_by_symbol))
         by_symbol = {s: team_api.queued(value) for s, value in requests_by_symbol.items()}
+        not_finite = {}  # unique_id -> why: refused alone (the runtime refuses them on arrival; a direct call may not)
         while True:
-            errors = {uid: why for s, why in rejected.items() for uid, _ in by_symbol[s]}
+            errors = {uid: why for s, why in rejected.items() for uid, _ in by_symbol[s]} | not_finite
             requests = [(s, uid, f) for s, queued in by_symbol.items() if s not in rejected for uid, f in queued]
+            if not_finite:
+                requests = [request for request in requests if request[1] not in not_finite]
             if not requests:
                 return PendingStep.completed({"unique_ids": [], "predictions": np.zeros((0, NUM_TOWERS), np.float32),
                                               "errors": errors})
             symbols = [s for s, _, _ in requests]
             unique_ids = [uid for _, uid, _ in requests]
             features = np.stack([np.asarray(f, dtype=np.float32) for _, _, f in requests])
+            if not (finite := np.isfinite(features).all(axis=1)).all():
+                not_finite = {uid: "features contain NaN or inf" for uid, ok in zip(unique_ids, finite) if not ok}
+                continue
             try:
                 if joinable and getattr(self.engine, "takes_joins", False):
                     step = self.engine.submit(symbols, features, joinable=True)  # the runtime may join arrivals to it

@@ -35,6 +35,20 @@ def test_process_batch_maps_ids_to_predictions_in_symbol_order():
     assert empty["unique_ids"] == [] and empty["predictions"].shape == (0, 4)
 
 
+def test_a_request_whose_features_are_not_finite_is_refused_alone_its_symbol_stepping_on_from_before_it():
+    model = load_model("tiny", seed=2)[0]
+    f = np.random.default_rng(1).standard_normal((3, 79)).astype(np.float32)
+    bad = f[1].copy()
+    bad[5] = np.nan
+    out = ExampleModel(ReferenceEngine(model)).process_batch({"A": [(0, f[0]), (1, bad), (2, f[2])], "B": [(3, f[1])],
+                                                              "C": [(4, np.full(79, np.inf, np.float32))]})
+    assert out["unique_ids"] == [0, 2, 3] and set(out["errors"]) == {1, 4}
+    assert "NaN or inf" in out["errors"][1]
+    straight = ReferenceEngine(model)
+    want = [straight.step(["A"], f[:1])[0], straight.step(["A"], f[2:])[0], straight.step(["B"], f[1:2])[0]]
+    np.testing.assert_allclose(out["predictions"], np.stack(want), rtol=0, atol=1e-6)
+
+
 def test_the_example_says_how_many_symbols_its_engines_step_holds():
     """The runtime forms a step at once when that many symbols wait with K requests each (team_api.step_symbols)."""
     from client import team_api
