@@ -269,11 +269,14 @@ class TeamSession:
         ids = np.array([i if -2**63 <= i < 2**63 else -1 for i in unique_ids], dtype=np.int64)
         problems = []
         known = (ids >= 0) & (ids < self.sent)
+        finite = np.isfinite(predictions).all(axis=1)
+        # an id's answer in this message is its first finite row (a NaN row leaves the id open, as in a later
+        # message), else its first row; its other rows are duplicates
+        rows = np.argsort(~finite, kind="stable")
         first_seen = np.zeros(len(ids), dtype=bool)
-        first_seen[np.unique(ids, return_index=True)[1]] = True
+        first_seen[rows[np.unique(ids[rows], return_index=True)[1]]] = True
         state = self._state[np.where(known, ids, 0)]
         repeated = known & (~first_seen | (state == ANSWERED) | (state == LATE))
-        finite = np.isfinite(predictions).all(axis=1)
         accept = known & ~repeated & finite
         if (~known).any():
             self.errors += 1

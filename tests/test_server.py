@@ -272,6 +272,22 @@ def test_registered_client_bad_responses_get_errors_and_are_counted():
     assert summary["duplicates"] == 1 and summary["errors"] == 7 and summary["client_errors"] == 1
 
 
+def test_an_answer_after_a_nan_row_of_its_id_in_the_same_message_is_scored():
+    """A NaN answer leaves its id open for a real one, in a later message and in the same one alike: the real one
+    after it was called a duplicate of an answer never taken, and the request went unanswered."""
+    stream, targets = make_stream(4)
+    session = TeamSession("team", stream.symbols, stream.features, targets, np.zeros(4), atol=1e-3, half_life_ms=100.0,
+                          timeout_s=2.0, send_stall_s=2.0, max_requests_per_message=16)
+    session.sent = 4
+    session._send_time[:] = session.start
+    nan = np.full(4, np.nan, np.float32)
+    rows = np.stack([nan, targets[0], targets[1], targets[2], nan])
+    update, problems = session.handle_response([0, 0, 1, 2, 2], rows, session.start + 0.01)
+    assert update["unique_ids"] == [0, 1, 2] and update["correct"] == [4, 4, 4]
+    assert [code for code, _ in problems] == ["duplicate_ids"]  # 2's NaN after its answer: the answer stands
+    assert session.responses == 3 and session.duplicates == 2 and session.errors == 0
+
+
 def test_client_that_never_registers_is_told_and_closed():
     async def main():
         async with Server(register_timeout_s=0.2) as s:
