@@ -244,6 +244,22 @@ def test_failing_section_is_recorded_and_others_still_run(tmp_path, monkeypatch,
     assert "FAILED sections: step" in capsys.readouterr().out
 
 
+def test_a_section_that_fails_then_passes_under_merge_is_no_longer_reported_failed(tmp_path, monkeypatch, capsys):
+    bench = _load_bench()
+    copy = bench.SECTIONS["copy"]
+    out = tmp_path / "out.json"
+    argv = ["--device", "cpu", "--quick", "--sections", "copy", "--json", str(out)]
+    with monkeypatch.context() as patched:
+        patched.setattr(copy, "run", lambda b: 1 / 0)
+        assert bench.main(argv) == 1
+    assert set(json.loads(out.read_text())["errors"]) == {"copy"}
+    capsys.readouterr()
+    assert bench.main([*argv, "--merge"]) == 0
+    assert "FAILED" not in capsys.readouterr().out  # it read "FAILED sections: copy", the run exiting 0
+    data = json.loads(out.read_text())
+    assert not data.get("errors") and _finite(data["copy_gb_per_s"])
+
+
 def test_promote_partials_holds_for_the_run_and_is_restored(tmp_path, monkeypatch):
     import importlib
 
