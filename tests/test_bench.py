@@ -260,6 +260,43 @@ def test_a_section_that_fails_then_passes_under_merge_is_no_longer_reported_fail
     assert not data.get("errors") and _finite(data["copy_gb_per_s"])
 
 
+def test_stacks_reach_the_floor_and_hung_sections_served_sessions(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from client.streams import generate_stream
+    from scripts.benchmarks import floor, hung
+
+    given = []
+
+    class Served(Exception):
+        pass
+
+    async def serve_stream(*args, **options):
+        given.append(options.get("stacks_dir"))
+        raise Served
+
+    args = SimpleNamespace(preset="tiny", seed=0, pipeline_min_batch=None, max_requests_per_symbol=8,
+                           stacks=str(tmp_path), late_after_ms=None, form_margin_ms=None,
+                           punctual_late_after_ms=None, join=None, inline_steps=None)
+    fake = SimpleNamespace(args=args, forming=lambda run=0: {}, model=None, device="cpu")
+    stream = generate_stream(2, 4, 0)
+    for module in (floor, hung):
+        monkeypatch.setattr(module, "serve_stream", serve_stream)
+    monkeypatch.setattr(hung, "ReferenceTracker", lambda *a: SimpleNamespace(targets=lambda s: None))
+    with pytest.raises(Served):
+        floor.serve_runtime(fake, stream, None, 0)
+
+    def server_process(*args, stacks_path=None):
+        given.append(os.path.dirname(stacks_path))
+        raise Served
+    monkeypatch.setattr(floor, "ServerProcess", server_process)
+    with pytest.raises(Served):
+        floor.serve_echo(fake, stream)
+    with pytest.raises(Served):
+        hung.measure(fake, SimpleNamespace(shards=[None, SimpleNamespace(process=None)]), None, "HUP_")
+    assert given == [str(tmp_path)] * 3  # --stacks was not handed on: no stack written for these sessions
+
+
 def test_promote_partials_holds_for_the_run_and_is_restored(tmp_path, monkeypatch):
     import importlib
 
