@@ -297,6 +297,20 @@ def test_stacks_reach_the_floor_and_hung_sections_served_sessions(tmp_path, monk
     assert given == [str(tmp_path)] * 3  # --stacks was not handed on: no stack written for these sessions
 
 
+def test_a_max_rate_search_that_no_rate_passed_reads_so_not_none_req_s():
+    from scripts.benchmarks import maxrate, shards, state_rates
+
+    run = {"rate": 100, "p50_ms": 60.0, "p99_ms": 90.0, "accuracy": 1.0, "missed": 0, "passed": False}
+    lines = maxrate.summary({"max_rate_runs": [run], "max_rate_p99_50ms": None, "max_rate_k1_runs": [run],
+                             "max_rate_k1_p99_50ms": 3000})
+    lines += shards.summary({"shards": {"2": {"max_rate_p99_50ms": None}}})
+    lines += state_rates.summary({"state_rates": {"fp16": {"state_bytes_per_symbol": 2**20, "max_rate_p99_50ms": None}}})
+    assert not any("None" in line for line in lines), lines
+    assert [line for line in lines if line.startswith("max rate")][0].endswith("a step: no rate tried passed")
+    assert [line for line in lines if line.startswith("max rate")][1].endswith("a step: 3000 req/s")
+    assert lines[-2].endswith("symbols no rate tried passed") and lines[-1].endswith("symbols no rate tried passed")
+
+
 def test_promote_partials_holds_for_the_run_and_is_restored(tmp_path, monkeypatch):
     import importlib
 
