@@ -63,9 +63,12 @@ def load_team_class(team_dir: str | Path = DEFAULT_TEAM_DIR):
         sys.path.append(folder)
     spec = importlib.util.spec_from_file_location(f"_evaluated_team_{abs(hash(str(path)))}", path)
     module = importlib.util.module_from_spec(spec)
+    # in sys.modules, as an import puts it: dataclasses (string annotations) and pickle look its module up there
+    sys.modules[spec.name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
+        del sys.modules[spec.name]
         raise EvaluationError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
     cls = getattr(module, "ExampleModel", None)
     if cls is None or not callable(getattr(cls, "process_batch", None)):

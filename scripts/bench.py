@@ -243,6 +243,9 @@ def run_sections(bench) -> list[str]:
         try:
             with clocks or contextlib.nullcontext():
                 SECTIONS[section].run(bench)
+            if section in bench.report.data.get("errors", {}):  # an earlier run's failure, kept by --merge
+                bench.report.update(errors={name: error for name, error in bench.report.data["errors"].items()
+                                            if name != section})
         except Exception as exc:
             failed.append(section)
             bench.progress(f"section {section} FAILED: {exc}\n{traceback.format_exc()}")

@@ -244,6 +244,73 @@ def test_failing_section_is_recorded_and_others_still_run(tmp_path, monkeypatch,
     assert "FAILED sections: step" in capsys.readouterr().out
 
 
+def test_a_section_that_fails_then_passes_under_merge_is_no_longer_reported_failed(tmp_path, monkeypatch, capsys):
+    bench = _load_bench()
+    copy = bench.SECTIONS["copy"]
+    out = tmp_path / "out.json"
+    argv = ["--device", "cpu", "--quick", "--sections", "copy", "--json", str(out)]
+    with monkeypatch.context() as patched:
+        patched.setattr(copy, "run", lambda b: 1 / 0)
+        assert bench.main(argv) == 1
+    assert set(json.loads(out.read_text())["errors"]) == {"copy"}
+    capsys.readouterr()
+    assert bench.main([*argv, "--merge"]) == 0
+    assert "FAILED" not in capsys.readouterr().out  # it read "FAILED sections: copy", the run exiting 0
+    data = json.loads(out.read_text())
+    assert not data.get("errors") and _finite(data["copy_gb_per_s"])
+
+
+def test_stacks_reach_the_floor_and_hung_sections_served_sessions(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from client.streams import generate_stream
+    from scripts.benchmarks import floor, hung
+
+    given = []
+
+    class Served(Exception):
+        pass
+
+    async def serve_stream(*args, **options):
+        given.append(options.get("stacks_dir"))
+        raise Served
+
+    args = SimpleNamespace(preset="tiny", seed=0, pipeline_min_batch=None, max_requests_per_symbol=8,
+                           stacks=str(tmp_path), late_after_ms=None, form_margin_ms=None,
+                           punctual_late_after_ms=None, join=None, inline_steps=None)
+    fake = SimpleNamespace(args=args, forming=lambda run=0: {}, model=None, device="cpu")
+    stream = generate_stream(2, 4, 0)
+    for module in (floor, hung):
+        monkeypatch.setattr(module, "serve_stream", serve_stream)
+    monkeypatch.setattr(hung, "ReferenceTracker", lambda *a: SimpleNamespace(targets=lambda s: None))
+    with pytest.raises(Served):
+        floor.serve_runtime(fake, stream, None, 0)
+
+    def server_process(*args, stacks_path=None):
+        given.append(os.path.dirname(stacks_path))
+        raise Served
+    monkeypatch.setattr(floor, "ServerProcess", server_process)
+    with pytest.raises(Served):
+        floor.serve_echo(fake, stream)
+    with pytest.raises(Served):
+        hung.measure(fake, SimpleNamespace(shards=[None, SimpleNamespace(process=None)]), None, "HUP_")
+    assert given == [str(tmp_path)] * 3  # --stacks was not handed on: no stack written for these sessions
+
+
+def test_a_max_rate_search_that_no_rate_passed_reads_so_not_none_req_s():
+    from scripts.benchmarks import maxrate, shards, state_rates
+
+    run = {"rate": 100, "p50_ms": 60.0, "p99_ms": 90.0, "accuracy": 1.0, "missed": 0, "passed": False}
+    lines = maxrate.summary({"max_rate_runs": [run], "max_rate_p99_50ms": None, "max_rate_k1_runs": [run],
+                             "max_rate_k1_p99_50ms": 3000})
+    lines += shards.summary({"shards": {"2": {"max_rate_p99_50ms": None}}})
+    lines += state_rates.summary({"state_rates": {"fp16": {"state_bytes_per_symbol": 2**20, "max_rate_p99_50ms": None}}})
+    assert not any("None" in line for line in lines), lines
+    assert [line for line in lines if line.startswith("max rate")][0].endswith("a step: no rate tried passed")
+    assert [line for line in lines if line.startswith("max rate")][1].endswith("a step: 3000 req/s")
+    assert lines[-2].endswith("symbols no rate tried passed") and lines[-1].endswith("symbols no rate tried passed")
+
+
 def test_promote_partials_holds_for_the_run_and_is_restored(tmp_path, monkeypatch):
     import importlib
 

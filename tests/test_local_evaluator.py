@@ -399,6 +399,16 @@ def test_broken_team_client(tmp_path, capsys, source, message):
     assert __import__("re").search(message, err), err
 
 
+def test_a_team_file_with_a_dataclass_under_postponed_annotations_imports(tmp_path):
+    # dataclasses look the module of a string annotation up in sys.modules: one imported without being put there
+    # failed with AttributeError: 'NoneType' object has no attribute '__dict__'
+    (tmp_path / "example_model.py").write_text(
+        "from __future__ import annotations\nfrom dataclasses import dataclass\n\n\n@dataclass\nclass Stats:\n"
+        "    calls: int = 0\n\n\nclass ExampleModel:\n    def process_batch(self, batch):\n"
+        "        return Stats()\n")
+    assert le.load_team_class(tmp_path)().process_batch({}).calls == 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batch-size", "0"], "--batch-size: must be a positive integer"),
     (["--symbols", "-1"], "--symbols: must be a positive integer"),

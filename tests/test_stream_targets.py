@@ -104,3 +104,13 @@ def test_the_server_wants_a_stream_for_targets_file(capsys):
         parse_args(["--targets", "file"])
     assert "--targets file needs --stream, a file that carries targets" in capsys.readouterr().err
     assert parse_args(["--stream", __file__, "--targets", "file"]).targets == "file"
+
+
+def test_targets_that_differ_in_one_row_of_ten_thousand_never_read_as_all_within():
+    from client.targets import compare_targets, describe_targets
+
+    model = np.zeros((10_000, 4), np.float32)
+    file = model.copy()
+    file[0, 0] = 2e-3  # 39,999 of 40,000 within: rounded to nearest, 100.0%
+    line = describe_targets(compare_targets(file, model, 1e-3), "model", "preset tiny, seed 0")
+    assert "differ from the model (preset tiny, seed 0): 99.9% within atol 0.001" in line, line

@@ -10,6 +10,7 @@ over E2E_SYMBOLS symbols) served by the same scoring server, in turn, to four cl
   step size and forming options. It takes no joins (the engine's joined requests wait for a step of their own here).
   What the engine adds beyond it is neither its submit nor its step.
 e2e_runs rounds, each serving the four in turn, every session reported. A tail the echo already has is the host's."""
+import os
 import time
 
 import numpy as np
@@ -104,7 +105,8 @@ async def echo_session(server: ServerProcess):
 
 def serve_echo(bench, stream) -> dict:
     config = server_config(stream, E2E_RATE, bench.args.preset, bench.args.seed)
-    server = ServerProcess(config, stream, np.zeros((len(stream), len(TOWER_NAMES)), np.float32))
+    stacks = None if bench.args.stacks is None else os.path.join(bench.args.stacks, "server_stacks.txt")
+    server = ServerProcess(config, stream, np.zeros((len(stream), len(TOWER_NAMES)), np.float32), stacks_path=stacks)
     try:
         event_loop.run(echo_session(server))
         return _numbers(server.summary())
@@ -128,7 +130,7 @@ def serve_runtime(bench, stream, team_client, run, engine=None, targets=None, st
     return event_loop.run(serve_stream(
         engine, stream, targets, E2E_RATE, bench.args.preset, bench.args.seed, bench.args.pipeline_min_batch,
         max_requests_per_symbol=bench.args.max_requests_per_symbol, team_client=team_client, step_log=step_log,
-        **bench.forming(run)))
+        stacks_dir=bench.args.stacks, **bench.forming(run)))
 
 
 def run(bench):

@@ -68,7 +68,7 @@ def measure(bench, engine, late_parts_s, prefix) -> dict:
 
     summary = event_loop.run(serve_stream(engine, stream, targets, E2E_RATE, args.preset, args.seed,
                                           args.pipeline_min_batch, timeline=True, during=hang,
-                                          late_parts_s=late_parts_s, **bench.forming()))
+                                          late_parts_s=late_parts_s, stacks_dir=args.stacks, **bench.forming()))
     on_hung = np.asarray([engine.shard_of.get(symbol) == 1 for symbol in stream.symbols])
     engine.release(np.unique(stream.symbols).tolist())
     sent, latency_ms = (np.asarray(summary["timeline"][key], dtype=np.float64) for key in ("sent", "latency_ms"))

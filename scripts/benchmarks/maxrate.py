@@ -1,7 +1,7 @@
 """Section maxrate: the highest offered rate over 64 symbols served with p99 under 50 ms, none unanswered, with
 several requests of a symbol per step (the run's --max-requests-per-symbol) and with one (K = 1) in the same run."""
 from scripts.benchmarks.harness import MAXRATE_SYMBOLS, P99_LIMIT_MS
-from scripts.benchmarks.report import fmt
+from scripts.benchmarks.report import fmt, rate_text
 from scripts.benchmarks.serving import arrival_line, search_max_rate, stall_line
 
 
@@ -9,10 +9,10 @@ def run(bench):
     k = bench.args.max_requests_per_symbol
     bench.report.update(max_rate_requests_per_symbol=k)
     best, _ = search_max_rate(bench.engine, bench)
-    bench.progress(f"maxrate: {best} req/s with p99 < {P99_LIMIT_MS:g} ms, up to {k} requests of a symbol a step")
+    bench.progress(f"maxrate: {rate_text(best)} with p99 < {P99_LIMIT_MS:g} ms, up to {k} requests of a symbol a step")
     best_k1, _ = search_max_rate(bench.engine, bench, prefix="RATE1_", key="max_rate_k1", rates=bench.counts.k1_rates,
                                  per_symbol=1)
-    bench.progress(f"maxrate: {best_k1} req/s with p99 < {P99_LIMIT_MS:g} ms, one request of a symbol a step")
+    bench.progress(f"maxrate: {rate_text(best_k1)} with p99 < {P99_LIMIT_MS:g} ms, one request of a symbol a step")
 
 
 def _lines(runs):
@@ -30,9 +30,9 @@ def summary(data) -> list[str]:
         k = data.get("max_rate_requests_per_symbol", 1)
         lines += _lines(data["max_rate_runs"])
         lines.append(f"max rate with p99 < {P99_LIMIT_MS:g} ms over {MAXRATE_SYMBOLS} symbols, up to {k} requests "
-                     f"of a symbol a step: {data['max_rate_p99_50ms']} req/s")
+                     f"of a symbol a step: {rate_text(data['max_rate_p99_50ms'])}")
     if "max_rate_k1_runs" in data:
         lines += _lines(data["max_rate_k1_runs"])
         lines.append(f"max rate with p99 < {P99_LIMIT_MS:g} ms over {MAXRATE_SYMBOLS} symbols, one request of a "
-                     f"symbol a step: {data['max_rate_k1_p99_50ms']} req/s")
+                     f"symbol a step: {rate_text(data['max_rate_k1_p99_50ms'])}")
     return lines

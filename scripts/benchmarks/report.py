@@ -75,6 +75,11 @@ def fmt(value, digits=2):
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def rate_text(rate) -> str:
+    """A max-rate search's result: its rate, or that none of the rates it tried passed (None)."""
+    return "no rate tried passed" if rate is None else f"{rate:g} req/s"
+
+
 def gate_line(accuracy) -> str:
     """An accuracy result's gate in a few words: passed or FAILED, and its worst family and tower."""
     gate = accuracy["gate"]

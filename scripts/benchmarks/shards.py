@@ -3,6 +3,7 @@ actors of a cluster (--cluster ray)."""
 import time
 
 from scripts.benchmarks.harness import MAX_BATCH
+from scripts.benchmarks.report import rate_text
 from scripts.benchmarks.serving import search_max_rate
 
 SHARD_SYMBOLS = 128
@@ -54,5 +55,5 @@ def start_shards(bench, spec, count):
 
 
 def summary(data) -> list[str]:
-    return [f"{gpus} shard(s): max rate over {SHARD_SYMBOLS} symbols {row['max_rate_p99_50ms']} req/s"
+    return [f"{gpus} shard(s): max rate over {SHARD_SYMBOLS} symbols {rate_text(row['max_rate_p99_50ms'])}"
             for gpus, row in data.get("shards", {}).items()]

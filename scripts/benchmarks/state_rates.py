@@ -1,5 +1,6 @@
 """Section state_rates: the highest rate over 64 symbols for each 16-bit state storage of --state-dtypes."""
 from scripts.benchmarks.harness import MAXRATE_SYMBOLS
+from scripts.benchmarks.report import rate_text
 from scripts.benchmarks.serving import search_max_rate
 
 
@@ -29,5 +30,5 @@ def run(bench):
 
 def summary(data) -> list[str]:
     return [f"state {name} ({row['state_bytes_per_symbol'] / 2**20:.1f} MiB a symbol): max rate over "
-            f"{MAXRATE_SYMBOLS} symbols {row['max_rate_p99_50ms']} req/s"
+            f"{MAXRATE_SYMBOLS} symbols {rate_text(row['max_rate_p99_50ms'])}"
             for name, row in data.get("state_rates", {}).items()]
