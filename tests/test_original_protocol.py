@@ -420,11 +420,38 @@ def answered(messages):
     return [uid for m in messages if m["message_type"] == "inference_response" for uid in m["unique_ids"]]
 
 
+async def send_requests_reading_nothing(reader, writer, pause_s):
+    """An original-protocol server's requests, one a line, until the client leaves; it never reads an answer."""
+    uid, row = 0, [0.5] * 79
+    while not reader.at_eof():
+        writer.write(original.encode_line({"message_type": "inference_request", "unique_ids": [uid],
+                                           "symbols": [f"S{uid % 20}"], "features": [row], "timestamp": 0.0}))
+        uid += 1
+        try:
+            await writer.drain()
+        except OSError:
+            return
+        await asyncio.sleep(pause_s)
+
+
+def small_send_buffers(monkeypatch):
+    """The client's connections with 4 KiB send buffers: the kernel's buffers fill after a few answers."""
+    open_connection = asyncio.open_connection
+
+    async def small_send_buffer(host, port, **options):
+        sock = socket.create_connection((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.setblocking(False)
+        return await open_connection(sock=sock, **options)
+
+    monkeypatch.setattr(asyncio, "open_connection", small_send_buffer)
+
+
 def test_a_server_that_reads_nothing_while_it_sends_on_is_left_and_played_again(monkeypatch, caplog):
     """A server that sends requests and reads nothing (no keepalive over tcp-json notices): each answer waited for a
     send that never ended, its frame buffered and a task waiting, for good (67,000 requests: 5,256 tasks and 0.9 MB
     buffered, growing). A send stuck server_idle_s ends the connection, and the client connects again."""
-    connections, row = [], [0.5] * 79
+    connections = []
 
     async def handler(reader, writer):
         connections.append(writer)
@@ -433,26 +460,9 @@ def test_a_server_that_reads_nothing_while_it_sends_on_is_left_and_played_again(
             writer.write(original.encode_line({"message_type": "stats_update", "complete": True, "requests": 0}))
             await reader.read()
             return
-        uid = 0
-        while not reader.at_eof():  # requests, and never a read
-            writer.write(original.encode_line({"message_type": "inference_request", "unique_ids": [uid],
-                                               "symbols": [f"S{uid % 20}"], "features": [row], "timestamp": 0.0}))
-            uid += 1
-            try:
-                await writer.drain()
-            except OSError:
-                return
-            await asyncio.sleep(0)
+        await send_requests_reading_nothing(reader, writer, pause_s=0)
 
-    open_connection = asyncio.open_connection
-
-    async def small_send_buffer(host, port, **options):  # the kernel's buffers fill after a few answers, not 50,000
-        sock = socket.create_connection((host, port))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        sock.setblocking(False)
-        return await open_connection(sock=sock, **options)
-
-    monkeypatch.setattr(asyncio, "open_connection", small_send_buffer)
+    small_send_buffers(monkeypatch)  # the kernel's buffers fill after a few answers, not 50,000
 
     async def main():
         listening = socket.create_server(("127.0.0.1", 0))
@@ -475,34 +485,16 @@ def test_a_server_that_reads_nothing_while_it_sends_on_is_left_and_played_again(
                     "reconnecting, states kept"]
     assert not client._send_tasks
 
+
 def test_stop_against_a_server_that_reads_nothing_ends_within_seconds(monkeypatch):
     """stop() closes the connection, whose close waits for its buffered answers to go out: against a server that
     read nothing, the client stopped only once a send had been stuck server_idle_s (15 s). Now the steps in flight
     have STOP_DRAIN_S, and the close CLOSE_TIMEOUT_S, before the connection is dropped."""
-    row = [0.5] * 79
-
     async def handler(reader, writer):
         await reader.readline()  # register
-        uid = 0
-        while not reader.at_eof():  # requests, and never a read
-            writer.write(original.encode_line({"message_type": "inference_request", "unique_ids": [uid],
-                                               "symbols": [f"S{uid % 20}"], "features": [row], "timestamp": 0.0}))
-            uid += 1
-            try:
-                await writer.drain()
-            except OSError:
-                return
-            await asyncio.sleep(0.001)
+        await send_requests_reading_nothing(reader, writer, pause_s=0.001)
 
-    open_connection = asyncio.open_connection
-
-    async def small_send_buffer(host, port, **options):  # the kernel's buffers fill after a few answers
-        sock = socket.create_connection((host, port))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        sock.setblocking(False)
-        return await open_connection(sock=sock, **options)
-
-    monkeypatch.setattr(asyncio, "open_connection", small_send_buffer)
+    small_send_buffers(monkeypatch)
 
     async def main():
         listening = socket.create_server(("127.0.0.1", 0))
