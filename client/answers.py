@@ -3,7 +3,9 @@ the live runtime (client/runtime.py) and the offline evaluator (local_evaluator.
 
 The contract: {"unique_ids": [...], "predictions": float32 [n, 4] in the order of unique_ids, "errors":
 {unique_id: why} (optional)}; every request of the batch is either answered once or named under errors with
-the reason it was not (e.g. a symbol the engine has no room for).
+the reason it was not (e.g. a symbol the engine has no room for). "restarted": [unique_id, ...] (optional) names
+requests before which the team client started their symbol's state afresh on its own (a sharded engine's shard lost,
+--on-shard-loss reset): the journal says so there (client/journal.py).
 """
 from collections import Counter
 from typing import NamedTuple
@@ -17,6 +19,7 @@ class Answer(NamedTuple):
     unique_ids: list[int]
     predictions: np.ndarray  # float32 [len(unique_ids), NUM_TOWERS], row i answers unique_ids[i]
     errors: dict[int, str]  # unique_id -> why it was not answered
+    restarted: list[int]  # requests (answered or not) before which their symbol's state started afresh
 
     def in_order(self, batch_ids) -> np.ndarray:
         """The predictions reordered to `batch_ids` (every one of them answered)."""
@@ -31,6 +34,7 @@ def check_answer(result, batch_ids, partial=False) -> Answer:
         ids = [int(uid) for uid in result["unique_ids"]]
         predictions = _float32(result["predictions"])
         errors = {int(uid): str(why) for uid, why in (result.get("errors") or {}).items()}
+        restarted = [int(uid) for uid in result.get("restarted") or ()]
     except (TypeError, KeyError, ValueError, AttributeError, OverflowError) as exc:
         raise ValueError("process_batch must return {'unique_ids': [...], 'predictions': [n, 4], 'errors': "
                          f"{{unique_id: why}} (optional)}}, got {type(result).__name__}: {exc}") from None
@@ -46,7 +50,10 @@ def check_answer(result, batch_ids, partial=False) -> Answer:
     if predictions.shape != (len(ids), NUM_TOWERS):
         raise ValueError(f"process_batch returned predictions of shape {predictions.shape} for {len(ids)} ids, "
                          f"expected ({len(ids)}, {NUM_TOWERS})")
-    return Answer(ids, predictions, errors)
+    if not set(restarted) <= set(given):
+        raise ValueError(f"process_batch's 'restarted' must name requests it answers or names under errors, got "
+                         f"{sorted(set(restarted) - set(given))[:5]}")
+    return Answer(ids, predictions, errors, restarted)
 
 
 def _float32(predictions) -> np.ndarray:

@@ -17,9 +17,10 @@ error, never stepped: a lost shard's symbol's, a malformed or non-finite one, on
 step's) is written as its id alone when it is refused, before the error goes out: the server resends it after a
 restart, as every request not answered with a prediction, and the new process refuses it again ("rejected earlier")
 instead of stepping it. A request whose step answered NaN is both: stepped, then refused. A symbol the team client
-forgets as idle (the runtime's `idle_timeout_s`, `--idle-timeout` with `--journal`) is written as forgotten between
-its last request's record and its next one's: the replay forgets it there too, and its next request starts afresh,
-as it did.
+forgets as idle (the runtime's `idle_timeout_s`, `--idle-timeout` with `--journal`), or whose state a sharded engine
+started afresh when its shard was lost (`--on-shard-loss reset`), is written as forgotten between its last request's
+record on the old state and its next one's: the replay forgets it there too, and its next request starts afresh, as
+it did.
 
 Bounded (where the team client can export and import its states: team/example_model.py's can): the journal is
 written in segments of SEGMENT_BYTES, PATH the one being written and PATH.part<N> the closed ones (N: the number of
@@ -337,9 +338,9 @@ class Journal:
         self._write(records, [None] * len(unique_ids))
 
     def forget(self, symbols) -> None:
-        """Write that the team client forgot these symbols' states (idle: the runtime's idle_timeout_s) after their
-        requests journaled so far, in one write(): a replay forgets them there too, and their next requests start
-        afresh as they did."""
+        """Write that the team client forgot these symbols' states (idle: the runtime's idle_timeout_s; or lost with
+        their shard and started afresh: --on-shard-loss reset) after their requests journaled so far, in one write():
+        a replay forgets them there too, and their next requests start afresh as they did."""
         records = []
         for symbol in symbols:
             name = symbol.encode()
@@ -722,8 +723,8 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
 def _forget(team_client, journal: Journal, symbol: str) -> None:
     release = getattr(team_client, "release", None)
     if not callable(release):
-        raise JournalError(f"--journal {journal.path}: its records forget symbols idle (--idle-timeout), and this "
-                           "team client cannot forget a symbol (release): use the team client that wrote it")
+        raise JournalError(f"--journal {journal.path}: its records forget symbols (idle, or lost with a shard), and "
+                           "this team client cannot forget a symbol (release): use the team client that wrote it")
     release([symbol])
 
 

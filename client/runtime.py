@@ -1027,13 +1027,13 @@ class StreamingClient:
             batch, _ = taken
             self._forget_idle(batch)
             try:
-                ids, predictions, errors = check_answer(
+                ids, predictions, errors, restarted = check_answer(
                     self.team_client.process_batch(team_api.batch_for(self.team_client, batch)),
                     [r.unique_id for r in batch])
             except Exception as exc:  # a failing team client must not kill the runtime
                 self._fail(batch, exc, "process_batch")
                 continue
-            self._answer(ids, predictions, errors, batch)
+            self._answer(ids, predictions, errors, batch, restarted)
             if self.journal is not None and self.journal.checkpoint_due():  # (no step in flight)
                 self._checkpoint()
 
@@ -1488,13 +1488,13 @@ class StreamingClient:
         with self._work_ready:  # a join settled meanwhile as missed has left step.joined (requeued)
             requests = step.batch + step.joined
         try:
-            ids, predictions, errors = check_answer(step.pending.partial(), [r.unique_id for r in requests],
-                                                    partial=True)
+            ids, predictions, errors, restarted = check_answer(step.pending.partial(),
+                                                               [r.unique_id for r in requests], partial=True)
         except Exception:  # a failing team client must not kill the runtime: the step's result() answers it all
             if not step.partial_failed:
                 log.exception("team client's partial() failed; its step is answered when it ends")
             step.partial_failed = True
-            ids, predictions, errors = [], np.zeros((0, NUM_TOWERS), np.float32), {}
+            ids, predictions, errors, restarted = [], np.zeros((0, NUM_TOWERS), np.float32), {}, []
         rows = [row for row, uid in enumerate(ids) if uid not in step.answered]
         errors = {uid: why for uid, why in errors.items() if uid not in step.answered}
         if blocked and (rows or errors):
@@ -1502,7 +1502,7 @@ class StreamingClient:
             rows = [row for row in rows if symbol_of[ids[row]] not in blocked]
             errors = {uid: why for uid, why in errors.items() if symbol_of[uid] not in blocked}
         if rows or errors:
-            self._answer([ids[row] for row in rows], predictions[rows], errors, requests)
+            self._answer([ids[row] for row in rows], predictions[rows], errors, requests, restarted)
             step.answered.update([ids[row] for row in rows], errors)
         with self._work_ready:
             self._hold(step, {r.symbol for r in step.batch + step.joined if r.unique_id not in step.answered})
@@ -1546,7 +1546,7 @@ class StreamingClient:
                 self._fail(rest, answer, "submit_batch's result()")
         else:
             try:
-                ids, predictions, errors = check_answer(answer, [r.unique_id for r in requests])
+                ids, predictions, errors, restarted = check_answer(answer, [r.unique_id for r in requests])
             except Exception as exc:  # a failing team client must not kill the runtime
                 if rest:
                     self._fail(rest, exc, "submit_batch's result()")
@@ -1556,7 +1556,7 @@ class StreamingClient:
                     rows = [row for row, uid in enumerate(ids) if uid not in step.answered]
                     ids, predictions = [ids[row] for row in rows], predictions[rows]
                     errors = {uid: why for uid, why in errors.items() if uid not in step.answered}
-                self._answer(ids, predictions, errors, requests)
+                self._answer(ids, predictions, errors, requests, restarted)
         with self._work_ready:
             if step in self._late:
                 self._hold(step, set())
@@ -1576,12 +1576,17 @@ class StreamingClient:
             for uid in ids:
                 self.timeline.setdefault(uid, {})[stage] = now
 
-    def _answer(self, ids, predictions, errors, requests):
-        """Answer `ids` (of `requests`, the step's Requests) with `predictions`, the others of `errors` with why."""
+    def _answer(self, ids, predictions, errors, requests, restarted=()):
+        """Answer `ids` (of `requests`, the step's Requests) with `predictions`, the others of `errors` with why.
+        `restarted`: requests (of these) before which the team client started their symbols' states afresh."""
         self._mark("done", ids)
-        if self.journal is not None and ids:  # before the answers go: all the server saw answered is journaled
+        if self.journal is not None:
             by_id = {r.unique_id: r for r in requests}
-            self.journal.append([(uid, by_id[uid].symbol, by_id[uid].features) for uid in ids], predictions)
+            if restarted:  # where their old states ended: after each one's earlier requests, before these
+                answering = set(ids).union(errors)
+                self.journal.forget(list(dict.fromkeys(by_id[uid].symbol for uid in restarted if uid in answering)))
+            if ids:  # before the answers go: all the server saw answered is journaled
+                self.journal.append([(uid, by_id[uid].symbol, by_id[uid].features) for uid in ids], predictions)
         finite = np.isfinite(predictions).all(axis=1)
         if not finite.all():  # NaN never goes out (nor is it JSON, the original protocol's): the request fails
             errors = {**errors, **{ids[row]: NON_FINITE_PREDICTION for row in np.flatnonzero(~finite)}}

@@ -6,7 +6,8 @@ A team client says which format it takes with the class attribute `requests_per_
 - "one" (the default: team files written before it existed): {symbol: (unique_id, features)}, at most one request
   per symbol per step, as the original event's rule.
 Either way every symbol's requests reach the team client in arrival order across calls, and it answers
-{"unique_ids": [...], "predictions": [n, 4], "errors": {unique_id: why}} for what it could not answer.
+{"unique_ids": [...], "predictions": [n, 4], "errors": {unique_id: why}} for what it could not answer, and may name
+under "restarted" the requests before which it started their symbols' states afresh on its own (client/answers.py).
 
 A pending step that submit_batch returns may also take joins (team/example_model.py's does): join(unique_id,
 symbol, features) -> bool stages a request that arrived while the step waits on the device behind another, and

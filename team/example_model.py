@@ -179,7 +179,7 @@ class ExampleModel:
         if not hasattr(step, "parts"):
             return PendingStep(lambda: {"unique_ids": unique_ids, "predictions": step.result(), "errors": errors},
                                poll=getattr(step, "done", None))
-        return _PartedAnswer(step, unique_ids, errors)
+        return _PartedAnswer(step, unique_ids, symbols, errors)
 
 
 class _JoinableAnswer(PendingStep):
@@ -214,11 +214,13 @@ class _PartedAnswer(PendingStep):
     """submit_batch's answer for a step the engine answers in parts (a sharded engine's, one part a shard): a part
     that failed (its shard lost, or without room) is an error for each of its requests; the others are answered.
     partial() answers the parts arrived so far without waiting, and wait(timeout) waits for the rest, so that the
-    runtime can answer a step whose last part is late (a hung shard) without it (client/team_api.py)."""
+    runtime can answer a step whose last part is late (a hung shard) without it (client/team_api.py). Its
+    "restarted" names the first request of each symbol whose state the engine started afresh with this step (its
+    shard lost, --on-shard-loss reset), so that the journal says where its old state ended."""
 
-    def __init__(self, step, unique_ids, errors):
-        super().__init__(lambda: self._answer(step.parts()))
-        self.step, self.unique_ids, self.errors = step, unique_ids, errors
+    def __init__(self, step, unique_ids, symbols, errors):
+        super().__init__(lambda: self._answer(list(step.parts())))
+        self.step, self.unique_ids, self.symbols, self.errors = step, unique_ids, symbols, errors
 
     def done(self) -> bool:
         return self.step.done()
@@ -230,17 +232,28 @@ class _PartedAnswer(PendingStep):
         return self._answer(self.step.arrived())
 
     def _answer(self, parts) -> dict:
+        restarted = self.step.restarted() if hasattr(self.step, "restarted") else set()  # of the parts taken, or more
         predictions = np.empty((len(self.unique_ids), NUM_TOWERS), np.float32)
         answered = np.zeros(len(self.unique_ids), bool)
         errors = dict(self.errors)
+        first_rows = []  # each restarted symbol's first row in the step, where its part is among these
         for rows, outcome in parts:
             if isinstance(outcome, Exception):
                 errors.update({self.unique_ids[row]: f"{type(outcome).__name__}: {outcome}" for row in rows})
             else:
                 predictions[rows] = outcome
                 answered[rows] = True
-        return {"unique_ids": [uid for uid, done in zip(self.unique_ids, answered) if done],
-                "predictions": predictions[answered], "errors": errors}
+            if restarted:
+                firsts = {}
+                for row in rows:
+                    if self.symbols[row] in restarted:
+                        firsts.setdefault(self.symbols[row], row)
+                first_rows += firsts.values()
+        answer = {"unique_ids": [uid for uid, done in zip(self.unique_ids, answered) if done],
+                  "predictions": predictions[answered], "errors": errors}
+        if first_rows:
+            answer["restarted"] = [self.unique_ids[row] for row in sorted(first_rows)]
+        return answer
 
 
 PROG = cli.prog_name("team/example_model.py")

@@ -2,9 +2,10 @@
 (client/engine/sharded.py)."""
 import contextlib
 import os
+import threading
 
 from client.engine.base import PendingStep
-from client.engine.sharded import Shard, import_answer, submit_placeable
+from client.engine.sharded import Shard, ShardLost, import_answer, submit_placeable
 
 
 @contextlib.contextmanager
@@ -50,3 +51,25 @@ class ShardHere(Shard):
 
     def stop(self):
         pass
+
+
+class LosableHere(ShardHere):
+    """ShardHere whose answers wait while `gate` is clear, and which lose() makes lost (its process gone)."""
+
+    def __init__(self, engine, index=0):
+        super().__init__(engine, index)
+        self.gate, self.lost = threading.Event(), False
+        self.gate.set()
+
+    def result(self, handle):
+        self.gate.wait()
+        if self.lost:
+            raise ShardLost("gone")
+        return handle.result()
+
+    def lose(self):
+        self.lost = True
+        self.gate.set()
+
+    def stop(self):
+        self.lose()

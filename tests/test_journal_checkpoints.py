@@ -466,6 +466,60 @@ def test_the_runtime_forgets_idle_symbols_between_steps_and_a_replay_forgets_the
         StreamingClient(CannotForget(), "ws://127.0.0.1:1", "testers", idle_timeout_s=1.0)
 
 
+def test_a_lost_shards_symbols_started_afresh_are_forgotten_where_they_were_on_replay(tmp_path):
+    """--on-shard-loss reset with --journal, through the runtime and a scoring server: shard 0 answers nothing for
+    50 ms mid-stream, then is lost; its symbols start afresh on shard 1, their unanswered requests first. The journal
+    says where each old state ended, so a replay (no checkpoints: all of it) ends with every symbol's state the
+    live one's; without the records it carried the lost shard's symbols' old states on."""
+    from client.engine.reference import ReferenceEngine
+    from client.engine.sharded import ShardedEngine
+    from client.model import load_model
+    from client.runtime import StreamingClient
+    from client.streams import Stream
+    from shard_checks import LosableHere
+    from team.example_model import ExampleModel
+
+    model = load_model("tiny", seed=3)[0]
+    names = [f"SYM_{i % 4:03d}" for i in range(120)]
+    stream_ = Stream(np.array(names), np.random.default_rng(7).standard_normal((120, 79)).astype(np.float32),
+                     np.full(120, 5.0, np.float32))
+    lossy = LosableHere(ReferenceEngine(model, device="cpu"), 0)
+    engine = ShardedEngine([lossy, LosableHere(ReferenceEngine(model, device="cpu"), 1)], progress=False,
+                           on_shard_loss="reset")
+    path = tmp_path / "j"
+
+    async def main():
+        async with serving(stream_, None) as url:
+            team = ExampleModel(engine)
+            journal = Journal(path, IDENTITY, keep=3)
+            client = StreamingClient(team, url, "testers", leave_at_end=True, journal=journal)
+            playing = asyncio.create_task(client.run())
+            while client.stats.responses_sent < 40:
+                await asyncio.sleep(0.002)
+            lossy.gate.clear()
+            await asyncio.sleep(0.05)
+            lossy.lose()
+            summary = await asyncio.wait_for(playing, 60)
+            journal.close()
+            return summary
+
+    try:
+        summary = asyncio.run(main())
+        assert summary["outcome"] == "complete" and summary["responses_sent"] == 120
+        [loss] = engine.losses
+        assert loss["symbols"] and loss["unanswered_parts"] >= 1  # requests of its symbols were on their way
+        live = {s: engine.export_state(s).result() for s in sorted(set(names))}
+    finally:
+        engine.close()
+    journal = Journal(path, IDENTITY, keep=3)
+    assert journal.forgotten == len(loss["symbols"])
+    again = ExampleModel(ReferenceEngine(model, device="cpu"))
+    replay(again, journal, keep=3, progress=None)
+    for symbol, state in live.items():
+        np.testing.assert_allclose(np.frombuffer(again.export_state(symbol).result(), np.float32),
+                                   np.frombuffer(state, np.float32), rtol=1e-4, atol=2e-5, err_msg=symbol)
+
+
 class SlowToy(Toy):
     """Each step's answer comes 20 ms after its submit: the next step forms while one is in flight, so a symbol
     with a request every few ms has one in every step."""

@@ -862,11 +862,11 @@ def test_a_failure_in_the_pump_is_logged_and_looked_at_again_never_a_hang(model,
     recorder = Recorder()
     answer, failed = StreamingClient._answer, []
 
-    def answer_failing_once(self, ids, predictions, errors, requests):
+    def answer_failing_once(self, ids, *rest):
         if not failed:
             failed.append(list(ids))
             raise RuntimeError("a fault of the pump's own")
-        return answer(self, ids, predictions, errors, requests)
+        return answer(self, ids, *rest)
 
     monkeypatch.setattr(StreamingClient, "_answer", answer_failing_once)
     team_client = JoiningDevice(model, step_s=0.01)
@@ -1524,10 +1524,13 @@ def test_a_hung_shard_holds_up_its_own_symbols_alone(model, inline_steps):
     assert _no_model_threads_left()
 
 
-def test_a_hung_shard_lost_at_its_timeout_moves_its_held_symbols_on_in_order(model):
+def test_a_hung_shard_lost_at_its_timeout_moves_its_held_symbols_on_in_order(model, tmp_path):
     """The hung shard is lost at its answer timeout (--on-shard-loss reset): its symbols, held back meanwhile while
     the others were answered, start again from a fresh state on the live shard, their unanswered requests first,
-    in order; each answer is the one of stepping that symbol's requests one at a time from where it started."""
+    in order; each answer is the one of stepping that symbol's requests one at a time from where it started. The
+    journal (--journal) says where they started afresh, though their steps were answered in parts: a replay ends with
+    every state the live one's."""
+    from client.journal import Journal, replay
     shards = [_GatedShard(0, model), _GatedShard(1, model)]
     engine = ShardedEngine(shards, progress=False, on_shard_loss="reset", answer_timeout_s=1.0)
     names = ["H0", "H1", "H2", "H3"]
@@ -1538,6 +1541,7 @@ def test_a_hung_shard_lost_at_its_timeout_moves_its_held_symbols_on_in_order(mod
 
     async def handler(ws):
         await ws.recv()
+        await ws.send(protocol.encode(protocol.welcome("tiny", None, n, 4, None, session_key="k")))  # journaled
         try:
             await ws.send(_request([0, 1, 2, 3], symbols, features))
             await recorder.pump(ws, lambda: len(recorder.answered()) == 4)
@@ -1549,10 +1553,19 @@ def test_a_hung_shard_lost_at_its_timeout_moves_its_held_symbols_on_in_order(mod
         finally:
             await ws.close(1000)
 
+    identity = {"url": "ws://127.0.0.1:1", "team": "testers", "weights": "tiny"}
+    journal = Journal(tmp_path / "j", identity, keep=3)
     try:
-        asyncio.run(_play(handler, ExampleModel(engine), late_parts_s=0.2))
+        asyncio.run(_play(handler, ExampleModel(engine), late_parts_s=0.2, journal=journal))
     finally:
         engine.close()
+        journal.close()
+    again = ExampleModel(_GatedShard(0, model).engine)
+    replay(again, Journal(tmp_path / "j", identity, keep=3), keep=3, progress=None)
+    for name in names:  # every symbol on the live shard 0 since the loss (the replay's steps batched otherwise)
+        np.testing.assert_allclose(np.frombuffer(again.export_state(name).result(), np.float32),
+                                   np.frombuffer(shards[0].engine.export_state(name).result(), np.float32),
+                                   rtol=1e-4, atol=2e-5, err_msg=name)
     assert [loss["symbols"] for loss in engine.losses] == [["H1", "H3"]]
     answered = [uid for uid, _ in recorder.responses]
     assert sorted(answered) == list(range(n))
@@ -1641,7 +1654,7 @@ def _late_client(**options):
     """A runtime whose answers are recorded in `client.answered` (ids, then the failed ones' ids) in order."""
     client = StreamingClient(_PartsTeam(), "ws://127.0.0.1:1", "testers", inline_steps=False, **options)
     client.answered = []
-    client._answer = lambda ids, predictions, errors, requests: client.answered.extend([*ids, *errors])
+    client._answer = lambda ids, predictions, errors, requests, restarted=(): client.answered.extend([*ids, *errors])
     client._fail = lambda batch, exc, what: client.answered.extend(r.unique_id for r in batch)
     return client
 

@@ -942,9 +942,11 @@ def test_requests_a_client_cannot_place_get_an_error_and_the_rest_are_answered()
     """A symbol the engine has no room for: its request alone gets an error, the batch's others are answered."""
     from client.answers import check_answer
 
-    ids, predictions, errors = check_answer({"unique_ids": [1], "predictions": np.zeros((1, 4)),
-                                             "errors": {2: "no room for the state of 1 symbol(s) (B)"}}, [1, 2])
+    ids, predictions, errors, restarted = check_answer(
+        {"unique_ids": [1], "predictions": np.zeros((1, 4)), "errors": {2: "no room for the state of 1 symbol(s) (B)"}},
+        [1, 2])
     assert ids == [1] and predictions.shape == (1, 4) and errors == {2: "no room for the state of 1 symbol(s) (B)"}
+    assert restarted == []
     with pytest.raises(ValueError, match=r"missing ids \[2\]"):
         check_answer({"unique_ids": [1], "predictions": np.zeros((1, 4))}, [1, 2])
 
@@ -972,7 +974,8 @@ def test_a_finite_prediction_past_float32s_range_is_held_at_its_largest_not_refu
 @pytest.mark.parametrize("answer, match", [
     ({"unique_ids": [1, 3], "predictions": np.zeros((2, 4))}, r"unexpected ids \[3\]"),
     ({"unique_ids": [1], "predictions": np.zeros((1, 4)), "errors": {1: "lost"}}, r"repeated ids \[1\]"),
-    ({"unique_ids": [1], "predictions": np.zeros((2, 4))}, r"shape \(2, 4\) for 1 ids")])
+    ({"unique_ids": [1], "predictions": np.zeros((2, 4))}, r"shape \(2, 4\) for 1 ids"),
+    ({"unique_ids": [1], "predictions": np.zeros((1, 4)), "restarted": [2]}, r"'restarted' must name .*\[2\]")])
 def test_a_partial_answer_may_leave_requests_out_but_names_none_outside_its_batch_or_twice(answer, match):
     """A step answered in parts, some late (a hung shard), is answered for the parts that came: its answer may leave
     the batch's other requests out, and is checked for everything else as a whole answer is."""

@@ -14,6 +14,7 @@ from client.engine.reference import ReferenceEngine
 from client.engine.shard_process import process_shards
 from client.engine.sharded import ModelSpec, Shard, ShardedEngine, ShardError, ShardLost, submit_placeable
 from client.model import load_model
+from shard_checks import LosableHere
 
 TOLERANCE = dict(rtol=1e-4, atol=2e-5)
 
@@ -21,36 +22,6 @@ TOLERANCE = dict(rtol=1e-4, atol=2e-5)
 @pytest.fixture(scope="module")
 def model():
     return load_model("tiny", seed=3)[0]
-
-
-class _Losable(Shard):
-    """A shard in this process whose answers wait while `gate` is clear, and which lose() makes lost."""
-    info = {}
-
-    def __init__(self, index, engine):
-        self.index, self.where, self.engine = index, f"here {index}", engine
-        self.gate, self.lost = threading.Event(), False
-        self.gate.set()
-        engine.expired()
-
-    def submit(self, symbols, features):
-        return submit_placeable(self.engine, symbols, features)
-
-    def result(self, handle):
-        self.gate.wait()
-        if self.lost:
-            raise ShardLost("gone")
-        return handle.result()
-
-    def release(self, symbols):
-        self.engine.release(symbols)
-
-    def lose(self):
-        self.lost = True
-        self.gate.set()
-
-    def stop(self):
-        self.lose()
 
 
 def _outcomes(step):
@@ -63,8 +34,8 @@ def test_reset_does_not_bring_back_the_state_of_a_symbol_released_after_its_unan
     """A lost shard's unanswered requests ran again on a live shard, those of symbols released after them too: the
     release went with the shard, so such a symbol was held again, its next request going on from the released
     state (and a request of its new life, queued behind, from the old one's) instead of a fresh one."""
-    lossy = _Losable(0, ReferenceEngine(model, device="cpu"))
-    engine = ShardedEngine([lossy, _Losable(1, ReferenceEngine(model, device="cpu"))], progress=False,
+    lossy = LosableHere(ReferenceEngine(model, device="cpu"), 0)
+    engine = ShardedEngine([lossy, LosableHere(ReferenceEngine(model, device="cpu"), 1)], progress=False,
                            on_shard_loss="reset")
     fresh = ReferenceEngine(model, device="cpu")  # what a fresh state predicts, then goes on from
     try:
@@ -86,6 +57,39 @@ def test_reset_does_not_bring_back_the_state_of_a_symbol_released_after_its_unan
     finally:
         engine.close()
 
+
+def test_a_reset_step_names_the_symbols_that_start_afresh_with_it_once_their_parts_arrive(model):
+    """--on-shard-loss reset: a lost shard's symbol starts afresh with its first rows routed after the loss, its
+    unanswered ones moved to a live shard (A, in the step in flight) or its next request (B): that step, and no
+    other, names it restarted, once its part has arrived. A symbol whose state is imported (C), or which is released
+    (F), before its next request does not start afresh with it by the loss, and no step names it."""
+    lossy = LosableHere(ReferenceEngine(model, device="cpu"), 0)
+    engine = ShardedEngine([lossy, LosableHere(ReferenceEngine(model, device="cpu"), 1)], progress=False,
+                           on_shard_loss="reset")
+    fresh = ReferenceEngine(model, device="cpu")
+    try:
+        x = np.random.default_rng(4).standard_normal((8, 79)).astype(np.float32)
+        for symbol in ("A", "D", "B", "E", "C", "G", "F"):  # A, B, C and F on shard 0
+            engine.step([symbol], x[:1])
+        assert [engine.shard_of[s] for s in "ABCF"] == [0, 0, 0, 0]
+        state_of_c = engine.export_state("C").result()
+        before = engine.submit(["D", "E"], x[1:3])
+        lossy.gate.clear()
+        moved = engine.submit(["A", "D", "A"], x[1:4])  # A's rows unanswered when shard 0 is lost
+        assert moved.restarted() == set()
+        lossy.lose()
+        np.testing.assert_allclose(moved.result()[[0, 2]], fresh.step(["A", "A"], x[[1, 3]]), **TOLERANCE)
+        assert moved.restarted() == {"A"} and before.restarted() == set()
+        engine.release(["F"])
+        engine.import_state("C", state_of_c)
+        after = engine.submit(["B", "A", "B", "C", "F"], x[3:8])
+        np.testing.assert_allclose(after.result()[[0, 2]], fresh.step(["B", "B"], x[[3, 5]]), **TOLERANCE)
+        assert after.restarted() == {"B"}
+        again = engine.submit(["A", "B", "C", "F"], x[4:8])
+        again.result()
+        assert again.restarted() == set()
+    finally:
+        engine.close()
 
 class _Slow(Shard):
     """A shard that answers each step `delay` seconds after the last (a step takes that long), until hung."""

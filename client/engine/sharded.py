@@ -24,7 +24,8 @@ shard and its symbols. Its unanswered parts, and every later request of its symb
 `on_shard_loss`: "error" answers them with the loss (`unplaceable` names those symbols, so a caller can skip
 them), "reset" places its symbols again on the live shards, where they start from a fresh state, and runs their
 unanswered requests there in order (those of a symbol released since fail with the loss: its release went with the
-shard). Every other symbol keeps playing.
+shard). Every other symbol keeps playing. A step says which of its symbols start afresh with it, a reset's first
+rows of each (`ShardedPendingStep.restarted()`), so that a journal can say where their old states ended.
 
 The transports (client/engine/shard_process.py, client/engine/shard_ray.py) implement `Shard`; each shard runs
 `build_shard_engine`, loading the model from its `ModelSpec`, so no weights travel.
@@ -212,16 +213,18 @@ class Shard(ABC):
 class _Part:
     """One shard's part of a step: its rows of the step, their symbols and features; its outcome goes to the
     step's arrivals. `moved` marks a part taken off a lost shard (failed or run elsewhere); `released` holds its
-    symbols released after it was queued (its rows of them are of the state they left)."""
+    symbols released after it was queued (its rows of them are of the state they left); `restarted` its symbols
+    that start afresh with it (a reset's)."""
 
     def __init__(self, rows, symbols, features, arrivals):
         self.rows, self.symbols, self.features, self.arrivals = rows, symbols, features, arrivals
         self.moved = False
         self.released = set()
+        self.restarted = frozenset()
 
     def finish(self, outcome, rows=None):
         """The outcome of the part's rows, or of `rows` (positions in the part) alone."""
-        self.arrivals.put((self.rows if rows is None else self.rows[rows], outcome))
+        self.arrivals.put((self.rows if rows is None else self.rows[rows], outcome, self.restarted))
 
 
 class _StateCall:
@@ -253,12 +256,14 @@ class _InFlight:
 class ShardedPendingStep(PendingStep):
     """A sharded step: result() waits for every part; parts() yields (rows, predictions or the exception) as
     each part arrives, so that a caller can answer them one by one; arrived() gives those that have arrived without
-    waiting, wait(timeout) waits for the rest up to `timeout` seconds, done() says whether every part has arrived."""
+    waiting, wait(timeout) waits for the rest up to `timeout` seconds, done() says whether every part has arrived.
+    restarted() names the symbols of the parts arrived so far that start afresh with this step."""
 
     def __init__(self, arrivals, batch):
         super().__init__(self._assemble)
         self._arrivals, self._batch = arrivals, batch
         self._arrived, self._rows_arrived = [], 0
+        self._restarted = set()
         self._parts_lock = threading.Lock()
 
     def parts(self):
@@ -297,10 +302,18 @@ class ShardedPendingStep(PendingStep):
     def done(self) -> bool:
         return self.wait(0.0)
 
+    def restarted(self) -> set[str]:
+        """The symbols whose states were lost with their shard (--on-shard-loss reset) and whose first rows since
+        are in the parts of this step arrived so far: their states start afresh with this step."""
+        with self._parts_lock:
+            return set(self._restarted)
+
     def _take(self, arrival):
         """Note one part's arrival (called holding the parts' lock)."""
-        self._arrived.append(arrival)
-        self._rows_arrived += len(arrival[0])
+        rows, outcome, restarted = arrival
+        self._arrived.append((rows, outcome))
+        self._rows_arrived += len(rows)
+        self._restarted.update(restarted)
 
     def _assemble(self):
         out = np.empty((self._batch, NUM_TOWERS), dtype=np.float32)
@@ -509,6 +522,8 @@ class ShardedEngine(Engine):
         self._load = [0] * len(shards)
         self._room = [_room(shard.info) for shard in shards]  # the symbols each holds at most (its tiers)
         self._losses: list[dict] = []
+        # symbols whose states went with a lost shard (reset): their next rows routed start afresh
+        self._restarting: set[str] = set()
         self._loss_listeners: list = []  # called with each loss's record, outside the engine's lock
         self._closing = False
         self.answer_timeout_s = float(answer_timeout_s)
@@ -570,10 +585,12 @@ class ShardedEngine(Engine):
                 self._unplace_new(symbol, index, new)
                 raise
         failure = call.future.exception() or call.future.result()  # not sent, the shard lost, or its refusal
-        if failure is not None:
-            with self._lock:
+        with self._lock:
+            if failure is not None:
                 self._unplace_new(symbol, index, new)
-            raise failure
+                raise failure
+            if self.shard_of.get(symbol) == index:  # (not lost meanwhile) its next rows go on from the state set
+                self._restarting.discard(symbol)
 
     def _send(self, index, kind, *args) -> _StateCall:
         """Queue a state call to shard `index` behind its steps. Called holding the lock."""
@@ -660,6 +677,7 @@ class ShardedEngine(Engine):
         with self._lock:
             by_shard = {}
             for symbol in symbol_list(symbols):
+                self._restarting.discard(symbol)  # afresh at its next request anyway
                 if symbol in self.shard_of:
                     index = self.shard_of.pop(symbol)
                     self._load[index] -= 1
@@ -702,6 +720,8 @@ class ShardedEngine(Engine):
             elif self._runners[index].lost is not None:
                 failed.append((part, self._runners[index].loss()))
             else:
+                part.restarted = self._restarting.intersection(part.symbols)
+                self._restarting -= part.restarted
                 runner = self._runners[index]
                 runner.work.append(("step", part))
                 runner.work_ready.notify()
@@ -728,6 +748,7 @@ class ShardedEngine(Engine):
             else:  # reset: place its symbols again (fresh state) and run their unanswered requests there, in order
                 for symbol in symbols:
                     del self.shard_of[symbol]
+                self._restarting.update(symbols)
                 self._load[runner.index] = 0
                 failed = []
                 for part in pending:
