@@ -186,7 +186,8 @@ class ProcessShard(Shard):
                 self.requests.send(("stop",))
         except (BrokenPipeError, OSError):
             pass
-        self.process.join(timeout=STOP_TIMEOUT_S)
+        with self._reaping:  # not waiting on its sentinel while a kill() from a loss closes it (_close_pipes)
+            self.process.join(timeout=STOP_TIMEOUT_S)
         if self.process.is_alive():
             self.process.kill()
         self._close_pipes()

@@ -771,7 +771,7 @@ class ShardedEngine(Engine):
         flight was sent, and their last answer came, that long ago (not the oldest step's wait alone: a slow shard
         working through a queue of steps answers all the same, and is not hung). With none in flight, a send under
         way that long counts as one: a release has no answer, but a shard that reads nothing blocks its send once
-        its pipe or socket is full, and every request queued behind it."""
+        the transport holds no more (a process shard's pipe: ~64 KB), and every request queued behind it."""
         with self._lock:
             if self._closing:
                 return []
