@@ -638,6 +638,35 @@ def test_a_lost_shard_says_its_exit_code_whichever_thread_sees_the_exit():
         shard.stop()
 
 
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_closed_or_lost_process_shard_gives_its_pipes_back_at_once():
+    """A process shard kept its 4 pipe descriptors (its requests' and replies', and the two of its process's start)
+    until it was collected: after a loss (the engine keeps its shards) and after close() alike."""
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()  # the first process started starts it, with a pipe kept for good
+    before = _open_fds()
+    engine = start(["cpu", "cpu"])
+    try:
+        features = np.zeros((2, 79), np.float32)
+        engine.step(["A", "B"], features)  # one on each shard
+        lost = engine.shards[engine.shard_of["B"]]
+        os.kill(lost.process.pid, signal.SIGKILL)
+        with pytest.raises(ShardLost):
+            engine.step(["B"], features[:1])
+        deadline = time.monotonic() + 5  # the engine kills the lost shard after it fails its parts
+        while _open_fds() > before + 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _open_fds() == before + 4  # the live shard's alone
+        assert engine.step(["A"], features[:1]).shape == (1, 4)
+    finally:
+        engine.close()
+    assert _open_fds() == before
+    assert lost.process.exitcode == -signal.SIGKILL  # its process still says how it ended
+
+
 def test_ctrl_c_at_the_terminal_leaves_the_shards_serving():
     """Ctrl-C reaches the whole foreground process group, shards included: the client stops cleanly on it (the
     summary so far printed, close() ending the shards), so a shard must not die of it first (its symbols would

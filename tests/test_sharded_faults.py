@@ -175,6 +175,27 @@ def test_close_waits_for_shards_frozen_with_nothing_owed_at_once_not_in_turn(mon
     assert [process.exitcode for process in processes] == [-signal.SIGKILL] * 3
 
 
+def test_a_hung_shard_process_whose_pipe_releases_filled_is_lost_after_the_answer_timeout(monkeypatch):
+    """A shard process alive but reading nothing, with no step in flight, was sent releases until its requests
+    pipe was full (~64 KB): the write blocked its submitter, and every step queued behind, for good (the answer
+    timeout ran only while a step was in flight)."""
+    monkeypatch.setattr(sharded, "CLOSE_TIMEOUT_S", 1.0)
+    engine = ShardedEngine(process_shards(ModelSpec("tiny", seed=3), ["cpu"], engine="reference", progress=False),
+                           progress=False, answer_timeout_s=2.0)
+    try:
+        symbols = [f"{i:02d}" + "x" * 10_000 for i in range(20)]  # a release of them: 200 KB
+        features = np.zeros((len(symbols), 79), np.float32)
+        engine.step(symbols, features)
+        os.kill(engine.shards[0].process.pid, signal.SIGSTOP)
+        engine.release(symbols)
+        step = engine.submit(["A"], features[:1])  # queued behind the release
+        assert step.wait(10)
+        with pytest.raises(ShardLost, match="answered no step for 2 s"):
+            step.result()
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("shards", [0, -1, 2.5, True, "2"])
 def test_a_shard_count_that_is_not_a_whole_number_of_at_least_one_is_refused_before_any_shard_starts(
         monkeypatch, shards):

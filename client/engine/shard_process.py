@@ -111,12 +111,16 @@ class ProcessShard(Shard):
         self.info = None
         self._next_seq = 0
         self._reaping = threading.Lock()
+        # a message written, or read, whole at a time; and the pipes closed while no thread is inside one (a
+        # descriptor closed under a read or write may be reused by the time it is read or written)
+        self._sending, self._receiving = threading.Lock(), threading.Lock()
 
     def wait_ready(self, timeout_s):
         if not self.replies.poll(timeout_s):
             raise ShardStartError(f"shard {self.index} on {self.device} did not start within {timeout_s:.0f} s")
         try:
-            kind, payload = self.replies.recv()
+            with self._receiving:
+                kind, payload = self.replies.recv()
         except (EOFError, OSError):
             raise ShardStartError(f"shard {self.index} on {self.device} exited while starting "
                                   f"(exit code {self._exit_code()})") from None
@@ -147,14 +151,16 @@ class ProcessShard(Shard):
         """Send a message that is answered (its sequence number, the handle for result())."""
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         try:
-            self.requests.send((kind, seq, *args))
+            with self._sending:
+                self.requests.send((kind, seq, *args))
         except (BrokenPipeError, OSError):
             raise self._gone() from None
         return seq
 
     def result(self, handle):
         try:
-            kind, seq, payload = self.replies.recv()
+            with self._receiving:
+                kind, seq, payload = self.replies.recv()
         except (EOFError, OSError):
             raise self._gone() from None
         if seq != handle:  # replies come in submission order; anything else is a broken shard
@@ -165,24 +171,38 @@ class ProcessShard(Shard):
 
     def release(self, symbols):
         try:
-            self.requests.send(("release", symbols))
+            with self._sending:
+                self.requests.send(("release", symbols))
         except (BrokenPipeError, OSError):
             raise self._gone() from None
 
     def kill(self):
         self.process.kill()  # SIGKILL ends a stopped or hung process too
-        with self._reaping:
-            self.process.join(timeout=5)
+        self._close_pipes()
 
     def stop(self):
         try:
-            self.requests.send(("stop",))
+            with self._sending:
+                self.requests.send(("stop",))
         except (BrokenPipeError, OSError):
             pass
-        self.process.join(timeout=STOP_TIMEOUT_S)
+        with self._reaping:  # not waiting on its sentinel while a kill() from a loss closes it (_close_pipes)
+            self.process.join(timeout=STOP_TIMEOUT_S)
         if self.process.is_alive():
             self.process.kill()
-            self.process.join(timeout=5)
+        self._close_pipes()
+
+    def _close_pipes(self):
+        """Give back the pipes' descriptors once the process has ended, rather than when this object is collected.
+        Its end ends any read or write of ours on them (end of file, broken pipe), so the locks come free; a process
+        that outlives SIGKILL (stuck in a driver) keeps them."""
+        if self._exit_code() is None:
+            return
+        with self._sending, self._receiving:
+            self.requests.close()
+            self.replies.close()
+        # and its start's two (Process.close() would close them too, but then exitcode and join raise)
+        self.process._popen.close()
 
 
 def process_shards(spec: ModelSpec, devices, *, engine="fast", options=None, progress=True,

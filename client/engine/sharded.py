@@ -336,6 +336,7 @@ class _Runner:
         self.lost = None          # the loss (ShardLost), once the shard is gone
         self.stopping = self.submitter_done = False
         self.answered_at = 0.0    # when its last answer came (time.monotonic())
+        self.sending_since = None  # when the message being sent was taken, until its send returns
         self.work_ready = threading.Condition(engine._lock)
         self.answer_due = threading.Condition(engine._lock)
         self.threads = [threading.Thread(target=self._submit_loop, name=f"shard-{self.index}-submit", daemon=True),
@@ -352,9 +353,11 @@ class _Runner:
                     if self.lost or not self.work:
                         return
                     kind, item = self.work.popleft()
+                    self.sending_since = time.monotonic()
                     if kind != "release":
                         entry = _InFlight(item)
                         self.in_flight.append(entry)
+                failure = None
                 try:
                     if kind == "release":
                         self.shard.release(item)
@@ -366,17 +369,17 @@ class _Runner:
                     self._lose(exc)
                     return
                 except Exception as exc:  # not sent (e.g. not serializable): a step's part fails alone
-                    if kind != "release":
-                        with self.work_ready:
-                            if entry.part.moved:
-                                continue
-                            self.in_flight.remove(entry)
-                        entry.part.finish(ShardError(f"shard {self.index}: {type(exc).__name__}: {exc}"))
-                    continue
-                if kind != "release":
-                    with self.answer_due:
+                    failure = ShardError(f"shard {self.index}: {type(exc).__name__}: {exc}")
+                with self.answer_due:
+                    self.sending_since = None
+                    if kind == "release" or entry.part.moved:
+                        continue
+                    if failure is None:
                         entry.handle = handle
                         self.answer_due.notify()
+                        continue
+                    self.in_flight.remove(entry)
+                entry.part.finish(failure)
         finally:
             with self.answer_due:
                 self.submitter_done = True
@@ -787,12 +790,18 @@ class ShardedEngine(Engine):
     def _late(self, now, timeout) -> list[_Runner]:
         """The live runners that have answered no step for `timeout` seconds while one waits: their oldest step in
         flight was sent, and their last answer came, that long ago (not the oldest step's wait alone: a slow shard
-        working through a queue of steps answers all the same, and is not hung)."""
+        working through a queue of steps answers all the same, and is not hung). With none in flight, a send under
+        way that long counts as one: a release has no answer, but a shard that reads nothing blocks its send once
+        the transport holds no more (a process shard's pipe: ~64 KB), and every request queued behind it."""
         with self._lock:
             if self._closing:
                 return []
-            return [runner for runner in self._runners if runner.lost is None and runner.in_flight
-                    and now - max(runner.in_flight[0].sent_at, runner.answered_at) > timeout]
+            late = []
+            for runner in self._runners:
+                waiting = runner.in_flight[0].sent_at if runner.in_flight else runner.sending_since
+                if runner.lost is None and waiting is not None and now - max(waiting, runner.answered_at) > timeout:
+                    late.append(runner)
+            return late
 
     def close(self):
         with self._lock:
