@@ -12,7 +12,7 @@ import pytest
 import client.engine.sharded as sharded
 from client.engine.reference import ReferenceEngine
 from client.engine.shard_process import process_shards
-from client.engine.sharded import ModelSpec, Shard, ShardedEngine, ShardError, ShardLost, submit_placeable
+from client.engine.sharded import ModelSpec, Shard, ShardedEngine, ShardError, ShardLost
 from client.model import load_model
 from shard_checks import LosableHere
 
