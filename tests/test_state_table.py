@@ -750,6 +750,42 @@ def test_a_host_tier_that_fails_to_pin_keeps_what_it_pinned_and_refuses_the_rest
     assert same_state(t, t.slots_for(["A"])[0], saved)
 
 
+def test_a_tier_that_stops_pinning_after_states_moved_out_keeps_a_slot_spare_for_their_return(monkeypatch):
+    """A new symbol's state moved into the last pinned host slot left none spare for a swap: once pinning failed,
+    the state out there could never come back to the full GPU (each of its steps refused, unplaceable saying it
+    fits). A new symbol now waits for a spare slot, and is refused once pinning has failed."""
+    gate, registered = threading.Event(), []
+
+    def register(address, nbytes):
+        if registered:  # every slot after the first fails, once let go
+            gate.wait(30)
+            return "out of memory"
+        registered.append(address)
+    fake_registration(monkeypatch, register)
+    t = table(capacity=1, host_capacity=3)
+    wait_until(lambda: len(t.free_host) == 1)
+    write(t, t.slots_for(["A"])[0], 3)
+    saved, outcome = state_of(t, t.slot_of["A"]), []
+
+    def step_b():
+        try:
+            outcome.append(t.slots_for(["B"]))
+        except CapacityError as error:
+            outcome.append(error)
+    stepped = threading.Thread(target=step_b)
+    stepped.start()
+    stepped.join(0.3)
+    gate.set()
+    stepped.join(10)
+    with pytest.raises(ValueError, match="could not be pinned"):
+        t.wait_pinned()
+    for symbol in t.symbols():  # every symbol held still steps
+        assert t.unplaceable([symbol]) == []
+        t.slots_for([symbol])
+    assert isinstance(outcome[0], CapacityError) and outcome[0].symbols == ["B"] and t.symbols() == ["A"]
+    assert same_state(t, t.slot_of["A"], saved)
+
+
 def test_pinning_pauses_with_no_registration_under_way(monkeypatch):
     """pause_pinning (around a CUDA graph capture) returns once no registration runs, and none starts until
     resume_pinning; the tier then pins to the end."""

@@ -12,7 +12,8 @@ allocated once, at start, and on a GPU pinned in a background thread, in pieces 
 allocates or pins memory; each slot joins the tier once pinned. Pinning runs at ~2.4 GB/s (page faults;
 bench/LOG.md section 46: ~50-60 s for the H100 host's 116 GiB), so the engine serves meanwhile (pausing it only
 while it captures its graphs); until it is done, a step that must move a state out of a full GPU while no pinned
-host slot is free waits for the next one (the tier's size never changes, so no symbol is refused for it).
+host slot is spare (one stays free for a state's return) waits for the next one (the tier's size never changes, so
+no symbol is refused for it).
 
 States move on two copy streams per device (to the host, and back to the GPU), in copies within the pieces, each
 waiting only for what it touches: the steps enqueued before it (for a state leaving the GPU), the last copy of its
@@ -856,7 +857,8 @@ class StateTable:
                 if symbol not in self.resident:
                     # the idle symbols left are in `keep` and stay (their requests came, or their step is under
                     # way): they make no room, and none idle since `now` was forgotten
-                    if self._unplaceable([symbol], keep=keep, now=now) or not self._can_take_slot(keep):
+                    if self._unplaceable([symbol], keep=keep, now=now) \
+                            or not self._can_take_slot(keep, swap=symbol in self.offloaded):
                         if symbol in self.offloaded:  # its request came: not idle, though it waits for a slot
                             self._seen(symbol, now)
                         continue
@@ -1005,8 +1007,9 @@ class StateTable:
         else:
             self.free_host.append(self.offloaded.pop(symbol))
 
-    def _can_take_slot(self, exclude, awaiting_too=True) -> bool:
-        return bool(self.free) or (bool(self.free_host) and self._evictable(exclude, awaiting_too) is not None)
+    def _can_take_slot(self, exclude, awaiting_too=True, swap=True) -> bool:
+        return bool(self.free) or (len(self.free_host) > (not swap) and self._evictable(exclude, awaiting_too)
+                                   is not None)
 
     def _evictable(self, exclude, awaiting_too=True):
         """The least recently used resident symbol outside `exclude`, one not awaiting its step if any (with
@@ -1026,9 +1029,10 @@ class StateTable:
         recently used state outside `exclude` moves to the host; an offloaded symbol's state comes back into it."""
         if symbol in self.resident:
             return
-        while not self.free and not self.free_host and self.pinning:
+        swap = symbol in self.offloaded
+        while not self.free and len(self.free_host) <= (not swap) and self.pinning:
             self._host_slot_pinned.wait()  # releases the lock: the pinning thread hands out slots as it goes
-        if not self.free and not self._offload_lru(exclude):
+        if not self.free and not self._offload_lru(exclude, swap=swap):
             raise self.capacity_error([symbol])  # pinning failed while this step waited for a host slot
         slot = next((s for s in self.free if all(part.pending(s) is None for part in self.parts)), self.free[0])
         self.free.remove(slot)
@@ -1040,11 +1044,13 @@ class StateTable:
             self.stats["restored"] += 1
         self.resident[symbol] = slot
 
-    def _offload_lru(self, exclude, awaiting_too=True):
+    def _offload_lru(self, exclude, awaiting_too=True, swap=False):
         """Move the least recently used resident symbol outside `exclude` (not awaiting its step, if any) to host
-        memory; free its slot. False when there is none, or no free host slot."""
+        memory; free its slot. False when there is none, or no free host slot. Unless a returning state frees a host
+        slot (swap), one is left spare: while the tier pins, the last one taken left none for a swap, and a pinning
+        that failed then kept the states out there from ever coming back to a full GPU."""
         symbol = self._evictable(exclude, awaiting_too)
-        if symbol is None or not self.free_host:
+        if symbol is None or len(self.free_host) <= (not swap):
             return False
         slot, host_slot = self.resident.pop(symbol), self.free_host.popleft()
         for part in self.parts:
