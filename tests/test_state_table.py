@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from client.engine.fast.state_table import (ALIGN, HOST_HEADROOM_BYTES, HOST_HEADROOM_SHARE, PAD_SLOT, CapacityError,
-                                            StateTable, host_memory, host_symbols_for, host_tier_budget, slot_layout)
+                                            StateTable, host_memory, host_slot_bytes, host_symbols_for, host_tier_budget,
+                                            slot_layout)
 from client.engine.options import add_engine_arguments
 from conftest import checkout_env
 
@@ -309,6 +310,18 @@ def test_a_host_tier_beyond_the_hosts_memory_is_refused_in_one_line():
     size = slot_layout(LAYOUT)[1]
     assert host_symbols_for(10 * mmap.PAGESIZE, [size]) == 9  # a page a slot here, one kept spare
     assert host_symbols_for(0, [size]) == 0
+
+
+def test_a_host_tier_counts_a_cpu_state_table_in_the_hosts_memory(monkeypatch):
+    """Without a GPU the state table is in host memory too, allocated after the host tier's check: a tier that fit
+    the memory left only without the table passed, and the two together could exhaust the host's memory."""
+    from client.engine.fast import state_table as module
+
+    pool = 11 * host_slot_bytes(slot_layout(LAYOUT)[1])  # 10 symbols, one slot spare
+    monkeypatch.setattr(module, "host_tier_budget", lambda: pool + 4096)
+    table(capacity=2, host_capacity=10)  # 3 slots of 1 KiB fit beside it
+    with pytest.raises(ValueError, match=r"host tier of 10 symbols .* beside the state table's .*--host-symbols"):
+        table(capacity=100, host_capacity=10)
 
 
 def test_host_memory_where_the_system_says_less(monkeypatch):

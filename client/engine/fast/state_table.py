@@ -629,8 +629,11 @@ class StateTable:
             raise ValueError(f"idle_timeout_s must be positive (or None: never), got {idle_timeout_s}")
         # One host slot more than the tier holds: a swap moves a state out before the returning one frees its slot.
         host_slots = host_capacity + 1 if host_capacity else 0
+        # a CPU's state table is allocated in host memory after this check: it counts against the same budget
+        table_bytes = (capacity + 1) * sum(slot_layout(layout)[1] for layout, device in parts
+                                           if torch.device(device).type == "cpu")
         _check_host_tier(host_capacity, host_slots * sum(host_slot_bytes(slot_layout(layout)[1])
-                                                         for layout, _ in parts))
+                                                         for layout, _ in parts), table_bytes)
         self.parts = [DeviceSlots(layout, device, capacity + 1, host_slots, separate) for layout, device in parts]
         for part in self.parts:  # every part's tier is registered by the pinning thread, on the first part's GPU
             part.host.device = self.parts[0].device
@@ -1113,15 +1116,17 @@ def _taken_out(parts, staged, taken_out: Future):
         taken_out.set_result(None)
 
 
-def _check_host_tier(symbols, pool_bytes):
-    """Refuse, in one line, a host tier that the host's memory cannot hold beside everything else."""
+def _check_host_tier(symbols, pool_bytes, table_bytes=0):
+    """Refuse, in one line, a host tier that the host's memory cannot hold beside everything else (table_bytes: a
+    state table in host memory, not yet allocated)."""
     if not pool_bytes:
         return
-    budget = host_tier_budget()
+    budget = host_tier_budget() - table_bytes
     if pool_bytes > budget:
         total, available = host_memory()
         per_symbol = pool_bytes / (symbols + 1)
-        raise ValueError(f"a host tier of {symbols} symbols needs {pool_bytes / 2**30:.1f} GiB of host memory, but "
-                         f"{available / 2**30:.1f} GiB of {total / 2**30:.1f} GiB is available and "
-                         f"{(available - budget) / 2**30:.1f} GiB stays free for the rest: at most "
+        table = f" beside the state table's {table_bytes / 2**30:.1f} GiB" if table_bytes else ""
+        raise ValueError(f"a host tier of {symbols} symbols needs {pool_bytes / 2**30:.1f} GiB of host memory{table}, "
+                         f"but {available / 2**30:.1f} GiB of {total / 2**30:.1f} GiB is available and "
+                         f"{(available - budget - table_bytes) / 2**30:.1f} GiB stays free for the rest: at most "
                          f"{max(int(budget // per_symbol) - 1, 0)} symbols fit; lower --host-symbols")
