@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from client.engine.fast.state_table import (ALIGN, HOST_HEADROOM_BYTES, HOST_HEADROOM_SHARE, PAD_SLOT, CapacityError,
-                                            StateTable, host_memory, host_symbols_for, host_tier_budget, slot_layout)
+                                            StateTable, host_memory, host_slot_bytes, host_symbols_for, host_tier_budget,
+                                            slot_layout)
 from client.engine.options import add_engine_arguments
 from conftest import checkout_env
 
@@ -309,6 +310,18 @@ def test_a_host_tier_beyond_the_hosts_memory_is_refused_in_one_line():
     size = slot_layout(LAYOUT)[1]
     assert host_symbols_for(10 * mmap.PAGESIZE, [size]) == 9  # a page a slot here, one kept spare
     assert host_symbols_for(0, [size]) == 0
+
+
+def test_a_host_tier_counts_a_cpu_state_table_in_the_hosts_memory(monkeypatch):
+    """Without a GPU the state table is in host memory too, allocated after the host tier's check: a tier that fit
+    the memory left only without the table passed, and the two together could exhaust the host's memory."""
+    from client.engine.fast import state_table as module
+
+    pool = 11 * host_slot_bytes(slot_layout(LAYOUT)[1])  # 10 symbols, one slot spare
+    monkeypatch.setattr(module, "host_tier_budget", lambda: pool + 4096)
+    table(capacity=2, host_capacity=10)  # 3 slots of 1 KiB fit beside it
+    with pytest.raises(ValueError, match=r"host tier of 10 symbols .* beside the state table's .*--host-symbols"):
+        table(capacity=100, host_capacity=10)
 
 
 def test_host_memory_where_the_system_says_less(monkeypatch):
@@ -748,6 +761,42 @@ def test_a_host_tier_that_fails_to_pin_keeps_what_it_pinned_and_refuses_the_rest
     with pytest.raises(CapacityError, match="1 on the CPU and 1 in host memory"):
         t.slots_for(["C"])
     assert same_state(t, t.slots_for(["A"])[0], saved)
+
+
+def test_a_tier_that_stops_pinning_after_states_moved_out_keeps_a_slot_spare_for_their_return(monkeypatch):
+    """A new symbol's state moved into the last pinned host slot left none spare for a swap: once pinning failed,
+    the state out there could never come back to the full GPU (each of its steps refused, unplaceable saying it
+    fits). A new symbol now waits for a spare slot, and is refused once pinning has failed."""
+    gate, registered = threading.Event(), []
+
+    def register(address, nbytes):
+        if registered:  # every slot after the first fails, once let go
+            gate.wait(30)
+            return "out of memory"
+        registered.append(address)
+    fake_registration(monkeypatch, register)
+    t = table(capacity=1, host_capacity=3)
+    wait_until(lambda: len(t.free_host) == 1)
+    write(t, t.slots_for(["A"])[0], 3)
+    saved, outcome = state_of(t, t.slot_of["A"]), []
+
+    def step_b():
+        try:
+            outcome.append(t.slots_for(["B"]))
+        except CapacityError as error:
+            outcome.append(error)
+    stepped = threading.Thread(target=step_b)
+    stepped.start()
+    stepped.join(0.3)
+    gate.set()
+    stepped.join(10)
+    with pytest.raises(ValueError, match="could not be pinned"):
+        t.wait_pinned()
+    for symbol in t.symbols():  # every symbol held still steps
+        assert t.unplaceable([symbol]) == []
+        t.slots_for([symbol])
+    assert isinstance(outcome[0], CapacityError) and outcome[0].symbols == ["B"] and t.symbols() == ["A"]
+    assert same_state(t, t.slot_of["A"], saved)
 
 
 def test_pinning_pauses_with_no_registration_under_way(monkeypatch):

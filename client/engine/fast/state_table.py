@@ -12,7 +12,8 @@ allocated once, at start, and on a GPU pinned in a background thread, in pieces 
 allocates or pins memory; each slot joins the tier once pinned. Pinning runs at ~2.4 GB/s (page faults;
 bench/LOG.md section 46: ~50-60 s for the H100 host's 116 GiB), so the engine serves meanwhile (pausing it only
 while it captures its graphs); until it is done, a step that must move a state out of a full GPU while no pinned
-host slot is free waits for the next one (the tier's size never changes, so no symbol is refused for it).
+host slot is spare (one stays free for a state's return) waits for the next one (the tier's size never changes, so
+no symbol is refused for it).
 
 States move on two copy streams per device (to the host, and back to the GPU), in copies within the pieces, each
 waiting only for what it touches: the steps enqueued before it (for a state leaving the GPU), the last copy of its
@@ -628,8 +629,11 @@ class StateTable:
             raise ValueError(f"idle_timeout_s must be positive (or None: never), got {idle_timeout_s}")
         # One host slot more than the tier holds: a swap moves a state out before the returning one frees its slot.
         host_slots = host_capacity + 1 if host_capacity else 0
+        # a CPU's state table is allocated in host memory after this check: it counts against the same budget
+        table_bytes = (capacity + 1) * sum(slot_layout(layout)[1] for layout, device in parts
+                                           if torch.device(device).type == "cpu")
         _check_host_tier(host_capacity, host_slots * sum(host_slot_bytes(slot_layout(layout)[1])
-                                                         for layout, _ in parts))
+                                                         for layout, _ in parts), table_bytes)
         self.parts = [DeviceSlots(layout, device, capacity + 1, host_slots, separate) for layout, device in parts]
         for part in self.parts:  # every part's tier is registered by the pinning thread, on the first part's GPU
             part.host.device = self.parts[0].device
@@ -856,7 +860,8 @@ class StateTable:
                 if symbol not in self.resident:
                     # the idle symbols left are in `keep` and stay (their requests came, or their step is under
                     # way): they make no room, and none idle since `now` was forgotten
-                    if self._unplaceable([symbol], keep=keep, now=now) or not self._can_take_slot(keep):
+                    if self._unplaceable([symbol], keep=keep, now=now) \
+                            or not self._can_take_slot(keep, swap=symbol in self.offloaded):
                         if symbol in self.offloaded:  # its request came: not idle, though it waits for a slot
                             self._seen(symbol, now)
                         continue
@@ -1005,8 +1010,9 @@ class StateTable:
         else:
             self.free_host.append(self.offloaded.pop(symbol))
 
-    def _can_take_slot(self, exclude, awaiting_too=True) -> bool:
-        return bool(self.free) or (bool(self.free_host) and self._evictable(exclude, awaiting_too) is not None)
+    def _can_take_slot(self, exclude, awaiting_too=True, swap=True) -> bool:
+        return bool(self.free) or (len(self.free_host) > (not swap) and self._evictable(exclude, awaiting_too)
+                                   is not None)
 
     def _evictable(self, exclude, awaiting_too=True):
         """The least recently used resident symbol outside `exclude`, one not awaiting its step if any (with
@@ -1026,9 +1032,10 @@ class StateTable:
         recently used state outside `exclude` moves to the host; an offloaded symbol's state comes back into it."""
         if symbol in self.resident:
             return
-        while not self.free and not self.free_host and self.pinning:
+        swap = symbol in self.offloaded
+        while not self.free and len(self.free_host) <= (not swap) and self.pinning:
             self._host_slot_pinned.wait()  # releases the lock: the pinning thread hands out slots as it goes
-        if not self.free and not self._offload_lru(exclude):
+        if not self.free and not self._offload_lru(exclude, swap=swap):
             raise self.capacity_error([symbol])  # pinning failed while this step waited for a host slot
         slot = next((s for s in self.free if all(part.pending(s) is None for part in self.parts)), self.free[0])
         self.free.remove(slot)
@@ -1040,11 +1047,13 @@ class StateTable:
             self.stats["restored"] += 1
         self.resident[symbol] = slot
 
-    def _offload_lru(self, exclude, awaiting_too=True):
+    def _offload_lru(self, exclude, awaiting_too=True, swap=False):
         """Move the least recently used resident symbol outside `exclude` (not awaiting its step, if any) to host
-        memory; free its slot. False when there is none, or no free host slot."""
+        memory; free its slot. False when there is none, or no free host slot. Unless a returning state frees a host
+        slot (swap), one is left spare: while the tier pins, the last one taken left none for a swap, and a pinning
+        that failed then kept the states out there from ever coming back to a full GPU."""
         symbol = self._evictable(exclude, awaiting_too)
-        if symbol is None or not self.free_host:
+        if symbol is None or len(self.free_host) <= (not swap):
             return False
         slot, host_slot = self.resident.pop(symbol), self.free_host.popleft()
         for part in self.parts:
@@ -1107,15 +1116,17 @@ def _taken_out(parts, staged, taken_out: Future):
         taken_out.set_result(None)
 
 
-def _check_host_tier(symbols, pool_bytes):
-    """Refuse, in one line, a host tier that the host's memory cannot hold beside everything else."""
+def _check_host_tier(symbols, pool_bytes, table_bytes=0):
+    """Refuse, in one line, a host tier that the host's memory cannot hold beside everything else (table_bytes: a
+    state table in host memory, not yet allocated)."""
     if not pool_bytes:
         return
-    budget = host_tier_budget()
+    budget = host_tier_budget() - table_bytes
     if pool_bytes > budget:
         total, available = host_memory()
         per_symbol = pool_bytes / (symbols + 1)
-        raise ValueError(f"a host tier of {symbols} symbols needs {pool_bytes / 2**30:.1f} GiB of host memory, but "
-                         f"{available / 2**30:.1f} GiB of {total / 2**30:.1f} GiB is available and "
-                         f"{(available - budget) / 2**30:.1f} GiB stays free for the rest: at most "
+        table = f" beside the state table's {table_bytes / 2**30:.1f} GiB" if table_bytes else ""
+        raise ValueError(f"a host tier of {symbols} symbols needs {pool_bytes / 2**30:.1f} GiB of host memory{table}, "
+                         f"but {available / 2**30:.1f} GiB of {total / 2**30:.1f} GiB is available and "
+                         f"{(available - budget - table_bytes) / 2**30:.1f} GiB stays free for the rest: at most "
                          f"{max(int(budget // per_symbol) - 1, 0)} symbols fit; lower --host-symbols")
