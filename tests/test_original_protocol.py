@@ -715,6 +715,13 @@ def test_each_project_message_crosses_the_original_wire_and_back():
     assert original.from_original({"message_type": "stats_update", "pnl": 3.0}) is None
 
 
+def test_an_original_score_update_with_a_negative_latency_is_refused_naming_its_id():
+    line = original.encode_line({"message_type": "score_update", "unique_ids": [4, 5], "trade_pnls": [0.5, 0.5],
+                                 "accuracies": [1.0, 1.0], "latencies_ms": [3.0, -1.0]})
+    with pytest.raises(ProtocolError, match="latencies_ms negative or not finite for unique_ids 5$"):
+        original.from_original(original.decode_line(line))
+
+
 @pytest.mark.parametrize("line, message", [
     (b"{nope\n", "line is not JSON"),
     (b"[1, 2]\n", "line must hold a JSON object, got list"),
