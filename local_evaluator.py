@@ -472,6 +472,8 @@ def parse_args(argv=None):
         p.error("--profile-steps: for --profile DIR, which records the trace")
     if args.profile_steps is None:
         args.profile_steps = DEFAULT_PROFILE_STEPS
+    if args.max_requests_per_symbol is None:
+        args.max_requests_per_symbol = DEFAULT_REQUESTS_PER_SYMBOL
     if args.profile is not None and Path(args.profile).exists() and not Path(args.profile).is_dir():
         p.error(f"--profile {args.profile} is a file; give a folder for the trace")  # else found after the setup
     if args.profile is not None:

@@ -321,6 +321,23 @@ def parse_inference_response(msg) -> tuple[list[int], np.ndarray]:
     return list(ids), np.where(np.isfinite(values), values.clip(-limit, limit), values).astype(np.float32)
 
 
+def check_score_values(unique_ids, pnls, latencies_ms) -> None:
+    """Refuse a score update whose pnls are not finite or whose latencies are negative or not finite, naming the
+    unique_ids they score: the server's builder and the client's count both check here (a NaN pnl made a team's
+    total NaN for good; a negative latency counted in time however late it came)."""
+    if all(map(math.isfinite, pnls)) and all(map(math.isfinite, latencies_ms)) and min(latencies_ms, default=0) >= 0:
+        return
+    bad_pnls = [uid for uid, v in zip(unique_ids, pnls) if not math.isfinite(v)]
+    bad_latencies = [uid for uid, v in zip(unique_ids, latencies_ms) if not (math.isfinite(v) and v >= 0)]
+    said = ([f"pnls not finite for unique_ids {_few_ids(bad_pnls)}"] if bad_pnls else []) + (
+        [f"latencies_ms negative or not finite for unique_ids {_few_ids(bad_latencies)}"] if bad_latencies else [])
+    raise ProtocolError("score_update: " + "; ".join(said))
+
+
+def _few_ids(ids, limit=10):
+    return ", ".join(map(str, ids[:limit])) + (f" ... ({len(ids)} in all)" if len(ids) > limit else "")
+
+
 def score_update(unique_ids, pnls, correct, latencies_ms) -> dict:
     ids = _as_id_list(unique_ids)
     pnls = [float(v) for v in pnls]
@@ -329,6 +346,7 @@ def score_update(unique_ids, pnls, correct, latencies_ms) -> dict:
     if not len(ids) == len(pnls) == len(correct) == len(latencies_ms):
         raise ProtocolError(f"score_update: lengths differ: {len(ids)} ids, {len(pnls)} pnls, "
                             f"{len(correct)} correct, {len(latencies_ms)} latencies")
+    check_score_values(ids, pnls, latencies_ms)
     return {"type": "score_update", "unique_ids": ids, "pnls": pnls, "correct": correct,
             "latencies_ms": latencies_ms}
 

@@ -187,8 +187,7 @@ class ClientStats:
                                          f"{len(correct)} correct, {len(latencies)} latencies")
         if not all(0 <= towers <= NUM_TOWERS for towers in correct):
             raise protocol.ProtocolError(f"score_update: correct must count towers, 0..{NUM_TOWERS}")
-        if not all(math.isfinite(v) for v in (*pnls, *latencies)):
-            raise protocol.ProtocolError("score_update: pnls and latencies_ms must be finite")
+        protocol.check_score_values(ids, pnls, latencies)
         in_time, in_time_towers = [], 0
         for uid, pnl, towers, latency in zip(ids, pnls, correct, latencies):
             if uid not in self._unscored:

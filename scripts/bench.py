@@ -36,7 +36,8 @@ from client.runtime import PIPELINE_MIN_BATCH
 from client.step_clock import LATE_AFTER_S, LATE_WAKE_S, PUNCTUAL_HOLD_S
 from kernels.skinny_matmul import promoted_partials
 from scripts.benchmarks import SECTIONS
-from scripts.benchmarks.harness import FULL, MAX_BATCH, QUICK, Bench, Counts, device_name
+from scripts.benchmarks.harness import (FULL, MAX_BATCH, QUICK, Bench, Counts, device_name, runs_in_turn,
+                                        taken_in_turn)
 from scripts.benchmarks.report import Progress, Report
 from scripts.benchmarks.serving import TLS_CERT, TLS_KEY
 
@@ -113,7 +114,9 @@ def parse_args(argv=None):
     parser.add_argument("--merge", action="store_true", help="keep what --json already holds; rewrite only the "
                                                                "sections of this run")
     parser.add_argument("--e2e-requests", type=cli.positive_int, help="requests of the 400 req/s run (default 4000)")
-    parser.add_argument("--e2e-runs", type=cli.positive_int, help="e2e sessions in a row (default 3)")
+    parser.add_argument("--e2e-runs", type=cli.positive_int,
+                        help="e2e sessions in a row, and floor rounds (default 3, --quick 1, or the runs the options "
+                             "given in turn take if more)")
     parser.add_argument("--awake-cpus", choices=("off", "on", "alternate"), default="off",
                         help="a lowest-priority spinner on every CPU (scripts/benchmarks/awake_cpus.py): on, through "
                              "every section; alternate, in every second e2e run (default off)")
@@ -216,6 +219,14 @@ def parse_args(argv=None):
                  "rates": args.rates, "k1_rates": args.k1_rates,
                  "rate_seconds": args.rate_seconds, "swap_cold_rate": args.swap_cold_rate}
     args.counts = Counts(**{**counts.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
+    served = {"e2e", "floor"} & set(args.sections)
+    turns = runs_in_turn(args, alternating="e2e" in served)
+    if served and args.e2e_runs is None and turns > counts.e2e_runs:
+        # fewer runs left options given in turn without a run, unsaid (--quick's one: no alternation at all)
+        args.counts.e2e_runs = turns
+        print(f"{PROG}: {turns} e2e and floor runs, not the {'--quick ' if args.quick else ''}default "
+              f"{counts.e2e_runs}, so that {', '.join(taken_in_turn(args, 'e2e' in served))} take every turn "
+              f"(--e2e-runs N to choose)", file=sys.stderr)
     if args.counts.family_symbols * len(FAMILIES) > MAX_BATCH:
         parser.error(f"--family-symbols must be at most {MAX_BATCH // len(FAMILIES)}: all families step together "
                      f"in batches of at most {MAX_BATCH}")

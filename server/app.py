@@ -21,7 +21,7 @@ from client.constants import ATOL, TARGET_SOURCES
 from server.limits import (AddressLimits, Limits, OpenSockets, field_problem, longest_register,
                            register_frame_problem)
 from server.scoring import DEFAULT_HALF_LIFE_MS, DEFAULT_TIMEOUT_S
-from server.session import TeamSession, send_offsets, summarize
+from server.session import TeamSession, fate_of_refused_rows, send_offsets, summarize
 from server.snapshot import LeaderboardSnapshot
 
 log = logging.getLogger("server")
@@ -559,10 +559,9 @@ class ScoringServer:
                 unreadable = msg.get("unreadable_ids")
                 if unreadable:  # (the original protocol's) rows that were not 4 numbers, left out of the message
                     session.errors += 1
-                    shown = ", ".join(map(str, unreadable[:10])) + (" ..." if len(unreadable) > 10 else "")
+                    fate = fate_of_refused_rows(unreadable, session.answered_among(unreadable))
                     problems.append(("protocol_error", f"inference_response: each prediction must be a list of "
-                                                       f"{protocol.NUM_TOWERS} numbers; unique_ids {shown} left "
-                                                       f"unanswered"))
+                                                       f"{protocol.NUM_TOWERS} numbers; {fate}"))
                 for code, details in problems:
                     await self._send_error(ws, code, details)
                 if session.finished_at is not None:

@@ -270,14 +270,16 @@ class TeamSession:
         problems = []
         known = (ids >= 0) & (ids < self.sent)
         finite = np.isfinite(predictions).all(axis=1)
-        # an id's answer in this message is its first finite row (a NaN row leaves the id open, as in a later
-        # message), else its first row; its other rows are duplicates
-        rows = np.argsort(~finite, kind="stable")
-        first_seen = np.zeros(len(ids), dtype=bool)
-        first_seen[rows[np.unique(ids[rows], return_index=True)[1]]] = True
         state = self._state[np.where(known, ids, 0)]
-        repeated = known & (~first_seen | (state == ANSWERED) | (state == LATE))
-        accept = known & ~repeated & finite
+        answered_before = known & ((state == ANSWERED) | (state == LATE))
+        # an id's answer in this message is its first finite row; its other finite rows, and every row of an id
+        # answered before, are duplicates. A NaN row answers nothing, so is no duplicate: it leaves its id open,
+        # here to a finite row after it and in a later message alike
+        open_finite = np.flatnonzero(known & finite & ~answered_before)
+        accept = np.zeros(len(ids), dtype=bool)
+        accept[open_finite[np.unique(ids[open_finite], return_index=True)[1]]] = True
+        repeated = known & (answered_before | (finite & ~accept))
+        refused = known & ~finite & ~answered_before
         if (~known).any():
             self.errors += 1
             unknown = [i for i, k in zip(unique_ids, known) if not k]
@@ -285,21 +287,28 @@ class TeamSession:
         if repeated.any():
             self.duplicates += int(repeated.sum())
             problems.append(("duplicate_ids", f"ids already answered: {_few(ids[repeated])}"))
-        non_finite = known & ~repeated & ~finite
-        if non_finite.any():
-            self.errors += 1
-            problems.append(("non_finite_predictions",
-                             f"NaN or infinite predictions, left unanswered: {_few(ids[non_finite])}"))
         if self._scores_resent and (known & (ids >= self._confirm_from)).any():
             self._forget_scores_resent()  # the client read what was sent before that request
-        accepted = ids[accept]
-        if not len(accepted):
-            return None, problems
+        update = self._score(ids[accept], predictions[accept], received) if accept.any() else None
+        if refused.any():  # after scoring: whether another row of the line answered the id
+            self.errors += 1
+            problems.append(("non_finite_predictions", "NaN or infinite predictions: "
+                             + fate_of_refused_rows(ids[refused], self.answered_among(ids[refused]))))
+        return update, problems
+
+    def answered_among(self, ids) -> list[int]:
+        """Those of `ids` (integers as a client sent them, any size) whose requests are answered, in time or late."""
+        known = np.array([i for i in ids if 0 <= i < self.sent], dtype=np.int64)
+        state = self._state[known]
+        return known[(state == ANSWERED) | (state == LATE)].tolist()
+
+    def _score(self, accepted, predictions, received):
+        """Score the answers of `accepted` (ids sent and open, once each); returns their score_update."""
         latency_ms = (received - self._send_time[accepted]) * 1000.0
         closed = accepted[self._reopened[accepted] == 1]
         self._reopened[closed] = 2
         self.reopened -= len(closed)
-        correct, pnl = score_responses(predictions[accept], self._targets[accepted], latency_ms,
+        correct, pnl = score_responses(predictions, self._targets[accepted], latency_ms,
                                        self._atol, self._half_life_ms)
         was_pending = self._state[accepted] == PENDING
         on_time = was_pending & (latency_ms <= self._timeout_s * 1000.0)
@@ -321,7 +330,7 @@ class TeamSession:
         self._recent_scoring += total_pnl != 0.0
         self._forget_before(received - RECENT_WINDOW_S)
         self._check_done(received)
-        return protocol.score_update(accepted, pnl, correct, latency_ms), problems
+        return protocol.score_update(accepted, pnl, correct, latency_ms)
 
     def note_scores_sent(self, frame: bytes, ids: int, now: float) -> None:
         self._scores_sent.append((now, ids, frame))
@@ -437,6 +446,20 @@ def summarize(snapshot: dict, teams: int = 1, exact: bool = False) -> dict:
         "recent_pnl_per_s": snapshot["recent_pnl_per_s"],
         **{key: snapshot[key] for key in status},
     }
+
+
+def fate_of_refused_rows(refused_ids, answered) -> str:
+    """What became of the requests of a line's refused rows (NaN or infinite predictions; in the original protocol
+    also rows that are not 4 numbers), in words: "unique_ids X left unanswered; unique_ids Y answered by another
+    row", the parts that apply, each id once. answered: those of refused_ids answered by now, the line's other rows
+    scored (TeamSession.answered_among)."""
+    ids = list(dict.fromkeys(int(i) for i in refused_ids))
+    answered = set(answered)
+    left, taken = [i for i in ids if i not in answered], [i for i in ids if i in answered]
+    parts = [f"unique_ids {_few(left)} left unanswered"] if left else []
+    if taken:
+        parts.append(f"unique_ids {_few(taken)} answered by another row")
+    return "; ".join(parts)
 
 
 def _few(ids, limit=10):

@@ -43,7 +43,7 @@ import threading  # noqa: E402
 import numpy as np  # noqa: E402
 
 from client import cli, event_loop, protocol, team_api  # noqa: E402
-from client.constants import DEFAULT_TIMEOUT_S  # noqa: E402
+from client.constants import DEFAULT_REQUESTS_PER_SYMBOL, DEFAULT_TIMEOUT_S  # noqa: E402
 from client.engine import ENGINES, Engine, make_engine  # noqa: E402
 from client.engine.options import add_engine_arguments, engine_options  # noqa: E402
 from client.engine.base import NUM_TOWERS, CapacityError, PendingStep  # noqa: E402
@@ -408,10 +408,47 @@ def parse_args(argv=None):
         # computed in submit, or a sharded one (which cannot say), would hold the loop
         parser.error("--inline-steps needs --engine fast on one CUDA device: other engines compute a step in "
                      "submit or wait for it, which would hold the event loop that receives")
+    args.team_class = ExampleModel
+    if args.team_dir is not None:  # before the model loads: a wrong folder, or an option its class cannot use
+        from local_evaluator import load_team_class
+
+        args.team_class = load_team_class(args.team_dir)
+    refuse_unusable_options(parser, args, args.team_class)
+    if args.max_requests_per_symbol is None:
+        args.max_requests_per_symbol = DEFAULT_REQUESTS_PER_SYMBOL
     if args.preset is None:
         args.preset = "full" if cuda else "tiny"
         print(f"--preset not given: using {args.preset} ({'CUDA present' if cuda else 'no CUDA'})", file=sys.stderr)
     return args
+
+
+def refuse_unusable_options(parser, args, team_class):
+    """Refuse, in the parser's one line, an option given that `team_class` cannot use (accepted, it was ignored
+    without a word, or held the event loop): --max-requests-per-symbol above 1 for a class that takes one request
+    of a symbol a step, --inline-steps on for one whose steps cannot run in the background."""
+    from client.original_team import BaseInferenceClient
+
+    name = (f"{os.path.join(args.team_dir, 'example_model.py')}'s ExampleModel" if args.team_dir is not None
+            else team_class.__name__)
+    # the event's style takes lists through the adapter (client/original_team.py), whatever the class declares
+    one_a_symbol = (not issubclass(team_class, BaseInferenceClient)
+                    and getattr(team_class, "requests_per_symbol", team_api.ONE) == team_api.ONE)
+    if args.max_requests_per_symbol is not None and args.max_requests_per_symbol > 1 and one_a_symbol:
+        parser.error(f"--max-requests-per-symbol {args.max_requests_per_symbol}: {name} takes one request of a "
+                     f"symbol a step (its requests_per_symbol, client/team_api.py); leave the option out")
+    if args.inline_steps != "on":
+        return
+    # by the classes that define them, not by identity with ExampleModel: a team file run beside this one as a
+    # script subclasses another copy of it (team.example_model, not __main__)
+    submit_from = next((c for c in team_class.__mro__ if "submit_batch" in vars(c)), None)
+    process_from = next(c for c in team_class.__mro__ if "process_batch" in vars(c))
+    if submit_from is None:
+        parser.error(f"--inline-steps on: {name} has no submit_batch, so its steps cannot run in the background "
+                     f"(the runtime's threads call its process_batch); leave the option out")
+    if process_from is not submit_from and issubclass(process_from, submit_from):
+        parser.error(f"--inline-steps on: {name} has a process_batch of its own, which the submit_batch it inherits "
+                     f"computes on the event loop that receives (inline steps need steps that run in the "
+                     f"background); leave the option out")
 
 
 async def _print_progress(client):
@@ -602,11 +639,7 @@ async def play(args, stopped_by: list | None = None) -> tuple[dict, list[dict] |
     from client.runtime import NEW_STREAM, StreamingClient
     from client.transport import server_url
 
-    team_class = ExampleModel
-    if args.team_dir is not None:  # before the model loads: a wrong folder is said at once
-        from local_evaluator import load_team_class
-
-        team_class = load_team_class(args.team_dir)
+    team_class = args.team_class
     team_forgets_idle = _team_forgets_idle(args, team_class)
     engine, fingerprint, engine_text = build_engine(args, forgets_idle=not team_forgets_idle)
     if team_forgets_idle:

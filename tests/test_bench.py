@@ -44,7 +44,8 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
                            "--sections", ",".join(CPU_SECTIONS), "--precisions", "auto;bf16",
                            "--state-dtypes", "fp32;fp16", "--json", str(out), "--log-dir", str(tmp_path / "logs"),
                            "--stacks", str(tmp_path / "stacks"), "--swap-runs", "2", "--late-after-ms", "6,0",
-                           "--form-margin-ms", "0.5", "--punctual-late-after-ms", "0", "--join", "on,off"],
+                           "--form-margin-ms", "0.5", "--punctual-late-after-ms", "0", "--join", "on,off",
+                           "--e2e-runs", "1"],  # one e2e run and floor round, however many the options take
                           cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env=checkout_env(REPO))  # this checkout's packages, not an installed one
     assert done.returncode == 0, done.stderr[-4000:]
@@ -584,15 +585,38 @@ def test_a_hung_shard_section_says_how_long_the_live_shards_symbols_waited_besid
 
 
 
-def test_e2e_runs_over_tls_in_turn_with_tls_alternate(tmp_path):
-    """--tls alternate: every second e2e run plays the server over TLS (wss://), both fully answered."""
+def test_e2e_runs_over_tls_in_turn_with_tls_alternate(tmp_path, capsys):
+    """--tls alternate: every second e2e run plays the server over TLS (wss://), both fully answered; --quick's one
+    run had none over TLS, unsaid: it takes the two the alternation needs, and says so."""
     bench = _load_bench()
     out = tmp_path / "out.json"
-    assert bench.main(["--preset", "tiny", "--device", "cpu", "--quick", "--sections", "e2e", "--e2e-runs", "2",
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--quick", "--sections", "e2e",
                        "--tls", "alternate", "--json", str(out)]) == 0
     runs = json.loads(out.read_text())["e2e_runs"]
     assert [run["tls"] for run in runs] == [False, True]
     assert all(run["missed"] == 0 and run["accuracy"] == 1.0 for run in runs)
+    assert ("scripts/bench.py: 2 e2e and floor runs, not the --quick default 1, so that --tls alternate take every "
+            "turn (--e2e-runs N to choose)") in capsys.readouterr().err.splitlines()
+
+
+@pytest.mark.parametrize("argv, runs, said", [
+    (["--quick", "--sections", "e2e,floor", "--late-after-ms", "6,0,3", "--join", "on,off", "--tls", "alternate"], 6,
+     "6 e2e and floor runs, not the --quick default 1, so that --late-after-ms, --join, --tls alternate take every "
+     "turn"),
+    (["--quick", "--sections", "floor", "--tls", "alternate", "--inline-steps", "off,on"], 2,
+     "2 e2e and floor runs, not the --quick default 1, so that --inline-steps take every turn"),  # floor: no TLS
+    (["--sections", "e2e", "--form-margin-ms", "1,2,3,4"], 4,
+     "4 e2e and floor runs, not the default 3, so that --form-margin-ms take every turn"),
+    (["--sections", "e2e", "--form-margin-ms", "1,2", "--awake-cpus", "alternate"], 3, None),  # 3 runs take both
+    (["--quick", "--sections", "e2e", "--tls", "alternate", "--e2e-runs", "1"], 1, None),  # as asked
+    (["--quick", "--sections", "floor", "--tls", "alternate"], 1, None),
+    (["--quick", "--sections", "step,swap", "--late-after-ms", "6,0"], 1, None),
+])
+def test_the_default_e2e_runs_grow_to_give_every_option_in_turn_its_run(argv, runs, said, capsys):
+    args = _load_bench().parse_args(["--preset", "tiny", "--device", "cpu", *argv])
+    assert args.counts.e2e_runs == runs
+    err = capsys.readouterr().err
+    assert err == (f"scripts/bench.py: {said} (--e2e-runs N to choose)\n" if said else "")
 
 
 def test_tls_without_the_tls_tests_certificate_is_refused_before_the_run(usage_error, monkeypatch, tmp_path):

@@ -715,6 +715,13 @@ def test_each_project_message_crosses_the_original_wire_and_back():
     assert original.from_original({"message_type": "stats_update", "pnl": 3.0}) is None
 
 
+def test_an_original_score_update_with_a_negative_latency_is_refused_naming_its_id():
+    line = original.encode_line({"message_type": "score_update", "unique_ids": [4, 5], "trade_pnls": [0.5, 0.5],
+                                 "accuracies": [1.0, 1.0], "latencies_ms": [3.0, -1.0]})
+    with pytest.raises(ProtocolError, match="latencies_ms negative or not finite for unique_ids 5$"):
+        original.from_original(original.decode_line(line))
+
+
 @pytest.mark.parametrize("line, message", [
     (b"{nope\n", "line is not JSON"),
     (b"[1, 2]\n", "line must hold a JSON object, got list"),
@@ -846,6 +853,38 @@ def test_a_prediction_that_is_not_4_numbers_is_refused_alone_and_the_rest_of_its
     assert error["details"] == (f"inference_response: each prediction must be a list of 4 numbers; unique_ids "
                                 f"{ids[1]}, {ids[3]} left unanswered")
     assert rescored["message_type"] == "score_update" and rescored["unique_ids"] == [ids[1], ids[3]], rescored
+
+
+def test_a_row_that_is_not_4_numbers_of_an_id_another_row_answers_is_said_answered_not_left_unanswered():
+    stream, targets = stand_in()
+
+    async def main():
+        server = ScoringServer(ServerConfig(rate=400.0), stream=stream, targets=targets)
+        port = await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b'{"message_type": "register"}\n')
+        ids, replies = [], []
+        while len(ids) < 2:
+            msg = json.loads(await reader.readline())
+            ids += msg["unique_ids"] if msg["message_type"] == "inference_request" else []
+        first, second = ids[:2]
+        rows = [targets[first].tolist(), None, targets[second].tolist()[:3]]
+        writer.write(original.encode_line({"message_type": "inference_response", "unique_ids": [first, first, second],
+                                           "predictions": rows, "client_timestamp": 1.0}))
+        while not replies or replies[-1]["message_type"] != "error":
+            msg = json.loads(await reader.readline())
+            if msg["message_type"] in ("score_update", "error"):
+                replies.append(msg)
+        writer.close()
+        await server.stop()
+        return first, second, replies, server.summaries()
+
+    first, second, replies, (summary,) = run(main())
+    scored, error = replies
+    assert scored["unique_ids"] == [first]
+    assert error["details"] == (f"inference_response: each prediction must be a list of 4 numbers; unique_ids "
+                                f"{second} left unanswered; unique_ids {first} answered by another row")
+    assert summary["errors"] == 1 and summary["duplicates"] == 0
 
 
 def test_a_burst_of_requests_reaches_an_original_client_in_short_lines_the_event_loop_free_between_them():

@@ -1,3 +1,4 @@
+import math
 import re
 
 import msgpack
@@ -155,6 +156,26 @@ def test_builders_reject_inconsistent_input():
         protocol.score_update([1, 2], [0.5], [1, 2], [1.0, 2.0])
     with pytest.raises(ProtocolError, match="must be finite"):
         protocol.heartbeat(float("nan"))
+
+
+@pytest.mark.parametrize("pnls, latencies, message", [
+    ([0.5, math.nan, 1.0], [1.0, 2.0, 3.0], "score_update: pnls not finite for unique_ids 8$"),
+    ([0.5, 0.5, -math.inf], [1.0, -2.0, 3.0], "score_update: pnls not finite for unique_ids 9; latencies_ms "
+                                              "negative or not finite for unique_ids 8$"),
+    ([0.5, 0.5, 0.5], [math.inf, 2.0, math.nan], "latencies_ms negative or not finite for unique_ids 7, 9$"),
+])
+def test_a_score_update_refuses_non_finite_pnls_and_negative_or_non_finite_latencies_naming_their_ids(
+        pnls, latencies, message):
+    with pytest.raises(ValueError, match=message):
+        protocol.score_update([7, 8, 9], pnls, [4, 4, 4], latencies)
+    with pytest.raises(ProtocolError, match=message):
+        protocol.check_score_values([7, 8, 9], pnls, latencies)
+    protocol.check_score_values([7, 8, 9], [0.0, -1.5, 2.0], [0.0, 1.0, 2000.0])  # a PnL may be negative
+
+
+def test_a_score_update_names_at_most_ten_of_its_offending_ids():
+    with pytest.raises(ProtocolError, match=r"unique_ids 0, 1, 2, 3, 4, 5, 6, 7, 8, 9 \.\.\. \(12 in all\)$"):
+        protocol.score_update(range(12), [math.nan] * 12, [4] * 12, [1.0] * 12)
 
 
 @pytest.mark.parametrize("team, problem", [

@@ -1416,6 +1416,24 @@ def test_scores_of_ids_never_received_or_beyond_the_towers_are_not_counted():
     assert stats.summary()["responses"] == 2
 
 
+def test_a_score_update_with_a_negative_or_non_finite_latency_is_refused_whole_naming_its_ids():
+    """The server's frame decoded, not built here: the count checks it as the builder does (a negative latency was
+    counted in time however late the answer came)."""
+    stats = ClientStats(timeout_s=1.0)
+    for uid in range(3):
+        stats.note_request(uid)
+    for latencies, pnls, named in (([10.0, -5.0, 10.0], [1.0] * 3, "latencies_ms negative or not finite for "
+                                                                   "unique_ids 1$"),
+                                   ([10.0, 10.0, math.nan], [1.0, math.inf, 1.0], "pnls not finite for unique_ids 1; "
+                                    "latencies_ms negative or not finite for unique_ids 2$")):
+        update = {"type": "score_update", "unique_ids": [0, 1, 2], "pnls": pnls, "correct": [4] * 3,
+                  "latencies_ms": latencies}
+        with pytest.raises(protocol.ProtocolError, match=named):
+            stats.add_scores(update)
+    summary = stats.summary()
+    assert summary["responses"] == 0 and summary["pnl"] == 0.0  # nothing of a refused update counted
+
+
 def test_a_server_that_heartbeats_but_never_answers_the_register_is_left_after_the_idle_limit(model):
     async def handler(ws):
         await ws.recv()

@@ -284,8 +284,47 @@ def test_an_answer_after_a_nan_row_of_its_id_in_the_same_message_is_scored():
     rows = np.stack([nan, targets[0], targets[1], targets[2], nan])
     update, problems = session.handle_response([0, 0, 1, 2, 2], rows, session.start + 0.01)
     assert update["unique_ids"] == [0, 1, 2] and update["correct"] == [4, 4, 4]
-    assert [code for code, _ in problems] == ["duplicate_ids"]  # 2's NaN after its answer: the answer stands
-    assert session.responses == 3 and session.duplicates == 2 and session.errors == 0
+    # the NaN rows answered nothing, so repeated no answer (they were counted 2 duplicates): an error that says so
+    assert problems == [("non_finite_predictions", "NaN or infinite predictions: unique_ids 0, 2 answered by "
+                                                   "another row")]
+    assert session.responses == 3 and session.duplicates == 0 and session.errors == 1
+
+
+def _session_of(requests, sent):
+    stream, targets = make_stream(requests)
+    session = TeamSession("team", stream.symbols, stream.features, targets, np.zeros(requests), atol=1e-3,
+                          half_life_ms=100.0, timeout_s=2.0, send_stall_s=2.0, max_requests_per_message=16)
+    session.sent = sent
+    session._send_time[:sent] = session.start
+    return session, targets
+
+
+def test_nan_rows_of_an_id_not_answered_before_leave_it_unanswered_and_are_no_duplicates():
+    """Two NaN rows of an id never answered counted one duplicate, of an answer never taken; a NaN row of an id that
+    a finite row of the line answers is said so, not 'left unanswered'; a row of an id answered before is a
+    duplicate, NaN or not."""
+    session, targets = _session_of(6, 6)
+    session.handle_response([4], targets[[4]], session.start + 0.01)
+    nan = np.full(4, np.nan, np.float32)
+    inf = np.array([0.0, np.inf, 0.0, 0.0], np.float32)
+    rows = np.stack([nan, inf, nan, targets[1], nan, nan])
+    update, problems = session.handle_response([3, 3, 1, 1, 4, 5], rows, session.start + 0.02)
+    assert update["unique_ids"] == [1]
+    assert problems == [("duplicate_ids", "ids already answered: 4"),
+                        ("non_finite_predictions", "NaN or infinite predictions: unique_ids 3, 5 left unanswered; "
+                                                   "unique_ids 1 answered by another row")]
+    assert session.responses == 2 and session.duplicates == 1 and session.errors == 1
+    assert session.answered_among([0, 1, 3, 4, 5]) == [1, 4]
+    update, problems = session.handle_response([3, 5], targets[[3, 5]], session.start + 0.03)  # still open
+    assert update["unique_ids"] == [3, 5] and problems == []
+
+
+def test_answered_among_names_the_ids_answered_in_time_or_late_of_any_integers():
+    session, targets = _session_of(6, 4)
+    session.handle_response([0], targets[[0]], session.start + 0.01)
+    session.handle_response([2], targets[[2]], session.start + 5.0)  # past the 2 s timeout: late, answered still
+    assert session.answered_among([2**64 - 1, -1, 5, 3, 2, 0, 0]) == [2, 0, 0]
+    assert session.answered_among([]) == []
 
 
 def test_client_that_never_registers_is_told_and_closed():

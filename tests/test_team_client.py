@@ -191,6 +191,61 @@ def test_inline_steps_default_to_the_engines_word_and_can_be_turned_off(argv, mo
     assert INLINE_STEPS[parse_args(argv).inline_steps] is mode
 
 
+ONE_A_SYMBOL = ("import numpy as np\n\n\nclass ExampleModel:\n    def __init__(self, engine):\n"
+                "        self.engine = engine\n\n"
+                "    def process_batch(self, requests_by_symbol):  # {symbol: (unique_id, features)}\n"
+                "        ids = [uid for uid, _ in requests_by_symbol.values()]\n"
+                "        return {'unique_ids': ids, 'predictions': np.zeros((len(ids), 4), np.float32)}\n")
+OWN_PROCESS_BATCH = ("from team.example_model import ExampleModel as Example\n\n\nclass ExampleModel(Example):\n"
+                     "    def process_batch(self, requests_by_symbol):\n"
+                     "        return super().process_batch(requests_by_symbol)\n")
+ON_A_GPU = ["--engine", "fast", "--device", "cuda"]  # what --inline-steps on needs of the engine (checked at start)
+
+
+@pytest.mark.parametrize("team_file, argv, message", [
+    (ONE_A_SYMBOL, ["--max-requests-per-symbol", "4"], "--max-requests-per-symbol 4: {file}'s ExampleModel takes one "
+                                                       "request of a symbol a step (its requests_per_symbol, "
+                                                       "client/team_api.py); leave the option out"),
+    (ONE_A_SYMBOL, ["--inline-steps", "on", *ON_A_GPU], "--inline-steps on: {file}'s ExampleModel has no "
+                                                        "submit_batch, so its steps cannot run in the background"),
+    (OWN_PROCESS_BATCH, ["--inline-steps", *ON_A_GPU], "--inline-steps on: {file}'s ExampleModel has a process_batch "
+                                                       "of its own, which the submit_batch it inherits computes on "
+                                                       "the event loop that receives"),
+], ids=["one-a-symbol-k", "one-a-symbol-inline", "own-process-batch-inline"])
+def test_an_option_the_team_class_cannot_use_is_refused_not_ignored(team_file, argv, message, tmp_path,
+                                                                     usage_error):
+    """A --team-dir class taking one request of a symbol a step was given K above 1, or one whose steps cannot run
+    in the background inline steps: accepted, and ignored (or held the event loop) without a word."""
+    (tmp_path / "example_model.py").write_text(team_file)
+    said = usage_error(parse_args, ["--preset", "tiny", "--team-dir", str(tmp_path), *argv])
+    assert message.format(file=tmp_path / "example_model.py") in said and len(said.strip().splitlines()) == 1
+
+
+def test_a_team_file_subclassing_the_example_is_refused_inline_steps_from_a_real_process(tmp_path):
+    """Run as a script, this file is __main__ and the team file's base another copy of it (team.example_model)."""
+    (tmp_path / "example_model.py").write_text(OWN_PROCESS_BATCH)
+    result = subprocess.run([*CLIENT, "--preset", "tiny", "--team-dir", str(tmp_path), "--inline-steps", *ON_A_GPU],
+                            cwd=REPO, env=ONE_THREAD, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "ExampleModel has a process_batch of its own" in result.stderr
+
+
+def test_the_options_a_team_class_can_use_are_taken_and_the_default_k_is_the_measured_one(tmp_path):
+    from client.constants import DEFAULT_REQUESTS_PER_SYMBOL
+
+    (tmp_path / "example_model.py").write_text(ONE_A_SYMBOL)
+    one = parse_args(["--preset", "tiny", "--team-dir", str(tmp_path)])
+    assert one.team_class.__name__ == "ExampleModel" and one.team_class is not ExampleModel
+    assert one.max_requests_per_symbol == DEFAULT_REQUESTS_PER_SYMBOL  # the runtime takes 1 for it, unsaid
+    assert parse_args(["--preset", "tiny", "--team-dir", str(tmp_path), "--max-requests-per-symbol", "1",
+                       "--inline-steps", "off"]).max_requests_per_symbol == 1
+    original = str(REPO / "tests" / "original_team")  # the event's style: lists of requests a symbol
+    assert parse_args(["--preset", "tiny", "--team-dir", original, "--max-requests-per-symbol", "4"]
+                      ).max_requests_per_symbol == 4
+    mine = parse_args(["--preset", "tiny", "--max-requests-per-symbol", "2", "--inline-steps", "on", *ON_A_GPU])
+    assert mine.team_class is ExampleModel and mine.max_requests_per_symbol == 2 and mine.inline_steps == "on"
+
+
 def last_line(stderr) -> str:
     """The line that says how the run ended: the last, after status lines only, and no traceback."""
     lines = stderr.strip().splitlines()

@@ -84,8 +84,10 @@ def add_engine_arguments(parser):
     group.add_argument("--split", choices=("towers", "symbols"),
                        help="with --gpus > 1: each GPU runs some towers for every symbol (towers, for latency), "
                             "or every tower for some symbols in a process per GPU (symbols, for throughput)")
+    # default None, the measured DEFAULT_REQUESTS_PER_SYMBOL: a command tells a value given from it (the team client
+    # refuses one above 1 that its team class cannot use), then sets it
     group.add_argument("--max-requests-per-symbol", type=lambda t: _count(t, "--max-requests-per-symbol", 1),
-                       default=DEFAULT_REQUESTS_PER_SYMBOL, metavar="K",
+                       metavar="K",
                        help="queued requests of one symbol a step may carry, advanced in order in one step "
                             f"(default {DEFAULT_REQUESTS_PER_SYMBOL}; 1: one request per symbol per step)")
     add_cluster_arguments(parser, "shard the symbols over Ray actors, one per GPU of the cluster (CPU actors, one "

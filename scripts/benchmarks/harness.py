@@ -1,6 +1,7 @@
 """What the benchmark's sections share: how much each measures (Counts), the timer, the step-time measurement,
 and the Bench that builds the reference model, the accuracy suite and the engine once, when first needed."""
 import gc
+import math
 import platform
 import time
 from dataclasses import dataclass
@@ -17,6 +18,30 @@ SHORT_BATCHES = (1, 20, 64)  # step times of the engine variants (precisions, st
 E2E_RATE, E2E_SYMBOLS = 400.0, 20
 MAXRATE_SYMBOLS = 64
 P99_LIMIT_MS = 50.0
+# The served sections' options given as lists, each taken in turn from run to run (run i: value i mod its length),
+# in this order: option -> the runtime's setting it gives (Bench.forming_ms)
+IN_TURN = {"late_after_ms": "late_after_ms", "form_margin_ms": "form_margin_ms",
+           "punctual_late_after_ms": "punctual_late_after_ms", "join": "join_queued", "inline_steps": "inline_steps"}
+# The e2e section's options that, given as "alternate", take every second run (scripts/benchmarks/e2e.py)
+ALTERNATING = ("awake_cpus", "ws_compression", "tls", "journal")
+
+
+def runs_in_turn(args, alternating=False) -> int:
+    """How many runs it takes the options given in turn (IN_TURN) to come round again; alternating: the e2e
+    section's alternating options (ALTERNATING) too."""
+    runs = math.lcm(*(len(getattr(args, option) or [0]) for option in IN_TURN))
+    if alternating and any(getattr(args, option) == "alternate" for option in ALTERNATING):
+        runs = math.lcm(runs, 2)
+    return runs
+
+
+def taken_in_turn(args, alternating=False) -> list[str]:
+    """The options of runs_in_turn that take several runs, as given on the command line."""
+    given = [f"--{option.replace('_', '-')}" for option in IN_TURN if len(getattr(args, option) or []) > 1]
+    if alternating:
+        given += [f"--{option.replace('_', '-')} alternate" for option in ALTERNATING
+                  if getattr(args, option) == "alternate"]
+    return given
 
 
 @dataclass
@@ -233,9 +258,7 @@ class Bench:
         form_margin_ms, punctual_late_after_ms}, each of --late-after-ms, --form-margin-ms and
         --punctual-late-after-ms in turn), join_queued (--join in turn) and inline_steps (--inline-steps in turn);
         those not given are left out: the runtime's defaults."""
-        given = {"late_after_ms": self.args.late_after_ms, "form_margin_ms": self.args.form_margin_ms,
-                 "punctual_late_after_ms": self.args.punctual_late_after_ms, "join_queued": self.args.join,
-                 "inline_steps": self.args.inline_steps}
+        given = {key: getattr(self.args, option) for option, key in IN_TURN.items()}
         return {key: values[run % len(values)] for key, values in given.items() if values}
 
     def forming(self, run=0) -> dict:

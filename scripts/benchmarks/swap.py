@@ -18,7 +18,7 @@ import torch
 from client import event_loop
 from client.model.config import NUM_FEATURES, TOWER_NAMES
 from client.streams import Stream
-from scripts.benchmarks.harness import median_p99
+from scripts.benchmarks.harness import median_p99, runs_in_turn
 from scripts.benchmarks.report import fmt
 from scripts.benchmarks.serving import prefixed_names, serve_stream, served_step_ms, served_step_spans
 from scripts.e2e_timeline import analyze, format_report
@@ -244,17 +244,11 @@ def run(bench):
     try:
         for i in range(bench.args.swap_runs):
             runs.append(measure_swap(bench, run=i))
-            headline = max(runs[::_rules(bench.args)], key=_hot_tail)
+            headline = max(runs[::runs_in_turn(bench.args)], key=_hot_tail)
             bench.report.update(swap=headline, swap_runs=runs)
             bench.progress(f"swap run {i + 1}/{bench.args.swap_runs}: {runs[-1]}")
     finally:
         bench.close_tiered_engine()
-
-
-def _rules(args) -> int:
-    """How many runs it takes the forming settings given to come round again."""
-    return math.lcm(len(args.late_after_ms or [0]), len(args.form_margin_ms or [0]),
-                    len(args.punctual_late_after_ms or [0]), len(args.join or [0]), len(args.inline_steps or [0]))
 
 
 def _hot_tail(result):
