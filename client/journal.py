@@ -644,6 +644,7 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
     replayed, began, said = Replayed(), time.monotonic(), time.monotonic()
     # the records each symbol's loaded state covers; the symbols whose states the team client holds now
     covers, held = _load_states(team_client, journal, replayed, keep_refused, progress)
+    gone = replayed.count  # the ids of deleted segments: none of the journal's records, none replayed now
     steps, kept = deque(), 0  # (requests by id, [(unique_id, prediction)]) of the last steps: ~keep answers
     refusals, number = 0, journal.first
     lost, why = {}, None  # {symbol: requests the team client refused on replay}, the first refusal's reason
@@ -678,8 +679,9 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
             if progress is not None and time.monotonic() - said >= 1.0:
                 said = time.monotonic()
                 refused = f", {refusals:,} of them refused: not stepped" if refusals else ""
-                print(f"journal: replayed {replayed.count:,} of {journal.count - journal.forgotten:,} "
-                      f"requests{refused} ({replayed.count / (said - began):,.0f}/s)", file=progress)
+                done = replayed.count - gone
+                print(f"journal: replayed {done:,} of {journal.count - journal.forgotten:,} "
+                      f"requests{refused} ({done / (said - began):,.0f}/s)", file=progress)
 
     for chunk in journal.records():
         scheduler, covered = Scheduler(), {}

@@ -134,6 +134,30 @@ def test_a_journal_bounded_by_checkpoints_replays_only_its_tail_onto_the_states_
     assert list(replayed.refused) == sorted(refused) and not any(uid in replayed.recent for uid in refused)
 
 
+def test_the_replays_progress_counts_the_records_it_replays_not_the_ids_of_deleted_segments(tmp_path, monkeypatch):
+    """400 requests, of which the segments holding the first 400 went (their ids kept in gone.npz), then 20 in the
+    segment written: each progress line says how many of those 20 are replayed. It counted the 400 ids of the deleted
+    segments too: 'replayed 404 of 20 requests', at a rate they inflated."""
+    import io
+    import types
+
+    import client.journal as journal_module
+
+    path, requests = tmp_path / "j", stream(420)
+    team = play(path, requests[:400])
+    play(path, requests[400:], segment_records=10**6, team=team)
+    journal = Journal(path, IDENTITY, layout=Toy().state_layout(), keep=3)
+    assert journal.first == 400 and journal.count == 20
+    clock = iter(range(0, 10**6, 2))  # each look at the clock 2 s after the one before: a line a step
+    monkeypatch.setattr(journal_module, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    progress = io.StringIO()
+    replayed = replay(Toy(), journal, keep=3, max_batch=1, max_per_symbol=1, progress=progress)
+    assert len(replayed) == 420 and replayed.stepped == 20
+    lines = [line for line in progress.getvalue().splitlines() if line.startswith("journal: replayed")]
+    assert lines and lines[-1].startswith("journal: replayed 20 of 20 requests")
+    assert all(int(line.split()[2]) <= 20 for line in lines)
+
+
 class Unbounded(Toy):
     def state_layout(self):  # no checkpoints: one segment, replayed whole
         return None
