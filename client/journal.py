@@ -135,9 +135,9 @@ class Journal:
         except CheckpointError as exc:
             raise JournalError(f"--journal {self.path}: {exc}") from None
 
-    def _parts(self) -> list[tuple[int, Path]]:
-        """(number, path) of the files PATH.part<number>, in number order."""
-        path = Path(self.path)
+    def _parts(self, path=None) -> list[tuple[int, Path]]:
+        """(number, path) of the files PATH.part<number> (or `path`.part<number>), in number order."""
+        path = Path(path or self.path)
         prefix = path.name + ".part"
         return sorted((int(name[len(prefix):]), path.parent / name) for name in os.listdir(path.parent)
                       if name.startswith(prefix) and _NUMBER.fullmatch(name[len(prefix):]))
@@ -517,6 +517,8 @@ class Journal:
         self._file, self.failed = None, True
         aside = self.path + ".incomplete"
         try:
+            for _, part in self._parts(aside):  # a journal set aside before: read with this one's, it mixed them
+                os.remove(part)
             for segment in self._segments:  # by their paths: the last one closed where the next could not be opened
                 if segment.path != self.path:
                     os.replace(segment.path, f"{aside}.part{segment.first}")

@@ -700,6 +700,31 @@ def test_a_segment_that_cannot_be_opened_sets_every_segment_aside(tmp_path, monk
     assert not Journal(path, IDENTITY, layout=Toy().state_layout()).replayable
 
 
+def test_a_journal_set_aside_replaces_the_segments_of_one_set_aside_before(tmp_path):
+    """Two journals of the team's session (the server kept its key) each set aside after a failed write: the second
+    one's segments replace the first one's, as its file and states do. The first one's segments numbered otherwise
+    were left beside them, read with them as one journal (its segments out of order, or records of both)."""
+    class Full:
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+
+    path = tmp_path / "j"
+    for n in (40, 12):  # segments 0, 5, ..., 35 and the one from 40 set aside; then 0, 5 and the one from 10
+        team = play(path, stream(n), keep=10**6)
+        journal = Journal(path, IDENTITY, layout=team.state_layout(), keep=10**6)
+        journal.begin("k")
+        journal._file = Full()
+        journal.append(stream(1))
+        assert journal.failed and not path.exists()
+        journal.close()
+    assert parts(tmp_path / "j.incomplete") == ["j.incomplete.part0", "j.incomplete.part5"]
+    aside = Journal(tmp_path / "j.incomplete", IDENTITY, layout=team.state_layout(), keep=10**6)
+    assert aside.first == 0 and aside.total == 12
+
+
 def test_ids_that_cannot_be_kept_keep_their_segment_and_stop_checkpoints(tmp_path, monkeypatch, caplog):
     """gone.npz that cannot be written (a full disk): the segment stays, said once, and nothing more is let go. The
     error escaped drop_covered into the runtime's checkpoint thread, unsaid, and every step read the segment again."""
