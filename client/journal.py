@@ -79,6 +79,7 @@ MAGIC = b"team-client journal 3\n"
 MAGIC_V2 = b"team-client journal 2\n"  # no records of symbols forgotten
 MAGIC_V1 = b"team-client journal 1\n"  # records without their answers
 _VERSIONS = {MAGIC: 3, MAGIC_V2: 2, MAGIC_V1: 1}
+_OTHER_VERSION = re.compile(rb"team-client journal ([0-9]+)")  # any version's MAGIC, its newline aside
 _HEAD = struct.Struct("<qH")
 _LENGTH = struct.Struct("<H")
 _REFUSED = 0xFFFF  # the symbol's length of a refused request's record: its unique_id alone follows no symbol
@@ -562,6 +563,12 @@ def _read_header(f, path) -> tuple[dict | None, int, int]:
     if not head:
         return None, 3, 0
     line = f.readline(1 << 20)
+    magic, ended, _ = (head + line).partition(b"\n")
+    other = _OTHER_VERSION.fullmatch(magic) if ended and head not in _VERSIONS else None  # (not one cut short)
+    if other:  # an older client restarted on a newer one's journal
+        raise JournalError(f"--journal {path}: a journal of version {other[1].decode()}, which this team client "
+                           f"cannot read (it reads versions 1 to {_VERSIONS[MAGIC]}): restart the team client that "
+                           "wrote it, or give a new path")
     if head not in _VERSIONS or not line.endswith(b"\n"):
         raise JournalError(f"--journal {path}: not a team-client journal (give a new path, or remove the file)")
     try:

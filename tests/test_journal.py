@@ -141,6 +141,20 @@ def test_a_file_that_is_no_journal_is_one_line_before_anything_loads(tmp_path, c
     check_file(tmp_path / "missing")  # a new journal
 
 
+def test_a_journal_of_a_newer_version_is_said_so_not_called_no_journal(tmp_path):
+    """A journal written by a newer team client (its segments of a version this one cannot read: an older checkout
+    restarted after a crash) is said to be one, and which: it read as no team-client journal at all, to be removed,
+    though the client that wrote it could replay it."""
+    path = tmp_path / "j"
+    path.write_bytes(MAGIC.replace(b"3", b"4") + b'{"session_key": "k"}\n')
+    with pytest.raises(JournalError, match="version 4") as raised:
+        check_file(path)
+    assert "not a team-client journal" not in str(raised.value) and "remove" not in str(raised.value)
+    path.write_bytes(MAGIC[:-1])  # this version's, cut short by a crash: no journal of another version
+    with pytest.raises(JournalError, match="not a team-client journal"):
+        check_file(path)
+
+
 def test_replay_steps_each_symbols_requests_in_order_as_one_at_a_time_a_chunk_at_a_time(tmp_path, monkeypatch):
     """The journal read and replayed a few records at a time (a journal of hours is GBs): every symbol's requests in
     order across the chunks, the last `keep` answers kept with their requests, the ids before them as ranges."""
