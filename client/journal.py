@@ -255,8 +255,9 @@ class Journal:
                         raise JournalError(f"--journal {self.path}: its states are in another layout than this "
                                            "engine's: restart with the options they were written with")
                     self.checkpoints.name_layout(self.layout)  # none written yet: this engine's from here on
-            except OSError as exc:
-                raise JournalError(f"--journal {self.path}: cannot write it ({exc.strerror})") from None
+            except OSError as exc:  # (a full disk): as any failed write, not an error that ends the client's run
+                self._set_aside(f"it could not be begun ({exc.strerror or exc})")
+                return
             self.session_key = session_key
 
     def end_session(self) -> None:

@@ -393,3 +393,27 @@ def test_a_failed_write_stops_journaling_and_sets_the_file_aside_the_session_pla
     assert Journal(path, IDENTITY).count == 0  # a restart begins a new journal
     aside = Journal(tmp_path / "j.incomplete", IDENTITY)  # what was written before, for whoever looks
     assert [uid for uid, *_ in records(aside)][:3] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["afresh", "going-on"])
+def test_a_journal_that_cannot_be_begun_stops_journaling_and_the_session_plays_on(tmp_path, monkeypatch, caplog, held):
+    """A full disk as a session begins (its first welcome, a new stream's between streams, or a restart going on in
+    the journal read): journaling stops and the journal is set aside, as after any failed write. The error escaped
+    the welcome's handling and ended the client's run (exit 2), between two streams too."""
+    path = tmp_path / "j"
+    if held:
+        journaled(path, rows(3))
+    real_open = os.open
+
+    def full(name, flags, *args):
+        if str(name) == str(path) and flags & (os.O_CREAT | os.O_APPEND):
+            raise OSError(28, "No space left on device")
+        return real_open(name, flags, *args)
+
+    monkeypatch.setattr(journal_module.os, "open", full)
+    journal = Journal(path, IDENTITY)
+    journal.begin("k")  # no exception
+    journal.append(rows(6)[3:])
+    journal.close()
+    assert journal.failed and "No space left on device" in caplog.text and "set aside as" in caplog.text
+    assert not path.exists() and (tmp_path / "j.incomplete").exists() == held
