@@ -79,6 +79,7 @@ MAGIC = b"team-client journal 3\n"
 MAGIC_V2 = b"team-client journal 2\n"  # no records of symbols forgotten
 MAGIC_V1 = b"team-client journal 1\n"  # records without their answers
 _VERSIONS = {MAGIC: 3, MAGIC_V2: 2, MAGIC_V1: 1}
+_OTHER_VERSION = re.compile(rb"team-client journal ([0-9]+)")  # any version's MAGIC, its newline aside
 _HEAD = struct.Struct("<qH")
 _LENGTH = struct.Struct("<H")
 _REFUSED = 0xFFFF  # the symbol's length of a refused request's record: its unique_id alone follows no symbol
@@ -135,9 +136,9 @@ class Journal:
         except CheckpointError as exc:
             raise JournalError(f"--journal {self.path}: {exc}") from None
 
-    def _parts(self) -> list[tuple[int, Path]]:
-        """(number, path) of the files PATH.part<number>, in number order."""
-        path = Path(self.path)
+    def _parts(self, path=None) -> list[tuple[int, Path]]:
+        """(number, path) of the files PATH.part<number> (or `path`.part<number>), in number order."""
+        path = Path(path or self.path)
         prefix = path.name + ".part"
         return sorted((int(name[len(prefix):]), path.parent / name) for name in os.listdir(path.parent)
                       if name.startswith(prefix) and _NUMBER.fullmatch(name[len(prefix):]))
@@ -254,8 +255,9 @@ class Journal:
                         raise JournalError(f"--journal {self.path}: its states are in another layout than this "
                                            "engine's: restart with the options they were written with")
                     self.checkpoints.name_layout(self.layout)  # none written yet: this engine's from here on
-            except OSError as exc:
-                raise JournalError(f"--journal {self.path}: cannot write it ({exc.strerror})") from None
+            except OSError as exc:  # (a full disk): as any failed write, not an error that ends the client's run
+                self._set_aside(f"it could not be begun ({exc.strerror or exc})")
+                return
             self.session_key = session_key
 
     def end_session(self) -> None:
@@ -517,6 +519,8 @@ class Journal:
         self._file, self.failed = None, True
         aside = self.path + ".incomplete"
         try:
+            for _, part in self._parts(aside):  # a journal set aside before: read with this one's, it mixed them
+                os.remove(part)
             for segment in self._segments:  # by their paths: the last one closed where the next could not be opened
                 if segment.path != self.path:
                     os.replace(segment.path, f"{aside}.part{segment.first}")
@@ -560,6 +564,12 @@ def _read_header(f, path) -> tuple[dict | None, int, int]:
     if not head:
         return None, 3, 0
     line = f.readline(1 << 20)
+    magic, ended, _ = (head + line).partition(b"\n")
+    other = _OTHER_VERSION.fullmatch(magic) if ended and head not in _VERSIONS else None  # (not one cut short)
+    if other:  # an older client restarted on a newer one's journal
+        raise JournalError(f"--journal {path}: a journal of version {other[1].decode()}, which this team client "
+                           f"cannot read (it reads versions 1 to {_VERSIONS[MAGIC]}): restart the team client that "
+                           "wrote it, or give a new path")
     if head not in _VERSIONS or not line.endswith(b"\n"):
         raise JournalError(f"--journal {path}: not a team-client journal (give a new path, or remove the file)")
     try:
@@ -644,6 +654,7 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
     replayed, began, said = Replayed(), time.monotonic(), time.monotonic()
     # the records each symbol's loaded state covers; the symbols whose states the team client holds now
     covers, held = _load_states(team_client, journal, replayed, keep_refused, progress)
+    gone = replayed.count  # the ids of deleted segments: none of the journal's records, none replayed now
     steps, kept = deque(), 0  # (requests by id, [(unique_id, prediction)]) of the last steps: ~keep answers
     refusals, number = 0, journal.first
     lost, why = {}, None  # {symbol: requests the team client refused on replay}, the first refusal's reason
@@ -678,8 +689,9 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
             if progress is not None and time.monotonic() - said >= 1.0:
                 said = time.monotonic()
                 refused = f", {refusals:,} of them refused: not stepped" if refusals else ""
-                print(f"journal: replayed {replayed.count:,} of {journal.count - journal.forgotten:,} "
-                      f"requests{refused} ({replayed.count / (said - began):,.0f}/s)", file=progress)
+                done = replayed.count - gone
+                print(f"journal: replayed {done:,} of {journal.count - journal.forgotten:,} "
+                      f"requests{refused} ({done / (said - began):,.0f}/s)", file=progress)
 
     for chunk in journal.records():
         scheduler, covered = Scheduler(), {}

@@ -141,6 +141,20 @@ def test_a_file_that_is_no_journal_is_one_line_before_anything_loads(tmp_path, c
     check_file(tmp_path / "missing")  # a new journal
 
 
+def test_a_journal_of_a_newer_version_is_said_so_not_called_no_journal(tmp_path):
+    """A journal written by a newer team client (its segments of a version this one cannot read: an older checkout
+    restarted after a crash) is said to be one, and which: it read as no team-client journal at all, to be removed,
+    though the client that wrote it could replay it."""
+    path = tmp_path / "j"
+    path.write_bytes(MAGIC.replace(b"3", b"4") + b'{"session_key": "k"}\n')
+    with pytest.raises(JournalError, match="version 4") as raised:
+        check_file(path)
+    assert "not a team-client journal" not in str(raised.value) and "remove" not in str(raised.value)
+    path.write_bytes(MAGIC[:-1])  # this version's, cut short by a crash: no journal of another version
+    with pytest.raises(JournalError, match="not a team-client journal"):
+        check_file(path)
+
+
 def test_replay_steps_each_symbols_requests_in_order_as_one_at_a_time_a_chunk_at_a_time(tmp_path, monkeypatch):
     """The journal read and replayed a few records at a time (a journal of hours is GBs): every symbol's requests in
     order across the chunks, the last `keep` answers kept with their requests, the ids before them as ranges."""
@@ -379,3 +393,27 @@ def test_a_failed_write_stops_journaling_and_sets_the_file_aside_the_session_pla
     assert Journal(path, IDENTITY).count == 0  # a restart begins a new journal
     aside = Journal(tmp_path / "j.incomplete", IDENTITY)  # what was written before, for whoever looks
     assert [uid for uid, *_ in records(aside)][:3] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["afresh", "going-on"])
+def test_a_journal_that_cannot_be_begun_stops_journaling_and_the_session_plays_on(tmp_path, monkeypatch, caplog, held):
+    """A full disk as a session begins (its first welcome, a new stream's between streams, or a restart going on in
+    the journal read): journaling stops and the journal is set aside, as after any failed write. The error escaped
+    the welcome's handling and ended the client's run (exit 2), between two streams too."""
+    path = tmp_path / "j"
+    if held:
+        journaled(path, rows(3))
+    real_open = os.open
+
+    def full(name, flags, *args):
+        if str(name) == str(path) and flags & (os.O_CREAT | os.O_APPEND):
+            raise OSError(28, "No space left on device")
+        return real_open(name, flags, *args)
+
+    monkeypatch.setattr(journal_module.os, "open", full)
+    journal = Journal(path, IDENTITY)
+    journal.begin("k")  # no exception
+    journal.append(rows(6)[3:])
+    journal.close()
+    assert journal.failed and "No space left on device" in caplog.text and "set aside as" in caplog.text
+    assert not path.exists() and (tmp_path / "j.incomplete").exists() == held

@@ -134,6 +134,30 @@ def test_a_journal_bounded_by_checkpoints_replays_only_its_tail_onto_the_states_
     assert list(replayed.refused) == sorted(refused) and not any(uid in replayed.recent for uid in refused)
 
 
+def test_the_replays_progress_counts_the_records_it_replays_not_the_ids_of_deleted_segments(tmp_path, monkeypatch):
+    """400 requests, of which the segments holding the first 400 went (their ids kept in gone.npz), then 20 in the
+    segment written: each progress line says how many of those 20 are replayed. It counted the 400 ids of the deleted
+    segments too: 'replayed 404 of 20 requests', at a rate they inflated."""
+    import io
+    import types
+
+    import client.journal as journal_module
+
+    path, requests = tmp_path / "j", stream(420)
+    team = play(path, requests[:400])
+    play(path, requests[400:], segment_records=10**6, team=team)
+    journal = Journal(path, IDENTITY, layout=Toy().state_layout(), keep=3)
+    assert journal.first == 400 and journal.count == 20
+    clock = iter(range(0, 10**6, 2))  # each look at the clock 2 s after the one before: a line a step
+    monkeypatch.setattr(journal_module, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    progress = io.StringIO()
+    replayed = replay(Toy(), journal, keep=3, max_batch=1, max_per_symbol=1, progress=progress)
+    assert len(replayed) == 420 and replayed.stepped == 20
+    lines = [line for line in progress.getvalue().splitlines() if line.startswith("journal: replayed")]
+    assert lines and lines[-1].startswith("journal: replayed 20 of 20 requests")
+    assert all(int(line.split()[2]) <= 20 for line in lines)
+
+
 class Unbounded(Toy):
     def state_layout(self):  # no checkpoints: one segment, replayed whole
         return None
@@ -674,6 +698,31 @@ def test_a_segment_that_cannot_be_opened_sets_every_segment_aside(tmp_path, monk
     play(path, stream(12))
     assert "set aside as" in caplog.text and parts(path) == [] and not path.exists()
     assert not Journal(path, IDENTITY, layout=Toy().state_layout()).replayable
+
+
+def test_a_journal_set_aside_replaces_the_segments_of_one_set_aside_before(tmp_path):
+    """Two journals of the team's session (the server kept its key) each set aside after a failed write: the second
+    one's segments replace the first one's, as its file and states do. The first one's segments numbered otherwise
+    were left beside them, read with them as one journal (its segments out of order, or records of both)."""
+    class Full:
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+
+    path = tmp_path / "j"
+    for n in (40, 12):  # segments 0, 5, ..., 35 and the one from 40 set aside; then 0, 5 and the one from 10
+        team = play(path, stream(n), keep=10**6)
+        journal = Journal(path, IDENTITY, layout=team.state_layout(), keep=10**6)
+        journal.begin("k")
+        journal._file = Full()
+        journal.append(stream(1))
+        assert journal.failed and not path.exists()
+        journal.close()
+    assert parts(tmp_path / "j.incomplete") == ["j.incomplete.part0", "j.incomplete.part5"]
+    aside = Journal(tmp_path / "j.incomplete", IDENTITY, layout=team.state_layout(), keep=10**6)
+    assert aside.first == 0 and aside.total == 12
 
 
 def test_ids_that_cannot_be_kept_keep_their_segment_and_stop_checkpoints(tmp_path, monkeypatch, caplog):
