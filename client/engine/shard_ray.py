@@ -311,24 +311,42 @@ def shard_count(device: str, count: int | None, gpus: int, nodes: int, address: 
     return count or nodes
 
 
+def _free_per_node(ray) -> dict | None:
+    """Each node's free resources by node id; None where Ray cannot say them here (a Ray Client's driver)."""
+    try:
+        return ray._private.state.available_resources_per_node()
+    except Exception:
+        return None
+
+
 def _wait_free(ray, placements, address):
     """Refuse in one line, within FREE_WAIT_S, shards the cluster has not the free CPUs or GPUs for (another
     client's shards hold them): their actors waited, unsaid, for the start timeout (ten minutes by default)."""
     need = {name: sum(placement.get(key, 0) for placement in placements)
             for name, key in (("CPU", "num_cpus"), ("GPU", "num_gpus"))}
+    on_node = {}  # a CPU shard is pinned to its node: the CPUs free on the others are not its
+    for placement in placements:
+        if "scheduling_strategy" in placement:
+            node = placement["scheduling_strategy"].node_id
+            on_node[node] = on_node.get(node, 0) + placement["num_cpus"]
     deadline = time.monotonic() + FREE_WAIT_S  # what a client that has just stopped held is freed in a moment
     while True:
         free = ray.available_resources()
         short = [name for name, count in need.items() if count and free.get(name, 0) < count - 1e-6]
-        if not short:
+        by_node = (_free_per_node(ray) if on_node and not short else None) or {}  # the cluster's shortage says it
+        short_nodes = [node for node, cpus in on_node.items()
+                       if node in by_node and by_node[node].get("CPU", 0) < cpus - 1e-6]
+        if not short and not short_nodes:
             return
         if time.monotonic() >= deadline:
             total = ray.cluster_resources()
-            held = ", ".join(f"{free.get(name, 0):g} of {total.get(name, 0):g} {name}(s) free, {need[name]:g} "
-                             f"needed" for name in short)
-            raise ShardStartError(f"the Ray cluster at {address} cannot hold {len(placements)} shard(s) now: {held} "
-                                  f"(another client's shards hold theirs until it exits; `ray status` shows what is "
-                                  f"used)")
+            held = [f"{free.get(name, 0):g} of {total.get(name, 0):g} {name}(s) free, {need[name]:g} needed"
+                    for name in short]
+            held += [f"node {node[:8]} has {by_node[node].get('CPU', 0):g} CPU(s) free, {on_node[node]:g} needed"
+                     for node in short_nodes]
+            raise ShardStartError(f"the Ray cluster at {address} cannot hold {len(placements)} shard(s) now: "
+                                  f"{', '.join(held)} (another client's shards hold theirs until it exits; "
+                                  f"`ray status` shows what is used)")
         time.sleep(0.25)
 
 
@@ -352,7 +370,12 @@ def _start(connection, spec, address, count, device, engine, options, progress, 
         placements = [{"num_gpus": 1, "num_cpus": 1}] * count
         actor_device = "cuda"  # Ray gives each actor its GPU as CUDA_VISIBLE_DEVICES
     else:
-        # Each CPU shard takes its share of its node's CPUs (its torch threads), a fraction where shards outnumber them.
+        # Each CPU shard takes its share of its node's CPUs (its torch threads), a fraction where shards outnumber them,
+        # on the nodes whose CPUs no other client holds first.
+        free = _free_per_node(ray) or {}
+        held = {node["NodeID"]: node["Resources"]["CPU"] - free.get(node["NodeID"], node["Resources"]).get("CPU", 0)
+                for node in nodes}
+        nodes.sort(key=lambda node: held[node["NodeID"]])
         on_node = [nodes[i % len(nodes)] for i in range(count)]
         placements = []
         for node in on_node:
