@@ -390,6 +390,10 @@ def test_shard_counts_and_what_a_cluster_cannot_hold():
         shard_count("cuda", 3, 2, 2, "head:6379")
     with pytest.raises(ValueError, match="--device cuda: the Ray cluster at head:6379 has no GPU; use --device cpu"):
         shard_count("cuda", None, 0, 2, "head:6379")
+    # each actor steps on the GPU Ray gives it: a GPU's index was dropped unsaid
+    with pytest.raises(ValueError, match=re.escape("--device cuda:1: Ray shards run on cuda (each on the GPU Ray "
+                                                   "gives it) or cpu")):
+        shard_count("cuda:1", None, 4, 2, "head:6379")
 
 
 def _free_port():

@@ -298,14 +298,14 @@ def ray_shards(spec: ModelSpec, address: str = LOCAL, count: int | None = None, 
 def shard_count(device: str, count: int | None, gpus: int, nodes: int, address: str) -> int:
     """The shards to start: `count`, or by default one per GPU (device cuda) or one per node (device cpu); a
     one-line error where the cluster cannot hold them."""
-    if device.startswith("cuda"):
+    if device not in ("cuda", "cpu"):  # cuda:N too: each actor steps on the GPU Ray gives it
+        raise ValueError(f"--device {device}: Ray shards run on cuda (each on the GPU Ray gives it) or cpu")
+    if device == "cuda":
         if gpus == 0:
             raise ValueError(f"--device {device}: the Ray cluster at {address} has no GPU; use --device cpu")
         if (count or gpus) > gpus:
             raise ValueError(f"--shards {count}: the Ray cluster at {address} has {gpus} GPU(s), one shard each")
         return count or gpus
-    if device != "cpu":
-        raise ValueError(f"--device {device}: Ray shards run on cuda or cpu")
     if nodes == 0:
         raise ValueError(f"the Ray cluster at {address} has no node with a free CPU")
     return count or nodes
