@@ -434,6 +434,21 @@ def test_no_cluster_at_the_address_is_one_line(scheme, start):
                            f"Connection refused; start its head with `ray start --head {start} {port}`")
 
 
+def test_auto_where_no_cluster_listens_is_one_line():
+    """--ray-address auto joins RAY_ADDRESS's cluster (or the last head started here): one that is gone was waited
+    for minutes, ray.init logging every few seconds, where the same address given is refused at once."""
+    port = _free_port()
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "team/example_model.py", "--cluster", "ray", "--ray-address", "auto"],
+                          cwd=REPO, capture_output=True, text=True, timeout=90,
+                          env={**checkout_env(REPO), "RAY_ADDRESS": f"127.0.0.1:{port}"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("team/example_model.py: error: no Ray cluster at --ray-address auto (") and \
+        f":{port}): Connection refused; start its head with `ray start --head --port {port}`" in last
+    assert time.monotonic() - started < 60
+
+
 def test_an_address_of_another_scheme_is_one_line():
     """http://HOST:PORT (the dashboard's form) reached ray.init, whose error blamed a RAY_ADDRESS never set."""
     done = _run(["team/example_model.py", "--cluster", "ray", "--ray-address", "http://127.0.0.1:8265"], timeout=120)

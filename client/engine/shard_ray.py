@@ -195,10 +195,14 @@ def connect(address: str):
         # Ray's own "local": without an address ray.init joins RAY_ADDRESS's cluster, or the last one started here
         ray.init(address=LOCAL, include_dashboard=False, **quiet)
         return _Connection(ray, owned=True)
-    if address != "auto":
-        _probe(address)
-        if "://" not in address:  # a head's GCS, not Ray Client's server
-            _check_token(ray, address)
+    # auto: the cluster Ray would join (RAY_ADDRESS's, the last head started here), checked as one given is: one gone
+    # since was waited for minutes
+    target = _auto_address(ray) if address == "auto" else address
+    if target is not None:
+        said = address if target == address else f"auto ({target})"
+        _probe(target, said)
+        if "://" not in target:  # a head's GCS, not Ray Client's server
+            _check_token(ray, target, said)
     try:
         ray.init(address=address, **quiet)
     except ConnectionError as exc:
@@ -206,12 +210,24 @@ def connect(address: str):
     return _Connection(ray, owned=True)
 
 
-def _probe(address: str):
-    """Fail in one line, and fast, where nothing listens at the address (ray.init would retry for minutes)."""
+def _auto_address(ray) -> str | None:
+    """HOST:PORT of the cluster `--ray-address auto` joins; None where Ray reads another form there (ray://), for
+    ray.init to say."""
+    try:
+        return ray._private.services.canonicalize_bootstrap_address("auto")
+    except ConnectionError as exc:  # none found
+        raise ConnectionError(f"no Ray cluster at --ray-address auto: {exc}") from None
+    except ValueError:
+        return None
+
+
+def _probe(address: str, said: str):
+    """Fail in one line, and fast, where nothing listens at the address (ray.init would retry for minutes); `said`:
+    the address as given."""
     scheme, _, host_port = address.rpartition("://")
     host, _, port = host_port.rpartition(":")
     if scheme not in ("", "ray") or not host or not port.isdigit():  # http://: Ray's error blamed RAY_ADDRESS
-        raise ValueError(f"--ray-address {address}: expected HOST:PORT (the head's GCS port, 6379 by default), "
+        raise ValueError(f"--ray-address {said}: expected HOST:PORT (the head's GCS port, 6379 by default), "
                          f"ray://HOST:PORT, auto or local")
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S)
@@ -219,17 +235,17 @@ def _probe(address: str):
         why = exc.strerror or type(exc).__name__
         # Ray Client's server is the head's too, on a port of its own (--port would move the GCS there)
         start = f"--ray-client-server-port {port}" if scheme else f"--port {port}"
-        raise ConnectionError(f"no Ray cluster at --ray-address {address}: {why}; start its head with "
+        raise ConnectionError(f"no Ray cluster at --ray-address {said}: {why}; start its head with "
                               f"`ray start --head {start}`, or use --ray-address local") from None
     with sock:
         grpc = _speaks_grpc(sock)
     if not grpc:  # ray.init would wait for a GCS there for about ten minutes, logging every half minute
-        raise ConnectionError(f"no Ray cluster at --ray-address {address}: something else answers there; give the "
+        raise ConnectionError(f"no Ray cluster at --ray-address {said}: something else answers there; give the "
                               f"head's GCS port (6379 by default; the dashboard's 8265 is another), or "
                               f"ray://HOST:10001 for Ray Client")
 
 
-def _check_token(ray, address: str):
+def _check_token(ray, address: str, said: str):
     """Fail in one line, and fast, where the head refuses this process's token: ray.init retried for 20 s, logging
     each try, then said that no cluster was there."""
     refused = getattr(ray.exceptions, "AuthenticationError", None)
@@ -252,7 +268,7 @@ def _check_token(ray, address: str):
                    "cluster's: copy the head's ~/.ray/auth_token here")
         else:
             why = "RAY_AUTH_MODE=token, but no token is here: copy the head's ~/.ray/auth_token here"
-        raise ConnectionError(f"the Ray cluster at --ray-address {address} refused this client: {why}") from None
+        raise ConnectionError(f"the Ray cluster at --ray-address {said} refused this client: {why}") from None
     except Exception:  # anything else is ray.init's to say
         return
 
