@@ -261,6 +261,55 @@ def test_shards_a_busy_cluster_cannot_hold_are_refused_in_one_line(cluster, monk
         first.close()
 
 
+def test_a_cpu_shard_goes_to_a_node_with_its_cpus_free(cluster):
+    """Another client's shard holds one node's CPU: a client asking for one shard was pinned to the first node
+    whatever was free there, and its actor waited, unsaid, for the start timeout (ten minutes by default) beside
+    a free node."""
+    first = ShardedEngine(ray_shards(SPEC, cluster.address, 1, device="cpu", engine="reference", progress=False),
+                          progress=False)
+    try:
+        deadline = time.monotonic() + 10
+        while ray.available_resources().get("CPU", 0) > 1:  # the cluster's view has the first shard's CPU held
+            assert time.monotonic() < deadline, ray.available_resources()
+            time.sleep(0.1)
+        started = time.monotonic()
+        second = ray_shards(SPEC, cluster.address, 1, device="cpu", engine="reference", progress=False,
+                            start_timeout_s=30)
+        for shard in second:
+            shard.stop()
+        assert time.monotonic() - started < 20
+        assert second[0].info["node_id"] != first.shards[0].info["node_id"]
+    finally:
+        first.close()
+
+
+def test_shards_a_node_cannot_hold_are_refused_in_one_line(monkeypatch):
+    """A CPU shard is pinned to its node: one whose CPUs another client holds was let through where the cluster
+    had as many free elsewhere, and its actor waited, unsaid, for the start timeout."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from client.engine import shard_ray
+
+    class FakeRay:
+        _private = type("private", (), {"state": type("state", (), {"available_resources_per_node": staticmethod(
+            lambda: {"a" * 56: {"CPU": 1.0}, "b" * 56: {"CPU": 2.0}})})})
+
+        @staticmethod
+        def available_resources():
+            return {"CPU": 3.0}
+
+        @staticmethod
+        def cluster_resources():
+            return {"CPU": 4.0}
+
+    monkeypatch.setattr(shard_ray, "FREE_WAIT_S", 0.5)
+    placements = [{"num_cpus": 2, "scheduling_strategy": NodeAffinitySchedulingStrategy("a" * 56, soft=False)}]
+    with pytest.raises(ShardStartError, match=re.escape(
+            "the Ray cluster at head:6379 cannot hold 1 shard(s) now: node aaaaaaaa has 1 CPU(s) free, 2 needed "
+            "(another client's shards hold theirs until it exits")):
+        shard_ray._wait_free(FakeRay(), placements, "head:6379")
+
+
 def test_a_relative_checkpoint_path_is_the_clients_folders(cluster, tmp_path, monkeypatch):
     """--weights PATH relative to the folder the client runs in: the shards load that path (the same on each
     host), not PATH in their workers' folder (where their node's Ray was started)."""
@@ -341,6 +390,10 @@ def test_shard_counts_and_what_a_cluster_cannot_hold():
         shard_count("cuda", 3, 2, 2, "head:6379")
     with pytest.raises(ValueError, match="--device cuda: the Ray cluster at head:6379 has no GPU; use --device cpu"):
         shard_count("cuda", None, 0, 2, "head:6379")
+    # each actor steps on the GPU Ray gives it: a GPU's index was dropped unsaid
+    with pytest.raises(ValueError, match=re.escape("--device cuda:1: Ray shards run on cuda (each on the GPU Ray "
+                                                   "gives it) or cpu")):
+        shard_count("cuda:1", None, 4, 2, "head:6379")
 
 
 def _free_port():
@@ -379,6 +432,21 @@ def test_no_cluster_at_the_address_is_one_line(scheme, start):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"team/example_model.py: error: no Ray cluster at --ray-address {address}: "
                            f"Connection refused; start its head with `ray start --head {start} {port}`")
+
+
+def test_auto_where_no_cluster_listens_is_one_line():
+    """--ray-address auto joins RAY_ADDRESS's cluster (or the last head started here): one that is gone was waited
+    for minutes, ray.init logging every few seconds, where the same address given is refused at once."""
+    port = _free_port()
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "team/example_model.py", "--cluster", "ray", "--ray-address", "auto"],
+                          cwd=REPO, capture_output=True, text=True, timeout=90,
+                          env={**checkout_env(REPO), "RAY_ADDRESS": f"127.0.0.1:{port}"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("team/example_model.py: error: no Ray cluster at --ray-address auto (") and \
+        f":{port}): Connection refused; start its head with `ray start --head --port {port}`" in last
+    assert time.monotonic() - started < 60
 
 
 def test_an_address_of_another_scheme_is_one_line():

@@ -195,10 +195,14 @@ def connect(address: str):
         # Ray's own "local": without an address ray.init joins RAY_ADDRESS's cluster, or the last one started here
         ray.init(address=LOCAL, include_dashboard=False, **quiet)
         return _Connection(ray, owned=True)
-    if address != "auto":
-        _probe(address)
-        if "://" not in address:  # a head's GCS, not Ray Client's server
-            _check_token(ray, address)
+    # auto: the cluster Ray would join (RAY_ADDRESS's, the last head started here), checked as one given is: one gone
+    # since was waited for minutes
+    target = _auto_address(ray) if address == "auto" else address
+    if target is not None:
+        said = address if target == address else f"auto ({target})"
+        _probe(target, said)
+        if "://" not in target:  # a head's GCS, not Ray Client's server
+            _check_token(ray, target, said)
     try:
         ray.init(address=address, **quiet)
     except ConnectionError as exc:
@@ -206,12 +210,24 @@ def connect(address: str):
     return _Connection(ray, owned=True)
 
 
-def _probe(address: str):
-    """Fail in one line, and fast, where nothing listens at the address (ray.init would retry for minutes)."""
+def _auto_address(ray) -> str | None:
+    """HOST:PORT of the cluster `--ray-address auto` joins; None where Ray reads another form there (ray://), for
+    ray.init to say."""
+    try:
+        return ray._private.services.canonicalize_bootstrap_address("auto")
+    except ConnectionError as exc:  # none found
+        raise ConnectionError(f"no Ray cluster at --ray-address auto: {exc}") from None
+    except ValueError:
+        return None
+
+
+def _probe(address: str, said: str):
+    """Fail in one line, and fast, where nothing listens at the address (ray.init would retry for minutes); `said`:
+    the address as given."""
     scheme, _, host_port = address.rpartition("://")
     host, _, port = host_port.rpartition(":")
     if scheme not in ("", "ray") or not host or not port.isdigit():  # http://: Ray's error blamed RAY_ADDRESS
-        raise ValueError(f"--ray-address {address}: expected HOST:PORT (the head's GCS port, 6379 by default), "
+        raise ValueError(f"--ray-address {said}: expected HOST:PORT (the head's GCS port, 6379 by default), "
                          f"ray://HOST:PORT, auto or local")
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S)
@@ -219,17 +235,17 @@ def _probe(address: str):
         why = exc.strerror or type(exc).__name__
         # Ray Client's server is the head's too, on a port of its own (--port would move the GCS there)
         start = f"--ray-client-server-port {port}" if scheme else f"--port {port}"
-        raise ConnectionError(f"no Ray cluster at --ray-address {address}: {why}; start its head with "
+        raise ConnectionError(f"no Ray cluster at --ray-address {said}: {why}; start its head with "
                               f"`ray start --head {start}`, or use --ray-address local") from None
     with sock:
         grpc = _speaks_grpc(sock)
     if not grpc:  # ray.init would wait for a GCS there for about ten minutes, logging every half minute
-        raise ConnectionError(f"no Ray cluster at --ray-address {address}: something else answers there; give the "
+        raise ConnectionError(f"no Ray cluster at --ray-address {said}: something else answers there; give the "
                               f"head's GCS port (6379 by default; the dashboard's 8265 is another), or "
                               f"ray://HOST:10001 for Ray Client")
 
 
-def _check_token(ray, address: str):
+def _check_token(ray, address: str, said: str):
     """Fail in one line, and fast, where the head refuses this process's token: ray.init retried for 20 s, logging
     each try, then said that no cluster was there."""
     refused = getattr(ray.exceptions, "AuthenticationError", None)
@@ -252,7 +268,7 @@ def _check_token(ray, address: str):
                    "cluster's: copy the head's ~/.ray/auth_token here")
         else:
             why = "RAY_AUTH_MODE=token, but no token is here: copy the head's ~/.ray/auth_token here"
-        raise ConnectionError(f"the Ray cluster at --ray-address {address} refused this client: {why}") from None
+        raise ConnectionError(f"the Ray cluster at --ray-address {said} refused this client: {why}") from None
     except Exception:  # anything else is ray.init's to say
         return
 
@@ -298,17 +314,25 @@ def ray_shards(spec: ModelSpec, address: str = LOCAL, count: int | None = None, 
 def shard_count(device: str, count: int | None, gpus: int, nodes: int, address: str) -> int:
     """The shards to start: `count`, or by default one per GPU (device cuda) or one per node (device cpu); a
     one-line error where the cluster cannot hold them."""
-    if device.startswith("cuda"):
+    if device not in ("cuda", "cpu"):  # cuda:N too: each actor steps on the GPU Ray gives it
+        raise ValueError(f"--device {device}: Ray shards run on cuda (each on the GPU Ray gives it) or cpu")
+    if device == "cuda":
         if gpus == 0:
             raise ValueError(f"--device {device}: the Ray cluster at {address} has no GPU; use --device cpu")
         if (count or gpus) > gpus:
             raise ValueError(f"--shards {count}: the Ray cluster at {address} has {gpus} GPU(s), one shard each")
         return count or gpus
-    if device != "cpu":
-        raise ValueError(f"--device {device}: Ray shards run on cuda or cpu")
     if nodes == 0:
         raise ValueError(f"the Ray cluster at {address} has no node with a free CPU")
     return count or nodes
+
+
+def _free_per_node(ray) -> dict | None:
+    """Each node's free resources by node id; None where Ray cannot say them here (a Ray Client's driver)."""
+    try:
+        return ray._private.state.available_resources_per_node()
+    except Exception:
+        return None
 
 
 def _wait_free(ray, placements, address):
@@ -316,19 +340,29 @@ def _wait_free(ray, placements, address):
     client's shards hold them): their actors waited, unsaid, for the start timeout (ten minutes by default)."""
     need = {name: sum(placement.get(key, 0) for placement in placements)
             for name, key in (("CPU", "num_cpus"), ("GPU", "num_gpus"))}
+    on_node = {}  # a CPU shard is pinned to its node: the CPUs free on the others are not its
+    for placement in placements:
+        if "scheduling_strategy" in placement:
+            node = placement["scheduling_strategy"].node_id
+            on_node[node] = on_node.get(node, 0) + placement["num_cpus"]
     deadline = time.monotonic() + FREE_WAIT_S  # what a client that has just stopped held is freed in a moment
     while True:
         free = ray.available_resources()
         short = [name for name, count in need.items() if count and free.get(name, 0) < count - 1e-6]
-        if not short:
+        by_node = (_free_per_node(ray) if on_node and not short else None) or {}  # the cluster's shortage says it
+        short_nodes = [node for node, cpus in on_node.items()
+                       if node in by_node and by_node[node].get("CPU", 0) < cpus - 1e-6]
+        if not short and not short_nodes:
             return
         if time.monotonic() >= deadline:
             total = ray.cluster_resources()
-            held = ", ".join(f"{free.get(name, 0):g} of {total.get(name, 0):g} {name}(s) free, {need[name]:g} "
-                             f"needed" for name in short)
-            raise ShardStartError(f"the Ray cluster at {address} cannot hold {len(placements)} shard(s) now: {held} "
-                                  f"(another client's shards hold theirs until it exits; `ray status` shows what is "
-                                  f"used)")
+            held = [f"{free.get(name, 0):g} of {total.get(name, 0):g} {name}(s) free, {need[name]:g} needed"
+                    for name in short]
+            held += [f"node {node[:8]} has {by_node[node].get('CPU', 0):g} CPU(s) free, {on_node[node]:g} needed"
+                     for node in short_nodes]
+            raise ShardStartError(f"the Ray cluster at {address} cannot hold {len(placements)} shard(s) now: "
+                                  f"{', '.join(held)} (another client's shards hold theirs until it exits; "
+                                  f"`ray status` shows what is used)")
         time.sleep(0.25)
 
 
@@ -352,7 +386,12 @@ def _start(connection, spec, address, count, device, engine, options, progress, 
         placements = [{"num_gpus": 1, "num_cpus": 1}] * count
         actor_device = "cuda"  # Ray gives each actor its GPU as CUDA_VISIBLE_DEVICES
     else:
-        # Each CPU shard takes its share of its node's CPUs (its torch threads), a fraction where shards outnumber them.
+        # Each CPU shard takes its share of its node's CPUs (its torch threads), a fraction where shards outnumber them,
+        # on the nodes whose CPUs no other client holds first.
+        free = _free_per_node(ray) or {}
+        held = {node["NodeID"]: node["Resources"]["CPU"] - free.get(node["NodeID"], node["Resources"]).get("CPU", 0)
+                for node in nodes}
+        nodes.sort(key=lambda node: held[node["NodeID"]])
         on_node = [nodes[i % len(nodes)] for i in range(count)]
         placements = []
         for node in on_node:
