@@ -810,6 +810,17 @@ def test_a_row_that_is_not_79_numbers_is_refused_alone_and_the_rest_of_its_line_
     assert summary["requests"] == 6 and summary["errors"] == 3
 
 
+async def registered_with_requests(port, count):
+    """A JSON-lines team registered at the server on port, and the unique_ids of its first count requests."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b'{"message_type": "register"}\n')
+    ids = []
+    while len(ids) < count:
+        msg = json.loads(await reader.readline())
+        ids += msg["unique_ids"] if msg["message_type"] == "inference_request" else []
+    return reader, writer, ids[:count]
+
+
 def test_a_prediction_that_is_not_4_numbers_is_refused_alone_and_the_rest_of_its_line_scored():
     """A response row of null (NaN as most languages' JSON writes it), or not 4 numbers: that request is left
     unanswered, as a NaN row is; refusing the line lost the batch's other answers with it."""
@@ -818,13 +829,8 @@ def test_a_prediction_that_is_not_4_numbers_is_refused_alone_and_the_rest_of_its
     async def main():
         server = ScoringServer(ServerConfig(rate=400.0), stream=stream, targets=targets)
         port = await server.start()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b'{"message_type": "register"}\n')
-        ids, replies = [], []
-        while len(ids) < 4:
-            msg = json.loads(await reader.readline())
-            ids += msg["unique_ids"] if msg["message_type"] == "inference_request" else []
-        ids = ids[:4]
+        reader, writer, ids = await registered_with_requests(port, 4)
+        replies = []
         rows = targets[ids].tolist()
         rows[1][2], rows[3] = None, rows[3][:3]
         writer.write(original.encode_line({"message_type": "inference_response", "unique_ids": ids,
@@ -861,13 +867,8 @@ def test_a_row_that_is_not_4_numbers_of_an_id_another_row_answers_is_said_answer
     async def main():
         server = ScoringServer(ServerConfig(rate=400.0), stream=stream, targets=targets)
         port = await server.start()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b'{"message_type": "register"}\n')
-        ids, replies = [], []
-        while len(ids) < 2:
-            msg = json.loads(await reader.readline())
-            ids += msg["unique_ids"] if msg["message_type"] == "inference_request" else []
-        first, second = ids[:2]
+        reader, writer, (first, second) = await registered_with_requests(port, 2)
+        replies = []
         rows = [targets[first].tolist(), None, targets[second].tolist()[:3]]
         writer.write(original.encode_line({"message_type": "inference_response", "unique_ids": [first, first, second],
                                            "predictions": rows, "client_timestamp": 1.0}))
