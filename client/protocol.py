@@ -329,13 +329,15 @@ def check_score_values(unique_ids, pnls, latencies_ms) -> None:
         return
     bad_pnls = [uid for uid, v in zip(unique_ids, pnls) if not math.isfinite(v)]
     bad_latencies = [uid for uid, v in zip(unique_ids, latencies_ms) if not (math.isfinite(v) and v >= 0)]
-    said = ([f"pnls not finite for unique_ids {_few_ids(bad_pnls)}"] if bad_pnls else []) + (
-        [f"latencies_ms negative or not finite for unique_ids {_few_ids(bad_latencies)}"] if bad_latencies else [])
+    said = ([f"pnls not finite for unique_ids {few_ids(bad_pnls)}"] if bad_pnls else []) + (
+        [f"latencies_ms negative or not finite for unique_ids {few_ids(bad_latencies)}"] if bad_latencies else [])
     raise ProtocolError("score_update: " + "; ".join(said))
 
 
-def _few_ids(ids, limit=10):
-    return ", ".join(map(str, ids[:limit])) + (f" ... ({len(ids)} in all)" if len(ids) > limit else "")
+def few_ids(ids, limit=10) -> str:
+    """The first `limit` of `ids` for an error's text, and how many in all where there are more."""
+    shown = ", ".join(str(int(i)) for i in ids[:limit])  # ints, whatever their size, as the client sent them
+    return shown + (f" ... ({len(ids)} in all)" if len(ids) > limit else "")
 
 
 def score_update(unique_ids, pnls, correct, latencies_ms) -> dict:

@@ -283,10 +283,11 @@ class TeamSession:
         if (~known).any():
             self.errors += 1
             unknown = [i for i, k in zip(unique_ids, known) if not k]
-            problems.append(("unknown_ids", f"ids never sent to team {self.team!r}: {_few(unknown)}"))
+            problems.append(("unknown_ids",
+                             f"ids never sent to team {self.team!r}: {protocol.few_ids(unknown)}"))
         if repeated.any():
             self.duplicates += int(repeated.sum())
-            problems.append(("duplicate_ids", f"ids already answered: {_few(ids[repeated])}"))
+            problems.append(("duplicate_ids", f"ids already answered: {protocol.few_ids(ids[repeated])}"))
         if self._scores_resent and (known & (ids >= self._confirm_from)).any():
             self._forget_scores_resent()  # the client read what was sent before that request
         update = self._score(ids[accept], predictions[accept], received) if accept.any() else None
@@ -456,12 +457,7 @@ def fate_of_refused_rows(refused_ids, answered) -> str:
     ids = list(dict.fromkeys(int(i) for i in refused_ids))
     answered = set(answered)
     left, taken = [i for i in ids if i not in answered], [i for i in ids if i in answered]
-    parts = [f"unique_ids {_few(left)} left unanswered"] if left else []
+    parts = [f"unique_ids {protocol.few_ids(left)} left unanswered"] if left else []
     if taken:
-        parts.append(f"unique_ids {_few(taken)} answered by another row")
+        parts.append(f"unique_ids {protocol.few_ids(taken)} answered by another row")
     return "; ".join(parts)
-
-
-def _few(ids, limit=10):
-    shown = ", ".join(str(int(i)) for i in ids[:limit])  # ints, whatever their size, as the client sent them
-    return shown + (f" ... ({len(ids)} in all)" if len(ids) > limit else "")
