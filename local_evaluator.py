@@ -84,14 +84,22 @@ def default_device() -> str:
 
 def setup(stream, preset: str, engine: str = "reference", weights: str | None = None, seed: int = 0,
           device: str | None = None, team_dir: str | Path = DEFAULT_TEAM_DIR, cache_dir=None, progress=False,
-          engine_options=None):
+          engine_options=None, asked_per_symbol: int | None = None):
     """(team client, reference targets [M, 4], weights fingerprint) for `stream`; progress: say on stderr what is
-    prepared, with a bar while the targets are computed on a terminal (none when they are cached).
+    prepared, with a bar while the targets are computed on a terminal (none when they are cached). asked_per_symbol:
+    the --max-requests-per-symbol given, refused above 1 for a team class that takes one request of a symbol a step
+    (its steps would carry one, unsaid).
 
     The team module is imported first, so a broken candidate fails before any model is built, and
     the targets are computed before the engine exists, since an engine may convert the model.
     """
     team_class = load_team_class(team_dir)
+    from client.original_team import takes_several_requests
+
+    if (asked_per_symbol or 1) > 1 and not takes_several_requests(team_class):
+        raise EvaluationError(f"--max-requests-per-symbol {asked_per_symbol}: {Path(team_dir) / 'example_model.py'}'s "
+                              f"ExampleModel takes one request of a symbol a step (its requests_per_symbol, "
+                              f"client/team_api.py); leave the option out")
     from client.engine import make_engine
     from client.model import load_model
     from client.targets import compute_targets
@@ -472,8 +480,6 @@ def parse_args(argv=None):
         p.error("--profile-steps: for --profile DIR, which records the trace")
     if args.profile_steps is None:
         args.profile_steps = DEFAULT_PROFILE_STEPS
-    if args.max_requests_per_symbol is None:
-        args.max_requests_per_symbol = DEFAULT_REQUESTS_PER_SYMBOL
     if args.profile is not None and Path(args.profile).exists() and not Path(args.profile).is_dir():
         p.error(f"--profile {args.profile} is a file; give a folder for the trace")  # else found after the setup
     if args.profile is not None:
@@ -486,6 +492,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    asked_per_symbol = args.max_requests_per_symbol  # None where not given: the measured default
+    args.max_requests_per_symbol = asked_per_symbol or DEFAULT_REQUESTS_PER_SYMBOL
     if args.cluster is None:  # else --device is the shards', on the cluster
         cli.check_device(args.device)
     from client.engine import check_options
@@ -505,7 +513,8 @@ def main(argv=None) -> int:
     check_targets_source(stream, args.targets)
     client, targets, weights_fingerprint = setup(stream, args.preset, args.engine, args.weights, args.seed,
                                                  args.device, args.team_dir, args.cache_dir, progress=True,
-                                                 engine_options=engine_options(args))
+                                                 engine_options=engine_options(args),
+                                                 asked_per_symbol=asked_per_symbol)
     targets, comparison = choose_targets(stream, targets, args.targets, args.atol)
     if comparison is not None:
         model = f"preset {args.preset}, " + (f"weights {args.weights}" if args.weights else f"seed {args.seed}")

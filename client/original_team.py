@@ -64,6 +64,13 @@ def as_runtime_client(team_client):
     return OriginalStyleClient(team_client) if isinstance(team_client, BaseInferenceClient) else team_client
 
 
+def takes_several_requests(team_class) -> bool:
+    """Whether a step may hand `team_class` several requests of one symbol: a class in the event's style always
+    (the adapter gives it each symbol's list), another where it declares requests_per_symbol MANY."""
+    return (issubclass(team_class, BaseInferenceClient)
+            or getattr(team_class, "requests_per_symbol", team_api.ONE) == team_api.MANY)
+
+
 class OriginalStyleClient:
     """Presents a BaseInferenceClient to the runtime as a client that takes lists of requests a symbol."""
 

@@ -426,14 +426,11 @@ def refuse_unusable_options(parser, args, team_class):
     """Refuse, in the parser's one line, an option given that `team_class` cannot use (accepted, it was ignored
     without a word, or held the event loop): --max-requests-per-symbol above 1 for a class that takes one request
     of a symbol a step, --inline-steps on for one whose steps cannot run in the background."""
-    from client.original_team import BaseInferenceClient
+    from client.original_team import takes_several_requests
 
     name = (f"{os.path.join(args.team_dir, 'example_model.py')}'s ExampleModel" if args.team_dir is not None
             else team_class.__name__)
-    # the event's style takes lists through the adapter (client/original_team.py), whatever the class declares
-    one_a_symbol = (not issubclass(team_class, BaseInferenceClient)
-                    and getattr(team_class, "requests_per_symbol", team_api.ONE) == team_api.ONE)
-    if args.max_requests_per_symbol is not None and args.max_requests_per_symbol > 1 and one_a_symbol:
+    if (args.max_requests_per_symbol or 1) > 1 and not takes_several_requests(team_class):
         parser.error(f"--max-requests-per-symbol {args.max_requests_per_symbol}: {name} takes one request of a "
                      f"symbol a step (its requests_per_symbol, client/team_api.py); leave the option out")
     if args.inline_steps != "on":

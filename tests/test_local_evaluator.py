@@ -244,6 +244,30 @@ def test_a_tower_with_no_finite_prediction_is_null_in_the_json(tmp_path, capsys)
     assert summary["towers"]["xlstm"]["within_atol"] == 1.0
 
 
+ONE_A_SYMBOL = ("import numpy as np\n\n\nclass ExampleModel:\n    def __init__(self, engine):\n"
+                "        self.engine = engine\n\n"
+                "    def process_batch(self, requests_by_symbol):  # {symbol: (unique_id, features)}\n"
+                "        ids = [uid for uid, _ in requests_by_symbol.values()]\n"
+                "        return {'unique_ids': ids, 'predictions': np.zeros((len(ids), 4), np.float32)}\n")
+
+
+def test_k_above_one_for_a_class_taking_one_request_a_symbol_is_refused_before_the_model_loads(tmp_path, capsys):
+    """The replay gave such a class one request of a symbol a step whatever --max-requests-per-symbol said, unsaid
+    (the team client refuses the option at parse)."""
+    (tmp_path / "example_model.py").write_text(ONE_A_SYMBOL)
+    rc, _, err = run_main(capsys, "--symbols", 2, "--requests", 6, "--team-dir", tmp_path, "--device", "cpu",
+                          "--cache-dir", tmp_path / "cache", "--max-requests-per-symbol", 4)
+    assert rc == cli.EXIT_USAGE
+    assert err.strip().splitlines()[-1] == (
+        f"{le.PROG}: error: --max-requests-per-symbol 4: {tmp_path / 'example_model.py'}'s ExampleModel takes one "
+        f"request of a symbol a step (its requests_per_symbol, client/team_api.py); leave the option out")
+    assert "reference targets" not in err  # said before the model and the targets
+    # K 1, or none given, runs it: one request of a symbol a step
+    rc, _, err = run_main(capsys, "--symbols", 2, "--requests", 6, "--team-dir", tmp_path, "--device", "cpu",
+                          "--cache-dir", tmp_path / "cache", "--max-requests-per-symbol", 1)
+    assert rc == 0, err
+
+
 def test_replay_tells_after_each_step_how_many_requests_are_answered():
     answered = []
     stream = generate_stream(3, 30, seed=2)
