@@ -84,6 +84,8 @@ class OriginalStyleClient:
         self._uncollected = []  # _submit_batch's steps whose answers nobody has taken yet, oldest first
         if callable(getattr(team_client, "submit_batch", None)):
             self.submit_batch = self._submit_batch  # the runtime pipelines a client that has it
+        if callable(getattr(team_client, "release", None)) or callable(getattr(self.engine, "release", None)):
+            self.release = self._release  # the runtime's idle_timeout_s forgets through it, journaled
 
     @property
     def steps_in_background(self) -> bool:
@@ -94,6 +96,14 @@ class OriginalStyleClient:
     def engine(self):
         """The team code's engine (the evaluator closes it and reports a sharded engine's losses)."""
         return getattr(self.team_client, "engine", None)
+
+    def _release(self, symbols) -> None:
+        """Forget these symbols' states: the team code's release where it has one, else its engine's (the event's
+        base class has none), which forgets what the engine's own idle timeout would, between steps where a journal
+        can place it."""
+        with self._team_code:
+            own = getattr(self.team_client, "release", None)
+            (own if callable(own) else self.engine.release)(list(symbols))
 
     def process_batch(self, requests_by_symbol) -> dict:
         batch = pending_requests(requests_by_symbol)

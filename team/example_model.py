@@ -519,11 +519,12 @@ def _timeout_s(args) -> float:
 def _team_forgets_idle(args, team_class) -> bool:
     """Whether the team client forgets symbols idle for --idle-timeout (the runtime's idle_timeout_s) rather than
     its engine: with --journal, which then says where each was forgotten, so that a replay forgets it there too
-    (the engine's forgets fall between steps the journal cannot place); where the team class can (release)."""
+    (the engine's forgets fall inside steps, where the journal cannot place them); where the team class can (its
+    release, or in the event's style its engine's through the adapter)."""
     from client.original_team import BaseInferenceClient
 
     return (args.journal is not None and args.idle_timeout is not None
-            and callable(getattr(team_class, "release", None)) and not issubclass(team_class, BaseInferenceClient))
+            and (callable(getattr(team_class, "release", None)) or issubclass(team_class, BaseInferenceClient)))
 
 
 def build_engine(args, forgets_idle=True) -> tuple[Engine, str, str]:
@@ -642,6 +643,10 @@ async def play(args, stopped_by: list | None = None) -> tuple[dict, list[dict] |
     if team_forgets_idle:
         print(f"{PROG}: the team client forgets symbols idle {args.idle_timeout:g} s between steps, journaled",
               file=sys.stderr)
+    elif args.journal is not None and args.idle_timeout is not None:
+        print(f"{PROG}: the engine forgets symbols idle {args.idle_timeout:g} s inside its steps, where the journal "
+              f"cannot place them (a restart replays a forgotten symbol onto its old state): give the team class a "
+              f"release(symbols) to forget them between steps", file=sys.stderr)
     server = journal = None
     try:
         team_client = _team_client(team_class, engine, args.team_dir)  # before an embedded server computes targets

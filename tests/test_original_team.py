@@ -71,6 +71,36 @@ class Scripted(BaseInferenceClient):
         return self.response
 
 
+def test_the_adapter_forgets_a_symbol_through_the_team_codes_engine_or_its_own_release(model):
+    """--idle-timeout with --journal has the runtime forget idle symbols between steps, journaled, through the team
+    client's release: team code in the event's style has none, so its engine forgot them inside steps, where no
+    journal could place them, and a restart replayed a forgotten symbol onto its old state."""
+    features = np.random.default_rng(1).standard_normal((3, 79)).astype(np.float32)
+    client = original_team(ReferenceEngine(model))
+    client.process_batch({"A": [(0, features[0])], "B": [(1, features[1])]})
+    client.release(["A"])
+    after = client.process_batch({"A": [(2, features[2])]})
+    fresh = ReferenceEngine(model).step(["A"], features[[2]])[0]  # A afresh
+    np.testing.assert_array_equal(after["predictions"][0], fresh)
+    assert ReferenceEngine(model).step(["A"], features[[0]])[0].tolist() != fresh.tolist()  # not a step on from it
+
+    class OwnRelease(BaseInferenceClient):
+        def __init__(self, engine):
+            super().__init__(engine)
+            self.released = []
+
+        def process_batch(self, requests_by_symbol):
+            return InferenceResponse([], [])
+
+        def release(self, symbols):
+            self.released.append(symbols)
+
+    own = as_runtime_client(OwnRelease(ReferenceEngine(model)))
+    own.release(("A", "B"))
+    assert own.team_client.released == [["A", "B"]]
+    assert not hasattr(original_team(None), "release")  # nothing to forget through: the runtime refuses idle_timeout
+
+
 @pytest.mark.parametrize("response, message", [
     (InferenceResponse([1, 9], [[0.0] * 4, [0.0] * 4]), r"ids it was not given \[9\]"),
     (InferenceResponse([1, 1], [[0.0] * 4, [0.0] * 4]), r"answered twice \[1\]"),

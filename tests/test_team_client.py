@@ -776,7 +776,8 @@ def test_a_websocket_servers_own_timeout_wins_over_timeout_s():
 def test_with_a_journal_the_team_client_forgets_idle_symbols_not_its_engine(tmp_path):
     """--idle-timeout with --journal: the runtime has the team client forget idle symbols between steps, journaled
     (client/journal.py), and the engine forgets none of its own (the journal could not say where); a team class in
-    the event's style, which cannot forget a symbol, leaves it to the engine."""
+    the event's style through the adapter's release (its engine's), one of our style without release leaves it to
+    the engine."""
     from client.original_team import BaseInferenceClient
     from team.example_model import _team_forgets_idle, build_engine
 
@@ -790,7 +791,13 @@ def test_with_a_journal_the_team_client_forgets_idle_symbols_not_its_engine(tmp_
         def process_batch(self, requests):
             return []
 
-    assert not _team_forgets_idle(journaled, EventStyle)
+    assert _team_forgets_idle(journaled, EventStyle)
+
+    class CannotForget:
+        def process_batch(self, requests):
+            return {}
+
+    assert not _team_forgets_idle(journaled, CannotForget)
     engine = build_engine(journaled, forgets_idle=False)[0]
     try:
         assert engine.describe()["idle_timeout_s"] is None
