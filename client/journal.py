@@ -72,7 +72,7 @@ from client.engine.base import CapacityError
 from client.id_ranges import IdBits, IdRanges
 from client.runtime import CACHE_SIZE, REFUSALS_KEPT
 from client.scheduler import Request, Scheduler
-from client.state_checkpoints import CheckpointError, StateCheckpoints, as_json
+from client.state_checkpoints import CheckpointError, StateCheckpoints, as_json, sync_dir
 
 log = logging.getLogger(__name__)
 MAGIC = b"team-client journal 3\n"
@@ -271,14 +271,18 @@ class Journal:
             self.session_key = None
 
     def _start_afresh(self, session_key) -> None:
-        for part in self._parts():
-            os.remove(part[1])
+        # The new session's first segment replaces PATH whole before the old one's files go: killed in between, a
+        # restart reads the new session and passes over the old parts and states (another session's). Removed
+        # first, a kill left the old session's head segment without the parts before it, replayed as if whole.
         self._segments = []
         self.count = self.refused = self.forgotten = self.symbols = self.first = self.total = 0
         self._dirty.clear()
         self._exporting.clear()
         self.checkpoints_failed = False  # a state the old session's could not write stops no checkpoint of this one
-        self._open_segment(session_key, 0, os.O_TRUNC)
+        self._open_segment(session_key, 0, os.O_TRUNC, at=self.path + ".new")
+        os.replace(self.path + ".new", self.path)
+        for part in self._parts():
+            os.remove(part[1])
         states = self.path + ".states"
         if self.layout is not None:
             self.checkpoints = StateCheckpoints(states, session_key)
@@ -287,9 +291,10 @@ class Journal:
             self.checkpoints = None
             shutil.rmtree(states, ignore_errors=True)
 
-    def _open_segment(self, session_key, first, mode) -> None:
-        """Open PATH as a new segment whose first record is `first` (with `mode` O_TRUNC, or O_EXCL)."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | mode, 0o600)
+    def _open_segment(self, session_key, first, mode, at=None) -> None:
+        """Open PATH as a new segment whose first record is `first` (with `mode` O_TRUNC, or O_EXCL); `at`: the file
+        to write it in, renamed PATH by the caller."""
+        fd = os.open(at or self.path, os.O_WRONLY | os.O_CREAT | mode, 0o600)
         self._file = os.fdopen(fd, "wb", buffering=0)
         head = MAGIC + json.dumps({**self.identity, "session_key": session_key, "first": first}).encode() + b"\n"
         self._file.write(head)
@@ -463,6 +468,8 @@ class Journal:
         finally:
             for _, fd in segments:
                 os.close(fd)
+        if segments:  # and their names: a segment closed (renamed PATH.part<first>) and the next created since
+            sync_dir(os.path.dirname(os.path.abspath(self.path)))
 
     def _droppable(self) -> bool:
         """Whether the oldest closed segment can go: every record of it covered, and none among the last `keep`
@@ -519,6 +526,8 @@ class Journal:
         self._file, self.failed = None, True
         aside = self.path + ".incomplete"
         try:
+            if os.path.exists(self.path + ".new"):  # a new session's first segment, not begun
+                os.remove(self.path + ".new")
             for _, part in self._parts(aside):  # a journal set aside before: read with this one's, it mixed them
                 os.remove(part)
             for segment in self._segments:  # by their paths: the last one closed where the next could not be opened

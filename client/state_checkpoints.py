@@ -180,10 +180,11 @@ def _write_whole(path: Path, *parts) -> None:
     except OSError:  # a full disk: the part written (up to a state's size) is not left taking its room
         tmp.unlink(missing_ok=True)
         raise
-    _sync_dir(path.parent)
+    sync_dir(path.parent)
 
 
-def _sync_dir(directory) -> None:
+def sync_dir(directory) -> None:
+    """The folder's entries (files created, renamed, removed) on the disk."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

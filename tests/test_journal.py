@@ -406,7 +406,7 @@ def test_a_journal_that_cannot_be_begun_stops_journaling_and_the_session_plays_o
     real_open = os.open
 
     def full(name, flags, *args):
-        if str(name) == str(path) and flags & (os.O_CREAT | os.O_APPEND):
+        if str(name) in (str(path), f"{path}.new") and flags & (os.O_CREAT | os.O_APPEND):  # (.new: a new session's)
             raise OSError(28, "No space left on device")
         return real_open(name, flags, *args)
 
@@ -416,4 +416,4 @@ def test_a_journal_that_cannot_be_begun_stops_journaling_and_the_session_plays_o
     journal.append(rows(6)[3:])
     journal.close()
     assert journal.failed and "No space left on device" in caplog.text and "set aside as" in caplog.text
-    assert not path.exists() and (tmp_path / "j.incomplete").exists() == held
+    assert not path.exists() and not (tmp_path / "j.new").exists() and (tmp_path / "j.incomplete").exists() == held

@@ -773,3 +773,69 @@ def test_a_state_or_ids_write_that_fails_leaves_no_part_of_its_file(tmp_path, mo
         checkpoints.add_gone([1, 2, 3], [4])
     assert sorted(p.name for p in (tmp_path / "j.states").iterdir()) == ["layout.json"]
     assert checkpoints.covers == {}
+
+
+class Killed(BaseException):
+    """The process killed at this point (no handler of the journal's sees it)."""
+
+
+@pytest.mark.parametrize("at_removal", [1, 2])
+def test_a_kill_as_a_new_session_begins_reads_the_new_session_or_the_old_one_whole(tmp_path, monkeypatch, at_removal):
+    """A new session's begin() removed the old one's segments, then wrote PATH afresh: killed in between, PATH held the
+    old session's head segment without the records before it, and the restart stepped it onto fresh states (wrong,
+    and said right) or refused the journal. Now the new session's PATH is in place before anything old goes."""
+    import client.journal as journal_module
+
+    path = tmp_path / "j"
+    team = play(path, stream(60), keep=10**6)  # segments 0, 5, ..., 55: none let go
+    assert len(parts(path)) > 2
+    removals, remove = [], os.remove
+
+    def killed_at_a_removal(name):
+        removals.append(name)
+        if len(removals) == at_removal:
+            raise Killed
+        remove(name)
+
+    monkeypatch.setattr(journal_module.os, "remove", killed_at_a_removal)
+    journal = Journal(path, IDENTITY, layout=team.state_layout(), keep=10**6)
+    with pytest.raises(Killed):
+        journal.begin("another")
+    journal.close()
+    monkeypatch.setattr(journal_module.os, "remove", remove)
+    again = Journal(path, IDENTITY, layout=team.state_layout(), keep=10**6)
+    assert again.session_key == "another" and not again.replayable  # the old parts and states are another session's
+    again.begin("another")
+    again.append(stream(3))
+    again.close()
+    assert parts(path) == [] and Journal(path, IDENTITY, layout=team.state_layout()).count == 3
+
+
+def test_a_state_is_written_only_once_the_journals_renamed_segments_are_in_its_folder_on_the_disk(tmp_path,
+                                                                                                   monkeypatch):
+    """A closed segment is renamed PATH.part<first> and PATH created again: a crash of the machine before the folder's
+    entries reach the disk may lose the rename, and with it the records of the new PATH that a state covers."""
+    import client.journal as journal_module
+
+    folder, real_replace, real_fsync, write = tmp_path.stat().st_ino, os.replace, os.fsync, StateCheckpoints.write
+    unsynced = []  # renames in the journal's folder since it was last synced
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        if os.path.dirname(os.path.abspath(src)) == str(tmp_path):
+            unsynced.append(os.path.basename(dst))
+
+    def fsync(fd):
+        real_fsync(fd)
+        if os.fstat(fd).st_ino == folder:
+            unsynced.clear()
+
+    def checked_write(self, symbol, covers, state):
+        assert not unsynced, f"{unsynced} not in the folder on the disk"
+        write(self, symbol, covers, state)
+
+    monkeypatch.setattr(journal_module.os, "replace", replace)
+    monkeypatch.setattr(journal_module.os, "fsync", fsync)
+    monkeypatch.setattr(StateCheckpoints, "write", checked_write)
+    first = play(tmp_path / "j", stream(40))
+    assert first.states and Journal(tmp_path / "j", IDENTITY, layout=first.state_layout()).checkpoints.covers
