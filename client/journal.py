@@ -530,12 +530,15 @@ class Journal:
                 os.remove(self.path + ".new")
             for _, part in self._parts(aside):  # a journal set aside before: read with this one's, it mixed them
                 os.remove(part)
-            for segment in self._segments:  # by their paths: the last one closed where the next could not be opened
-                if segment.path != self.path:
-                    os.replace(segment.path, f"{aside}.part{segment.first}")
+            # The states first, then the segments oldest first, PATH last: killed at any point, a restart reads
+            # the whole journal without states (replayed from the start) or refuses one that lacks its first records.
+            # The segments first, it replayed the states and a journal short of its first segments, unsaid.
             if os.path.isdir(self.path + ".states"):
                 shutil.rmtree(aside + ".states", ignore_errors=True)
                 os.replace(self.path + ".states", aside + ".states")
+            for segment in self._segments:  # by their paths: the last one closed where the next could not be opened
+                if segment.path != self.path:
+                    os.replace(segment.path, f"{aside}.part{segment.first}")
             if os.path.exists(self.path):
                 os.replace(self.path, aside)
             where = f"set aside as {aside}; a restart begins a new journal"
