@@ -69,6 +69,7 @@ import numpy as np
 from client import team_api
 from client.constants import NUM_FEATURES, NUM_TOWERS
 from client.engine.base import CapacityError
+from client.engine.sharded import ShardLost
 from client.id_ranges import IdBits, IdRanges
 from client.runtime import CACHE_SIZE, REFUSALS_KEPT
 from client.scheduler import Request, Scheduler
@@ -87,6 +88,7 @@ _FORGOTTEN = 0xFFFE  # the symbol's length of a forgotten symbol's record: its l
 _FEATURE_BYTES = NUM_FEATURES * 4
 _PREDICTION_BYTES = NUM_TOWERS * 4
 REPLAY_ROWS = 4096  # requests a replay call hands the team client at most (the engine splits its own steps)
+RESTEPS = 3  # times a replay steps again the symbols whose shard was lost during it, before it gives up on them
 READ_BYTES = 1 << 24  # read and replayed this much of the file at a time (~45,000 requests)
 SEGMENT_BYTES = 256 << 20  # a segment closes past this (~730,000 requests, ~30 minutes at 400 requests/s)
 _NUMBER = re.compile(r"[0-9]+")
@@ -664,12 +666,23 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
     with a warning that names its symbols (their states miss it)."""
     per_symbol = team_api.max_per_symbol(team_client, max_per_symbol)
     replayed, began, said = Replayed(), time.monotonic(), time.monotonic()
+    losses = len(_losses(team_client))
     # the records each symbol's loaded state covers; the symbols whose states the team client holds now
     covers, held = _load_states(team_client, journal, replayed, keep_refused, progress)
     gone = replayed.count  # the ids of deleted segments: none of the journal's records, none replayed now
     steps, kept = deque(), 0  # (requests by id, [(unique_id, prediction)]) of the last steps: ~keep answers
     refusals, number = 0, journal.first
     lost, why = {}, None  # {symbol: requests the team client refused on replay}, the first refusal's reason
+    lost_states = {}  # {symbol: None} started afresh mid-replay (its shard lost, --on-shard-loss reset)
+
+    def started_afresh():
+        """Those of lost_states, and the symbols of the team client's engine's shards lost since, for a reset."""
+        nonlocal losses
+        lost = _losses(team_client)
+        lost_states.update(dict.fromkeys(symbol for loss in lost[losses:] if loss.get("policy") == "reset"
+                                         for symbol in loss.get("symbols", ())))
+        losses = len(lost)
+        return list(lost_states)
 
     def answered(by_id, answers):
         nonlocal kept
@@ -684,10 +697,9 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
     def step(scheduler):
         """Step every request queued, as the runtime's scheduler batches them."""
         nonlocal said, why
-        while len(scheduler):
-            batch = scheduler.next_batch(max_batch, per_symbol, rows_for=lambda rows, _: min(rows, REPLAY_ROWS))
-            answer = team_client.process_batch(team_api.batch_for(team_client, batch))
+        for batch, answer in _steps(team_client, scheduler, max_batch, per_symbol):
             by_id = {request.unique_id: request for request in batch}
+            lost_states.update(_restarted(answer, by_id))
             answered(by_id, [(uid, prediction) for uid, prediction in
                              zip(answer["unique_ids"], np.asarray(answer["predictions"], np.float32)) if uid in by_id])
             for uid, reason in (answer.get("errors") or {}).items():
@@ -726,6 +738,17 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
             answered({uid: request for uid, (request, _) in covered.items()},
                      [(uid, prediction) for uid, (_, prediction) in covered.items()])
         step(scheduler)
+    for _ in range(RESTEPS):  # their states missed the records before: each stepped again through all of its own
+        again = started_afresh()
+        if not again:
+            break
+        if progress is not None:
+            print(f"journal: stepping the records of {len(again):,} symbols again, started afresh mid-replay "
+                  f"(their shard lost)", file=progress)
+        lost_states = _restep(team_client, journal, again, covers, max_batch, per_symbol)
+    if started_afresh():
+        log.warning("journal %s: %d symbols were started afresh during the replay %d times (their shards lost): "
+                    "their states miss the records before", journal.path, len(lost_states), RESTEPS + 1)
     replayed.held = list(held)
     for by_id, answers in steps:
         for uid, prediction in answers:
@@ -742,6 +765,73 @@ def replay(team_client, journal: Journal, keep: int, max_batch=None, max_per_sym
                     "session (--state-memory, --host-symbols)", journal.path, sum(lost.values()), len(lost), named,
                     why)
     return replayed
+
+
+def _steps(team_client, scheduler, max_batch, per_symbol):
+    """Step every request queued, as the runtime's scheduler batches them: (batch, answer) of each step."""
+    while len(scheduler):
+        batch = scheduler.next_batch(max_batch, per_symbol, rows_for=lambda rows, _: min(rows, REPLAY_ROWS))
+        yield batch, team_client.process_batch(team_api.batch_for(team_client, batch))
+
+
+def _restarted(answer, by_id) -> dict:
+    """{symbol: None} of the requests of `by_id` whose states the team client started afresh with this step."""
+    return dict.fromkeys(by_id[uid].symbol for uid in answer.get("restarted") or () if uid in by_id)
+
+
+def _restep(team_client, journal: Journal, symbols, covers, max_batch, per_symbol) -> dict:
+    """Step `symbols` again from their checkpointed states (or afresh) through each of their records after them,
+    the answers already taken aside: the team client started them afresh mid-replay, and the records before are
+    missing from their states (no forget record can say where: the journal goes on at its end). Returns the symbols
+    started afresh again."""
+    for symbol in symbols:
+        _forget(team_client, journal, symbol)
+        state = _checkpointed(journal, symbol) if covers.get(symbol) else None
+        if state is not None:
+            _import(team_client, journal, symbol, state)
+    only, again, number = set(symbols), {}, journal.first
+
+    def step(scheduler):
+        for batch, answer in _steps(team_client, scheduler, max_batch, per_symbol):
+            again.update(_restarted(answer, {request.unique_id: request for request in batch}))
+
+    for chunk in journal.records():
+        scheduler = Scheduler()
+        for uid, symbol, features, _ in chunk:
+            number += 1
+            if symbol not in only or number - 1 < covers.get(symbol, 0):
+                continue
+            if uid is None:  # forgotten there
+                step(scheduler)
+                _forget(team_client, journal, symbol)
+            else:
+                scheduler.push(Request(uid, symbol, features))
+        step(scheduler)
+    return again
+
+
+def _losses(team_client) -> list:
+    """The losses of the team client's engine so far (client/engine/base.py: a sharded engine's shards lost)."""
+    return list(getattr(getattr(team_client, "engine", None), "losses", None) or ())
+
+
+def _import(team_client, journal: Journal, symbol, state) -> None:
+    """import_state, once more where the symbol's shard is lost under it (--on-shard-loss reset places it anew)."""
+    try:
+        team_client.import_state(symbol, state)
+    except ShardLost:
+        try:
+            team_client.import_state(symbol, state)
+        except ShardLost as exc:
+            raise JournalError(f"--journal {journal.path}: the state of {symbol} could not be loaded ({exc})") from None
+
+
+def _checkpointed(journal: Journal, symbol: str):
+    """The state checkpointed of `symbol` (a uint8 array, or None: none held), or JournalError in one line."""
+    try:
+        return journal.checkpoints.load(symbol)
+    except CheckpointError as exc:
+        raise JournalError(f"--journal {journal.path}: {exc}") from None
 
 
 def _forget(team_client, journal: Journal, symbol: str) -> None:
@@ -784,13 +874,10 @@ def _load_states(team_client, journal: Journal, replayed: Replayed, keep_refused
               f"({checkpoints.bytes / 2**30:.2f} GiB)", file=progress)
     held = {}
     for symbol in checkpoints.covers:
-        try:
-            state = checkpoints.load(symbol)
-        except CheckpointError as exc:
-            raise JournalError(f"--journal {journal.path}: {exc}") from None
+        state = _checkpointed(journal, symbol)
         if state is not None:
             try:
-                team_client.import_state(symbol, state)
+                _import(team_client, journal, symbol, state)
             except CapacityError as exc:  # (its records covered may be gone: they cannot be stepped instead)
                 raise JournalError(f"--journal {journal.path}: the states checkpointed of "
                                    f"{len(checkpoints.covers):,} symbols do not fit this engine's tiers ({exc}): "

@@ -892,3 +892,52 @@ def test_a_kill_while_a_journal_is_set_aside_leaves_it_whole_or_refused(tmp_path
         assert again.states.keys() == straight.states.keys(), kill_at
         assert all(np.array_equal(again.states[s], straight.states[s]) for s in straight.states), kill_at
     assert kill_at > 2
+
+
+@pytest.mark.parametrize("lost_at", ["step", "import"])
+def test_a_shard_lost_during_a_replay_has_its_symbols_stepped_again_through_their_records(tmp_path, lost_at):
+    """--on-shard-loss reset: a shard lost mid-replay starts its symbols afresh on another, and the replay stepped
+    their later records onto those fresh states: they missed every record before, and no forget record could say
+    where (the journal goes on at its end); one lost as the states loaded ended the replay (ShardLost). Now the
+    replay steps those symbols again from their checkpointed states through each of their records, and ends with
+    every state the one the journal's history gives."""
+    from client.engine.reference import ReferenceEngine
+    from client.engine.sharded import ShardedEngine
+    from client.model import load_model
+    from shard_checks import LosableHere
+    from team.example_model import ExampleModel
+
+    model = load_model("tiny", seed=3)[0]
+    requests = stream(90, symbols=6)
+    # three symbols never checkpointed (busy): their records are replayed from the first, the others' from states
+    played = play(tmp_path / "j", requests, busy={"SYM_000", "SYM_001", "SYM_002"},
+                  team=ExampleModel(ReferenceEngine(model, device="cpu")))
+
+    class Lost(LosableHere):
+        steps = 0
+
+        def submit(self, symbols, features):  # at its third step
+            self.steps += 1
+            self.lost = self.lost or (lost_at == "step" and self.steps == 3)
+            return super().submit(symbols, features)
+
+        def import_state(self, symbol, data):  # at its first state
+            self.lost = self.lost or lost_at == "import"
+            return super().import_state(symbol, data)
+
+    engine = ShardedEngine([Lost(ReferenceEngine(model, device="cpu"), 0),
+                            LosableHere(ReferenceEngine(model, device="cpu"), 1)], progress=False,
+                           on_shard_loss="reset")
+    try:
+        again = ExampleModel(engine)
+        journal = Journal(tmp_path / "j", IDENTITY, layout=again.state_layout(), keep=3)
+        assert len(journal.checkpoints.covers) == 3
+        replay(again, journal, keep=3, progress=None)
+        [loss] = engine.losses
+        assert lost_at == "import" or {"SYM_000", "SYM_001", "SYM_002"} & set(loss["symbols"]), loss["symbols"]
+        for symbol in sorted({symbol for _, symbol, _ in requests}):
+            np.testing.assert_allclose(np.frombuffer(again.export_state(symbol).result(), np.float32),
+                                       np.frombuffer(played.export_state(symbol).result(), np.float32),
+                                       rtol=1e-4, atol=2e-5, err_msg=symbol)
+    finally:
+        engine.close()
