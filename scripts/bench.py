@@ -196,6 +196,10 @@ def parse_args(argv=None):
             parser.error(f"{option} {folder}: cannot write in it: {exc.strerror or exc}")
     if args.cluster is None and (args.ray_address or args.shards):
         parser.error("--ray-address and --shards apply with --cluster ray")
+    sharding = [f"--{name.replace('_', '-')}" for name in ("cluster", "on_shard_loss", "shard_timeout_s")
+                if getattr(args, name) is not None]
+    if sharding and "shards" not in args.sections:  # else accepted, and no section of the run used them
+        parser.error(f"{', '.join(sharding)}: for the shards section, which --sections leaves out")
     if args.cluster == "ray":  # said now, not as a traceback in the shards section's log, the run exiting 0
         from client.engine.shard_ray import import_ray
         try:

@@ -207,6 +207,10 @@ def test_reference_tracker_continues_states_across_streams():
     # the accuracy section ran nothing and said nothing: the backlog run is for K above 1
     (["--accuracy-backlog-only", "--max-requests-per-symbol", "1"], "--accuracy-backlog-only: the suite's run with a "
                                                                     "backlog of K = --max-requests-per-symbol"),
+    # only the shards section shards: accepted, and no section of the run used them
+    (["--sections", "step,e2e", "--on-shard-loss", "reset", "--shard-timeout-s", "5"],
+     "--on-shard-loss, --shard-timeout-s: for the shards section, which --sections leaves out"),
+    (["--sections", "maxrate", "--cluster", "ray"], "--cluster: for the shards section, which --sections leaves out"),
 ])
 def test_bad_options_are_refused(argv, message, usage_error):
     assert message in usage_error(_load_bench().parse_args, ["--device", "cpu", *argv])
