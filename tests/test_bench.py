@@ -45,7 +45,9 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
                            "--state-dtypes", "fp32;fp16", "--json", str(out), "--log-dir", str(tmp_path / "logs"),
                            "--stacks", str(tmp_path / "stacks"), "--swap-runs", "2", "--late-after-ms", "6,0",
                            "--form-margin-ms", "0.5", "--punctual-late-after-ms", "0", "--join", "on,off",
-                           "--e2e-runs", "1"],  # one e2e run and floor round, however many the options take
+                           "--e2e-runs", "1",  # one e2e run and floor round, however many the options take
+                           # the GPU counts' and K's last only (CI's time): 2 process shards, 2 requests a symbol
+                           "--gpus", "2", "--max-requests-per-symbol", "2"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env=checkout_env(REPO))  # this checkout's packages, not an installed one
     assert done.returncode == 0, done.stderr[-4000:]
@@ -102,7 +104,9 @@ def test_quick_cpu_run_writes_every_key(tmp_path):
     assert all(isinstance(run["late_wakes"], int) and run["late_wakes"] >= 0 and run["latest_wake_ms"] >= 0
                for run in data["swap_runs"])
     assert swap == data["swap_runs"][0]
-    assert set(data["gpus"]) == {"1", "2"} and set(data["shards"]) == {"1", "2"}
+    assert set(data["gpus"]) == set(data["shards"]) == {"2"} and set(data["backlog"]) == {"k2", "k1"}
+    assert {row["symbols"] for row in data["step_rows_ms"].values()} == {1, 20, 64}
+    assert {row["rows"] // row["symbols"] for row in data["step_rows_ms"].values()} == {1, 2}
     e2e = data["e2e_400rps_20sym"]
     assert all(_finite(e2e[key]) for key in ("p50_ms", "p99_ms", "accuracy", "responses_per_s"))
     # the served states continue from the reference's: every answered request is judged correct
@@ -211,6 +215,7 @@ def test_reference_tracker_continues_states_across_streams():
     (["--sections", "step,e2e", "--on-shard-loss", "reset", "--shard-timeout-s", "5"],
      "--on-shard-loss, --shard-timeout-s: for the shards section, which --sections leaves out"),
     (["--sections", "maxrate", "--cluster", "ray"], "--cluster: for the shards section, which --sections leaves out"),
+    (["--shards", "2"], "--ray-address and --shards apply with --cluster ray"),
 ])
 def test_bad_options_are_refused(argv, message, usage_error):
     assert message in usage_error(_load_bench().parse_args, ["--device", "cpu", *argv])
