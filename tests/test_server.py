@@ -903,6 +903,7 @@ def test_leaderboard_over_http_on_the_same_port():
             with pytest.raises(urllib.error.HTTPError, match="404") as not_found:  # says the path, as sent
                 await asyncio.to_thread(get, "/%3Cscript%3E")
             headers.append(not_found.value.headers)
+            not_found.value.close()  # its connection: held open, the server's stop waited ~10 s for it
             await ws.close()
             await player
             return page, scores, headers
